@@ -1,0 +1,496 @@
+# cython: language_level=3
+"""The compiled token step of Colibri.
+
+Design
+------
+`Engine` holds raw pointers into the mapped weight files (never copies of them), the KV cache and
+one scratch arena, all sized once from the config. `Engine.run()` pushes tokens through
+`token_step()` without the GIL; `token_step()` is the whole model in one screen:
+
+    embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
+          -> final_norm -> lm_head
+
+Architectures differ only by flags in `Hyper` and by which per-layer pointers are NULL (biases,
+q/k norms, shared expert): one parameterised block, no per-architecture code paths. Kernels are
+the C functions of csrc/ (scalar reference for now). A non-zero status from the step (non-finite
+router logits or logits: a damaged model) is turned into an exception by the Python layer.
+"""
+
+from libc.stdint cimport uintptr_t, uint16_t, int64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset, memcpy
+from libc.math cimport expf
+
+import numpy as np
+
+cdef extern from "kernels_scalar.h" nogil:
+    int CB_F32, CB_F16, CB_BF16
+    void cb_init_tables()
+    float cb_f16_to_f32_exact(uint16_t h)
+    float cb_bf16_to_f32(uint16_t h)
+    void cb_matvec(float *out, const void *w, int dtype, const float *x, int rows, int cols,
+                   int n_threads)
+    void cb_dequant_row(float *out, const void *w, int dtype, int row, int cols)
+    void cb_rmsnorm(float *out, const float *x, const float *weight, int n, float eps)
+    void cb_add(float *acc, const float *x, int n)
+    void cb_axpy(float *acc, float a, const float *x, int n)
+    void cb_clip(float *x, float limit, int n)
+    void cb_swiglu(float *gate, const float *up, int n)
+    int cb_softmax(float *x, int n)
+    void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, const float *sin_t)
+    void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
+                      float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
+                      int start, int pos, int n_threads)
+    int cb_all_finite(const float *x, int n)
+
+cdef extern from "routing.h" nogil:
+    int cb_route(float *logits, int n_experts, int k, int norm_topk_prob, int *chosen,
+                 float *weights)
+
+cb_init_tables()
+
+# Step status codes, read by model.py.
+cpdef enum:
+    STATUS_OK = 0
+    STATUS_BAD_ROUTER = 1
+    STATUS_BAD_LOGITS = 2
+    STATUS_BAD_HIDDEN = 3
+
+# q/k norm modes (config.QK_NORM_MODES maps the names to these codes).
+cpdef enum:
+    QK_NORM_NONE = 0
+    QK_NORM_PER_HEAD = 1     # Qwen3-MoE: RMSNorm over each head's head_dim values
+    QK_NORM_WHOLE = 2        # OLMoE: RMSNorm over the whole projected q (k) vector
+
+
+cdef struct Mat:
+    const void *data      # [rows, cols] row-major, `dtype` elements
+    int dtype
+    int rows
+    int cols
+
+cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
+    Mat gate              # [d_ff, d_model]
+    Mat up                # [d_ff, d_model]
+    Mat down              # [d_model, d_ff]
+
+cdef struct Layer:
+    const float *attn_norm    # [d_model]
+    Mat wq                    # [n_heads * head_dim, d_model]
+    Mat wk                    # [n_kv_heads * head_dim, d_model]
+    Mat wv                    # [n_kv_heads * head_dim, d_model]
+    Mat wo                    # [d_model, n_heads * head_dim]
+    const float *bq           # [n_heads * head_dim] or NULL
+    const float *bk           # [n_kv_heads * head_dim] or NULL
+    const float *bv           # [n_kv_heads * head_dim] or NULL
+    const float *bo           # [d_model] or NULL
+    const float *q_norm       # [head_dim] (per head) or [n_heads * head_dim] (whole) or NULL
+    const float *k_norm       # [head_dim] or [n_kv_heads * head_dim] or NULL
+    const float *ffn_norm     # [d_model]
+    int sliding_window        # 0: attend to every earlier position
+    int is_moe
+    Mat router                # [n_experts, d_model] f32 (MoE layers)
+    FFN *experts              # [n_experts] (MoE layers)
+    int has_shared
+    FFN shared                # the shared expert (Qwen2-MoE)
+    const float *shared_gate  # [d_model]: sigmoid(shared_gate . x) scales the shared expert
+    FFN dense                 # the dense MLP (non-MoE layers)
+    float *k_cache            # [n_ctx, n_kv_heads * head_dim]
+    float *v_cache            # [n_ctx, n_kv_heads * head_dim]
+
+cdef struct Hyper:
+    int d_model
+    int n_layers
+    int n_heads
+    int n_kv_heads
+    int head_dim
+    int vocab
+    int n_experts
+    int top_k
+    int norm_topk_prob
+    int qk_norm
+    float clip_qkv            # 0: no clipping
+    float rms_eps
+    int n_ctx
+    int n_threads
+
+cdef struct Scratch:
+    float *x          # [d_model] the residual stream
+    float *xb         # [d_model] normed input of a block
+    float *xb2        # [d_model] output of a block
+    float *q          # [n_heads * head_dim]
+    float *att        # [n_heads * head_dim] attention output before wo
+    float *scores     # [n_heads, n_ctx]
+    float *hb         # [max_ff] FFN hidden (gate, then activation)
+    float *hb2        # [max_ff] FFN hidden (up)
+    float *moe_acc    # [d_model]
+    float *router     # [n_experts] router logits, then probabilities
+    float *logits     # [vocab]
+    const float *rope_cos   # [n_ctx, head_dim / 2]
+    const float *rope_sin   # [n_ctx, head_dim / 2]
+    int *chosen       # [n_layers, top_k] experts chosen at the last step (for --verbose)
+    float *chosen_w   # [n_layers, top_k] their weights
+    int64_t *counts   # [n_layers, n_experts] how often each expert was chosen
+    int bad_layer     # the layer of a bad router status
+
+
+# ---- the blocks of the token step -----------------------------------------------------------
+
+cdef inline void matvec(float *out, const Mat *m, const float *x, int n_threads) noexcept nogil:
+    cb_matvec(out, m.data, m.dtype, x, m.rows, m.cols, n_threads)
+
+
+cdef void ffn(const FFN *f, const float *x, float *out, Scratch *s, int n_threads) noexcept nogil:
+    """out[d_model] = down(silu(gate x) * up x)."""
+    matvec(s.hb, &f.gate, x, n_threads)
+    matvec(s.hb2, &f.up, x, n_threads)
+    cb_swiglu(s.hb, s.hb2, f.gate.rows)
+    matvec(out, &f.down, s.hb, n_threads)
+
+
+cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
+    """s.xb2 = self-attention of s.xb at position `pos`; appends this position's k, v to the cache."""
+    cdef int q_dim = h.n_heads * h.head_dim
+    cdef int kv_dim = h.n_kv_heads * h.head_dim
+    cdef float *k = L.k_cache + <size_t>pos * kv_dim      # written in place in the cache
+    cdef float *v = L.v_cache + <size_t>pos * kv_dim
+    cdef int i
+    # projections (+ biases)
+    matvec(s.q, &L.wq, s.xb, h.n_threads)
+    matvec(k, &L.wk, s.xb, h.n_threads)
+    matvec(v, &L.wv, s.xb, h.n_threads)
+    if L.bq != NULL:
+        cb_add(s.q, L.bq, q_dim)
+        cb_add(k, L.bk, kv_dim)
+        cb_add(v, L.bv, kv_dim)
+    # q/k norms
+    if h.qk_norm == QK_NORM_PER_HEAD:
+        for i in range(h.n_heads):
+            cb_rmsnorm(s.q + i * h.head_dim, s.q + i * h.head_dim, L.q_norm, h.head_dim, h.rms_eps)
+        for i in range(h.n_kv_heads):
+            cb_rmsnorm(k + i * h.head_dim, k + i * h.head_dim, L.k_norm, h.head_dim, h.rms_eps)
+    elif h.qk_norm == QK_NORM_WHOLE:
+        cb_rmsnorm(s.q, s.q, L.q_norm, q_dim, h.rms_eps)
+        cb_rmsnorm(k, k, L.k_norm, kv_dim, h.rms_eps)
+    # OLMoE's clip_qkv
+    if h.clip_qkv > 0:
+        cb_clip(s.q, h.clip_qkv, q_dim)
+        cb_clip(k, h.clip_qkv, kv_dim)
+        cb_clip(v, h.clip_qkv, kv_dim)
+    # rotary position embedding
+    cdef const float *cos_t = s.rope_cos + <size_t>pos * (h.head_dim // 2)
+    cdef const float *sin_t = s.rope_sin + <size_t>pos * (h.head_dim // 2)
+    cb_rope(s.q, h.n_heads, h.head_dim, cos_t, sin_t)
+    cb_rope(k, h.n_kv_heads, h.head_dim, cos_t, sin_t)
+    # scores over the cache, softmax, weighted values
+    cdef int start = 0
+    if L.sliding_window > 0 and pos - L.sliding_window + 1 > 0:
+        start = pos - L.sliding_window + 1
+    cb_attention(s.att, s.q, L.k_cache, L.v_cache, s.scores, h.n_heads, h.n_kv_heads,
+                 h.head_dim, h.n_ctx, start, pos, h.n_threads)
+    # output projection
+    matvec(s.xb2, &L.wo, s.att, h.n_threads)
+    if L.bo != NULL:
+        cb_add(s.xb2, L.bo, h.d_model)
+
+
+cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
+    """s.xb2 = sum over the chosen experts of weight * expert(s.xb) (+ gated shared expert)."""
+    cdef int *chosen = s.chosen + layer * h.top_k
+    cdef float *weights = s.chosen_w + layer * h.top_k
+    cdef int j, e
+    # router: float logits -> top-k experts and their weights
+    matvec(s.router, &L.router, s.xb, h.n_threads)
+    if cb_route(s.router, h.n_experts, h.top_k, h.norm_topk_prob, chosen, weights) != 0:
+        s.bad_layer = layer
+        return STATUS_BAD_ROUTER
+    # experts, accumulated in ascending expert index (the reference's summation order)
+    memset(s.xb2, 0, sizeof(float) * h.d_model)
+    for e in range(h.n_experts):
+        for j in range(h.top_k):
+            if chosen[j] == e:
+                s.counts[layer * h.n_experts + e] += 1
+                ffn(&L.experts[e], s.xb, s.moe_acc, s, h.n_threads)
+                cb_axpy(s.xb2, weights[j], s.moe_acc, h.d_model)
+    # shared expert, scaled by a sigmoid gate
+    cdef float g
+    if L.has_shared:
+        ffn(&L.shared, s.xb, s.moe_acc, s, h.n_threads)
+        g = 0
+        for j in range(h.d_model):
+            g += L.shared_gate[j] * s.xb[j]
+        cb_axpy(s.xb2, 1.0 / (1.0 + expf(-g)), s.moe_acc, h.d_model)
+    return STATUS_OK
+
+
+cdef int token_step(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
+                    const Mat *lm_head, Scratch *s, int token, int pos,
+                    int want_logits) noexcept nogil:
+    """Run one token at position `pos` through the model; s.logits holds its logits."""
+    cdef int l, status
+    cdef Layer *L
+    cb_dequant_row(s.x, embedding.data, embedding.dtype, token, h.d_model)
+    for l in range(h.n_layers):
+        L = &layers[l]
+        cb_rmsnorm(s.xb, s.x, L.attn_norm, h.d_model, h.rms_eps)   # attention block
+        attention(h, L, s, pos)
+        cb_add(s.x, s.xb2, h.d_model)
+        cb_rmsnorm(s.xb, s.x, L.ffn_norm, h.d_model, h.rms_eps)    # feed-forward block
+        if L.is_moe:
+            status = moe(h, L, s, l)
+            if status != STATUS_OK:
+                return status
+        else:
+            ffn(&L.dense, s.xb, s.xb2, s, h.n_threads)
+        cb_add(s.x, s.xb2, h.d_model)
+    if not want_logits:
+        return STATUS_OK if cb_all_finite(s.x, h.d_model) else STATUS_BAD_HIDDEN
+    cb_rmsnorm(s.x, s.x, final_norm, h.d_model, h.rms_eps)        # head
+    matvec(s.logits, lm_head, s.x, h.n_threads)
+    return STATUS_OK if cb_all_finite(s.logits, h.vocab) else STATUS_BAD_LOGITS
+
+
+# ---- the Python-facing engine ---------------------------------------------------------------
+
+DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16}
+
+
+cdef class Engine:
+    """Owns the per-layer pointer table, the KV cache and the scratch arena of one model.
+
+    `tensors` maps tensor names of the model directory (see modeldir.py) to
+    (address, dtype name, shape) of weights that stay mapped for the Engine's lifetime: the
+    caller (model.Model) owns the mappings and keeps them alive.
+    """
+    cdef Hyper h
+    cdef Layer *layers          # [n_layers]
+    cdef FFN *experts           # [n_layers * n_experts]
+    cdef Mat embedding          # [vocab, d_model]
+    cdef Mat lm_head            # [vocab, d_model] (the embedding when tied)
+    cdef const float *final_norm  # [d_model]
+    cdef Scratch s
+    cdef object _keep           # numpy arrays backing the scratch arena, KV cache and tables
+    cdef public object logits   # np.ndarray float32 [vocab], a view of the scratch logits
+    cdef public object chosen   # np.ndarray int32 [n_layers, top_k]
+    cdef public object chosen_weights  # np.ndarray float32 [n_layers, top_k]
+    cdef public object expert_counts   # np.ndarray int64 [n_layers, n_experts]
+
+    def __cinit__(self):
+        self.layers = NULL
+        self.experts = NULL
+
+    def __init__(self, dict hp, dict tensors, list layer_flags, rope_cos, rope_sin, int n_threads):
+        cdef int d = hp["hidden_size"]
+        cdef int n_layers = hp["num_hidden_layers"]
+        cdef int n_experts = max(hp["num_experts"], 1)
+        cdef int top_k = max(hp["num_experts_per_tok"], 1)
+        cdef int n_ctx = hp["n_ctx"]
+        self.h.d_model = d
+        self.h.n_layers = n_layers
+        self.h.n_heads = hp["num_attention_heads"]
+        self.h.n_kv_heads = hp["num_key_value_heads"]
+        self.h.head_dim = hp["head_dim"]
+        self.h.vocab = hp["vocab_size"]
+        self.h.n_experts = n_experts
+        self.h.top_k = top_k
+        self.h.norm_topk_prob = 1 if hp["norm_topk_prob"] else 0
+        self.h.qk_norm = hp["qk_norm_mode"]
+        self.h.clip_qkv = hp["clip_qkv"] or 0.0
+        self.h.rms_eps = hp["rms_norm_eps"]
+        self.h.n_ctx = n_ctx
+        self.h.n_threads = max(n_threads, 1)
+
+        cdef int q_dim = self.h.n_heads * self.h.head_dim
+        cdef int kv_dim = self.h.n_kv_heads * self.h.head_dim
+        max_ff = max([1] + [f["d_ff"] for f in layer_flags])
+        f32 = np.float32
+        keep = {
+            "x": np.zeros(d, f32), "xb": np.zeros(d, f32), "xb2": np.zeros(d, f32),
+            "q": np.zeros(q_dim, f32), "att": np.zeros(q_dim, f32),
+            "scores": np.zeros((self.h.n_heads, n_ctx), f32),
+            "hb": np.zeros(max_ff, f32), "hb2": np.zeros(max_ff, f32), "moe_acc": np.zeros(d, f32),
+            "router": np.zeros(n_experts, f32), "logits": np.zeros(self.h.vocab, f32),
+            "rope_cos": np.ascontiguousarray(rope_cos, f32),
+            "rope_sin": np.ascontiguousarray(rope_sin, f32),
+            "chosen": np.zeros((n_layers, top_k), np.int32),
+            "chosen_w": np.zeros((n_layers, top_k), f32),
+            "counts": np.zeros((n_layers, n_experts), np.int64),
+            # KV cache: zero pages are only touched (made resident) as positions are filled.
+            "k_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
+            "v_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
+        }
+        assert keep["rope_cos"].shape == (n_ctx, self.h.head_dim // 2)
+        self._keep = keep
+        self.s.x = _f32(keep["x"]); self.s.xb = _f32(keep["xb"]); self.s.xb2 = _f32(keep["xb2"])
+        self.s.q = _f32(keep["q"]); self.s.att = _f32(keep["att"])
+        self.s.scores = _f32(keep["scores"])
+        self.s.hb = _f32(keep["hb"]); self.s.hb2 = _f32(keep["hb2"])
+        self.s.moe_acc = _f32(keep["moe_acc"]); self.s.router = _f32(keep["router"])
+        self.s.logits = _f32(keep["logits"])
+        self.s.rope_cos = _f32(keep["rope_cos"]); self.s.rope_sin = _f32(keep["rope_sin"])
+        self.s.chosen = <int *><uintptr_t>keep["chosen"].ctypes.data
+        self.s.chosen_w = _f32(keep["chosen_w"])
+        self.s.counts = <int64_t *><uintptr_t>keep["counts"].ctypes.data
+        self.logits = keep["logits"]
+        self.chosen = keep["chosen"]
+        self.chosen_weights = keep["chosen_w"]
+        self.expert_counts = keep["counts"]
+
+        self.embedding = _mat(tensors["embedding"])
+        self.lm_head = _mat(tensors["lm_head"] if "lm_head" in tensors else tensors["embedding"])
+        self.final_norm = _vec(tensors, "final_norm")
+
+        self.layers = <Layer *>calloc(n_layers, sizeof(Layer))
+        self.experts = <FFN *>calloc(n_layers * n_experts, sizeof(FFN))
+        if self.layers == NULL or self.experts == NULL:
+            raise MemoryError("cannot allocate the layer table")
+        cdef Layer *L
+        cdef int l, e
+        cdef float *kc = _f32(keep["k_cache"])
+        cdef float *vc = _f32(keep["v_cache"])
+        for l in range(n_layers):
+            L = &self.layers[l]
+            p = f"layers.{l}."
+            flags = layer_flags[l]
+            L.attn_norm = _vec(tensors, p + "attn_norm")
+            L.ffn_norm = _vec(tensors, p + "ffn_norm")
+            L.wq = _mat(tensors[p + "wq"]); L.wk = _mat(tensors[p + "wk"])
+            L.wv = _mat(tensors[p + "wv"]); L.wo = _mat(tensors[p + "wo"])
+            L.bq = _vec(tensors, p + "bq"); L.bk = _vec(tensors, p + "bk")
+            L.bv = _vec(tensors, p + "bv"); L.bo = _vec(tensors, p + "bo")
+            L.q_norm = _vec(tensors, p + "q_norm"); L.k_norm = _vec(tensors, p + "k_norm")
+            L.sliding_window = flags["sliding_window"]
+            L.is_moe = 1 if flags["moe"] else 0
+            L.k_cache = kc + <size_t>l * n_ctx * kv_dim
+            L.v_cache = vc + <size_t>l * n_ctx * kv_dim
+            if L.is_moe:
+                L.router = _mat(tensors[p + "router"])
+                if L.router.dtype != CB_F32:
+                    raise ValueError(f"tensor {p}router must be f32")
+                L.experts = self.experts + l * n_experts
+                for e in range(hp["num_experts"]):
+                    L.experts[e] = _ffn(tensors, f"{p}experts.{e}.")
+                L.has_shared = 1 if (p + "shared.gate") in tensors else 0
+                if L.has_shared:
+                    L.shared = _ffn(tensors, p + "shared.")
+                    L.shared_gate = _vec(tensors, p + "shared_gate")
+            else:
+                L.dense = _ffn(tensors, p + "mlp.")
+
+    def __dealloc__(self):
+        free(self.layers)
+        free(self.experts)
+
+    def reset(self):
+        """Forget the context (the KV cache is overwritten position by position, so nothing to clear)."""
+        self.expert_counts[...] = 0
+
+    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits):
+        """Push tokens[0..T) through the model at positions pos0.. .
+
+        all_logits: logits_out is [T, vocab] and receives every position's logits;
+        otherwise logits_out is [1, vocab] and receives only the last one (the lm_head is skipped
+        for the others). Returns (status, token index of a failure, layer of a bad router).
+        """
+        cdef int t, status = STATUS_OK
+        cdef int T = tokens.shape[0]
+        cdef int want
+        if pos0 < 0 or pos0 + T > self.h.n_ctx:
+            raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.h.n_ctx}")
+        for t in range(T):
+            if tokens[t] < 0 or tokens[t] >= self.h.vocab:
+                raise ValueError(f"token id {tokens[t]} is outside the vocabulary [0, {self.h.vocab})")
+        with nogil:
+            for t in range(T):
+                want = 1 if (all_logits or t == T - 1) else 0
+                status = token_step(&self.h, self.layers, &self.embedding, self.final_norm,
+                                    &self.lm_head, &self.s, tokens[t], pos0 + t, want)
+                if status != STATUS_OK:
+                    break
+                if all_logits:
+                    memcpy(&logits_out[t, 0], self.s.logits, sizeof(float) * self.h.vocab)
+                elif want:
+                    memcpy(&logits_out[0, 0], self.s.logits, sizeof(float) * self.h.vocab)
+        return status, t, self.s.bad_layer
+
+    @property
+    def n_ctx(self):
+        return self.h.n_ctx
+
+
+cdef inline float *_f32(a):
+    return <float *><uintptr_t>a.ctypes.data
+
+
+cdef Mat _mat(tuple t):
+    """(address, dtype name, shape) -> Mat."""
+    cdef Mat m
+    addr, dtype, shape = t
+    m.data = <const void *><uintptr_t>addr
+    m.dtype = DTYPE_CODES[dtype]
+    m.rows = shape[0]
+    m.cols = shape[1]
+    return m
+
+
+cdef const float *_vec(dict tensors, str name):
+    """A float32 vector by name, or NULL when the model has no such tensor."""
+    t = tensors.get(name)
+    if t is None:
+        return NULL
+    if t[1] != "f32":
+        raise ValueError(f"tensor {name} must be f32, got {t[1]}")
+    return <const float *><uintptr_t>t[0]
+
+
+cdef FFN _ffn(dict tensors, str prefix):
+    cdef FFN f
+    f.gate = _mat(tensors[prefix + "gate"])
+    f.up = _mat(tensors[prefix + "up"])
+    f.down = _mat(tensors[prefix + "down"])
+    return f
+
+
+# ---- thin wrappers over the kernels, for the tests ------------------------------------------
+
+def kernel_f16_to_f32(uint16_t h):
+    return cb_f16_to_f32_exact(h)
+
+
+def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1):
+    """W @ x with W a C-contiguous [rows, cols] array of the storage dtype (uint16 for f16/bf16)."""
+    w = np.ascontiguousarray(w)
+    out = np.zeros(w.shape[0], np.float32)
+    cdef float[::1] o = out
+    if w.shape[1] != x.shape[0]:
+        raise ValueError("shape mismatch")
+    cb_matvec(&o[0], <const void *><uintptr_t>w.ctypes.data, DTYPE_CODES[dtype], &x[0],
+              w.shape[0], w.shape[1], n_threads)
+    return out
+
+
+def kernel_route(const float[::1] logits, int k, bint norm_topk_prob):
+    """(chosen expert indices int32 [k], weights float32 [k]) or ValueError for non-finite logits."""
+    buf = np.array(logits, np.float32)
+    chosen = np.zeros(k, np.int32)
+    weights = np.zeros(k, np.float32)
+    cdef float[::1] b = buf
+    cdef int[::1] c = chosen
+    cdef float[::1] w = weights
+    if k < 1 or k > b.shape[0]:
+        raise ValueError(f"k={k} must be in 1..{b.shape[0]}")
+    if cb_route(&b[0], b.shape[0], k, norm_topk_prob, &c[0], &w[0]) != 0:
+        raise ValueError("router logits are not finite")
+    return chosen, weights
+
+
+def kernel_rmsnorm(const float[::1] x, weight, float eps):
+    out = np.zeros(x.shape[0], np.float32)
+    cdef float[::1] o = out
+    cdef const float[::1] wv
+    if weight is None:
+        cb_rmsnorm(&o[0], &x[0], NULL, x.shape[0], eps)
+    else:
+        wv = np.ascontiguousarray(weight, np.float32)
+        cb_rmsnorm(&o[0], &x[0], &wv[0], x.shape[0], eps)
+    return out

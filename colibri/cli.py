@@ -1,0 +1,225 @@
+"""`python -m colibri`: run, convert, info, verify.
+
+Every mistake a user can make ends as one line on stderr and exit status 2 (1 for a failed
+`verify`, 130 for Ctrl-C); never a traceback. The spellings of the original C engine
+(`--model_dir`, `--max_new_tokens`, `--hf_dir`, `--output_dir`) are accepted as aliases.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .errors import ColibriError
+
+DEMO_DIR = Path(__file__).parent / "data" / "demo"
+EXIT_USAGE = 2
+EXIT_VERIFY_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):           # one line, not usage + message
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _token_list(text):
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--tokens is empty")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="colibri", description="CPU inference for Mixture-of-Experts language models")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="generate from a prompt or from token ids")
+    run.add_argument("--model-dir", "--model_dir", dest="model_dir",
+                     help="a converted model directory (default: the bundled demo model)")
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text prompt (needs tokenizer.model in the model directory)")
+    src.add_argument("--tokens", type=_token_list, help="prompt as comma-separated token ids, e.g. 1,15,27")
+    run.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=_positive_int, default=64)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="0 = off")
+    run.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--threads", type=_positive_int, default=None, help="default: all cores")
+    run.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
+                     help="context length (default: the model's, up to 4096)")
+    run.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    run.add_argument("--ids", action="store_true", help="print generated token ids instead of text")
+    run.add_argument("--verbose", action="store_true",
+                     help="print every layer's routing decision and each expert file's first use (stderr)")
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a Colibri model directory")
+    conv.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", required=True)
+    conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
+    conv.add_argument("--quantize", choices=("f32", "f16", "bf16"), default="f32",
+                      help="storage of the weight matrices; norms, biases and routers stay f32")
+    conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+
+    info = sub.add_parser("info", help="describe a model directory")
+    info.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+
+    ver = sub.add_parser("verify", help="check every file of a model directory against its sha256")
+    ver.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "convert": cmd_convert, "info": cmd_info, "verify": cmd_verify}[args.command](args)
+    except ColibriError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\n[INFO] Interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _describe(m) -> str:
+    c = m.config
+    return (f"{c.architecture}, {c.num_hidden_layers} layers, {c.num_experts} experts, "
+            f"top-{c.num_experts_per_tok}, {m.weight_dtype}")
+
+
+def cmd_run(args) -> int:
+    from .model import load
+
+    model_dir = args.model_dir
+    note = ""
+    if model_dir is None:
+        if not (DEMO_DIR / "config.json").is_file():
+            raise ColibriError("no --model-dir given and this installation has no bundled demo model; "
+                               "pass --model-dir D (make one with: python -m colibri convert)")
+        model_dir, note = str(DEMO_DIR), " (the bundled demo model)"
+    m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx)
+    print(f"[INFO] Loaded model from {model_dir}{note} ({_describe(m)}) in "
+          f"{m.stats['load_seconds'] * 1000:.0f} ms", flush=True)
+    if args.prompt is not None:
+        if m.tokenizer is None:
+            raise ColibriError(f"{model_dir} has no tokenizer.model: pass the prompt as --tokens 1,2,3")
+        ids = m.tokenizer.encode(args.prompt, bos=m.config.bos_token_id)
+    else:
+        ids = args.tokens
+    as_text = m.tokenizer is not None and not args.ids
+    on_step = _verbose_printer(m) if args.verbose else None
+
+    generated = []
+    shown = ""
+    print("[OUTPUT] ", end="", flush=True)
+    t0 = time.perf_counter()
+    try:
+        for tok in m.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop_at_eos=not args.ignore_eos, on_step=on_step):
+            generated.append(tok)
+            if as_text:
+                text = m.tokenizer.decode(generated)
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+            else:
+                print(("" if len(generated) == 1 else " ") + str(tok), end="", flush=True)
+    except KeyboardInterrupt:
+        print(f"\n[INFO] Interrupted after {len(generated)} tokens", flush=True)
+        return EXIT_INTERRUPTED
+    elapsed = time.perf_counter() - t0
+    print(flush=True)
+    rate = len(generated) / elapsed if elapsed > 0 else float("inf")
+    print(f"[INFO] Generated {len(generated)} tokens in {elapsed * 1000:.0f} ms ({rate:.1f} tokens/sec)")
+    return 0
+
+
+def _verbose_printer(m):
+    """on_step callback: routing of every MoE layer, and each expert file's first use."""
+    touched = set()
+    step = [0]
+
+    def on_step(model):
+        experts, weights = model.routing
+        for layer in range(model.config.num_hidden_layers):
+            if not model.config.moe_layers[layer]:
+                continue
+            picks = ", ".join(f"expert_{int(e)} ({w:.2f})" for e, w in zip(experts[layer], weights[layer]))
+            print(f"Routing: token {step[0]} layer {layer}: {picks}", file=sys.stderr)
+            for e in experts[layer]:
+                if (layer, int(e)) not in touched:
+                    touched.add((layer, int(e)))
+                    print(f"[INFO] First use of layers/{layer:02d}/expert_{int(e):03d}.bin", file=sys.stderr)
+        step[0] += 1
+    return on_step
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .modeldir import ModelDir
+
+    md = ModelDir(args.model_dir)
+    c = md.config
+    total = sum(f["size"] for f in md.files.values())
+    moe = sum(c.moe_layers)
+    expert_bytes = sum(t["nbytes"] for n, t in md.tensors.items() if ".experts." in n)
+    per_expert = expert_bytes / max(1, moe * c.num_experts)
+    active = total - expert_bytes + per_expert * moe * c.num_experts_per_tok
+    print(f"model:        {md.root}")
+    print(f"architecture: {c.architecture} (from {md.raw.get('source', {}).get('hf_architecture', '?')})")
+    print(f"layers:       {c.num_hidden_layers} ({moe} MoE, {c.num_hidden_layers - moe} dense)")
+    print(f"experts:      {c.num_experts}, top-{c.num_experts_per_tok}"
+          + (f", shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""))
+    print(f"dimensions:   hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads} kv, "
+          f"head_dim {c.head_dim}, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
+    print(f"weights:      {md.weight_dtype}, {len(md.files)} files, {total / 1e6:.1f} MB "
+          f"(about {active / 1e6:.1f} MB read per token)")
+    print(f"context:      {c.max_position_embeddings} positions, rope theta {c.rope_theta:g}")
+    print(f"tokenizer:    {'tokenizer.model' if 'tokenizer.model' in md.files else 'none (raw token ids)'}")
+    print("kernels:      scalar (portable C)")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .modeldir import ModelDir
+
+    md = ModelDir(args.model_dir)
+
+    def progress(i, n, rel):
+        if sys.stderr.isatty():
+            print(f"\r[{i + 1}/{n}] {rel[:60]:<60}", end="", file=sys.stderr, flush=True)
+
+    bad = md.verify(progress)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    for rel, problem in bad:
+        print(f"BAD {md.root / rel}: {problem}", file=sys.stderr)
+    if bad:
+        print(f"error: {len(bad)} of {len(md.files)} files failed verification; re-copy or re-convert the model",
+              file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    print(f"[INFO] OK: {len(md.files)} files match their sha256 in {md.root / 'config.json'}")
+    return 0

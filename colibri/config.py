@@ -1,0 +1,194 @@
+"""ModelConfig: the architecture and hyperparameters of a Colibri model directory, validated once.
+
+The field names are Hugging Face's (`num_experts_per_tok`, `norm_topk_prob`,
+`moe_intermediate_size`, ...) so a config reads like the model card. Differences between the
+supported architectures are a handful of flags here, resolved by the converter:
+
+  qk_norm           "none" | "per_head" (Qwen3-MoE) | "whole" (OLMoE: over the full q / k vector)
+  clip_qkv          clamp q, k, v to +-clip_qkv (OLMoE), or None
+  attention_bias    q/k/v projections have biases (Qwen2-MoE, Qwen3-MoE/OLMoE attention_bias)
+  attention_out_bias  the o projection has a bias (Qwen3-MoE/OLMoE attention_bias)
+  moe_layers        for each layer, whether it is a MoE layer (else a dense SwiGLU MLP)
+  layer_types       for each layer, "full_attention" or "sliding_attention" (with sliding_window)
+  shared_expert_intermediate_size  > 0: a shared expert with a sigmoid gate (Qwen2-MoE)
+  norm_topk_prob    renormalise the chosen experts' softmax weights (Mixtral: always)
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+
+from .errors import ColibriError
+
+ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+QK_NORM_MODES = {"none": 0, "per_head": 1, "whole": 2}   # codes mirrored in _kernels.pyx
+HIDDEN_ACTS = ("silu",)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int = 0              # dense layers' MLP width (0: no dense layers)
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    qk_norm: str = "none"
+    clip_qkv: float | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    sliding_window: int | None = None
+    layer_types: list = field(default_factory=list)
+    moe_layers: list = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ColibriError(f"{source}: 'model' must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ColibriError(f"{source}: unknown model field(s) {', '.join(unknown)}")
+        try:
+            cfg = cls(**d)
+        except TypeError:
+            missing = [f.name for f in fields(cls) if f.name not in d
+                       and f.default is MISSING and f.default_factory is MISSING]
+            raise ColibriError(f"{source}: incomplete model section, missing {', '.join(missing)}") from None
+        cfg.validate(source)
+        return cfg
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # -- validation: everything the engine relies on, checked once with a clear message -------
+    def validate(self, source: str = "config.json") -> None:
+        def fail(msg):
+            raise ColibriError(f"{source}: {msg}")
+
+        def positive_int(name, limit=1 << 24):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= limit:
+                fail(f"{name} must be an integer in 1..{limit}, got {v!r}")
+
+        if self.architecture not in ARCHITECTURES:
+            fail(f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            positive_int(name)
+        positive_int("num_hidden_layers", 4096)
+        positive_int("max_position_embeddings", 1 << 30)
+        for name in ("intermediate_size", "shared_expert_intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= (1 << 24):
+                fail(f"{name} must be an integer >= 0, got {v!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            fail(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            fail(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v != v or v == float("inf"):
+                fail(f"{name} must be a positive number, got {v!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            fail(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+        if self.qk_norm not in QK_NORM_MODES:
+            fail(f"qk_norm must be one of {', '.join(QK_NORM_MODES)}, got {self.qk_norm!r}")
+        if self.qk_norm == "whole" and self.num_attention_heads * self.head_dim != self.hidden_size:
+            # OLMoE's q_norm is sized hidden_size; it only lines up when heads*head_dim == hidden.
+            fail("qk_norm 'whole' needs num_attention_heads * head_dim == hidden_size")
+        if self.clip_qkv is not None and not (isinstance(self.clip_qkv, (int, float)) and self.clip_qkv > 0):
+            fail(f"clip_qkv must be a positive number or null, got {self.clip_qkv!r}")
+        n = self.num_hidden_layers
+        if len(self.moe_layers) != n or not all(isinstance(b, bool) for b in self.moe_layers):
+            fail(f"moe_layers must list {n} booleans, got {self.moe_layers!r}")
+        if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
+            fail(f"layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}")
+        if "sliding_attention" in self.layer_types:
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+                fail(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if not all(self.moe_layers) and self.intermediate_size < 1:
+            fail("intermediate_size must be positive when some layers are dense")
+        for t in self.eos_token_id:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                fail(f"eos_token_id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        if self.bos_token_id is not None and not (isinstance(self.bos_token_id, int) and 0 <= self.bos_token_id < self.vocab_size):
+            fail(f"bos_token_id {self.bos_token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    # -- derived quantities --------------------------------------------------------------------
+    def layer_window(self, layer: int) -> int:
+        """Attention window of a layer: 0 means every earlier position."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
+
+    def layer_d_ff(self, layer: int) -> int:
+        if not self.moe_layers[layer]:
+            return self.intermediate_size
+        return max(self.moe_intermediate_size, self.shared_expert_intermediate_size)
+
+    def expected_tensors(self) -> dict:
+        """Every tensor a model of this config has: name -> (shape, kind).
+
+        kind is "matrix" (stored in the model's weight dtype), "vector" (f32: norms, biases) or
+        "router" (f32 matrix). The converter writes exactly these; the loader checks them.
+        """
+        d, hd = self.hidden_size, self.head_dim
+        q_dim, kv_dim = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        t = {"embedding": ((self.vocab_size, d), "matrix"), "final_norm": ((d,), "vector")}
+        if not self.tie_word_embeddings:
+            t["lm_head"] = ((self.vocab_size, d), "matrix")
+        for layer in range(self.num_hidden_layers):
+            p = f"layers.{layer}."
+            t[p + "attn_norm"] = ((d,), "vector")
+            t[p + "ffn_norm"] = ((d,), "vector")
+            t[p + "wq"] = ((q_dim, d), "matrix")
+            t[p + "wk"] = ((kv_dim, d), "matrix")
+            t[p + "wv"] = ((kv_dim, d), "matrix")
+            t[p + "wo"] = ((d, q_dim), "matrix")
+            if self.attention_bias:
+                t[p + "bq"] = ((q_dim,), "vector")
+                t[p + "bk"] = ((kv_dim,), "vector")
+                t[p + "bv"] = ((kv_dim,), "vector")
+            if self.attention_out_bias:
+                t[p + "bo"] = ((d,), "vector")
+            if self.qk_norm == "per_head":
+                t[p + "q_norm"] = ((hd,), "vector")
+                t[p + "k_norm"] = ((hd,), "vector")
+            elif self.qk_norm == "whole":
+                t[p + "q_norm"] = ((q_dim,), "vector")
+                t[p + "k_norm"] = ((kv_dim,), "vector")
+            if self.moe_layers[layer]:
+                ff = self.moe_intermediate_size
+                t[p + "router"] = ((self.num_experts, d), "router")
+                for e in range(self.num_experts):
+                    t[f"{p}experts.{e}.gate"] = ((ff, d), "matrix")
+                    t[f"{p}experts.{e}.up"] = ((ff, d), "matrix")
+                    t[f"{p}experts.{e}.down"] = ((d, ff), "matrix")
+                if self.shared_expert_intermediate_size:
+                    sf = self.shared_expert_intermediate_size
+                    t[p + "shared.gate"] = ((sf, d), "matrix")
+                    t[p + "shared.up"] = ((sf, d), "matrix")
+                    t[p + "shared.down"] = ((d, sf), "matrix")
+                    t[p + "shared_gate"] = ((d,), "vector")
+            else:
+                ff = self.intermediate_size
+                t[p + "mlp.gate"] = ((ff, d), "matrix")
+                t[p + "mlp.up"] = ((ff, d), "matrix")
+                t[p + "mlp.down"] = ((d, ff), "matrix")
+        return t

@@ -1,0 +1,299 @@
+"""Hugging Face checkpoint -> Colibri model directory.
+
+Design
+------
+1. `ARCHITECTURES` is the registry, keyed by the HF architecture name: each entry turns the HF
+   config into a `ModelConfig` (our flags). Tensor names are mapped by one shared rule table
+   (`_RULES`), because the four supported families name their tensors the same way up to a few
+   aliases (Mixtral's `block_sparse_moe` / `w1 w2 w3`).
+2. Every HF tensor must be consumed by a rule; any that is not is an error naming it. Every tensor
+   the config implies must be produced, with the shape it implies.
+3. Expert tensors come either one per expert (`experts.E.gate_proj.weight`, as hub checkpoints
+   and transformers 5.x's save_pretrained store them) or stacked (`experts.gate_up_proj`
+   [E, 2*I, D] with gate rows first, `experts.down_proj` [E, D, I]); both are sliced lazily.
+4. Output is written tensor by tensor into a temporary sibling directory, renamed into place only
+   when complete: an interrupted conversion leaves nothing half-written.
+
+Matrices (embedding, lm_head, attention, experts, dense MLPs) are stored in the chosen
+`--quantize` dtype; the router, the shared-expert gate, norms and biases stay f32.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ColibriError
+from .hfcheckpoint import HFCheckpoint
+from .modeldir import WEIGHT_DTYPES, ModelDirWriter, safe_path, tensor_file, to_storage
+
+# ---- the registry: HF config -> ModelConfig ---------------------------------------------------
+
+
+def _common(hf: dict) -> dict:
+    heads = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = hf.get("rope_scaling")
+    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
+        raise ColibriError(f"RoPE type {rope_type if rope_type != 'default' else scaling!r} is not supported "
+                           f"(only the default rotary embedding)")
+    eos = hf.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    vocab = hf["vocab_size"]
+    kept = [t for t in eos if isinstance(t, int) and 0 <= t < vocab]
+    bos = hf.get("bos_token_id")
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hf["hidden_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hidden_act=hf.get("hidden_act", "silu"),
+        bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
+        eos_token_id=kept,
+    )
+
+
+def _sparse_layers(hf: dict) -> list:
+    """Qwen-MoE rule: a layer is MoE unless listed in mlp_only_layers or off the sparse step."""
+    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1) or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+    return [(i not in dense) and experts > 0 and (i + 1) % step == 0 for i in range(n)]
+
+
+def _uniform_window(hf: dict, n: int, window):
+    if window:
+        return {"sliding_window": int(window), "layer_types": ["sliding_attention"] * n}
+    return {"sliding_window": None, "layer_types": ["full_attention"] * n}
+
+
+def _mixtral(hf: dict) -> dict:
+    n = hf["num_hidden_layers"]
+    return dict(_common(hf), architecture="mixtral", num_experts=hf["num_local_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
+                norm_topk_prob=True, moe_layers=[True] * n, **_uniform_window(hf, n, hf.get("sliding_window")))
+
+
+def _qwen3_moe(hf: dict) -> dict:
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    bias = bool(hf.get("attention_bias", False))
+    return dict(_common(hf), architecture="qwen3_moe", num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
+                intermediate_size=hf.get("intermediate_size", 0), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                qk_norm="per_head", attention_bias=bias, attention_out_bias=bias,
+                moe_layers=_sparse_layers(hf), **_uniform_window(hf, n, window))
+
+
+def _olmoe(hf: dict) -> dict:
+    n = hf["num_hidden_layers"]
+    bias = bool(hf.get("attention_bias", False))
+    return dict(_common(hf), architecture="olmoe", num_experts=hf["num_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm="whole",
+                clip_qkv=hf.get("clip_qkv"), attention_bias=bias, attention_out_bias=bias,
+                moe_layers=[True] * n, **_uniform_window(hf, n, None))
+
+
+def _qwen2_moe(hf: dict) -> dict:
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention"] * n
+    sliding = "sliding_attention" in types
+    return dict(_common(hf), architecture="qwen2_moe", num_experts=hf["num_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
+                intermediate_size=hf.get("intermediate_size", 0),
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                attention_bias=bool(hf.get("qkv_bias", hf.get("attention_bias", True))),
+                moe_layers=_sparse_layers(hf), layer_types=list(types),
+                sliding_window=int(hf["sliding_window"]) if sliding else None)
+
+
+ARCHITECTURES = {
+    "MixtralForCausalLM": _mixtral,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "OlmoeForCausalLM": _olmoe,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+}
+
+# ---- tensor names: HF -> ours ----------------------------------------------------------------
+
+_L = r"model\.layers\.(\d+)\."
+_MOE = r"(?:mlp|block_sparse_moe)\."
+_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_IGNORED = re.compile(r"model\.rotary_emb\.inv_freq|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# (pattern, handler) where handler(match, hf_name) -> list of (our name, getter)
+_RULES = [
+    (r"model\.embed_tokens\.weight", lambda m: "embedding"),
+    (r"lm_head\.weight", lambda m: "lm_head"),
+    (r"model\.norm\.weight", lambda m: "final_norm"),
+    (_L + r"input_layernorm\.weight", lambda m: f"layers.{m[1]}.attn_norm"),
+    (_L + r"post_attention_layernorm\.weight", lambda m: f"layers.{m[1]}.ffn_norm"),
+    (_L + r"self_attn\.([qkvo])_proj\.weight", lambda m: f"layers.{m[1]}.w{m[2]}"),
+    (_L + r"self_attn\.([qkvo])_proj\.bias", lambda m: f"layers.{m[1]}.b{m[2]}"),
+    (_L + r"self_attn\.([qk])_norm\.weight", lambda m: f"layers.{m[1]}.{m[2]}_norm"),
+    (_L + _MOE + r"gate\.weight", lambda m: f"layers.{m[1]}.router"),
+    (_L + _MOE + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight",
+     lambda m: f"layers.{m[1]}.experts.{int(m[2])}.{_EXPERT_PART[m[3]]}"),
+    (_L + _MOE + r"experts\.gate_up_proj", "stacked_gate_up"),
+    (_L + _MOE + r"experts\.down_proj", "stacked_down"),
+    (_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.shared.{m[2]}"),
+    (_L + r"mlp\.shared_expert_gate\.weight", lambda m: f"layers.{m[1]}.shared_gate"),
+    (_L + r"mlp\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.mlp.{m[2]}"),
+]
+_RULES = [(re.compile(p), h) for p, h in _RULES]
+
+
+def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig) -> dict:
+    """our tensor name -> getter returning its float32 values; checks names and shapes."""
+    plan = {}
+    unconsumed = []
+    for hf_name in ckpt.names():
+        if _IGNORED.fullmatch(hf_name):
+            continue
+        for pattern, handler in _RULES:
+            m = pattern.fullmatch(hf_name)
+            if m is None:
+                continue
+            if handler == "stacked_gate_up":
+                shape = ckpt.shape(hf_name)                    # [E, 2*I, D]
+                half = shape[1] // 2
+                for e in range(shape[0]):
+                    base = f"layers.{m[1]}.experts.{e}."
+                    plan[base + "gate"] = _slice_getter(ckpt, hf_name, e, 0, half)
+                    plan[base + "up"] = _slice_getter(ckpt, hf_name, e, half, shape[1])
+            elif handler == "stacked_down":
+                for e in range(ckpt.shape(hf_name)[0]):       # [E, D, I]
+                    plan[f"layers.{m[1]}.experts.{e}.down"] = _slice_getter(ckpt, hf_name, e, None, None)
+            else:
+                name = handler(m)
+                if name == "lm_head" and cfg.tie_word_embeddings:
+                    break                                      # tied: the embedding serves as head
+                if name in plan:
+                    raise ColibriError(f"{hf_name}: tensor {name} is given twice in the checkpoint")
+                if name.endswith("shared_gate"):
+                    plan[name] = (lambda n=hf_name: ckpt.f32(n).reshape(-1))
+                else:
+                    plan[name] = (lambda n=hf_name: ckpt.f32(n))
+            break
+        else:
+            unconsumed.append(hf_name)
+    if unconsumed:
+        more = f" and {len(unconsumed) - 8} more" if len(unconsumed) > 8 else ""
+        raise ColibriError(f"{ckpt.root}: tensor(s) not understood for {cfg.architecture}: "
+                           f"{', '.join(unconsumed[:8])}{more}")
+    expected = cfg.expected_tensors()
+    missing = [n for n in expected if n not in plan]
+    if missing:
+        raise ColibriError(f"{ckpt.root}: checkpoint lacks tensors for {', '.join(missing[:8])}"
+                           f"{' ...' if len(missing) > 8 else ''} (does config.json match the weights?)")
+    extra = [n for n in plan if n not in expected]
+    if extra:
+        raise ColibriError(f"{ckpt.root}: tensors {', '.join(extra[:8])} do not fit the config "
+                           f"(e.g. biases where config.json says there are none)")
+    return plan
+
+
+def _slice_getter(ckpt, hf_name, expert, row0, row1):
+    def get():
+        arr, kind = ckpt.raw(hf_name)
+        part = arr[expert] if row0 is None else arr[expert, row0:row1]
+        if kind == "bf16":
+            return (part.astype(np.uint32) << 16).view(np.float32)
+        return part.astype(np.float32)
+    return get
+
+
+# ---- the conversion ----------------------------------------------------------------------------
+
+
+def hf_model_config(ckpt: HFCheckpoint) -> tuple:
+    archs = ckpt.config.get("architectures") or []
+    supported = [a for a in archs if a in ARCHITECTURES]
+    if not supported:
+        raise ColibriError(f"{ckpt.root / 'config.json'}: architecture {archs or 'unknown'} is not supported; "
+                           f"supported: {', '.join(ARCHITECTURES)}")
+    arch = supported[0]
+    try:
+        fields = ARCHITECTURES[arch](ckpt.config)
+    except KeyError as e:
+        raise ColibriError(f"{ckpt.root / 'config.json'}: missing field {e.args[0]!r} for {arch}") from None
+    return arch, ModelConfig.from_dict(fields, str(ckpt.root / "config.json"))
+
+
+def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=print) -> ModelConfig:
+    """Convert a HF checkpoint directory into a Colibri model directory; returns its config."""
+    if quantize not in WEIGHT_DTYPES:
+        raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
+    ckpt = HFCheckpoint(hf_dir)
+    arch, cfg = hf_model_config(ckpt)
+    plan = plan_tensors(ckpt, cfg)
+    expected = cfg.expected_tensors()
+
+    out = Path(output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ColibriError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    parent = out.parent if str(out.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    itemsize = {"f32": 4, "f16": 2, "bf16": 2}
+    need = sum(int(np.prod(shape)) * (itemsize[quantize] if kind == "matrix" else 4) + 64
+               for shape, kind in expected.values())
+    free = shutil.disk_usage(parent).free
+    if need > free:
+        raise ColibriError(f"not enough disk space in {parent}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB")
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    os.chmod(tmp, 0o755)
+    try:
+        writer = ModelDirWriter(tmp)
+        by_file = {}
+        for name in expected:                                  # canonical order within a file
+            by_file.setdefault(tensor_file(name), []).append(name)
+        for rel, names in sorted(by_file.items()):
+            writer.write_file(rel, (_stored(name, plan[name](), expected[name], quantize) for name in names))
+        tok = Path(hf_dir) / "tokenizer.model"
+        if tok.is_file():
+            writer.add_file("tokenizer.model", tok)
+        writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert",
+                                      "hf_dir_name": Path(hf_dir).resolve().name})
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[INFO] Converted {arch} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
+        f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}"
+        + ("" if (out / "tokenizer.model").exists() else " (no tokenizer.model: raw token ids only)"))
+    return cfg
+
+
+def _stored(name, values, spec, quantize):
+    shape, kind = spec
+    if tuple(values.shape) != shape:
+        raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
+                           f"checkpoint has {list(values.shape)}")
+    dtype = quantize if kind == "matrix" else "f32"
+    return name, to_storage(values, dtype), dtype
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished `tmp` to `out`; an existing `out` (with --force) is removed only after."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()

@@ -1,0 +1,219 @@
+/* kernels_scalar.h — the portable reference kernels of Colibri.
+ *
+ * Every kernel the token step calls exists here first as plain C. These are the specification:
+ * SIMD versions (kernels_avx2.h / kernels_avx512.h, a later step) keep the same signatures and
+ * are tested against these. Conventions:
+ *   - weights are row-major [rows, cols] ("rows" layout) in one of the storage dtypes below;
+ *   - activations are float32, accumulation is float32 except where a comment says otherwise;
+ *   - `n_threads` splits the output rows with OpenMP; small problems stay on one thread.
+ */
+#ifndef COLIBRI_KERNELS_SCALAR_H
+#define COLIBRI_KERNELS_SCALAR_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <stddef.h>
+
+/* Storage dtypes of a weight matrix. Mirrored in colibri/modeldir.py (DTYPE_CODES). */
+enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2 };
+
+/* Below this many multiply-adds a matvec runs on one thread: the fork/join costs more. */
+#define CB_PARALLEL_MIN_WORK 65536
+
+/* ---- half-precision conversion ------------------------------------------------------------ */
+
+/* f16 -> f32 lookup table [65536], filled once by cb_init_tables() at import, never changed. */
+static float cb_f16_table[65536];
+
+static float cb_f16_to_f32_exact(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;                                   /* +-0 */
+        } else {                                           /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while ((man & 0x400u) == 0);
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FFu) << 13);
+        }
+    } else if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);           /* inf / nan */
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);  /* normal: rebias 15 -> 127 */
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void cb_init_tables(void) {
+    for (uint32_t i = 0; i < 65536u; i++) cb_f16_table[i] = cb_f16_to_f32_exact((uint16_t)i);
+}
+
+static inline float cb_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- dot products and matrix-vector products ---------------------------------------------- */
+
+static inline float cb_dot_f32(const float *w, const float *x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += w[i] * x[i];
+    return acc;
+}
+
+static inline float cb_dot_f16(const uint16_t *w, const float *x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += cb_f16_table[w[i]] * x[i];
+    return acc;
+}
+
+static inline float cb_dot_bf16(const uint16_t *w, const float *x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += cb_bf16_to_f32(w[i]) * x[i];
+    return acc;
+}
+
+/* out[rows] = W[rows, cols] @ x[cols]; W stored as `dtype`. */
+static void cb_matvec(float *out, const void *w, int dtype, const float *x, int rows, int cols,
+                      int n_threads) {
+    int parallel = n_threads > 1 && (long long)rows * cols >= CB_PARALLEL_MIN_WORK;
+    (void)parallel;
+    if (dtype == CB_F32) {
+        const float *wf = (const float *)w;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+        for (int r = 0; r < rows; r++) out[r] = cb_dot_f32(wf + (size_t)r * cols, x, cols);
+    } else if (dtype == CB_F16) {
+        const uint16_t *wh = (const uint16_t *)w;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+        for (int r = 0; r < rows; r++) out[r] = cb_dot_f16(wh + (size_t)r * cols, x, cols);
+    } else {
+        const uint16_t *wh = (const uint16_t *)w;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+        for (int r = 0; r < rows; r++) out[r] = cb_dot_bf16(wh + (size_t)r * cols, x, cols);
+    }
+}
+
+/* out[cols] = row `row` of W[rows, cols], converted to float32 (embedding lookup). */
+static void cb_dequant_row(float *out, const void *w, int dtype, int row, int cols) {
+    size_t base = (size_t)row * cols;
+    if (dtype == CB_F32) {
+        memcpy(out, (const float *)w + base, sizeof(float) * (size_t)cols);
+    } else if (dtype == CB_F16) {
+        const uint16_t *wh = (const uint16_t *)w + base;
+        for (int i = 0; i < cols; i++) out[i] = cb_f16_table[wh[i]];
+    } else {
+        const uint16_t *wh = (const uint16_t *)w + base;
+        for (int i = 0; i < cols; i++) out[i] = cb_bf16_to_f32(wh[i]);
+    }
+}
+
+/* ---- elementwise ---------------------------------------------------------------------------- */
+
+/* out[n] = x[n] / rms(x) * weight[n]; weight may be NULL (no scale). The mean of squares is
+ * accumulated in double so the result does not depend on summation order. */
+static void cb_rmsnorm(float *out, const float *x, const float *weight, int n, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    float inv = 1.0f / sqrtf((float)(ss / n) + eps);
+    if (weight) {
+        for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
+    } else {
+        for (int i = 0; i < n; i++) out[i] = x[i] * inv;
+    }
+}
+
+static inline void cb_add(float *acc, const float *x, int n) {
+    for (int i = 0; i < n; i++) acc[i] += x[i];
+}
+
+static inline void cb_axpy(float *acc, float a, const float *x, int n) {
+    for (int i = 0; i < n; i++) acc[i] += a * x[i];
+}
+
+static inline void cb_clip(float *x, float limit, int n) {
+    for (int i = 0; i < n; i++) x[i] = x[i] > limit ? limit : (x[i] < -limit ? -limit : x[i]);
+}
+
+static inline float cb_silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* gate[n] = silu(gate[n]) * up[n] (SwiGLU), in place. */
+static inline void cb_swiglu(float *gate, const float *up, int n) {
+    for (int i = 0; i < n; i++) gate[i] = cb_silu(gate[i]) * up[i];
+}
+
+/* In-place softmax over x[n]; returns 0, or -1 when x holds NaN/inf (nothing is normalised). */
+static int cb_softmax(float *x, int n) {
+    float mx = x[0];
+    for (int i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    if (!isfinite(mx)) return -1;
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) { x[i] = expf(x[i] - mx); sum += x[i]; }
+    float inv = 1.0f / sum;
+    for (int i = 0; i < n; i++) x[i] *= inv;
+    return 0;
+}
+
+/* Rotary embedding, "rotate half" convention (Hugging Face): for each head, element i pairs with
+ * i + head_dim/2. cos/sin hold [head_dim/2] values for the current position. */
+static void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, const float *sin_t) {
+    int half = head_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *p = v + (size_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            float a = p[i], b = p[i + half];
+            p[i] = a * cos_t[i] - b * sin_t[i];
+            p[i + half] = b * cos_t[i] + a * sin_t[i];
+        }
+    }
+}
+
+/* Causal attention of one query position over the cache.
+ *   q        [n_heads, head_dim]           the current query (already roped)
+ *   k_cache  [n_ctx, n_kv_heads, head_dim]  keys of positions 0..pos
+ *   v_cache  [n_ctx, n_kv_heads, head_dim]
+ *   scores   [n_heads, n_ctx]               scratch
+ *   out      [n_heads, head_dim]
+ * Positions start..pos are attended (start > 0 for sliding-window layers). Query head h reads
+ * KV head h / (n_heads / n_kv_heads), as transformers' repeat_kv does. */
+static void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
+                         float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
+                         int start, int pos, int n_threads) {
+    int group = n_heads / n_kv_heads;
+    int kv_stride = n_kv_heads * head_dim;
+    float scale = 1.0f / sqrtf((float)head_dim);
+    int parallel = n_threads > 1 && (long long)n_heads * (pos - start + 1) * head_dim >= CB_PARALLEL_MIN_WORK;
+    (void)parallel;
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+    for (int h = 0; h < n_heads; h++) {
+        const float *qh = q + (size_t)h * head_dim;
+        int kvh = h / group;
+        float *sc = scores + (size_t)h * n_ctx;
+        int n = pos - start + 1;
+        for (int t = 0; t < n; t++) {
+            const float *kt = k_cache + (size_t)(start + t) * kv_stride + (size_t)kvh * head_dim;
+            sc[t] = cb_dot_f32(qh, kt, head_dim) * scale;
+        }
+        cb_softmax(sc, n);
+        float *oh = out + (size_t)h * head_dim;
+        memset(oh, 0, sizeof(float) * (size_t)head_dim);
+        for (int t = 0; t < n; t++) {
+            const float *vt = v_cache + (size_t)(start + t) * kv_stride + (size_t)kvh * head_dim;
+            cb_axpy(oh, sc[t], vt, head_dim);
+        }
+    }
+}
+
+/* 1 when every x[i] is finite, else 0. */
+static int cb_all_finite(const float *x, int n) {
+    for (int i = 0; i < n; i++) if (!isfinite(x[i])) return 0;
+    return 1;
+}
+
+#endif /* COLIBRI_KERNELS_SCALAR_H */

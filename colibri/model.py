@@ -1,0 +1,219 @@
+"""Model: a loaded model directory — mapped weights, the compiled engine, generation.
+
+Design
+------
+`load()` validates the directory (modeldir.ModelDir), maps every file read-only
+(modeldir.MappedModelDir) and hands raw addresses to `_kernels.Engine`, which owns the KV cache
+and the scratch arena. Weights are used in place in the mappings, never copied. The Python layer
+here does what is not per-layer work: checking inputs, sampling, stop tokens, timings and stats.
+
+One Model has one KV cache, so one generation at a time: a second concurrent call is refused
+with a clear error rather than interleaved into the same cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import numpy as np
+
+from .errors import ColibriError
+from .modeldir import MappedModelDir, ModelDir
+from .sampling import Sampler
+from .tokenizer import Tokenizer
+
+try:
+    from . import _kernels
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "colibri._kernels is not built. Install the package with `pip install .` from the source "
+        "tree (it compiles the Cython extension; needs a C compiler), or build in place with "
+        f"`python setup.py build_ext --inplace`. ({e})") from None
+
+DEFAULT_MAX_CONTEXT = 4096     # context when the caller does not choose one (KV pages are lazy)
+_STATUS_MESSAGES = {
+    _kernels.STATUS_BAD_ROUTER: "router logits of layer {layer} are NaN or infinite",
+    _kernels.STATUS_BAD_LOGITS: "the output logits are NaN or infinite",
+    _kernels.STATUS_BAD_HIDDEN: "the hidden state became NaN or infinite",
+}
+
+
+def rope_tables(head_dim: int, theta: float, n_ctx: int) -> tuple:
+    """cos, sin float32 [n_ctx, head_dim/2], computed the way transformers does (float32 freqs)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(freqs.astype(np.float64)).astype(np.float32), np.sin(freqs.astype(np.float64)).astype(np.float32)
+
+
+class Model:
+    """A Colibri model ready to run. Create with `colibri.load(path)`."""
+
+    def __init__(self, path, threads: int | None = None, n_ctx: int | None = None):
+        t0 = time.perf_counter()
+        self.path = os.fspath(path)
+        self._dir = ModelDir(path)
+        self.config = self._dir.config
+        self.weight_dtype = self._dir.weight_dtype
+        cfg = self.config
+        if threads is None:
+            threads = os.cpu_count() or 1
+        if not isinstance(threads, int) or threads < 1:
+            raise ColibriError(f"threads must be a positive integer, got {threads!r}")
+        if n_ctx is None:
+            n_ctx = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        if not isinstance(n_ctx, int) or not 1 <= n_ctx <= cfg.max_position_embeddings:
+            raise ColibriError(f"n_ctx must be in 1..{cfg.max_position_embeddings} "
+                               f"(the model's max_position_embeddings), got {n_ctx!r}")
+        self.threads = threads
+        self.n_ctx = n_ctx
+        self._maps = MappedModelDir(self._dir)
+        hp = cfg.to_dict()
+        hp["n_ctx"] = n_ctx
+        hp["qk_norm_mode"] = {"none": 0, "per_head": 1, "whole": 2}[cfg.qk_norm]
+        layer_flags = [{"moe": cfg.moe_layers[i], "sliding_window": cfg.layer_window(i), "d_ff": cfg.layer_d_ff(i)}
+                       for i in range(cfg.num_hidden_layers)]
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, n_ctx)
+        self._engine = _kernels.Engine(hp, self._maps.engine_table(), layer_flags, cos, sin, threads)
+        self.tokenizer = Tokenizer.from_dir(self._dir)
+        self._busy = threading.Lock()
+        self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,
+                      "decode_tokens": 0, "decode_seconds": 0.0}
+
+    # -- the public API --------------------------------------------------------------------------
+
+    def forward(self, ids) -> np.ndarray:
+        """Logits float32 [T, vocab] of every position of `ids`, in a fresh context."""
+        tokens = self._check_ids(ids, "ids")
+        if len(tokens) > self.n_ctx:
+            raise ColibriError(f"{len(tokens)} tokens exceed the context length {self.n_ctx}")
+        out = np.empty((len(tokens), self.config.vocab_size), np.float32)
+        with self._exclusive():
+            self._run(tokens, 0, out, all_logits=True)
+        return out
+
+    def generate(self, ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, on_step=None):
+        """Yield up to `max_new_tokens` new token ids after the prompt `ids` (fresh context).
+
+        Greedy at temperature 0. Stops early at the model's EOS token(s) unless stop_at_eos is
+        False (the EOS token itself is yielded). `on_step(model)` is called after each engine
+        step (used by --verbose to read the routing decisions).
+        """
+        tokens = self._check_ids(ids, "prompt")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ColibriError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if len(tokens) + max_new_tokens > self.n_ctx:
+            raise ColibriError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                               f"context length {self.n_ctx}")
+        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        eos = set(self.config.eos_token_id) if stop_at_eos else set()
+        return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step)
+
+    def complete(self, text: str, max_new_tokens: int = 64, **kwargs) -> str:
+        """Generate a continuation of `text` and return it as text (needs tokenizer.model)."""
+        if self.tokenizer is None:
+            raise ColibriError(f"{self.path} has no tokenizer.model; pass token ids to generate() instead")
+        ids = self.tokenizer.encode(text, bos=self.config.bos_token_id)
+        return self.tokenizer.decode(list(self.generate(ids, max_new_tokens, **kwargs)))
+
+    @property
+    def routing(self) -> tuple:
+        """(experts int32 [n_layers, top_k], weights float32 [n_layers, top_k]) of the last step.
+
+        Rows of dense (non-MoE) layers are meaningless."""
+        return self._engine.chosen.copy(), self._engine.chosen_weights.copy()
+
+    @property
+    def expert_counts(self) -> np.ndarray:
+        """int64 [n_layers, num_experts]: how often each expert was chosen since the last reset."""
+        return self._engine.expert_counts.copy()
+
+    def close(self) -> None:
+        """Release the engine and the mappings. The Model cannot be used afterwards."""
+        self._engine = None
+        self._maps.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        c = self.config
+        return (f"<colibri.Model {self.path!r} {c.architecture}, {c.num_hidden_layers} layers, "
+                f"{c.num_experts} experts, top-{c.num_experts_per_tok}, {self.weight_dtype}>")
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _check_ids(self, ids, what) -> np.ndarray:
+        try:
+            arr = np.asarray(ids)
+        except Exception:
+            raise ColibriError(f"{what} must be a sequence of integer token ids") from None
+        if arr.ndim != 1 or arr.size == 0:
+            raise ColibriError(f"{what} must be a non-empty 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ColibriError(f"{what} must hold integers, got {arr.dtype}")
+        vocab = self.config.vocab_size
+        bad = arr[(arr < 0) | (arr >= vocab)]
+        if bad.size:
+            raise ColibriError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
+        return np.ascontiguousarray(arr, dtype=np.int32)
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        if not self._busy.acquire(blocking=False):
+            raise ColibriError("this Model is already generating in another thread or generator; "
+                               "use one Model per concurrent request or finish the other generation first")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _run(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool) -> None:
+        if self._engine is None:
+            raise ColibriError("this Model has been closed")
+        if pos == 0:
+            self._engine.reset()
+        status, index, layer = self._engine.run(tokens, pos, out, all_logits)
+        if status != _kernels.STATUS_OK:
+            raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
+                               + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
+
+    def _generate(self, tokens, max_new_tokens, sampler, eos, on_step):
+        with self._exclusive():
+            logits = np.empty((1, self.config.vocab_size), np.float32)
+            t0 = time.perf_counter()
+            self._run(tokens, 0, logits, all_logits=False)
+            t1 = time.perf_counter()
+            self.stats["prefill_tokens"] = len(tokens)
+            self.stats["prefill_seconds"] = t1 - t0
+            self.stats["decode_tokens"] = 0
+            self.stats["decode_seconds"] = 0.0
+            if on_step:
+                on_step(self)
+            pos = len(tokens)
+            step = np.empty(1, np.int32)
+            for i in range(max_new_tokens):
+                token = sampler(logits[0])
+                yield token
+                if token in eos or i == max_new_tokens - 1:
+                    break
+                step[0] = token
+                t = time.perf_counter()
+                self._run(step, pos, logits, all_logits=False)
+                self.stats["decode_seconds"] += time.perf_counter() - t
+                self.stats["decode_tokens"] += 1
+                pos += 1
+                if on_step:
+                    on_step(self)
+
+
+def load(path, threads: int | None = None, n_ctx: int | None = None) -> Model:
+    """Load a Colibri model directory. threads=None uses every core; n_ctx=None the model's
+    context up to 4096 positions."""
+    return Model(path, threads=threads, n_ctx=n_ctx)

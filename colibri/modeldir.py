@@ -1,0 +1,321 @@
+"""The on-disk model directory, format version 1: reading, validating, mapping, writing.
+
+A model directory is plain headerless binary files plus `config.json`, the blueprint of their
+bytes (docs/FORMAT.md is the full description):
+
+    config.json                  format, byte order, model hyperparameters, tensor table, file table
+    embedding.bin, lm_head.bin, final_norm.bin
+    layers/LL/attn.bin           norms, q/k/v/o (+ biases, q/k norms) of layer LL
+    layers/LL/router.bin         the router of a MoE layer
+    layers/LL/expert_EEE.bin     gate, up, down of expert EEE of layer LL, nothing else
+    layers/LL/shared_expert.bin  the shared expert and its gate (Qwen2-MoE)
+    layers/LL/mlp.bin            the dense MLP of a non-MoE layer
+
+Everything in config.json is validated before a byte of weights is mapped: a damaged directory is
+a `ColibriError` naming the file, never a crash later. This module owns the format; the converter
+writes through `ModelDirWriter`, the model maps through `MappedModelDir`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ColibriError
+
+FORMAT_NAME = "colibri"
+FORMAT_VERSION = 1
+ALIGNMENT = 64                       # every tensor starts on a 64-byte boundary in its file
+CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 64 << 20          # a config.json larger than this is refused
+# storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits)
+STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
+WEIGHT_DTYPES = ("f32", "f16", "bf16")
+LAYOUTS = ("rows",)
+
+
+def tensor_file(name: str) -> str:
+    """The file (relative to the model directory) that holds tensor `name`."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return f"{name}.bin"
+    layer = f"layers/{int(parts[1]):02d}"
+    kind = parts[2]
+    if kind == "experts":
+        return f"{layer}/expert_{int(parts[3]):03d}.bin"
+    if kind == "router":
+        return f"{layer}/router.bin"
+    if kind in ("shared", "shared_gate"):
+        return f"{layer}/shared_expert.bin"
+    if kind == "mlp":
+        return f"{layer}/mlp.bin"
+    return f"{layer}/attn.bin"
+
+
+def safe_path(root: Path, rel: object) -> Path:
+    """`root / rel`, refusing absolute paths, `..`, and symlinks that lead outside `root`."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
+        raise ColibriError(f"{root / CONFIG_NAME}: invalid file name {rel!r}")
+    p = Path(rel)
+    if p.is_absolute() or rel.startswith("/") or ".." in p.parts or (len(rel) > 1 and rel[1] == ":"):
+        raise ColibriError(f"{root / CONFIG_NAME}: file name {rel!r} points outside the model directory")
+    full = root / p
+    try:
+        resolved = full.resolve(strict=False)
+        inside = resolved.is_relative_to(root.resolve())
+    except (OSError, RuntimeError):
+        inside = False
+    if not inside:
+        raise ColibriError(f"{full}: resolves outside the model directory {root} (symlink?)")
+    return full
+
+
+def read_config_json(root: Path) -> dict:
+    path = root / CONFIG_NAME
+    if not root.exists():
+        raise ColibriError(f"model directory {root} does not exist")
+    if not root.is_dir():
+        raise ColibriError(f"{root} is not a directory (expected a converted model directory)")
+    if not path.is_file():
+        raise ColibriError(f"{path} is missing: not a Colibri model directory "
+                           f"(convert one with: python -m colibri convert --hf-dir H --output-dir {root})")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ColibriError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MB; refusing to parse it")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ColibriError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ColibriError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+class ModelDir:
+    """A validated model directory: its config, tensor table and file table (nothing mapped)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        raw = read_config_json(self.root)
+        where = str(self.root / CONFIG_NAME)
+        fmt, version = raw.get("format"), raw.get("format_version")
+        if fmt != FORMAT_NAME:
+            raise ColibriError(f"{where}: 'format' is {fmt!r}, expected {FORMAT_NAME!r} "
+                               f"(is this a Hugging Face directory? convert it first)")
+        if version != FORMAT_VERSION:
+            raise ColibriError(f"{where}: unknown format_version {version!r}; this Colibri reads "
+                               f"version {FORMAT_VERSION} (upgrade Colibri or re-convert)")
+        if raw.get("byte_order", "little") != "little":
+            raise ColibriError(f"{where}: byte_order {raw.get('byte_order')!r} is not supported (only 'little')")
+        self.raw = raw
+        self.config = ModelConfig.from_dict(raw.get("model"), where)
+        self.weight_dtype = raw.get("weight_dtype")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ColibriError(f"{where}: weight_dtype {self.weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+        self.files = self._check_files(raw.get("files"), where)
+        self.tensors = self._check_tensors(raw.get("tensors"), where)
+
+    def _check_files(self, files, where) -> dict:
+        if not isinstance(files, dict) or not files:
+            raise ColibriError(f"{where}: 'files' must be a non-empty object")
+        out = {}
+        for rel, entry in files.items():
+            path = safe_path(self.root, rel)
+            if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
+                raise ColibriError(f"{where}: files[{rel!r}] needs an integer 'size'")
+            if not isinstance(entry.get("sha256"), str) or len(entry["sha256"]) != 64:
+                raise ColibriError(f"{where}: files[{rel!r}] needs a 'sha256' of 64 hex digits")
+            if not path.is_file():
+                raise ColibriError(f"{path} is missing (listed in config.json); the directory is incomplete: re-copy or re-convert it")
+            actual = path.stat().st_size
+            if actual != entry["size"]:
+                what = "truncated" if actual < entry["size"] else "larger than expected"
+                raise ColibriError(f"{path} is {what}: config.json says {entry['size']} bytes, found {actual} "
+                                   f"(corrupted or incomplete copy: re-copy or re-convert)")
+            out[rel] = entry
+        return out
+
+    def _check_tensors(self, tensors, where) -> dict:
+        if not isinstance(tensors, dict):
+            raise ColibriError(f"{where}: 'tensors' must be an object")
+        expected = self.config.expected_tensors()
+        missing = [n for n in expected if n not in tensors]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ColibriError(f"{where}: tensor table lacks {', '.join(missing[:5])}{more}")
+        extra = [n for n in tensors if n not in expected]
+        if extra:
+            raise ColibriError(f"{where}: unexpected tensor(s) {', '.join(extra[:5])} for this architecture")
+        for name, (shape, kind) in expected.items():
+            t = tensors[name]
+            ctx = f"{where}: tensor {name}"
+            if not isinstance(t, dict):
+                raise ColibriError(f"{ctx} must be an object")
+            for key, typ in (("file", str), ("offset", int), ("nbytes", int), ("dtype", str), ("shape", list)):
+                if not isinstance(t.get(key), typ) or isinstance(t.get(key), bool):
+                    raise ColibriError(f"{ctx}: field {key!r} is missing or not a {typ.__name__}")
+            if t["file"] not in self.files:
+                raise ColibriError(f"{ctx}: file {t['file']!r} is not in the file table")
+            if t["dtype"] not in STORAGE_DTYPES:
+                raise ColibriError(f"{ctx}: unknown dtype {t['dtype']!r}")
+            if kind != "matrix" and t["dtype"] != "f32":
+                raise ColibriError(f"{ctx}: expected dtype f32, got {t['dtype']}")
+            if tuple(t["shape"]) != shape:
+                raise ColibriError(f"{ctx}: expected shape {list(shape)}, got {t['shape']}")
+            if t.get("layout", "rows") not in LAYOUTS:
+                raise ColibriError(f"{ctx}: unsupported layout {t.get('layout')!r} (supported: {', '.join(LAYOUTS)})")
+            nbytes = int(np.prod(shape)) * STORAGE_DTYPES[t["dtype"]].itemsize
+            if t["nbytes"] != nbytes:
+                raise ColibriError(f"{ctx}: expected {nbytes} bytes for {t['dtype']} {list(shape)}, table says {t['nbytes']}")
+            if t["offset"] < 0 or t["offset"] % ALIGNMENT:
+                raise ColibriError(f"{ctx}: offset {t['offset']} is not a multiple of {ALIGNMENT}")
+            if t["offset"] + nbytes > self.files[t["file"]]["size"]:
+                raise ColibriError(f"{ctx}: bytes {t['offset']}..{t['offset'] + nbytes} lie past the end "
+                                   f"of {t['file']} ({self.files[t['file']]['size']} bytes)")
+        return tensors
+
+    def verify(self, progress=None) -> list:
+        """sha256 of every file against the table: a list of (file, problem), empty when all match."""
+        bad = []
+        for i, (rel, entry) in enumerate(sorted(self.files.items())):
+            if progress:
+                progress(i, len(self.files), rel)
+            h = hashlib.sha256()
+            with open(self.root / rel, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() != entry["sha256"]:
+                bad.append((rel, f"sha256 mismatch: expected {entry['sha256'][:16]}..., got {h.hexdigest()[:16]}..."))
+        return bad
+
+
+class MappedModelDir:
+    """Read-only mappings of every file of a validated ModelDir; weights are used in place.
+
+    `address(name)` is the address of a tensor's first byte, valid until close().
+    """
+
+    def __init__(self, md: ModelDir):
+        self.md = md
+        self._maps = {}      # rel -> (mmap, uint8 view [size])
+        try:
+            for rel, entry in md.files.items():
+                if entry["size"] == 0:
+                    continue
+                with open(md.root / rel, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                if len(mm) != entry["size"]:        # changed since validation
+                    mm.close()
+                    raise ColibriError(f"{md.root / rel} changed size while loading")
+                self._maps[rel] = (mm, np.frombuffer(mm, dtype=np.uint8))
+        except OSError as e:
+            self.close()
+            raise ColibriError(f"cannot map {e.filename or md.root}: {e.strerror}") from None
+
+    def address(self, name: str) -> int:
+        t = self.md.tensors[name]
+        return self._maps[t["file"]][1].ctypes.data + t["offset"]
+
+    def array(self, name: str) -> np.ndarray:
+        """A read-only numpy view of a tensor in its storage dtype (no copy)."""
+        t = self.md.tensors[name]
+        view = self._maps[t["file"]][1][t["offset"]:t["offset"] + t["nbytes"]]
+        return view.view(STORAGE_DTYPES[t["dtype"]]).reshape(t["shape"])
+
+    def engine_table(self) -> dict:
+        """name -> (address, dtype, shape), the form colibri._kernels.Engine takes."""
+        return {n: (self.address(n), t["dtype"], tuple(t["shape"])) for n, t in self.md.tensors.items()}
+
+    def close(self):
+        for mm, view in self._maps.values():
+            del view
+        maps, self._maps = self._maps, {}
+        for mm, _ in maps.values():
+            try:
+                mm.close()
+            except BufferError:     # a view is still alive somewhere; the mapping goes with it
+                pass
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def to_storage(array: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 (or float16/float64) values -> the stored elements of `dtype`, little-endian.
+
+    bf16 rounds to nearest even, as torch's .to(torch.bfloat16) does; NaN stays NaN.
+    """
+    a = np.asarray(array, dtype=np.float32)
+    if dtype == "f32":
+        return a.astype("<f4", copy=False)
+    if dtype == "f16":
+        return a.astype("<f2")
+    if dtype == "bf16":
+        bits = a.view(np.uint32)
+        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+        nan = np.isnan(a)
+        if nan.any():
+            rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+        return rounded.astype("<u2", copy=False)
+    raise ColibriError(f"unknown storage dtype {dtype!r}")
+
+
+def from_storage(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored elements -> float32 values (the inverse of to_storage, exact)."""
+    if dtype == "bf16":
+        return (np.asarray(stored, np.uint32) << 16).view(np.float32)
+    return np.asarray(stored, np.float32)
+
+
+class ModelDirWriter:
+    """Writes a model directory file by file; `finish()` writes config.json with both tables."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.tensors = {}
+        self.files = {}
+
+    def write_file(self, rel: str, items) -> None:
+        """items: iterable of (name, stored array, dtype), written in order, each 64-byte aligned."""
+        path = safe_path(self.root, rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256()
+        offset = 0
+        with open(path, "wb") as f:
+            for name, stored, dtype in items:
+                pad = (-offset) % ALIGNMENT
+                if pad:
+                    f.write(b"\0" * pad)
+                    h.update(b"\0" * pad)
+                    offset += pad
+                data = np.ascontiguousarray(stored).tobytes()
+                f.write(data)
+                h.update(data)
+                self.tensors[name] = {"file": rel, "offset": offset, "nbytes": len(data), "dtype": dtype,
+                                      "shape": list(stored.shape), "layout": "rows"}
+                offset += len(data)
+        self.files[rel] = {"size": offset, "sha256": h.hexdigest()}
+
+    def add_file(self, rel: str, source: Path) -> None:
+        """Copy a file that holds no tensors (tokenizer.model) into the directory and the file table."""
+        path = safe_path(self.root, rel)
+        data = Path(source).read_bytes()
+        path.write_bytes(data)
+        self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def finish(self, config: ModelConfig, weight_dtype: str, source: dict) -> None:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "byte_order": "little",
+            "alignment": ALIGNMENT,
+            "weight_dtype": weight_dtype,
+            "model": config.to_dict(),
+            "source": source,
+            "tensors": self.tensors,
+            "files": dict(sorted(self.files.items())),
+        }
+        (self.root / CONFIG_NAME).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
