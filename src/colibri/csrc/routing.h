@@ -17,8 +17,7 @@
 static int cb_route(float *logits, int n_experts, int k, int norm_topk_prob, int *chosen,
                     float *weights) {
     for (int e = 0; e < n_experts; e++) if (!isfinite(logits[e])) return -1;
-    if (cb_softmax(logits, n_experts) != 0) return -1;
-    float total = 0.0f;
+    /* top-k on the logits themselves: two logits that differ can round to equal probabilities */
     for (int j = 0; j < k; j++) {
         int best = -1;
         for (int e = 0; e < n_experts; e++) {
@@ -27,8 +26,12 @@ static int cb_route(float *logits, int n_experts, int k, int norm_topk_prob, int
             if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
         }
         chosen[j] = best;
-        weights[j] = logits[best];
-        total += logits[best];
+    }
+    if (cb_softmax(logits, n_experts) != 0) return -1;
+    float total = 0.0f;
+    for (int j = 0; j < k; j++) {
+        weights[j] = logits[chosen[j]];
+        total += weights[j];
     }
     if (norm_topk_prob) {
         for (int j = 0; j < k; j++) weights[j] /= total;

@@ -127,6 +127,11 @@ class Model:
         return self._engine.chosen.copy(), self._engine.chosen_weights.copy()
 
     @property
+    def last_logits(self) -> np.ndarray:
+        """float32 [vocab]: the logits of the last position run (e.g. inside a generate() step)."""
+        return self._engine.logits.copy()
+
+    @property
     def expert_counts(self) -> np.ndarray:
         """int64 [n_layers, num_experts]: how often each expert was chosen since the last reset."""
         return self._engine.expert_counts.copy()

@@ -1,0 +1,37 @@
+"""Shared test fixtures: the transformers fixture cases, converted once per session.
+
+`converted(case, dtype)` converts tests/fixtures/<case>/hf into a temporary Colibri model
+directory (cached for the session) and returns its path; `reference(case)` loads the reference
+outputs that tools/make_fixtures.py wrote with transformers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file())
+ARCH_OF_CASE = {c: c.rsplit("_", 1)[0] for c in CASES}
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    from colibri.convert import convert
+
+    cache = {}
+
+    def get(case: str, dtype: str = "f32") -> Path:
+        key = (case, dtype)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{case}_{dtype}") / "model"
+            convert(FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None)
+            cache[key] = out
+        return cache[key]
+    return get
+
+
+def reference(case: str) -> dict:
+    with np.load(FIXTURES / case / "reference.npz") as z:
+        return {k: z[k] for k in z.files}

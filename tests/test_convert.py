@@ -1,0 +1,181 @@
+"""The converter: input layouts (single, sharded, per-expert, stacked, bf16/f16), output format,
+and its refusals (unknown tensors, missing tensors, occupied output directory)."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri.convert import convert
+from colibri.hfcheckpoint import HFCheckpoint
+from colibri.modeldir import ALIGNMENT, ModelDir
+from conftest import FIXTURES, reference
+
+SILENT = dict(log=lambda *a: None)
+
+
+def write_safetensors(path: Path, tensors: dict) -> None:
+    """Minimal safetensors writer for tests: {name: float32 array} -> F32 tensors."""
+    header, blobs, offset = {}, [], 0
+    for name, arr in tensors.items():
+        data = np.ascontiguousarray(arr, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def checkpoint_tensors(case: str) -> dict:
+    ck = HFCheckpoint(FIXTURES / case / "hf")
+    return {n: ck.f32(n) for n in ck.names()}
+
+
+def hf_copy(case: str, dest: Path, tensors: dict | None = None, config_edit=None) -> Path:
+    """A copy of a fixture HF directory, optionally with other tensors or config fields."""
+    src = FIXTURES / case / "hf"
+    dest.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    if config_edit:
+        config_edit(cfg)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name != "config.json" and (tensors is None or "safetensors" not in f.name):
+            shutil.copy(f, dest / f.name)
+    if tensors is not None:
+        write_safetensors(dest / "model.safetensors", tensors)
+    return dest
+
+
+def test_sharded_checkpoint_converts(converted):
+    assert (FIXTURES / "mixtral_b" / "hf" / "model.safetensors.index.json").is_file()
+    md = ModelDir(converted("mixtral_b"))
+    assert md.config.tie_word_embeddings and "lm_head" not in md.tensors
+
+
+def test_stacked_and_per_expert_experts_convert_to_the_same_bytes(tmp_path):
+    """Rewrite mixtral_a with transformers' in-memory stacked layout; the output must be identical."""
+    t = checkpoint_tensors("mixtral_a")
+    cfg = json.loads((FIXTURES / "mixtral_a" / "hf" / "config.json").read_text())
+    stacked = {}
+    for name, arr in t.items():
+        if ".experts." not in name:
+            stacked[name.replace("block_sparse_moe.gate", "mlp.gate")] = arr
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.block_sparse_moe.experts."
+        E = cfg["num_local_experts"]
+        stacked[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([t[f"{p}{e}.w1.weight"], t[f"{p}{e}.w3.weight"]]) for e in range(E)])
+        stacked[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack([t[f"{p}{e}.w2.weight"] for e in range(E)])
+    convert(hf_copy("mixtral_a", tmp_path / "stacked_hf", stacked), tmp_path / "stacked", **SILENT)
+    convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "per_expert", **SILENT)
+    a, b = ModelDir(tmp_path / "stacked"), ModelDir(tmp_path / "per_expert")
+    assert a.files.keys() == b.files.keys()
+    for rel in a.files:
+        assert (tmp_path / "stacked" / rel).read_bytes() == (tmp_path / "per_expert" / rel).read_bytes(), rel
+
+
+def test_stacked_fixture_matches_reference(converted):
+    ref = reference("qwen3moe_b")
+    logits = colibri.load(converted("qwen3moe_b")).forward(ref["input_ids"])
+    assert np.abs(logits - ref["logits_f32"]).max() <= 1e-4 * np.abs(ref["logits_f32"]).max()
+
+
+def test_bf16_checkpoint_keeps_its_exact_bits(converted):
+    ck = HFCheckpoint(FIXTURES / "olmoe_b" / "hf")
+    raw, kind = ck.raw("model.layers.0.mlp.experts.3.up_proj.weight")
+    assert kind == "bf16"
+    m = colibri.load(converted("olmoe_b", "bf16"))
+    from colibri.modeldir import MappedModelDir
+    stored = MappedModelDir(m._dir).array("layers.0.experts.3.up")
+    assert np.array_equal(stored, raw)
+
+
+def test_layout_one_expert_per_file_and_alignment(converted):
+    md = ModelDir(converted("qwen2moe_a", "bf16"))
+    for name, t in md.tensors.items():
+        assert t["offset"] % ALIGNMENT == 0
+        if ".experts." in name:
+            layer, expert = int(name.split(".")[1]), int(name.split(".")[3])
+            assert t["file"] == f"layers/{layer:02d}/expert_{expert:03d}.bin"
+            assert t["dtype"] == "bf16"
+        if name.endswith(("norm", "router", "shared_gate")) or name.split(".")[-1] in ("bq", "bk", "bv"):
+            assert t["dtype"] == "f32", name
+    per_file = {}
+    for name, t in md.tensors.items():
+        per_file.setdefault(t["file"], []).append(name.rsplit(".", 1)[-1])
+    experts = [f for f in per_file if "/expert_" in f]
+    assert experts and all(sorted(per_file[f]) == ["down", "gate", "up"] for f in experts)
+    assert (md.root / "layers" / "01" / "shared_expert.bin").is_file()
+    assert (md.root / "layers" / "00" / "mlp.bin").is_file()       # decoder_sparse_step 2: layer 0 is dense
+
+
+def test_tokenizer_is_copied_and_hashed(converted):
+    md = ModelDir(converted("mixtral_a"))
+    assert "tokenizer.model" in md.files
+    assert (md.root / "tokenizer.model").read_bytes() == (FIXTURES / "mixtral_a" / "hf" / "tokenizer.model").read_bytes()
+    assert md.verify() == []
+
+
+def test_unconsumed_tensor_is_an_error_naming_it(tmp_path):
+    t = checkpoint_tensors("olmoe_a")
+    t["model.layers.0.mlp.mystery.weight"] = np.zeros((4, 4), np.float32)
+    with pytest.raises(colibri.ColibriError, match="model.layers.0.mlp.mystery.weight"):
+        convert(hf_copy("olmoe_a", tmp_path / "hf", t), tmp_path / "out", **SILENT)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_tensor_is_an_error(tmp_path):
+    t = checkpoint_tensors("olmoe_a")
+    del t["model.layers.1.mlp.experts.5.down_proj.weight"]
+    with pytest.raises(colibri.ColibriError, match="layers.1.experts.5.down"):
+        convert(hf_copy("olmoe_a", tmp_path / "hf", t), tmp_path / "out", **SILENT)
+
+
+def test_shape_mismatch_leaves_no_output(tmp_path):
+    t = checkpoint_tensors("olmoe_a")
+    t["model.layers.1.mlp.experts.7.up_proj.weight"] = np.zeros((3, 64), np.float32)
+    with pytest.raises(colibri.ColibriError, match="layers.1.experts.7.up"):
+        convert(hf_copy("olmoe_a", tmp_path / "hf", t), tmp_path / "out", **SILENT)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]      # no output, no temporary directory
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    def edit(cfg):
+        cfg["architectures"] = ["LlamaForCausalLM"]
+    with pytest.raises(colibri.ColibriError, match="LlamaForCausalLM"):
+        convert(hf_copy("olmoe_a", tmp_path / "hf", config_edit=edit), tmp_path / "out", **SILENT)
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    def edit(cfg):
+        cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(colibri.ColibriError, match="yarn"):
+        convert(hf_copy("olmoe_a", tmp_path / "hf", config_edit=edit), tmp_path / "out", **SILENT)
+
+
+def test_existing_output_needs_force_and_is_replaced_whole(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(colibri.ColibriError, match="--force"):
+        convert(FIXTURES / "olmoe_a" / "hf", out, **SILENT)
+    assert (out / "keep.txt").read_text() == "precious"
+    convert(FIXTURES / "olmoe_a" / "hf", out, force=True, **SILENT)
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_truncated_safetensors_is_refused(tmp_path):
+    hf = hf_copy("olmoe_a", tmp_path / "hf")
+    st = hf / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[:-100])
+    with pytest.raises(colibri.ColibriError, match="model.safetensors"):
+        convert(hf, tmp_path / "out", **SILENT)
