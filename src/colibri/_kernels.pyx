@@ -24,12 +24,16 @@ from libc.math cimport expf
 import numpy as np
 
 cdef extern from "kernels_scalar.h" nogil:
-    int CB_F32, CB_F16, CB_BF16
+    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4
+    ctypedef struct cb_act_q8:
+        signed char *q     # [n]
+        float *d           # [n / 32]
+        int n
     void cb_init_tables()
+
     float cb_f16_to_f32_exact(uint16_t h)
     float cb_bf16_to_f32(uint16_t h)
-    void cb_matvec(float *out, const void *w, int dtype, const float *x, int rows, int cols,
-                   int n_threads)
+    size_t cb_row_stride(int dtype, int cols)
     void cb_dequant_row(float *out, const void *w, int dtype, int row, int cols)
     void cb_rmsnorm(float *out, const float *x, const float *weight, int n, float eps)
     void cb_add(float *acc, const float *x, int n)
@@ -43,11 +47,77 @@ cdef extern from "kernels_scalar.h" nogil:
                       int start, int pos, int n_threads)
     int cb_all_finite(const float *x, int n)
 
+cdef extern from "dispatch.h" nogil:
+    int CB_ISA_SCALAR, CB_ISA_AVX2, CB_ISA_AVX512
+    ctypedef struct cb_cpu_features:
+        int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
+        int avx512_vnni, avx512_bf16, avx_vnni, os_avx, os_avx512
+    ctypedef struct cb_kernel_table:
+        int isa
+    cb_kernel_table cb_kt
+    cb_cpu_features cb_cpu
+    cb_cpu_features cb_detect_cpu()
+    int cb_best_isa(const cb_cpu_features *f)
+    int cb_select_isa(int isa)
+    void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_act_q8 *a,
+                   int rows, int cols, int n_threads)
+
 cdef extern from "routing.h" nogil:
     int cb_route(float *logits, int n_experts, int k, int norm_topk_prob, int *chosen,
                  float *weights)
 
 cb_init_tables()
+
+# ---- the SIMD tier, chosen once at import (COLIBRI_ISA forces one) ---------------------------
+
+ISA_NAMES = {"scalar": CB_ISA_SCALAR, "avx2": CB_ISA_AVX2, "avx512": CB_ISA_AVX512}
+
+
+def cpu_features():
+    """What this CPU and OS support: {feature name: bool}."""
+    cdef cb_cpu_features f = cb_detect_cpu()
+    return {"avx2": bool(f.avx2), "fma": bool(f.fma), "f16c": bool(f.f16c), "avx512f": bool(f.avx512f),
+            "avx512bw": bool(f.avx512bw), "avx512vl": bool(f.avx512vl), "avx512dq": bool(f.avx512dq),
+            "avx512_vnni": bool(f.avx512_vnni), "avx512_bf16": bool(f.avx512_bf16),
+            "avx_vnni": bool(f.avx_vnni), "os_avx": bool(f.os_avx), "os_avx512": bool(f.os_avx512)}
+
+
+def available_isas():
+    """The tiers this machine can run, slowest first."""
+    cdef cb_cpu_features f = cb_detect_cpu()
+    best = cb_best_isa(&f)
+    return [name for name, code in ISA_NAMES.items() if code <= best]
+
+
+def select_isa(str name):
+    """Switch every kernel to tier `name` (scalar, avx2, avx512). ValueError if unavailable."""
+    if name not in ISA_NAMES:
+        raise ValueError(f"COLIBRI_ISA={name!r} is not a tier; choose one of {', '.join(ISA_NAMES)}")
+    if cb_select_isa(ISA_NAMES[name]) != 0:
+        raise ValueError(f"COLIBRI_ISA={name}: this CPU (or OS) does not support it; "
+                         f"available: {', '.join(available_isas())}")
+
+
+def isa():
+    """The tier in use."""
+    return {v: k for k, v in ISA_NAMES.items()}[cb_kt.isa]
+
+
+def _select_at_import():
+    import os
+    forced = os.environ.get("COLIBRI_ISA", "").strip().lower()
+    if forced:
+        select_isa(forced)        # ValueError names the problem; colibri.model turns it into a clear error
+    else:
+        select_isa(max(available_isas(), key=ISA_NAMES.get))
+
+
+try:
+    _select_at_import()
+    ISA_ERROR = None
+except ValueError as e:           # keep importable; loading a model reports the error
+    select_isa(max(available_isas(), key=ISA_NAMES.get))
+    ISA_ERROR = str(e)
 
 # Step status codes, read by model.py.
 cpdef enum:
@@ -115,6 +185,7 @@ cdef struct Hyper:
     int n_threads
 
 cdef struct Scratch:
+    cb_act_q8 act     # activations quantized per block for int8/int4 weights: q [max_cols], d [max_cols / 32]
     float *x          # [d_model] the residual stream
     float *xb         # [d_model] normed input of a block
     float *xb2        # [d_model] output of a block
@@ -136,16 +207,16 @@ cdef struct Scratch:
 
 # ---- the blocks of the token step -----------------------------------------------------------
 
-cdef inline void matvec(float *out, const Mat *m, const float *x, int n_threads) noexcept nogil:
-    cb_matvec(out, m.data, m.dtype, x, m.rows, m.cols, n_threads)
+cdef inline void matvec(float *out, const Mat *m, const float *x, Scratch *s, int n_threads) noexcept nogil:
+    cb_matvec(out, m.data, m.dtype, x, &s.act, m.rows, m.cols, n_threads)
 
 
 cdef void ffn(const FFN *f, const float *x, float *out, Scratch *s, int n_threads) noexcept nogil:
     """out[d_model] = down(silu(gate x) * up x)."""
-    matvec(s.hb, &f.gate, x, n_threads)
-    matvec(s.hb2, &f.up, x, n_threads)
+    matvec(s.hb, &f.gate, x, s, n_threads)
+    matvec(s.hb2, &f.up, x, s, n_threads)
     cb_swiglu(s.hb, s.hb2, f.gate.rows)
-    matvec(out, &f.down, s.hb, n_threads)
+    matvec(out, &f.down, s.hb, s, n_threads)
 
 
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
@@ -156,9 +227,9 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogi
     cdef float *v = L.v_cache + <size_t>pos * kv_dim
     cdef int i
     # projections (+ biases)
-    matvec(s.q, &L.wq, s.xb, h.n_threads)
-    matvec(k, &L.wk, s.xb, h.n_threads)
-    matvec(v, &L.wv, s.xb, h.n_threads)
+    matvec(s.q, &L.wq, s.xb, s, h.n_threads)
+    matvec(k, &L.wk, s.xb, s, h.n_threads)
+    matvec(v, &L.wv, s.xb, s, h.n_threads)
     if L.bq != NULL:
         cb_add(s.q, L.bq, q_dim)
         cb_add(k, L.bk, kv_dim)
@@ -189,7 +260,7 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogi
     cb_attention(s.att, s.q, L.k_cache, L.v_cache, s.scores, h.n_heads, h.n_kv_heads,
                  h.head_dim, h.n_ctx, start, pos, h.n_threads)
     # output projection
-    matvec(s.xb2, &L.wo, s.att, h.n_threads)
+    matvec(s.xb2, &L.wo, s.att, s, h.n_threads)
     if L.bo != NULL:
         cb_add(s.xb2, L.bo, h.d_model)
 
@@ -200,7 +271,7 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
     cdef float *weights = s.chosen_w + layer * h.top_k
     cdef int j, e
     # router: float logits -> top-k experts and their weights
-    matvec(s.router, &L.router, s.xb, h.n_threads)
+    matvec(s.router, &L.router, s.xb, s, h.n_threads)
     if cb_route(s.router, h.n_experts, h.top_k, h.norm_topk_prob, chosen, weights) != 0:
         s.bad_layer = layer
         return STATUS_BAD_ROUTER
@@ -246,13 +317,13 @@ cdef int token_step(const Hyper *h, Layer *layers, const Mat *embedding, const f
     if not want_logits:
         return STATUS_OK if cb_all_finite(s.x, h.d_model) else STATUS_BAD_HIDDEN
     cb_rmsnorm(s.x, s.x, final_norm, h.d_model, h.rms_eps)        # head
-    matvec(s.logits, lm_head, s.x, h.n_threads)
+    matvec(s.logits, lm_head, s.x, s, h.n_threads)
     return STATUS_OK if cb_all_finite(s.logits, h.vocab) else STATUS_BAD_LOGITS
 
 
 # ---- the Python-facing engine ---------------------------------------------------------------
 
-DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16}
+DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4}
 
 
 cdef class Engine:
@@ -303,6 +374,7 @@ cdef class Engine:
         cdef int q_dim = self.h.n_heads * self.h.head_dim
         cdef int kv_dim = self.h.n_kv_heads * self.h.head_dim
         max_ff = max([1] + [f["d_ff"] for f in layer_flags])
+        max_cols = max(d, q_dim, max_ff)
         f32 = np.float32
         keep = {
             "x": np.zeros(d, f32), "xb": np.zeros(d, f32), "xb2": np.zeros(d, f32),
@@ -315,12 +387,16 @@ cdef class Engine:
             "chosen": np.zeros((n_layers, top_k), np.int32),
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
+            "act_q": np.zeros(max_cols, np.int8), "act_d": np.zeros(max_cols // 32 + 1, f32),
             # KV cache: zero pages are only touched (made resident) as positions are filled.
             "k_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
             "v_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
         }
         assert keep["rope_cos"].shape == (n_ctx, self.h.head_dim // 2)
         self._keep = keep
+        self.s.act.q = <signed char *><uintptr_t>keep["act_q"].ctypes.data
+        self.s.act.d = _f32(keep["act_d"])
+        self.s.act.n = 0
         self.s.x = _f32(keep["x"]); self.s.xb = _f32(keep["xb"]); self.s.xb2 = _f32(keep["xb2"])
         self.s.q = _f32(keep["q"]); self.s.att = _f32(keep["att"])
         self.s.scores = _f32(keep["scores"])
@@ -458,14 +534,39 @@ def kernel_f16_to_f32(uint16_t h):
 
 
 def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1):
-    """W @ x with W a C-contiguous [rows, cols] array of the storage dtype (uint16 for f16/bf16)."""
+    """W @ x through the kernel table of the current tier.
+
+    w: the stored matrix, C-contiguous — [rows, cols] float32 (f32), uint16 (f16/bf16), or
+    [rows, cols // 32 * block bytes] uint8 for int8/int4 (see colibri.quant)."""
     w = np.ascontiguousarray(w)
-    out = np.zeros(w.shape[0], np.float32)
+    cdef int rows = w.shape[0]
+    cdef int cols = x.shape[0]
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    cdef int code = DTYPE_CODES[dtype]
+    if (code == CB_INT8 or code == CB_INT4) and cols % 32:
+        raise ValueError(f"{dtype} needs a multiple of 32 columns, got {cols}")
+    if w.nbytes != rows * cb_row_stride(code, cols):
+        raise ValueError(f"matrix of {w.nbytes} bytes does not hold {rows} rows of {cols} {dtype} values")
+    out = np.zeros(rows, np.float32)
+    act_q = np.zeros(cols, np.int8)
+    act_d = np.zeros(cols // 32 + 1, np.float32)
+    cdef cb_act_q8 act
+    act.q = <signed char *><uintptr_t>act_q.ctypes.data
+    act.d = <float *><uintptr_t>act_d.ctypes.data
     cdef float[::1] o = out
-    if w.shape[1] != x.shape[0]:
-        raise ValueError("shape mismatch")
-    cb_matvec(&o[0], <const void *><uintptr_t>w.ctypes.data, DTYPE_CODES[dtype], &x[0],
-              w.shape[0], w.shape[1], n_threads)
+    if rows == 0 or cols == 0:
+        return out
+    cb_matvec(&o[0], <const void *><uintptr_t>w.ctypes.data, code, &x[0], &act, rows, cols, n_threads)
+    return out
+
+
+def kernel_dequant_row(w, int row, int cols, str dtype):
+    """Row `row` of a stored matrix as float32 [cols] (the embedding lookup)."""
+    w = np.ascontiguousarray(w)
+    out = np.zeros(cols, np.float32)
+    cdef float[::1] o = out
+    cb_dequant_row(&o[0], <const void *><uintptr_t>w.ctypes.data, DTYPE_CODES[dtype], row, cols)
     return out
 
 

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a Colibri model directory")
     conv.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", required=True)
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
-    conv.add_argument("--quantize", choices=("f32", "f16", "bf16"), default="f32",
+    conv.add_argument("--quantize", choices=("f32", "f16", "bf16", "int8", "int4"), default="f32",
                       help="storage of the weight matrices; norms, biases and routers stay f32")
     conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
 

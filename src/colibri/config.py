@@ -25,6 +25,32 @@ HIDDEN_ACTS = ("silu",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def _is(v, kind) -> bool:
+    if kind is None:
+        return v is None
+    if kind is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, kind)
+
+
+_KIND_NAMES = {None: "null", int: "an integer", float: "a number", bool: "true/false", str: "a string",
+               list: "a list"}
+# the JSON type of every field, checked before any value is used
+_FIELD_TYPES = {
+    "architecture": (str,), "hidden_act": (str,), "qk_norm": (str,),
+    "vocab_size": (int,), "hidden_size": (int,), "num_hidden_layers": (int,), "num_attention_heads": (int,),
+    "num_key_value_heads": (int,), "head_dim": (int,), "max_position_embeddings": (int,),
+    "num_experts": (int,), "num_experts_per_tok": (int,), "moe_intermediate_size": (int,),
+    "intermediate_size": (int,), "shared_expert_intermediate_size": (int,),
+    "rms_norm_eps": (float,), "rope_theta": (float,), "clip_qkv": (float, None),
+    "norm_topk_prob": (bool,), "tie_word_embeddings": (bool,), "attention_bias": (bool,),
+    "attention_out_bias": (bool,), "sliding_window": (int, None), "bos_token_id": (int, None),
+    "layer_types": (list,), "moe_layers": (list,), "eos_token_id": (list,),
+}
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -80,6 +106,11 @@ class ModelConfig:
         def fail(msg):
             raise ColibriError(f"{source}: {msg}")
 
+        for name, kinds in _FIELD_TYPES.items():
+            v = getattr(self, name)
+            if not any(_is(v, k) for k in kinds):
+                fail(f"{name} must be {' or '.join(_KIND_NAMES[k] for k in kinds)}, got {v!r}")
+
         def positive_int(name, limit=1 << 24):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= limit:
@@ -103,10 +134,10 @@ class ModelConfig:
                  f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             fail(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        for name in ("rms_norm_eps", "rope_theta"):
+        for name, lower, upper in (("rms_norm_eps", 1e-12, 1.0), ("rope_theta", 1.0, 1e12)):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v != v or v == float("inf"):
-                fail(f"{name} must be a positive number, got {v!r}")
+            if not lower <= v <= upper:       # also false for NaN
+                fail(f"{name} must be a number in [{lower:g}, {upper:g}], got {v!r}")
         if self.hidden_act not in HIDDEN_ACTS:
             fail(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
         if self.qk_norm not in QK_NORM_MODES:
@@ -114,7 +145,7 @@ class ModelConfig:
         if self.qk_norm == "whole" and self.num_attention_heads * self.head_dim != self.hidden_size:
             # OLMoE's q_norm is sized hidden_size; it only lines up when heads*head_dim == hidden.
             fail("qk_norm 'whole' needs num_attention_heads * head_dim == hidden_size")
-        if self.clip_qkv is not None and not (isinstance(self.clip_qkv, (int, float)) and self.clip_qkv > 0):
+        if self.clip_qkv is not None and not 0 < self.clip_qkv < 1e30:
             fail(f"clip_qkv must be a positive number or null, got {self.clip_qkv!r}")
         n = self.num_hidden_layers
         if len(self.moe_layers) != n or not all(isinstance(b, bool) for b in self.moe_layers):
@@ -122,7 +153,7 @@ class ModelConfig:
         if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
             fail(f"layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}")
         if "sliding_attention" in self.layer_types:
-            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            if not isinstance(self.sliding_window, int) or not 1 <= self.sliding_window <= (1 << 30):
                 fail(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
         if not all(self.moe_layers) and self.intermediate_size < 1:
             fail("intermediate_size must be positive when some layers are dense")

@@ -15,7 +15,9 @@ Design
    when complete: an interrupted conversion leaves nothing half-written.
 
 Matrices (embedding, lm_head, attention, experts, dense MLPs) are stored in the chosen
-`--quantize` dtype; the router, the shared-expert gate, norms and biases stay f32.
+`--quantize` dtype; the router, the shared-expert gate, norms and biases stay f32. With int8 or
+int4, a matrix whose number of columns is not a multiple of 32 (only in toy models) is stored in
+f16 instead, and the converter says how many.
 """
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint
-from .modeldir import WEIGHT_DTYPES, ModelDirWriter, safe_path, tensor_file, to_storage
+from .modeldir import BLOCK_FORMATS, WEIGHT_DTYPES, ModelDirWriter, storage_nbytes, tensor_file, to_storage
+from .quant import QBLOCK
+
+# a matrix whose rows are not a whole number of blocks cannot be int8/int4: it is stored in this
+FALLBACK_DTYPE = "f16"
 
 # ---- the registry: HF config -> ModelConfig ---------------------------------------------------
 
@@ -248,9 +254,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         raise ColibriError(f"output directory {out} exists and is not empty (use --force to replace it)")
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    itemsize = {"f32": 4, "f16": 2, "bf16": 2}
-    need = sum(int(np.prod(shape)) * (itemsize[quantize] if kind == "matrix" else 4) + 64
-               for shape, kind in expected.values())
+    dtypes = {name: _dtype_for(shape, kind, quantize) for name, (shape, kind) in expected.items()}
+    need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
     free = shutil.disk_usage(parent).free
     if need > free:
         raise ColibriError(f"not enough disk space in {parent}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB")
@@ -263,7 +268,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         for name in expected:                                  # canonical order within a file
             by_file.setdefault(tensor_file(name), []).append(name)
         for rel, names in sorted(by_file.items()):
-            writer.write_file(rel, (_stored(name, plan[name](), expected[name], quantize) for name in names))
+            writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name]) for name in names))
         tok = Path(hf_dir) / "tokenizer.model"
         if tok.is_file():
             writer.add_file("tokenizer.model", tok)
@@ -273,19 +278,28 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fallback = sum(1 for n, (_, kind) in expected.items() if kind == "matrix" and dtypes[n] != quantize)
+    if fallback:
+        log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
     log(f"[INFO] Converted {arch} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
         f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}"
         + ("" if (out / "tokenizer.model").exists() else " (no tokenizer.model: raw token ids only)"))
     return cfg
 
 
-def _stored(name, values, spec, quantize):
-    shape, kind = spec
+def _dtype_for(shape, kind, quantize):
+    if kind != "matrix":
+        return "f32"
+    if quantize in BLOCK_FORMATS and shape[-1] % QBLOCK:
+        return FALLBACK_DTYPE
+    return quantize
+
+
+def _stored(name, values, shape, dtype):
     if tuple(values.shape) != shape:
         raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
                            f"checkpoint has {list(values.shape)}")
-    dtype = quantize if kind == "matrix" else "f32"
-    return name, to_storage(values, dtype), dtype
+    return name, to_storage(values, dtype), dtype, shape
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

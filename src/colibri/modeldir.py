@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import quant
 from .config import ModelConfig
 from .errors import ColibriError
 
@@ -33,9 +34,20 @@ FORMAT_VERSION = 1
 ALIGNMENT = 64                       # every tensor starts on a 64-byte boundary in its file
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 64 << 20          # a config.json larger than this is refused
-# storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits)
-STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
-WEIGHT_DTYPES = ("f32", "f16", "bf16")
+# storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits; the
+# block formats int8/int4 are stored as bytes, [rows, cols / 32 * block bytes])
+STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
+                  "int8": np.dtype("u1"), "int4": np.dtype("u1")}
+WEIGHT_DTYPES = ("f32", "f16", "bf16", "int8", "int4")
+BLOCK_FORMATS = ("int8", "int4")
+
+
+def storage_nbytes(dtype: str, shape) -> int:
+    """Bytes of a tensor of logical `shape` stored as `dtype`."""
+    if dtype in BLOCK_FORMATS:
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        return rows * quant.row_bytes(dtype, shape[-1])
+    return int(np.prod(shape)) * STORAGE_DTYPES[dtype].itemsize
 LAYOUTS = ("rows",)
 
 
@@ -168,7 +180,9 @@ class ModelDir:
                 raise ColibriError(f"{ctx}: expected shape {list(shape)}, got {t['shape']}")
             if t.get("layout", "rows") not in LAYOUTS:
                 raise ColibriError(f"{ctx}: unsupported layout {t.get('layout')!r} (supported: {', '.join(LAYOUTS)})")
-            nbytes = int(np.prod(shape)) * STORAGE_DTYPES[t["dtype"]].itemsize
+            if t["dtype"] in BLOCK_FORMATS and (len(shape) != 2 or shape[1] % quant.QBLOCK):
+                raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
+            nbytes = storage_nbytes(t["dtype"], shape)
             if t["nbytes"] != nbytes:
                 raise ColibriError(f"{ctx}: expected {nbytes} bytes for {t['dtype']} {list(shape)}, table says {t['nbytes']}")
             if t["offset"] < 0 or t["offset"] % ALIGNMENT:
@@ -224,6 +238,8 @@ class MappedModelDir:
         """A read-only numpy view of a tensor in its storage dtype (no copy)."""
         t = self.md.tensors[name]
         view = self._maps[t["file"]][1][t["offset"]:t["offset"] + t["nbytes"]]
+        if t["dtype"] in BLOCK_FORMATS:
+            return view.reshape(t["shape"][0], -1)
         return view.view(STORAGE_DTYPES[t["dtype"]]).reshape(t["shape"])
 
     def engine_table(self) -> dict:
@@ -260,11 +276,15 @@ def to_storage(array: np.ndarray, dtype: str) -> np.ndarray:
         if nan.any():
             rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
         return rounded.astype("<u2", copy=False)
+    if dtype in BLOCK_FORMATS:
+        return quant.quantize(a, dtype)
     raise ColibriError(f"unknown storage dtype {dtype!r}")
 
 
-def from_storage(stored: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored elements -> float32 values (the inverse of to_storage, exact)."""
+def from_storage(stored: np.ndarray, dtype: str, cols: int | None = None) -> np.ndarray:
+    """Stored elements -> float32 values (exact: block formats give what the kernels use)."""
+    if dtype in BLOCK_FORMATS:
+        return quant.dequantize(stored, dtype, cols)
     if dtype == "bf16":
         return (np.asarray(stored, np.uint32) << 16).view(np.float32)
     return np.asarray(stored, np.float32)
@@ -279,13 +299,13 @@ class ModelDirWriter:
         self.files = {}
 
     def write_file(self, rel: str, items) -> None:
-        """items: iterable of (name, stored array, dtype), written in order, each 64-byte aligned."""
+        """items: iterable of (name, stored array, dtype, logical shape), in order, each 64-byte aligned."""
         path = safe_path(self.root, rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
         offset = 0
         with open(path, "wb") as f:
-            for name, stored, dtype in items:
+            for name, stored, dtype, shape in items:
                 pad = (-offset) % ALIGNMENT
                 if pad:
                     f.write(b"\0" * pad)
@@ -295,7 +315,7 @@ class ModelDirWriter:
                 f.write(data)
                 h.update(data)
                 self.tensors[name] = {"file": rel, "offset": offset, "nbytes": len(data), "dtype": dtype,
-                                      "shape": list(stored.shape), "layout": "rows"}
+                                      "shape": list(shape), "layout": "rows"}
                 offset += len(data)
         self.files[rel] = {"size": offset, "sha256": h.hexdigest()}
 

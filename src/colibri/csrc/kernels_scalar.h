@@ -15,8 +15,25 @@
 #include <string.h>
 #include <stddef.h>
 
-/* Storage dtypes of a weight matrix. Mirrored in colibri/modeldir.py (DTYPE_CODES). */
-enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2 };
+#include "quant.h"
+
+/* Storage dtypes of a weight matrix. Mirrored in colibri/_kernels.pyx (DTYPE_CODES). */
+enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_N_DTYPES = 5 };
+
+/* Bytes of one row of `cols` weights in `dtype` (int8/int4: cols % 32 == 0). */
+static inline size_t cb_row_stride(int dtype, int cols) {
+    switch (dtype) {
+    case CB_F32: return (size_t)cols * 4;
+    case CB_F16: case CB_BF16: return (size_t)cols * 2;
+    case CB_INT8: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int8);
+    default: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int4);
+    }
+}
+
+/* One dot product of a weight row (storage format) with the activation, given both as floats
+ * x[cols] and, for the integer formats, quantized per block (a). Every tier implements this
+ * signature for every dtype; dispatch.h picks one per dtype at import. */
+typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, int cols);
 
 /* Below this many multiply-adds a matvec runs on one thread: the fork/join costs more. */
 #define CB_PARALLEL_MIN_WORK 65536
@@ -62,55 +79,85 @@ static inline float cb_bf16_to_f32(uint16_t h) {
 
 /* ---- dot products and matrix-vector products ---------------------------------------------- */
 
-static inline float cb_dot_f32(const float *w, const float *x, int n) {
+static float cb_dot_f32_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const float *w = (const float *)row;
+    (void)a;
     float acc = 0.0f;
     for (int i = 0; i < n; i++) acc += w[i] * x[i];
     return acc;
 }
 
-static inline float cb_dot_f16(const uint16_t *w, const float *x, int n) {
+static float cb_dot_f16_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const uint16_t *w = (const uint16_t *)row;
+    (void)a;
     float acc = 0.0f;
     for (int i = 0; i < n; i++) acc += cb_f16_table[w[i]] * x[i];
     return acc;
 }
 
-static inline float cb_dot_bf16(const uint16_t *w, const float *x, int n) {
+static float cb_dot_bf16_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const uint16_t *w = (const uint16_t *)row;
+    (void)a;
     float acc = 0.0f;
     for (int i = 0; i < n; i++) acc += cb_bf16_to_f32(w[i]) * x[i];
     return acc;
 }
 
-/* out[rows] = W[rows, cols] @ x[cols]; W stored as `dtype`. */
-static void cb_matvec(float *out, const void *w, int dtype, const float *x, int rows, int cols,
-                      int n_threads) {
-    int parallel = n_threads > 1 && (long long)rows * cols >= CB_PARALLEL_MIN_WORK;
-    (void)parallel;
-    if (dtype == CB_F32) {
-        const float *wf = (const float *)w;
-        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-        for (int r = 0; r < rows; r++) out[r] = cb_dot_f32(wf + (size_t)r * cols, x, cols);
-    } else if (dtype == CB_F16) {
-        const uint16_t *wh = (const uint16_t *)w;
-        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-        for (int r = 0; r < rows; r++) out[r] = cb_dot_f16(wh + (size_t)r * cols, x, cols);
-    } else {
-        const uint16_t *wh = (const uint16_t *)w;
-        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-        for (int r = 0; r < rows; r++) out[r] = cb_dot_bf16(wh + (size_t)r * cols, x, cols);
+static float cb_dot_int8_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const cb_block_int8 *w = (const cb_block_int8 *)row;
+    (void)x;
+    float acc = 0.0f;
+    for (int b = 0; b < n / CB_QBLOCK; b++) {
+        const int8_t *xq = a->q + b * CB_QBLOCK;
+        int32_t s = 0;
+        for (int j = 0; j < CB_QBLOCK; j++) s += (int32_t)w[b].qs[j] * (int32_t)xq[j];
+        acc += cb_f16_table[w[b].d] * a->d[b] * (float)s;
     }
+    return acc;
+}
+
+static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const cb_block_int4 *w = (const cb_block_int4 *)row;
+    (void)x;
+    float acc = 0.0f;
+    for (int b = 0; b < n / CB_QBLOCK; b++) {
+        const int8_t *xq = a->q + b * CB_QBLOCK;
+        int32_t s = 0;
+        for (int j = 0; j < CB_QBLOCK / 2; j++) {
+            s += ((int32_t)(w[b].qs[j] & 0x0F) - 8) * (int32_t)xq[j];
+            s += ((int32_t)(w[b].qs[j] >> 4) - 8) * (int32_t)xq[j + CB_QBLOCK / 2];
+        }
+        acc += cb_f16_table[w[b].d] * a->d[b] * (float)s;
+    }
+    return acc;
+}
+
+static inline float cb_dot_f32(const float *w, const float *x, int n) {
+    return cb_dot_f32_scalar(w, x, NULL, n);
 }
 
 /* out[cols] = row `row` of W[rows, cols], converted to float32 (embedding lookup). */
 static void cb_dequant_row(float *out, const void *w, int dtype, int row, int cols) {
-    size_t base = (size_t)row * cols;
+    const char *base = (const char *)w + (size_t)row * cb_row_stride(dtype, cols);
     if (dtype == CB_F32) {
-        memcpy(out, (const float *)w + base, sizeof(float) * (size_t)cols);
+        memcpy(out, base, sizeof(float) * (size_t)cols);
     } else if (dtype == CB_F16) {
-        const uint16_t *wh = (const uint16_t *)w + base;
+        const uint16_t *wh = (const uint16_t *)base;
         for (int i = 0; i < cols; i++) out[i] = cb_f16_table[wh[i]];
-    } else {
-        const uint16_t *wh = (const uint16_t *)w + base;
+    } else if (dtype == CB_BF16) {
+        const uint16_t *wh = (const uint16_t *)base;
         for (int i = 0; i < cols; i++) out[i] = cb_bf16_to_f32(wh[i]);
+    } else if (dtype == CB_INT8) {
+        const cb_block_int8 *b = (const cb_block_int8 *)base;
+        for (int i = 0; i < cols; i++) out[i] = cb_f16_table[b[i / CB_QBLOCK].d] * b[i / CB_QBLOCK].qs[i % CB_QBLOCK];
+    } else {
+        const cb_block_int4 *b = (const cb_block_int4 *)base;
+        for (int i = 0; i < cols; i++) {
+            const cb_block_int4 *blk = &b[i / CB_QBLOCK];
+            int j = i % CB_QBLOCK;
+            int q = j < CB_QBLOCK / 2 ? (blk->qs[j] & 0x0F) : (blk->qs[j - CB_QBLOCK / 2] >> 4);
+            out[i] = cb_f16_table[blk->d] * (float)(q - 8);
+        }
     }
 }
 

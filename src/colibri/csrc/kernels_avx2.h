@@ -1,0 +1,120 @@
+/* kernels_avx2.h — the AVX2 + FMA + F16C tier (same signatures as the scalar reference).
+ *
+ * Compiled with per-function target attributes so the baseline build stays plain x86-64; these
+ * functions run only when cpu.h found the features (and the OS support) at import. Integer
+ * formats use the sign trick: sum(w * x) = sum(|w| * sign(x, w)), so the unsigned-by-signed
+ * byte multiply (vpmaddubsw) applies to signed weights; |w| <= 127 keeps the int16 pair sums
+ * exact (2 * 127 * 127 < 32767).
+ */
+#ifndef COLIBRI_KERNELS_AVX2_H
+#define COLIBRI_KERNELS_AVX2_H
+
+#include "kernels_scalar.h"
+
+#if CB_X86
+#include <immintrin.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define CB_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define CB_TARGET_AVX2
+#endif
+
+CB_TARGET_AVX2 static inline float cb_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+CB_TARGET_AVX2 static float cb_dot_f32_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const float *w = (const float *)row;
+    (void)a;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+    }
+    float acc = cb_hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) acc += w[i] * x[i];
+    return acc;
+}
+
+CB_TARGET_AVX2 static float cb_dot_f16_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const uint16_t *w = (const uint16_t *)row;
+    (void)a;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
+        __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8)));
+        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i + 8), acc1);
+    }
+    float acc = cb_hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) acc += cb_f16_table[w[i]] * x[i];
+    return acc;
+}
+
+CB_TARGET_AVX2 static inline __m256 cb_bf16x8_to_f32(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+CB_TARGET_AVX2 static float cb_dot_bf16_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const uint16_t *w = (const uint16_t *)row;
+    (void)a;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(cb_bf16x8_to_f32(w + i), _mm256_loadu_ps(x + i), acc0);
+        acc1 = _mm256_fmadd_ps(cb_bf16x8_to_f32(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+    }
+    float acc = cb_hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) acc += cb_bf16_to_f32(w[i]) * x[i];
+    return acc;
+}
+
+/* int32 [8] partial sums of w[32] * x[32] (signed bytes, |w| <= 127), sign trick + maddubs. */
+CB_TARGET_AVX2 static inline __m256i cb_dot_i8x32_avx2(__m256i w, __m256i x) {
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+/* int4 block -> 32 signed bytes in [-8, 7], element order 0..31. */
+CB_TARGET_AVX2 static inline __m256i cb_unpack_int4_avx2(const uint8_t *qs) {
+    __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+CB_TARGET_AVX2 static float cb_dot_int8_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const cb_block_int8 *w = (const cb_block_int8 *)row;
+    (void)x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < n / CB_QBLOCK; b++) {
+        __m256i wq = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + b * CB_QBLOCK));
+        __m256 p = _mm256_cvtepi32_ps(cb_dot_i8x32_avx2(wq, xq));
+        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(_cvtsh_ss(w[b].d) * a->d[b]), acc);
+    }
+    return cb_hsum256(acc);
+}
+
+CB_TARGET_AVX2 static float cb_dot_int4_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const cb_block_int4 *w = (const cb_block_int4 *)row;
+    (void)x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < n / CB_QBLOCK; b++) {
+        __m256i wq = cb_unpack_int4_avx2(w[b].qs);
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + b * CB_QBLOCK));
+        __m256 p = _mm256_cvtepi32_ps(cb_dot_i8x32_avx2(wq, xq));
+        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(_cvtsh_ss(w[b].d) * a->d[b]), acc);
+    }
+    return cb_hsum256(acc);
+}
+
+#endif /* CB_X86 */
+#endif /* COLIBRI_KERNELS_AVX2_H */

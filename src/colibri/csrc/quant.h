@@ -1,0 +1,65 @@
+/* quant.h — the block formats of quantized weights and activations.
+ *
+ * Weights (mirrored in colibri/quant.py; tests check both agree):
+ *   int8: blocks of 32 weights, one f16 scale:       w = d * q,        q in [-127, 127]   (34 bytes)
+ *   int4: blocks of 32 weights, one f16 scale, two weights a byte:
+ *         w = d * (q - 8), q in [0, 15]; byte j holds element j (low nibble) and j + 16 (high)
+ *                                                                                        (18 bytes)
+ * A row of an int8/int4 matrix is cols/32 consecutive blocks; cols must be a multiple of 32.
+ *
+ * Activations multiplied against integer weights are quantized per block of 32 to int8 with a
+ * float scale (cb_act_q8), as the fast engines do: the dot product of two blocks is then an
+ * integer dot product times two scales.
+ */
+#ifndef COLIBRI_QUANT_H
+#define COLIBRI_QUANT_H
+
+#include <stdint.h>
+#include <math.h>
+
+#define CB_QBLOCK 32
+
+typedef struct {
+    uint16_t d;                 /* f16 scale */
+    int8_t qs[CB_QBLOCK];       /* [32] quantized weights */
+} cb_block_int8;
+
+typedef struct {
+    uint16_t d;                 /* f16 scale */
+    uint8_t qs[CB_QBLOCK / 2];  /* [16] element j in the low nibble of qs[j], element j+16 in the high */
+} cb_block_int4;
+
+#if defined(__cplusplus)
+static_assert(sizeof(cb_block_int8) == 34, "int8 block must be 34 bytes");
+static_assert(sizeof(cb_block_int4) == 18, "int4 block must be 18 bytes");
+#else
+_Static_assert(sizeof(cb_block_int8) == 34, "int8 block must be 34 bytes");
+_Static_assert(sizeof(cb_block_int4) == 18, "int4 block must be 18 bytes");
+#endif
+
+/* Activations quantized per block of 32: x[i] ~= d[i / 32] * q[i]. */
+typedef struct {
+    int8_t *q;      /* [n] */
+    float *d;       /* [n / 32] */
+    int n;
+} cb_act_q8;
+
+/* Portable quantization of activations (the reference for the SIMD versions). n % 32 == 0. */
+static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
+    for (int b = 0; b < n / CB_QBLOCK; b++) {
+        const float *xb = x + b * CB_QBLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < CB_QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float d = amax / 127.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        a->d[b] = d;
+        for (int j = 0; j < CB_QBLOCK; j++) a->q[b * CB_QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
+    }
+    a->n = n;
+}
+
+static inline size_t cb_row_bytes(int dtype_bytes_per_block, int cols) {
+    return (size_t)(cols / CB_QBLOCK) * (size_t)dtype_bytes_per_block;
+}
+
+#endif /* COLIBRI_QUANT_H */

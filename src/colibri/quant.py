@@ -1,0 +1,67 @@
+"""Block quantization of weight matrices: int8 and int4, mirrored from csrc/quant.h.
+
+    int8: blocks of 32 weights with one f16 scale d:  w ~= d * q,        q in [-127, 127]   (34 bytes)
+    int4: blocks of 32 weights with one f16 scale d:  w ~= d * (q - 8),  q in [0, 15]       (18 bytes)
+          byte j of a block holds element j in its low nibble and element j + 16 in its high one
+
+A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
+scale is rounded to f16 first and the weights are quantized against the rounded scale, so
+dequantization reproduces exactly what the kernels compute with.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+QBLOCK = 32
+BLOCK_DTYPES = {
+    "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),
+    "int4": np.dtype([("d", "<u2"), ("qs", "u1", (QBLOCK // 2,))]),
+}
+BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18
+
+
+def row_bytes(dtype: str, cols: int) -> int:
+    return cols // QBLOCK * BLOCK_BYTES[dtype]
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % QBLOCK:
+        raise ValueError(f"block quantization needs a 2-D matrix with a multiple of {QBLOCK} columns, got {w.shape}")
+    return w.reshape(w.shape[0], -1, QBLOCK)
+
+
+def quantize(w: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, row_bytes(dtype, cols)] of int8/int4 blocks."""
+    b = _blocks(w)                                                  # [rows, nblocks, 32]
+    out = np.zeros(b.shape[:2], BLOCK_DTYPES[dtype])
+    if dtype == "int8":
+        d = (np.abs(b).max(axis=2) / 127.0).astype(np.float16)
+        df = d.astype(np.float32)[..., None]
+        q = np.where(df > 0, np.rint(b / np.where(df > 0, df, 1)), 0)
+        out["qs"] = np.clip(q, -127, 127).astype(np.int8)
+    elif dtype == "int4":
+        idx = np.abs(b).argmax(axis=2)[..., None]
+        extreme = np.take_along_axis(b, idx, axis=2)[..., 0]        # the signed value of largest magnitude
+        d = (extreme / -8.0).astype(np.float16)
+        df = d.astype(np.float32)[..., None]
+        q = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)) + 8, 8)
+        q = np.clip(q, 0, 15).astype(np.uint8)
+        out["qs"] = q[..., :QBLOCK // 2] | (q[..., QBLOCK // 2:] << 4)
+    else:
+        raise ValueError(f"unknown block format {dtype!r}")
+    out["d"] = d.view(np.uint16)
+    return out.view(np.uint8).reshape(b.shape[0], -1)
+
+
+def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] of blocks -> float32 [rows, cols] (exactly what the kernels use)."""
+    rows = stored.shape[0]
+    blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows, cols // QBLOCK)
+    d = blocks["d"].view(np.float16).astype(np.float32)[..., None]
+    if dtype == "int8":
+        q = blocks["qs"].astype(np.float32)
+    else:
+        qs = blocks["qs"]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float32) - 8
+    return (d * q).reshape(rows, cols)
