@@ -179,3 +179,28 @@ def test_truncated_safetensors_is_refused(tmp_path):
     st.write_bytes(data[:-100])
     with pytest.raises(colibri.ColibriError, match="model.safetensors"):
         convert(hf, tmp_path / "out", **SILENT)
+
+
+def test_values_beyond_f16_are_refused_not_written_as_inf(tmp_path):
+    t = checkpoint_tensors("olmoe_a")
+    t["model.layers.0.self_attn.q_proj.weight"][3, 5] = 1e6
+    hf = hf_copy("olmoe_a", tmp_path / "hf", t)
+    with pytest.raises(colibri.ColibriError, match=r"layers.0.wq.*f16"):
+        convert(hf, tmp_path / "out", quantize="f16", **SILENT)
+    convert(hf, tmp_path / "out", quantize="bf16", **SILENT)       # bf16 has the range
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    t = checkpoint_tensors("olmoe_a")
+    t["model.layers.1.mlp.experts.2.gate_proj.weight"][0, 0] = np.nan
+    with pytest.raises(colibri.ColibriError, match="layers.1.experts.2.gate.*NaN"):
+        convert(hf_copy("olmoe_a", tmp_path / "hf", t), tmp_path / "out", **SILENT)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_block_formats_fall_back_where_rows_are_not_whole_blocks(converted, dtype):
+    """qwen3moe_b has hidden 48: matrices with 48 columns stay f16, the rest are blocks."""
+    md = ModelDir(converted("qwen3moe_b", dtype))
+    for name, t in md.tensors.items():
+        if len(t["shape"]) == 2 and name not in {n for n in md.tensors if n.endswith("router")}:
+            assert t["dtype"] == (dtype if t["shape"][1] % 32 == 0 else "f16"), name

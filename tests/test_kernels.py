@@ -3,15 +3,31 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from colibri import _kernels
+import colibri
+from colibri import _kernels, quant
 from colibri.modeldir import from_storage, to_storage
 
 # matvec: |ours - exact| <= MATVEC_RTOL * sum_i |w_i x_i| (float32 accumulation over <= 512 terms)
 MATVEC_RTOL = 1e-5
+# whole-model logits of a SIMD tier against the scalar tier: max |diff| <= TIER_RTOL * max |logit|
+TIER_RTOL = 1e-5
+FLOAT_DTYPES = ("f32", "f16", "bf16")
+BLOCK_DTYPES = ("int8", "int4")
+ISAS = _kernels.available_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run the test on every tier this CPU has, then restore the default tier."""
+    before = _kernels.isa()
+    _kernels.select_isa(request.param)
+    yield request.param
+    _kernels.select_isa(before)
+
 # routing weights: float32 softmax against float64
 ROUTE_ATOL = 2e-6
 RMSNORM_RTOL = 2e-6
@@ -38,9 +54,20 @@ def matvec_case(draw):
     return w, x
 
 
-@settings(max_examples=60, deadline=None)
-@given(matvec_case(), st.sampled_from(["f32", "f16", "bf16"]), st.sampled_from([1, 2]))
-def test_matvec_matches_numpy(case, dtype, threads):
+def _quantize_act(x):
+    """numpy mirror of cb_quantize_act_scalar: per block of 32, d = amax / 127, q = rint(x / d);
+    blocks with amax < 1e-30 are zero."""
+    b = x.reshape(-1, 32)
+    amax = np.abs(b).max(axis=1)
+    d = np.where(amax >= np.float32(1e-30), amax / np.float32(127), 0).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(b * inv[:, None]).astype(np.float64)
+    return (q * d[:, None].astype(np.float64)).reshape(-1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(matvec_case(), st.sampled_from(FLOAT_DTYPES), st.sampled_from([1, 2]))
+def test_float_matvec_matches_numpy(isa, case, dtype, threads):
     w, x = case
     stored = to_storage(w, dtype)
     exact_w = from_storage(stored, dtype).astype(np.float64)
@@ -48,6 +75,91 @@ def test_matvec_matches_numpy(case, dtype, threads):
     ref = exact_w @ x.astype(np.float64)
     bound = MATVEC_RTOL * (np.abs(exact_w) @ np.abs(x.astype(np.float64))) + 1e-30
     assert np.all(np.abs(ours - ref) <= bound)
+
+
+@st.composite
+def block_matvec_case(draw):
+    rows = draw(st.integers(1, 40))
+    cols = 32 * draw(st.integers(1, 12))
+    w = draw(hnp.arrays(np.float32, (rows, cols), elements=finite32))
+    x = draw(hnp.arrays(np.float32, cols, elements=finite32))
+    return w, x
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(block_matvec_case(), st.sampled_from(BLOCK_DTYPES), st.sampled_from([1, 2]))
+def test_block_matvec_matches_numpy(isa, case, dtype, threads):
+    """int8/int4 weights times activations quantized per block: the exact integer result."""
+    w, x = case
+    stored = quant.quantize(w, dtype)
+    exact_w = quant.dequantize(stored, dtype, w.shape[1]).astype(np.float64)
+    xq = _quantize_act(x)
+    ours = _kernels.kernel_matvec(stored, x, dtype, threads)
+    ref = exact_w @ xq
+    bound = MATVEC_RTOL * (np.abs(exact_w) @ np.abs(xq)) + 1e-30
+    assert np.all(np.abs(ours - ref) <= bound)
+
+
+@pytest.mark.parametrize("dtype", BLOCK_DTYPES)
+def test_block_formats_need_whole_blocks(dtype):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _kernels.kernel_matvec(np.zeros((2, 34), np.uint8), np.zeros(40, np.float32), dtype)
+
+
+def test_block_struct_sizes_agree_with_python():
+    assert _kernels.block_sizes() == quant.BLOCK_BYTES == {"int8": 34, "int4": 18}
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_matvec_case(), st.sampled_from(BLOCK_DTYPES))
+def test_quantize_round_trip_error_is_bounded(case, dtype):
+    w, _ = case
+    stored = quant.quantize(w, dtype)
+    assert stored.shape == (w.shape[0], w.shape[1] // 32 * quant.BLOCK_BYTES[dtype])
+    back = quant.dequantize(stored, dtype, w.shape[1]).astype(np.float64)
+    blocks = stored.view(quant.BLOCK_DTYPES[dtype]).reshape(w.shape[0], -1)
+    scale = np.abs(blocks["d"].view(np.float16).astype(np.float64))[..., None]      # [rows, nblocks, 1]
+    amax = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 32).max(axis=2, keepdims=True)
+    levels = 127 if dtype == "int8" else 8
+    # the stored scale never shrinks below amax / levels (no clipping of the largest weight;
+    # blocks whose scale underflows float32 are all but zero) and is at most one f16 step above it
+    assert np.all((scale * levels >= amax * (1 - 1e-6)) | (amax < 1e-30))
+    assert np.all(scale <= amax / levels * (1 + 2 ** -10) + 2 ** -24)
+    err = np.abs(back - w).reshape(w.shape[0], -1, 32)
+    step = scale * (0.5 if dtype == "int8" else 1.0)       # see colibri/quant.py
+    assert np.all(err <= step * (1 + 1e-6) + 1e-30)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + BLOCK_DTYPES)
+def test_dequant_row_matches_python(dtype):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((5, 64)).astype(np.float32)
+    stored = to_storage(w, dtype)
+    ref = from_storage(stored, dtype, 64)
+    for row in range(5):
+        np.testing.assert_array_equal(_kernels.kernel_dequant_row(stored, row, 64, dtype), ref[row])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
+def test_whole_model_agrees_across_tiers(converted, dtype):
+    from conftest import reference
+    ids = reference("mixtral_a")["input_ids"]
+    before = _kernels.isa()
+    try:
+        results = {}
+        for name in ISAS:
+            _kernels.select_isa(name)
+            results[name] = colibri.load(converted("mixtral_a", dtype)).forward(ids)
+    finally:
+        _kernels.select_isa(before)
+    scale = np.abs(results["scalar"]).max()
+    for name, logits in results.items():
+        assert np.abs(logits - results["scalar"]).max() <= TIER_RTOL * scale, name
+
+
+def test_forcing_a_tier_the_cpu_lacks_is_a_clear_error():
+    with pytest.raises(ValueError, match="not a tier"):
+        _kernels.select_isa("avx1024")
 
 
 def test_matvec_large_enough_to_use_threads():

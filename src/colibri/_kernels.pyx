@@ -595,3 +595,15 @@ def kernel_rmsnorm(const float[::1] x, weight, float eps):
         wv = np.ascontiguousarray(weight, np.float32)
         cb_rmsnorm(&o[0], &x[0], &wv[0], x.shape[0], eps)
     return out
+
+
+cdef extern from "quant.h":
+    ctypedef struct cb_block_int8:
+        pass
+    ctypedef struct cb_block_int4:
+        pass
+
+
+def block_sizes():
+    """sizeof of the C block structs, for the test that they agree with colibri.quant."""
+    return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4)}

@@ -128,12 +128,13 @@ def cmd_run(args) -> int:
 
     generated = []
     shown = ""
+    stream = m.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,   # checks inputs
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                        stop_at_eos=not args.ignore_eos, on_step=on_step)
     print("[OUTPUT] ", end="", flush=True)
     t0 = time.perf_counter()
     try:
-        for tok in m.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              stop_at_eos=not args.ignore_eos, on_step=on_step):
+        for tok in stream:
             generated.append(tok)
             if as_text:
                 text = m.tokenizer.decode(generated)

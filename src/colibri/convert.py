@@ -287,6 +287,10 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     return cfg
 
 
+# largest magnitude each dtype can store (int8/int4: their f16 scale must stay finite)
+_FINITE_LIMIT = {"f16": 65504.0, "int8": 65504.0 * 127, "int4": 65504.0 * 8}
+
+
 def _dtype_for(shape, kind, quantize):
     if kind != "matrix":
         return "f32"
@@ -299,6 +303,12 @@ def _stored(name, values, shape, dtype):
     if tuple(values.shape) != shape:
         raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
                            f"checkpoint has {list(values.shape)}")
+    if not np.isfinite(values).all():
+        raise ColibriError(f"tensor {name}: the checkpoint holds NaN or infinite values")
+    limit = _FINITE_LIMIT.get(dtype)
+    if limit is not None and values.size and np.abs(values).max() > limit:
+        raise ColibriError(f"tensor {name}: values up to {np.abs(values).max():.3g} do not fit {dtype} "
+                           f"(limit {limit:g}); convert with --quantize bf16 or f32")
     return name, to_storage(values, dtype), dtype, shape
 
 

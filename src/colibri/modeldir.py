@@ -118,7 +118,7 @@ class ModelDir:
         if fmt != FORMAT_NAME:
             raise ColibriError(f"{where}: 'format' is {fmt!r}, expected {FORMAT_NAME!r} "
                                f"(is this a Hugging Face directory? convert it first)")
-        if version != FORMAT_VERSION:
+        if type(version) is not int or version != FORMAT_VERSION:
             raise ColibriError(f"{where}: unknown format_version {version!r}; this Colibri reads "
                                f"version {FORMAT_VERSION} (upgrade Colibri or re-convert)")
         if raw.get("byte_order", "little") != "little":
@@ -176,7 +176,7 @@ class ModelDir:
                 raise ColibriError(f"{ctx}: unknown dtype {t['dtype']!r}")
             if kind != "matrix" and t["dtype"] != "f32":
                 raise ColibriError(f"{ctx}: expected dtype f32, got {t['dtype']}")
-            if tuple(t["shape"]) != shape:
+            if not all(type(n) is int for n in t["shape"]) or tuple(t["shape"]) != shape:
                 raise ColibriError(f"{ctx}: expected shape {list(shape)}, got {t['shape']}")
             if t.get("layout", "rows") not in LAYOUTS:
                 raise ColibriError(f"{ctx}: unsupported layout {t.get('layout')!r} (supported: {', '.join(LAYOUTS)})")

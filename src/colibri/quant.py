@@ -5,8 +5,10 @@
           byte j of a block holds element j in its low nibble and element j + 16 in its high one
 
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
-scale is rounded to f16 first and the weights are quantized against the rounded scale, so
-dequantization reproduces exactly what the kernels compute with.
+scale is rounded to f16 first (away from zero, so the largest weight never clips) and the
+weights are quantized against the rounded scale, so dequantization reproduces exactly what the
+kernels compute with. int8 errs by at most half a step (d / 2); int4, whose levels run from -8d
+to 7d, by at most d, for a block whose extremes are opposite and equal.
 """
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ def row_bytes(dtype: str, cols: int) -> int:
     return cols // QBLOCK * BLOCK_BYTES[dtype]
 
 
+def _f16_scale(d: np.ndarray) -> np.ndarray:
+    """float32 scales -> f16, rounded away from zero where nearest rounding would shrink them
+    (a smaller scale would push the block's largest weight past the last level and clip it)."""
+    d16 = d.astype(np.float16)
+    short = np.abs(d16.astype(np.float32)) < np.abs(d)
+    return np.where(short, np.nextafter(d16, np.copysign(np.float16(np.inf), d16)), d16).astype(np.float16)
+
+
 def _blocks(w: np.ndarray) -> np.ndarray:
     w = np.asarray(w, np.float32)
     if w.ndim != 2 or w.shape[1] % QBLOCK:
@@ -36,14 +46,14 @@ def quantize(w: np.ndarray, dtype: str) -> np.ndarray:
     b = _blocks(w)                                                  # [rows, nblocks, 32]
     out = np.zeros(b.shape[:2], BLOCK_DTYPES[dtype])
     if dtype == "int8":
-        d = (np.abs(b).max(axis=2) / 127.0).astype(np.float16)
+        d = _f16_scale((np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32))
         df = d.astype(np.float32)[..., None]
         q = np.where(df > 0, np.rint(b / np.where(df > 0, df, 1)), 0)
         out["qs"] = np.clip(q, -127, 127).astype(np.int8)
     elif dtype == "int4":
         idx = np.abs(b).argmax(axis=2)[..., None]
         extreme = np.take_along_axis(b, idx, axis=2)[..., 0]        # the signed value of largest magnitude
-        d = (extreme / -8.0).astype(np.float16)
+        d = _f16_scale((extreme / np.float32(-8)).astype(np.float32))
         df = d.astype(np.float32)[..., None]
         q = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)) + 8, 8)
         q = np.clip(q, 0, 15).astype(np.uint8)

@@ -44,13 +44,16 @@ typedef struct {
     int n;
 } cb_act_q8;
 
+#define CB_ACT_TINY 1e-30f
+
 /* Portable quantization of activations (the reference for the SIMD versions). n % 32 == 0. */
 static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
     for (int b = 0; b < n / CB_QBLOCK; b++) {
         const float *xb = x + b * CB_QBLOCK;
         float amax = 0.0f;
         for (int j = 0; j < CB_QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float d = amax / 127.0f;
+        /* blocks below CB_ACT_TINY quantize to zero: 1/d would overflow for subnormal scales */
+        float d = amax >= CB_ACT_TINY ? amax / 127.0f : 0.0f;
         float id = d > 0.0f ? 1.0f / d : 0.0f;
         a->d[b] = d;
         for (int j = 0; j < CB_QBLOCK; j++) a->q[b * CB_QBLOCK + j] = (int8_t)lrintf(xb[j] * id);

@@ -1,0 +1,288 @@
+"""`python -m colibri` end to end, in subprocesses: run, convert, info, verify and every error path.
+
+The contract under test (colibri/cli.py): a user's mistake is one line on stderr and exit status 2
+(1 for a failed `verify`), never a traceback, and the line names the offending value or file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri.cli
+from conftest import FIXTURES, reference
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(colibri.cli.__file__).resolve().parents[1]      # the directory that holds colibri/
+DEMO_CONFIG = colibri.cli.DEMO_DIR / "config.json"
+
+
+def colibri(*args, timeout=180):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=str(REPO))
+
+
+def one_line_error(proc, *must_contain, status=2):
+    """Assert the user-error contract and return the single stderr line."""
+    assert proc.returncode == status, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].strip(), f"expected exactly one stderr line, got {proc.stderr!r}"
+    for text in must_contain:
+        assert str(text) in lines[0], f"{text!r} not named in {lines[0]!r}"
+    return lines[0]
+
+
+def ids_arg(ids) -> str:
+    return ",".join(str(int(i)) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def mixtral(converted):
+    return converted("mixtral_a", "f32")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference("mixtral_a")
+
+
+# ---- run ---------------------------------------------------------------------------------------
+
+def test_run_tokens_greedy_matches_reference(mixtral, ref):
+    p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 12,
+                "--ignore-eos", "--ids")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith(f"[INFO] Loaded model from {mixtral} (mixtral, 2 layers, 4 experts, top-2, f32)")
+    out = [ln for ln in lines if ln.startswith("[OUTPUT]")]
+    assert len(out) == 1
+    assert [int(t) for t in out[0][len("[OUTPUT]"):].split()] == ref["greedy_ids"].tolist()
+    assert re.fullmatch(r"\[INFO\] Generated 12 tokens in \d+ ms \(\d+(\.\d+)? tokens/sec\)", lines[-1]), lines[-1]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_run_describes_weight_dtype(converted, dtype, ref):
+    d = converted("mixtral_a", dtype)
+    p = colibri("run", "--model-dir", d, "--tokens", ids_arg(ref["input_ids"][:4]), "--max-new-tokens", 2, "--ids")
+    assert p.returncode == 0, p.stderr
+    assert f"(mixtral, 2 layers, 4 experts, top-2, {dtype})" in p.stdout.splitlines()[0]
+
+
+def test_run_underscore_aliases(mixtral, ref):
+    p = colibri("run", "--model_dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max_new_tokens", 5,
+                "--ignore-eos", "--ids")
+    assert p.returncode == 0, p.stderr
+    out = [ln for ln in p.stdout.splitlines() if ln.startswith("[OUTPUT]")]
+    assert [int(t) for t in out[0].split()[1:]] == ref["greedy_ids"][:5].tolist()
+    assert "Generated 5 tokens" in p.stdout
+
+
+def test_run_prompt_with_tokenizer(mixtral):
+    p = colibri("run", "--model-dir", mixtral, "--prompt", "hello world", "--max-new-tokens", 6, "--ignore-eos")
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    out = [ln for ln in p.stdout.splitlines() if ln.startswith("[OUTPUT]")]
+    assert len(out) == 1
+    assert "Generated 6 tokens" in p.stdout
+
+
+def test_run_verbose_routing(mixtral, ref):
+    p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 3,
+                "--ignore-eos", "--ids", "--verbose")
+    assert p.returncode == 0, p.stderr
+    routing = re.findall(r"Routing: token (\d+) layer (\d+): expert_(\d+) \((0\.\d\d|1\.00)\), "
+                         r"expert_(\d+) \((0\.\d\d|1\.00)\)", p.stderr)
+    # 3 steps (prefill + 2 decode steps) x 2 MoE layers
+    assert len(routing) == 6, p.stderr
+    assert any(r[1] == "0" for r in routing)
+    for tok, layer, e1, w1, e2, w2 in routing:
+        assert e1 != e2 and 0 <= int(e1) < 4 and 0 <= int(e2) < 4
+        assert float(w1) >= float(w2)
+        assert abs(float(w1) + float(w2) - 1.0) <= 0.011          # Mixtral renormalises the top-2
+    # token 0 is the routing of the last prompt position: compare with the reference router logits
+    r = ref["router_logits_f32"][:, -1].astype(np.float64)
+    probs = np.exp(r - r.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    for tok, layer, e1, w1, e2, w2 in routing:
+        if tok != "0":
+            continue
+        top = np.argsort(-probs[int(layer)], kind="stable")[:2]
+        assert [int(e1), int(e2)] == top.tolist()
+        norm = probs[int(layer)][top] / probs[int(layer)][top].sum()
+        assert abs(float(w1) - norm[0]) <= 0.006 and abs(float(w2) - norm[1]) <= 0.006
+    first = re.findall(r"First use of (layers/(\d\d)/expert_(\d{3})\.bin)", p.stderr)
+    assert any(layer == "00" for _, layer, _ in first)
+    assert len(first) == len(set(first)), "an expert file was reported as first used twice"
+    used = {(int(layer), int(e1)) for _, layer, e1, *_ in routing} | {(int(layer), int(e2)) for _, layer, _, _, e2, _ in routing}
+    assert {(int(layer), int(e)) for _, layer, e in first} == used
+    for rel, _, _ in first:
+        assert (mixtral / rel).is_file()
+
+
+# ---- convert -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling", [("--hf_dir", "--output_dir"), ("--hf-dir", "--output-dir")])
+def test_convert_spellings(tmp_path, spelling):
+    out = tmp_path / "out"
+    p = colibri("convert", spelling[0], FIXTURES / "mixtral_a" / "hf", spelling[1], out)
+    assert p.returncode == 0, p.stderr
+    assert (out / "config.json").is_file() and (out / "layers" / "01" / "expert_003.bin").is_file()
+    assert json.loads((out / "config.json").read_text())["format"] == "colibri"
+    v = colibri("verify", "--model-dir", out)
+    assert v.returncode == 0, v.stderr
+
+
+def test_convert_refuses_non_empty_output_without_force(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    p = colibri("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", out)
+    one_line_error(p, out)
+    assert sorted(x.name for x in out.iterdir()) == ["precious.txt"]
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out"], "conversion left temporary files behind"
+
+    p = colibri("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", out, "--force")
+    assert p.returncode == 0, p.stderr
+    assert not (out / "precious.txt").exists()
+    assert (out / "config.json").is_file()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out"], "conversion left temporary files behind"
+
+
+def test_convert_unknown_architecture(tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "mixtral_a" / "hf", hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["architectures"] = ["FrobnicatorForCausalLM"]
+    (hf / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    p = colibri("convert", "--hf-dir", hf, "--output-dir", out)
+    one_line_error(p, "FrobnicatorForCausalLM")
+    assert not out.exists()
+
+
+# ---- info / verify -----------------------------------------------------------------------------
+
+def test_info(mixtral, converted):
+    p = colibri("info", "--model-dir", mixtral)
+    assert p.returncode == 0, p.stderr
+    assert "architecture: mixtral (from MixtralForCausalLM)" in p.stdout
+    assert "layers:       2 (2 MoE, 0 dense)" in p.stdout
+    assert "tokenizer:    tokenizer.model" in p.stdout
+    q = colibri("info", "--model-dir", converted("qwen3moe_a", "f32"))
+    assert q.returncode == 0, q.stderr
+    assert "architecture: qwen3_moe (from Qwen3MoeForCausalLM)" in q.stdout
+    assert "tokenizer:    none" in q.stdout
+
+
+def test_verify_ok_then_detects_flipped_byte(mixtral, tmp_path):
+    p = colibri("verify", "--model-dir", mixtral)
+    assert p.returncode == 0, p.stderr
+    assert "OK" in p.stdout
+    d = tmp_path / "m"
+    shutil.copytree(mixtral, d)
+    victim = d / "layers" / "01" / "expert_002.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    p = colibri("verify", "--model-dir", d)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    bad = [ln for ln in p.stderr.splitlines() if ln.startswith("BAD")]
+    assert len(bad) == 1 and "layers/01/expert_002.bin" in bad[0]
+    assert "OK" not in p.stdout
+
+
+# ---- errors: one line, exit 2, naming the culprit ------------------------------------------------
+
+def test_error_missing_model_dir(tmp_path):
+    missing = tmp_path / "no_such_model"
+    one_line_error(colibri("run", "--model-dir", missing, "--tokens", "1,2"), missing)
+
+
+def test_error_dir_without_config(tmp_path):
+    one_line_error(colibri("run", "--model-dir", tmp_path, "--tokens", "1,2"), tmp_path / "config.json")
+
+
+def test_error_config_not_json(mixtral, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(mixtral, d)
+    (d / "config.json").write_text('{"format": "colibri", oops')
+    line = one_line_error(colibri("run", "--model-dir", d, "--tokens", "1,2"), d / "config.json")
+    assert "JSON" in line
+
+
+def test_error_config_json_list(mixtral, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(mixtral, d)
+    (d / "config.json").write_text("[1, 2, 3]")
+    one_line_error(colibri("info", "--model-dir", d), d / "config.json")
+    one_line_error(colibri("run", "--model-dir", d, "--tokens", "1,2"), d / "config.json")
+
+
+def test_error_truncated_bin(mixtral, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(mixtral, d)
+    victim = d / "layers" / "00" / "expert_001.bin"
+    os.truncate(victim, victim.stat().st_size - 1)
+    one_line_error(colibri("run", "--model-dir", d, "--tokens", "1,2"), victim)
+    one_line_error(colibri("verify", "--model-dir", d), victim)
+
+
+def test_error_token_outside_vocab(mixtral):
+    one_line_error(colibri("run", "--model-dir", mixtral, "--tokens", "1,999999"), "999999")
+
+
+def test_error_prompt_longer_than_context(mixtral):
+    line = one_line_error(colibri("run", "--model-dir", mixtral, "--n-ctx", 16, "--tokens", "1,2,3",
+                                  "--max-new-tokens", 20), "16", "20")
+    assert "context" in line
+
+
+def test_error_prompt_without_tokenizer(converted):
+    d = converted("qwen3moe_a", "f32")
+    one_line_error(colibri("run", "--model-dir", d, "--prompt", "hello"), "tokenizer.model")
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--max-new-tokens", "0"], "'0'"),
+    (["--max-new-tokens", "-3"], "'-3'"),
+    (["--tokens", "a,b"], "a,b"),
+    (["--no-such-flag"], "--no-such-flag"),
+    (["--temperature", "warm"], "warm"),
+    (["--temperature", "nan"], "nan"),
+    (["--temperature", "-1"], "-1"),
+    (["--top-p", "0"], "top_p"),
+    (["--n-ctx", "0"], "'0'"),
+])
+def test_error_bad_flag_values(mixtral, args, named):
+    argv = ["run", "--model-dir", mixtral, *args]
+    if "--tokens" not in args:
+        argv += ["--tokens", "1,2"]
+    one_line_error(colibri(*argv), named)
+
+
+def test_error_no_subcommand_and_no_source(mixtral):
+    one_line_error(colibri())
+    one_line_error(colibri("run", "--model-dir", mixtral), "--tokens")
+
+
+def test_run_without_model_dir():
+    p = colibri("run", "--tokens", "1,2", "--max-new-tokens", 1)
+    if DEMO_CONFIG.is_file():
+        assert p.returncode == 0, p.stderr
+        assert "(the bundled demo model)" in p.stdout
+    else:
+        one_line_error(p, "--model-dir")
