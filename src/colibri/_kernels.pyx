@@ -16,7 +16,7 @@ the C functions of csrc/ (scalar reference for now). A non-zero status from the 
 router logits or logits: a damaged model) is turned into an exception by the Python layer.
 """
 
-from libc.stdint cimport uintptr_t, uint16_t, int64_t
+from libc.stdint cimport uintptr_t, uint16_t, int64_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.math cimport expf
@@ -607,3 +607,31 @@ cdef extern from "quant.h":
 def block_sizes():
     """sizeof of the C block structs, for the test that they agree with colibri.quant."""
     return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4)}
+
+
+cdef extern from *:
+    """
+    /* Streaming read of n bytes (a multiple of 64) split over threads: the machine's read
+     * bandwidth, for the benchmarks' roofline. Returns a checksum so the loop is not removed. */
+    static uint64_t cb_read_bytes(const void *p, size_t n, int n_threads) {
+        const uint64_t *q = (const uint64_t *)p;
+        long long words = (long long)(n / 8);
+        uint64_t total = 0;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) reduction(+:total)
+        for (long long i = 0; i < words; i += 8) {
+            total += (q[i] ^ q[i + 1]) + (q[i + 2] ^ q[i + 3]) + (q[i + 4] ^ q[i + 5]) + (q[i + 6] ^ q[i + 7]);
+        }
+        return total;
+    }
+    """
+    uint64_t cb_read_bytes(const void *p, size_t n, int n_threads) nogil
+
+
+def bench_read(buf, int n_threads):
+    """Read every byte of `buf` (C-contiguous, size a multiple of 64) once; returns a checksum."""
+    cdef const unsigned char[::1] v = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    cdef size_t n = v.shape[0] // 64 * 64
+    cdef uint64_t r
+    with nogil:
+        r = cb_read_bytes(&v[0], n, n_threads)
+    return r

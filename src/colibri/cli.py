@@ -1,4 +1,4 @@
-"""`python -m colibri`: run, convert, info, verify.
+"""`python -m colibri`: run, convert, info, verify, bench.
 
 Every mistake a user can make ends as one line on stderr and exit status 2 (1 for a failed
 `verify`, 130 for Ctrl-C); never a traceback. The spellings of the original C engine
@@ -79,13 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="check every file of a model directory against its sha256")
     ver.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
+    bench.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    bench.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=_positive_int, default=128)
+    bench.add_argument("--gen", type=_positive_int, default=64, help="tokens to decode per repetition")
+    bench.add_argument("--repeat", type=_positive_int, default=5)
+    bench.add_argument("--threads", type=_positive_int, default=None, help="default: all cores")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "convert": cmd_convert, "info": cmd_info, "verify": cmd_verify}[args.command](args)
+        return {"run": cmd_run, "convert": cmd_convert, "info": cmd_info, "verify": cmd_verify,
+                "bench": cmd_bench}[args.command](args)
     except ColibriError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -179,6 +187,12 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
 def cmd_info(args) -> int:
     from .modeldir import ModelDir
 
@@ -200,7 +214,10 @@ def cmd_info(args) -> int:
           f"(about {active / 1e6:.1f} MB read per token)")
     print(f"context:      {c.max_position_embeddings} positions, rope theta {c.rope_theta:g}")
     print(f"tokenizer:    {'tokenizer.model' if 'tokenizer.model' in md.files else 'none (raw token ids)'}")
-    print("kernels:      scalar (portable C)")
+    from . import _kernels
+    feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
+    print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
+          f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)")
     return 0
 
 

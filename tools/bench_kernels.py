@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Matvec kernel throughput against the machine's read bandwidth, measured in the same run.
+
+Decode is memory-bound: a matvec kernel is as good as the fraction of the read bandwidth it
+reaches on a matrix much larger than the last-level cache. For each storage format this times
+`W @ x` on a matrix of about --mb megabytes (several times the L3), interleaved with a plain
+streaming read of a buffer of the same size, and prints GB/s and the ratio. Medians of --repeat.
+
+    python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from colibri import _kernels, quant
+from colibri.modeldir import to_storage
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mb", type=int, default=512, help="size of the bf16 matrix in MB")
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
+    ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4")
+    args = ap.parse_args()
+    if args.isa:
+        _kernels.select_isa(args.isa)
+    rng = np.random.default_rng(0)
+    cols = args.cols
+    rows = args.mb * (1 << 20) // (2 * cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    print(f"tier {_kernels.isa()}, {args.threads} threads, matrix [{rows}, {cols}], median of {args.repeat}")
+    print(f"{'format':>6} {'MB':>7} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6}")
+    base = rng.standard_normal((1024, cols)).astype(np.float32)
+    for dtype in args.dtypes.split(","):
+        block = to_storage(base, dtype)                      # quantize a slab once, tile it
+        w = np.ascontiguousarray(np.tile(block, (rows // 1024, 1)))
+        nbytes = w.nbytes
+        read_buf = np.ones(nbytes // 8, np.uint64)
+        _kernels.kernel_matvec(w, x, dtype, args.threads)   # warm: page in
+        _kernels.bench_read(read_buf, args.threads)
+        kt, rt = [], []
+        for _ in range(args.repeat):                         # interleaved, A B A B
+            kt.append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads)))
+            rt.append(timed(lambda: _kernels.bench_read(read_buf, args.threads)))
+        kgbs = nbytes / statistics.median(kt) / 1e9
+        rgbs = nbytes / statistics.median(rt) / 1e9
+        print(f"{dtype:>6} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}")
+        del w, read_buf
+
+
+if __name__ == "__main__":
+    main()
