@@ -292,7 +292,7 @@ def apply_mutation(cfg, mutation):
     return cfg
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_config_mutation_never_crashes(pristine, data):
     pristine_cfg = read_cfg(pristine)

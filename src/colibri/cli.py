@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
                      help="context length (default: the model's, up to 4096)")
     run.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    run.add_argument("--no-mmap", action="store_true",
+                     help="read the weights into memory instead of mapping the files (network shares)")
     run.add_argument("--ids", action="store_true", help="print generated token ids instead of text")
     run.add_argument("--verbose", action="store_true",
                      help="print every layer's routing decision and each expert file's first use (stderr)")
@@ -122,7 +124,7 @@ def cmd_run(args) -> int:
             raise ColibriError("no --model-dir given and this installation has no bundled demo model; "
                                "pass --model-dir D (make one with: python -m colibri convert)")
         model_dir, note = str(DEMO_DIR), " (the bundled demo model)"
-    m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx)
+    m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap)
     print(f"[INFO] Loaded model from {model_dir}{note} ({_describe(m)}) in "
           f"{m.stats['load_seconds'] * 1000:.0f} ms", flush=True)
     if args.prompt is not None:

@@ -21,6 +21,7 @@ f16 instead, and the converter says how many.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -260,7 +261,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     if need > free:
         raise ColibriError(f"not enough disk space in {parent}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB")
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    _remove_stale_temporaries(parent, out.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
     os.chmod(tmp, 0o755)
     try:
         writer = ModelDirWriter(tmp)
@@ -310,6 +312,29 @@ def _stored(name, values, shape, dtype):
         raise ColibriError(f"tensor {name}: values up to {np.abs(values).max():.3g} do not fit {dtype} "
                            f"(limit {limit:g}); convert with --quantize bf16 or f32")
     return name, to_storage(values, dtype), dtype, shape
+
+
+def _remove_stale_temporaries(parent: Path, name: str) -> None:
+    """Delete what a killed conversion to `name` left behind (its pid no longer runs)."""
+    for p in parent.glob(f".{glob.escape(name)}.tmp-*"):
+        try:
+            pid = int(p.name[len(name) + 6:].split("-")[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid() or os.name == "nt":     # on Windows os.kill(pid, 0) sends CTRL_C_EVENT
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -51,8 +51,10 @@ def rope_tables(head_dim: int, theta: float, n_ctx: int) -> tuple:
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
-    def __init__(self, path, threads: int | None = None, n_ctx: int | None = None):
+    def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True):
         t0 = time.perf_counter()
+        if _kernels.ISA_ERROR:
+            raise ColibriError(_kernels.ISA_ERROR)
         self.path = os.fspath(path)
         self._dir = ModelDir(path)
         self.config = self._dir.config
@@ -69,7 +71,7 @@ class Model:
                                f"(the model's max_position_embeddings), got {n_ctx!r}")
         self.threads = threads
         self.n_ctx = n_ctx
-        self._maps = MappedModelDir(self._dir)
+        self._maps = MappedModelDir(self._dir, use_mmap=mmap)
         hp = cfg.to_dict()
         hp["n_ctx"] = n_ctx
         hp["qk_norm_mode"] = {"none": 0, "per_head": 1, "whole": 2}[cfg.qk_norm]
@@ -218,7 +220,9 @@ class Model:
                     on_step(self)
 
 
-def load(path, threads: int | None = None, n_ctx: int | None = None) -> Model:
-    """Load a Colibri model directory. threads=None uses every core; n_ctx=None the model's
-    context up to 4096 positions."""
-    return Model(path, threads=threads, n_ctx=n_ctx)
+def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True) -> Model:
+    """Load a Colibri model directory.
+
+    threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
+    mmap=False reads the weights into memory instead of mapping the files (network shares)."""
+    return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap)

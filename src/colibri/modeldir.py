@@ -208,27 +208,45 @@ class ModelDir:
 
 
 class MappedModelDir:
-    """Read-only mappings of every file of a validated ModelDir; weights are used in place.
+    """Every file of a validated ModelDir, mapped read-only (or read into memory with
+    use_mmap=False, for filesystems where mapping is unsafe or slow); weights are used in place.
 
     `address(name)` is the address of a tensor's first byte, valid until close().
     """
 
-    def __init__(self, md: ModelDir):
+    def __init__(self, md: ModelDir, use_mmap: bool = True):
         self.md = md
-        self._maps = {}      # rel -> (mmap, uint8 view [size])
+        self._maps = {}      # rel -> (mmap or None, uint8 view [size], 64-byte aligned)
         try:
             for rel, entry in md.files.items():
-                if entry["size"] == 0:
+                if entry["size"] == 0 or rel not in {t["file"] for t in md.tensors.values()}:
                     continue
-                with open(md.root / rel, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                if len(mm) != entry["size"]:        # changed since validation
-                    mm.close()
-                    raise ColibriError(f"{md.root / rel} changed size while loading")
-                self._maps[rel] = (mm, np.frombuffer(mm, dtype=np.uint8))
+                self._maps[rel] = self._map(md.root / rel, entry["size"]) if use_mmap else \
+                    (None, self._read(md.root / rel, entry["size"]))
         except OSError as e:
             self.close()
-            raise ColibriError(f"cannot map {e.filename or md.root}: {e.strerror}") from None
+            raise ColibriError(f"cannot {'map' if use_mmap else 'read'} {e.filename or md.root}: {e.strerror}") from None
+
+    @staticmethod
+    def _map(path: Path, size: int) -> tuple:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if len(mm) != size:                       # changed since validation
+            mm.close()
+            raise ColibriError(f"{path} changed size while loading")
+        return mm, np.frombuffer(mm, dtype=np.uint8)
+
+    @staticmethod
+    def _read(path: Path, size: int) -> np.ndarray:
+        raw = np.empty(size + ALIGNMENT, np.uint8)
+        start = (-raw.ctypes.data) % ALIGNMENT
+        buf = raw[start:start + size]
+        with open(path, "rb") as f:
+            got = f.readinto(memoryview(buf))
+        if got != size:
+            raise ColibriError(f"{path} changed size while loading (read {got} of {size} bytes)")
+        buf.flags.writeable = False
+        return buf
 
     def address(self, name: str) -> int:
         t = self.md.tensors[name]
@@ -247,10 +265,10 @@ class MappedModelDir:
         return {n: (self.address(n), t["dtype"], tuple(t["shape"])) for n, t in self.md.tensors.items()}
 
     def close(self):
-        for mm, view in self._maps.values():
-            del view
         maps, self._maps = self._maps, {}
         for mm, _ in maps.values():
+            if mm is None:
+                continue
             try:
                 mm.close()
             except BufferError:     # a view is still alive somewhere; the mapping goes with it

@@ -1,0 +1,124 @@
+"""Interruptions and resources: a killed or out-of-space conversion leaves nothing half-written,
+mmap=False gives the same results, a bad COLIBRI_ISA is a clear error."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri
+from conftest import FIXTURES, reference
+from test_convert import write_safetensors
+
+ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
+
+
+def big_checkpoint(root: Path) -> Path:
+    """An OLMoE-shaped f32 checkpoint of ~50 MB: converting it to int4 takes a while."""
+    cfg = json.loads((FIXTURES / "olmoe_a" / "hf" / "config.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=512, num_experts=16, num_attention_heads=4,
+               num_key_value_heads=4, num_hidden_layers=2, vocab_size=512)
+    rng = np.random.default_rng(0)
+    d, f, t = 256, 512, {}
+    t["model.embed_tokens.weight"] = rng.standard_normal((512, d), np.float32)
+    t["lm_head.weight"] = rng.standard_normal((512, d), np.float32)
+    t["model.norm.weight"] = np.ones(d, np.float32)
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[p + n + ".weight"] = np.ones(d, np.float32)
+        for n in "qkvo":
+            t[p + f"self_attn.{n}_proj.weight"] = rng.standard_normal((d, d), np.float32)
+        t[p + "self_attn.q_norm.weight"] = np.ones(d, np.float32)
+        t[p + "self_attn.k_norm.weight"] = np.ones(d, np.float32)
+        t[p + "mlp.gate.weight"] = rng.standard_normal((16, d), np.float32)
+        for e in range(16):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = rng.standard_normal((f, d), np.float32)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = rng.standard_normal((f, d), np.float32)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = rng.standard_normal((d, f), np.float32)
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(root / "model.safetensors", t)
+    return root
+
+
+def convert_cmd(hf, out, *extra):
+    return [sys.executable, "-m", "colibri", "convert", "--hf-dir", str(hf), "--output-dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_killed_conversion_leaves_nothing_or_the_previous_directory(tmp_path, previous):
+    hf = big_checkpoint(tmp_path / "hf")
+    out = tmp_path / "out"
+    if previous:
+        subprocess.run(convert_cmd(FIXTURES / "olmoe_a" / "hf", out), check=True, env=ENV, capture_output=True)
+        before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = subprocess.Popen(convert_cmd(hf, out, "--quantize", "int4", "--force"), env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    killed_midway = False
+    while time.time() < deadline and proc.poll() is None:
+        tmps = list(tmp_path.glob(".out.tmp-*"))
+        if tmps and len(list(tmps[0].rglob("*.bin"))) >= 3:
+            proc.send_signal(signal.SIGKILL)
+            killed_midway = True
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert killed_midway, "the conversion finished before it could be killed"
+    if previous:
+        after = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert after == before
+    else:
+        assert not out.exists()
+    # the killed run's temporary directory is hidden, and the next conversion removes it
+    subprocess.run(convert_cmd(FIXTURES / "olmoe_a" / "hf", tmp_path / "out", "--force"), check=True, env=ENV,
+                   capture_output=True)
+    assert not list(tmp_path.glob(".out.tmp-*"))
+    assert colibri.load(out).forward([1, 2, 3]).shape == (3, 128)
+
+
+def _limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+
+def test_full_disk_fails_cleanly(tmp_path):
+    hf = big_checkpoint(tmp_path / "hf")
+    out = tmp_path / "out"
+    r = subprocess.run(convert_cmd(hf, out, "--quantize", "int8"), env=ENV, capture_output=True, text=True,
+                       preexec_fn=_limit_file_size)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr and "File too large" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_reading_instead_of_mapping_gives_the_same_logits(converted):
+    ref = reference("qwen2moe_b")
+    mapped = colibri.load(converted("qwen2moe_b", "int8")).forward(ref["input_ids"])
+    read = colibri.load(converted("qwen2moe_b", "int8"), mmap=False).forward(ref["input_ids"])
+    np.testing.assert_array_equal(mapped, read)
+
+
+def test_bad_colibri_isa_is_one_clear_line(converted):
+    env = dict(ENV, COLIBRI_ISA="avx9000")
+    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
+                        "--tokens", "1,2"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "avx9000" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_mmap_flag(converted):
+    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
+                        "--tokens", "1,2", "--max-new-tokens", "3", "--no-mmap", "--ids"],
+                       env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0 and "[OUTPUT]" in r.stdout
