@@ -122,3 +122,25 @@ def test_no_mmap_flag(converted):
                         "--tokens", "1,2", "--max-new-tokens", "3", "--no-mmap", "--ids"],
                        env=ENV, capture_output=True, text=True)
     assert r.returncode == 0 and "[OUTPUT]" in r.stdout
+
+
+def test_ctrl_c_stops_generation_cleanly(tmp_path):
+    hf = big_checkpoint(tmp_path / "hf")
+    out = tmp_path / "m"
+    subprocess.run(convert_cmd(hf, out), check=True, env=ENV, capture_output=True)
+    proc = subprocess.Popen([sys.executable, "-m", "colibri", "run", "--model-dir", str(out), "--tokens", "1,2,3",
+                             "--max-new-tokens", "4000", "--ignore-eos", "--ids", "--threads", "1"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = b""
+    while b"[OUTPUT]" not in seen or seen.split(b"[OUTPUT]")[1].count(b" ") < 12:   # a few tokens are out
+        chunk = proc.stdout.read1(4096)
+        assert chunk, "generation ended before it could be interrupted"
+        seen += chunk
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=30)
+    text = (seen + rest).decode()
+    assert proc.returncode == 130
+    assert "Traceback" not in err.decode()
+    generated = text.split("[OUTPUT]")[1].split("\n")[0].split()
+    assert 0 < len(generated) < 4000
+    assert f"Interrupted after {len(generated)} tokens" in text

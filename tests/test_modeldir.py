@@ -426,3 +426,62 @@ def test_storage_infinities_and_unknown_dtype():
         assert np.signbit(back[3]) and not np.signbit(back[4])
     with pytest.raises(colibri.ColibriError):
         to_storage(a, "f8")
+
+
+# ---- every field of config.json: removed, wrong type, out of range ----------------------------
+
+from dataclasses import MISSING, fields as dc_fields  # noqa: E402
+
+from colibri.config import ModelConfig  # noqa: E402
+
+MODEL_FIELDS = [f.name for f in dc_fields(ModelConfig)]
+REQUIRED_FIELDS = [f.name for f in dc_fields(ModelConfig) if f.default is MISSING and f.default_factory is MISSING]
+
+
+def _load_after(pristine, tmp_path, edit):
+    d = copy_model(pristine, tmp_path / "m")
+    cfg = read_cfg(d)
+    edit(cfg)
+    write_cfg(d, cfg)
+    return colibri.load(d)
+
+
+@pytest.mark.parametrize("field", MODEL_FIELDS)
+def test_each_model_field_removed(pristine, tmp_path, field):
+    def edit(cfg):
+        del cfg["model"][field]
+    if field in REQUIRED_FIELDS:
+        with pytest.raises(colibri.ColibriError, match=field):
+            _load_after(pristine, tmp_path, edit)
+    else:
+        try:                                   # a defaulted field: loads, or is refused clearly
+            _load_after(pristine, tmp_path, edit)
+        except colibri.ColibriError:
+            pass
+
+
+@pytest.mark.parametrize("field", MODEL_FIELDS)
+def test_each_model_field_with_a_wrong_type(pristine, tmp_path, field):
+    def edit(cfg):
+        cfg["model"][field] = {"nested": [1]}
+    with pytest.raises(colibri.ColibriError, match=field):
+        _load_after(pristine, tmp_path, edit)
+
+
+@pytest.mark.parametrize("field", [f for f in MODEL_FIELDS if f not in ("architecture", "hidden_act", "qk_norm",
+                                                                         "norm_topk_prob", "tie_word_embeddings",
+                                                                         "attention_bias", "attention_out_bias")])
+def test_each_model_field_out_of_range(pristine, tmp_path, field):
+    def edit(cfg):
+        v = cfg["model"][field]
+        cfg["model"][field] = [-1] * len(v) if isinstance(v, list) else -1
+    with pytest.raises(colibri.ColibriError, match=field):
+        _load_after(pristine, tmp_path, edit)
+
+
+@pytest.mark.parametrize("key", ["format", "format_version", "weight_dtype", "model", "tensors", "files"])
+def test_each_top_level_key_removed(pristine, tmp_path, key):
+    def edit(cfg):
+        del cfg[key]
+    with pytest.raises(colibri.ColibriError):
+        _load_after(pristine, tmp_path, edit)

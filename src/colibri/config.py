@@ -152,7 +152,7 @@ class ModelConfig:
             fail(f"moe_layers must list {n} booleans, got {self.moe_layers!r}")
         if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
             fail(f"layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}")
-        if "sliding_attention" in self.layer_types:
+        if "sliding_attention" in self.layer_types or self.sliding_window is not None:
             if not isinstance(self.sliding_window, int) or not 1 <= self.sliding_window <= (1 << 30):
                 fail(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
         if not all(self.moe_layers) and self.intermediate_size < 1:
