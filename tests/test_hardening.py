@@ -144,3 +144,22 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
     generated = text.split("[OUTPUT]")[1].split("\n")[0].split()
     assert 0 < len(generated) < 4000
     assert f"Interrupted after {len(generated)} tokens" in text
+
+
+@pytest.mark.parametrize("tensor", ["layers.1.experts.0.up", "layers.0.router", "lm_head"])
+def test_nan_in_a_weight_file_is_reported_not_sampled(converted, tmp_path, tensor):
+    """A damaged weight that keeps the file size: load succeeds, the first step says NaN."""
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(converted("mixtral_a"), d)
+    t = json.loads((d / "config.json").read_text())["tensors"][tensor]
+    nan = np.full(t["nbytes"] // 4, np.nan, np.float32).tobytes()
+    with open(d / t["file"], "r+b") as f:
+        f.seek(t["offset"])
+        f.write(nan)
+    m = colibri.load(d)
+    with pytest.raises(colibri.ColibriError, match="NaN or infinite.*verify"):
+        list(m.generate(list(range(1, 20)), max_new_tokens=3))
+    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(d), "--tokens",
+                        ",".join(map(str, range(1, 20)))], env=ENV, capture_output=True, text=True)
+    assert r.returncode == 2 and "NaN or infinite" in r.stderr and "Traceback" not in r.stderr
