@@ -13,8 +13,13 @@ from colibri.modeldir import from_storage, to_storage
 
 # matvec: |ours - exact| <= MATVEC_RTOL * sum_i |w_i x_i| (float32 accumulation over <= 512 terms)
 MATVEC_RTOL = 1e-5
-# whole-model logits of a SIMD tier against the scalar tier: max |diff| <= TIER_RTOL * max |logit|
+# whole-model logits of a SIMD tier against the scalar tier: max |diff| <= TIER_RTOL * max |logit|.
+# Float formats differ only by summation order. Integer formats compute exact integer block dot
+# products in every tier, but the float sum over blocks differs in order (~1e-7), and the next
+# matvec re-quantizes its input to int8: a value sitting on a rounding boundary moves one level,
+# a difference of up to a few 1e-3 of the logit scale (measured 2.4e-3 on mixtral_a int4).
 TIER_RTOL = 1e-5
+INT_TIER_RTOL = 1e-2
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 BLOCK_DTYPES = ("int8", "int4")
 ISAS = _kernels.available_isas()
@@ -28,8 +33,6 @@ def isa(request):
     yield request.param
     _kernels.select_isa(before)
 
-# routing weights: float32 softmax against float64
-ROUTE_ATOL = 2e-6
 RMSNORM_RTOL = 2e-6
 
 
@@ -153,8 +156,10 @@ def test_whole_model_agrees_across_tiers(converted, dtype):
     finally:
         _kernels.select_isa(before)
     scale = np.abs(results["scalar"]).max()
+    tol = INT_TIER_RTOL if dtype in BLOCK_DTYPES else TIER_RTOL
     for name, logits in results.items():
-        assert np.abs(logits - results["scalar"]).max() <= TIER_RTOL * scale, name
+        assert np.abs(logits - results["scalar"]).max() <= tol * scale, name
+        assert (logits.argmax(-1) == results["scalar"].argmax(-1)).mean() >= 0.95, name
 
 
 def test_forcing_a_tier_the_cpu_lacks_is_a_clear_error():
@@ -170,43 +175,6 @@ def test_matvec_large_enough_to_use_threads():
     two = _kernels.kernel_matvec(w, x, "f32", 2)
     np.testing.assert_array_equal(one, two)
     np.testing.assert_allclose(one, w.astype(np.float64) @ x, rtol=0, atol=1e-4)
-
-
-logit_vectors = st.integers(1, 64).flatmap(
-    lambda n: hnp.arrays(np.float32, n, elements=st.floats(-1e4, 1e4, width=32, allow_nan=False)))
-
-
-@settings(max_examples=200, deadline=None)
-@given(logit_vectors, st.data(), st.booleans())
-def test_route_is_exact_top_k_with_reference_weights(logits, data, norm):
-    n = len(logits)
-    k = data.draw(st.integers(1, min(n, 8)))
-    chosen, weights = _kernels.kernel_route(logits, k, norm)
-    # exactly the reference top-k on the logits, ties to the lowest index, never a duplicate
-    ref_order = np.argsort(-logits.astype(np.float64), kind="stable")[:k]
-    assert chosen.tolist() == ref_order.tolist()
-    assert len(set(chosen.tolist())) == k
-    z = logits.astype(np.float64)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    ref_w = p[ref_order]
-    if norm:
-        ref_w = ref_w / ref_w.sum()
-        assert abs(weights.sum() - 1.0) <= 1e-5
-    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=ROUTE_ATOL)
-
-
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_route_refuses_non_finite_logits(bad):
-    logits = np.array([0.5, bad, 1.0, -2.0], np.float32)
-    with pytest.raises(ValueError, match="not finite"):
-        _kernels.kernel_route(logits, 2, True)
-
-
-def test_route_ties_go_to_the_lowest_index():
-    chosen, weights = _kernels.kernel_route(np.zeros(8, np.float32), 3, False)
-    assert chosen.tolist() == [0, 1, 2]
-    np.testing.assert_allclose(weights, [0.125] * 3, rtol=1e-6)
 
 
 @settings(max_examples=60, deadline=None)

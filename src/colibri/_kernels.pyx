@@ -63,10 +63,16 @@ cdef extern from "dispatch.h" nogil:
                    int rows, int cols, int n_threads)
 
 cdef extern from "routing.h" nogil:
-    int cb_route(float *logits, int n_experts, int k, int norm_topk_prob, int *chosen,
-                 float *weights)
+    int CB_MAX_TOP_K
+    float CB_LUT_DELTA
+    void cb_init_softmax_lut()
+    int cb_route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
+                 int *chosen, float *weights)
 
 cb_init_tables()
+cb_init_softmax_lut()
+LUT_DELTA = CB_LUT_DELTA        # worst-case error of one table exponential (softmax_lut.h)
+MAX_TOP_K = CB_MAX_TOP_K
 
 # ---- the SIMD tier, chosen once at import (COLIBRI_ISA forces one) ---------------------------
 
@@ -178,6 +184,7 @@ cdef struct Hyper:
     int n_experts
     int top_k
     int norm_topk_prob
+    int use_lut               # routing exponentials from the softmax table instead of expf
     int qk_norm
     float clip_qkv            # 0: no clipping
     float rms_eps
@@ -272,7 +279,7 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
     cdef int j, e
     # router: float logits -> top-k experts and their weights
     matvec(s.router, &L.router, s.xb, s, h.n_threads)
-    if cb_route(s.router, h.n_experts, h.top_k, h.norm_topk_prob, chosen, weights) != 0:
+    if cb_route(s.router, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut, chosen, weights) != 0:
         s.bad_layer = layer
         return STATUS_BAD_ROUTER
     # experts, accumulated in ascending expert index (the reference's summation order)
@@ -365,6 +372,7 @@ cdef class Engine:
         self.h.n_experts = n_experts
         self.h.top_k = top_k
         self.h.norm_topk_prob = 1 if hp["norm_topk_prob"] else 0
+        self.h.use_lut = 0 if hp["exact_softmax"] else 1
         self.h.qk_norm = hp["qk_norm_mode"]
         self.h.clip_qkv = hp["clip_qkv"] or 0.0
         self.h.rms_eps = hp["rms_norm_eps"]
@@ -570,7 +578,7 @@ def kernel_dequant_row(w, int row, int cols, str dtype):
     return out
 
 
-def kernel_route(const float[::1] logits, int k, bint norm_topk_prob):
+def kernel_route(const float[::1] logits, int k, bint norm_topk_prob, bint use_lut=False):
     """(chosen expert indices int32 [k], weights float32 [k]) or ValueError for non-finite logits."""
     buf = np.array(logits, np.float32)
     chosen = np.zeros(k, np.int32)
@@ -578,11 +586,26 @@ def kernel_route(const float[::1] logits, int k, bint norm_topk_prob):
     cdef float[::1] b = buf
     cdef int[::1] c = chosen
     cdef float[::1] w = weights
-    if k < 1 or k > b.shape[0]:
-        raise ValueError(f"k={k} must be in 1..{b.shape[0]}")
-    if cb_route(&b[0], b.shape[0], k, norm_topk_prob, &c[0], &w[0]) != 0:
+    if k < 1 or k > b.shape[0] or k > CB_MAX_TOP_K:
+        raise ValueError(f"k={k} must be in 1..{min(b.shape[0], CB_MAX_TOP_K)}")
+    if cb_route(&b[0], b.shape[0], k, norm_topk_prob, use_lut, &c[0], &w[0]) != 0:
         raise ValueError("router logits are not finite")
     return chosen, weights
+
+
+def bench_route(const float[:, ::1] logits, int k, bint norm_topk_prob, bint use_lut):
+    """Route every row of logits [n, n_experts] (the routing micro-benchmark); returns seconds."""
+    import time
+    cdef int n = logits.shape[0], e = logits.shape[1], i
+    chosen = np.zeros(k, np.int32)
+    weights = np.zeros(k, np.float32)
+    cdef int[::1] c = chosen
+    cdef float[::1] w = weights
+    t0 = time.perf_counter()
+    with nogil:
+        for i in range(n):
+            cb_route(&logits[i, 0], e, k, norm_topk_prob, use_lut, &c[0], &w[0])
+    return time.perf_counter() - t0
 
 
 def kernel_rmsnorm(const float[::1] x, weight, float eps):

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
                      help="context length (default: the model's, up to 4096)")
     run.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    sm = run.add_mutually_exclusive_group()
+    sm.add_argument("--exact-softmax", "--exact_softmax", dest="softmax_lut", action="store_false",
+                    help="routing weights from the float softmax (the default)")
+    sm.add_argument("--softmax-lut", "--softmax_lut", dest="softmax_lut", action="store_true",
+                    help="routing weights from the uint8 softmax lookup table of the original design")
     run.add_argument("--no-mmap", action="store_true",
                      help="read the weights into memory instead of mapping the files (network shares)")
     run.add_argument("--ids", action="store_true", help="print generated token ids instead of text")
@@ -124,7 +129,8 @@ def cmd_run(args) -> int:
             raise ColibriError("no --model-dir given and this installation has no bundled demo model; "
                                "pass --model-dir D (make one with: python -m colibri convert)")
         model_dir, note = str(DEMO_DIR), " (the bundled demo model)"
-    m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap)
+    m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
+             exact_softmax=not args.softmax_lut)
     print(f"[INFO] Loaded model from {model_dir}{note} ({_describe(m)}) in "
           f"{m.stats['load_seconds'] * 1000:.0f} ms", flush=True)
     if args.prompt is not None:

@@ -51,7 +51,8 @@ def rope_tables(head_dim: int, theta: float, n_ctx: int) -> tuple:
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
-    def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True):
+    def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
+                 exact_softmax: bool = True):
         t0 = time.perf_counter()
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
@@ -74,6 +75,10 @@ class Model:
         self._maps = MappedModelDir(self._dir, use_mmap=mmap)
         hp = cfg.to_dict()
         hp["n_ctx"] = n_ctx
+        hp["exact_softmax"] = bool(exact_softmax)
+        if cfg.num_experts_per_tok > _kernels.MAX_TOP_K:
+            raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported "
+                               f"{_kernels.MAX_TOP_K}")
         hp["qk_norm_mode"] = {"none": 0, "per_head": 1, "whole": 2}[cfg.qk_norm]
         layer_flags = [{"moe": cfg.moe_layers[i], "sliding_window": cfg.layer_window(i), "d_ff": cfg.layer_d_ff(i)}
                        for i in range(cfg.num_hidden_layers)]
@@ -220,9 +225,12 @@ class Model:
                     on_step(self)
 
 
-def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True) -> Model:
+def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
+         exact_softmax: bool = True) -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
-    mmap=False reads the weights into memory instead of mapping the files (network shares)."""
-    return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap)
+    mmap=False reads the weights into memory instead of mapping the files (network shares);
+    exact_softmax=False takes the routing weights from the uint8 softmax lookup table of the
+    original design instead of expf (see BENCHMARKS.md for why exact is the default)."""
+    return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax)
