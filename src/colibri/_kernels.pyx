@@ -61,6 +61,8 @@ cdef extern from "dispatch.h" nogil:
     int cb_select_isa(int isa)
     void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_act_q8 *a,
                    int rows, int cols, int n_threads)
+    void cb_matmul(float *out, int ldo, const void *w, int dtype, const float *x, int ldx,
+                   cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
 
 cdef extern from "routing.h" nogil:
     int CB_MAX_TOP_K
@@ -212,6 +214,25 @@ cdef struct Scratch:
     int bad_layer     # the layer of a bad router status
 
 
+cdef struct Batch:        # scratch of the prefill path: up to `cap` prompt tokens at a time
+    int cap
+    float *x          # [cap, d_model] residual streams
+    float *xb         # [cap, d_model] normed inputs
+    float *xb2        # [cap, d_model] block outputs
+    float *q          # [cap, n_heads * head_dim]
+    float *att        # [cap, n_heads * head_dim]
+    float *hb         # [cap, max_ff]
+    float *hb2        # [cap, max_ff]
+    float *g          # [cap, d_model] inputs gathered for one expert
+    float *y          # [cap, d_model] outputs of one expert
+    float *router     # [cap, n_experts]
+    int *chosen       # [cap, top_k]
+    float *chosen_w   # [cap, top_k]
+    int *rows         # [cap] the tokens routed to the current expert
+    float *row_w      # [cap] their weights
+    cb_act_q8 *acts   # [cap] per-token activation quantization (q: [cap, max_cols], d: [cap, max_cols / 32])
+
+
 # ---- the blocks of the token step -----------------------------------------------------------
 
 cdef inline void matvec(float *out, const Mat *m, const float *x, Scratch *s, int n_threads) noexcept nogil:
@@ -226,47 +247,55 @@ cdef void ffn(const FFN *f, const float *x, float *out, Scratch *s, int n_thread
     matvec(out, &f.down, s.hb, s, n_threads)
 
 
-cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
-    """s.xb2 = self-attention of s.xb at position `pos`; appends this position's k, v to the cache."""
+cdef void qkv_finish(const Hyper *h, const Layer *L, const Scratch *s, float *q, float *k, float *v,
+                     int pos) noexcept nogil:
+    """After the q/k/v projections of one position: biases, q/k norms, clipping, rotary embedding.
+    q [n_heads * head_dim], k and v [n_kv_heads * head_dim] (k, v live in the cache)."""
     cdef int q_dim = h.n_heads * h.head_dim
     cdef int kv_dim = h.n_kv_heads * h.head_dim
-    cdef float *k = L.k_cache + <size_t>pos * kv_dim      # written in place in the cache
-    cdef float *v = L.v_cache + <size_t>pos * kv_dim
     cdef int i
-    # projections (+ biases)
-    matvec(s.q, &L.wq, s.xb, s, h.n_threads)
-    matvec(k, &L.wk, s.xb, s, h.n_threads)
-    matvec(v, &L.wv, s.xb, s, h.n_threads)
     if L.bq != NULL:
-        cb_add(s.q, L.bq, q_dim)
+        cb_add(q, L.bq, q_dim)
         cb_add(k, L.bk, kv_dim)
         cb_add(v, L.bv, kv_dim)
-    # q/k norms
     if h.qk_norm == QK_NORM_PER_HEAD:
         for i in range(h.n_heads):
-            cb_rmsnorm(s.q + i * h.head_dim, s.q + i * h.head_dim, L.q_norm, h.head_dim, h.rms_eps)
+            cb_rmsnorm(q + i * h.head_dim, q + i * h.head_dim, L.q_norm, h.head_dim, h.rms_eps)
         for i in range(h.n_kv_heads):
             cb_rmsnorm(k + i * h.head_dim, k + i * h.head_dim, L.k_norm, h.head_dim, h.rms_eps)
     elif h.qk_norm == QK_NORM_WHOLE:
-        cb_rmsnorm(s.q, s.q, L.q_norm, q_dim, h.rms_eps)
+        cb_rmsnorm(q, q, L.q_norm, q_dim, h.rms_eps)
         cb_rmsnorm(k, k, L.k_norm, kv_dim, h.rms_eps)
-    # OLMoE's clip_qkv
-    if h.clip_qkv > 0:
-        cb_clip(s.q, h.clip_qkv, q_dim)
+    if h.clip_qkv > 0:                                              # OLMoE's clip_qkv
+        cb_clip(q, h.clip_qkv, q_dim)
         cb_clip(k, h.clip_qkv, kv_dim)
         cb_clip(v, h.clip_qkv, kv_dim)
-    # rotary position embedding
     cdef const float *cos_t = s.rope_cos + <size_t>pos * (h.head_dim // 2)
     cdef const float *sin_t = s.rope_sin + <size_t>pos * (h.head_dim // 2)
-    cb_rope(s.q, h.n_heads, h.head_dim, cos_t, sin_t)
+    cb_rope(q, h.n_heads, h.head_dim, cos_t, sin_t)
     cb_rope(k, h.n_kv_heads, h.head_dim, cos_t, sin_t)
-    # scores over the cache, softmax, weighted values
+
+
+cdef inline void attend(const Hyper *h, const Layer *L, Scratch *s, const float *q, float *out,
+                        int pos) noexcept nogil:
+    """out [n_heads * head_dim] = causal attention of q at `pos` over the cache (window aware)."""
     cdef int start = 0
     if L.sliding_window > 0 and pos - L.sliding_window + 1 > 0:
         start = pos - L.sliding_window + 1
-    cb_attention(s.att, s.q, L.k_cache, L.v_cache, s.scores, h.n_heads, h.n_kv_heads,
+    cb_attention(out, q, L.k_cache, L.v_cache, s.scores, h.n_heads, h.n_kv_heads,
                  h.head_dim, h.n_ctx, start, pos, h.n_threads)
-    # output projection
+
+
+cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
+    """s.xb2 = self-attention of s.xb at position `pos`; appends this position's k, v to the cache."""
+    cdef int kv_dim = h.n_kv_heads * h.head_dim
+    cdef float *k = L.k_cache + <size_t>pos * kv_dim      # written in place in the cache
+    cdef float *v = L.v_cache + <size_t>pos * kv_dim
+    matvec(s.q, &L.wq, s.xb, s, h.n_threads)
+    matvec(k, &L.wk, s.xb, s, h.n_threads)
+    matvec(v, &L.wv, s.xb, s, h.n_threads)
+    qkv_finish(h, L, s, s.q, k, v, pos)
+    attend(h, L, s, s.q, s.att, pos)
     matvec(s.xb2, &L.wo, s.att, s, h.n_threads)
     if L.bo != NULL:
         cb_add(s.xb2, L.bo, h.d_model)
@@ -291,14 +320,19 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
                 ffn(&L.experts[e], s.xb, s.moe_acc, s, h.n_threads)
                 cb_axpy(s.xb2, weights[j], s.moe_acc, h.d_model)
     # shared expert, scaled by a sigmoid gate
-    cdef float g
     if L.has_shared:
         ffn(&L.shared, s.xb, s.moe_acc, s, h.n_threads)
-        g = 0
-        for j in range(h.d_model):
-            g += L.shared_gate[j] * s.xb[j]
-        cb_axpy(s.xb2, 1.0 / (1.0 + expf(-g)), s.moe_acc, h.d_model)
+        cb_axpy(s.xb2, shared_gate(L, s.xb, h.d_model), s.moe_acc, h.d_model)
     return STATUS_OK
+
+
+cdef inline float shared_gate(const Layer *L, const float *x, int d) noexcept nogil:
+    """sigmoid(shared_gate . x): the weight of the shared expert (Qwen2-MoE)."""
+    cdef float g = 0
+    cdef int j
+    for j in range(d):
+        g += L.shared_gate[j] * x[j]
+    return 1.0 / (1.0 + expf(-g))
 
 
 cdef int token_step(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
@@ -328,6 +362,123 @@ cdef int token_step(const Hyper *h, Layer *layers, const Mat *embedding, const f
     return STATUS_OK if cb_all_finite(s.logits, h.vocab) else STATUS_BAD_LOGITS
 
 
+# ---- prefill: the prompt in chunks, every weight read once per chunk ------------------------
+
+cdef enum:
+    WANT_NONE = 0
+    WANT_LAST = 1
+    WANT_ALL = 2
+
+PREFILL_CHUNK = 128        # prompt tokens per chunk: bounds the batch scratch (about 40 KB per
+                           # token for a 1024-wide model with 3584-wide experts)
+
+cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, Batch *b, int n,
+                        int n_threads) noexcept nogil:
+    cb_matmul(out, ldo, m.data, m.dtype, x, ldx, b.acts, n, m.rows, m.cols, n_threads)
+
+
+cdef void ffn_batch(const FFN *f, const float *x, float *out, Batch *b, int n, int d,
+                    int n_threads) noexcept nogil:
+    """out[n, d] = down(silu(gate x) * up x) for n rows of x [n, d]."""
+    cdef int ff = f.gate.rows, t
+    matmul(b.hb, ff, &f.gate, x, d, b, n, n_threads)
+    matmul(b.hb2, ff, &f.up, x, d, b, n, n_threads)
+    for t in range(n):
+        cb_swiglu(b.hb + <size_t>t * ff, b.hb2 + <size_t>t * ff, ff)
+    matmul(out, d, &f.down, b.hb, ff, b, n, n_threads)
+
+
+cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int pos0) noexcept nogil:
+    """b.xb2 = self-attention of b.xb [n, d] at positions pos0..pos0+n-1 (causal, in order)."""
+    cdef int d = h.d_model, q_dim = h.n_heads * h.head_dim, kv_dim = h.n_kv_heads * h.head_dim, t
+    cdef float *k0 = L.k_cache + <size_t>pos0 * kv_dim                # rows pos0.. of the cache
+    cdef float *v0 = L.v_cache + <size_t>pos0 * kv_dim
+    matmul(b.q, q_dim, &L.wq, b.xb, d, b, n, h.n_threads)
+    matmul(k0, kv_dim, &L.wk, b.xb, d, b, n, h.n_threads)
+    matmul(v0, kv_dim, &L.wv, b.xb, d, b, n, h.n_threads)
+    for t in range(n):
+        qkv_finish(h, L, s, b.q + <size_t>t * q_dim, k0 + <size_t>t * kv_dim, v0 + <size_t>t * kv_dim, pos0 + t)
+    for t in range(n):
+        attend(h, L, s, b.q + <size_t>t * q_dim, b.att + <size_t>t * q_dim, pos0 + t)
+    matmul(b.xb2, d, &L.wo, b.att, q_dim, b, n, h.n_threads)
+    if L.bo != NULL:
+        for t in range(n):
+            cb_add(b.xb2 + <size_t>t * d, L.bo, d)
+
+
+cdef int moe_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int layer) noexcept nogil:
+    """b.xb2 [n, d] = the MoE block of b.xb [n, d]: tokens grouped by expert, one matmul per
+    expert over the tokens routed to it, empty experts skipped. Per token, experts are summed in
+    ascending index, as in the decode path."""
+    cdef int d = h.d_model, k = h.top_k, E = h.n_experts, t, j, e, m
+    matmul(b.router, E, &L.router, b.xb, d, b, n, h.n_threads)
+    for t in range(n):
+        if cb_route(b.router + <size_t>t * E, E, k, h.norm_topk_prob, h.use_lut,
+                    b.chosen + t * k, b.chosen_w + t * k) != 0:
+            s.bad_layer = layer
+            return STATUS_BAD_ROUTER
+    memcpy(s.chosen + layer * k, b.chosen + (n - 1) * k, sizeof(int) * k)        # last token, for --verbose
+    memcpy(s.chosen_w + layer * k, b.chosen_w + (n - 1) * k, sizeof(float) * k)
+    memset(b.xb2, 0, sizeof(float) * n * d)
+    for e in range(E):
+        m = 0                                                       # gather the tokens of expert e
+        for t in range(n):
+            for j in range(k):
+                if b.chosen[t * k + j] == e:
+                    b.rows[m] = t
+                    b.row_w[m] = b.chosen_w[t * k + j]
+                    memcpy(b.g + <size_t>m * d, b.xb + <size_t>t * d, sizeof(float) * d)
+                    m += 1
+        if m == 0:
+            continue
+        s.counts[layer * E + e] += m
+        ffn_batch(&L.experts[e], b.g, b.y, b, m, d, h.n_threads)
+        for j in range(m):                                          # scatter, weighted
+            cb_axpy(b.xb2 + <size_t>b.rows[j] * d, b.row_w[j], b.y + <size_t>j * d, d)
+    if L.has_shared:
+        ffn_batch(&L.shared, b.xb, b.y, b, n, d, h.n_threads)
+        for t in range(n):
+            cb_axpy(b.xb2 + <size_t>t * d, shared_gate(L, b.xb + <size_t>t * d, d), b.y + <size_t>t * d, d)
+    return STATUS_OK
+
+
+cdef int prefill_chunk(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
+                       const Mat *lm_head, Scratch *s, Batch *b, const int *tokens, int n, int pos0,
+                       float *logits, int want) noexcept nogil:
+    """Run n <= b.cap tokens at positions pos0.. through the model, layer by layer.
+    want: WANT_ALL fills logits [n, vocab]; WANT_LAST fills logits [vocab] for the last token;
+    WANT_NONE computes no logits (an inner chunk of a long prompt)."""
+    cdef int d = h.d_model, l, t, status
+    cdef Layer *L
+    for t in range(n):
+        cb_dequant_row(b.x + <size_t>t * d, embedding.data, embedding.dtype, tokens[t], d)
+    for l in range(h.n_layers):
+        L = &layers[l]
+        for t in range(n):                                          # attention block
+            cb_rmsnorm(b.xb + <size_t>t * d, b.x + <size_t>t * d, L.attn_norm, d, h.rms_eps)
+        attention_batch(h, L, s, b, n, pos0)
+        cb_add(b.x, b.xb2, n * d)
+        for t in range(n):                                          # feed-forward block
+            cb_rmsnorm(b.xb + <size_t>t * d, b.x + <size_t>t * d, L.ffn_norm, d, h.rms_eps)
+        if L.is_moe:
+            status = moe_batch(h, L, s, b, n, l)
+            if status != STATUS_OK:
+                return status
+        else:
+            ffn_batch(&L.dense, b.xb, b.xb2, b, n, d, h.n_threads)
+        cb_add(b.x, b.xb2, n * d)
+    if want == WANT_NONE:
+        return STATUS_OK if cb_all_finite(b.x, n * d) else STATUS_BAD_HIDDEN
+    if want == WANT_ALL:                                            # head
+        for t in range(n):
+            cb_rmsnorm(b.x + <size_t>t * d, b.x + <size_t>t * d, final_norm, d, h.rms_eps)
+        matmul(logits, h.vocab, lm_head, b.x, d, b, n, h.n_threads)
+        return STATUS_OK if cb_all_finite(logits, n * h.vocab) else STATUS_BAD_LOGITS
+    cb_rmsnorm(s.x, b.x + <size_t>(n - 1) * d, final_norm, d, h.rms_eps)
+    matvec(logits, lm_head, s.x, s, h.n_threads)
+    return STATUS_OK if cb_all_finite(logits, h.vocab) else STATUS_BAD_LOGITS
+
+
 # ---- the Python-facing engine ---------------------------------------------------------------
 
 DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4}
@@ -347,6 +498,8 @@ cdef class Engine:
     cdef Mat lm_head            # [vocab, d_model] (the embedding when tied)
     cdef const float *final_norm  # [d_model]
     cdef Scratch s
+    cdef Batch b
+    cdef cb_act_q8 *acts        # [PREFILL_CHUNK] quantization scratch of the batch rows
     cdef object _keep           # numpy arrays backing the scratch arena, KV cache and tables
     cdef public object logits   # np.ndarray float32 [vocab], a view of the scratch logits
     cdef public object chosen   # np.ndarray int32 [n_layers, top_k]
@@ -356,6 +509,7 @@ cdef class Engine:
     def __cinit__(self):
         self.layers = NULL
         self.experts = NULL
+        self.acts = NULL
 
     def __init__(self, dict hp, dict tensors, list layer_flags, rope_cos, rope_sin, int n_threads):
         cdef int d = hp["hidden_size"]
@@ -396,10 +550,22 @@ cdef class Engine:
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
             "act_q": np.zeros(max_cols, np.int8), "act_d": np.zeros(max_cols // 32 + 1, f32),
+        }
+        cap = max(1, min(hp.get("prefill_chunk") or PREFILL_CHUNK, n_ctx))
+        n_router = max(hp["num_experts"], 1)
+        keep.update({
+            "b_x": np.zeros((cap, d), f32), "b_xb": np.zeros((cap, d), f32), "b_xb2": np.zeros((cap, d), f32),
+            "b_q": np.zeros((cap, q_dim), f32), "b_att": np.zeros((cap, q_dim), f32),
+            "b_hb": np.zeros((cap, max_ff), f32), "b_hb2": np.zeros((cap, max_ff), f32),
+            "b_g": np.zeros((cap, d), f32), "b_y": np.zeros((cap, d), f32),
+            "b_router": np.zeros((cap, n_router), f32),
+            "b_chosen": np.zeros((cap, top_k), np.int32), "b_chosen_w": np.zeros((cap, top_k), f32),
+            "b_rows": np.zeros(cap, np.int32), "b_row_w": np.zeros(cap, f32),
+            "b_act_q": np.zeros((cap, max_cols), np.int8), "b_act_d": np.zeros((cap, max_cols // 32 + 1), f32),
             # KV cache: zero pages are only touched (made resident) as positions are filled.
             "k_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
             "v_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
-        }
+        })
         assert keep["rope_cos"].shape == (n_ctx, self.h.head_dim // 2)
         self._keep = keep
         self.s.act.q = <signed char *><uintptr_t>keep["act_q"].ctypes.data
@@ -415,6 +581,23 @@ cdef class Engine:
         self.s.chosen = <int *><uintptr_t>keep["chosen"].ctypes.data
         self.s.chosen_w = _f32(keep["chosen_w"])
         self.s.counts = <int64_t *><uintptr_t>keep["counts"].ctypes.data
+        self.b.cap = cap
+        self.b.x = _f32(keep["b_x"]); self.b.xb = _f32(keep["b_xb"]); self.b.xb2 = _f32(keep["b_xb2"])
+        self.b.q = _f32(keep["b_q"]); self.b.att = _f32(keep["b_att"])
+        self.b.hb = _f32(keep["b_hb"]); self.b.hb2 = _f32(keep["b_hb2"])
+        self.b.g = _f32(keep["b_g"]); self.b.y = _f32(keep["b_y"]); self.b.router = _f32(keep["b_router"])
+        self.b.chosen = <int *><uintptr_t>keep["b_chosen"].ctypes.data
+        self.b.chosen_w = _f32(keep["b_chosen_w"])
+        self.b.rows = <int *><uintptr_t>keep["b_rows"].ctypes.data
+        self.b.row_w = _f32(keep["b_row_w"])
+        self.acts = <cb_act_q8 *>calloc(cap, sizeof(cb_act_q8))
+        if self.acts == NULL:
+            raise MemoryError("cannot allocate the prefill scratch")
+        cdef int t
+        for t in range(cap):
+            self.acts[t].q = <signed char *><uintptr_t>keep["b_act_q"][t].ctypes.data
+            self.acts[t].d = _f32(keep["b_act_d"][t])
+        self.b.acts = self.acts
         self.logits = keep["logits"]
         self.chosen = keep["chosen"]
         self.chosen_weights = keep["chosen_w"]
@@ -464,38 +647,61 @@ cdef class Engine:
     def __dealloc__(self):
         free(self.layers)
         free(self.experts)
+        free(self.acts)
 
     def reset(self):
         """Forget the context (the KV cache is overwritten position by position, so nothing to clear)."""
         self.expert_counts[...] = 0
 
-    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits):
+    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits,
+            bint batched=True):
         """Push tokens[0..T) through the model at positions pos0.. .
 
         all_logits: logits_out is [T, vocab] and receives every position's logits;
         otherwise logits_out is [1, vocab] and receives only the last one (the lm_head is skipped
-        for the others). Returns (status, token index of a failure, layer of a bad router).
+        for the others). Several tokens go through the prefill path in chunks (weights read once
+        per chunk) unless batched=False, which steps them one by one like decoding (the results
+        are the same). Returns (status, token index of a failure, layer of a bad router).
         """
-        cdef int t, status = STATUS_OK
+        cdef int t, n, status = STATUS_OK
         cdef int T = tokens.shape[0]
-        cdef int want
+        cdef int want, last
         if pos0 < 0 or pos0 + T > self.h.n_ctx:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.h.n_ctx}")
+        if logits_out.shape[1] != self.h.vocab or logits_out.shape[0] < (T if all_logits else 1):
+            raise ValueError("logits_out has the wrong shape")
         for t in range(T):
             if tokens[t] < 0 or tokens[t] >= self.h.vocab:
                 raise ValueError(f"token id {tokens[t]} is outside the vocabulary [0, {self.h.vocab})")
+        t = 0
         with nogil:
-            for t in range(T):
-                want = 1 if (all_logits or t == T - 1) else 0
-                status = token_step(&self.h, self.layers, &self.embedding, self.final_norm,
-                                    &self.lm_head, &self.s, tokens[t], pos0 + t, want)
-                if status != STATUS_OK:
-                    break
-                if all_logits:
-                    memcpy(&logits_out[t, 0], self.s.logits, sizeof(float) * self.h.vocab)
-                elif want:
-                    memcpy(&logits_out[0, 0], self.s.logits, sizeof(float) * self.h.vocab)
-        return status, t, self.s.bad_layer
+            if batched and T > 1:
+                while t < T:
+                    n = T - t if T - t < self.b.cap else self.b.cap
+                    last = t + n == T
+                    want = WANT_ALL if all_logits else (WANT_LAST if last else WANT_NONE)
+                    status = prefill_chunk(&self.h, self.layers, &self.embedding, self.final_norm,
+                                           &self.lm_head, &self.s, &self.b, &tokens[t], n, pos0 + t,
+                                           &logits_out[t if all_logits else 0, 0], want)
+                    if status != STATUS_OK:
+                        break
+                    t += n
+            else:
+                for t in range(T):
+                    want = 1 if (all_logits or t == T - 1) else 0
+                    status = token_step(&self.h, self.layers, &self.embedding, self.final_norm,
+                                        &self.lm_head, &self.s, tokens[t], pos0 + t, want)
+                    if status != STATUS_OK:
+                        break
+                    if all_logits:
+                        memcpy(&logits_out[t, 0], self.s.logits, sizeof(float) * self.h.vocab)
+                    elif want:
+                        memcpy(&logits_out[0, 0], self.s.logits, sizeof(float) * self.h.vocab)
+        if status == STATUS_OK and not all_logits:
+            memcpy(self.s.logits, &logits_out[0, 0], sizeof(float) * self.h.vocab)   # last_logits
+        elif status == STATUS_OK:
+            memcpy(self.s.logits, &logits_out[T - 1, 0], sizeof(float) * self.h.vocab)
+        return status, min(t, T - 1), self.s.bad_layer
 
     @property
     def n_ctx(self):

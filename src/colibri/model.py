@@ -52,7 +52,7 @@ class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
     def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-                 exact_softmax: bool = True):
+                 exact_softmax: bool = True, prefill_chunk: int | None = None):
         t0 = time.perf_counter()
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
@@ -76,6 +76,9 @@ class Model:
         hp = cfg.to_dict()
         hp["n_ctx"] = n_ctx
         hp["exact_softmax"] = bool(exact_softmax)
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        hp["prefill_chunk"] = prefill_chunk
         if cfg.num_experts_per_tok > _kernels.MAX_TOP_K:
             raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported "
                                f"{_kernels.MAX_TOP_K}")
@@ -226,11 +229,13 @@ class Model:
 
 
 def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-         exact_softmax: bool = True) -> Model:
+         exact_softmax: bool = True, prefill_chunk: int | None = None) -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
     mmap=False reads the weights into memory instead of mapping the files (network shares);
     exact_softmax=False takes the routing weights from the uint8 softmax lookup table of the
-    original design instead of expf (see BENCHMARKS.md for why exact is the default)."""
-    return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax)
+    original design instead of expf (see BENCHMARKS.md for why exact is the default);
+    prefill_chunk: prompt tokens processed together (default 128; bounds the prefill scratch)."""
+    return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
+                 prefill_chunk=prefill_chunk)

@@ -66,4 +66,23 @@ static void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_a
     for (int r = 0; r < rows; r++) out[r] = dot((const char *)w + (size_t)r * stride, x, a, cols);
 }
 
+/* out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n tokens, r < rows: a matrix product that
+ * reads each weight row once for all n tokens (prefill). acts[n]: per-token quantization scratch
+ * for the integer formats. Each element is computed by the same dot product as cb_matvec, so a
+ * batched prefill gives exactly the results of token-by-token decoding. */
+static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float *x, int ldx,
+                      cb_act_q8 *acts, int n, int rows, int cols, int n_threads) {
+    size_t stride = cb_row_stride(dtype, cols);
+    cb_dot_fn dot = cb_kt.dot[dtype];
+    if (dtype == CB_INT8 || dtype == CB_INT4)
+        for (int t = 0; t < n; t++) cb_quantize_act_scalar(&acts[t], x + (size_t)t * ldx, cols);
+    int parallel = n_threads > 1 && (long long)rows * cols * n >= CB_PARALLEL_MIN_WORK;
+    (void)parallel;
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+    for (int r = 0; r < rows; r++) {
+        const void *row = (const char *)w + (size_t)r * stride;
+        for (int t = 0; t < n; t++) out[(size_t)t * ldo + r] = dot(row, x + (size_t)t * ldx, &acts[t], cols);
+    }
+}
+
 #endif /* COLIBRI_DISPATCH_H */
