@@ -1,4 +1,4 @@
-"""`python -m colibri`: run, convert, info, verify, bench.
+"""`python -m colibri`: run, convert, info, verify, eval, bench.
 
 Every mistake a user can make ends as one line on stderr and exit status 2 (1 for a failed
 `verify`, 130 for Ctrl-C); never a traceback. The spellings of the original C engine
@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="check every file of a model directory against its sha256")
     ver.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    ev = sub.add_parser("eval", help="perplexity of a text; KL divergence against a reference directory")
+    ev.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    ev.add_argument("--text", required=True, help="a UTF-8 text file")
+    ev.add_argument("--ctx", type=_positive_int, default=256, help="tokens per chunk (default 256)")
+    ev.add_argument("--reference-dir", "--reference_dir", dest="reference_dir",
+                    help="the same model in another format: report KL divergence, top-1 agreement, RMS delta p")
+    ev.add_argument("--threads", type=_positive_int, default=None)
+    ev.add_argument("--json", action="store_true")
+
     bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
     bench.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
     bench.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=_positive_int, default=128)
@@ -100,7 +109,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"run": cmd_run, "convert": cmd_convert, "info": cmd_info, "verify": cmd_verify,
-                "bench": cmd_bench}[args.command](args)
+                "bench": cmd_bench, "eval": cmd_eval}[args.command](args)
     except ColibriError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -193,6 +202,12 @@ def cmd_convert(args) -> int:
 
     convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force)
     return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import run_eval
+
+    return run_eval(args)
 
 
 def cmd_bench(args) -> int:

@@ -1,0 +1,127 @@
+"""`python -m colibri eval`: perplexity of a text, and divergence from a reference model.
+
+Design
+------
+The text is tokenized once and cut into non-overlapping chunks of `ctx` tokens; each chunk is a
+fresh context that starts with BOS (when the model has one) in place of its first token, as
+llama.cpp's `llama-perplexity` does, and every position after the first is scored:
+
+    perplexity = exp(mean over scored positions of -log p(next token))
+
+With a reference directory (the same model in another format, e.g. f32 against int8) the same
+chunks run through both, and per scored position:
+
+    KL      = sum_v p_ref(v) * (log p_ref(v) - log p(v))      (mean, median, p99 reported)
+    top-1   = argmax p == argmax p_ref
+    delta p = p(correct token) - p_ref(correct token)        (RMS reported)
+
+These are the statistics `llama-perplexity --kl-divergence` reports, so figures compare.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ColibriError
+
+MIN_CTX = 2
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities of float32 logits [T, vocab]."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def chunks_of(ids: list, ctx: int, bos: int | None) -> list:
+    """Non-overlapping chunks of ctx tokens; BOS replaces each chunk's first token."""
+    out = []
+    for start in range(0, len(ids) - 1, ctx):
+        chunk = list(ids[start:start + ctx])
+        if len(chunk) < MIN_CTX:
+            break
+        if bos is not None:
+            chunk[0] = bos
+        out.append(chunk)
+    return out
+
+
+def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) -> dict:
+    """Perplexity of `text` under `model` (and divergence from `reference`, a second Model)."""
+    if model.tokenizer is None:
+        raise ColibriError(f"{model.path} has no tokenizer.model: eval needs one to tokenize the text")
+    if not isinstance(ctx, int) or not MIN_CTX <= ctx <= model.n_ctx:
+        raise ColibriError(f"--ctx must be in {MIN_CTX}..{model.n_ctx}, got {ctx!r}")
+    if reference is not None and reference.config.vocab_size != model.config.vocab_size:
+        raise ColibriError(f"reference {reference.path} has vocab_size {reference.config.vocab_size}, "
+                           f"the model {model.config.vocab_size}: not the same model")
+    ids = model.tokenizer.encode(text)
+    chunks = chunks_of(ids, ctx, model.config.bos_token_id)
+    if not chunks:
+        raise ColibriError(f"the text is too short to evaluate ({len(ids)} tokens)")
+    nll, kl, top1, dp = [], [], [], []
+    for i, chunk in enumerate(chunks):
+        if progress:
+            progress(i, len(chunks))
+        target = np.asarray(chunk[1:])
+        lp = log_softmax(model.forward(chunk))[:-1]                  # [T-1, vocab], predicts chunk[1:]
+        rows = np.arange(len(target))
+        nll.append(-lp[rows, target])
+        if reference is not None:
+            lr = log_softmax(reference.forward(chunk))[:-1]
+            pr = np.exp(lr)
+            kl.append((pr * (lr - lp)).sum(axis=-1))
+            top1.append(lp.argmax(-1) == lr.argmax(-1))
+            dp.append(np.exp(lp[rows, target]) - pr[rows, target])
+    if progress:
+        progress(len(chunks), len(chunks))
+    nll = np.concatenate(nll)
+    result = {"model": str(model.path), "tokens": len(ids), "chunks": len(chunks), "ctx": ctx,
+              "scored": int(nll.size), "perplexity": float(math.exp(nll.mean())),
+              "nll_mean": float(nll.mean())}
+    if reference is not None:
+        kl, top1, dp = np.concatenate(kl), np.concatenate(top1), np.concatenate(dp)
+        result.update({"reference": str(reference.path), "kl_mean": float(kl.mean()),
+                       "kl_median": float(np.median(kl)), "kl_p99": float(np.percentile(kl, 99)),
+                       "top1_agreement": float(top1.mean()), "rms_delta_p": float(np.sqrt((dp ** 2).mean()))})
+    return result
+
+
+def run_eval(args) -> int:
+    from .model import load
+
+    path = Path(args.text)
+    if not path.is_file():
+        raise ColibriError(f"--text {path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ColibriError(f"--text {path} is not UTF-8 text ({e})") from None
+    model = load(args.model_dir, threads=args.threads)
+    reference = load(args.reference_dir, threads=args.threads) if args.reference_dir else None
+
+    def progress(i, n):
+        if sys.stderr.isatty():
+            width = 30
+            done = width * i // max(n, 1)
+            print(f"\r[eval] [{'#' * done}{'.' * (width - done)}] {i}/{n} chunks", end="", file=sys.stderr, flush=True)
+            if i == n:
+                print(file=sys.stderr)
+
+    r = evaluate(model, text, ctx=args.ctx, reference=reference, progress=progress)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"[INFO] {r['tokens']} tokens in {r['chunks']} chunks of {r['ctx']}, {r['scored']} scored")
+    print(f"perplexity:      {r['perplexity']:.4f}")
+    if reference is not None:
+        print(f"reference:       {r['reference']}")
+        print(f"KL divergence:   mean {r['kl_mean']:.6f}, median {r['kl_median']:.6f}, p99 {r['kl_p99']:.6f}")
+        print(f"top-1 agreement: {100 * r['top1_agreement']:.2f} %")
+        print(f"RMS delta p:     {100 * r['rms_delta_p']:.3f} %")
+    return 0
