@@ -64,6 +64,9 @@ cdef extern from "dispatch.h" nogil:
     void cb_matmul(float *out, int ldo, const void *w, int dtype, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
 
+cdef extern from "os_hints.h" nogil:
+    int cb_will_need(const void *start, size_t length, size_t chunk)
+
 cdef extern from "routing.h" nogil:
     int CB_MAX_TOP_K
     float CB_LUT_DELTA
@@ -134,6 +137,21 @@ cpdef enum:
     STATUS_BAD_LOGITS = 2
     STATUS_BAD_HIDDEN = 3
 
+# expert prefetching (residency.PREFETCH_MODES maps the names to these codes)
+cpdef enum:
+    PREFETCH_NONE = 0
+    PREFETCH_ROUTED = 1       # advise the OS of a layer's chosen experts as soon as they are chosen
+    PREFETCH_PREDICT = 2      # ... and of the next layer's likely experts (its router on this hidden state)
+
+# prefetch counters, Engine.prefetch_stats[PF_*]
+cpdef enum:
+    PF_CALLS = 0
+    PF_BYTES = 1
+    PF_FAILURES = 2
+    PF_PREDICTED = 3          # experts predicted for the next layer
+    PF_PREDICT_HITS = 4       # of which the next layer really chose
+    PF_N = 5
+
 # q/k norm modes (config.QK_NORM_MODES maps the names to these codes).
 cpdef enum:
     QK_NORM_NONE = 0
@@ -152,6 +170,10 @@ cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
     Mat up                # [d_ff, d_model]
     Mat down              # [d_model, d_ff]
 
+cdef struct Range:        # a page-aligned span of mapped memory
+    const void *start
+    size_t length
+
 cdef struct Layer:
     const float *attn_norm    # [d_model]
     Mat wq                    # [n_heads * head_dim, d_model]
@@ -169,6 +191,7 @@ cdef struct Layer:
     int is_moe
     Mat router                # [n_experts, d_model] f32 (MoE layers)
     FFN *experts              # [n_experts] (MoE layers)
+    Range *expert_pages       # [n_experts] the mapped file of each expert, for prefetching
     int has_shared
     FFN shared                # the shared expert (Qwen2-MoE)
     const float *shared_gate  # [d_model]: sigmoid(shared_gate . x) scales the shared expert
@@ -187,6 +210,7 @@ cdef struct Hyper:
     int top_k
     int norm_topk_prob
     int use_lut               # routing exponentials from the softmax table instead of expf
+    int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
     int qk_norm
     float clip_qkv            # 0: no clipping
     float rms_eps
@@ -212,6 +236,11 @@ cdef struct Scratch:
     float *chosen_w   # [n_layers, top_k] their weights
     int64_t *counts   # [n_layers, n_experts] how often each expert was chosen
     int bad_layer     # the layer of a bad router status
+    int *predicted    # [n_layers, top_k] experts predicted for a layer by the previous one's hidden state
+    int64_t *prefetch_stats   # [PF_N] counters, see PF_*
+    float *router2    # [n_experts] router logits of the next layer (prediction)
+    float *pred_w     # [top_k] scratch weights of a prediction
+    size_t prefetch_chunk     # bytes per advice call (0: no limit), from colibri._os.prefetch_chunk
 
 
 cdef struct Batch:        # scratch of the prefill path: up to `cap` prompt tokens at a time
@@ -301,6 +330,38 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogi
         cb_add(s.xb2, L.bo, h.d_model)
 
 
+cdef inline void will_need(const Range *r, Scratch *s) noexcept nogil:
+    s.prefetch_stats[PF_CALLS] += 1
+    s.prefetch_stats[PF_BYTES] += <int64_t>r.length
+    if cb_will_need(r.start, r.length, s.prefetch_chunk) != 0:
+        s.prefetch_stats[PF_FAILURES] += 1
+
+
+cdef void prefetch_chosen(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer) noexcept nogil:
+    """Advise the OS of the chosen experts' pages; with PREFETCH_PREDICT, score the prediction
+    made for this layer and predict the next MoE layer's experts from this hidden state."""
+    cdef int j, i, hits = 0
+    cdef Layer *N
+    for j in range(h.top_k):
+        will_need(&L.expert_pages[chosen[j]], s)
+    if h.prefetch != PREFETCH_PREDICT:
+        return
+    if s.predicted[layer * h.top_k] >= 0:                       # how good was the prediction?
+        for j in range(h.top_k):
+            for i in range(h.top_k):
+                if s.predicted[layer * h.top_k + i] == chosen[j]:
+                    hits += 1
+        s.prefetch_stats[PF_PREDICTED] += h.top_k
+        s.prefetch_stats[PF_PREDICT_HITS] += hits
+    if layer + 1 < h.n_layers and L[1].is_moe:                     # predict the next layer
+        N = &L[1]
+        matvec(s.router2, &N.router, s.xb, s, 1)
+        if cb_route(s.router2, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut,
+                    s.predicted + (layer + 1) * h.top_k, s.pred_w) == 0:
+            for j in range(h.top_k):
+                will_need(&N.expert_pages[s.predicted[(layer + 1) * h.top_k + j]], s)
+
+
 cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
     """s.xb2 = sum over the chosen experts of weight * expert(s.xb) (+ gated shared expert)."""
     cdef int *chosen = s.chosen + layer * h.top_k
@@ -311,6 +372,8 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
     if cb_route(s.router, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut, chosen, weights) != 0:
         s.bad_layer = layer
         return STATUS_BAD_ROUTER
+    if h.prefetch != PREFETCH_NONE:
+        prefetch_chosen(h, L, s, chosen, layer)
     # experts, accumulated in ascending expert index (the reference's summation order)
     memset(s.xb2, 0, sizeof(float) * h.d_model)
     for e in range(h.n_experts):
@@ -431,6 +494,8 @@ cdef int moe_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int la
                     m += 1
         if m == 0:
             continue
+        if h.prefetch != PREFETCH_NONE:
+            will_need(&L.expert_pages[e], s)
         s.counts[layer * E + e] += m
         ffn_batch(&L.experts[e], b.g, b.y, b, m, d, h.n_threads)
         for j in range(m):                                          # scatter, weighted
@@ -505,6 +570,7 @@ cdef class Engine:
     cdef public object chosen   # np.ndarray int32 [n_layers, top_k]
     cdef public object chosen_weights  # np.ndarray float32 [n_layers, top_k]
     cdef public object expert_counts   # np.ndarray int64 [n_layers, n_experts]
+    cdef public object prefetch_stats  # np.ndarray int64 [PF_N]
 
     def __cinit__(self):
         self.layers = NULL
@@ -527,6 +593,7 @@ cdef class Engine:
         self.h.top_k = top_k
         self.h.norm_topk_prob = 1 if hp["norm_topk_prob"] else 0
         self.h.use_lut = 0 if hp["exact_softmax"] else 1
+        self.h.prefetch = hp.get("prefetch_mode", PREFETCH_NONE)
         self.h.qk_norm = hp["qk_norm_mode"]
         self.h.clip_qkv = hp["clip_qkv"] or 0.0
         self.h.rms_eps = hp["rms_norm_eps"]
@@ -550,6 +617,10 @@ cdef class Engine:
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
             "act_q": np.zeros(max_cols, np.int8), "act_d": np.zeros(max_cols // 32 + 1, f32),
+            "predicted": np.full((n_layers, top_k), -1, np.int32),
+            "prefetch_stats": np.zeros(PF_N, np.int64),
+            "router2": np.zeros(n_experts, f32), "pred_w": np.zeros(top_k, f32),
+            "expert_pages": np.zeros((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
         }
         cap = max(1, min(hp.get("prefill_chunk") or PREFILL_CHUNK, n_ctx))
         n_router = max(hp["num_experts"], 1)
@@ -568,6 +639,15 @@ cdef class Engine:
         })
         assert keep["rope_cos"].shape == (n_ctx, self.h.head_dim // 2)
         self._keep = keep
+        self.s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
+        self.s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
+        self.s.router2 = _f32(keep["router2"]); self.s.pred_w = _f32(keep["pred_w"])
+        self.s.prefetch_chunk = hp.get("prefetch_chunk_bytes") or 0
+        self.prefetch_stats = keep["prefetch_stats"]
+        assert sizeof(Range) == 2 * sizeof(uint64_t)
+        pages = hp.get("expert_pages") or {}
+        for (pl, pe), (start, length) in pages.items():
+            keep["expert_pages"][pl, pe] = (start, length)
         self.s.act.q = <signed char *><uintptr_t>keep["act_q"].ctypes.data
         self.s.act.d = _f32(keep["act_d"])
         self.s.act.n = 0
@@ -635,6 +715,7 @@ cdef class Engine:
                 if L.router.dtype != CB_F32:
                     raise ValueError(f"tensor {p}router must be f32")
                 L.experts = self.experts + l * n_experts
+                L.expert_pages = <Range *><uintptr_t>(keep["expert_pages"][l].ctypes.data)
                 for e in range(hp["num_experts"]):
                     L.experts[e] = _ffn(tensors, f"{p}experts.{e}.")
                 L.has_shared = 1 if (p + "shared.gate") in tensors else 0
@@ -652,6 +733,7 @@ cdef class Engine:
     def reset(self):
         """Forget the context (the KV cache is overwritten position by position, so nothing to clear)."""
         self.expert_counts[...] = 0
+        self._keep["predicted"][...] = -1
 
     def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits,
             bint batched=True):

@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-mmap", action="store_true",
                      help="read the weights into memory instead of mapping the files (network shares)")
     run.add_argument("--ids", action="store_true", help="print generated token ids instead of text")
+    run.add_argument("--prefetch", choices=("none", "routed", "predict"), default="none",
+                     help="advise the OS of the chosen (and predicted next-layer) experts' pages")
+    run.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None,
+                     help="keep at most this many MB of experts resident (LRU); default: no budget")
+    run.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
+    run.add_argument("--warmup", action="store_true", help="read every expert once at load")
+    run.add_argument("--stats", action="store_true", help="print memory and routing counters at the end")
     run.add_argument("--verbose", action="store_true",
                      help="print every layer's routing decision and each expert file's first use (stderr)")
 
@@ -139,7 +146,8 @@ def cmd_run(args) -> int:
                                "pass --model-dir D (make one with: python -m colibri convert)")
         model_dir, note = str(DEMO_DIR), " (the bundled demo model)"
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
-             exact_softmax=not args.softmax_lut)
+             exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
+             mlock=args.mlock, warmup=args.warmup)
     print(f"[INFO] Loaded model from {model_dir}{note} ({_describe(m)}) in "
           f"{m.stats['load_seconds'] * 1000:.0f} ms", flush=True)
     if args.prompt is not None:
@@ -174,7 +182,24 @@ def cmd_run(args) -> int:
     print(flush=True)
     rate = len(generated) / elapsed if elapsed > 0 else float("inf")
     print(f"[INFO] Generated {len(generated)} tokens in {elapsed * 1000:.0f} ms ({rate:.1f} tokens/sec)")
+    if args.stats:
+        _print_stats(m)
     return 0
+
+
+def _print_stats(m) -> None:
+    st = m.memory_stats()
+    mb = lambda b: "-" if b is None else f"{b / 1e6:.1f} MB"      # noqa: E731
+    hit = st["prediction_hit_rate"]
+    per = st["prefetched_per_used_byte"]
+    print(f"[STATS] experts used per layer: {' '.join(map(str, st['experts_used_per_layer']))}")
+    print(f"[STATS] resident experts: {mb(st['resident_expert_bytes'])} (peak {mb(st['peak_resident_expert_bytes'])}, "
+          f"budget {mb(st['expert_budget_bytes'])}, released {st['experts_released']})")
+    print(f"[STATS] prefetch: {st['prefetch_calls']} calls, {mb(st['prefetch_bytes'])}"
+          f"{'' if per is None else f', {per:.2f} bytes per byte used'}"
+          f"{'' if hit is None else f', prediction hit rate {100 * hit:.1f} %'}")
+    print(f"[STATS] page faults: {st['minor_page_faults']} minor, {st['major_page_faults']} major; "
+          f"RSS {mb(st['rss_bytes'])}, peak {mb(st['peak_rss_bytes'])}")
 
 
 def _verbose_printer(m):

@@ -20,7 +20,9 @@ import time
 import numpy as np
 
 from .errors import ColibriError
+from . import _os
 from .modeldir import MappedModelDir, ModelDir
+from .residency import PREFETCH_MODES, Residency
 from .sampling import Sampler
 from .tokenizer import Tokenizer
 
@@ -52,7 +54,8 @@ class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
     def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-                 exact_softmax: bool = True, prefill_chunk: int | None = None):
+                 exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str = "none",
+                 expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False):
         t0 = time.perf_counter()
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
@@ -72,10 +75,18 @@ class Model:
                                f"(the model's max_position_embeddings), got {n_ctx!r}")
         self.threads = threads
         self.n_ctx = n_ctx
+        if prefetch not in PREFETCH_MODES:
+            raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
+        if prefetch != "none" and not mmap:
+            raise ColibriError("prefetch needs mapped weights (mmap=True)")
         self._maps = MappedModelDir(self._dir, use_mmap=mmap)
+        self.residency = Residency(self._maps, cfg, budget_mb=expert_cache_mb, mlock=mlock, warmup=warmup)
+        # the residency bookkeeping runs between steps only when it has something to do
+        self._track = expert_cache_mb is not None
         hp = cfg.to_dict()
         hp["n_ctx"] = n_ctx
         hp["exact_softmax"] = bool(exact_softmax)
+        hp["prefetch_mode"] = PREFETCH_MODES.get(prefetch, 0)
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         hp["prefill_chunk"] = prefill_chunk
@@ -86,6 +97,9 @@ class Model:
         layer_flags = [{"moe": cfg.moe_layers[i], "sliding_window": cfg.layer_window(i), "d_ff": cfg.layer_d_ff(i)}
                        for i in range(cfg.num_hidden_layers)]
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, n_ctx)
+        hp["expert_pages"] = self.residency.spans
+        if prefetch != "none" and self.residency.spans:
+            hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
         self._engine = _kernels.Engine(hp, self._maps.engine_table(), layer_flags, cos, sin, threads)
         self.tokenizer = Tokenizer.from_dir(self._dir)
         self._busy = threading.Lock()
@@ -128,6 +142,28 @@ class Model:
             raise ColibriError(f"{self.path} has no tokenizer.model; pass token ids to generate() instead")
         ids = self.tokenizer.encode(text, bos=self.config.bos_token_id)
         return self.tokenizer.decode(list(self.generate(ids, max_new_tokens, **kwargs)))
+
+    def memory_stats(self) -> dict:
+        """Residency counters: experts used per layer, resident expert bytes, prefetch calls and
+        bytes, prediction hit rate, page faults, RSS. Cheap enough to call after every request."""
+        pf = self._engine.prefetch_stats
+        minor, major = _os.page_faults()
+        rss, peak = _os.rss_bytes()
+        counts = self._engine.expert_counts
+        # bytes of expert weights the routers asked for: each (token, chosen expert) counts once
+        used_bytes = sum(int(counts[l, e]) * self.residency.spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
+        out = {"experts_used_per_layer": [int((row > 0).sum()) for row in counts],
+               "prefetch_calls": int(pf[_kernels.PF_CALLS]), "prefetch_bytes": int(pf[_kernels.PF_BYTES]),
+               "prefetch_failures": int(pf[_kernels.PF_FAILURES]),
+               "prediction_hit_rate": (float(pf[_kernels.PF_PREDICT_HITS] / pf[_kernels.PF_PREDICTED])
+                                       if pf[_kernels.PF_PREDICTED] else None),
+               "prefetched_per_used_byte": float(pf[_kernels.PF_BYTES] / used_bytes) if used_bytes else None,
+               "minor_page_faults": minor, "major_page_faults": major, "rss_bytes": rss, "peak_rss_bytes": peak}
+        out.update(self.residency.stats())
+        if not self._track:       # no budget: nothing was released, every expert used is resident
+            touched = sum(self.residency.spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
+            out["resident_expert_bytes"] = out["peak_resident_expert_bytes"] = touched
+        return out
 
     @property
     def routing(self) -> tuple:
@@ -194,7 +230,10 @@ class Model:
             raise ColibriError("this Model has been closed")
         if pos == 0:
             self._engine.reset()
+            self.residency.reset(self._engine.expert_counts)
         status, index, layer = self._engine.run(tokens, pos, out, all_logits)
+        if self._track:
+            self.residency.after_step(self._engine.expert_counts)
         if status != _kernels.STATUS_OK:
             raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
                                + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
@@ -229,13 +268,16 @@ class Model:
 
 
 def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-         exact_softmax: bool = True, prefill_chunk: int | None = None) -> Model:
+         exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str = "none",
+         expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False) -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
     mmap=False reads the weights into memory instead of mapping the files (network shares);
     exact_softmax=False takes the routing weights from the uint8 softmax lookup table of the
     original design instead of expf (see BENCHMARKS.md for why exact is the default);
-    prefill_chunk: prompt tokens processed together (default 128; bounds the prefill scratch)."""
+    prefill_chunk: prompt tokens processed together (default 128; bounds the prefill scratch);
+    prefetch "none" | "routed" | "predict", expert_cache_mb, mlock, warmup: see colibri.residency."""
     return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
-                 prefill_chunk=prefill_chunk)
+                 prefill_chunk=prefill_chunk, prefetch=prefetch, expert_cache_mb=expert_cache_mb,
+                 mlock=mlock, warmup=warmup)

@@ -260,6 +260,15 @@ class MappedModelDir:
             return view.reshape(t["shape"][0], -1)
         return view.view(STORAGE_DTYPES[t["dtype"]]).reshape(t["shape"])
 
+    def mapped_files(self) -> list:
+        return list(self._maps)
+
+    def file_span(self, rel: str) -> tuple:
+        """(address, length) of a whole file in memory, the length rounded up to whole pages."""
+        page = mmap.PAGESIZE
+        addr = self._maps[rel][1].ctypes.data
+        return addr, (self.md.files[rel]["size"] + page - 1) // page * page
+
     def engine_table(self) -> dict:
         """name -> (address, dtype, shape), the form colibri._kernels.Engine takes."""
         return {n: (self.address(n), t["dtype"], tuple(t["shape"])) for n, t in self.md.tensors.items()}

@@ -1,0 +1,238 @@
+"""The Linux backend of colibri._os, also serving other POSIX systems ("posix-generic").
+
+libc is opened on first use and every prototype (restype, argtypes) is declared once, from the
+table `_PROTOTYPES`, then cached; importing this module on Windows does nothing OS-specific.
+Ranges arrive page-aligned from the interface. Advice failures raise OSError (the interface warns);
+every range of a call is tried before the first error is raised.
+Linux-only parts (/proc/self/statm, /proc/self/io, posix_fadvise) degrade elsewhere as the
+interface documents.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import sys
+
+import numpy as np
+
+# Constants from Python's mmap module where it has them (right for the running OS); the Linux
+# values otherwise, only so that this module imports on Windows (where they are never used).
+PROT_READ = getattr(mmap, "PROT_READ", 0x1)
+PROT_WRITE = getattr(mmap, "PROT_WRITE", 0x2)
+MAP_SHARED = getattr(mmap, "MAP_SHARED", 0x01)
+MAP_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0x02)
+MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0x20))
+MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+_c_off_t = ctypes.c_int64 if sys.platform == "darwin" else ctypes.c_long  # glibc mmap: off_t = long
+
+# name: (restype, argtypes)
+_PROTOTYPES = {
+    "mmap": (ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, _c_off_t)),
+    "munmap": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
+    "madvise": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)),
+    "mincore": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)),
+    "mlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
+    "munlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc is among them
+
+
+@functools.lru_cache(maxsize=None)
+def _fn(name: str):
+    """The libc function `name`, its prototype declared (once) from _PROTOTYPES."""
+    restype, argtypes = _PROTOTYPES[name]
+    f = getattr(_libc(), name)
+    f.restype, f.argtypes = restype, argtypes
+    return f
+
+
+def _error(call: str, address: int, length: int, hint: str = "") -> OSError:
+    err = ctypes.get_errno()
+    msg = f"{call}(0x{address:x}, {length}) failed: {os.strerror(err)}"
+    return OSError(err, msg + (f". {hint}" if hint else ""))
+
+
+def _each(ranges, name: str, *extra, hint=None) -> None:
+    """Call `name(address, length, *extra)` on every range; raise the first failure at the end."""
+    f, first = _fn(name), None
+    for address, length in ranges:
+        if f(address, length, *extra) != 0 and first is None:
+            first = _error(name, address, length, hint(ctypes.get_errno()) if hint else "")
+    if first is not None:
+        raise first
+
+
+def page_size() -> int:
+    return mmap.PAGESIZE
+
+
+# One madvise(MADV_WILLNEED) on a file mapping reads at most max(read_ahead_kb, max_sectors_kb)
+# of the file's device (mm/readahead.c force_page_cache_ra; read_ahead_kb alone before Linux
+# 4.10); the rest of the range is silently ignored. So prefetch splits ranges into pieces of that
+# size: the smallest over the files mapped so far, DEFAULT_PREFETCH_CHUNK before any (the default
+# read_ahead_kb, never too big).
+DEFAULT_PREFETCH_CHUNK = 128 << 10
+_prefetch_chunk = 0  # 0: no file mapped yet
+
+
+@functools.lru_cache(maxsize=None)
+def _device_prefetch_chunk(dev: int) -> int:
+    """The readahead limit in bytes of the block device `dev` (st_dev), or the default."""
+    def kib(queue: str, name: str) -> int:
+        with open(f"{queue}/{name}") as f:
+            return int(f.read())
+
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for queue in (base + "/queue", base + "/../queue"):  # a partition's queue is its disk's
+        try:
+            limit = max(kib(queue, "read_ahead_kb"), kib(queue, "max_sectors_kb")) << 10
+        except (OSError, ValueError):
+            continue
+        return max(limit, mmap.PAGESIZE) // mmap.PAGESIZE * mmap.PAGESIZE
+    return DEFAULT_PREFETCH_CHUNK  # no block device (tmpfs, NFS, btrfs, macOS): be safe
+
+
+def prefetch_chunk(path: str) -> int:
+    return _device_prefetch_chunk(os.stat(path).st_dev) if sys.platform.startswith("linux") else 0
+
+
+# ---- mappings and memory -------------------------------------------------------------------------
+
+def map_file(path: str) -> tuple[int, int]:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # raises with the filename
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size == 0:
+            return 0, 0
+        if sys.platform.startswith("linux"):
+            global _prefetch_chunk
+            chunk = _device_prefetch_chunk(st.st_dev)
+            _prefetch_chunk = min(_prefetch_chunk, chunk) if _prefetch_chunk else chunk
+        address = _fn("mmap")(None, size, PROT_READ, MAP_SHARED, fd, 0)
+        if address in (None, MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map {size} bytes read-only: {os.strerror(err)}", path)
+        return address, size
+    finally:
+        os.close(fd)  # the mapping keeps its own reference to the file
+
+
+def unmap_file(address: int, size: int) -> None:
+    if _fn("munmap")(address, size) != 0:
+        raise _error("munmap", address, size)
+
+
+def alloc_aligned(nbytes: int) -> int:
+    address = _fn("mmap")(None, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if address in (None, MAP_FAILED):
+        raise MemoryError(f"cannot allocate {nbytes} bytes of anonymous memory: "
+                          f"{os.strerror(ctypes.get_errno())}")
+    return address
+
+
+def free_aligned(address: int, nbytes: int) -> None:
+    unmap_file(address, nbytes)
+
+
+# ---- advice --------------------------------------------------------------------------------------
+
+def _pieces(ranges, chunk: int):
+    for address, length in ranges:
+        for start in range(address, address + length, chunk):
+            yield start, min(chunk, address + length - start)
+
+
+def prefetch(ranges) -> None:
+    if sys.platform.startswith("linux"):
+        ranges = _pieces(ranges, _prefetch_chunk or DEFAULT_PREFETCH_CHUNK)
+    _each(ranges, "madvise", MADV_WILLNEED)
+
+
+def _release_hint(err: int) -> str:
+    return "Locked pages cannot be released; unlock them first" if err == 22 else ""
+
+
+def release(ranges) -> None:
+    _each(ranges, "madvise", MADV_DONTNEED, hint=_release_hint)
+
+
+def _memlock_hint(err: int) -> str:
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ImportError, AttributeError, OSError):
+        return ""
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    return (f"RLIMIT_MEMLOCK is {limit}: raise it (`ulimit -l`, /etc/security/limits.conf, "
+            "LimitMEMLOCK= in systemd) or run without locking")
+
+
+def lock(ranges) -> None:
+    _each(ranges, "mlock", hint=_memlock_hint)
+
+
+def unlock(ranges) -> None:
+    _each(ranges, "munlock")
+
+
+def resident_bytes(address: int, length: int) -> int:
+    page = mmap.PAGESIZE
+    chunk = 1 << 20  # pages per mincore call: a 1 MiB vector covers 4 GiB of 4 KiB pages
+    vec = np.empty(min(chunk, length // page), np.uint8)
+    total = 0
+    for start in range(address, address + length, chunk * page):
+        n = min(chunk * page, address + length - start)
+        if _fn("mincore")(start, n, vec.ctypes.data) != 0:
+            raise _error("mincore", start, n)
+        total += int(np.count_nonzero(vec[:n // page] & 1))
+    return total * page
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+def page_faults() -> tuple[int, int]:
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_minflt, ru.ru_majflt
+
+
+def rss_bytes() -> tuple[int, int]:
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            current = int(f.read().split()[1]) * mmap.PAGESIZE
+    except OSError:
+        current = peak  # no /proc: the peak is the best bound we have
+    return current, max(current, peak)
+
+
+def evict_file_cache(fd: int) -> bool:
+    fadvise = getattr(os, "posix_fadvise", None)  # Linux/BSD; not macOS
+    if fadvise is None:
+        return False
+    fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # OSError on failure: the interface warns
+    return True
+
+
+def read_io_bytes() -> int | None:
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None

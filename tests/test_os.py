@@ -1,0 +1,310 @@
+"""colibri._os: the contract (which functions exist on which platform, Windows structure layouts)
+on every OS, then the behaviour of the backend of the OS the tests run on.
+
+The Linux tests map a 64 MiB file of random bytes and watch the page cache and the process's RSS
+through the interface itself: eviction empties the cache, prefetch fills it, release takes the
+pages out of the process. Windows behaviour tests skip elsewhere.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from colibri import _os
+
+LINUX = sys.platform.startswith("linux")
+WINDOWS = sys.platform == "win32"
+only_linux = pytest.mark.skipif(not LINUX, reason="Linux backend behaviour (mincore, /proc/self)")
+only_windows = pytest.mark.skipif(not WINDOWS, reason="Windows backend behaviour (kernel32)")
+
+FILE_BYTES = 64 << 20         # the mapped test file
+PAGE = _os.page_size()
+MOSTLY = 0.95                 # "present": at least this fraction of the bytes resident
+HARDLY = 0.05                 # "absent": at most this fraction resident
+RSS_DROP = 0.80               # release must take at least this fraction of the mapping off RSS
+POLL_SECONDS = 2.0            # how long prefetch may take to bring a cold file in
+
+
+def _poll(predicate, seconds=POLL_SECONDS):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# ---- contract: runs on every OS ------------------------------------------------------------------
+
+def test_backend_is_chosen_by_platform():
+    expected = "windows" if WINDOWS else "linux" if LINUX else "posix-generic"
+    assert _os.BACKEND == expected
+
+
+@pytest.mark.parametrize("module", ["colibri._os._linux", "colibri._os._windows"])
+def test_every_backend_imports_and_defines_the_interface(module):
+    backend = importlib.import_module(module)
+    missing = [name for name in _os.BACKEND_FUNCTIONS if not callable(getattr(backend, name, None))]
+    assert not missing, f"{module} lacks {missing}"
+
+
+def test_interface_is_defined_once_in_the_package():
+    assert set(_os.INTERFACE) <= set(_os.BACKEND_FUNCTIONS)
+    assert all(callable(getattr(_os, name)) for name in _os.INTERFACE)
+    assert set(_os.INTERFACE) <= set(_os.__all__)
+
+
+@pytest.mark.skipif(ctypes.sizeof(ctypes.c_void_p) != 8, reason="sizes are those of 64-bit Windows")
+def test_windows_structures_have_the_x64_layout():
+    w = importlib.import_module("colibri._os._windows")
+    assert ctypes.sizeof(w.WIN32_MEMORY_RANGE_ENTRY) == 16
+    assert ctypes.sizeof(w.PSAPI_WORKING_SET_EX_INFORMATION) == 16
+    assert ctypes.sizeof(w.PROCESS_MEMORY_COUNTERS) == 72
+    assert w.PROCESS_MEMORY_COUNTERS.PageFaultCount.offset == 4
+    assert w.PROCESS_MEMORY_COUNTERS.PeakWorkingSetSize.offset == 8
+    assert w.PSAPI_WORKING_SET_EX_INFORMATION.VirtualAttributes.offset == 8
+    info = w.PSAPI_WORKING_SET_EX_INFORMATION()
+    info.VirtualAttributes.Flags = 1 | 5 << 1 | 0x04 << 4  # Valid, ShareCount 5, PAGE_READWRITE
+    bits = info.VirtualAttributes
+    assert (bits.Valid, bits.ShareCount, bits.Win32Protection, bits.Shared) == (1, 5, 0x04, 0)
+
+
+def test_windows_backend_prototypes_are_ctypes_types():
+    w = importlib.import_module("colibri._os._windows")
+    for name, (candidates, restype, argtypes) in w._PROTOTYPES.items():
+        assert candidates and all(dll in ("kernel32", "psapi") for dll, _ in candidates), name
+        for t in (restype, *argtypes):
+            assert isinstance(t, type) and issubclass(t, ctypes._SimpleCData | ctypes._Pointer), \
+                (name, t)
+
+
+def test_ranges_are_page_aligned_sorted_and_merged():
+    p = PAGE
+    assert _os._aligned([(p + 1, 10)]) == [(p, p)]
+    assert _os._aligned([(p - 1, 2)]) == [(0, 2 * p)]
+    assert _os._aligned([(5 * p, p), (p, p), (2 * p, 1), (9 * p, 0)]) == [(p, 2 * p), (5 * p, p)]
+    assert _os._aligned([]) == []
+    with pytest.raises(TypeError, match="wrap a single range"):
+        _os._aligned((p, p))
+    with pytest.raises(ValueError):
+        _os._aligned([(p, -1)])
+
+
+def test_advice_failure_warns_once_per_function(monkeypatch):
+    monkeypatch.setattr(_os, "_WARNED", set())
+    unmapped = [(1, PAGE)]  # page 0 is never mapped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _os.prefetch(unmapped) is False
+        assert _os.prefetch(unmapped) is False
+    advice = [w for w in caught if issubclass(w.category, _os.AdviceWarning)]
+    assert len(advice) == 1, [str(w.message) for w in caught]
+    assert "prefetch" in str(advice[0].message)
+    assert advice[0].filename == __file__  # points at the caller, not at colibri/_os
+    with pytest.warns(_os.AdviceWarning, match="unlock"):
+        assert _os.unlock(unmapped) is False  # another function warns for itself
+
+
+def test_map_file_failure_raises_with_the_filename(tmp_path):
+    missing = tmp_path / "missing.bin"
+    with pytest.raises(FileNotFoundError) as e:
+        _os.map_file(missing)
+    assert e.value.filename == str(missing)
+
+
+def test_empty_file_maps_to_nothing(tmp_path):
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with _os.map_file(empty) as m:
+        assert (m.address, m.size) == (0, 0)
+        assert m.as_numpy().size == 0
+    assert m.closed
+
+
+def test_alloc_aligned_is_aligned_writable_and_freed():
+    for align in (64, 4096, 1 << 20):
+        address, buf = _os.alloc_aligned(3 * PAGE + 5, align)
+        assert address % align == 0 and address == buf.address and buf.size == 3 * PAGE + 5
+        view = buf.as_numpy(np.float32, (3 * PAGE // 4,))
+        assert not view.any()  # zero-filled
+        view[:] = np.arange(view.size, dtype=np.float32)
+        assert ctypes.c_float.from_address(address + 4 * 100).value == 100.0
+        del view
+        buf.close()
+        buf.close()  # idempotent
+        with pytest.raises(ValueError, match="closed"):
+            buf.as_numpy()
+    assert _os.alloc_aligned(0)[0] == 0
+    with pytest.raises(ValueError):
+        _os.alloc_aligned(PAGE, align=3)
+
+
+def test_numpy_views_keep_their_owner_alive():
+    _, buf = _os.alloc_aligned(PAGE)
+    view = buf.as_numpy(np.uint8)
+    del buf  # the view still owns it: no unmap under our feet
+    view[:] = 7
+    assert view.sum() == 7 * PAGE
+
+
+def test_lock_and_unlock_a_small_range():
+    _, buf = _os.alloc_aligned(4 * PAGE)
+    with buf, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _os._WARNED.discard("lock")
+        locked = _os.lock([(buf.address, buf.size)])
+        if locked:
+            assert _os.unlock([(buf.address, buf.size)]) is True
+            assert not caught
+        else:  # e.g. RLIMIT_MEMLOCK is 0 here: advice, so a warning and no exception
+            assert any(issubclass(w.category, _os.AdviceWarning) for w in caught)
+
+
+def test_statistics_are_sane():
+    current, peak = _os.rss_bytes()
+    assert peak >= current > 0
+    minor, major = _os.page_faults()
+    assert minor >= 0 and major >= 0
+    with _os.alloc_aligned(64 * PAGE)[1] as buf:
+        buf.as_numpy(np.uint8)[::PAGE] = 1  # first write to each fresh page faults
+        assert _os.page_faults()[0] > minor
+    io = _os.read_io_bytes()
+    assert isinstance(io, int) if LINUX else io is None or isinstance(io, int)
+
+
+# ---- Linux behaviour -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def random_file(tmp_path_factory):
+    """(path, bytes) of a 64 MiB file of random bytes, flushed to storage (so it can be evicted)."""
+    data = np.random.default_rng(0).integers(0, 256, FILE_BYTES, dtype=np.uint8)
+    path = tmp_path_factory.mktemp("os") / "random.bin"
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return path, data
+
+
+@only_linux
+def test_mapping_reads_the_file(random_file):
+    path, data = random_file
+    with _os.map_file(path) as m:
+        assert m.size == FILE_BYTES and m.address % PAGE == 0
+        raw = (ctypes.c_char * m.size).from_address(m.address)
+        assert np.array_equal(np.frombuffer(raw, np.uint8), data)
+        view = m.as_numpy(np.uint32, (FILE_BYTES // 4,))
+        assert np.array_equal(view, data.view(np.uint32))
+        assert not view.flags.writeable  # PROT_READ: a write would crash, numpy refuses it
+        del raw, view
+
+
+@only_linux
+def test_prefetch_chunk_is_whole_pages_and_splits_ranges(random_file):
+    chunk = _os.prefetch_chunk(random_file[0])
+    assert chunk >= PAGE and chunk % PAGE == 0
+    from colibri._os import _linux
+    pieces = list(_linux._pieces([(0, 5 * PAGE), (10 * PAGE, PAGE)], 2 * PAGE))
+    assert pieces == [(0, 2 * PAGE), (2 * PAGE, 2 * PAGE), (4 * PAGE, PAGE), (10 * PAGE, PAGE)]
+
+
+@only_linux
+def test_evict_then_prefetch_fills_the_page_cache(random_file):
+    """The whole file, not only its first `prefetch_chunk` bytes: one madvise(MADV_WILLNEED)
+    reads at most the device's readahead limit (8 MiB of these 64 on the machine this was
+    written on, 128 KiB-1.25 MiB on typical NVMe), so prefetch must split the range."""
+    path, _ = random_file
+    with _os.map_file(path) as m:
+        assert _os.evict_file_cache(path) is True
+        assert _os.resident_bytes(m.address, m.size) <= HARDLY * m.size
+        io_before = _os.read_io_bytes()
+        assert _os.prefetch([(m.address, m.size)]) is True
+        assert _poll(lambda: _os.resident_bytes(m.address, m.size) >= MOSTLY * m.size), \
+            f"only {_os.resident_bytes(m.address, m.size)} of {m.size} bytes after prefetch"
+        assert _os.read_io_bytes() - io_before >= MOSTLY * m.size  # it came from storage
+
+
+@only_linux
+def test_release_takes_the_pages_out_of_the_process(random_file):
+    path, _ = random_file
+    with _os.map_file(path) as m:
+        whole = [(m.address, m.size)]
+        int(m.as_numpy(np.uint8)[::PAGE].sum())  # touch every page: now mapped into us
+        touched = _os.rss_bytes()[0]
+        # Control: pages mapped into a process survive eviction from the page cache...
+        _os.evict_file_cache(path)
+        assert _os.resident_bytes(m.address, m.size) >= MOSTLY * m.size
+        # ...release unmaps them: RSS falls by about the mapping, and now eviction works.
+        assert _os.release(whole) is True
+        assert touched - _os.rss_bytes()[0] >= RSS_DROP * m.size
+        _os.evict_file_cache(path)
+        assert _os.resident_bytes(m.address, m.size) <= HARDLY * m.size
+
+
+@only_linux
+def test_unaligned_ranges_cover_their_pages(random_file):
+    path, _ = random_file
+    with _os.map_file(path) as m:
+        _os.evict_file_cache(path)
+        first = m.address + 10 * PAGE
+        # 3 pages' length starting 1 byte into page 10: pages 10..13 (no EINVAL on the odd start)
+        assert _os.prefetch([(first + 1, 3 * PAGE)]) is True
+        assert _poll(lambda: _os.resident_bytes(first, 4 * PAGE) == 4 * PAGE)
+        assert _os.resident_bytes(m.address + 100 * PAGE, 10 * PAGE) == 0  # nothing else read
+        assert _os.resident_bytes(first + 1, 10) == 10  # clipped to the range, not whole pages
+        assert _os.resident_bytes(first + PAGE - 5, 10) == 10  # straddling two pages
+    # release of private anonymous memory zero-fills exactly the pages it covered
+    with _os.alloc_aligned(4 * PAGE)[1] as buf:
+        pages = buf.as_numpy(np.uint8, (4, PAGE))
+        pages[:] = 1
+        assert _os.release([(buf.address + PAGE + 1, PAGE)]) is True  # pages 1 and 2
+        assert pages.sum(axis=1).tolist() == [PAGE, 0, 0, PAGE]
+        del pages
+
+
+@only_linux
+def test_resident_bytes_of_an_unmapped_range_raises():
+    with pytest.raises(OSError):
+        _os.resident_bytes(0, PAGE)
+
+
+# ---- Windows behaviour ---------------------------------------------------------------------------
+
+@only_windows
+def test_windows_mapping_prefetch_release_and_working_set(random_file):
+    path, data = random_file
+    with _os.map_file(path) as m:
+        assert np.array_equal(m.as_numpy(np.uint8), data)  # touches every page
+        assert _os.resident_bytes(m.address, m.size) >= MOSTLY * m.size
+        touched = _os.rss_bytes()[0]
+        assert _os.release([(m.address, m.size)]) is True
+        assert _os.resident_bytes(m.address, m.size) <= HARDLY * m.size
+        assert touched - _os.rss_bytes()[0] >= RSS_DROP * m.size
+        assert _os.prefetch([(m.address + 1, 3 * PAGE)]) is True
+    assert _os.evict_file_cache(path) is False
+    assert _os.page_faults()[1] == 0
+
+
+@only_windows
+def test_windows_prefetch_fallback_touches_pages(monkeypatch):
+    w = importlib.import_module("colibri._os._windows")
+    _, restype, argtypes = w._PROTOTYPES["PrefetchVirtualMemory"]  # as on Windows 7: missing
+    monkeypatch.setitem(w._PROTOTYPES, "PrefetchVirtualMemory",
+                        ((("kernel32", "NoSuchFunction"),), restype, argtypes))
+    w._lookup.cache_clear()
+    try:
+        with _os.alloc_aligned(8 * PAGE)[1] as buf:
+            assert _os.prefetch([(buf.address, buf.size)]) is True
+        monkeypatch.setattr(_os, "_WARNED", set())
+        with pytest.warns(_os.AdviceWarning):
+            assert _os.prefetch([(1, PAGE)]) is False  # unmapped: ReadProcessMemory fails cleanly
+    finally:
+        monkeypatch.undo()
+        w._lookup.cache_clear()

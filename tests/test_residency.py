@@ -1,0 +1,92 @@
+"""Residency: prefetch modes and the expert budget change memory behaviour, never results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri import _os
+from conftest import reference
+from test_hardening import big_checkpoint
+
+ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    """~50 MB of f32 experts (2 layers x 16 experts of 1.5 MB): big enough for RSS to show."""
+    from colibri.convert import convert
+    root = tmp_path_factory.mktemp("big")
+    convert(big_checkpoint(root / "hf"), root / "m", log=lambda *a: None)
+    return root / "m"
+
+
+@pytest.mark.parametrize("prefetch", ["none", "routed", "predict"])
+def test_prefetch_modes_give_the_same_tokens(converted, prefetch):
+    ref = reference("qwen2moe_b")
+    m = colibri.load(converted("qwen2moe_b", "int8"), prefetch=prefetch)
+    base = colibri.load(converted("qwen2moe_b", "int8"))
+    kw = dict(max_new_tokens=10, stop_at_eos=False)
+    assert list(m.generate(ref["input_ids"], **kw)) == list(base.generate(ref["input_ids"], **kw))
+    st = m.memory_stats()
+    if prefetch == "none":
+        assert st["prefetch_calls"] == 0 and st["prediction_hit_rate"] is None
+    else:
+        assert st["prefetch_calls"] > 0 and st["prefetch_failures"] == 0 and st["prefetch_bytes"] > 0
+    if prefetch == "predict":
+        assert 0.0 <= st["prediction_hit_rate"] <= 1.0
+
+
+def test_budget_keeps_tokens_and_bounds_resident_experts(big_model):
+    ids = list(range(1, 40))
+    free = list(colibri.load(big_model).generate(ids, max_new_tokens=24, stop_at_eos=False))
+    expert_mb = 3 * 256 * 512 * 4 / (1 << 20)                     # one expert: 1.5 MB
+    budget = 6 * expert_mb                                        # room for 6 of the 32 experts
+    m = colibri.load(big_model, expert_cache_mb=budget)
+    resident = []
+    tokens = []
+    for tok in m.generate(ids, max_new_tokens=24, stop_at_eos=False,
+                          on_step=lambda model: resident.append(model.residency.resident)):
+        tokens.append(tok)
+    assert tokens == free
+    # after the prompt (whose experts are all in use at once), the budget holds at every step
+    assert max(resident[1:]) <= budget * (1 << 20)
+    assert m.memory_stats()["experts_released"] > 0
+
+
+def test_release_takes_expert_pages_out_of_rss(big_model):
+    m = colibri.load(big_model)
+    spans = list(m.residency.spans.values())
+    total = sum(length for _, length in spans)
+    m.residency.warmup()                                          # every expert paged in
+    before = _os.rss_bytes()[0]
+    assert _os.release(spans)
+    after = _os.rss_bytes()[0]
+    assert before - after >= 0.8 * total
+
+
+def test_warmup_and_mlock_load(big_model):
+    m = colibri.load(big_model, warmup=True, mlock=True)
+    assert m.forward([1, 2, 3]).shape == (3, 512)
+
+
+@pytest.mark.parametrize("bad", [dict(prefetch="always"), dict(expert_cache_mb=-1), dict(expert_cache_mb="a"),
+                                 dict(prefetch="routed", mmap=False)])
+def test_bad_residency_options(converted, bad):
+    with pytest.raises(colibri.ColibriError):
+        colibri.load(converted("mixtral_a"), **bad)
+
+
+def test_cli_stats(converted):
+    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a", "int8")),
+                        "--tokens", "1,2,3", "--max-new-tokens", "8", "--ids", "--prefetch", "predict",
+                        "--expert-cache-mb", "0.05", "--warmup", "--stats"], env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for key in ("experts used per layer", "resident experts", "prediction hit rate", "page faults"):
+        assert key in r.stdout
