@@ -12,9 +12,15 @@
 #include "kernels_avx2.h"
 #include "kernels_avx512.h"
 
+/* out[j * ldo + i] = row i . token j for an R x T tile (R in {1, 4}, T in 1..4), rows `stride`
+ * bytes apart; x/ldx for the float formats, acts for the integer ones. */
+typedef void (*cb_tile_fn)(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x,
+                           int ldx, const cb_act_q8 *acts, int cols, int R, int T);
+
 typedef struct {
     int isa;                        /* CB_ISA_* */
     cb_dot_fn dot[CB_N_DTYPES];     /* indexed by CB_F32 .. CB_INT4 */
+    cb_tile_fn tile[CB_N_DTYPES];   /* NULL: this tier multiplies row by row with dot */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
@@ -31,6 +37,7 @@ static int cb_select_isa(int isa) {
     t.dot[CB_BF16] = cb_dot_bf16_scalar;
     t.dot[CB_INT8] = cb_dot_int8_scalar;
     t.dot[CB_INT4] = cb_dot_int4_scalar;
+    for (int d = 0; d < CB_N_DTYPES; d++) t.tile[d] = NULL;
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
         t.dot[CB_F32] = cb_dot_f32_avx2;
@@ -43,9 +50,11 @@ static int cb_select_isa(int isa) {
         t.dot[CB_F32] = cb_dot_f32_avx512;
         t.dot[CB_F16] = cb_dot_f16_avx512;
         t.dot[CB_BF16] = cb_dot_bf16_avx512;
+        t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
         if (cb_cpu.avx512_vnni) {
             t.dot[CB_INT8] = cb_dot_int8_avx512;
             t.dot[CB_INT4] = cb_dot_int4_avx512;
+            t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx512_any;
         }
     }
 #endif
@@ -53,36 +62,49 @@ static int cb_select_isa(int isa) {
     return 0;
 }
 
-/* out[rows] = W[rows, cols] @ x[cols]; W stored as `dtype`, rows `cb_row_stride` bytes apart.
- * For the integer formats x is first quantized per block into `a` (scratch, >= cols). */
-static void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_act_q8 *a,
-                      int rows, int cols, int n_threads) {
-    size_t stride = cb_row_stride(dtype, cols);
-    cb_dot_fn dot = cb_kt.dot[dtype];
-    if (dtype == CB_INT8 || dtype == CB_INT4) cb_quantize_act_scalar(a, x, cols);
-    int parallel = n_threads > 1 && (long long)rows * cols >= CB_PARALLEL_MIN_WORK;
-    (void)parallel;
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int r = 0; r < rows; r++) out[r] = dot((const char *)w + (size_t)r * stride, x, a, cols);
-}
-
-/* out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n tokens, r < rows: a matrix product that
- * reads each weight row once for all n tokens (prefill). acts[n]: per-token quantization scratch
- * for the integer formats. Each element is computed by the same dot product as cb_matvec, so a
- * batched prefill gives exactly the results of token-by-token decoding. */
+/* The shared body of matvec and matmul: out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n,
+ * r < rows, W stored as `dtype` with rows cb_row_stride bytes apart. Integer formats quantize
+ * each token's activation per block into acts[t] first. Rows are split over threads. With a tile
+ * kernel (AVX-512), rows go 4 at a time and tokens 4 at a time; otherwise one dot product per
+ * element. Either way an element's arithmetic does not depend on n, so a prompt processed in
+ * one matmul gives exactly the logits of token-by-token decoding. */
 static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float *x, int ldx,
                       cb_act_q8 *acts, int n, int rows, int cols, int n_threads) {
     size_t stride = cb_row_stride(dtype, cols);
     cb_dot_fn dot = cb_kt.dot[dtype];
+    cb_tile_fn tile = cb_kt.tile[dtype];
+    const char *wb = (const char *)w;
     if (dtype == CB_INT8 || dtype == CB_INT4)
         for (int t = 0; t < n; t++) cb_quantize_act_scalar(&acts[t], x + (size_t)t * ldx, cols);
     int parallel = n_threads > 1 && (long long)rows * cols * n >= CB_PARALLEL_MIN_WORK;
     (void)parallel;
+    if (tile) {
+        int groups = (rows + 3) / 4;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+        for (int g = 0; g < groups; g++) {
+            int r0 = g * 4;
+            int R = rows - r0 >= 4 ? 4 : 1;          /* a full group, or the tail row by row */
+            for (int r = r0; r < rows && r < r0 + 4; r += R) {
+                for (int t = 0; t < n; t += 4) {
+                    int T = n - t < 4 ? n - t : 4;
+                    tile(out + (size_t)t * ldo + r, ldo, wb + (size_t)r * stride, stride, dtype,
+                         x + (size_t)t * ldx, ldx, acts + t, cols, R, T);
+                }
+            }
+        }
+        return;
+    }
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
     for (int r = 0; r < rows; r++) {
-        const void *row = (const char *)w + (size_t)r * stride;
+        const void *row = wb + (size_t)r * stride;
         for (int t = 0; t < n; t++) out[(size_t)t * ldo + r] = dot(row, x + (size_t)t * ldx, &acts[t], cols);
     }
+}
+
+/* out[rows] = W[rows, cols] @ x[cols] (decode); `a` is the activation quantization scratch. */
+static void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_act_q8 *a,
+                      int rows, int cols, int n_threads) {
+    cb_matmul(out, rows, w, dtype, x, cols, a, 1, rows, cols, n_threads);
 }
 
 #endif /* COLIBRI_DISPATCH_H */

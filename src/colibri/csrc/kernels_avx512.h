@@ -122,5 +122,97 @@ CB_TARGET_AVX512_VNNI static float cb_dot_int4_avx512(const void *row, const flo
     return cb_hsum256(_mm256_add_ps(acc0, acc1));
 }
 
+
+/* ---- tiles: R weight rows x T tokens at once (decode: T = 1; prefill: T up to 4) -------------
+ * Each (row, token) pair keeps ONE accumulator, filled in the same order whatever the tile shape,
+ * so decode (matvec) and prefill (matmul) compute bitwise identical results on this tier; rows
+ * share the activation loads and tokens share the weight loads and conversions. */
+
+#define CB_TILE_MAX 4
+
+CB_TARGET_AVX512 static inline __m512 cb_load_f32x16(const void *w, int dtype, int i, __mmask16 m) {
+    if (dtype == CB_F32) return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+    if (dtype == CB_F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
+    return cb_bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
+}
+
+CB_TARGET_AVX512 static inline __attribute__((always_inline)) void
+cb_tile_float_avx512(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x, int ldx,
+                     int cols, const int R, const int T) {
+    __m512 acc[CB_TILE_MAX][CB_TILE_MAX];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int k = 0; k < cols; k += 16) {
+        __mmask16 m = cols - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - k)) - 1);
+        __m512 wv[CB_TILE_MAX];
+        for (int i = 0; i < R; i++) wv[i] = cb_load_f32x16(w + (size_t)i * stride, dtype, k, m);
+        for (int j = 0; j < T; j++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)j * ldx + k);
+            for (int i = 0; i < R; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) out[(size_t)j * ldo + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+CB_TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
+cb_tile_quant_avx512(float *out, int ldo, const char *w, size_t stride, int dtype, const cb_act_q8 *acts,
+                     int cols, const int R, const int T) {
+    __m256 acc[CB_TILE_MAX][CB_TILE_MAX];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) acc[i][j] = _mm256_setzero_ps();
+    const int nb = cols / CB_QBLOCK;
+    for (int b = 0; b < nb; b++) {
+        __m256i wq[CB_TILE_MAX], wa[CB_TILE_MAX];
+        float dw[CB_TILE_MAX];
+        for (int i = 0; i < R; i++) {
+            if (dtype == CB_INT8) {
+                const cb_block_int8 *blk = (const cb_block_int8 *)(w + (size_t)i * stride) + b;
+                wq[i] = _mm256_loadu_si256((const __m256i *)blk->qs);
+                dw[i] = _cvtsh_ss(blk->d);
+            } else {
+                const cb_block_int4 *blk = (const cb_block_int4 *)(w + (size_t)i * stride) + b;
+                wq[i] = cb_unpack_int4_avx2(blk->qs);
+                dw[i] = _cvtsh_ss(blk->d);
+            }
+            wa[i] = _mm256_sign_epi8(wq[i], wq[i]);                       /* |w| */
+        }
+        for (int j = 0; j < T; j++) {
+            __m256i xq = _mm256_loadu_si256((const __m256i *)(acts[j].q + b * CB_QBLOCK));
+            float dx = acts[j].d[b];
+            for (int i = 0; i < R; i++) {
+                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa[i], _mm256_sign_epi8(xq, wq[i]));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[i] * dx), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) out[(size_t)j * ldo + i] = cb_hsum256(acc[i][j]);
+}
+
+/* One entry point per format family; R in {1, 4}, T in 1..4 select a specialised body. */
+#define CB_TILE_CASES(CALL) \
+    switch (R * 8 + T) { \
+    case 4 * 8 + 1: CALL(4, 1); break; case 4 * 8 + 2: CALL(4, 2); break; \
+    case 4 * 8 + 3: CALL(4, 3); break; case 4 * 8 + 4: CALL(4, 4); break; \
+    case 1 * 8 + 1: CALL(1, 1); break; case 1 * 8 + 2: CALL(1, 2); break; \
+    case 1 * 8 + 3: CALL(1, 3); break; default: CALL(1, 4); break; }
+
+CB_TARGET_AVX512 static void cb_tile_float_avx512_any(float *out, int ldo, const char *w, size_t stride,
+        int dtype, const float *x, int ldx, const cb_act_q8 *acts, int cols, int R, int T) {
+    (void)acts;
+#define CB_CALL_F(r, t) cb_tile_float_avx512(out, ldo, w, stride, dtype, x, ldx, cols, r, t)
+    CB_TILE_CASES(CB_CALL_F)
+#undef CB_CALL_F
+}
+
+CB_TARGET_AVX512_VNNI static void cb_tile_quant_avx512_any(float *out, int ldo, const char *w, size_t stride,
+        int dtype, const float *x, int ldx, const cb_act_q8 *acts, int cols, int R, int T) {
+    (void)x; (void)ldx;
+#define CB_CALL_Q(r, t) cb_tile_quant_avx512(out, ldo, w, stride, dtype, acts, cols, r, t)
+    CB_TILE_CASES(CB_CALL_Q)
+#undef CB_CALL_Q
+}
+
 #endif /* CB_X86 */
 #endif /* COLIBRI_KERNELS_AVX512_H */
