@@ -21,6 +21,7 @@ typedef struct {
     int isa;                        /* CB_ISA_* */
     cb_dot_fn dot[CB_N_DTYPES];     /* indexed by CB_F32 .. CB_INT4 */
     cb_tile_fn tile[CB_N_DTYPES];   /* NULL: this tier multiplies row by row with dot */
+    int tile_rows[CB_N_DTYPES];     /* rows per tile (the tail goes one row at a time) */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
@@ -37,7 +38,7 @@ static int cb_select_isa(int isa) {
     t.dot[CB_BF16] = cb_dot_bf16_scalar;
     t.dot[CB_INT8] = cb_dot_int8_scalar;
     t.dot[CB_INT4] = cb_dot_int4_scalar;
-    for (int d = 0; d < CB_N_DTYPES; d++) t.tile[d] = NULL;
+    for (int d = 0; d < CB_N_DTYPES; d++) { t.tile[d] = NULL; t.tile_rows[d] = 1; }
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
         t.dot[CB_F32] = cb_dot_f32_avx2;
@@ -51,10 +52,12 @@ static int cb_select_isa(int isa) {
         t.dot[CB_F16] = cb_dot_f16_avx512;
         t.dot[CB_BF16] = cb_dot_bf16_avx512;
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
+        t.tile_rows[CB_F32] = t.tile_rows[CB_F16] = t.tile_rows[CB_BF16] = 4;
         if (cb_cpu.avx512_vnni) {
             t.dot[CB_INT8] = cb_dot_int8_avx512;
             t.dot[CB_INT4] = cb_dot_int4_avx512;
             t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx512_any;
+            t.tile_rows[CB_INT8] = t.tile_rows[CB_INT4] = 2;
         }
     }
 #endif
@@ -79,12 +82,15 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float
     int parallel = n_threads > 1 && (long long)rows * cols * n >= CB_PARALLEL_MIN_WORK;
     (void)parallel;
     if (tile) {
-        int groups = (rows + 3) / 4;
+        int TR = cb_kt.tile_rows[dtype];
+        /* decode of an integer format: one row per tile is as fast and keeps more rows in flight */
+        if (n == 1 && (dtype == CB_INT8 || dtype == CB_INT4)) TR = 1;
+        int groups = (rows + TR - 1) / TR;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
         for (int g = 0; g < groups; g++) {
-            int r0 = g * 4;
-            int R = rows - r0 >= 4 ? 4 : 1;          /* a full group, or the tail row by row */
-            for (int r = r0; r < rows && r < r0 + 4; r += R) {
+            int r0 = g * TR;
+            int R = rows - r0 >= TR ? TR : 1;        /* a full group, or the tail row by row */
+            for (int r = r0; r < rows && r < r0 + TR; r += R) {
                 for (int t = 0; t < n; t += 4) {
                     int T = n - t < 4 ? n - t : 4;
                     tile(out + (size_t)t * ldo + r, ldo, wb + (size_t)r * stride, stride, dtype,

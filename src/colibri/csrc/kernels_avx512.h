@@ -155,39 +155,52 @@ cb_tile_float_avx512(float *out, int ldo, const char *w, size_t stride, int dtyp
         for (int j = 0; j < T; j++) out[(size_t)j * ldo + i] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+/* Integer formats: per pair, even blocks go to one accumulator and odd blocks to another (two
+ * dependency chains), summed at the end: the order of cb_dot_int8/int4_avx512 for one row, so
+ * tiles of any shape agree with them bit for bit. */
+CB_TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
+cb_tile_quant_block(__m256 acc[CB_TILE_MAX][CB_TILE_MAX], const char *w, size_t stride, int dtype,
+                    const cb_act_q8 *acts, int b, const int R, const int T) {
+    __m256i wq[CB_TILE_MAX], wa[CB_TILE_MAX];
+    float dw[CB_TILE_MAX];
+    for (int i = 0; i < R; i++) {
+        const char *row = w + (size_t)i * stride;
+        if (dtype == CB_INT8) {
+            const cb_block_int8 *blk = (const cb_block_int8 *)row + b;
+            wq[i] = _mm256_loadu_si256((const __m256i *)blk->qs);
+            dw[i] = _cvtsh_ss(blk->d);
+        } else {
+            const cb_block_int4 *blk = (const cb_block_int4 *)row + b;
+            wq[i] = cb_unpack_int4_avx2(blk->qs);
+            dw[i] = _cvtsh_ss(blk->d);
+        }
+        wa[i] = _mm256_sign_epi8(wq[i], wq[i]);                           /* |w| */
+    }
+    for (int j = 0; j < T; j++) {
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(acts[j].q + b * CB_QBLOCK));
+        float dx = acts[j].d[b];
+        for (int i = 0; i < R; i++) {
+            __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa[i], _mm256_sign_epi8(xq, wq[i]));
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[i] * dx), acc[i][j]);
+        }
+    }
+}
+
 CB_TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
 cb_tile_quant_avx512(float *out, int ldo, const char *w, size_t stride, int dtype, const cb_act_q8 *acts,
                      int cols, const int R, const int T) {
-    __m256 acc[CB_TILE_MAX][CB_TILE_MAX];
+    __m256 even[CB_TILE_MAX][CB_TILE_MAX], odd[CB_TILE_MAX][CB_TILE_MAX];
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < T; j++) even[i][j] = odd[i][j] = _mm256_setzero_ps();
     const int nb = cols / CB_QBLOCK;
-    for (int b = 0; b < nb; b++) {
-        __m256i wq[CB_TILE_MAX], wa[CB_TILE_MAX];
-        float dw[CB_TILE_MAX];
-        for (int i = 0; i < R; i++) {
-            if (dtype == CB_INT8) {
-                const cb_block_int8 *blk = (const cb_block_int8 *)(w + (size_t)i * stride) + b;
-                wq[i] = _mm256_loadu_si256((const __m256i *)blk->qs);
-                dw[i] = _cvtsh_ss(blk->d);
-            } else {
-                const cb_block_int4 *blk = (const cb_block_int4 *)(w + (size_t)i * stride) + b;
-                wq[i] = cb_unpack_int4_avx2(blk->qs);
-                dw[i] = _cvtsh_ss(blk->d);
-            }
-            wa[i] = _mm256_sign_epi8(wq[i], wq[i]);                       /* |w| */
-        }
-        for (int j = 0; j < T; j++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(acts[j].q + b * CB_QBLOCK));
-            float dx = acts[j].d[b];
-            for (int i = 0; i < R; i++) {
-                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa[i], _mm256_sign_epi8(xq, wq[i]));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[i] * dx), acc[i][j]);
-            }
-        }
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        cb_tile_quant_block(even, w, stride, dtype, acts, b, R, T);
+        cb_tile_quant_block(odd, w, stride, dtype, acts, b + 1, R, T);
     }
+    if (b < nb) cb_tile_quant_block(even, w, stride, dtype, acts, b, R, T);
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++) out[(size_t)j * ldo + i] = cb_hsum256(acc[i][j]);
+        for (int j = 0; j < T; j++) out[(size_t)j * ldo + i] = cb_hsum256(_mm256_add_ps(even[i][j], odd[i][j]));
 }
 
 /* One entry point per format family; R in {1, 4}, T in 1..4 select a specialised body. */
@@ -210,7 +223,11 @@ CB_TARGET_AVX512_VNNI static void cb_tile_quant_avx512_any(float *out, int ldo, 
         int dtype, const float *x, int ldx, const cb_act_q8 *acts, int cols, int R, int T) {
     (void)x; (void)ldx;
 #define CB_CALL_Q(r, t) cb_tile_quant_avx512(out, ldo, w, stride, dtype, acts, cols, r, t)
-    CB_TILE_CASES(CB_CALL_Q)
+    switch (R * 8 + T) {     /* two accumulators per pair: at most 2 x 4 pairs fit the registers */
+    case 2 * 8 + 1: CB_CALL_Q(2, 1); break; case 2 * 8 + 2: CB_CALL_Q(2, 2); break;
+    case 2 * 8 + 3: CB_CALL_Q(2, 3); break; case 2 * 8 + 4: CB_CALL_Q(2, 4); break;
+    case 1 * 8 + 1: CB_CALL_Q(1, 1); break; case 1 * 8 + 2: CB_CALL_Q(1, 2); break;
+    case 1 * 8 + 3: CB_CALL_Q(1, 3); break; default: CB_CALL_Q(1, 4); break; }
 #undef CB_CALL_Q
 }
 
