@@ -204,3 +204,32 @@ def test_block_formats_fall_back_where_rows_are_not_whole_blocks(converted, dtyp
     for name, t in md.tensors.items():
         if len(t["shape"]) == 2 and name not in {n for n in md.tensors if n.endswith("router")}:
             assert t["dtype"] == (dtype if t["shape"][1] % 32 == 0 else "f16"), name
+
+
+# --ln-quant int16: each norm weight errs by at most half a step, amax / 32767 / 2 (relative 1.5e-5),
+# which moves the fixtures' logits by about 1e-4 of their scale (measured 7e-5 on qwen3moe_a)
+LN_INT16_RTOL = 3e-4
+
+
+@pytest.mark.parametrize("case", ["qwen3moe_a", "olmoe_b", "mixtral_b"])
+def test_int16_norms(tmp_path, case):
+    out = tmp_path / "m"
+    convert(FIXTURES / case / "hf", out, ln_quant="int16", **SILENT)
+    md = ModelDir(out)
+    assert md.raw["ln_gamma_quant_bits"] == 16
+    norms = [n for n in md.tensors if n.endswith("norm")]
+    assert norms and all(md.tensors[n]["dtype"] == "int16" and md.tensors[n]["scale"] > 0 for n in norms)
+    assert all(md.tensors[n]["dtype"] == "f32" for n in md.tensors if n.split(".")[-1] in ("bq", "bk", "bv", "router"))
+    ref = reference(case)
+    logits = colibri.load(out).forward(ref["input_ids"])
+    assert np.abs(logits - ref["logits_f32"]).max() <= LN_INT16_RTOL * np.abs(ref["logits_f32"]).max()
+
+
+def test_int16_norm_needs_a_scale(tmp_path):
+    out = tmp_path / "m"
+    convert(FIXTURES / "olmoe_a" / "hf", out, ln_quant="int16", **SILENT)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["tensors"]["layers.0.attn_norm"]["scale"] = float("nan")
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(colibri.ColibriError, match="layers.0.attn_norm.*scale"):
+        colibri.load(out)

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
     conv.add_argument("--quantize", choices=("f32", "f16", "bf16", "int8", "int4"), default="f32",
                       help="storage of the weight matrices; norms, biases and routers stay f32")
+    conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
+                      help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
 
     info = sub.add_parser("info", help="describe a model directory")
@@ -225,7 +227,7 @@ def _verbose_printer(m):
 def cmd_convert(args) -> int:
     from .convert import convert
 
-    convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force)
+    convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant)
     return 0
 
 

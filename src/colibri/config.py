@@ -176,18 +176,18 @@ class ModelConfig:
     def expected_tensors(self) -> dict:
         """Every tensor a model of this config has: name -> (shape, kind).
 
-        kind is "matrix" (stored in the model's weight dtype), "vector" (f32: norms, biases) or
-        "router" (f32 matrix). The converter writes exactly these; the loader checks them.
+        kind is "matrix" (stored in the model's weight dtype), "norm" (f32, or int16 with a scale
+        under --ln-quant int16), "vector" (f32: biases, the shared-expert gate) or "router" (f32 matrix). The converter writes exactly these; the loader checks them.
         """
         d, hd = self.hidden_size, self.head_dim
         q_dim, kv_dim = self.num_attention_heads * hd, self.num_key_value_heads * hd
-        t = {"embedding": ((self.vocab_size, d), "matrix"), "final_norm": ((d,), "vector")}
+        t = {"embedding": ((self.vocab_size, d), "matrix"), "final_norm": ((d,), "norm")}
         if not self.tie_word_embeddings:
             t["lm_head"] = ((self.vocab_size, d), "matrix")
         for layer in range(self.num_hidden_layers):
             p = f"layers.{layer}."
-            t[p + "attn_norm"] = ((d,), "vector")
-            t[p + "ffn_norm"] = ((d,), "vector")
+            t[p + "attn_norm"] = ((d,), "norm")
+            t[p + "ffn_norm"] = ((d,), "norm")
             t[p + "wq"] = ((q_dim, d), "matrix")
             t[p + "wk"] = ((kv_dim, d), "matrix")
             t[p + "wv"] = ((kv_dim, d), "matrix")
@@ -199,11 +199,11 @@ class ModelConfig:
             if self.attention_out_bias:
                 t[p + "bo"] = ((d,), "vector")
             if self.qk_norm == "per_head":
-                t[p + "q_norm"] = ((hd,), "vector")
-                t[p + "k_norm"] = ((hd,), "vector")
+                t[p + "q_norm"] = ((hd,), "norm")
+                t[p + "k_norm"] = ((hd,), "norm")
             elif self.qk_norm == "whole":
-                t[p + "q_norm"] = ((q_dim,), "vector")
-                t[p + "k_norm"] = ((kv_dim,), "vector")
+                t[p + "q_norm"] = ((q_dim,), "norm")
+                t[p + "k_norm"] = ((kv_dim,), "norm")
             if self.moe_layers[layer]:
                 ff = self.moe_intermediate_size
                 t[p + "router"] = ((self.num_experts, d), "router")

@@ -241,8 +241,11 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
     return arch, ModelConfig.from_dict(fields, str(ckpt.root / "config.json"))
 
 
-def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=print) -> ModelConfig:
+def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=print,
+            ln_quant: str | None = None) -> ModelConfig:
     """Convert a HF checkpoint directory into a Colibri model directory; returns its config."""
+    if ln_quant not in (None, "int16"):
+        raise ColibriError(f"--ln-quant {ln_quant!r} is not supported; the option is int16")
     if quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     ckpt = HFCheckpoint(hf_dir)
@@ -255,7 +258,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         raise ColibriError(f"output directory {out} exists and is not empty (use --force to replace it)")
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    dtypes = {name: _dtype_for(shape, kind, quantize) for name, (shape, kind) in expected.items()}
+    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant) for name, (shape, kind) in expected.items()}
     need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
     free = shutil.disk_usage(parent).free
     if need > free:
@@ -275,7 +278,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         if tok.is_file():
             writer.add_file("tokenizer.model", tok)
         writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert",
-                                      "hf_dir_name": Path(hf_dir).resolve().name})
+                                      "hf_dir_name": Path(hf_dir).resolve().name},
+                      ln_bits=16 if ln_quant else 32)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -293,7 +297,9 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
 _FINITE_LIMIT = {"f16": 65504.0, "int8": 65504.0 * 127, "int4": 65504.0 * 8}
 
 
-def _dtype_for(shape, kind, quantize):
+def _dtype_for(shape, kind, quantize, ln_quant=None):
+    if kind == "norm":
+        return "int16" if ln_quant else "f32"
     if kind != "matrix":
         return "f32"
     if quantize in BLOCK_FORMATS and shape[-1] % QBLOCK:
@@ -302,6 +308,7 @@ def _dtype_for(shape, kind, quantize):
 
 
 def _stored(name, values, shape, dtype):
+    """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file."""
     if tuple(values.shape) != shape:
         raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
                            f"checkpoint has {list(values.shape)}")
@@ -311,7 +318,12 @@ def _stored(name, values, shape, dtype):
     if limit is not None and values.size and np.abs(values).max() > limit:
         raise ColibriError(f"tensor {name}: values up to {np.abs(values).max():.3g} do not fit {dtype} "
                            f"(limit {limit:g}); convert with --quantize bf16 or f32")
-    return name, to_storage(values, dtype), dtype, shape
+    if dtype == "int16":              # norm weights: w = scale * q, q in [-32767, 32767]
+        amax = float(np.abs(values).max()) if values.size else 0.0
+        scale = amax / 32767.0 if amax > 0 else 1.0
+        q = np.clip(np.rint(values.astype(np.float64) / scale), -32767, 32767).astype("<i2")
+        return name, q, dtype, shape, {"scale": scale}
+    return name, to_storage(values, dtype), dtype, shape, {}
 
 
 def _remove_stale_temporaries(parent: Path, name: str) -> None:

@@ -37,7 +37,8 @@ MAX_CONFIG_BYTES = 64 << 20          # a config.json larger than this is refused
 # storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits; the
 # block formats int8/int4 are stored as bytes, [rows, cols / 32 * block bytes])
 STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
-                  "int8": np.dtype("u1"), "int4": np.dtype("u1")}
+                  "int8": np.dtype("u1"), "int4": np.dtype("u1"), "int16": np.dtype("<i2")}
+NORM_DTYPES = ("f32", "int16")       # int16 norm weights carry a float "scale": w = scale * q
 WEIGHT_DTYPES = ("f32", "f16", "bf16", "int8", "int4")
 BLOCK_FORMATS = ("int8", "int4")
 
@@ -174,8 +175,13 @@ class ModelDir:
                 raise ColibriError(f"{ctx}: file {t['file']!r} is not in the file table")
             if t["dtype"] not in STORAGE_DTYPES:
                 raise ColibriError(f"{ctx}: unknown dtype {t['dtype']!r}")
-            if kind != "matrix" and t["dtype"] != "f32":
-                raise ColibriError(f"{ctx}: expected dtype f32, got {t['dtype']}")
+            allowed = WEIGHT_DTYPES if kind == "matrix" else NORM_DTYPES if kind == "norm" else ("f32",)
+            if t["dtype"] not in allowed:
+                raise ColibriError(f"{ctx}: expected dtype {' or '.join(allowed)}, got {t['dtype']}")
+            if t["dtype"] == "int16":
+                sc = t.get("scale")
+                if type(sc) not in (int, float) or not 0 < sc < 1e30:
+                    raise ColibriError(f"{ctx}: an int16 tensor needs a positive finite 'scale', got {sc!r}")
             if not all(type(n) is int for n in t["shape"]) or tuple(t["shape"]) != shape:
                 raise ColibriError(f"{ctx}: expected shape {list(shape)}, got {t['shape']}")
             if t.get("layout", "rows") not in LAYOUTS:
@@ -217,6 +223,7 @@ class MappedModelDir:
     def __init__(self, md: ModelDir, use_mmap: bool = True):
         self.md = md
         self._maps = {}      # rel -> (mmap or None, uint8 view [size], 64-byte aligned)
+        self._dequantized = {}   # int16 norm name -> float32 [n]
         try:
             for rel, entry in md.files.items():
                 if entry["size"] == 0 or rel not in {t["file"] for t in md.tensors.values()}:
@@ -270,8 +277,17 @@ class MappedModelDir:
         return addr, (self.md.files[rel]["size"] + page - 1) // page * page
 
     def engine_table(self) -> dict:
-        """name -> (address, dtype, shape), the form colibri._kernels.Engine takes."""
-        return {n: (self.address(n), t["dtype"], tuple(t["shape"])) for n, t in self.md.tensors.items()}
+        """name -> (address, dtype, shape), the form colibri._kernels.Engine takes. int16 norms
+        are dequantized here into float32 arrays (kept alive by this object: a few KB)."""
+        table = {}
+        for n, t in self.md.tensors.items():
+            if t["dtype"] == "int16":
+                f32 = (self.array(n).astype(np.float32) * np.float32(t["scale"])).astype(np.float32)
+                self._dequantized[n] = f32
+                table[n] = (f32.ctypes.data, "f32", tuple(t["shape"]))
+            else:
+                table[n] = (self.address(n), t["dtype"], tuple(t["shape"]))
+        return table
 
     def close(self):
         maps, self._maps = self._maps, {}
@@ -326,13 +342,14 @@ class ModelDirWriter:
         self.files = {}
 
     def write_file(self, rel: str, items) -> None:
-        """items: iterable of (name, stored array, dtype, logical shape), in order, each 64-byte aligned."""
+        """items: iterable of (name, stored array, dtype, logical shape, extra table fields), in
+        order, each 64-byte aligned."""
         path = safe_path(self.root, rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
         offset = 0
         with open(path, "wb") as f:
-            for name, stored, dtype, shape in items:
+            for name, stored, dtype, shape, extra in items:
                 pad = (-offset) % ALIGNMENT
                 if pad:
                     f.write(b"\0" * pad)
@@ -342,7 +359,7 @@ class ModelDirWriter:
                 f.write(data)
                 h.update(data)
                 self.tensors[name] = {"file": rel, "offset": offset, "nbytes": len(data), "dtype": dtype,
-                                      "shape": list(shape), "layout": "rows"}
+                                      "shape": list(shape), "layout": "rows", **extra}
                 offset += len(data)
         self.files[rel] = {"size": offset, "sha256": h.hexdigest()}
 
@@ -353,13 +370,14 @@ class ModelDirWriter:
         path.write_bytes(data)
         self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
-    def finish(self, config: ModelConfig, weight_dtype: str, source: dict) -> None:
+    def finish(self, config: ModelConfig, weight_dtype: str, source: dict, ln_bits: int = 32) -> None:
         doc = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "byte_order": "little",
             "alignment": ALIGNMENT,
             "weight_dtype": weight_dtype,
+            "ln_gamma_quant_bits": ln_bits,
             "model": config.to_dict(),
             "source": source,
             "tensors": self.tensors,
