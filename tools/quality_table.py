@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Quality of every storage option on a held-out text: perplexity and divergence from f32.
+
+Converts one Hugging Face checkpoint into each variant (f32, bf16, f16, int8, int4, f32 with
+--ln-quant int16, int8 with --ln-quant int16) and runs `eval` on the text with the f32 directory
+as the reference; also the routing lookup table (exact_softmax=False) against expf on f32.
+Prints a markdown table (for BENCHMARKS.md).
+
+    python tools/quality_table.py --hf-dir /work/demo_build/hf --text /work/demo_build/heldout.txt [--ctx 256]
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import colibri
+from colibri.convert import convert
+from colibri.evaluate import evaluate
+
+VARIANTS = [("f32", "f32", None), ("bf16", "bf16", None), ("f16", "f16", None), ("int8", "int8", None),
+            ("int4", "int4", None), ("f32 + int16 norms", "f32", "int16"), ("int8 + int16 norms", "int8", "int16")]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hf-dir", required=True)
+    ap.add_argument("--text", required=True)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--max-chars", type=int, default=None, help="evaluate only the first N characters")
+    args = ap.parse_args()
+    text = Path(args.text).read_text(encoding="utf-8")
+    if args.max_chars:
+        text = text[:args.max_chars]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {}
+        for label, q, ln in VARIANTS:
+            d = Path(tmp) / label.replace(" ", "_").replace("+", "")
+            convert(args.hf_dir, d, quantize=q, ln_quant=ln, log=lambda *a: None)
+            dirs[label] = d
+        ref = colibri.load(dirs["f32"])
+        for label, _, _ in VARIANTS:
+            r = evaluate(colibri.load(dirs[label]), text, ctx=args.ctx, reference=ref)
+            size = sum(p.stat().st_size for p in dirs[label].rglob("*.bin"))
+            rows.append((label, size, r))
+        r = evaluate(colibri.load(dirs["f32"], exact_softmax=False), text, ctx=args.ctx, reference=ref)
+        rows.append(("f32, routing table (--softmax-lut)", None, r))
+    print(f"{rows[0][2]['scored']} scored tokens, ctx {args.ctx}\n")
+    print("| variant | weights | perplexity | Δ ppl vs f32 | KL mean | KL p99 | top-1 agreement | RMS Δp |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = rows[0][2]["perplexity"]
+    for label, size, r in rows:
+        mb = "" if size is None else f"{size / 1e6:.1f} MB"
+        print(f"| {label} | {mb} | {r['perplexity']:.4f} | {r['perplexity'] - base:+.4f} | {r['kl_mean']:.6f} | "
+              f"{r['kl_p99']:.6f} | {100 * r['top1_agreement']:.2f} % | {100 * r['rms_delta_p']:.3f} % |")
+
+
+if __name__ == "__main__":
+    main()
