@@ -82,12 +82,12 @@ CB_TARGET_AVX2 static inline __m256i cb_dot_i8x32_avx2(__m256i w, __m256i x) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-/* int4 block -> 32 signed bytes in [-8, 7], element order 0..31. */
+/* int4 block -> 32 signed bytes in [-8, 7], element order 0..31: the 16 bytes go to both halves
+ * of a ymm, the upper half shifted right by 4 (elements 16..31 are the high nibbles). */
 CB_TARGET_AVX2 static inline __m256i cb_unpack_int4_avx2(const uint8_t *qs) {
-    __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    v = _mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0));
+    return _mm256_sub_epi8(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
 }
 
 CB_TARGET_AVX2 static float cb_dot_int8_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
