@@ -169,12 +169,12 @@ def test_forcing_a_tier_the_cpu_lacks_is_a_clear_error():
 
 def test_matvec_large_enough_to_use_threads():
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((512, 256), dtype=np.float32)
-    x = rng.standard_normal(256, dtype=np.float32)
+    w = rng.standard_normal((1024, 1024), dtype=np.float32)       # past CB_PARALLEL_MIN_WORK
+    x = rng.standard_normal(1024, dtype=np.float32)
     one = _kernels.kernel_matvec(w, x, "f32", 1)
     two = _kernels.kernel_matvec(w, x, "f32", 2)
     np.testing.assert_array_equal(one, two)
-    np.testing.assert_allclose(one, w.astype(np.float64) @ x, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(one, w.astype(np.float64) @ x, rtol=0, atol=1e-3)
 
 
 @settings(max_examples=60, deadline=None)

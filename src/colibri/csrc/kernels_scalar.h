@@ -35,8 +35,9 @@ static inline size_t cb_row_stride(int dtype, int cols) {
  * signature for every dtype; dispatch.h picks one per dtype at import. */
 typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, int cols);
 
-/* Below this many multiply-adds a matvec runs on one thread: the fork/join costs more. */
-#define CB_PARALLEL_MIN_WORK 65536
+/* Below this many multiply-adds a matvec/matmul runs on one thread: waking the other threads and
+ * waiting for them at the barrier costs more (much more when a core is shared with other work). */
+#define CB_PARALLEL_MIN_WORK (1 << 19)
 
 /* ---- half-precision conversion ------------------------------------------------------------ */
 
