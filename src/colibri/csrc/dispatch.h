@@ -54,8 +54,6 @@ static int cb_select_isa(int isa) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
         t.tile_rows[CB_F32] = t.tile_rows[CB_F16] = t.tile_rows[CB_BF16] = 4;
         if (cb_cpu.avx512_vnni) {
-            t.dot[CB_INT8] = cb_dot_int8_avx512;
-            t.dot[CB_INT4] = cb_dot_int4_avx512;
             t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx512_any;
             t.tile_rows[CB_INT8] = t.tile_rows[CB_INT4] = 2;
         }
