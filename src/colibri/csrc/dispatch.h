@@ -48,9 +48,6 @@ static int cb_select_isa(int isa) {
         t.dot[CB_INT4] = cb_dot_int4_avx2;
     }
     if (isa >= CB_ISA_AVX512) {
-        t.dot[CB_F32] = cb_dot_f32_avx512;
-        t.dot[CB_F16] = cb_dot_f16_avx512;
-        t.dot[CB_BF16] = cb_dot_bf16_avx512;
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
         t.tile_rows[CB_F32] = t.tile_rows[CB_F16] = t.tile_rows[CB_BF16] = 4;
         if (cb_cpu.avx512_vnni) {

@@ -1,6 +1,7 @@
 /* kernels_avx512.h — the AVX-512 (F/BW/VL/DQ) tier, with VNNI where present.
  *
- * Float formats use 16-lane FMAs with masked loads for the tail (no scalar remainder). bf16
+ * Every format is multiplied by tiles (R rows x T tokens, below), which serve decode and prefill
+ * alike. Float formats use 16-lane FMAs with masked loads for the tail (no scalar remainder). bf16
  * weights are widened to f32 by a shift and multiplied in f32: vdpbf16ps would need the
  * activations rounded to bf16 too, which costs accuracy and buys nothing in a memory-bound
  * matvec. Integer formats use vpdpbusd (AVX512_VNNI) on the sign trick of kernels_avx2.h:
@@ -22,58 +23,8 @@
 #define CB_TARGET_AVX512_VNNI
 #endif
 
-CB_TARGET_AVX512 static float cb_dot_f32_avx512(const void *row, const float *x, const cb_act_q8 *a, int n) {
-    const float *w = (const float *)row;
-    (void)a;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), acc1);
-    }
-    for (; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_maskz_loadu_ps(m, x + i), acc0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-CB_TARGET_AVX512 static float cb_dot_f16_avx512(const void *row, const float *x, const cb_act_q8 *a, int n) {
-    const uint16_t *w = (const uint16_t *)row;
-    (void)a;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i))), _mm512_loadu_ps(x + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16))), _mm512_loadu_ps(x + i + 16), acc1);
-    }
-    for (; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        __m512 wv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, w + i));
-        acc0 = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + i), acc0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
 CB_TARGET_AVX512 static inline __m512 cb_bf16x16_to_f32(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-CB_TARGET_AVX512 static float cb_dot_bf16_avx512(const void *row, const float *x, const cb_act_q8 *a, int n) {
-    const uint16_t *w = (const uint16_t *)row;
-    (void)a;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(cb_bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(w + i))), _mm512_loadu_ps(x + i), acc0);
-        acc1 = _mm512_fmadd_ps(cb_bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(w + i + 16))), _mm512_loadu_ps(x + i + 16), acc1);
-    }
-    for (; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        __m512 wv = cb_bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, w + i));
-        acc0 = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + i), acc0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 /* ---- tiles: R weight rows x T tokens at once (decode: T = 1; prefill: T up to 4) -------------
