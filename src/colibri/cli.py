@@ -146,11 +146,11 @@ def cmd_run(args) -> int:
         if not (DEMO_DIR / "config.json").is_file():
             raise ColibriError("no --model-dir given and this installation has no bundled demo model; "
                                "pass --model-dir D (make one with: python -m colibri convert)")
-        model_dir, note = str(DEMO_DIR), " (the bundled demo model)"
+        model_dir, note = str(DEMO_DIR), "the bundled demo model"
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
              mlock=args.mlock, warmup=args.warmup)
-    print(f"[INFO] Loaded model from {model_dir}{note} ({_describe(m)}) in "
+    print(f"[INFO] Loaded {note or 'model'} from {model_dir} ({_describe(m)}) in "
           f"{m.stats['load_seconds'] * 1000:.0f} ms", flush=True)
     if args.prompt is not None:
         if m.tokenizer is None:
