@@ -63,7 +63,7 @@ def log_softmax(x):
 
 def quality():
     print(f"\n{'fixture':>12} {'KL mean':>9} {'KL max':>9} {'top-1':>6}")
-    for case in sorted(p.name for p in (ROOT / "tests" / "fixtures").iterdir() if (p / "reference.npz").exists()):
+    for case in sorted(p.name for p in (ROOT / "tests" / "fixtures").iterdir() if (p / "hf").is_dir()):
         ids = np.load(ROOT / "tests" / "fixtures" / case / "reference.npz")["input_ids"]
         with tempfile.TemporaryDirectory() as tmp:
             convert(ROOT / "tests" / "fixtures" / case / "hf", Path(tmp) / "m", log=lambda *a: None)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench and llama-quantize (the reference engine of the benchmarks) from
+# the llama.cpp vendored in the llama-cpp-python sdist on PyPI, and install gguf-py (what
+# convert_hf_to_gguf.py needs). Everything goes to $BENCH_CACHE (default /work/bench_cache);
+# a finished build is reused.
+#
+#   bash tools/bench/build_llama.sh            # JOBS=2 by default
+#
+# Build: Release, GGML_NATIVE=ON (the machine's own ISA: AVX-512/VNNI/BF16 where present),
+# CPU only (no CUDA/Metal/Vulkan/BLAS), OpenMP on (llama.cpp's default), LLAMA_CURL=OFF.
+set -euo pipefail
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+CACHE="${BENCH_CACHE:-/work/bench_cache}"
+JOBS="${JOBS:-2}"
+SRC="$CACHE/llama_cpp_python-$VERSION"     # the sdist unpacks here
+BUILD="$CACHE/llama.cpp-build"
+mkdir -p "$CACHE/sdist"
+
+if [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ]; then
+    echo "[build_llama] already built: $BUILD/bin"
+else
+    if [ ! -d "$SRC/vendor/llama.cpp" ]; then
+        if ! ls "$CACHE/sdist/llama_cpp_python-$VERSION".tar.gz >/dev/null 2>&1; then
+            python -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
+        fi
+        tar -xzf "$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
+    fi
+    cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
+    cmake --build "$BUILD" --target llama-bench llama-quantize -j "$JOBS"
+fi
+
+# convert_hf_to_gguf.py's imports: gguf (from the same tree, so versions match), numpy,
+# sentencepiece, safetensors, transformers (AutoTokenizer) and torch — all but gguf are already
+# here; --no-deps so that pip never touches torch.
+if ! python -c "import gguf" 2>/dev/null; then
+    python -m pip install --no-deps "$SRC/vendor/llama.cpp/gguf-py"
+fi
+echo "[build_llama] llama-bench:    $BUILD/bin/llama-bench"
+echo "[build_llama] llama-quantize: $BUILD/bin/llama-quantize"
+echo "[build_llama] converter:      $SRC/vendor/llama.cpp/convert_hf_to_gguf.py"

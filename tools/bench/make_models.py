@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Random-weight Hugging Face checkpoints in the shape of real MoE models, for benchmarks.
+
+Design
+------
+* The model is never materialised: tensors are listed (name, shape) in the order and with the
+  names transformers 5.x's `save_pretrained` writes (experts one by one: Mixtral
+  `block_sparse_moe.experts.E.w1/w2/w3` = gate/down/up, OLMoE `mlp.experts.E.gate_proj/...`),
+  then each tensor is drawn, rounded to bf16 and streamed into safetensors files that this
+  script writes itself (8-byte header length, JSON header, raw little-endian data), sharded into
+  files of at most 2 GB with a `model.safetensors.index.json`, as transformers shards.
+* Weights ~ N(0, 0.02) from a generator seeded by (seed, tensor name), so a tensor's values do
+  not depend on sharding or order; norm weights are 1. bf16 is rounded to nearest even.
+* config.json is the transformers config class's own `to_json_string(use_diff=True)` with
+  `architectures` and `dtype` set: byte for byte what `save_pretrained` writes (--self-check
+  proves it, and the tensor names and shapes, against save_pretrained on a tiny model).
+* tokenizer.model: a sentencepiece BPE model with exactly vocab_size pieces, trained in a few
+  seconds on generated pseudo-words (<unk>=0, <s>=1, </s>=2, byte fallback). llama.cpp's
+  convert_hf_to_gguf.py needs a tokenizer: for Mixtral (LlamaModel) it takes tokenizer.model
+  (it would pad a smaller one with [PADn] pieces); OLMoE's converter only knows a BPE
+  tokenizer.json whose pre-tokenizer checksum it recognises, which a synthetic tokenizer cannot
+  have — gguf_convert.py in this folder tells it to use the tokenizer.model instead (llama-bench
+  never tokenises text, so the vocabulary's kind does not affect the figures).
+
+Usage:  python tools/bench/make_models.py mixtral-mini [olmoe-1b-7b] [--out /work/bench_cache/hf]
+        python tools/bench/make_models.py --self-check
+Needs numpy, sentencepiece and transformers (config classes; torch only for --self-check).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+SHARD_BYTES = 2 * 10**9          # transformers' "2GB"
+STD = 0.02
+CHUNK = 1 << 24                  # elements drawn at a time
+
+MODELS = {
+    "mixtral-mini": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=1024, num_hidden_layers=16, num_local_experts=8, num_experts_per_tok=2,
+        intermediate_size=3584, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+        max_position_embeddings=4096)),
+    # the public allenai/OLMoE-1B-7B-0924 shape; the other fields are OlmoeConfig's defaults,
+    # which are that model's (rope 1e4, no norm_topk_prob, eos 50279, ...)
+    "olmoe-1b-7b": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        intermediate_size=1024, hidden_size=2048, num_hidden_layers=16, num_experts=64,
+        num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304)),
+}
+TINY = {  # --self-check sizes
+    "MixtralConfig": dict(hidden_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                          intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
+    "OlmoeConfig": dict(hidden_size=64, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                        intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
+}
+
+
+def make_config(cls_name: str, arch: str, kwargs: dict):
+    import transformers
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    cfg.architectures = [arch]
+    cfg.dtype = "bfloat16"
+    return cfg
+
+
+def tensor_list(cfg) -> list:
+    """[(name, shape, is_norm)] in module order, named as save_pretrained names them."""
+    d, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    f = cfg.intermediate_size
+    mixtral = cfg.model_type == "mixtral"
+    E = cfg.num_local_experts if mixtral else cfg.num_experts
+    out = [("model.embed_tokens.weight", (V, d), False)]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (q, d), False), (p + "self_attn.k_proj.weight", (kv, d), False),
+                (p + "self_attn.v_proj.weight", (kv, d), False), (p + "self_attn.o_proj.weight", (d, q), False)]
+        if not mixtral:      # OLMoE: RMSNorm over the whole projected q / k
+            out += [(p + "self_attn.q_norm.weight", (q,), True), (p + "self_attn.k_norm.weight", (kv,), True)]
+        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+        out.append((moe + "gate.weight", (E, d), False))
+        for e in range(E):
+            x = f"{moe}experts.{e}."
+            if mixtral:
+                out += [(x + "w1.weight", (f, d), False), (x + "w2.weight", (d, f), False), (x + "w3.weight", (f, d), False)]
+            else:
+                out += [(x + "gate_proj.weight", (f, d), False), (x + "up_proj.weight", (f, d), False),
+                        (x + "down_proj.weight", (d, f), False)]
+        out += [(p + "input_layernorm.weight", (d,), True), (p + "post_attention_layernorm.weight", (d,), True)]
+    out += [("model.norm.weight", (d,), True)]
+    if not cfg.tie_word_embeddings:
+        out.append(("lm_head.weight", (V, d), False))
+    return out
+
+
+def bf16_values(name: str, shape, is_norm: bool, seed: int):
+    """Yield the tensor's bf16 bits (uint16 arrays) chunk by chunk."""
+    n = int(np.prod(shape))
+    if is_norm:
+        yield np.full(n, 0x3F80, np.uint16)      # 1.0
+        return
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    for start in range(0, n, CHUNK):
+        x = rng.standard_normal(min(CHUNK, n - start), dtype=np.float32)
+        x *= np.float32(STD)
+        u = x.view(np.uint32)
+        u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))    # round to nearest even
+        yield (u >> np.uint32(16)).astype(np.uint16)
+
+
+def plan_shards(tensors) -> list:
+    shards, cur, size = [], [], 0
+    for t in tensors:
+        nb = int(np.prod(t[1])) * 2
+        if cur and size + nb > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += nb
+    shards.append(cur)
+    return shards
+
+
+def write_safetensors(path: Path, tensors, seed: int) -> None:
+    header, off = {}, 0
+    for name, shape, _ in tensors:
+        nb = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nb]}
+        off += nb
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)))
+        fh.write(blob)
+        for name, shape, is_norm in tensors:
+            for chunk in bf16_values(name, shape, is_norm, seed):
+                fh.write(chunk.astype("<u2", copy=False).tobytes())
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0) -> bytes:
+    """A sentencepiece BPE model with exactly vocab_size pieces, trained on pseudo-words."""
+    import sentencepiece as spm
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    n_words = max(4 * vocab_size, 60000)
+    words = ["".join(rng.choice(letters, size=int(k))) for k in rng.integers(3, 11, size=n_words)]
+    lines = [" ".join(words[j] for j in np.minimum(rng.zipf(1.1, size=12), n_words) - 1)
+             for _ in range(max(vocab_size, 40000))]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        character_coverage=1.0, byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        num_threads=1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    if sp.vocab_size() != vocab_size:
+        raise SystemExit(f"sentencepiece made {sp.vocab_size()} pieces, wanted {vocab_size}")
+    return buf.getvalue()
+
+
+def write_model(cfg, out: Path, seed: int = 0, tokenizer: bool = True) -> None:
+    """Write the checkpoint into `out` (via a temporary sibling renamed into place)."""
+    from transformers import GenerationConfig
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = tensor_list(cfg)
+    shards = plan_shards(tensors)
+    total = sum(int(np.prod(s)) * 2 for _, s, _ in tensors)
+    print(f"[make_models] {out.name}: {len(tensors)} tensors, {total / 1e9:.2f} GB bf16, {len(shards)} shard(s)",
+          flush=True)
+    if len(shards) == 1:
+        write_safetensors(tmp / "model.safetensors", shards[0], seed)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            t0 = time.perf_counter()
+            write_safetensors(tmp / fname, shard, seed)
+            print(f"[make_models]   {fname} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            weight_map.update({name: fname for name, _, _ in shard})
+        index = {"metadata": {"total_parameters": total // 2, "total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (tmp / "config.json").write_text(cfg.to_json_string(use_diff=True))
+    (tmp / "generation_config.json").write_text(GenerationConfig.from_model_config(cfg).to_json_string())
+    if tokenizer:
+        (tmp / "tokenizer.model").write_bytes(train_tokenizer(cfg.vocab_size))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def self_check() -> int:
+    """Tiny models: our writer against transformers' save_pretrained (names, shapes, config)."""
+    import tempfile
+    import torch
+    import transformers
+    from safetensors import safe_open
+    ok = True
+    for (cls_name, arch, _) in MODELS.values():
+        cfg = make_config(cls_name, arch, TINY[cls_name])
+        with tempfile.TemporaryDirectory() as d:
+            ours, ref = Path(d) / "ours", Path(d) / "ref"
+            write_model(cfg, ours, tokenizer=False)
+            model = getattr(transformers, arch)(make_config(cls_name, arch, TINY[cls_name])).to(torch.bfloat16)
+            model.save_pretrained(ref)
+
+            def table(p):
+                with safe_open(str(p / "model.safetensors"), "pt") as f:
+                    return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            same_t = table(ours) == table(ref)
+            same_c = (ours / "config.json").read_text() == (ref / "config.json").read_text()
+            loaded, info = getattr(transformers, arch).from_pretrained(ours, output_loading_info=True)
+            bad_keys = [k for v in info.values() for k in (v or [])]
+            sd = loaded.state_dict()            # an expert weight as transformers sees it (stacked or not)
+            with safe_open(str(ours / "model.safetensors"), "pt") as f:
+                q = f.get_tensor("model.layers.1.self_attn.q_proj.weight")
+            same_w = torch.equal(sd["model.layers.1.self_attn.q_proj.weight"], q)
+            std = float(q.float().std())
+            print(f"[self-check] {arch}: tensors {'==' if same_t else '!='} save_pretrained, "
+                  f"config.json {'==' if same_c else '!='}, from_pretrained problems {bad_keys or 'none'}, "
+                  f"weights {'==' if same_w else '!='} file, q_proj std {std:.4f}")
+            ok &= same_t and same_c and not bad_keys and same_w and abs(std - STD) < 0.005
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="*", help=", ".join(MODELS))
+    ap.add_argument("--out", default="/work/bench_cache/hf")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rewrite an existing checkpoint")
+    ap.add_argument("--self-check", action="store_true")
+    a = ap.parse_args(argv)
+    if a.self_check:
+        return self_check()
+    if not a.models or set(a.models) - set(MODELS):
+        ap.error(f"name models among {', '.join(MODELS)}, or pass --self-check")
+    for name in a.models:
+        out = Path(a.out) / name
+        if (out / "config.json").is_file() and not a.force:
+            print(f"[make_models] {out} exists (--force to rewrite)")
+            continue
+        t0 = time.perf_counter()
+        write_model(make_config(*MODELS[name]), out, seed=a.seed)
+        print(f"[make_models] wrote {out} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
