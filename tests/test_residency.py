@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import colibri
+import colibri.modeldir
 from colibri import _os
 from conftest import reference
 from test_hardening import big_checkpoint
@@ -90,3 +91,41 @@ def test_cli_stats(converted):
     assert r.returncode == 0, r.stderr
     for key in ("experts used per layer", "resident experts", "prediction hit rate", "page faults"):
         assert key in r.stdout
+
+
+PEAK_CHILD = r"""
+import json, sys, numpy as np, colibri
+from colibri import _os
+budget = json.loads(sys.argv[2])
+m = colibri.load(sys.argv[1], threads=1, expert_cache_mb=budget, n_ctx=256)
+base = _os.rss_bytes()[0]
+for seed in range(3):
+    ids = np.random.default_rng(seed).integers(1, 500, 40)
+    list(m.generate(ids, max_new_tokens=40, stop_at_eos=False))
+print(json.dumps({"base": base, "peak": _os.rss_bytes()[1], "resident": m.residency.resident}))
+"""
+
+# what a generation may add to RSS beyond weights and KV cache: scratch arenas, numpy temporaries
+RSS_OVERHEAD = 24 << 20
+
+
+def test_peak_rss_stays_within_dense_plus_budget_plus_kv(big_model):
+    """Peak RSS - RSS after load <= dense weights + budget + KV cache + overhead; without a
+    budget the same run touches all 48 MB of experts, more than that bound."""
+    md = colibri.modeldir.ModelDir(big_model)
+    dense = sum(f["size"] for rel, f in md.files.items() if "/expert_" not in rel)
+    cfg = md.config
+    kv = 2 * cfg.num_hidden_layers * 256 * cfg.num_key_value_heads * cfg.head_dim * 4
+    expert_mb = 3 * 256 * 512 * 4 / (1 << 20)
+    budget_mb = 6 * expert_mb
+    runs = {}
+    for budget in (budget_mb, None):
+        r = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(big_model), json.dumps(budget)],
+                           env=ENV, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        runs[budget] = json.loads(r.stdout)
+    bound = dense + budget_mb * (1 << 20) + kv + RSS_OVERHEAD
+    with_budget = runs[budget_mb]["peak"] - runs[budget_mb]["base"]
+    without = runs[None]["peak"] - runs[None]["base"]
+    assert with_budget <= bound
+    assert without > with_budget + 16 * (1 << 20)

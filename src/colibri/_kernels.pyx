@@ -66,6 +66,7 @@ cdef extern from "dispatch.h" nogil:
 
 cdef extern from "os_hints.h" nogil:
     int cb_will_need(const void *start, size_t length, size_t chunk)
+    int cb_release_pages(const void *start, size_t length)
 
 cdef extern from "routing.h" nogil:
     int CB_MAX_TOP_K
@@ -211,6 +212,7 @@ cdef struct Hyper:
     int norm_topk_prob
     int use_lut               # routing exponentials from the softmax table instead of expf
     int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
+    int release_in_prefill    # under an expert budget: release each expert after its prefill product
     int qk_norm
     float clip_qkv            # 0: no clipping
     float rms_eps
@@ -498,6 +500,8 @@ cdef int moe_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int la
             will_need(&L.expert_pages[e], s)
         s.counts[layer * E + e] += m
         ffn_batch(&L.experts[e], b.g, b.y, b, m, d, h.n_threads)
+        if h.release_in_prefill:
+            cb_release_pages(L.expert_pages[e].start, L.expert_pages[e].length)
         for j in range(m):                                          # scatter, weighted
             cb_axpy(b.xb2 + <size_t>b.rows[j] * d, b.row_w[j], b.y + <size_t>j * d, d)
     if L.has_shared:
@@ -594,6 +598,7 @@ cdef class Engine:
         self.h.norm_topk_prob = 1 if hp["norm_topk_prob"] else 0
         self.h.use_lut = 0 if hp["exact_softmax"] else 1
         self.h.prefetch = hp.get("prefetch_mode", PREFETCH_NONE)
+        self.h.release_in_prefill = 1 if hp.get("release_in_prefill") else 0
         self.h.qk_norm = hp["qk_norm_mode"]
         self.h.clip_qkv = hp["clip_qkv"] or 0.0
         self.h.rms_eps = hp["rms_norm_eps"]

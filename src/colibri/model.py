@@ -98,6 +98,7 @@ class Model:
                        for i in range(cfg.num_hidden_layers)]
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, n_ctx)
         hp["expert_pages"] = self.residency.spans
+        hp["release_in_prefill"] = expert_cache_mb is not None and mmap
         if prefetch != "none" and self.residency.spans:
             hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
         self._engine = _kernels.Engine(hp, self._maps.engine_table(), layer_flags, cos, sin, threads)
@@ -233,7 +234,8 @@ class Model:
             self.residency.reset(self._engine.expert_counts)
         status, index, layer = self._engine.run(tokens, pos, out, all_logits)
         if self._track:
-            self.residency.after_step(self._engine.expert_counts)
+            # a prefill under a budget released each expert right after using it
+            self.residency.after_step(self._engine.expert_counts, released=len(tokens) > 1)
         if status != _kernels.STATUS_OK:
             raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
                                + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")

@@ -13,7 +13,10 @@ come into the process when a router first chooses it. Two mechanisms act on that
 - A budget (`expert_cache_mb`, here, between tokens): an LRU of the experts used, most recent
   last; when their bytes exceed the budget the coldest are released (_os.release: MADV_DONTNEED
   / working-set trim), which takes their pages out of this process's RSS. The page cache may
-  keep them, so a released expert that comes back costs a minor fault, not a disk read.
+  keep them, so a released expert that comes back costs a minor fault, not a disk read. A prompt
+  routes to most experts at once, so under a budget the prefill releases each expert right after
+  its matrix product (inside the layer loop): peak RSS stays near dense weights + budget + KV
+  cache + one expert, not the whole checkpoint.
 
 With prefetch "none" and no budget, nothing here runs per token. `mlock=True` pins the dense
 weights (attention, embeddings, norms, routers); `warmup=True` reads every expert once at load.
@@ -66,10 +69,17 @@ class Residency:
             int(view[::page].sum())          # one byte a page
             del view
 
-    def after_step(self, counts: np.ndarray) -> None:
-        """Called between engine steps with the cumulative expert counts [n_layers, n_experts]."""
+    def after_step(self, counts: np.ndarray, released: bool = False) -> None:
+        """Called between engine steps with the cumulative expert counts [n_layers, n_experts].
+        released: the step (a prefill under a budget) already released every expert it used."""
         changed = np.argwhere(counts != self._last)
         self._last[...] = counts
+        if released:
+            for layer, e in changed:
+                self.used_bytes += self.spans[(int(layer), int(e))][1]
+                if self.lru.pop((int(layer), int(e)), None) is not None:
+                    self.resident -= self.spans[(int(layer), int(e))][1]
+            return
         used = set()
         for layer, e in changed:
             key = (int(layer), int(e))

@@ -208,15 +208,20 @@ def page_faults() -> tuple[int, int]:
 
 
 def rss_bytes() -> tuple[int, int]:
+    """Linux: VmRSS and VmHWM of /proc/self/status (the high-water mark restarts at exec, unlike
+    getrusage's ru_maxrss, which a child started by a big parent inherits). Elsewhere: ru_maxrss."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        current = int(fields[b"VmRSS"].split()[0]) * 1024
+        peak = int(fields[b"VmHWM"].split()[0]) * 1024
+        return current, max(current, peak)
+    except (OSError, KeyError, ValueError):
+        pass
     import resource
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            current = int(f.read().split()[1]) * mmap.PAGESIZE
-    except OSError:
-        current = peak  # no /proc: the peak is the best bound we have
-    return current, max(current, peak)
+    return peak, peak
 
 
 def evict_file_cache(fd: int) -> bool:

@@ -1,4 +1,5 @@
-/* os_hints.h — the one OS call on the token path: "these expert pages will be read soon".
+/* os_hints.h — the OS calls on the token path: "these expert pages will be read soon" and, under
+ * an expert budget during prefill, "these may go".
  *
  * Everything else the OS offers (mapping, release, residency queries, locking, statistics) goes
  * through colibri/_os in Python, outside the token loop. Prefetching the experts a router has just
@@ -12,6 +13,10 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* "These pages may leave the process": used by the prefill under an expert budget, right after an
+ * expert's matrix product, so a long prompt that routes to every expert never holds them all. */
+static int cb_release_pages(const void *start, size_t len);
 
 /* One advice call per `chunk` bytes at most (0: no limit): Linux reads at most
  * max(read_ahead_kb, max_sectors_kb) of a file per madvise(MADV_WILLNEED) and silently skips the
@@ -44,10 +49,19 @@ static int cb_will_need_one(const void *start, size_t len) {
     cb_range_entry e = {(void *)start, len};
     return fn(GetCurrentProcess(), 1, &e, 0) ? 0 : -1;
 }
+static int cb_release_pages(const void *start, size_t len) {
+    /* on pages that are not locked, VirtualUnlock removes them from the working set (and reports
+     * ERROR_NOT_LOCKED): the documented way to trim a range */
+    VirtualUnlock((void *)start, len);
+    return 0;
+}
 #else
 #include <sys/mman.h>
 static int cb_will_need_one(const void *start, size_t len) {
     return madvise((void *)start, len, MADV_WILLNEED);
+}
+static int cb_release_pages(const void *start, size_t len) {
+    return madvise((void *)start, len, MADV_DONTNEED);
 }
 #endif
 
