@@ -15,7 +15,9 @@ Design
   (other load, thermal, page cache) spreads over both engines instead of biasing one.
     Colibri:   python -m colibri bench --model-dir D --prompt-len P --gen G --repeat 1 --threads T --json
     llama.cpp: llama-bench -m F -p P -n G -t T -r 1 -o json
-  Both do one discarded warm-up run first. Peak RSS is each process's high-water mark from
+  Before each run the model's files are read into the page cache (prewarm), so that neither
+  engine pays for disk reads the other one caused; then both do one discarded warm-up run.
+  Peak RSS is each process's high-water mark from
   wait4(); llama.cpp's TTFT is its pp time (it does not sample); P99 is Colibri's only.
 * Bandwidth: readbw.c (compiled here with gcc -O3 -march=native -fopenmp) sums a 1 GiB buffer
   with T threads; its best of 5 passes (the attainable rate) is one measurement.
@@ -91,6 +93,21 @@ def run_llama(gguf, a, threads) -> dict:
     return {"pp": pp["avg_ts"], "tg": tg["avg_ts"], "ttft_ms": pp["avg_ns"] / 1e6, "p99_ms": None,
             "rss": rss, "build": f"{tg.get('build_commit', '?')} ({tg.get('build_number', '?')})",
             "backend": tg.get("backends", tg.get("backend", "?")), "cpu": tg.get("cpu_info", "?")}
+
+
+def prewarm(path, passes: int = 2) -> None:
+    """Read a model's files into the page cache (twice, so the kernel keeps them on its active
+    list) before a run: a model larger than half the RAM (OLMoE bf16: 14 GB per engine on 24 GB)
+    would otherwise be partly evicted by the other engine's run and re-read from disk inside
+    the timed region. Not timed."""
+    path = Path(path)
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    buf = bytearray(1 << 24)
+    for _ in range(passes):
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
 
 
 def readbw_binary() -> Path | None:
@@ -275,6 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--bw-mib", type=int, default=1024, help="bandwidth test buffer")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
+    ap.add_argument("--no-prewarm", action="store_true", help="do not read each model into the page cache first")
     a = ap.parse_args(argv)
     if a.tiny:
         a.no_llama, a.bw_mib = True, min(a.bw_mib, 256)
@@ -309,6 +327,8 @@ def main(argv=None) -> int:
                 print(f"[{name}] rep {rep + 1}/{a.reps}, {t} threads: bandwidth {bw[t][-1]:.2f} GB/s", flush=True)
                 for pair in pairs:
                     for eng, fmt, path in (pair if rep % 2 == 0 else pair[::-1]):
+                        if not a.no_prewarm:
+                            prewarm(path)
                         m = (run_colibri if eng == "colibri" else run_llama)(path, a, t)
                         rows[(eng, fmt, t)].append(m)
                         print(f"[{name}]   {eng:<9} {fmt:<5} pp {m['pp']:8.1f} tok/s  tg {m['tg']:7.2f} tok/s  "

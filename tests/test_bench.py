@@ -1,0 +1,50 @@
+"""Smoke tests of the benchmarks: `python -m colibri bench` and the comparison harness on a tiny
+model (Colibri only: llama.cpp is built by hand for the real runs)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import colibri
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
+
+
+def test_colibri_bench_json(converted):
+    r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", str(converted("mixtral_a", "int8")),
+                        "--prompt-len", "16", "--gen", "8", "--repeat", "2", "--threads", "1", "--json"],
+                       env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("prefill_tok_s", "decode_tok_s", "ttft_ms"):
+        assert out[key]["min"] <= out[key]["median"] <= out[key]["max"] and out[key]["median"] > 0
+    assert out["peak_rss_bytes"] > 0 and out["load_seconds"] > 0
+
+
+def test_colibri_bench_table_and_errors(converted):
+    r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", str(converted("mixtral_a")),
+                        "--prompt-len", "8", "--gen", "4", "--repeat", "1"], env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0 and "decode" in r.stdout and "prefill" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", "/nonexistent"],
+                       env=ENV, capture_output=True, text=True)
+    assert r.returncode == 2 and "/nonexistent" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="the bandwidth probe is compiled with gcc")
+def test_harness_runs_and_writes_the_table(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "run_bench.py"), "--tiny", "--reps", "1",
+                        "--prompt-len", "16", "--gen", "8", "--bw-mib", "64", "--threads", "1",
+                        "--results-dir", str(tmp_path)], env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tables = list(tmp_path.glob("*.md"))
+    assert len(tables) == 1
+    text = tables[0].read_text()
+    assert "| engine | format |" in text and "colibri" in text and "GB/s" in text
+    assert list(tmp_path.glob("*.json"))
