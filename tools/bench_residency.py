@@ -53,6 +53,9 @@ def main():
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budgets", default="none,1,0.5,0.25", help="fractions of the expert bytes, or none")
+    ap.add_argument("--caches", default="warm,cold")
+    ap.add_argument("--prefetch", default="none,routed,predict")
     args = ap.parse_args()
     from colibri.modeldir import ModelDir
     md = ModelDir(args.model_dir)
@@ -63,9 +66,10 @@ def main():
     print("| budget | cache | prefetch | decode tok/s | peak RSS | read from disk per token | major faults | prediction hits |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     reference = None
-    for frac in (None, 1.0, 0.5, 0.25):
-        for cold in (False, True):
-            for prefetch in ("none", "routed", "predict"):
+    budgets = [None if b == "none" else float(b) for b in args.budgets.split(",")]
+    for frac in budgets:
+        for cold in [c == "cold" for c in args.caches.split(",")]:
+            for prefetch in args.prefetch.split(","):
                 cfg = {"model_dir": args.model_dir, "threads": args.threads, "gen": args.gen, "cold": cold,
                        "prefetch": prefetch, "budget_mb": None if frac is None else expert * frac / (1 << 20)}
                 r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True)
@@ -76,7 +80,7 @@ def main():
                 reference = reference or out["tokens"]
                 same = "" if out["tokens"] == reference else " (tokens differ!)"
                 hit = "" if out["hit_rate"] is None else f"{100 * out['hit_rate']:.0f} %"
-                print(f"| {'none' if frac is None else f'{int(frac * 100)} %'} | {'cold' if cold else 'warm'} | "
+                print(f"| {'none' if frac is None else f'{frac * 100:g} %'} | {'cold' if cold else 'warm'} | "
                       f"{prefetch} | {out['decode_tok_s']:.1f}{same} | {out['peak_rss'] / 1e9:.2f} GB | "
                       f"{out['read_per_token'] / 1e6:.1f} MB | {out['major_faults']} | {hit} |", flush=True)
 
