@@ -95,6 +95,59 @@ def run_llama(gguf, a, threads) -> dict:
             "backend": tg.get("backends", tg.get("backend", "?")), "cpu": tg.get("cpu_info", "?")}
 
 
+TRANSFORMERS_CHILD = r"""
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+a = json.loads(sys.argv[1])
+torch.set_num_threads(a["threads"])
+t0 = time.perf_counter()
+m = AutoModelForCausalLM.from_pretrained(a["hf"], dtype=torch.bfloat16).eval()
+load = time.perf_counter() - t0
+ids = torch.randint(0, m.config.vocab_size, (1, a["prompt_len"]), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    t = time.perf_counter()
+    out = m(ids, use_cache=True)
+    pp = time.perf_counter() - t
+    past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    times = []
+    for _ in range(a["gen"]):
+        t = time.perf_counter()
+        out = m(tok, past_key_values=past, use_cache=True)
+        times.append(time.perf_counter() - t)
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+times.sort()
+print(json.dumps({"pp": a["prompt_len"] / pp, "tg": len(times) / sum(times), "ttft_ms": pp * 1000,
+                  "p99_ms": times[int(0.99 * (len(times) - 1))] * 1000, "load_s": load}))
+"""
+
+
+def run_transformers(hf_dir, a, threads) -> dict:
+    """Hugging Face transformers (torch, bf16) as the Python baseline: prefill, then greedy decode
+    with the KV cache, one token per forward."""
+    stdout, rss = run_child([sys.executable, "-c", TRANSFORMERS_CHILD,
+                             json.dumps({"hf": str(hf_dir), "threads": int(threads), "prompt_len": int(a.prompt_len),
+                                         "gen": int(a.gen)})])
+    r = json.loads(stdout.strip().splitlines()[-1])
+    return {"pp": r["pp"], "tg": r["tg"], "ttft_ms": r["ttft_ms"], "p99_ms": r["p99_ms"], "rss": rss,
+            "load_s": r["load_s"]}
+
+
+def evict(path) -> None:
+    """Drop a model's files from the page cache (posix_fadvise DONTNEED): the next run is cold."""
+    path = Path(path)
+    for f in ([f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+RUNNERS = {"colibri": lambda *x: run_colibri(*x), "llama.cpp": lambda *x: run_llama(*x),
+           "transformers": lambda *x: run_transformers(*x)}
+
+
 def prewarm(path, passes: int = 2) -> None:
     """Read a model's files into the page cache (twice, so the kernel keeps them on its active
     list) before a run: a model larger than half the RAM (OLMoE bf16: 14 GB per engine on 24 GB)
@@ -198,8 +251,10 @@ def cpu_name() -> str:
     return platform.processor() or "?"
 
 
-def report(name, a, rows, bw, active, cmdline) -> str:
-    """rows: {(engine, fmt, threads): [measurement, ...]}; bw: {threads: [GB/s]}."""
+def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
+    """rows: {(engine, fmt, threads): [measurement, ...]}; bw: {threads: [GB/s]};
+    cold: {(engine, fmt, threads): [TTFT ms after evicting the files]}."""
+    cold = cold or {}
     import colibri
     from colibri import _kernels
     date = datetime.date.today().isoformat()
@@ -217,9 +272,9 @@ def report(name, a, rows, bw, active, cmdline) -> str:
            "- Weights read per decoded token (all but the embedding table; experts × top-k/experts): "
            + "; ".join(f"{fmt} {c / 1e6:.1f} MB" + (f" (GGUF {g / 1e6:.1f} MB)" if g else "")
                        for fmt, (c, g) in active.items()),
-           "", "| engine | format | threads | pp tok/s | tg tok/s | P99 ms/token | peak RSS MiB | TTFT ms | "
-           "tg % of roofline | Colibri / llama.cpp pp, tg |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "", "| engine | format | threads | pp tok/s | tg tok/s | P99 ms/token | peak RSS MiB | TTFT ms warm | "
+           "TTFT ms cold | tg % of roofline | Colibri / llama.cpp pp, tg |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (eng, fmt, threads), ms in rows.items():
         c_bytes, g_bytes = active[fmt if eng == "colibri" else dict((l, c) for c, l in PAIRS).get(fmt, fmt)]
         nbytes = g_bytes if eng == "llama.cpp" and g_bytes else c_bytes
@@ -232,11 +287,13 @@ def report(name, a, rows, bw, active, cmdline) -> str:
             ratio = f"{cp / lp:.2f}, {ct / lt:.2f}"
         out.append(f"| {eng} | {fmt} | {threads} | {cell([m['pp'] for m in ms])} | {cell([m['tg'] for m in ms], '{:.2f}')} | "
                    f"{cell([m['p99_ms'] for m in ms], '{:.1f}')} | {cell([m['rss'] for m in ms], '{:.0f}', 2**-20)} | "
-                   f"{cell([m['ttft_ms'] for m in ms], '{:.0f}')} | "
+                   f"{cell([m['ttft_ms'] for m in ms], '{:.0f}')} | {cell(cold.get((eng, fmt, threads), []), '{:.0f}')} | "
                    f"{cell([m['tg'] / limit * 100 for m in ms], '{:.0f}')}% of {limit:.1f} tok/s | {ratio} |")
     out += ["", "pp: prompt processing (prefill) of the whole prompt; tg: decoding one token at a time (Colibri: "
             "after the prompt, llama-bench: from an empty context). TTFT: Colibri's wall time to the first "
-            "token (prefill + sampling); llama.cpp's pp time. Peak RSS: the process's high-water mark "
+            "token (prefill + sampling); llama.cpp's pp time; transformers' prefill forward. Cold: once, "
+            "right after the model's files were evicted from the page cache (load + first token for Colibri and "
+            "transformers; llama-bench reports pp only). Peak RSS: the process's high-water mark "
             "(wait4), including the mapped weight pages touched. Roofline: tg limit = bandwidth / bytes "
             "read per token.", "", f"Command: `{cmdline}`", ""]
     return "\n".join(out)
@@ -274,6 +331,8 @@ def plan(a) -> list:
             entries.append(("colibri", cfmt, colibri_dir(model, cfmt)))
             if not a.no_llama:
                 entries.append(("llama.cpp", lfmt, gguf_file(model, lfmt)))
+        if a.transformers and model == "mixtral-mini":
+            entries.append(("transformers", "bf16", CACHE / "hf" / model))
         out.append((model, entries))
     return out
 
@@ -293,6 +352,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-mib", type=int, default=1024, help="bandwidth test buffer")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--no-prewarm", action="store_true", help="do not read each model into the page cache first")
+    ap.add_argument("--transformers", action="store_true",
+                    help="add Hugging Face transformers (bf16) as the Python baseline on mixtral-mini")
+    ap.add_argument("--cold", action="store_true",
+                    help="once per engine and format, evict its files from the page cache and measure TTFT cold")
     a = ap.parse_args(argv)
     if a.tiny:
         a.no_llama, a.bw_mib = True, min(a.bw_mib, 256)
@@ -320,7 +383,18 @@ def main(argv=None) -> int:
                 active[cfmt][1] = gguf_active_bytes(path, k, e)
         rows = {(eng, fmt, t): [] for t in thread_counts for eng, fmt, _ in entries}
         bw = {t: [] for t in thread_counts}
-        pairs = [entries[i:i + 2] for i in range(0, len(entries), 2)] if not a.no_llama else [[x] for x in entries]
+        paired = [e for e in entries if e[0] != "transformers"]
+        pairs = [paired[i:i + 2] for i in range(0, len(paired), 2)] if not a.no_llama else [[x] for x in paired]
+        pairs += [[e] for e in entries if e[0] == "transformers"]
+        cold = {}
+        if a.cold:
+            for t in thread_counts:
+                for pair in pairs:
+                    for eng, fmt, path in pair:
+                        evict(path)
+                        m = RUNNERS[eng](path, a, t)
+                        cold.setdefault((eng, fmt, t), []).append(m["ttft_ms"] + 1000 * m.get("load_s", 0) * (eng != "llama.cpp"))
+                        print(f"[{name}]   {eng:<9} {fmt:<5} cold TTFT {cold[(eng, fmt, t)][-1]:7.0f} ms", flush=True)
         for rep in range(a.reps):
             for t in thread_counts:
                 bw[t].append(run_bandwidth(bw_exe, t, a.bw_mib))
@@ -329,11 +403,11 @@ def main(argv=None) -> int:
                     for eng, fmt, path in (pair if rep % 2 == 0 else pair[::-1]):
                         if not a.no_prewarm:
                             prewarm(path)
-                        m = (run_colibri if eng == "colibri" else run_llama)(path, a, t)
+                        m = RUNNERS[eng](path, a, t)
                         rows[(eng, fmt, t)].append(m)
                         print(f"[{name}]   {eng:<9} {fmt:<5} pp {m['pp']:8.1f} tok/s  tg {m['tg']:7.2f} tok/s  "
                               f"TTFT {m['ttft_ms']:7.0f} ms  RSS {m['rss'] / 2**20:6.0f} MiB", flush=True)
-        md = report(name, a, rows, bw, active, cmdline)
+        md = report(name, a, rows, bw, active, cmdline, cold)
         results = Path(a.results_dir)
         results.mkdir(parents=True, exist_ok=True)
         stem = results / f"{datetime.date.today().isoformat()}-{name}"
