@@ -29,6 +29,7 @@ cdef extern from "kernels_scalar.h" nogil:
         signed char *q     # [n]
         float *d           # [n / 32]
         int n
+        float *xp          # [n] or NULL: the activation reordered for the bf16 tile
     void cb_init_tables()
 
     float cb_f16_to_f32_exact(uint16_t h)
@@ -622,6 +623,7 @@ cdef class Engine:
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
             "act_q": np.zeros(max_cols, np.int8), "act_d": np.zeros(max_cols // 32 + 1, f32),
+            "act_xp": np.zeros(max_cols, f32),
             "predicted": np.full((n_layers, top_k), -1, np.int32),
             "prefetch_stats": np.zeros(PF_N, np.int64),
             "router2": np.zeros(n_experts, f32), "pred_w": np.zeros(top_k, f32),
@@ -638,6 +640,7 @@ cdef class Engine:
             "b_chosen": np.zeros((cap, top_k), np.int32), "b_chosen_w": np.zeros((cap, top_k), f32),
             "b_rows": np.zeros(cap, np.int32), "b_row_w": np.zeros(cap, f32),
             "b_act_q": np.zeros((cap, max_cols), np.int8), "b_act_d": np.zeros((cap, max_cols // 32 + 1), f32),
+            "b_act_xp": np.zeros((cap, max_cols), f32),
             # KV cache: zero pages are only touched (made resident) as positions are filled.
             "k_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
             "v_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
@@ -656,6 +659,7 @@ cdef class Engine:
         self.s.act.q = <signed char *><uintptr_t>keep["act_q"].ctypes.data
         self.s.act.d = _f32(keep["act_d"])
         self.s.act.n = 0
+        self.s.act.xp = _f32(keep["act_xp"])
         self.s.x = _f32(keep["x"]); self.s.xb = _f32(keep["xb"]); self.s.xb2 = _f32(keep["xb2"])
         self.s.q = _f32(keep["q"]); self.s.att = _f32(keep["att"])
         self.s.scores = _f32(keep["scores"])
@@ -682,6 +686,7 @@ cdef class Engine:
         for t in range(cap):
             self.acts[t].q = <signed char *><uintptr_t>keep["b_act_q"][t].ctypes.data
             self.acts[t].d = _f32(keep["b_act_d"][t])
+            self.acts[t].xp = _f32(keep["b_act_xp"][t])
         self.b.acts = self.acts
         self.logits = keep["logits"]
         self.chosen = keep["chosen"]
@@ -852,9 +857,11 @@ def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1):
     out = np.zeros(rows, np.float32)
     act_q = np.zeros(cols, np.int8)
     act_d = np.zeros(cols // 32 + 1, np.float32)
+    act_xp = np.zeros(cols, np.float32)
     cdef cb_act_q8 act
     act.q = <signed char *><uintptr_t>act_q.ctypes.data
     act.d = <float *><uintptr_t>act_d.ctypes.data
+    act.xp = <float *><uintptr_t>act_xp.ctypes.data
     cdef float[::1] o = out
     if rows == 0 or cols == 0:
         return out

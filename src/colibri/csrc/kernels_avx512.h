@@ -40,13 +40,44 @@ CB_TARGET_AVX512 static inline __m512 cb_load_f32x16(const void *w, int dtype, i
     return cb_bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
 }
 
+/* bf16 widened by interleaving with zero words: within each 128-bit lane, unpacklo takes words
+ * 0-3 and unpackhi words 4-7, so 32 weights become two f32 vectors holding elements
+ * {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31}: one instruction per 16 weights
+ * instead of two. The activation is put in the same order once per product (cb_permute_bf16). */
+static void cb_permute_bf16(float *xp, const float *x, int cols) {
+    int full = cols / 32 * 32;
+    for (int k = 0; k < full; k += 32)
+        for (int lane = 0; lane < 4; lane++)
+            for (int e = 0; e < 4; e++) {
+                xp[k + lane * 4 + e] = x[k + lane * 8 + e];
+                xp[k + 16 + lane * 4 + e] = x[k + lane * 8 + 4 + e];
+            }
+    for (int k = full; k < cols; k++) xp[k] = x[k];
+}
+
 CB_TARGET_AVX512 static inline __attribute__((always_inline)) void
 cb_tile_float_avx512(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x, int ldx,
-                     int cols, const int R, const int T) {
+                     const cb_act_q8 *acts, int cols, const int R, const int T) {
     __m512 acc[CB_TILE_MAX][CB_TILE_MAX];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < T; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int k = 0; k < cols; k += 16) {
+    int k0 = 0;
+    if (dtype == CB_BF16 && acts[0].xp) {
+        const __m512i zero = _mm512_setzero_si512();
+        for (; k0 + 32 <= cols; k0 += 32) {
+            __m512 lo[CB_TILE_MAX], hi[CB_TILE_MAX];
+            for (int i = 0; i < R; i++) {
+                __m512i raw = _mm512_loadu_si512((const void *)((const uint16_t *)(w + (size_t)i * stride) + k0));
+                lo[i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw));
+                hi[i] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw));
+            }
+            for (int j = 0; j < T; j++) {
+                __m512 xl = _mm512_loadu_ps(acts[j].xp + k0), xh = _mm512_loadu_ps(acts[j].xp + k0 + 16);
+                for (int i = 0; i < R; i++) acc[i][j] = _mm512_fmadd_ps(hi[i], xh, _mm512_fmadd_ps(lo[i], xl, acc[i][j]));
+            }
+        }
+    }
+    for (int k = k0; k < cols; k += 16) {
         __mmask16 m = cols - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - k)) - 1);
         __m512 wv[CB_TILE_MAX];
         for (int i = 0; i < R; i++) wv[i] = cb_load_f32x16(w + (size_t)i * stride, dtype, k, m);
@@ -117,8 +148,7 @@ cb_tile_quant_avx512(float *out, int ldo, const char *w, size_t stride, int dtyp
 
 CB_TARGET_AVX512 static void cb_tile_float_avx512_any(float *out, int ldo, const char *w, size_t stride,
         int dtype, const float *x, int ldx, const cb_act_q8 *acts, int cols, int R, int T) {
-    (void)acts;
-#define CB_CALL_F(r, t) cb_tile_float_avx512(out, ldo, w, stride, dtype, x, ldx, cols, r, t)
+#define CB_CALL_F(r, t) cb_tile_float_avx512(out, ldo, w, stride, dtype, x, ldx, acts, cols, r, t)
     CB_TILE_CASES(CB_CALL_F)
 #undef CB_CALL_F
 }

@@ -42,6 +42,7 @@ typedef struct {
     int8_t *q;      /* [n] */
     float *d;       /* [n / 32] */
     int n;
+    float *xp;      /* [n] or NULL: the float activation reordered for the AVX-512 bf16 tile */
 } cb_act_q8;
 
 #define CB_ACT_TINY 1e-30f
