@@ -474,7 +474,7 @@ def test_each_model_field_with_a_wrong_type(pristine, tmp_path, field):
 def test_each_model_field_out_of_range(pristine, tmp_path, field):
     def edit(cfg):
         v = cfg["model"][field]
-        cfg["model"][field] = [-1] * len(v) if isinstance(v, list) else -1
+        cfg["model"][field] = [-1] * max(len(v), 1) if isinstance(v, list) else -1   # an empty list: [-1]
     with pytest.raises(colibri.ColibriError, match=field):
         _load_after(pristine, tmp_path, edit)
 

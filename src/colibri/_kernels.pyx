@@ -11,7 +11,10 @@ one scratch arena, all sized once from the config. `Engine.run()` pushes tokens 
           -> final_norm -> lm_head
 
 Architectures differ only by flags in `Hyper` and by which per-layer pointers are NULL (biases,
-q/k norms, shared expert): one parameterised block, no per-architecture code paths. Kernels are
+q/k norms, shared expert, Gemma's extra norms and scales): one parameterised block, no
+per-architecture code paths. Attention geometry is per layer (Gemma 4's global layers have
+their own head_dim, key/value heads and RoPE); a sliding-window layer's KV cache is a ring of
+window + prefill chunk rows, so it holds only what that layer can still attend to. Kernels are
 the C functions of csrc/ (scalar reference for now). A non-zero status from the step (non-finite
 router logits or logits: a damaged model) is turned into an exception by the Python layer.
 """
@@ -19,7 +22,7 @@ router logits or logits: a damaged model) is turned into an exception by the Pyt
 from libc.stdint cimport uintptr_t, uint16_t, int64_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
-from libc.math cimport expf
+from libc.math cimport expf, sqrtf
 
 import numpy as np
 
@@ -40,12 +43,14 @@ cdef extern from "kernels_scalar.h" nogil:
     void cb_add(float *acc, const float *x, int n)
     void cb_axpy(float *acc, float a, const float *x, int n)
     void cb_clip(float *x, float limit, int n)
-    void cb_swiglu(float *gate, const float *up, int n)
+    void cb_glu(float *gate, const float *up, int n, int act)
+    void cb_scale(float *x, float a, int n)
+    void cb_softcap(float *x, float cap, int n)
     int cb_softmax(float *x, int n)
     void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, const float *sin_t)
     void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
                       float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
-                      int start, int pos, int n_threads)
+                      int start, int pos, int ring, float scale, int n_threads)
     int cb_all_finite(const float *x, int n)
 
 cdef extern from "dispatch.h" nogil:
@@ -177,10 +182,15 @@ cdef struct Range:        # a page-aligned span of mapped memory
     size_t length
 
 cdef struct Layer:
+    int head_dim              # this layer's attention geometry (Gemma 4: global layers differ)
+    int n_kv_heads
+    float attn_scale          # the factor on q.k
+    const float *rope_cos     # [n_ctx, head_dim / 2]
+    const float *rope_sin     # [n_ctx, head_dim / 2]
     const float *attn_norm    # [d_model]
     Mat wq                    # [n_heads * head_dim, d_model]
     Mat wk                    # [n_kv_heads * head_dim, d_model]
-    Mat wv                    # [n_kv_heads * head_dim, d_model]
+    Mat wv                    # [n_kv_heads * head_dim, d_model]; data NULL: v is the k projection
     Mat wo                    # [d_model, n_heads * head_dim]
     const float *bq           # [n_heads * head_dim] or NULL
     const float *bk           # [n_kv_heads * head_dim] or NULL
@@ -189,6 +199,9 @@ cdef struct Layer:
     const float *q_norm       # [head_dim] (per head) or [n_heads * head_dim] (whole) or NULL
     const float *k_norm       # [head_dim] or [n_kv_heads * head_dim] or NULL
     const float *ffn_norm     # [d_model]
+    const float *post_attn_norm   # [d_model] or NULL (Gemma's sandwich norms)
+    const float *post_ffn_norm    # [d_model] or NULL
+    float layer_scalar        # the residual stream is multiplied by it after the layer (1: no-op)
     int sliding_window        # 0: attend to every earlier position
     int is_moe
     Mat router                # [n_experts, d_model] f32 (MoE layers)
@@ -197,16 +210,21 @@ cdef struct Layer:
     int has_shared
     FFN shared                # the shared expert (Qwen2-MoE)
     const float *shared_gate  # [d_model]: sigmoid(shared_gate . x) scales the shared expert
-    FFN dense                 # the dense MLP (non-MoE layers)
-    float *k_cache            # [n_ctx, n_kv_heads * head_dim]
-    float *v_cache            # [n_ctx, n_kv_heads * head_dim]
+    FFN dense                 # the dense MLP (non-MoE layers, and beside the MoE when parallel)
+    int parallel              # Gemma 4: dense MLP and MoE side by side, each with its own norms
+    const float *post_mlp_norm    # [d_model] (parallel) after the dense MLP
+    const float *pre_moe_norm     # [d_model] (parallel) the experts' input norm
+    const float *post_moe_norm    # [d_model] (parallel) after the experts
+    const float *router_scale     # [d_model] (parallel) the router reads rmsnorm(x) * router_scale * d**-0.5
+    const float *expert_scale     # [n_experts] or NULL: multiplies each chosen expert's weight
+    int kv_ring               # rows of the cache: n_ctx, or window + prefill chunk (sliding layers)
+    float *k_cache            # [kv_ring, n_kv_heads * head_dim], position p in row p % kv_ring
+    float *v_cache            # [kv_ring, n_kv_heads * head_dim]
 
 cdef struct Hyper:
     int d_model
     int n_layers
     int n_heads
-    int n_kv_heads
-    int head_dim
     int vocab
     int n_experts
     int top_k
@@ -216,6 +234,11 @@ cdef struct Hyper:
     int release_in_prefill    # under an expert budget: release each expert after its prefill product
     int qk_norm
     float clip_qkv            # 0: no clipping
+    int v_norm                # RMSNorm without weight over each value head (Gemma 4)
+    int act                   # CB_ACT_SILU / CB_ACT_GELU_TANH of the FFN gate
+    float embed_scale         # the embedding row is multiplied by it (1: no-op)
+    float softcap             # final logit soft-capping (0: none)
+    float router_root         # d_model ** -0.5 (the parallel MoE's router input)
     float rms_eps
     int n_ctx
     int n_threads
@@ -225,16 +248,17 @@ cdef struct Scratch:
     float *x          # [d_model] the residual stream
     float *xb         # [d_model] normed input of a block
     float *xb2        # [d_model] output of a block
-    float *q          # [n_heads * head_dim]
-    float *att        # [n_heads * head_dim] attention output before wo
+    float *q          # [n_heads * max head_dim]
+    float *att        # [n_heads * max head_dim] attention output before wo
     float *scores     # [n_heads, n_ctx]
     float *hb         # [max_ff] FFN hidden (gate, then activation)
     float *hb2        # [max_ff] FFN hidden (up)
     float *moe_acc    # [d_model]
+    float *rx         # [d_model] the router's input (parallel MoE)
+    float *xe         # [d_model] the experts' input (parallel MoE)
+    float *xm         # [d_model] the experts' output (parallel MoE)
     float *router     # [n_experts] router logits, then probabilities
     float *logits     # [vocab]
-    const float *rope_cos   # [n_ctx, head_dim / 2]
-    const float *rope_sin   # [n_ctx, head_dim / 2]
     int *chosen       # [n_layers, top_k] experts chosen at the last step (for --verbose)
     float *chosen_w   # [n_layers, top_k] their weights
     int64_t *counts   # [n_layers, n_experts] how often each expert was chosen
@@ -251,8 +275,13 @@ cdef struct Batch:        # scratch of the prefill path: up to `cap` prompt toke
     float *x          # [cap, d_model] residual streams
     float *xb         # [cap, d_model] normed inputs
     float *xb2        # [cap, d_model] block outputs
-    float *q          # [cap, n_heads * head_dim]
-    float *att        # [cap, n_heads * head_dim]
+    float *q          # [cap, n_heads * max head_dim]
+    float *att        # [cap, n_heads * max head_dim]
+    float *k          # [cap, max kv_dim] keys of the chunk, before they go to the cache rows
+    float *v          # [cap, max kv_dim]
+    float *rx         # [cap, d_model] router inputs (parallel MoE)
+    float *xe         # [cap, d_model] expert inputs (parallel MoE)
+    float *xm         # [cap, d_model] expert outputs (parallel MoE)
     float *hb         # [cap, max_ff]
     float *hb2        # [cap, max_ff]
     float *g          # [cap, d_model] inputs gathered for one expert
@@ -271,41 +300,49 @@ cdef inline void matvec(float *out, const Mat *m, const float *x, Scratch *s, in
     cb_matvec(out, m.data, m.dtype, x, &s.act, m.rows, m.cols, n_threads)
 
 
-cdef void ffn(const FFN *f, const float *x, float *out, Scratch *s, int n_threads) noexcept nogil:
-    """out[d_model] = down(silu(gate x) * up x)."""
-    matvec(s.hb, &f.gate, x, s, n_threads)
-    matvec(s.hb2, &f.up, x, s, n_threads)
-    cb_swiglu(s.hb, s.hb2, f.gate.rows)
-    matvec(out, &f.down, s.hb, s, n_threads)
+cdef void ffn(const Hyper *h, const FFN *f, const float *x, float *out, Scratch *s) noexcept nogil:
+    """out[d_model] = down(act(gate x) * up x)."""
+    matvec(s.hb, &f.gate, x, s, h.n_threads)
+    matvec(s.hb2, &f.up, x, s, h.n_threads)
+    cb_glu(s.hb, s.hb2, f.gate.rows, h.act)
+    matvec(out, &f.down, s.hb, s, h.n_threads)
 
 
-cdef void qkv_finish(const Hyper *h, const Layer *L, const Scratch *s, float *q, float *k, float *v,
-                     int pos) noexcept nogil:
-    """After the q/k/v projections of one position: biases, q/k norms, clipping, rotary embedding.
-    q [n_heads * head_dim], k and v [n_kv_heads * head_dim] (k, v live in the cache)."""
-    cdef int q_dim = h.n_heads * h.head_dim
-    cdef int kv_dim = h.n_kv_heads * h.head_dim
+cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *v, int pos) noexcept nogil:
+    """After the q/k/v projections of one position: biases, q/k/v norms, clipping, rotary embedding.
+    q [n_heads * head_dim], k and v [n_kv_heads * head_dim] (head_dim, n_kv_heads: the layer's).
+    Without a v projection (attention_k_eq_v) v is filled here from the raw k projection."""
+    cdef int hd = L.head_dim
+    cdef int q_dim = h.n_heads * hd
+    cdef int kv_dim = L.n_kv_heads * hd
     cdef int i
     if L.bq != NULL:
         cb_add(q, L.bq, q_dim)
+    if L.bk != NULL:
         cb_add(k, L.bk, kv_dim)
+    if L.wv.data == NULL:
+        memcpy(v, k, sizeof(float) * kv_dim)
+    elif L.bv != NULL:
         cb_add(v, L.bv, kv_dim)
     if h.qk_norm == QK_NORM_PER_HEAD:
         for i in range(h.n_heads):
-            cb_rmsnorm(q + i * h.head_dim, q + i * h.head_dim, L.q_norm, h.head_dim, h.rms_eps)
-        for i in range(h.n_kv_heads):
-            cb_rmsnorm(k + i * h.head_dim, k + i * h.head_dim, L.k_norm, h.head_dim, h.rms_eps)
+            cb_rmsnorm(q + i * hd, q + i * hd, L.q_norm, hd, h.rms_eps)
+        for i in range(L.n_kv_heads):
+            cb_rmsnorm(k + i * hd, k + i * hd, L.k_norm, hd, h.rms_eps)
     elif h.qk_norm == QK_NORM_WHOLE:
         cb_rmsnorm(q, q, L.q_norm, q_dim, h.rms_eps)
         cb_rmsnorm(k, k, L.k_norm, kv_dim, h.rms_eps)
+    if h.v_norm:
+        for i in range(L.n_kv_heads):
+            cb_rmsnorm(v + i * hd, v + i * hd, NULL, hd, h.rms_eps)
     if h.clip_qkv > 0:                                              # OLMoE's clip_qkv
         cb_clip(q, h.clip_qkv, q_dim)
         cb_clip(k, h.clip_qkv, kv_dim)
         cb_clip(v, h.clip_qkv, kv_dim)
-    cdef const float *cos_t = s.rope_cos + <size_t>pos * (h.head_dim // 2)
-    cdef const float *sin_t = s.rope_sin + <size_t>pos * (h.head_dim // 2)
-    cb_rope(q, h.n_heads, h.head_dim, cos_t, sin_t)
-    cb_rope(k, h.n_kv_heads, h.head_dim, cos_t, sin_t)
+    cdef const float *cos_t = L.rope_cos + <size_t>pos * (hd // 2)
+    cdef const float *sin_t = L.rope_sin + <size_t>pos * (hd // 2)
+    cb_rope(q, h.n_heads, hd, cos_t, sin_t)
+    cb_rope(k, L.n_kv_heads, hd, cos_t, sin_t)
 
 
 cdef inline void attend(const Hyper *h, const Layer *L, Scratch *s, const float *q, float *out,
@@ -314,19 +351,20 @@ cdef inline void attend(const Hyper *h, const Layer *L, Scratch *s, const float 
     cdef int start = 0
     if L.sliding_window > 0 and pos - L.sliding_window + 1 > 0:
         start = pos - L.sliding_window + 1
-    cb_attention(out, q, L.k_cache, L.v_cache, s.scores, h.n_heads, h.n_kv_heads,
-                 h.head_dim, h.n_ctx, start, pos, h.n_threads)
+    cb_attention(out, q, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
+                 L.head_dim, h.n_ctx, start, pos, L.kv_ring, L.attn_scale, h.n_threads)
 
 
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
     """s.xb2 = self-attention of s.xb at position `pos`; appends this position's k, v to the cache."""
-    cdef int kv_dim = h.n_kv_heads * h.head_dim
-    cdef float *k = L.k_cache + <size_t>pos * kv_dim      # written in place in the cache
-    cdef float *v = L.v_cache + <size_t>pos * kv_dim
+    cdef int kv_dim = L.n_kv_heads * L.head_dim
+    cdef float *k = L.k_cache + <size_t>(pos % L.kv_ring) * kv_dim      # written in place in the cache
+    cdef float *v = L.v_cache + <size_t>(pos % L.kv_ring) * kv_dim
     matvec(s.q, &L.wq, s.xb, s, h.n_threads)
     matvec(k, &L.wk, s.xb, s, h.n_threads)
-    matvec(v, &L.wv, s.xb, s, h.n_threads)
-    qkv_finish(h, L, s, s.q, k, v, pos)
+    if L.wv.data != NULL:
+        matvec(v, &L.wv, s.xb, s, h.n_threads)
+    qkv_finish(h, L, s.q, k, v, pos)
     attend(h, L, s, s.q, s.att, pos)
     matvec(s.xb2, &L.wo, s.att, s, h.n_threads)
     if L.bo != NULL:
@@ -340,9 +378,10 @@ cdef inline void will_need(const Range *r, Scratch *s) noexcept nogil:
         s.prefetch_stats[PF_FAILURES] += 1
 
 
-cdef void prefetch_chosen(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer) noexcept nogil:
+cdef void prefetch_chosen(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer,
+                          const float *router_in) noexcept nogil:
     """Advise the OS of the chosen experts' pages; with PREFETCH_PREDICT, score the prediction
-    made for this layer and predict the next MoE layer's experts from this hidden state."""
+    made for this layer and predict the next MoE layer's experts from this router input."""
     cdef int j, i, hits = 0
     cdef Layer *N
     for j in range(h.top_k):
@@ -358,37 +397,49 @@ cdef void prefetch_chosen(const Hyper *h, Layer *L, Scratch *s, const int *chose
         s.prefetch_stats[PF_PREDICT_HITS] += hits
     if layer + 1 < h.n_layers and L[1].is_moe:                     # predict the next layer
         N = &L[1]
-        matvec(s.router2, &N.router, s.xb, s, 1)
+        matvec(s.router2, &N.router, router_in, s, 1)
         if cb_route(s.router2, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut,
                     s.predicted + (layer + 1) * h.top_k, s.pred_w) == 0:
             for j in range(h.top_k):
                 will_need(&N.expert_pages[s.predicted[(layer + 1) * h.top_k + j]], s)
 
 
-cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
-    """s.xb2 = sum over the chosen experts of weight * expert(s.xb) (+ gated shared expert)."""
+cdef inline int route(const Hyper *h, const Layer *L, float *logits, int *chosen, float *weights) noexcept nogil:
+    """Router logits [n_experts] -> top-k experts and their weights (times the per-expert scales)."""
+    cdef int j
+    if cb_route(logits, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut, chosen, weights) != 0:
+        return -1
+    if L.expert_scale != NULL:
+        for j in range(h.top_k):
+            weights[j] *= L.expert_scale[chosen[j]]
+    return 0
+
+
+cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer, const float *router_in,
+             const float *expert_in, float *out) noexcept nogil:
+    """out [d_model] = sum over the chosen experts of weight * expert(expert_in) (+ gated shared
+    expert); the router reads router_in (the same vector except in the parallel block)."""
     cdef int *chosen = s.chosen + layer * h.top_k
     cdef float *weights = s.chosen_w + layer * h.top_k
     cdef int j, e
-    # router: float logits -> top-k experts and their weights
-    matvec(s.router, &L.router, s.xb, s, h.n_threads)
-    if cb_route(s.router, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut, chosen, weights) != 0:
+    matvec(s.router, &L.router, router_in, s, h.n_threads)
+    if route(h, L, s.router, chosen, weights) != 0:
         s.bad_layer = layer
         return STATUS_BAD_ROUTER
     if h.prefetch != PREFETCH_NONE:
-        prefetch_chosen(h, L, s, chosen, layer)
+        prefetch_chosen(h, L, s, chosen, layer, router_in)
     # experts, accumulated in ascending expert index (the reference's summation order)
-    memset(s.xb2, 0, sizeof(float) * h.d_model)
+    memset(out, 0, sizeof(float) * h.d_model)
     for e in range(h.n_experts):
         for j in range(h.top_k):
             if chosen[j] == e:
                 s.counts[layer * h.n_experts + e] += 1
-                ffn(&L.experts[e], s.xb, s.moe_acc, s, h.n_threads)
-                cb_axpy(s.xb2, weights[j], s.moe_acc, h.d_model)
+                ffn(h, &L.experts[e], expert_in, s.moe_acc, s)
+                cb_axpy(out, weights[j], s.moe_acc, h.d_model)
     # shared expert, scaled by a sigmoid gate
     if L.has_shared:
-        ffn(&L.shared, s.xb, s.moe_acc, s, h.n_threads)
-        cb_axpy(s.xb2, shared_gate(L, s.xb, h.d_model), s.moe_acc, h.d_model)
+        ffn(h, &L.shared, expert_in, s.moe_acc, s)
+        cb_axpy(out, shared_gate(L, expert_in, h.d_model), s.moe_acc, h.d_model)
     return STATUS_OK
 
 
@@ -401,31 +452,69 @@ cdef inline float shared_gate(const Layer *L, const float *x, int d) noexcept no
     return 1.0 / (1.0 + expf(-g))
 
 
+cdef int feed_forward(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
+    """s.xb2 = the feed-forward block of the residual s.x (s.xb: its ffn_norm, already computed)."""
+    cdef int d = h.d_model
+    if not L.is_moe:
+        ffn(h, &L.dense, s.xb, s.xb2, s)
+        return STATUS_OK
+    if not L.parallel:
+        return moe(h, L, s, layer, s.xb, s.xb, s.xb2)
+    # Gemma 4: dense MLP and experts side by side, each with its own norms, summed
+    ffn(h, &L.dense, s.xb, s.xb2, s)
+    cb_rmsnorm(s.xb2, s.xb2, L.post_mlp_norm, d, h.rms_eps)
+    cb_rmsnorm(s.rx, s.x, L.router_scale, d, h.rms_eps)
+    cb_scale(s.rx, h.router_root, d)
+    cb_rmsnorm(s.xe, s.x, L.pre_moe_norm, d, h.rms_eps)
+    cdef int status = moe(h, L, s, layer, s.rx, s.xe, s.xm)
+    if status != STATUS_OK:
+        return status
+    cb_rmsnorm(s.xm, s.xm, L.post_moe_norm, d, h.rms_eps)
+    cb_add(s.xb2, s.xm, d)
+    return STATUS_OK
+
+
+cdef inline void embed(const Hyper *h, const Mat *embedding, int token, float *x) noexcept nogil:
+    cb_dequant_row(x, embedding.data, embedding.dtype, token, h.d_model)
+    if h.embed_scale != 1.0:
+        cb_scale(x, h.embed_scale, h.d_model)
+
+
+cdef inline int logits_status(const Hyper *h, float *logits, int n) noexcept nogil:
+    """Soft-cap the logits [n] where configured; STATUS_BAD_LOGITS if any is not finite."""
+    if h.softcap > 0:
+        cb_softcap(logits, h.softcap, n)
+    return STATUS_OK if cb_all_finite(logits, n) else STATUS_BAD_LOGITS
+
+
 cdef int token_step(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
                     const Mat *lm_head, Scratch *s, int token, int pos,
                     int want_logits) noexcept nogil:
     """Run one token at position `pos` through the model; s.logits holds its logits."""
     cdef int l, status
     cdef Layer *L
-    cb_dequant_row(s.x, embedding.data, embedding.dtype, token, h.d_model)
+    embed(h, embedding, token, s.x)
     for l in range(h.n_layers):
         L = &layers[l]
         cb_rmsnorm(s.xb, s.x, L.attn_norm, h.d_model, h.rms_eps)   # attention block
         attention(h, L, s, pos)
+        if L.post_attn_norm != NULL:
+            cb_rmsnorm(s.xb2, s.xb2, L.post_attn_norm, h.d_model, h.rms_eps)
         cb_add(s.x, s.xb2, h.d_model)
         cb_rmsnorm(s.xb, s.x, L.ffn_norm, h.d_model, h.rms_eps)    # feed-forward block
-        if L.is_moe:
-            status = moe(h, L, s, l)
-            if status != STATUS_OK:
-                return status
-        else:
-            ffn(&L.dense, s.xb, s.xb2, s, h.n_threads)
+        status = feed_forward(h, L, s, l)
+        if status != STATUS_OK:
+            return status
+        if L.post_ffn_norm != NULL:
+            cb_rmsnorm(s.xb2, s.xb2, L.post_ffn_norm, h.d_model, h.rms_eps)
         cb_add(s.x, s.xb2, h.d_model)
+        if L.layer_scalar != 1.0:
+            cb_scale(s.x, L.layer_scalar, h.d_model)
     if not want_logits:
         return STATUS_OK if cb_all_finite(s.x, h.d_model) else STATUS_BAD_HIDDEN
     cb_rmsnorm(s.x, s.x, final_norm, h.d_model, h.rms_eps)        # head
     matvec(s.logits, lm_head, s.x, s, h.n_threads)
-    return STATUS_OK if cb_all_finite(s.logits, h.vocab) else STATUS_BAD_LOGITS
+    return logits_status(h, s.logits, h.vocab)
 
 
 # ---- prefill: the prompt in chunks, every weight read once per chunk ------------------------
@@ -443,27 +532,31 @@ cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int l
     cb_matmul(out, ldo, m.data, m.dtype, x, ldx, b.acts, n, m.rows, m.cols, n_threads)
 
 
-cdef void ffn_batch(const FFN *f, const float *x, float *out, Batch *b, int n, int d,
-                    int n_threads) noexcept nogil:
-    """out[n, d] = down(silu(gate x) * up x) for n rows of x [n, d]."""
-    cdef int ff = f.gate.rows, t
-    matmul(b.hb, ff, &f.gate, x, d, b, n, n_threads)
-    matmul(b.hb2, ff, &f.up, x, d, b, n, n_threads)
+cdef void ffn_batch(const Hyper *h, const FFN *f, const float *x, float *out, Batch *b, int n) noexcept nogil:
+    """out[n, d] = down(act(gate x) * up x) for n rows of x [n, d]."""
+    cdef int ff = f.gate.rows, d = h.d_model, t
+    matmul(b.hb, ff, &f.gate, x, d, b, n, h.n_threads)
+    matmul(b.hb2, ff, &f.up, x, d, b, n, h.n_threads)
     for t in range(n):
-        cb_swiglu(b.hb + <size_t>t * ff, b.hb2 + <size_t>t * ff, ff)
-    matmul(out, d, &f.down, b.hb, ff, b, n, n_threads)
+        cb_glu(b.hb + <size_t>t * ff, b.hb2 + <size_t>t * ff, ff, h.act)
+    matmul(out, d, &f.down, b.hb, ff, b, n, h.n_threads)
 
 
 cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int pos0) noexcept nogil:
-    """b.xb2 = self-attention of b.xb [n, d] at positions pos0..pos0+n-1 (causal, in order)."""
-    cdef int d = h.d_model, q_dim = h.n_heads * h.head_dim, kv_dim = h.n_kv_heads * h.head_dim, t
-    cdef float *k0 = L.k_cache + <size_t>pos0 * kv_dim                # rows pos0.. of the cache
-    cdef float *v0 = L.v_cache + <size_t>pos0 * kv_dim
+    """b.xb2 = self-attention of b.xb [n, d] at positions pos0..pos0+n-1 (causal, in order).
+    The chunk's keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
+    a ring of window + chunk rows keeps every key a query of the chunk can see."""
+    cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
+    cdef size_t row
     matmul(b.q, q_dim, &L.wq, b.xb, d, b, n, h.n_threads)
-    matmul(k0, kv_dim, &L.wk, b.xb, d, b, n, h.n_threads)
-    matmul(v0, kv_dim, &L.wv, b.xb, d, b, n, h.n_threads)
+    matmul(b.k, kv_dim, &L.wk, b.xb, d, b, n, h.n_threads)
+    if L.wv.data != NULL:
+        matmul(b.v, kv_dim, &L.wv, b.xb, d, b, n, h.n_threads)
     for t in range(n):
-        qkv_finish(h, L, s, b.q + <size_t>t * q_dim, k0 + <size_t>t * kv_dim, v0 + <size_t>t * kv_dim, pos0 + t)
+        qkv_finish(h, L, b.q + <size_t>t * q_dim, b.k + <size_t>t * kv_dim, b.v + <size_t>t * kv_dim, pos0 + t)
+        row = <size_t>((pos0 + t) % L.kv_ring) * kv_dim
+        memcpy(L.k_cache + row, b.k + <size_t>t * kv_dim, sizeof(float) * kv_dim)
+        memcpy(L.v_cache + row, b.v + <size_t>t * kv_dim, sizeof(float) * kv_dim)
     for t in range(n):
         attend(h, L, s, b.q + <size_t>t * q_dim, b.att + <size_t>t * q_dim, pos0 + t)
     matmul(b.xb2, d, &L.wo, b.att, q_dim, b, n, h.n_threads)
@@ -472,20 +565,20 @@ cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n,
             cb_add(b.xb2 + <size_t>t * d, L.bo, d)
 
 
-cdef int moe_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int layer) noexcept nogil:
-    """b.xb2 [n, d] = the MoE block of b.xb [n, d]: tokens grouped by expert, one matmul per
-    expert over the tokens routed to it, empty experts skipped. Per token, experts are summed in
-    ascending index, as in the decode path."""
+cdef int moe_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int layer,
+                   const float *router_in, const float *expert_in, float *out) noexcept nogil:
+    """out [n, d] = the MoE block of expert_in [n, d] (router on router_in [n, d]): tokens grouped
+    by expert, one matmul per expert over the tokens routed to it, empty experts skipped. Per
+    token, experts are summed in ascending index, as in the decode path."""
     cdef int d = h.d_model, k = h.top_k, E = h.n_experts, t, j, e, m
-    matmul(b.router, E, &L.router, b.xb, d, b, n, h.n_threads)
+    matmul(b.router, E, &L.router, router_in, d, b, n, h.n_threads)
     for t in range(n):
-        if cb_route(b.router + <size_t>t * E, E, k, h.norm_topk_prob, h.use_lut,
-                    b.chosen + t * k, b.chosen_w + t * k) != 0:
+        if route(h, L, b.router + <size_t>t * E, b.chosen + t * k, b.chosen_w + t * k) != 0:
             s.bad_layer = layer
             return STATUS_BAD_ROUTER
     memcpy(s.chosen + layer * k, b.chosen + (n - 1) * k, sizeof(int) * k)        # last token, for --verbose
     memcpy(s.chosen_w + layer * k, b.chosen_w + (n - 1) * k, sizeof(float) * k)
-    memset(b.xb2, 0, sizeof(float) * n * d)
+    memset(out, 0, sizeof(float) * n * d)
     for e in range(E):
         m = 0                                                       # gather the tokens of expert e
         for t in range(n):
@@ -493,22 +586,48 @@ cdef int moe_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int la
                 if b.chosen[t * k + j] == e:
                     b.rows[m] = t
                     b.row_w[m] = b.chosen_w[t * k + j]
-                    memcpy(b.g + <size_t>m * d, b.xb + <size_t>t * d, sizeof(float) * d)
+                    memcpy(b.g + <size_t>m * d, expert_in + <size_t>t * d, sizeof(float) * d)
                     m += 1
         if m == 0:
             continue
         if h.prefetch != PREFETCH_NONE:
             will_need(&L.expert_pages[e], s)
         s.counts[layer * E + e] += m
-        ffn_batch(&L.experts[e], b.g, b.y, b, m, d, h.n_threads)
+        ffn_batch(h, &L.experts[e], b.g, b.y, b, m)
         if h.release_in_prefill:
             cb_release_pages(L.expert_pages[e].start, L.expert_pages[e].length)
         for j in range(m):                                          # scatter, weighted
-            cb_axpy(b.xb2 + <size_t>b.rows[j] * d, b.row_w[j], b.y + <size_t>j * d, d)
+            cb_axpy(out + <size_t>b.rows[j] * d, b.row_w[j], b.y + <size_t>j * d, d)
     if L.has_shared:
-        ffn_batch(&L.shared, b.xb, b.y, b, n, d, h.n_threads)
+        ffn_batch(h, &L.shared, expert_in, b.y, b, n)
         for t in range(n):
-            cb_axpy(b.xb2 + <size_t>t * d, shared_gate(L, b.xb + <size_t>t * d, d), b.y + <size_t>t * d, d)
+            cb_axpy(out + <size_t>t * d, shared_gate(L, expert_in + <size_t>t * d, d), b.y + <size_t>t * d, d)
+    return STATUS_OK
+
+
+cdef int feed_forward_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int layer) noexcept nogil:
+    """b.xb2 [n, d] = the feed-forward block of the residuals b.x (b.xb: their ffn_norm)."""
+    cdef int d = h.d_model, t, status
+    cdef size_t o
+    if not L.is_moe:
+        ffn_batch(h, &L.dense, b.xb, b.xb2, b, n)
+        return STATUS_OK
+    if not L.parallel:
+        return moe_batch(h, L, s, b, n, layer, b.xb, b.xb, b.xb2)
+    ffn_batch(h, &L.dense, b.xb, b.xb2, b, n)                       # Gemma 4, as feed_forward()
+    for t in range(n):
+        o = <size_t>t * d
+        cb_rmsnorm(b.xb2 + o, b.xb2 + o, L.post_mlp_norm, d, h.rms_eps)
+        cb_rmsnorm(b.rx + o, b.x + o, L.router_scale, d, h.rms_eps)
+        cb_scale(b.rx + o, h.router_root, d)
+        cb_rmsnorm(b.xe + o, b.x + o, L.pre_moe_norm, d, h.rms_eps)
+    status = moe_batch(h, L, s, b, n, layer, b.rx, b.xe, b.xm)
+    if status != STATUS_OK:
+        return status
+    for t in range(n):
+        o = <size_t>t * d
+        cb_rmsnorm(b.xm + o, b.xm + o, L.post_moe_norm, d, h.rms_eps)
+        cb_add(b.xb2 + o, b.xm + o, d)
     return STATUS_OK
 
 
@@ -521,32 +640,37 @@ cdef int prefill_chunk(const Hyper *h, Layer *layers, const Mat *embedding, cons
     cdef int d = h.d_model, l, t, status
     cdef Layer *L
     for t in range(n):
-        cb_dequant_row(b.x + <size_t>t * d, embedding.data, embedding.dtype, tokens[t], d)
+        embed(h, embedding, tokens[t], b.x + <size_t>t * d)
     for l in range(h.n_layers):
         L = &layers[l]
         for t in range(n):                                          # attention block
             cb_rmsnorm(b.xb + <size_t>t * d, b.x + <size_t>t * d, L.attn_norm, d, h.rms_eps)
         attention_batch(h, L, s, b, n, pos0)
+        if L.post_attn_norm != NULL:
+            for t in range(n):
+                cb_rmsnorm(b.xb2 + <size_t>t * d, b.xb2 + <size_t>t * d, L.post_attn_norm, d, h.rms_eps)
         cb_add(b.x, b.xb2, n * d)
         for t in range(n):                                          # feed-forward block
             cb_rmsnorm(b.xb + <size_t>t * d, b.x + <size_t>t * d, L.ffn_norm, d, h.rms_eps)
-        if L.is_moe:
-            status = moe_batch(h, L, s, b, n, l)
-            if status != STATUS_OK:
-                return status
-        else:
-            ffn_batch(&L.dense, b.xb, b.xb2, b, n, d, h.n_threads)
+        status = feed_forward_batch(h, L, s, b, n, l)
+        if status != STATUS_OK:
+            return status
+        if L.post_ffn_norm != NULL:
+            for t in range(n):
+                cb_rmsnorm(b.xb2 + <size_t>t * d, b.xb2 + <size_t>t * d, L.post_ffn_norm, d, h.rms_eps)
         cb_add(b.x, b.xb2, n * d)
+        if L.layer_scalar != 1.0:
+            cb_scale(b.x, L.layer_scalar, n * d)
     if want == WANT_NONE:
         return STATUS_OK if cb_all_finite(b.x, n * d) else STATUS_BAD_HIDDEN
     if want == WANT_ALL:                                            # head
         for t in range(n):
             cb_rmsnorm(b.x + <size_t>t * d, b.x + <size_t>t * d, final_norm, d, h.rms_eps)
         matmul(logits, h.vocab, lm_head, b.x, d, b, n, h.n_threads)
-        return STATUS_OK if cb_all_finite(logits, n * h.vocab) else STATUS_BAD_LOGITS
+        return logits_status(h, logits, n * h.vocab)
     cb_rmsnorm(s.x, b.x + <size_t>(n - 1) * d, final_norm, d, h.rms_eps)
     matvec(logits, lm_head, s.x, s, h.n_threads)
-    return STATUS_OK if cb_all_finite(logits, h.vocab) else STATUS_BAD_LOGITS
+    return logits_status(h, logits, h.vocab)
 
 
 # ---- the Python-facing engine ---------------------------------------------------------------
@@ -582,7 +706,10 @@ cdef class Engine:
         self.experts = NULL
         self.acts = NULL
 
-    def __init__(self, dict hp, dict tensors, list layer_flags, rope_cos, rope_sin, int n_threads):
+    def __init__(self, dict hp, dict tensors, list layer_flags, int n_threads):
+        """hp: the config fields plus run options (model.Model builds it). layer_flags[l]: "moe",
+        "sliding_window", "d_ff", "head_dim", "n_kv_heads", "kv_ring", "attn_scale" (0: 1/sqrt(head_dim))
+        and "rope" = (cos, sin) float32 [n_ctx, head_dim / 2]."""
         cdef int d = hp["hidden_size"]
         cdef int n_layers = hp["num_hidden_layers"]
         cdef int n_experts = max(hp["num_experts"], 1)
@@ -591,8 +718,6 @@ cdef class Engine:
         self.h.d_model = d
         self.h.n_layers = n_layers
         self.h.n_heads = hp["num_attention_heads"]
-        self.h.n_kv_heads = hp["num_key_value_heads"]
-        self.h.head_dim = hp["head_dim"]
         self.h.vocab = hp["vocab_size"]
         self.h.n_experts = n_experts
         self.h.top_k = top_k
@@ -602,12 +727,17 @@ cdef class Engine:
         self.h.release_in_prefill = 1 if hp.get("release_in_prefill") else 0
         self.h.qk_norm = hp["qk_norm_mode"]
         self.h.clip_qkv = hp["clip_qkv"] or 0.0
+        self.h.v_norm = 1 if hp.get("v_norm") else 0
+        self.h.act = hp.get("act_code", 0)
+        self.h.embed_scale = hp.get("embedding_scale", 1.0)
+        self.h.softcap = hp.get("final_logit_softcapping") or 0.0
+        self.h.router_root = (<float>d) ** -0.5
         self.h.rms_eps = hp["rms_norm_eps"]
         self.h.n_ctx = n_ctx
         self.h.n_threads = max(n_threads, 1)
 
-        cdef int q_dim = self.h.n_heads * self.h.head_dim
-        cdef int kv_dim = self.h.n_kv_heads * self.h.head_dim
+        cdef int q_dim = self.h.n_heads * max(f["head_dim"] for f in layer_flags)
+        cdef int kv_dim = max(f["n_kv_heads"] * f["head_dim"] for f in layer_flags)
         max_ff = max([1] + [f["d_ff"] for f in layer_flags])
         max_cols = max(d, q_dim, max_ff)
         f32 = np.float32
@@ -616,9 +746,9 @@ cdef class Engine:
             "q": np.zeros(q_dim, f32), "att": np.zeros(q_dim, f32),
             "scores": np.zeros((self.h.n_heads, n_ctx), f32),
             "hb": np.zeros(max_ff, f32), "hb2": np.zeros(max_ff, f32), "moe_acc": np.zeros(d, f32),
+            "rx": np.zeros(d, f32), "xe": np.zeros(d, f32), "xm": np.zeros(d, f32),
             "router": np.zeros(n_experts, f32), "logits": np.zeros(self.h.vocab, f32),
-            "rope_cos": np.ascontiguousarray(rope_cos, f32),
-            "rope_sin": np.ascontiguousarray(rope_sin, f32),
+            "rope": [tuple(np.ascontiguousarray(a, f32) for a in f["rope"]) for f in layer_flags],
             "chosen": np.zeros((n_layers, top_k), np.int32),
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
@@ -634,6 +764,8 @@ cdef class Engine:
         keep.update({
             "b_x": np.zeros((cap, d), f32), "b_xb": np.zeros((cap, d), f32), "b_xb2": np.zeros((cap, d), f32),
             "b_q": np.zeros((cap, q_dim), f32), "b_att": np.zeros((cap, q_dim), f32),
+            "b_k": np.zeros((cap, kv_dim), f32), "b_v": np.zeros((cap, kv_dim), f32),
+            "b_rx": np.zeros((cap, d), f32), "b_xe": np.zeros((cap, d), f32), "b_xm": np.zeros((cap, d), f32),
             "b_hb": np.zeros((cap, max_ff), f32), "b_hb2": np.zeros((cap, max_ff), f32),
             "b_g": np.zeros((cap, d), f32), "b_y": np.zeros((cap, d), f32),
             "b_router": np.zeros((cap, n_router), f32),
@@ -641,11 +773,16 @@ cdef class Engine:
             "b_rows": np.zeros(cap, np.int32), "b_row_w": np.zeros(cap, f32),
             "b_act_q": np.zeros((cap, max_cols), np.int8), "b_act_d": np.zeros((cap, max_cols // 32 + 1), f32),
             "b_act_xp": np.zeros((cap, max_cols), f32),
-            # KV cache: zero pages are only touched (made resident) as positions are filled.
-            "k_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
-            "v_cache": np.zeros((n_layers, n_ctx, kv_dim), f32),
+            # KV cache, per layer [kv_ring, kv_dim]: zero pages are only touched (made resident) as
+            # positions are filled. A sliding layer's ring must hold its window plus one prefill chunk.
+            "k_cache": [np.zeros((f["kv_ring"], f["n_kv_heads"] * f["head_dim"]), f32) for f in layer_flags],
+            "v_cache": [np.zeros((f["kv_ring"], f["n_kv_heads"] * f["head_dim"]), f32) for f in layer_flags],
         })
-        assert keep["rope_cos"].shape == (n_ctx, self.h.head_dim // 2)
+        for f in layer_flags:
+            if not (f["kv_ring"] == n_ctx or (f["sliding_window"] > 0 and f["kv_ring"] >= f["sliding_window"] + cap)):
+                raise ValueError(f"kv_ring {f['kv_ring']} cannot hold window {f['sliding_window']} + chunk {cap}")
+        for (c, sn), f in zip(keep["rope"], layer_flags):
+            assert c.shape == sn.shape == (n_ctx, f["head_dim"] // 2)
         self._keep = keep
         self.s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
         self.s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
@@ -665,14 +802,16 @@ cdef class Engine:
         self.s.scores = _f32(keep["scores"])
         self.s.hb = _f32(keep["hb"]); self.s.hb2 = _f32(keep["hb2"])
         self.s.moe_acc = _f32(keep["moe_acc"]); self.s.router = _f32(keep["router"])
+        self.s.rx = _f32(keep["rx"]); self.s.xe = _f32(keep["xe"]); self.s.xm = _f32(keep["xm"])
         self.s.logits = _f32(keep["logits"])
-        self.s.rope_cos = _f32(keep["rope_cos"]); self.s.rope_sin = _f32(keep["rope_sin"])
         self.s.chosen = <int *><uintptr_t>keep["chosen"].ctypes.data
         self.s.chosen_w = _f32(keep["chosen_w"])
         self.s.counts = <int64_t *><uintptr_t>keep["counts"].ctypes.data
         self.b.cap = cap
         self.b.x = _f32(keep["b_x"]); self.b.xb = _f32(keep["b_xb"]); self.b.xb2 = _f32(keep["b_xb2"])
         self.b.q = _f32(keep["b_q"]); self.b.att = _f32(keep["b_att"])
+        self.b.k = _f32(keep["b_k"]); self.b.v = _f32(keep["b_v"])
+        self.b.rx = _f32(keep["b_rx"]); self.b.xe = _f32(keep["b_xe"]); self.b.xm = _f32(keep["b_xm"])
         self.b.hb = _f32(keep["b_hb"]); self.b.hb2 = _f32(keep["b_hb2"])
         self.b.g = _f32(keep["b_g"]); self.b.y = _f32(keep["b_y"]); self.b.router = _f32(keep["b_router"])
         self.b.chosen = <int *><uintptr_t>keep["b_chosen"].ctypes.data
@@ -703,23 +842,33 @@ cdef class Engine:
             raise MemoryError("cannot allocate the layer table")
         cdef Layer *L
         cdef int l, e
-        cdef float *kc = _f32(keep["k_cache"])
-        cdef float *vc = _f32(keep["v_cache"])
         for l in range(n_layers):
             L = &self.layers[l]
             p = f"layers.{l}."
             flags = layer_flags[l]
+            L.head_dim = flags["head_dim"]
+            L.n_kv_heads = flags["n_kv_heads"]
+            L.attn_scale = flags["attn_scale"] or 1.0 / sqrtf(<float>L.head_dim)
+            L.rope_cos = _f32(keep["rope"][l][0]); L.rope_sin = _f32(keep["rope"][l][1])
             L.attn_norm = _vec(tensors, p + "attn_norm")
             L.ffn_norm = _vec(tensors, p + "ffn_norm")
+            L.post_attn_norm = _vec(tensors, p + "post_attn_norm")
+            L.post_ffn_norm = _vec(tensors, p + "post_ffn_norm")
+            L.layer_scalar = _vec(tensors, p + "layer_scalar")[0] if (p + "layer_scalar") in tensors else 1.0
             L.wq = _mat(tensors[p + "wq"]); L.wk = _mat(tensors[p + "wk"])
-            L.wv = _mat(tensors[p + "wv"]); L.wo = _mat(tensors[p + "wo"])
+            L.wo = _mat(tensors[p + "wo"])
+            if (p + "wv") in tensors:
+                L.wv = _mat(tensors[p + "wv"])          # else data stays NULL: v is the k projection
             L.bq = _vec(tensors, p + "bq"); L.bk = _vec(tensors, p + "bk")
             L.bv = _vec(tensors, p + "bv"); L.bo = _vec(tensors, p + "bo")
             L.q_norm = _vec(tensors, p + "q_norm"); L.k_norm = _vec(tensors, p + "k_norm")
             L.sliding_window = flags["sliding_window"]
             L.is_moe = 1 if flags["moe"] else 0
-            L.k_cache = kc + <size_t>l * n_ctx * kv_dim
-            L.v_cache = vc + <size_t>l * n_ctx * kv_dim
+            L.kv_ring = flags["kv_ring"]
+            L.k_cache = _f32(keep["k_cache"][l])
+            L.v_cache = _f32(keep["v_cache"][l])
+            if (p + "mlp.gate") in tensors:
+                L.dense = _ffn(tensors, p + "mlp.")
             if L.is_moe:
                 L.router = _mat(tensors[p + "router"])
                 if L.router.dtype != CB_F32:
@@ -732,8 +881,19 @@ cdef class Engine:
                 if L.has_shared:
                     L.shared = _ffn(tensors, p + "shared.")
                     L.shared_gate = _vec(tensors, p + "shared_gate")
-            else:
-                L.dense = _ffn(tensors, p + "mlp.")
+                L.expert_scale = _vec(tensors, p + "expert_scale")
+                L.parallel = 1 if (p + "router_scale") in tensors else 0
+                if L.parallel:
+                    L.router_scale = _vec(tensors, p + "router_scale")
+                    L.post_mlp_norm = _vec(tensors, p + "post_mlp_norm")
+                    L.pre_moe_norm = _vec(tensors, p + "pre_moe_norm")
+                    L.post_moe_norm = _vec(tensors, p + "post_moe_norm")
+                    if L.dense.gate.data == NULL or L.post_mlp_norm == NULL or L.pre_moe_norm == NULL \
+                            or L.post_moe_norm == NULL:
+                        raise ValueError(f"layer {l}: the parallel MoE block needs mlp.*, post_mlp_norm, "
+                                         f"pre_moe_norm and post_moe_norm")
+            elif L.dense.gate.data == NULL:
+                raise ValueError(f"layer {l}: dense layer without mlp.gate")
 
     def __dealloc__(self):
         free(self.layers)

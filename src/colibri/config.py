@@ -12,6 +12,24 @@ supported architectures are a handful of flags here, resolved by the converter:
   layer_types       for each layer, "full_attention" or "sliding_attention" (with sliding_window)
   shared_expert_intermediate_size  > 0: a shared expert with a sigmoid gate (Qwen2-MoE)
   norm_topk_prob    renormalise the chosen experts' softmax weights (Mixtral: always)
+
+Gemma 4 adds, each defaulting to the behaviour of the other families:
+  layer_head_dims, layer_kv_heads   per-layer head_dim / num_key_value_heads ([]: the global ones)
+  layer_rope_theta, layer_rope_fraction   per-layer RoPE base and the fraction of each head's
+                    rotary pairs that rotate (transformers' "proportional" RoPE: frequencies over
+                    the full head_dim, the remaining pairs pass unrotated); []: rope_theta, 1.0
+  attention_scale   the factor on q.k (None: 1/sqrt(head_dim); Gemma 4: 1.0)
+  v_norm            RMSNorm without weight over each value head
+  attention_k_eq_v  full-attention layers have no v projection: v is the raw k projection
+  embedding_scale   the embedding row is multiplied by it (Gemma: sqrt(hidden_size))
+  final_logit_softcapping   logits = cap * tanh(logits / cap), or None
+  sandwich_norms    norms after the attention and after the feed-forward block too
+  moe_block         "replace": MoE layers have only the MoE block; "parallel" (Gemma 4): a dense
+                    MLP beside it with its own norms (post_mlp_norm, pre_moe_norm, post_moe_norm),
+                    the router reads the residual through a weightless RMSNorm times router_scale
+                    and hidden_size**-0.5, and each chosen expert's weight is multiplied by
+                    its expert_scale
+  layer_scalar      the residual stream is multiplied by a per-layer scalar after each layer
 """
 from __future__ import annotations
 
@@ -19,9 +37,10 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from .errors import ColibriError
 
-ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4")
 QK_NORM_MODES = {"none": 0, "per_head": 1, "whole": 2}   # codes mirrored in _kernels.pyx
-HIDDEN_ACTS = ("silu",)
+HIDDEN_ACTS = {"silu": 0, "gelu_tanh": 1}   # codes mirrored in _kernels.pyx
+MOE_BLOCKS = ("replace", "parallel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -48,6 +67,10 @@ _FIELD_TYPES = {
     "norm_topk_prob": (bool,), "tie_word_embeddings": (bool,), "attention_bias": (bool,),
     "attention_out_bias": (bool,), "sliding_window": (int, None), "bos_token_id": (int, None),
     "layer_types": (list,), "moe_layers": (list,), "eos_token_id": (list,),
+    "layer_head_dims": (list,), "layer_kv_heads": (list,), "layer_rope_theta": (list,),
+    "layer_rope_fraction": (list,), "attention_scale": (float, None), "v_norm": (bool,),
+    "attention_k_eq_v": (bool,), "embedding_scale": (float,), "final_logit_softcapping": (float, None),
+    "sandwich_norms": (bool,), "moe_block": (str,), "layer_scalar": (bool,),
 }
 
 
@@ -80,6 +103,18 @@ class ModelConfig:
     moe_layers: list = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_id: list = field(default_factory=list)
+    layer_head_dims: list = field(default_factory=list)
+    layer_kv_heads: list = field(default_factory=list)
+    layer_rope_theta: list = field(default_factory=list)
+    layer_rope_fraction: list = field(default_factory=list)
+    attention_scale: float | None = None
+    v_norm: bool = False
+    attention_k_eq_v: bool = False
+    embedding_scale: float = 1.0
+    final_logit_softcapping: float | None = None
+    sandwich_norms: bool = False
+    moe_block: str = "replace"
+    layer_scalar: bool = False
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -132,12 +167,34 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                  f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            fail(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        n = self.num_hidden_layers
+        for name, kind, lower, upper in (("layer_head_dims", int, 1, 1 << 16), ("layer_kv_heads", int, 1, 1 << 16),
+                                          ("layer_rope_theta", float, 1.0, 1e12),
+                                          ("layer_rope_fraction", float, 0.0, 1.0)):
+            v = getattr(self, name)
+            if v and (len(v) != n or not all(_is(x, kind) and lower <= x <= upper for x in v)):
+                fail(f"{name} must be empty or list {n} numbers in [{lower:g}, {upper:g}], got {v!r}")
+        for layer in range(n):
+            hd, kvh = self.layer_head_dim(layer), self.layer_kv_heads_of(layer)
+            if hd % 2:
+                fail(f"head_dim of layer {layer} must be even for rotary embeddings, got {hd}")
+            if self.num_attention_heads % kvh:
+                fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of the "
+                     f"{kvh} key/value heads of layer {layer}")
         for name, lower, upper in (("rms_norm_eps", 1e-12, 1.0), ("rope_theta", 1.0, 1e12)):
             v = getattr(self, name)
             if not lower <= v <= upper:       # also false for NaN
                 fail(f"{name} must be a number in [{lower:g}, {upper:g}], got {v!r}")
+        for name in ("attention_scale", "final_logit_softcapping"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 1e30:
+                fail(f"{name} must be a positive number or null, got {v!r}")
+        if not 0 < self.embedding_scale < 1e30:
+            fail(f"embedding_scale must be a positive number, got {self.embedding_scale!r}")
+        if self.moe_block not in MOE_BLOCKS:
+            fail(f"moe_block must be one of {', '.join(MOE_BLOCKS)}, got {self.moe_block!r}")
+        if self.moe_block == "parallel" and self.intermediate_size < 1:
+            fail("moe_block 'parallel' needs intermediate_size > 0 (the dense MLP beside the experts)")
         if self.hidden_act not in HIDDEN_ACTS:
             fail(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
         if self.qk_norm not in QK_NORM_MODES:
@@ -147,7 +204,6 @@ class ModelConfig:
             fail("qk_norm 'whole' needs num_attention_heads * head_dim == hidden_size")
         if self.clip_qkv is not None and not 0 < self.clip_qkv < 1e30:
             fail(f"clip_qkv must be a positive number or null, got {self.clip_qkv!r}")
-        n = self.num_hidden_layers
         if len(self.moe_layers) != n or not all(isinstance(b, bool) for b in self.moe_layers):
             fail(f"moe_layers must list {n} booleans, got {self.moe_layers!r}")
         if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
@@ -171,7 +227,23 @@ class ModelConfig:
     def layer_d_ff(self, layer: int) -> int:
         if not self.moe_layers[layer]:
             return self.intermediate_size
-        return max(self.moe_intermediate_size, self.shared_expert_intermediate_size)
+        dense = self.intermediate_size if self.moe_block == "parallel" else 0
+        return max(self.moe_intermediate_size, self.shared_expert_intermediate_size, dense)
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def layer_rope(self, layer: int) -> tuple:
+        """(base, fraction of the head's rotary pairs that rotate) of a layer."""
+        theta = self.layer_rope_theta[layer] if self.layer_rope_theta else self.rope_theta
+        return float(theta), float(self.layer_rope_fraction[layer] if self.layer_rope_fraction else 1.0)
+
+    def layer_has_v(self, layer: int) -> bool:
+        """False where v is the k projection (Gemma 4's attention_k_eq_v on full-attention layers)."""
+        return not (self.attention_k_eq_v and self.layer_types[layer] == "full_attention")
 
     def expected_tensors(self) -> dict:
         """Every tensor a model of this config has: name -> (shape, kind).
@@ -179,23 +251,31 @@ class ModelConfig:
         kind is "matrix" (stored in the model's weight dtype), "norm" (f32, or int16 with a scale
         under --ln-quant int16), "vector" (f32: biases, the shared-expert gate) or "router" (f32 matrix). The converter writes exactly these; the loader checks them.
         """
-        d, hd = self.hidden_size, self.head_dim
-        q_dim, kv_dim = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        d = self.hidden_size
         t = {"embedding": ((self.vocab_size, d), "matrix"), "final_norm": ((d,), "norm")}
         if not self.tie_word_embeddings:
             t["lm_head"] = ((self.vocab_size, d), "matrix")
         for layer in range(self.num_hidden_layers):
             p = f"layers.{layer}."
+            hd = self.layer_head_dim(layer)
+            q_dim, kv_dim = self.num_attention_heads * hd, self.layer_kv_heads_of(layer) * hd
             t[p + "attn_norm"] = ((d,), "norm")
             t[p + "ffn_norm"] = ((d,), "norm")
+            if self.sandwich_norms:
+                t[p + "post_attn_norm"] = ((d,), "norm")
+                t[p + "post_ffn_norm"] = ((d,), "norm")
+            if self.layer_scalar:
+                t[p + "layer_scalar"] = ((1,), "vector")
             t[p + "wq"] = ((q_dim, d), "matrix")
             t[p + "wk"] = ((kv_dim, d), "matrix")
-            t[p + "wv"] = ((kv_dim, d), "matrix")
+            if self.layer_has_v(layer):
+                t[p + "wv"] = ((kv_dim, d), "matrix")
             t[p + "wo"] = ((d, q_dim), "matrix")
             if self.attention_bias:
                 t[p + "bq"] = ((q_dim,), "vector")
                 t[p + "bk"] = ((kv_dim,), "vector")
-                t[p + "bv"] = ((kv_dim,), "vector")
+                if self.layer_has_v(layer):
+                    t[p + "bv"] = ((kv_dim,), "vector")
             if self.attention_out_bias:
                 t[p + "bo"] = ((d,), "vector")
             if self.qk_norm == "per_head":
@@ -217,7 +297,12 @@ class ModelConfig:
                     t[p + "shared.up"] = ((sf, d), "matrix")
                     t[p + "shared.down"] = ((d, sf), "matrix")
                     t[p + "shared_gate"] = ((d,), "vector")
-            else:
+                if self.moe_block == "parallel":
+                    t[p + "router_scale"] = ((d,), "vector")
+                    t[p + "expert_scale"] = ((self.num_experts,), "vector")
+                    for norm in ("post_mlp_norm", "pre_moe_norm", "post_moe_norm"):
+                        t[p + norm] = ((d,), "norm")
+            if not self.moe_layers[layer] or self.moe_block == "parallel":
                 ff = self.intermediate_size
                 t[p + "mlp.gate"] = ((ff, d), "matrix")
                 t[p + "mlp.up"] = ((ff, d), "matrix")

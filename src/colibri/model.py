@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from .config import HIDDEN_ACTS, QK_NORM_MODES
 from .errors import ColibriError
 from . import _os
 from .modeldir import MappedModelDir, ModelDir
@@ -42,12 +43,37 @@ _STATUS_MESSAGES = {
 }
 
 
-def rope_tables(head_dim: int, theta: float, n_ctx: int) -> tuple:
-    """cos, sin float32 [n_ctx, head_dim/2], computed the way transformers does (float32 freqs)."""
-    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+def rope_tables(head_dim: int, theta: float, n_ctx: int, fraction: float = 1.0) -> tuple:
+    """cos, sin float32 [n_ctx, head_dim/2], computed the way transformers does (float32 freqs).
+
+    fraction < 1 is transformers' "proportional" RoPE (Gemma 4's global layers): the first
+    int(fraction * head_dim // 2) pairs rotate with frequencies theta**(-2i/head_dim) over the
+    full head_dim, the remaining pairs have frequency 0 (cos 1, sin 0: unrotated)."""
+    rotated = int(fraction * head_dim // 2)
+    exponent = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = np.zeros(head_dim // 2, np.float32)
+    inv_freq[:rotated] = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
     freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
     return np.cos(freqs.astype(np.float64)).astype(np.float32), np.sin(freqs.astype(np.float64)).astype(np.float32)
+
+
+def layer_flags(cfg, n_ctx: int, chunk: int) -> list:
+    """Per-layer geometry for the engine: MoE or dense, window, FFN width, head_dim, key/value
+    heads, KV ring rows, attention scale and RoPE tables (shared between equal layers)."""
+    tables = {}
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        hd = cfg.layer_head_dim(i)
+        theta, fraction = cfg.layer_rope(i)
+        key = (hd, theta, fraction)
+        if key not in tables:
+            tables[key] = rope_tables(hd, theta, n_ctx, fraction)
+        window = cfg.layer_window(i)
+        out.append({"moe": cfg.moe_layers[i], "sliding_window": window, "d_ff": cfg.layer_d_ff(i),
+                    "head_dim": hd, "n_kv_heads": cfg.layer_kv_heads_of(i),
+                    "kv_ring": min(n_ctx, window + chunk) if window else n_ctx,
+                    "attn_scale": cfg.attention_scale or 0.0, "rope": tables[key]})
+    return out
 
 
 class Model:
@@ -93,15 +119,15 @@ class Model:
         if cfg.num_experts_per_tok > _kernels.MAX_TOP_K:
             raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported "
                                f"{_kernels.MAX_TOP_K}")
-        hp["qk_norm_mode"] = {"none": 0, "per_head": 1, "whole": 2}[cfg.qk_norm]
-        layer_flags = [{"moe": cfg.moe_layers[i], "sliding_window": cfg.layer_window(i), "d_ff": cfg.layer_d_ff(i)}
-                       for i in range(cfg.num_hidden_layers)]
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, n_ctx)
+        hp["qk_norm_mode"] = QK_NORM_MODES[cfg.qk_norm]
+        hp["act_code"] = HIDDEN_ACTS[cfg.hidden_act]
+        chunk = max(1, min(prefill_chunk or _kernels.PREFILL_CHUNK, n_ctx))
+        flags = layer_flags(cfg, n_ctx, chunk)
         hp["expert_pages"] = self.residency.spans
         hp["release_in_prefill"] = expert_cache_mb is not None and mmap
         if prefetch != "none" and self.residency.spans:
             hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
-        self._engine = _kernels.Engine(hp, self._maps.engine_table(), layer_flags, cos, sin, threads)
+        self._engine = _kernels.Engine(hp, self._maps.engine_table(), flags, threads)
         self.tokenizer = Tokenizer.from_dir(self._dir)
         self._busy = threading.Lock()
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,

@@ -61,7 +61,7 @@ def tensor_file(name: str) -> str:
     kind = parts[2]
     if kind == "experts":
         return f"{layer}/expert_{int(parts[3]):03d}.bin"
-    if kind == "router":
+    if kind in ("router", "router_scale", "expert_scale"):
         return f"{layer}/router.bin"
     if kind in ("shared", "shared_gate"):
         return f"{layer}/shared_expert.bin"

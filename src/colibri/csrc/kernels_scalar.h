@@ -191,9 +191,30 @@ static inline void cb_clip(float *x, float limit, int n) {
 
 static inline float cb_silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* gate[n] = silu(gate[n]) * up[n] (SwiGLU), in place. */
-static inline void cb_swiglu(float *gate, const float *up, int n) {
-    for (int i = 0; i < n; i++) gate[i] = cb_silu(gate[i]) * up[i];
+/* GELU, tanh approximation (torch's gelu(approximate="tanh"), "gelu_pytorch_tanh"). */
+static inline float cb_gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;          /* sqrt(2 / pi) */
+    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+enum { CB_ACT_SILU = 0, CB_ACT_GELU_TANH = 1 };   /* config.HIDDEN_ACTS */
+
+/* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU), in place. */
+static inline void cb_glu(float *gate, const float *up, int n, int act) {
+    if (act == CB_ACT_GELU_TANH) {
+        for (int i = 0; i < n; i++) gate[i] = cb_gelu_tanh(gate[i]) * up[i];
+    } else {
+        for (int i = 0; i < n; i++) gate[i] = cb_silu(gate[i]) * up[i];
+    }
+}
+
+static inline void cb_scale(float *x, float a, int n) {
+    for (int i = 0; i < n; i++) x[i] *= a;
+}
+
+/* x = cap * tanh(x / cap): Gemma's final logit soft-capping. */
+static inline void cb_softcap(float *x, float cap, int n) {
+    for (int i = 0; i < n; i++) x[i] = tanhf(x[i] / cap) * cap;
 }
 
 /* In-place softmax over x[n]; returns 0, or -1 when x holds NaN/inf (nothing is normalised). */
@@ -224,18 +245,19 @@ static void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, con
 
 /* Causal attention of one query position over the cache.
  *   q        [n_heads, head_dim]           the current query (already roped)
- *   k_cache  [n_ctx, n_kv_heads, head_dim]  keys of positions 0..pos
- *   v_cache  [n_ctx, n_kv_heads, head_dim]
- *   scores   [n_heads, n_ctx]               scratch
+ *   k_cache  [ring, n_kv_heads, head_dim]   keys of positions start..pos
+ *   v_cache  [ring, n_kv_heads, head_dim]
+ *   scores   [n_heads, n_ctx]               scratch (row stride n_ctx >= pos - start + 1)
  *   out      [n_heads, head_dim]
- * Positions start..pos are attended (start > 0 for sliding-window layers). Query head h reads
- * KV head h / (n_heads / n_kv_heads), as transformers' repeat_kv does. */
+ * Positions start..pos are attended (start > 0 for sliding-window layers); position p lives in
+ * cache row p % ring (ring = the cache's rows: n_ctx, or a sliding layer's window plus a prefill
+ * chunk). Query head h reads KV head h / (n_heads / n_kv_heads), as transformers' repeat_kv does.
+ * Scores are q.k * scale. */
 static void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
                          float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
-                         int start, int pos, int n_threads) {
+                         int start, int pos, int ring, float scale, int n_threads) {
     int group = n_heads / n_kv_heads;
     int kv_stride = n_kv_heads * head_dim;
-    float scale = 1.0f / sqrtf((float)head_dim);
     int parallel = n_threads > 1 && (long long)n_heads * (pos - start + 1) * head_dim >= CB_PARALLEL_MIN_WORK;
     (void)parallel;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
@@ -245,14 +267,14 @@ static void cb_attention(float *out, const float *q, const float *k_cache, const
         float *sc = scores + (size_t)h * n_ctx;
         int n = pos - start + 1;
         for (int t = 0; t < n; t++) {
-            const float *kt = k_cache + (size_t)(start + t) * kv_stride + (size_t)kvh * head_dim;
+            const float *kt = k_cache + (size_t)((start + t) % ring) * kv_stride + (size_t)kvh * head_dim;
             sc[t] = cb_dot_f32(qh, kt, head_dim) * scale;
         }
         cb_softmax(sc, n);
         float *oh = out + (size_t)h * head_dim;
         memset(oh, 0, sizeof(float) * (size_t)head_dim);
         for (int t = 0; t < n; t++) {
-            const float *vt = v_cache + (size_t)(start + t) * kv_stride + (size_t)kvh * head_dim;
+            const float *vt = v_cache + (size_t)((start + t) % ring) * kv_stride + (size_t)kvh * head_dim;
             cb_axpy(oh, sc[t], vt, head_dim);
         }
     }
