@@ -32,9 +32,10 @@ def models(converted):
     return get
 
 
-def test_all_four_architectures_are_covered():
+def test_every_architecture_is_covered():
     archs = {json.load(open(f"tests/fixtures/{c}/hf/config.json"))["architectures"][0] for c in CASES}
-    assert archs == {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM"}
+    assert archs == {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
+                     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

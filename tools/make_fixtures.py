@@ -58,6 +58,10 @@ from safetensors.torch import save_file
 
 import transformers
 from transformers import (
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
     GenerationConfig,
     MixtralConfig,
     MixtralForCausalLM,
@@ -164,6 +168,56 @@ CASES: dict[str, dict] = {
     ),
 }
 
+# Gemma 4 with its MoE block (enable_moe_block=True): sliding and full layers, the full ones with
+# their own head_dim / key-value heads / proportional RoPE, contexts longer than the window.
+GEMMA4_A_TEXT = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+    enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32, hidden_size_per_layer_input=0,
+    sliding_window=8, final_logit_softcapping=3.0, tie_word_embeddings=True,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+GEMMA4_B_TEXT = dict(
+    vocab_size=192, hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=12, global_head_dim=24, attention_k_eq_v=False, enable_moe_block=True,
+    num_experts=4, top_k_experts=2, moe_intermediate_size=32, hidden_size_per_layer_input=0, sliding_window=6,
+    final_logit_softcapping=None, tie_word_embeddings=True,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                        "rope_theta": 1000000.0}})
+GEMMA4_B_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16, position_embedding_size=64)
+
+
+def gemma4_multimodal_config(**kw):
+    """Gemma4Config with a tiny vision tower (no audio): the text part gets the special tokens."""
+    text = {**kw.pop("text_config"), **{k: kw[k] for k in SPECIAL}, "initializer_range": kw["initializer_range"]}
+    return Gemma4Config(text_config=text, vision_config=kw.pop("vision_config"), audio_config=None,
+                        tie_word_embeddings=True, initializer_range=kw["initializer_range"])
+
+
+CASES.update({
+    "gemma4_a": dict(
+        arch="gemma4", config_cls=Gemma4TextConfig, model_cls=Gemma4ForCausalLM, seed=9001, init_std=0.15,
+        overrides=GEMMA4_A_TEXT, storage="float32", layout="single",
+        notes=["Gemma4ForCausalLM, enable_moe_block: dense MLP + 8 experts top-2 in parallel in every layer",
+               "layers S S F S F: sliding window 8 (T > 8) with head_dim 16, 2 KV heads, RoPE theta 1e4; "
+               "full layers head_dim 32, 1 KV head, attention_k_eq_v (no v_proj), proportional RoPE 0.25",
+               "final_logit_softcapping=3.0; router.scale, per_expert_scale, layer_scalar randomised"],
+    ),
+    "gemma4_b": dict(
+        arch="gemma4", config_cls=gemma4_multimodal_config, model_cls=Gemma4ForConditionalGeneration,
+        seed=9101, init_std=0.15, overrides=dict(text_config=GEMMA4_B_TEXT, vision_config=GEMMA4_B_VISION),
+        storage="bfloat16", layout="single", quant_refs=True,
+        notes=["Gemma4ForConditionalGeneration with a 1-layer vision tower: the converter takes the text model",
+               "layers S F S F: window 6, full layers head_dim 24 with proportional RoPE 0.5, v_proj kept",
+               "checkpoint stored in bfloat16; ALL weights (and layer_scalar buffers) were rounded to bf16 "
+               "before computing references, so logits_f32 = float32 forward of exactly the stored weights",
+               "logits_int8w / logits_int4w: transformers on the weights Colibri's int8 / int4 store (colibri.quant "
+               "round trip of every text matrix except the router; f16 where columns are not a multiple of 32)"],
+    ),
+})
+
 # Public-domain text for the tokenizer (Gettysburg Address, Declaration of Independence opening).
 TOKENIZER_TEXT = """\
 Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in Liberty, \
@@ -215,6 +269,8 @@ def router_param_names(model) -> set[str]:
     for mname, mod in model.named_modules():
         if type(mod).__name__.endswith("TopKRouter"):
             names.update(f"{mname}.{p}" for p, _ in mod.named_parameters(recurse=False))
+        if type(mod).__name__ == "Gemma4TextRouter":
+            names.update(f"{mname}.{p}" for p, _ in mod.named_parameters())
     for n, _ in model.named_parameters():
         if n.endswith("shared_expert_gate.weight"):
             names.add(n)
@@ -222,14 +278,17 @@ def router_param_names(model) -> set[str]:
 
 
 @torch.no_grad()
-def randomise(model, gen: torch.Generator, std: float) -> None:
+def randomise(model, gen: torch.Generator, std: float, spread: float = 0.3) -> None:
     for name, p in model.named_parameters():  # named_parameters() de-duplicates tied weights
         if name.endswith(".bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        elif p.ndim == 1:  # all 1-D weights in these architectures are RMSNorm scales
-            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+        elif p.ndim == 1:  # RMSNorm scales (and Gemma 4's router / per-expert scales)
+            p.copy_(1.0 + spread * torch.randn(p.shape, generator=gen))
         else:
             p.copy_(std * torch.randn(p.shape, generator=gen))
+    for name, b in model.named_buffers():  # Gemma 4's per-layer residual multiplier (a buffer, saved)
+        if name.endswith("layer_scalar"):
+            b.copy_(1.0 + spread * torch.randn(b.shape, generator=gen))
 
 
 @torch.no_grad()
@@ -240,15 +299,45 @@ def rounded_copy(model, dtype: torch.dtype, matrices_only: bool):
         if name in keep or (matrices_only and p.ndim < 2):
             continue
         p.copy_(p.to(dtype).to(torch.float32))
+    if not matrices_only:
+        for name, b in m.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(b.to(dtype).to(torch.float32))
     return m
 
 
 @torch.no_grad()
 def forward(model, ids: torch.Tensor):
+    if is_gemma4(model):      # Gemma4TextRouter returns probabilities first: log turns them back
+        probs, hooks = [], []  # into logits (up to a constant per token) for the margins
+        for mod in model.modules():
+            if type(mod).__name__ == "Gemma4TextRouter":
+                hooks.append(mod.register_forward_hook(lambda _m, _i, out: probs.append(out[0].float())))
+        out = model(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], use_cache=False)
+        for h in hooks:
+            h.remove()
+        return out.logits[0].float(), [torch.log(p) for p in probs]
     out = model(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], use_cache=False,
                 output_router_logits=True)
     rl = out.router_logits or ()
     return out.logits[0].float(), [r.float() for r in rl]
+
+
+def is_gemma4(model) -> bool:
+    return model.config.model_type in ("gemma4", "gemma4_text")
+
+
+def text_config(model):
+    return model.config.get_text_config()
+
+
+def decoder_layers(model):
+    return model.model.language_model.layers if hasattr(model.model, "language_model") else model.model.layers
+
+
+def experts_per_token(model) -> int:
+    c = text_config(model)
+    return c.top_k_experts if is_gemma4(model) else c.num_experts_per_tok
 
 
 def router_margin(router_logits, k: int) -> float:
@@ -268,7 +357,7 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
 
 
 def moe_layer_indices(model) -> list[int]:
-    return [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    return [i for i, layer in enumerate(decoder_layers(model)) if hasattr(layer.mlp, "gate") or hasattr(layer, "router")]
 
 
 def build_model(spec: dict):
@@ -353,10 +442,9 @@ def attempt(spec: dict, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = build_model(spec)
-    randomise(model, gen, spec["init_std"])
-    cfg = model.config
-    k = cfg.num_experts_per_tok
-    V = cfg.vocab_size
+    randomise(model, gen, spec["init_std"], spec.get("norm_spread", 0.3))
+    k = experts_per_token(model)
+    V = text_config(model).vocab_size
 
     storage = spec["storage"]
     if storage != "float32":  # the checkpoint dtype is the truth: round ALL weights first
@@ -403,7 +491,29 @@ def attempt(spec: dict, seed: int) -> dict:
             int((torch.topk(a, k).indices.sort(-1).values != torch.topk(b, k).indices.sort(-1).values).any(-1).sum())
             for a, b in zip(rl, rlr))
         del mr
+    if spec.get("quant_refs"):
+        for dt in ("int8", "int4"):
+            res[f"logits_{dt}w"], _ = forward(quantized_copy(model, dt), ids)
     return res
+
+
+@torch.no_grad()
+def quantized_copy(model, dtype: str):
+    """The model with every text-model matrix replaced by what `colibri convert --quantize dtype`
+    stores (router kept f32, f16 where the columns are not a multiple of 32; towers untouched)."""
+    from colibri.quant import QBLOCK, dequantize, quantize
+    m = copy.deepcopy(model)
+    keep = router_param_names(m)
+    for name, p in m.named_parameters():
+        if p.ndim < 2 or name in keep or "vision" in name or "audio" in name:
+            continue
+        w = p.detach().numpy().astype(np.float32).reshape(-1, p.shape[-1])
+        if w.shape[1] % QBLOCK:
+            q = w.astype(np.float16).astype(np.float32)
+        else:
+            q = dequantize(quantize(w, dtype), dtype, w.shape[1])
+        p.copy_(torch.from_numpy(q.reshape(p.shape)))
+    return m
 
 
 def clip_fraction(model, ids) -> dict:
@@ -482,7 +592,7 @@ def make_case(name: str) -> dict:
     if spec["layout"] == "stacked":
         extra["stacked_tensors"] = stack_experts(hf_dir, model)
     if spec.get("tokenizer"):
-        extra["tokenizer"] = train_tokenizer(hf_dir / "tokenizer.model", model.config.vocab_size)
+        extra["tokenizer"] = train_tokenizer(hf_dir / "tokenizer.model", text_config(model).vocab_size)
 
     # ---- reload check (what transformers itself makes of the written files)
     try:
@@ -519,6 +629,8 @@ def make_case(name: str) -> dict:
         greedy_margin=np.float64(res["greedy_margin"]),
         router_logits_f32=rl.numpy().astype(np.float32),
         moe_layers=np.asarray(moe_layers, dtype=np.int64),
+        **{f"logits_{dt}w": res[f"logits_{dt}w"].numpy().astype(np.float32)
+           for dt in ("int8", "int4") if f"logits_{dt}w" in res},
     )
 
     manifest = tensor_manifest(hf_dir)
@@ -535,14 +647,14 @@ def make_case(name: str) -> dict:
         seed=seed,
         base_seed=spec["seed"],
         rejected_seeds=rejected,
-        init=dict(matrices=f"N(0, {spec['init_std']}^2)", norm_weights="1 + 0.3*N(0,1)", biases="0.1*N(0,1)"),
+        init=dict(matrices=f"N(0, {spec['init_std']}^2)", norm_weights=f"1 + {spec.get('norm_spread', 0.3)}*N(0,1)", biases="0.1*N(0,1)"),
         storage_dtype=storage,
         layout=spec["layout"],
         notes=spec["notes"],
         T=int(ids.numel()),
         n_new=N_NEW,
         moe_layers=moe_layers,
-        num_experts_per_tok=model.config.num_experts_per_tok,
+        num_experts_per_tok=experts_per_token(model),
         kept_f32_in_bf16_f16_refs=summarise_names(kept_f32),
         margins=dict(router_margin_f32_and_greedy=res["router_margin"], router_margin_bf16=res["router_margin_bf16"],
                      router_margin_f16=res["router_margin_f16"], greedy_margin=res["greedy_margin"]),

@@ -263,6 +263,13 @@ def cmd_info(args) -> int:
     print(f"weights:      {md.weight_dtype}, {len(md.files)} files, {total / 1e6:.1f} MB "
           f"(about {active / 1e6:.1f} MB read per token)")
     print(f"context:      {c.max_position_embeddings} positions, rope theta {c.rope_theta:g}")
+    sliding = sum(t == "sliding_attention" for t in c.layer_types)
+    if sliding or c.layer_head_dims or c.layer_kv_heads:
+        full = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+        geo = sorted({(c.layer_head_dim(i), c.layer_kv_heads_of(i), c.layer_rope(i)) for i in full})
+        print(f"attention:    {sliding} sliding-window layers (window {c.sliding_window}), {len(full)} full"
+              + "".join(f"; full: head_dim {hd}, {kv} kv heads, rope theta {th:g}"
+                        + (f" on {fr:g} of the pairs" if fr != 1.0 else "") for hd, kv, (th, fr) in geo))
     print(f"tokenizer:    {'tokenizer.model' if 'tokenizer.model' in md.files else 'none (raw token ids)'}")
     from . import _kernels
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]

@@ -128,12 +128,94 @@ def _qwen2_moe(hf: dict) -> dict:
                 sliding_window=int(hf["sliding_window"]) if sliding else None)
 
 
+def _gemma4_text(hf: dict) -> dict:
+    """Gemma 4's text decoder with its MoE block (Gemma4TextConfig, enable_moe_block=True)."""
+    def refuse(msg):
+        raise ColibriError(f"Gemma 4: {msg}")
+    if not hf.get("enable_moe_block"):
+        refuse("enable_moe_block is false: this is a dense Gemma 4, and Colibri runs MoE models")
+    if hf.get("hidden_size_per_layer_input"):
+        refuse(f"per-layer input embeddings (hidden_size_per_layer_input={hf['hidden_size_per_layer_input']}) "
+               f"are not supported")
+    if hf.get("num_kv_shared_layers"):
+        refuse(f"num_kv_shared_layers={hf['num_kv_shared_layers']} (layers sharing another layer's KV) is not supported")
+    if hf.get("use_bidirectional_attention") is not None:
+        refuse(f"use_bidirectional_attention={hf['use_bidirectional_attention']!r} is not supported (causal only)")
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        refuse(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    n, d = hf["num_hidden_layers"], hf["hidden_size"]
+    types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    if types:
+        types[-1] = "full_attention"                 # as Gemma4TextConfig forces it
+    # per-layer head_dim / key-value heads: per_layer_config as saved, else what the config derives
+    # from global_head_dim and num_global_key_value_heads for its full-attention layers
+    if hf.get("per_layer_config") is not None:
+        overrides = {int(k): v for k, v in hf["per_layer_config"].items()}
+    else:
+        ov = {"head_dim": hf.get("global_head_dim", 512)}
+        if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads") is not None:
+            ov["num_key_value_heads"] = hf["num_global_key_value_heads"]
+        overrides = {i: ov for i, t in enumerate(types) if t == "full_attention"}
+    head_dim, kv_heads = hf.get("head_dim", 256), hf.get("num_key_value_heads", 4)
+    head_dims = [overrides.get(i, {}).get("head_dim", head_dim) for i in range(n)]
+    kv = [overrides.get(i, {}).get("num_key_value_heads", kv_heads) for i in range(n)]
+    rope = hf.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+    thetas, fractions = [], []
+    for t in types:
+        p = rope.get(t) or {}
+        kind = p.get("rope_type", "default")
+        if kind not in ("default", "proportional") or float(p.get("factor", 1.0)) != 1.0:
+            refuse(f"RoPE {p!r} of {t} layers is not supported (default, or proportional without scaling)")
+        thetas.append(float(p.get("rope_theta", 10_000.0)))
+        fractions.append(float(p.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0)
+    common = _common({**hf, "num_key_value_heads": kv_heads, "head_dim": head_dim, "rope_parameters": {}})
+    cap = hf.get("final_logit_softcapping")
+    return dict(common, architecture="gemma4", hidden_act="gelu_tanh", rope_theta=thetas[-1],
+                num_experts=hf["num_experts"], num_experts_per_tok=hf["top_k_experts"],
+                moe_intermediate_size=hf["moe_intermediate_size"], intermediate_size=hf["intermediate_size"],
+                norm_topk_prob=True, qk_norm="per_head", v_norm=True, attention_scale=1.0,
+                attention_bias=bool(hf.get("attention_bias", False)),
+                attention_out_bias=bool(hf.get("attention_bias", False)),
+                attention_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                embedding_scale=float(np.float32(d ** 0.5)),
+                final_logit_softcapping=float(cap) if cap else None,
+                sandwich_norms=True, moe_block="parallel", layer_scalar=True, moe_layers=[True] * n,
+                layer_types=types, sliding_window=int(hf["sliding_window"]) if "sliding_attention" in types else None,
+                layer_head_dims=head_dims if len(set(head_dims)) > 1 else [],
+                layer_kv_heads=kv if len(set(kv)) > 1 else [],
+                head_dim=head_dims[-1] if len(set(head_dims)) == 1 else head_dim,
+                num_key_value_heads=kv[-1] if len(set(kv)) == 1 else kv_heads,
+                layer_rope_theta=thetas if len(set(thetas)) > 1 else [],
+                layer_rope_fraction=fractions if any(f != 1.0 for f in fractions) else [])
+
+
+def _gemma4_multimodal(hf: dict) -> dict:
+    """Gemma4ForConditionalGeneration: the text model of text_config; the towers are ignored."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise KeyError("text_config")
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        text = dict(text, tie_word_embeddings=hf["tie_word_embeddings"])
+    return _gemma4_text(text)
+
+
 ARCHITECTURES = {
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "OlmoeForCausalLM": _olmoe,
     "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Gemma4ForCausalLM": _gemma4_text,
+    "Gemma4ForConditionalGeneration": _gemma4_multimodal,
 }
+
+# multimodal checkpoints: the prefix of the text model's tensors (rewritten to "model."), and the
+# prefixes of the parts Colibri does not run (vision / audio towers), skipped with a note
+_TEXT_PREFIX = {"Gemma4ForConditionalGeneration": "model.language_model."}
+_TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 # ---- tensor names: HF -> ours ----------------------------------------------------------------
 
@@ -155,24 +237,48 @@ _RULES = [
     (_L + _MOE + r"gate\.weight", lambda m: f"layers.{m[1]}.router"),
     (_L + _MOE + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight",
      lambda m: f"layers.{m[1]}.experts.{int(m[2])}.{_EXPERT_PART[m[3]]}"),
-    (_L + _MOE + r"experts\.gate_up_proj", "stacked_gate_up"),
-    (_L + _MOE + r"experts\.down_proj", "stacked_down"),
+    (_L + "(?:" + _MOE + r")?experts\.gate_up_proj", "stacked_gate_up"),
+    (_L + "(?:" + _MOE + r")?experts\.down_proj", "stacked_down"),
     (_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.shared.{m[2]}"),
     (_L + r"mlp\.shared_expert_gate\.weight", lambda m: f"layers.{m[1]}.shared_gate"),
     (_L + r"mlp\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.mlp.{m[2]}"),
 ]
+# Gemma 4 first: its post_attention_layernorm is a norm after attention, not the FFN's input norm
+_GEMMA4_RULES = [
+    (_L + r"post_attention_layernorm\.weight", lambda m: f"layers.{m[1]}.post_attn_norm"),
+    (_L + r"pre_feedforward_layernorm\.weight", lambda m: f"layers.{m[1]}.ffn_norm"),
+    (_L + r"post_feedforward_layernorm\.weight", lambda m: f"layers.{m[1]}.post_ffn_norm"),
+    (_L + r"post_feedforward_layernorm_1\.weight", lambda m: f"layers.{m[1]}.post_mlp_norm"),
+    (_L + r"pre_feedforward_layernorm_2\.weight", lambda m: f"layers.{m[1]}.pre_moe_norm"),
+    (_L + r"post_feedforward_layernorm_2\.weight", lambda m: f"layers.{m[1]}.post_moe_norm"),
+    (_L + r"router\.proj\.weight", lambda m: f"layers.{m[1]}.router"),
+    (_L + r"router\.scale", lambda m: f"layers.{m[1]}.router_scale"),
+    (_L + r"router\.per_expert_scale", lambda m: f"layers.{m[1]}.expert_scale"),
+    (_L + r"layer_scalar", lambda m: f"layers.{m[1]}.layer_scalar"),
+]
 _RULES = [(re.compile(p), h) for p, h in _RULES]
+_GEMMA4_RULES = [(re.compile(p), h) for p, h in _GEMMA4_RULES] + _RULES
+_RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES}
 
 
-def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig) -> dict:
+def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None) -> dict:
     """our tensor name -> getter returning its float32 values; checks names and shapes."""
     plan = {}
     unconsumed = []
+    towers = 0
+    text_prefix = _TEXT_PREFIX.get(hf_arch)
     for hf_name in ckpt.names():
-        if _IGNORED.fullmatch(hf_name):
+        name_in = hf_name
+        if text_prefix is not None:
+            if hf_name.startswith(_TOWER_PREFIXES):
+                towers += 1
+                continue
+            if hf_name.startswith(text_prefix):
+                name_in = "model." + hf_name[len(text_prefix):]
+        if _IGNORED.fullmatch(name_in):
             continue
-        for pattern, handler in _RULES:
-            m = pattern.fullmatch(hf_name)
+        for pattern, handler in _RULES_BY_ARCH.get(cfg.architecture, _RULES):
+            m = pattern.fullmatch(name_in)
             if m is None:
                 continue
             if handler == "stacked_gate_up":
@@ -191,13 +297,15 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig) -> dict:
                     break                                      # tied: the embedding serves as head
                 if name in plan:
                     raise ColibriError(f"{hf_name}: tensor {name} is given twice in the checkpoint")
-                if name.endswith("shared_gate"):
+                if name.endswith(("shared_gate", "layer_scalar")):
                     plan[name] = (lambda n=hf_name: ckpt.f32(n).reshape(-1))
                 else:
                     plan[name] = (lambda n=hf_name: ckpt.f32(n))
             break
         else:
             unconsumed.append(hf_name)
+    if towers and log is not None:
+        log(f"[INFO] {hf_arch}: converting the text model; ignoring {towers} tensors of the vision/audio towers")
     if unconsumed:
         more = f" and {len(unconsumed) - 8} more" if len(unconsumed) > 8 else ""
         raise ColibriError(f"{ckpt.root}: tensor(s) not understood for {cfg.architecture}: "
@@ -250,7 +358,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     ckpt = HFCheckpoint(hf_dir)
     arch, cfg = hf_model_config(ckpt)
-    plan = plan_tensors(ckpt, cfg)
+    plan = plan_tensors(ckpt, cfg, arch, log)
     expected = cfg.expected_tensors()
 
     out = Path(output_dir)

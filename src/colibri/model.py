@@ -128,6 +128,8 @@ class Model:
         if prefetch != "none" and self.residency.spans:
             hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
         self._engine = _kernels.Engine(hp, self._maps.engine_table(), flags, threads)
+        # float32 keys + values: sliding-window layers keep a ring of window + one prefill chunk
+        self.kv_cache_bytes = sum(2 * 4 * f["kv_ring"] * f["n_kv_heads"] * f["head_dim"] for f in flags)
         self.tokenizer = Tokenizer.from_dir(self._dir)
         self._busy = threading.Lock()
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,
