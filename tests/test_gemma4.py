@@ -149,3 +149,24 @@ def test_int8_quality_against_f32(converted):
     logits = colibri.load(converted("gemma4_b", "int8")).forward(ref["input_ids"])
     assert kl_mean(ref["logits_f32"], logits) <= KL_INT8_VS_F32_MAX
     assert (logits.argmax(-1) == ref["logits_f32"].argmax(-1)).mean() >= TOP1_INT8_MIN
+
+
+def test_routing_matches_transformers_router(converted):
+    """The experts and weights of the last prompt position in every layer: transformers' router
+    probabilities (recorded by make_fixtures.py), top-k, renormalised, times per_expert_scale."""
+    from colibri.hfcheckpoint import HFCheckpoint
+    ref = reference("gemma4_a")
+    ckpt = HFCheckpoint(FIXTURES / "gemma4_a" / "hf")
+    m = colibri.load(converted("gemma4_a"))
+    m.forward(ref["input_ids"])
+    experts, weights = m.routing
+    k = m.config.num_experts_per_tok
+    for layer in range(m.config.num_hidden_layers):
+        p = np.exp(ref["router_logits_f32"][layer, -1].astype(np.float64))      # log-probabilities
+        top = np.argsort(-p, kind="stable")[:k]
+        scale = ckpt.f32(f"model.layers.{layer}.router.per_expert_scale")
+        expected = dict(zip(top.tolist(), p[top] / p[top].sum() * scale[top]))
+        got = dict(zip(experts[layer].tolist(), weights[layer].tolist()))
+        assert set(got) == set(expected), layer
+        for e in got:
+            assert got[e] == pytest.approx(expected[e], rel=1e-5)

@@ -55,12 +55,28 @@ MODELS = {
     "olmoe-1b-7b": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         intermediate_size=1024, hidden_size=2048, num_hidden_layers=16, num_experts=64,
         num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304)),
+    # the public google/gemma-4-26B-A4B text model (its text_config), as Gemma4ForCausalLM: 30 layers
+    # (5 sliding-window : 1 full), 128 experts top-8 beside a dense MLP, full layers with
+    # head_dim 512, 2 KV heads and k = v; no tokenizer (262144 pieces; benchmarks use token ids)
+    "gemma4-26b-a4b": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        hidden_size=2816, num_hidden_layers=30, intermediate_size=2112, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+        attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8,
+        moe_intermediate_size=704, vocab_size=262144, sliding_window=1024, final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=0, max_position_embeddings=262144, eos_token_id=[1, 106])),
 }
+NO_TOKENIZER = {"gemma4-26b-a4b"}
 TINY = {  # --self-check sizes
     "MixtralConfig": dict(hidden_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                           intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
     "OlmoeConfig": dict(hidden_size=64, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                         intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
+    "Gemma4TextConfig": dict(hidden_size=64, num_hidden_layers=3, intermediate_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                             attention_k_eq_v=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                             moe_intermediate_size=32, vocab_size=300, sliding_window=8,
+                             hidden_size_per_layer_input=0,
+                             layer_types=["sliding_attention", "full_attention", "full_attention"]),
 }
 
 
@@ -72,8 +88,36 @@ def make_config(cls_name: str, arch: str, kwargs: dict):
     return cfg
 
 
+def gemma4_tensor_list(cfg) -> list:
+    """Gemma4ForCausalLM with the MoE block: [(name, shape, is_one)]; 1-D weights (norms, router
+    scales, layer_scalar) are 1."""
+    d, V, E, mi, f = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    out = [("model.embed_tokens.weight", (V, d), False)]
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        hd, kvh = cfg.per_layer_config[i].head_dim, cfg.per_layer_config[i].num_key_value_heads
+        q, kv = cfg.num_attention_heads * hd, kvh * hd
+        out += [(p + "self_attn.q_proj.weight", (q, d), False), (p + "self_attn.q_norm.weight", (hd,), True),
+                (p + "self_attn.k_proj.weight", (kv, d), False), (p + "self_attn.k_norm.weight", (hd,), True)]
+        if not (cfg.attention_k_eq_v and kind == "full_attention"):
+            out.append((p + "self_attn.v_proj.weight", (kv, d), False))
+        out += [(p + "self_attn.o_proj.weight", (d, q), False),
+                (p + "mlp.gate_proj.weight", (f, d), False), (p + "mlp.up_proj.weight", (f, d), False),
+                (p + "mlp.down_proj.weight", (d, f), False),
+                (p + "router.proj.weight", (E, d), False), (p + "router.scale", (d,), True),
+                (p + "router.per_expert_scale", (E,), True),
+                (p + "experts.gate_up_proj", (E, 2 * mi, d), False), (p + "experts.down_proj", (E, d, mi), False),
+                (p + "layer_scalar", (1,), True)]
+        out += [(p + n + ".weight", (d,), True) for n in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+            "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")]
+    return out + [("model.norm.weight", (d,), True)]
+
+
 def tensor_list(cfg) -> list:
     """[(name, shape, is_norm)] in module order, named as save_pretrained names them."""
+    if cfg.model_type == "gemma4_text":
+        return gemma4_tensor_list(cfg)
     d, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -252,7 +296,7 @@ def main(argv=None) -> int:
             print(f"[make_models] {out} exists (--force to rewrite)")
             continue
         t0 = time.perf_counter()
-        write_model(make_config(*MODELS[name]), out, seed=a.seed)
+        write_model(make_config(*MODELS[name]), out, seed=a.seed, tokenizer=name not in NO_TOKENIZER)
         print(f"[make_models] wrote {out} in {time.perf_counter() - t0:.0f} s")
     return 0
 
