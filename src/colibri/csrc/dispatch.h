@@ -12,7 +12,7 @@
 #include "kernels_avx2.h"
 #include "kernels_avx512.h"
 
-/* out[j * ldo + i] = row i . token j for an R x T tile (R in {1, 4}, T in 1..4), rows `stride`
+/* out[j * ldo + i] = row i . token j for an R x T tile (R <= tile_rows, T in 1..4), rows `stride`
  * bytes apart; x/ldx for the float formats, acts for the integer ones. */
 typedef void (*cb_tile_fn)(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x,
                            int ldx, const cb_act_q8 *acts, int cols, int R, int T);
@@ -46,6 +46,8 @@ static int cb_select_isa(int isa) {
         t.dot[CB_BF16] = cb_dot_bf16_avx2;
         t.dot[CB_INT8] = cb_dot_int8_avx2;
         t.dot[CB_INT4] = cb_dot_int4_avx2;
+        t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;     /* one row, up to 4 tokens */
+        t.tile_rows[CB_INT8] = t.tile_rows[CB_INT4] = 1;
     }
     if (isa >= CB_ISA_AVX512) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
