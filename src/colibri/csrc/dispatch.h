@@ -46,8 +46,9 @@ static int cb_select_isa(int isa) {
         t.dot[CB_BF16] = cb_dot_bf16_avx2;
         t.dot[CB_INT8] = cb_dot_int8_avx2;
         t.dot[CB_INT4] = cb_dot_int4_avx2;
-        t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;     /* one row, up to 4 tokens */
-        t.tile_rows[CB_INT8] = t.tile_rows[CB_INT4] = 1;
+        /* tiles of one row and up to 4 tokens: the weights are loaded once for 4 prompt tokens */
+        t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx2_any;
+        t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
     }
     if (isa >= CB_ISA_AVX512) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
@@ -77,7 +78,7 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float
     if (dtype == CB_INT8 || dtype == CB_INT4)
         for (int t = 0; t < n; t++) cb_quantize_act_scalar(&acts[t], x + (size_t)t * ldx, cols);
 #if CB_X86
-    if (dtype == CB_BF16 && tile && acts[0].xp)
+    if (dtype == CB_BF16 && cb_kt.isa >= CB_ISA_AVX512 && tile && acts[0].xp)   /* the AVX-512 bf16 tile */
         for (int t = 0; t < n; t++) cb_permute_bf16(acts[t].xp, x + (size_t)t * ldx, cols);
 #endif
     int parallel = n_threads > 1 && (long long)rows * cols * n >= CB_PARALLEL_MIN_WORK;

@@ -27,53 +27,80 @@ CB_TARGET_AVX2 static inline float cb_hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-CB_TARGET_AVX2 static float cb_dot_f32_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
-    const float *w = (const float *)row;
-    (void)a;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
-    }
-    float acc = cb_hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) acc += w[i] * x[i];
-    return acc;
-}
-
-CB_TARGET_AVX2 static float cb_dot_f16_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
-    const uint16_t *w = (const uint16_t *)row;
-    (void)a;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
-        __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8)));
-        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i + 8), acc1);
-    }
-    float acc = cb_hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) acc += cb_f16_table[w[i]] * x[i];
-    return acc;
-}
-
 CB_TARGET_AVX2 static inline __m256 cb_bf16x8_to_f32(const uint16_t *p) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-CB_TARGET_AVX2 static float cb_dot_bf16_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
-    const uint16_t *w = (const uint16_t *)row;
-    (void)a;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+/* 8 weights from element i of a row stored as f32 / f16 / bf16, as floats. */
+CB_TARGET_AVX2 static inline __m256 cb_load_f32x8_avx2(const char *row, int dtype, int i) {
+    if (dtype == CB_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (dtype == CB_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return cb_bf16x8_to_f32((const uint16_t *)row + i);
+}
+
+static inline float cb_load_f32_scalar(const char *row, int dtype, int i) {
+    if (dtype == CB_F32) return ((const float *)row)[i];
+    if (dtype == CB_F16) return cb_f16_table[((const uint16_t *)row)[i]];
+    return cb_bf16_to_f32(((const uint16_t *)row)[i]);
+}
+
+/* Float tile: out[j * ldo] = row . x_j for T in 1..4 tokens (x_j = x + j * ldx) of one weight
+ * row. Per token two accumulators (elements i..i+7 and i+8..i+15 of each 16), then the scalar
+ * tail: T = 1 is the decode dot product, so prefill and decode agree bit for bit. The weights
+ * are converted once for the T tokens. */
+CB_TARGET_AVX2 static inline __attribute__((always_inline)) void
+cb_tile_float_avx2(float *out, int ldo, const char *row, int dtype, const float *x, int ldx, int n, const int T) {
+    __m256 acc0[4], acc1[4];
+    for (int j = 0; j < T; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(cb_bf16x8_to_f32(w + i), _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(cb_bf16x8_to_f32(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+        __m256 w0 = cb_load_f32x8_avx2(row, dtype, i), w1 = cb_load_f32x8_avx2(row, dtype, i + 8);
+        for (int j = 0; j < T; j++) {
+            const float *xj = x + (size_t)j * ldx;
+            acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xj + i), acc0[j]);
+            acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xj + i + 8), acc1[j]);
+        }
     }
-    float acc = cb_hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) acc += cb_bf16_to_f32(w[i]) * x[i];
-    return acc;
+    for (int j = 0; j < T; j++) {
+        const float *xj = x + (size_t)j * ldx;
+        float acc = cb_hsum256(_mm256_add_ps(acc0[j], acc1[j]));
+        for (int k = i; k < n; k++) acc += cb_load_f32_scalar(row, dtype, k) * xj[k];
+        out[(size_t)j * ldo] = acc;
+    }
+}
+
+CB_TARGET_AVX2 static float cb_dot_f32_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    float out;
+    (void)a;
+    cb_tile_float_avx2(&out, 1, (const char *)row, CB_F32, x, 0, n, 1);
+    return out;
+}
+
+CB_TARGET_AVX2 static float cb_dot_f16_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    float out;
+    (void)a;
+    cb_tile_float_avx2(&out, 1, (const char *)row, CB_F16, x, 0, n, 1);
+    return out;
+}
+
+CB_TARGET_AVX2 static float cb_dot_bf16_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    float out;
+    (void)a;
+    cb_tile_float_avx2(&out, 1, (const char *)row, CB_BF16, x, 0, n, 1);
+    return out;
+}
+
+CB_TARGET_AVX2 static void cb_tile_float_avx2_any(float *out, int ldo, const char *w, size_t stride, int dtype,
+                                                  const float *x, int ldx, const cb_act_q8 *acts, int cols,
+                                                  int R, int T) {
+    (void)acts; (void)stride; (void)R;
+    switch (T) {
+    case 1: cb_tile_float_avx2(out, ldo, w, dtype, x, ldx, cols, 1); break;
+    case 2: cb_tile_float_avx2(out, ldo, w, dtype, x, ldx, cols, 2); break;
+    case 3: cb_tile_float_avx2(out, ldo, w, dtype, x, ldx, cols, 3); break;
+    default: cb_tile_float_avx2(out, ldo, w, dtype, x, ldx, cols, 4); break;
+    }
 }
 
 /* int32 [8] partial sums of w[32] * x[32] (signed bytes, |w| <= 127), sign trick + maddubs. */
