@@ -32,7 +32,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ColibriError
-from .hfcheckpoint import HFCheckpoint
+from .hfcheckpoint import HFCheckpoint, to_f32
 from .modeldir import BLOCK_FORMATS, WEIGHT_DTYPES, ModelDirWriter, storage_nbytes, tensor_file, to_storage
 from .quant import QBLOCK
 
@@ -325,10 +325,7 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
 def _slice_getter(ckpt, hf_name, expert, row0, row1):
     def get():
         arr, kind = ckpt.raw(hf_name)
-        part = arr[expert] if row0 is None else arr[expert, row0:row1]
-        if kind == "bf16":
-            return (part.astype(np.uint32) << 16).view(np.float32)
-        return part.astype(np.float32)
+        return to_f32(arr[expert] if row0 is None else arr[expert, row0:row1], kind)
     return get
 
 
