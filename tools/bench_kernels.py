@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
-"""Matvec kernel throughput against the machine's read bandwidth, measured in the same run.
+"""Kernel throughput: matvec against the read bandwidth, prefill tiles against the FMA peak.
 
 Decode is memory-bound: a matvec kernel is as good as the fraction of the read bandwidth it
 reaches on a matrix much larger than the last-level cache. For each storage format this times
 `W @ x` on a matrix of about --mb megabytes (several times the L3), interleaved with a plain
 streaming read of a buffer of the same size, and prints GB/s and the ratio. Medians of --repeat.
 
-    python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512]
+Prefill is compute-bound: the second table times the engine's matmul (cb_matmul, the tiles the
+prefill uses) of --tokens prompt tokens against a [1024, cols] matrix that stays in the caches,
+as GFLOP/s (2 x multiply-adds, also for the integer formats), next to the attainable float FMA
+rate of the same threads (an AVX2 FMA loop: 16 FLOP per lane-8 FMA; AVX-512 doubles the
+machine's float peak, and integer dot products have their own ports: the ratio is a yardstick,
+not a bound).
+
+    python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ def main():
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
     ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4")
+    ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
@@ -59,6 +67,25 @@ def main():
         rgbs = nbytes / statistics.median(rt) / 1e9
         print(f"{dtype:>6} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}")
         del w, read_buf
+    prefill_table(args, rng)
+
+
+def prefill_table(args, rng):
+    cols, rows, n = args.cols, 1024, args.tokens
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    peak = _kernels.bench_peak_flops(args.threads)
+    peak_gf = peak[0] / peak[1] / 1e9 if peak else None
+    print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
+          f"AVX2 FMA peak of {args.threads} thread(s): " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a"))
+    print(f"{'format':>6} {'GFLOP/s':>8} {'of peak':>8}")
+    w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
+    for dtype in args.dtypes.split(","):
+        w = to_storage(w_f32, dtype)
+        _kernels.bench_matmul(w, x, dtype, args.threads, 1)                  # warm
+        reps = 3
+        times = [_kernels.bench_matmul(w, x, dtype, args.threads, reps) for _ in range(args.repeat)]
+        gflops = 2.0 * rows * cols * n * reps / statistics.median(times) / 1e9
+        print(f"{dtype:>6} {gflops:8.1f} " + (f"{gflops / peak_gf:7.0%}" if peak_gf else "     n/a"))
 
 
 if __name__ == "__main__":

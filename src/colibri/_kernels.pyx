@@ -1029,6 +1029,38 @@ def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1):
     return out
 
 
+def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps):
+    """Seconds for `reps` products out[n, rows] = x[n, cols] @ W[rows, cols]^T through the engine's
+    cb_matmul (n = 1: the decode matvec; n > 1: a prefill tile pass), with no Python between
+    repetitions: what tools/bench_kernels.py times. W is stored as in kernel_matvec."""
+    import time
+    w = np.ascontiguousarray(w)
+    cdef int rows = w.shape[0], n = x.shape[0], cols = x.shape[1], r, t
+    cdef int code = DTYPE_CODES[dtype]
+    if w.nbytes != rows * cb_row_stride(code, cols) or n < 1 or reps < 1:
+        raise ValueError("bench_matmul: inconsistent shapes")
+    out = np.zeros((n, rows), np.float32)
+    act_q = np.zeros((n, cols), np.int8)
+    act_d = np.zeros((n, cols // 32 + 1), np.float32)
+    act_xp = np.zeros((n, cols), np.float32)
+    cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(n, sizeof(cb_act_q8))
+    if acts == NULL:
+        raise MemoryError()
+    for t in range(n):
+        acts[t].q = <signed char *><uintptr_t>act_q[t].ctypes.data
+        acts[t].d = <float *><uintptr_t>act_d[t].ctypes.data
+        acts[t].xp = <float *><uintptr_t>act_xp[t].ctypes.data
+    cdef float[:, ::1] o = out
+    cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
+    t0 = time.perf_counter()
+    with nogil:
+        for r in range(reps):
+            cb_matmul(&o[0, 0], rows, wp, code, &x[0, 0], cols, acts, n, rows, cols, n_threads)
+    seconds = time.perf_counter() - t0
+    free(acts)
+    return seconds
+
+
 def kernel_dequant_row(w, int row, int cols, str dtype):
     """Row `row` of a stored matrix as float32 [cols] (the embedding lookup)."""
     w = np.ascontiguousarray(w)
@@ -1108,6 +1140,50 @@ cdef extern from *:
     }
     """
     uint64_t cb_read_bytes(const void *p, size_t n, int n_threads) nogil
+
+
+cdef extern from *:
+    """
+    /* The attainable float FMA rate of this machine: 10 independent chains of 8-lane FMAs per
+     * thread (enough to cover the FMA latency), for the prefill GFLOP/s "next to peak". Returns the
+     * number of floating-point operations done, or -1 where it cannot run (no GCC/Clang). */
+    #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    #include <immintrin.h>
+    __attribute__((target("avx2,fma"))) static double cb_peak_fma_avx2(long long iters, int n_threads) {
+        double total = 0.0;
+        #pragma omp parallel num_threads(n_threads) reduction(+:total)
+        {
+            __m256 a[10];
+            const __m256 m = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
+            for (int k = 0; k < 10; k++) a[k] = _mm256_set1_ps(1.0f + k);
+            for (long long i = 0; i < iters; i++)
+                for (int k = 0; k < 10; k++) a[k] = _mm256_fmadd_ps(a[k], m, c);
+            float lanes[8];
+            __m256 s = a[0];
+            for (int k = 1; k < 10; k++) s = _mm256_add_ps(s, a[k]);
+            _mm256_storeu_ps(lanes, s);
+            total += (double)(lanes[0] > 0.0f) * (double)iters * 10.0 * 8.0 * 2.0;
+        }
+        return total;
+    }
+    #else
+    static double cb_peak_fma_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
+    #endif
+    """
+    double cb_peak_fma_avx2(long long iters, int n_threads) nogil
+
+
+def bench_peak_flops(int n_threads, long long iters=20000000):
+    """(flops done, seconds) of an AVX2 FMA loop on n_threads, or None without AVX2/FMA or GCC."""
+    import time
+    if "avx2" not in available_isas():
+        return None
+    cdef double flops
+    t0 = time.perf_counter()
+    with nogil:
+        flops = cb_peak_fma_avx2(iters, n_threads)
+    seconds = time.perf_counter() - t0
+    return None if flops < 0 else (flops, seconds)
 
 
 def bench_read(buf, int n_threads):

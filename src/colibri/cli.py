@@ -255,7 +255,8 @@ def cmd_info(args) -> int:
     active = total - expert_bytes + per_expert * moe * c.num_experts_per_tok
     print(f"model:        {md.root}")
     print(f"architecture: {c.architecture} (from {md.raw.get('source', {}).get('hf_architecture', '?')})")
-    print(f"layers:       {c.num_hidden_layers} ({moe} MoE, {c.num_hidden_layers - moe} dense)")
+    print(f"layers:       {c.num_hidden_layers} ({moe} MoE, {c.num_hidden_layers - moe} dense"
+          + (f"; every MoE block has a dense MLP ({c.intermediate_size}) beside it)" if c.moe_block == "parallel" else ")"))
     print(f"experts:      {c.num_experts}, top-{c.num_experts_per_tok}"
           + (f", shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""))
     print(f"dimensions:   hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads} kv, "
