@@ -253,3 +253,14 @@ def test_reading_a_tensor_releases_its_mapped_pages(tmp_path):
     values = to_f32(stored, kind)                      # + the copy, - the mapped pages
     assert _os.rss_bytes()[0] - touched <= 0.5 * data.nbytes
     np.testing.assert_array_equal(values, data)
+
+
+def test_models_without_the_gemma_fields_stay_readable_by_earlier_versions(converted):
+    """The fields added for Gemma 4 are written only where they differ from their defaults: a
+    Mixtral directory has exactly the model fields of the first release (which refused unknown
+    fields), a Gemma directory has them."""
+    from colibri.config import EXTENSION_FIELDS
+    mixtral = json.loads((converted("mixtral_a") / "config.json").read_text())["model"]
+    assert not set(EXTENSION_FIELDS) & set(mixtral)
+    gemma = json.loads((converted("gemma4_a") / "config.json").read_text())["model"]
+    assert {"moe_block", "sandwich_norms", "layer_head_dims", "embedding_scale"} <= set(gemma)

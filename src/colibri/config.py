@@ -74,6 +74,13 @@ _FIELD_TYPES = {
 }
 
 
+# fields added for Gemma 4 (after format version 1 was first written): optional, with defaults that
+# mean the behaviour of every earlier model
+EXTENSION_FIELDS = ("layer_head_dims", "layer_kv_heads", "layer_rope_theta", "layer_rope_fraction",
+                    "attention_scale", "v_norm", "attention_k_eq_v", "embedding_scale",
+                    "final_logit_softcapping", "sandwich_norms", "moe_block", "layer_scalar")
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -133,8 +140,18 @@ class ModelConfig:
         cfg.validate(source)
         return cfg
 
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def to_dict(self, omit_default_extensions: bool = False) -> dict:
+        """All fields; with omit_default_extensions, the fields added after the first release
+        (EXTENSION_FIELDS) are left out where they hold their default, so that a directory that
+        does not use them stays readable by earlier Colibri versions (which refuse unknown fields)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if omit_default_extensions:
+            for f in fields(self):
+                if f.name in EXTENSION_FIELDS:
+                    default = f.default_factory() if f.default_factory is not MISSING else f.default
+                    if out[f.name] == default:
+                        del out[f.name]
+        return out
 
     # -- validation: everything the engine relies on, checked once with a clear message -------
     def validate(self, source: str = "config.json") -> None:

@@ -378,7 +378,7 @@ class ModelDirWriter:
             "alignment": ALIGNMENT,
             "weight_dtype": weight_dtype,
             "ln_gamma_quant_bits": ln_bits,
-            "model": config.to_dict(),
+            "model": config.to_dict(omit_default_extensions=True),
             "source": source,
             "tensors": self.tensors,
             "files": dict(sorted(self.files.items())),

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Two Colibri revisions on the same model, interleaved: `python -m colibri bench` A, B, A, B ...
+
+Each revision is checked out into its own git worktree under $BENCH_CACHE/ab/<rev> and built in
+place (`setup.py build_ext --inplace`); runs alternate between them (PYTHONPATH points at the
+worktree's src/), one process per run, so both see the same machine state. Prints each pair and
+the medians of prefill and decode tok/s with the ratio B / A. A kernel change is measured this
+way on this shared, noisy machine, not by two runs minutes apart.
+
+    python tools/bench/ab_revisions.py REV_A REV_B --model-dir D [--pairs 3] [--threads 2]
+                                        [--prompt-len 128] [--gen 48]
+REV may be a commit, a branch, or "worktree" (the current checkout as it is, built in place).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("BENCH_CACHE", "/work/bench_cache"))
+
+
+def prepare(rev: str) -> Path:
+    """The src/ directory of `rev`, built."""
+    if rev == "worktree":
+        root = REPO
+    else:
+        sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        root = CACHE / "ab" / sha
+        if not root.exists():
+            subprocess.run(["git", "worktree", "add", "--detach", str(root), sha], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root, check=True,
+                   stdout=subprocess.DEVNULL)
+    return root / "src"
+
+
+def run(src: Path, args) -> dict:
+    cmd = [sys.executable, "-m", "colibri", "bench", "--model-dir", args.model_dir, "--json",
+           "--prompt-len", str(args.prompt_len), "--gen", str(args.gen), "--repeat", "3",
+           "--threads", str(args.threads)]
+    out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(src)), check=True,
+                         capture_output=True, text=True, cwd="/").stdout
+    d = json.loads(out)
+    return {"pp": d["prefill_tok_s"]["median"], "tg": d["decode_tok_s"]["median"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("rev_a")
+    ap.add_argument("rev_b")
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=48)
+    args = ap.parse_args()
+    src = {rev: prepare(rev) for rev in (args.rev_a, args.rev_b)}
+    got = {rev: [] for rev in src}
+    for i in range(args.pairs):
+        for rev in (args.rev_a, args.rev_b):
+            got[rev].append(run(src[rev], args))
+            print(f"pair {i + 1} {rev:>12}: prefill {got[rev][-1]['pp']:.1f} tok/s, decode {got[rev][-1]['tg']:.2f} tok/s",
+                  flush=True)
+    for key, label in (("pp", "prefill"), ("tg", "decode")):
+        a = statistics.median(r[key] for r in got[args.rev_a])
+        b = statistics.median(r[key] for r in got[args.rev_b])
+        print(f"{label}: {args.rev_a} {a:.1f}, {args.rev_b} {b:.1f} tok/s (medians of {args.pairs}), B / A = {b / a:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
