@@ -60,16 +60,17 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=48)
     args = ap.parse_args()
-    src = {rev: prepare(rev) for rev in (args.rev_a, args.rev_b)}
-    got = {rev: [] for rev in src}
+    revs = (args.rev_a, args.rev_b)          # the same revision twice measures the noise (A/A)
+    src = [prepare(rev) for rev in revs]
+    got = ([], [])
     for i in range(args.pairs):
-        for rev in (args.rev_a, args.rev_b):
-            got[rev].append(run(src[rev], args))
-            print(f"pair {i + 1} {rev:>12}: prefill {got[rev][-1]['pp']:.1f} tok/s, decode {got[rev][-1]['tg']:.2f} tok/s",
-                  flush=True)
+        for k in (0, 1):
+            got[k].append(run(src[k], args))
+            print(f"pair {i + 1} {'AB'[k]} {revs[k]:>12}: prefill {got[k][-1]['pp']:.1f} tok/s, "
+                  f"decode {got[k][-1]['tg']:.2f} tok/s", flush=True)
     for key, label in (("pp", "prefill"), ("tg", "decode")):
-        a = statistics.median(r[key] for r in got[args.rev_a])
-        b = statistics.median(r[key] for r in got[args.rev_b])
+        a = statistics.median(r[key] for r in got[0])
+        b = statistics.median(r[key] for r in got[1])
         print(f"{label}: {args.rev_a} {a:.1f}, {args.rev_b} {b:.1f} tok/s (medians of {args.pairs}), B / A = {b / a:.2f}")
     return 0
 

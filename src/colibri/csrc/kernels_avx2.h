@@ -125,31 +125,22 @@ CB_TARGET_AVX2 static inline __m256 cb_qblock_fma_avx2(__m256 acc, __m256i wq, f
     return _mm256_fmadd_ps(p, _mm256_set1_ps(dw * a->d[b]), acc);
 }
 
-/* Integer tile: out[j * ldo] = row . token j for T in 1..4 tokens of one weight row. Even blocks
- * go to one accumulator and odd blocks to another (two dependency chains: with one, int4 decode
- * waited on the FMA latency), summed at the end. The weight block is loaded (and for int4
+/* Integer tile: out[j * ldo] = row . token j for T in 1..4 tokens of one weight row, the blocks
+ * accumulated in order into one accumulator per token. The weight block is loaded (and for int4
  * unpacked) once for the T tokens: the prefill gain. T = 1 is the decode dot product, so prefill
- * and decode agree bit for bit. */
+ * and decode agree bit for bit. (Two accumulators per token, even and odd blocks, measured 5 %
+ * slower in int8 decode on Zen 2: tools/bench/ab_revisions.py.) */
 CB_TARGET_AVX2 static inline __attribute__((always_inline)) void
 cb_tile_quant_avx2(float *out, int ldo, const char *row, int dtype, const cb_act_q8 *acts, int cols, const int T) {
-    __m256 even[4], odd[4];
-    for (int j = 0; j < T; j++) even[j] = odd[j] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int j = 0; j < T; j++) acc[j] = _mm256_setzero_ps();
     const int nb = cols / CB_QBLOCK;
-    int b = 0;
-    float d0, d1;
-    for (; b + 2 <= nb; b += 2) {
-        __m256i w0 = cb_load_qblock_avx2(row, dtype, b, &d0);
-        __m256i w1 = cb_load_qblock_avx2(row, dtype, b + 1, &d1);
-        for (int j = 0; j < T; j++) {
-            even[j] = cb_qblock_fma_avx2(even[j], w0, d0, &acts[j], b);
-            odd[j] = cb_qblock_fma_avx2(odd[j], w1, d1, &acts[j], b + 1);
-        }
+    float d;
+    for (int b = 0; b < nb; b++) {
+        __m256i wq = cb_load_qblock_avx2(row, dtype, b, &d);
+        for (int j = 0; j < T; j++) acc[j] = cb_qblock_fma_avx2(acc[j], wq, d, &acts[j], b);
     }
-    if (b < nb) {
-        __m256i w0 = cb_load_qblock_avx2(row, dtype, b, &d0);
-        for (int j = 0; j < T; j++) even[j] = cb_qblock_fma_avx2(even[j], w0, d0, &acts[j], b);
-    }
-    for (int j = 0; j < T; j++) out[(size_t)j * ldo] = cb_hsum256(_mm256_add_ps(even[j], odd[j]));
+    for (int j = 0; j < T; j++) out[(size_t)j * ldo] = cb_hsum256(acc[j]);
 }
 
 CB_TARGET_AVX2 static float cb_dot_int8_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
