@@ -18,6 +18,13 @@ typedef struct {
     int os_avx, os_avx512;                             /* XCR0 says the OS saves the state */
 } cb_cpu_features;
 
+/* A kernel body specialised by constant arguments must be inlined into each caller. */
+#if defined(_MSC_VER)
+#define CB_ALWAYS_INLINE __forceinline
+#else
+#define CB_ALWAYS_INLINE inline __attribute__((always_inline))
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
 #define CB_X86 1
 #if defined(_MSC_VER)

@@ -9,6 +9,7 @@
 #ifndef COLIBRI_KERNELS_AVX2_H
 #define COLIBRI_KERNELS_AVX2_H
 
+#include "cpu.h"              /* CB_X86, CB_ALWAYS_INLINE */
 #include "kernels_scalar.h"
 
 #if CB_X86
@@ -49,7 +50,7 @@ static inline float cb_load_f32_scalar(const char *row, int dtype, int i) {
  * row. Per token two accumulators (elements i..i+7 and i+8..i+15 of each 16), then the scalar
  * tail: T = 1 is the decode dot product, so prefill and decode agree bit for bit. The weights
  * are converted once for the T tokens. */
-CB_TARGET_AVX2 static inline __attribute__((always_inline)) void
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_tile_float_avx2(float *out, int ldo, const char *row, int dtype, const float *x, int ldx, int n, const int T) {
     __m256 acc0[4], acc1[4];
     for (int j = 0; j < T; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();
@@ -130,7 +131,7 @@ CB_TARGET_AVX2 static inline __m256 cb_qblock_fma_avx2(__m256 acc, __m256i wq, f
  * unpacked) once for the T tokens: the prefill gain. T = 1 is the decode dot product, so prefill
  * and decode agree bit for bit. (Two accumulators per token, even and odd blocks, measured 5 %
  * slower in int8 decode on Zen 2: tools/bench/ab_revisions.py.) */
-CB_TARGET_AVX2 static inline __attribute__((always_inline)) void
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_tile_quant_avx2(float *out, int ldo, const char *row, int dtype, const cb_act_q8 *acts, int cols, const int T) {
     __m256 acc[4];
     for (int j = 0; j < T; j++) acc[j] = _mm256_setzero_ps();

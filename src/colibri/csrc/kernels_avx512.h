@@ -55,7 +55,7 @@ static void cb_permute_bf16(float *xp, const float *x, int cols) {
     for (int k = full; k < cols; k++) xp[k] = x[k];
 }
 
-CB_TARGET_AVX512 static inline __attribute__((always_inline)) void
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_tile_float_avx512(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x, int ldx,
                      const cb_act_q8 *acts, int cols, const int R, const int T) {
     __m512 acc[CB_TILE_MAX][CB_TILE_MAX];
@@ -93,7 +93,7 @@ cb_tile_float_avx512(float *out, int ldo, const char *w, size_t stride, int dtyp
 /* Integer formats: per pair, even blocks go to one accumulator and odd blocks to another (two
  * dependency chains), summed at the end: the order of cb_dot_int8/int4_avx512 for one row, so
  * tiles of any shape agree with them bit for bit. */
-CB_TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_tile_quant_block(__m256 acc[CB_TILE_MAX][CB_TILE_MAX], const char *w, size_t stride, int dtype,
                     const cb_act_q8 *acts, int b, const int R, const int T) {
     __m256i wq[CB_TILE_MAX], wa[CB_TILE_MAX];
@@ -121,7 +121,7 @@ cb_tile_quant_block(__m256 acc[CB_TILE_MAX][CB_TILE_MAX], const char *w, size_t 
     }
 }
 
-CB_TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_tile_quant_avx512(float *out, int ldo, const char *w, size_t stride, int dtype, const cb_act_q8 *acts,
                      int cols, const int R, const int T) {
     __m256 even[CB_TILE_MAX][CB_TILE_MAX], odd[CB_TILE_MAX][CB_TILE_MAX];
