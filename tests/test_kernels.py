@@ -68,6 +68,23 @@ def _quantize_act(x):
     return (q * d[:, None].astype(np.float64)).reshape(-1)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 12).flatmap(lambda nb: hnp.arrays(
+    np.float32, 32 * nb, elements=st.floats(-1e6, 1e6, width=32) | st.sampled_from([0.0, 1e-35, -1e-38, 0.5, -2.5]))))
+def test_activation_quantization_is_the_scalar_one_bit_for_bit(isa, x):
+    """Every tier quantizes activations to exactly the bytes and scales of the scalar reference
+    (numpy mirror: d = amax / 127, q = rint(x * (1 / d)), tiny blocks zero), ties and signed
+    zeros included."""
+    q, d = _kernels.kernel_quantize_act(x)
+    b = x.reshape(-1, 32)
+    amax = np.abs(b).max(axis=1) if len(b) else np.zeros(0, np.float32)
+    ref_d = np.where(amax >= np.float32(1e-30), amax / np.float32(127), 0).astype(np.float32)
+    inv = np.where(ref_d > 0, np.float32(1) / np.where(ref_d > 0, ref_d, 1), 0).astype(np.float32)
+    ref_q = np.rint((b * inv[:, None]).astype(np.float32)).astype(np.int8).reshape(-1)
+    np.testing.assert_array_equal(d, ref_d)
+    np.testing.assert_array_equal(q, ref_q)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(matvec_case(), st.sampled_from(FLOAT_DTYPES), st.sampled_from([1, 2]))
 def test_float_matvec_matches_numpy(isa, case, dtype, threads):

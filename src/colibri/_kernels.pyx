@@ -69,6 +69,7 @@ cdef extern from "dispatch.h" nogil:
                    int rows, int cols, int n_threads)
     void cb_matmul(float *out, int ldo, const void *w, int dtype, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
+    void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
 
 cdef extern from "os_hints.h" nogil:
     int cb_will_need(const void *start, size_t length, size_t chunk)
@@ -1059,6 +1060,22 @@ def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps):
     seconds = time.perf_counter() - t0
     free(acts)
     return seconds
+
+
+def kernel_quantize_act(const float[::1] x):
+    """(q int8 [n], d float32 [n / 32]): the current tier's per-block activation quantization."""
+    cdef int n = x.shape[0]
+    if n % 32:
+        raise ValueError(f"activations are quantized in blocks of 32, got {n} values")
+    q = np.zeros(max(n, 32), np.int8)
+    d = np.zeros(max(n // 32, 1), np.float32)
+    cdef cb_act_q8 act
+    act.q = <signed char *><uintptr_t>q.ctypes.data
+    act.d = <float *><uintptr_t>d.ctypes.data
+    act.xp = NULL
+    if n:
+        cb_quantize_act(&act, &x[0], n)
+    return q[:n], d[:n // 32]
 
 
 def kernel_dequant_row(w, int row, int cols, str dtype):

@@ -19,6 +19,7 @@ typedef void (*cb_tile_fn)(float *out, int ldo, const char *w, size_t stride, in
 
 typedef struct {
     int isa;                        /* CB_ISA_* */
+    void (*quantize)(cb_act_q8 *a, const float *x, int n);   /* activations for int8/int4 */
     cb_dot_fn dot[CB_N_DTYPES];     /* indexed by CB_F32 .. CB_INT4 */
     cb_tile_fn tile[CB_N_DTYPES];   /* NULL: this tier multiplies row by row with dot */
     int tile_rows[CB_N_DTYPES];     /* rows per tile (the tail goes one row at a time) */
@@ -36,6 +37,7 @@ static int cb_select_isa(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
     t.isa = isa;
+    t.quantize = cb_quantize_act_scalar;
     t.dot[CB_F32] = cb_dot_f32_scalar;
     t.dot[CB_F16] = cb_dot_f16_scalar;
     t.dot[CB_BF16] = cb_dot_bf16_scalar;
@@ -49,6 +51,7 @@ static int cb_select_isa(int isa) {
         t.dot[CB_BF16] = cb_dot_bf16_avx2;
         t.dot[CB_INT8] = cb_dot_int8_avx2;
         t.dot[CB_INT4] = cb_dot_int4_avx2;
+        t.quantize = cb_quantize_act_avx2;
         /* tiles of one row and up to 4 tokens: the weights are loaded once for 4 prompt tokens */
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx2_any;
         t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
@@ -83,7 +86,7 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float
     cb_tile_fn tile = cb_kt.tile[dtype];
     const char *wb = (const char *)w;
     if (dtype == CB_INT8 || dtype == CB_INT4)
-        for (int t = 0; t < n; t++) cb_quantize_act_scalar(&acts[t], x + (size_t)t * ldx, cols);
+        for (int t = 0; t < n; t++) cb_kt.quantize(&acts[t], x + (size_t)t * ldx, cols);
 #if CB_X86
     if (dtype == CB_BF16 && cb_kt.isa >= CB_ISA_AVX512 && tile && acts[0].xp)   /* the AVX-512 bf16 tile */
         for (int t = 0; t < n; t++) cb_permute_bf16(acts[t].xp, x + (size_t)t * ldx, cols);
@@ -116,6 +119,9 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float
         for (int t = 0; t < n; t++) out[(size_t)t * ldo + r] = dot(row, x + (size_t)t * ldx, &acts[t], cols);
     }
 }
+
+/* The current tier's activation quantization (for the tests). */
+static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantize(a, x, n); }
 
 /* out[rows] = W[rows, cols] @ x[cols] (decode); `a` is the activation quantization scratch. */
 static void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_act_q8 *a,
