@@ -102,6 +102,16 @@ def test_multimodal_checkpoint_converts_its_text_model(tmp_path):
     assert cfg["source"]["hf_architecture"] == "Gemma4ForConditionalGeneration"
 
 
+def test_multimodal_config_takes_special_tokens_from_the_top_level(tmp_path):
+    """google/gemma-4-* configs keep eos_token_id ([1, 106]) beside text_config, not in it."""
+    def edit(cfg):
+        cfg["text_config"].pop("eos_token_id", None)
+        cfg["eos_token_id"] = [2, 5]
+    hf = _edited_checkpoint(tmp_path, edit, case="gemma4_b")
+    convert(hf, tmp_path / "m", log=lambda *a: None)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model"]["eos_token_id"] == [2, 5]
+
+
 def _edited_checkpoint(tmp_path, edit, case="gemma4_a"):
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / case / "hf", hf)

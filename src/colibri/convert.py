@@ -198,9 +198,9 @@ def _gemma4_multimodal(hf: dict) -> dict:
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise KeyError("text_config")
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
-        text = dict(text, tie_word_embeddings=hf["tie_word_embeddings"])
-    return _gemma4_text(text)
+    inherited = {k: hf[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
+                 if k in hf and text.get(k) is None}       # the hub's configs keep these at the top
+    return _gemma4_text(dict(text, **inherited))
 
 
 ARCHITECTURES = {
