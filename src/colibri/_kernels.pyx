@@ -960,6 +960,11 @@ cdef class Engine:
     def n_ctx(self):
         return self.h.n_ctx
 
+    @property
+    def kv_cache_bytes(self):
+        """Bytes of the KV cache arrays as allocated (keys and values of every layer)."""
+        return sum(a.nbytes for a in self._keep["k_cache"] + self._keep["v_cache"])
+
 
 cdef inline float *_f32(a):
     return <float *><uintptr_t>a.ctypes.data

@@ -115,21 +115,21 @@ class Model:
         hp["prefetch_mode"] = PREFETCH_MODES.get(prefetch, 0)
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
-        hp["prefill_chunk"] = prefill_chunk
         if cfg.num_experts_per_tok > _kernels.MAX_TOP_K:
             raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported "
                                f"{_kernels.MAX_TOP_K}")
         hp["qk_norm_mode"] = QK_NORM_MODES[cfg.qk_norm]
         hp["act_code"] = HIDDEN_ACTS[cfg.hidden_act]
         chunk = max(1, min(prefill_chunk or _kernels.PREFILL_CHUNK, n_ctx))
+        hp["prefill_chunk"] = chunk          # the engine's batch size: the rings are sized for it
         flags = layer_flags(cfg, n_ctx, chunk)
         hp["expert_pages"] = self.residency.spans
         hp["release_in_prefill"] = expert_cache_mb is not None and mmap
         if prefetch != "none" and self.residency.spans:
             hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
         self._engine = _kernels.Engine(hp, self._maps.engine_table(), flags, threads)
-        # float32 keys + values: sliding-window layers keep a ring of window + one prefill chunk
-        self.kv_cache_bytes = sum(2 * 4 * f["kv_ring"] * f["n_kv_heads"] * f["head_dim"] for f in flags)
+        # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk
+        self.kv_cache_bytes = self._engine.kv_cache_bytes
         self.tokenizer = Tokenizer.from_dir(self._dir)
         self._busy = threading.Lock()
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,

@@ -266,15 +266,16 @@ static void cb_attention(float *out, const float *q, const float *k_cache, const
         int kvh = h / group;
         float *sc = scores + (size_t)h * n_ctx;
         int n = pos - start + 1;
-        for (int t = 0; t < n; t++) {
-            const float *kt = k_cache + (size_t)((start + t) % ring) * kv_stride + (size_t)kvh * head_dim;
+        int row0 = start % ring;                 /* the cache row of position start; rows wrap */
+        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
+            const float *kt = k_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
             sc[t] = cb_dot_f32(qh, kt, head_dim) * scale;
         }
         cb_softmax(sc, n);
         float *oh = out + (size_t)h * head_dim;
         memset(oh, 0, sizeof(float) * (size_t)head_dim);
-        for (int t = 0; t < n; t++) {
-            const float *vt = v_cache + (size_t)((start + t) % ring) * kv_stride + (size_t)kvh * head_dim;
+        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
+            const float *vt = v_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
             cb_axpy(oh, sc[t], vt, head_dim);
         }
     }
