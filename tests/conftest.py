@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from colibri import _kernels
+
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file() and (p / "hf").is_dir())
 ARCH_OF_CASE = {c: c.rsplit("_", 1)[0] for c in CASES}
@@ -30,6 +32,15 @@ def converted(tmp_path_factory):
             cache[key] = out
         return cache[key]
     return get
+
+
+@pytest.fixture(params=_kernels.available_isas())
+def isa(request):
+    """Run the test on every kernel tier this CPU has, then restore the default tier."""
+    before = _kernels.isa()
+    _kernels.select_isa(request.param)
+    yield request.param
+    _kernels.select_isa(before)
 
 
 def reference(case: str) -> dict:

@@ -25,13 +25,6 @@ BLOCK_DTYPES = ("int8", "int4")
 ISAS = _kernels.available_isas()
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Run the test on every tier this CPU has, then restore the default tier."""
-    before = _kernels.isa()
-    _kernels.select_isa(request.param)
-    yield request.param
-    _kernels.select_isa(before)
 
 RMSNORM_RTOL = 2e-6
 

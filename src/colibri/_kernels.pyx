@@ -28,6 +28,7 @@ import numpy as np
 
 cdef extern from "kernels_scalar.h" nogil:
     int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4
+    int CB_ROWS, CB_TRANSPOSED
     ctypedef struct cb_act_q8:
         signed char *q     # [n]
         float *d           # [n / 32]
@@ -65,11 +66,23 @@ cdef extern from "dispatch.h" nogil:
     cb_cpu_features cb_detect_cpu()
     int cb_best_isa(const cb_cpu_features *f)
     int cb_select_isa(int isa)
-    void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_act_q8 *a,
+    void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
                    int rows, int cols, int n_threads)
-    void cb_matmul(float *out, int ldo, const void *w, int dtype, const float *x, int ldx,
+    void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
+    ctypedef struct cb_matjob:
+        float *out
+        int ldo
+        const void *w
+        int dtype
+        int layout
+        int rows
+        int cols
+        const float *x
+        int ldx
+        cb_act_q8 *acts
+    void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_threads)
 
 cdef extern from "os_hints.h" nogil:
     int cb_will_need(const void *start, size_t length, size_t chunk)
@@ -168,8 +181,9 @@ cpdef enum:
 
 
 cdef struct Mat:
-    const void *data      # [rows, cols] row-major, `dtype` elements
+    const void *data      # [rows, cols] row-major (layout rows) or transposed (kernels_scalar.h), `dtype` elements
     int dtype
+    int layout            # CB_ROWS / CB_TRANSPOSED (kernels_scalar.h)
     int rows
     int cols
 
@@ -252,9 +266,11 @@ cdef struct Scratch:
     float *q          # [n_heads * max head_dim]
     float *att        # [n_heads * max head_dim] attention output before wo
     float *scores     # [n_heads, n_ctx]
-    float *hb         # [max_ff] FFN hidden (gate, then activation)
-    float *hb2        # [max_ff] FFN hidden (up)
-    float *moe_acc    # [d_model]
+    float *hb         # [slots, max_ff] FFN hidden (gate, then activation), one row per expert of a step
+    float *hb2        # [slots, max_ff] FFN hidden (up)
+    float *moe_acc    # [slots, d_model] each expert's output
+    cb_act_q8 *slot_act   # [slots] quantization scratch of each expert's hidden (down's input)
+    int max_ff
     float *rx         # [d_model] the router's input (parallel MoE)
     float *xe         # [d_model] the experts' input (parallel MoE)
     float *xm         # [d_model] the experts' output (parallel MoE)
@@ -298,15 +314,48 @@ cdef struct Batch:        # scratch of the prefill path: up to `cap` prompt toke
 # ---- the blocks of the token step -----------------------------------------------------------
 
 cdef inline void matvec(float *out, const Mat *m, const float *x, Scratch *s, int n_threads) noexcept nogil:
-    cb_matvec(out, m.data, m.dtype, x, &s.act, m.rows, m.cols, n_threads)
+    cb_matvec(out, m.data, m.dtype, m.layout, x, &s.act, m.rows, m.cols, n_threads)
+
+
+cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const float *x, int ldx,
+                     cb_act_q8 *acts) noexcept nogil:
+    """j = the product out[t * ldo + r] = m[r, :] . x[t * ldx + :] (cb_matmul_jobs)."""
+    j.out = out
+    j.ldo = ldo
+    j.w = m.data
+    j.dtype = m.dtype
+    j.layout = m.layout
+    j.rows = m.rows
+    j.cols = m.cols
+    j.x = x
+    j.ldx = ldx
+    j.acts = acts
+
+
+cdef enum:
+    MAX_SLOTS = 65            # experts of one step: top-k (<= CB_MAX_TOP_K) and the shared one
+
+
+cdef void ffn_slots(const Hyper *h, const FFN **f, int count, const float *x, Scratch *s) noexcept nogil:
+    """s.moe_acc[i] = down_i(act(gate_i x) * up_i x) for the FFNs f[i], i < count <= MAX_SLOTS:
+    every gate and up in one parallel region, every down in another."""
+    cdef cb_matjob jobs[2 * MAX_SLOTS]
+    cdef int i, ff = s.max_ff
+    for i in range(count):
+        job(&jobs[2 * i], s.hb + <size_t>i * ff, ff, &f[i].gate, x, h.d_model, &s.act)
+        job(&jobs[2 * i + 1], s.hb2 + <size_t>i * ff, ff, &f[i].up, x, h.d_model, &s.act)
+    cb_matmul_jobs(jobs, 2 * count, 1, h.n_threads)
+    for i in range(count):
+        cb_glu(s.hb + <size_t>i * ff, s.hb2 + <size_t>i * ff, f[i].gate.rows, h.act)
+        job(&jobs[i], s.moe_acc + <size_t>i * h.d_model, h.d_model, &f[i].down, s.hb + <size_t>i * ff, ff,
+            &s.slot_act[i])
+    cb_matmul_jobs(jobs, count, 1, h.n_threads)
 
 
 cdef void ffn(const Hyper *h, const FFN *f, const float *x, float *out, Scratch *s) noexcept nogil:
     """out[d_model] = down(act(gate x) * up x)."""
-    matvec(s.hb, &f.gate, x, s, h.n_threads)
-    matvec(s.hb2, &f.up, x, s, h.n_threads)
-    cb_glu(s.hb, s.hb2, f.gate.rows, h.act)
-    matvec(out, &f.down, s.hb, s, h.n_threads)
+    ffn_slots(h, &f, 1, x, s)
+    memcpy(out, s.moe_acc, sizeof(float) * h.d_model)
 
 
 cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *v, int pos) noexcept nogil:
@@ -361,10 +410,11 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogi
     cdef int kv_dim = L.n_kv_heads * L.head_dim
     cdef float *k = L.k_cache + <size_t>(pos % L.kv_ring) * kv_dim      # written in place in the cache
     cdef float *v = L.v_cache + <size_t>(pos % L.kv_ring) * kv_dim
-    matvec(s.q, &L.wq, s.xb, s, h.n_threads)
-    matvec(k, &L.wk, s.xb, s, h.n_threads)
-    if L.wv.data != NULL:
-        matvec(v, &L.wv, s.xb, s, h.n_threads)
+    cdef cb_matjob jobs[3]
+    job(&jobs[0], s.q, 0, &L.wq, s.xb, h.d_model, &s.act)
+    job(&jobs[1], k, 0, &L.wk, s.xb, h.d_model, &s.act)
+    job(&jobs[2], v, 0, &L.wv, s.xb, h.d_model, &s.act)
+    cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, 1, h.n_threads)
     qkv_finish(h, L, s.q, k, v, pos)
     attend(h, L, s, s.q, s.att, pos)
     matvec(s.xb2, &L.wo, s.att, s, h.n_threads)
@@ -422,25 +472,32 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer, const float *route
     expert); the router reads router_in (the same vector except in the parallel block)."""
     cdef int *chosen = s.chosen + layer * h.top_k
     cdef float *weights = s.chosen_w + layer * h.top_k
-    cdef int j, e
+    cdef int j, e, n = 0
+    cdef const FFN *slot_ffn[MAX_SLOTS]
+    cdef float slot_w[MAX_SLOTS]
     matvec(s.router, &L.router, router_in, s, h.n_threads)
     if route(h, L, s.router, chosen, weights) != 0:
         s.bad_layer = layer
         return STATUS_BAD_ROUTER
     if h.prefetch != PREFETCH_NONE:
         prefetch_chosen(h, L, s, chosen, layer, router_in)
-    # experts, accumulated in ascending expert index (the reference's summation order)
-    memset(out, 0, sizeof(float) * h.d_model)
+    # the chosen experts in ascending index (the reference's summation order), then the shared
+    # expert scaled by its sigmoid gate; all computed together, summed in that order
     for e in range(h.n_experts):
         for j in range(h.top_k):
             if chosen[j] == e:
                 s.counts[layer * h.n_experts + e] += 1
-                ffn(h, &L.experts[e], expert_in, s.moe_acc, s)
-                cb_axpy(out, weights[j], s.moe_acc, h.d_model)
-    # shared expert, scaled by a sigmoid gate
+                slot_ffn[n] = &L.experts[e]
+                slot_w[n] = weights[j]
+                n += 1
     if L.has_shared:
-        ffn(h, &L.shared, expert_in, s.moe_acc, s)
-        cb_axpy(out, shared_gate(L, expert_in, h.d_model), s.moe_acc, h.d_model)
+        slot_ffn[n] = &L.shared
+        slot_w[n] = shared_gate(L, expert_in, h.d_model)
+        n += 1
+    ffn_slots(h, slot_ffn, n, expert_in, s)
+    memset(out, 0, sizeof(float) * h.d_model)
+    for j in range(n):
+        cb_axpy(out, slot_w[j], s.moe_acc + <size_t>j * h.d_model, h.d_model)
     return STATUS_OK
 
 
@@ -530,14 +587,16 @@ PREFILL_CHUNK = 128        # prompt tokens per chunk: bounds the batch scratch (
 
 cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, Batch *b, int n,
                         int n_threads) noexcept nogil:
-    cb_matmul(out, ldo, m.data, m.dtype, x, ldx, b.acts, n, m.rows, m.cols, n_threads)
+    cb_matmul(out, ldo, m.data, m.dtype, m.layout, x, ldx, b.acts, n, m.rows, m.cols, n_threads)
 
 
 cdef void ffn_batch(const Hyper *h, const FFN *f, const float *x, float *out, Batch *b, int n) noexcept nogil:
     """out[n, d] = down(act(gate x) * up x) for n rows of x [n, d]."""
     cdef int ff = f.gate.rows, d = h.d_model, t
-    matmul(b.hb, ff, &f.gate, x, d, b, n, h.n_threads)
-    matmul(b.hb2, ff, &f.up, x, d, b, n, h.n_threads)
+    cdef cb_matjob jobs[2]
+    job(&jobs[0], b.hb, ff, &f.gate, x, d, b.acts)
+    job(&jobs[1], b.hb2, ff, &f.up, x, d, b.acts)
+    cb_matmul_jobs(jobs, 2, n, h.n_threads)
     for t in range(n):
         cb_glu(b.hb + <size_t>t * ff, b.hb2 + <size_t>t * ff, ff, h.act)
     matmul(out, d, &f.down, b.hb, ff, b, n, h.n_threads)
@@ -549,10 +608,11 @@ cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n,
     a ring of window + chunk rows keeps every key a query of the chunk can see."""
     cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
     cdef size_t row
-    matmul(b.q, q_dim, &L.wq, b.xb, d, b, n, h.n_threads)
-    matmul(b.k, kv_dim, &L.wk, b.xb, d, b, n, h.n_threads)
-    if L.wv.data != NULL:
-        matmul(b.v, kv_dim, &L.wv, b.xb, d, b, n, h.n_threads)
+    cdef cb_matjob jobs[3]
+    job(&jobs[0], b.q, q_dim, &L.wq, b.xb, d, b.acts)
+    job(&jobs[1], b.k, kv_dim, &L.wk, b.xb, d, b.acts)
+    job(&jobs[2], b.v, kv_dim, &L.wv, b.xb, d, b.acts)
+    cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, n, h.n_threads)
     for t in range(n):
         qkv_finish(h, L, b.q + <size_t>t * q_dim, b.k + <size_t>t * kv_dim, b.v + <size_t>t * kv_dim, pos0 + t)
         row = <size_t>((pos0 + t) % L.kv_ring) * kv_dim
@@ -677,6 +737,7 @@ cdef int prefill_chunk(const Hyper *h, Layer *layers, const Mat *embedding, cons
 # ---- the Python-facing engine ---------------------------------------------------------------
 
 DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4}
+LAYOUT_CODES = {"rows": CB_ROWS, "transposed": CB_TRANSPOSED}
 
 
 cdef class Engine:
@@ -706,6 +767,7 @@ cdef class Engine:
         self.layers = NULL
         self.experts = NULL
         self.acts = NULL
+        self.s.slot_act = NULL
 
     def __init__(self, dict hp, dict tensors, list layer_flags, int n_threads):
         """hp: the config fields plus run options (model.Model builds it). layer_flags[l]: "moe",
@@ -741,12 +803,18 @@ cdef class Engine:
         cdef int kv_dim = max(f["n_kv_heads"] * f["head_dim"] for f in layer_flags)
         max_ff = max([1] + [f["d_ff"] for f in layer_flags])
         max_cols = max(d, q_dim, max_ff)
+        slots = top_k + 1                      # the chosen experts and the shared one
+        if slots > MAX_SLOTS:
+            raise ValueError(f"top-k {top_k} is more than {MAX_SLOTS - 1} experts per token")
         f32 = np.float32
         keep = {
             "x": np.zeros(d, f32), "xb": np.zeros(d, f32), "xb2": np.zeros(d, f32),
             "q": np.zeros(q_dim, f32), "att": np.zeros(q_dim, f32),
             "scores": np.zeros((self.h.n_heads, n_ctx), f32),
-            "hb": np.zeros(max_ff, f32), "hb2": np.zeros(max_ff, f32), "moe_acc": np.zeros(d, f32),
+            "hb": np.zeros((slots, max_ff), f32), "hb2": np.zeros((slots, max_ff), f32),
+            "moe_acc": np.zeros((slots, d), f32),
+            "slot_act_q": np.zeros((slots, max_ff), np.int8), "slot_act_d": np.zeros((slots, max_ff // 32 + 1), f32),
+            "slot_act_xp": np.zeros((slots, max_ff), f32),
             "rx": np.zeros(d, f32), "xe": np.zeros(d, f32), "xm": np.zeros(d, f32),
             "router": np.zeros(n_experts, f32), "logits": np.zeros(self.h.vocab, f32),
             "rope": [tuple(np.ascontiguousarray(a, f32) for a in f["rope"]) for f in layer_flags],
@@ -803,6 +871,14 @@ cdef class Engine:
         self.s.scores = _f32(keep["scores"])
         self.s.hb = _f32(keep["hb"]); self.s.hb2 = _f32(keep["hb2"])
         self.s.moe_acc = _f32(keep["moe_acc"]); self.s.router = _f32(keep["router"])
+        self.s.max_ff = max_ff
+        self.s.slot_act = <cb_act_q8 *>calloc(slots, sizeof(cb_act_q8))
+        if self.s.slot_act == NULL:
+            raise MemoryError("cannot allocate the expert scratch")
+        for slot in range(slots):
+            self.s.slot_act[slot].q = <signed char *><uintptr_t>keep["slot_act_q"][slot].ctypes.data
+            self.s.slot_act[slot].d = _f32(keep["slot_act_d"][slot])
+            self.s.slot_act[slot].xp = _f32(keep["slot_act_xp"][slot])
         self.s.rx = _f32(keep["rx"]); self.s.xe = _f32(keep["xe"]); self.s.xm = _f32(keep["xm"])
         self.s.logits = _f32(keep["logits"])
         self.s.chosen = <int *><uintptr_t>keep["chosen"].ctypes.data
@@ -900,6 +976,7 @@ cdef class Engine:
         free(self.layers)
         free(self.experts)
         free(self.acts)
+        free(self.s.slot_act)
 
     def reset(self):
         """Forget the context (the KV cache is overwritten position by position, so nothing to clear)."""
@@ -971,11 +1048,12 @@ cdef inline float *_f32(a):
 
 
 cdef Mat _mat(tuple t):
-    """(address, dtype name, shape) -> Mat."""
+    """(address, dtype name, shape[, layout name]) -> Mat; shape is the logical [rows, cols]."""
     cdef Mat m
-    addr, dtype, shape = t
+    addr, dtype, shape = t[:3]
     m.data = <const void *><uintptr_t>addr
     m.dtype = DTYPE_CODES[dtype]
+    m.layout = LAYOUT_CODES[t[3] if len(t) > 3 else "rows"]
     m.rows = shape[0]
     m.cols = shape[1]
     return m
@@ -1005,21 +1083,60 @@ def kernel_f16_to_f32(uint16_t h):
     return cb_f16_to_f32_exact(h)
 
 
-def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1):
-    """W @ x through the kernel table of the current tier.
-
-    w: the stored matrix, C-contiguous — [rows, cols] float32 (f32), uint16 (f16/bf16), or
-    [rows, cols // 32 * block bytes] uint8 for int8/int4 (see colibri.quant)."""
-    w = np.ascontiguousarray(w)
-    cdef int rows = w.shape[0]
-    cdef int cols = x.shape[0]
+def _stored_rows(w, int cols, str dtype, str layout):
+    """The number of outputs of a stored matrix w (see kernel_matvec); ValueError if w cannot hold
+    a matrix of `cols` inputs in that format and layout."""
     if dtype not in DTYPE_CODES:
         raise ValueError(f"unknown dtype {dtype!r}")
+    if layout not in LAYOUT_CODES:
+        raise ValueError(f"unknown layout {layout!r}")
     cdef int code = DTYPE_CODES[dtype]
-    if (code == CB_INT8 or code == CB_INT4) and cols % 32:
+    block = code == CB_INT8 or code == CB_INT4
+    if block and cols % 32:
         raise ValueError(f"{dtype} needs a multiple of 32 columns, got {cols}")
+    if layout == "rows":
+        rows = w.shape[0]
+    elif block:                      # [cols / 32, rows / 8 * group bytes]
+        rows = w.shape[1] // (8 * cb_row_stride(code, 32)) * 8 if w.ndim == 2 else 0
+        if w.ndim != 2 or w.shape[0] != cols // 32 or w.shape[1] != rows // 8 * 8 * cb_row_stride(code, 32):
+            raise ValueError(f"transposed {dtype} needs [cols / 32, rows / 8 * group bytes], got {w.shape}")
+    else:                            # [cols, rows]
+        rows = w.shape[1] if w.ndim == 2 else 0
     if w.nbytes != rows * cb_row_stride(code, cols):
         raise ValueError(f"matrix of {w.nbytes} bytes does not hold {rows} rows of {cols} {dtype} values")
+    return rows
+
+
+cdef cb_act_q8 *_test_acts(int n, int cols, list keep) except NULL:
+    """Activation quantization scratch for n tokens of `cols` values (free() it); the numpy
+    arrays behind it go into `keep`, which must outlive its use."""
+    cdef int t
+    act_q = np.zeros((n, cols), np.int8)
+    act_d = np.zeros((n, cols // 32 + 1), np.float32)
+    act_xp = np.zeros((n, cols), np.float32)
+    keep.extend((act_q, act_d, act_xp))
+    cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(n, sizeof(cb_act_q8))
+    if acts == NULL:
+        raise MemoryError()
+    for t in range(n):
+        acts[t].q = <signed char *><uintptr_t>act_q[t].ctypes.data
+        acts[t].d = <float *><uintptr_t>act_d[t].ctypes.data
+        acts[t].xp = <float *><uintptr_t>act_xp[t].ctypes.data
+    return acts
+
+
+def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1, str layout="rows"):
+    """W @ x through the kernel table of the current tier.
+
+    w: the stored matrix, C-contiguous. rows layout: [rows, cols] float32 (f32), uint16
+    (f16/bf16), or [rows, cols // 32 * block bytes] uint8 for int8/int4; transposed layout: the
+    float formats [cols, rows], int8/int4 [cols // 32, rows // 8 * group bytes] uint8 (see
+    colibri.quant.transpose)."""
+    w = np.ascontiguousarray(w)
+    cdef int cols = x.shape[0]
+    cdef int rows = _stored_rows(w, cols, dtype, layout)
+    cdef int code = DTYPE_CODES[dtype]
+    cdef int lay = LAYOUT_CODES[layout]
     out = np.zeros(rows, np.float32)
     act_q = np.zeros(cols, np.int8)
     act_d = np.zeros(cols // 32 + 1, np.float32)
@@ -1031,40 +1148,55 @@ def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1):
     cdef float[::1] o = out
     if rows == 0 or cols == 0:
         return out
-    cb_matvec(&o[0], <const void *><uintptr_t>w.ctypes.data, code, &x[0], &act, rows, cols, n_threads)
+    cb_matvec(&o[0], <const void *><uintptr_t>w.ctypes.data, code, lay, &x[0], &act, rows, cols, n_threads)
     return out
 
 
-def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps):
+def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, str layout="rows"):
     """Seconds for `reps` products out[n, rows] = x[n, cols] @ W[rows, cols]^T through the engine's
     cb_matmul (n = 1: the decode matvec; n > 1: a prefill tile pass), with no Python between
     repetitions: what tools/bench_kernels.py times. W is stored as in kernel_matvec."""
     import time
     w = np.ascontiguousarray(w)
-    cdef int rows = w.shape[0], n = x.shape[0], cols = x.shape[1], r, t
+    cdef int n = x.shape[0], cols = x.shape[1], r, t
+    cdef int rows = _stored_rows(w, cols, dtype, layout)
     cdef int code = DTYPE_CODES[dtype]
-    if w.nbytes != rows * cb_row_stride(code, cols) or n < 1 or reps < 1:
-        raise ValueError("bench_matmul: inconsistent shapes")
+    cdef int lay = LAYOUT_CODES[layout]
+    if n < 1 or reps < 1:
+        raise ValueError("bench_matmul: needs n >= 1 tokens and reps >= 1")
     out = np.zeros((n, rows), np.float32)
-    act_q = np.zeros((n, cols), np.int8)
-    act_d = np.zeros((n, cols // 32 + 1), np.float32)
-    act_xp = np.zeros((n, cols), np.float32)
-    cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(n, sizeof(cb_act_q8))
-    if acts == NULL:
-        raise MemoryError()
-    for t in range(n):
-        acts[t].q = <signed char *><uintptr_t>act_q[t].ctypes.data
-        acts[t].d = <float *><uintptr_t>act_d[t].ctypes.data
-        acts[t].xp = <float *><uintptr_t>act_xp[t].ctypes.data
+    keep = []
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
     cdef float[:, ::1] o = out
     cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
     t0 = time.perf_counter()
     with nogil:
         for r in range(reps):
-            cb_matmul(&o[0, 0], rows, wp, code, &x[0, 0], cols, acts, n, rows, cols, n_threads)
+            cb_matmul(&o[0, 0], rows, wp, code, lay, &x[0, 0], cols, acts, n, rows, cols, n_threads)
     seconds = time.perf_counter() - t0
     free(acts)
     return seconds
+
+
+def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layout="rows"):
+    """out [n, rows] = x [n, cols] @ W^T through cb_matmul (the prefill product), W stored as in
+    kernel_matvec."""
+    w = np.ascontiguousarray(w)
+    cdef int n = x.shape[0], cols = x.shape[1], t
+    cdef int rows = _stored_rows(w, cols, dtype, layout)
+    cdef int code = DTYPE_CODES[dtype]
+    cdef int lay = LAYOUT_CODES[layout]
+    out = np.zeros((n, rows), np.float32)
+    if n == 0 or rows == 0 or cols == 0:
+        return out
+    keep = []
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
+    cdef float[:, ::1] o = out
+    cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
+    with nogil:
+        cb_matmul(&o[0, 0], rows, wp, code, lay, &x[0, 0], cols, acts, n, rows, cols, n_threads)
+    free(acts)
+    return out
 
 
 def kernel_quantize_act(const float[::1] x):
@@ -1139,11 +1271,20 @@ cdef extern from "quant.h":
         pass
     ctypedef struct cb_block_int4:
         pass
+    ctypedef struct cb_group_int8:
+        pass
+    ctypedef struct cb_group_int4:
+        pass
 
 
 def block_sizes():
     """sizeof of the C block structs, for the test that they agree with colibri.quant."""
     return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4)}
+
+
+def group_sizes():
+    """sizeof of the C group structs of the transposed layout (8 blocks each)."""
+    return {"int8": sizeof(cb_group_int8), "int4": sizeof(cb_group_int4)}
 
 
 cdef extern from *:

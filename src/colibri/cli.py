@@ -44,6 +44,11 @@ def _token_list(text):
     return ids
 
 
+def _default_expert_layout() -> str:
+    from .quant import DEFAULT_EXPERT_LAYOUT
+    return DEFAULT_EXPERT_LAYOUT
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="colibri", description="CPU inference for Mixture-of-Experts language models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -88,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="storage of the weight matrices; norms, biases and routers stay f32")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
+    conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=("rows", "transposed"),
+                      default=None, help="storage order of the experts' matrices: rows [out, in] or "
+                                         "transposed [in, out] (default: %s)" % _default_expert_layout())
     conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
 
     info = sub.add_parser("info", help="describe a model directory")
@@ -227,7 +235,8 @@ def _verbose_printer(m):
 def cmd_convert(args) -> int:
     from .convert import convert
 
-    convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant)
+    convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
+            expert_layout=args.expert_layout)
     return 0
 
 
@@ -263,6 +272,8 @@ def cmd_info(args) -> int:
           f"head_dim {c.head_dim}, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
     print(f"weights:      {md.weight_dtype}, {len(md.files)} files, {total / 1e6:.1f} MB "
           f"(about {active / 1e6:.1f} MB read per token)")
+    layouts = sorted({t.get("layout", "rows") for n, t in md.tensors.items() if ".experts." in n}) or ["rows"]
+    print(f"layout:       experts {' and '.join(layouts)}, other matrices rows")
     print(f"context:      {c.max_position_embeddings} positions, rope theta {c.rope_theta:g}")
     sliding = sum(t == "sliding_attention" for t in c.layer_types)
     if sliding or c.layer_head_dims or c.layer_kv_heads:

@@ -17,7 +17,10 @@ Design
 Matrices (embedding, lm_head, attention, experts, dense MLPs) are stored in the chosen
 `--quantize` dtype; the router, the shared-expert gate, norms and biases stay f32. With int8 or
 int4, a matrix whose number of columns is not a multiple of 32 (only in toy models) is stored in
-f16 instead, and the converter says how many.
+f16 instead, and the converter says how many. `--expert-layout` stores the routed experts'
+matrices `rows` ([out, in]) or `transposed` ([in, out]; for int8/int4 the same blocks, input-major
+in groups of 8 outputs: quant.transpose); an int8/int4 expert matrix whose rows are not a multiple
+of 8 stays `rows`, and the converter says how many.
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from .config import ModelConfig
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
 from .modeldir import BLOCK_FORMATS, WEIGHT_DTYPES, ModelDirWriter, storage_nbytes, tensor_file, to_storage
-from .quant import QBLOCK
+from .quant import DEFAULT_EXPERT_LAYOUT, LAYOUTS, QBLOCK, TGROUP, transpose
+
+_EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
 
 # a matrix whose rows are not a whole number of blocks cannot be int8/int4: it is stored in this
 FALLBACK_DTYPE = "f16"
@@ -347,10 +352,13 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
 
 
 def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=print,
-            ln_quant: str | None = None) -> ModelConfig:
+            ln_quant: str | None = None, expert_layout: str | None = None) -> ModelConfig:
     """Convert a HF checkpoint directory into a Colibri model directory; returns its config."""
     if ln_quant not in (None, "int16"):
         raise ColibriError(f"--ln-quant {ln_quant!r} is not supported; the option is int16")
+    expert_layout = expert_layout or DEFAULT_EXPERT_LAYOUT
+    if expert_layout not in LAYOUTS:
+        raise ColibriError(f"--expert-layout {expert_layout!r} is not supported; choose one of {', '.join(LAYOUTS)}")
     if quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     ckpt = HFCheckpoint(hf_dir)
@@ -364,6 +372,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant) for name, (shape, kind) in expected.items()}
+    layouts = {name: _layout_for(name, shape, dtypes[name], expert_layout) for name, (shape, _) in expected.items()}
     need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
     free = shutil.disk_usage(parent).free
     if need > free:
@@ -378,7 +387,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         for name in expected:                                  # canonical order within a file
             by_file.setdefault(tensor_file(name), []).append(name)
         for rel, names in sorted(by_file.items()):
-            writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name]) for name in names))
+            writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name], layouts[name])
+                                    for name in names))
         tok = Path(hf_dir) / "tokenizer.model"
         if tok.is_file():
             writer.add_file("tokenizer.model", tok)
@@ -392,8 +402,11 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     fallback = sum(1 for n, (_, kind) in expected.items() if kind == "matrix" and dtypes[n] != quantize)
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
+    kept = sum(1 for n in expected if _EXPERT_MATRIX.fullmatch(n) and layouts[n] != expert_layout)
+    if kept:
+        log(f"[INFO] {kept} expert matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
     log(f"[INFO] Converted {arch} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
-        f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}"
+        f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}, experts {expert_layout}"
         + ("" if (out / "tokenizer.model").exists() else " (no tokenizer.model: raw token ids only)"))
     return cfg
 
@@ -412,7 +425,17 @@ def _dtype_for(shape, kind, quantize, ln_quant=None):
     return quantize
 
 
-def _stored(name, values, shape, dtype):
+def _layout_for(name, shape, dtype, expert_layout):
+    """The layout of one tensor: the routed experts' matrices take --expert-layout (int8/int4 ones
+    only with a multiple of 8 rows), everything else is stored in rows."""
+    if expert_layout == "rows" or not _EXPERT_MATRIX.fullmatch(name):
+        return "rows"
+    if dtype in BLOCK_FORMATS and shape[0] % TGROUP:
+        return "rows"
+    return expert_layout
+
+
+def _stored(name, values, shape, dtype, layout="rows"):
     """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file."""
     if tuple(values.shape) != shape:
         raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
@@ -428,7 +451,10 @@ def _stored(name, values, shape, dtype):
         scale = amax / 32767.0 if amax > 0 else 1.0
         q = np.clip(np.rint(values.astype(np.float64) / scale), -32767, 32767).astype("<i2")
         return name, q, dtype, shape, {"scale": scale}
-    return name, to_storage(values, dtype), dtype, shape, {}
+    stored = to_storage(values, dtype)
+    if layout == "transposed":
+        return name, transpose(stored, dtype, shape[1]), dtype, shape, {"layout": "transposed"}
+    return name, stored, dtype, shape, {}
 
 
 def _remove_stale_temporaries(parent: Path, name: str) -> None:

@@ -49,7 +49,7 @@ def storage_nbytes(dtype: str, shape) -> int:
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         return rows * quant.row_bytes(dtype, shape[-1])
     return int(np.prod(shape)) * STORAGE_DTYPES[dtype].itemsize
-LAYOUTS = ("rows",)
+LAYOUTS = quant.LAYOUTS        # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4, see quant.py)
 
 
 def tensor_file(name: str) -> str:
@@ -184,8 +184,15 @@ class ModelDir:
                     raise ColibriError(f"{ctx}: an int16 tensor needs a positive finite 'scale', got {sc!r}")
             if not all(type(n) is int for n in t["shape"]) or tuple(t["shape"]) != shape:
                 raise ColibriError(f"{ctx}: expected shape {list(shape)}, got {t['shape']}")
-            if t.get("layout", "rows") not in LAYOUTS:
-                raise ColibriError(f"{ctx}: unsupported layout {t.get('layout')!r} (supported: {', '.join(LAYOUTS)})")
+            layout = t.get("layout", "rows")
+            if layout not in LAYOUTS:
+                raise ColibriError(f"{ctx}: unsupported layout {layout!r} (supported: {', '.join(LAYOUTS)})")
+            if layout == "transposed":
+                if kind != "matrix" or len(shape) != 2 or name == "embedding":
+                    raise ColibriError(f"{ctx}: only weight matrices other than the embedding can be transposed")
+                if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:
+                    raise ColibriError(f"{ctx}: transposed {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
+                                       f"got {list(shape)}")
             if t["dtype"] in BLOCK_FORMATS and (len(shape) != 2 or shape[1] % quant.QBLOCK):
                 raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
             nbytes = storage_nbytes(t["dtype"], shape)
@@ -260,12 +267,24 @@ class MappedModelDir:
         return self._maps[t["file"]][1].ctypes.data + t["offset"]
 
     def array(self, name: str) -> np.ndarray:
-        """A read-only numpy view of a tensor in its storage dtype (no copy)."""
+        """A read-only numpy view of a tensor in its storage dtype and layout (no copy): rows
+        layout [rows, cols] (int8/int4: [rows, row bytes]); transposed [cols, rows] (int8/int4:
+        [cols / 32, rows / 8 * group bytes], quant.transpose)."""
         t = self.md.tensors[name]
         view = self._maps[t["file"]][1][t["offset"]:t["offset"] + t["nbytes"]]
+        transposed = t.get("layout", "rows") == "transposed"
         if t["dtype"] in BLOCK_FORMATS:
-            return view.reshape(t["shape"][0], -1)
-        return view.view(STORAGE_DTYPES[t["dtype"]]).reshape(t["shape"])
+            return view.reshape(t["shape"][1] // quant.QBLOCK if transposed else t["shape"][0], -1)
+        shape = t["shape"][::-1] if transposed else t["shape"]
+        return view.view(STORAGE_DTYPES[t["dtype"]]).reshape(shape)
+
+    def rows_array(self, name: str) -> np.ndarray:
+        """The tensor in its storage dtype and the rows layout (a copy where it is stored transposed)."""
+        t = self.md.tensors[name]
+        a = self.array(name)
+        if t.get("layout", "rows") != "transposed":
+            return a
+        return quant.untranspose(a, t["dtype"], t["shape"][0], t["shape"][1])
 
     def mapped_files(self) -> list:
         return list(self._maps)
@@ -277,7 +296,7 @@ class MappedModelDir:
         return addr, (self.md.files[rel]["size"] + page - 1) // page * page
 
     def engine_table(self) -> dict:
-        """name -> (address, dtype, shape), the form colibri._kernels.Engine takes. int16 norms
+        """name -> (address, dtype, shape, layout), the form colibri._kernels.Engine takes. int16 norms
         are dequantized here into float32 arrays (kept alive by this object: a few KB)."""
         table = {}
         for n, t in self.md.tensors.items():
@@ -286,7 +305,7 @@ class MappedModelDir:
                 self._dequantized[n] = f32
                 table[n] = (f32.ctypes.data, "f32", tuple(t["shape"]))
             else:
-                table[n] = (self.address(n), t["dtype"], tuple(t["shape"]))
+                table[n] = (self.address(n), t["dtype"], tuple(t["shape"]), t.get("layout", "rows"))
         return table
 
     def close(self):

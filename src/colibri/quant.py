@@ -5,6 +5,8 @@
           byte j of a block holds element j in its low nibble and element j + 16 in its high one
 
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
+`transposed` layout stores the same blocks input-major in groups of 8 outputs (their 8 scales
+first, then their 8 blocks' weights; csrc/quant.h): `transpose` / `untranspose` convert. The
 scale is rounded to f16 first (away from zero, so the largest weight never clips) and the
 weights are quantized against the rounded scale, so dequantization reproduces exactly what the
 kernels compute with. int8 errs by at most half a step (d / 2); int4, whose levels run from -8d
@@ -20,6 +22,16 @@ BLOCK_DTYPES = {
     "int4": np.dtype([("d", "<u2"), ("qs", "u1", (QBLOCK // 2,))]),
 }
 BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18
+TGROUP = 8          # outputs per group of the transposed layout
+GROUP_DTYPES = {
+    "int8": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "i1", (TGROUP, QBLOCK))]),
+    "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (TGROUP, QBLOCK // 2))]),
+}
+GROUP_BYTES = {name: dt.itemsize for name, dt in GROUP_DTYPES.items()}     # int8: 272, int4: 144
+LAYOUTS = ("rows", "transposed")
+# the layout of the routed experts' matrices when `convert --expert-layout` is not given
+# (BENCHMARKS.md, "Expert layout")
+DEFAULT_EXPERT_LAYOUT = "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:
@@ -75,3 +87,35 @@ def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
         qs = blocks["qs"]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float32) - 8
     return (d * q).reshape(rows, cols)
+
+
+def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
+    """A matrix stored in the rows layout -> the same matrix in the transposed layout.
+
+    f32/f16/bf16 (any numpy dtype): [rows, cols] -> [cols, rows]. int8/int4: uint8 [rows,
+    row_bytes] of blocks -> uint8 [cols / 32, rows / 8 * group bytes], group (kb, g) holding the
+    scales and weights of block kb of outputs 8g .. 8g+7 (rows must be a multiple of 8)."""
+    if dtype not in BLOCK_DTYPES:
+        return np.ascontiguousarray(np.asarray(stored).T)
+    rows = stored.shape[0]
+    if rows % TGROUP:
+        raise ValueError(f"the transposed {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
+    nb = cols // QBLOCK
+    blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows // TGROUP, TGROUP, nb)
+    blocks = blocks.transpose(2, 0, 1)                              # [nb, groups, 8]
+    out = np.zeros(blocks.shape[:2], GROUP_DTYPES[dtype])
+    out["d"] = blocks["d"]
+    out["qs"] = blocks["qs"]
+    return out.view(np.uint8).reshape(nb, -1)
+
+
+def untranspose(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.ndarray:
+    """The inverse of `transpose`: the matrix in the rows layout."""
+    if dtype not in BLOCK_DTYPES:
+        return np.ascontiguousarray(np.asarray(stored).T)
+    nb = cols // QBLOCK
+    groups = np.ascontiguousarray(stored).view(GROUP_DTYPES[dtype]).reshape(nb, rows // TGROUP)
+    out = np.zeros((rows // TGROUP, TGROUP, nb), BLOCK_DTYPES[dtype])
+    out["d"] = groups["d"].transpose(1, 2, 0)
+    out["qs"] = groups["qs"].transpose(1, 2, 0, 3)
+    return out.view(np.uint8).reshape(rows, -1)

@@ -10,6 +10,8 @@ way on this shared, noisy machine, not by two runs minutes apart.
     python tools/bench/ab_revisions.py REV_A REV_B --model-dir D [--pairs 3] [--threads 2]
                                         [--prompt-len 128] [--gen 48]
 REV may be a commit, a branch, or "worktree" (the current checkout as it is, built in place).
+With --model-dir-b, B runs on that directory instead: one revision on two model directories (two
+expert layouts, say): `ab_revisions.py worktree worktree --model-dir D --model-dir-b D2`.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def prepare(rev: str) -> Path:
     return root / "src"
 
 
-def run(src: Path, args) -> dict:
-    cmd = [sys.executable, "-m", "colibri", "bench", "--model-dir", args.model_dir, "--json",
+def run(src: Path, model_dir: str, args) -> dict:
+    cmd = [sys.executable, "-m", "colibri", "bench", "--model-dir", model_dir, "--json",
            "--prompt-len", str(args.prompt_len), "--gen", str(args.gen), "--repeat", "3",
            "--threads", str(args.threads)]
     out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(src)), check=True,
@@ -55,23 +57,28 @@ def main() -> int:
     ap.add_argument("rev_a")
     ap.add_argument("rev_b")
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--model-dir-b", default=None, help="B's model directory (default: --model-dir)")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=48)
     args = ap.parse_args()
     revs = (args.rev_a, args.rev_b)          # the same revision twice measures the noise (A/A)
-    src = [prepare(rev) for rev in revs]
+    src = [prepare(rev) for rev in dict.fromkeys(revs)]
+    src = src * 2 if len(src) == 1 else src
+    dirs = (args.model_dir, args.model_dir_b or args.model_dir)
+    if args.model_dir_b:                      # name the runs by what differs
+        revs = tuple(f"{r}:{Path(d).name}" for r, d in zip(revs, dirs))
     got = ([], [])
     for i in range(args.pairs):
         for k in (0, 1):
-            got[k].append(run(src[k], args))
+            got[k].append(run(src[k], dirs[k], args))
             print(f"pair {i + 1} {'AB'[k]} {revs[k]:>12}: prefill {got[k][-1]['pp']:.1f} tok/s, "
                   f"decode {got[k][-1]['tg']:.2f} tok/s", flush=True)
     for key, label in (("pp", "prefill"), ("tg", "decode")):
         a = statistics.median(r[key] for r in got[0])
         b = statistics.median(r[key] for r in got[1])
-        print(f"{label}: {args.rev_a} {a:.1f}, {args.rev_b} {b:.1f} tok/s (medians of {args.pairs}), B / A = {b / a:.2f}")
+        print(f"{label}: {revs[0]} {a:.1f}, {revs[1]} {b:.1f} tok/s (medians of {args.pairs}), B / A = {b / a:.2f}")
     return 0
 
 

@@ -26,6 +26,8 @@ typedef struct {
     int decode_dot[CB_N_DTYPES];    /* 1: dot is the tile's arithmetic for one token, and decode
                                        calls it row by row (a 4-argument call per row instead of
                                        the tile's 11: AVX2 int4 decode 10 % faster) */
+    cb_ttile_fn ttile;              /* the transposed layout, every format */
+    int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
@@ -44,6 +46,8 @@ static int cb_select_isa(int isa) {
     t.dot[CB_INT8] = cb_dot_int8_scalar;
     t.dot[CB_INT4] = cb_dot_int4_scalar;
     for (int d = 0; d < CB_N_DTYPES; d++) { t.tile[d] = NULL; t.tile_rows[d] = 1; t.decode_dot[d] = 0; }
+    t.ttile = cb_ttile_scalar;
+    t.ttile_max_t = 4;
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
         t.dot[CB_F32] = cb_dot_f32_avx2;
@@ -56,6 +60,7 @@ static int cb_select_isa(int isa) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx2_any;
         t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
         for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
+        t.ttile = cb_ttile_avx2_any;          /* also the AVX-512 tier's: no wider version yet */
     }
     if (isa >= CB_ISA_AVX512) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
@@ -72,35 +77,74 @@ static int cb_select_isa(int isa) {
     return 0;
 }
 
-/* The shared body of matvec and matmul: out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n,
- * r < rows, W stored as `dtype` with rows cb_row_stride bytes apart. Integer formats quantize
- * each token's activation per block into acts[t] first. Rows are split over threads. With a tile
- * kernel, rows go tile_rows at a time and tokens 4 at a time (decode: one row, or the dot
- * product where it is the tile's arithmetic); otherwise one dot product per element. Either way
- * an element's arithmetic does not depend on n, so a prompt processed in one matmul gives exactly
- * the logits of token-by-token decoding. */
-static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float *x, int ldx,
-                      cb_act_q8 *acts, int n, int rows, int cols, int n_threads) {
-    size_t stride = cb_row_stride(dtype, cols);
-    cb_dot_fn dot = cb_kt.dot[dtype];
+/* Outputs per chunk of a transposed prefill product: the chunk's weights (about 128 KB) stay in
+ * L2 while every 4-token tile of the prompt passes over them. Decode takes a thread's whole range
+ * in one pass (one long read per input row or block). */
+#define CB_TCHUNK_BYTES (128 * 1024)
+
+/* One product of a batch (cb_matmul_jobs): out[t * ldo + r] = W[r, :] . x_t for t < n tokens,
+ * r < rows, x_t = x + t * ldx; W [rows, cols] stored as dtype/layout. acts [n]: the quantization
+ * scratch of the integer formats; jobs with the same input pass the same acts (quantized once). */
+typedef struct {
+    float *out;
+    int ldo;
+    const void *w;
+    int dtype;
+    int layout;       /* CB_ROWS / CB_TRANSPOSED */
+    int rows;
+    int cols;
+    const float *x;
+    int ldx;
+    cb_act_q8 *acts;
+} cb_matjob;
+
+/* This thread's share of a transposed product: whole groups of 8 outputs [u0, u1) * 8. Every
+ * output's arithmetic is the same for any n and any split, so prefill equals decode. */
+static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt) {
+    const int unit = CB_TGROUP, rows = j->rows, cols = j->cols, ldx = j->ldx;
+    const float *x = j->x;
+    const cb_act_q8 *acts = j->acts;
+    const int units = (rows + unit - 1) / unit;
+    const int u0 = (int)((long long)units * th / nt), u1 = (int)((long long)units * (th + 1) / nt);
+    const size_t bytes_per_unit = j->dtype == CB_INT8 || j->dtype == CB_INT4
+        ? (size_t)(cols / CB_QBLOCK) * cb_group_bytes(j->dtype)
+        : (size_t)cols * (j->dtype == CB_F32 ? 4 : 2) * unit;
+    int chunk_units = (int)(CB_TCHUNK_BYTES / (bytes_per_unit ? bytes_per_unit : 1));
+    if (chunk_units < 1) chunk_units = 1;
+    /* float formats: a chunk's slice of an input row is contiguous; below 256 outputs (512 B of
+     * bf16) the reads are too short and every row a new page (measured 5x slower at 64) */
+    if (j->dtype != CB_INT8 && j->dtype != CB_INT4 && chunk_units < 256 / unit) chunk_units = 256 / unit;
+    const int step = n == 1 ? u1 - u0 : chunk_units, max_t = cb_kt.ttile_max_t;
+    for (int c = u0; c < u1; c += step) {
+        int o0 = c * unit, o1 = (c + step < u1 ? c + step : u1) * unit;
+        if (o1 > rows) o1 = rows;
+        for (int t = 0; t < n; t += max_t) {
+            int T = n - t < max_t ? n - t : max_t;
+            cb_kt.ttile(j->out + (size_t)t * j->ldo, j->ldo, (const char *)j->w, j->dtype, x + (size_t)t * ldx,
+                        ldx, acts + t, rows, cols, o0, o1, T);
+        }
+    }
+}
+
+/* This thread's share of a rows-layout product: with a tile kernel, rows go tile_rows at a time
+ * and tokens 4 at a time (decode: one row, or the dot product where it is the tile's arithmetic);
+ * otherwise one dot product per element. Either way an element's arithmetic does not depend on
+ * n or on the split, so a prompt processed in one matmul gives exactly the logits of decoding. */
+static void cb_job_rows(const cb_matjob *j, int n, int th, int nt) {
+    const int dtype = j->dtype, rows = j->rows, ldo = j->ldo, cols = j->cols, ldx = j->ldx;
+    const float *x = j->x;
+    const cb_act_q8 *acts = j->acts;
+    const size_t stride = cb_row_stride(dtype, cols);
+    const char *wb = (const char *)j->w;
+    float *out = j->out;
     cb_tile_fn tile = cb_kt.tile[dtype];
-    const char *wb = (const char *)w;
-    if (dtype == CB_INT8 || dtype == CB_INT4)
-        for (int t = 0; t < n; t++) cb_kt.quantize(&acts[t], x + (size_t)t * ldx, cols);
-#if CB_X86
-    if (dtype == CB_BF16 && cb_kt.isa >= CB_ISA_AVX512 && tile && acts[0].xp)   /* the AVX-512 bf16 tile */
-        for (int t = 0; t < n; t++) cb_permute_bf16(acts[t].xp, x + (size_t)t * ldx, cols);
-#endif
-    int parallel = n_threads > 1 && (long long)rows * cols * n >= CB_PARALLEL_MIN_WORK;
-    (void)parallel;
     if (tile && !(n == 1 && cb_kt.decode_dot[dtype])) {
-        int TR = cb_kt.tile_rows[dtype];
         /* decode: one row per tile (one weight stream per thread) measured fastest for every
          * format: 2 or 4 rows at once cut int8 from 26 to 10-24 GB/s, bf16 from 23 to 16-19 */
-        if (n == 1) TR = 1;
-        int groups = (rows + TR - 1) / TR;
-        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-        for (int g = 0; g < groups; g++) {
+        const int TR = n == 1 ? 1 : cb_kt.tile_rows[dtype];
+        const int groups = (rows + TR - 1) / TR;
+        const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
+        for (int g = g0; g < g1; g++) {
             int r0 = g * TR;
             int R = rows - r0 >= TR ? TR : 1;        /* a full group, or the tail row by row */
             for (int r = r0; r < rows && r < r0 + TR; r += R) {
@@ -113,20 +157,63 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, const float
         }
         return;
     }
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int r = 0; r < rows; r++) {
+    cb_dot_fn dot = cb_kt.dot[dtype];
+    const int r0 = (int)((long long)rows * th / nt), r1 = (int)((long long)rows * (th + 1) / nt);
+    for (int r = r0; r < r1; r++) {
         const void *row = wb + (size_t)r * stride;
         for (int t = 0; t < n; t++) out[(size_t)t * ldo + r] = dot(row, x + (size_t)t * ldx, &acts[t], cols);
     }
+}
+
+/* Several products in one parallel region: q/k/v of attention, gate/up of every chosen expert,
+ * their down projections. Integer formats quantize each input once (per distinct acts) first.
+ * Each thread takes its static share of every product in turn with no barrier between them, so
+ * the threads meet once per batch instead of once per matrix. Below CB_PARALLEL_MIN_WORK
+ * multiply-adds in all, one thread. */
+static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_threads) {
+    long long work = 0;
+    for (int i = 0; i < count; i++) {
+        const cb_matjob *j = &jobs[i];
+        work += (long long)j->rows * j->cols * n;
+        int first = 1;                                  /* the first job of this input? */
+        for (int p = 0; p < i; p++) first &= jobs[p].acts != j->acts;
+        if (!first) continue;
+        int quantized = 0, bf16_rows = 0;
+        for (int p = i; p < count; p++) {
+            if (jobs[p].acts != j->acts) continue;
+            quantized |= jobs[p].dtype == CB_INT8 || jobs[p].dtype == CB_INT4;
+            bf16_rows |= jobs[p].dtype == CB_BF16 && jobs[p].layout == CB_ROWS;
+        }
+        if (quantized)
+            for (int t = 0; t < n; t++) cb_kt.quantize(&j->acts[t], j->x + (size_t)t * j->ldx, j->cols);
+#if CB_X86
+        if (bf16_rows && cb_kt.isa >= CB_ISA_AVX512 && cb_kt.tile[CB_BF16] && j->acts[0].xp)  /* the AVX-512 bf16 tile's input */
+            for (int t = 0; t < n; t++) cb_permute_bf16(j->acts[t].xp, j->x + (size_t)t * j->ldx, j->cols);
+#endif
+    }
+    const int nt = n_threads > 1 && work >= CB_PARALLEL_MIN_WORK ? n_threads : 1;
+    #pragma omp parallel for schedule(static, 1) num_threads(nt) if (nt > 1)
+    for (int th = 0; th < nt; th++)
+        for (int i = 0; i < count; i++) {
+            if (jobs[i].layout == CB_TRANSPOSED) cb_job_transposed(&jobs[i], n, th, nt);
+            else cb_job_rows(&jobs[i], n, th, nt);
+        }
+}
+
+/* out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n, r < rows: one product (see above). */
+static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
+                      cb_act_q8 *acts, int n, int rows, int cols, int n_threads) {
+    cb_matjob job = {out, ldo, w, dtype, layout, rows, cols, x, ldx, acts};
+    cb_matmul_jobs(&job, 1, n, n_threads);
 }
 
 /* The current tier's activation quantization (for the tests). */
 static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantize(a, x, n); }
 
 /* out[rows] = W[rows, cols] @ x[cols] (decode); `a` is the activation quantization scratch. */
-static void cb_matvec(float *out, const void *w, int dtype, const float *x, cb_act_q8 *a,
+static void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
                       int rows, int cols, int n_threads) {
-    cb_matmul(out, rows, w, dtype, x, cols, a, 1, rows, cols, n_threads);
+    cb_matmul(out, rows, w, dtype, layout, x, cols, a, 1, rows, cols, n_threads);
 }
 
 #endif /* COLIBRI_DISPATCH_H */

@@ -40,12 +40,6 @@ CB_TARGET_AVX2 static inline __m256 cb_load_f32x8_avx2(const char *row, int dtyp
     return cb_bf16x8_to_f32((const uint16_t *)row + i);
 }
 
-static inline float cb_load_f32_scalar(const char *row, int dtype, int i) {
-    if (dtype == CB_F32) return ((const float *)row)[i];
-    if (dtype == CB_F16) return cb_f16_table[((const uint16_t *)row)[i]];
-    return cb_bf16_to_f32(((const uint16_t *)row)[i]);
-}
-
 /* Float tile: out[j * ldo] = row . x_j for T in 1..4 tokens (x_j = x + j * ldx) of one weight
  * row. Per token two accumulators (elements i..i+7 and i+8..i+15 of each 16), then the scalar
  * tail: T = 1 is the decode dot product, so prefill and decode agree bit for bit. The weights
@@ -212,6 +206,167 @@ CB_TARGET_AVX2 static void cb_tile_float_avx2_any(float *out, int ldo, const cha
     else if (dtype == CB_F16) { CB_AVX2_T_CASES(CB_CALL_F2, CB_F16) }
     else { CB_AVX2_T_CASES(CB_CALL_F2, CB_BF16) }
 #undef CB_CALL_F2
+}
+
+/* ---- the transposed layout (kernels_scalar.h, quant.h) ---------------------------------------
+ *
+ * Float formats: an axpy per input row into the outputs [o0, o1) of T tokens, which stay in L1
+ * (out); per output lane the products are added in input order, so any T gives the same bits.
+ * Integer formats: per input block, one group of 8 outputs at a time: 8 integer block sums reduced
+ * into one vector of 8 (hadd tree), their 8 scales converted in one instruction, one FMA into the
+ * 8 outputs. int4 multiplies the unsigned nibbles (0..15) and subtracts 8 * sum(x) of the block
+ * afterwards (exact in int32): no sign trick, and a 32-byte load covers two outputs. */
+
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_ttile_float_avx2(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
+                    int rows, int cols, int o0, int o1, const int T) {
+    /* U input rows per pass over the outputs: one load and store of each output vector per U
+     * rows (a store per row made the weight loads wait on 4K-aliased stores: 2x slower) */
+    enum { U = 4 };
+    const size_t stride = cb_row_stride(dtype, rows);
+    const int ov = o0 + (o1 - o0) / 8 * 8;
+    for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
+    int i = 0;
+    for (; i + U <= cols; i += U) {
+        const char *wrow = w + (size_t)i * stride;
+        for (int o = o0; o < ov; o += 8) {
+            __m256 wv[U];
+            for (int u = 0; u < U; u++) wv[u] = cb_load_f32x8_avx2(wrow + (size_t)u * stride, dtype, o);
+            for (int j = 0; j < T; j++) {
+                float *y = out + (size_t)j * ldo + o;
+                const float *xj = x + (size_t)j * ldx + i;
+                __m256 acc = _mm256_loadu_ps(y);
+                for (int u = 0; u < U; u++) acc = _mm256_fmadd_ps(wv[u], _mm256_broadcast_ss(xj + u), acc);
+                _mm256_storeu_ps(y, acc);
+            }
+        }
+        for (int o = ov; o < o1; o++)
+            for (int j = 0; j < T; j++) {
+                float *y = out + (size_t)j * ldo + o;
+                for (int u = 0; u < U; u++)
+                    *y = fmaf(cb_load_f32_scalar(wrow + (size_t)u * stride, dtype, o), x[(size_t)j * ldx + i + u], *y);
+            }
+    }
+    for (; i < cols; i++) {                             /* the last cols % U input rows */
+        const char *wrow = w + (size_t)i * stride;
+        for (int o = o0; o < ov; o += 8) {
+            __m256 wv = cb_load_f32x8_avx2(wrow, dtype, o);
+            for (int j = 0; j < T; j++) {
+                float *y = out + (size_t)j * ldo + o;
+                _mm256_storeu_ps(y, _mm256_fmadd_ps(wv, _mm256_broadcast_ss(x + (size_t)j * ldx + i), _mm256_loadu_ps(y)));
+            }
+        }
+        for (int o = ov; o < o1; o++)
+            for (int j = 0; j < T; j++) {
+                float *y = out + (size_t)j * ldo + o;
+                *y = fmaf(cb_load_f32_scalar(wrow, dtype, o), x[(size_t)j * ldx + i], *y);
+            }
+    }
+}
+
+/* The 8 int32 block sums of an int8 group against T tokens' activation blocks xq[j]. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_group_sums_int8_avx2(__m256i *isum, const cb_group_int8 *g, const __m256i *xq, const int T) {
+    __m256i quad[2][4];
+    for (int h = 0; h < 2; h++) {                       /* outputs 4h .. 4h+3 */
+        __m256i pair[2][4];
+        for (int p = 0; p < 2; p++) {
+            const int r = 4 * h + 2 * p;
+            __m256i wa = _mm256_loadu_si256((const __m256i *)g->qs[r]);
+            __m256i wb = _mm256_loadu_si256((const __m256i *)g->qs[r + 1]);
+            __m256i aa = _mm256_sign_epi8(wa, wa), ab = _mm256_sign_epi8(wb, wb);
+            for (int j = 0; j < T; j++) {
+                __m256i sa = _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(xq[j], wa)), _mm256_set1_epi16(1));
+                __m256i sb = _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(xq[j], wb)), _mm256_set1_epi16(1));
+                pair[p][j] = _mm256_hadd_epi32(sa, sb);
+            }
+        }
+        /* [r0 r1 r2 r3 (lanes 0-3 of each) | r0 r1 r2 r3 (lanes 4-7)] */
+        for (int j = 0; j < T; j++) quad[h][j] = _mm256_hadd_epi32(pair[0][j], pair[1][j]);
+    }
+    for (int j = 0; j < T; j++)
+        isum[j] = _mm256_add_epi32(_mm256_permute2x128_si256(quad[0][j], quad[1][j], 0x20),
+                                   _mm256_permute2x128_si256(quad[0][j], quad[1][j], 0x31));
+}
+
+/* The 8 int32 block sums of an int4 group: nibbles (0..15) times x, minus 8 * sum(x) (xoff[j]). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_group_sums_int4_avx2(__m256i *isum, const cb_group_int4 *g, const __m256i *xlo, const __m256i *xhi,
+                        const __m256i *xoff, const int T) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    __m256i lo[4], hi[4];
+    for (int c = 0; c < 4; c++) {                       /* outputs 2c, 2c+1: 32 bytes */
+        __m256i v = _mm256_loadu_si256((const __m256i *)g->qs[2 * c]);
+        lo[c] = _mm256_and_si256(v, m4);                                /* elements 0..15 */
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);          /* elements 16..31 */
+    }
+    for (int j = 0; j < T; j++) {
+        __m256i s[4];
+        for (int c = 0; c < 4; c++) {                   /* [2c: 4 partial sums | 2c+1: 4 partial sums] */
+            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xlo[j]), _mm256_maddubs_epi16(hi[c], xhi[j]));
+            s[c] = _mm256_madd_epi16(p, one);
+        }
+        /* hadd tree -> [r0 r2 r4 r6 | r1 r3 r5 r7], then into output order */
+        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        isum[j] = _mm256_sub_epi32(h, xoff[j]);
+    }
+}
+
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_ttile_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                    int rows, int cols, int o0, int o1, const int T) {
+    const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK;
+    const size_t gbytes = cb_group_bytes(dtype);
+    for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
+    for (int kb = 0; kb < nb; kb++) {
+        __m256i xq[4], xlo[4], xhi[4], xoff[4];
+        __m256 dx[4];
+        for (int j = 0; j < T; j++) {
+            const int8_t *q = acts[j].q + kb * CB_QBLOCK;
+            xq[j] = _mm256_loadu_si256((const __m256i *)q);
+            dx[j] = _mm256_set1_ps(acts[j].d[kb]);
+            if (dtype == CB_INT4) {
+                xlo[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+                xhi[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
+                /* 8 * sum(x): bytes summed in pairs against 1, then the 8 int32 lanes */
+                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xq[j]), _mm256_set1_epi16(1));
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                xoff[j] = _mm256_slli_epi32(_mm256_broadcastd_epi32(s4), 3);
+            }
+        }
+        const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;
+        for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes) {
+            __m256i isum[4];
+            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));   /* the 8 scales */
+            if (dtype == CB_INT8) cb_group_sums_int8_avx2(isum, (const cb_group_int8 *)grp, xq, T);
+            else cb_group_sums_int4_avx2(isum, (const cb_group_int4 *)grp, xlo, xhi, xoff, T);
+            for (int j = 0; j < T; j++) {
+                float *y = out + (size_t)j * ldo + o;
+                _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, dx[j]),
+                                                    _mm256_loadu_ps(y)));
+            }
+        }
+    }
+}
+
+/* The table's transposed entry: the format and T in 1..4 select a specialised body. */
+CB_TARGET_AVX2 static void cb_ttile_avx2_any(float *out, int ldo, const char *w, int dtype, const float *x,
+                                             int ldx, const cb_act_q8 *acts, int rows, int cols, int o0,
+                                             int o1, int T) {
+#define CB_CALL_TQ(dt, t) cb_ttile_quant_avx2(out, ldo, w, dt, acts, rows, cols, o0, o1, t)
+#define CB_CALL_TF(dt, t) cb_ttile_float_avx2(out, ldo, w, dt, x, ldx, rows, cols, o0, o1, t)
+    switch (dtype) {
+    case CB_INT8: CB_AVX2_T_CASES(CB_CALL_TQ, CB_INT8) break;
+    case CB_INT4: CB_AVX2_T_CASES(CB_CALL_TQ, CB_INT4) break;
+    case CB_F32: CB_AVX2_T_CASES(CB_CALL_TF, CB_F32) break;
+    case CB_F16: CB_AVX2_T_CASES(CB_CALL_TF, CB_F16) break;
+    default: CB_AVX2_T_CASES(CB_CALL_TF, CB_BF16) break;
+    }
+#undef CB_CALL_TQ
+#undef CB_CALL_TF
 }
 
 #endif /* CB_X86 */

@@ -133,6 +133,76 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
     return acc;
 }
 
+/* ---- the transposed layout ------------------------------------------------------------------
+ *
+ * A matrix W [rows = outputs, cols = inputs] stored `transposed` is [cols, rows] row-major for the
+ * float formats (a matvec is an axpy per input row), and for int8/int4 the same blocks as `rows`
+ * stored input-major in groups of 8 outputs (quant.h). The same quantization, so both layouts hold
+ * the same numbers. The scalar kernel below accumulates every output in exactly the order of the
+ * scalar dot products above, so at the scalar tier both layouts give the same bits.
+ */
+enum { CB_ROWS = 0, CB_TRANSPOSED = 1 };     /* Mat.layout; mirrored in colibri/_kernels.pyx */
+
+/* Bytes of a transposed int8/int4 group of 8 outputs. */
+static inline size_t cb_group_bytes(int dtype) {
+    return dtype == CB_INT8 ? sizeof(cb_group_int8) : sizeof(cb_group_int4);
+}
+
+/* One weight of a float-format row, as float. */
+static inline float cb_load_f32_scalar(const char *row, int dtype, int i) {
+    if (dtype == CB_F32) return ((const float *)row)[i];
+    if (dtype == CB_F16) return cb_f16_table[((const uint16_t *)row)[i]];
+    return cb_bf16_to_f32(((const uint16_t *)row)[i]);
+}
+
+/* Transposed tile: out[j * ldo + o] = W[o, :] . token j for outputs o in [o0, o1) and tokens
+ * j < T (x + j * ldx for the float formats, acts[j] for the integer ones); W has `rows` outputs and
+ * `cols` inputs, stored transposed. Integer formats: o0 and o1 multiples of 8 (whole groups),
+ * except o1 == rows. Every tier implements this signature (SIMD tiers for T <= 4). */
+typedef void (*cb_ttile_fn)(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
+                            const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T);
+
+static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
+                            const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T) {
+    for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
+    if (dtype != CB_INT8 && dtype != CB_INT4) {
+        size_t stride = cb_row_stride(dtype, rows);
+        for (int i = 0; i < cols; i++) {
+            const char *wrow = w + (size_t)i * stride;
+            for (int j = 0; j < T; j++) {
+                float xi = x[(size_t)j * ldx + i];
+                float *y = out + (size_t)j * ldo;
+                for (int o = o0; o < o1; o++) y[o] += cb_load_f32_scalar(wrow, dtype, o) * xi;
+            }
+        }
+        return;
+    }
+    const int groups = rows / CB_TGROUP;
+    const size_t gbytes = cb_group_bytes(dtype);
+    for (int kb = 0; kb < cols / CB_QBLOCK; kb++) {
+        for (int o = o0; o < o1; o++) {
+            const char *grp = w + ((size_t)kb * groups + o / CB_TGROUP) * gbytes;
+            int r = o % CB_TGROUP;
+            float dw = cb_f16_table[((const uint16_t *)grp)[r]];
+            for (int j = 0; j < T; j++) {
+                const int8_t *xq = acts[j].q + kb * CB_QBLOCK;
+                int32_t s = 0;
+                if (dtype == CB_INT8) {
+                    const int8_t *q = ((const cb_group_int8 *)grp)->qs[r];
+                    for (int e = 0; e < CB_QBLOCK; e++) s += (int32_t)q[e] * (int32_t)xq[e];
+                } else {
+                    const uint8_t *q = ((const cb_group_int4 *)grp)->qs[r];
+                    for (int e = 0; e < CB_QBLOCK / 2; e++) {
+                        s += ((int32_t)(q[e] & 0x0F) - 8) * (int32_t)xq[e];
+                        s += ((int32_t)(q[e] >> 4) - 8) * (int32_t)xq[e + CB_QBLOCK / 2];
+                    }
+                }
+                out[(size_t)j * ldo + o] += dw * acts[j].d[kb] * (float)s;
+            }
+        }
+    }
+}
+
 static inline float cb_dot_f32(const float *w, const float *x, int n) {
     return cb_dot_f32_scalar(w, x, NULL, n);
 }

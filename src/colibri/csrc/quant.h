@@ -7,6 +7,13 @@
  *                                                                                        (18 bytes)
  * A row of an int8/int4 matrix is cols/32 consecutive blocks; cols must be a multiple of 32.
  *
+ * The `transposed` layout ([in, out] at block granularity) stores the same blocks input-major:
+ * for each block of 32 inputs kb, the blocks of all outputs in order, 8 outputs at a time as one
+ * group whose 8 scales come first (cb_group_int8 / cb_group_int4; rows must be a multiple of 8):
+ *     group (kb, g) at byte ((size_t)kb * (rows / 8) + g) * sizeof(group), g = output / 8.
+ * A kernel then loads an activation block once for 8 outputs, converts their 8 scales in one
+ * instruction and keeps 8 output sums in one vector (no horizontal sum per row).
+ *
  * Activations multiplied against integer weights are quantized per block of 32 to int8 with a
  * float scale (cb_act_q8), as the fast engines do: the dot product of two blocks is then an
  * integer dot product times two scales.
@@ -29,13 +36,27 @@ typedef struct {
     uint8_t qs[CB_QBLOCK / 2];  /* [16] element j in the low nibble of qs[j], element j+16 in the high */
 } cb_block_int4;
 
+#define CB_TGROUP 8             /* outputs per group of the transposed integer layout */
+
+typedef struct {
+    uint16_t d[CB_TGROUP];              /* [8] f16 scales of outputs 8g .. 8g+7 */
+    int8_t qs[CB_TGROUP][CB_QBLOCK];    /* [8][32] their quantized weights, as in cb_block_int8 */
+} cb_group_int8;
+
+typedef struct {
+    uint16_t d[CB_TGROUP];              /* [8] f16 scales */
+    uint8_t qs[CB_TGROUP][CB_QBLOCK / 2];   /* [8][16] nibbles, as in cb_block_int4 */
+} cb_group_int4;
+
 #if defined(__cplusplus)
-static_assert(sizeof(cb_block_int8) == 34, "int8 block must be 34 bytes");
-static_assert(sizeof(cb_block_int4) == 18, "int4 block must be 18 bytes");
+#define CB_STATIC_ASSERT static_assert
 #else
-_Static_assert(sizeof(cb_block_int8) == 34, "int8 block must be 34 bytes");
-_Static_assert(sizeof(cb_block_int4) == 18, "int4 block must be 18 bytes");
+#define CB_STATIC_ASSERT _Static_assert
 #endif
+CB_STATIC_ASSERT(sizeof(cb_block_int8) == 34, "int8 block must be 34 bytes");
+CB_STATIC_ASSERT(sizeof(cb_block_int4) == 18, "int4 block must be 18 bytes");
+CB_STATIC_ASSERT(sizeof(cb_group_int8) == 8 * 34, "int8 group must be 8 blocks");
+CB_STATIC_ASSERT(sizeof(cb_group_int4) == 8 * 18, "int4 group must be 8 blocks");
 
 /* Activations quantized per block of 32: x[i] ~= d[i / 32] * q[i]. */
 typedef struct {

@@ -1,0 +1,250 @@
+"""The two storage layouts of a weight matrix: `rows` ([out, in]) and `transposed` ([in, out]).
+
+Kernels of every tier and format in the transposed layout against numpy and against the rows
+layout; prefill (one matmul over n tokens) against decode (n matvecs), bit for bit; the block
+re-ordering of quant.transpose; the converter's --expert-layout and the model directory checks;
+whole models in both layouts.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import colibri
+from colibri import _kernels, quant
+from colibri.convert import convert
+from colibri.errors import ColibriError
+from colibri.modeldir import ModelDir, from_storage, to_storage
+
+from conftest import FIXTURES, reference
+
+# matvec: |ours - exact| <= MATVEC_RTOL * sum_i |w_i x_i| (float32 accumulation)
+MATVEC_RTOL = 1e-5
+# the same matrix in the two layouts on a SIMD tier (different summation order only):
+# |rows - transposed| <= LAYOUT_RTOL * sum_i |w_i x_i|
+LAYOUT_RTOL = 1e-5
+# whole-model logits, f32 weights, against transformers (as tests/test_models.py)
+F32_RTOL = 1e-4
+# whole-model logits of the two layouts on a SIMD tier: max |diff| <= MODEL_RTOL * max |logit|
+# (int8/int4: a re-quantized activation on a rounding boundary moves one level, as across tiers
+# in test_kernels.INT_TIER_RTOL)
+MODEL_RTOL = {"f32": 1e-5, "bf16": 1e-5, "int8": 1e-2, "int4": 1e-2}
+FORMATS = ("f32", "f16", "bf16", "int8", "int4")
+BLOCK = ("int8", "int4")
+ISAS = _kernels.available_isas()
+
+
+def _store(w, dtype):
+    """float32 [rows, cols] -> (rows-layout storage, transposed storage)."""
+    stored = to_storage(w, dtype)
+    return stored, quant.transpose(stored, dtype, w.shape[1])
+
+
+def _exact(stored, dtype, cols):
+    return from_storage(stored, dtype, cols).astype(np.float64)
+
+
+def _quantize_act(x):
+    """numpy mirror of the activation quantization (see test_kernels._quantize_act)."""
+    b = x.reshape(-1, 32)
+    amax = np.abs(b).max(axis=1)
+    d = np.where(amax >= np.float32(1e-30), amax / np.float32(127), 0).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    return (np.rint(b * inv[:, None]).astype(np.float64) * d[:, None]).reshape(-1)
+
+
+finite32 = st.floats(-4.0, 4.0, width=32, allow_nan=False)
+
+
+@st.composite
+def layout_case(draw):
+    """(dtype, w [rows, cols], x [cols]): any shape the format allows (int8/int4: rows a multiple
+    of 8, cols of 32; float formats: anything)."""
+    dtype = draw(st.sampled_from(FORMATS))
+    if dtype in BLOCK:
+        rows, cols = 8 * draw(st.integers(1, 9)), 32 * draw(st.integers(1, 10))
+    else:
+        rows, cols = draw(st.integers(1, 70)), draw(st.integers(1, 300))
+    w = draw(hnp.arrays(np.float32, (rows, cols), elements=finite32))
+    x = draw(hnp.arrays(np.float32, cols, elements=finite32))
+    return dtype, w, x
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout_case(), st.sampled_from([1, 2]))
+def test_transposed_matvec_matches_numpy(isa, case, threads):
+    dtype, w, x = case
+    stored, t = _store(w, dtype)
+    exact_w = _exact(stored, dtype, w.shape[1])
+    xr = _quantize_act(x) if dtype in BLOCK else x.astype(np.float64)
+    ours = _kernels.kernel_matvec(t, x, dtype, threads, "transposed")
+    ref = exact_w @ xr
+    bound = MATVEC_RTOL * (np.abs(exact_w) @ np.abs(xr)) + 1e-30
+    assert np.all(np.abs(ours - ref) <= bound)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout_case())
+def test_layouts_give_the_same_bits_on_the_scalar_tier(case):
+    """The scalar transposed kernel adds every output's products in the order of the scalar dot
+    product: the two layouts of one matrix are the same numbers, bit for bit."""
+    dtype, w, x = case
+    stored, t = _store(w, dtype)
+    before = _kernels.isa()
+    _kernels.select_isa("scalar")
+    try:
+        np.testing.assert_array_equal(_kernels.kernel_matvec(t, x, dtype, 1, "transposed"),
+                                      _kernels.kernel_matvec(stored, x, dtype, 1))
+    finally:
+        _kernels.select_isa(before)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("shape", [(520, 1024), (1032, 96), (24, 4096)])
+def test_large_transposed_matvec_with_threads_agrees_with_rows(isa, dtype, shape):
+    """Shapes past the threading threshold, split unevenly over 2 threads (520 = 65 groups of 8)."""
+    rng = np.random.default_rng(sum(shape))
+    w = rng.standard_normal(shape, dtype=np.float32)
+    x = rng.standard_normal(shape[1], dtype=np.float32)
+    stored, t = _store(w, dtype)
+    rows = _kernels.kernel_matvec(stored, x, dtype, 2)
+    one = _kernels.kernel_matvec(t, x, dtype, 1, "transposed")
+    two = _kernels.kernel_matvec(t, x, dtype, 2, "transposed")
+    np.testing.assert_array_equal(one, two)
+    exact_w = _exact(stored, dtype, shape[1])
+    xr = _quantize_act(x) if dtype in BLOCK else x.astype(np.float64)
+    bound = LAYOUT_RTOL * (np.abs(exact_w) @ np.abs(xr))
+    assert np.all(np.abs(two - rows) <= bound)
+
+
+@pytest.mark.parametrize("layout", quant.LAYOUTS)
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_prefill_product_equals_token_by_token(isa, dtype, layout):
+    """cb_matmul over n tokens (4-token tiles, and for transposed output chunks sized for the
+    cache) gives each token exactly the bits of its own matvec, for every n: prefill == decode."""
+    rng = np.random.default_rng(7)
+    rows, cols = 1040, 256
+    w = rng.standard_normal((rows, cols), dtype=np.float32)
+    stored, t = _store(w, dtype)
+    mat = t if layout == "transposed" else stored
+    x = rng.standard_normal((9, cols), dtype=np.float32)
+    single = np.stack([_kernels.kernel_matvec(mat, x[i], dtype, 2, layout) for i in range(9)])
+    for n in (2, 5, 9):
+        np.testing.assert_array_equal(_kernels.kernel_matmul(mat, x[:n], dtype, 2, layout), single[:n])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(BLOCK), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_transpose_round_trip(dtype, groups, blocks, seed):
+    w = np.random.default_rng(seed).standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    stored = quant.quantize(w, dtype)
+    t = quant.transpose(stored, dtype, w.shape[1])
+    assert t.shape == (blocks, groups * quant.GROUP_BYTES[dtype])
+    np.testing.assert_array_equal(quant.untranspose(t, dtype, *w.shape), stored)
+    # group (kb, g) holds the scales, then the weights, of block kb of outputs 8g .. 8g+7
+    g = t.view(quant.GROUP_DTYPES[dtype]).reshape(blocks, groups)
+    b = stored.view(quant.BLOCK_DTYPES[dtype]).reshape(8 * groups, blocks)
+    kb, gi = blocks - 1, groups - 1
+    np.testing.assert_array_equal(g[kb, gi]["d"], b[8 * gi:8 * gi + 8, kb]["d"])
+    np.testing.assert_array_equal(g[kb, gi]["qs"], b[8 * gi:8 * gi + 8, kb]["qs"])
+
+
+def test_group_struct_sizes_agree_with_python():
+    assert _kernels.group_sizes() == quant.GROUP_BYTES == {"int8": 8 * 34, "int4": 8 * 18}
+
+
+@pytest.mark.parametrize("dtype", BLOCK)
+def test_transposed_blocks_need_whole_groups(dtype):
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        quant.transpose(quant.quantize(np.ones((12, 32), np.float32), dtype), dtype, 32)
+    with pytest.raises(ValueError, match="transposed"):
+        _kernels.kernel_matvec(np.zeros((1, 100), np.uint8), np.zeros(32, np.float32), dtype, 1, "transposed")
+
+
+def test_unknown_layout_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown layout"):
+        _kernels.kernel_matvec(np.zeros((2, 2), np.float32), np.zeros(2, np.float32), "f32", 1, "columns")
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def transposed(tmp_path_factory):
+    cache = {}
+
+    def get(case, dtype):
+        if (case, dtype) not in cache:
+            out = tmp_path_factory.mktemp(f"{case}_{dtype}_t") / "model"
+            convert(FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None, expert_layout="transposed")
+            cache[case, dtype] = out
+        return cache[case, dtype]
+    return get
+
+
+def test_converter_stores_the_experts_transposed(transposed):
+    md = ModelDir(transposed("mixtral_a", "int8"))
+    for name, t in md.tensors.items():
+        assert t["layout"] == ("transposed" if ".experts." in name else "rows"), name
+
+
+@pytest.mark.parametrize("case", ["mixtral_a", "qwen2moe_b", "gemma4_b"])
+def test_f32_transposed_experts_match_transformers(transposed, case):
+    ref = reference(case)
+    logits = colibri.load(transposed(case, "f32")).forward(ref["input_ids"])
+    assert np.abs(logits - ref["logits_f32"]).max() <= F32_RTOL * np.abs(ref["logits_f32"]).max()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
+def test_whole_model_in_both_layouts(converted, transposed, dtype):
+    """Scalar tier: the same bits in both layouts. Every tier: the layouts agree, decoding token by
+    token gives the prefill's logits."""
+    ids = reference("qwen3moe_a")["input_ids"]
+    before = _kernels.isa()
+    try:
+        for name in ISAS:
+            _kernels.select_isa(name)
+            rows = colibri.load(converted("qwen3moe_a", dtype)).forward(ids)
+            m = colibri.load(transposed("qwen3moe_a", dtype))
+            t = m.forward(ids)
+            if name == "scalar":
+                np.testing.assert_array_equal(t, rows)
+            assert np.abs(t - rows).max() <= MODEL_RTOL[dtype] * np.abs(rows).max(), name
+            stepped = np.stack([m.forward(ids[:i + 1])[-1] for i in range(len(ids))])
+            np.testing.assert_array_equal(stepped[-1], t[-1])
+    finally:
+        _kernels.select_isa(before)
+
+
+def test_layout_choice_per_tensor():
+    """--expert-layout applies to the routed experts' matrices; an int8/int4 one whose row count
+    is not a multiple of 8 cannot be grouped and stays rows (the converter counts them)."""
+    from colibri.convert import _layout_for
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "int8", "transposed") == "transposed"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "int8", "transposed") == "rows"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "f16", "transposed") == "transposed"
+    assert _layout_for("layers.3.wq", (64, 64), "int8", "transposed") == "rows"
+    assert _layout_for("layers.3.shared.up", (64, 64), "int8", "transposed") == "rows"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "int8", "rows") == "rows"
+
+
+def test_modeldir_refuses_a_transposed_embedding_or_partial_group(converted, tmp_path):
+    src = converted("mixtral_a", "int8")
+    for name, problem in (("embedding", "other than the embedding"), ("layers.0.attn_norm", "other than the embedding")):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["tensors"][name]["layout"] = "transposed"
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ColibriError, match=problem):
+            ModelDir(d)
+
+
+def test_unknown_expert_layout_is_refused(tmp_path):
+    with pytest.raises(ColibriError, match="--expert-layout 'columns'"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", expert_layout="columns")
