@@ -1,6 +1,6 @@
 """Shared test fixtures: the transformers fixture cases, converted once per session.
 
-`converted(case, dtype)` converts tests/fixtures/<case>/hf into a temporary Colibri model
+`converted(case, dtype[, layout])` converts tests/fixtures/<case>/hf into a temporary Colibri model
 directory (cached for the session) and returns its path; `reference(case)` loads the reference
 outputs that tools/make_fixtures.py wrote with transformers.
 """
@@ -24,11 +24,14 @@ def converted(tmp_path_factory):
 
     cache = {}
 
-    def get(case: str, dtype: str = "f32") -> Path:
-        key = (case, dtype)
+    def get(case: str, dtype: str = "f32", layout: str | None = None) -> Path:
+        """layout None: the converter's default layouts; "rows" / "transposed": every matrix
+        but the embedding in that layout."""
+        key = (case, dtype, layout)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"{case}_{dtype}") / "model"
-            convert(FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None)
+            out = tmp_path_factory.mktemp(f"{case}_{dtype}_{layout or 'default'}") / "model"
+            convert(FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None,
+                    expert_layout=layout, layout=layout)
             cache[key] = out
         return cache[key]
     return get

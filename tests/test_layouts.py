@@ -174,34 +174,27 @@ def test_unknown_layout_is_a_clear_error():
 
 # ---- models ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def transposed(tmp_path_factory):
-    cache = {}
-
-    def get(case, dtype):
-        if (case, dtype) not in cache:
-            out = tmp_path_factory.mktemp(f"{case}_{dtype}_t") / "model"
-            convert(FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None, expert_layout="transposed")
-            cache[case, dtype] = out
-        return cache[case, dtype]
-    return get
-
-
-def test_converter_stores_the_experts_transposed(transposed):
-    md = ModelDir(transposed("mixtral_a", "int8"))
-    for name, t in md.tensors.items():
-        assert t["layout"] == ("transposed" if ".experts." in name else "rows"), name
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
+def test_converter_layouts(converted, dtype):
+    """Default: the format's faster layout for every matrix but the embedding (transposed for
+    int8/int4, rows for floats); the router, norms and vectors are always rows."""
+    for layout in (None, "rows", "transposed"):
+        md = ModelDir(converted("mixtral_a", dtype, layout))
+        for name, t in md.tensors.items():
+            matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")
+            want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16
+            assert t["layout"] == (want if matrix else "rows"), (layout, name)
 
 
 @pytest.mark.parametrize("case", ["mixtral_a", "qwen2moe_b", "gemma4_b"])
-def test_f32_transposed_experts_match_transformers(transposed, case):
+def test_f32_transposed_matches_transformers(converted, case):
     ref = reference(case)
-    logits = colibri.load(transposed(case, "f32")).forward(ref["input_ids"])
+    logits = colibri.load(converted(case, "f32", "transposed")).forward(ref["input_ids"])
     assert np.abs(logits - ref["logits_f32"]).max() <= F32_RTOL * np.abs(ref["logits_f32"]).max()
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
-def test_whole_model_in_both_layouts(converted, transposed, dtype):
+def test_whole_model_in_both_layouts(converted, dtype):
     """Scalar tier: the same bits in both layouts. Every tier: the layouts agree, decoding token by
     token gives the prefill's logits."""
     ids = reference("qwen3moe_a")["input_ids"]
@@ -209,8 +202,8 @@ def test_whole_model_in_both_layouts(converted, transposed, dtype):
     try:
         for name in ISAS:
             _kernels.select_isa(name)
-            rows = colibri.load(converted("qwen3moe_a", dtype)).forward(ids)
-            m = colibri.load(transposed("qwen3moe_a", dtype))
+            rows = colibri.load(converted("qwen3moe_a", dtype, "rows")).forward(ids)
+            m = colibri.load(converted("qwen3moe_a", dtype, "transposed"))
             t = m.forward(ids)
             if name == "scalar":
                 np.testing.assert_array_equal(t, rows)
@@ -222,15 +215,20 @@ def test_whole_model_in_both_layouts(converted, transposed, dtype):
 
 
 def test_layout_choice_per_tensor():
-    """--expert-layout applies to the routed experts' matrices; an int8/int4 one whose row count
-    is not a multiple of 8 cannot be grouped and stays rows (the converter counts them)."""
+    """--expert-layout for the routed experts, --layout for the other matrices, the format's
+    faster layout by default; an int8/int4 matrix whose row count is not a multiple of 8 cannot
+    be grouped and stays rows; the embedding, routers, norms and vectors are always rows."""
     from colibri.convert import _layout_for
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "int8", "transposed") == "transposed"
-    assert _layout_for("layers.3.experts.5.down", (44, 64), "int8", "transposed") == "rows"
-    assert _layout_for("layers.3.experts.5.down", (44, 64), "f16", "transposed") == "transposed"
-    assert _layout_for("layers.3.wq", (64, 64), "int8", "transposed") == "rows"
-    assert _layout_for("layers.3.shared.up", (64, 64), "int8", "transposed") == "rows"
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "int8", "rows") == "rows"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8") == "transposed"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16") == "rows"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16", "transposed") == "transposed"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8", "rows", "transposed") == "rows"
+    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", "rows", "transposed") == "transposed"
+    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", "transposed", "rows") == "rows"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8") == "rows"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "f16", "transposed") == "transposed"
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", "transposed", "transposed") == "rows"
+    assert _layout_for("layers.3.router", (8, 64), "router", "f32", "transposed", "transposed") == "rows"
 
 
 def test_modeldir_refuses_a_transposed_embedding_or_partial_group(converted, tmp_path):
@@ -245,6 +243,9 @@ def test_modeldir_refuses_a_transposed_embedding_or_partial_group(converted, tmp
             ModelDir(d)
 
 
-def test_unknown_expert_layout_is_refused(tmp_path):
+def test_unknown_layout_is_refused(tmp_path):
     with pytest.raises(ColibriError, match="--expert-layout 'columns'"):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", expert_layout="columns")
+    with pytest.raises(ColibriError, match="--layout 'cols'"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", layout="cols")
+    assert not (tmp_path / "m").exists()

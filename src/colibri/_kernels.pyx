@@ -82,6 +82,8 @@ cdef extern from "dispatch.h" nogil:
         const float *x
         int ldx
         cb_act_q8 *acts
+        const float *glu_up
+        int glu_act
     void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_threads)
 
 cdef extern from "os_hints.h" nogil:
@@ -330,6 +332,22 @@ cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const floa
     j.x = x
     j.ldx = ldx
     j.acts = acts
+    j.glu_up = NULL
+    j.glu_act = 0
+
+
+cdef inline int gate_up_jobs(cb_matjob *jobs, const FFN *f, float *gate_out, float *up_out, int ldo,
+                             const float *x, int ldx, cb_act_q8 *acts, int act) noexcept nogil:
+    """jobs[0:2] = up, then gate with the activation fused in (gate_out = act(gate x) * up x, each
+    thread over the rows it computed) when both matrices split alike (same format, layout and
+    shape, as converted models have). Returns 1 if fused, 0 if the caller must apply cb_glu."""
+    job(&jobs[0], up_out, ldo, &f.up, x, ldx, acts)
+    job(&jobs[1], gate_out, ldo, &f.gate, x, ldx, acts)
+    if f.gate.dtype == f.up.dtype and f.gate.layout == f.up.layout and f.gate.rows == f.up.rows:
+        jobs[1].glu_up = up_out
+        jobs[1].glu_act = act
+        return 1
+    return 0
 
 
 cdef enum:
@@ -340,13 +358,15 @@ cdef void ffn_slots(const Hyper *h, const FFN **f, int count, const float *x, Sc
     """s.moe_acc[i] = down_i(act(gate_i x) * up_i x) for the FFNs f[i], i < count <= MAX_SLOTS:
     every gate and up in one parallel region, every down in another."""
     cdef cb_matjob jobs[2 * MAX_SLOTS]
+    cdef int fused[MAX_SLOTS]
     cdef int i, ff = s.max_ff
     for i in range(count):
-        job(&jobs[2 * i], s.hb + <size_t>i * ff, ff, &f[i].gate, x, h.d_model, &s.act)
-        job(&jobs[2 * i + 1], s.hb2 + <size_t>i * ff, ff, &f[i].up, x, h.d_model, &s.act)
+        fused[i] = gate_up_jobs(&jobs[2 * i], f[i], s.hb + <size_t>i * ff, s.hb2 + <size_t>i * ff, ff,
+                                x, h.d_model, &s.act, h.act)
     cb_matmul_jobs(jobs, 2 * count, 1, h.n_threads)
     for i in range(count):
-        cb_glu(s.hb + <size_t>i * ff, s.hb2 + <size_t>i * ff, f[i].gate.rows, h.act)
+        if not fused[i]:
+            cb_glu(s.hb + <size_t>i * ff, s.hb2 + <size_t>i * ff, f[i].gate.rows, h.act)
         job(&jobs[i], s.moe_acc + <size_t>i * h.d_model, h.d_model, &f[i].down, s.hb + <size_t>i * ff, ff,
             &s.slot_act[i])
     cb_matmul_jobs(jobs, count, 1, h.n_threads)
@@ -594,11 +614,11 @@ cdef void ffn_batch(const Hyper *h, const FFN *f, const float *x, float *out, Ba
     """out[n, d] = down(act(gate x) * up x) for n rows of x [n, d]."""
     cdef int ff = f.gate.rows, d = h.d_model, t
     cdef cb_matjob jobs[2]
-    job(&jobs[0], b.hb, ff, &f.gate, x, d, b.acts)
-    job(&jobs[1], b.hb2, ff, &f.up, x, d, b.acts)
+    cdef int fused = gate_up_jobs(jobs, f, b.hb, b.hb2, ff, x, d, b.acts, h.act)
     cb_matmul_jobs(jobs, 2, n, h.n_threads)
-    for t in range(n):
-        cb_glu(b.hb + <size_t>t * ff, b.hb2 + <size_t>t * ff, ff, h.act)
+    if not fused:
+        for t in range(n):
+            cb_glu(b.hb + <size_t>t * ff, b.hb2 + <size_t>t * ff, ff, h.act)
     matmul(out, d, &f.down, b.hb, ff, b, n, h.n_threads)
 
 

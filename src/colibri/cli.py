@@ -44,11 +44,6 @@ def _token_list(text):
     return ids
 
 
-def _default_expert_layout() -> str:
-    from .quant import DEFAULT_EXPERT_LAYOUT
-    return DEFAULT_EXPERT_LAYOUT
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="colibri", description="CPU inference for Mixture-of-Experts language models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -95,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=("rows", "transposed"),
                       default=None, help="storage order of the experts' matrices: rows [out, in] or "
-                                         "transposed [in, out] (default: %s)" % _default_expert_layout())
+                                         "transposed [in, out] (default: transposed for int8/int4, rows for float formats)")
+    conv.add_argument("--layout", choices=("rows", "transposed"), default=None,
+                      help="the same for the other weight matrices (attention, dense MLPs, lm_head); "
+                           "the embedding is always rows")
     conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
 
     info = sub.add_parser("info", help="describe a model directory")
@@ -236,7 +234,7 @@ def cmd_convert(args) -> int:
     from .convert import convert
 
     convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
-            expert_layout=args.expert_layout)
+            expert_layout=args.expert_layout, layout=args.layout)
     return 0
 
 
@@ -272,8 +270,12 @@ def cmd_info(args) -> int:
           f"head_dim {c.head_dim}, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
     print(f"weights:      {md.weight_dtype}, {len(md.files)} files, {total / 1e6:.1f} MB "
           f"(about {active / 1e6:.1f} MB read per token)")
-    layouts = sorted({t.get("layout", "rows") for n, t in md.tensors.items() if ".experts." in n}) or ["rows"]
-    print(f"layout:       experts {' and '.join(layouts)}, other matrices rows")
+    def layouts(names):
+        return " and ".join(sorted({md.tensors[n].get("layout", "rows") for n in names})) or "rows"
+    experts = [n for n in md.tensors if ".experts." in n]
+    others = [n for n, t in md.tensors.items() if n not in experts and len(t["shape"]) == 2 and n != "embedding"
+              and not n.endswith("router")]
+    print(f"layout:       experts {layouts(experts)}, other matrices {layouts(others)}")
     print(f"context:      {c.max_position_embeddings} positions, rope theta {c.rope_theta:g}")
     sliding = sum(t == "sliding_attention" for t in c.layer_types)
     if sliding or c.layer_head_dims or c.layer_kv_heads:

@@ -17,10 +17,14 @@ Design
 Matrices (embedding, lm_head, attention, experts, dense MLPs) are stored in the chosen
 `--quantize` dtype; the router, the shared-expert gate, norms and biases stay f32. With int8 or
 int4, a matrix whose number of columns is not a multiple of 32 (only in toy models) is stored in
-f16 instead, and the converter says how many. `--expert-layout` stores the routed experts'
-matrices `rows` ([out, in]) or `transposed` ([in, out]; for int8/int4 the same blocks, input-major
-in groups of 8 outputs: quant.transpose); an int8/int4 expert matrix whose rows are not a multiple
-of 8 stays `rows`, and the converter says how many.
+f16 instead, and the converter says how many.
+
+Layouts: `--expert-layout` stores the routed experts' matrices `rows` ([out, in]) or `transposed`
+([in, out]; for int8/int4 the same blocks, input-major in groups of 8 outputs: quant.transpose);
+`--layout` the other weight matrices (attention, dense MLPs, shared expert, lm_head; never the
+embedding, whose rows are looked up). Either defaults to the faster layout of the format
+(quant.default_layout: transposed for int8/int4, rows for floats). An int8/int4 matrix whose rows
+are not a multiple of 8 stays `rows`.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from .config import ModelConfig
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
 from .modeldir import BLOCK_FORMATS, WEIGHT_DTYPES, ModelDirWriter, storage_nbytes, tensor_file, to_storage
-from .quant import DEFAULT_EXPERT_LAYOUT, LAYOUTS, QBLOCK, TGROUP, transpose
+from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, transpose
 
 _EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
 
@@ -352,13 +356,14 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
 
 
 def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=print,
-            ln_quant: str | None = None, expert_layout: str | None = None) -> ModelConfig:
+            ln_quant: str | None = None, expert_layout: str | None = None,
+            layout: str | None = None) -> ModelConfig:
     """Convert a HF checkpoint directory into a Colibri model directory; returns its config."""
     if ln_quant not in (None, "int16"):
         raise ColibriError(f"--ln-quant {ln_quant!r} is not supported; the option is int16")
-    expert_layout = expert_layout or DEFAULT_EXPERT_LAYOUT
-    if expert_layout not in LAYOUTS:
-        raise ColibriError(f"--expert-layout {expert_layout!r} is not supported; choose one of {', '.join(LAYOUTS)}")
+    for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
+        if value is not None and value not in LAYOUTS:
+            raise ColibriError(f"{flag} {value!r} is not supported; choose one of {', '.join(LAYOUTS)}")
     if quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     ckpt = HFCheckpoint(hf_dir)
@@ -372,7 +377,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant) for name, (shape, kind) in expected.items()}
-    layouts = {name: _layout_for(name, shape, dtypes[name], expert_layout) for name, (shape, _) in expected.items()}
+    layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout)
+               for name, (shape, kind) in expected.items()}
     need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
     free = shutil.disk_usage(parent).free
     if need > free:
@@ -402,11 +408,13 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     fallback = sum(1 for n, (_, kind) in expected.items() if kind == "matrix" and dtypes[n] != quantize)
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
-    kept = sum(1 for n in expected if _EXPERT_MATRIX.fullmatch(n) and layouts[n] != expert_layout)
+    kept = sum(1 for n, (shape, _) in expected.items()
+               if layouts[n] == "rows" and dtypes[n] in BLOCK_FORMATS and n != "embedding" and shape[0] % TGROUP)
     if kept:
-        log(f"[INFO] {kept} expert matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
+        log(f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
+    expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
     log(f"[INFO] Converted {arch} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
-        f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}, experts {expert_layout}"
+        f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}, experts {' and '.join(expert_layouts)}"
         + ("" if (out / "tokenizer.model").exists() else " (no tokenizer.model: raw token ids only)"))
     return cfg
 
@@ -425,14 +433,17 @@ def _dtype_for(shape, kind, quantize, ln_quant=None):
     return quantize
 
 
-def _layout_for(name, shape, dtype, expert_layout):
-    """The layout of one tensor: the routed experts' matrices take --expert-layout (int8/int4 ones
-    only with a multiple of 8 rows), everything else is stored in rows."""
-    if expert_layout == "rows" or not _EXPERT_MATRIX.fullmatch(name):
+def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None):
+    """The layout of one tensor (module docstring): the routed experts' matrices take
+    --expert-layout, other weight matrices but the embedding --layout, by default the faster one
+    for their format; int8/int4 ones only with a multiple of 8 rows; everything else rows."""
+    if kind != "matrix" or name == "embedding":
         return "rows"
-    if dtype in BLOCK_FORMATS and shape[0] % TGROUP:
+    wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
+    wanted = wanted or default_layout(dtype)
+    if wanted == "transposed" and dtype in BLOCK_FORMATS and shape[0] % TGROUP:
         return "rows"
-    return expert_layout
+    return wanted
 
 
 def _stored(name, values, shape, dtype, layout="rows"):

@@ -29,9 +29,14 @@ GROUP_DTYPES = {
 }
 GROUP_BYTES = {name: dt.itemsize for name, dt in GROUP_DTYPES.items()}     # int8: 272, int4: 144
 LAYOUTS = ("rows", "transposed")
-# the layout of the routed experts' matrices when `convert --expert-layout` is not given
-# (BENCHMARKS.md, "Expert layout")
-DEFAULT_EXPERT_LAYOUT = "rows"
+
+
+def default_layout(dtype: str) -> str:
+    """The faster layout of a weight matrix stored as `dtype` (BENCHMARKS.md, "Expert layout"):
+    transposed for int8/int4 (8 outputs per activation load and per scale conversion; decode and
+    prefill faster), rows for the float formats (no integer reduction to save; the axpy's stores
+    make the transposed float kernels slower)."""
+    return "transposed" if dtype in BLOCK_DTYPES else "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:

@@ -96,11 +96,13 @@ typedef struct {
     const float *x;
     int ldx;
     cb_act_q8 *acts;
+    const float *glu_up;  /* or NULL: then out = act(out) * glu_up (same ldo) over this job's rows, */
+    int glu_act;          /* in the same region: the up product must come earlier in the batch */
 } cb_matjob;
 
 /* This thread's share of a transposed product: whole groups of 8 outputs [u0, u1) * 8. Every
  * output's arithmetic is the same for any n and any split, so prefill equals decode. */
-static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt) {
+static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {
     const int unit = CB_TGROUP, rows = j->rows, cols = j->cols, ldx = j->ldx;
     const float *x = j->x;
     const cb_act_q8 *acts = j->acts;
@@ -115,6 +117,8 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt) {
      * bf16) the reads are too short and every row a new page (measured 5x slower at 64) */
     if (j->dtype != CB_INT8 && j->dtype != CB_INT4 && chunk_units < 256 / unit) chunk_units = 256 / unit;
     const int step = n == 1 ? u1 - u0 : chunk_units, max_t = cb_kt.ttile_max_t;
+    *r0 = u0 * unit < rows ? u0 * unit : rows;
+    *r1 = u1 * unit < rows ? u1 * unit : rows;
     for (int c = u0; c < u1; c += step) {
         int o0 = c * unit, o1 = (c + step < u1 ? c + step : u1) * unit;
         if (o1 > rows) o1 = rows;
@@ -130,7 +134,7 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt) {
  * and tokens 4 at a time (decode: one row, or the dot product where it is the tile's arithmetic);
  * otherwise one dot product per element. Either way an element's arithmetic does not depend on
  * n or on the split, so a prompt processed in one matmul gives exactly the logits of decoding. */
-static void cb_job_rows(const cb_matjob *j, int n, int th, int nt) {
+static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {
     const int dtype = j->dtype, rows = j->rows, ldo = j->ldo, cols = j->cols, ldx = j->ldx;
     const float *x = j->x;
     const cb_act_q8 *acts = j->acts;
@@ -144,6 +148,8 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt) {
         const int TR = n == 1 ? 1 : cb_kt.tile_rows[dtype];
         const int groups = (rows + TR - 1) / TR;
         const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
+        *r0 = g0 * TR < rows ? g0 * TR : rows;
+        *r1 = g1 * TR < rows ? g1 * TR : rows;
         for (int g = g0; g < g1; g++) {
             int r0 = g * TR;
             int R = rows - r0 >= TR ? TR : 1;        /* a full group, or the tail row by row */
@@ -158,8 +164,9 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt) {
         return;
     }
     cb_dot_fn dot = cb_kt.dot[dtype];
-    const int r0 = (int)((long long)rows * th / nt), r1 = (int)((long long)rows * (th + 1) / nt);
-    for (int r = r0; r < r1; r++) {
+    *r0 = (int)((long long)rows * th / nt);
+    *r1 = (int)((long long)rows * (th + 1) / nt);
+    for (int r = *r0; r < *r1; r++) {
         const void *row = wb + (size_t)r * stride;
         for (int t = 0; t < n; t++) out[(size_t)t * ldo + r] = dot(row, x + (size_t)t * ldx, &acts[t], cols);
     }
@@ -195,16 +202,64 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_thread
     #pragma omp parallel for schedule(static, 1) num_threads(nt) if (nt > 1)
     for (int th = 0; th < nt; th++)
         for (int i = 0; i < count; i++) {
-            if (jobs[i].layout == CB_TRANSPOSED) cb_job_transposed(&jobs[i], n, th, nt);
-            else cb_job_rows(&jobs[i], n, th, nt);
+            const cb_matjob *j = &jobs[i];
+            int r0, r1;
+            if (j->layout == CB_TRANSPOSED) cb_job_transposed(j, n, th, nt, &r0, &r1);
+            else cb_job_rows(j, n, th, nt, &r0, &r1);
+            if (j->glu_up)        /* the up rows r0..r1 came from this thread too: same rows, same split */
+                for (int t = 0; t < n; t++)
+                    cb_glu(j->out + (size_t)t * j->ldo + r0, j->glu_up + (size_t)t * j->ldo + r0, r1 - r0, j->glu_act);
         }
 }
 
 /* out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n, r < rows: one product (see above). */
 static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                       cb_act_q8 *acts, int n, int rows, int cols, int n_threads) {
-    cb_matjob job = {out, ldo, w, dtype, layout, rows, cols, x, ldx, acts};
+    cb_matjob job = {out, ldo, w, dtype, layout, rows, cols, x, ldx, acts, NULL, 0};
     cb_matmul_jobs(&job, 1, n, n_threads);
+}
+
+/* Causal attention of one query position over the cache.
+ *   q        [n_heads, head_dim]           the current query (already roped)
+ *   k_cache  [ring, n_kv_heads, head_dim]   keys of positions start..pos
+ *   v_cache  [ring, n_kv_heads, head_dim]
+ *   scores   [n_heads, n_ctx]               scratch (row stride n_ctx >= pos - start + 1)
+ *   out      [n_heads, head_dim]
+ * Positions start..pos are attended (start > 0 for sliding-window layers); position p lives in
+ * cache row p % ring (ring = the cache's rows: n_ctx, or a sliding layer's window plus a prefill
+ * chunk). Query head h reads KV head h / (n_heads / n_kv_heads), as transformers' repeat_kv does.
+ * Scores are q.k * scale, q.k by the tier's f32 dot product (prefill and decode both come here,
+ * so they still agree bit for bit). Heads are split over threads from CB_ATTN_PARALLEL_MIN
+ * multiply-adds (a serial attention was a tenth of a 2-thread decode step at 180 positions). */
+#define CB_ATTN_PARALLEL_MIN (1 << 15)
+
+static void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
+                         float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
+                         int start, int pos, int ring, float scale, int n_threads) {
+    int group = n_heads / n_kv_heads;
+    int kv_stride = n_kv_heads * head_dim;
+    int parallel = n_threads > 1 && (long long)n_heads * (pos - start + 1) * head_dim >= CB_ATTN_PARALLEL_MIN;
+    cb_dot_fn dot = cb_kt.dot[CB_F32];
+    (void)parallel;
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+    for (int h = 0; h < n_heads; h++) {
+        const float *qh = q + (size_t)h * head_dim;
+        int kvh = h / group;
+        float *sc = scores + (size_t)h * n_ctx;
+        int n = pos - start + 1;
+        int row0 = start % ring;                 /* the cache row of position start; rows wrap */
+        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
+            const float *kt = k_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
+            sc[t] = dot(kt, qh, NULL, head_dim) * scale;
+        }
+        cb_softmax(sc, n);
+        float *oh = out + (size_t)h * head_dim;
+        memset(oh, 0, sizeof(float) * (size_t)head_dim);
+        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
+            const float *vt = v_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
+            cb_axpy(oh, sc[t], vt, head_dim);
+        }
+    }
 }
 
 /* The current tier's activation quantization (for the tests). */

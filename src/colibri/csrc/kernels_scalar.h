@@ -203,10 +203,6 @@ static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const
     }
 }
 
-static inline float cb_dot_f32(const float *w, const float *x, int n) {
-    return cb_dot_f32_scalar(w, x, NULL, n);
-}
-
 /* out[cols] = row `row` of W[rows, cols], converted to float32 (embedding lookup). */
 static void cb_dequant_row(float *out, const void *w, int dtype, int row, int cols) {
     const char *base = (const char *)w + (size_t)row * cb_row_stride(dtype, cols);
@@ -309,44 +305,6 @@ static void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, con
             float a = p[i], b = p[i + half];
             p[i] = a * cos_t[i] - b * sin_t[i];
             p[i + half] = b * cos_t[i] + a * sin_t[i];
-        }
-    }
-}
-
-/* Causal attention of one query position over the cache.
- *   q        [n_heads, head_dim]           the current query (already roped)
- *   k_cache  [ring, n_kv_heads, head_dim]   keys of positions start..pos
- *   v_cache  [ring, n_kv_heads, head_dim]
- *   scores   [n_heads, n_ctx]               scratch (row stride n_ctx >= pos - start + 1)
- *   out      [n_heads, head_dim]
- * Positions start..pos are attended (start > 0 for sliding-window layers); position p lives in
- * cache row p % ring (ring = the cache's rows: n_ctx, or a sliding layer's window plus a prefill
- * chunk). Query head h reads KV head h / (n_heads / n_kv_heads), as transformers' repeat_kv does.
- * Scores are q.k * scale. */
-static void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
-                         float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
-                         int start, int pos, int ring, float scale, int n_threads) {
-    int group = n_heads / n_kv_heads;
-    int kv_stride = n_kv_heads * head_dim;
-    int parallel = n_threads > 1 && (long long)n_heads * (pos - start + 1) * head_dim >= CB_PARALLEL_MIN_WORK;
-    (void)parallel;
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int h = 0; h < n_heads; h++) {
-        const float *qh = q + (size_t)h * head_dim;
-        int kvh = h / group;
-        float *sc = scores + (size_t)h * n_ctx;
-        int n = pos - start + 1;
-        int row0 = start % ring;                 /* the cache row of position start; rows wrap */
-        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-            const float *kt = k_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
-            sc[t] = cb_dot_f32(qh, kt, head_dim) * scale;
-        }
-        cb_softmax(sc, n);
-        float *oh = out + (size_t)h * head_dim;
-        memset(oh, 0, sizeof(float) * (size_t)head_dim);
-        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-            const float *vt = v_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
-            cb_axpy(oh, sc[t], vt, head_dim);
         }
     }
 }
