@@ -2,9 +2,11 @@
 """Kernel throughput: matvec against the read bandwidth, prefill tiles against the FMA peak.
 
 Decode is memory-bound: a matvec kernel is as good as the fraction of the read bandwidth it
-reaches on a matrix much larger than the last-level cache. For each storage format this times
-`W @ x` on a matrix of about --mb megabytes (several times the L3), interleaved with a plain
-streaming read of a buffer of the same size, and prints GB/s and the ratio. Medians of --repeat.
+reaches on a matrix much larger than the last-level cache. For each storage format and layout
+(--layouts rows,transposed) this times `W @ x` on a matrix of about --mb megabytes (several times
+the L3), interleaved with a plain streaming read of a buffer of the same size, and prints GB/s and
+the ratio. Medians of --repeat. (The transposed matrix has a huge output dimension here, so its
+outputs live in L2 rather than L1 as in an expert's matrix: if anything it is measured low.)
 
 Prefill is compute-bound: the second table times the engine's matmul (cb_matmul, the tiles the
 prefill uses) of --tokens prompt tokens against a [1024, cols] matrix that stays in the caches,
@@ -14,6 +16,7 @@ machine's float peak, and integer dot products have their own ports: the ratio i
 not a bound).
 
     python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
+                                  [--layouts rows,transposed]
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ def main():
     ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
     ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
+    ap.add_argument("--layouts", default="rows,transposed")
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
@@ -50,23 +54,26 @@ def main():
     rows = args.mb * (1 << 20) // (2 * cols)
     x = rng.standard_normal(cols).astype(np.float32)
     print(f"tier {_kernels.isa()}, {args.threads} threads, matrix [{rows}, {cols}], median of {args.repeat}")
-    print(f"{'format':>6} {'MB':>7} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6}")
+    print(f"{'format':>6} {'layout':>10} {'MB':>7} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6}")
     base = rng.standard_normal((1024, cols)).astype(np.float32)
     for dtype in args.dtypes.split(","):
-        block = to_storage(base, dtype)                      # quantize a slab once, tile it
-        w = np.ascontiguousarray(np.tile(block, (rows // 1024, 1)))
-        nbytes = w.nbytes
-        read_buf = np.ones(nbytes // 8, np.uint64)
-        _kernels.kernel_matvec(w, x, dtype, args.threads)   # warm: page in
-        _kernels.bench_read(read_buf, args.threads)
-        kt, rt = [], []
-        for _ in range(args.repeat):                         # interleaved, A B A B
-            kt.append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads)))
-            rt.append(timed(lambda: _kernels.bench_read(read_buf, args.threads)))
-        kgbs = nbytes / statistics.median(kt) / 1e9
-        rgbs = nbytes / statistics.median(rt) / 1e9
-        print(f"{dtype:>6} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}")
-        del w, read_buf
+        for layout in args.layouts.split(","):
+            block = to_storage(base, dtype)                  # quantize a slab once, tile it
+            w = np.ascontiguousarray(np.tile(block, (rows // 1024, 1)))
+            if layout == "transposed":
+                w = quant.transpose(w, dtype, cols)
+            nbytes = w.nbytes
+            read_buf = np.ones(nbytes // 8, np.uint64)
+            _kernels.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
+            _kernels.bench_read(read_buf, args.threads)
+            kt, rt = [], []
+            for _ in range(args.repeat):                     # interleaved, A B A B
+                kt.append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads, layout)))
+                rt.append(timed(lambda: _kernels.bench_read(read_buf, args.threads)))
+            kgbs = nbytes / statistics.median(kt) / 1e9
+            rgbs = nbytes / statistics.median(rt) / 1e9
+            print(f"{dtype:>6} {layout:>10} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}")
+            del w, read_buf
     prefill_table(args, rng)
 
 
@@ -77,15 +84,18 @@ def prefill_table(args, rng):
     peak_gf = peak[0] / peak[1] / 1e9 if peak else None
     print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
           f"AVX2 FMA peak of {args.threads} thread(s): " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a"))
-    print(f"{'format':>6} {'GFLOP/s':>8} {'of peak':>8}")
+    print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of peak':>8}")
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
     for dtype in args.dtypes.split(","):
-        w = to_storage(w_f32, dtype)
-        _kernels.bench_matmul(w, x, dtype, args.threads, 1)                  # warm
-        reps = 3
-        times = [_kernels.bench_matmul(w, x, dtype, args.threads, reps) for _ in range(args.repeat)]
-        gflops = 2.0 * rows * cols * n * reps / statistics.median(times) / 1e9
-        print(f"{dtype:>6} {gflops:8.1f} " + (f"{gflops / peak_gf:7.0%}" if peak_gf else "     n/a"))
+        for layout in args.layouts.split(","):
+            w = to_storage(w_f32, dtype)
+            if layout == "transposed":
+                w = quant.transpose(w, dtype, cols)
+            _kernels.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
+            reps = 3
+            times = [_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout) for _ in range(args.repeat)]
+            gflops = 2.0 * rows * cols * n * reps / statistics.median(times) / 1e9
+            print(f"{dtype:>6} {layout:>10} {gflops:8.1f} " + (f"{gflops / peak_gf:7.0%}" if peak_gf else "     n/a"))
 
 
 if __name__ == "__main__":

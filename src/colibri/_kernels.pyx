@@ -49,9 +49,6 @@ cdef extern from "kernels_scalar.h" nogil:
     void cb_softcap(float *x, float cap, int n)
     int cb_softmax(float *x, int n)
     void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, const float *sin_t)
-    void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
-                      float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
-                      int start, int pos, int ring, float scale, int n_threads)
     int cb_all_finite(const float *x, int n)
 
 cdef extern from "dispatch.h" nogil:
@@ -71,6 +68,12 @@ cdef extern from "dispatch.h" nogil:
     void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
+    void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
+                      float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
+                      int start, int pos, int ring, float scale, int n_threads)
+    void cb_attention_batch(float *out, int ldo, const float *q, int ldq, const float *k_cache,
+                            const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+                            int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads)
     ctypedef struct cb_matjob:
         float *out
         int ldo
@@ -638,8 +641,8 @@ cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n,
         row = <size_t>((pos0 + t) % L.kv_ring) * kv_dim
         memcpy(L.k_cache + row, b.k + <size_t>t * kv_dim, sizeof(float) * kv_dim)
         memcpy(L.v_cache + row, b.v + <size_t>t * kv_dim, sizeof(float) * kv_dim)
-    for t in range(n):
-        attend(h, L, s, b.q + <size_t>t * q_dim, b.att + <size_t>t * q_dim, pos0 + t)
+    cb_attention_batch(b.att, q_dim, b.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
+                       L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, h.n_threads)
     matmul(b.xb2, d, &L.wo, b.att, q_dim, b, n, h.n_threads)
     if L.bo != NULL:
         for t in range(n):

@@ -233,33 +233,61 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout,
  * multiply-adds (a serial attention was a tenth of a 2-thread decode step at 180 positions). */
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
+/* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+1]. */
+static inline void cb_attend_head(float *out, const float *q, const float *k_cache, const float *v_cache,
+                                  float *sc, int h, int group, int kv_stride, int head_dim, int start,
+                                  int pos, int ring, float scale, cb_dot_fn dot) {
+    const float *qh = q + (size_t)h * head_dim;
+    int kvh = h / group;
+    int n = pos - start + 1;
+    int row0 = start % ring;                     /* the cache row of position start; rows wrap */
+    for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
+        const float *kt = k_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
+        sc[t] = dot(kt, qh, NULL, head_dim) * scale;
+    }
+    cb_softmax(sc, n);
+    float *oh = out + (size_t)h * head_dim;
+    memset(oh, 0, sizeof(float) * (size_t)head_dim);
+    for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
+        const float *vt = v_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
+        cb_axpy(oh, sc[t], vt, head_dim);
+    }
+}
+
 static void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
                          float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
                          int start, int pos, int ring, float scale, int n_threads) {
-    int group = n_heads / n_kv_heads;
-    int kv_stride = n_kv_heads * head_dim;
     int parallel = n_threads > 1 && (long long)n_heads * (pos - start + 1) * head_dim >= CB_ATTN_PARALLEL_MIN;
     cb_dot_fn dot = cb_kt.dot[CB_F32];
     (void)parallel;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int h = 0; h < n_heads; h++) {
-        const float *qh = q + (size_t)h * head_dim;
-        int kvh = h / group;
-        float *sc = scores + (size_t)h * n_ctx;
-        int n = pos - start + 1;
-        int row0 = start % ring;                 /* the cache row of position start; rows wrap */
-        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-            const float *kt = k_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
-            sc[t] = dot(kt, qh, NULL, head_dim) * scale;
-        }
-        cb_softmax(sc, n);
-        float *oh = out + (size_t)h * head_dim;
-        memset(oh, 0, sizeof(float) * (size_t)head_dim);
-        for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-            const float *vt = v_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
-            cb_axpy(oh, sc[t], vt, head_dim);
-        }
+    for (int h = 0; h < n_heads; h++)
+        cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * n_ctx, h, n_heads / n_kv_heads,
+                       n_kv_heads * head_dim, head_dim, start, pos, ring, scale, dot);
+}
+
+/* The prefill's attention: n queries q [n, ldq] at positions pos0.. (their keys already in the
+ * cache), out [n, ldo]; `window` > 0 limits each query to its last `window` positions. One
+ * parallel region over the heads (each head uses its scores row for one query after another)
+ * instead of one per query; every head of every query computes exactly as in cb_attention. */
+static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, const float *k_cache,
+                               const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+                               int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads) {
+    long long work = 0;
+    for (int t = 0; t < n; t++) {
+        int pos = pos0 + t, start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        work += (long long)n_heads * (pos - start + 1) * head_dim;
     }
+    int parallel = n_threads > 1 && work >= CB_ATTN_PARALLEL_MIN;
+    cb_dot_fn dot = cb_kt.dot[CB_F32];
+    (void)parallel;
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+    for (int h = 0; h < n_heads; h++)
+        for (int t = 0; t < n; t++) {
+            int pos = pos0 + t, start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            cb_attend_head(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores + (size_t)h * n_ctx,
+                           h, n_heads / n_kv_heads, n_kv_heads * head_dim, head_dim, start, pos, ring, scale, dot);
+        }
 }
 
 /* The current tier's activation quantization (for the tests). */
