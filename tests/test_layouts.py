@@ -181,12 +181,12 @@ def test_converter_layouts(converted, dtype):
     for layout in (None, "rows", "transposed"):
         md = ModelDir(converted("mixtral_a", dtype, layout))
         for name, t in md.tensors.items():
-            matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")
+            matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")   # untied
             want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16
             assert t["layout"] == (want if matrix else "rows"), (layout, name)
 
 
-@pytest.mark.parametrize("case", ["mixtral_a", "qwen2moe_b", "gemma4_b"])
+@pytest.mark.parametrize("case", ["mixtral_a", "mixtral_b", "qwen2moe_b", "gemma4_b"])   # _b: tied embeddings
 def test_f32_transposed_matches_transformers(converted, case):
     ref = reference(case)
     logits = colibri.load(converted(case, "f32", "transposed")).forward(ref["input_ids"])
@@ -228,12 +228,14 @@ def test_layout_choice_per_tensor():
     assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8") == "rows"
     assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "f16", "transposed") == "transposed"
     assert _layout_for("embedding", (64, 64), "matrix", "int8", "transposed", "transposed") == "rows"
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "transposed"      # the head
+    assert _layout_for("embedding", (64, 64), "matrix", "bf16", "rows", "transposed", tied=True) == "transposed"
     assert _layout_for("layers.3.router", (8, 64), "router", "f32", "transposed", "transposed") == "rows"
 
 
-def test_modeldir_refuses_a_transposed_embedding_or_partial_group(converted, tmp_path):
+def test_modeldir_refuses_a_transposed_vector(converted, tmp_path):
     src = converted("mixtral_a", "int8")
-    for name, problem in (("embedding", "other than the embedding"), ("layers.0.attn_norm", "other than the embedding")):
+    for name, problem in (("layers.0.attn_norm", "only weight matrices"), ("layers.0.router", "only weight matrices")):
         d = tmp_path / name
         shutil.copytree(src, d)
         cfg = json.loads((d / "config.json").read_text())
@@ -249,3 +251,30 @@ def test_unknown_layout_is_refused(tmp_path):
     with pytest.raises(ColibriError, match="--layout 'cols'"):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", layout="cols")
     assert not (tmp_path / "m").exists()
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout_case(), st.integers(0, 10**6))
+def test_embedding_row_from_either_layout(case, pick):
+    """The embedding lookup of a (tied) transposed embedding gathers the same row."""
+    dtype, w, _ = case
+    stored, t = _store(w, dtype)
+    row = pick % w.shape[0]
+    ref = from_storage(stored, dtype, w.shape[1])[row]
+    np.testing.assert_array_equal(_kernels.kernel_dequant_row(stored, row, w.shape[1], dtype), ref)
+    np.testing.assert_array_equal(_kernels.kernel_dequant_row(t, row, w.shape[1], dtype, "transposed"), ref)
+
+
+def test_tied_embedding_is_transposed_with_the_bits_of_rows(converted):
+    """mixtral_b ties its embedding: int8 stores it transposed (it is the output head too); at the
+    scalar tier the logits are those of the all-rows directory, bit for bit."""
+    md = ModelDir(converted("mixtral_b", "int8"))
+    assert md.config.tie_word_embeddings and md.tensors["embedding"]["layout"] == "transposed"
+    ids = reference("mixtral_b")["input_ids"]
+    before = _kernels.isa()
+    try:
+        _kernels.select_isa("scalar")
+        np.testing.assert_array_equal(colibri.load(converted("mixtral_b", "int8")).forward(ids),
+                                      colibri.load(converted("mixtral_b", "int8", "rows")).forward(ids))
+    finally:
+        _kernels.select_isa(before)

@@ -39,7 +39,7 @@ cdef extern from "kernels_scalar.h" nogil:
     float cb_f16_to_f32_exact(uint16_t h)
     float cb_bf16_to_f32(uint16_t h)
     size_t cb_row_stride(int dtype, int cols)
-    void cb_dequant_row(float *out, const void *w, int dtype, int row, int cols)
+    void cb_dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols)
     void cb_rmsnorm(float *out, const float *x, const float *weight, int n, float eps)
     void cb_add(float *acc, const float *x, int n)
     void cb_axpy(float *acc, float a, const float *x, int n)
@@ -556,7 +556,7 @@ cdef int feed_forward(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept 
 
 
 cdef inline void embed(const Hyper *h, const Mat *embedding, int token, float *x) noexcept nogil:
-    cb_dequant_row(x, embedding.data, embedding.dtype, token, h.d_model)
+    cb_dequant_row(x, embedding.data, embedding.dtype, embedding.layout, token, embedding.rows, h.d_model)
     if h.embed_scale != 1.0:
         cb_scale(x, h.embed_scale, h.d_model)
 
@@ -1238,12 +1238,16 @@ def kernel_quantize_act(const float[::1] x):
     return q[:n], d[:n // 32]
 
 
-def kernel_dequant_row(w, int row, int cols, str dtype):
-    """Row `row` of a stored matrix as float32 [cols] (the embedding lookup)."""
+def kernel_dequant_row(w, int row, int cols, str dtype, str layout="rows"):
+    """Row `row` of a stored matrix (as in kernel_matvec) as float32 [cols] (the embedding lookup)."""
     w = np.ascontiguousarray(w)
+    cdef int rows = _stored_rows(w, cols, dtype, layout)
+    if not 0 <= row < rows:
+        raise ValueError(f"row {row} is outside 0..{rows - 1}")
     out = np.zeros(cols, np.float32)
     cdef float[::1] o = out
-    cb_dequant_row(&o[0], <const void *><uintptr_t>w.ctypes.data, DTYPE_CODES[dtype], row, cols)
+    cb_dequant_row(&o[0], <const void *><uintptr_t>w.ctypes.data, DTYPE_CODES[dtype], LAYOUT_CODES[layout], row,
+                   rows, cols)
     return out
 
 

@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                       default=None, help="storage order of the experts' matrices: rows [out, in] or "
                                          "transposed [in, out] (default: transposed for int8/int4, rows for float formats)")
     conv.add_argument("--layout", choices=("rows", "transposed"), default=None,
-                      help="the same for the other weight matrices (attention, dense MLPs, lm_head); "
-                           "the embedding is always rows")
+                      help="the same for the other weight matrices (attention, dense MLPs, lm_head, a tied "
+                           "embedding); an untied embedding is always rows")
     conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
 
     info = sub.add_parser("info", help="describe a model directory")
@@ -273,8 +273,8 @@ def cmd_info(args) -> int:
     def layouts(names):
         return " and ".join(sorted({md.tensors[n].get("layout", "rows") for n in names})) or "rows"
     experts = [n for n in md.tensors if ".experts." in n]
-    others = [n for n, t in md.tensors.items() if n not in experts and len(t["shape"]) == 2 and n != "embedding"
-              and not n.endswith("router")]
+    others = [n for n, t in md.tensors.items() if n not in experts and len(t["shape"]) == 2
+              and (n != "embedding" or c.tie_word_embeddings) and not n.endswith("router")]
     print(f"layout:       experts {layouts(experts)}, other matrices {layouts(others)}")
     print(f"context:      {c.max_position_embeddings} positions, rope theta {c.rope_theta:g}")
     sliding = sum(t == "sliding_attention" for t in c.layer_types)

@@ -21,10 +21,10 @@ f16 instead, and the converter says how many.
 
 Layouts: `--expert-layout` stores the routed experts' matrices `rows` ([out, in]) or `transposed`
 ([in, out]; for int8/int4 the same blocks, input-major in groups of 8 outputs: quant.transpose);
-`--layout` the other weight matrices (attention, dense MLPs, shared expert, lm_head; never the
-embedding, whose rows are looked up). Either defaults to the faster layout of the format
-(quant.default_layout: transposed for int8/int4, rows for floats). An int8/int4 matrix whose rows
-are not a multiple of 8 stays `rows`.
+`--layout` the other weight matrices (attention, dense MLPs, shared expert, lm_head, and a tied
+embedding, which is also the output head; an untied embedding is only looked up and stays rows).
+Either defaults to the faster layout of the format (quant.default_layout: transposed for int8/int4,
+rows for floats). An int8/int4 matrix whose rows are not a multiple of 8 stays `rows`.
 """
 from __future__ import annotations
 
@@ -377,7 +377,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant) for name, (shape, kind) in expected.items()}
-    layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout)
+    layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
     need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
     free = shutil.disk_usage(parent).free
@@ -409,7 +409,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
     kept = sum(1 for n, (shape, _) in expected.items()
-               if layouts[n] == "rows" and dtypes[n] in BLOCK_FORMATS and n != "embedding" and shape[0] % TGROUP)
+               if layouts[n] == "rows" and dtypes[n] in BLOCK_FORMATS and shape[0] % TGROUP
+               and (n != "embedding" or cfg.tie_word_embeddings))
     if kept:
         log(f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
     expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
@@ -433,11 +434,12 @@ def _dtype_for(shape, kind, quantize, ln_quant=None):
     return quantize
 
 
-def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None):
+def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=False):
     """The layout of one tensor (module docstring): the routed experts' matrices take
-    --expert-layout, other weight matrices but the embedding --layout, by default the faster one
-    for their format; int8/int4 ones only with a multiple of 8 rows; everything else rows."""
-    if kind != "matrix" or name == "embedding":
+    --expert-layout, other weight matrices --layout (the embedding only when tied: then it is the
+    output head), by default the faster one for their format; int8/int4 ones only with a multiple
+    of 8 rows; everything else rows."""
+    if kind != "matrix" or (name == "embedding" and not tied):
         return "rows"
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)

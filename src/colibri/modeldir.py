@@ -188,8 +188,8 @@ class ModelDir:
             if layout not in LAYOUTS:
                 raise ColibriError(f"{ctx}: unsupported layout {layout!r} (supported: {', '.join(LAYOUTS)})")
             if layout == "transposed":
-                if kind != "matrix" or len(shape) != 2 or name == "embedding":
-                    raise ColibriError(f"{ctx}: only weight matrices other than the embedding can be transposed")
+                if kind != "matrix" or len(shape) != 2:
+                    raise ColibriError(f"{ctx}: only weight matrices can be transposed")
                 if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:
                     raise ColibriError(f"{ctx}: transposed {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
                                        f"got {list(shape)}")

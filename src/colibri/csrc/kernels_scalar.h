@@ -162,6 +162,50 @@ static inline float cb_load_f32_scalar(const char *row, int dtype, int i) {
 typedef void (*cb_ttile_fn)(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
                             const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T);
 
+/* out[cols] = row `row` of W [rows, cols] stored as `dtype` in `layout`, converted to float32
+ * (the embedding lookup; a tied embedding that is also the output head may be transposed: then
+ * the row is gathered, one block per group of its column). */
+static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols) {
+    const char *wb = (const char *)w;
+    if (dtype != CB_INT8 && dtype != CB_INT4) {
+        if (layout == CB_TRANSPOSED) {                  /* element i of the row: input row i, column `row` */
+            size_t stride = cb_row_stride(dtype, rows);
+            for (int i = 0; i < cols; i++) out[i] = cb_load_f32_scalar(wb + (size_t)i * stride, dtype, row);
+        } else {
+            const char *base = wb + (size_t)row * cb_row_stride(dtype, cols);
+            for (int i = 0; i < cols; i++) out[i] = cb_load_f32_scalar(base, dtype, i);
+        }
+        return;
+    }
+    const size_t bbytes = dtype == CB_INT8 ? sizeof(cb_block_int8) : sizeof(cb_block_int4);
+    for (int b = 0; b < cols / CB_QBLOCK; b++) {
+        uint16_t d;               /* block b of the row: its scale and its 32 (int8) / 16 (int4) bytes */
+        const void *qs;
+        if (layout == CB_TRANSPOSED) {
+            const char *grp = wb + ((size_t)b * (rows / CB_TGROUP) + row / CB_TGROUP) * cb_group_bytes(dtype);
+            int r = row % CB_TGROUP;
+            d = ((const uint16_t *)grp)[r];
+            qs = dtype == CB_INT8 ? (const void *)((const cb_group_int8 *)grp)->qs[r]
+                                  : (const void *)((const cb_group_int4 *)grp)->qs[r];
+        } else {
+            const char *blk = wb + (size_t)row * cb_row_stride(dtype, cols) + (size_t)b * bbytes;
+            d = *(const uint16_t *)blk;
+            qs = blk + sizeof(uint16_t);
+        }
+        float df = cb_f16_table[d];
+        float *o = out + b * CB_QBLOCK;
+        if (dtype == CB_INT8) {
+            for (int j = 0; j < CB_QBLOCK; j++) o[j] = df * (float)((const int8_t *)qs)[j];
+        } else {
+            const uint8_t *q4 = (const uint8_t *)qs;
+            for (int j = 0; j < CB_QBLOCK / 2; j++) {
+                o[j] = df * (float)((q4[j] & 0x0F) - 8);
+                o[j + CB_QBLOCK / 2] = df * (float)((q4[j] >> 4) - 8);
+            }
+        }
+    }
+}
+
 static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
                             const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T) {
     for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
@@ -199,31 +243,6 @@ static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const
                 }
                 out[(size_t)j * ldo + o] += dw * acts[j].d[kb] * (float)s;
             }
-        }
-    }
-}
-
-/* out[cols] = row `row` of W[rows, cols], converted to float32 (embedding lookup). */
-static void cb_dequant_row(float *out, const void *w, int dtype, int row, int cols) {
-    const char *base = (const char *)w + (size_t)row * cb_row_stride(dtype, cols);
-    if (dtype == CB_F32) {
-        memcpy(out, base, sizeof(float) * (size_t)cols);
-    } else if (dtype == CB_F16) {
-        const uint16_t *wh = (const uint16_t *)base;
-        for (int i = 0; i < cols; i++) out[i] = cb_f16_table[wh[i]];
-    } else if (dtype == CB_BF16) {
-        const uint16_t *wh = (const uint16_t *)base;
-        for (int i = 0; i < cols; i++) out[i] = cb_bf16_to_f32(wh[i]);
-    } else if (dtype == CB_INT8) {
-        const cb_block_int8 *b = (const cb_block_int8 *)base;
-        for (int i = 0; i < cols; i++) out[i] = cb_f16_table[b[i / CB_QBLOCK].d] * b[i / CB_QBLOCK].qs[i % CB_QBLOCK];
-    } else {
-        const cb_block_int4 *b = (const cb_block_int4 *)base;
-        for (int i = 0; i < cols; i++) {
-            const cb_block_int4 *blk = &b[i / CB_QBLOCK];
-            int j = i % CB_QBLOCK;
-            int q = j < CB_QBLOCK / 2 ? (blk->qs[j] & 0x0F) : (blk->qs[j - CB_QBLOCK / 2] >> 4);
-            out[i] = cb_f16_table[blk->d] * (float)(q - 8);
         }
     }
 }
