@@ -1077,6 +1077,8 @@ cdef Mat _mat(tuple t):
     m.data = <const void *><uintptr_t>addr
     m.dtype = DTYPE_CODES[dtype]
     m.layout = LAYOUT_CODES[t[3] if len(t) > 3 else "rows"]
+    if m.layout == CB_TRANSPOSED and (m.dtype == CB_INT8 or m.dtype == CB_INT4) and shape[0] % 8:
+        raise ValueError(f"a transposed {dtype} matrix needs a multiple of 8 rows, got {shape}")   # whole groups
     m.rows = shape[0]
     m.cols = shape[1]
     return m

@@ -272,7 +272,7 @@ def cmd_info(args) -> int:
           f"(about {active / 1e6:.1f} MB read per token)")
     def layouts(names):
         return " and ".join(sorted({md.tensors[n].get("layout", "rows") for n in names})) or "rows"
-    experts = [n for n in md.tensors if ".experts." in n]
+    experts = {n for n in md.tensors if ".experts." in n}
     others = [n for n, t in md.tensors.items() if n not in experts and len(t["shape"]) == 2
               and (n != "embedding" or c.tie_word_embeddings) and not n.endswith("router")]
     print(f"layout:       experts {layouts(experts)}, other matrices {layouts(others)}")

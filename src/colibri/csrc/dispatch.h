@@ -78,9 +78,11 @@ static int cb_select_isa(int isa) {
 }
 
 /* Outputs per chunk of a transposed prefill product: the chunk's weights (about 128 KB) stay in
- * L2 while every 4-token tile of the prompt passes over them. Decode takes a thread's whole range
- * in one pass (one long read per input row or block). */
+ * L2 while every 4-token tile of the prompt passes over them. Decode takes up to CB_TDECODE_OUTPUTS
+ * outputs of a thread's range per pass: long reads per input row or block, and their sums (16 KB)
+ * stay in L1 across the passes (a whole 131072-output head per thread would not fit in L2). */
 #define CB_TCHUNK_BYTES (128 * 1024)
+#define CB_TDECODE_OUTPUTS 4096
 
 /* One product of a batch (cb_matmul_jobs): out[t * ldo + r] = W[r, :] . x_t for t < n tokens,
  * r < rows, x_t = x + t * ldx; W [rows, cols] stored as dtype/layout. acts [n]: the quantization
@@ -116,7 +118,7 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     /* float formats: a chunk's slice of an input row is contiguous; below 256 outputs (512 B of
      * bf16) the reads are too short and every row a new page (measured 5x slower at 64) */
     if (j->dtype != CB_INT8 && j->dtype != CB_INT4 && chunk_units < 256 / unit) chunk_units = 256 / unit;
-    const int step = n == 1 ? u1 - u0 : chunk_units, max_t = cb_kt.ttile_max_t;
+    const int step = n == 1 ? CB_TDECODE_OUTPUTS / unit : chunk_units, max_t = cb_kt.ttile_max_t;
     *r0 = u0 * unit < rows ? u0 * unit : rows;
     *r1 = u1 * unit < rows ? u1 * unit : rows;
     for (int c = u0; c < u1; c += step) {
