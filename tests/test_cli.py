@@ -173,6 +173,18 @@ def test_convert_unknown_architecture(tmp_path):
     assert not out.exists()
 
 
+def test_relayout_and_its_errors(converted, tmp_path):
+    src = converted("mixtral_a", "int8", "rows")
+    out = tmp_path / "t"
+    p = colibri("relayout", "--model_dir", src, "--output_dir", out, "--expert-layout", "transposed")
+    assert p.returncode == 0, p.stderr
+    assert "experts transposed" in colibri("info", "--model-dir", out).stdout
+    one_line_error(colibri("relayout", "--model-dir", tmp_path / "missing", "--output-dir", tmp_path / "o"), "missing")
+    one_line_error(colibri("relayout", "--model-dir", src, "--output-dir", out), out)        # not empty
+    one_line_error(colibri("relayout", "--model-dir", src, "--output-dir", src), "itself")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["t"], "relayout left temporary files behind"
+
+
 # ---- info / verify -----------------------------------------------------------------------------
 
 def test_info(mixtral, converted):

@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "embedding); an untied embedding is always rows")
     conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
 
+    rel = sub.add_parser("relayout", help="rewrite a model directory's weights in other layouts (no HF checkpoint)")
+    rel.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    rel.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
+    rel.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=("rows", "transposed"),
+                     default=None, help="as for convert (default: transposed for int8/int4, rows for floats)")
+    rel.add_argument("--layout", choices=("rows", "transposed"), default=None, help="as for convert")
+    rel.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+
     info = sub.add_parser("info", help="describe a model directory")
     info.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
 
@@ -123,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "convert": cmd_convert, "info": cmd_info, "verify": cmd_verify,
-                "bench": cmd_bench, "eval": cmd_eval}[args.command](args)
+        return {"run": cmd_run, "convert": cmd_convert, "relayout": cmd_relayout, "info": cmd_info,
+                "verify": cmd_verify, "bench": cmd_bench, "eval": cmd_eval}[args.command](args)
     except ColibriError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -235,6 +243,13 @@ def cmd_convert(args) -> int:
 
     convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
             expert_layout=args.expert_layout, layout=args.layout)
+    return 0
+
+
+def cmd_relayout(args) -> int:
+    from .convert import relayout
+
+    relayout(args.model_dir, args.output_dir, expert_layout=args.expert_layout, layout=args.layout, force=args.force)
     return 0
 
 

@@ -40,7 +40,9 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
-from .modeldir import BLOCK_FORMATS, WEIGHT_DTYPES, ModelDirWriter, storage_nbytes, tensor_file, to_storage
+from . import _os
+from .modeldir import (BLOCK_FORMATS, WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, storage_nbytes,
+                       tensor_file, to_storage)
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, transpose
 
 _EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
@@ -361,9 +363,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     """Convert a HF checkpoint directory into a Colibri model directory; returns its config."""
     if ln_quant not in (None, "int16"):
         raise ColibriError(f"--ln-quant {ln_quant!r} is not supported; the option is int16")
-    for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
-        if value is not None and value not in LAYOUTS:
-            raise ColibriError(f"{flag} {value!r} is not supported; choose one of {', '.join(LAYOUTS)}")
+    _check_layouts(expert_layout, layout)
     if quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     ckpt = HFCheckpoint(hf_dir)
@@ -372,27 +372,13 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     expected = cfg.expected_tensors()
 
     out = Path(output_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ColibriError(f"output directory {out} exists and is not empty (use --force to replace it)")
-    parent = out.parent if str(out.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
     dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant) for name, (shape, kind) in expected.items()}
     layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
     need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
-    free = shutil.disk_usage(parent).free
-    if need > free:
-        raise ColibriError(f"not enough disk space in {parent}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB")
 
-    _remove_stale_temporaries(parent, out.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
-    os.chmod(tmp, 0o755)
-    try:
-        writer = ModelDirWriter(tmp)
-        by_file = {}
-        for name in expected:                                  # canonical order within a file
-            by_file.setdefault(tensor_file(name), []).append(name)
-        for rel, names in sorted(by_file.items()):
+    def write(writer):
+        for rel, names in _files_of(expected):
             writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name], layouts[name])
                                     for name in names))
         tok = Path(hf_dir) / "tokenizer.model"
@@ -401,10 +387,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert",
                                       "hf_dir_name": Path(hf_dir).resolve().name},
                       ln_bits=16 if ln_quant else 32)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_model_dir(out, force, need, write)
     fallback = sum(1 for n, (_, kind) in expected.items() if kind == "matrix" and dtypes[n] != quantize)
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
@@ -418,6 +401,86 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}, experts {' and '.join(expert_layouts)}"
         + ("" if (out / "tokenizer.model").exists() else " (no tokenizer.model: raw token ids only)"))
     return cfg
+
+
+def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: str | None = None,
+             force: bool = False, log=print) -> ModelConfig:
+    """The weights of a Colibri model directory in other layouts, as a new directory (the same
+    numbers: no HF checkpoint needed, e.g. for a directory converted before the transposed layout
+    became the default). Layout flags and defaults as in `convert`; other fields are kept."""
+    _check_layouts(expert_layout, layout)
+    src = ModelDir(model_dir)
+    out = Path(output_dir)
+    if out.resolve() == src.root.resolve():
+        raise ColibriError(f"--output-dir {out} is the model directory itself; choose another directory")
+    cfg, expected = src.config, src.config.expected_tensors()
+    layouts = {n: _layout_for(n, shape, kind, src.tensors[n]["dtype"], expert_layout, layout, cfg.tie_word_embeddings)
+               for n, (shape, kind) in expected.items()}
+    need = sum(t["nbytes"] + 64 for t in src.tensors.values())
+    in_tensor_files = {t["file"] for t in src.tensors.values()}
+    maps = MappedModelDir(src)
+
+    def items(names):
+        for n in names:
+            t = src.tensors[n]
+            stored = maps.rows_array(n)
+            extra = {"scale": t["scale"]} if "scale" in t else {}
+            if layouts[n] == "transposed":
+                stored, extra["layout"] = transpose(stored, t["dtype"], t["shape"][1]), "transposed"
+            yield n, stored, t["dtype"], tuple(t["shape"]), extra
+            _os.release([(maps.address(n), t["nbytes"])])     # keep the RSS at one tensor
+
+    def write(writer):
+        for rel, names in _files_of(expected):
+            writer.write_file(rel, items(names))
+        for rel in sorted(set(src.files) - in_tensor_files):              # tokenizer.model
+            writer.add_file(rel, src.root / rel)
+        writer.finish(cfg, src.weight_dtype, {**src.raw.get("source", {}), "relayout": "colibri relayout"},
+                      ln_bits=src.raw.get("ln_gamma_quant_bits", 32))
+    try:
+        _write_model_dir(out, force, need, write)
+    finally:
+        maps.close()
+    expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
+    other = sorted({layouts[n] for n, (_, kind) in expected.items() if kind == "matrix"
+                    and not _EXPERT_MATRIX.fullmatch(n) and (n != "embedding" or cfg.tie_word_embeddings)})
+    log(f"[INFO] Wrote {out}: experts {' and '.join(expert_layouts)}, other matrices {' and '.join(other) or 'rows'}")
+    return cfg
+
+
+def _check_layouts(expert_layout, layout) -> None:
+    for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
+        if value is not None and value not in LAYOUTS:
+            raise ColibriError(f"{flag} {value!r} is not supported; choose one of {', '.join(LAYOUTS)}")
+
+
+def _files_of(expected: dict) -> list:
+    """[(file, [tensor names in canonical order])] of a model directory, by file name."""
+    by_file = {}
+    for name in expected:
+        by_file.setdefault(tensor_file(name), []).append(name)
+    return sorted(by_file.items())
+
+
+def _write_model_dir(out: Path, force: bool, need: int, write) -> None:
+    """Refuse a non-empty `out` without force and a disk without `need` bytes free, then let
+    write(ModelDirWriter) fill a temporary sibling directory, renamed into place when complete."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ColibriError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    parent = out.parent if str(out.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if need > free:
+        raise ColibriError(f"not enough disk space in {parent}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB")
+    _remove_stale_temporaries(parent, out.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
+    os.chmod(tmp, 0o755)
+    try:
+        write(ModelDirWriter(tmp))
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 # largest magnitude each dtype can store (int8/int4: their f16 scale must stay finite)
