@@ -315,3 +315,17 @@ def test_relayout_refuses_its_own_directory_and_a_full_output(converted, tmp_pat
     with pytest.raises(ColibriError, match="--layout 'cols'"):
         relayout(src, tmp_path / "new", layout="cols")
     assert not (tmp_path / "new").exists()
+
+
+def test_relayout_refuses_a_damaged_source(converted, tmp_path):
+    """A flipped byte in the source is reported, not copied under a fresh checksum."""
+    from colibri.convert import relayout
+    src = tmp_path / "src"
+    shutil.copytree(converted("mixtral_a", "int8", "rows"), src)
+    victim = src / "layers" / "01" / "expert_002.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ColibriError, match="expert_002.bin: sha256 mismatch"):
+        relayout(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -421,6 +421,10 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     maps = MappedModelDir(src)
 
     def items(names):
+        for rel in sorted({src.tensors[n]["file"] for n in names}):     # no damaged weights copied under a new checksum
+            bad = src.verify(files=[rel])
+            if bad:
+                raise ColibriError(f"{src.root / rel}: {bad[0][1]} (re-copy the model directory)")
         for n in names:
             t = src.tensors[n]
             stored = maps.rows_array(n)

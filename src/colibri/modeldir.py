@@ -205,12 +205,15 @@ class ModelDir:
                                    f"of {t['file']} ({self.files[t['file']]['size']} bytes)")
         return tensors
 
-    def verify(self, progress=None) -> list:
-        """sha256 of every file against the table: a list of (file, problem), empty when all match."""
+    def verify(self, progress=None, files=None) -> list:
+        """sha256 of every file (or of `files`) against the table: a list of (file, problem), empty
+        when all match."""
         bad = []
-        for i, (rel, entry) in enumerate(sorted(self.files.items())):
+        names = sorted(self.files) if files is None else list(files)
+        for i, rel in enumerate(names):
+            entry = self.files[rel]
             if progress:
-                progress(i, len(self.files), rel)
+                progress(i, len(names), rel)
             h = hashlib.sha256()
             with open(self.root / rel, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
