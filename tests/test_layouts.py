@@ -106,9 +106,10 @@ def test_layouts_give_the_same_bits_on_the_scalar_tier(case):
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
-@pytest.mark.parametrize("shape", [(520, 1024), (1032, 96), (24, 4096)])
+@pytest.mark.parametrize("shape", [(520, 1024), (1032, 96), (24, 4096), (8200, 64)])
 def test_large_transposed_matvec_with_threads_agrees_with_rows(isa, dtype, shape):
-    """Shapes past the threading threshold, split unevenly over 2 threads (520 = 65 groups of 8)."""
+    """Shapes past the threading threshold, split unevenly over 2 threads (520 = 65 groups of 8);
+    8200 outputs: each thread's range takes two decode passes (CB_TDECODE_OUTPUTS = 4096)."""
     rng = np.random.default_rng(sum(shape))
     w = rng.standard_normal(shape, dtype=np.float32)
     x = rng.standard_normal(shape[1], dtype=np.float32)

@@ -63,6 +63,7 @@ cdef extern from "dispatch.h" nogil:
     cb_cpu_features cb_detect_cpu()
     int cb_best_isa(const cb_cpu_features *f)
     int cb_select_isa(int isa)
+    int cb_window_start(int pos, int window)
     void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
                    int rows, int cols, int n_threads)
     void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
@@ -418,16 +419,6 @@ cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *
     cb_rope(k, L.n_kv_heads, hd, cos_t, sin_t)
 
 
-cdef inline void attend(const Hyper *h, const Layer *L, Scratch *s, const float *q, float *out,
-                        int pos) noexcept nogil:
-    """out [n_heads * head_dim] = causal attention of q at `pos` over the cache (window aware)."""
-    cdef int start = 0
-    if L.sliding_window > 0 and pos - L.sliding_window + 1 > 0:
-        start = pos - L.sliding_window + 1
-    cb_attention(out, q, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
-                 L.head_dim, h.n_ctx, start, pos, L.kv_ring, L.attn_scale, h.n_threads)
-
-
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
     """s.xb2 = self-attention of s.xb at position `pos`; appends this position's k, v to the cache."""
     cdef int kv_dim = L.n_kv_heads * L.head_dim
@@ -439,7 +430,8 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogi
     job(&jobs[2], v, 0, &L.wv, s.xb, h.d_model, &s.act)
     cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, 1, h.n_threads)
     qkv_finish(h, L, s.q, k, v, pos)
-    attend(h, L, s, s.q, s.att, pos)
+    cb_attention(s.att, s.q, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx,
+                 cb_window_start(pos, L.sliding_window), pos, L.kv_ring, L.attn_scale, h.n_threads)
     matvec(s.xb2, &L.wo, s.att, s, h.n_threads)
     if L.bo != NULL:
         cb_add(s.xb2, L.bo, h.d_model)
@@ -1157,24 +1149,7 @@ def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1, str layout=
     (f16/bf16), or [rows, cols // 32 * block bytes] uint8 for int8/int4; transposed layout: the
     float formats [cols, rows], int8/int4 [cols // 32, rows // 8 * group bytes] uint8 (see
     colibri.quant.transpose)."""
-    w = np.ascontiguousarray(w)
-    cdef int cols = x.shape[0]
-    cdef int rows = _stored_rows(w, cols, dtype, layout)
-    cdef int code = DTYPE_CODES[dtype]
-    cdef int lay = LAYOUT_CODES[layout]
-    out = np.zeros(rows, np.float32)
-    act_q = np.zeros(cols, np.int8)
-    act_d = np.zeros(cols // 32 + 1, np.float32)
-    act_xp = np.zeros(cols, np.float32)
-    cdef cb_act_q8 act
-    act.q = <signed char *><uintptr_t>act_q.ctypes.data
-    act.d = <float *><uintptr_t>act_d.ctypes.data
-    act.xp = <float *><uintptr_t>act_xp.ctypes.data
-    cdef float[::1] o = out
-    if rows == 0 or cols == 0:
-        return out
-    cb_matvec(&o[0], <const void *><uintptr_t>w.ctypes.data, code, lay, &x[0], &act, rows, cols, n_threads)
-    return out
+    return kernel_matmul(w, np.asarray(x).reshape(1, -1), dtype, n_threads, layout)[0]   # cb_matvec is n = 1
 
 
 def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, str layout="rows"):

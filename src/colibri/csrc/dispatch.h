@@ -112,7 +112,7 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     const int u0 = (int)((long long)units * th / nt), u1 = (int)((long long)units * (th + 1) / nt);
     const size_t bytes_per_unit = j->dtype == CB_INT8 || j->dtype == CB_INT4
         ? (size_t)(cols / CB_QBLOCK) * cb_group_bytes(j->dtype)
-        : (size_t)cols * (j->dtype == CB_F32 ? 4 : 2) * unit;
+        : cb_row_stride(j->dtype, cols) * unit;
     int chunk_units = (int)(CB_TCHUNK_BYTES / (bytes_per_unit ? bytes_per_unit : 1));
     if (chunk_units < 1) chunk_units = 1;
     /* float formats: a chunk's slice of an input row is contiguous; below 256 outputs (512 B of
@@ -235,6 +235,12 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout,
  * multiply-adds (a serial attention was a tenth of a 2-thread decode step at 180 positions). */
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
+/* The first position a query at `pos` attends: pos - window + 1 in a sliding-window layer
+ * (window > 0), else 0. */
+static inline int cb_window_start(int pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
 /* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+1]. */
 static inline void cb_attend_head(float *out, const float *q, const float *k_cache, const float *v_cache,
                                   float *sc, int h, int group, int kv_stride, int head_dim, int start,
@@ -277,8 +283,8 @@ static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, con
                                int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads) {
     long long work = 0;
     for (int t = 0; t < n; t++) {
-        int pos = pos0 + t, start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        work += (long long)n_heads * (pos - start + 1) * head_dim;
+        int pos = pos0 + t;
+        work += (long long)n_heads * (pos - cb_window_start(pos, window) + 1) * head_dim;
     }
     int parallel = n_threads > 1 && work >= CB_ATTN_PARALLEL_MIN;
     cb_dot_fn dot = cb_kt.dot[CB_F32];
@@ -286,9 +292,10 @@ static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, con
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
     for (int h = 0; h < n_heads; h++)
         for (int t = 0; t < n; t++) {
-            int pos = pos0 + t, start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            int pos = pos0 + t;
             cb_attend_head(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores + (size_t)h * n_ctx,
-                           h, n_heads / n_kv_heads, n_kv_heads * head_dim, head_dim, start, pos, ring, scale, dot);
+                           h, n_heads / n_kv_heads, n_kv_heads * head_dim, head_dim, cb_window_start(pos, window), pos,
+                           ring, scale, dot);
         }
 }
 

@@ -218,51 +218,42 @@ CB_TARGET_AVX2 static void cb_tile_float_avx2_any(float *out, int ldo, const cha
  * 8 outputs. int4 multiplies the unsigned nibbles (0..15) and subtracts 8 * sum(x) of the block
  * afterwards (exact in int32): no sign trick, and a 32-byte load covers two outputs. */
 
+/* One pass of the float transposed tile: input rows i .. i+U-1 added, in order, into the outputs
+ * [o0, o1) of T tokens; each output vector is loaded and stored once per pass. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_ttile_float_pass_avx2(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x, int ldx,
+                         int i, int o0, int o1, const int U, const int T) {
+    const char *wrow = w + (size_t)i * stride;
+    const int ov = o0 + (o1 - o0) / 8 * 8;
+    for (int o = o0; o < ov; o += 8) {
+        __m256 wv[4];
+        for (int u = 0; u < U; u++) wv[u] = cb_load_f32x8_avx2(wrow + (size_t)u * stride, dtype, o);
+        for (int j = 0; j < T; j++) {
+            float *y = out + (size_t)j * ldo + o;
+            const float *xj = x + (size_t)j * ldx + i;
+            __m256 acc = _mm256_loadu_ps(y);
+            for (int u = 0; u < U; u++) acc = _mm256_fmadd_ps(wv[u], _mm256_broadcast_ss(xj + u), acc);
+            _mm256_storeu_ps(y, acc);
+        }
+    }
+    for (int o = ov; o < o1; o++)
+        for (int j = 0; j < T; j++) {
+            float *y = out + (size_t)j * ldo + o;
+            for (int u = 0; u < U; u++)
+                *y = fmaf(cb_load_f32_scalar(wrow + (size_t)u * stride, dtype, o), x[(size_t)j * ldx + i + u], *y);
+        }
+}
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ttile_float_avx2(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
                     int rows, int cols, int o0, int o1, const int T) {
-    /* U input rows per pass over the outputs: one load and store of each output vector per U
-     * rows (a store per row made the weight loads wait on 4K-aliased stores: 2x slower) */
-    enum { U = 4 };
+    /* 4 input rows per pass over the outputs (a store per row made the weight loads wait on
+     * 4K-aliased stores: 2x slower), the last cols % 4 one at a time */
     const size_t stride = cb_row_stride(dtype, rows);
-    const int ov = o0 + (o1 - o0) / 8 * 8;
     for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
     int i = 0;
-    for (; i + U <= cols; i += U) {
-        const char *wrow = w + (size_t)i * stride;
-        for (int o = o0; o < ov; o += 8) {
-            __m256 wv[U];
-            for (int u = 0; u < U; u++) wv[u] = cb_load_f32x8_avx2(wrow + (size_t)u * stride, dtype, o);
-            for (int j = 0; j < T; j++) {
-                float *y = out + (size_t)j * ldo + o;
-                const float *xj = x + (size_t)j * ldx + i;
-                __m256 acc = _mm256_loadu_ps(y);
-                for (int u = 0; u < U; u++) acc = _mm256_fmadd_ps(wv[u], _mm256_broadcast_ss(xj + u), acc);
-                _mm256_storeu_ps(y, acc);
-            }
-        }
-        for (int o = ov; o < o1; o++)
-            for (int j = 0; j < T; j++) {
-                float *y = out + (size_t)j * ldo + o;
-                for (int u = 0; u < U; u++)
-                    *y = fmaf(cb_load_f32_scalar(wrow + (size_t)u * stride, dtype, o), x[(size_t)j * ldx + i + u], *y);
-            }
-    }
-    for (; i < cols; i++) {                             /* the last cols % U input rows */
-        const char *wrow = w + (size_t)i * stride;
-        for (int o = o0; o < ov; o += 8) {
-            __m256 wv = cb_load_f32x8_avx2(wrow, dtype, o);
-            for (int j = 0; j < T; j++) {
-                float *y = out + (size_t)j * ldo + o;
-                _mm256_storeu_ps(y, _mm256_fmadd_ps(wv, _mm256_broadcast_ss(x + (size_t)j * ldx + i), _mm256_loadu_ps(y)));
-            }
-        }
-        for (int o = ov; o < o1; o++)
-            for (int j = 0; j < T; j++) {
-                float *y = out + (size_t)j * ldo + o;
-                *y = fmaf(cb_load_f32_scalar(wrow, dtype, o), x[(size_t)j * ldx + i], *y);
-            }
-    }
+    for (; i + 4 <= cols; i += 4) cb_ttile_float_pass_avx2(out, ldo, w, stride, dtype, x, ldx, i, o0, o1, 4, T);
+    for (; i < cols; i++) cb_ttile_float_pass_avx2(out, ldo, w, stride, dtype, x, ldx, i, o0, o1, 1, T);
 }
 
 /* The 8 int32 block sums of an int8 group against T tokens' activation blocks xq[j]. */

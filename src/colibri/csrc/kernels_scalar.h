@@ -104,16 +104,29 @@ static float cb_dot_bf16_scalar(const void *row, const float *x, const cb_act_q8
     return acc;
 }
 
+/* The exact integer dot product of one block's 32 weights (int8: qs[32]; int4: the nibbles of
+ * qs[16], element j low in qs[j], j + 16 high) with 32 quantized activations. */
+static inline int32_t cb_block_dot_int8(const int8_t *qs, const int8_t *xq) {
+    int32_t s = 0;
+    for (int j = 0; j < CB_QBLOCK; j++) s += (int32_t)qs[j] * (int32_t)xq[j];
+    return s;
+}
+
+static inline int32_t cb_block_dot_int4(const uint8_t *qs, const int8_t *xq) {
+    int32_t s = 0;
+    for (int j = 0; j < CB_QBLOCK / 2; j++) {
+        s += ((int32_t)(qs[j] & 0x0F) - 8) * (int32_t)xq[j];
+        s += ((int32_t)(qs[j] >> 4) - 8) * (int32_t)xq[j + CB_QBLOCK / 2];
+    }
+    return s;
+}
+
 static float cb_dot_int8_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
     const cb_block_int8 *w = (const cb_block_int8 *)row;
     (void)x;
     float acc = 0.0f;
-    for (int b = 0; b < n / CB_QBLOCK; b++) {
-        const int8_t *xq = a->q + b * CB_QBLOCK;
-        int32_t s = 0;
-        for (int j = 0; j < CB_QBLOCK; j++) s += (int32_t)w[b].qs[j] * (int32_t)xq[j];
-        acc += cb_f16_table[w[b].d] * a->d[b] * (float)s;
-    }
+    for (int b = 0; b < n / CB_QBLOCK; b++)
+        acc += cb_f16_table[w[b].d] * a->d[b] * (float)cb_block_dot_int8(w[b].qs, a->q + b * CB_QBLOCK);
     return acc;
 }
 
@@ -121,15 +134,8 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
     const cb_block_int4 *w = (const cb_block_int4 *)row;
     (void)x;
     float acc = 0.0f;
-    for (int b = 0; b < n / CB_QBLOCK; b++) {
-        const int8_t *xq = a->q + b * CB_QBLOCK;
-        int32_t s = 0;
-        for (int j = 0; j < CB_QBLOCK / 2; j++) {
-            s += ((int32_t)(w[b].qs[j] & 0x0F) - 8) * (int32_t)xq[j];
-            s += ((int32_t)(w[b].qs[j] >> 4) - 8) * (int32_t)xq[j + CB_QBLOCK / 2];
-        }
-        acc += cb_f16_table[w[b].d] * a->d[b] * (float)s;
-    }
+    for (int b = 0; b < n / CB_QBLOCK; b++)
+        acc += cb_f16_table[w[b].d] * a->d[b] * (float)cb_block_dot_int4(w[b].qs, a->q + b * CB_QBLOCK);
     return acc;
 }
 
@@ -230,17 +236,8 @@ static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const
             float dw = cb_f16_table[((const uint16_t *)grp)[r]];
             for (int j = 0; j < T; j++) {
                 const int8_t *xq = acts[j].q + kb * CB_QBLOCK;
-                int32_t s = 0;
-                if (dtype == CB_INT8) {
-                    const int8_t *q = ((const cb_group_int8 *)grp)->qs[r];
-                    for (int e = 0; e < CB_QBLOCK; e++) s += (int32_t)q[e] * (int32_t)xq[e];
-                } else {
-                    const uint8_t *q = ((const cb_group_int4 *)grp)->qs[r];
-                    for (int e = 0; e < CB_QBLOCK / 2; e++) {
-                        s += ((int32_t)(q[e] & 0x0F) - 8) * (int32_t)xq[e];
-                        s += ((int32_t)(q[e] >> 4) - 8) * (int32_t)xq[e + CB_QBLOCK / 2];
-                    }
-                }
+                int32_t s = dtype == CB_INT8 ? cb_block_dot_int8(((const cb_group_int8 *)grp)->qs[r], xq)
+                                             : cb_block_dot_int4(((const cb_group_int4 *)grp)->qs[r], xq);
                 out[(size_t)j * ldo + o] += dw * acts[j].d[kb] * (float)s;
             }
         }
