@@ -134,10 +134,68 @@ def test_prefill_product_equals_token_by_token(isa, dtype, layout):
     w = rng.standard_normal((rows, cols), dtype=np.float32)
     stored, t = _store(w, dtype)
     mat = t if layout == "transposed" else stored
-    x = rng.standard_normal((9, cols), dtype=np.float32)
-    single = np.stack([_kernels.kernel_matvec(mat, x[i], dtype, 2, layout) for i in range(9)])
-    for n in (2, 5, 9):
+    x = rng.standard_normal((17, cols), dtype=np.float32)
+    single = np.stack([_kernels.kernel_matvec(mat, x[i], dtype, 2, layout) for i in range(17)])
+    for n in (2, 5, 8, 9, 17):      # from 8 tokens the transposed int8/int4 product repacks its chunks
         np.testing.assert_array_equal(_kernels.kernel_matmul(mat, x[:n], dtype, 2, layout), single[:n])
+
+
+@st.composite
+def repack_case(draw):
+    """(dtype, w [rows, cols], x [n, cols]) for the repacked prefill: whole groups and blocks,
+    past one 32-block pass (cols > 1024) sometimes, 1..21 tokens (tiles of 4 and their tails)."""
+    dtype = draw(st.sampled_from(BLOCK))
+    rows, cols = 8 * draw(st.integers(1, 12)), 32 * draw(st.sampled_from([1, 2, 3, 7, 31, 32, 33, 40]))
+    n = draw(st.integers(1, 21))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols), dtype=np.float32)
+    x = rng.standard_normal((n, cols), dtype=np.float32)
+    return dtype, w, x
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(repack_case(), st.sampled_from([1, 2]))
+def test_repacked_prefill_gives_the_bits_of_the_stored_order(isa, case, threads):
+    """The prefill's repacked chunks (SIMD tiers, int8/int4, n >= 8) against the stored-order tile,
+    bit for bit, and against numpy."""
+    dtype, w, x = case
+    stored, t = _store(w, dtype)
+    try:
+        on = _kernels.set_prefill_repack(True)
+        assert on == (isa != "scalar")
+        repacked = _kernels.kernel_matmul(t, x, dtype, threads, "transposed")
+        assert _kernels.set_prefill_repack(False) is False
+        plain = _kernels.kernel_matmul(t, x, dtype, threads, "transposed")
+    finally:
+        _kernels.set_prefill_repack(True)
+    np.testing.assert_array_equal(repacked, plain)
+    exact_w = _exact(stored, dtype, w.shape[1])
+    xr = np.stack([_quantize_act(row) for row in x])
+    bound = MATVEC_RTOL * (np.abs(xr) @ np.abs(exact_w).T) + 1e-30
+    assert np.all(np.abs(repacked - xr @ exact_w.T) <= bound)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("dtype", BLOCK)
+def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
+    """Weights at their largest code (int8: 127; int4: nibble 15 — the first weight of each block,
+    -0.8, sets the scale so that 0.7 stores as 15 —, whose 8 products of a block are summed in int16:
+    8 * 2 * 15 * 127 = 30480 must not wrap) and every activation at +-127."""
+    rows, cols, n = 16, 64, 12
+    w = np.full((rows, cols), 0.7, np.float32)
+    if dtype == "int4":
+        w[:, ::32] = -0.8
+    x = np.full((n, cols), sign * 3.0, np.float32)
+    stored, t = _store(w, dtype)
+    if dtype == "int4":
+        assert (stored.view(np.uint8)[:, 3:18] == 0xFF).all()       # block 0 of each row: all but one nibble 15
+    else:
+        assert (stored.view(np.int8)[:, 2:34] == 127).all()
+    got = _kernels.kernel_matmul(t, x, dtype, 1, "transposed")
+    expect = _exact(stored, dtype, cols) @ _quantize_act(x[0])
+    np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6)
+    assert np.sign(got).min() == sign
 
 
 @settings(max_examples=60, deadline=None)

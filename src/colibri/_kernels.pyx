@@ -63,6 +63,7 @@ cdef extern from "dispatch.h" nogil:
     cb_cpu_features cb_detect_cpu()
     int cb_best_isa(const cb_cpu_features *f)
     int cb_select_isa(int isa)
+    int cb_set_prefill_repack(int on)
     int cb_window_start(int pos, int window)
     void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
                    int rows, int cols, int n_threads)
@@ -134,6 +135,13 @@ def select_isa(str name):
     if cb_select_isa(ISA_NAMES[name]) != 0:
         raise ValueError(f"COLIBRI_ISA={name}: this CPU (or OS) does not support it; "
                          f"available: {', '.join(available_isas())}")
+
+
+def set_prefill_repack(bint on):
+    """Turn the repacked prefill of transposed int8/int4 matrices off or back on (tests and
+    benchmarks compare it with the stored-order tile; the engine always uses it where the tier has
+    one). Returns whether it is now on."""
+    return bool(cb_set_prefill_repack(on))
 
 
 def isa():

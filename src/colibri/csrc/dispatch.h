@@ -7,10 +7,20 @@
 #ifndef COLIBRI_DISPATCH_H
 #define COLIBRI_DISPATCH_H
 
+#include <stdlib.h>
+#if defined(_MSC_VER)
+#include <malloc.h>
+#endif
+
 #include "cpu.h"
 #include "kernels_scalar.h"
 #include "kernels_avx2.h"
 #include "kernels_avx512.h"
+
+/* out[t * ldo + o] for outputs [o0, o1) (whole groups) and n tokens of a transposed int8/int4
+ * matrix, through `scratch` (cb_tprefill_bytes): the same bits as the ttile. */
+typedef void (*cb_tprefill_fn)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int rows,
+                               int cols, int o0, int o1, int n, uint8_t *scratch);
 
 /* out[j * ldo + i] = row i . token j for an R x T tile (R <= tile_rows, T in 1..4), rows `stride`
  * bytes apart; x/ldx for the float formats, acts for the integer ones. */
@@ -28,6 +38,7 @@ typedef struct {
                                        the tile's 11: AVX2 int4 decode 10 % faster) */
     cb_ttile_fn ttile;              /* the transposed layout, every format */
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
+    cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 of n > 1 tokens via a repacked chunk */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
@@ -48,6 +59,7 @@ static int cb_select_isa(int isa) {
     for (int d = 0; d < CB_N_DTYPES; d++) { t.tile[d] = NULL; t.tile_rows[d] = 1; t.decode_dot[d] = 0; }
     t.ttile = cb_ttile_scalar;
     t.ttile_max_t = 4;
+    t.tprefill = NULL;
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
         t.dot[CB_F32] = cb_dot_f32_avx2;
@@ -61,6 +73,7 @@ static int cb_select_isa(int isa) {
         t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
         for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
         t.ttile = cb_ttile_avx2_any;          /* also the AVX-512 tier's: no wider version yet */
+        t.tprefill = cb_tprefill_quant_avx2;
     }
     if (isa >= CB_ISA_AVX512) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
@@ -77,11 +90,56 @@ static int cb_select_isa(int isa) {
     return 0;
 }
 
+/* This thread's scratch of at least `bytes` (64-byte aligned), grown on demand and kept for the
+ * thread's life (the engine's threads are OpenMP's pool: a few hundred KB each); NULL if the
+ * allocation fails. */
+#if defined(_MSC_VER)
+#define CB_THREAD_LOCAL __declspec(thread)
+#else
+#define CB_THREAD_LOCAL __thread
+#endif
+static CB_THREAD_LOCAL void *cb_scratch_ptr;
+static CB_THREAD_LOCAL size_t cb_scratch_cap;
+
+static void *cb_thread_scratch(size_t bytes) {
+    if (bytes <= cb_scratch_cap) return cb_scratch_ptr;
+    size_t cap = bytes + bytes / 2;
+    cap = (cap + 63) / 64 * 64;
+#if defined(_MSC_VER)
+    _aligned_free(cb_scratch_ptr);
+    void *p = _aligned_malloc(cap, 64);
+#else
+    free(cb_scratch_ptr);
+    void *p = NULL;
+    if (posix_memalign(&p, 64, cap) != 0) p = NULL;
+#endif
+    cb_scratch_ptr = p;
+    cb_scratch_cap = p ? cap : 0;
+    return p;
+}
+
+/* Turn the repacked prefill of the transposed integer formats off (0) or back on (1, where the tier
+ * has one): for the tests and benchmarks that compare it with the stored-order tile. Returns
+ * whether it is now on. */
+static int cb_set_prefill_repack(int on) {
+#if CB_X86
+    cb_kt.tprefill = on && cb_kt.isa >= CB_ISA_AVX2 ? cb_tprefill_quant_avx2 : NULL;
+#else
+    (void)on;
+#endif
+    return cb_kt.tprefill != NULL;
+}
+
 /* Outputs per chunk of a transposed prefill product: the chunk's weights (about 128 KB) stay in
  * L2 while every 4-token tile of the prompt passes over them. Decode takes up to CB_TDECODE_OUTPUTS
  * outputs of a thread's range per pass: long reads per input row or block, and their sums (16 KB)
  * stay in L1 across the passes (a whole 131072-output head per thread would not fit in L2). */
 #define CB_TCHUNK_BYTES (128 * 1024)
+
+/* From this many tokens a transposed int8/int4 product repacks each chunk (cb_kt.tprefill): the
+ * repack costs about what 4 tokens' products save (tools/bench_kernels.py, 2026-11-30: int4 0.7x at
+ * 2 tokens, 0.9x at 4, 1.1-1.2x at 8, 1.3-1.4x at 32; int8 0.8-0.9x, 1.0x, 1.1-1.4x, 1.3-1.45x). */
+#define CB_TPREFILL_MIN_TOKENS 8
 #define CB_TDECODE_OUTPUTS 4096
 
 /* One product of a batch (cb_matmul_jobs): out[t * ldo + r] = W[r, :] . x_t for t < n tokens,
@@ -121,9 +179,17 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     const int step = n == 1 ? CB_TDECODE_OUTPUTS / unit : chunk_units, max_t = cb_kt.ttile_max_t;
     *r0 = u0 * unit < rows ? u0 * unit : rows;
     *r1 = u1 * unit < rows ? u1 * unit : rows;
+    const int repack = n >= CB_TPREFILL_MIN_TOKENS && cb_kt.tprefill && (j->dtype == CB_INT8 || j->dtype == CB_INT4);
     for (int c = u0; c < u1; c += step) {
         int o0 = c * unit, o1 = (c + step < u1 ? c + step : u1) * unit;
         if (o1 > rows) o1 = rows;
+        if (repack) {
+            uint8_t *scratch = cb_thread_scratch(cb_tprefill_bytes(j->dtype == CB_INT4, (o1 - o0) / unit, cols / CB_QBLOCK, n));
+            if (scratch) {
+                cb_kt.tprefill(j->out, j->ldo, (const char *)j->w, j->dtype, acts, rows, cols, o0, o1, n, scratch);
+                continue;
+            }                           /* no memory for the scratch: the stored-order tile below */
+        }
         for (int t = 0; t < n; t += max_t) {
             int T = n - t < max_t ? n - t : max_t;
             cb_kt.ttile(j->out + (size_t)t * j->ldo, j->ldo, (const char *)j->w, j->dtype, x + (size_t)t * ldx,

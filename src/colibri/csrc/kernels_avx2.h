@@ -361,5 +361,175 @@ CB_TARGET_AVX2 static void cb_ttile_avx2_any(float *out, int ldo, const char *w,
 #undef CB_CALL_TF
 }
 
+/* ---- prefill of the integer transposed layout: a repacked chunk --------------------------------
+ *
+ * A prompt multiplies every weight by many tokens, so the prefill first repacks a chunk of groups
+ * into an order in which one 32-byte vector holds 4 consecutive inputs of each of the 8 outputs
+ * (vector c of block kb: bytes 4r..4r+3 are output r's inputs 4c..4c+3 — an 8 x 8 transpose of
+ * dwords). Four activation bytes broadcast against it give the 8 outputs' partial sums in their
+ * own int32 lanes, so no horizontal sums (the stored order needs a 9-instruction hadd tree per
+ * group and token), and a group's 8 outputs of T tokens stay in registers across every block.
+ * int4 is repacked as unsigned nibble bytes (0..15): no sign trick, and a block's 8 maddubs add
+ * up in int16 before one madd (|sum| <= 8 * 2 * 15 * 127 = 30480 < 2^15); 8 * sum(x) is taken
+ * off as in the stored-order kernel. The int32 block sums are exact, and every block is scaled
+ * and added in the same order as in cb_ttile_quant_avx2: prefill still equals decode bit for bit.
+ *
+ * Packed block (CB_TPACK_BLOCK_BYTES, quant.h): float scales [8], then int8 / nibble bytes
+ * [8 vectors][8 outputs][4]. Scratch of a chunk (cb_tprefill_bytes): packed blocks [groups of the
+ * chunk][nb], then for int4 the int32 8 * sum(x) [n][nb]. */
+
+/* A register the compiler must materialise here: GCC otherwise regroups the chain of integer adds
+ * of a block (they are associative) into one tree at its end, keeping all 32 products of 4 tokens
+ * live and spilling them to the stack (measured: the kernel at 60 % of its speed). */
+#if defined(__GNUC__)
+#define CB_IN_ORDER(v) __asm__("" : "+x"(v))
+#else
+#define CB_IN_ORDER(v) ((void)0)
+#endif
+
+/* r[c] = dword c of each of r[0..7]: the 8 x 8 transpose of 32-bit elements. */
+CB_TARGET_AVX2 static inline void cb_transpose8x8_epi32(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {       /* pairs of rows: dwords 0,1 | 4,5 and 2,3 | 6,7 interleaved */
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {       /* 4 rows per 128-bit lane: u[4i + k] holds dwords k | k + 4 */
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {       /* rows 0-3 and 4-7 of dword k, then of dword k + 4 */
+        r[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        r[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* One stored group (cb_group_int8 / cb_group_int4) as a packed block. */
+CB_TARGET_AVX2 static inline void cb_tpack_group_avx2(uint8_t *dst, const char *grp, int dtype) {
+    __m256i r[8];
+    _mm256_storeu_ps((float *)dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp)));
+    if (dtype == CB_INT8) {
+        const cb_group_int8 *g = (const cb_group_int8 *)grp;
+        for (int o = 0; o < 8; o++) r[o] = _mm256_loadu_si256((const __m256i *)g->qs[o]);
+    } else {
+        const cb_group_int4 *g = (const cb_group_int4 *)grp;
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        for (int o = 0; o < 8; o++) {    /* elements 0..15 (low nibbles), then 16..31 (high) */
+            __m128i v = _mm_loadu_si128((const __m128i *)g->qs[o]);
+            r[o] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m4)),
+                                           _mm_and_si128(_mm_srli_epi16(v, 4), m4), 1);
+        }
+    }
+    cb_transpose8x8_epi32(r);
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)(dst + 32 + 32 * c), r[c]);
+}
+
+/* Four activation bytes (inputs 4c..4c+3 of a block) in every int32 lane. */
+CB_TARGET_AVX2 static inline __m256i cb_bcast4_avx2(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* out[j * ldo + 0..7] (+)= one group's 8 outputs for T tokens over its blocks kb0..kb1-1, packed
+ * at pk (block kb0 first); kb0 == 0 starts from zero, otherwise the sums in out continue.
+ * xsum8 [T][nb] (row stride nb): 8 * sum of token j's quantized block kb (int4 only). The
+ * activation pointers are copied to locals first: out is stored through a float pointer the
+ * compiler must otherwise assume may alias them (int8_t is a character type), and it reloaded
+ * them after every store. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_tpacked_group_avx2(float *out, int ldo, const uint8_t *pk, int dtype, const cb_act_q8 *acts,
+                      const int32_t *xsum8, int nb, int kb0, int kb1, const int T) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *xq[4];
+    const float *xd[4];
+    __m256 acc[4];
+    for (int j = 0; j < T; j++) {
+        xq[j] = acts[j].q;
+        xd[j] = acts[j].d;
+        acc[j] = kb0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
+    }
+    for (int kb = kb0; kb < kb1; kb++, pk += CB_TPACK_BLOCK_BYTES) {
+        const __m256i *wv = (const __m256i *)(pk + 32);
+        __m256i isum[4];
+        if (dtype == CB_INT8) {
+            for (int j = 0; j < T; j++) isum[j] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = _mm256_loadu_si256(wv + c), aw = _mm256_sign_epi8(w, w);
+                for (int j = 0; j < T; j++) {
+                    __m256i x = cb_bcast4_avx2(xq[j] + kb * CB_QBLOCK + 4 * c);
+                    isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
+                    CB_IN_ORDER(isum[j]);
+                }
+            }
+        } else {
+            __m256i p16[4];
+            for (int j = 0; j < T; j++) p16[j] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = _mm256_loadu_si256(wv + c);
+                for (int j = 0; j < T; j++) {
+                    p16[j] = _mm256_add_epi16(p16[j], _mm256_maddubs_epi16(w, cb_bcast4_avx2(xq[j] + kb * CB_QBLOCK + 4 * c)));
+                    CB_IN_ORDER(p16[j]);
+                }
+            }
+            for (int j = 0; j < T; j++)
+                isum[j] = _mm256_sub_epi32(_mm256_madd_epi16(p16[j], ones), _mm256_set1_epi32(xsum8[(size_t)j * nb + kb]));
+        }
+        const __m256 dw = _mm256_loadu_ps((const float *)pk);
+        for (int j = 0; j < T; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])), acc[j]);
+    }
+    for (int j = 0; j < T; j++) _mm256_storeu_ps(out + (size_t)j * ldo, acc[j]);
+}
+
+#define CB_TPREFILL_KBLOCKS 32
+
+/* The prefill entry (cb_kernel_table.tprefill): out[t * ldo + o] for outputs [o0, o1) (whole
+ * groups) and all n tokens of a transposed int8/int4 matrix, through `scratch` of
+ * cb_tprefill_bytes(dtype, (o1 - o0) / 8, cols / 32, n) bytes. */
+CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                                                  int rows, int cols, int o0, int o1, int n, uint8_t *scratch) {
+    const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK, g0 = o0 / CB_TGROUP, g1 = o1 / CB_TGROUP;
+    const size_t gbytes = cb_group_bytes(dtype), unit = (size_t)nb * CB_TPACK_BLOCK_BYTES;
+    for (int kb = 0; kb < nb; kb++) {          /* the stored chunk is read in order, row of blocks by row */
+        const char *src = w + ((size_t)kb * groups + g0) * gbytes;
+        for (int g = g0; g < g1; g++, src += gbytes)
+            cb_tpack_group_avx2(scratch + (size_t)(g - g0) * unit + (size_t)kb * CB_TPACK_BLOCK_BYTES, src, dtype);
+    }
+    int32_t *xsum8 = (int32_t *)(scratch + (size_t)(g1 - g0) * unit);
+    if (dtype == CB_INT4)
+        for (int t = 0; t < n; t++)
+            for (int kb = 0; kb < nb; kb++) {       /* bytes summed in pairs against 1, then the 8 int32 lanes */
+                __m256i q = _mm256_loadu_si256((const __m256i *)(acts[t].q + kb * CB_QBLOCK));
+                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                xsum8[(size_t)t * nb + kb] = 8 * _mm_cvtsi128_si32(s4);
+            }
+    /* a group's blocks CB_TPREFILL_KBLOCKS at a time (9 KB of packed weights) pass over every token,
+     * so they and a 4-token tile's activations stay in L1 */
+    for (int g = g0; g < g1; g++)
+      for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {
+        const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;
+        const uint8_t *pk = scratch + (size_t)(g - g0) * unit + (size_t)kb0 * CB_TPACK_BLOCK_BYTES;
+        for (int t = 0; t < n; t += 4) {
+            float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
+            const int32_t *xs = xsum8 + (size_t)t * nb;
+#define CB_CALL_TP(dt, T) cb_tpacked_group_avx2(o, ldo, pk, dt, acts + t, xs, nb, kb0, kb1, T)
+            if (dtype == CB_INT8) {
+                switch (n - t) { case 1: CB_CALL_TP(CB_INT8, 1); break; case 2: CB_CALL_TP(CB_INT8, 2); break;
+                                 case 3: CB_CALL_TP(CB_INT8, 3); break; default: CB_CALL_TP(CB_INT8, 4); break; }
+            } else {
+                switch (n - t) { case 1: CB_CALL_TP(CB_INT4, 1); break; case 2: CB_CALL_TP(CB_INT4, 2); break;
+                                 case 3: CB_CALL_TP(CB_INT4, 3); break; default: CB_CALL_TP(CB_INT4, 4); break; }
+            }
+#undef CB_CALL_TP
+        }
+    }
+}
+
 #endif /* CB_X86 */
 #endif /* COLIBRI_KERNELS_AVX2_H */

@@ -48,6 +48,17 @@ typedef struct {
     uint8_t qs[CB_TGROUP][CB_QBLOCK / 2];   /* [8][16] nibbles, as in cb_block_int4 */
 } cb_group_int4;
 
+/* The prefill's packed form of one group and block (kernels_avx2.h, cb_tprefill_quant_avx2): 8
+ * float scales, then 8 vectors of 32 bytes, vector c holding inputs 4c..4c+3 of the 8 outputs
+ * (int4 as one nibble value per byte). Scratch only, never stored. */
+#define CB_TPACK_BLOCK_BYTES (8 * 4 + 8 * 32)
+
+/* Scratch bytes of a packed chunk of `units` groups, nb blocks, n tokens (int4 adds 8 * sum(x)
+ * of every token's block). */
+static inline size_t cb_tprefill_bytes(int dtype_is_int4, int units, int nb, int n) {
+    return (size_t)units * nb * CB_TPACK_BLOCK_BYTES + (dtype_is_int4 ? (size_t)n * nb * sizeof(int32_t) : 0);
+}
+
 #if defined(__cplusplus)
 #define CB_STATIC_ASSERT static_assert
 #else
