@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kernel throughput: matvec against the read bandwidth, prefill tiles against the FMA peak.
+"""Kernel throughput: matvec against the read bandwidth, prefill tiles against the FMA and int8 peaks.
 
 Decode is memory-bound: a matvec kernel is as good as the fraction of the read bandwidth it
 reaches on a matrix much larger than the last-level cache. For each storage format and layout
@@ -12,8 +12,11 @@ Prefill is compute-bound: the second table times the engine's matmul (cb_matmul,
 prefill uses) of --tokens prompt tokens against a [1024, cols] matrix that stays in the caches,
 as GFLOP/s (2 x multiply-adds, also for the integer formats), next to the attainable float FMA
 rate of the same threads (an AVX2 FMA loop: 16 FLOP per lane-8 FMA; AVX-512 doubles the
-machine's float peak, and integer dot products have their own ports: the ratio is a yardstick,
-not a bound).
+machine's float peak) and, for int8/int4, the attainable AVX2 int8 dot-product rate (maddubs +
+madd chains, the int8 kernels' step without VNNI: on a core with one vector integer multiplier
+this is the int8 ceiling; int4's unsigned nibbles skip most madds and can pass it). For the
+transposed int8/int4 matrices the stored-order tile is timed too, interleaved (the prefill repacks
+each chunk from 8 tokens: _kernels.set_prefill_repack).
 
     python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
                                   [--layouts rows,transposed]
@@ -77,25 +80,43 @@ def main():
     prefill_table(args, rng)
 
 
+def best_rate(bench, threads, tries=3):
+    """The best of `tries` runs of a peak loop, in G operations per second (None: cannot run):
+    a peak is what the machine can do, and a shared machine only ever takes some of it away."""
+    runs = [bench(threads) for _ in range(tries)]
+    return None if runs[0] is None else max(ops / seconds for ops, seconds in runs) / 1e9
+
+
 def prefill_table(args, rng):
     cols, rows, n = args.cols, 1024, args.tokens
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    peak = _kernels.bench_peak_flops(args.threads)
-    peak_gf = peak[0] / peak[1] / 1e9 if peak else None
+    peak_gf, ipeak_g = best_rate(_kernels.bench_peak_flops, args.threads), best_rate(_kernels.bench_peak_int8, args.threads)
     print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
-          f"AVX2 FMA peak of {args.threads} thread(s): " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a"))
-    print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of peak':>8}")
+          f"{args.threads} thread(s): AVX2 FMA peak " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
+          + ", AVX2 int8 dot peak (maddubs + madd) " + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a"))
+    print("(int8/int4 transposed: the repacked prefill and, interleaved with it, the stored-order tile)")
+    print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of FMA':>7} {'of int8':>8} {'stored order':>13}")
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
+    reps = 3
     for dtype in args.dtypes.split(","):
         for layout in args.layouts.split(","):
             w = to_storage(w_f32, dtype)
             if layout == "transposed":
                 w = quant.transpose(w, dtype, cols)
+            both = layout == "transposed" and dtype in ("int8", "int4")
             _kernels.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
-            reps = 3
-            times = [_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout) for _ in range(args.repeat)]
+            times, plain = [], []
+            for _ in range(args.repeat):
+                times.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
+                if both:
+                    _kernels.set_prefill_repack(False)
+                    plain.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
+                    _kernels.set_prefill_repack(True)
             gflops = 2.0 * rows * cols * n * reps / statistics.median(times) / 1e9
-            print(f"{dtype:>6} {layout:>10} {gflops:8.1f} " + (f"{gflops / peak_gf:7.0%}" if peak_gf else "     n/a"))
+            of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"
+            of_int8 = f"{gflops / ipeak_g:8.0%}" if ipeak_g and dtype in ("int8", "int4") else "       -"
+            stored = f"{2.0 * rows * cols * n * reps / statistics.median(plain) / 1e9:13.1f}" if both else "            -"
+            print(f"{dtype:>6} {layout:>10} {gflops:8.1f} {of_fma} {of_int8} {stored}")
 
 
 if __name__ == "__main__":

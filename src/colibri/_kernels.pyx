@@ -1341,11 +1341,36 @@ cdef extern from *:
         }
         return total;
     }
+    /* The attainable AVX2 int8 dot-product rate (no VNNI): 10 independent chains of the int8
+     * kernels' step, 32 byte products through maddubs, pairs to int32 through madd, one add (an
+     * 8-bit add per step varies the input, as the kernels' sign does). maddubs and madd are both
+     * multiplies: where the core has one vector integer multiplier, this is the int8 ceiling.
+     * Returns the operations done (2 per byte product), or -1 where it cannot run. */
+    __attribute__((target("avx2,fma"))) static double cb_peak_int8_avx2(long long iters, int n_threads) {
+        double total = 0.0;
+        #pragma omp parallel num_threads(n_threads) reduction(+:total)
+        {
+            __m256i x[10], acc[10];
+            const __m256i w = _mm256_set1_epi8(3), inc = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+            for (int k = 0; k < 10; k++) { x[k] = _mm256_set1_epi8((char)k); acc[k] = _mm256_setzero_si256(); }
+            for (long long i = 0; i < iters; i++)
+                for (int k = 0; k < 10; k++) {
+                    x[k] = _mm256_add_epi8(x[k], inc);
+                    acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x[k]), ones));
+                }
+            __m256i s = acc[0];
+            for (int k = 1; k < 10; k++) s = _mm256_add_epi32(s, acc[k]);
+            total += (double)(_mm256_extract_epi32(s, 0) != 12345) * (double)iters * 10.0 * 32.0 * 2.0;
+        }
+        return total;
+    }
     #else
     static double cb_peak_fma_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
+    static double cb_peak_int8_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
     #endif
     """
     double cb_peak_fma_avx2(long long iters, int n_threads) nogil
+    double cb_peak_int8_avx2(long long iters, int n_threads) nogil
 
 
 def bench_peak_flops(int n_threads, long long iters=20000000):
@@ -1359,6 +1384,20 @@ def bench_peak_flops(int n_threads, long long iters=20000000):
         flops = cb_peak_fma_avx2(iters, n_threads)
     seconds = time.perf_counter() - t0
     return None if flops < 0 else (flops, seconds)
+
+
+def bench_peak_int8(int n_threads, long long iters=10000000):
+    """(int8 operations done, seconds) of the AVX2 int8 dot-product loop (maddubs + madd, the step
+    of the int8 kernels without VNNI) on n_threads, or None without AVX2 or GCC."""
+    import time
+    if "avx2" not in available_isas():
+        return None
+    cdef double ops
+    t0 = time.perf_counter()
+    with nogil:
+        ops = cb_peak_int8_avx2(iters, n_threads)
+    seconds = time.perf_counter() - t0
+    return None if ops < 0 else (ops, seconds)
 
 
 def bench_read(buf, int n_threads):
