@@ -198,3 +198,17 @@ def test_rmsnorm_matches_numpy(x, with_weight, eps):
     if with_weight:
         ref = ref * weight
     np.testing.assert_allclose(ours, ref, rtol=RMSNORM_RTOL, atol=1e-6)
+
+
+def test_peak_loops_count_their_operations():
+    """The peak loops bench_kernels.py prints next to the prefill figures: operations counted as
+    iterations x chains x lanes x 2, and a clear error for an unknown kind."""
+    for kind, per_iter in (("fma", 10 * 8 * 2), ("int8", 10 * 32 * 2)):
+        got = _kernels.bench_peak(kind, 1)
+        if "avx2" not in _kernels.available_isas():
+            assert got is None
+            continue
+        ops, seconds = got
+        assert seconds > 0 and ops % per_iter == 0 and ops > 0
+    with pytest.raises(ValueError, match="kind"):
+        _kernels.bench_peak("avx", 1)

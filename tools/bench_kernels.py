@@ -80,17 +80,17 @@ def main():
     prefill_table(args, rng)
 
 
-def best_rate(bench, threads, tries=3):
+def best_rate(kind, threads, tries=3):
     """The best of `tries` runs of a peak loop, in G operations per second (None: cannot run):
     a peak is what the machine can do, and a shared machine only ever takes some of it away."""
-    runs = [bench(threads) for _ in range(tries)]
+    runs = [_kernels.bench_peak(kind, threads) for _ in range(tries)]
     return None if runs[0] is None else max(ops / seconds for ops, seconds in runs) / 1e9
 
 
 def prefill_table(args, rng):
     cols, rows, n = args.cols, 1024, args.tokens
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    peak_gf, ipeak_g = best_rate(_kernels.bench_peak_flops, args.threads), best_rate(_kernels.bench_peak_int8, args.threads)
+    peak_gf, ipeak_g = best_rate("fma", args.threads), best_rate("int8", args.threads)
     print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
           f"{args.threads} thread(s): AVX2 FMA peak " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
           + ", AVX2 int8 dot peak (maddubs + madd) " + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a"))

@@ -1373,29 +1373,20 @@ cdef extern from *:
     double cb_peak_int8_avx2(long long iters, int n_threads) nogil
 
 
-def bench_peak_flops(int n_threads, long long iters=20000000):
-    """(flops done, seconds) of an AVX2 FMA loop on n_threads, or None without AVX2/FMA or GCC."""
+def bench_peak(str kind, int n_threads):
+    """(operations done, seconds) of a peak loop on n_threads, or None without AVX2 or GCC:
+    kind "fma" — AVX2 FMA chains (float operations); "int8" — the AVX2 int8 dot-product step of
+    the int8 kernels without VNNI (maddubs + madd; 2 operations per byte product)."""
     import time
-    if "avx2" not in available_isas():
-        return None
-    cdef double flops
-    t0 = time.perf_counter()
-    with nogil:
-        flops = cb_peak_fma_avx2(iters, n_threads)
-    seconds = time.perf_counter() - t0
-    return None if flops < 0 else (flops, seconds)
-
-
-def bench_peak_int8(int n_threads, long long iters=10000000):
-    """(int8 operations done, seconds) of the AVX2 int8 dot-product loop (maddubs + madd, the step
-    of the int8 kernels without VNNI) on n_threads, or None without AVX2 or GCC."""
-    import time
+    if kind not in ("fma", "int8"):
+        raise ValueError(f"bench_peak: kind must be 'fma' or 'int8', not {kind!r}")
     if "avx2" not in available_isas():
         return None
     cdef double ops
+    cdef bint fma = kind == "fma"
     t0 = time.perf_counter()
     with nogil:
-        ops = cb_peak_int8_avx2(iters, n_threads)
+        ops = cb_peak_fma_avx2(20000000, n_threads) if fma else cb_peak_int8_avx2(10000000, n_threads)
     seconds = time.perf_counter() - t0
     return None if ops < 0 else (ops, seconds)
 
