@@ -44,7 +44,6 @@ cdef extern from "kernels_scalar.h" nogil:
     void cb_add(float *acc, const float *x, int n)
     void cb_axpy(float *acc, float a, const float *x, int n)
     void cb_clip(float *x, float limit, int n)
-    void cb_glu(float *gate, const float *up, int n, int act)
     void cb_scale(float *x, float a, int n)
     void cb_softcap(float *x, float cap, int n)
     int cb_softmax(float *x, int n)
@@ -64,6 +63,7 @@ cdef extern from "dispatch.h" nogil:
     int cb_best_isa(const cb_cpu_features *f)
     int cb_select_isa(int isa)
     int cb_set_prefill_repack(int on)
+    void cb_glu(float *gate, const float *up, int n, int act)
     int cb_window_start(int pos, int window)
     void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
                    int rows, int cols, int n_threads)
@@ -1204,6 +1204,21 @@ def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layo
     with nogil:
         cb_matmul(&o[0, 0], rows, wp, code, lay, &x[0, 0], cols, acts, n, rows, cols, n_threads)
     free(acts)
+    return out
+
+
+def kernel_glu(const float[::1] gate, const float[::1] up, str act):
+    """act(gate) * up through the current tier's cb_glu (act: "silu" or "gelu_pytorch_tanh")."""
+    if gate.shape[0] != up.shape[0]:
+        raise ValueError("kernel_glu: gate and up must have the same length")
+    codes = {"silu": 0, "gelu_pytorch_tanh": 1}
+    if act not in codes:
+        raise ValueError(f"kernel_glu: act must be one of {', '.join(codes)}, not {act!r}")
+    out = np.array(gate, np.float32)
+    cdef float[::1] o = out
+    cdef int n = gate.shape[0], code = codes[act]
+    if n:
+        cb_glu(&o[0], &up[0], n, code)
     return out
 
 

@@ -38,6 +38,7 @@ typedef struct {
                                        the tile's 11: AVX2 int4 decode 10 % faster) */
     cb_ttile_fn ttile;              /* the transposed layout, every format */
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
+    void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 of n > 1 tokens via a repacked chunk */
 } cb_kernel_table;
 
@@ -60,6 +61,7 @@ static int cb_select_isa(int isa) {
     t.ttile = cb_ttile_scalar;
     t.ttile_max_t = 4;
     t.tprefill = NULL;
+    t.glu = cb_glu_scalar;
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
         t.dot[CB_F32] = cb_dot_f32_avx2;
@@ -74,6 +76,7 @@ static int cb_select_isa(int isa) {
         for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
         t.ttile = cb_ttile_avx2_any;          /* also the AVX-512 tier's: no wider version yet */
         t.tprefill = cb_tprefill_quant_avx2;
+        t.glu = cb_glu_avx2;
     }
     if (isa >= CB_ISA_AVX512) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
@@ -117,6 +120,9 @@ static void *cb_thread_scratch(size_t bytes) {
     cb_scratch_cap = p ? cap : 0;
     return p;
 }
+
+/* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU) in place, by the current tier. */
+static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gate, up, n, act); }
 
 /* Turn the repacked prefill of the transposed integer formats off (0) or back on (1, where the tier
  * has one): for the tests and benchmarks that compare it with the stored-order tile. Returns

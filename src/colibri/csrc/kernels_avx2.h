@@ -209,6 +209,48 @@ CB_TARGET_AVX2 static void cb_tile_float_avx2_any(float *out, int ldo, const cha
 #undef CB_CALL_F2
 }
 
+/* ---- the FFN activation --------------------------------------------------------------------
+ *
+ * exp(x) for x in [-87.3, 88.3] (clamped there: no denormal or infinite results), Cephes' expf:
+ * x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact to float precision), e^r by
+ * a degree-6 polynomial, 2^n through the exponent bits. About 1 ulp against expf. SiLU is then
+ * x / (1 + e^-x), and the tanh GELU x * sigmoid(2u) = x / (1 + e^-2u), u = sqrt(2/pi)(x + 0.044715 x^3)
+ * (0.5 (1 + tanh u) = sigmoid(2u)): 8 lanes at a time instead of one libm call per element (the
+ * GLU was 4-6 % of a prefill). */
+CB_TARGET_AVX2 static inline __m256 cb_exp_avx2(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+CB_TARGET_AVX2 static void cb_glu_avx2(float *gate, const float *up, int n, int act) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + i);
+        __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), x);                       /* -x */
+        if (act == CB_ACT_GELU_TANH) {                                          /* -2u */
+            const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            z = _mm256_mul_ps(_mm256_set1_ps(-2.0f * 0.7978845608028654f),
+                              _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+        }
+        const __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, cb_exp_avx2(z)));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(y, _mm256_loadu_ps(up + i)));
+    }
+    cb_glu_scalar(gate + i, up + i, n - i, act);
+}
+
 /* ---- the transposed layout (kernels_scalar.h, quant.h) ---------------------------------------
  *
  * Float formats: an axpy per input row into the outputs [o0, o1) of T tokens, which stay in L1
