@@ -162,8 +162,8 @@ typedef struct {
     const float *x;
     int ldx;
     cb_act_q8 *acts;
-    const float *glu_up;  /* or NULL: then out = act(out) * glu_up (same ldo), in the same region when */
-    int glu_act;          /* the up product is the job just before (same shape): each share does both */
+    const float *glu_up;  /* or NULL: then out = act(out) * glu_up (same ldo) over this job's rows, */
+    int glu_act;          /* in the same region: the up product must come earlier in the batch */
 } cb_matjob;
 
 /* This thread's share of a transposed product: whole groups of 8 outputs [u0, u1) * 8. Every
@@ -246,27 +246,11 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
     }
 }
 
-/* Shares per thread of every product: the threads take a product's shares as they come free
- * (dynamic), so a thread slowed down (a busier core, a neighbour on the host, a slower path to
- * memory) takes fewer instead of holding the other at the next barrier (measured: 4-7 % of both
- * threads' time spent waiting with one static share each). A share is still a contiguous range
- * of rows, long enough to stream. */
-#define CB_SHARES_PER_THREAD 4
-
-/* This share's rows of one product (cb_job_transposed / cb_job_rows for share s of `shares`). */
-static void cb_job_share(const cb_matjob *j, int n, int s, int shares, int *r0, int *r1) {
-    if (j->layout == CB_TRANSPOSED) cb_job_transposed(j, n, s, shares, r0, r1);
-    else cb_job_rows(j, n, s, shares, r0, r1);
-}
-
 /* Several products in one parallel region: q/k/v of attention, gate/up of every chosen expert,
  * their down projections. Integer formats quantize each input once (per distinct acts) first.
- * The threads share out every product in turn with no barrier between them (they meet once per
- * batch instead of once per matrix). An up product followed by its gate (glu_up) goes share by
- * share together: a share computes its rows of up, then of gate, then the activation over them.
- * Every output's arithmetic is the same whichever thread computes it and however the rows are
- * split: prefill still equals decode bit for bit. Below CB_PARALLEL_MIN_WORK multiply-adds in all,
- * one thread. */
+ * Each thread takes its static share of every product in turn with no barrier between them, so
+ * the threads meet once per batch instead of once per matrix. Below CB_PARALLEL_MIN_WORK
+ * multiply-adds in all, one thread. */
 static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_threads) {
     long long work = 0;
     for (int i = 0; i < count; i++) {
@@ -289,37 +273,17 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_thread
 #endif
     }
     const int nt = n_threads > 1 && work >= CB_PARALLEL_MIN_WORK ? n_threads : 1;
-    const int shares = nt * CB_SHARES_PER_THREAD;
-    #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
+    #pragma omp parallel for schedule(static, 1) num_threads(nt) if (nt > 1)
+    for (int th = 0; th < nt; th++)
         for (int i = 0; i < count; i++) {
             const cb_matjob *j = &jobs[i];
-            const cb_matjob *gate = i + 1 < count && jobs[i + 1].glu_up == j->out && jobs[i + 1].rows == j->rows &&
-                                    jobs[i + 1].dtype == j->dtype && jobs[i + 1].layout == j->layout ? &jobs[i + 1] : NULL;
-            #pragma omp for schedule(dynamic, 1) nowait
-            for (int s = 0; s < shares; s++) {
-                int r0, r1;
-                cb_job_share(j, n, s, shares, &r0, &r1);
-                if (gate) {     /* the same rows of gate (same shape, same split), then act(gate) * up */
-                    cb_job_share(gate, n, s, shares, &r0, &r1);
-                    for (int t = 0; t < n; t++)
-                        cb_glu(gate->out + (size_t)t * gate->ldo + r0, gate->glu_up + (size_t)t * gate->ldo + r0,
-                               r1 - r0, gate->glu_act);
-                }
-            }
-            if (gate) i++;
+            int r0, r1;
+            if (j->layout == CB_TRANSPOSED) cb_job_transposed(j, n, th, nt, &r0, &r1);
+            else cb_job_rows(j, n, th, nt, &r0, &r1);
+            if (j->glu_up)        /* the up rows r0..r1 came from this thread too: same rows, same split */
+                for (int t = 0; t < n; t++)
+                    cb_glu(j->out + (size_t)t * j->ldo + r0, j->glu_up + (size_t)t * j->ldo + r0, r1 - r0, j->glu_act);
         }
-    }
-    /* a gate whose up product was not the job just before it: its activation after the region */
-    for (int i = 0; i < count; i++) {
-        const cb_matjob *g = &jobs[i];
-        if (!g->glu_up) continue;
-        const cb_matjob *up = i > 0 ? &jobs[i - 1] : NULL;
-        if (up && up->out == g->glu_up && up->rows == g->rows && up->dtype == g->dtype && up->layout == g->layout)
-            continue;
-        for (int t = 0; t < n; t++)
-            cb_glu(g->out + (size_t)t * g->ldo, g->glu_up + (size_t)t * g->ldo, g->rows, g->glu_act);
-    }
 }
 
 /* out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n, r < rows: one product (see above). */
