@@ -388,3 +388,29 @@ def test_relayout_refuses_a_damaged_source(converted, tmp_path):
     with pytest.raises(ColibriError, match="expert_002.bin: sha256 mismatch"):
         relayout(src, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("layout", quant.LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_gate_and_up_with_the_activation_in_one_batch(isa, dtype, layout):
+    """act(gate x) * up x from one batch of products: with the up product just before its gate
+    (every share computes both and applies the activation to its rows) and with another product
+    between them (the activation after the region) — the same bits, for decode and for prefill
+    tiles (n = 1, 3, 9, 20 tokens) and 1 or 2 threads, and numpy's result."""
+    rng = np.random.default_rng(11)
+    rows, cols = 1032, 256
+    w_gate = rng.standard_normal((rows, cols), dtype=np.float32)
+    w_up = rng.standard_normal((rows, cols), dtype=np.float32)
+    gate, up = (_store(w, dtype)[layout == "transposed"] for w in (w_gate, w_up))
+    for n in (1, 3, 9, 20):
+        x = rng.standard_normal((n, cols), dtype=np.float32)
+        for act in ("silu", "gelu_pytorch_tanh"):
+            fused = _kernels.kernel_glu_product(gate, up, x, dtype, layout, act, 2)
+            after = _kernels.kernel_glu_product(gate, up, x, dtype, layout, act, 2, adjacent=False)
+            one = _kernels.kernel_glu_product(gate, up, x, dtype, layout, act, 1)
+            np.testing.assert_array_equal(fused, after)
+            np.testing.assert_array_equal(fused, one)
+            g = _kernels.kernel_matmul(gate, x, dtype, 1, layout)
+            u = _kernels.kernel_matmul(up, x, dtype, 1, layout)
+            expect = np.stack([_kernels.kernel_glu(g[t], u[t], act) for t in range(n)])
+            np.testing.assert_array_equal(fused, expect)

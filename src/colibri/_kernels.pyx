@@ -1222,6 +1222,59 @@ def kernel_glu(const float[::1] gate, const float[::1] up, str act):
     return out
 
 
+def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, str act, int n_threads,
+                       bint adjacent=True):
+    """act(x @ gate^T) * (x @ up^T) [n, rows] through one cb_matmul_jobs batch, gate and up
+    stored as in kernel_matvec. adjacent: the batch is [up, gate] (each share does both and the
+    activation); otherwise [up, another product, gate] (the activation after the region)."""
+    gate = np.ascontiguousarray(gate)
+    up = np.ascontiguousarray(up)
+    codes = {"silu": 0, "gelu_pytorch_tanh": 1}
+    if act not in codes:
+        raise ValueError(f"kernel_glu_product: act must be one of {', '.join(codes)}, not {act!r}")
+    cdef int n = x.shape[0], cols = x.shape[1]
+    cdef int rows = _stored_rows(gate, cols, dtype, layout)
+    if _stored_rows(up, cols, dtype, layout) != rows or gate.shape != up.shape:
+        raise ValueError("kernel_glu_product: gate and up must have the same shape")
+    out = np.zeros((n, rows), np.float32)
+    up_out = np.zeros((n, rows), np.float32)
+    other = np.zeros((n, rows), np.float32)
+    if n == 0 or rows == 0:
+        return out
+    keep = []
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
+    cdef cb_matjob jobs[3]
+    cdef float[:, ::1] o = out, u = up_out, ot = other
+    cdef int k, count = 2 if adjacent else 3
+    cdef const void *ptrs[3]
+    cdef float *outs[3]
+    ptrs[0] = <const void *><uintptr_t>up.ctypes.data
+    ptrs[1] = ptrs[0] if not adjacent else <const void *><uintptr_t>gate.ctypes.data
+    ptrs[2] = <const void *><uintptr_t>gate.ctypes.data
+    outs[0] = &u[0, 0]
+    outs[1] = &ot[0, 0] if not adjacent else &o[0, 0]
+    outs[2] = &o[0, 0]
+    for k in range(count):
+        jobs[k].out = outs[k]
+        jobs[k].ldo = rows
+        jobs[k].w = ptrs[k]
+        jobs[k].dtype = DTYPE_CODES[dtype]
+        jobs[k].layout = LAYOUT_CODES[layout]
+        jobs[k].rows = rows
+        jobs[k].cols = cols
+        jobs[k].x = &x[0, 0]
+        jobs[k].ldx = cols
+        jobs[k].acts = acts
+        jobs[k].glu_up = NULL
+        jobs[k].glu_act = 0
+    jobs[count - 1].glu_up = &u[0, 0]
+    jobs[count - 1].glu_act = codes[act]
+    with nogil:
+        cb_matmul_jobs(jobs, count, n, n_threads)
+    free(acts)
+    return out
+
+
 def kernel_quantize_act(const float[::1] x):
     """(q int8 [n], d float32 [n / 32]): the current tier's per-block activation quantization."""
     cdef int n = x.shape[0]

@@ -234,21 +234,30 @@ CB_TARGET_AVX2 static inline __m256 cb_exp_avx2(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-CB_TARGET_AVX2 static void cb_glu_avx2(float *gate, const float *up, int n, int act) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(gate + i);
-        __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), x);                       /* -x */
-        if (act == CB_ACT_GELU_TANH) {                                          /* -2u */
-            const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-            z = _mm256_mul_ps(_mm256_set1_ps(-2.0f * 0.7978845608028654f),
-                              _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
-        }
-        const __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, cb_exp_avx2(z)));
-        _mm256_storeu_ps(gate + i, _mm256_mul_ps(y, _mm256_loadu_ps(up + i)));
+/* act(x) * u of 8 lanes. */
+CB_TARGET_AVX2 static inline __m256 cb_glu8_avx2(__m256 x, __m256 u, int act) {
+    __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), x);                           /* -x */
+    if (act == CB_ACT_GELU_TANH) {                                              /* -2u */
+        const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        z = _mm256_mul_ps(_mm256_set1_ps(-2.0f * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
     }
-    cb_glu_scalar(gate + i, up + i, n - i, act);
+    return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), cb_exp_avx2(z))), u);
+}
+
+/* The last n % 8 elements go through the same 8-lane arithmetic (padded), so an element's result
+ * does not depend on where a thread's rows start: the fused activation of cb_matmul_jobs gives
+ * the same bits for any split, and prefill equals decode. */
+CB_TARGET_AVX2 static void cb_glu_avx2(float *gate, const float *up, int n, int act) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(gate + i, cb_glu8_avx2(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), act));
+    if (i < n) {
+        float g[8] = {0}, u[8] = {0};
+        memcpy(g, gate + i, sizeof(float) * (size_t)(n - i));
+        memcpy(u, up + i, sizeof(float) * (size_t)(n - i));
+        _mm256_storeu_ps(g, cb_glu8_avx2(_mm256_loadu_ps(g), _mm256_loadu_ps(u), act));
+        memcpy(gate + i, g, sizeof(float) * (size_t)(n - i));
+    }
 }
 
 /* ---- the transposed layout (kernels_scalar.h, quant.h) ---------------------------------------

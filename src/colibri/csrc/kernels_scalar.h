@@ -281,8 +281,8 @@ static inline float cb_gelu_tanh(float x) {
 
 enum { CB_ACT_SILU = 0, CB_ACT_GELU_TANH = 1 };   /* config.HIDDEN_ACTS */
 
-/* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU), in place: the scalar tier's (and every tier's
- * tail); cb_glu in dispatch.h calls the current tier's. */
+/* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU), in place: the scalar tier's; cb_glu in
+ * dispatch.h calls the current tier's. */
 static inline void cb_glu_scalar(float *gate, const float *up, int n, int act) {
     if (act == CB_ACT_GELU_TANH) {
         for (int i = 0; i < n; i++) gate[i] = cb_gelu_tanh(gate[i]) * up[i];
