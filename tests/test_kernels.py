@@ -224,6 +224,8 @@ def test_peak_loops_count_their_operations():
 def test_glu_of_every_tier_agrees_with_the_scalar_one(isa, n, act, seed):
     """act(gate) * up: gates across the float range the activations see (|x| up to 100, where
     SiLU/GELU saturate and exp is clamped), lengths that are not multiples of 8 (the tail)."""
+    if isa == "scalar":
+        pytest.skip("the reference itself")
     rng = np.random.default_rng(seed)
     gate = (rng.standard_normal(n) * rng.choice([0.1, 3.0, 40.0], n)).astype(np.float32)
     gate[: n // 10] = rng.choice([-100.0, -87.5, 0.0, 88.5, 100.0], n // 10)

@@ -143,10 +143,11 @@ def test_prefill_product_equals_token_by_token(isa, dtype, layout):
 @st.composite
 def repack_case(draw):
     """(dtype, w [rows, cols], x [n, cols]) for the repacked prefill: whole groups and blocks,
-    past one 32-block pass (cols > 1024) sometimes, 1..21 tokens (tiles of 4 and their tails)."""
+    past one 32-block pass (cols > 1024) and one chunk of groups (about 128 KB: 12 groups at
+    cols 1280) sometimes, 8..23 tokens (from 8 the product repacks; tiles of 4 and their tails)."""
     dtype = draw(st.sampled_from(BLOCK))
-    rows, cols = 8 * draw(st.integers(1, 12)), 32 * draw(st.sampled_from([1, 2, 3, 7, 31, 32, 33, 40]))
-    n = draw(st.integers(1, 21))
+    rows, cols = 8 * draw(st.integers(1, 40)), 32 * draw(st.sampled_from([1, 2, 3, 7, 31, 32, 33, 40]))
+    n = draw(st.integers(8, 23))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, cols), dtype=np.float32)
@@ -393,10 +394,10 @@ def test_relayout_refuses_a_damaged_source(converted, tmp_path):
 @pytest.mark.parametrize("layout", quant.LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_gate_and_up_with_the_activation_in_one_batch(isa, dtype, layout):
-    """act(gate x) * up x from one batch of products: with the up product just before its gate
-    (every share computes both and applies the activation to its rows) and with another product
-    between them (the activation after the region) — the same bits, for decode and for prefill
-    tiles (n = 1, 3, 9, 20 tokens) and 1 or 2 threads, and numpy's result."""
+    """act(gate x) * up x from one batch of products, the activation applied in the region by
+    each thread to the rows it computed: with the up product just before its gate and with another
+    product between them — the same bits as the two products and the activation apart, for decode
+    and prefill tiles (n = 1, 3, 9, 20 tokens) and 1 or 2 threads."""
     rng = np.random.default_rng(11)
     rows, cols = 1032, 256
     w_gate = rng.standard_normal((rows, cols), dtype=np.float32)

@@ -110,8 +110,10 @@ def prefill_table(args, rng):
                 times.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
                 if both:
                     _kernels.set_prefill_repack(False)
-                    plain.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
-                    _kernels.set_prefill_repack(True)
+                    try:
+                        plain.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
+                    finally:
+                        _kernels.set_prefill_repack(True)
             gflops = 2.0 * rows * cols * n * reps / statistics.median(times) / 1e9
             of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"
             of_int8 = f"{gflops / ipeak_g:8.0%}" if ipeak_g and dtype in ("int8", "int4") else "       -"

@@ -356,42 +356,70 @@ cb_group_sums_int4_avx2(__m256i *isum, const cb_group_int4 *g, const __m256i *xl
     }
 }
 
+/* Token j's activation block kb as the group sums want it (T tokens). */
+typedef struct {
+    __m256i xq[4], xlo[4], xhi[4], xoff[4];
+    __m256 dx[4];
+} cb_tq_block;
+
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_tq_prepare_avx2(cb_tq_block *b, const cb_act_q8 *acts, int kb, int dtype, const int T) {
+    for (int j = 0; j < T; j++) {
+        const int8_t *q = acts[j].q + kb * CB_QBLOCK;
+        b->xq[j] = _mm256_loadu_si256((const __m256i *)q);
+        b->dx[j] = _mm256_set1_ps(acts[j].d[kb]);
+        if (dtype == CB_INT4) {
+            b->xlo[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+            b->xhi[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
+            /* 8 * sum(x): bytes summed in pairs against 1, then the 8 int32 lanes */
+            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b->xq[j]), _mm256_set1_epi16(1));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            b->xoff[j] = _mm256_slli_epi32(_mm256_broadcastd_epi32(s4), 3);
+        }
+    }
+}
+
+/* y[j * ldo + 0..7] += group grp (of block b) . token j, for T tokens: the step every transposed
+ * integer product is made of (the sums first, then the 8 outputs loaded: fewer live registers). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_tq_group_avx2(float *y, int ldo, const char *grp, int dtype, const cb_tq_block *b, const int T) {
+    __m256i isum[4];
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));   /* the 8 scales */
+    if (dtype == CB_INT8) cb_group_sums_int8_avx2(isum, (const cb_group_int8 *)grp, b->xq, T);
+    else cb_group_sums_int4_avx2(isum, (const cb_group_int4 *)grp, b->xlo, b->xhi, b->xoff, T);
+    for (int j = 0; j < T; j++) {
+        float *yj = y + (size_t)j * ldo;
+        _mm256_storeu_ps(yj, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, b->dx[j]), _mm256_loadu_ps(yj)));
+    }
+}
+
+/* Decode (T = 1) takes two block rows per pass over the outputs: two read streams per thread
+ * instead of one; every output still adds block kb before kb + 1, so the bits do not change. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ttile_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                     int rows, int cols, int o0, int o1, const int T) {
     const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK;
-    const size_t gbytes = cb_group_bytes(dtype);
+    const size_t gbytes = cb_group_bytes(dtype), row_bytes = (size_t)groups * gbytes;
     for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
-    for (int kb = 0; kb < nb; kb++) {
-        __m256i xq[4], xlo[4], xhi[4], xoff[4];
-        __m256 dx[4];
-        for (int j = 0; j < T; j++) {
-            const int8_t *q = acts[j].q + kb * CB_QBLOCK;
-            xq[j] = _mm256_loadu_si256((const __m256i *)q);
-            dx[j] = _mm256_set1_ps(acts[j].d[kb]);
-            if (dtype == CB_INT4) {
-                xlo[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
-                xhi[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
-                /* 8 * sum(x): bytes summed in pairs against 1, then the 8 int32 lanes */
-                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xq[j]), _mm256_set1_epi16(1));
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                xoff[j] = _mm256_slli_epi32(_mm256_broadcastd_epi32(s4), 3);
+    int kb = 0;
+    if (T == 1)
+        for (; kb + 2 <= nb; kb += 2) {
+            cb_tq_block b0, b1;
+            cb_tq_prepare_avx2(&b0, acts, kb, dtype, 1);
+            cb_tq_prepare_avx2(&b1, acts, kb + 1, dtype, 1);
+            const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;
+            for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes) {
+                cb_tq_group_avx2(out + o, ldo, grp, dtype, &b0, 1);
+                cb_tq_group_avx2(out + o, ldo, grp + row_bytes, dtype, &b1, 1);
             }
         }
+    for (; kb < nb; kb++) {
+        cb_tq_block b;
+        cb_tq_prepare_avx2(&b, acts, kb, dtype, T);
         const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;
-        for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes) {
-            __m256i isum[4];
-            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));   /* the 8 scales */
-            if (dtype == CB_INT8) cb_group_sums_int8_avx2(isum, (const cb_group_int8 *)grp, xq, T);
-            else cb_group_sums_int4_avx2(isum, (const cb_group_int4 *)grp, xlo, xhi, xoff, T);
-            for (int j = 0; j < T; j++) {
-                float *y = out + (size_t)j * ldo + o;
-                _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, dx[j]),
-                                                    _mm256_loadu_ps(y)));
-            }
-        }
+        for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes) cb_tq_group_avx2(out + o, ldo, grp, dtype, &b, T);
     }
 }
 
