@@ -1207,16 +1207,18 @@ def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layo
     return out
 
 
+GLU_ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}    # cb_glu's act (CB_ACT_SILU, CB_ACT_GELU_TANH)
+
+
 def kernel_glu(const float[::1] gate, const float[::1] up, str act):
     """act(gate) * up through the current tier's cb_glu (act: "silu" or "gelu_pytorch_tanh")."""
     if gate.shape[0] != up.shape[0]:
         raise ValueError("kernel_glu: gate and up must have the same length")
-    codes = {"silu": 0, "gelu_pytorch_tanh": 1}
-    if act not in codes:
-        raise ValueError(f"kernel_glu: act must be one of {', '.join(codes)}, not {act!r}")
+    if act not in GLU_ACT_CODES:
+        raise ValueError(f"kernel_glu: act must be one of {', '.join(GLU_ACT_CODES)}, not {act!r}")
     out = np.array(gate, np.float32)
     cdef float[::1] o = out
-    cdef int n = gate.shape[0], code = codes[act]
+    cdef int n = gate.shape[0], code = GLU_ACT_CODES[act]
     if n:
         cb_glu(&o[0], &up[0], n, code)
     return out
@@ -1224,14 +1226,13 @@ def kernel_glu(const float[::1] gate, const float[::1] up, str act):
 
 def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, str act, int n_threads,
                        bint adjacent=True):
-    """act(x @ gate^T) * (x @ up^T) [n, rows] through one cb_matmul_jobs batch, gate and up
-    stored as in kernel_matvec. adjacent: the batch is [up, gate] (each share does both and the
-    activation); otherwise [up, another product, gate] (the activation after the region)."""
+    """act(x @ gate^T) * (x @ up^T) [n, rows] through one cb_matmul_jobs batch (each thread applies
+    the activation to the gate rows it computed), gate and up stored as in kernel_matvec.
+    adjacent: the batch is [up, gate]; otherwise [up, another product, gate]."""
     gate = np.ascontiguousarray(gate)
     up = np.ascontiguousarray(up)
-    codes = {"silu": 0, "gelu_pytorch_tanh": 1}
-    if act not in codes:
-        raise ValueError(f"kernel_glu_product: act must be one of {', '.join(codes)}, not {act!r}")
+    if act not in GLU_ACT_CODES:
+        raise ValueError(f"kernel_glu_product: act must be one of {', '.join(GLU_ACT_CODES)}, not {act!r}")
     cdef int n = x.shape[0], cols = x.shape[1]
     cdef int rows = _stored_rows(gate, cols, dtype, layout)
     if _stored_rows(up, cols, dtype, layout) != rows or gate.shape != up.shape:
@@ -1268,7 +1269,7 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
         jobs[k].glu_up = NULL
         jobs[k].glu_act = 0
     jobs[count - 1].glu_up = &u[0, 0]
-    jobs[count - 1].glu_act = codes[act]
+    jobs[count - 1].glu_act = GLU_ACT_CODES[act]
     with nogil:
         cb_matmul_jobs(jobs, count, n, n_threads)
     free(acts)

@@ -8,9 +8,6 @@
 #define COLIBRI_DISPATCH_H
 
 #include <stdlib.h>
-#if defined(_MSC_VER)
-#include <malloc.h>
-#endif
 
 #include "cpu.h"
 #include "kernels_scalar.h"
@@ -18,9 +15,10 @@
 #include "kernels_avx512.h"
 
 /* out[t * ldo + o] for outputs [o0, o1) (whole groups) and n tokens of a transposed int8/int4
- * matrix, through `scratch` (cb_tprefill_bytes): the same bits as the ttile. */
+ * matrix, through `scratch` (cb_tprefill_bytes; `first`: the job's first chunk, which also fills
+ * the scratch's activation sums): the same bits as the ttile. */
 typedef void (*cb_tprefill_fn)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int rows,
-                               int cols, int o0, int o1, int n, uint8_t *scratch);
+                               int cols, int o0, int o1, int n, uint8_t *scratch, int first);
 
 /* out[j * ldo + i] = row i . token j for an R x T tile (R <= tile_rows, T in 1..4), rows `stride`
  * bytes apart; x/ldx for the float formats, acts for the integer ones. */
@@ -94,31 +92,25 @@ static int cb_select_isa(int isa) {
 }
 
 /* This thread's scratch of at least `bytes` (64-byte aligned), grown on demand and kept for the
- * thread's life (the engine's threads are OpenMP's pool: a few hundred KB each); NULL if the
- * allocation fails. */
+ * thread's life: OpenMP's pool threads keep a few hundred KB each; so does every other thread that
+ * ran a prefill (a Python thread's is not freed when it exits). NULL if the allocation fails. */
 #if defined(_MSC_VER)
 #define CB_THREAD_LOCAL __declspec(thread)
 #else
 #define CB_THREAD_LOCAL __thread
 #endif
-static CB_THREAD_LOCAL void *cb_scratch_ptr;
+static CB_THREAD_LOCAL void *cb_scratch_raw;          /* what malloc returned */
+static CB_THREAD_LOCAL uint8_t *cb_scratch_ptr;       /* aligned into it */
 static CB_THREAD_LOCAL size_t cb_scratch_cap;
 
-static void *cb_thread_scratch(size_t bytes) {
-    if (bytes <= cb_scratch_cap) return cb_scratch_ptr;
-    size_t cap = bytes + bytes / 2;
-    cap = (cap + 63) / 64 * 64;
-#if defined(_MSC_VER)
-    _aligned_free(cb_scratch_ptr);
-    void *p = _aligned_malloc(cap, 64);
-#else
-    free(cb_scratch_ptr);
-    void *p = NULL;
-    if (posix_memalign(&p, 64, cap) != 0) p = NULL;
-#endif
-    cb_scratch_ptr = p;
-    cb_scratch_cap = p ? cap : 0;
-    return p;
+static uint8_t *cb_thread_scratch(size_t bytes) {
+    if (cb_scratch_ptr && bytes <= cb_scratch_cap) return cb_scratch_ptr;
+    size_t cap = (bytes + bytes / 2 + 63) / 64 * 64;
+    free(cb_scratch_raw);
+    cb_scratch_raw = malloc(cap + 64);
+    cb_scratch_ptr = cb_scratch_raw ? (uint8_t *)(((uintptr_t)cb_scratch_raw + 63) & ~(uintptr_t)63) : NULL;
+    cb_scratch_cap = cb_scratch_raw ? cap : 0;
+    return cb_scratch_ptr;
 }
 
 /* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU) in place, by the current tier. */
@@ -185,16 +177,19 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     const int step = n == 1 ? CB_TDECODE_OUTPUTS / unit : chunk_units, max_t = cb_kt.ttile_max_t;
     *r0 = u0 * unit < rows ? u0 * unit : rows;
     *r1 = u1 * unit < rows ? u1 * unit : rows;
-    const int repack = n >= CB_TPREFILL_MIN_TOKENS && cb_kt.tprefill && (j->dtype == CB_INT8 || j->dtype == CB_INT4);
+    /* the repacked prefill's scratch, sized for this thread's largest chunk (no memory: the
+     * stored-order tile below) */
+    uint8_t *scratch = NULL;
+    if (n >= CB_TPREFILL_MIN_TOKENS && cb_kt.tprefill && (j->dtype == CB_INT8 || j->dtype == CB_INT4) &&
+        cols >= CB_QBLOCK && u1 > u0)
+        scratch = cb_thread_scratch(cb_tprefill_bytes(j->dtype == CB_INT4, step < u1 - u0 ? step : u1 - u0,
+                                                      cols / CB_QBLOCK, n));
     for (int c = u0; c < u1; c += step) {
         int o0 = c * unit, o1 = (c + step < u1 ? c + step : u1) * unit;
         if (o1 > rows) o1 = rows;
-        if (repack) {
-            uint8_t *scratch = cb_thread_scratch(cb_tprefill_bytes(j->dtype == CB_INT4, (o1 - o0) / unit, cols / CB_QBLOCK, n));
-            if (scratch) {
-                cb_kt.tprefill(j->out, j->ldo, (const char *)j->w, j->dtype, acts, rows, cols, o0, o1, n, scratch);
-                continue;
-            }                           /* no memory for the scratch: the stored-order tile below */
+        if (scratch) {
+            cb_kt.tprefill(j->out, j->ldo, (const char *)j->w, j->dtype, acts, rows, cols, o0, o1, n, scratch, c == u0);
+            continue;
         }
         for (int t = 0; t < n; t += max_t) {
             int T = n - t < max_t ? n - t : max_t;

@@ -356,6 +356,17 @@ cb_group_sums_int4_avx2(__m256i *isum, const cb_group_int4 *g, const __m256i *xl
     }
 }
 
+/* 8 * the sum of a quantized activation block (32 bytes): summed in pairs against 1, then the 8
+ * int32 lanes. int4 multiplies unsigned nibbles (0..15) and takes this off (w = nibble - 8). */
+CB_TARGET_AVX2 static inline int32_t cb_block_sum8_avx2(const int8_t *q) {
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)q)),
+                                  _mm256_set1_epi16(1));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return 8 * _mm_cvtsi128_si32(s4);
+}
+
 /* Token j's activation block kb as the group sums want it (T tokens). */
 typedef struct {
     __m256i xq[4], xlo[4], xhi[4], xoff[4];
@@ -371,12 +382,7 @@ cb_tq_prepare_avx2(cb_tq_block *b, const cb_act_q8 *acts, int kb, int dtype, con
         if (dtype == CB_INT4) {
             b->xlo[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
             b->xhi[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
-            /* 8 * sum(x): bytes summed in pairs against 1, then the 8 int32 lanes */
-            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b->xq[j]), _mm256_set1_epi16(1));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-            b->xoff[j] = _mm256_slli_epi32(_mm256_broadcastd_epi32(s4), 3);
+            b->xoff[j] = _mm256_set1_epi32(cb_block_sum8_avx2(q));
         }
     }
 }
@@ -454,8 +460,8 @@ CB_TARGET_AVX2 static void cb_ttile_avx2_any(float *out, int ldo, const char *w,
  * and added in the same order as in cb_ttile_quant_avx2: prefill still equals decode bit for bit.
  *
  * Packed block (CB_TPACK_BLOCK_BYTES, quant.h): float scales [8], then int8 / nibble bytes
- * [8 vectors][8 outputs][4]. Scratch of a chunk (cb_tprefill_bytes): packed blocks [groups of the
- * chunk][nb], then for int4 the int32 8 * sum(x) [n][nb]. */
+ * [8 vectors][8 outputs][4]. Scratch of a chunk (cb_tprefill_bytes): for int4 the int32
+ * 8 * sum(x) [n][nb] (rounded up to 64 bytes), then packed blocks [groups of the chunk][nb]. */
 
 /* A register the compiler must materialise here: GCC otherwise regroups the chain of integer adds
  * of a block (they are associative) into one tree at its end, keeping all 32 products of 4 tokens
@@ -567,47 +573,39 @@ cb_tpacked_group_avx2(float *out, int ldo, const uint8_t *pk, int dtype, const c
 
 /* The prefill entry (cb_kernel_table.tprefill): out[t * ldo + o] for outputs [o0, o1) (whole
  * groups) and all n tokens of a transposed int8/int4 matrix, through `scratch` of
- * cb_tprefill_bytes(dtype, (o1 - o0) / 8, cols / 32, n) bytes. */
+ * cb_tprefill_bytes(dtype == CB_INT4, (o1 - o0) / 8, cols / 32, n) bytes: for int4 the 8 * sum(x)
+ * of every token's blocks first (computed when `first`, kept for the job's later chunks), then the
+ * chunk's packed blocks. */
 CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
-                                                  int rows, int cols, int o0, int o1, int n, uint8_t *scratch) {
+                                                  int rows, int cols, int o0, int o1, int n, uint8_t *scratch,
+                                                  int first) {
     const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK, g0 = o0 / CB_TGROUP, g1 = o1 / CB_TGROUP;
     const size_t gbytes = cb_group_bytes(dtype), unit = (size_t)nb * CB_TPACK_BLOCK_BYTES;
+    int32_t *xsum8 = (int32_t *)scratch;                     /* [n][nb], int4 only */
+    uint8_t *packed = scratch + cb_tprefill_sums_bytes(dtype == CB_INT4, nb, n);
+    if (dtype == CB_INT4 && first)
+        for (int t = 0; t < n; t++)
+            for (int kb = 0; kb < nb; kb++) xsum8[(size_t)t * nb + kb] = cb_block_sum8_avx2(acts[t].q + kb * CB_QBLOCK);
     for (int kb = 0; kb < nb; kb++) {          /* the stored chunk is read in order, row of blocks by row */
         const char *src = w + ((size_t)kb * groups + g0) * gbytes;
         for (int g = g0; g < g1; g++, src += gbytes)
-            cb_tpack_group_avx2(scratch + (size_t)(g - g0) * unit + (size_t)kb * CB_TPACK_BLOCK_BYTES, src, dtype);
+            cb_tpack_group_avx2(packed + (size_t)(g - g0) * unit + (size_t)kb * CB_TPACK_BLOCK_BYTES, src, dtype);
     }
-    int32_t *xsum8 = (int32_t *)(scratch + (size_t)(g1 - g0) * unit);
-    if (dtype == CB_INT4)
-        for (int t = 0; t < n; t++)
-            for (int kb = 0; kb < nb; kb++) {       /* bytes summed in pairs against 1, then the 8 int32 lanes */
-                __m256i q = _mm256_loadu_si256((const __m256i *)(acts[t].q + kb * CB_QBLOCK));
-                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                xsum8[(size_t)t * nb + kb] = 8 * _mm_cvtsi128_si32(s4);
-            }
     /* a group's blocks CB_TPREFILL_KBLOCKS at a time (9 KB of packed weights) pass over every token,
      * so they and a 4-token tile's activations stay in L1 */
     for (int g = g0; g < g1; g++)
-      for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {
-        const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;
-        const uint8_t *pk = scratch + (size_t)(g - g0) * unit + (size_t)kb0 * CB_TPACK_BLOCK_BYTES;
-        for (int t = 0; t < n; t += 4) {
-            float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
-            const int32_t *xs = xsum8 + (size_t)t * nb;
-#define CB_CALL_TP(dt, T) cb_tpacked_group_avx2(o, ldo, pk, dt, acts + t, xs, nb, kb0, kb1, T)
-            if (dtype == CB_INT8) {
-                switch (n - t) { case 1: CB_CALL_TP(CB_INT8, 1); break; case 2: CB_CALL_TP(CB_INT8, 2); break;
-                                 case 3: CB_CALL_TP(CB_INT8, 3); break; default: CB_CALL_TP(CB_INT8, 4); break; }
-            } else {
-                switch (n - t) { case 1: CB_CALL_TP(CB_INT4, 1); break; case 2: CB_CALL_TP(CB_INT4, 2); break;
-                                 case 3: CB_CALL_TP(CB_INT4, 3); break; default: CB_CALL_TP(CB_INT4, 4); break; }
-            }
+        for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {
+            const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;
+            const uint8_t *pk = packed + (size_t)(g - g0) * unit + (size_t)kb0 * CB_TPACK_BLOCK_BYTES;
+            for (int t = 0; t < n; t += 4) {
+                float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
+                const int32_t *xs = xsum8 + (size_t)t * nb;
+                const int T = n - t;
+#define CB_CALL_TP(dt, tt) cb_tpacked_group_avx2(o, ldo, pk, dt, acts + t, xs, nb, kb0, kb1, tt)
+                if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT8) } else { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT4) }
 #undef CB_CALL_TP
+            }
         }
-    }
 }
 
 #endif /* CB_X86 */

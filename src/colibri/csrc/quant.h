@@ -53,10 +53,14 @@ typedef struct {
  * (int4 as one nibble value per byte). Scratch only, never stored. */
 #define CB_TPACK_BLOCK_BYTES (8 * 4 + 8 * 32)
 
-/* Scratch bytes of a packed chunk of `units` groups, nb blocks, n tokens (int4 adds 8 * sum(x)
- * of every token's block). */
+/* Scratch bytes of the prefill's int4 activation sums (8 * sum(x) of n tokens' nb blocks, int32),
+ * rounded up to 64, and of the whole scratch of a chunk of `units` groups (sums, then packed blocks). */
+static inline size_t cb_tprefill_sums_bytes(int dtype_is_int4, int nb, int n) {
+    return dtype_is_int4 ? ((size_t)n * nb * sizeof(int32_t) + 63) / 64 * 64 : 0;
+}
+
 static inline size_t cb_tprefill_bytes(int dtype_is_int4, int units, int nb, int n) {
-    return (size_t)units * nb * CB_TPACK_BLOCK_BYTES + (dtype_is_int4 ? (size_t)n * nb * sizeof(int32_t) : 0);
+    return cb_tprefill_sums_bytes(dtype_is_int4, nb, n) + (size_t)units * nb * CB_TPACK_BLOCK_BYTES;
 }
 
 #if defined(__cplusplus)
