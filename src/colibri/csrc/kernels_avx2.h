@@ -401,8 +401,13 @@ cb_tq_group_avx2(float *y, int ldo, const char *grp, int dtype, const cb_tq_bloc
     }
 }
 
-/* Decode (T = 1) takes two block rows per pass over the outputs: two read streams per thread
- * instead of one; every output still adds block kb before kb + 1, so the bits do not change. */
+/* Decode (T = 1) takes CB_TDECODE_ROWS block rows per pass over the outputs: that many read
+ * streams per thread instead of one (two against one: int8 1.08-1.16x, int4 1.25x in the model; four
+ * against two: int8 1.05-1.17x, int4 1.02x); every output
+ * still adds block kb before kb + 1, so the bits do not change. */
+#ifndef CB_TDECODE_ROWS
+#define CB_TDECODE_ROWS 4
+#endif
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ttile_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                     int rows, int cols, int o0, int o1, const int T) {
@@ -411,15 +416,12 @@ cb_ttile_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_
     for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
     int kb = 0;
     if (T == 1)
-        for (; kb + 2 <= nb; kb += 2) {
-            cb_tq_block b0, b1;
-            cb_tq_prepare_avx2(&b0, acts, kb, dtype, 1);
-            cb_tq_prepare_avx2(&b1, acts, kb + 1, dtype, 1);
+        for (; kb + CB_TDECODE_ROWS <= nb; kb += CB_TDECODE_ROWS) {
+            cb_tq_block b[CB_TDECODE_ROWS];
+            for (int r = 0; r < CB_TDECODE_ROWS; r++) cb_tq_prepare_avx2(&b[r], acts, kb + r, dtype, 1);
             const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;
-            for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes) {
-                cb_tq_group_avx2(out + o, ldo, grp, dtype, &b0, 1);
-                cb_tq_group_avx2(out + o, ldo, grp + row_bytes, dtype, &b1, 1);
-            }
+            for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes)
+                for (int r = 0; r < CB_TDECODE_ROWS; r++) cb_tq_group_avx2(out + o, ldo, grp + r * row_bytes, dtype, &b[r], 1);
         }
     for (; kb < nb; kb++) {
         cb_tq_block b;
