@@ -402,9 +402,9 @@ cb_tq_group_avx2(float *y, int ldo, const char *grp, int dtype, const cb_tq_bloc
 }
 
 /* Decode (T = 1) takes CB_TDECODE_ROWS block rows per pass over the outputs: that many read
- * streams per thread instead of one (two against one: int8 1.08-1.16x, int4 1.25x in the model; four
- * against two: int8 1.05-1.17x, int4 1.02x); every output
- * still adds block kb before kb + 1, so the bits do not change. */
+ * streams per thread instead of one (two against one: int8 1.08-1.16x, int4 1.25x in the model;
+ * four against two: int8 1.05-1.17x, int4 1.02x); every output still adds block kb before kb + 1,
+ * so the bits do not change. */
 #ifndef CB_TDECODE_ROWS
 #define CB_TDECODE_ROWS 4
 #endif
