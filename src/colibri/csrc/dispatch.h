@@ -37,7 +37,7 @@ typedef struct {
     cb_ttile_fn ttile;              /* the transposed layout, every format */
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
-    cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 of n > 1 tokens via a repacked chunk */
+    cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 prefill via repacked chunks (cb_job_transposed) */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
@@ -135,8 +135,9 @@ static int cb_set_prefill_repack(int on) {
 #define CB_TCHUNK_BYTES (128 * 1024)
 
 /* From this many tokens a transposed int8/int4 product repacks each chunk (cb_kt.tprefill): the
- * repack costs about what 4 tokens' products save (tools/bench_kernels.py, 2026-11-30: int4 0.7x at
- * 2 tokens, 0.9x at 4, 1.1-1.2x at 8, 1.3-1.4x at 32; int8 0.8-0.9x, 1.0x, 1.1-1.4x, 1.3-1.45x). */
+ * repack costs about what 4 tokens' products save (kernel_matmul of expert-shaped [3584, 1024] and
+ * [1024, 3584] matrices, repack on / off interleaved, 2 threads, 2026-11-30: int4 0.7x at 2 tokens,
+ * 0.9x at 4, 1.1-1.2x at 8, 1.3-1.4x at 32; int8 0.8-0.9x, 1.0x, 1.1-1.4x, 1.3-1.45x). */
 #define CB_TPREFILL_MIN_TOKENS 8
 #define CB_TDECODE_OUTPUTS 4096
 
