@@ -242,3 +242,27 @@ def test_glu_of_every_tier_agrees_with_the_scalar_one(isa, n, act, seed):
     # an element's bits do not depend on where the call starts (threads apply it to their rows)
     for start in (1, 3, n // 2):
         np.testing.assert_array_equal(_kernels.kernel_glu(gate[start:], up[start:], act), ours[start:])
+
+
+def _vpdpbusd(acc, u, s):
+    """The instruction's definition (Intel SDM, VPDPBUSD): each int32 lane of acc plus the 4
+    products of its unsigned bytes of u and signed bytes of s, without saturation (wraps mod 2^32)."""
+    prods = u.astype(np.int64).reshape(8, 4) * s.astype(np.int64).reshape(8, 4)
+    return ((acc.astype(np.int64) + prods.sum(axis=1) + 2**31) % 2**32 - 2**31).astype(np.int32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.int32, 8), hnp.arrays(np.uint8, 32), hnp.arrays(np.int8, 32))
+def test_emulated_vnni_step_is_the_instruction(acc, u, s):
+    """The AVX2 stand-in for vpdpbusd that tests the VNNI prefill body on CPUs without VNNI: exactly
+    the instruction's result, extremes (255 * -128, int32 wrap-around) included."""
+    if "avx2" not in _kernels.available_isas():
+        pytest.skip("no AVX2")
+    before = _kernels.isa()
+    _kernels.select_isa("avx2")
+    try:
+        np.testing.assert_array_equal(_kernels.kernel_dpbusd_emulated(acc, u, s), _vpdpbusd(acc, u, s))
+        extremes = (np.full(32, 255, np.uint8), np.full(32, -128, np.int8))
+        np.testing.assert_array_equal(_kernels.kernel_dpbusd_emulated(acc, *extremes), _vpdpbusd(acc, *extremes))
+    finally:
+        _kernels.select_isa(before)

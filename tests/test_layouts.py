@@ -155,34 +155,65 @@ def repack_case(draw):
     return dtype, w, x
 
 
+def _repacking_kernels():
+    """The repacked prefill kernels the current tier can run here (all but the stored-order tile)."""
+    return [k for k in _kernels.available_prefill_kernels() if k != "stored-order"]
+
+
+def _matmul_with(kernel, *args):
+    """kernel_matmul(*args) with prefill kernel `kernel`, the tier's default restored after."""
+    default = _kernels.prefill_kernel()
+    try:
+        _kernels.set_prefill_kernel(kernel)
+        return _kernels.kernel_matmul(*args)
+    finally:
+        _kernels.set_prefill_kernel(default)
+
+
+def test_prefill_kernels_available_and_default(isa):
+    """Every SIMD tier repacks (with AVX2, and the VNNI step emulated in AVX2 for the tests), takes
+    the VNNI kernels where the CPU has them, and uses the fastest by default; the scalar tier
+    multiplies in stored order. A kernel the tier or CPU lacks is a clear error."""
+    feats = _kernels.cpu_features()
+    kernels = _kernels.available_prefill_kernels()
+    expect = ["stored-order"]
+    if isa != "scalar":
+        expect += ["avx2", "vnni-emulated"] + (["avx-vnni"] if feats["avx_vnni"] else [])
+        expect += ["avx512-vnni"] if isa == "avx512" and feats["avx512_vnni"] else []
+    assert kernels == expect
+    fastest = [k for k in expect if k != "vnni-emulated"][-1]
+    assert _kernels.prefill_kernel() == fastest
+    missing = [k for k in _kernels.PREFILL_KERNELS if k not in kernels]
+    for name in missing + ["vnni"]:
+        with pytest.raises(ValueError, match="vnni|avx|prefill kernel"):
+            _kernels.set_prefill_kernel(name)
+        assert _kernels.prefill_kernel() == fastest
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(repack_case(), st.sampled_from([1, 2]))
 def test_repacked_prefill_gives_the_bits_of_the_stored_order(isa, case, threads):
-    """The prefill's repacked chunks (SIMD tiers, int8/int4, n >= 8) against the stored-order tile,
-    bit for bit, and against numpy."""
+    """Every repacked prefill kernel of the tier (SIMD tiers, int8/int4, n >= 8: AVX2 maddubs, the
+    VNNI step emulated and, where the CPU has it, real) against the stored-order tile, bit for bit,
+    and against numpy."""
     dtype, w, x = case
     stored, t = _store(w, dtype)
-    try:
-        on = _kernels.set_prefill_repack(True)
-        assert on == (isa != "scalar")
-        repacked = _kernels.kernel_matmul(t, x, dtype, threads, "transposed")
-        assert _kernels.set_prefill_repack(False) is False
-        plain = _kernels.kernel_matmul(t, x, dtype, threads, "transposed")
-    finally:
-        _kernels.set_prefill_repack(True)
-    np.testing.assert_array_equal(repacked, plain)
+    plain = _matmul_with("stored-order", t, x, dtype, threads, "transposed")
+    for kernel in _repacking_kernels():
+        np.testing.assert_array_equal(_matmul_with(kernel, t, x, dtype, threads, "transposed"), plain, err_msg=kernel)
     exact_w = _exact(stored, dtype, w.shape[1])
     xr = np.stack([_quantize_act(row) for row in x])
     bound = MATVEC_RTOL * (np.abs(xr) @ np.abs(exact_w).T) + 1e-30
-    assert np.all(np.abs(repacked - xr @ exact_w.T) <= bound)
+    assert np.all(np.abs(plain - xr @ exact_w.T) <= bound)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 @pytest.mark.parametrize("dtype", BLOCK)
 def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
-    """Weights at their largest code (int8: 127; int4: nibble 15 — the first weight of each block,
-    -0.8, sets the scale so that 0.7 stores as 15 —, whose 8 products of a block are summed in int16:
-    8 * 2 * 15 * 127 = 30480 must not wrap) and every activation at +-127."""
+    """Weights at their largest code (int8: 127, which the VNNI kernels store as 255; int4: nibble
+    15 — the first weight of each block, -0.8, sets the scale so that 0.7 stores as 15 —, whose 8
+    products of a block AVX2 sums in int16: 8 * 2 * 15 * 127 = 30480 must not wrap) and every
+    activation at +-127, through every prefill kernel of the tier."""
     rows, cols, n = 16, 64, 12
     w = np.full((rows, cols), 0.7, np.float32)
     if dtype == "int4":
@@ -193,10 +224,11 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
         assert (stored.view(np.uint8)[:, 3:18] == 0xFF).all()       # block 0 of each row: all but one nibble 15
     else:
         assert (stored.view(np.int8)[:, 2:34] == 127).all()
-    got = _kernels.kernel_matmul(t, x, dtype, 1, "transposed")
     expect = _exact(stored, dtype, cols) @ _quantize_act(x[0])
-    np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6)
-    assert np.sign(got).min() == sign
+    for kernel in _kernels.available_prefill_kernels():
+        got = _matmul_with(kernel, t, x, dtype, 1, "transposed")
+        np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=kernel)
+        assert np.sign(got).min() == sign
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,9 +14,10 @@ as GFLOP/s (2 x multiply-adds, also for the integer formats), next to the attain
 rate of the same threads (an AVX2 FMA loop: 16 FLOP per lane-8 FMA; AVX-512 doubles the
 machine's float peak) and, for int8/int4, the attainable AVX2 int8 dot-product rate (maddubs +
 madd chains, the int8 kernels' step without VNNI: on a core with one vector integer multiplier
-this is the int8 ceiling; int4's unsigned nibbles skip most madds and can pass it). For the
-transposed int8/int4 matrices the stored-order tile is timed too, interleaved (the prefill repacks
-each chunk from 8 tokens: _kernels.set_prefill_repack).
+this is the int8 ceiling; int4's unsigned nibbles skip most madds and can pass it; VNNI's
+vpdpbusd does the step in one instruction). For the transposed int8/int4 matrices every other
+prefill kernel the tier has is timed too, interleaved (the stored-order tile, and below a VNNI
+kernel the AVX2 repack: _kernels.available_prefill_kernels; the emulated VNNI step is left out).
 
     python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
                                   [--layouts rows,transposed]
@@ -94,8 +95,11 @@ def prefill_table(args, rng):
     print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
           f"{args.threads} thread(s): AVX2 FMA peak " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
           + ", AVX2 int8 dot peak (maddubs + madd) " + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a"))
-    print("(int8/int4 transposed: the repacked prefill and, interleaved with it, the stored-order tile)")
-    print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of FMA':>7} {'of int8':>8} {'stored order':>13}")
+    default = _kernels.prefill_kernel()
+    others = [k for k in _kernels.available_prefill_kernels() if k not in (default, "vnni-emulated")]
+    print(f"(int8/int4 transposed: the tier's prefill kernel, {default}, and interleaved with it "
+          f"{', '.join(others) or 'no other'})")
+    print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of FMA':>7} {'of int8':>8}  other kernels GFLOP/s")
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
     reps = 3
     for dtype in args.dtypes.split(","):
@@ -103,23 +107,23 @@ def prefill_table(args, rng):
             w = to_storage(w_f32, dtype)
             if layout == "transposed":
                 w = quant.transpose(w, dtype, cols)
-            both = layout == "transposed" and dtype in ("int8", "int4")
+            compared = others if layout == "transposed" and dtype in ("int8", "int4") else []
             _kernels.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
-            times, plain = [], []
+            times, other_times = [], {k: [] for k in compared}
             for _ in range(args.repeat):
                 times.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
-                if both:
-                    _kernels.set_prefill_repack(False)
+                for kernel in compared:
+                    _kernels.set_prefill_kernel(kernel)
                     try:
-                        plain.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
+                        other_times[kernel].append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
                     finally:
-                        _kernels.set_prefill_repack(True)
-            gflops = 2.0 * rows * cols * n * reps / statistics.median(times) / 1e9
+                        _kernels.set_prefill_kernel(default)
+            flop = 2.0 * rows * cols * n * reps
+            gflops = flop / statistics.median(times) / 1e9
             of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"
             of_int8 = f"{gflops / ipeak_g:8.0%}" if ipeak_g and dtype in ("int8", "int4") else "       -"
-            stored = f"{2.0 * rows * cols * n * reps / statistics.median(plain) / 1e9:13.1f}" if both else "            -"
-            print(f"{dtype:>6} {layout:>10} {gflops:8.1f} {of_fma} {of_int8} {stored}")
-
+            rest = ", ".join(f"{k} {flop / statistics.median(t) / 1e9:.1f}" for k, t in other_times.items()) or "-"
+            print(f"{dtype:>6} {layout:>10} {gflops:8.1f} {of_fma} {of_int8}  {rest}")
 
 if __name__ == "__main__":
     main()

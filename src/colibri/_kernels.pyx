@@ -19,7 +19,7 @@ the C functions of csrc/ (scalar reference for now). A non-zero status from the 
 router logits or logits: a damaged model) is turned into an exception by the Python layer.
 """
 
-from libc.stdint cimport uintptr_t, uint16_t, int64_t, uint64_t
+from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.math cimport expf, sqrtf
@@ -57,12 +57,16 @@ cdef extern from "dispatch.h" nogil:
         int avx512_vnni, avx512_bf16, avx_vnni, os_avx, os_avx512
     ctypedef struct cb_kernel_table:
         int isa
+        int tprefill_kind
+    int CB_TPREFILL_STORED, CB_TPREFILL_AVX2, CB_TPREFILL_VNNI_EMULATED, CB_TPREFILL_AVXVNNI
+    int CB_TPREFILL_AVX512VNNI
     cb_kernel_table cb_kt
     cb_cpu_features cb_cpu
     cb_cpu_features cb_detect_cpu()
     int cb_best_isa(const cb_cpu_features *f)
     int cb_select_isa(int isa)
-    int cb_set_prefill_repack(int on)
+    int cb_set_prefill_kernel(int kind)
+    int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
     void cb_glu(float *gate, const float *up, int n, int act)
     int cb_window_start(int pos, int window)
     void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
@@ -137,11 +141,35 @@ def select_isa(str name):
                          f"available: {', '.join(available_isas())}")
 
 
-def set_prefill_repack(bint on):
-    """Turn the repacked prefill of transposed int8/int4 matrices off or back on (tests and
-    benchmarks compare it with the stored-order tile; the engine always uses it where the tier has
-    one). Returns whether it is now on."""
-    return bool(cb_set_prefill_repack(on))
+# The kernels of a transposed int8/int4 prefill (dispatch.h, CB_TPREFILL_*): "stored-order" tiles,
+# or a repacked chunk multiplied by AVX2 maddubs + madd, by the VNNI step emulated in AVX2 (tests),
+# by AVX-VNNI or by AVX512-VNNI. All give the same bits.
+PREFILL_KERNELS = {"stored-order": CB_TPREFILL_STORED, "avx2": CB_TPREFILL_AVX2,
+                   "vnni-emulated": CB_TPREFILL_VNNI_EMULATED, "avx-vnni": CB_TPREFILL_AVXVNNI,
+                   "avx512-vnni": CB_TPREFILL_AVX512VNNI}
+
+
+def prefill_kernel():
+    """The transposed int8/int4 prefill kernel in use (a PREFILL_KERNELS name)."""
+    return {v: k for k, v in PREFILL_KERNELS.items()}[cb_kt.tprefill_kind]
+
+
+def available_prefill_kernels():
+    """The PREFILL_KERNELS the current tier can run on this CPU."""
+    before = cb_kt.tprefill_kind
+    names = [name for name, kind in PREFILL_KERNELS.items() if cb_set_prefill_kernel(kind) == 0]
+    cb_set_prefill_kernel(before)
+    return names
+
+
+def set_prefill_kernel(str name):
+    """Use prefill kernel `name` from now on (tests and benchmarks compare them; selecting a tier
+    picks the fastest). ValueError if unknown or if this tier and CPU cannot run it."""
+    if name not in PREFILL_KERNELS:
+        raise ValueError(f"{name!r} is not a prefill kernel; choose one of {', '.join(PREFILL_KERNELS)}")
+    if cb_set_prefill_kernel(PREFILL_KERNELS[name]) != 0:
+        raise ValueError(f"prefill kernel {name} cannot run on tier {isa()} of this CPU; "
+                         f"available: {', '.join(available_prefill_kernels())}")
 
 
 def isa():
@@ -1221,6 +1249,18 @@ def kernel_glu(const float[::1] gate, const float[::1] up, str act):
     cdef int n = gate.shape[0], code = GLU_ACT_CODES[act]
     if n:
         cb_glu(&o[0], &up[0], n, code)
+    return out
+
+
+def kernel_dpbusd_emulated(const int32_t[::1] acc, const uint8_t[::1] u, const int8_t[::1] s):
+    """acc [8] + the VNNI step (vpdpbusd) of u [32] and s [32] as emulated in AVX2 for the
+    "vnni-emulated" prefill kernel. ValueError on a tier without AVX2."""
+    if acc.shape[0] != 8 or u.shape[0] != 32 or s.shape[0] != 32:
+        raise ValueError("kernel_dpbusd_emulated: acc [8] int32, u [32] uint8, s [32] int8")
+    out = np.empty(8, np.int32)
+    cdef int32_t[::1] o = out
+    if cb_dpbusd_emulated(&o[0], &acc[0], &u[0], &s[0]) != 0:
+        raise ValueError(f"kernel_dpbusd_emulated: tier {isa()} has no AVX2")
     return out
 
 

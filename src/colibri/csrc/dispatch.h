@@ -13,6 +13,7 @@
 #include "kernels_scalar.h"
 #include "kernels_avx2.h"
 #include "kernels_avx512.h"
+#include "kernels_vnni.h"
 
 /* out[t * ldo + o] for outputs [o0, o1) (whole groups) and n tokens of a transposed int8/int4
  * matrix, through `scratch` (cb_tprefill_bytes; `first`: the job's first chunk, which also fills
@@ -38,10 +39,36 @@ typedef struct {
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 prefill via repacked chunks (cb_job_transposed) */
+    int tprefill_kind;              /* which one: CB_TPREFILL_* */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
 static cb_cpu_features cb_cpu;
+
+/* The kernels of a transposed int8/int4 prefill from CB_TPREFILL_MIN_TOKENS tokens, slowest first:
+ * the stored-order tile (no repack), the repacked chunk with AVX2's maddubs + madd, with the VNNI
+ * step emulated in AVX2 (tests only), with AVX-VNNI, with AVX512-VNNI. All give the same bits. */
+enum { CB_TPREFILL_STORED, CB_TPREFILL_AVX2, CB_TPREFILL_VNNI_EMULATED, CB_TPREFILL_AVXVNNI,
+       CB_TPREFILL_AVX512VNNI, CB_N_TPREFILL };
+
+/* The prefill kernel `kind` for tier `isa` on this CPU; *ok = 0 if it cannot run here. */
+static cb_tprefill_fn cb_tprefill_kernel(int kind, int isa, int *ok) {
+    *ok = kind == CB_TPREFILL_STORED;
+#if CB_X86
+    if (isa >= CB_ISA_AVX2) {
+        if (kind == CB_TPREFILL_AVX2) { *ok = 1; return cb_tprefill_quant_avx2; }
+        if (kind == CB_TPREFILL_VNNI_EMULATED) { *ok = 1; return cb_tprefill_quant_vnni_emulated; }
+        if (kind == CB_TPREFILL_AVXVNNI && cb_cpu.avx_vnni) { *ok = 1; return cb_tprefill_quant_avxvnni; }
+    }
+    if (isa >= CB_ISA_AVX512 && kind == CB_TPREFILL_AVX512VNNI && cb_cpu.avx512_vnni) {
+        *ok = 1;
+        return cb_tprefill_quant_avx512vnni;
+    }
+#else
+    (void)isa;
+#endif
+    return NULL;
+}
 
 /* Fill cb_kt for `isa`; returns -1 if this CPU/OS cannot run it (cb_kt unchanged). */
 static int cb_select_isa(int isa) {
@@ -58,7 +85,6 @@ static int cb_select_isa(int isa) {
     for (int d = 0; d < CB_N_DTYPES; d++) { t.tile[d] = NULL; t.tile_rows[d] = 1; t.decode_dot[d] = 0; }
     t.ttile = cb_ttile_scalar;
     t.ttile_max_t = 4;
-    t.tprefill = NULL;
     t.glu = cb_glu_scalar;
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
@@ -73,7 +99,6 @@ static int cb_select_isa(int isa) {
         t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
         for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
         t.ttile = cb_ttile_avx2_any;          /* also the AVX-512 tier's: no wider version yet */
-        t.tprefill = cb_tprefill_quant_avx2;
         t.glu = cb_glu_avx2;
     }
     if (isa >= CB_ISA_AVX512) {
@@ -87,6 +112,15 @@ static int cb_select_isa(int isa) {
         }
     }
 #endif
+    /* the fastest prefill kernel this tier and CPU have (the emulated step is for tests only) */
+    t.tprefill = NULL;
+    t.tprefill_kind = CB_TPREFILL_STORED;
+    const int prefill_order[] = {CB_TPREFILL_AVX512VNNI, CB_TPREFILL_AVXVNNI, CB_TPREFILL_AVX2};
+    for (int i = 0; i < 3; i++) {
+        int ok;
+        cb_tprefill_fn fn = cb_tprefill_kernel(prefill_order[i], isa, &ok);
+        if (ok) { t.tprefill = fn; t.tprefill_kind = prefill_order[i]; break; }
+    }
     cb_kt = t;
     return 0;
 }
@@ -116,16 +150,29 @@ static uint8_t *cb_thread_scratch(size_t bytes) {
 /* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU) in place, by the current tier. */
 static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gate, up, n, act); }
 
-/* Turn the repacked prefill of the transposed integer formats off (0) or back on (1, where the tier
- * has one): for the tests and benchmarks that compare it with the stored-order tile. Returns
- * whether it is now on. */
-static int cb_set_prefill_repack(int on) {
+/* Use prefill kernel `kind` (CB_TPREFILL_*) for transposed int8/int4 matrices from now on: for the
+ * tests and benchmarks that compare them (cb_select_isa picks the fastest). Returns -1, changing
+ * nothing, if the tier or CPU has no such kernel. */
+static int cb_set_prefill_kernel(int kind) {
+    int ok;
+    cb_tprefill_fn fn = cb_tprefill_kernel(kind, cb_kt.isa, &ok);
+    if (!ok) return -1;
+    cb_kt.tprefill = fn;
+    cb_kt.tprefill_kind = kind;
+    return 0;
+}
+
+/* out[8] = acc[8] + the VNNI step of u[32] (unsigned) and s[32] (signed) as the "vnni-emulated"
+ * prefill kernel computes it, for its test; -1 on a tier without AVX2. */
+static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) {
 #if CB_X86
-    cb_kt.tprefill = on && cb_kt.isa >= CB_ISA_AVX2 ? cb_tprefill_quant_avx2 : NULL;
+    if (cb_kt.isa < CB_ISA_AVX2) return -1;
+    cb_dpbusd_emulated_mem(out, acc, u, s);
+    return 0;
 #else
-    (void)on;
+    (void)out; (void)acc; (void)u; (void)s;
+    return -1;
 #endif
-    return cb_kt.tprefill != NULL;
 }
 
 /* Outputs per chunk of a transposed prefill product: the chunk's weights (about 128 KB) stay in
@@ -183,7 +230,7 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     uint8_t *scratch = NULL;
     if (n >= CB_TPREFILL_MIN_TOKENS && cb_kt.tprefill && (j->dtype == CB_INT8 || j->dtype == CB_INT4) &&
         cols >= CB_QBLOCK && u1 > u0)
-        scratch = cb_thread_scratch(cb_tprefill_bytes(j->dtype == CB_INT4, step < u1 - u0 ? step : u1 - u0,
+        scratch = cb_thread_scratch(cb_tprefill_bytes(step < u1 - u0 ? step : u1 - u0,
                                                       cols / CB_QBLOCK, n));
     for (int c = u0; c < u1; c += step) {
         int o0 = c * unit, o1 = (c + step < u1 ? c + step : u1) * unit;

@@ -462,8 +462,9 @@ CB_TARGET_AVX2 static void cb_ttile_avx2_any(float *out, int ldo, const char *w,
  * and added in the same order as in cb_ttile_quant_avx2: prefill still equals decode bit for bit.
  *
  * Packed block (CB_TPACK_BLOCK_BYTES, quant.h): float scales [8], then int8 / nibble bytes
- * [8 vectors][8 outputs][4]. Scratch of a chunk (cb_tprefill_bytes): for int4 the int32
- * 8 * sum(x) [n][nb] (rounded up to 64 bytes), then packed blocks [groups of the chunk][nb]. */
+ * [8 vectors][8 outputs][4]. Scratch of a chunk (cb_tprefill_bytes): the int32 activation sums
+ * [n][nb] (8 * sum(x), int4 only here; rounded up to 64 bytes), then packed blocks [groups of the
+ * chunk][nb]. kernels_vnni.h has the same kernel with a VNNI step. */
 
 /* A register the compiler must materialise here: GCC otherwise regroups the chain of integer adds
  * of a block (they are associative) into one tree at its end, keeping all 32 products of 4 tokens
@@ -493,13 +494,15 @@ CB_TARGET_AVX2 static inline void cb_transpose8x8_epi32(__m256i r[8]) {
     }
 }
 
-/* One stored group (cb_group_int8 / cb_group_int4) as a packed block. */
-CB_TARGET_AVX2 static inline void cb_tpack_group_avx2(uint8_t *dst, const char *grp, int dtype) {
+/* One stored group (cb_group_int8 / cb_group_int4) as a packed block; int8 as w + 128 (unsigned)
+ * when `unsigned_int8` (the VNNI kernels). */
+CB_TARGET_AVX2 static inline void cb_tpack_group_avx2(uint8_t *dst, const char *grp, int dtype, int unsigned_int8) {
     __m256i r[8];
     _mm256_storeu_ps((float *)dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp)));
     if (dtype == CB_INT8) {
         const cb_group_int8 *g = (const cb_group_int8 *)grp;
-        for (int o = 0; o < 8; o++) r[o] = _mm256_loadu_si256((const __m256i *)g->qs[o]);
+        const __m256i flip = _mm256_set1_epi8(unsigned_int8 ? (char)0x80 : 0);   /* q ^ 0x80 = q + 128 */
+        for (int o = 0; o < 8; o++) r[o] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[o]), flip);
     } else {
         const cb_group_int4 *g = (const cb_group_int4 *)grp;
         const __m128i m4 = _mm_set1_epi8(0x0F);
@@ -573,41 +576,61 @@ cb_tpacked_group_avx2(float *out, int ldo, const uint8_t *pk, int dtype, const c
 
 #define CB_TPREFILL_KBLOCKS 32
 
-/* The prefill entry (cb_kernel_table.tprefill): out[t * ldo + o] for outputs [o0, o1) (whole
- * groups) and all n tokens of a transposed int8/int4 matrix, through `scratch` of
- * cb_tprefill_bytes(dtype == CB_INT4, (o1 - o0) / 8, cols / 32, n) bytes: for int4 the 8 * sum(x)
- * of every token's blocks first (computed when `first`, kept for the job's later chunks), then the
- * chunk's packed blocks. */
-CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
-                                                  int rows, int cols, int o0, int o1, int n, uint8_t *scratch,
-                                                  int first) {
-    const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK, g0 = o0 / CB_TGROUP, g1 = o1 / CB_TGROUP;
+/* The first step of every repacked prefill kernel: when `first`, the activation sums k * sum(x)
+ * [n][nb] (k = 8 for int4; 128 for int8 with unsigned_int8, else none), then the chunk's groups
+ * [g0, g1) packed (cb_tpack_group_avx2). Returns the packed blocks [g1 - g0][nb]. */
+CB_TARGET_AVX2 static uint8_t *cb_tprefill_pack_avx2(const char *w, int dtype, const cb_act_q8 *acts, int rows,
+                                                     int cols, int g0, int g1, int n, uint8_t *scratch, int first,
+                                                     int unsigned_int8) {
+    const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK;
     const size_t gbytes = cb_group_bytes(dtype), unit = (size_t)nb * CB_TPACK_BLOCK_BYTES;
-    int32_t *xsum8 = (int32_t *)scratch;                     /* [n][nb], int4 only */
-    uint8_t *packed = scratch + cb_tprefill_sums_bytes(dtype == CB_INT4, nb, n);
-    if (dtype == CB_INT4 && first)
+    int32_t *xsum = (int32_t *)scratch;
+    uint8_t *packed = scratch + cb_tprefill_sums_bytes(nb, n);
+    const int32_t k = dtype == CB_INT4 ? 1 : unsigned_int8 ? 16 : 0;       /* times 8 * sum(x) */
+    if (k && first)
         for (int t = 0; t < n; t++)
-            for (int kb = 0; kb < nb; kb++) xsum8[(size_t)t * nb + kb] = cb_block_sum8_avx2(acts[t].q + kb * CB_QBLOCK);
+            for (int kb = 0; kb < nb; kb++) xsum[(size_t)t * nb + kb] = k * cb_block_sum8_avx2(acts[t].q + kb * CB_QBLOCK);
     for (int kb = 0; kb < nb; kb++) {          /* the stored chunk is read in order, row of blocks by row */
         const char *src = w + ((size_t)kb * groups + g0) * gbytes;
         for (int g = g0; g < g1; g++, src += gbytes)
-            cb_tpack_group_avx2(packed + (size_t)(g - g0) * unit + (size_t)kb * CB_TPACK_BLOCK_BYTES, src, dtype);
+            cb_tpack_group_avx2(packed + (size_t)(g - g0) * unit + (size_t)kb * CB_TPACK_BLOCK_BYTES, src, dtype,
+                                unsigned_int8);
     }
-    /* a group's blocks CB_TPREFILL_KBLOCKS at a time (9 KB of packed weights) pass over every token,
-     * so they and a 4-token tile's activations stay in L1 */
-    for (int g = g0; g < g1; g++)
-        for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {
-            const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;
-            const uint8_t *pk = packed + (size_t)(g - g0) * unit + (size_t)kb0 * CB_TPACK_BLOCK_BYTES;
-            for (int t = 0; t < n; t += 4) {
-                float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
-                const int32_t *xs = xsum8 + (size_t)t * nb;
-                const int T = n - t;
-#define CB_CALL_TP(dt, tt) cb_tpacked_group_avx2(o, ldo, pk, dt, acts + t, xs, nb, kb0, kb1, tt)
-                if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT8) } else { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT4) }
-#undef CB_CALL_TP
-            }
+    return packed;
+}
+
+/* The order of a repacked prefill's products (every kernel's): a group's blocks
+ * CB_TPREFILL_KBLOCKS at a time (9 KB of packed weights) pass over every 4-token tile, so they and
+ * a tile's activations stay in L1. STEP runs with o (the tile's 8 outputs of its first token), pk
+ * (block kb0 of group g), xs (the tile's first activation sums), kb0, kb1, t and T (tokens left). */
+#define CB_TPREFILL_TILES(STEP)                                                                         \
+    for (int g = g0; g < g1; g++)                                                                       \
+        for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {                                       \
+            const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;            \
+            const uint8_t *pk = packed + (size_t)(g - g0) * nb * CB_TPACK_BLOCK_BYTES                   \
+                                + (size_t)kb0 * CB_TPACK_BLOCK_BYTES;                                   \
+            for (int t = 0; t < n; t += 4) {                                                            \
+                float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;                               \
+                const int32_t *xs = xsum + (size_t)t * nb;                                              \
+                const int T = n - t;                                                                    \
+                STEP                                                                                    \
+            }                                                                                           \
         }
+
+/* The prefill entry (cb_kernel_table.tprefill): out[t * ldo + o] for outputs [o0, o1) (whole
+ * groups) and all n tokens of a transposed int8/int4 matrix, through `scratch` of
+ * cb_tprefill_bytes((o1 - o0) / 8, cols / 32, n) bytes: the activation sums (computed when
+ * `first`, kept for the job's later chunks), then the chunk's packed blocks. */
+CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                                                  int rows, int cols, int o0, int o1, int n, uint8_t *scratch,
+                                                  int first) {
+    const int nb = cols / CB_QBLOCK, g0 = o0 / CB_TGROUP, g1 = o1 / CB_TGROUP;
+    const int32_t *xsum = (const int32_t *)scratch;
+    const uint8_t *packed = cb_tprefill_pack_avx2(w, dtype, acts, rows, cols, g0, g1, n, scratch, first, 0);
+#define CB_CALL_TP(dt, tt) cb_tpacked_group_avx2(o, ldo, pk, dt, acts + t, xs, nb, kb0, kb1, tt)
+    CB_TPREFILL_TILES(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT8) }
+                      else { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT4) })
+#undef CB_CALL_TP
 }
 
 #endif /* CB_X86 */

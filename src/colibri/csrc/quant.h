@@ -50,17 +50,19 @@ typedef struct {
 
 /* The prefill's packed form of one group and block (kernels_avx2.h, cb_tprefill_quant_avx2): 8
  * float scales, then 8 vectors of 32 bytes, vector c holding inputs 4c..4c+3 of the 8 outputs
- * (int4 as one nibble value per byte). Scratch only, never stored. */
+ * (int4 as one nibble value per byte; int8 as w + 128 in the VNNI kernels). Scratch only, never
+ * stored. */
 #define CB_TPACK_BLOCK_BYTES (8 * 4 + 8 * 32)
 
-/* Scratch bytes of the prefill's int4 activation sums (8 * sum(x) of n tokens' nb blocks, int32),
- * rounded up to 64, and of the whole scratch of a chunk of `units` groups (sums, then packed blocks). */
-static inline size_t cb_tprefill_sums_bytes(int dtype_is_int4, int nb, int n) {
-    return dtype_is_int4 ? ((size_t)n * nb * sizeof(int32_t) + 63) / 64 * 64 : 0;
+/* Scratch bytes of the prefill's activation sums (k * sum(x) of n tokens' nb blocks, int32: the
+ * offset of unsigned weights, int4 always, int8 in the VNNI kernels), rounded up to 64, and of the
+ * whole scratch of a chunk of `units` groups (sums, then packed blocks). */
+static inline size_t cb_tprefill_sums_bytes(int nb, int n) {
+    return ((size_t)n * nb * sizeof(int32_t) + 63) / 64 * 64;
 }
 
-static inline size_t cb_tprefill_bytes(int dtype_is_int4, int units, int nb, int n) {
-    return cb_tprefill_sums_bytes(dtype_is_int4, nb, n) + (size_t)units * nb * CB_TPACK_BLOCK_BYTES;
+static inline size_t cb_tprefill_bytes(int units, int nb, int n) {
+    return cb_tprefill_sums_bytes(nb, n) + (size_t)units * nb * CB_TPACK_BLOCK_BYTES;
 }
 
 #if defined(__cplusplus)
