@@ -17,6 +17,20 @@ FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file() and (p / "hf").is_dir())
 ARCH_OF_CASE = {c: c.rsplit("_", 1)[0] for c in CASES}
 
+F32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def float32_dot_bound(abs_dot, n_ops):
+    """The error bound of a float32 dot product (Higham, Accuracy and Stability of Numerical
+    Algorithms, 3.1): |computed - exact| <= gamma(n) * sum_i |w_i x_i|, gamma(n) = n u / (1 - n u),
+    u = 2^-24, whatever the order of the sum (sequential, in SIMD lanes, in a tree), n = the
+    roundings on the longest path from a product to the result: cols + 1 for a float dot of
+    length cols (the products round too); at most that for the block formats (exact integer block
+    sums, two roundings per block). A constant relative tolerance is not a bound: 1.0 plus 300
+    halves of its ulp sums to 1.0 in float32, a relative error of 1.8e-5."""
+    gamma = n_ops * F32_UNIT_ROUNDOFF / (1 - n_ops * F32_UNIT_ROUNDOFF)
+    return gamma * abs_dot + 1e-30
+
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):

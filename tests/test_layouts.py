@@ -22,13 +22,10 @@ from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.modeldir import ModelDir, from_storage, to_storage
 
-from conftest import FIXTURES, reference
+from conftest import FIXTURES, float32_dot_bound, reference
 
-# matvec: |ours - exact| <= MATVEC_RTOL * sum_i |w_i x_i| (float32 accumulation)
-MATVEC_RTOL = 1e-5
-# the same matrix in the two layouts on a SIMD tier (different summation order only):
-# |rows - transposed| <= LAYOUT_RTOL * sum_i |w_i x_i|
-LAYOUT_RTOL = 1e-5
+# matvec against float64: conftest.float32_dot_bound; the two layouts against each other (each
+# within that bound of the exact product): twice it
 # whole-model logits, f32 weights, against transformers (as tests/test_models.py)
 F32_RTOL = 1e-4
 # whole-model logits of the two layouts on a SIMD tier: max |diff| <= MODEL_RTOL * max |logit|
@@ -85,7 +82,7 @@ def test_transposed_matvec_matches_numpy(isa, case, threads):
     xr = _quantize_act(x) if dtype in BLOCK else x.astype(np.float64)
     ours = _kernels.kernel_matvec(t, x, dtype, threads, "transposed")
     ref = exact_w @ xr
-    bound = MATVEC_RTOL * (np.abs(exact_w) @ np.abs(xr)) + 1e-30
+    bound = float32_dot_bound(np.abs(exact_w) @ np.abs(xr), w.shape[1] + 1)
     assert np.all(np.abs(ours - ref) <= bound)
 
 
@@ -120,7 +117,7 @@ def test_large_transposed_matvec_with_threads_agrees_with_rows(isa, dtype, shape
     np.testing.assert_array_equal(one, two)
     exact_w = _exact(stored, dtype, shape[1])
     xr = _quantize_act(x) if dtype in BLOCK else x.astype(np.float64)
-    bound = LAYOUT_RTOL * (np.abs(exact_w) @ np.abs(xr))
+    bound = 2 * float32_dot_bound(np.abs(exact_w) @ np.abs(xr), shape[1] + 1)
     assert np.all(np.abs(two - rows) <= bound)
 
 
@@ -155,55 +152,47 @@ def repack_case(draw):
     return dtype, w, x
 
 
-def _repacking_kernels():
-    """The repacked prefill kernels the current tier can run here (all but the stored-order tile)."""
-    return [k for k in _kernels.available_prefill_kernels() if k != "stored-order"]
-
-
-def _matmul_with(kernel, *args):
-    """kernel_matmul(*args) with prefill kernel `kernel`, the tier's default restored after."""
-    default = _kernels.prefill_kernel()
-    try:
-        _kernels.set_prefill_kernel(kernel)
-        return _kernels.kernel_matmul(*args)
-    finally:
-        _kernels.set_prefill_kernel(default)
-
-
-def test_prefill_kernels_available_and_default(isa):
-    """Every SIMD tier repacks (with AVX2, and the VNNI step emulated in AVX2 for the tests), takes
-    the VNNI kernels where the CPU has them, and uses the fastest by default; the scalar tier
-    multiplies in stored order. A kernel the tier or CPU lacks is a clear error."""
+def test_int_steps_available_and_default(isa):
+    """Every SIMD tier has the AVX2 step and the VNNI step emulated in AVX2 (for these tests), the
+    VNNI steps where the CPU has them, and uses the fastest by default; the scalar tier its own. A
+    step the tier or CPU lacks is a clear error and changes nothing."""
     feats = _kernels.cpu_features()
-    kernels = _kernels.available_prefill_kernels()
-    expect = ["stored-order"]
+    expect = ["scalar"]
     if isa != "scalar":
-        expect += ["avx2", "vnni-emulated"] + (["avx-vnni"] if feats["avx_vnni"] else [])
+        expect = ["avx2", "vnni-emulated"] + (["avx-vnni"] if feats["avx_vnni"] else [])
         expect += ["avx512-vnni"] if isa == "avx512" and feats["avx512_vnni"] else []
-    assert kernels == expect
+    assert _kernels.available_int_steps() == expect
     fastest = [k for k in expect if k != "vnni-emulated"][-1]
-    assert _kernels.prefill_kernel() == fastest
-    missing = [k for k in _kernels.PREFILL_KERNELS if k not in kernels]
-    for name in missing + ["vnni"]:
-        with pytest.raises(ValueError, match="vnni|avx|prefill kernel"):
-            _kernels.set_prefill_kernel(name)
-        assert _kernels.prefill_kernel() == fastest
+    assert _kernels.int_step() == fastest
+    for name in [k for k in _kernels.INT_STEPS if k not in expect] + ["vnni"]:
+        with pytest.raises(ValueError, match="int step"):
+            _kernels.set_int_step(name)
+        assert _kernels.int_step() == fastest
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(repack_case(), st.sampled_from([1, 2]))
 def test_repacked_prefill_gives_the_bits_of_the_stored_order(isa, case, threads):
-    """Every repacked prefill kernel of the tier (SIMD tiers, int8/int4, n >= 8: AVX2 maddubs, the
-    VNNI step emulated and, where the CPU has it, real) against the stored-order tile, bit for bit,
-    and against numpy."""
+    """Every int step of the tier (AVX2 maddubs, the VNNI step emulated and, where the CPU has it,
+    real), with the prefill's repacked chunks (SIMD tiers, n >= 8) and with the stored-order tiles,
+    against the default step's stored-order tiles bit for bit; the products also against numpy,
+    and each token's decode (one matvec) is the same bits."""
     dtype, w, x = case
     stored, t = _store(w, dtype)
-    plain = _matmul_with("stored-order", t, x, dtype, threads, "transposed")
-    for kernel in _repacking_kernels():
-        np.testing.assert_array_equal(_matmul_with(kernel, t, x, dtype, threads, "transposed"), plain, err_msg=kernel)
+    args = (t, x, dtype, threads, "transposed")
+    with _kernels.int_kernels(repack=False):
+        plain = _kernels.kernel_matmul(*args)
+    for step in _kernels.available_int_steps():
+        for repack in (True, False):
+            with _kernels.int_kernels(step, repack):
+                got = _kernels.kernel_matmul(*args)
+            np.testing.assert_array_equal(got, plain, err_msg=f"{step}, repack {repack}")
+        with _kernels.int_kernels(step):
+            decoded = np.stack([_kernels.kernel_matvec(t, row, dtype, threads, "transposed") for row in x[:3]])
+        np.testing.assert_array_equal(decoded, plain[:3], err_msg=f"{step}, decode")
     exact_w = _exact(stored, dtype, w.shape[1])
     xr = np.stack([_quantize_act(row) for row in x])
-    bound = MATVEC_RTOL * (np.abs(xr) @ np.abs(exact_w).T) + 1e-30
+    bound = float32_dot_bound(np.abs(xr) @ np.abs(exact_w).T, w.shape[1] + 1)
     assert np.all(np.abs(plain - xr @ exact_w.T) <= bound)
 
 
@@ -213,7 +202,7 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     """Weights at their largest code (int8: 127, which the VNNI kernels store as 255; int4: nibble
     15 — the first weight of each block, -0.8, sets the scale so that 0.7 stores as 15 —, whose 8
     products of a block AVX2 sums in int16: 8 * 2 * 15 * 127 = 30480 must not wrap) and every
-    activation at +-127, through every prefill kernel of the tier."""
+    activation at +-127, through every int step of the tier, prefill (repacked or not) and decode."""
     rows, cols, n = 16, 64, 12
     w = np.full((rows, cols), 0.7, np.float32)
     if dtype == "int4":
@@ -225,10 +214,12 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     else:
         assert (stored.view(np.int8)[:, 2:34] == 127).all()
     expect = _exact(stored, dtype, cols) @ _quantize_act(x[0])
-    for kernel in _kernels.available_prefill_kernels():
-        got = _matmul_with(kernel, t, x, dtype, 1, "transposed")
-        np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=kernel)
-        assert np.sign(got).min() == sign
+    for step in _kernels.available_int_steps():
+        for repack, n in ((True, 12), (False, 12), (True, 1)):
+            with _kernels.int_kernels(step, repack):
+                got = _kernels.kernel_matmul(t, x[:n], dtype, 1, "transposed")
+            np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {repack} {n}")
+            assert np.sign(got).min() == sign
 
 
 @settings(max_examples=60, deadline=None)

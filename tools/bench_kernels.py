@@ -15,9 +15,10 @@ rate of the same threads (an AVX2 FMA loop: 16 FLOP per lane-8 FMA; AVX-512 doub
 machine's float peak) and, for int8/int4, the attainable AVX2 int8 dot-product rate (maddubs +
 madd chains, the int8 kernels' step without VNNI: on a core with one vector integer multiplier
 this is the int8 ceiling; int4's unsigned nibbles skip most madds and can pass it; VNNI's
-vpdpbusd does the step in one instruction). For the transposed int8/int4 matrices every other
-prefill kernel the tier has is timed too, interleaved (the stored-order tile, and below a VNNI
-kernel the AVX2 repack: _kernels.available_prefill_kernels; the emulated VNNI step is left out).
+vpdpbusd does the step in one instruction). For the transposed int8/int4 matrices the other
+variants the tier has are timed too, interleaved: the stored-order tile instead of the repacked
+chunk, and the other int steps (AVX2 beside a VNNI step: _kernels.available_int_steps; the emulated
+VNNI step is left out), also in the matvec table.
 
     python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
                                   [--layouts rows,transposed]
@@ -70,15 +71,25 @@ def main():
             read_buf = np.ones(nbytes // 8, np.uint64)
             _kernels.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
             _kernels.bench_read(read_buf, args.threads)
-            kt, rt = [], []
+            steps = other_steps() if layout == "transposed" and dtype in ("int8", "int4") else []
+            kt, rt, st = [], [], {k: [] for k in steps}
             for _ in range(args.repeat):                     # interleaved, A B A B
                 kt.append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads, layout)))
                 rt.append(timed(lambda: _kernels.bench_read(read_buf, args.threads)))
+                for step in steps:
+                    with _kernels.int_kernels(step):
+                        st[step].append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads, layout)))
             kgbs = nbytes / statistics.median(kt) / 1e9
             rgbs = nbytes / statistics.median(rt) / 1e9
-            print(f"{dtype:>6} {layout:>10} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}")
+            rest = "  " + ", ".join(f"{k} step {nbytes / statistics.median(t) / 1e9:.1f}" for k, t in st.items()) if st else ""
+            print(f"{dtype:>6} {layout:>10} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}{rest}")
             del w, read_buf
     prefill_table(args, rng)
+
+
+def other_steps():
+    """The int steps of this tier other than the one in use (the emulated one left out)."""
+    return [k for k in _kernels.available_int_steps() if k not in (_kernels.int_step(), "vnni-emulated")]
 
 
 def best_rate(kind, threads, tries=3):
@@ -95,11 +106,11 @@ def prefill_table(args, rng):
     print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
           f"{args.threads} thread(s): AVX2 FMA peak " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
           + ", AVX2 int8 dot peak (maddubs + madd) " + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a"))
-    default = _kernels.prefill_kernel()
-    others = [k for k in _kernels.available_prefill_kernels() if k not in (default, "vnni-emulated")]
-    print(f"(int8/int4 transposed: the tier's prefill kernel, {default}, and interleaved with it "
-          f"{', '.join(others) or 'no other'})")
-    print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of FMA':>7} {'of int8':>8}  other kernels GFLOP/s")
+    step = _kernels.int_step()
+    variants = [("stored-order", step, False)] + [(f"{k} step", k, True) for k in other_steps()]
+    print(f"(int8/int4 transposed: the {step} step on repacked chunks, and interleaved with it "
+          f"{', '.join(v[0] for v in variants)})")
+    print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of FMA':>7} {'of int8':>8}  other variants GFLOP/s")
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
     reps = 3
     for dtype in args.dtypes.split(","):
@@ -107,17 +118,14 @@ def prefill_table(args, rng):
             w = to_storage(w_f32, dtype)
             if layout == "transposed":
                 w = quant.transpose(w, dtype, cols)
-            compared = others if layout == "transposed" and dtype in ("int8", "int4") else []
+            compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []
             _kernels.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
-            times, other_times = [], {k: [] for k in compared}
+            times, other_times = [], {v[0]: [] for v in compared}
             for _ in range(args.repeat):
                 times.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
-                for kernel in compared:
-                    _kernels.set_prefill_kernel(kernel)
-                    try:
-                        other_times[kernel].append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
-                    finally:
-                        _kernels.set_prefill_kernel(default)
+                for name, vstep, repack in compared:
+                    with _kernels.int_kernels(vstep, repack):
+                        other_times[name].append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
             flop = 2.0 * rows * cols * n * reps
             gflops = flop / statistics.median(times) / 1e9
             of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"

@@ -57,15 +57,16 @@ cdef extern from "dispatch.h" nogil:
         int avx512_vnni, avx512_bf16, avx_vnni, os_avx, os_avx512
     ctypedef struct cb_kernel_table:
         int isa
-        int tprefill_kind
-    int CB_TPREFILL_STORED, CB_TPREFILL_AVX2, CB_TPREFILL_VNNI_EMULATED, CB_TPREFILL_AVXVNNI
-    int CB_TPREFILL_AVX512VNNI
+        int int_step
+    int CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI
+    int CB_INT_STEP_AVX512VNNI
     cb_kernel_table cb_kt
     cb_cpu_features cb_cpu
     cb_cpu_features cb_detect_cpu()
     int cb_best_isa(const cb_cpu_features *f)
     int cb_select_isa(int isa)
-    int cb_set_prefill_kernel(int kind)
+    int cb_set_int_step(int step)
+    int cb_set_prefill_repack(int on)
     int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
     void cb_glu(float *gate, const float *up, int n, int act)
     int cb_window_start(int pos, int window)
@@ -141,35 +142,61 @@ def select_isa(str name):
                          f"available: {', '.join(available_isas())}")
 
 
-# The kernels of a transposed int8/int4 prefill (dispatch.h, CB_TPREFILL_*): "stored-order" tiles,
-# or a repacked chunk multiplied by AVX2 maddubs + madd, by the VNNI step emulated in AVX2 (tests),
-# by AVX-VNNI or by AVX512-VNNI. All give the same bits.
-PREFILL_KERNELS = {"stored-order": CB_TPREFILL_STORED, "avx2": CB_TPREFILL_AVX2,
-                   "vnni-emulated": CB_TPREFILL_VNNI_EMULATED, "avx-vnni": CB_TPREFILL_AVXVNNI,
-                   "avx512-vnni": CB_TPREFILL_AVX512VNNI}
+# How the transposed int8/int4 kernels (decode tiles, repacked prefill) multiply bytes (dispatch.h,
+# CB_INT_STEP_*): the scalar tier's C, AVX2 maddubs + madd, the VNNI step emulated in AVX2 (tests),
+# AVX-VNNI, AVX512-VNNI. All give the same bits.
+INT_STEPS = {"scalar": CB_INT_STEP_SCALAR, "avx2": CB_INT_STEP_AVX2, "vnni-emulated": CB_INT_STEP_VNNI_EMULATED,
+             "avx-vnni": CB_INT_STEP_AVXVNNI, "avx512-vnni": CB_INT_STEP_AVX512VNNI}
 
 
-def prefill_kernel():
-    """The transposed int8/int4 prefill kernel in use (a PREFILL_KERNELS name)."""
-    return {v: k for k, v in PREFILL_KERNELS.items()}[cb_kt.tprefill_kind]
+def int_step():
+    """The step of the transposed int8/int4 kernels in use (an INT_STEPS name)."""
+    return {v: k for k, v in INT_STEPS.items()}[cb_kt.int_step]
 
 
-def available_prefill_kernels():
-    """The PREFILL_KERNELS the current tier can run on this CPU."""
-    before = cb_kt.tprefill_kind
-    names = [name for name, kind in PREFILL_KERNELS.items() if cb_set_prefill_kernel(kind) == 0]
-    cb_set_prefill_kernel(before)
+def available_int_steps():
+    """The INT_STEPS the current tier can run on this CPU, slowest first."""
+    before = cb_kt.int_step
+    names = [name for name, step in INT_STEPS.items() if cb_set_int_step(step) == 0]
+    cb_set_int_step(before)
     return names
 
 
-def set_prefill_kernel(str name):
-    """Use prefill kernel `name` from now on (tests and benchmarks compare them; selecting a tier
-    picks the fastest). ValueError if unknown or if this tier and CPU cannot run it."""
-    if name not in PREFILL_KERNELS:
-        raise ValueError(f"{name!r} is not a prefill kernel; choose one of {', '.join(PREFILL_KERNELS)}")
-    if cb_set_prefill_kernel(PREFILL_KERNELS[name]) != 0:
-        raise ValueError(f"prefill kernel {name} cannot run on tier {isa()} of this CPU; "
-                         f"available: {', '.join(available_prefill_kernels())}")
+def set_int_step(str name):
+    """Use step `name` for the transposed int8/int4 kernels from now on (tests and benchmarks
+    compare them; selecting a tier picks the fastest). ValueError if unknown or if this tier and
+    CPU cannot run it."""
+    if name not in INT_STEPS:
+        raise ValueError(f"{name!r} is not an int step; choose one of {', '.join(INT_STEPS)}")
+    if cb_set_int_step(INT_STEPS[name]) != 0:
+        raise ValueError(f"int step {name} cannot run on tier {isa()} of this CPU; "
+                         f"available: {', '.join(available_int_steps())}")
+
+
+def set_prefill_repack(bint on):
+    """Turn the repacked prefill of transposed int8/int4 matrices off or back on (tests and
+    benchmarks compare it with the stored-order tile; the engine always uses it where the tier has
+    one). Returns whether it is now on."""
+    return bool(cb_set_prefill_repack(on))
+
+
+class int_kernels:
+    """`with int_kernels(step, repack):` the transposed int8/int4 kernels with int step `step` (None:
+    the one in use) and the repacked prefill on or off, both restored after (tests, benchmarks)."""
+
+    def __init__(self, step=None, repack=True):
+        self.step, self.repack = step, repack
+
+    def __enter__(self):
+        self.saved = int_step()
+        set_int_step(self.step or self.saved)
+        set_prefill_repack(self.repack)
+        return self
+
+    def __exit__(self, *exc):
+        set_int_step(self.saved)
+        set_prefill_repack(True)
+        return False
 
 
 def isa():
@@ -1254,7 +1281,7 @@ def kernel_glu(const float[::1] gate, const float[::1] up, str act):
 
 def kernel_dpbusd_emulated(const int32_t[::1] acc, const uint8_t[::1] u, const int8_t[::1] s):
     """acc [8] + the VNNI step (vpdpbusd) of u [32] and s [32] as emulated in AVX2 for the
-    "vnni-emulated" prefill kernel. ValueError on a tier without AVX2."""
+    "vnni-emulated" int step. ValueError on a tier without AVX2."""
     if acc.shape[0] != 8 or u.shape[0] != 32 or s.shape[0] != 32:
         raise ValueError("kernel_dpbusd_emulated: acc [8] int32, u [32] uint8, s [32] int8")
     out = np.empty(8, np.int32)

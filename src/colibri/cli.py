@@ -304,7 +304,8 @@ def cmd_info(args) -> int:
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
     print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
           f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)")
-    print(f"int prefill:  {_kernels.prefill_kernel()} (transposed int8/int4 matrices from 8 prompt tokens)")
+    print(f"int8/int4:    {_kernels.int_step()} step in the transposed kernels (decode, and the prefill's repacked "
+          f"chunks from 8 prompt tokens)")
     return 0
 
 

@@ -39,35 +39,45 @@ typedef struct {
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 prefill via repacked chunks (cb_job_transposed) */
-    int tprefill_kind;              /* which one: CB_TPREFILL_* */
+    int int_step;                   /* CB_INT_STEP_*: the instruction set of ttile's int8/int4 and of tprefill */
+    int prefill_repack;             /* tprefill set (1) or left NULL (0: the stored-order tiles, for comparisons) */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
 static cb_cpu_features cb_cpu;
 
-/* The kernels of a transposed int8/int4 prefill from CB_TPREFILL_MIN_TOKENS tokens, slowest first:
- * the stored-order tile (no repack), the repacked chunk with AVX2's maddubs + madd, with the VNNI
- * step emulated in AVX2 (tests only), with AVX-VNNI, with AVX512-VNNI. All give the same bits. */
-enum { CB_TPREFILL_STORED, CB_TPREFILL_AVX2, CB_TPREFILL_VNNI_EMULATED, CB_TPREFILL_AVXVNNI,
-       CB_TPREFILL_AVX512VNNI, CB_N_TPREFILL };
+/* How the transposed int8/int4 kernels (decode tiles and the repacked prefill) multiply bytes,
+ * slowest first: the scalar tier's C, AVX2's maddubs + madd, the VNNI step emulated in AVX2
+ * (tests only), AVX-VNNI, AVX512-VNNI. All give the same bits. */
+enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI,
+       CB_INT_STEP_AVX512VNNI };
 
-/* The prefill kernel `kind` for tier `isa` on this CPU; *ok = 0 if it cannot run here. */
-static cb_tprefill_fn cb_tprefill_kernel(int kind, int isa, int *ok) {
-    *ok = kind == CB_TPREFILL_STORED;
+/* The transposed entry and prefill kernel of int step `step` on tier `isa`: 0, or -1 if this tier
+ * or CPU has no such step. */
+static int cb_int_step_kernels(int step, int isa, cb_ttile_fn *ttile, cb_tprefill_fn *tprefill) {
+    if (isa == CB_ISA_SCALAR) {
+        *ttile = cb_ttile_scalar;
+        *tprefill = NULL;
+        return step == CB_INT_STEP_SCALAR ? 0 : -1;
+    }
 #if CB_X86
-    if (isa >= CB_ISA_AVX2) {
-        if (kind == CB_TPREFILL_AVX2) { *ok = 1; return cb_tprefill_quant_avx2; }
-        if (kind == CB_TPREFILL_VNNI_EMULATED) { *ok = 1; return cb_tprefill_quant_vnni_emulated; }
-        if (kind == CB_TPREFILL_AVXVNNI && cb_cpu.avx_vnni) { *ok = 1; return cb_tprefill_quant_avxvnni; }
+    switch (step) {
+    case CB_INT_STEP_AVX2: *ttile = cb_ttile_avx2_any; *tprefill = cb_tprefill_quant_avx2; return 0;
+    case CB_INT_STEP_VNNI_EMULATED:
+        *ttile = cb_ttile_vnni_emulated;
+        *tprefill = cb_tprefill_quant_vnni_emulated;
+        return 0;
+    case CB_INT_STEP_AVXVNNI:
+        *ttile = cb_ttile_avxvnni;
+        *tprefill = cb_tprefill_quant_avxvnni;
+        return cb_cpu.avx_vnni ? 0 : -1;
+    case CB_INT_STEP_AVX512VNNI:
+        *ttile = cb_ttile_avx512vnni;
+        *tprefill = cb_tprefill_quant_avx512vnni;
+        return isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni ? 0 : -1;
     }
-    if (isa >= CB_ISA_AVX512 && kind == CB_TPREFILL_AVX512VNNI && cb_cpu.avx512_vnni) {
-        *ok = 1;
-        return cb_tprefill_quant_avx512vnni;
-    }
-#else
-    (void)isa;
 #endif
-    return NULL;
+    return -1;
 }
 
 /* Fill cb_kt for `isa`; returns -1 if this CPU/OS cannot run it (cb_kt unchanged). */
@@ -83,7 +93,6 @@ static int cb_select_isa(int isa) {
     t.dot[CB_INT8] = cb_dot_int8_scalar;
     t.dot[CB_INT4] = cb_dot_int4_scalar;
     for (int d = 0; d < CB_N_DTYPES; d++) { t.tile[d] = NULL; t.tile_rows[d] = 1; t.decode_dot[d] = 0; }
-    t.ttile = cb_ttile_scalar;
     t.ttile_max_t = 4;
     t.glu = cb_glu_scalar;
 #if CB_X86
@@ -98,7 +107,6 @@ static int cb_select_isa(int isa) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx2_any;
         t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
         for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
-        t.ttile = cb_ttile_avx2_any;          /* also the AVX-512 tier's: no wider version yet */
         t.glu = cb_glu_avx2;
     }
     if (isa >= CB_ISA_AVX512) {
@@ -112,15 +120,12 @@ static int cb_select_isa(int isa) {
         }
     }
 #endif
-    /* the fastest prefill kernel this tier and CPU have (the emulated step is for tests only) */
-    t.tprefill = NULL;
-    t.tprefill_kind = CB_TPREFILL_STORED;
-    const int prefill_order[] = {CB_TPREFILL_AVX512VNNI, CB_TPREFILL_AVXVNNI, CB_TPREFILL_AVX2};
-    for (int i = 0; i < 3; i++) {
-        int ok;
-        cb_tprefill_fn fn = cb_tprefill_kernel(prefill_order[i], isa, &ok);
-        if (ok) { t.tprefill = fn; t.tprefill_kind = prefill_order[i]; break; }
-    }
+    /* the transposed int8/int4 kernels of the fastest step this tier and CPU have (the emulated
+     * one is for tests only); the AVX-512 tier has no wider transposed kernels yet */
+    const int steps[] = {CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2, CB_INT_STEP_SCALAR};
+    for (int i = 0; i < 4; i++)
+        if (cb_int_step_kernels(steps[i], isa, &t.ttile, &t.tprefill) == 0) { t.int_step = steps[i]; break; }
+    t.prefill_repack = t.tprefill != NULL;
     cb_kt = t;
     return 0;
 }
@@ -150,20 +155,33 @@ static uint8_t *cb_thread_scratch(size_t bytes) {
 /* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU) in place, by the current tier. */
 static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gate, up, n, act); }
 
-/* Use prefill kernel `kind` (CB_TPREFILL_*) for transposed int8/int4 matrices from now on: for the
- * tests and benchmarks that compare them (cb_select_isa picks the fastest). Returns -1, changing
- * nothing, if the tier or CPU has no such kernel. */
-static int cb_set_prefill_kernel(int kind) {
-    int ok;
-    cb_tprefill_fn fn = cb_tprefill_kernel(kind, cb_kt.isa, &ok);
-    if (!ok) return -1;
-    cb_kt.tprefill = fn;
-    cb_kt.tprefill_kind = kind;
+/* Use int step `step` (CB_INT_STEP_*) for the transposed int8/int4 kernels from now on, for the
+ * tests and benchmarks that compare them (cb_select_isa picks the fastest). -1, changing nothing,
+ * if the tier or CPU has no such step. */
+static int cb_set_int_step(int step) {
+    cb_ttile_fn ttile;
+    cb_tprefill_fn tprefill;
+    if (cb_int_step_kernels(step, cb_kt.isa, &ttile, &tprefill) != 0) return -1;
+    cb_kt.int_step = step;
+    cb_kt.ttile = ttile;
+    cb_kt.tprefill = cb_kt.prefill_repack ? tprefill : NULL;
     return 0;
 }
 
+/* Turn the repacked prefill of the transposed int8/int4 matrices off (0: the stored-order tiles,
+ * which tests and benchmarks compare it with) or back on (1, where the tier has one). Returns
+ * whether it is now on. */
+static int cb_set_prefill_repack(int on) {
+    cb_ttile_fn ttile;
+    cb_tprefill_fn tprefill;
+    cb_int_step_kernels(cb_kt.int_step, cb_kt.isa, &ttile, &tprefill);
+    cb_kt.tprefill = on ? tprefill : NULL;
+    cb_kt.prefill_repack = cb_kt.tprefill != NULL;
+    return cb_kt.prefill_repack;
+}
+
 /* out[8] = acc[8] + the VNNI step of u[32] (unsigned) and s[32] (signed) as the "vnni-emulated"
- * prefill kernel computes it, for its test; -1 on a tier without AVX2. */
+ * int step computes it, for its test; -1 on a tier without AVX2. */
 static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) {
 #if CB_X86
     if (cb_kt.isa < CB_ISA_AVX2) return -1;

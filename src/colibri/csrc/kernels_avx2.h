@@ -332,27 +332,39 @@ cb_group_sums_int8_avx2(__m256i *isum, const cb_group_int8 *g, const __m256i *xq
                                    _mm256_permute2x128_si256(quad[0][j], quad[1][j], 0x31));
 }
 
+/* An int4 group's nibbles as bytes 0..15: lo[c] / hi[c] = elements 0..15 / 16..31 of outputs 2c
+ * (low 128 bits) and 2c + 1. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_unpack_group_int4_avx2(__m256i lo[4], __m256i hi[4], const cb_group_int4 *g) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {                       /* outputs 2c, 2c+1: 32 bytes */
+        __m256i v = _mm256_loadu_si256((const __m256i *)g->qs[2 * c]);
+        lo[c] = _mm256_and_si256(v, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+}
+
+/* The 8 outputs' sums from s[c] = [2c: 4 partial sums | 2c+1: 4 partial sums], minus xoff: an hadd
+ * tree gives [r0 r2 r4 r6 | r1 r3 r5 r7], a permute puts them in output order. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256i cb_int4_group_reduce_avx2(const __m256i s[4], __m256i xoff) {
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_sub_epi32(h, xoff);
+}
+
 /* The 8 int32 block sums of an int4 group: nibbles (0..15) times x, minus 8 * sum(x) (xoff[j]). */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_group_sums_int4_avx2(__m256i *isum, const cb_group_int4 *g, const __m256i *xlo, const __m256i *xhi,
                         const __m256i *xoff, const int T) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    const __m256i one = _mm256_set1_epi16(1);
     __m256i lo[4], hi[4];
-    for (int c = 0; c < 4; c++) {                       /* outputs 2c, 2c+1: 32 bytes */
-        __m256i v = _mm256_loadu_si256((const __m256i *)g->qs[2 * c]);
-        lo[c] = _mm256_and_si256(v, m4);                                /* elements 0..15 */
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);          /* elements 16..31 */
-    }
+    cb_unpack_group_int4_avx2(lo, hi, g);
     for (int j = 0; j < T; j++) {
         __m256i s[4];
-        for (int c = 0; c < 4; c++) {                   /* [2c: 4 partial sums | 2c+1: 4 partial sums] */
+        for (int c = 0; c < 4; c++) {
             __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xlo[j]), _mm256_maddubs_epi16(hi[c], xhi[j]));
             s[c] = _mm256_madd_epi16(p, one);
         }
-        /* hadd tree -> [r0 r2 r4 r6 | r1 r3 r5 r7], then into output order */
-        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        isum[j] = _mm256_sub_epi32(h, xoff[j]);
+        isum[j] = cb_int4_group_reduce_avx2(s, xoff[j]);
     }
 }
 
@@ -367,14 +379,16 @@ CB_TARGET_AVX2 static inline int32_t cb_block_sum8_avx2(const int8_t *q) {
     return 8 * _mm_cvtsi128_si32(s4);
 }
 
-/* Token j's activation block kb as the group sums want it (T tokens). */
+/* Token j's activation block kb as the group sums want it (T tokens): xoff is the weights' offset
+ * times sum(x) — 8 * sum(x) for int4's nibbles, 128 * sum(x) for int8 stored + 128 (the VNNI
+ * kernels, `offset_int8`), otherwise unused. */
 typedef struct {
     __m256i xq[4], xlo[4], xhi[4], xoff[4];
     __m256 dx[4];
 } cb_tq_block;
 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
-cb_tq_prepare_avx2(cb_tq_block *b, const cb_act_q8 *acts, int kb, int dtype, const int T) {
+cb_tq_prepare_avx2(cb_tq_block *b, const cb_act_q8 *acts, int kb, int dtype, const int T, const int offset_int8) {
     for (int j = 0; j < T; j++) {
         const int8_t *q = acts[j].q + kb * CB_QBLOCK;
         b->xq[j] = _mm256_loadu_si256((const __m256i *)q);
@@ -383,7 +397,20 @@ cb_tq_prepare_avx2(cb_tq_block *b, const cb_act_q8 *acts, int kb, int dtype, con
             b->xlo[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
             b->xhi[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
             b->xoff[j] = _mm256_set1_epi32(cb_block_sum8_avx2(q));
+        } else if (offset_int8) {
+            b->xoff[j] = _mm256_set1_epi32(16 * cb_block_sum8_avx2(q));
         }
+    }
+}
+
+/* y[j * ldo + 0..7] += the 8 int32 block sums isum[j] of group grp, scaled (the 8 weight scales
+ * times token j's): the end of every transposed integer step, whatever computed the sums. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_tq_scale_add_avx2(float *y, int ldo, const char *grp, const __m256i *isum, const cb_tq_block *b, const int T) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));   /* the 8 scales */
+    for (int j = 0; j < T; j++) {
+        float *yj = y + (size_t)j * ldo;
+        _mm256_storeu_ps(yj, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, b->dx[j]), _mm256_loadu_ps(yj)));
     }
 }
 
@@ -392,13 +419,9 @@ cb_tq_prepare_avx2(cb_tq_block *b, const cb_act_q8 *acts, int kb, int dtype, con
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_tq_group_avx2(float *y, int ldo, const char *grp, int dtype, const cb_tq_block *b, const int T) {
     __m256i isum[4];
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)grp));   /* the 8 scales */
     if (dtype == CB_INT8) cb_group_sums_int8_avx2(isum, (const cb_group_int8 *)grp, b->xq, T);
     else cb_group_sums_int4_avx2(isum, (const cb_group_int4 *)grp, b->xlo, b->xhi, b->xoff, T);
-    for (int j = 0; j < T; j++) {
-        float *yj = y + (size_t)j * ldo;
-        _mm256_storeu_ps(yj, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, b->dx[j]), _mm256_loadu_ps(yj)));
-    }
+    cb_tq_scale_add_avx2(y, ldo, grp, isum, b, T);
 }
 
 /* Decode (T = 1) takes CB_TDECODE_ROWS block rows per pass over the outputs: that many read
@@ -408,27 +431,34 @@ cb_tq_group_avx2(float *y, int ldo, const char *grp, int dtype, const cb_tq_bloc
 #ifndef CB_TDECODE_ROWS
 #define CB_TDECODE_ROWS 4
 #endif
+/* The body of a transposed integer tile (every kernel's order): out[j * ldo + o0..o1) = the
+ * product for T tokens, blocks in order. GROUP(y, ldo, grp, dtype, block, T) is the step, OFFSET_INT8
+ * whether it wants int8's 128 * sum(x) (cb_tq_prepare_avx2). In a function with out, ldo, w,
+ * dtype, acts, rows, cols, o0, o1, T. */
+#define CB_TTILE_QUANT_BODY(GROUP, OFFSET_INT8)                                                         \
+    const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK;                                       \
+    const size_t gbytes = cb_group_bytes(dtype), row_bytes = (size_t)groups * gbytes;                  \
+    for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0)); \
+    int kb = 0;                                                                                        \
+    if (T == 1)                                                                                        \
+        for (; kb + CB_TDECODE_ROWS <= nb; kb += CB_TDECODE_ROWS) {                                    \
+            cb_tq_block b[CB_TDECODE_ROWS];                                                            \
+            for (int r = 0; r < CB_TDECODE_ROWS; r++) cb_tq_prepare_avx2(&b[r], acts, kb + r, dtype, 1, OFFSET_INT8); \
+            const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;                    \
+            for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes)                                    \
+                for (int r = 0; r < CB_TDECODE_ROWS; r++) GROUP(out + o, ldo, grp + r * row_bytes, dtype, &b[r], 1); \
+        }                                                                                              \
+    for (; kb < nb; kb++) {                                                                            \
+        cb_tq_block b;                                                                                 \
+        cb_tq_prepare_avx2(&b, acts, kb, dtype, T, OFFSET_INT8);                                       \
+        const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;                        \
+        for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes) GROUP(out + o, ldo, grp, dtype, &b, T); \
+    }
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ttile_quant_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                     int rows, int cols, int o0, int o1, const int T) {
-    const int groups = rows / CB_TGROUP, nb = cols / CB_QBLOCK;
-    const size_t gbytes = cb_group_bytes(dtype), row_bytes = (size_t)groups * gbytes;
-    for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
-    int kb = 0;
-    if (T == 1)
-        for (; kb + CB_TDECODE_ROWS <= nb; kb += CB_TDECODE_ROWS) {
-            cb_tq_block b[CB_TDECODE_ROWS];
-            for (int r = 0; r < CB_TDECODE_ROWS; r++) cb_tq_prepare_avx2(&b[r], acts, kb + r, dtype, 1);
-            const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;
-            for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes)
-                for (int r = 0; r < CB_TDECODE_ROWS; r++) cb_tq_group_avx2(out + o, ldo, grp + r * row_bytes, dtype, &b[r], 1);
-        }
-    for (; kb < nb; kb++) {
-        cb_tq_block b;
-        cb_tq_prepare_avx2(&b, acts, kb, dtype, T);
-        const char *grp = w + ((size_t)kb * groups + o0 / CB_TGROUP) * gbytes;
-        for (int o = o0; o < o1; o += CB_TGROUP, grp += gbytes) cb_tq_group_avx2(out + o, ldo, grp, dtype, &b, T);
-    }
+    CB_TTILE_QUANT_BODY(cb_tq_group_avx2, 0)
 }
 
 /* The table's transposed entry: the format and T in 1..4 select a specialised body. */

@@ -1,20 +1,24 @@
-/* kernels_vnni.h — the transposed int8/int4 prefill with a VNNI step (vpdpbusd).
+/* kernels_vnni.h — the transposed int8/int4 kernels with a VNNI step (vpdpbusd).
  *
  * vpdpbusd adds to each int32 lane the 4 products of its unsigned bytes in one operand and signed
- * bytes in the other: one instruction for the maddubs + madd + add of the AVX2 kernel
- * (cb_tpacked_group_avx2, kernels_avx2.h), with no int16 intermediate to bound and no sign trick.
- * So the repacked chunk holds unsigned weights for both formats — int4 its nibbles (w + 8), int8
- * w + 128 (q ^ 0x80, q in [-127, 127]) — and each block's sum starts from minus 8 * sum(x) or
- * 128 * sum(x) (computed once per job). The integer block sums are exact, so they are the AVX2
- * kernel's and the stored order's; scaled and added in the same order, the outputs are the same
- * bits: prefill == decode whichever kernel runs.
+ * bytes in the other: one instruction for the maddubs + madd (+ add) of the AVX2 kernels, with no
+ * int16 intermediate to bound and no sign trick. So the weights go in unsigned — int4 its nibbles
+ * (w + 8), int8 w + 128 (q ^ 0x80, q in [-127, 127]) — and each block's sum takes off 8 * sum(x)
+ * or 128 * sum(x) (per token and block, computed once). The integer block sums are exact, so they
+ * are the AVX2 kernels' and the scalar tier's; scaled and added in the same order, the outputs are
+ * the same bits, and prefill still equals decode.
+ *   decode and short prompts (stored-order tiles): a stored int8 row is flipped to unsigned in a
+ *     register (xor + vpdpbusd per output instead of sign, sign, maddubs, madd); int4's two
+ *     nibble halves chain two vpdpbusd;
+ *   the repacked prefill: the chunk is packed unsigned for both formats, one vpdpbusd per 4
+ *     inputs x 8 outputs x token.
  *
- * The body (tprefill_vnni_body.h) is compiled once per way of doing the step:
- *   cb_tprefill_quant_avx512vnni     EVEX vpdpbusd on 256-bit vectors (AVX512_VNNI + AVX512VL)
- *   cb_tprefill_quant_avxvnni        VEX vpdpbusd (AVX-VNNI: Alder Lake and later, Sierra Forest, Zen 5)
- *   cb_tprefill_quant_vnni_emulated  the step in exact AVX2 arithmetic (cb_dpbusd_emulated_avx2):
- *                                    tests the body bit for bit on CPUs without VNNI
- *                                    (_kernels.set_prefill_kernel("vnni-emulated")); never the default.
+ * The body (vnni_body.h) is compiled once per way of doing the step:
+ *   ..._avx512vnni     EVEX vpdpbusd on 256-bit vectors (AVX512_VNNI + AVX512VL)
+ *   ..._avxvnni        VEX vpdpbusd (AVX-VNNI: Alder Lake and later, Sierra Forest, Zen 5)
+ *   ..._vnni_emulated  the step in exact AVX2 arithmetic (cb_dpbusd_emulated_avx2): tests the body
+ *                      bit for bit on CPUs without VNNI (_kernels.set_int_step("vnni-emulated"));
+ *                      never chosen by default.
  */
 #ifndef COLIBRI_KERNELS_VNNI_H
 #define COLIBRI_KERNELS_VNNI_H
@@ -50,7 +54,7 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 #define CB_VNNI_TARGET CB_TARGET_AVX512_VNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_epi32(a, u, s)
 #define CB_VNNI_NAME(base) base##_avx512vnni
-#include "tprefill_vnni_body.h"
+#include "vnni_body.h"
 #undef CB_VNNI_TARGET
 #undef CB_VNNI_DPBUSD
 #undef CB_VNNI_NAME
@@ -58,7 +62,7 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 #define CB_VNNI_TARGET CB_TARGET_AVXVNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_avx_epi32(a, u, s)
 #define CB_VNNI_NAME(base) base##_avxvnni
-#include "tprefill_vnni_body.h"
+#include "vnni_body.h"
 #undef CB_VNNI_TARGET
 #undef CB_VNNI_DPBUSD
 #undef CB_VNNI_NAME
@@ -66,7 +70,7 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 #define CB_VNNI_TARGET CB_TARGET_AVX2
 #define CB_VNNI_DPBUSD(a, u, s) cb_dpbusd_emulated_avx2(a, u, s)
 #define CB_VNNI_NAME(base) base##_vnni_emulated
-#include "tprefill_vnni_body.h"
+#include "vnni_body.h"
 #undef CB_VNNI_TARGET
 #undef CB_VNNI_DPBUSD
 #undef CB_VNNI_NAME

@@ -1,0 +1,117 @@
+/* vnni_body.h — the VNNI kernels of the transposed int8/int4 layout (kernels_vnni.h): decode /
+ * stored-order tiles and the repacked prefill. Included once per instruction set, with:
+ *   CB_VNNI_TARGET          the functions' target attribute
+ *   CB_VNNI_DPBUSD(a, u, s) a + in each int32 lane the 4 products of unsigned bytes u, signed bytes s
+ *   CB_VNNI_NAME(base)      base with the instruction set's suffix
+ * No include guard: including it is instantiating it. */
+
+/* out[j * ldo + 0..7] (+)= one group's 8 outputs for T tokens over its blocks kb0..kb1-1, packed
+ * with unsigned weights at pk (block kb0 first); kb0 == 0 starts from zero, otherwise the sums in
+ * out continue. xsum [T][nb] (row stride nb): the weights' offset times the sum of token j's
+ * quantized block kb, where each block's integer sum starts. Vectors c = 0, 2, 4, 6 and 1, 3, 5, 7
+ * of a block go to two chains per token (integer adds: the same sum in any order). */
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_tpacked_group)(float *out, int ldo, const uint8_t *pk, const cb_act_q8 *acts,
+                               const int32_t *xsum, int nb, int kb0, int kb1, const int T) {
+    const int8_t *xq[4];
+    const float *xd[4];
+    __m256 acc[4];
+    for (int j = 0; j < T; j++) {       /* locals: out's stores could alias int8_t (cb_tpacked_group_avx2) */
+        xq[j] = acts[j].q;
+        xd[j] = acts[j].d;
+        acc[j] = kb0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
+    }
+    for (int kb = kb0; kb < kb1; kb++, pk += CB_TPACK_BLOCK_BYTES) {
+        const __m256i *wv = (const __m256i *)(pk + 32);
+        __m256i even[4], odd[4];
+        for (int j = 0; j < T; j++) {
+            even[j] = _mm256_set1_epi32(-xsum[(size_t)j * nb + kb]);
+            odd[j] = _mm256_setzero_si256();
+        }
+        for (int c = 0; c < 8; c += 2) {
+            const __m256i w0 = _mm256_loadu_si256(wv + c), w1 = _mm256_loadu_si256(wv + c + 1);
+            for (int j = 0; j < T; j++) {
+                const int8_t *x = xq[j] + kb * CB_QBLOCK + 4 * c;
+                even[j] = CB_VNNI_DPBUSD(even[j], w0, cb_bcast4_avx2(x));
+                odd[j] = CB_VNNI_DPBUSD(odd[j], w1, cb_bcast4_avx2(x + 4));
+            }
+        }
+        const __m256 dw = _mm256_loadu_ps((const float *)pk);
+        for (int j = 0; j < T; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j])),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])), acc[j]);
+    }
+    for (int j = 0; j < T; j++) _mm256_storeu_ps(out + (size_t)j * ldo, acc[j]);
+}
+
+/* The prefill entry (cb_kernel_table.tprefill), as cb_tprefill_quant_avx2 with the chunk packed
+ * as unsigned bytes (both formats take the same body). */
+CB_VNNI_TARGET static void
+CB_VNNI_NAME(cb_tprefill_quant)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int rows,
+                                int cols, int o0, int o1, int n, uint8_t *scratch, int first) {
+    const int nb = cols / CB_QBLOCK, g0 = o0 / CB_TGROUP, g1 = o1 / CB_TGROUP;
+    const int32_t *xsum = (const int32_t *)scratch;
+    const uint8_t *packed = cb_tprefill_pack_avx2(w, dtype, acts, rows, cols, g0, g1, n, scratch, first, 1);
+#define CB_CALL_TPV(dt, tt) CB_VNNI_NAME(cb_tpacked_group)(o, ldo, pk, acts + t, xs, nb, kb0, kb1, tt)
+    CB_TPREFILL_TILES(CB_AVX2_T_CASES(CB_CALL_TPV, 0))
+#undef CB_CALL_TPV
+}
+
+/* The 8 int32 block sums of a stored group against T tokens (as cb_group_sums_int8/int4_avx2):
+ * int8 weights + 128 (q ^ 0x80) against x, int4 nibbles against x's halves, each output's 8 lane
+ * sums then gathered by the same hadd tree; the offset times sum(x) (b->xoff) taken off. */
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_group_sums)(__m256i *isum, const char *grp, int dtype, const cb_tq_block *b, const int T) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i s[4];                       /* outputs 2c, 2c+1 of one token */
+    if (dtype == CB_INT8) {
+        const cb_group_int8 *g = (const cb_group_int8 *)grp;
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int j = 0; j < T; j++) {
+            for (int c = 0; c < 4; c++) {   /* 8 lane sums of each of outputs 2c, 2c+1, paired by hadd */
+                const __m256i u0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[2 * c]), flip);
+                const __m256i u1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[2 * c + 1]), flip);
+                s[c] = _mm256_hadd_epi32(CB_VNNI_DPBUSD(zero, u0, b->xq[j]), CB_VNNI_DPBUSD(zero, u1, b->xq[j]));
+            }
+            /* s[c] = [2c 2c 2c+1 2c+1 | 2c 2c 2c+1 2c+1]: two more hadds give [0 1 2 3 | 0 1 2 3] of
+             * outputs 0-3 and of 4-7, whose 128-bit halves add up */
+            __m256i q0 = _mm256_hadd_epi32(s[0], s[1]), q1 = _mm256_hadd_epi32(s[2], s[3]);
+            isum[j] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20),
+                                                        _mm256_permute2x128_si256(q0, q1, 0x31)), b->xoff[j]);
+        }
+    } else {
+        __m256i lo[4], hi[4];
+        cb_unpack_group_int4_avx2(lo, hi, (const cb_group_int4 *)grp);
+        for (int j = 0; j < T; j++) {
+            for (int c = 0; c < 4; c++)
+                s[c] = CB_VNNI_DPBUSD(CB_VNNI_DPBUSD(zero, lo[c], b->xlo[j]), hi[c], b->xhi[j]);
+            isum[j] = cb_int4_group_reduce_avx2(s, b->xoff[j]);
+        }
+    }
+}
+
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_tq_group)(float *y, int ldo, const char *grp, int dtype, const cb_tq_block *b, const int T) {
+    __m256i isum[4];
+    CB_VNNI_NAME(cb_group_sums)(isum, grp, dtype, b, T);
+    cb_tq_scale_add_avx2(y, ldo, grp, isum, b, T);
+}
+
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_ttile_quant)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                             int rows, int cols, int o0, int o1, const int T) {
+    CB_TTILE_QUANT_BODY(CB_VNNI_NAME(cb_tq_group), 1)
+}
+
+/* The table's transposed entry (cb_ttile_fn): int8/int4 with this step, the float formats as AVX2. */
+CB_VNNI_TARGET static void
+CB_VNNI_NAME(cb_ttile)(float *out, int ldo, const char *w, int dtype, const float *x, int ldx, const cb_act_q8 *acts,
+                       int rows, int cols, int o0, int o1, int T) {
+    if (dtype != CB_INT8 && dtype != CB_INT4) {
+        cb_ttile_avx2_any(out, ldo, w, dtype, x, ldx, acts, rows, cols, o0, o1, T);
+        return;
+    }
+#define CB_CALL_TQV(dt, t) CB_VNNI_NAME(cb_ttile_quant)(out, ldo, w, dt, acts, rows, cols, o0, o1, t)
+    if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_TQV, CB_INT8) } else { CB_AVX2_T_CASES(CB_CALL_TQV, CB_INT4) }
+#undef CB_CALL_TQV
+}
