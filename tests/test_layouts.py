@@ -297,6 +297,20 @@ def test_whole_model_in_both_layouts(converted, dtype):
         _kernels.select_isa(before)
 
 
+@pytest.mark.parametrize("dtype", BLOCK)
+def test_whole_model_the_same_bits_with_every_int_step(isa, converted, dtype):
+    """A transposed int8/int4 model gives the default int step's logits bit for bit with every
+    step of the tier (the VNNI step emulated included): a 20-token prompt (repacked chunks), 5
+    tokens (stored-order tiles) and 1 (decode)."""
+    ids = np.resize(reference("qwen3moe_a")["input_ids"], 20)
+    m = colibri.load(converted("qwen3moe_a", dtype, "transposed"))
+    expect = [m.forward(ids[:n]) for n in (20, 5, 1)]
+    for step in _kernels.available_int_steps():
+        with _kernels.int_kernels(step):
+            for n, want in zip((20, 5, 1), expect):
+                np.testing.assert_array_equal(m.forward(ids[:n]), want, err_msg=f"{step}, {n} tokens")
+
+
 def test_layout_choice_per_tensor():
     """--expert-layout for the routed experts, --layout for the other matrices, the format's
     faster layout by default; an int8/int4 matrix whose row count is not a multiple of 8 cannot

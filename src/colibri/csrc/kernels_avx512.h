@@ -1,4 +1,6 @@
-/* kernels_avx512.h — the AVX-512 (F/BW/VL/DQ) tier, with VNNI where present.
+/* kernels_avx512.h — the AVX-512 (F/BW/VL/DQ) tier's rows-layout tiles, with VNNI where present
+ * (the transposed layout's integer kernels with VNNI are in kernels_vnni.h; its float ones are
+ * kernels_avx2.h's).
  *
  * Every format is multiplied by tiles (R rows x T tokens, below), which serve decode and prefill
  * alike. Float formats use 16-lane FMAs with masked loads for the tail (no scalar remainder). bf16
