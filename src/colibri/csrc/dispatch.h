@@ -52,32 +52,36 @@ static cb_cpu_features cb_cpu;
 enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI,
        CB_INT_STEP_AVX512VNNI };
 
-/* The transposed entry and prefill kernel of int step `step` on tier `isa`: 0, or -1 if this tier
- * or CPU has no such step. */
+/* The transposed entry and prefill kernel of int step `step` on tier `isa` into *ttile, *tprefill:
+ * 0, or -1 (nothing written) if this tier or CPU has no such step. */
 static int cb_int_step_kernels(int step, int isa, cb_ttile_fn *ttile, cb_tprefill_fn *tprefill) {
+    cb_ttile_fn tt = NULL;
+    cb_tprefill_fn tp = NULL;
+    int ok = 0;
     if (isa == CB_ISA_SCALAR) {
-        *ttile = cb_ttile_scalar;
-        *tprefill = NULL;
-        return step == CB_INT_STEP_SCALAR ? 0 : -1;
+        tt = cb_ttile_scalar;
+        ok = step == CB_INT_STEP_SCALAR;
     }
 #if CB_X86
-    switch (step) {
-    case CB_INT_STEP_AVX2: *ttile = cb_ttile_avx2_any; *tprefill = cb_tprefill_quant_avx2; return 0;
-    case CB_INT_STEP_VNNI_EMULATED:
-        *ttile = cb_ttile_vnni_emulated;
-        *tprefill = cb_tprefill_quant_vnni_emulated;
-        return 0;
-    case CB_INT_STEP_AVXVNNI:
-        *ttile = cb_ttile_avxvnni;
-        *tprefill = cb_tprefill_quant_avxvnni;
-        return cb_cpu.avx_vnni ? 0 : -1;
-    case CB_INT_STEP_AVX512VNNI:
-        *ttile = cb_ttile_avx512vnni;
-        *tprefill = cb_tprefill_quant_avx512vnni;
-        return isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni ? 0 : -1;
+    else if (step == CB_INT_STEP_AVX2) { tt = cb_ttile_avx2_any; tp = cb_tprefill_quant_avx2; ok = 1; }
+    else if (step == CB_INT_STEP_VNNI_EMULATED) {
+        tt = cb_ttile_vnni_emulated;
+        tp = cb_tprefill_quant_vnni_emulated;
+        ok = 1;
+    } else if (step == CB_INT_STEP_AVXVNNI) {
+        tt = cb_ttile_avxvnni;
+        tp = cb_tprefill_quant_avxvnni;
+        ok = cb_cpu.avx_vnni;
+    } else if (step == CB_INT_STEP_AVX512VNNI) {
+        tt = cb_ttile_avx512vnni;
+        tp = cb_tprefill_quant_avx512vnni;
+        ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni;
     }
 #endif
-    return -1;
+    if (!ok) return -1;
+    *ttile = tt;
+    *tprefill = tp;
+    return 0;
 }
 
 /* Fill cb_kt for `isa`; returns -1 if this CPU/OS cannot run it (cb_kt unchanged). */
