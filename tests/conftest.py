@@ -39,8 +39,8 @@ def converted(tmp_path_factory):
     cache = {}
 
     def get(case: str, dtype: str = "f32", layout: str | None = None) -> Path:
-        """layout None: the converter's default layouts; "rows" / "transposed": every matrix
-        but the embedding in that layout."""
+        """layout None: the converter's default layouts; "rows" / "transposed" / "interleaved"
+        (int8/int4): every matrix but the embedding in that layout."""
         key = (case, dtype, layout)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{case}_{dtype}_{layout or 'default'}") / "model"

@@ -194,7 +194,7 @@ def test_info(mixtral, converted):
     assert "architecture: mixtral (from MixtralForCausalLM)" in p.stdout
     assert "layers:       2 (2 MoE, 0 dense)" in p.stdout
     assert "tokenizer:    tokenizer.model" in p.stdout
-    assert f"int8/int4:    {_kernels.int_step()} step in the transposed kernels" in p.stdout
+    assert f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels" in p.stdout
     q = colibri("info", "--model-dir", converted("qwen3moe_a", "f32"))
     assert q.returncode == 0, q.stderr
     assert "architecture: qwen3_moe (from Qwen3MoeForCausalLM)" in q.stdout

@@ -1,9 +1,10 @@
-"""The two storage layouts of a weight matrix: `rows` ([out, in]) and `transposed` ([in, out]).
+"""The storage layouts of a weight matrix: `rows` ([out, in]), `transposed` ([in, out]) and, for
+int8/int4, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time).
 
-Kernels of every tier and format in the transposed layout against numpy and against the rows
-layout; prefill (one matmul over n tokens) against decode (n matvecs), bit for bit; the block
-re-ordering of quant.transpose; the converter's --expert-layout and the model directory checks;
-whole models in both layouts.
+Kernels of every tier and format in the transposed and interleaved layouts against numpy and
+against the rows layout; prefill (one matmul over n tokens) against decode (n matvecs), bit for
+bit; the block re-ordering of quant.transpose / quant.interleave; the converter's
+--expert-layout and the model directory checks; whole models in every layout.
 """
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def _store(w, dtype):
     return stored, quant.transpose(stored, dtype, w.shape[1])
 
 
+def _in_layout(w, dtype, layout):
+    """float32 [rows, cols] -> its storage in `layout`."""
+    return quant.from_rows(to_storage(w, dtype), dtype, w.shape[1], layout)
+
+
+# (dtype, layout) pairs that exist: interleaved is for int8/int4 only
+FORMAT_LAYOUTS = [(d, lay) for d in FORMATS for lay in quant.LAYOUTS if lay != "interleaved" or d in BLOCK]
+
+
 def _exact(stored, dtype, cols):
     return from_storage(stored, dtype, cols).astype(np.float64)
 
@@ -54,6 +64,15 @@ def _quantize_act(x):
     d = np.where(amax >= np.float32(1e-30), amax / np.float32(127), 0).astype(np.float32)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     return (np.rint(b * inv[:, None]).astype(np.float64) * d[:, None]).reshape(-1)
+
+
+def _assert_exact_product(out, stored, dtype, x):
+    """out [n, rows] is x [n, cols] (quantized per block) times the stored int8/int4 matrix, within
+    float32 summation error of the exact product."""
+    exact_w = _exact(stored, dtype, x.shape[1])
+    xr = np.stack([_quantize_act(row) for row in x])
+    bound = float32_dot_bound(np.abs(xr) @ np.abs(exact_w).T, x.shape[1] + 1)
+    assert np.all(np.abs(out - xr @ exact_w.T) <= bound)
 
 
 finite32 = st.floats(-4.0, 4.0, width=32, allow_nan=False)
@@ -121,16 +140,14 @@ def test_large_transposed_matvec_with_threads_agrees_with_rows(isa, dtype, shape
     assert np.all(np.abs(two - rows) <= bound)
 
 
-@pytest.mark.parametrize("layout", quant.LAYOUTS)
-@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("dtype,layout", FORMAT_LAYOUTS)
 def test_prefill_product_equals_token_by_token(isa, dtype, layout):
     """cb_matmul over n tokens (4-token tiles, and for transposed output chunks sized for the
     cache) gives each token exactly the bits of its own matvec, for every n: prefill == decode."""
     rng = np.random.default_rng(7)
     rows, cols = 1040, 256
     w = rng.standard_normal((rows, cols), dtype=np.float32)
-    stored, t = _store(w, dtype)
-    mat = t if layout == "transposed" else stored
+    mat = _in_layout(w, dtype, layout)
     x = rng.standard_normal((17, cols), dtype=np.float32)
     single = np.stack([_kernels.kernel_matvec(mat, x[i], dtype, 2, layout) for i in range(17)])
     for n in (2, 5, 8, 9, 17):      # from 8 tokens the transposed int8/int4 product repacks its chunks
@@ -190,10 +207,7 @@ def test_repacked_prefill_gives_the_bits_of_the_stored_order(isa, case, threads)
         with _kernels.int_kernels(step):
             decoded = np.stack([_kernels.kernel_matvec(t, row, dtype, threads, "transposed") for row in x[:3]])
         np.testing.assert_array_equal(decoded, plain[:3], err_msg=f"{step}, decode")
-    exact_w = _exact(stored, dtype, w.shape[1])
-    xr = np.stack([_quantize_act(row) for row in x])
-    bound = float32_dot_bound(np.abs(xr) @ np.abs(exact_w).T, w.shape[1] + 1)
-    assert np.all(np.abs(plain - xr @ exact_w.T) <= bound)
+    _assert_exact_product(plain, stored, dtype, x)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -222,6 +236,92 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
             assert np.sign(got).min() == sign
 
 
+@st.composite
+def interleaved_case(draw):
+    """(dtype, w [rows, cols], x [n, cols]): whole groups and blocks, past one 32-block prefill
+    pass (cols > 1024) sometimes, 1..23 tokens (decode; 4-token tiles and their tails), and
+    enough groups for the decode's 4 side-by-side parts plus a remainder (up to 83 groups)."""
+    dtype = draw(st.sampled_from(BLOCK))
+    rows, cols = 8 * draw(st.integers(1, 83)), 32 * draw(st.sampled_from([1, 2, 3, 7, 31, 32, 33, 40]))
+    n = draw(st.integers(1, 23))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return dtype, rng.standard_normal((rows, cols), dtype=np.float32), rng.standard_normal((n, cols), dtype=np.float32)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(interleaved_case(), st.sampled_from([1, 2]))
+def test_interleaved_gives_the_bits_of_transposed(isa, case, threads):
+    """The interleaved tiles of every int step of the tier against the transposed layout's
+    default kernels, bit for bit (both add each output's blocks in order with the same
+    arithmetic: on the scalar tier, the rows layout's), prefill and each token's decode; and
+    against numpy."""
+    dtype, w, x = case
+    stored, t = _store(w, dtype)
+    il = quant.interleave(stored, dtype, w.shape[1])
+    want = _kernels.kernel_matmul(t, x, dtype, threads, "transposed")
+    for step in _kernels.available_int_steps():
+        with _kernels.int_kernels(step):
+            got = _kernels.kernel_matmul(il, x, dtype, threads, "interleaved")
+            decoded = np.stack([_kernels.kernel_matvec(il, row, dtype, threads, "interleaved") for row in x[:3]])
+        np.testing.assert_array_equal(got, want, err_msg=step)
+        np.testing.assert_array_equal(decoded, want[:3], err_msg=f"{step}, decode")
+    _assert_exact_product(want, stored, dtype, x)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("dtype", BLOCK)
+def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
+    """As for the repacked prefill: int8 at 127 (255 unsigned in the VNNI steps), int4 nibbles at
+    15 (8 maddubs of a block summed in int16: 30480), activations at +-127, through every int
+    step, prefill and decode, with enough groups (40) for the decode's side-by-side parts."""
+    rows, cols, n = 320, 64, 12
+    w = np.full((rows, cols), 0.7, np.float32)
+    if dtype == "int4":
+        w[:, ::32] = -0.8
+    x = np.full((n, cols), sign * 3.0, np.float32)
+    stored = to_storage(w, dtype)
+    il = quant.interleave(stored, dtype, cols)
+    expect = _exact(stored, dtype, cols) @ _quantize_act(x[0])
+    for step in _kernels.available_int_steps():
+        for n in (12, 1):
+            with _kernels.int_kernels(step):
+                got = _kernels.kernel_matmul(il, x[:n], dtype, 1, "interleaved")
+            np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {n}")
+            assert np.sign(got).min() == sign
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(BLOCK), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_interleave_round_trip(dtype, groups, blocks, seed):
+    w = np.random.default_rng(seed).standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    stored = quant.quantize(w, dtype)
+    il = quant.interleave(stored, dtype, w.shape[1])
+    assert il.shape == (groups, blocks * quant.GROUP_BYTES[dtype])
+    np.testing.assert_array_equal(quant.deinterleave(il, dtype, *w.shape), stored)
+    np.testing.assert_array_equal(quant.to_rows(il, dtype, *w.shape, "interleaved"), stored)
+    # group (g, kb): the 8 scales of block kb of outputs 8g .. 8g+7, then their weights 4 inputs
+    # at a time (int4: byte i of unit v holds input 4v + i low, 16 + 4v + i high, as byte 4v + i
+    # of the row's block)
+    g = il.view(quant.IGROUP_DTYPES[dtype]).reshape(groups, blocks)
+    b = stored.view(quant.BLOCK_DTYPES[dtype]).reshape(8 * groups, blocks)
+    gi, kb = groups - 1, blocks - 1
+    np.testing.assert_array_equal(g[gi, kb]["d"], b[8 * gi:8 * gi + 8, kb]["d"])
+    for r in range(8):
+        for unit in range(g[gi, kb]["qs"].shape[0]):
+            np.testing.assert_array_equal(g[gi, kb]["qs"][unit, r], b[8 * gi + r, kb]["qs"][4 * unit:4 * unit + 4])
+
+
+def test_interleaved_needs_int_weights_and_whole_groups():
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        quant.interleave(quant.quantize(np.ones((12, 32), np.float32), "int8"), "int8", 32)
+    with pytest.raises(ValueError, match="int8/int4"):
+        quant.interleave(np.ones((8, 32), np.float32), "f32", 32)
+    with pytest.raises(ValueError, match="int8/int4"):
+        _kernels.kernel_matvec(np.zeros((8, 32), np.float32), np.zeros(32, np.float32), "f32", 1, "interleaved")
+    with pytest.raises(ValueError, match="interleaved int4"):
+        _kernels.kernel_matvec(np.zeros((1, 100), np.uint8), np.zeros(32, np.float32), "int4", 1, "interleaved")
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(BLOCK), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
 def test_transpose_round_trip(dtype, groups, blocks, seed):
@@ -240,6 +340,7 @@ def test_transpose_round_trip(dtype, groups, blocks, seed):
 
 def test_group_struct_sizes_agree_with_python():
     assert _kernels.group_sizes() == quant.GROUP_BYTES == {"int8": 8 * 34, "int4": 8 * 18}
+    assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == quant.GROUP_BYTES      # static_assert in C
 
 
 @pytest.mark.parametrize("dtype", BLOCK)
@@ -259,13 +360,16 @@ def test_unknown_layout_is_a_clear_error():
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
 def test_converter_layouts(converted, dtype):
-    """Default: the format's faster layout for every matrix but the embedding (transposed for
-    int8/int4, rows for floats); the router, norms and vectors are always rows."""
-    for layout in (None, "rows", "transposed"):
+    """Default: the format's faster layout for every matrix but the embedding; the router, norms
+    and vectors are always rows. Interleaved exists for int8/int4 only: asked of a float format,
+    a clear error and no directory."""
+    for layout in (None, "rows", "transposed") + (("interleaved",) if dtype in BLOCK else ()):
         md = ModelDir(converted("mixtral_a", dtype, layout))
         for name, t in md.tensors.items():
             matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")   # untied
-            want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16
+            want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16,
+            if want == "interleaved" and t["dtype"] not in BLOCK:   # which cannot be interleaved
+                want = "rows"
             assert t["layout"] == (want if matrix else "rows"), (layout, name)
 
 
@@ -277,33 +381,39 @@ def test_f32_transposed_matches_transformers(converted, case):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
-def test_whole_model_in_both_layouts(converted, dtype):
-    """Scalar tier: the same bits in both layouts. Every tier: the layouts agree, decoding token by
-    token gives the prefill's logits."""
+def test_whole_model_in_every_layout(converted, dtype):
+    """Scalar tier: the same bits in every layout. Every tier: the layouts agree, decoding token by
+    token gives the prefill's logits. (Transposed and interleaved int matrices give the same bits
+    on every tier — test_interleaved_gives_the_bits_of_transposed —, but the fixtures' f16-kept
+    matrices are transposed in one directory and rows in the other.)"""
     ids = reference("qwen3moe_a")["input_ids"]
+    others = ("transposed", "interleaved") if dtype in BLOCK else ("transposed",)
     before = _kernels.isa()
     try:
         for name in ISAS:
             _kernels.select_isa(name)
             rows = colibri.load(converted("qwen3moe_a", dtype, "rows")).forward(ids)
-            m = colibri.load(converted("qwen3moe_a", dtype, "transposed"))
-            t = m.forward(ids)
-            if name == "scalar":
-                np.testing.assert_array_equal(t, rows)
-            assert np.abs(t - rows).max() <= MODEL_RTOL[dtype] * np.abs(rows).max(), name
-            stepped = np.stack([m.forward(ids[:i + 1])[-1] for i in range(len(ids))])
-            np.testing.assert_array_equal(stepped[-1], t[-1])
+            got = {}
+            for layout in others:
+                m = colibri.load(converted("qwen3moe_a", dtype, layout))
+                t = got[layout] = m.forward(ids)
+                if name == "scalar":
+                    np.testing.assert_array_equal(t, rows)
+                assert np.abs(t - rows).max() <= MODEL_RTOL[dtype] * np.abs(rows).max(), name
+                stepped = np.stack([m.forward(ids[:i + 1])[-1] for i in range(len(ids))])
+                np.testing.assert_array_equal(stepped[-1], t[-1])
     finally:
         _kernels.select_isa(before)
 
 
+@pytest.mark.parametrize("layout", ["transposed", "interleaved"])
 @pytest.mark.parametrize("dtype", BLOCK)
-def test_whole_model_the_same_bits_with_every_int_step(isa, converted, dtype):
-    """A transposed int8/int4 model gives the default int step's logits bit for bit with every
-    step of the tier (the VNNI step emulated included): a 20-token prompt (repacked chunks), 5
-    tokens (stored-order tiles) and 1 (decode)."""
+def test_whole_model_the_same_bits_with_every_int_step(isa, converted, dtype, layout):
+    """A transposed or interleaved int8/int4 model gives the default int step's logits bit for bit
+    with every step of the tier (the VNNI step emulated included): a 20-token prompt (transposed:
+    repacked chunks), 5 tokens (stored-order tiles) and 1 (decode)."""
     ids = np.resize(reference("qwen3moe_a")["input_ids"], 20)
-    m = colibri.load(converted("qwen3moe_a", dtype, "transposed"))
+    m = colibri.load(converted("qwen3moe_a", dtype, layout))
     expect = [m.forward(ids[:n]) for n in (20, 5, 1)]
     for step in _kernels.available_int_steps():
         with _kernels.int_kernels(step):
@@ -328,21 +438,37 @@ def test_layout_choice_per_tensor():
     assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "transposed"      # the head
     assert _layout_for("embedding", (64, 64), "matrix", "bf16", "rows", "transposed", tied=True) == "transposed"
     assert _layout_for("layers.3.router", (8, 64), "router", "f32", "transposed", "transposed") == "rows"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int4", "interleaved") == "interleaved"
+    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", None, "interleaved") == "interleaved"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8", "interleaved") == "rows"
+    assert _layout_for("layers.3.experts.5.down", (48, 40), "matrix", "f16", "interleaved") == "rows"   # kept f16
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", "interleaved", "interleaved") == "rows"
+    assert _layout_for("embedding", (64, 64), "matrix", "int4", None, "interleaved", tied=True) == "interleaved"
 
 
 def test_modeldir_refuses_a_transposed_vector(converted, tmp_path):
     src = converted("mixtral_a", "int8")
-    for name, problem in (("layers.0.attn_norm", "only weight matrices"), ("layers.0.router", "only weight matrices")):
-        d = tmp_path / name
-        shutil.copytree(src, d)
+    for name, layout, problem in (("layers.0.attn_norm", "transposed", "only weight matrices"),
+                                  ("layers.0.router", "transposed", "only weight matrices"),
+                                  ("layers.0.router", "interleaved", "only weight matrices"),
+                                  ("embedding", "interleaved", "interleaved layout is for int8/int4")):
+        d = tmp_path / f"{name}-{layout}"
+        if name == "embedding":              # an f32 matrix marked interleaved
+            shutil.copytree(converted("mixtral_a", "f32"), d)
+        else:
+            shutil.copytree(src, d)
         cfg = json.loads((d / "config.json").read_text())
-        cfg["tensors"][name]["layout"] = "transposed"
+        cfg["tensors"][name]["layout"] = layout
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ColibriError, match=problem):
             ModelDir(d)
 
 
 def test_unknown_layout_is_refused(tmp_path):
+    with pytest.raises(ColibriError, match="--expert-layout interleaved is for int8/int4 weights"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="bf16", expert_layout="interleaved")
+    with pytest.raises(ColibriError, match="--layout interleaved is for int8/int4 weights, not --quantize f32"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", layout="interleaved")
     with pytest.raises(ColibriError, match="--expert-layout 'columns'"):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", expert_layout="columns")
     with pytest.raises(ColibriError, match="--layout 'cols'"):
@@ -353,13 +479,16 @@ def test_unknown_layout_is_refused(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(layout_case(), st.integers(0, 10**6))
 def test_embedding_row_from_either_layout(case, pick):
-    """The embedding lookup of a (tied) transposed embedding gathers the same row."""
+    """The embedding lookup of a (tied) transposed or interleaved embedding gathers the same row."""
     dtype, w, _ = case
     stored, t = _store(w, dtype)
     row = pick % w.shape[0]
     ref = from_storage(stored, dtype, w.shape[1])[row]
     np.testing.assert_array_equal(_kernels.kernel_dequant_row(stored, row, w.shape[1], dtype), ref)
     np.testing.assert_array_equal(_kernels.kernel_dequant_row(t, row, w.shape[1], dtype, "transposed"), ref)
+    if dtype in BLOCK:
+        il = quant.interleave(stored, dtype, w.shape[1])
+        np.testing.assert_array_equal(_kernels.kernel_dequant_row(il, row, w.shape[1], dtype, "interleaved"), ref)
 
 
 def test_tied_embedding_is_transposed_with_the_bits_of_rows(converted):
@@ -428,8 +557,7 @@ def test_relayout_refuses_a_damaged_source(converted, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-@pytest.mark.parametrize("layout", quant.LAYOUTS)
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype,layout", [(d, lay) for d, lay in FORMAT_LAYOUTS if d in ("bf16", "int8", "int4")])
 def test_gate_and_up_with_the_activation_in_one_batch(isa, dtype, layout):
     """act(gate x) * up x from one batch of products, the activation applied in the region by
     each thread to the rows it computed: with the up product just before its gate and with another
@@ -439,7 +567,7 @@ def test_gate_and_up_with_the_activation_in_one_batch(isa, dtype, layout):
     rows, cols = 1032, 256
     w_gate = rng.standard_normal((rows, cols), dtype=np.float32)
     w_up = rng.standard_normal((rows, cols), dtype=np.float32)
-    gate, up = (_store(w, dtype)[layout == "transposed"] for w in (w_gate, w_up))
+    gate, up = (_in_layout(w, dtype, layout) for w in (w_gate, w_up))
     for n in (1, 3, 9, 20):
         x = rng.standard_normal((n, cols), dtype=np.float32)
         for act in ("silu", "gelu_pytorch_tanh"):

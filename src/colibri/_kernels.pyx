@@ -28,10 +28,11 @@ import numpy as np
 
 cdef extern from "kernels_scalar.h" nogil:
     int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4
-    int CB_ROWS, CB_TRANSPOSED
+    int CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
     ctypedef struct cb_act_q8:
         signed char *q     # [n]
         float *d           # [n / 32]
+        int32_t *s         # [n / 32] the sum of each block's q
         int n
         float *xp          # [n] or NULL: the activation reordered for the bf16 tile
     void cb_init_tables()
@@ -815,7 +816,7 @@ cdef int prefill_chunk(const Hyper *h, Layer *layers, const Mat *embedding, cons
 # ---- the Python-facing engine ---------------------------------------------------------------
 
 DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4}
-LAYOUT_CODES = {"rows": CB_ROWS, "transposed": CB_TRANSPOSED}
+LAYOUT_CODES = {"rows": CB_ROWS, "transposed": CB_TRANSPOSED, "interleaved": CB_INTERLEAVED}
 
 
 cdef class Engine:
@@ -892,6 +893,7 @@ cdef class Engine:
             "hb": np.zeros((slots, max_ff), f32), "hb2": np.zeros((slots, max_ff), f32),
             "moe_acc": np.zeros((slots, d), f32),
             "slot_act_q": np.zeros((slots, max_ff), np.int8), "slot_act_d": np.zeros((slots, max_ff // 32 + 1), f32),
+            "slot_act_s": np.zeros((slots, max_ff // 32 + 1), np.int32),
             "slot_act_xp": np.zeros((slots, max_ff), f32),
             "rx": np.zeros(d, f32), "xe": np.zeros(d, f32), "xm": np.zeros(d, f32),
             "router": np.zeros(n_experts, f32), "logits": np.zeros(self.h.vocab, f32),
@@ -900,6 +902,7 @@ cdef class Engine:
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
             "act_q": np.zeros(max_cols, np.int8), "act_d": np.zeros(max_cols // 32 + 1, f32),
+            "act_s": np.zeros(max_cols // 32 + 1, np.int32),
             "act_xp": np.zeros(max_cols, f32),
             "predicted": np.full((n_layers, top_k), -1, np.int32),
             "prefetch_stats": np.zeros(PF_N, np.int64),
@@ -919,6 +922,7 @@ cdef class Engine:
             "b_chosen": np.zeros((cap, top_k), np.int32), "b_chosen_w": np.zeros((cap, top_k), f32),
             "b_rows": np.zeros(cap, np.int32), "b_row_w": np.zeros(cap, f32),
             "b_act_q": np.zeros((cap, max_cols), np.int8), "b_act_d": np.zeros((cap, max_cols // 32 + 1), f32),
+            "b_act_s": np.zeros((cap, max_cols // 32 + 1), np.int32),
             "b_act_xp": np.zeros((cap, max_cols), f32),
             # KV cache, per layer [kv_ring, kv_dim]: zero pages are only touched (made resident) as
             # positions are filled. A sliding layer's ring must hold its window plus one prefill chunk.
@@ -942,6 +946,7 @@ cdef class Engine:
             keep["expert_pages"][pl, pe] = (start, length)
         self.s.act.q = <signed char *><uintptr_t>keep["act_q"].ctypes.data
         self.s.act.d = _f32(keep["act_d"])
+        self.s.act.s = <int32_t *><uintptr_t>keep["act_s"].ctypes.data
         self.s.act.n = 0
         self.s.act.xp = _f32(keep["act_xp"])
         self.s.x = _f32(keep["x"]); self.s.xb = _f32(keep["xb"]); self.s.xb2 = _f32(keep["xb2"])
@@ -956,6 +961,7 @@ cdef class Engine:
         for slot in range(slots):
             self.s.slot_act[slot].q = <signed char *><uintptr_t>keep["slot_act_q"][slot].ctypes.data
             self.s.slot_act[slot].d = _f32(keep["slot_act_d"][slot])
+            self.s.slot_act[slot].s = <int32_t *><uintptr_t>keep["slot_act_s"][slot].ctypes.data
             self.s.slot_act[slot].xp = _f32(keep["slot_act_xp"][slot])
         self.s.rx = _f32(keep["rx"]); self.s.xe = _f32(keep["xe"]); self.s.xm = _f32(keep["xm"])
         self.s.logits = _f32(keep["logits"])
@@ -980,6 +986,7 @@ cdef class Engine:
         for t in range(cap):
             self.acts[t].q = <signed char *><uintptr_t>keep["b_act_q"][t].ctypes.data
             self.acts[t].d = _f32(keep["b_act_d"][t])
+            self.acts[t].s = <int32_t *><uintptr_t>keep["b_act_s"][t].ctypes.data
             self.acts[t].xp = _f32(keep["b_act_xp"][t])
         self.b.acts = self.acts
         self.logits = keep["logits"]
@@ -1134,6 +1141,8 @@ cdef Mat _mat(tuple t):
     m.layout = LAYOUT_CODES[t[3] if len(t) > 3 else "rows"]
     if m.layout == CB_TRANSPOSED and (m.dtype == CB_INT8 or m.dtype == CB_INT4) and shape[0] % 8:
         raise ValueError(f"a transposed {dtype} matrix needs a multiple of 8 rows, got {shape}")   # whole groups
+    if m.layout == CB_INTERLEAVED and (not (m.dtype == CB_INT8 or m.dtype == CB_INT4) or shape[0] % 8):
+        raise ValueError(f"the interleaved layout needs int8/int4 and a multiple of 8 rows, got {dtype} {shape}")
     m.rows = shape[0]
     m.cols = shape[1]
     return m
@@ -1176,6 +1185,12 @@ def _stored_rows(w, int cols, str dtype, str layout):
         raise ValueError(f"{dtype} needs a multiple of 32 columns, got {cols}")
     if layout == "rows":
         rows = w.shape[0]
+    elif layout == "interleaved":    # [rows / 8, cols / 32 * group bytes]
+        if not block:
+            raise ValueError(f"the interleaved layout is for int8/int4, not {dtype}")
+        rows = w.shape[0] * 8 if w.ndim == 2 else 0
+        if w.ndim != 2 or w.shape[1] != cols // 32 * 8 * cb_row_stride(code, 32):
+            raise ValueError(f"interleaved {dtype} needs [rows / 8, cols / 32 * group bytes], got {w.shape}")
     elif block:                      # [cols / 32, rows / 8 * group bytes]
         rows = w.shape[1] // (8 * cb_row_stride(code, 32)) * 8 if w.ndim == 2 else 0
         if w.ndim != 2 or w.shape[0] != cols // 32 or w.shape[1] != rows // 8 * 8 * cb_row_stride(code, 32):
@@ -1193,14 +1208,16 @@ cdef cb_act_q8 *_test_acts(int n, int cols, list keep) except NULL:
     cdef int t
     act_q = np.zeros((n, cols), np.int8)
     act_d = np.zeros((n, cols // 32 + 1), np.float32)
+    act_s = np.zeros((n, cols // 32 + 1), np.int32)
     act_xp = np.zeros((n, cols), np.float32)
-    keep.extend((act_q, act_d, act_xp))
+    keep.extend((act_q, act_d, act_s, act_xp))
     cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(n, sizeof(cb_act_q8))
     if acts == NULL:
         raise MemoryError()
     for t in range(n):
         acts[t].q = <signed char *><uintptr_t>act_q[t].ctypes.data
         acts[t].d = <float *><uintptr_t>act_d[t].ctypes.data
+        acts[t].s = <int32_t *><uintptr_t>act_s[t].ctypes.data
         acts[t].xp = <float *><uintptr_t>act_xp[t].ctypes.data
     return acts
 
@@ -1344,19 +1361,22 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
 
 
 def kernel_quantize_act(const float[::1] x):
-    """(q int8 [n], d float32 [n / 32]): the current tier's per-block activation quantization."""
+    """(q int8 [n], d float32 [n / 32], s int32 [n / 32]): the current tier's per-block activation
+    quantization (s: each block's sum of q)."""
     cdef int n = x.shape[0]
     if n % 32:
         raise ValueError(f"activations are quantized in blocks of 32, got {n} values")
     q = np.zeros(max(n, 32), np.int8)
     d = np.zeros(max(n // 32, 1), np.float32)
+    s = np.zeros(max(n // 32, 1), np.int32)
     cdef cb_act_q8 act
     act.q = <signed char *><uintptr_t>q.ctypes.data
     act.d = <float *><uintptr_t>d.ctypes.data
+    act.s = <int32_t *><uintptr_t>s.ctypes.data
     act.xp = NULL
     if n:
         cb_quantize_act(&act, &x[0], n)
-    return q[:n], d[:n // 32]
+    return q[:n], d[:n // 32], s[:n // 32]
 
 
 def kernel_dequant_row(w, int row, int cols, str dtype, str layout="rows"):

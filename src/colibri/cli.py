@@ -13,6 +13,8 @@ from pathlib import Path
 
 from .errors import ColibriError
 
+LAYOUT_CHOICES = ("rows", "transposed", "interleaved")     # quant.LAYOUTS (not imported: numpy)
+
 DEMO_DIR = Path(__file__).parent / "data" / "demo"
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
@@ -88,10 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="storage of the weight matrices; norms, biases and routers stay f32")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
-    conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=("rows", "transposed"),
-                      default=None, help="storage order of the experts' matrices: rows [out, in] or "
-                                         "transposed [in, out] (default: transposed for int8/int4, rows for float formats)")
-    conv.add_argument("--layout", choices=("rows", "transposed"), default=None,
+    conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
+                      default=None, help="storage order of the experts' matrices: rows [out, in], transposed [in, out] or, "
+                                         "for int8/int4, interleaved (groups of 8 outputs, 4 inputs at a time) "
+                                         "(default: the faster for the format, quant.default_layout)")
+    conv.add_argument("--layout", choices=LAYOUT_CHOICES, default=None,
                       help="the same for the other weight matrices (attention, dense MLPs, lm_head, a tied "
                            "embedding); an untied embedding is always rows")
     conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -99,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     rel = sub.add_parser("relayout", help="rewrite a model directory's weights in other layouts (no HF checkpoint)")
     rel.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
     rel.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
-    rel.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=("rows", "transposed"),
-                     default=None, help="as for convert (default: transposed for int8/int4, rows for floats)")
-    rel.add_argument("--layout", choices=("rows", "transposed"), default=None, help="as for convert")
+    rel.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
+                     default=None, help="as for convert (default: the faster for the format)")
+    rel.add_argument("--layout", choices=LAYOUT_CHOICES, default=None, help="as for convert")
     rel.add_argument("--force", action="store_true", help="replace a non-empty output directory")
 
     info = sub.add_parser("info", help="describe a model directory")
@@ -304,8 +307,7 @@ def cmd_info(args) -> int:
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
     print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
           f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)")
-    print(f"int8/int4:    {_kernels.int_step()} step in the transposed kernels (decode, and the prefill's repacked "
-          f"chunks from 8 prompt tokens)")
+    print(f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels (decode and prefill)")
     return 0
 
 

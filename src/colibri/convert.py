@@ -19,12 +19,15 @@ Matrices (embedding, lm_head, attention, experts, dense MLPs) are stored in the 
 int4, a matrix whose number of columns is not a multiple of 32 (only in toy models) is stored in
 f16 instead, and the converter says how many.
 
-Layouts: `--expert-layout` stores the routed experts' matrices `rows` ([out, in]) or `transposed`
-([in, out]; for int8/int4 the same blocks, input-major in groups of 8 outputs: quant.transpose);
-`--layout` the other weight matrices (attention, dense MLPs, shared expert, lm_head, and a tied
-embedding, which is also the output head; an untied embedding is only looked up and stays rows).
-Either defaults to the faster layout of the format (quant.default_layout: transposed for int8/int4,
-rows for floats). An int8/int4 matrix whose rows are not a multiple of 8 stays `rows`.
+Layouts: `--expert-layout` stores the routed experts' matrices `rows` ([out, in]), `transposed`
+([in, out]; for int8/int4 the same blocks, input-major in groups of 8 outputs: quant.transpose) or,
+for int8/int4, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time:
+quant.interleave); `--layout` the other weight matrices (attention, dense MLPs, shared expert,
+lm_head, and a tied embedding, which is also the output head; an untied embedding is only looked
+up and stays rows). Either defaults to the faster layout of the format (quant.default_layout). An
+int8/int4 matrix whose rows are not a multiple of 8 stays `rows`, and so does a float matrix asked
+to be interleaved (a toy matrix kept in f16); `--quantize` f32/f16/bf16 with `interleaved` is an
+error.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os
 from .modeldir import (BLOCK_FORMATS, WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, storage_nbytes,
                        tensor_file, to_storage)
-from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, transpose
+from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
 
 _EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
 
@@ -366,6 +369,10 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     _check_layouts(expert_layout, layout)
     if quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
+    for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
+        if value == "interleaved" and quantize not in BLOCK_FORMATS:
+            raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
+                               f"choose rows or transposed")
     ckpt = HFCheckpoint(hf_dir)
     arch, cfg = hf_model_config(ckpt)
     plan = plan_tensors(ckpt, cfg, arch, log)
@@ -429,8 +436,8 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
             t = src.tensors[n]
             stored = maps.rows_array(n)
             extra = {"scale": t["scale"]} if "scale" in t else {}
-            if layouts[n] == "transposed":
-                stored, extra["layout"] = transpose(stored, t["dtype"], t["shape"][1]), "transposed"
+            if layouts[n] != "rows":
+                stored, extra["layout"] = from_rows(stored, t["dtype"], t["shape"][1], layouts[n]), layouts[n]
             yield n, stored, t["dtype"], tuple(t["shape"]), extra
             _os.release([(maps.address(n), t["nbytes"])])     # keep the RSS at one tensor
 
@@ -510,7 +517,9 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
         return "rows"
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)
-    if wanted == "transposed" and dtype in BLOCK_FORMATS and shape[0] % TGROUP:
+    if wanted == "interleaved" and dtype not in BLOCK_FORMATS:    # e.g. a toy matrix kept in f16
+        return "rows"
+    if wanted != "rows" and dtype in BLOCK_FORMATS and shape[0] % TGROUP:
         return "rows"
     return wanted
 
@@ -532,8 +541,8 @@ def _stored(name, values, shape, dtype, layout="rows"):
         q = np.clip(np.rint(values.astype(np.float64) / scale), -32767, 32767).astype("<i2")
         return name, q, dtype, shape, {"scale": scale}
     stored = to_storage(values, dtype)
-    if layout == "transposed":
-        return name, transpose(stored, dtype, shape[1]), dtype, shape, {"layout": "transposed"}
+    if layout != "rows":
+        return name, from_rows(stored, dtype, shape[1], layout), dtype, shape, {"layout": layout}
     return name, stored, dtype, shape, {}
 
 

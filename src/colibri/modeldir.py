@@ -49,7 +49,8 @@ def storage_nbytes(dtype: str, shape) -> int:
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         return rows * quant.row_bytes(dtype, shape[-1])
     return int(np.prod(shape)) * STORAGE_DTYPES[dtype].itemsize
-LAYOUTS = quant.LAYOUTS        # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4, see quant.py)
+LAYOUTS = quant.LAYOUTS        # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4);
+                               # interleaved: int8/int4 groups of 8 outputs, 4 inputs at a time (quant.py)
 
 
 def tensor_file(name: str) -> str:
@@ -187,11 +188,13 @@ class ModelDir:
             layout = t.get("layout", "rows")
             if layout not in LAYOUTS:
                 raise ColibriError(f"{ctx}: unsupported layout {layout!r} (supported: {', '.join(LAYOUTS)})")
-            if layout == "transposed":
+            if layout != "rows":
                 if kind != "matrix" or len(shape) != 2:
-                    raise ColibriError(f"{ctx}: only weight matrices can be transposed")
+                    raise ColibriError(f"{ctx}: only weight matrices can be stored {layout}")
+                if layout == "interleaved" and t["dtype"] not in BLOCK_FORMATS:
+                    raise ColibriError(f"{ctx}: the interleaved layout is for int8/int4, not {t['dtype']}")
                 if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:
-                    raise ColibriError(f"{ctx}: transposed {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
+                    raise ColibriError(f"{ctx}: {layout} {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
                                        f"got {list(shape)}")
             if t["dtype"] in BLOCK_FORMATS and (len(shape) != 2 or shape[1] % quant.QBLOCK):
                 raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
@@ -272,22 +275,25 @@ class MappedModelDir:
     def array(self, name: str) -> np.ndarray:
         """A read-only numpy view of a tensor in its storage dtype and layout (no copy): rows
         layout [rows, cols] (int8/int4: [rows, row bytes]); transposed [cols, rows] (int8/int4:
-        [cols / 32, rows / 8 * group bytes], quant.transpose)."""
+        [cols / 32, rows / 8 * group bytes], quant.transpose); interleaved (int8/int4) [rows / 8,
+        cols / 32 * group bytes] (quant.interleave)."""
         t = self.md.tensors[name]
         view = self._maps[t["file"]][1][t["offset"]:t["offset"] + t["nbytes"]]
-        transposed = t.get("layout", "rows") == "transposed"
+        layout = t.get("layout", "rows")
+        transposed = layout == "transposed"
         if t["dtype"] in BLOCK_FORMATS:
-            return view.reshape(t["shape"][1] // quant.QBLOCK if transposed else t["shape"][0], -1)
+            first = {"transposed": t["shape"][1] // quant.QBLOCK, "interleaved": t["shape"][0] // quant.TGROUP}
+            return view.reshape(first.get(layout, t["shape"][0]), -1)
         shape = t["shape"][::-1] if transposed else t["shape"]
         return view.view(STORAGE_DTYPES[t["dtype"]]).reshape(shape)
 
     def rows_array(self, name: str) -> np.ndarray:
-        """The tensor in its storage dtype and the rows layout (a copy where it is stored transposed)."""
+        """The tensor in its storage dtype and the rows layout (a copy where it is stored otherwise)."""
         t = self.md.tensors[name]
         a = self.array(name)
-        if t.get("layout", "rows") != "transposed":
+        if t.get("layout", "rows") == "rows":
             return a
-        return quant.untranspose(a, t["dtype"], t["shape"][0], t["shape"][1])
+        return quant.to_rows(a, t["dtype"], t["shape"][0], t["shape"][1], t["layout"])
 
     def mapped_files(self) -> list:
         return list(self._maps)

@@ -7,6 +7,9 @@
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
 `transposed` layout stores the same blocks input-major in groups of 8 outputs (their 8 scales
 first, then their 8 blocks' weights; csrc/quant.h): `transpose` / `untranspose` convert. The
+`interleaved` layout (int8/int4 only) stores them output-major in groups of 8 outputs, a group's
+weights 4 inputs at a time (csrc/quant.h, cb_igroup_int8/int4): `interleave` / `deinterleave`;
+`from_rows` / `to_rows` convert to and from any layout. The
 scale is rounded to f16 first (away from zero, so the largest weight never clips) and the
 weights are quantized against the rounded scale, so dequantization reproduces exactly what the
 kernels compute with. int8 errs by at most half a step (d / 2); int4, whose levels run from -8d
@@ -28,7 +31,13 @@ GROUP_DTYPES = {
     "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (TGROUP, QBLOCK // 2))]),
 }
 GROUP_BYTES = {name: dt.itemsize for name, dt in GROUP_DTYPES.items()}     # int8: 272, int4: 144
-LAYOUTS = ("rows", "transposed")
+# a group of the interleaved layout: qs[unit][output][4] = inputs 4 * unit .. + 3 (int8: 8 units of
+# 4 inputs; int4: 4 units of 4 bytes, byte i of unit v holding input 4v + i low, 16 + 4v + i high)
+IGROUP_DTYPES = {
+    "int8": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "i1", (8, TGROUP, 4))]),
+    "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
+}
+LAYOUTS = ("rows", "transposed", "interleaved")
 
 
 def default_layout(dtype: str) -> str:
@@ -112,6 +121,54 @@ def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     out["d"] = blocks["d"]
     out["qs"] = blocks["qs"]
     return out.view(np.uint8).reshape(nb, -1)
+
+
+def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
+    """An int8/int4 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
+    cols / 32 * group bytes], group (g, kb) holding block kb of outputs 8g .. 8g+7 (rows must be a
+    multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole."""
+    if dtype not in BLOCK_DTYPES:
+        raise ValueError(f"the interleaved layout is for int8/int4, not {dtype}")
+    rows = stored.shape[0]
+    if rows % TGROUP:
+        raise ValueError(f"the interleaved {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
+    nb = cols // QBLOCK
+    blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows // TGROUP, TGROUP, nb)
+    out = np.zeros((rows // TGROUP, nb), IGROUP_DTYPES[dtype])
+    out["d"] = blocks["d"].transpose(0, 2, 1)                       # [groups, nb, 8]
+    qs = blocks["qs"]                                               # [groups, 8, nb, bytes]
+    units = qs.reshape(qs.shape[:3] + (-1, 4))                      # [groups, 8, nb, units, 4]
+    out["qs"] = units.transpose(0, 2, 3, 1, 4)                      # [groups, nb, units, 8, 4]
+    return out.view(np.uint8).reshape(rows // TGROUP, -1)
+
+
+def deinterleave(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.ndarray:
+    """The inverse of `interleave`: the matrix in the rows layout."""
+    nb = cols // QBLOCK
+    groups = np.ascontiguousarray(stored).view(IGROUP_DTYPES[dtype]).reshape(rows // TGROUP, nb)
+    out = np.zeros((rows // TGROUP, TGROUP, nb), BLOCK_DTYPES[dtype])
+    out["d"] = groups["d"].transpose(0, 2, 1)
+    qs = groups["qs"].transpose(0, 3, 1, 2, 4)                      # [groups, 8, nb, units, 4]
+    out["qs"] = qs.reshape(qs.shape[:3] + (-1,))
+    return out.view(np.uint8).reshape(rows, -1)
+
+
+def from_rows(stored: np.ndarray, dtype: str, cols: int, layout: str) -> np.ndarray:
+    """A matrix stored in the rows layout -> the same matrix in `layout`."""
+    if layout == "transposed":
+        return transpose(stored, dtype, cols)
+    if layout == "interleaved":
+        return interleave(stored, dtype, cols)
+    return stored
+
+
+def to_rows(stored: np.ndarray, dtype: str, rows: int, cols: int, layout: str) -> np.ndarray:
+    """A matrix stored in `layout` -> the same matrix in the rows layout."""
+    if layout == "transposed":
+        return untranspose(stored, dtype, rows, cols)
+    if layout == "interleaved":
+        return deinterleave(stored, dtype, rows, cols)
+    return stored
 
 
 def untranspose(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.ndarray:

@@ -36,51 +36,61 @@ typedef struct {
                                        calls it row by row (a 4-argument call per row instead of
                                        the tile's 11: AVX2 int4 decode 10 % faster) */
     cb_ttile_fn ttile;              /* the transposed layout, every format */
+    cb_itile_fn itile;              /* the interleaved layout (int8/int4), decode and prefill */
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 prefill via repacked chunks (cb_job_transposed) */
-    int int_step;                   /* CB_INT_STEP_*: the instruction set of ttile's int8/int4 and of tprefill */
+    int int_step;                   /* CB_INT_STEP_*: the instruction set of ttile's int8/int4, tprefill and itile */
     int prefill_repack;             /* tprefill set (1) or left NULL (0: the stored-order tiles, for comparisons) */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
 static cb_cpu_features cb_cpu;
 
-/* How the transposed int8/int4 kernels (decode tiles and the repacked prefill) multiply bytes,
+/* How the transposed and interleaved int8/int4 kernels (decode tiles, the repacked prefill, the
+ * interleaved tiles) multiply bytes,
  * slowest first: the scalar tier's C, AVX2's maddubs + madd, the VNNI step emulated in AVX2
  * (tests only), AVX-VNNI, AVX512-VNNI. All give the same bits. */
 enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI,
        CB_INT_STEP_AVX512VNNI };
 
-/* The transposed entry and prefill kernel of int step `step` on tier `isa` into *ttile, *tprefill:
- * 0, or -1 (nothing written) if this tier or CPU has no such step. */
-static int cb_int_step_kernels(int step, int isa, cb_ttile_fn *ttile, cb_tprefill_fn *tprefill) {
-    cb_ttile_fn tt = NULL;
-    cb_tprefill_fn tp = NULL;
+/* The kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or CPU
+ * has no such step. */
+typedef struct {
+    cb_ttile_fn ttile;          /* the transposed entry */
+    cb_tprefill_fn tprefill;    /* the transposed repacked prefill, or NULL */
+    cb_itile_fn itile;          /* the interleaved entry */
+} cb_int_kernels;
+
+static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
+    cb_int_kernels s = {NULL, NULL, NULL};
     int ok = 0;
     if (isa == CB_ISA_SCALAR) {
-        tt = cb_ttile_scalar;
+        s.ttile = cb_ttile_scalar;
+        s.itile = cb_itile_scalar;
         ok = step == CB_INT_STEP_SCALAR;
     }
 #if CB_X86
-    else if (step == CB_INT_STEP_AVX2) { tt = cb_ttile_avx2_any; tp = cb_tprefill_quant_avx2; ok = 1; }
-    else if (step == CB_INT_STEP_VNNI_EMULATED) {
-        tt = cb_ttile_vnni_emulated;
-        tp = cb_tprefill_quant_vnni_emulated;
+    else if (step == CB_INT_STEP_AVX2) {
+        cb_int_kernels avx2 = {cb_ttile_avx2_any, cb_tprefill_quant_avx2, cb_itile_avx2};
+        s = avx2;
+        ok = 1;
+    } else if (step == CB_INT_STEP_VNNI_EMULATED) {
+        cb_int_kernels em = {cb_ttile_vnni_emulated, cb_tprefill_quant_vnni_emulated, cb_itile_vnni_emulated};
+        s = em;
         ok = 1;
     } else if (step == CB_INT_STEP_AVXVNNI) {
-        tt = cb_ttile_avxvnni;
-        tp = cb_tprefill_quant_avxvnni;
+        cb_int_kernels vex = {cb_ttile_avxvnni, cb_tprefill_quant_avxvnni, cb_itile_avxvnni};
+        s = vex;
         ok = cb_cpu.avx_vnni;
     } else if (step == CB_INT_STEP_AVX512VNNI) {
-        tt = cb_ttile_avx512vnni;
-        tp = cb_tprefill_quant_avx512vnni;
+        cb_int_kernels evex = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni, cb_itile_avx512vnni};
+        s = evex;
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni;
     }
 #endif
     if (!ok) return -1;
-    *ttile = tt;
-    *tprefill = tp;
+    *k = s;
     return 0;
 }
 
@@ -127,8 +137,16 @@ static int cb_select_isa(int isa) {
     /* the transposed int8/int4 kernels of the fastest step this tier and CPU have (the emulated
      * one is for tests only); the AVX-512 tier has no wider transposed kernels yet */
     const int steps[] = {CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2, CB_INT_STEP_SCALAR};
-    for (int i = 0; i < 4; i++)
-        if (cb_int_step_kernels(steps[i], isa, &t.ttile, &t.tprefill) == 0) { t.int_step = steps[i]; break; }
+    for (int i = 0; i < 4; i++) {
+        cb_int_kernels k;
+        if (cb_int_step_kernels(steps[i], isa, &k) == 0) {
+            t.int_step = steps[i];
+            t.ttile = k.ttile;
+            t.tprefill = k.tprefill;
+            t.itile = k.itile;
+            break;
+        }
+    }
     t.prefill_repack = t.tprefill != NULL;
     cb_kt = t;
     return 0;
@@ -163,12 +181,12 @@ static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gat
  * tests and benchmarks that compare them (cb_select_isa picks the fastest). -1, changing nothing,
  * if the tier or CPU has no such step. */
 static int cb_set_int_step(int step) {
-    cb_ttile_fn ttile;
-    cb_tprefill_fn tprefill;
-    if (cb_int_step_kernels(step, cb_kt.isa, &ttile, &tprefill) != 0) return -1;
+    cb_int_kernels k;
+    if (cb_int_step_kernels(step, cb_kt.isa, &k) != 0) return -1;
     cb_kt.int_step = step;
-    cb_kt.ttile = ttile;
-    cb_kt.tprefill = cb_kt.prefill_repack ? tprefill : NULL;
+    cb_kt.ttile = k.ttile;
+    cb_kt.tprefill = cb_kt.prefill_repack ? k.tprefill : NULL;
+    cb_kt.itile = k.itile;
     return 0;
 }
 
@@ -176,10 +194,9 @@ static int cb_set_int_step(int step) {
  * which tests and benchmarks compare it with) or back on (1, where the tier has one). Returns
  * whether it is now on. */
 static int cb_set_prefill_repack(int on) {
-    cb_ttile_fn ttile;
-    cb_tprefill_fn tprefill;
-    cb_int_step_kernels(cb_kt.int_step, cb_kt.isa, &ttile, &tprefill);
-    cb_kt.tprefill = on ? tprefill : NULL;
+    cb_int_kernels k;
+    cb_int_step_kernels(cb_kt.int_step, cb_kt.isa, &k);
+    cb_kt.tprefill = on ? k.tprefill : NULL;
     cb_kt.prefill_repack = cb_kt.tprefill != NULL;
     return cb_kt.prefill_repack;
 }
@@ -218,7 +235,7 @@ typedef struct {
     int ldo;
     const void *w;
     int dtype;
-    int layout;       /* CB_ROWS / CB_TRANSPOSED */
+    int layout;       /* CB_ROWS / CB_TRANSPOSED / CB_INTERLEAVED */
     int rows;
     int cols;
     const float *x;
@@ -267,6 +284,16 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
                         ldx, acts + t, rows, cols, o0, o1, T);
         }
     }
+}
+
+/* This thread's share of an interleaved int8/int4 product: whole groups of 8 outputs, all tokens
+ * in one call (cb_itile_fn). */
+static void cb_job_interleaved(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {
+    const int groups = j->rows / CB_TGROUP;
+    const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
+    *r0 = g0 * CB_TGROUP;
+    *r1 = g1 * CB_TGROUP;
+    if (g1 > g0) cb_kt.itile(j->out, j->ldo, (const char *)j->w, j->dtype, j->acts, j->cols, g0, g1, n);
 }
 
 /* This thread's share of a rows-layout product: with a tile kernel, rows go tile_rows at a time
@@ -344,6 +371,7 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_thread
             const cb_matjob *j = &jobs[i];
             int r0, r1;
             if (j->layout == CB_TRANSPOSED) cb_job_transposed(j, n, th, nt, &r0, &r1);
+            else if (j->layout == CB_INTERLEAVED) cb_job_interleaved(j, n, th, nt, &r0, &r1);
             else cb_job_rows(j, n, th, nt, &r0, &r1);
             if (j->glu_up)        /* the up rows r0..r1 came from this thread too: same rows, same split */
                 for (int t = 0; t < n; t++)

@@ -112,6 +112,10 @@ CB_TARGET_AVX2 static void cb_quantize_act_avx2(cb_act_q8 *a, const float *x, in
         __m256i p = _mm256_packs_epi16(p01, p23);
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(a->q + b * CB_QBLOCK), p);
+        __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p), _mm256_set1_epi16(1));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        a->s[b] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
     }
     a->n = n;
 }
@@ -661,6 +665,182 @@ CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const cha
     CB_TPREFILL_TILES(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT8) }
                       else { CB_AVX2_T_CASES(CB_CALL_TP, CB_INT4) })
 #undef CB_CALL_TP
+}
+
+/* ---- the interleaved layout (int8/int4, quant.h) ---------------------------------------------
+ *
+ * A group's vector c holds inputs 4c..4c+3 of its 8 outputs, so 4 activation bytes broadcast to
+ * every int32 lane multiply all 8 outputs at once and each output's sum stays in its own lane: per
+ * block and token, int8 is 8 x (sign, sign, maddubs, madd, add) and int4 8 maddubs adding up in
+ * int16 (as the repacked prefill: |sum| <= 30480) before one madd, minus 8 * sum(x) (acts->s) for
+ * the nibbles' offset — no hadd tree, no repacking, and for decode a thread's groups are one
+ * contiguous read. The same tile serves decode (T = 1, a group's whole row of blocks in
+ * registers) and prefill (4-token tiles over CB_TPREFILL_KBLOCKS blocks of a group, which stay in
+ * L1 across the tiles). The int32 block sums are exact and each output adds its blocks in order
+ * with the transposed kernels' fmadd, so the three layouts give the same bits on this tier, and
+ * prefill equals decode. kernels_vnni.h has the same tile with a VNNI step. */
+
+/* 4 activation bytes in every int32 lane, from memory: vbroadcastss is a load, no shuffle
+ * (measured 1.2-1.4x over a set1 of the 4 bytes in the decode tile). */
+#define CB_BCAST4(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(p)))
+
+/* out[j * ldo + 0..7] = one interleaved group's 8 outputs for T tokens (acts[j]), over its blocks
+ * kb0..kb1-1 at gp (block kb0 first); `first`: start from zero, otherwise continue the sums in out. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *acts, int kb0, int kb1, int first,
+               const int T) {
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const size_t gbytes = cb_group_bytes(dtype);
+    const int8_t *xq[4];
+    const float *xd[4];
+    const int32_t *xs[4];
+    __m256 acc[4];
+    for (int j = 0; j < T; j++) {       /* locals: out's stores could alias int8_t (cb_tpacked_group_avx2) */
+        xq[j] = acts[j].q;
+        xd[j] = acts[j].d;
+        xs[j] = acts[j].s;
+        acc[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
+    }
+    for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
+        __m256i isum[4];
+        if (dtype == CB_INT8) {
+            const cb_igroup_int8 *g = (const cb_igroup_int8 *)gp;
+            for (int j = 0; j < T; j++) isum[j] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)g->qs[c]), aw = _mm256_sign_epi8(w, w);
+                for (int j = 0; j < T; j++) {
+                    const __m256i x = CB_BCAST4(xq[j] + kb * CB_QBLOCK + 4 * c);
+                    isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
+                    CB_IN_ORDER(isum[j]);
+                }
+            }
+        } else {
+            const cb_igroup_int4 *g = (const cb_igroup_int4 *)gp;
+            __m256i p16[4];
+            for (int j = 0; j < T; j++) p16[j] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)g->qs[v]);
+                const __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+                for (int j = 0; j < T; j++) {
+                    const int8_t *x = xq[j] + kb * CB_QBLOCK + 4 * v;
+                    p16[j] = _mm256_add_epi16(p16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, CB_BCAST4(x)),
+                                                                       _mm256_maddubs_epi16(hi, CB_BCAST4(x + 16))));
+                    CB_IN_ORDER(p16[j]);
+                }
+            }
+            for (int j = 0; j < T; j++)
+                isum[j] = _mm256_sub_epi32(_mm256_madd_epi16(p16[j], ones), _mm256_set1_epi32(8 * xs[j][kb]));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gp));
+        for (int j = 0; j < T; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])), acc[j]);
+    }
+    for (int j = 0; j < T; j++) _mm256_storeu_ps(out + (size_t)j * ldo, acc[j]);
+}
+
+/* The order of every interleaved tile: group by group; decode (n = 1) takes a group's whole row of
+ * blocks at once, a prompt CB_TPREFILL_KBLOCKS blocks (9 KB) at a time under every 4-token tile.
+ * STEP runs with o (the tile's first output), gp (block kb0 of group g), kb0, kb1, t and T (tokens
+ * left). In a function with out, ldo, w, dtype, acts, cols, g0, g1, n. */
+/* Decode: G groups at once, streams `gstride` bytes apart (outputs `ostride` floats apart), over
+ * all nb blocks: G read streams per thread instead of one (the transposed decode's lesson:
+ * CB_TDECODE_ROWS), and one activation broadcast serves G groups. Each group's arithmetic is
+ * cb_igroup_avx2's for T = 1: the same bits. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int dtype, const cb_act_q8 *act, int nb,
+                const int G) {
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const size_t gbytes = cb_group_bytes(dtype);
+    const int8_t *xq = act->q;
+    const float *xd = act->d;
+    const int32_t *xs = act->s;
+    __m256 acc[4];
+    for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
+    for (int kb = 0; kb < nb; kb++, gp += gbytes) {
+        __m256i isum[4];
+        const int8_t *x = xq + kb * CB_QBLOCK;
+        if (dtype == CB_INT8) {
+            for (int k = 0; k < G; k++) isum[k] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i xb = CB_BCAST4(x + 4 * c);
+                for (int k = 0; k < G; k++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)((const cb_igroup_int8 *)(gp + k * gstride))->qs[c]);
+                    isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                                                               _mm256_sign_epi8(xb, w)), ones));
+                }
+            }
+        } else {
+            __m256i p16[4];
+            for (int k = 0; k < G; k++) p16[k] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                const __m256i xl = CB_BCAST4(x + 4 * v), xh = CB_BCAST4(x + 16 + 4 * v);
+                for (int k = 0; k < G; k++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)((const cb_igroup_int4 *)(gp + k * gstride))->qs[v]);
+                    const __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+                    p16[k] = _mm256_add_epi16(p16[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                }
+            }
+            for (int k = 0; k < G; k++)
+                isum[k] = _mm256_sub_epi32(_mm256_madd_epi16(p16[k], ones), _mm256_set1_epi32(8 * xs[kb]));
+        }
+        const __m256 dx = _mm256_set1_ps(xd[kb]);
+        for (int k = 0; k < G; k++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp + k * gstride)));
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k]), _mm256_mul_ps(dw, dx), acc[k]);
+        }
+    }
+    for (int k = 0; k < G; k++) _mm256_storeu_ps(out + k * ostride, acc[k]);
+}
+
+#ifndef CB_IDECODE_STREAMS
+#define CB_IDECODE_STREAMS 4
+#endif
+
+/* The order of every interleaved prefill tile: group by group, CB_TPREFILL_KBLOCKS blocks (9 KB)
+ * at a time under every 4-token tile, so they stay in L1 across the tiles. STEP runs with o (the
+ * tile's first output), gp (block kb0 of group g), kb0, kb1, t and T (tokens left). In a function
+ * with out, ldo, w, dtype, acts, cols, g0, g1, n. */
+#define CB_ITILE_LOOP(STEP)                                                                             \
+    const int nb = cols / CB_QBLOCK;                                                                    \
+    const size_t gbytes = cb_group_bytes(dtype);                                                        \
+    for (int g = g0; g < g1; g++)                                                                       \
+        for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {                                       \
+            const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;            \
+            const char *gp = w + ((size_t)g * nb + kb0) * gbytes;                                       \
+            for (int t = 0; t < n; t += 4) {                                                            \
+                float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;                               \
+                const int T = n - t;                                                                    \
+                STEP                                                                                    \
+            }                                                                                           \
+        }
+
+/* The decode order (n = 1): the groups [g0, g1) in CB_IDECODE_STREAMS equal parts read side by
+ * side, the rest one by one. DECODE(o, ostride, gp, gstride, G) multiplies G groups. */
+#define CB_IDECODE_LOOP(DECODE)                                                                         \
+    const int nb = cols / CB_QBLOCK;                                                                    \
+    const size_t gbytes = cb_group_bytes(dtype), row = (size_t)nb * gbytes;                             \
+    const int per = (g1 - g0) / CB_IDECODE_STREAMS;                                                     \
+    for (int g = g0; g < g0 + per; g++)                                                                 \
+        DECODE(out + (size_t)g * CB_TGROUP, (size_t)per * CB_TGROUP, w + (size_t)g * row, per * row,    \
+               CB_IDECODE_STREAMS);                                                                     \
+    for (int g = g0 + per * CB_IDECODE_STREAMS; g < g1; g++)                                            \
+        DECODE(out + (size_t)g * CB_TGROUP, 0, w + (size_t)g * row, 0, 1);
+
+/* The table's interleaved entry (cb_kernel_table.itile): groups [g0, g1), all n tokens. */
+CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                                         int cols, int g0, int g1, int n) {
+    if (n == 1) {
+#define CB_CALL_ID(o, os, gp, gs, G) \
+    if (dtype == CB_INT8) cb_idecode_avx2(o, os, gp, gs, CB_INT8, acts, nb, G); \
+    else cb_idecode_avx2(o, os, gp, gs, CB_INT4, acts, nb, G);
+        CB_IDECODE_LOOP(CB_CALL_ID)
+#undef CB_CALL_ID
+        return;
+    }
+#define CB_CALL_IG(dt, tt) cb_igroup_avx2(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
+    CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
+                  else { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT4) })
+#undef CB_CALL_IG
 }
 
 #endif /* CB_X86 */

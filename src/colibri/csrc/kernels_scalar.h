@@ -147,7 +147,7 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  * the same numbers. The scalar kernel below accumulates every output in exactly the order of the
  * scalar dot products above, so at the scalar tier both layouts give the same bits.
  */
-enum { CB_ROWS = 0, CB_TRANSPOSED = 1 };     /* Mat.layout; mirrored in colibri/_kernels.pyx */
+enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2 };   /* Mat.layout; mirrored in colibri/_kernels.pyx */
 
 /* Bytes of a transposed int8/int4 group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
@@ -168,6 +168,21 @@ static inline float cb_load_f32_scalar(const char *row, int dtype, int i) {
 typedef void (*cb_ttile_fn)(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
                             const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T);
 
+/* The 32 weights q[32] of output r in an interleaved group (quant.h) as signed integers (int4:
+ * nibble - 8), input order. */
+static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int dtype, int r) {
+    for (int v = 0; v < 8; v++)
+        for (int i = 0; i < 4; i++) {
+            if (dtype == CB_INT8) {
+                q[4 * v + i] = ((const cb_igroup_int8 *)grp)->qs[v][r][i];
+            } else if (v < 4) {
+                uint8_t b = ((const cb_igroup_int4 *)grp)->qs[v][r][i];
+                q[4 * v + i] = (int8_t)((b & 0x0F) - 8);
+                q[16 + 4 * v + i] = (int8_t)((b >> 4) - 8);
+            }
+        }
+}
+
 /* out[cols] = row `row` of W [rows, cols] stored as `dtype` in `layout`, converted to float32
  * (the embedding lookup; a tied embedding that is also the output head may be transposed: then
  * the row is gathered, one block per group of its column). */
@@ -184,6 +199,17 @@ static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int
         return;
     }
     const size_t bbytes = dtype == CB_INT8 ? sizeof(cb_block_int8) : sizeof(cb_block_int4);
+    if (layout == CB_INTERLEAVED) {
+        const int nb = cols / CB_QBLOCK;
+        for (int b = 0; b < nb; b++) {
+            const char *grp = wb + ((size_t)(row / CB_TGROUP) * nb + b) * cb_group_bytes(dtype);
+            int8_t q[CB_QBLOCK];
+            cb_igroup_weights(q, grp, dtype, row % CB_TGROUP);
+            float df = cb_f16_table[((const uint16_t *)grp)[row % CB_TGROUP]];
+            for (int j = 0; j < CB_QBLOCK; j++) out[b * CB_QBLOCK + j] = df * (float)q[j];
+        }
+        return;
+    }
     for (int b = 0; b < cols / CB_QBLOCK; b++) {
         uint16_t d;               /* block b of the row: its scale and its 32 (int8) / 16 (int4) bytes */
         const void *qs;
@@ -242,6 +268,34 @@ static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const
             }
         }
     }
+}
+
+/* Interleaved tile (int8/int4, quant.h): out[t * ldo + o] = W[o, :] . token t (acts[t]) for the
+ * outputs of groups [g0, g1) and every token t < n; W has `cols` inputs. Every tier implements
+ * this signature; each output's blocks are scaled and added in order, as in the scalar dot
+ * products above, so at the scalar tier all three layouts give the same bits. */
+typedef void (*cb_itile_fn)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols,
+                            int g0, int g1, int n);
+
+static void cb_itile_scalar(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols,
+                            int g0, int g1, int n) {
+    const int nb = cols / CB_QBLOCK;
+    const size_t gbytes = cb_group_bytes(dtype);
+    for (int g = g0; g < g1; g++)
+        for (int r = 0; r < CB_TGROUP; r++)
+            for (int t = 0; t < n; t++) {
+                const int8_t *xq = acts[t].q;
+                float acc = 0.0f;
+                for (int kb = 0; kb < nb; kb++) {
+                    const char *grp = w + ((size_t)g * nb + kb) * gbytes;
+                    int8_t q[CB_QBLOCK];
+                    cb_igroup_weights(q, grp, dtype, r);
+                    int32_t s = 0;
+                    for (int i = 0; i < CB_QBLOCK; i++) s += (int32_t)q[i] * (int32_t)xq[kb * CB_QBLOCK + i];
+                    acc += cb_f16_table[((const uint16_t *)grp)[r]] * acts[t].d[kb] * (float)s;
+                }
+                out[(size_t)t * ldo + g * CB_TGROUP + r] = acc;
+            }
 }
 
 /* ---- elementwise ---------------------------------------------------------------------------- */

@@ -14,6 +14,15 @@
  * A kernel then loads an activation block once for 8 outputs, converts their 8 scales in one
  * instruction and keeps 8 output sums in one vector (no horizontal sum per row).
  *
+ * The `interleaved` layout (int8/int4 only) keeps 8 outputs together too, but output-major: group
+ * (g, kb) — block kb of outputs 8g .. 8g+7 — at byte ((size_t)g * (cols / 32) + kb) * sizeof(group),
+ * so one group's blocks follow each other (a thread's share of a product is one contiguous read),
+ * and inside a group the weights go 4 inputs at a time (cb_igroup_int8 / cb_igroup_int4): one
+ * 32-byte vector holds 4 inputs of each of the 8 outputs, so 4 activation bytes broadcast to every
+ * int32 lane give the 8 outputs' partial sums in their own lanes — no horizontal sums (the
+ * transposed order needs an hadd tree per group and token), one vpdpbusd per vector with VNNI.
+ * Same blocks, same numbers: a matrix converts between the three layouts without loss.
+ *
  * Activations multiplied against integer weights are quantized per block of 32 to int8 with a
  * float scale (cb_act_q8), as the fast engines do: the dot product of two blocks is then an
  * integer dot product times two scales.
@@ -48,6 +57,19 @@ typedef struct {
     uint8_t qs[CB_TGROUP][CB_QBLOCK / 2];   /* [8][16] nibbles, as in cb_block_int4 */
 } cb_group_int4;
 
+/* A group of the interleaved layout: the 8 f16 scales, then the weights 4 inputs at a time. */
+typedef struct {
+    uint16_t d[CB_TGROUP];              /* [8] f16 scales of outputs 8g .. 8g+7 */
+    int8_t qs[8][CB_TGROUP][4];         /* [vector c][output r][i]: input 4c + i of output r */
+} cb_igroup_int8;
+
+typedef struct {
+    uint16_t d[CB_TGROUP];              /* [8] f16 scales */
+    uint8_t qs[4][CB_TGROUP][4];        /* [vector v][output r][i]: input 4v + i of output r in the low
+                                           nibble, input 16 + 4v + i in the high (nibbles as in
+                                           cb_block_int4: w = d * (q - 8)) */
+} cb_igroup_int4;
+
 /* The prefill's packed form of one group and block (kernels_avx2.h, cb_tprefill_quant_avx2): 8
  * float scales, then 8 vectors of 32 bytes, vector c holding inputs 4c..4c+3 of the 8 outputs
  * (int4 as one nibble value per byte; int8 as w + 128 in the VNNI kernels). Scratch only, never
@@ -74,11 +96,15 @@ CB_STATIC_ASSERT(sizeof(cb_block_int8) == 34, "int8 block must be 34 bytes");
 CB_STATIC_ASSERT(sizeof(cb_block_int4) == 18, "int4 block must be 18 bytes");
 CB_STATIC_ASSERT(sizeof(cb_group_int8) == 8 * 34, "int8 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_group_int4) == 8 * 18, "int4 group must be 8 blocks");
+CB_STATIC_ASSERT(sizeof(cb_igroup_int8) == sizeof(cb_group_int8), "interleaved int8 group must be 8 blocks");
+CB_STATIC_ASSERT(sizeof(cb_igroup_int4) == sizeof(cb_group_int4), "interleaved int4 group must be 8 blocks");
 
 /* Activations quantized per block of 32: x[i] ~= d[i / 32] * q[i]. */
 typedef struct {
     int8_t *q;      /* [n] */
     float *d;       /* [n / 32] */
+    int32_t *s;     /* [n / 32] the sum of each block's q: what unsigned weights (int4's nibbles,
+                       w + 8; VNNI's int8, w + 128) take off, times 8 or 128 */
     int n;
     float *xp;      /* [n] or NULL: the float activation reordered for the AVX-512 bf16 tile */
 } cb_act_q8;
@@ -95,7 +121,12 @@ static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
         float d = amax >= CB_ACT_TINY ? amax / 127.0f : 0.0f;
         float id = d > 0.0f ? 1.0f / d : 0.0f;
         a->d[b] = d;
-        for (int j = 0; j < CB_QBLOCK; j++) a->q[b * CB_QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
+        int32_t sum = 0;
+        for (int j = 0; j < CB_QBLOCK; j++) {
+            a->q[b * CB_QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
+            sum += a->q[b * CB_QBLOCK + j];
+        }
+        a->s[b] = sum;
     }
     a->n = n;
 }

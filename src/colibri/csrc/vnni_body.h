@@ -1,5 +1,5 @@
-/* vnni_body.h — the VNNI kernels of the transposed int8/int4 layout (kernels_vnni.h): decode /
- * stored-order tiles and the repacked prefill. Included once per instruction set, with:
+/* vnni_body.h — the VNNI kernels of the transposed and interleaved int8/int4 layouts
+ * (kernels_vnni.h): decode / stored-order tiles, the repacked prefill, the interleaved tile. Included once per instruction set, with:
  *   CB_VNNI_TARGET          the functions' target attribute
  *   CB_VNNI_DPBUSD(a, u, s) a + in each int32 lane the 4 products of unsigned bytes u, signed bytes s
  *   CB_VNNI_NAME(base)      base with the instruction set's suffix
@@ -114,4 +114,122 @@ CB_VNNI_NAME(cb_ttile)(float *out, int ldo, const char *w, int dtype, const floa
 #define CB_CALL_TQV(dt, t) CB_VNNI_NAME(cb_ttile_quant)(out, ldo, w, dt, acts, rows, cols, o0, o1, t)
     if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_TQV, CB_INT8) } else { CB_AVX2_T_CASES(CB_CALL_TQV, CB_INT4) }
 #undef CB_CALL_TQV
+}
+
+/* One interleaved group (as cb_igroup_avx2) with this step: int8 flipped to unsigned (q ^ 0x80 =
+ * q + 128) in a register, int4's low and high nibbles as they are; each block's sum starts from
+ * -128 * sum(x) or -8 * sum(x) (acts->s). Per block and token: 8 (xor +) vpdpbusd in two chains. */
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *acts, int kb0, int kb1,
+                        int first, const int T) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), m4 = _mm256_set1_epi8(0x0F);
+    const size_t gbytes = cb_group_bytes(dtype);
+    const int32_t offset = dtype == CB_INT8 ? 128 : 8;
+    const int8_t *xq[4];
+    const float *xd[4];
+    const int32_t *xs[4];
+    __m256 acc[4];
+    for (int j = 0; j < T; j++) {
+        xq[j] = acts[j].q;
+        xd[j] = acts[j].d;
+        xs[j] = acts[j].s;
+        acc[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
+    }
+    for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
+        __m256i even[4], odd[4];
+        for (int j = 0; j < T; j++) {
+            even[j] = _mm256_set1_epi32(-offset * xs[j][kb]);
+            odd[j] = _mm256_setzero_si256();
+        }
+        if (dtype == CB_INT8) {
+            const cb_igroup_int8 *g = (const cb_igroup_int8 *)gp;
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i u0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[c]), flip);
+                const __m256i u1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[c + 1]), flip);
+                for (int j = 0; j < T; j++) {
+                    const int8_t *x = xq[j] + kb * CB_QBLOCK + 4 * c;
+                    even[j] = CB_VNNI_DPBUSD(even[j], u0, CB_BCAST4(x));
+                    odd[j] = CB_VNNI_DPBUSD(odd[j], u1, CB_BCAST4(x + 4));
+                }
+            }
+        } else {
+            const cb_igroup_int4 *g = (const cb_igroup_int4 *)gp;
+            for (int v = 0; v < 4; v++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)g->qs[v]);
+                const __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+                for (int j = 0; j < T; j++) {
+                    const int8_t *x = xq[j] + kb * CB_QBLOCK + 4 * v;
+                    even[j] = CB_VNNI_DPBUSD(even[j], lo, CB_BCAST4(x));
+                    odd[j] = CB_VNNI_DPBUSD(odd[j], hi, CB_BCAST4(x + 16));
+                }
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gp));
+        for (int j = 0; j < T; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j])),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])), acc[j]);
+    }
+    for (int j = 0; j < T; j++) _mm256_storeu_ps(out + (size_t)j * ldo, acc[j]);
+}
+
+/* Decode: G interleaved groups side by side (as cb_idecode_avx2) with this step. */
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstride, int dtype, const cb_act_q8 *act,
+                         int nb, const int G) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), m4 = _mm256_set1_epi8(0x0F);
+    const size_t gbytes = cb_group_bytes(dtype);
+    const int32_t offset = dtype == CB_INT8 ? 128 : 8;
+    __m256 acc[4];
+    for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
+    for (int kb = 0; kb < nb; kb++, gp += gbytes) {
+        const int8_t *x = act->q + kb * CB_QBLOCK;
+        __m256i even[4], odd[4];
+        for (int k = 0; k < G; k++) {
+            even[k] = _mm256_set1_epi32(-offset * act->s[kb]);
+            odd[k] = _mm256_setzero_si256();
+        }
+        if (dtype == CB_INT8) {
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i x0 = CB_BCAST4(x + 4 * c), x1 = CB_BCAST4(x + 4 * c + 4);
+                for (int k = 0; k < G; k++) {
+                    const cb_igroup_int8 *g = (const cb_igroup_int8 *)(gp + k * gstride);
+                    even[k] = CB_VNNI_DPBUSD(even[k], _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[c]), flip), x0);
+                    odd[k] = CB_VNNI_DPBUSD(odd[k], _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[c + 1]), flip), x1);
+                }
+            }
+        } else {
+            for (int v = 0; v < 4; v++) {
+                const __m256i xl = CB_BCAST4(x + 4 * v), xh = CB_BCAST4(x + 16 + 4 * v);
+                for (int k = 0; k < G; k++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)((const cb_igroup_int4 *)(gp + k * gstride))->qs[v]);
+                    even[k] = CB_VNNI_DPBUSD(even[k], _mm256_and_si256(a, m4), xl);
+                    odd[k] = CB_VNNI_DPBUSD(odd[k], _mm256_and_si256(_mm256_srli_epi16(a, 4), m4), xh);
+                }
+            }
+        }
+        const __m256 dx = _mm256_set1_ps(act->d[kb]);
+        for (int k = 0; k < G; k++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp + k * gstride)));
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[k], odd[k])), _mm256_mul_ps(dw, dx), acc[k]);
+        }
+    }
+    for (int k = 0; k < G; k++) _mm256_storeu_ps(out + k * ostride, acc[k]);
+}
+
+/* The table's interleaved entry (cb_itile_fn) with this step. */
+CB_VNNI_TARGET static void
+CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
+                       int g1, int n) {
+    if (n == 1) {
+#define CB_CALL_IDV(o, os, gp, gs, G) \
+    if (dtype == CB_INT8) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT8, acts, nb, G); \
+    else CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT4, acts, nb, G);
+        CB_IDECODE_LOOP(CB_CALL_IDV)
+#undef CB_CALL_IDV
+        return;
+    }
+#define CB_CALL_IGV(dt, tt) CB_VNNI_NAME(cb_igroup)(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
+    CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT8) }
+                  else { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT4) })
+#undef CB_CALL_IGV
 }
