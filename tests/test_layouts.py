@@ -426,7 +426,7 @@ def test_layout_choice_per_tensor():
     faster layout by default; an int8/int4 matrix whose row count is not a multiple of 8 cannot
     be grouped and stays rows; the embedding, routers, norms and vectors are always rows."""
     from colibri.convert import _layout_for
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8") == "transposed"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8") == "interleaved"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16") == "rows"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16", "transposed") == "transposed"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8", "rows", "transposed") == "rows"
@@ -435,7 +435,7 @@ def test_layout_choice_per_tensor():
     assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8") == "rows"
     assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "f16", "transposed") == "transposed"
     assert _layout_for("embedding", (64, 64), "matrix", "int8", "transposed", "transposed") == "rows"
-    assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "transposed"      # the head
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "interleaved"     # the head
     assert _layout_for("embedding", (64, 64), "matrix", "bf16", "rows", "transposed", tied=True) == "transposed"
     assert _layout_for("layers.3.router", (8, 64), "router", "f32", "transposed", "transposed") == "rows"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int4", "interleaved") == "interleaved"
@@ -491,17 +491,20 @@ def test_embedding_row_from_either_layout(case, pick):
         np.testing.assert_array_equal(_kernels.kernel_dequant_row(il, row, w.shape[1], dtype, "interleaved"), ref)
 
 
-def test_tied_embedding_is_transposed_with_the_bits_of_rows(converted):
-    """mixtral_b ties its embedding: int8 stores it transposed (it is the output head too); at the
-    scalar tier the logits are those of the all-rows directory, bit for bit."""
-    md = ModelDir(converted("mixtral_b", "int8"))
-    assert md.config.tie_word_embeddings and md.tensors["embedding"]["layout"] == "transposed"
+def test_tied_embedding_in_a_group_layout_has_the_bits_of_rows(converted):
+    """mixtral_b ties its embedding: int8 stores it interleaved by default, or transposed (it is
+    the output head too; the lookup gathers its rows); at the scalar tier the logits are those of
+    the all-rows directory, bit for bit."""
+    assert ModelDir(converted("mixtral_b", "int8")).tensors["embedding"]["layout"] == "interleaved"
     ids = reference("mixtral_b")["input_ids"]
     before = _kernels.isa()
     try:
         _kernels.select_isa("scalar")
-        np.testing.assert_array_equal(colibri.load(converted("mixtral_b", "int8")).forward(ids),
-                                      colibri.load(converted("mixtral_b", "int8", "rows")).forward(ids))
+        rows = colibri.load(converted("mixtral_b", "int8", "rows")).forward(ids)
+        for layout in ("interleaved", "transposed"):
+            md = ModelDir(converted("mixtral_b", "int8", layout))
+            assert md.config.tie_word_embeddings and md.tensors["embedding"]["layout"] == layout
+            np.testing.assert_array_equal(colibri.load(md.root).forward(ids), rows, err_msg=layout)
     finally:
         _kernels.select_isa(before)
 

@@ -41,11 +41,12 @@ LAYOUTS = ("rows", "transposed", "interleaved")
 
 
 def default_layout(dtype: str) -> str:
-    """The faster layout of a weight matrix stored as `dtype` (BENCHMARKS.md, "Expert layout"):
-    transposed for int8/int4 (8 outputs per activation load and per scale conversion; decode and
-    prefill faster), rows for the float formats (no integer reduction to save; the axpy's stores
-    make the transposed float kernels slower)."""
-    return "transposed" if dtype in BLOCK_DTYPES else "rows"
+    """The faster layout of a weight matrix stored as `dtype` (BENCHMARKS.md, "Expert layout" and
+    "Interleaved"): interleaved for int8/int4 (8 outputs per activation load, in their own lanes:
+    no horizontal sums, no repacking; decode and prefill faster than transposed, which was faster
+    than rows), rows for the float formats (no integer reduction to save; the axpy's stores make
+    the transposed float kernels slower)."""
+    return "interleaved" if dtype in BLOCK_DTYPES else "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:

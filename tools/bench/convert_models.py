@@ -19,6 +19,7 @@ seven forms needs ~64 GB; deleting its 14 GB checkpoint before quantising keeps 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -48,6 +49,18 @@ def run(cmd, threads: int) -> None:
     print(f"[convert]   done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def stale_layouts(out: Path, fmt: str) -> str:
+    """The layouts of a cached Colibri directory's expert matrices, joined, when they are not the
+    converter's default for `fmt` (a cache converted before the default changed); "" when current.
+    Rows is allowed beside the default (a matrix that cannot be grouped stays rows), not instead."""
+    from colibri.quant import default_layout
+    tensors = json.loads((out / "config.json").read_text())["tensors"]
+    found = {t.get("layout", "rows") for n, t in tensors.items() if ".experts." in n and len(t["shape"]) == 2}
+    want = default_layout(fmt)
+    current = found <= {want, "rows"} and (want in found or not found)
+    return "" if current else " and ".join(sorted(found))
+
+
 def convert(model: str, threads: int = 1, force: bool = False, engines=("colibri", "llama"), drop_hf=False) -> None:
     hf = CACHE / "hf" / model
     if not (hf / "config.json").is_file() and not (drop_hf and gguf_file(model, "bf16").is_file()):
@@ -56,7 +69,16 @@ def convert(model: str, threads: int = 1, force: bool = False, engines=("colibri
         for fmt, _ in PAIRS:
             out = colibri_dir(model, fmt)
             if (out / "config.json").is_file() and not force:
-                print(f"[convert] {out} exists")
+                stale = stale_layouts(out, fmt)
+                if not stale:
+                    print(f"[convert] {out} exists")
+                    continue
+                print(f"[convert] {out} exists with {stale} layouts, not today's default: relayout")
+                tmp = out.with_name(out.name + ".relayout")
+                run([sys.executable, "-m", "colibri", "relayout", "--model-dir", out, "--output-dir", tmp,
+                     "--force"], threads)
+                shutil.rmtree(out)
+                os.replace(tmp, out)
                 continue
             run([sys.executable, "-m", "colibri", "convert", "--hf-dir", hf, "--output-dir", out,
                  "--quantize", fmt, "--force"], threads)

@@ -46,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from convert_models import CACHE, LLAMA_BIN, PAIRS, colibri_dir, gguf_file  # noqa: E402
+from convert_models import CACHE, LLAMA_BIN, PAIRS, stale_layouts, colibri_dir, gguf_file  # noqa: E402
 
 TINY_FIXTURE = REPO / "tests" / "fixtures" / "mixtral_a" / "hf"
 # Bench this tree's Colibri when it has a built extension (pip install -e . / build_ext --inplace),
@@ -372,6 +372,10 @@ def main(argv=None) -> int:
         missing = [str(p) for _, _, p in entries if not Path(p).exists()]
         if missing:
             raise SystemExit("missing (run make_models.py and convert_models.py): " + ", ".join(missing))
+        stale = [f"{p} ({stale_layouts(Path(p), fmt)})" for eng, fmt, p in entries
+                 if eng == "colibri" and not a.model_dirs and stale_layouts(Path(p), fmt)]
+        if stale:
+            raise SystemExit("not in the default layouts (convert_models.py relayouts them): " + ", ".join(stale))
         active = {}
         for eng, fmt, path in entries:
             if eng == "colibri":
