@@ -8,7 +8,13 @@ the L3), interleaved with a plain streaming read of a buffer of the same size, a
 the ratio. Medians of --repeat. (The transposed matrix has a huge output dimension here, so its
 outputs live in L2 rather than L1 as in an expert's matrix: if anything it is measured low.)
 
-Prefill is compute-bound: the second table times the engine's matmul (cb_matmul, the tiles the
+The second table is the decode kernels' own ceiling: the same matvec on an expert-shaped
+[3584, 1024] matrix that stays in the caches (L2/L3), GB/s of weights — what decode would reach
+on a machine whose memory keeps up (this one's 2-thread bandwidth is 15-25 GB/s; the issue's
+AVX-512 host has 45-80). Layouts side by side, interleaved (best of --repeat, each a loop of
+passes inside one C call: no Python between them).
+
+Prefill is compute-bound: the third table times the engine's matmul (cb_matmul, the tiles the
 prefill uses) of --tokens prompt tokens against a [1024, cols] matrix that stays in the caches,
 as GFLOP/s (2 x multiply-adds, also for the integer formats), next to the attainable float FMA
 rate of the same threads (an AVX2 FMA loop: 16 FLOP per lane-8 FMA; AVX-512 doubles the
@@ -21,7 +27,8 @@ chunk, and the other int steps (AVX2 beside a VNNI step: _kernels.available_int_
 VNNI step is left out), also in the matvec table.
 
     python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
-                                  [--layouts rows,transposed]
+                                  [--layouts rows,transposed,interleaved]
+(interleaved is for int8/int4: the float formats skip it.)
 """
 from __future__ import annotations
 
@@ -50,7 +57,7 @@ def main():
     ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
     ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
-    ap.add_argument("--layouts", default="rows,transposed")
+    ap.add_argument("--layouts", default="rows,transposed,interleaved")
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
@@ -62,16 +69,14 @@ def main():
     print(f"{'format':>6} {'layout':>10} {'MB':>7} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6}")
     base = rng.standard_normal((1024, cols)).astype(np.float32)
     for dtype in args.dtypes.split(","):
-        for layout in args.layouts.split(","):
+        for layout in layouts_of(args, dtype):
             block = to_storage(base, dtype)                  # quantize a slab once, tile it
-            w = np.ascontiguousarray(np.tile(block, (rows // 1024, 1)))
-            if layout == "transposed":
-                w = quant.transpose(w, dtype, cols)
+            w = quant.from_rows(np.ascontiguousarray(np.tile(block, (rows // 1024, 1))), dtype, cols, layout)
             nbytes = w.nbytes
             read_buf = np.ones(nbytes // 8, np.uint64)
             _kernels.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
             _kernels.bench_read(read_buf, args.threads)
-            steps = other_steps() if layout == "transposed" and dtype in ("int8", "int4") else []
+            steps = other_steps() if layout != "rows" and dtype in ("int8", "int4") else []
             kt, rt, st = [], [], {k: [] for k in steps}
             for _ in range(args.repeat):                     # interleaved, A B A B
                 kt.append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads, layout)))
@@ -84,7 +89,35 @@ def main():
             rest = "  " + ", ".join(f"{k} step {nbytes / statistics.median(t) / 1e9:.1f}" for k, t in st.items()) if st else ""
             print(f"{dtype:>6} {layout:>10} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}{rest}")
             del w, read_buf
+    resident_table(args, rng)
     prefill_table(args, rng)
+
+
+def layouts_of(args, dtype):
+    """The --layouts a format has (interleaved: int8/int4 only)."""
+    return [lay for lay in args.layouts.split(",") if lay != "interleaved" or dtype in quant.BLOCK_DTYPES]
+
+
+def resident_table(args, rng, rows=3584, cols=1024):
+    """Decode's matvec on a cache-resident expert-shaped matrix: the kernels' own ceiling."""
+    w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    print(f"\ndecode from the caches: [{rows}, {cols}] weights, {args.threads} thread(s), GB/s of weights, "
+          f"best of {args.repeat}, layouts interleaved in time")
+    print(f"{'format':>6} " + " ".join(f"{lay:>12}" for lay in args.layouts.split(",")))
+    for dtype in args.dtypes.split(","):
+        stored = to_storage(w_f32, dtype)
+        mats = {lay: quant.from_rows(stored, dtype, cols, lay) for lay in layouts_of(args, dtype)}
+        reps = max(1, int(2e8 / stored.nbytes))              # about 0.2 GB of weights a measurement
+        best = {lay: float("inf") for lay in mats}
+        for lay, w in mats.items():
+            _kernels.bench_matmul(w, x, dtype, args.threads, reps, lay)           # warm the caches
+        for _ in range(args.repeat):
+            for lay, w in mats.items():
+                best[lay] = min(best[lay], _kernels.bench_matmul(w, x, dtype, args.threads, reps, lay))
+        cells = [f"{stored.nbytes * reps / best[lay] / 1e9:12.1f}" if lay in best else f"{'-':>12}"
+                 for lay in args.layouts.split(",")]
+        print(f"{dtype:>6} " + " ".join(cells))
 
 
 def other_steps():
@@ -114,11 +147,12 @@ def prefill_table(args, rng):
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
     reps = 3
     for dtype in args.dtypes.split(","):
-        for layout in args.layouts.split(","):
-            w = to_storage(w_f32, dtype)
-            if layout == "transposed":
-                w = quant.transpose(w, dtype, cols)
-            compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []
+        for layout in layouts_of(args, dtype):
+            w = quant.from_rows(to_storage(w_f32, dtype), dtype, cols, layout)
+            if layout == "interleaved":                   # no repack to switch off: the other steps only
+                compared = [v for v in variants if v[2]]
+            else:
+                compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []
             _kernels.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
             times, other_times = [], {v[0]: [] for v in compared}
             for _ in range(args.repeat):
