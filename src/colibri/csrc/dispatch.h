@@ -39,6 +39,7 @@ typedef struct {
     cb_itile_fn itile;              /* the interleaved layout (int8/int4), decode and prefill */
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
+    cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
     cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 prefill via repacked chunks (cb_job_transposed) */
     int int_step;                   /* CB_INT_STEP_*: the instruction set of ttile's int8/int4, tprefill and itile */
     int prefill_repack;             /* tprefill set (1) or left NULL (0: the stored-order tiles, for comparisons) */
@@ -109,6 +110,7 @@ static int cb_select_isa(int isa) {
     for (int d = 0; d < CB_N_DTYPES; d++) { t.tile[d] = NULL; t.tile_rows[d] = 1; t.decode_dot[d] = 0; }
     t.ttile_max_t = 4;
     t.glu = cb_glu_scalar;
+    t.attend = cb_attend_heads_scalar;
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
         t.dot[CB_F32] = cb_dot_f32_avx2;
@@ -122,6 +124,7 @@ static int cb_select_isa(int isa) {
         t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
         for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
         t.glu = cb_glu_avx2;
+        t.attend = cb_attend_heads_avx2;
     }
     if (isa >= CB_ISA_AVX512) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
@@ -395,9 +398,10 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout,
  * Positions start..pos are attended (start > 0 for sliding-window layers); position p lives in
  * cache row p % ring (ring = the cache's rows: n_ctx, or a sliding layer's window plus a prefill
  * chunk). Query head h reads KV head h / (n_heads / n_kv_heads), as transformers' repeat_kv does.
- * Scores are q.k * scale, q.k by the tier's f32 dot product (prefill and decode both come here,
- * so they still agree bit for bit). Heads are split over threads from CB_ATTN_PARALLEL_MIN
- * multiply-adds (a serial attention was a tenth of a 2-thread decode step at 180 positions). */
+ * Scores are q.k * scale, by the tier's cb_kt.attend for the query heads of one KV head at a time
+ * (prefill and decode both come here, so they still agree bit for bit). Those units are split
+ * over threads from CB_ATTN_PARALLEL_MIN multiply-adds (a serial attention was a tenth of a
+ * 2-thread decode step at 180 positions). */
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
 /* The first position a query at `pos` attends: pos - window + 1 in a sliding-window layer
@@ -406,42 +410,41 @@ static inline int cb_window_start(int pos, int window) {
     return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
 }
 
-/* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+1]. */
-static inline void cb_attend_head(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                  float *sc, int h, int group, int kv_stride, int head_dim, int start,
-                                  int pos, int ring, float scale, cb_dot_fn dot) {
-    const float *qh = q + (size_t)h * head_dim;
-    int kvh = h / group;
-    int n = pos - start + 1;
-    int row0 = start % ring;                     /* the cache row of position start; rows wrap */
-    for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *kt = k_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
-        sc[t] = dot(kt, qh, NULL, head_dim) * scale;
-    }
-    cb_softmax(sc, n);
-    float *oh = out + (size_t)h * head_dim;
-    memset(oh, 0, sizeof(float) * (size_t)head_dim);
-    for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *vt = v_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
-        cb_axpy(oh, sc[t], vt, head_dim);
-    }
+/* The attention's units of work: the query heads of each KV head, up to CB_ATTN_HEADS at a time
+ * (cb_attend_fn), so a key or value row read once serves that many heads. Unit u covers heads
+ * *h0 .. *h0 + *nh - 1 of KV head *kvh. */
+#define CB_ATTN_HEADS 4
+static inline int cb_attn_units(int n_heads, int n_kv_heads) {
+    const int group = n_heads / n_kv_heads;
+    return n_kv_heads * ((group + CB_ATTN_HEADS - 1) / CB_ATTN_HEADS);
+}
+static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int *h0, int *nh, int *kvh) {
+    const int group = n_heads / n_kv_heads, per_kv = (group + CB_ATTN_HEADS - 1) / CB_ATTN_HEADS;
+    const int c = u % per_kv;
+    *kvh = u / per_kv;
+    *h0 = *kvh * group + c * CB_ATTN_HEADS;
+    *nh = group - c * CB_ATTN_HEADS < CB_ATTN_HEADS ? group - c * CB_ATTN_HEADS : CB_ATTN_HEADS;
 }
 
 static void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
                          float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
                          int start, int pos, int ring, float scale, int n_threads) {
     int parallel = n_threads > 1 && (long long)n_heads * (pos - start + 1) * head_dim >= CB_ATTN_PARALLEL_MIN;
-    cb_dot_fn dot = cb_kt.dot[CB_F32];
+    const int units = cb_attn_units(n_heads, n_kv_heads);
+    cb_attend_fn attend = cb_kt.attend;
     (void)parallel;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int h = 0; h < n_heads; h++)
-        cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * n_ctx, h, n_heads / n_kv_heads,
-                       n_kv_heads * head_dim, head_dim, start, pos, ring, scale, dot);
+    for (int u = 0; u < units; u++) {
+        int h0, nh, kvh;
+        cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
+        attend(out, q, k_cache, v_cache, scores, n_ctx, h0, nh, kvh, n_kv_heads * head_dim, head_dim, start, pos,
+               ring, scale);
+    }
 }
 
 /* The prefill's attention: n queries q [n, ldq] at positions pos0.. (their keys already in the
  * cache), out [n, ldo]; `window` > 0 limits each query to its last `window` positions. One
- * parallel region over the heads (each head uses its scores row for one query after another)
+ * parallel region over the units (each uses its heads' scores rows for one query after another)
  * instead of one per query; every head of every query computes exactly as in cb_attention. */
 static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, const float *k_cache,
                                const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
@@ -452,16 +455,19 @@ static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, con
         work += (long long)n_heads * (pos - cb_window_start(pos, window) + 1) * head_dim;
     }
     int parallel = n_threads > 1 && work >= CB_ATTN_PARALLEL_MIN;
-    cb_dot_fn dot = cb_kt.dot[CB_F32];
+    const int units = cb_attn_units(n_heads, n_kv_heads);
+    cb_attend_fn attend = cb_kt.attend;
     (void)parallel;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int h = 0; h < n_heads; h++)
+    for (int u = 0; u < units; u++) {
+        int h0, nh, kvh;
+        cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
         for (int t = 0; t < n; t++) {
             int pos = pos0 + t;
-            cb_attend_head(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores + (size_t)h * n_ctx,
-                           h, n_heads / n_kv_heads, n_kv_heads * head_dim, head_dim, cb_window_start(pos, window), pos,
-                           ring, scale, dot);
+            attend(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores, n_ctx, h0, nh, kvh,
+                   n_kv_heads * head_dim, head_dim, cb_window_start(pos, window), pos, ring, scale);
         }
+    }
 }
 
 /* The current tier's activation quantization (for the tests). */
