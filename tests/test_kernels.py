@@ -266,3 +266,63 @@ def test_emulated_vnni_step_is_the_instruction(acc, u, s):
         np.testing.assert_array_equal(_kernels.kernel_dpbusd_emulated(acc, *extremes), _vpdpbusd(acc, *extremes))
     finally:
         _kernels.select_isa(before)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hnp.arrays(np.float32, st.integers(1, 300), elements=st.floats(-200, 200, width=32)))
+def test_attention_softmax_matches_float64(isa, x):
+    """The tier's attention softmax (AVX2: a polynomial exp, 8 lanes) against float64: each
+    probability within 4 ulp, plus the rounding of x - max in float32 (half an ulp of |x - max|,
+    which exp turns into that relative error), plus the float32 summation bound of the normaliser
+    (gamma(n)); scores far below the largest (exp underflow) at most the smallest normal float."""
+    got = _kernels.kernel_attention_softmax(x)
+    z = x.astype(np.float64) - x.max()
+    ref = np.exp(z) / np.exp(z).sum()
+    rel = 4 * 2.0**-24 + np.abs(z) * 2.0**-24 + float32_dot_bound(np.ones(1), len(x))[0]
+    bound = ref * rel + np.finfo(np.float32).tiny
+    assert np.all(np.abs(got - ref) <= bound)
+
+
+def test_attention_softmax_of_non_finite_scores_is_refused(isa):
+    assert _kernels.kernel_attention_softmax(np.array([0.0, np.nan, 1.0] * 5, np.float32)) is None
+    assert _kernels.kernel_attention_softmax(np.array([np.inf] + [0.0] * 9, np.float32)) is None
+
+
+@st.composite
+def attention_case(draw):
+    """(q [heads, hd], k, v [ring, kv * hd], kv heads, start, pos): query heads per KV head 1..9
+    (the kernel takes 4 at a time), head_dim a multiple of 8 or not, positions wrapping the ring."""
+    kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    hd = draw(st.sampled_from([8, 12, 16, 24, 64]))
+    ring = draw(st.integers(1, 40))
+    n = draw(st.integers(1, ring))                      # positions attended
+    start = draw(st.integers(0, 100))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((kv * group, hd), dtype=np.float32)
+    k = rng.standard_normal((ring, kv * hd), dtype=np.float32)
+    v = rng.standard_normal((ring, kv * hd), dtype=np.float32)
+    return q, k, v, kv, start, start + n - 1
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(attention_case(), st.sampled_from([1, 2]))
+def test_attention_matches_numpy(isa, case, threads):
+    """Grouped-query attention of one query (transformers' repeat_kv: head h reads KV head
+    h // group) over a ring buffer, against float64: within a bound of float32 sums of the scores'
+    and outputs' length, on every tier and thread count."""
+    q, k, v, kv, start, pos = case
+    heads, hd = q.shape
+    got = _kernels.kernel_attention(q, k, v, kv, start, pos, threads)
+    rows = [p % k.shape[0] for p in range(start, pos + 1)]
+    for h in range(heads):
+        kh = k[rows, (h // (heads // kv)) * hd:][:, :hd].astype(np.float64)
+        vh = v[rows, (h // (heads // kv)) * hd:][:, :hd].astype(np.float64)
+        s = kh @ q[h].astype(np.float64) / np.sqrt(hd)
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        ref = p @ vh
+        # scores err <= gamma(hd) * |k||q| / sqrt(hd) moves p by about that much relatively
+        s_err = float32_dot_bound(np.abs(kh) @ np.abs(q[h].astype(np.float64)), hd + 1) / np.sqrt(hd)
+        p_rel = 2 * s_err.max() + 8 * 2.0**-24 + float32_dot_bound(np.ones(1), len(rows))[0]
+        bound = p_rel * (p @ np.abs(vh)) + float32_dot_bound(p @ np.abs(vh), len(rows) + 1)
+        assert np.all(np.abs(got[h] - ref) <= bound), h

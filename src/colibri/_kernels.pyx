@@ -75,6 +75,7 @@ cdef extern from "dispatch.h" nogil:
                    int rows, int cols, int n_threads)
     void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
+    int cb_attention_softmax(float *x, int n)
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
     void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
                       float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
@@ -1358,6 +1359,39 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
         cb_matmul_jobs(jobs, count, n, n_threads)
     free(acts)
     return out
+
+
+def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1):
+    """One query's causal attention through the tier's kernel (cb_attention): q float32 [n_heads,
+    head_dim] (roped), k_cache / v_cache float32 [ring, n_kv_heads * head_dim] holding position p
+    in row p % ring; attends positions start..pos with scale 1/sqrt(head_dim). -> [n_heads, head_dim]."""
+    qa = np.ascontiguousarray(q, np.float32)
+    ka = np.ascontiguousarray(k_cache, np.float32)
+    va = np.ascontiguousarray(v_cache, np.float32)
+    cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring = ka.shape[0]
+    if n_kv_heads < 1 or n_heads % n_kv_heads or ka.shape[1] != n_kv_heads * head_dim or va.shape != ka.shape:
+        raise ValueError("kernel_attention: q [n_heads, head_dim], caches [ring, n_kv_heads * head_dim]")
+    if not 0 <= start <= pos or pos - start + 1 > ring:
+        raise ValueError("kernel_attention: positions start..pos must fit the ring")
+    n_ctx = pos - start + 1
+    out = np.zeros((n_heads, head_dim), np.float32)
+    scores = np.zeros((n_heads, n_ctx), np.float32)
+    cdef float[:, ::1] o = out, sc = scores
+    cdef const float[:, ::1] qv = qa, kv = ka, vv = va
+    with nogil:
+        cb_attention(&o[0, 0], &qv[0, 0], &kv[0, 0], &vv[0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim, n_ctx,
+                     start, pos, ring, 1.0 / sqrtf(head_dim), n_threads)
+    return out
+
+
+def kernel_attention_softmax(x):
+    """The current tier's attention softmax of float32 x [n] (a copy); None when x holds NaN/inf
+    (cb_softmax's contract: nothing normalised)."""
+    out = np.array(x, np.float32).reshape(-1)
+    cdef float[::1] o = out
+    if out.shape[0] == 0:
+        return out
+    return out if cb_attention_softmax(&o[0], out.shape[0]) == 0 else None
 
 
 def kernel_quantize_act(const float[::1] x):

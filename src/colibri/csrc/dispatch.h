@@ -40,6 +40,7 @@ typedef struct {
     int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
+    int (*softmax)(float *x, int n);    /* the softmax attend uses (cb_softmax's contract) */
     cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 prefill via repacked chunks (cb_job_transposed) */
     int int_step;                   /* CB_INT_STEP_*: the instruction set of ttile's int8/int4, tprefill and itile */
     int prefill_repack;             /* tprefill set (1) or left NULL (0: the stored-order tiles, for comparisons) */
@@ -111,6 +112,7 @@ static int cb_select_isa(int isa) {
     t.ttile_max_t = 4;
     t.glu = cb_glu_scalar;
     t.attend = cb_attend_heads_scalar;
+    t.softmax = cb_softmax;
 #if CB_X86
     if (isa >= CB_ISA_AVX2) {
         t.dot[CB_F32] = cb_dot_f32_avx2;
@@ -125,6 +127,7 @@ static int cb_select_isa(int isa) {
         for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
         t.glu = cb_glu_avx2;
         t.attend = cb_attend_heads_avx2;
+        t.softmax = cb_softmax_avx2;
     }
     if (isa >= CB_ISA_AVX512) {
         t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
@@ -469,6 +472,9 @@ static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, con
         }
     }
 }
+
+/* The current tier's attention softmax (for the tests). */
+static int cb_attention_softmax(float *x, int n) { return cb_kt.softmax(x, n); }
 
 /* The current tier's activation quantization (for the tests). */
 static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantize(a, x, n); }

@@ -28,6 +28,13 @@ CB_TARGET_AVX2 static inline float cb_hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+CB_TARGET_AVX2 static inline float cb_hmax256(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 CB_TARGET_AVX2 static inline __m256 cb_bf16x8_to_f32(const uint16_t *p) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -675,6 +682,43 @@ CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const cha
  * NH heads (2 x NH accumulators across all positions; per position one broadcast weight per
  * head). The per-head loop read every key and value row once per head, through a function
  * pointer per dot product: at 576 positions the attention took a third of a decode step. */
+/* cb_softmax with 8 lanes and cb_exp_avx2 (within 2 ulp of expf), exp below the smallest normal
+ * float taken as 0 (expf gives a subnormal: nothing next to the sum, which is >= 1). The
+ * attention's; the scalar tier and routing keep cb_softmax. */
+CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
+    int i = 0;
+    __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {          /* max drops NaNs: they are looked for apart */
+        const __m256 v = _mm256_loadu_ps(x + i);
+        m8 = _mm256_max_ps(m8, v);
+        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float mx = cb_hmax256(m8);
+    if (_mm256_movemask_ps(nan8)) return -1;
+    for (; i < n; i++) {
+        if (isnan(x[i])) return -1;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    if (!isfinite(mx)) return -1;
+    const __m256 vmx = _mm256_set1_ps(mx), underflow = _mm256_set1_ps(-87.3365448f);   /* ln(smallest normal) */
+    __m256 s8 = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 z = _mm256_sub_ps(_mm256_loadu_ps(x + i), vmx);
+        const __m256 e = _mm256_and_ps(cb_exp_avx2(z), _mm256_cmp_ps(z, underflow, _CMP_GE_OQ));
+        _mm256_storeu_ps(x + i, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    float sum = cb_hsum256(s8);
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (; i < n; i++) x[i] *= 1.0f / sum;
+    return 0;
+}
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
                      int sc_stride, int h0, int kvh, int kv_stride, int head_dim, int start, int pos, int ring,
@@ -702,7 +746,7 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
         _mm_storeu_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)), vscale));
         for (int i = 0; i < NH; i++) sc[i][t] = r[i];
     }
-    for (int i = 0; i < NH; i++) cb_softmax(sc[i], n);
+    for (int i = 0; i < NH; i++) cb_softmax_avx2(sc[i], n);
     for (int d = 0; d < head_dim; d += 16) {
         const int two = d + 16 <= head_dim;            /* 16 columns, or the last 8 */
         __m256 a0[4], a1[4];

@@ -357,7 +357,10 @@ static inline void cb_softcap(float *x, float cap, int n) {
 /* In-place softmax over x[n]; returns 0, or -1 when x holds NaN/inf (nothing is normalised). */
 static int cb_softmax(float *x, int n) {
     float mx = x[0];
-    for (int i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    for (int i = 0; i < n; i++) {
+        if (isnan(x[i])) return -1;               /* a NaN never wins the comparison below */
+        mx = x[i] > mx ? x[i] : mx;
+    }
     if (!isfinite(mx)) return -1;
     float sum = 0.0f;
     for (int i = 0; i < n; i++) { x[i] = expf(x[i] - mx); sum += x[i]; }
