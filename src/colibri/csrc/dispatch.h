@@ -140,8 +140,8 @@ static int cb_select_isa(int isa) {
         }
     }
 #endif
-    /* the transposed int8/int4 kernels of the fastest step this tier and CPU have (the emulated
-     * one is for tests only); the AVX-512 tier has no wider transposed kernels yet */
+    /* the transposed and interleaved int8/int4 kernels of the fastest step this tier and CPU have
+     * (the emulated one is for tests only); the AVX-512 tier has no wider ones yet */
     const int steps[] = {CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2, CB_INT_STEP_SCALAR};
     for (int i = 0; i < 4; i++) {
         cb_int_kernels k;
