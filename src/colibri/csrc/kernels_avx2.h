@@ -719,6 +719,9 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
     return 0;
 }
 
+#ifndef CB_ATTN_PREFETCH
+#define CB_ATTN_PREFETCH 8
+#endif
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
                      int sc_stride, int h0, int kvh, int kv_stride, int head_dim, int start, int pos, int ring,
@@ -734,6 +737,8 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
     const __m128 vscale = _mm_set1_ps(scale);
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
         const float *k = kbase + (size_t)row * kv_stride;
+        const int ahead = row + CB_ATTN_PREFETCH < ring ? row + CB_ATTN_PREFETCH : row + CB_ATTN_PREFETCH - ring;
+        for (int d = 0; d < head_dim; d += 16) _mm_prefetch((const char *)(kbase + (size_t)ahead * kv_stride + d), _MM_HINT_T0);
         __m256 acc[4];
         for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
         for (int d = 0; d < head_dim; d += 8) {
@@ -753,6 +758,8 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
         for (int i = 0; i < NH; i++) a0[i] = a1[i] = _mm256_setzero_ps();
         for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
             const float *v = vbase + (size_t)row * kv_stride + d;
+            const int ahead = row + CB_ATTN_PREFETCH < ring ? row + CB_ATTN_PREFETCH : row + CB_ATTN_PREFETCH - ring;
+            _mm_prefetch((const char *)(vbase + (size_t)ahead * kv_stride + d), _MM_HINT_T0);
             const __m256 v0 = _mm256_loadu_ps(v), v1 = two ? _mm256_loadu_ps(v + 8) : _mm256_setzero_ps();
             for (int i = 0; i < NH; i++) {
                 const __m256 p = _mm256_broadcast_ss(sc[i] + t);
