@@ -28,6 +28,7 @@ VNNI step is left out), also in the matvec table.
 
     python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
                                   [--layouts rows,transposed,interleaved]
+    python tools/bench_kernels.py --sweep 1,2,4,8,32,128 --layouts transposed,interleaved
 (interleaved is for int8/int4: the float formats skip it.)
 """
 from __future__ import annotations
@@ -58,10 +59,16 @@ def main():
     ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
     ap.add_argument("--layouts", default="rows,transposed,interleaved")
+    ap.add_argument("--sweep", default=None,
+                    help="token counts, e.g. 1,2,4,8,32,128: only the layouts' products of an expert-shaped "
+                         "[3584, 1024] int8/int4 matrix per token count, each layout's GB/s and the ratio to the first")
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
     rng = np.random.default_rng(0)
+    if args.sweep:
+        token_sweep(args, rng, [int(n) for n in args.sweep.split(",")])
+        return
     cols = args.cols
     rows = args.mb * (1 << 20) // (2 * cols)
     x = rng.standard_normal(cols).astype(np.float32)
@@ -91,6 +98,27 @@ def main():
             del w, read_buf
     resident_table(args, rng)
     prefill_table(args, rng)
+
+
+def token_sweep(args, rng, counts, rows=3584, cols=1024):
+    """The layouts side by side per prompt length: what one expert's product costs in each."""
+    w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
+    print(f"tier {_kernels.isa()}, {args.threads} threads, [{rows}, {cols}] weights, best of {args.repeat}, "
+          f"layouts interleaved in time; GB/s of weights per pass over all tokens")
+    for dtype in [d for d in args.dtypes.split(",") if d in quant.BLOCK_DTYPES]:
+        stored = to_storage(w_f32, dtype)
+        mats = {lay: quant.from_rows(stored, dtype, cols, lay) for lay in layouts_of(args, dtype)}
+        first = next(iter(mats))
+        for n in counts:
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            reps = max(1, int(2e8 / stored.nbytes / n))
+            best = {lay: float("inf") for lay in mats}
+            for _ in range(args.repeat):
+                for lay, w in mats.items():
+                    best[lay] = min(best[lay], _kernels.bench_matmul(w, x, dtype, args.threads, reps, lay))
+            cells = "  ".join(f"{lay} {stored.nbytes * reps / t / 1e9:6.1f} ({best[first] / t:.2f} x)"
+                              for lay, t in best.items())
+            print(f"{dtype:>5} {n:4d} tokens: {cells}")
 
 
 def layouts_of(args, dtype):
