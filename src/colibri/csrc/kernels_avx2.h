@@ -866,10 +866,6 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
     for (int j = 0; j < T; j++) _mm256_storeu_ps(out + (size_t)j * ldo, acc[j]);
 }
 
-/* The order of every interleaved tile: group by group; decode (n = 1) takes a group's whole row of
- * blocks at once, a prompt CB_TPREFILL_KBLOCKS blocks (9 KB) at a time under every 4-token tile.
- * STEP runs with o (the tile's first output), gp (block kb0 of group g), kb0, kb1, t and T (tokens
- * left). In a function with out, ldo, w, dtype, acts, cols, g0, g1, n. */
 /* Decode: G groups at once, streams `gstride` bytes apart (outputs `ostride` floats apart), over
  * all nb blocks: G read streams per thread instead of one (the transposed decode's lesson:
  * CB_TDECODE_ROWS), and one activation broadcast serves G groups. Each group's arithmetic is
