@@ -304,8 +304,8 @@ cdef struct Layer:
     const float *router_scale     # [d_model] (parallel) the router reads rmsnorm(x) * router_scale * d**-0.5
     const float *expert_scale     # [n_experts] or NULL: multiplies each chosen expert's weight
     int kv_ring               # rows of the cache: n_ctx, or window + prefill chunk (sliding layers)
-    float *k_cache            # [kv_ring, n_kv_heads * head_dim], position p in row p % kv_ring
-    float *v_cache            # [kv_ring, n_kv_heads * head_dim]
+    float *k_cache            # [n_kv_heads, kv_ring, head_dim], position p in row p % kv_ring of each head
+    float *v_cache            # [n_kv_heads, kv_ring, head_dim]
 
 cdef struct Hyper:
     int d_model
@@ -335,6 +335,8 @@ cdef struct Scratch:
     float *xb         # [d_model] normed input of a block
     float *xb2        # [d_model] output of a block
     float *q          # [n_heads * max head_dim]
+    float *k          # [max kv_dim] this position's keys, before they go to the cache (kv_store)
+    float *v          # [max kv_dim] its values
     float *att        # [n_heads * max head_dim] attention output before wo
     float *scores     # [n_heads, n_ctx]
     float *hb         # [slots, max_ff] FFN hidden (gate, then activation), one row per expert of a step
@@ -484,17 +486,27 @@ cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *
     cb_rope(k, L.n_kv_heads, hd, cos_t, sin_t)
 
 
+cdef inline void kv_store(Layer *L, const float *k, const float *v, int pos) noexcept nogil:
+    """Position pos's keys and values [n_kv_heads * head_dim] into row pos % kv_ring of each KV head."""
+    cdef int j, hd = L.head_dim
+    cdef size_t row
+    for j in range(L.n_kv_heads):
+        row = (<size_t>j * L.kv_ring + pos % L.kv_ring) * hd
+        memcpy(L.k_cache + row, k + <size_t>j * hd, sizeof(float) * hd)
+        memcpy(L.v_cache + row, v + <size_t>j * hd, sizeof(float) * hd)
+
+
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
     """s.xb2 = self-attention of s.xb at position `pos`; appends this position's k, v to the cache."""
-    cdef int kv_dim = L.n_kv_heads * L.head_dim
-    cdef float *k = L.k_cache + <size_t>(pos % L.kv_ring) * kv_dim      # written in place in the cache
-    cdef float *v = L.v_cache + <size_t>(pos % L.kv_ring) * kv_dim
+    cdef float *k = s.k
+    cdef float *v = s.v
     cdef cb_matjob jobs[3]
     job(&jobs[0], s.q, 0, &L.wq, s.xb, h.d_model, &s.act)
     job(&jobs[1], k, 0, &L.wk, s.xb, h.d_model, &s.act)
     job(&jobs[2], v, 0, &L.wv, s.xb, h.d_model, &s.act)
     cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, 1, h.n_threads)
     qkv_finish(h, L, s.q, k, v, pos)
+    kv_store(L, k, v, pos)
     cb_attention(s.att, s.q, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx,
                  cb_window_start(pos, L.sliding_window), pos, L.kv_ring, L.attn_scale, h.n_threads)
     matvec(s.xb2, &L.wo, s.att, s, h.n_threads)
@@ -687,7 +699,6 @@ cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n,
     The chunk's keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
     a ring of window + chunk rows keeps every key a query of the chunk can see."""
     cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
-    cdef size_t row
     cdef cb_matjob jobs[3]
     job(&jobs[0], b.q, q_dim, &L.wq, b.xb, d, b.acts)
     job(&jobs[1], b.k, kv_dim, &L.wk, b.xb, d, b.acts)
@@ -695,9 +706,7 @@ cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n,
     cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, n, h.n_threads)
     for t in range(n):
         qkv_finish(h, L, b.q + <size_t>t * q_dim, b.k + <size_t>t * kv_dim, b.v + <size_t>t * kv_dim, pos0 + t)
-        row = <size_t>((pos0 + t) % L.kv_ring) * kv_dim
-        memcpy(L.k_cache + row, b.k + <size_t>t * kv_dim, sizeof(float) * kv_dim)
-        memcpy(L.v_cache + row, b.v + <size_t>t * kv_dim, sizeof(float) * kv_dim)
+        kv_store(L, b.k + <size_t>t * kv_dim, b.v + <size_t>t * kv_dim, pos0 + t)
     cb_attention_batch(b.att, q_dim, b.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
                        L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, h.n_threads)
     matmul(b.xb2, d, &L.wo, b.att, q_dim, b, n, h.n_threads)
@@ -890,6 +899,7 @@ cdef class Engine:
         keep = {
             "x": np.zeros(d, f32), "xb": np.zeros(d, f32), "xb2": np.zeros(d, f32),
             "q": np.zeros(q_dim, f32), "att": np.zeros(q_dim, f32),
+            "k": np.zeros(kv_dim, f32), "v": np.zeros(kv_dim, f32),
             "scores": np.zeros((self.h.n_heads, n_ctx), f32),
             "hb": np.zeros((slots, max_ff), f32), "hb2": np.zeros((slots, max_ff), f32),
             "moe_acc": np.zeros((slots, d), f32),
@@ -925,10 +935,11 @@ cdef class Engine:
             "b_act_q": np.zeros((cap, max_cols), np.int8), "b_act_d": np.zeros((cap, max_cols // 32 + 1), f32),
             "b_act_s": np.zeros((cap, max_cols // 32 + 1), np.int32),
             "b_act_xp": np.zeros((cap, max_cols), f32),
-            # KV cache, per layer [kv_ring, kv_dim]: zero pages are only touched (made resident) as
-            # positions are filled. A sliding layer's ring must hold its window plus one prefill chunk.
-            "k_cache": [np.zeros((f["kv_ring"], f["n_kv_heads"] * f["head_dim"]), f32) for f in layer_flags],
-            "v_cache": [np.zeros((f["kv_ring"], f["n_kv_heads"] * f["head_dim"]), f32) for f in layer_flags],
+            # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
+            # what the attention reads): zero pages are only touched (made resident) as positions
+            # are filled. A sliding layer's ring must hold its window plus one prefill chunk.
+            "k_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
+            "v_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
         })
         for f in layer_flags:
             if not (f["kv_ring"] == n_ctx or (f["sliding_window"] > 0 and f["kv_ring"] >= f["sliding_window"] + cap)):
@@ -952,6 +963,7 @@ cdef class Engine:
         self.s.act.xp = _f32(keep["act_xp"])
         self.s.x = _f32(keep["x"]); self.s.xb = _f32(keep["xb"]); self.s.xb2 = _f32(keep["xb2"])
         self.s.q = _f32(keep["q"]); self.s.att = _f32(keep["att"])
+        self.s.k = _f32(keep["k"]); self.s.v = _f32(keep["v"])
         self.s.scores = _f32(keep["scores"])
         self.s.hb = _f32(keep["hb"]); self.s.hb2 = _f32(keep["hb2"])
         self.s.moe_acc = _f32(keep["moe_acc"]); self.s.router = _f32(keep["router"])
@@ -1366,20 +1378,23 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
     head_dim] (roped), k_cache / v_cache float32 [ring, n_kv_heads * head_dim] holding position p
     in row p % ring; attends positions start..pos with scale 1/sqrt(head_dim). -> [n_heads, head_dim]."""
     qa = np.ascontiguousarray(q, np.float32)
-    ka = np.ascontiguousarray(k_cache, np.float32)
-    va = np.ascontiguousarray(v_cache, np.float32)
-    cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring = ka.shape[0]
-    if n_kv_heads < 1 or n_heads % n_kv_heads or ka.shape[1] != n_kv_heads * head_dim or va.shape != ka.shape:
+    cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring = np.shape(k_cache)[0]
+    if n_kv_heads < 1 or n_heads % n_kv_heads or np.shape(k_cache) != (ring, n_kv_heads * head_dim) \
+            or np.shape(v_cache) != np.shape(k_cache):
         raise ValueError("kernel_attention: q [n_heads, head_dim], caches [ring, n_kv_heads * head_dim]")
+    # the engine's cache order: [n_kv_heads, ring, head_dim]
+    ka = np.ascontiguousarray(np.asarray(k_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
+    va = np.ascontiguousarray(np.asarray(v_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
     if not 0 <= start <= pos or pos - start + 1 > ring:
         raise ValueError("kernel_attention: positions start..pos must fit the ring")
     n_ctx = pos - start + 1
     out = np.zeros((n_heads, head_dim), np.float32)
     scores = np.zeros((n_heads, n_ctx), np.float32)
     cdef float[:, ::1] o = out, sc = scores
-    cdef const float[:, ::1] qv = qa, kv = ka, vv = va
+    cdef const float[:, ::1] qv = qa
+    cdef const float[:, :, ::1] kv = ka, vv = va
     with nogil:
-        cb_attention(&o[0, 0], &qv[0, 0], &kv[0, 0], &vv[0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim, n_ctx,
+        cb_attention(&o[0, 0], &qv[0, 0], &kv[0, 0, 0], &vv[0, 0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim, n_ctx,
                      start, pos, ring, 1.0 / sqrtf(head_dim), n_threads)
     return out
 

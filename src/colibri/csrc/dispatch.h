@@ -394,8 +394,8 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout,
 
 /* Causal attention of one query position over the cache.
  *   q        [n_heads, head_dim]           the current query (already roped)
- *   k_cache  [ring, n_kv_heads, head_dim]   keys of positions start..pos
- *   v_cache  [ring, n_kv_heads, head_dim]
+ *   k_cache  [n_kv_heads, ring, head_dim]   keys of positions start..pos (a KV head's rows
+ *   v_cache  [n_kv_heads, ring, head_dim]   together: one contiguous read per head)
  *   scores   [n_heads, n_ctx]               scratch (row stride n_ctx >= pos - start + 1)
  *   out      [n_heads, head_dim]
  * Positions start..pos are attended (start > 0 for sliding-window layers); position p lives in
@@ -440,8 +440,7 @@ static void cb_attention(float *out, const float *q, const float *k_cache, const
     for (int u = 0; u < units; u++) {
         int h0, nh, kvh;
         cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
-        attend(out, q, k_cache, v_cache, scores, n_ctx, h0, nh, kvh, n_kv_heads * head_dim, head_dim, start, pos,
-               ring, scale);
+        attend(out, q, k_cache, v_cache, scores, n_ctx, h0, nh, kvh, head_dim, start, pos, ring, scale);
     }
 }
 
@@ -468,7 +467,7 @@ static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, con
         for (int t = 0; t < n; t++) {
             int pos = pos0 + t;
             attend(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores, n_ctx, h0, nh, kvh,
-                   n_kv_heads * head_dim, head_dim, cb_window_start(pos, window), pos, ring, scale);
+                   head_dim, cb_window_start(pos, window), pos, ring, scale);
         }
     }
 }

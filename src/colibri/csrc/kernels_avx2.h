@@ -724,7 +724,7 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
 #endif
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
-                     int sc_stride, int h0, int kvh, int kv_stride, int head_dim, int start, int pos, int ring,
+                     int sc_stride, int h0, int kvh, int head_dim, int start, int pos, int ring,
                      float scale, const int NH) {
     const int n = pos - start + 1, row0 = start % ring;
     const float *qh[4];
@@ -733,12 +733,12 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
         qh[i] = q + (size_t)(h0 + i) * head_dim;
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
     }
-    const float *kbase = k_cache + (size_t)kvh * head_dim, *vbase = v_cache + (size_t)kvh * head_dim;
+    const float *kbase = k_cache + (size_t)kvh * ring * head_dim, *vbase = v_cache + (size_t)kvh * ring * head_dim;
     const __m128 vscale = _mm_set1_ps(scale);
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *k = kbase + (size_t)row * kv_stride;
+        const float *k = kbase + (size_t)row * head_dim;
         const int ahead = row + CB_ATTN_PREFETCH < ring ? row + CB_ATTN_PREFETCH : row + CB_ATTN_PREFETCH - ring;
-        for (int d = 0; d < head_dim; d += 16) _mm_prefetch((const char *)(kbase + (size_t)ahead * kv_stride + d), _MM_HINT_T0);
+        for (int d = 0; d < head_dim; d += 16) _mm_prefetch((const char *)(kbase + (size_t)ahead * head_dim + d), _MM_HINT_T0);
         __m256 acc[4];
         for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
         for (int d = 0; d < head_dim; d += 8) {
@@ -757,9 +757,9 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
         __m256 a0[4], a1[4];
         for (int i = 0; i < NH; i++) a0[i] = a1[i] = _mm256_setzero_ps();
         for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-            const float *v = vbase + (size_t)row * kv_stride + d;
+            const float *v = vbase + (size_t)row * head_dim + d;
             const int ahead = row + CB_ATTN_PREFETCH < ring ? row + CB_ATTN_PREFETCH : row + CB_ATTN_PREFETCH - ring;
-            _mm_prefetch((const char *)(vbase + (size_t)ahead * kv_stride + d), _MM_HINT_T0);
+            _mm_prefetch((const char *)(vbase + (size_t)ahead * head_dim + d), _MM_HINT_T0);
             const __m256 v0 = _mm256_loadu_ps(v), v1 = two ? _mm256_loadu_ps(v + 8) : _mm256_setzero_ps();
             for (int i = 0; i < NH; i++) {
                 const __m256 p = _mm256_broadcast_ss(sc[i] + t);
@@ -776,15 +776,15 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
 }
 
 CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                                float *scores, int sc_stride, int h0, int nh, int kvh, int kv_stride,
+                                                float *scores, int sc_stride, int h0, int nh, int kvh,
                                                 int head_dim, int start, int pos, int ring, float scale) {
     if (head_dim % 8) {
         for (int h = h0; h < h0 + nh; h++)
-            cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, kv_stride, head_dim,
+            cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, head_dim,
                            start, pos, ring, scale, cb_dot_f32_avx2);
         return;
     }
-#define CB_ATTEND_NH(k) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, kv_stride, \
+#define CB_ATTEND_NH(k) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, \
                                              head_dim, start, pos, ring, scale, k)
     switch (nh) {
     case 1: CB_ATTEND_NH(1); break;

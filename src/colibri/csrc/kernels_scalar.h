@@ -371,38 +371,38 @@ static int cb_softmax(float *x, int n) {
 
 /* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+1]. */
 static inline void cb_attend_head(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                  float *sc, int h, int kvh, int kv_stride, int head_dim, int start,
+                                  float *sc, int h, int kvh, int head_dim, int start,
                                   int pos, int ring, float scale, cb_dot_fn dot) {
     const float *qh = q + (size_t)h * head_dim;
     int n = pos - start + 1;
     int row0 = start % ring;                     /* the cache row of position start; rows wrap */
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *kt = k_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
+        const float *kt = k_cache + ((size_t)kvh * ring + row) * head_dim;
         sc[t] = dot(kt, qh, NULL, head_dim) * scale;
     }
     cb_softmax(sc, n);
     float *oh = out + (size_t)h * head_dim;
     memset(oh, 0, sizeof(float) * (size_t)head_dim);
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *vt = v_cache + (size_t)row * kv_stride + (size_t)kvh * head_dim;
+        const float *vt = v_cache + ((size_t)kvh * ring + row) * head_dim;
         cb_axpy(oh, sc[t], vt, head_dim);
     }
 }
 
 /* Attention of one query at `pos` for query heads h0 .. h0 + nh - 1 (nh <= 4), which all read
  * KV head kvh (grouped-query attention), over positions start..pos whose keys and values live in
- * cache row p % ring (row stride kv_stride floats); q [n_heads, head_dim] roped, out [n_heads,
+ * row p % ring of the caches [n_kv_heads, ring, head_dim]; q [n_heads, head_dim] roped, out [n_heads,
  * head_dim], scores: a row of >= pos - start + 1 floats per head, sc_stride apart. Every tier
  * implements this; prefill and decode both come through it, so they agree bit for bit. */
 typedef void (*cb_attend_fn)(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
-                             int sc_stride, int h0, int nh, int kvh, int kv_stride, int head_dim, int start, int pos,
+                             int sc_stride, int h0, int nh, int kvh, int head_dim, int start, int pos,
                              int ring, float scale);
 
 static void cb_attend_heads_scalar(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                   float *scores, int sc_stride, int h0, int nh, int kvh, int kv_stride,
+                                   float *scores, int sc_stride, int h0, int nh, int kvh,
                                    int head_dim, int start, int pos, int ring, float scale) {
     for (int h = h0; h < h0 + nh; h++)
-        cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, kv_stride, head_dim, start,
+        cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, head_dim, start,
                        pos, ring, scale, cb_dot_f32_scalar);
 }
 
