@@ -1135,6 +1135,10 @@ cdef class Engine:
     def n_ctx(self):
         return self.h.n_ctx
 
+    def kv_cache_ranges(self):
+        """[(address, nbytes)] of every layer's key and value cache."""
+        return [(a.ctypes.data, a.nbytes) for a in self._keep["k_cache"] + self._keep["v_cache"]]
+
     @property
     def kv_cache_bytes(self):
         """Bytes of the KV cache arrays as allocated (keys and values of every layer)."""

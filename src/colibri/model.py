@@ -128,8 +128,11 @@ class Model:
         if prefetch != "none" and self.residency.spans:
             hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
         self._engine = _kernels.Engine(hp, self._maps.engine_table(), flags, threads)
-        # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk
+        # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk;
+        # resident as positions are written, in base pages (with transparent huge pages, the first
+        # position of each KV head's region made 2 MB resident: 840 -> 779 MiB peak, mixtral-mini int4)
         self.kv_cache_bytes = self._engine.kv_cache_bytes
+        _os.small_pages(self._engine.kv_cache_ranges())
         self.tokenizer = Tokenizer.from_dir(self._dir)
         self._busy = threading.Lock()
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,

@@ -52,6 +52,7 @@ INTERFACE = (
     "alloc_aligned",     # nbytes, align -> (address, AlignedBuffer)   anonymous read-write memory
     "lock",              # ranges -> bool                    pin in RAM (mlock / VirtualLock)
     "unlock",            # ranges -> bool                    undo lock
+    "small_pages",       # ranges -> bool                    advice: anonymous memory grows page by page
     "page_faults",       # () -> (minor, major)              this process, since it started
     "rss_bytes",         # () -> (current, peak)             resident set / working set
     "evict_file_cache",  # path -> bool                      drop a file from the OS page cache
@@ -316,6 +317,17 @@ def lock(ranges) -> bool:
 def unlock(ranges) -> bool:
     """Undo `lock` on `ranges` (munlock / VirtualUnlock). The pages stay resident for now."""
     return _advise("unlock", _backend.unlock, _aligned(ranges))
+
+
+def small_pages(ranges) -> bool:
+    """Advise that anonymous memory in `ranges` be backed by base pages only, so that what is
+    resident follows what was written (a KV cache filled position by position).
+
+    Linux: madvise(MADV_NOHUGEPAGE): with transparent huge pages "always", the first write into a
+    2 MB-aligned region would otherwise make all 2 MB resident. Other POSIX systems and Windows
+    have no implicit huge pages: nothing to do (True).
+    """
+    return _advise("small_pages", _backend.small_pages, _aligned(ranges))
 
 
 def page_faults() -> tuple[int, int]:

@@ -26,6 +26,7 @@ MAP_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0x02)
 MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0x20))
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)      # Linux only
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 _c_off_t = ctypes.c_int64 if sys.platform == "darwin" else ctypes.c_long  # glibc mmap: off_t = long
@@ -184,6 +185,11 @@ def lock(ranges) -> None:
 
 def unlock(ranges) -> None:
     _each(ranges, "munlock")
+
+
+def small_pages(ranges) -> None:
+    if sys.platform.startswith("linux"):                    # the only POSIX with transparent huge pages
+        _each(ranges, "madvise", MADV_NOHUGEPAGE)
 
 
 def resident_bytes(address: int, length: int) -> int:

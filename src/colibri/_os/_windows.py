@@ -265,6 +265,10 @@ def unlock(ranges) -> None:
     _each(ranges, _fn("VirtualUnlock"), "VirtualUnlock")
 
 
+def small_pages(ranges) -> None:
+    """Windows backs memory with large pages only when asked (MEM_LARGE_PAGES): nothing to do."""
+
+
 def resident_bytes(address: int, length: int) -> int:
     query, proc, page = _fn("QueryWorkingSetEx"), _process(), page_size()
     chunk = 1 << 16  # entries per call: 1 MiB of PSAPI_WORKING_SET_EX_INFORMATION
