@@ -119,6 +119,8 @@ CB_TARGET_AVX2 static void cb_quantize_act_avx2(cb_act_q8 *a, const float *x, in
         __m256i p = _mm256_packs_epi16(p01, p23);
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(a->q + b * CB_QBLOCK), p);
+        /* the block's sum of q (pairs against 1, then the 8 int32 lanes): every kernel with
+         * unsigned weights takes off 8 or 128 times it (cb_act_q8.s) */
         __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p), _mm256_set1_epi16(1));
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -379,16 +381,6 @@ cb_group_sums_int4_avx2(__m256i *isum, const cb_group_int4 *g, const __m256i *xl
     }
 }
 
-/* 8 * the sum of a quantized activation block (32 bytes): summed in pairs against 1, then the 8
- * int32 lanes. int4 multiplies unsigned nibbles (0..15) and takes this off (w = nibble - 8). */
-CB_TARGET_AVX2 static inline int32_t cb_block_sum8_avx2(const int8_t *q) {
-    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)q)),
-                                  _mm256_set1_epi16(1));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    return 8 * _mm_cvtsi128_si32(s4);
-}
 
 /* Token j's activation block kb as the group sums want it (T tokens): xoff is the weights' offset
  * times sum(x) — 8 * sum(x) for int4's nibbles, 128 * sum(x) for int8 stored + 128 (the VNNI
@@ -407,9 +399,9 @@ cb_tq_prepare_avx2(cb_tq_block *b, const cb_act_q8 *acts, int kb, int dtype, con
         if (dtype == CB_INT4) {
             b->xlo[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
             b->xhi[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
-            b->xoff[j] = _mm256_set1_epi32(cb_block_sum8_avx2(q));
+            b->xoff[j] = _mm256_set1_epi32(8 * acts[j].s[kb]);
         } else if (offset_int8) {
-            b->xoff[j] = _mm256_set1_epi32(16 * cb_block_sum8_avx2(q));
+            b->xoff[j] = _mm256_set1_epi32(128 * acts[j].s[kb]);
         }
     }
 }
@@ -630,7 +622,7 @@ CB_TARGET_AVX2 static uint8_t *cb_tprefill_pack_avx2(const char *w, int dtype, c
     const int32_t k = dtype == CB_INT4 ? 1 : unsigned_int8 ? 16 : 0;       /* times 8 * sum(x) */
     if (k && first)
         for (int t = 0; t < n; t++)
-            for (int kb = 0; kb < nb; kb++) xsum[(size_t)t * nb + kb] = k * cb_block_sum8_avx2(acts[t].q + kb * CB_QBLOCK);
+            for (int kb = 0; kb < nb; kb++) xsum[(size_t)t * nb + kb] = k * 8 * acts[t].s[kb];
     for (int kb = 0; kb < nb; kb++) {          /* the stored chunk is read in order, row of blocks by row */
         const char *src = w + ((size_t)kb * groups + g0) * gbytes;
         for (int g = g0; g < g1; g++, src += gbytes)
