@@ -291,10 +291,11 @@ def test_attention_softmax_of_non_finite_scores_is_refused(isa):
 @st.composite
 def attention_case(draw):
     """(q [heads, hd], k, v [ring, kv * hd], kv heads, start, pos): query heads per KV head 1..9
-    (the kernel takes 4 at a time), head_dim a multiple of 8 or not, positions wrapping the ring."""
+    (the kernel takes 4 at a time), head_dim a multiple of 8 or not, positions wrapping the ring and
+    crossing the AVX2 value pass's blocks (2 KB of rows: 8 rows at head_dim 64, 4 at 128 and 256)."""
     kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 9))
-    hd = draw(st.sampled_from([8, 12, 16, 24, 64]))
-    ring = draw(st.integers(1, 40))
+    hd = draw(st.sampled_from([8, 12, 16, 24, 64, 128, 256]))
+    ring = draw(st.integers(1, 80))
     n = draw(st.integers(1, ring))                      # positions attended
     start = draw(st.integers(0, 100))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -326,3 +327,22 @@ def test_attention_matches_numpy(isa, case, threads):
         p_rel = 2 * s_err.max() + 8 * 2.0**-24 + float32_dot_bound(np.ones(1), len(rows))[0]
         bound = p_rel * (p @ np.abs(vh)) + float32_dot_bound(p @ np.abs(vh), len(rows) + 1)
         assert np.all(np.abs(got[h] - ref) <= bound), h
+
+
+def test_attention_takes_caches_in_the_engine_order(isa):
+    """kernel_attention on caches already [n_kv_heads, ring, head_dim] (what bench_attention times)
+    gives the bits of the [ring, n_kv_heads * head_dim] form; bench_attention refuses other shapes."""
+    rng = np.random.default_rng(7)
+    kv, hd, ring = 2, 64, 37
+    q = rng.standard_normal((6, hd), dtype=np.float32)
+    k = rng.standard_normal((ring, kv * hd), dtype=np.float32)
+    v = rng.standard_normal((ring, kv * hd), dtype=np.float32)
+    engine_order = [np.ascontiguousarray(a.reshape(ring, kv, hd).transpose(1, 0, 2)) for a in (k, v)]
+    np.testing.assert_array_equal(_kernels.kernel_attention(q, *engine_order, kv, 30, 60, 2),
+                                  _kernels.kernel_attention(q, k, v, kv, 30, 60, 2))
+    with pytest.raises(ValueError, match="engine-order caches"):
+        _kernels.kernel_attention(q, engine_order[0], engine_order[1][:, :-1], kv, 0, 3)
+    layers = np.stack([engine_order[0]] * 2)
+    assert _kernels.bench_attention(q, layers, layers, ring - 1, 1, 1) > 0
+    with pytest.raises(ValueError, match="bench_attention"):
+        _kernels.bench_attention(q, layers, layers, ring, 1, 1)

@@ -29,6 +29,11 @@ VNNI step is left out), also in the matvec table.
     python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
                                   [--layouts rows,transposed,interleaved]
     python tools/bench_kernels.py --sweep 1,2,4,8,32,128 --layouts transposed,interleaved
+    python tools/bench_kernels.py --attention 256,1024,4096
+
+--attention: decode's attention alone, per context length: one query of a Mixtral-shaped model
+(16 layers, 16 heads over 4 KV heads, head_dim 64) against every layer's f32 KV cache (32 KB per
+position), GB/s of cache read next to the plain read of a buffer of the same size, interleaved.
 (interleaved is for int8/int4: the float formats skip it.)
 """
 from __future__ import annotations
@@ -62,12 +67,17 @@ def main():
     ap.add_argument("--sweep", default=None,
                     help="token counts, e.g. 1,2,4,8,32,128: only the layouts' products of an expert-shaped "
                          "[3584, 1024] int8/int4 matrix per token count, each layout's GB/s and the ratio to the first")
+    ap.add_argument("--attention", default=None,
+                    help="context lengths, e.g. 256,1024,4096: only decode's attention over a 16-layer KV cache")
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
     rng = np.random.default_rng(0)
     if args.sweep:
         token_sweep(args, rng, [int(n) for n in args.sweep.split(",")])
+        return
+    if args.attention:
+        attention_table(args, rng, [int(n) for n in args.attention.split(",")])
         return
     cols = args.cols
     rows = args.mb * (1 << 20) // (2 * cols)
@@ -119,6 +129,28 @@ def token_sweep(args, rng, counts, rows=3584, cols=1024):
             cells = "  ".join(f"{lay} {stored.nbytes * reps / t / 1e9:6.1f} ({best[first] / t:.2f} x)"
                               for lay, t in best.items())
             print(f"{dtype:>5} {n:4d} tokens: {cells}")
+
+
+def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_dim=64):
+    """Decode's attention (cb_attention, every layer, one query) against the read bandwidth."""
+    print(f"tier {_kernels.isa()}, {args.threads} threads, {layers} layers x {heads} heads / {kv_heads} KV heads x "
+          f"head_dim {head_dim}, f32 cache; median of {args.repeat}, interleaved with a read of the same bytes")
+    print(f"{'positions':>9} {'cache MB':>9} {'ms/token':>9} {'attention GB/s':>15} {'read GB/s':>10} {'ratio':>6}")
+    q = rng.standard_normal((heads, head_dim), dtype=np.float32)
+    for n in lengths:
+        k = rng.standard_normal((layers, kv_heads, n, head_dim), dtype=np.float32)
+        v = rng.standard_normal((layers, kv_heads, n, head_dim), dtype=np.float32)
+        nbytes = k.nbytes + v.nbytes
+        read_buf = np.ones(nbytes // 8, np.uint64)
+        reps = max(1, int(3e8 / nbytes))
+        _kernels.bench_attention(q, k, v, n - 1, args.threads, 1)        # warm: page in
+        at, rt = [], []
+        for _ in range(args.repeat):
+            at.append(_kernels.bench_attention(q, k, v, n - 1, args.threads, reps) / reps)
+            rt.append(timed(lambda: _kernels.bench_read(read_buf, args.threads)))
+        a, r = statistics.median(at), statistics.median(rt)
+        print(f"{n:9d} {nbytes / 1e6:9.1f} {a * 1e3:9.3f} {nbytes / a / 1e9:15.1f} {nbytes / r / 1e9:10.1f} {r / a:6.2f}")
+        del k, v, read_buf
 
 
 def layouts_of(args, dtype):

@@ -1275,6 +1275,35 @@ def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, s
     return seconds
 
 
+def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_threads, int reps):
+    """Seconds for `reps` decode steps' attention: one query q [n_heads, head_dim] against every
+    layer's cache in k_layers / v_layers float32 [n_layers, n_kv_heads, ring, head_dim] (the
+    engine's order), positions 0..pos, through cb_attention with no Python between layers or
+    repetitions: what tools/bench_kernels.py --attention times."""
+    import time
+    ka = np.ascontiguousarray(k_layers, np.float32)
+    va = np.ascontiguousarray(v_layers, np.float32)
+    if ka.ndim != 4 or va.shape != ka.shape or ka.shape[3] != q.shape[1] or q.shape[0] % ka.shape[1] \
+            or not 0 <= pos < ka.shape[2] or reps < 1:
+        raise ValueError("bench_attention: q [n_heads, head_dim], caches [n_layers, n_kv_heads, ring, head_dim], "
+                         "0 <= pos < ring, reps >= 1")
+    cdef int n_layers = ka.shape[0], n_kv = ka.shape[1], ring = ka.shape[2], head_dim = ka.shape[3]
+    cdef int n_heads = q.shape[0], r, layer
+    cdef size_t per_layer = <size_t>n_kv * ring * head_dim
+    out = np.zeros((n_heads, head_dim), np.float32)
+    scores = np.zeros((n_heads, pos + 1), np.float32)
+    cdef float[:, ::1] o = out, sc = scores
+    cdef const float[:, :, :, ::1] kv = ka, vv = va
+    cdef float scale = 1.0 / sqrtf(head_dim)
+    t0 = time.perf_counter()
+    with nogil:
+        for r in range(reps):
+            for layer in range(n_layers):
+                cb_attention(&o[0, 0], &q[0, 0], &kv[layer, 0, 0, 0], &vv[layer, 0, 0, 0], &sc[0, 0], n_heads, n_kv,
+                             head_dim, pos + 1, 0, pos, ring, scale, n_threads)
+    return time.perf_counter() - t0
+
+
 def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layout="rows"):
     """out [n, rows] = x [n, cols] @ W^T through cb_matmul (the prefill product), W stored as in
     kernel_matvec."""
@@ -1380,15 +1409,26 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
 def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1):
     """One query's causal attention through the tier's kernel (cb_attention): q float32 [n_heads,
     head_dim] (roped), k_cache / v_cache float32 [ring, n_kv_heads * head_dim] holding position p
-    in row p % ring; attends positions start..pos with scale 1/sqrt(head_dim). -> [n_heads, head_dim]."""
+    in row p % ring — or already in the engine's order [n_kv_heads, ring, head_dim] (C-contiguous
+    float32, used as they are: tools/bench_kernels.py); attends positions start..pos with scale
+    1/sqrt(head_dim). -> [n_heads, head_dim]."""
     qa = np.ascontiguousarray(q, np.float32)
-    cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring = np.shape(k_cache)[0]
-    if n_kv_heads < 1 or n_heads % n_kv_heads or np.shape(k_cache) != (ring, n_kv_heads * head_dim) \
-            or np.shape(v_cache) != np.shape(k_cache):
-        raise ValueError("kernel_attention: q [n_heads, head_dim], caches [ring, n_kv_heads * head_dim]")
-    # the engine's cache order: [n_kv_heads, ring, head_dim]
-    ka = np.ascontiguousarray(np.asarray(k_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
-    va = np.ascontiguousarray(np.asarray(v_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
+    cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError("kernel_attention: n_heads must be a multiple of n_kv_heads")
+    if np.ndim(k_cache) == 3:
+        ring = np.shape(k_cache)[1]
+        if np.shape(k_cache) != (n_kv_heads, ring, head_dim) or np.shape(v_cache) != np.shape(k_cache):
+            raise ValueError("kernel_attention: engine-order caches are [n_kv_heads, ring, head_dim]")
+        ka = np.ascontiguousarray(k_cache, np.float32)
+        va = np.ascontiguousarray(v_cache, np.float32)
+    else:
+        ring = np.shape(k_cache)[0]
+        if np.shape(k_cache) != (ring, n_kv_heads * head_dim) or np.shape(v_cache) != np.shape(k_cache):
+            raise ValueError("kernel_attention: q [n_heads, head_dim], caches [ring, n_kv_heads * head_dim]")
+        # the engine's cache order: [n_kv_heads, ring, head_dim]
+        ka = np.ascontiguousarray(np.asarray(k_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
+        va = np.ascontiguousarray(np.asarray(v_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
     if not 0 <= start <= pos or pos - start + 1 > ring:
         raise ValueError("kernel_attention: positions start..pos must fit the ring")
     n_ctx = pos - start + 1
