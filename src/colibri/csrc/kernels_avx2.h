@@ -719,8 +719,9 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
 #endif
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
-                     int sc_stride, int h0, int kvh, int head_dim, int start, int pos, int ring,
-                     float scale, const int NH) {
+                     int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
+                     float scale, const int NH, const int HD) {
+    const int head_dim = HD ? HD : head_dim_;          /* a constant where HD is: the loops unroll */
     const int n = pos - start + 1, row0 = start % ring;
     const float *qh[4];
     float *sc[4];
@@ -729,22 +730,39 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
     }
     const float *kbase = k_cache + (size_t)kvh * ring * head_dim, *vbase = v_cache + (size_t)kvh * ring * head_dim;
-    const __m128 vscale = _mm_set1_ps(scale);
-    for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *k = kbase + (size_t)row * head_dim;
-        const int ahead = row + CB_ATTN_PREFETCH < ring ? row + CB_ATTN_PREFETCH : row + CB_ATTN_PREFETCH - ring;
-        for (int d = 0; d < head_dim; d += 16) _mm_prefetch((const char *)(kbase + (size_t)ahead * head_dim + d), _MM_HINT_T0);
-        __m256 acc[4];
-        for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
-        for (int d = 0; d < head_dim; d += 8) {
-            const __m256 kv = _mm256_loadu_ps(k + d);
-            for (int i = 0; i < NH; i++) acc[i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qh[i] + d), acc[i]);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    /* Scores two key rows at a time: each q load serves both rows and 2 x NH independent FMA chains
+     * hide the FMA latency (one row's NH chains of head_dim / 8 did not: 7 FLOP a cycle of 32).
+     * Each row's sums are gathered as before — hadd pairs, then the two 128-bit halves — so a
+     * score does not depend on its row's partner (or on being the odd one out at the end). */
+    int t = 0, row = row0;
+    for (; t < n; t += 2) {
+        const int pair = t + 1 < n, row_b = row + 1 == ring ? 0 : row + 1;
+        const float *ka = kbase + (size_t)row * head_dim, *kb = kbase + (size_t)(pair ? row_b : row) * head_dim;
+        for (int r = 0; r < 2; r++) {
+            int ahead = row + CB_ATTN_PREFETCH + r;
+            ahead = ahead < ring ? ahead : ahead % ring;
+            for (int d = 0; d < head_dim; d += 16) _mm_prefetch((const char *)(kbase + (size_t)ahead * head_dim + d), _MM_HINT_T0);
         }
-        /* [h0 h1 h2 h3] sums: hadd pairs, then the two 128-bit halves */
-        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-        float r[4];
-        _mm_storeu_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)), vscale));
+        __m256 acc_a[4], acc_b[4];
+        for (int i = 0; i < 4; i++) acc_a[i] = acc_b[i] = _mm256_setzero_ps();
+        for (int d = 0; d < head_dim; d += 8) {
+            const __m256 kva = _mm256_loadu_ps(ka + d), kvb = _mm256_loadu_ps(kb + d);
+            for (int i = 0; i < NH; i++) {
+                const __m256 qv = _mm256_loadu_ps(qh[i] + d);
+                acc_a[i] = _mm256_fmadd_ps(kva, qv, acc_a[i]);
+                acc_b[i] = _mm256_fmadd_ps(kvb, qv, acc_b[i]);
+            }
+        }
+        const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(acc_a[0], acc_a[1]), _mm256_hadd_ps(acc_a[2], acc_a[3]));
+        const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(acc_b[0], acc_b[1]), _mm256_hadd_ps(acc_b[2], acc_b[3]));
+        float r[8];                                      /* [row a: heads 0-3, row b: heads 0-3] */
+        _mm256_storeu_ps(r, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
+                                                        _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
         for (int i = 0; i < NH; i++) sc[i][t] = r[i];
+        if (pair)
+            for (int i = 0; i < NH; i++) sc[i][t + 1] = r[4 + i];
+        row = row_b + 1 == ring ? 0 : row_b + 1;
     }
     for (int i = 0; i < NH; i++) cb_softmax_avx2(sc[i], n);
     /* The value rows a block at a time (vblock rows, CB_ATTN_VBLOCK_BYTES): each pass over 16 of
@@ -799,14 +817,19 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
                            start, pos, ring, scale, cb_dot_f32_avx2);
         return;
     }
-#define CB_ATTEND_NH(k) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, \
-                                             head_dim, start, pos, ring, scale, k)
-    switch (nh) {
-    case 1: CB_ATTEND_NH(1); break;
-    case 2: CB_ATTEND_NH(2); break;
-    case 3: CB_ATTEND_NH(3); break;
-    default: CB_ATTEND_NH(4); break;
+#define CB_ATTEND_NH(k, hd) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, \
+                                                 head_dim, start, pos, ring, scale, k, hd)
+#define CB_ATTEND_HD(hd)                  \
+    switch (nh) {                         \
+    case 1: CB_ATTEND_NH(1, hd); break;   \
+    case 2: CB_ATTEND_NH(2, hd); break;   \
+    case 3: CB_ATTEND_NH(3, hd); break;   \
+    default: CB_ATTEND_NH(4, hd); break;  \
     }
+    if (head_dim == 64) CB_ATTEND_HD(64)
+    else if (head_dim == 128) CB_ATTEND_HD(128)
+    else CB_ATTEND_HD(0)
+#undef CB_ATTEND_HD
 #undef CB_ATTEND_NH
 }
 
