@@ -431,6 +431,8 @@ cdef void ffn_slots(const Hyper *h, const FFN **f, int count, const float *x, Sc
     cdef cb_matjob jobs[2 * MAX_SLOTS]
     cdef int fused[MAX_SLOTS]
     cdef int i, ff = s.max_ff
+    if count < 1:
+        return
     for i in range(count):
         fused[i] = gate_up_jobs(&jobs[2 * i], f[i], s.hb + <size_t>i * ff, s.hb2 + <size_t>i * ff, ff,
                                 x, h.d_model, &s.act, h.act)

@@ -200,7 +200,7 @@ static int cb_set_int_step(int step) {
  * which tests and benchmarks compare it with) or back on (1, where the tier has one). Returns
  * whether it is now on. */
 static int cb_set_prefill_repack(int on) {
-    cb_int_kernels k;
+    cb_int_kernels k = {NULL, NULL, NULL};
     cb_int_step_kernels(cb_kt.int_step, cb_kt.isa, &k);
     cb_kt.tprefill = on ? k.tprefill : NULL;
     cb_kt.prefill_repack = cb_kt.tprefill != NULL;

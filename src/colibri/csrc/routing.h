@@ -25,6 +25,7 @@ static int cb_route(const float *logits, int n_experts, int k, int norm_topk_pro
     float top[CB_MAX_TOP_K];                    /* [k] the chosen logits, descending */
     int n = 0;
     if (k < 1 || k > n_experts || k > CB_MAX_TOP_K) return -1;
+    top[0] = -INFINITY;                         /* (always overwritten: k >= 1 experts enter) */
     for (int e = 0; e < n_experts; e++) {
         float v = logits[e];
         if (!isfinite(v)) return -1;
