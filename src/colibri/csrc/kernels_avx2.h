@@ -669,11 +669,12 @@ CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const cha
 /* ---- attention ------------------------------------------------------------------------------
  *
  * cb_attend_fn for up to 4 query heads of one KV head (head_dim a multiple of 8; otherwise head by
- * head with the AVX2 dot): each key row is loaded once for the NH heads (NH FMA chains, their sums
- * gathered by one hadd tree into NH scores), and each value row once per 16 output columns of the
- * NH heads (2 x NH accumulators across all positions; per position one broadcast weight per
- * head). The per-head loop read every key and value row once per head, through a function
- * pointer per dot product: at 576 positions the attention took a third of a decode step. */
+ * head with the AVX2 dot): each key row is loaded once for the NH heads (key rows two at a time:
+ * 2 x NH FMA chains, each row's sums gathered by one hadd tree into NH scores), and each value row
+ * once per 16 output columns of the NH heads (2 x NH accumulators; per position one broadcast
+ * weight per head), in blocks of rows that stay in L1 across those passes. Loops are unrolled for
+ * head_dim 64 and 128. The per-head loop read every key and value row once per head, through a
+ * function pointer per dot product: at 576 positions the attention took a third of a decode step. */
 /* cb_softmax with 8 lanes and cb_exp_avx2 (within 2 ulp of expf), exp below the smallest normal
  * float taken as 0 (expf gives a subnormal: nothing next to the sum, which is >= 1). The
  * attention's; the scalar tier and routing keep cb_softmax. */
@@ -735,8 +736,7 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
      * hide the FMA latency (one row's NH chains of head_dim / 8 did not: 7 FLOP a cycle of 32).
      * Each row's sums are gathered as before — hadd pairs, then the two 128-bit halves — so a
      * score does not depend on its row's partner (or on being the odd one out at the end). */
-    int t = 0, row = row0;
-    for (; t < n; t += 2) {
+    for (int t = 0, row = row0; t < n; t += 2) {
         const int pair = t + 1 < n, row_b = row + 1 == ring ? 0 : row + 1;
         const float *ka = kbase + (size_t)row * head_dim, *kb = kbase + (size_t)(pair ? row_b : row) * head_dim;
         for (int r = 0; r < 2; r++) {
