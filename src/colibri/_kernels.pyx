@@ -1285,13 +1285,12 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
     import time
     ka = np.ascontiguousarray(k_layers, np.float32)
     va = np.ascontiguousarray(v_layers, np.float32)
-    if ka.ndim != 4 or va.shape != ka.shape or ka.shape[3] != q.shape[1] or q.shape[0] % ka.shape[1] \
-            or not 0 <= pos < ka.shape[2] or reps < 1:
+    if ka.ndim != 4 or va.shape != ka.shape or ka.shape[3] != q.shape[1] or ka.shape[1] < 1 \
+            or q.shape[0] % ka.shape[1] or not 0 <= pos < ka.shape[2] or reps < 1:
         raise ValueError("bench_attention: q [n_heads, head_dim], caches [n_layers, n_kv_heads, ring, head_dim], "
                          "0 <= pos < ring, reps >= 1")
     cdef int n_layers = ka.shape[0], n_kv = ka.shape[1], ring = ka.shape[2], head_dim = ka.shape[3]
     cdef int n_heads = q.shape[0], r, layer
-    cdef size_t per_layer = <size_t>n_kv * ring * head_dim
     out = np.zeros((n_heads, head_dim), np.float32)
     scores = np.zeros((n_heads, pos + 1), np.float32)
     cdef float[:, ::1] o = out, sc = scores
