@@ -60,17 +60,28 @@ def ref():
 
 # ---- run ---------------------------------------------------------------------------------------
 
+SPEED_LINE = re.compile(r"\[INFO\] Prompt: (\d+) tokens in \d+ ms \((\d+(\.\d+)?|-) tok/s\)(, \d+ reused from the cache)?; "
+                        r"generated (\d+) tokens in \d+ ms \((\d+(\.\d+)?|-) tok/s\)")
+
+
 def test_run_tokens_greedy_matches_reference(mixtral, ref):
     p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 12,
                 "--ignore-eos", "--ids")
     assert p.returncode == 0, p.stderr
-    assert p.stderr == ""
-    lines = p.stdout.splitlines()
+    # stdout is the generated ids alone; every [INFO] line is on stderr
+    assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"].tolist()
+    lines = p.stderr.splitlines()
     assert lines[0].startswith(f"[INFO] Loaded model from {mixtral} (mixtral, 2 layers, 4 experts, top-2, f32)")
-    out = [ln for ln in lines if ln.startswith("[OUTPUT]")]
-    assert len(out) == 1
-    assert [int(t) for t in out[0][len("[OUTPUT]"):].split()] == ref["greedy_ids"].tolist()
-    assert re.fullmatch(r"\[INFO\] Generated 12 tokens in \d+ ms \(\d+(\.\d+)? tokens/sec\)", lines[-1]), lines[-1]
+    assert "[INFO] Sampling: greedy" in lines
+    m = SPEED_LINE.fullmatch(lines[-1])
+    assert m and m.group(1) == str(len(ref["input_ids"])) and m.group(5) == "12", lines[-1]
+
+
+def test_run_quiet_prints_only_the_output(mixtral, ref):
+    p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 3,
+                "--ignore-eos", "--ids", "--quiet")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"][:3].tolist()
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
@@ -78,25 +89,23 @@ def test_run_describes_weight_dtype(converted, dtype, ref):
     d = converted("mixtral_a", dtype)
     p = colibri("run", "--model-dir", d, "--tokens", ids_arg(ref["input_ids"][:4]), "--max-new-tokens", 2, "--ids")
     assert p.returncode == 0, p.stderr
-    assert f"(mixtral, 2 layers, 4 experts, top-2, {dtype})" in p.stdout.splitlines()[0]
+    assert f"(mixtral, 2 layers, 4 experts, top-2, {dtype})" in p.stderr.splitlines()[0]
 
 
 def test_run_underscore_aliases(mixtral, ref):
     p = colibri("run", "--model_dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max_new_tokens", 5,
                 "--ignore-eos", "--ids")
     assert p.returncode == 0, p.stderr
-    out = [ln for ln in p.stdout.splitlines() if ln.startswith("[OUTPUT]")]
-    assert [int(t) for t in out[0].split()[1:]] == ref["greedy_ids"][:5].tolist()
-    assert "Generated 5 tokens" in p.stdout
+    assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"][:5].tolist()
+    assert "generated 5 tokens" in p.stderr
 
 
 def test_run_prompt_with_tokenizer(mixtral):
     p = colibri("run", "--model-dir", mixtral, "--prompt", "hello world", "--max-new-tokens", 6, "--ignore-eos")
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
-    out = [ln for ln in p.stdout.splitlines() if ln.startswith("[OUTPUT]")]
-    assert len(out) == 1
-    assert "Generated 6 tokens" in p.stdout
+    assert "[INFO]" not in p.stdout and p.stdout.endswith("\n")
+    assert "generated 6 tokens" in p.stderr
 
 
 def test_run_verbose_routing(mixtral, ref):
@@ -193,7 +202,7 @@ def test_info(mixtral, converted):
     assert p.returncode == 0, p.stderr
     assert "architecture: mixtral (from MixtralForCausalLM)" in p.stdout
     assert "layers:       2 (2 MoE, 0 dense)" in p.stdout
-    assert "tokenizer:    tokenizer.model" in p.stdout
+    assert "tokenizer:    tokenizer.model (" in p.stdout
     assert f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels" in p.stdout
     q = colibri("info", "--model-dir", converted("qwen3moe_a", "f32"))
     assert q.returncode == 0, q.stderr
@@ -267,7 +276,7 @@ def test_error_prompt_longer_than_context(mixtral):
 
 def test_error_prompt_without_tokenizer(converted):
     d = converted("qwen3moe_a", "f32")
-    one_line_error(colibri("run", "--model-dir", d, "--prompt", "hello"), "tokenizer.model")
+    one_line_error(colibri("run", "--model-dir", d, "--prompt", "hello"), "tokenizer.json or tokenizer.model")
 
 
 @pytest.mark.parametrize("args, named", [
@@ -297,4 +306,4 @@ def test_run_without_model_dir():
     assert DEMO_CONFIG.is_file()                     # the package bundles its demo model
     p = colibri("run", "--tokens", "1,2", "--max-new-tokens", 1)
     assert p.returncode == 0, p.stderr
-    assert "Loaded the bundled demo model" in p.stdout
+    assert "Loaded the bundled demo model" in p.stderr

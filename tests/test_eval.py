@@ -27,7 +27,7 @@ def test_chunks_replace_the_first_token_with_bos():
 def test_perplexity_is_exp_of_the_mean_nll(converted):
     m = colibri.load(converted("mixtral_a"))
     r = evaluate(m, TEXT, ctx=32)
-    ids = m.tokenizer.encode(TEXT)
+    ids = m.tokenizer.encode(TEXT, add_special_tokens=False)
     nll = []
     for chunk in chunks_of(ids, 32, m.config.bos_token_id):
         lp = log_softmax(m.forward(chunk))

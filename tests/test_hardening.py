@@ -121,7 +121,7 @@ def test_no_mmap_flag(converted):
     r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
                         "--tokens", "1,2", "--max-new-tokens", "3", "--no-mmap", "--ids"],
                        env=ENV, capture_output=True, text=True)
-    assert r.returncode == 0 and "[OUTPUT]" in r.stdout
+    assert r.returncode == 0 and len(r.stdout.split()) == 3, r.stderr
 
 
 def test_ctrl_c_stops_generation_cleanly(tmp_path):
@@ -132,7 +132,7 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
                              "--max-new-tokens", "4000", "--ignore-eos", "--ids", "--threads", "1"],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     seen = b""
-    while b"[OUTPUT]" not in seen or seen.split(b"[OUTPUT]")[1].count(b" ") < 12:   # a few tokens are out
+    while seen.count(b" ") < 12:                         # a few tokens are out
         chunk = proc.stdout.read1(4096)
         assert chunk, "generation ended before it could be interrupted"
         seen += chunk
@@ -141,9 +141,9 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
     text = (seen + rest).decode()
     assert proc.returncode == 130
     assert "Traceback" not in err.decode()
-    generated = text.split("[OUTPUT]")[1].split("\n")[0].split()
+    generated = text.split("\n")[0].split()
     assert 0 < len(generated) < 4000
-    assert f"Interrupted after {len(generated)} tokens" in text
+    assert f"Interrupted after {len(generated)} tokens" in err.decode()
 
 
 @pytest.mark.parametrize("tensor", ["layers.1.experts.0.up", "layers.0.router", "lm_head"])

@@ -46,48 +46,106 @@ def _token_list(text):
     return ids
 
 
+QUANTIZE_CHOICES = ("f32", "f16", "bf16", "int8", "int4")          # modeldir.WEIGHT_DTYPES (not imported: numpy)
+QUANTIZE_ALIASES = {"fp32": "f32", "fp16": "f16", "4bit": "int4", "8bit": "int8"}   # the original C engine's
+
+
+def _quantize_choice(text):
+    value = QUANTIZE_ALIASES.get(text, text)
+    if value not in QUANTIZE_CHOICES:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(QUANTIZE_CHOICES)} "
+                                         f"(or {', '.join(QUANTIZE_ALIASES)}), got {text!r}")
+    return value
+
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _model_options(p, demo_default: bool) -> None:
+    """The load options `run` and `chat` share."""
+    p.add_argument("--model-dir", "--model_dir", dest="model_dir", required=not demo_default,
+                   help="a converted model directory" + (" (default: the bundled demo model)" if demo_default else ""))
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="default: the physical cores this process may use")
+    p.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
+                   help="context length (default: the model's, up to 4096)")
+    sm = p.add_mutually_exclusive_group()
+    sm.add_argument("--exact-softmax", "--exact_softmax", dest="softmax_lut", action="store_false",
+                    help="routing weights from the float softmax (the default)")
+    sm.add_argument("--softmax-lut", "--softmax_lut", dest="softmax_lut", action="store_true",
+                    help="routing weights from the uint8 softmax lookup table of the original design")
+    p.add_argument("--no-mmap", action="store_true",
+                   help="read the weights into memory instead of mapping the files (network shares)")
+    p.add_argument("--prefetch", choices=("none", "routed", "predict"), default="none",
+                   help="advise the OS of the chosen (and predicted next-layer) experts' pages")
+    p.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None,
+                   help="keep at most this many MB of experts resident (LRU); default: no budget")
+    p.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
+    p.add_argument("--warmup", action="store_true", help="read every expert once at load")
+    p.add_argument("--quiet", action="store_true", help="no [INFO] lines: the generated text only")
+    p.add_argument("--stats", action="store_true", help="print memory and routing counters at the end (stderr)")
+
+
+def _generation_options(p, default_max: int) -> None:
+    """The sampling and stopping options `run` and `chat` share. Unset sampling values take the
+    checkpoint's generation_config.json defaults, then greedy."""
+    p.add_argument("--max-new-tokens", "--max_new_tokens", "-n", dest="max_new_tokens", type=_positive_int,
+                   default=default_max)
+    p.add_argument("--temperature", type=_number, default=None,
+                   help="0 = greedy (default: generation_config.json's, else 0)")
+    p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=None, help="0 = off")
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=_number, default=None)
+    p.add_argument("--min-p", "--min_p", dest="min_p", type=_number, default=None)
+    p.add_argument("--repetition-penalty", "--repetition_penalty", "--repeat-penalty", dest="repetition_penalty",
+                   type=_number, default=None, help="transformers' repetition_penalty (1 = off)")
+    p.add_argument("--presence-penalty", "--presence_penalty", dest="presence_penalty", type=_number, default=0.0)
+    p.add_argument("--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=_number, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None,
+                   help="a stop string (repeatable): the text ends before it")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="colibri", description="CPU inference for Mixture-of-Experts language models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="generate from a prompt or from token ids")
-    run.add_argument("--model-dir", "--model_dir", dest="model_dir",
-                     help="a converted model directory (default: the bundled demo model)")
+    _model_options(run, demo_default=True)
     src = run.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="text prompt (needs tokenizer.model in the model directory)")
+    src.add_argument("--prompt", help="text prompt ('-': read it from stdin; needs a tokenizer in the model directory)")
+    src.add_argument("--prompt-file", "--prompt_file", dest="prompt_file", help="read the prompt from a UTF-8 file")
     src.add_argument("--tokens", type=_token_list, help="prompt as comma-separated token ids, e.g. 1,15,27")
-    run.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=_positive_int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="0 = off")
-    run.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--threads", type=_positive_int, default=None, help="default: all cores")
-    run.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
-                     help="context length (default: the model's, up to 4096)")
-    run.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    sm = run.add_mutually_exclusive_group()
-    sm.add_argument("--exact-softmax", "--exact_softmax", dest="softmax_lut", action="store_false",
-                    help="routing weights from the float softmax (the default)")
-    sm.add_argument("--softmax-lut", "--softmax_lut", dest="softmax_lut", action="store_true",
-                    help="routing weights from the uint8 softmax lookup table of the original design")
-    run.add_argument("--no-mmap", action="store_true",
-                     help="read the weights into memory instead of mapping the files (network shares)")
+    run.add_argument("--chat", action="store_true",
+                     help="apply the model's chat template to the prompt (one user turn) before generating")
+    run.add_argument("--system", help="with --chat: a system message before the prompt")
+    _generation_options(run, default_max=64)
     run.add_argument("--ids", action="store_true", help="print generated token ids instead of text")
-    run.add_argument("--prefetch", choices=("none", "routed", "predict"), default="none",
-                     help="advise the OS of the chosen (and predicted next-layer) experts' pages")
-    run.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None,
-                     help="keep at most this many MB of experts resident (LRU); default: no budget")
-    run.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
-    run.add_argument("--warmup", action="store_true", help="read every expert once at load")
-    run.add_argument("--stats", action="store_true", help="print memory and routing counters at the end")
     run.add_argument("--verbose", action="store_true",
                      help="print every layer's routing decision and each expert file's first use (stderr)")
+
+    chat = sub.add_parser("chat", help="an interactive conversation (/exit to leave, /reset to start again)")
+    _model_options(chat, demo_default=False)
+    chat.add_argument("--system", help="a system message at the start of the conversation")
+    _generation_options(chat, default_max=512)
+
+    tok = sub.add_parser("tokenizer", help="add or replace the tokenizer, chat template and generation config "
+                                           "files of a model directory")
+    tok.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    tok.add_argument("--from", dest="source", required=True,
+                     help="a directory holding tokenizer.json / tokenizer.model / tokenizer_config.json / "
+                          "chat_template.jinja / generation_config.json ... (e.g. the HF checkpoint)")
 
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a Colibri model directory")
     conv.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", required=True)
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
-    conv.add_argument("--quantize", choices=("f32", "f16", "bf16", "int8", "int4"), default="f32",
-                      help="storage of the weight matrices; norms, biases and routers stay f32")
+    conv.add_argument("--quantize", type=_quantize_choice, default="f32",
+                      help="storage of the weight matrices: f32, f16, bf16, int8 or int4 (the original engine's "
+                           "fp16 and 4bit are accepted); norms, biases and routers stay f32")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
@@ -134,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "convert": cmd_convert, "relayout": cmd_relayout, "info": cmd_info,
-                "verify": cmd_verify, "bench": cmd_bench, "eval": cmd_eval}[args.command](args)
+        return {"run": cmd_run, "chat": cmd_chat, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
+                "relayout": cmd_relayout, "info": cmd_info, "verify": cmd_verify, "bench": cmd_bench,
+                "eval": cmd_eval}[args.command](args)
     except ColibriError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -154,11 +213,21 @@ def _describe(m) -> str:
             f"top-{c.num_experts_per_tok}, {m.weight_dtype}")
 
 
-def cmd_run(args) -> int:
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _info(args, text: str) -> None:
+    """An [INFO] line: always on stderr, never between the generated text's pieces; --quiet drops it."""
+    if not getattr(args, "quiet", False):
+        print(f"[INFO] {text}", file=sys.stderr, flush=True)
+
+
+def _load(args):
     from .model import load
 
     model_dir = args.model_dir
-    note = ""
+    note = "model"
     if model_dir is None:
         if not (DEMO_DIR / "config.json").is_file():
             raise ColibriError("no --model-dir given and this installation has no bundled demo model; "
@@ -167,42 +236,183 @@ def cmd_run(args) -> int:
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
              mlock=args.mlock, warmup=args.warmup)
-    print(f"[INFO] Loaded {note or 'model'} from {model_dir} ({_describe(m)}) in "
-          f"{m.stats['load_seconds'] * 1000:.0f} ms", flush=True)
-    if args.prompt is not None:
-        if m.tokenizer is None:
-            raise ColibriError(f"{model_dir} has no tokenizer.model: pass the prompt as --tokens 1,2,3")
-        ids = m.tokenizer.encode(args.prompt, bos=m.config.bos_token_id)
-    else:
-        ids = args.tokens
-    as_text = m.tokenizer is not None and not args.ids
-    on_step = _verbose_printer(m) if args.verbose else None
+    m.cli_note = note
+    return m
 
-    generated = []
-    shown = ""
-    stream = m.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,   # checks inputs
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                        stop_at_eos=not args.ignore_eos, on_step=on_step)
-    print("[OUTPUT] ", end="", flush=True)
-    t0 = time.perf_counter()
+
+def _loaded_note(args, m) -> None:
+    """Printed once the request has passed its checks (an error stays the only line on stderr)."""
+    _info(args, f"Loaded {m.cli_note} from {m.path} ({_describe(m)}) in {m.stats['load_seconds'] * 1000:.0f} ms, "
+                f"{m.threads} threads")
+    for name in m.unlisted_text_files:
+        _err(f"[WARN] {m.path}/{name} is not in config.json's file table and is ignored; add it with: "
+             f"python -m colibri tokenizer --model-dir {m.path} --from DIR_WITH_{name}")
+
+
+def _generation_kwargs(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, seed=args.seed, stop_at_eos=not args.ignore_eos)
+
+
+def _read_prompt(args) -> str | None:
+    """--prompt TEXT, --prompt - (stdin) or --prompt-file F, as text (None: --tokens)."""
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ColibriError(f"--prompt-file {path}: {e.strerror}") from None
+        where = str(path)
+    elif args.prompt == "-":
+        data, where = sys.stdin.buffer.read(), "the prompt on stdin"
+    elif args.prompt is not None:
+        return args.prompt
+    else:
+        return None
     try:
-        for tok in stream:
-            generated.append(tok)
-            if as_text:
-                text = m.tokenizer.decode(generated)
-                print(text[len(shown):], end="", flush=True)
-                shown = text
-            else:
-                print(("" if len(generated) == 1 else " ") + str(tok), end="", flush=True)
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ColibriError(f"{where} is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 4]!r})") from None
+
+
+def _speed_line(m) -> str:
+    st = m.stats
+    rate = lambda n, t: f"{n / t:.1f} tok/s" if t > 0 and n else "-"       # noqa: E731
+    reused = f", {st['reused_tokens']} reused from the cache" if st.get("reused_tokens") else ""
+    return (f"Prompt: {st['prefill_tokens']} tokens in {st['prefill_seconds'] * 1000:.0f} ms "
+            f"({rate(st['prefill_tokens'], st['prefill_seconds'])}){reused}; generated "
+            f"{len(m.last_generation.tokens)} tokens in {st['decode_seconds'] * 1000:.0f} ms "
+            f"({rate(st['decode_tokens'], st['decode_seconds'])})")
+
+
+def _sampling_note(args, m) -> None:
+    g = m.last_generation
+    taken = g.from_generation_config
+    note = g.sampler.describe()
+    if taken:
+        note += f" ({', '.join(taken)} from {Path(m.generation_defaults.source).name}; flags override)"
+    _info(args, f"Sampling: {note}")
+
+
+def cmd_run(args) -> int:
+    if args.system is not None and not args.chat:
+        raise ColibriError("--system needs --chat")
+    text = _read_prompt(args)
+    m = _load(args)
+    if text is not None and m.tokenizer is None:
+        raise ColibriError(f"{m.path} has no tokenizer (tokenizer.json or tokenizer.model): pass the prompt as "
+                           f"--tokens 1,2,3, or add one with: python -m colibri tokenizer --model-dir {m.path} --from HF_DIR")
+    if args.chat:
+        if text is None:
+            raise ColibriError("--chat needs a text prompt (--prompt or --prompt-file)")
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+                   [{"role": "user", "content": text}]
+        ids = m.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        ids = m.encode(text) if text is not None else args.tokens
+    as_text = m.tokenizer is not None and not args.ids
+    if args.stop and not as_text:
+        raise ColibriError("--stop needs text output (a tokenizer, and no --ids)")
+    on_step = _verbose_printer(m) if args.verbose else None
+    kwargs = _generation_kwargs(args)
+    if as_text:
+        pieces = m.stream(ids, args.max_new_tokens, stop=args.stop, on_step=on_step, **kwargs)
+    else:
+        pieces = (("" if i == 0 else " ") + str(t) for i, t in
+                  enumerate(m.generate(ids, args.max_new_tokens, on_step=on_step, **kwargs)))
+    _loaded_note(args, m)
+    _sampling_note(args, m)
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
     except KeyboardInterrupt:
-        print(f"\n[INFO] Interrupted after {len(generated)} tokens", flush=True)
+        print(flush=True)
+        g = m.last_generation
+        _info(args, f"Interrupted after {len(g.tokens) if g else 0} tokens")
         return EXIT_INTERRUPTED
-    elapsed = time.perf_counter() - t0
     print(flush=True)
-    rate = len(generated) / elapsed if elapsed > 0 else float("inf")
-    print(f"[INFO] Generated {len(generated)} tokens in {elapsed * 1000:.0f} ms ({rate:.1f} tokens/sec)")
+    _info(args, _speed_line(m))
     if args.stats:
         _print_stats(m)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    m = _load(args)
+    if m.tokenizer is None or m.chat_template is None:
+        what = "tokenizer" if m.tokenizer is None else "chat template"
+        raise ColibriError(f"{m.path} has no {what}: chat needs one (add it with: python -m colibri tokenizer "
+                           f"--model-dir {m.path} --from HF_DIR)")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    history = list(system)
+    kwargs = _generation_kwargs(args)
+    _loaded_note(args, m)
+    _info(args, "Chat: type a message and Enter; /reset starts again, /exit (or Ctrl-D) leaves, "
+                "Ctrl-C stops a reply")
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        try:
+            line = sys.stdin.buffer.readline()
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            return 0
+        try:
+            user = line.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            print(f"error: the message is not valid UTF-8 (byte {e.start}); type it again", file=sys.stderr)
+            continue
+        if user.strip() in ("/exit", "/quit"):
+            return 0
+        if user.strip() == "/reset":
+            history = list(system)
+            _info(args, "Conversation reset")
+            continue
+        if not user.strip():
+            continue
+        history.append({"role": "user", "content": user})
+        reply = []
+        try:
+            ids = m.apply_chat_template(history, add_generation_prompt=True)
+            room = m.n_ctx - len(ids)
+            if room < 1:
+                history.pop()
+                print(f"error: the conversation ({len(ids)} tokens) fills the context of {m.n_ctx}; /reset to "
+                      f"start again (or --n-ctx)", file=sys.stderr)
+                continue
+            pieces = m.stream(ids, min(args.max_new_tokens, room), stop=args.stop, **kwargs)
+            first = True
+            try:
+                for piece in pieces:
+                    if first:
+                        _sampling_note(args, m)
+                        first = False
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                pieces.close()
+                _info(args, "(reply stopped)")
+        except ColibriError as e:
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print(flush=True)
+        history.append({"role": "assistant", "content": "".join(reply)})
+        _info(args, _speed_line(m))
+        if args.stats:
+            _print_stats(m)
+
+
+def cmd_tokenizer(args) -> int:
+    from .textfiles import import_text_files
+
+    import_text_files(args.model_dir, args.source, log=lambda line: print(line, file=sys.stderr))
     return 0
 
 
@@ -211,13 +421,13 @@ def _print_stats(m) -> None:
     mb = lambda b: "-" if b is None else f"{b / 1e6:.1f} MB"      # noqa: E731
     hit = st["prediction_hit_rate"]
     per = st["prefetched_per_used_byte"]
-    print(f"[STATS] experts used per layer: {' '.join(map(str, st['experts_used_per_layer']))}")
-    print(f"[STATS] resident experts: {mb(st['resident_expert_bytes'])} (peak {mb(st['peak_resident_expert_bytes'])}, "
+    _err(f"[STATS] experts used per layer: {' '.join(map(str, st['experts_used_per_layer']))}")
+    _err(f"[STATS] resident experts: {mb(st['resident_expert_bytes'])} (peak {mb(st['peak_resident_expert_bytes'])}, "
           f"budget {mb(st['expert_budget_bytes'])}, released {st['experts_released']})")
-    print(f"[STATS] prefetch: {st['prefetch_calls']} calls, {mb(st['prefetch_bytes'])}"
+    _err(f"[STATS] prefetch: {st['prefetch_calls']} calls, {mb(st['prefetch_bytes'])}"
           f"{'' if per is None else f', {per:.2f} bytes per byte used'}"
           f"{'' if hit is None else f', prediction hit rate {100 * hit:.1f} %'}")
-    print(f"[STATS] page faults: {st['minor_page_faults']} minor, {st['major_page_faults']} major; "
+    _err(f"[STATS] page faults: {st['minor_page_faults']} minor, {st['major_page_faults']} major; "
           f"RSS {mb(st['rss_bytes'])}, peak {mb(st['peak_rss_bytes'])}")
 
 
@@ -302,7 +512,19 @@ def cmd_info(args) -> int:
         print(f"attention:    {sliding} sliding-window layers (window {c.sliding_window}), {len(full)} full"
               + "".join(f"; full: head_dim {hd}, {kv} kv heads, rope theta {th:g}"
                         + (f" on {fr:g} of the pairs" if fr != 1.0 else "") for hd, kv, (th, fr) in geo))
-    print(f"tokenizer:    {'tokenizer.model' if 'tokenizer.model' in md.files else 'none (raw token ids)'}")
+    from .textfiles import TextSide, unlisted
+
+    text = TextSide.load(md.root, md.files, c.vocab_size)
+    print(f"tokenizer:    {text.tokenizer.describe() if text.tokenizer else 'none (raw token ids)'}")
+    print(f"chat:         {'template from ' + Path(text.template.where).name if text.template else 'no chat template'}")
+    stops = text.stop_token_ids(c.eos_token_id)
+    names = [f"{i} {text.tokenizer.decode([i])!r}" if text.tokenizer else str(i) for i in stops]
+    print(f"stop tokens:  {', '.join(names) or 'none'}")
+    print(f"sampling:     {text.generation.describe()}"
+          + (f" (from {Path(text.generation.source).name})" if text.generation.source else ""))
+    for name in unlisted(md.root, md.files):
+        print(f"[WARN] {md.root / name} is not in config.json's file table and is ignored; add it with: "
+              f"python -m colibri tokenizer --model-dir {md.root} --from DIR", file=sys.stderr)
     from . import _kernels
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
     print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "

@@ -43,7 +43,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
-from . import _os
+from . import _os, textfiles
 from .modeldir import (BLOCK_FORMATS, WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, storage_nbytes,
                        tensor_file, to_storage)
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
@@ -384,13 +384,14 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
                for name, (shape, kind) in expected.items()}
     need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
 
+    copied = textfiles.validate(Path(hf_dir), cfg.vocab_size)     # before a byte is written
+
     def write(writer):
         for rel, names in _files_of(expected):
             writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name], layouts[name])
                                     for name in names))
-        tok = Path(hf_dir) / "tokenizer.model"
-        if tok.is_file():
-            writer.add_file("tokenizer.model", tok)
+        for name in copied:
+            writer.add_file(name, Path(hf_dir) / name)
         writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert",
                                       "hf_dir_name": Path(hf_dir).resolve().name},
                       ln_bits=16 if ln_quant else 32)
@@ -406,7 +407,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
     log(f"[INFO] Converted {arch} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
         f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}, experts {' and '.join(expert_layouts)}"
-        + ("" if (out / "tokenizer.model").exists() else " (no tokenizer.model: raw token ids only)"))
+        + (f"; copied {', '.join(copied)}" if copied else
+           " (no tokenizer.json or tokenizer.model: raw token ids only)"))
     return cfg
 
 
@@ -444,7 +446,7 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     def write(writer):
         for rel, names in _files_of(expected):
             writer.write_file(rel, items(names))
-        for rel in sorted(set(src.files) - in_tensor_files):              # tokenizer.model
+        for rel in sorted(set(src.files) - in_tensor_files):              # the text files
             writer.add_file(rel, src.root / rel)
         writer.finish(cfg, src.weight_dtype, {**src.raw.get("source", {}), "relayout": "colibri relayout"},
                       ln_bits=src.raw.get("ln_gamma_quant_bits", 32))

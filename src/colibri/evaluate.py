@@ -54,13 +54,13 @@ def chunks_of(ids: list, ctx: int, bos: int | None) -> list:
 def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) -> dict:
     """Perplexity of `text` under `model` (and divergence from `reference`, a second Model)."""
     if model.tokenizer is None:
-        raise ColibriError(f"{model.path} has no tokenizer.model: eval needs one to tokenize the text")
+        raise ColibriError(f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): eval needs one to tokenize the text")
     if not isinstance(ctx, int) or not MIN_CTX <= ctx <= model.n_ctx:
         raise ColibriError(f"--ctx must be in {MIN_CTX}..{model.n_ctx}, got {ctx!r}")
     if reference is not None and reference.config.vocab_size != model.config.vocab_size:
         raise ColibriError(f"reference {reference.path} has vocab_size {reference.config.vocab_size}, "
                            f"the model {model.config.vocab_size}: not the same model")
-    ids = model.tokenizer.encode(text)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
     chunks = chunks_of(ids, ctx, model.config.bos_token_id)
     if not chunks:
         raise ColibriError(f"the text is too short to evaluate ({len(ids)} tokens)")

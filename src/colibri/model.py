@@ -25,7 +25,8 @@ from . import _os
 from .modeldir import MappedModelDir, ModelDir
 from .residency import PREFETCH_MODES, Residency
 from .sampling import Sampler
-from .tokenizer import Tokenizer
+from .streaming import StopStrings, TextStream
+from .textfiles import TextSide, unlisted
 
 try:
     from . import _kernels
@@ -91,7 +92,7 @@ class Model:
         self.weight_dtype = self._dir.weight_dtype
         cfg = self.config
         if threads is None:
-            threads = os.cpu_count() or 1
+            threads = _os.compute_cores()
         if not isinstance(threads, int) or threads < 1:
             raise ColibriError(f"threads must be a positive integer, got {threads!r}")
         if n_ctx is None:
@@ -133,10 +134,21 @@ class Model:
         # position of each KV head's region made 2 MB resident: 840 -> 779 MiB peak, mixtral-mini int4)
         self.kv_cache_bytes = self._engine.kv_cache_bytes
         _os.small_pages(self._engine.kv_cache_ranges())
-        self.tokenizer = Tokenizer.from_dir(self._dir)
+        text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
+        self.tokenizer = text.tokenizer                   # Tokenizer or None (raw ids only)
+        self.chat_template = text.template                # ChatTemplate or None
+        self.generation_defaults = text.generation        # generation_config.json's defaults
+        self.stop_token_ids = text.stop_token_ids(cfg.eos_token_id)
+        self.unlisted_text_files = unlisted(self._dir.root, self._dir.files)   # present but not in the table
+        self.last_generation = None
+        # the KV cache: the ids whose keys and values it holds at positions 0.. (for prefix reuse);
+        # sliding-window rings allow a rewind of at most ring - window positions (None: any)
+        self._kv_tokens = []
+        slack = [f["kv_ring"] - f["sliding_window"] for f in flags if f["sliding_window"] and f["kv_ring"] < n_ctx]
+        self._ring_slack = min(slack) if slack else None
         self._busy = threading.Lock()
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,
-                      "decode_tokens": 0, "decode_seconds": 0.0}
+                      "decode_tokens": 0, "decode_seconds": 0.0, "reused_tokens": 0}
 
     # -- the public API --------------------------------------------------------------------------
 
@@ -147,16 +159,25 @@ class Model:
             raise ColibriError(f"{len(tokens)} tokens exceed the context length {self.n_ctx}")
         out = np.empty((len(tokens), self.config.vocab_size), np.float32)
         with self._exclusive():
+            self._begin()
             self._run(tokens, 0, out, all_logits=True)
         return out
 
-    def generate(self, ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, on_step=None):
-        """Yield up to `max_new_tokens` new token ids after the prompt `ids` (fresh context).
+    def generate(self, ids, max_new_tokens: int = 64, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, on_step=None,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
+                 reuse_prefix: bool = True):
+        """Yield up to `max_new_tokens` new token ids after the prompt `ids`.
 
-        Greedy at temperature 0. Stops early at the model's EOS token(s) unless stop_at_eos is
-        False (the EOS token itself is yielded). `on_step(model)` is called after each engine
-        step (used by --verbose to read the routing decisions).
+        Sampling settings left None take the checkpoint's generation_config.json defaults, then
+        greedy (colibri.generation); `self.last_generation` says which were used and, with
+        `logprobs` (0..20), holds each token's log-probability and the top alternatives.
+        Stops early at the model's EOS token(s) (config.json's and generation_config.json's)
+        unless stop_at_eos is False (the EOS token itself is yielded). With reuse_prefix the KV
+        cache keeps what it holds of the longest common prefix with the previous call and only
+        the rest of the prompt is run. `on_step(model)` is called after each engine step (used by
+        --verbose to read the routing decisions).
         """
         tokens = self._check_ids(ids, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -164,16 +185,80 @@ class Model:
         if len(tokens) + max_new_tokens > self.n_ctx:
             raise ColibriError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                                f"context length {self.n_ctx}")
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        eos = set(self.config.eos_token_id) if stop_at_eos else set()
-        return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step)
+        settings, taken = self.generation_defaults.resolve(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+        sampler = Sampler(**settings, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                          seed=seed, logprobs=logprobs)
+        eos = set(self.stop_token_ids) if stop_at_eos else set()
+        record = GenerationRecord(prompt_tokens=len(tokens), sampler=sampler, from_generation_config=taken)
+        self.last_generation = record
+        return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix))
 
-    def complete(self, text: str, max_new_tokens: int = 64, **kwargs) -> str:
-        """Generate a continuation of `text` and return it as text (needs tokenizer.model)."""
-        if self.tokenizer is None:
-            raise ColibriError(f"{self.path} has no tokenizer.model; pass token ids to generate() instead")
-        ids = self.tokenizer.encode(text, bos=self.config.bos_token_id)
-        return self.tokenizer.decode(list(self.generate(ids, max_new_tokens, **kwargs)))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list:
+        """Token ids of `text` (transformers' semantics: BOS/EOS where the tokenizer adds them)."""
+        return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def stream(self, prompt, max_new_tokens: int = 64, stop=None, skip_special_tokens: bool = True,
+               add_special_tokens: bool = True, **generate_kwargs):
+        """An iterator of the generated text in pieces that never split a character; their
+        concatenation is the decode of the generated ids (cut before the first of the `stop`
+        strings, if any). `prompt`: text, or a list of token ids. Other keywords as for
+        generate(); its checks run here, before the first piece is asked for."""
+        tok = self._need_tokenizer()
+        ids = tok.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else prompt
+        stops = StopStrings(stop)
+        if not all(isinstance(s, str) for s in stops.stops):
+            raise ColibriError(f"stop must be a string or a list of strings, got {stop!r}")
+        tokens = self.generate(ids, max_new_tokens, **generate_kwargs)
+        return self._pieces(tokens, TextStream(tok, skip_special_tokens), stops, self.last_generation)
+
+    @staticmethod
+    def _pieces(tokens, text, stops, record):
+        try:
+            for t in tokens:
+                shown, stopped = stops.feed(text.push(t))
+                if shown:
+                    yield shown
+                if stopped:
+                    record.finish_reason, record.stop = "stop", stops.stopped
+                    return
+            shown, stopped = stops.feed(text.finish())
+            if stopped:
+                record.finish_reason, record.stop = "stop", stops.stopped
+            shown += stops.finish()
+            if shown:
+                yield shown
+        finally:
+            tokens.close()
+
+    def complete(self, text, max_new_tokens: int = 64, stream: bool = False, **kwargs):
+        """The continuation of `text` (a str, or token ids) as text; with stream=True an iterator
+        of text pieces (see stream())."""
+        pieces = self.stream(text, max_new_tokens, **kwargs)
+        return pieces if stream else "".join(pieces)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True,
+                            tools=None, documents=None, continue_final_message: bool = False, **template_kwargs):
+        """The prompt of a conversation as transformers' apply_chat_template gives it: token ids
+        (tokenize=True; the rendered text tokenized without added special tokens) or the text.
+        Template keywords (enable_thinking, ...) are passed through to the template."""
+        if self.chat_template is None:
+            raise ColibriError(f"{self.path} has no chat template (chat_template.jinja, chat_template.json or "
+                               f"tokenizer_config.json's chat_template); add one with: python -m colibri "
+                               f"tokenizer --model-dir {self.path} --from HF_DIR")
+        tok = self._need_tokenizer()
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         documents=documents, continue_final_message=continue_final_message,
+                                         **template_kwargs)
+        return tok.encode(text, add_special_tokens=False) if tokenize else text
+
+    def chat(self, messages, max_new_tokens: int = 256, stream: bool = False, chat_template_kwargs=None,
+             **kwargs):
+        """The assistant's reply to a conversation (a str; with stream=True an iterator of text
+        pieces). The conversation's tokens that the KV cache already holds (the earlier turns)
+        are not run again."""
+        ids = self.apply_chat_template(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
+        return self.complete(ids, max_new_tokens, stream=stream, **kwargs)
 
     def memory_stats(self) -> dict:
         """Residency counters: experts used per layer, resident expert bytes, prefetch calls and
@@ -257,12 +342,39 @@ class Model:
         finally:
             self._busy.release()
 
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ColibriError(f"{self.path} has no tokenizer (tokenizer.json or tokenizer.model): pass token ids "
+                               f"instead, or add one with: python -m colibri tokenizer --model-dir {self.path} "
+                               f"--from HF_DIR")
+        return self.tokenizer
+
+    def _begin(self) -> None:
+        """A new request: the per-request counters start again (the KV cache is kept)."""
+        if self._engine is None:
+            raise ColibriError("this Model has been closed")
+        self._engine.reset()
+        self.residency.reset(self._engine.expert_counts)
+
+    def _reusable_prefix(self, tokens: np.ndarray) -> int:
+        """How many leading tokens of `tokens` the KV cache already holds at their positions (at
+        most all but the last: its logits are needed). Sliding-window layers keep a ring of
+        window + chunk rows, so the cache is reusable only while the positions the first new
+        token attends to have not been overwritten by later ones."""
+        held = self._kv_tokens
+        n = min(len(held), len(tokens) - 1)
+        if n <= 0:
+            return 0
+        same = np.asarray(held[:n], np.int64) == tokens[:n]
+        common = n if same.all() else int(np.argmin(same))
+        if common and self._ring_slack is not None and len(held) - common > self._ring_slack:
+            return 0
+        return common
+
     def _run(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool) -> None:
         if self._engine is None:
             raise ColibriError("this Model has been closed")
-        if pos == 0:
-            self._engine.reset()
-            self.residency.reset(self._engine.expert_counts)
+        del self._kv_tokens[pos:]                 # positions >= pos are about to be overwritten
         status, index, layer = self._engine.run(tokens, pos, out, all_logits)
         if self._track:
             # a prefill under a budget released each expert right after using it
@@ -270,14 +382,20 @@ class Model:
         if status != _kernels.STATUS_OK:
             raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
                                + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
+        self._kv_tokens.extend(int(t) for t in tokens)
 
-    def _generate(self, tokens, max_new_tokens, sampler, eos, on_step):
+    def _generate(self, tokens, max_new_tokens, sampler, eos, on_step, record, reuse):
         with self._exclusive():
+            self._begin()
+            common = self._reusable_prefix(tokens) if reuse else 0
+            sampler.reset(tokens)
             logits = np.empty((1, self.config.vocab_size), np.float32)
             t0 = time.perf_counter()
-            self._run(tokens, 0, logits, all_logits=False)
+            self._run(tokens[common:], common, logits, all_logits=False)
             t1 = time.perf_counter()
-            self.stats["prefill_tokens"] = len(tokens)
+            record.reused_tokens = common
+            self.stats["prefill_tokens"] = len(tokens) - common
+            self.stats["reused_tokens"] = common
             self.stats["prefill_seconds"] = t1 - t0
             self.stats["decode_tokens"] = 0
             self.stats["decode_seconds"] = 0.0
@@ -285,8 +403,14 @@ class Model:
                 on_step(self)
             pos = len(tokens)
             step = np.empty(1, np.int32)
+            record.finish_reason = "length"
             for i in range(max_new_tokens):
-                token = sampler(logits[0])
+                pick = sampler.pick(logits[0])
+                token = pick.token
+                record.tokens.append(token)
+                record.picks.append(pick)
+                if token in eos:
+                    record.finish_reason = "stop"
                 yield token
                 if token in eos or i == max_new_tokens - 1:
                     break
@@ -298,6 +422,20 @@ class Model:
                 pos += 1
                 if on_step:
                     on_step(self)
+
+
+class GenerationRecord:
+    """What the last generate() did: for the caller (logprobs, finish reason) and the CLI's notes."""
+
+    def __init__(self, prompt_tokens: int, sampler, from_generation_config):
+        self.prompt_tokens = prompt_tokens
+        self.reused_tokens = 0                    # prompt tokens the KV cache already held
+        self.tokens = []                          # generated ids
+        self.picks = []                           # sampling.Pick of each (logprob, top alternatives)
+        self.sampler = sampler
+        self.from_generation_config = list(from_generation_config)   # settings taken from the checkpoint
+        self.finish_reason = None                 # "stop" (EOS or a stop string) | "length"
+        self.stop = None                          # the stop string that ended it, if one did
 
 
 def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,

@@ -376,5 +376,24 @@ def read_io_bytes() -> int | None:
     return _backend.read_io_bytes()
 
 
-__all__ = list(INTERFACE) + ["BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
+def compute_cores() -> int:
+    """The threads a compute-bound process should use by default: the CPUs this process may run on
+    (its affinity mask, where the OS has one), counting each physical core once (SMT siblings,
+    read from Linux's /sys topology, share a core's execution units and its memory bandwidth).
+    Falls back to the logical count where the topology cannot be read."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+__all__ = list(INTERFACE) + ["compute_cores", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
                              "AlignedBuffer", "AdviceWarning"]

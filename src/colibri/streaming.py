@@ -1,0 +1,120 @@
+"""Text as it is generated: an incremental detokenizer that never shows a broken character, and
+stop strings matched across token boundaries.
+
+Design
+------
+TextStream: the pieces it returns concatenate to exactly `tokenizer.decode(all ids)`. Decoding a
+prefix of the ids is not always a prefix of the full decode:
+  - a character split over several tokens (byte-level BPE) decodes to U+FFFD until complete;
+  - a run of byte-fallback pieces (<0xE6><0x97><0xA5>) is decoded as one unit, and a byte that
+    makes the run invalid turns every byte of it into U+FFFD (tokenizers' ByteFallback);
+  - sentencepiece's "▁" and the Metaspace/Strip decoders drop the leading space of the first
+    visible token of a decode call.
+So text is held back while the decode ends in U+FFFD or the last token is a byte piece, and the
+window that is decoded again each step starts at a boundary that was clean when it was emitted
+(vLLM's prefix/read offsets): decode(ids[prefix:]) minus decode(ids[prefix:read]). A step whose
+new text is empty does not move the window (a skipped special token must not become the window's
+first token, or the next token's leading space would be stripped). The cost per token is the
+decode of a few tokens, not of the whole sequence.
+
+StopStrings: text that could be the beginning of a stop string is held back until it cannot be;
+the first stop string found ends the text, and it and everything after it are cut.
+"""
+from __future__ import annotations
+
+import re
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class TextStream:
+    """push(token id) -> the new text (possibly ""); finish() -> whatever was held back."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = []
+        self.text = ""                   # everything returned so far
+        self._prefix = 0                 # token index where the decoded window starts
+        self._read = 0                   # token index up to which the window's text was returned
+        self._byte_ids = _byte_piece_ids(tokenizer)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        if int(token) in self._byte_ids:
+            return ""                    # a byte run decodes as a whole: wait for its end
+        window = self.ids[self._prefix:]
+        before = self._decode(self.ids[self._prefix:self._read])
+        now = self._decode(window)
+        if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
+            return ""
+        piece = now[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += piece
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text, held-back characters included (as decode would show them)."""
+        before = self._decode(self.ids[self._prefix:self._read])
+        now = self._decode(self.ids[self._prefix:])
+        piece = now[len(before):] if now.startswith(before) else ""
+        self._prefix = self._read = len(self.ids)
+        self.text += piece
+        return piece
+
+
+def _byte_piece_ids(tokenizer) -> frozenset:
+    """Ids of byte-fallback pieces (<0xNN>), which decode as a run. Cached on the tokenizer."""
+    cached = getattr(tokenizer, "_byte_piece_ids", None)
+    if cached is not None:
+        return cached
+    ids = set()
+    for b in range(256):
+        i = tokenizer.token_to_id(f"<0x{b:02X}>")
+        if i is not None:
+            ids.add(int(i))
+    out = frozenset(ids)
+    try:
+        tokenizer._byte_piece_ids = out
+    except AttributeError:
+        pass
+    return out
+
+
+class StopStrings:
+    """feed(text) -> (text safe to show, stopped); finish() -> the text held back at the end."""
+
+    def __init__(self, stops):
+        stops = [stops] if isinstance(stops, str) else list(stops or [])
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = None              # the stop string that ended the text, once found
+
+    def feed(self, text: str) -> tuple:
+        if self.stopped is not None:
+            return "", True
+        buf = self._held + text
+        first = None
+        for s in self.stops:
+            at = buf.find(s)
+            if at >= 0 and (first is None or at < first[0]):
+                first = (at, s)
+        if first is not None:
+            self._held = ""
+            self.stopped = first[1]
+            return buf[:first[0]], True
+        keep = 0                          # the longest end of buf that begins some stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:n]):
+                    keep = n
+                    break
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped is not None else held
