@@ -9,6 +9,9 @@ here sorts the whole vocabulary when it can be avoided.
     p = s.pick(logits)               # Pick(token, logprob, top); records the token in the history
     token = s(logits)                # the same, token id only
 
+Sampler(temperature, top_k, top_p, seed) positionally, as before; min_p, the penalties and
+logprobs are keyword-only. describe() is one line of the non-default settings ("greedy" ...).
+
 Order of operations (as transformers' generate does)
     1. repetition_penalty (transformers' RepetitionPenaltyLogitsProcessor): for every distinct
        token id in prompt + generated so far, a logit > 0 is divided by the penalty, a logit <= 0
@@ -39,7 +42,9 @@ value (the k-th largest of strided block maxima), which includes every tie, and 
 top_p without top_k grows such a candidate set (64, 512, 4096, ... most likely) until its mass
 reaches top_p (or min_p has already cut inside it); the probabilities and running sums are the
 same float64 operations on the same values as the full sort's prefix. `distribution(logits)`
-returns the survivors and their probabilities, for tests and inspection.
+returns the survivors and their probabilities, for tests and inspection. The [vocab] float64
+temporaries live in scratch arrays kept by the Sampler (a fresh 2 MB array per token costs page
+faults, ~2 ms at 262,144), so one Sampler serves one generation at a time, not several threads.
 
 Logprobs (logprobs = n in 0..20; None = off): the natural log of p(token) under the model's own
 distribution, log_softmax of the raw logits (before penalties, temperature and truncation, as
@@ -95,9 +100,10 @@ def _fmt(v) -> str:
     return str(int(v)) if float(v).is_integer() else repr(float(v))
 
 
-def _ranked_top(x: np.ndarray, m: int) -> np.ndarray:
+def _ranked_top(x: np.ndarray, m: int, mask: np.ndarray | None = None) -> np.ndarray:
     """Ids of at least the m largest entries of x (every tie of the m-th included), ranked by
-    value descending, id ascending. x has no NaN. Sorts only the candidates."""
+    value descending, id ascending. x has no NaN. Sorts only the candidates. mask: an optional
+    bool scratch array like x."""
     n = x.shape[0]
     if m >= n:
         cand = np.arange(n)
@@ -111,7 +117,7 @@ def _ranked_top(x: np.ndarray, m: int) -> np.ndarray:
             t = np.partition(maxima, cols - m)[cols - m]
         else:
             t = np.partition(x, n - m)[n - m]
-        cand = np.flatnonzero(x >= t)
+        cand = np.flatnonzero(np.greater_equal(x, t, out=mask))
     return cand[np.argsort(-x[cand], kind="stable")]
 
 
@@ -174,6 +180,7 @@ class Sampler:
             raise ColibriError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
         self.logprobs = None if logprobs is None else int(logprobs)
         self.rng = np.random.default_rng(self.seed)
+        self._scratch = {}
         self._repeat = self.repetition_penalty != 1.0
         self._count = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         self.reset(())
@@ -237,7 +244,25 @@ class Sampler:
     def penalized(self, logits) -> np.ndarray:
         """The logits after repetition and presence/frequency penalties for the current history
         (a new array unless no penalty applies; the history is unchanged)."""
-        return self._penalize(self._as_logits(logits))
+        a = self._as_logits(logits)
+        x = self._penalize(a)
+        return x.copy() if x is not a else x
+
+    def _buffer(self, name, n, dtype) -> np.ndarray:
+        """A scratch array kept between tokens: a fresh [vocab] array per token costs page
+        faults (the allocator returns large blocks to the system), up to ~2 ms at 262,144."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape[0] != n or buf.dtype != dtype:
+            buf = self._scratch[name] = np.empty(n, dtype)
+        return buf
+
+    def _exp(self, x: np.ndarray, shift: float, t: float, name: str = "e") -> np.ndarray:
+        """exp((x - shift) / t) in float64 over all of x, into a scratch array."""
+        out = self._buffer(name, x.size, np.float64)
+        np.subtract(x, shift, out=out, dtype=np.float64)
+        if t != 1.0:
+            np.divide(out, t, out=out)
+        return np.exp(out, out=out)
 
     def _penalize(self, a: np.ndarray) -> np.ndarray:
         if not ((self._repeat and self._seen_n) or (self._count and self._gen_n)):
@@ -245,7 +270,9 @@ class Sampler:
         if self._max_id >= a.size:
             raise ColibriError(f"token id {self._max_id} in the penalty history is outside the vocabulary: "
                                f"the logits have {a.size} entries")
-        a = a.copy()
+        out = self._buffer("penalized", a.size, a.dtype)
+        np.copyto(out, a)
+        a = out
         with np.errstate(over="ignore"):             # an overflow to inf is reported by the caller
             self._apply_penalties(a)
         return a
@@ -266,19 +293,19 @@ class Sampler:
         n, t, tp, mp = x.size, self.temperature, self.top_p, self.min_p
         k = self.top_k if 0 < self.top_k < n else 0
         if k:
-            ranked = _ranked_top(x, k)[:k]
+            ranked = _ranked_top(x, k, self._buffer("mask", n, np.bool_))[:k]
             e = np.exp((x[ranked].astype(np.float64) - lmax) / t)          # rank order
             if tp < 1.0:
                 s = e[np.argsort(ranked)].sum()                             # in id order
                 keep = min(int(np.searchsorted(np.cumsum(e / s), tp)) + 1, k)
                 ranked, e = ranked[:keep], e[:keep]
         elif tp < 1.0:
-            e_all = np.exp((x.astype(np.float64) - lmax) / t)
+            e_all = self._exp(x, lmax, t)
             s = e_all.sum()
             sizes = iter(_GROWTH)
             m = next(sizes)
             while True:
-                ranked = _ranked_top(x, m)
+                ranked = _ranked_top(x, m, self._buffer("mask", n, np.bool_))
                 cum = np.cumsum(e_all[ranked] / s)
                 if cum[-1] >= tp or ranked.size == n:
                     break
@@ -291,12 +318,13 @@ class Sampler:
         elif mp > 0.0:
             # a superset by logit, then the exact test e >= min_p on it
             bound = lmax + t * math.log(mp)
-            ids = np.flatnonzero(x >= bound - 1e-5 * (abs(bound) + abs(lmax) + t) - 1e-30)
+            ids = np.flatnonzero(np.greater_equal(x, bound - 1e-5 * (abs(bound) + abs(lmax) + t) - 1e-30,
+                                                  out=self._buffer("mask", n, np.bool_)))
             e = np.exp((x[ids].astype(np.float64) - lmax) / t)
             keep = e >= mp
             return ids[keep], e[keep]
         else:
-            return None, np.exp((x.astype(np.float64) - lmax) / t)
+            return None, self._exp(x, lmax, t)
         if mp > 0.0:
             keep = e >= mp
             ranked, e = ranked[keep], e[keep]
@@ -314,26 +342,37 @@ class Sampler:
         logits with the current history, and their chances. Greedy: ([argmax], [1.0]). Changes
         nothing (no history, no random draw)."""
         raw = self._as_logits(logits)
-        x = self._penalize(raw)
-        what = "logits" if x is raw else "logits after the penalties"
+        x, chosen = self._choose(raw)
         if self.temperature == 0.0:
-            return np.array([self._greedy(x, what)], np.int64), np.ones(1)
-        ids, e = self._weights(x, what)
+            return np.array([chosen], np.int64), np.ones(1)
+        ids, e = chosen
         if ids is None:
             ids = np.arange(x.size)
         pos = e > 0
         ids, e = ids[pos], e[pos]
         return ids.astype(np.int64), e / e.sum()
 
+    def _choose(self, raw: np.ndarray):
+        """(penalised logits, ids or None, weights) for temperature > 0, or (x, token) greedy."""
+        x = self._penalize(raw)
+        what = "logits" if x is raw else "logits after the penalties"
+        try:
+            if self.temperature == 0.0:
+                return x, self._greedy(x, what)
+            return x, self._weights(x, what)
+        except ColibriError:
+            if x is not raw:                       # the model's own logits at fault: say so
+                _check_max(float(raw.max()), lambda: int(np.argmax(raw)), "logits")
+            raise
+
     def pick(self, logits) -> Pick:
         """logits float32 [vocab] -> Pick(token, logprob, top); records the token in the history."""
         raw = self._as_logits(logits)
-        x = self._penalize(raw)
-        what = "logits" if x is raw else "logits after the penalties"
+        x, chosen = self._choose(raw)
         if self.temperature == 0.0:
-            token = self._greedy(x, what)
+            token = chosen
         else:
-            ids, e = self._weights(x, what)
+            ids, e = chosen
             j = _draw(e, self.rng.random())
             token = j if ids is None else int(ids[j])
         if self._repeat or self._count:
@@ -342,10 +381,11 @@ class Sampler:
             return Pick(token)
         rmax = float(raw.max())
         _check_max(rmax, lambda: int(np.argmax(raw)), "logits")
-        log_z = math.log(float(np.exp(raw.astype(np.float64) - rmax).sum()))
+        log_z = math.log(float(self._exp(raw, rmax, 1.0, "logprobs").sum()))
         top = ()
         if self.logprobs:
-            top = tuple((int(i), (float(raw[i]) - rmax) - log_z) for i in _ranked_top(raw, self.logprobs)[:self.logprobs])
+            best = _ranked_top(raw, self.logprobs, self._buffer("mask", raw.size, np.bool_))[:self.logprobs]
+            top = tuple((int(i), (float(raw[i]) - rmax) - log_z) for i in best)
         return Pick(token, (float(raw[token]) - rmax) - log_z, top)
 
     def __call__(self, logits) -> int:
@@ -368,7 +408,7 @@ class Sampler:
             v = getattr(self, name)
             if v != (1.0 if name == "repetition_penalty" else 0.0):
                 parts.append(f"{name} {_fmt(v)}")
-        if self.temperature != 0.0 and self.seed:
+        if self.temperature != 0.0:                      # the seed decides a sampled output: always shown
             parts.append(f"seed {self.seed}")
         if self.logprobs is not None:
             parts.append(f"logprobs {self.logprobs}")
