@@ -357,8 +357,8 @@ def test_describe():
     assert Sampler().describe() == "greedy"
     assert Sampler(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, seed=1).describe() == \
         "temperature 0.7, top_k 20, top_p 0.8, min_p 0.05, seed 1"
+    assert Sampler(temperature=1.0, presence_penalty=-0.5, frequency_penalty=0.25, logprobs=3).describe() == \
         "temperature 1, presence_penalty -0.5, frequency_penalty 0.25, seed 0, logprobs 3"
-        "temperature 1, presence_penalty -0.5, frequency_penalty 0.25, logprobs 3"
 
 
 @pytest.mark.parametrize("name, bad", [
