@@ -339,3 +339,15 @@ def test_windows_prefetch_fallback_touches_pages(monkeypatch):
     finally:
         monkeypatch.undo()
         w._lookup.cache_clear()
+
+
+def test_compute_cores_respects_the_affinity_mask():
+    import subprocess
+    import sys
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    code = (f"import os; os.sched_setaffinity(0, {{{cpu}}}); from colibri import _os; print(_os.compute_cores())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
+    assert 1 <= _os.compute_cores() <= len(os.sched_getaffinity(0))

@@ -2,7 +2,7 @@
 
 Design
 ------
-Only the public API is used: `load`, `Model.generate(..., stop_at_eos=False)` and `Model.stats`.
+Only the public API is used: `load`, `Model.generate(..., stop_at_eos=False, reuse_prefix=False)` and `Model.stats`.
 The prompt is `prompt_len` token ids drawn uniformly from the vocabulary with a fixed seed, so
 every run and every engine sees the same work; decoding is greedy and never stops early.
 
@@ -51,7 +51,7 @@ def one_repetition(model, prompt, gen: int) -> dict:
     """Generate `gen` tokens after `prompt`, timing each yielded token."""
     gaps = []
     last = time.perf_counter()
-    for _ in model.generate(prompt, max_new_tokens=gen, stop_at_eos=False):
+    for _ in model.generate(prompt, max_new_tokens=gen, stop_at_eos=False, reuse_prefix=False):
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
