@@ -146,7 +146,8 @@ class Model:
         self._kv_tokens = []
         slack = [f["kv_ring"] - f["sliding_window"] for f in flags if f["sliding_window"] and f["kv_ring"] < n_ctx]
         self._ring_slack = min(slack) if slack else None
-        self._busy = threading.Lock()
+        self._busy = threading.Lock()              # one request at a time (refused, not queued)
+        self._engine_lock = threading.Lock()       # held while the engine runs; close() takes it
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,
                       "decode_tokens": 0, "decode_seconds": 0.0, "reused_tokens": 0}
 
@@ -263,10 +264,11 @@ class Model:
     def memory_stats(self) -> dict:
         """Residency counters: experts used per layer, resident expert bytes, prefetch calls and
         bytes, prediction hit rate, page faults, RSS. Cheap enough to call after every request."""
-        pf = self._engine.prefetch_stats
+        engine = self._live()
+        pf = engine.prefetch_stats
         minor, major = _os.page_faults()
         rss, peak = _os.rss_bytes()
-        counts = self._engine.expert_counts
+        counts = engine.expert_counts
         # bytes of expert weights the routers asked for: each (token, chosen expert) counts once
         used_bytes = sum(int(counts[l, e]) * self.residency.spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
         out = {"experts_used_per_layer": [int((row > 0).sum()) for row in counts],
@@ -287,22 +289,26 @@ class Model:
         """(experts int32 [n_layers, top_k], weights float32 [n_layers, top_k]) of the last step.
 
         Rows of dense (non-MoE) layers are meaningless."""
-        return self._engine.chosen.copy(), self._engine.chosen_weights.copy()
+        engine = self._live()
+        return engine.chosen.copy(), engine.chosen_weights.copy()
 
     @property
     def last_logits(self) -> np.ndarray:
         """float32 [vocab]: the logits of the last position run (e.g. inside a generate() step)."""
-        return self._engine.logits.copy()
+        return self._live().logits.copy()
 
     @property
     def expert_counts(self) -> np.ndarray:
         """int64 [n_layers, num_experts]: how often each expert was chosen since the last reset."""
-        return self._engine.expert_counts.copy()
+        return self._live().expert_counts.copy()
 
     def close(self) -> None:
-        """Release the engine and the mappings. The Model cannot be used afterwards."""
-        self._engine = None
-        self._maps.close()
+        """Release the engine and the mappings. A call running in another thread finishes its
+        engine step first (close waits for it); afterwards every use of the Model, a suspended
+        generator included, is a ColibriError saying it was closed."""
+        with self._engine_lock:            # no engine step is running while the weights go away
+            self._engine = None
+            self._maps.close()
 
     def __enter__(self):
         return self
@@ -349,12 +355,19 @@ class Model:
                                f"--from HF_DIR")
         return self.tokenizer
 
+    def _live(self):
+        """The engine, or a clear error once close() has run."""
+        engine = self._engine
+        if engine is None:
+            raise ColibriError(f"this Model ({self.path}) has been closed; load it again to use it")
+        return engine
+
     def _begin(self) -> None:
         """A new request: the per-request counters start again (the KV cache is kept)."""
-        if self._engine is None:
-            raise ColibriError("this Model has been closed")
-        self._engine.reset()
-        self.residency.reset(self._engine.expert_counts)
+        with self._engine_lock:
+            engine = self._live()
+            engine.reset()
+            self.residency.reset(engine.expert_counts)
 
     def _reusable_prefix(self, tokens: np.ndarray) -> int:
         """How many leading tokens of `tokens` the KV cache already holds at their positions (at
@@ -372,13 +385,13 @@ class Model:
         return common
 
     def _run(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool) -> None:
-        if self._engine is None:
-            raise ColibriError("this Model has been closed")
-        del self._kv_tokens[pos:]                 # positions >= pos are about to be overwritten
-        status, index, layer = self._engine.run(tokens, pos, out, all_logits)
-        if self._track:
-            # a prefill under a budget released each expert right after using it
-            self.residency.after_step(self._engine.expert_counts, released=len(tokens) > 1)
+        with self._engine_lock:
+            engine = self._live()
+            del self._kv_tokens[pos:]                 # positions >= pos are about to be overwritten
+            status, index, layer = engine.run(tokens, pos, out, all_logits)
+            if self._track:
+                # a prefill under a budget released each expert right after using it
+                self.residency.after_step(engine.expert_counts, released=len(tokens) > 1)
         if status != _kernels.STATUS_OK:
             raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
                                + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")

@@ -49,12 +49,11 @@ class TextSide:
         return cls(tokenizer, template, generation)
 
     def stop_token_ids(self, config_eos) -> list:
-        """The ids that end a generation: the model config's and generation_config's; the
-        tokenizer's eos token where neither lists one."""
-        ids = list(dict.fromkeys([*config_eos, *self.generation.eos_token_id]))
-        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids = [self.tokenizer.eos_token_id]
-        return ids
+        """The ids that end a generation: config.json's and generation_config.json's eos_token_id
+        (transformers' generate) and the tokenizer's eos_token (llama.cpp's EOS; a chat
+        checkpoint's end-of-turn token when its configs name only the end of text)."""
+        tok_eos = [] if self.tokenizer is None or self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        return list(dict.fromkeys([*config_eos, *self.generation.eos_token_id, *tok_eos]))
 
 
 def present(src: Path) -> list:
