@@ -123,6 +123,8 @@ class Model:
         hp["act_code"] = HIDDEN_ACTS[cfg.hidden_act]
         chunk = max(1, min(prefill_chunk or _kernels.PREFILL_CHUNK, n_ctx))
         hp["prefill_chunk"] = chunk          # the engine's batch size: the rings are sized for it
+        self._chunk = chunk
+        self._scratch_logits = np.empty((1, cfg.vocab_size), np.float32)   # a chunk's unused last logits
         flags = layer_flags(cfg, n_ctx, chunk)
         hp["expert_pages"] = self.residency.spans
         hp["release_in_prefill"] = expert_cache_mb is not None and mmap
@@ -385,6 +387,18 @@ class Model:
         return common
 
     def _run(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool) -> None:
+        """Run `tokens` at positions pos.. (logits into `out`), one prefill chunk per engine call:
+        the engine splits a prompt at the same chunk boundaries, so the results are the same,
+        and Ctrl-C (or close()) takes effect between chunks instead of after the whole prompt."""
+        for start in range(0, len(tokens), self._chunk):
+            piece = tokens[start:start + self._chunk]
+            last = start + len(piece) == len(tokens)
+            if not all_logits and not last:
+                self._run_chunk(piece, pos + start, self._scratch_logits, False)
+            else:
+                self._run_chunk(piece, pos + start, out[start:] if all_logits else out, all_logits)
+
+    def _run_chunk(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool) -> None:
         with self._engine_lock:
             engine = self._live()
             del self._kv_tokens[pos:]                 # positions >= pos are about to be overwritten
