@@ -42,9 +42,18 @@ class TextStream:
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _shown(self, token: int) -> bool:
+        """Whether decode keeps this id (skipped specials and unknown ids vanish, and a byte run
+        goes on across them)."""
+        return 0 <= token < self.tokenizer.vocab_size and not (
+            self.skip_special_tokens and token in self.tokenizer.special_ids)
+
     def push(self, token: int) -> str:
-        self.ids.append(int(token))
-        if int(token) in self._byte_ids:
+        token = int(token)
+        self.ids.append(token)
+        if not self._shown(token):
+            token = next((t for t in reversed(self.ids) if self._shown(t)), None)
+        if token in self._byte_ids:
             return ""                    # a byte run decodes as a whole: wait for its end
         window = self.ids[self._prefix:]
         before = self._decode(self.ids[self._prefix:self._read])
