@@ -165,6 +165,13 @@ def test_convert_refuses_non_empty_output_without_force(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out"], "conversion left temporary files behind"
 
     p = colibri("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", out, "--force")
+    one_line_error(p, out)                 # --force replaces only a Colibri model directory
+    assert (out / "precious.txt").read_text() == "keep me"
+
+    (out / "precious.txt").unlink()
+    assert colibri("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", out).returncode == 0
+    (out / "precious.txt").write_text("stray")
+    p = colibri("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", out, "--force")
     assert p.returncode == 0, p.stderr
     assert not (out / "precious.txt").exists()
     assert (out / "config.json").is_file()

@@ -164,9 +164,15 @@ def test_existing_output_needs_force_and_is_replaced_whole(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
+    for force in (False, True):            # --force replaces only a Colibri model directory
+        with pytest.raises(colibri.ColibriError, match="--force"):
+            convert(FIXTURES / "olmoe_a" / "hf", out, force=force, **SILENT)
+        assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    convert(FIXTURES / "mixtral_a" / "hf", out, **SILENT)
+    (out / "keep.txt").write_text("stray")
     with pytest.raises(colibri.ColibriError, match="--force"):
         convert(FIXTURES / "olmoe_a" / "hf", out, **SILENT)
-    assert (out / "keep.txt").read_text() == "precious"
     convert(FIXTURES / "olmoe_a" / "hf", out, force=True, **SILENT)
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

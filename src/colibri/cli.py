@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--layout", choices=LAYOUT_CHOICES, default=None,
                       help="the same for the other weight matrices (attention, dense MLPs, lm_head, a tied "
                            "embedding); an untied embedding is always rows")
-    conv.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    conv.add_argument("--force", action="store_true", help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)")
 
     rel = sub.add_parser("relayout", help="rewrite a model directory's weights in other layouts (no HF checkpoint)")
     rel.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
                      default=None, help="as for convert (default: the faster for the format)")
     rel.add_argument("--layout", choices=LAYOUT_CHOICES, default=None, help="as for convert")
-    rel.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    rel.add_argument("--force", action="store_true", help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)")
 
     info = sub.add_parser("info", help="describe a model directory")
     info.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)

@@ -31,11 +31,16 @@ error.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import os
 import re
+import secrets
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +49,8 @@ from .config import ModelConfig
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
-from .modeldir import (BLOCK_FORMATS, WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, storage_nbytes,
-                       tensor_file, to_storage)
+from .modeldir import (BLOCK_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
+                       ModelDir, ModelDirWriter, storage_nbytes, tensor_file, to_storage)
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
 
 _EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
@@ -373,6 +378,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         if value == "interleaved" and quantize not in BLOCK_FORMATS:
             raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
                                f"choose rows or transposed")
+    _check_output(Path(output_dir), force, {"--hf-dir": hf_dir})         # before any work
     ckpt = HFCheckpoint(hf_dir)
     arch, cfg = hf_model_config(ckpt)
     plan = plan_tensors(ckpt, cfg, arch, log)
@@ -382,7 +388,10 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant) for name, (shape, kind) in expected.items()}
     layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
-    need = sum(storage_nbytes(dtypes[name], shape) + 64 for name, (shape, _) in expected.items())
+    weights = [sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)     # + alignment padding
+               for _, names in _files_of(expected)]
+    text = [(Path(hf_dir) / n).stat().st_size for n in textfiles.present(Path(hf_dir))]
+    need = _space_needed(weights + text, len(expected), out.resolve().parent)
 
     copied = textfiles.validate(Path(hf_dir), cfg.vocab_size)     # before a byte is written
 
@@ -395,7 +404,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
         writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert",
                                       "hf_dir_name": Path(hf_dir).resolve().name},
                       ln_bits=16 if ln_quant else 32)
-    _write_model_dir(out, force, need, write)
+    _write_model_dir(out, force, need, write, {"--hf-dir": hf_dir})
     fallback = sum(1 for n, (_, kind) in expected.items() if kind == "matrix" and dtypes[n] != quantize)
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
@@ -420,13 +429,17 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     _check_layouts(expert_layout, layout)
     src = ModelDir(model_dir)
     out = Path(output_dir)
-    if out.resolve() == src.root.resolve():
-        raise ColibriError(f"--output-dir {out} is the model directory itself; choose another directory")
+    _check_output(out, force, {"--model-dir": src.root})
     cfg, expected = src.config, src.config.expected_tensors()
     layouts = {n: _layout_for(n, shape, kind, src.tensors[n]["dtype"], expert_layout, layout, cfg.tie_word_embeddings)
                for n, (shape, kind) in expected.items()}
-    need = sum(t["nbytes"] + 64 for t in src.tensors.values())
     in_tensor_files = {t["file"] for t in src.tensors.values()}
+    sizes = {rel: entry["size"] for rel, entry in src.files.items()}
+    for t in src.tensors.values():                 # a tensor file: its tensors, each with its padding
+        sizes[t["file"]] = 0
+    for t in src.tensors.values():
+        sizes[t["file"]] += t["nbytes"] + 63
+    need = _space_needed(list(sizes.values()), len(src.tensors), out.resolve().parent)
     maps = MappedModelDir(src)
 
     def items(names):
@@ -451,7 +464,7 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
         writer.finish(cfg, src.weight_dtype, {**src.raw.get("source", {}), "relayout": "colibri relayout"},
                       ln_bits=src.raw.get("ln_gamma_quant_bits", 32))
     try:
-        _write_model_dir(out, force, need, write)
+        _write_model_dir(out, force, need, write, {"--model-dir": src.root})
     finally:
         maps.close()
     expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
@@ -475,25 +488,231 @@ def _files_of(expected: dict) -> list:
     return sorted(by_file.items())
 
 
-def _write_model_dir(out: Path, force: bool, need: int, write) -> None:
-    """Refuse a non-empty `out` without force and a disk without `need` bytes free, then let
-    write(ModelDirWriter) fill a temporary sibling directory, renamed into place when complete."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ColibriError(f"output directory {out} exists and is not empty (use --force to replace it)")
-    parent = out.parent if str(out.parent) else Path(".")
+def _check_output(out: Path, force: bool, inputs: dict) -> None:
+    """Refuse an output directory that --force may not replace (the rule of `_write_model_dir`).
+    inputs: {flag: path} of the directories the command reads."""
+    out = Path(out)
+    if os.path.islink(out):
+        target = os.readlink(out)
+        raise ColibriError(f"--output-dir {out} is a symbolic link to {target}; Colibri does not replace a "
+                           f"directory through a link: pass the target itself (--output-dir {out.resolve()})")
+    resolved = out.resolve()
+    if resolved.parent == resolved:
+        raise ColibriError(f"--output-dir {out} is the root of a file system; choose a directory for the model")
+    for flag, src in inputs.items():
+        src = Path(src)
+        relation = _overlap(resolved, src.resolve())
+        if relation == "same":
+            what = "the model directory" if flag == "--model-dir" else "the checkpoint directory"
+            raise ColibriError(f"--output-dir {out} is {what} itself ({flag} {src}); choose another directory")
+        if relation == "contains":
+            raise ColibriError(f"--output-dir {out} contains the input {flag} {src}: replacing it would delete "
+                               f"the input; choose a directory outside it")
+        if relation == "inside":
+            raise ColibriError(f"--output-dir {out} is inside the input {flag} {src}; choose a directory "
+                               f"outside it")
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise ColibriError(f"--output-dir {out} exists and is not a directory; choose another path")
+    entries = os.listdir(out)
+    if not entries:
+        return
+    kind = _colibri_or_what(out, len(entries))
+    if kind is not None:
+        raise ColibriError(f"output directory {out} is not empty and is not a Colibri model directory "
+                           f"(it holds {kind}); --force replaces only a Colibri model directory: choose a new "
+                           f"or empty directory")
+    if not force:
+        raise ColibriError(f"output directory {out} exists and is not empty: it holds a Colibri model "
+                           f"(use --force to replace it)")
+
+
+def _overlap(out: Path, src: Path) -> str | None:
+    """How two resolved directories relate: "same", "contains" (out is an ancestor of src),
+    "inside" (out is under src) or None. Compared by file identity where the paths exist (case-
+    insensitive file systems, bind mounts), else by name."""
+    def ident(p):
+        try:
+            st = os.stat(p)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+    out_id, src_id = ident(out), ident(src)
+    if out == src or (out_id is not None and out_id == src_id):
+        return "same"
+    if src.is_relative_to(out) or (out_id is not None and any(ident(p) == out_id for p in src.parents)):
+        return "contains"
+    if out.is_relative_to(src) or (src_id is not None and any(ident(p) == src_id for p in out.parents)):
+        return "inside"
+    return None
+
+
+def _colibri_or_what(path: Path, n_entries: int) -> str | None:
+    """None for a Colibri model directory (config.json says "format": "colibri"), else what the
+    directory holds, in words."""
+    n = f"{n_entries} entr{'y' if n_entries == 1 else 'ies'}"
+    cfg = path / CONFIG_NAME
+    if not cfg.is_file():
+        return f"{n} and no Colibri {CONFIG_NAME}"
+    try:
+        if cfg.stat().st_size <= MAX_CONFIG_BYTES:
+            doc = json.loads(cfg.read_text(encoding="utf-8"))
+            if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME:
+                return None
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    return f"{n} and a {CONFIG_NAME} that is not a Colibri one"
+
+
+def _space_needed(file_sizes: list, n_tensors: int, parent: Path) -> int:
+    """Bytes the output directory takes, with a margin, so that a full disk fails before writing:
+    file_sizes lists every file but config.json (the weight files with up to 63 bytes of alignment
+    padding per tensor, the copied text files); config.json is estimated from the tensor count;
+    each file is rounded up to whole blocks of the file system."""
+    try:
+        block = os.statvfs(parent).f_frsize or 4096
+    except (AttributeError, OSError):
+        block = 4096
+    config = 16384 + 1024 * n_tensors + 512 * len(file_sizes)
+    total = sum(-(-size // block) * block for size in [*file_sizes, config])
+    return total + total // 100 + (1 << 16)
+
+
+class _Terminated(BaseException):
+    """SIGTERM while a model directory is written (see _sigterm_cleans_up)."""
+
+
+@contextlib.contextmanager
+def _sigterm_cleans_up():
+    """In the main thread: SIGTERM during the block raises _Terminated, which takes the cleanup
+    path of KeyboardInterrupt (the temporary directory is removed); then the previous handler is
+    restored and gets the signal (the default one ends the process)."""
+    sig = getattr(signal, "SIGTERM", None)
+    main = threading.current_thread() is threading.main_thread()
+    prev = signal.getsignal(sig) if sig is not None and main else None
+    if prev is None or prev == signal.SIG_IGN:         # not ours to change: unknown (C), ignored, or a thread
+        yield
+        return
+    fired = []
+
+    def handler(signum, frame):
+        if not fired:                                  # a second SIGTERM must not interrupt the cleanup
+            fired.append(signum)
+            raise _Terminated()
+    signal.signal(sig, handler)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(sig, prev)
+        signal.raise_signal(sig)                       # the previous handler's turn
+        raise KeyboardInterrupt from None              # it returned: stop as Ctrl-C does
+    finally:
+        signal.signal(sig, prev)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """In the main thread: SIGINT and SIGTERM arriving during the block are delivered after it
+    (the renames that swap a directory in, the removal of a temporary one, must not be cut)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved, got = {}, []
+    for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+        if sig is None:
+            continue
+        prev = signal.getsignal(sig)
+        if prev is not None and prev != signal.SIG_IGN:
+            saved[sig] = prev
+            signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, prev in saved.items():
+            signal.signal(sig, prev)
+        for sig in dict.fromkeys(got):
+            signal.raise_signal(sig)
+
+
+class _Writer(ModelDirWriter):
+    """ModelDirWriter whose write errors (a full disk: ENOSPC; EFBIG, EDQUOT, EIO) become one
+    ColibriError naming the file being written; errors reading the input pass unchanged."""
+
+    def __init__(self, root: Path, out: Path):
+        super().__init__(root)
+        self.out = out
+        self._source_error = None
+
+    def write_file(self, rel, items):
+        with self._writing(rel):
+            super().write_file(rel, self._reading(items))
+
+    def add_file(self, rel, source):
+        with self._writing(rel, source):
+            super().add_file(rel, source)
+
+    def finish(self, *args, **kwargs):
+        with self._writing(CONFIG_NAME):
+            super().finish(*args, **kwargs)
+
+    def _reading(self, items):
+        it = iter(items)
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            except OSError as e:
+                self._source_error = e
+                raise
+            yield item
+
+    @contextlib.contextmanager
+    def _writing(self, rel, source=None):
+        try:
+            yield
+        except OSError as e:
+            if e is self._source_error or (source is not None and e.filename == str(source)):
+                raise
+            raise ColibriError(f"{e.strerror or e} while writing {self.root / rel}; the temporary directory "
+                               f"was removed and {self.out} is untouched") from e
+
+
+def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | None = None) -> None:
+    """Let write(ModelDirWriter) fill a temporary sibling of `out`, renamed into place when
+    complete, after the checks (again: the conversion may have taken a while):
+    - `--force` replaces only a Colibri model directory (config.json says "format": "colibri");
+      a non-empty directory that is not one is refused even with it, and so is a file;
+    - never the input, a directory that contains it, or one inside it (inputs: {flag: path});
+    - never through a symbolic link (the user is told to pass the target);
+    - a disk without `need` bytes free fails before a byte is written.
+    Whatever fails (a full disk, Ctrl-C, SIGTERM, an error in the weights) removes the temporary
+    directory and leaves a previous `out` as it was; whatever succeeds leaves no temporary behind."""
+    out = Path(out)
+    _check_output(out, force, inputs or {})
+    target = out.resolve()                             # not a link (checked): its parent's real path
+    parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
+    if _remove_stale_temporaries(parent, target.name):     # a previous output was put back: judge it
+        _check_output(out, force, inputs or {})
     free = shutil.disk_usage(parent).free
     if need > free:
-        raise ColibriError(f"not enough disk space in {parent}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB")
-    _remove_stale_temporaries(parent, out.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
-    os.chmod(tmp, 0o755)
-    try:
-        write(ModelDirWriter(tmp))
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise ColibriError(f"not enough disk space in {parent} for {out}: need {need / 1e6:.1f} MB, "
+                           f"have {free / 1e6:.1f} MB")
+    tmp = None
+    with _sigterm_cleans_up():
+        try:
+            with _signals_deferred():                  # the directory exists <=> tmp names it
+                tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=parent))
+            os.chmod(tmp, 0o755)
+            write(_Writer(tmp, out))
+            _replace_dir(tmp, target)
+        except BaseException:
+            if tmp is not None:
+                with _signals_deferred():
+                    shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 # largest magnitude each dtype can store (int8/int4: their f16 scale must stay finite)
@@ -548,15 +767,38 @@ def _stored(name, values, shape, dtype, layout="rows"):
     return name, stored, dtype, shape, {}
 
 
-def _remove_stale_temporaries(parent: Path, name: str) -> None:
-    """Delete what a killed conversion to `name` left behind (its pid no longer runs)."""
-    for p in parent.glob(f".{glob.escape(name)}.tmp-*"):
+def _remove_stale_temporaries(parent: Path, name: str) -> bool:
+    """Clear what a killed conversion to `name` left behind (its pid no longer runs): its
+    temporary directory is deleted; a previous output it had moved aside (`.NAME.old-PID-*`, killed
+    between the two renames of _replace_dir) is put back when `name` is missing, else deleted.
+    Returns whether one was put back."""
+    stale = []
+    for kind in ("tmp", "old"):
+        for p in sorted(parent.glob(f".{glob.escape(name)}.{kind}-*")):
+            try:
+                pid = int(p.name[len(name) + 6:].split("-")[0])
+            except ValueError:
+                continue
+            if not _pid_alive(pid):
+                stale.append((kind, p))
+    restored = False
+    for kind, p in stale:
+        if kind == "old" and not os.path.lexists(parent / name):
+            os.replace(p, parent / name)
+            restored = True
+        else:
+            _remove(p)
+    return restored
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
         try:
-            pid = int(p.name[len(name) + 6:].split("-")[0])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
+            p.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -572,11 +814,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`; an existing `out` (with --force) is removed only after."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    """Move the finished `tmp` to `out`. An existing `out` (an empty directory, or a Colibri one
+    with --force) is first renamed aside and removed only once `tmp` is in its place; if that
+    rename fails it is put back. Ctrl-C and SIGTERM wait until the swap is done."""
+    with _signals_deferred():
+        old = None
+        if os.path.lexists(out):
+            old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None:
+                os.replace(old, out)
+            raise
+        if old is not None:
+            _remove(old)
