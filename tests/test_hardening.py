@@ -163,3 +163,13 @@ def test_nan_in_a_weight_file_is_reported_not_sampled(converted, tmp_path, tenso
     r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(d), "--tokens",
                         ",".join(map(str, range(1, 20)))], env=ENV, capture_output=True, text=True)
     assert r.returncode == 2 and "NaN or infinite" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag, value, named", [("--threads", "2147483648", "1..1024"),
+                                                ("--expert-cache-mb", "inf", "inf"),
+                                                ("--expert-cache-mb", "nan", "nan")])
+def test_absurd_flag_values_are_one_line(converted, flag, value, named):
+    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
+                        "--tokens", "1,2", flag, value], env=ENV, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and named in r.stderr, r.stderr

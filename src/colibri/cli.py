@@ -205,6 +205,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\n[INFO] Interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except (MemoryError, OverflowError, RecursionError, ValueError) as e:
+        # an input so large or deep that a step failed before its own check: still one line
+        what = {MemoryError: "out of memory", RecursionError: "input nested too deeply"}.get(type(e), type(e).__name__)
+        print(f"error: {what}: {str(e)[:300] or 'no details'} (while running {args.command}; check the sizes "
+              f"in the model's config.json and the flags)", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _describe(m) -> str:

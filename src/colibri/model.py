@@ -36,6 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
         "tree (it compiles the Cython extension; needs a C compiler), or build in place with "
         f"`python setup.py build_ext --inplace`. ({e})") from None
 
+MAX_THREADS = 1024             # beyond it a thread that cannot be created would abort mid-output
 DEFAULT_MAX_CONTEXT = 4096     # context when the caller does not choose one (KV pages are lazy)
 _STATUS_MESSAGES = {
     _kernels.STATUS_BAD_ROUTER: "router logits of layer {layer} are NaN or infinite",
@@ -93,8 +94,9 @@ class Model:
         cfg = self.config
         if threads is None:
             threads = _os.compute_cores()
-        if not isinstance(threads, int) or threads < 1:
-            raise ColibriError(f"threads must be a positive integer, got {threads!r}")
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
+            raise ColibriError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
+        threads = int(threads)
         if n_ctx is None:
             n_ctx = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         if not isinstance(n_ctx, int) or not 1 <= n_ctx <= cfg.max_position_embeddings:

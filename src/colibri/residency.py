@@ -34,11 +34,15 @@ from .modeldir import tensor_file
 PREFETCH_MODES = {"none": 0, "routed": 1, "predict": 2}     # codes mirrored in _kernels.pyx
 
 
+MAX_BUDGET_MB = 1e12         # a budget beyond any machine's memory is a typo (or inf)
+
+
 class Residency:
     def __init__(self, maps, config, budget_mb: float | None = None, mlock: bool = False, warmup: bool = False):
         if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float))
-                                      or not budget_mb > 0):
-            raise ColibriError(f"expert_cache_mb must be a positive number of megabytes, got {budget_mb!r}")
+                                      or not 0 < budget_mb < MAX_BUDGET_MB):
+            raise ColibriError(f"expert_cache_mb must be a positive finite number of megabytes "
+                               f"(below {MAX_BUDGET_MB:.0e}), got {budget_mb!r}")
         self.budget = None if budget_mb is None else int(budget_mb * (1 << 20))
         self.config = config
         # (layer, expert) -> (address, page-rounded length) of its file
