@@ -347,3 +347,18 @@ def test_quantize_aliases_of_the_original_engine(tmp_path):
     assert json.loads((tmp_path / "o" / "config.json").read_text())["weight_dtype"] == "f16"
     one_line_error(run_cli("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", tmp_path / "x",
                            "--quantize", "3bit"), "3bit")
+
+
+def test_a_template_that_raises_is_one_line_with_its_message(chat_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(chat_model_dir, d)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                          "{% endif %}{{ messages[0]['content'] }}", "eos_token": "<|im_end|>"}))
+    assert run_cli("tokenizer", "--model-dir", d, "--from", src).returncode == 0
+    ok = run_cli("run", "--model-dir", d, "--chat", "--prompt", "hello", "--max-new-tokens", 2, "--ids")
+    assert ok.returncode == 0, ok.stderr
+    one_line_error(run_cli("run", "--model-dir", d, "--chat", "--system", "x", "--prompt", "hello"),
+                   "System role not supported")
