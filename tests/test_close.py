@@ -84,3 +84,31 @@ def test_a_suspended_generator_sees_the_close(converted):
     m.close()
     with pytest.raises(ColibriError, match="has been closed"):
         list(g)
+
+
+class _CountingEngine:
+    """Delegates to the real engine and counts its run() calls."""
+
+    def __init__(self, engine):
+        self._engine, self.calls = engine, []
+
+    def run(self, tokens, pos, out, all_logits, *rest):
+        self.calls.append((len(tokens), pos))
+        return self._engine.run(tokens, pos, out, all_logits, *rest)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_long_prompt_returns_to_python_after_every_chunk(converted):
+    """Ctrl-C (KeyboardInterrupt) and close() act between engine calls: one per prefill chunk."""
+    d = converted("mixtral_a")
+    ids = list(range(3, 14))                                   # 11 tokens, chunks of 4
+    whole = colibri.load(d).forward(ids)
+    m = colibri.load(d, prefill_chunk=4)
+    m._engine = spy = _CountingEngine(m._engine)
+    assert np.array_equal(m.forward(ids), whole)
+    assert spy.calls == [(4, 0), (4, 4), (3, 8)]
+    spy.calls.clear()
+    list(m.generate(ids, max_new_tokens=2, stop_at_eos=False, reuse_prefix=False))
+    assert spy.calls == [(4, 0), (4, 4), (3, 8), (1, 11)]
