@@ -10,10 +10,11 @@ One interface (`Tokenizer`), two backends chosen by the files of the model direc
                     tokenizer.json (transformers also prefers tokenizer.json when both exist).
 
 What transformers 5.x does on top of the raw backends, reproduced here (`tokenizer_config.json`):
-  - BOS/EOS: tokenizer.json's post-processor decides, unless tokenizer_config sets
-    `add_bos_token` / `add_eos_token` explicitly: then the post-processor becomes
-    "[bos] $A [eos]" with exactly those (TokenizersBackend.update_post_processor). A sentencepiece
-    model adds BOS unless `add_bos_token` is false (LlamaTokenizer's default).
+  - BOS/EOS: tokenizer.json's post-processor decides (transformers 5 ignores tokenizer_config's
+    `add_bos_token` / `add_eos_token` then — checked for the Llama, Gemma, Qwen2, GPT-NeoX and
+    generic classes); only a tokenizer.json without one takes those flags ("[bos] $A [eos]",
+    TokenizersBackend.update_post_processor). A sentencepiece model adds BOS unless
+    `add_bos_token` is false (LlamaTokenizer's default).
   - special tokens written in the text are recognised (the added tokens of tokenizer.json, the
     control pieces of a sentencepiece model), each chunk of text between them encoded on its own
     (sentencepiece: each with its dummy-prefix space, transformers' legacy behaviour).
@@ -142,8 +143,7 @@ class HFTokenizer(Tokenizer):
             raise ColibriError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0][:200]})") from None
         self._add_missing_added_tokens(cfg.get("added_tokens_decoder"))
         self.special_tokens_map = _special_tokens(cfg, special_tokens_map)
-        post = self._tok.post_processor
-        if "add_bos_token" in cfg or "add_eos_token" in cfg or post is None:
+        if self._tok.post_processor is None:
             self.add_bos_token = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
             self.add_eos_token = bool(cfg.get("add_eos_token", False)) and self.eos_token_id is not None
             self._set_post_processor()
