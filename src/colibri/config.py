@@ -33,7 +33,10 @@ Gemma 4 adds, each defaulting to the behaviour of the other families:
 """
 from __future__ import annotations
 
+import json
+import reprlib
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 
 from .errors import ColibriError
 
@@ -42,6 +45,72 @@ QK_NORM_MODES = {"none": 0, "per_head": 1, "whole": 2}   # codes mirrored in _ke
 HIDDEN_ACTS = {"silu": 0, "gelu_tanh": 1}   # codes mirrored in _kernels.pyx
 MOE_BLOCKS = ("replace", "parallel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# ---- bounds: every dimension and every product of dimensions that sizes a table, a loop or an
+# allocation is checked against these before anything is built. They are far above any real model
+# (the largest today: DeepSeek-V3 / Kimi K2 61 layers of 256 / 384 experts, hidden 7168, 163840
+# positions; Qwen3-Next 48 layers of 512 experts; Llama 3 405B 126 layers, hidden 16384, 128
+# heads, FFN 53248; Gemma 3/4 vocab 262144, head_dim 512; Llama 4 Scout 10M positions), so they
+# refuse only a config.json that is damaged or hostile, in microseconds instead of minutes.
+MAX_LAYERS = 4096                    # 32x Llama 3 405B's 126
+MAX_EXPERTS = 1 << 16                # per layer; 128x the largest (512)
+MAX_EXPERT_INSTANCES = 1 << 17       # MoE layers x experts: one file + 3 tensors each; 5x Qwen3-Next's
+                                     # 24576 (at ~650 bytes of table per expert, a directory's config.json
+                                     # meets its 64 MB limit first, near 100000)
+MAX_VOCAB = 1 << 22                  # 16x Gemma's 262144
+MAX_HIDDEN = 1 << 17                 # 8x Llama 3 405B's 16384
+MAX_HEADS = 1 << 12                  # attention or key/value heads; 32x the largest (128)
+MAX_HEAD_DIM = 1 << 12               # 8x Gemma 4's 512 (the RoPE tables are n_ctx x head_dim)
+MAX_FFN = 1 << 18                    # any intermediate size; 5x Llama 3 405B's 53248
+MAX_POSITIONS = 1 << 30              # max_position_embeddings (and sliding_window); 100x Llama 4 Scout's
+MAX_Q_DIM = 1 << 17                  # heads x head_dim; 5x the largest (128 x 192)
+MAX_POSITIONS_X_HEAD_DIM = 1 << 34   # max_position_embeddings x head_dim (the RoPE table at full
+                                     # context); 12x Llama 4 Scout's 10485760 x 128
+MAX_EMBEDDING = 1 << 34              # vocab x hidden; 8x Llama 3 405B's 128256 x 16384
+MAX_EXPERT_WEIGHTS = 1 << 37         # experts x moe_intermediate x hidden of one layer; 24x Kimi K2's
+                                     # 384 x 2048 x 7168
+MAX_STOP_IDS = 1 << 16               # eos_token_id entries (a handful in practice)
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 3, 6, 4, 40, 40, 40
+
+
+def shown(value, limit: int = 100) -> str:
+    """repr() of a value from a JSON file for an error message: bounded in length and depth
+    (a field may hold a million-element list or a 4000-digit integer)."""
+    try:
+        text = _SHOW.repr(value)
+    except (RecursionError, ValueError, MemoryError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def read_json(path: Path, what: str, max_bytes: int):
+    """The parsed contents of a JSON file, or a ColibriError naming it: too large, unreadable, not
+    UTF-8, not JSON, an integer of more than 4300 digits, nesting too deep for the parser."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ColibriError(f"{path} is larger than {max_bytes >> 20} MB; refusing to parse it as {what}")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ColibriError(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    return parse_json(raw, path, what)
+
+
+def parse_json(raw: bytes, where, what: str):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ColibriError(f"{where}: {what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ColibriError(f"{where}: {what} is nested too deeply to be parsed") from None
+    except json.JSONDecodeError as e:
+        raise ColibriError(f"{where}: {what} is not valid JSON ({e})") from None
+    except ValueError as e:                      # e.g. an integer of more than 4300 digits
+        raise ColibriError(f"{where}: {what} is not usable JSON ({str(e)[:120]})") from None
+    except MemoryError:
+        raise ColibriError(f"{where}: {what} is too large to be parsed") from None
 
 
 def _is(v, kind) -> bool:
@@ -126,17 +195,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         if not isinstance(d, dict):
-            raise ColibriError(f"{source}: 'model' must be a JSON object")
+            raise ColibriError(f"{source}: 'model' must be a JSON object, got {shown(d)}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ColibriError(f"{source}: unknown model field(s) {', '.join(unknown)}")
-        try:
-            cfg = cls(**d)
-        except TypeError:
-            missing = [f.name for f in fields(cls) if f.name not in d
-                       and f.default is MISSING and f.default_factory is MISSING]
-            raise ColibriError(f"{source}: incomplete model section, missing {', '.join(missing)}") from None
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ColibriError(f"{source}: unknown model field(s) {', '.join(shown(u, 40) for u in unknown[:5])}{more}")
+        missing = [f.name for f in fields(cls) if f.name not in d
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ColibriError(f"{source}: incomplete model section, missing {', '.join(missing)}")
+        cfg = cls(**d)
         cfg.validate(source)
         return cfg
 
@@ -155,42 +224,47 @@ class ModelConfig:
 
     # -- validation: everything the engine relies on, checked once with a clear message -------
     def validate(self, source: str = "config.json") -> None:
+        """Types first, then each number's range, then the per-layer lists, then the products of
+        dimensions (the MAX_* bounds): nothing here costs more than a pass over the layers."""
         def fail(msg):
             raise ColibriError(f"{source}: {msg}")
 
         for name, kinds in _FIELD_TYPES.items():
             v = getattr(self, name)
             if not any(_is(v, k) for k in kinds):
-                fail(f"{name} must be {' or '.join(_KIND_NAMES[k] for k in kinds)}, got {v!r}")
+                fail(f"{name} must be {' or '.join(_KIND_NAMES[k] for k in kinds)}, got {shown(v)}")
 
-        def positive_int(name, limit=1 << 24):
+        def bounded(name, lower, upper):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= limit:
-                fail(f"{name} must be an integer in 1..{limit}, got {v!r}")
+            if not lower <= v <= upper:
+                fail(f"{name} must be an integer in {lower}..{upper}, got {shown(v)}")
 
         if self.architecture not in ARCHITECTURES:
-            fail(f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            positive_int(name)
-        positive_int("num_hidden_layers", 4096)
-        positive_int("max_position_embeddings", 1 << 30)
+            fail(f"unknown architecture {shown(self.architecture)}; supported: {', '.join(ARCHITECTURES)}")
+        for name, upper in (("vocab_size", MAX_VOCAB), ("hidden_size", MAX_HIDDEN),
+                            ("num_hidden_layers", MAX_LAYERS), ("num_attention_heads", MAX_HEADS),
+                            ("num_key_value_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM),
+                            ("max_position_embeddings", MAX_POSITIONS), ("num_experts", MAX_EXPERTS),
+                            ("num_experts_per_tok", MAX_EXPERTS), ("moe_intermediate_size", MAX_FFN)):
+            bounded(name, 1, upper)
         for name in ("intermediate_size", "shared_expert_intermediate_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= (1 << 24):
-                fail(f"{name} must be an integer >= 0, got {v!r}")
+            bounded(name, 0, MAX_FFN)
         if self.num_experts_per_tok > self.num_experts:
             fail(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
         if self.num_attention_heads % self.num_key_value_heads:
             fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                  f"num_key_value_heads ({self.num_key_value_heads})")
         n = self.num_hidden_layers
-        for name, kind, lower, upper in (("layer_head_dims", int, 1, 1 << 16), ("layer_kv_heads", int, 1, 1 << 16),
+        for name, kind, lower, upper in (("layer_head_dims", int, 1, MAX_HEAD_DIM), ("layer_kv_heads", int, 1, MAX_HEADS),
                                           ("layer_rope_theta", float, 1.0, 1e12),
                                           ("layer_rope_fraction", float, 0.0, 1.0)):
             v = getattr(self, name)
             if v and (len(v) != n or not all(_is(x, kind) and lower <= x <= upper for x in v)):
-                fail(f"{name} must be empty or list {n} numbers in [{lower:g}, {upper:g}], got {v!r}")
+                fail(f"{name} must be empty or list {n} numbers in [{lower:g}, {upper:g}], got {shown(v)}")
+        if len(self.moe_layers) != n or not all(isinstance(b, bool) for b in self.moe_layers):
+            fail(f"moe_layers must list {n} booleans, got {shown(self.moe_layers)}")
+        if len(self.layer_types) != n or any(type(t) is not str or t not in LAYER_TYPES for t in self.layer_types):
+            fail(f"layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {shown(self.layer_types)}")
         for layer in range(n):
             hd, kvh = self.layer_head_dim(layer), self.layer_kv_heads_of(layer)
             if hd % 2:
@@ -198,43 +272,61 @@ class ModelConfig:
             if self.num_attention_heads % kvh:
                 fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of the "
                      f"{kvh} key/value heads of layer {layer}")
+
+        # products of dimensions: what one table, loop or allocation is sized by
+        head_dim = max(self.layer_head_dims or [self.head_dim])
+        which = "the largest of layer_head_dims" if self.layer_head_dims else "head_dim"
+        moe = sum(self.moe_layers)
+        for what, value, limit in (
+                (f"MoE layers ({moe} of num_hidden_layers) x num_experts ({self.num_experts})",
+                 moe * self.num_experts, MAX_EXPERT_INSTANCES),
+                (f"num_attention_heads ({self.num_attention_heads}) x {which} ({head_dim})",
+                 self.num_attention_heads * head_dim, MAX_Q_DIM),
+                (f"max_position_embeddings ({self.max_position_embeddings}) x {which} ({head_dim})",
+                 self.max_position_embeddings * head_dim, MAX_POSITIONS_X_HEAD_DIM),
+                (f"vocab_size ({self.vocab_size}) x hidden_size ({self.hidden_size})",
+                 self.vocab_size * self.hidden_size, MAX_EMBEDDING),
+                (f"num_experts ({self.num_experts}) x moe_intermediate_size ({self.moe_intermediate_size}) x "
+                 f"hidden_size ({self.hidden_size})",
+                 self.num_experts * self.moe_intermediate_size * self.hidden_size, MAX_EXPERT_WEIGHTS)):
+            if value > limit:
+                fail(f"{what} = {value} exceeds {limit} (far beyond any real model: a damaged config.json?)")
+
         for name, lower, upper in (("rms_norm_eps", 1e-12, 1.0), ("rope_theta", 1.0, 1e12)):
             v = getattr(self, name)
             if not lower <= v <= upper:       # also false for NaN
-                fail(f"{name} must be a number in [{lower:g}, {upper:g}], got {v!r}")
+                fail(f"{name} must be a number in [{lower:g}, {upper:g}], got {shown(v)}")
         for name in ("attention_scale", "final_logit_softcapping"):
             v = getattr(self, name)
             if v is not None and not 0 < v < 1e30:
-                fail(f"{name} must be a positive number or null, got {v!r}")
+                fail(f"{name} must be a positive number or null, got {shown(v)}")
         if not 0 < self.embedding_scale < 1e30:
-            fail(f"embedding_scale must be a positive number, got {self.embedding_scale!r}")
+            fail(f"embedding_scale must be a positive number, got {shown(self.embedding_scale)}")
         if self.moe_block not in MOE_BLOCKS:
-            fail(f"moe_block must be one of {', '.join(MOE_BLOCKS)}, got {self.moe_block!r}")
+            fail(f"moe_block must be one of {', '.join(MOE_BLOCKS)}, got {shown(self.moe_block)}")
         if self.moe_block == "parallel" and self.intermediate_size < 1:
             fail("moe_block 'parallel' needs intermediate_size > 0 (the dense MLP beside the experts)")
         if self.hidden_act not in HIDDEN_ACTS:
-            fail(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+            fail(f"hidden_act {shown(self.hidden_act)} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
         if self.qk_norm not in QK_NORM_MODES:
-            fail(f"qk_norm must be one of {', '.join(QK_NORM_MODES)}, got {self.qk_norm!r}")
+            fail(f"qk_norm must be one of {', '.join(QK_NORM_MODES)}, got {shown(self.qk_norm)}")
         if self.qk_norm == "whole" and self.num_attention_heads * self.head_dim != self.hidden_size:
             # OLMoE's q_norm is sized hidden_size; it only lines up when heads*head_dim == hidden.
             fail("qk_norm 'whole' needs num_attention_heads * head_dim == hidden_size")
         if self.clip_qkv is not None and not 0 < self.clip_qkv < 1e30:
-            fail(f"clip_qkv must be a positive number or null, got {self.clip_qkv!r}")
-        if len(self.moe_layers) != n or not all(isinstance(b, bool) for b in self.moe_layers):
-            fail(f"moe_layers must list {n} booleans, got {self.moe_layers!r}")
-        if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
-            fail(f"layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}")
+            fail(f"clip_qkv must be a positive number or null, got {shown(self.clip_qkv)}")
         if "sliding_attention" in self.layer_types or self.sliding_window is not None:
-            if not isinstance(self.sliding_window, int) or not 1 <= self.sliding_window <= (1 << 30):
-                fail(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+            if not isinstance(self.sliding_window, int) or not 1 <= self.sliding_window <= MAX_POSITIONS:
+                fail(f"sliding_window must be an integer in 1..{MAX_POSITIONS}, got {shown(self.sliding_window)}")
         if not all(self.moe_layers) and self.intermediate_size < 1:
             fail("intermediate_size must be positive when some layers are dense")
+        if len(self.eos_token_id) > MAX_STOP_IDS:
+            fail(f"eos_token_id lists {len(self.eos_token_id)} ids; at most {MAX_STOP_IDS} are accepted")
         for t in self.eos_token_id:
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                fail(f"eos_token_id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        if self.bos_token_id is not None and not (isinstance(self.bos_token_id, int) and 0 <= self.bos_token_id < self.vocab_size):
-            fail(f"bos_token_id {self.bos_token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+            if not _is(t, int) or not 0 <= t < self.vocab_size:
+                fail(f"eos_token_id {shown(t)} is not a token id in [0, {self.vocab_size})")
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
+            fail(f"bos_token_id {shown(self.bos_token_id)} is outside the vocabulary [0, {self.vocab_size})")
 
     # -- derived quantities --------------------------------------------------------------------
     def layer_window(self, layer: int) -> int:
@@ -261,6 +353,12 @@ class ModelConfig:
     def layer_has_v(self, layer: int) -> bool:
         """False where v is the k projection (Gemma 4's attention_k_eq_v on full-attention layers)."""
         return not (self.attention_k_eq_v and self.layer_types[layer] == "full_attention")
+
+    def expert_tensor_count(self) -> int:
+        """How many routed-expert tensors expected_tensors() lists (gate, up, down per expert of each
+        MoE layer): a lower bound on the table's size that costs nothing to compute, checked before
+        the table is built."""
+        return 3 * self.num_experts * sum(self.moe_layers)
 
     def expected_tensors(self) -> dict:
         """Every tensor a model of this config has: name -> (shape, kind).

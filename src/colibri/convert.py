@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import re
 import secrets
@@ -45,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import (MAX_EXPERTS, MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS,
+                     MAX_VOCAB, ModelConfig, shown)
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
@@ -61,149 +63,302 @@ FALLBACK_DTYPE = "f16"
 # ---- the registry: HF config -> ModelConfig ---------------------------------------------------
 
 
-def _common(hf: dict) -> dict:
-    heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = hf.get("rope_scaling")
-    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
-        raise ColibriError(f"RoPE type {rope_type if rope_type != 'default' else scaling!r} is not supported "
-                           f"(only the default rotary embedding)")
-    eos = hf.get("eos_token_id")
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    vocab = hf["vocab_size"]
-    kept = [t for t in eos if isinstance(t, int) and 0 <= t < vocab]
-    bos = hf.get("bos_token_id")
-    return dict(
+_REQUIRED = object()
+
+
+class _HF:
+    """Typed reads of a Hugging Face config.json. Each read checks one field's JSON type (and, for
+    the dimensions, its range, with config.py's bounds) and names the file and the field when it
+    is wrong, before the value is used: a string where an integer belongs, a list for an object, a
+    bool for a number are errors, not a TypeError deeper down or a value silently replaced. null
+    means absent, as transformers writes unset fields."""
+
+    def __init__(self, d: dict, where: str, arch: str = "", prefix: str = "", top: dict | None = None):
+        self.d, self.where, self.arch, self.prefix = d, where, arch, prefix
+        self.top = top or {}          # fields inherited from the top level (named without the prefix)
+
+    def name(self, key) -> str:
+        return key if key in self.top else self.prefix + key
+
+    def fail(self, key, msg):
+        raise ColibriError(f"{self.where}: {self.name(key)} {msg}")
+
+    def raw(self, key, default=_REQUIRED):
+        v = self.d.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise ColibriError(f"{self.where}: missing field {self.name(key)!r}"
+                                   + (f" for {self.arch}" if self.arch else ""))
+            return default
+        return v
+
+    def int(self, key, default=_REQUIRED, lo=0, hi=None):
+        v = self.raw(key, default)
+        if v is default and default is not _REQUIRED:
+            return v
+        if type(v) is not int:
+            self.fail(key, f"must be an integer, got {shown(v)}")
+        if v < lo or (hi is not None and v > hi):
+            self.fail(key, f"must be an integer in {lo}..{hi if hi is not None else 'inf'}, got {shown(v)}")
+        return v
+
+    def dim(self, key, default=_REQUIRED, hi=None, lo=1):
+        return self.int(key, default, lo=lo, hi=hi)
+
+    def num(self, key, default=_REQUIRED):
+        v = self.raw(key, default)
+        if v is default and default is not _REQUIRED:
+            return v
+        if type(v) not in (int, float):
+            self.fail(key, f"must be a number, got {shown(v)}")
+        try:
+            return float(v)
+        except OverflowError:
+            self.fail(key, f"must be a finite number, got {shown(v)}")
+
+    def bool(self, key, default):
+        v = self.raw(key, default)
+        if type(v) is not bool:
+            self.fail(key, f"must be true or false, got {shown(v)}")
+        return v
+
+    def str(self, key, default=_REQUIRED):
+        v = self.raw(key, default)
+        if v is default and default is not _REQUIRED:
+            return v
+        if type(v) is not str:
+            self.fail(key, f"must be a string, got {shown(v)}")
+        return v
+
+    def obj(self, key, default=None):
+        v = self.raw(key, default)
+        if v is default:
+            return v
+        if not isinstance(v, dict):
+            self.fail(key, f"must be a JSON object, got {shown(v)}")
+        return v
+
+    def list(self, key, n=None, kind=None, default=None):
+        """A list (of `n` items, each of JSON type `kind` where given), or default when absent."""
+        v = self.raw(key, default)
+        if v is default:
+            return v
+        if type(v) is not list or (n is not None and len(v) != n):
+            self.fail(key, f"must be a list{f' of {n} items' if n is not None else ''}, got {shown(v)}")
+        if kind is not None:
+            for i, x in enumerate(v):
+                if type(x) is not kind:
+                    self.fail(f"{key}[{i}]", f"must be {_KIND_WORD[kind]}, got {shown(x)}")
+        return v
+
+    def token_ids(self, key, vocab: int) -> list:
+        """eos_token_id / bos_token_id: an integer or a list of integers (null: none). Ids outside
+        the vocabulary are dropped (checkpoints name ids of tokens they do not have); a string,
+        a bool or a float is an error naming the field."""
+        v = self.raw(key, None)
+        if v is None:
+            return []
+        items = v if type(v) is list else [v]
+        for i, t in enumerate(items):
+            if type(t) is not int:
+                where = f"{key}[{i}]" if type(v) is list else key
+                self.fail(where, f"must be a token id (an integer), got {shown(t)}")
+        return [t for t in items if 0 <= t < vocab]
+
+    def token_id(self, key, vocab: int):
+        """bos_token_id: one integer (null: none); outside the vocabulary: none."""
+        v = self.raw(key, None)
+        if v is not None and type(v) is not int:
+            self.fail(key, f"must be a token id (an integer), got {shown(v)}")
+        return v if v is not None and 0 <= v < vocab else None
+
+    def sub(self, d: dict, prefix: str) -> "_HF":
+        return _HF(d, self.where, self.arch, self.prefix + prefix)
+
+
+_KIND_WORD = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object"}
+
+
+def _common(hf: _HF, own_attention: bool = True) -> dict:
+    heads = hf.dim("num_attention_heads", hi=MAX_HEADS)
+    hidden = hf.dim("hidden_size", hi=MAX_HIDDEN)
+    vocab = hf.dim("vocab_size", hi=MAX_VOCAB)
+    out = dict(
         vocab_size=vocab,
-        hidden_size=hf["hidden_size"],
-        num_hidden_layers=hf["num_hidden_layers"],
+        hidden_size=hidden,
+        num_hidden_layers=hf.dim("num_hidden_layers", hi=MAX_LAYERS),
         num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        hidden_act=hf.get("hidden_act", "silu"),
-        bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
-        eos_token_id=kept,
+        rms_norm_eps=hf.num("rms_norm_eps", 1e-6),
+        max_position_embeddings=hf.dim("max_position_embeddings", 4096, hi=MAX_POSITIONS),
+        tie_word_embeddings=hf.bool("tie_word_embeddings", False),
+        hidden_act=hf.str("hidden_act", "silu"),
+        bos_token_id=hf.token_id("bos_token_id", vocab),
+        eos_token_id=hf.token_ids("eos_token_id", vocab),
     )
+    if own_attention:
+        rope = hf.sub(hf.obj("rope_parameters", {}), "rope_parameters.")
+        scaling = hf.sub(hf.obj("rope_scaling", {}), "rope_scaling.")
+        rope_type = rope.str("rope_type", None)
+        rope_type = rope.str("type", "default") if rope_type is None else rope_type
+        scaling_type = scaling.str("rope_type", None)
+        scaling_type = scaling.str("type", None) if scaling_type is None else scaling_type
+        if rope_type != "default" or scaling_type not in (None, "default"):
+            raise ColibriError(f"{hf.where}: RoPE type {shown(rope_type if rope_type != 'default' else scaling.d)} "
+                               f"is not supported (only the default rotary embedding)")
+        theta = rope.num("rope_theta", None)
+        out.update(num_key_value_heads=hf.dim("num_key_value_heads", 0, hi=MAX_HEADS, lo=0) or heads,
+                   head_dim=hf.dim("head_dim", 0, hi=MAX_HEAD_DIM, lo=0) or hidden // heads,
+                   rope_theta=hf.num("rope_theta", 10000.0) if theta is None else theta)
+    return out
 
 
-def _sparse_layers(hf: dict) -> list:
+def _experts(hf: _HF, *keys) -> int:
+    """The first of `keys` present (the families name the expert count differently)."""
+    for key in keys[:-1]:
+        if hf.d.get(key) is not None:
+            return hf.dim(key, hi=MAX_EXPERTS)
+    return hf.dim(keys[-1], hi=MAX_EXPERTS)
+
+
+def _sparse_layers(hf: _HF, experts: int) -> list:
     """Qwen-MoE rule: a layer is MoE unless listed in mlp_only_layers or off the sparse step."""
-    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1) or 1
-    dense = set(hf.get("mlp_only_layers") or [])
-    experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    step = hf.int("decoder_sparse_step", 1, lo=0, hi=MAX_LAYERS) or 1
+    dense = set(hf.list("mlp_only_layers", kind=int, default=[]))
     return [(i not in dense) and experts > 0 and (i + 1) % step == 0 for i in range(n)]
 
 
-def _uniform_window(hf: dict, n: int, window):
+def _uniform_window(n: int, window):
     if window:
-        return {"sliding_window": int(window), "layer_types": ["sliding_attention"] * n}
+        return {"sliding_window": window, "layer_types": ["sliding_attention"] * n}
     return {"sliding_window": None, "layer_types": ["full_attention"] * n}
 
 
-def _mixtral(hf: dict) -> dict:
-    n = hf["num_hidden_layers"]
-    return dict(_common(hf), architecture="mixtral", num_experts=hf["num_local_experts"],
-                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
-                norm_topk_prob=True, moe_layers=[True] * n, **_uniform_window(hf, n, hf.get("sliding_window")))
+def _mixtral(hf: _HF) -> dict:
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    return dict(_common(hf), architecture="mixtral", num_experts=_experts(hf, "num_local_experts"),
+                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+                moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
+                norm_topk_prob=True, moe_layers=[True] * n,
+                **_uniform_window(n, hf.dim("sliding_window", 0, hi=MAX_POSITIONS, lo=0)))
 
 
-def _qwen3_moe(hf: dict) -> dict:
-    n = hf["num_hidden_layers"]
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    bias = bool(hf.get("attention_bias", False))
-    return dict(_common(hf), architecture="qwen3_moe", num_experts=hf.get("num_experts", hf.get("num_local_experts")),
-                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
-                intermediate_size=hf.get("intermediate_size", 0), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+def _qwen3_moe(hf: _HF) -> dict:
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    window = hf.dim("sliding_window", 0, hi=MAX_POSITIONS, lo=0) if hf.bool("use_sliding_window", False) else None
+    bias = hf.bool("attention_bias", False)
+    experts = _experts(hf, "num_experts", "num_local_experts")
+    return dict(_common(hf), architecture="qwen3_moe", num_experts=experts,
+                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+                moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
+                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+                norm_topk_prob=hf.bool("norm_topk_prob", False),
                 qk_norm="per_head", attention_bias=bias, attention_out_bias=bias,
-                moe_layers=_sparse_layers(hf), **_uniform_window(hf, n, window))
+                moe_layers=_sparse_layers(hf, experts), **_uniform_window(n, window))
 
 
-def _olmoe(hf: dict) -> dict:
-    n = hf["num_hidden_layers"]
-    bias = bool(hf.get("attention_bias", False))
-    return dict(_common(hf), architecture="olmoe", num_experts=hf["num_experts"],
-                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm="whole",
-                clip_qkv=hf.get("clip_qkv"), attention_bias=bias, attention_out_bias=bias,
-                moe_layers=[True] * n, **_uniform_window(hf, n, None))
+def _olmoe(hf: _HF) -> dict:
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    bias = hf.bool("attention_bias", False)
+    return dict(_common(hf), architecture="olmoe", num_experts=_experts(hf, "num_experts"),
+                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+                moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
+                norm_topk_prob=hf.bool("norm_topk_prob", False), qk_norm="whole",
+                clip_qkv=hf.num("clip_qkv", None), attention_bias=bias, attention_out_bias=bias,
+                moe_layers=[True] * n, **_uniform_window(n, None))
 
 
-def _qwen2_moe(hf: dict) -> dict:
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["full_attention"] * n
+def _qwen2_moe(hf: _HF) -> dict:
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    types = hf.list("layer_types", n=n, kind=str, default=None) or ["full_attention"] * n
     sliding = "sliding_attention" in types
-    return dict(_common(hf), architecture="qwen2_moe", num_experts=hf["num_experts"],
-                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
-                intermediate_size=hf.get("intermediate_size", 0),
-                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                attention_bias=bool(hf.get("qkv_bias", hf.get("attention_bias", True))),
-                moe_layers=_sparse_layers(hf), layer_types=list(types),
-                sliding_window=int(hf["sliding_window"]) if sliding else None)
+    experts = _experts(hf, "num_experts")
+    return dict(_common(hf), architecture="qwen2_moe", num_experts=experts,
+                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+                moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
+                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+                shared_expert_intermediate_size=hf.dim("shared_expert_intermediate_size", 0, hi=MAX_FFN, lo=0),
+                norm_topk_prob=hf.bool("norm_topk_prob", False),
+                attention_bias=hf.bool("qkv_bias", hf.bool("attention_bias", True)),
+                moe_layers=_sparse_layers(hf, experts), layer_types=list(types),
+                sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if sliding else None)
 
 
-def _gemma4_text(hf: dict) -> dict:
+def _gemma4_text(hf: _HF) -> dict:
     """Gemma 4's text decoder with its MoE block (Gemma4TextConfig, enable_moe_block=True)."""
     def refuse(msg):
         raise ColibriError(f"Gemma 4: {msg}")
-    if not hf.get("enable_moe_block"):
+    if not hf.bool("enable_moe_block", False):
         refuse("enable_moe_block is false: this is a dense Gemma 4, and Colibri runs MoE models")
-    if hf.get("hidden_size_per_layer_input"):
-        refuse(f"per-layer input embeddings (hidden_size_per_layer_input={hf['hidden_size_per_layer_input']}) "
+    if hf.int("hidden_size_per_layer_input", 0):
+        refuse(f"per-layer input embeddings (hidden_size_per_layer_input={hf.d['hidden_size_per_layer_input']}) "
                f"are not supported")
-    if hf.get("num_kv_shared_layers"):
-        refuse(f"num_kv_shared_layers={hf['num_kv_shared_layers']} (layers sharing another layer's KV) is not supported")
-    if hf.get("use_bidirectional_attention") is not None:
-        refuse(f"use_bidirectional_attention={hf['use_bidirectional_attention']!r} is not supported (causal only)")
-    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if hf.int("num_kv_shared_layers", 0):
+        refuse(f"num_kv_shared_layers={hf.d['num_kv_shared_layers']} (layers sharing another layer's KV) is not supported")
+    if hf.d.get("use_bidirectional_attention") is not None:
+        refuse(f"use_bidirectional_attention={shown(hf.d['use_bidirectional_attention'])} is not supported (causal only)")
+    act = hf.str("hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        refuse(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    n, d = hf["num_hidden_layers"], hf["hidden_size"]
-    types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
-    if types:
-        types[-1] = "full_attention"                 # as Gemma4TextConfig forces it
+        refuse(f"hidden_activation {shown(act)} is not supported (gelu_pytorch_tanh)")
+    n, d = hf.dim("num_hidden_layers", hi=MAX_LAYERS), hf.dim("hidden_size", hi=MAX_HIDDEN)
+    types = list(hf.list("layer_types", n=n, kind=str, default=None)
+                 or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    types[-1] = "full_attention"                 # as Gemma4TextConfig forces it
     # per-layer head_dim / key-value heads: per_layer_config as saved, else what the config derives
     # from global_head_dim and num_global_key_value_heads for its full-attention layers
-    if hf.get("per_layer_config") is not None:
-        overrides = {int(k): v for k, v in hf["per_layer_config"].items()}
+    head_dim = hf.dim("head_dim", 256, hi=MAX_HEAD_DIM)
+    kv_heads = hf.dim("num_key_value_heads", 4, hi=MAX_HEADS)
+    per_layer = hf.obj("per_layer_config", None)
+    if per_layer is not None:
+        overrides = {}
+        for k, v in per_layer.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 6 and int(k) < n):
+                hf.fail(f"per_layer_config[{shown(k, 40)}]", f"must be keyed by a layer index in 0..{n - 1}")
+            if not isinstance(v, dict):
+                hf.fail(f"per_layer_config[{k!r}]", f"must be a JSON object, got {shown(v)}")
+            sub = hf.sub(v, f"per_layer_config.{k}.")
+            overrides[int(k)] = {"head_dim": sub.dim("head_dim", head_dim, hi=MAX_HEAD_DIM),
+                                 "num_key_value_heads": sub.dim("num_key_value_heads", kv_heads, hi=MAX_HEADS)}
     else:
-        ov = {"head_dim": hf.get("global_head_dim", 512)}
-        if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads") is not None:
-            ov["num_key_value_heads"] = hf["num_global_key_value_heads"]
+        ov = {"head_dim": hf.dim("global_head_dim", 512, hi=MAX_HEAD_DIM)}
+        if hf.bool("attention_k_eq_v", False) and hf.d.get("num_global_key_value_heads") is not None:
+            ov["num_key_value_heads"] = hf.dim("num_global_key_value_heads", hi=MAX_HEADS)
         overrides = {i: ov for i, t in enumerate(types) if t == "full_attention"}
-    head_dim, kv_heads = hf.get("head_dim", 256), hf.get("num_key_value_heads", 4)
     head_dims = [overrides.get(i, {}).get("head_dim", head_dim) for i in range(n)]
     kv = [overrides.get(i, {}).get("num_key_value_heads", kv_heads) for i in range(n)]
-    rope = hf.get("rope_parameters") or {
+    rope = hf.obj("rope_parameters", None) or {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
     thetas, fractions = [], []
+    params = {}
+    for t in sorted(set(types)):
+        p = hf.sub(rope, "rope_parameters.").obj(t, {})
+        sub = hf.sub(p, f"rope_parameters.{t}.")
+        kind = sub.str("rope_type", "default")
+        if kind not in ("default", "proportional") or sub.num("factor", 1.0) != 1.0:
+            refuse(f"RoPE {shown(p)} of {t} layers is not supported (default, or proportional without scaling)")
+        params[t] = (sub.num("rope_theta", 10_000.0),
+                     sub.num("partial_rotary_factor", 1.0) if kind == "proportional" else 1.0)
     for t in types:
-        p = rope.get(t) or {}
-        kind = p.get("rope_type", "default")
-        if kind not in ("default", "proportional") or float(p.get("factor", 1.0)) != 1.0:
-            refuse(f"RoPE {p!r} of {t} layers is not supported (default, or proportional without scaling)")
-        thetas.append(float(p.get("rope_theta", 10_000.0)))
-        fractions.append(float(p.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0)
-    common = _common({**hf, "num_key_value_heads": kv_heads, "head_dim": head_dim, "rope_parameters": {}})
-    cap = hf.get("final_logit_softcapping")
+        thetas.append(params[t][0])
+        fractions.append(params[t][1])
+    common = _common(hf, own_attention=False)
+    cap = hf.num("final_logit_softcapping", None)
     return dict(common, architecture="gemma4", hidden_act="gelu_tanh", rope_theta=thetas[-1],
-                num_experts=hf["num_experts"], num_experts_per_tok=hf["top_k_experts"],
-                moe_intermediate_size=hf["moe_intermediate_size"], intermediate_size=hf["intermediate_size"],
+                num_experts=_experts(hf, "num_experts"),
+                num_experts_per_tok=hf.dim("top_k_experts", hi=MAX_EXPERTS),
+                moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
+                intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
                 norm_topk_prob=True, qk_norm="per_head", v_norm=True, attention_scale=1.0,
-                attention_bias=bool(hf.get("attention_bias", False)),
-                attention_out_bias=bool(hf.get("attention_bias", False)),
-                attention_k_eq_v=bool(hf.get("attention_k_eq_v", False)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                attention_bias=hf.bool("attention_bias", False),
+                attention_out_bias=hf.bool("attention_bias", False),
+                attention_k_eq_v=hf.bool("attention_k_eq_v", False),
+                tie_word_embeddings=hf.bool("tie_word_embeddings", True),
                 embedding_scale=float(np.float32(d ** 0.5)),
-                final_logit_softcapping=float(cap) if cap else None,
+                final_logit_softcapping=cap if cap else None,
                 sandwich_norms=True, moe_block="parallel", layer_scalar=True, moe_layers=[True] * n,
-                layer_types=types, sliding_window=int(hf["sliding_window"]) if "sliding_attention" in types else None,
+                layer_types=types,
+                sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if "sliding_attention" in types else None,
                 layer_head_dims=head_dims if len(set(head_dims)) > 1 else [],
                 layer_kv_heads=kv if len(set(kv)) > 1 else [],
                 head_dim=head_dims[-1] if len(set(head_dims)) == 1 else head_dim,
@@ -212,14 +367,12 @@ def _gemma4_text(hf: dict) -> dict:
                 layer_rope_fraction=fractions if any(f != 1.0 for f in fractions) else [])
 
 
-def _gemma4_multimodal(hf: dict) -> dict:
+def _gemma4_multimodal(hf: _HF) -> dict:
     """Gemma4ForConditionalGeneration: the text model of text_config; the towers are ignored."""
-    text = hf.get("text_config")
-    if not isinstance(text, dict):
-        raise KeyError("text_config")
-    inherited = {k: hf[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
-                 if k in hf and text.get(k) is None}       # the hub's configs keep these at the top
-    return _gemma4_text(dict(text, **inherited))
+    text = hf.obj("text_config", _REQUIRED)
+    inherited = {k: hf.d[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
+                 if hf.d.get(k) is not None and text.get(k) is None}   # the hub's configs keep these at the top
+    return _gemma4_text(_HF(dict(text, **inherited), hf.where, hf.arch, "text_config.", top=inherited))
 
 
 ARCHITECTURES = {
@@ -281,8 +434,13 @@ _RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES}
 
 
 def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None) -> dict:
-    """our tensor name -> getter returning its float32 values; checks names and shapes."""
+    """our tensor name -> getter returning its float32 values; checks names and shapes (from the
+    safetensors headers, before a byte of weights is read). Work and memory are linear in the
+    number of checkpoint tensors and in the size of the config's table: a name for a layer or an
+    expert the config does not have is refused, not planned; stacked experts are expanded only
+    once their shape is the config's."""
     plan = {}
+    source = {}            # our name -> HF name (for the shape check)
     unconsumed = []
     towers = 0
     text_prefix = _TEXT_PREFIX.get(hf_arch)
@@ -300,22 +458,34 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
             m = pattern.fullmatch(name_in)
             if m is None:
                 continue
-            if handler == "stacked_gate_up":
-                shape = ckpt.shape(hf_name)                    # [E, 2*I, D]
-                half = shape[1] // 2
-                for e in range(shape[0]):
+            numbers = [g for g in m.groups() if g is not None and g.isdigit()]
+            if numbers and (len(numbers[0]) > 6 or int(numbers[0]) >= cfg.num_hidden_layers
+                            or any(len(g) > 6 or int(g) >= cfg.num_experts for g in numbers[1:])):
+                raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} names a layer or an expert that config.json "
+                                   f"does not have ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)")
+            if handler in ("stacked_gate_up", "stacked_down"):
+                shape = ckpt.shape(hf_name)
+                E, ff, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+                want = (E, 2 * ff, d) if handler == "stacked_gate_up" else (E, d, ff)
+                if tuple(shape) != want:
+                    raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(shape)}; config.json "
+                                       f"implies {list(want)} (num_experts, "
+                                       + ("2 x moe_intermediate_size, hidden_size)" if handler == "stacked_gate_up"
+                                          else "hidden_size, moe_intermediate_size)"))
+                for e in range(E):
                     base = f"layers.{m[1]}.experts.{e}."
-                    plan[base + "gate"] = _slice_getter(ckpt, hf_name, e, 0, half)
-                    plan[base + "up"] = _slice_getter(ckpt, hf_name, e, half, shape[1])
-            elif handler == "stacked_down":
-                for e in range(ckpt.shape(hf_name)[0]):       # [E, D, I]
-                    plan[f"layers.{m[1]}.experts.{e}.down"] = _slice_getter(ckpt, hf_name, e, None, None)
+                    if handler == "stacked_gate_up":
+                        plan[base + "gate"] = _slice_getter(ckpt, hf_name, e, 0, ff)
+                        plan[base + "up"] = _slice_getter(ckpt, hf_name, e, ff, 2 * ff)
+                    else:
+                        plan[base + "down"] = _slice_getter(ckpt, hf_name, e, None, None)
             else:
                 name = handler(m)
                 if name == "lm_head" and cfg.tie_word_embeddings:
                     break                                      # tied: the embedding serves as head
                 if name in plan:
-                    raise ColibriError(f"{hf_name}: tensor {name} is given twice in the checkpoint")
+                    raise ColibriError(f"{_cut(hf_name)}: tensor {_cut(name)} is given twice in the checkpoint")
+                source[name] = hf_name
                 if name.endswith(("shared_gate", "layer_scalar")):
                     plan[name] = (lambda n=hf_name: ckpt.f32(n).reshape(-1))
                 else:
@@ -328,7 +498,12 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
     if unconsumed:
         more = f" and {len(unconsumed) - 8} more" if len(unconsumed) > 8 else ""
         raise ColibriError(f"{ckpt.root}: tensor(s) not understood for {cfg.architecture}: "
-                           f"{', '.join(unconsumed[:8])}{more}")
+                           f"{', '.join(map(_cut, unconsumed[:8]))}{more}")
+    least = cfg.expert_tensor_count()
+    if len(plan) < least:           # before the expected table is built: it may be large
+        raise ColibriError(f"{ckpt.root}: the checkpoint has {len(plan)} tensors for the model, but config.json's "
+                           f"{sum(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts need {least} expert "
+                           f"matrices alone (does config.json match the weights?)")
     expected = cfg.expected_tensors()
     missing = [n for n in expected if n not in plan]
     if missing:
@@ -336,9 +511,20 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
                            f"{' ...' if len(missing) > 8 else ''} (does config.json match the weights?)")
     extra = [n for n in plan if n not in expected]
     if extra:
-        raise ColibriError(f"{ckpt.root}: tensors {', '.join(extra[:8])} do not fit the config "
+        raise ColibriError(f"{ckpt.root}: tensors {', '.join(map(_cut, extra[:8]))} do not fit the config "
                            f"(e.g. biases where config.json says there are none)")
+    for name, hf_name in source.items():
+        shape, want = tuple(ckpt.shape(hf_name)), expected[name][0]
+        flat = name.endswith(("shared_gate", "layer_scalar"))          # [1, d] / [] read as [d] / [1]
+        if (math.prod(shape) != math.prod(want)) if flat else shape != want:
+            raise ColibriError(f"tensor {name}: expected shape {list(want)} from config.json, checkpoint has "
+                               f"{list(shape)} ({_cut(hf_name)})")
     return plan
+
+
+def _cut(name: str, limit: int = 120) -> str:
+    """A tensor name from a checkpoint's header for a message (a name may be megabytes long)."""
+    return name if len(name) <= limit else name[:limit - 3] + "..."
 
 
 def _slice_getter(ckpt, hf_name, expert, row0, row1):
@@ -352,17 +538,18 @@ def _slice_getter(ckpt, hf_name, expert, row0, row1):
 
 
 def hf_model_config(ckpt: HFCheckpoint) -> tuple:
-    archs = ckpt.config.get("architectures") or []
+    where = str(ckpt.root / "config.json")
+    archs = ckpt.config.get("architectures")
+    archs = [] if archs is None else archs
+    if type(archs) is not list or not all(type(a) is str for a in archs):
+        raise ColibriError(f"{where}: architectures must be a list of class names, got {shown(archs)}")
     supported = [a for a in archs if a in ARCHITECTURES]
     if not supported:
-        raise ColibriError(f"{ckpt.root / 'config.json'}: architecture {archs or 'unknown'} is not supported; "
+        raise ColibriError(f"{where}: architecture {shown(archs) if archs else 'unknown'} is not supported; "
                            f"supported: {', '.join(ARCHITECTURES)}")
     arch = supported[0]
-    try:
-        fields = ARCHITECTURES[arch](ckpt.config)
-    except KeyError as e:
-        raise ColibriError(f"{ckpt.root / 'config.json'}: missing field {e.args[0]!r} for {arch}") from None
-    return arch, ModelConfig.from_dict(fields, str(ckpt.root / "config.json"))
+    fields = ARCHITECTURES[arch](_HF(ckpt.config, where, arch))
+    return arch, ModelConfig.from_dict(fields, where)
 
 
 def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=print,

@@ -10,50 +10,90 @@ Single files (`model.safetensors`), sharded checkpoints (`model.safetensors.inde
 """
 from __future__ import annotations
 
-import json
+import math
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from . import _os
+from .config import parse_json, read_json, shown
 from .errors import ColibriError
 
 # safetensors dtype -> (numpy dtype of the stored elements, our name of the values)
 _DTYPES = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16"), "F64": ("<f8", "f64")}
-MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_BYTES = 100 << 20          # a safetensors header (JSON) larger than this is refused
+MAX_HF_CONFIG_BYTES = 16 << 20        # config.json (a few KB in practice)
+MAX_INDEX_BYTES = 64 << 20            # model.safetensors.index.json (a few MB for the largest models)
+MAX_NDIM = 16                         # dimensions of one tensor (checkpoints have at most 4 or 5)
+MAX_DIM = 1 << 40                     # one dimension (bounds even a tensor with no elements)
 
 
 class SafetensorsFile:
-    """The header of one .safetensors file and lazy, memory-mapped access to its tensors."""
+    """The header of one .safetensors file and lazy, memory-mapped access to its tensors.
+
+    The header is checked against the format before anything is mapped: an object of tensors, each
+    with a supported dtype, a shape of non-negative integers and data_offsets [begin, end] inside
+    the data area (after the header, before the end of the file) holding exactly the shape's bytes,
+    no two tensors sharing a byte; an optional __metadata__ object of strings."""
 
     def __init__(self, path: Path):
         self.path = path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ColibriError(f"{path}: too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise ColibriError(f"{path}: invalid safetensors header length {n}")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ColibriError(f"{path}: invalid safetensors header ({e})") from None
-        header.pop("__metadata__", None)
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ColibriError(f"{path}: too short to be a safetensors file ({size} bytes)")
+                (n,) = struct.unpack("<Q", head)
+                if n > MAX_HEADER_BYTES or 8 + n > size:
+                    raise ColibriError(f"{path}: invalid safetensors header length {n} (file of {size} bytes, "
+                                       f"at most {MAX_HEADER_BYTES >> 20} MB of header)")
+                raw = f.read(n)
+        except OSError as e:
+            raise ColibriError(f"{path}: cannot read: {e.strerror or e}") from None
+        header = parse_json(raw, path, "the safetensors header")
+        if not isinstance(header, dict):
+            raise ColibriError(f"{path}: the safetensors header must be a JSON object, got {shown(header)}")
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not (isinstance(meta, dict) and all(type(v) is str for v in meta.values())):
+            raise ColibriError(f"{path}: __metadata__ must be an object of strings, got {shown(meta)}")
         self.data_start = 8 + n
+        data_size = size - self.data_start
         self.entries = {}
+        spans = []
         for name, e in header.items():
-            if e.get("dtype") not in _DTYPES:
-                raise ColibriError(f"{path}: tensor {name} has dtype {e.get('dtype')!r}; "
-                                   f"supported: {', '.join(_DTYPES)}")
-            np_dtype = np.dtype(_DTYPES[e["dtype"]][0])
-            begin, end = e["data_offsets"]
-            count = int(np.prod(e["shape"])) if e["shape"] else 1
-            if end - begin != count * np_dtype.itemsize or self.data_start + end > size:
-                raise ColibriError(f"{path}: tensor {name} has inconsistent offsets (truncated file?)")
-            self.entries[name] = (e["dtype"], tuple(e["shape"]), begin)
+            ctx = f"{path}: tensor {shown(name, 80)}"
+            if not isinstance(e, dict):
+                raise ColibriError(f"{ctx} must be an object with dtype, shape and data_offsets, got {shown(e)}")
+            dtype = e.get("dtype")
+            if type(dtype) is not str or dtype not in _DTYPES:
+                raise ColibriError(f"{ctx} has dtype {shown(dtype)}; supported: {', '.join(_DTYPES)}")
+            shape = e.get("shape")
+            if (type(shape) is not list or len(shape) > MAX_NDIM
+                    or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):
+                raise ColibriError(f"{ctx}: 'shape' must be a list of at most {MAX_NDIM} integers in "
+                                   f"0..{MAX_DIM}, got {shown(shape)}")
+            offsets = e.get("data_offsets")
+            if (type(offsets) is not list or len(offsets) != 2
+                    or not all(type(o) is int for o in offsets)):
+                raise ColibriError(f"{ctx}: 'data_offsets' must be [begin, end] (two integers), got {shown(offsets)}")
+            begin, end = offsets
+            if not 0 <= begin <= end <= data_size:
+                raise ColibriError(f"{ctx}: data_offsets {shown(offsets)} lie outside the data area of "
+                                   f"{data_size} bytes after the header (truncated file?)")
+            nbytes = math.prod(shape) * np.dtype(_DTYPES[dtype][0]).itemsize
+            if end - begin != nbytes:
+                raise ColibriError(f"{ctx}: data_offsets {shown(offsets)} hold {end - begin} bytes, but "
+                                   f"{dtype} {shape} needs {nbytes} (inconsistent header)")
+            if nbytes:
+                spans.append((begin, end, name))
+            self.entries[name] = (dtype, tuple(shape), begin)
+        spans.sort()
+        for (_, end, first), (begin, _end, second) in zip(spans, spans[1:]):
+            if begin < end:
+                raise ColibriError(f"{path}: tensors {shown(first, 80)} and {shown(second, 80)} share bytes "
+                                   f"{begin}..{min(end, _end)} of the data area")
         self._mm = None
 
     def raw(self, name: str) -> tuple:
@@ -62,7 +102,7 @@ class SafetensorsFile:
         np_dtype, kind = _DTYPES[st_dtype]
         if self._mm is None:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)
         start = self.data_start + begin
         arr = self._mm[start:start + count * np.dtype(np_dtype).itemsize].view(np_dtype).reshape(shape)
         return arr, kind
@@ -78,20 +118,21 @@ class HFCheckpoint:
         cfg_path = self.root / "config.json"
         if not cfg_path.is_file():
             raise ColibriError(f"{cfg_path} is missing: not a Hugging Face model directory")
-        try:
-            self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ColibriError(f"{cfg_path} is not valid JSON ({e})") from None
+        self.config = read_json(cfg_path, "a Hugging Face config", MAX_HF_CONFIG_BYTES)
         if not isinstance(self.config, dict):
-            raise ColibriError(f"{cfg_path} must hold a JSON object")
+            raise ColibriError(f"{cfg_path} must hold a JSON object, got {shown(self.config)}")
         self._files = {}       # file name -> SafetensorsFile
         self._where = {}       # tensor name -> file name
         index = self.root / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ColibriError(f"{index} is not a valid safetensors index ({e})") from None
+            doc = read_json(index, "a safetensors index", MAX_INDEX_BYTES)
+            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ColibriError(f"{index}: 'weight_map' must be an object of tensor name -> shard file, "
+                                   f"got {shown(weight_map if isinstance(doc, dict) else doc)}")
+            for tname, fname in weight_map.items():
+                if type(fname) is not str:
+                    raise ColibriError(f"{index}: weight_map[{shown(tname, 80)}] must be a file name, got {shown(fname)}")
             names = sorted(set(weight_map.values()))
         else:
             names = sorted(p.name for p in self.root.glob("*.safetensors"))
@@ -99,21 +140,25 @@ class HFCheckpoint:
         if not names:
             raise ColibriError(f"{self.root} has no *.safetensors files (only safetensors checkpoints are supported)")
         for fname in names:
-            if "/" in fname or "\\" in fname or fname.startswith(".."):
-                raise ColibriError(f"{index}: invalid shard name {fname!r}")
+            if not fname or "/" in fname or "\\" in fname or "\x00" in fname or fname.startswith(".."):
+                raise ColibriError(f"{index}: invalid shard name {shown(fname)} (a file name in {self.root})")
             path = self.root / fname
-            if not path.is_file():
+            try:
+                present = path.is_file()
+            except OSError as e:              # e.g. a name too long for the file system
+                raise ColibriError(f"{index}: shard {shown(fname)}: {e.strerror or e}") from None
+            if not present:
                 raise ColibriError(f"{path} is missing (named by {index.name})")
             st = SafetensorsFile(path)
             self._files[fname] = st
             for tname in st.entries:
                 if tname in self._where:
-                    raise ColibriError(f"tensor {tname} appears in both {self._where[tname]} and {fname}")
+                    raise ColibriError(f"tensor {shown(tname, 120)} appears in both {self._where[tname]} and {fname}")
                 self._where[tname] = fname
         if weight_map is not None:
             for tname, fname in weight_map.items():
                 if self._where.get(tname) != fname:
-                    raise ColibriError(f"{index}: {tname} is mapped to {fname} but not found there")
+                    raise ColibriError(f"{index}: {shown(tname, 120)} is mapped to {shown(fname, 120)} but not found there")
 
     def names(self) -> list:
         return sorted(self._where)

@@ -13,6 +13,7 @@ with a clear error rather than interleaved into the same cache.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -99,11 +100,12 @@ class Model:
         threads = int(threads)
         if n_ctx is None:
             n_ctx = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-        if not isinstance(n_ctx, int) or not 1 <= n_ctx <= cfg.max_position_embeddings:
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or not 1 <= n_ctx <= cfg.max_position_embeddings:
             raise ColibriError(f"n_ctx must be in 1..{cfg.max_position_embeddings} "
                                f"(the model's max_position_embeddings), got {n_ctx!r}")
         self.threads = threads
-        self.n_ctx = n_ctx
+        self.n_ctx = n_ctx = int(n_ctx)
+        prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         if prefetch not in PREFETCH_MODES:
             raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
         if prefetch != "none" and not mmap:
@@ -116,7 +118,8 @@ class Model:
         hp["n_ctx"] = n_ctx
         hp["exact_softmax"] = bool(exact_softmax)
         hp["prefetch_mode"] = PREFETCH_MODES.get(prefetch, 0)
-        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
+                                          or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         if cfg.num_experts_per_tok > _kernels.MAX_TOP_K:
             raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported "

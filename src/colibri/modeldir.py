@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
 from . import quant
-from .config import ModelConfig
+from .config import ModelConfig, read_json, shown
 from .errors import ColibriError
 
 FORMAT_NAME = "colibri"
@@ -34,6 +36,7 @@ FORMAT_VERSION = 1
 ALIGNMENT = 64                       # every tensor starts on a 64-byte boundary in its file
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 64 << 20          # a config.json larger than this is refused
+MAX_OTHER_FILES = 256                # files in the table beyond one per tensor (text files)
 # storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits; the
 # block formats int8/int4 are stored as bytes, [rows, cols / 32 * block bytes])
 STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
@@ -46,9 +49,9 @@ BLOCK_FORMATS = ("int8", "int4")
 def storage_nbytes(dtype: str, shape) -> int:
     """Bytes of a tensor of logical `shape` stored as `dtype`."""
     if dtype in BLOCK_FORMATS:
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        rows = math.prod(shape[:-1])          # exact integers: np.prod wraps around past 2**63
         return rows * quant.row_bytes(dtype, shape[-1])
-    return int(np.prod(shape)) * STORAGE_DTYPES[dtype].itemsize
+    return math.prod(shape) * STORAGE_DTYPES[dtype].itemsize
 LAYOUTS = quant.LAYOUTS        # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4);
                                # interleaved: int8/int4 groups of 8 outputs, 4 inputs at a time (quant.py)
 
@@ -98,15 +101,13 @@ def read_config_json(root: Path) -> dict:
     if not path.is_file():
         raise ColibriError(f"{path} is missing: not a Colibri model directory "
                            f"(convert one with: python -m colibri convert --hf-dir H --output-dir {root})")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ColibriError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MB; refusing to parse it")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ColibriError(f"{path} is not valid JSON ({e})") from None
+    cfg = read_json(path, "a model configuration", MAX_CONFIG_BYTES)
     if not isinstance(cfg, dict):
         raise ColibriError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
     return cfg
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
 
 
 class ModelDir:
@@ -118,34 +119,78 @@ class ModelDir:
         where = str(self.root / CONFIG_NAME)
         fmt, version = raw.get("format"), raw.get("format_version")
         if fmt != FORMAT_NAME:
-            raise ColibriError(f"{where}: 'format' is {fmt!r}, expected {FORMAT_NAME!r} "
+            raise ColibriError(f"{where}: 'format' is {shown(fmt)}, expected {FORMAT_NAME!r} "
                                f"(is this a Hugging Face directory? convert it first)")
         if type(version) is not int or version != FORMAT_VERSION:
-            raise ColibriError(f"{where}: unknown format_version {version!r}; this Colibri reads "
+            raise ColibriError(f"{where}: unknown format_version {shown(version)}; this Colibri reads "
                                f"version {FORMAT_VERSION} (upgrade Colibri or re-convert)")
         if raw.get("byte_order", "little") != "little":
-            raise ColibriError(f"{where}: byte_order {raw.get('byte_order')!r} is not supported (only 'little')")
+            raise ColibriError(f"{where}: byte_order {shown(raw.get('byte_order'))} is not supported (only 'little')")
+        if "alignment" in raw and (type(raw["alignment"]) is not int or raw["alignment"] != ALIGNMENT):
+            raise ColibriError(f"{where}: 'alignment' must be {ALIGNMENT} in format version {FORMAT_VERSION}, "
+                               f"got {shown(raw['alignment'])}")
+        if "ln_gamma_quant_bits" in raw and (type(raw["ln_gamma_quant_bits"]) is not int
+                                             or raw["ln_gamma_quant_bits"] not in (16, 32)):
+            raise ColibriError(f"{where}: 'ln_gamma_quant_bits' must be 16 or 32, got {shown(raw['ln_gamma_quant_bits'])}")
+        if "source" in raw and not isinstance(raw["source"], dict):
+            raise ColibriError(f"{where}: 'source' must be a JSON object, got {shown(raw['source'])}")
         self.raw = raw
         self.config = ModelConfig.from_dict(raw.get("model"), where)
         self.weight_dtype = raw.get("weight_dtype")
-        if self.weight_dtype not in WEIGHT_DTYPES:
-            raise ColibriError(f"{where}: weight_dtype {self.weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
-        self.files = self._check_files(raw.get("files"), where)
-        self.tensors = self._check_tensors(raw.get("tensors"), where)
+        if type(self.weight_dtype) is not str or self.weight_dtype not in WEIGHT_DTYPES:
+            raise ColibriError(f"{where}: weight_dtype {shown(self.weight_dtype)} is not one of {', '.join(WEIGHT_DTYPES)}")
+        tensors = raw.get("tensors")
+        expected = self._check_names(tensors, where)           # before a file is looked at
+        self.files = self._check_files(raw.get("files"), where, len(expected))
+        self.tensors = self._check_tensors(tensors, expected, where)
 
-    def _check_files(self, files, where) -> dict:
+    def _check_names(self, tensors, where) -> dict:
+        """The tensor table's names against the config's (returns config.expected_tensors())."""
+        if not isinstance(tensors, dict):
+            raise ColibriError(f"{where}: 'tensors' must be an object, got {shown(tensors)}")
+        cfg = self.config
+        least = cfg.expert_tensor_count()
+        if len(tensors) < least:      # before the expected table is built: it may be large
+            raise ColibriError(f"{where}: the tensor table has {len(tensors)} entries, but the model section's "
+                               f"{sum(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts need {least} "
+                               f"expert tensors alone (is 'model' or 'tensors' damaged?)")
+        expected = cfg.expected_tensors()
+        missing = [n for n in expected if n not in tensors]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ColibriError(f"{where}: tensor table lacks {', '.join(missing[:5])}{more}")
+        if len(tensors) != len(expected):
+            extra = [n for n in tensors if n not in expected]
+            raise ColibriError(f"{where}: unexpected tensor(s) {', '.join(shown(n, 60) for n in extra[:5])} "
+                               f"for this architecture")
+        return expected
+
+    def _check_files(self, files, where, n_tensors) -> dict:
         if not isinstance(files, dict) or not files:
-            raise ColibriError(f"{where}: 'files' must be a non-empty object")
+            raise ColibriError(f"{where}: 'files' must be a non-empty object, got {shown(files)}")
+        if len(files) > n_tensors + MAX_OTHER_FILES:     # bounds the stat() calls below
+            raise ColibriError(f"{where}: the file table lists {len(files)} files for {n_tensors} tensors; at most "
+                               f"{MAX_OTHER_FILES} files may hold no tensors (tokenizer, chat template, ...)")
         out = {}
         for rel, entry in files.items():
             path = safe_path(self.root, rel)
-            if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
-                raise ColibriError(f"{where}: files[{rel!r}] needs an integer 'size'")
-            if not isinstance(entry.get("sha256"), str) or len(entry["sha256"]) != 64:
-                raise ColibriError(f"{where}: files[{rel!r}] needs a 'sha256' of 64 hex digits")
-            if not path.is_file():
+            ctx = f"{where}: files[{shown(rel)}]"
+            if not isinstance(entry, dict):
+                raise ColibriError(f"{ctx} must be an object with 'size' and 'sha256', got {shown(entry)}")
+            if type(entry.get("size")) is not int or entry["size"] < 0:
+                raise ColibriError(f"{ctx} needs an integer 'size' >= 0, got {shown(entry.get('size'))}")
+            sha = entry.get("sha256")
+            if type(sha) is not str or len(sha) != 64 or not _HEX.issuperset(sha):
+                raise ColibriError(f"{ctx} needs a 'sha256' of 64 hex digits, got {shown(sha)}")
+            try:
+                st = os.stat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                st = None
+            except OSError as e:              # a name too long, a loop of links, no permission
+                raise ColibriError(f"{ctx}: cannot stat {path}: {e.strerror or e}") from None
+            if st is None or not stat.S_ISREG(st.st_mode):
                 raise ColibriError(f"{path} is missing (listed in config.json); the directory is incomplete: re-copy or re-convert it")
-            actual = path.stat().st_size
+            actual = st.st_size
             if actual != entry["size"]:
                 what = "truncated" if actual < entry["size"] else "larger than expected"
                 raise ColibriError(f"{path} is {what}: config.json says {entry['size']} bytes, found {actual} "
@@ -153,41 +198,35 @@ class ModelDir:
             out[rel] = entry
         return out
 
-    def _check_tensors(self, tensors, where) -> dict:
-        if not isinstance(tensors, dict):
-            raise ColibriError(f"{where}: 'tensors' must be an object")
-        expected = self.config.expected_tensors()
-        missing = [n for n in expected if n not in tensors]
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ColibriError(f"{where}: tensor table lacks {', '.join(missing[:5])}{more}")
-        extra = [n for n in tensors if n not in expected]
-        if extra:
-            raise ColibriError(f"{where}: unexpected tensor(s) {', '.join(extra[:5])} for this architecture")
+    def _check_tensors(self, tensors, expected, where) -> dict:
+        """Each entry of the tensor table (whose names _check_names checked) against the config and
+        the file table, in time linear in its size (sorting aside): types, dtypes, shapes, byte
+        counts, alignment, bounds within each file, and no two tensors sharing a byte."""
+        spans = {}                    # file -> [(offset, end, name)]
         for name, (shape, kind) in expected.items():
             t = tensors[name]
             ctx = f"{where}: tensor {name}"
             if not isinstance(t, dict):
-                raise ColibriError(f"{ctx} must be an object")
+                raise ColibriError(f"{ctx} must be an object, got {shown(t)}")
             for key, typ in (("file", str), ("offset", int), ("nbytes", int), ("dtype", str), ("shape", list)):
-                if not isinstance(t.get(key), typ) or isinstance(t.get(key), bool):
-                    raise ColibriError(f"{ctx}: field {key!r} is missing or not a {typ.__name__}")
+                if type(t.get(key)) is not typ:
+                    raise ColibriError(f"{ctx}: field {key!r} is missing or not a {typ.__name__}, got {shown(t.get(key))}")
             if t["file"] not in self.files:
-                raise ColibriError(f"{ctx}: file {t['file']!r} is not in the file table")
+                raise ColibriError(f"{ctx}: file {shown(t['file'])} is not in the file table")
             if t["dtype"] not in STORAGE_DTYPES:
-                raise ColibriError(f"{ctx}: unknown dtype {t['dtype']!r}")
+                raise ColibriError(f"{ctx}: unknown dtype {shown(t['dtype'])}")
             allowed = WEIGHT_DTYPES if kind == "matrix" else NORM_DTYPES if kind == "norm" else ("f32",)
             if t["dtype"] not in allowed:
                 raise ColibriError(f"{ctx}: expected dtype {' or '.join(allowed)}, got {t['dtype']}")
             if t["dtype"] == "int16":
                 sc = t.get("scale")
                 if type(sc) not in (int, float) or not 0 < sc < 1e30:
-                    raise ColibriError(f"{ctx}: an int16 tensor needs a positive finite 'scale', got {sc!r}")
+                    raise ColibriError(f"{ctx}: an int16 tensor needs a positive finite 'scale', got {shown(sc)}")
             if not all(type(n) is int for n in t["shape"]) or tuple(t["shape"]) != shape:
-                raise ColibriError(f"{ctx}: expected shape {list(shape)}, got {t['shape']}")
+                raise ColibriError(f"{ctx}: expected shape {list(shape)}, got {shown(t['shape'])}")
             layout = t.get("layout", "rows")
-            if layout not in LAYOUTS:
-                raise ColibriError(f"{ctx}: unsupported layout {layout!r} (supported: {', '.join(LAYOUTS)})")
+            if type(layout) is not str or layout not in LAYOUTS:
+                raise ColibriError(f"{ctx}: unsupported layout {shown(layout)} (supported: {', '.join(LAYOUTS)})")
             if layout != "rows":
                 if kind != "matrix" or len(shape) != 2:
                     raise ColibriError(f"{ctx}: only weight matrices can be stored {layout}")
@@ -200,12 +239,21 @@ class ModelDir:
                 raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
             nbytes = storage_nbytes(t["dtype"], shape)
             if t["nbytes"] != nbytes:
-                raise ColibriError(f"{ctx}: expected {nbytes} bytes for {t['dtype']} {list(shape)}, table says {t['nbytes']}")
+                raise ColibriError(f"{ctx}: expected {nbytes} bytes for {t['dtype']} {list(shape)}, "
+                                   f"table says {shown(t['nbytes'])}")
             if t["offset"] < 0 or t["offset"] % ALIGNMENT:
-                raise ColibriError(f"{ctx}: offset {t['offset']} is not a multiple of {ALIGNMENT}")
+                raise ColibriError(f"{ctx}: offset {shown(t['offset'])} is not a non-negative multiple of {ALIGNMENT}")
             if t["offset"] + nbytes > self.files[t["file"]]["size"]:
                 raise ColibriError(f"{ctx}: bytes {t['offset']}..{t['offset'] + nbytes} lie past the end "
                                    f"of {t['file']} ({self.files[t['file']]['size']} bytes)")
+            if nbytes:
+                spans.setdefault(t["file"], []).append((t["offset"], t["offset"] + nbytes, name))
+        for rel, items in spans.items():
+            items.sort()
+            for (_, end, first), (begin, end2, second) in zip(items, items[1:]):
+                if begin < end:
+                    raise ColibriError(f"{where}: tensors {first} and {second} share bytes {begin}..{min(end, end2)} "
+                                       f"of {rel} (two tensors must not overlap in a file)")
         return tensors
 
     def verify(self, progress=None, files=None) -> list:
@@ -238,8 +286,9 @@ class MappedModelDir:
         self._maps = {}      # rel -> (mmap or None, uint8 view [size], 64-byte aligned)
         self._dequantized = {}   # int16 norm name -> float32 [n]
         try:
+            in_use = {t["file"] for t in md.tensors.values()}        # once: files x tensors was quadratic
             for rel, entry in md.files.items():
-                if entry["size"] == 0 or rel not in {t["file"] for t in md.tensors.values()}:
+                if entry["size"] == 0 or rel not in in_use:
                     continue
                 self._maps[rel] = self._map(md.root / rel, entry["size"]) if use_mmap else \
                     (None, self._read(md.root / rel, entry["size"]))

@@ -23,6 +23,8 @@ weights (attention, embeddings, norms, routers); `warmup=True` reads every exper
 """
 from __future__ import annotations
 
+import numbers
+
 from collections import OrderedDict
 
 import numpy as np
@@ -39,11 +41,11 @@ MAX_BUDGET_MB = 1e12         # a budget beyond any machine's memory is a typo (o
 
 class Residency:
     def __init__(self, maps, config, budget_mb: float | None = None, mlock: bool = False, warmup: bool = False):
-        if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float))
+        if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real)
                                       or not 0 < budget_mb < MAX_BUDGET_MB):
             raise ColibriError(f"expert_cache_mb must be a positive finite number of megabytes "
                                f"(below {MAX_BUDGET_MB:.0e}), got {budget_mb!r}")
-        self.budget = None if budget_mb is None else int(budget_mb * (1 << 20))
+        self.budget = None if budget_mb is None else int(float(budget_mb) * (1 << 20))
         self.config = config
         # (layer, expert) -> (address, page-rounded length) of its file
         self.spans = {}
