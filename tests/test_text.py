@@ -362,3 +362,21 @@ def test_a_template_that_raises_is_one_line_with_its_message(chat_model_dir, tmp
     assert ok.returncode == 0, ok.stderr
     one_line_error(run_cli("run", "--model-dir", d, "--chat", "--system", "x", "--prompt", "hello"),
                    "System role not supported")
+
+
+def test_an_invalid_tokenizer_model_is_refused_at_convert(tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "mixtral_a" / "hf", hf)
+    (hf / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    out = tmp_path / "out"
+    one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", out), "tokenizer.model")
+    assert not out.exists()
+
+
+def test_numpy_scalars_and_a_tiny_temperature(converted):
+    m = colibri.load(converted("mixtral_a"), threads=np.int64(1), n_ctx=np.int32(64), prefill_chunk=np.int64(8),
+                     expert_cache_mb=np.float32(1.0))
+    greedy = list(m.generate([1, 2, 3], max_new_tokens=4, stop_at_eos=False))
+    tiny = list(m.generate([1, 2, 3], max_new_tokens=np.int64(4), stop_at_eos=False, temperature=np.float32(1e-30),
+                           top_k=np.int64(0), seed=np.int64(5)))
+    assert tiny == greedy                         # no overflow, no NaN: the top token every time
