@@ -6,10 +6,17 @@ outputs that tools/make_fixtures.py wrote with transformers.
 """
 from __future__ import annotations
 
+import json
+import os
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import colibri as colibri_package
 
 from colibri import _kernels
 
@@ -18,6 +25,8 @@ CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_fi
 ARCH_OF_CASE = {c: c.rsplit("_", 1)[0] for c in CASES}
 
 F32_UNIT_ROUNDOFF = 2.0 ** -24
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(colibri_package.__file__).resolve().parents[1]      # the directory that holds colibri/
 
 
 def float32_dot_bound(abs_dot, n_ops):
@@ -63,3 +72,77 @@ def isa(request):
 def reference(case: str) -> dict:
     with np.load(FIXTURES / case / "reference.npz") as z:
         return {k: z[k] for k in z.files}
+
+
+# ---- helpers shared by the test modules (none imports another) ----------------------------------
+
+def colibri(*args, timeout=180):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=str(REPO))
+
+
+def one_line_error(proc, *must_contain, status=2):
+    """Assert the user-error contract and return the single stderr line."""
+    assert proc.returncode == status, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].strip(), f"expected exactly one stderr line, got {proc.stderr!r}"
+    for text in must_contain:
+        assert str(text) in lines[0], f"{text!r} not named in {lines[0]!r}"
+    return lines[0]
+
+
+def ids_arg(ids) -> str:
+    return ",".join(str(int(i)) for i in ids)
+
+
+def write_safetensors(path: Path, tensors: dict) -> None:
+    """Minimal safetensors writer for tests: {name: float32 array} -> F32 tensors."""
+    header, blobs, offset = {}, [], 0
+    for name, arr in tensors.items():
+        data = np.ascontiguousarray(arr, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+ENV = dict(os.environ, PYTHONPATH=str(PACKAGE_ROOT))     # subprocesses import this colibri
+
+
+def big_checkpoint(root: Path) -> Path:
+    """An OLMoE-shaped f32 checkpoint of ~50 MB: converting it to int4 takes a while."""
+    cfg = json.loads((FIXTURES / "olmoe_a" / "hf" / "config.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=512, num_experts=16, num_attention_heads=4,
+               num_key_value_heads=4, num_hidden_layers=2, vocab_size=512)
+    rng = np.random.default_rng(0)
+    d, f, t = 256, 512, {}
+    t["model.embed_tokens.weight"] = rng.standard_normal((512, d), np.float32)
+    t["lm_head.weight"] = rng.standard_normal((512, d), np.float32)
+    t["model.norm.weight"] = np.ones(d, np.float32)
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[p + n + ".weight"] = np.ones(d, np.float32)
+        for n in "qkvo":
+            t[p + f"self_attn.{n}_proj.weight"] = rng.standard_normal((d, d), np.float32)
+        t[p + "self_attn.q_norm.weight"] = np.ones(d, np.float32)
+        t[p + "self_attn.k_norm.weight"] = np.ones(d, np.float32)
+        t[p + "mlp.gate.weight"] = rng.standard_normal((16, d), np.float32)
+        for e in range(16):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = rng.standard_normal((f, d), np.float32)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = rng.standard_normal((f, d), np.float32)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = rng.standard_normal((d, f), np.float32)
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(root / "model.safetensors", t)
+    return root
+
+
+def convert_cmd(hf, out, *extra):
+    return [sys.executable, "-m", "colibri", "convert", "--hf-dir", str(hf), "--output-dir", str(out), *extra]

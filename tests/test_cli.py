@@ -16,36 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import colibri.cli
+from colibri.cli import DEMO_DIR
 from colibri import _kernels
-from conftest import FIXTURES, reference
+from conftest import FIXTURES, colibri, ids_arg, one_line_error, reference
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGE_ROOT = Path(colibri.cli.__file__).resolve().parents[1]      # the directory that holds colibri/
-DEMO_CONFIG = colibri.cli.DEMO_DIR / "config.json"
-
-
-def colibri(*args, timeout=180):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("PYTHONWARNINGS", None)
-    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=str(REPO))
-
-
-def one_line_error(proc, *must_contain, status=2):
-    """Assert the user-error contract and return the single stderr line."""
-    assert proc.returncode == status, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].strip(), f"expected exactly one stderr line, got {proc.stderr!r}"
-    for text in must_contain:
-        assert str(text) in lines[0], f"{text!r} not named in {lines[0]!r}"
-    return lines[0]
-
-
-def ids_arg(ids) -> str:
-    return ",".join(str(int(i)) for i in ids)
+DEMO_CONFIG = DEMO_DIR / "config.json"
 
 
 @pytest.fixture(scope="module")

@@ -14,22 +14,9 @@ import colibri
 from colibri.convert import convert
 from colibri.hfcheckpoint import HFCheckpoint
 from colibri.modeldir import ALIGNMENT, ModelDir
-from conftest import FIXTURES, reference
+from conftest import FIXTURES, reference, write_safetensors
 
 SILENT = dict(log=lambda *a: None)
-
-
-def write_safetensors(path: Path, tensors: dict) -> None:
-    """Minimal safetensors writer for tests: {name: float32 array} -> F32 tensors."""
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr, "<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    raw = json.dumps(header).encode()
-    raw += b" " * ((-len(raw)) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
 
 
 def checkpoint_tensors(case: str) -> dict:

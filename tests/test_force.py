@@ -29,7 +29,7 @@ from colibri.cli import main
 from colibri.convert import convert, relayout
 from colibri.modeldir import ModelDirWriter
 from conftest import FIXTURES
-from test_hardening import ENV, big_checkpoint, convert_cmd
+from conftest import ENV, big_checkpoint, convert_cmd
 
 SILENT = dict(log=lambda *a: None)
 

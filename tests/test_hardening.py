@@ -15,44 +15,7 @@ import numpy as np
 import pytest
 
 import colibri
-from conftest import FIXTURES, reference
-from test_convert import write_safetensors
-
-ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
-
-
-def big_checkpoint(root: Path) -> Path:
-    """An OLMoE-shaped f32 checkpoint of ~50 MB: converting it to int4 takes a while."""
-    cfg = json.loads((FIXTURES / "olmoe_a" / "hf" / "config.json").read_text())
-    cfg.update(hidden_size=256, intermediate_size=512, num_experts=16, num_attention_heads=4,
-               num_key_value_heads=4, num_hidden_layers=2, vocab_size=512)
-    rng = np.random.default_rng(0)
-    d, f, t = 256, 512, {}
-    t["model.embed_tokens.weight"] = rng.standard_normal((512, d), np.float32)
-    t["lm_head.weight"] = rng.standard_normal((512, d), np.float32)
-    t["model.norm.weight"] = np.ones(d, np.float32)
-    for layer in range(2):
-        p = f"model.layers.{layer}."
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            t[p + n + ".weight"] = np.ones(d, np.float32)
-        for n in "qkvo":
-            t[p + f"self_attn.{n}_proj.weight"] = rng.standard_normal((d, d), np.float32)
-        t[p + "self_attn.q_norm.weight"] = np.ones(d, np.float32)
-        t[p + "self_attn.k_norm.weight"] = np.ones(d, np.float32)
-        t[p + "mlp.gate.weight"] = rng.standard_normal((16, d), np.float32)
-        for e in range(16):
-            t[p + f"mlp.experts.{e}.gate_proj.weight"] = rng.standard_normal((f, d), np.float32)
-            t[p + f"mlp.experts.{e}.up_proj.weight"] = rng.standard_normal((f, d), np.float32)
-            t[p + f"mlp.experts.{e}.down_proj.weight"] = rng.standard_normal((d, f), np.float32)
-    root.mkdir()
-    (root / "config.json").write_text(json.dumps(cfg))
-    write_safetensors(root / "model.safetensors", t)
-    return root
-
-
-def convert_cmd(hf, out, *extra):
-    return [sys.executable, "-m", "colibri", "convert", "--hf-dir", str(hf), "--output-dir", str(out), *extra]
-
+from conftest import ENV, FIXTURES, big_checkpoint, convert_cmd, reference, write_safetensors
 
 @pytest.mark.parametrize("previous", [False, True])
 def test_killed_conversion_leaves_nothing_or_the_previous_directory(tmp_path, previous):

@@ -14,7 +14,7 @@ import colibri
 import colibri.modeldir
 from colibri import _os
 from conftest import reference
-from test_hardening import big_checkpoint
+from conftest import big_checkpoint
 
 ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
 

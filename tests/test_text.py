@@ -24,7 +24,7 @@ from colibri.generation import GenerationDefaults
 from colibri.streaming import StopStrings, TextStream
 from colibri.tokenizer import SentencePieceTokenizer
 from conftest import FIXTURES
-from test_cli import colibri as run_cli, one_line_error
+from conftest import colibri as run_cli, one_line_error
 
 CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
