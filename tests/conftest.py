@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -146,3 +147,47 @@ def big_checkpoint(root: Path) -> Path:
 
 def convert_cmd(hf, out, *extra):
     return [sys.executable, "-m", "colibri", "convert", "--hf-dir", str(hf), "--output-dir", str(out), *extra]
+
+
+# ---- a model that speaks text: qwen3moe_a with a small BPE tokenizer.json and a ChatML template ----
+
+CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello colibri", "café déjà vu naïve",
+          "numbers 0123456789 and symbols !?.,;:()[]{}", "mixture of experts on a cpu", "unto the LORD"] * 20
+SMALL_VOCAB = 200
+
+
+def small_tokenizer_json(path):
+    """A BPE tokenizer.json with Metaspace spacing and ChatML specials, SMALL_VOCAB ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=SMALL_VOCAB, special_tokens=SPECIALS))
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="session")
+def chat_hf(tmp_path_factory):
+    """qwen3moe_a's checkpoint with a tokenizer.json, a ChatML template and two EOS ids."""
+    hf = tmp_path_factory.mktemp("chat") / "hf"
+    shutil.copytree(FIXTURES / "qwen3moe_a" / "hf", hf)
+    small_tokenizer_json(hf / "tokenizer.json")
+    (hf / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False}))
+    end, eot = SPECIALS.index("<|im_end|>"), SPECIALS.index("<|endoftext|>")      # trainer ids: in order
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "eos_token_id": end}))
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]}))
+    return hf
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(chat_hf):
+    from colibri.convert import convert
+    out = chat_hf.parent / "model"
+    convert(chat_hf, out, log=lambda *a: None)
+    return out

@@ -133,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system message at the start of the conversation")
     _generation_options(chat, default_max=512)
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra: pip install \"colibri[serve]\")")
+    _model_options(srv, demo_default=False)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", "--api_key", dest="api_key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 requests")
+    srv.add_argument("--model-name", "--model_name", dest="model_name", default=None,
+                     help="the model id clients pass (default: the directory's name)")
+    srv.add_argument("--max-queue", "--max_queue", dest="max_queue", type=_positive_int, default=16,
+                     help="requests that may wait for the engine; beyond: 503 with Retry-After")
+    srv.add_argument("--queue-timeout", "--queue_timeout", dest="queue_timeout", type=_number, default=600.0,
+                     help="seconds a request may wait for the engine before a 503")
+
     tok = sub.add_parser("tokenizer", help="add or replace the tokenizer, chat template and generation config "
                                            "files of a model directory")
     tok.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
@@ -192,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "chat": cmd_chat, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
+        return {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
                 "relayout": cmd_relayout, "info": cmd_info, "verify": cmd_verify, "bench": cmd_bench,
                 "eval": cmd_eval}[args.command](args)
     except ColibriError as e:
@@ -413,6 +426,30 @@ def cmd_chat(args) -> int:
         _info(args, _speed_line(m))
         if args.stats:
             _print_stats(m)
+
+
+def cmd_serve(args) -> int:
+    from .modeldir import ModelDir
+    from .server import _need_stack, serve
+
+    _need_stack()
+    if not 0 <= args.port <= 65535:
+        raise ColibriError(f"--port must be in 0..65535, got {args.port}")
+    if not args.queue_timeout > 0:
+        raise ColibriError(f"--queue-timeout must be a positive number of seconds, got {args.queue_timeout}")
+    ModelDir(args.model_dir)                          # a bad directory fails now, not in the background
+
+    def load():
+        m = _load(args)
+        if m.tokenizer is None:
+            raise ColibriError(f"{m.path} has no tokenizer: the server needs one")
+        _loaded_note(args, m)
+        return m
+
+    name = args.model_name or Path(args.model_dir).resolve().name
+    serve(load, name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+          queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]))
+    return 0
 
 
 def cmd_tokenizer(args) -> int:

@@ -212,21 +212,28 @@ class Model:
         concatenation is the decode of the generated ids (cut before the first of the `stop`
         strings, if any). `prompt`: text, or a list of token ids. Other keywords as for
         generate(); its checks run here, before the first piece is asked for."""
+        events = self.stream_tokens(prompt, max_new_tokens, stop=stop, skip_special_tokens=skip_special_tokens,
+                                    add_special_tokens=add_special_tokens, **generate_kwargs)
+        return (text for text, _ in events if text)
+
+    def stream_tokens(self, prompt, max_new_tokens: int = 64, stop=None, skip_special_tokens: bool = True,
+                      add_special_tokens: bool = True, **generate_kwargs):
+        """As stream(), one event per generated token: (new text, possibly "", sampling.Pick).
+        After a stop string the text ends; a last event (held-back text, None) may follow."""
         tok = self._need_tokenizer()
         ids = tok.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else prompt
         stops = StopStrings(stop)
         if not all(isinstance(s, str) for s in stops.stops):
             raise ColibriError(f"stop must be a string or a list of strings, got {stop!r}")
         tokens = self.generate(ids, max_new_tokens, **generate_kwargs)
-        return self._pieces(tokens, TextStream(tok, skip_special_tokens), stops, self.last_generation)
+        return self._events(tokens, TextStream(tok, skip_special_tokens), stops, self.last_generation)
 
     @staticmethod
-    def _pieces(tokens, text, stops, record):
+    def _events(tokens, text, stops, record):
         try:
             for t in tokens:
                 shown, stopped = stops.feed(text.push(t))
-                if shown:
-                    yield shown
+                yield shown, record.picks[-1]
                 if stopped:
                     record.finish_reason, record.stop = "stop", stops.stopped
                     return
@@ -235,7 +242,7 @@ class Model:
                 record.finish_reason, record.stop = "stop", stops.stopped
             shown += stops.finish()
             if shown:
-                yield shown
+                yield shown, None
         finally:
             tokens.close()
 
