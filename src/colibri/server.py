@@ -68,11 +68,13 @@ _NUMBER = (int, float)
 
 
 def _field(body: dict, name: str, kinds, default=None, check=None, what: str = ""):
-    """body[name] of one of `kinds` (None allowed: the default), checked by `check(v) -> bool`."""
+    """body[name] if it is one of `kinds` (JSON true/false is not a number) and passes `check`;
+    the default when absent or null; else a 400 naming the field."""
     if name not in body or body[name] is None:
         return default
     v = body[name]
-    ok = isinstance(v, kinds) and not (isinstance(v, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)))
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    ok = (bool in kinds) if isinstance(v, bool) else isinstance(v, kinds)
     if ok and isinstance(v, float) and not math.isfinite(v):
         ok = False
     if not ok or (check is not None and not check(v)):
