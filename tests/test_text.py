@@ -338,3 +338,38 @@ def test_numpy_scalars_and_a_tiny_temperature(converted):
     tiny = list(m.generate([1, 2, 3], max_new_tokens=np.int64(4), stop_at_eos=False, temperature=np.float32(1e-30),
                            top_k=np.int64(0), seed=np.int64(5)))
     assert tiny == greedy                         # no overflow, no NaN: the top token every time
+
+
+def test_ctrl_c_stops_the_reply_not_the_conversation(chat_model_dir, monkeypatch, capsys):
+    """KeyboardInterrupt while a reply streams: the reply ends, the conversation goes on (the
+    partial reply is kept in the history), /exit leaves with status 0."""
+    import io
+    import colibri.cli
+    import colibri.model
+
+    real_stream = colibri.model.Model.stream
+    calls = []
+
+    def interrupted_stream(self, prompt, *a, **kw):
+        calls.append(list(prompt))
+        pieces = real_stream(self, prompt, *a, **kw)
+        if len(calls) == 1:
+            def gen():
+                yield next(pieces)
+                raise KeyboardInterrupt
+            return gen()
+        return pieces
+
+    monkeypatch.setattr(colibri.model.Model, "stream", interrupted_stream)
+
+    class Stdin:
+        buffer = io.BytesIO(b"hello world\nthe quick fox\n/exit\n")
+
+        @staticmethod
+        def isatty():
+            return False
+    monkeypatch.setattr(sys, "stdin", Stdin)
+    code = colibri.cli.main(["chat", "--model-dir", str(chat_model_dir), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 0 and "(reply stopped)" in err
+    assert len(calls) == 2 and "hello world" in colibri.load(chat_model_dir).tokenizer.decode(calls[1])
