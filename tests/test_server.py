@@ -192,14 +192,17 @@ def test_concurrent_clients_get_their_own_answers(server, local):
     assert not errors and got == want
 
 
+DROPPED_STREAM_SECONDS = 1.0        # the issue: 100 ms plus one token, plus this tiny model's one-token answer
+
+
 def test_a_dropped_stream_frees_the_engine(server):
-    body = {"model": "tiny", "prompt": "the quick", "max_tokens": 200, "stream": True}
+    body = {"model": "tiny", "prompt": "the quick", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
         for _ in r.iter_lines():
             break                            # read one line, then hang up
     t = time.time()
     r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 1})
-    assert r.status_code == 200 and time.time() - t < 10
+    assert r.status_code == 200 and time.time() - t < DROPPED_STREAM_SECONDS
 
 
 def test_serve_without_the_model_dir_is_one_line(tmp_path):

@@ -23,7 +23,8 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import ColibriError
-from .tokenizer import TOKENIZER_CONFIG, read_json
+from .config import read_json
+from .tokenizer import MAX_TEXT_FILE_BYTES, TOKENIZER_CONFIG
 
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
 CHAT_TEMPLATE_JSON = "chat_template.json"
@@ -189,7 +190,7 @@ def find_template(root: Path, files, special_tokens: dict | None = None) -> Chat
         if name not in files:
             continue
         path = root / name
-        doc = read_json(path, name)
+        doc = read_json(path, name, MAX_TEXT_FILE_BYTES)
         source = doc.get("chat_template") if isinstance(doc, dict) else None
         if source is None:
             continue

@@ -15,7 +15,8 @@ import math
 from pathlib import Path
 
 from .errors import ColibriError
-from .tokenizer import read_json
+from .config import read_json
+from .tokenizer import MAX_TEXT_FILE_BYTES
 
 GENERATION_CONFIG = "generation_config.json"
 # Colibri's defaults when neither the caller nor the checkpoint sets a value
@@ -40,7 +41,7 @@ class GenerationDefaults:
     @classmethod
     def from_file(cls, path: Path, vocab_size: int) -> "GenerationDefaults":
         path = Path(path)
-        doc = read_json(path, "generation_config.json")
+        doc = read_json(path, "generation_config.json", MAX_TEXT_FILE_BYTES)
         if not isinstance(doc, dict):
             raise ColibriError(f"{path} must hold a JSON object")
         eos = doc.get("eos_token_id")

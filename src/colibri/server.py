@@ -18,7 +18,7 @@ streamed as `data: {...}` chunks and `data: [DONE]`; `stream_options.include_usa
 text). Errors are `{"error": {"message", "type", "param", "code"}}` with the status OpenAI uses.
 Parameters: messages / prompt, max_tokens (max_completion_tokens), temperature, top_p, top_k,
 min_p, repetition_penalty, presence_penalty, frequency_penalty, stop, seed, logprobs /
-top_logprobs, n = 1, stream, chat_template_kwargs. Unset sampling values take the checkpoint's
+top_logprobs, n = 1, stream, chat_template_kwargs, ignore_eos. Unset sampling values take the checkpoint's
 generation_config.json defaults (as `run` does), then greedy.
 """
 from __future__ import annotations
@@ -116,6 +116,7 @@ def sampling_options(body: dict) -> dict:
         presence_penalty=_field(body, "presence_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         frequency_penalty=_field(body, "frequency_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         seed=_field(body, "seed", int, 0, lambda v: v >= 0, "a non-negative integer"),
+        stop_at_eos=not _field(body, "ignore_eos", bool, False, what="true or false"),   # vLLM's, llama-server's
     )
     n = _field(body, "n", int, 1, lambda v: v >= 1, "a positive integer")
     if n != 1:

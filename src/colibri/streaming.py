@@ -22,10 +22,6 @@ the first stop string found ends the text, and it and everything after it are cu
 """
 from __future__ import annotations
 
-import re
-
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
 
 class TextStream:
     """push(token id) -> the new text (possibly ""); finish() -> whatever was held back."""
@@ -37,7 +33,7 @@ class TextStream:
         self.text = ""                   # everything returned so far
         self._prefix = 0                 # token index where the decoded window starts
         self._read = 0                   # token index up to which the window's text was returned
-        self._byte_ids = _byte_piece_ids(tokenizer)
+        self._byte_ids = tokenizer.byte_piece_ids
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -73,24 +69,6 @@ class TextStream:
         self._prefix = self._read = len(self.ids)
         self.text += piece
         return piece
-
-
-def _byte_piece_ids(tokenizer) -> frozenset:
-    """Ids of byte-fallback pieces (<0xNN>), which decode as a run. Cached on the tokenizer."""
-    cached = getattr(tokenizer, "_byte_piece_ids", None)
-    if cached is not None:
-        return cached
-    ids = set()
-    for b in range(256):
-        i = tokenizer.token_to_id(f"<0x{b:02X}>")
-        if i is not None:
-            ids.add(int(i))
-    out = frozenset(ids)
-    try:
-        tokenizer._byte_piece_ids = out
-    except AttributeError:
-        pass
-    return out
 
 
 class StopStrings:

@@ -28,10 +28,11 @@ Ids the tokenizer does not know (a model's vocab_size may exceed the tokenizer's
 """
 from __future__ import annotations
 
-import json
+import functools
 import re
 from pathlib import Path
 
+from .config import read_json
 from .errors import ColibriError
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -43,19 +44,6 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))   # transformers' clean_up_tokenization
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def read_json(path: Path, what: str = "JSON file"):
-    """A small JSON file of a model directory, or a ColibriError naming it."""
-    path = Path(path)
-    try:
-        if path.stat().st_size > MAX_TEXT_FILE_BYTES:
-            raise ColibriError(f"{path} is larger than {MAX_TEXT_FILE_BYTES >> 20} MB; refusing to parse it")
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ColibriError(f"{path} is not a valid {what} ({e})") from None
-    except OSError as e:
-        raise ColibriError(f"cannot read {path}: {e.strerror}") from None
 
 
 def _token_content(value):
@@ -112,6 +100,12 @@ class Tokenizer:
 
     def token_to_id(self, token: str):
         raise NotImplementedError
+
+    @functools.cached_property
+    def byte_piece_ids(self) -> frozenset:
+        """Ids of the byte-fallback pieces <0x00>..<0xFF>: decode joins a run of them into UTF-8."""
+        ids = (self.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(int(i) for i in ids if i is not None)
 
     def describe(self) -> str:
         """One line for `info`: kind, size, BOS/EOS behaviour."""
@@ -302,10 +296,10 @@ def load_tokenizer(root: Path, files, vocab_size: int | None = None) -> Tokenize
     `files`: the names in the directory's file table; `vocab_size`: the model's, which the
     tokenizer's ids must fit."""
     root = Path(root)
-    cfg = read_json(root / TOKENIZER_CONFIG, "tokenizer_config.json") if TOKENIZER_CONFIG in files else {}
+    cfg = read_json(root / TOKENIZER_CONFIG, "tokenizer_config.json", MAX_TEXT_FILE_BYTES) if TOKENIZER_CONFIG in files else {}
     if not isinstance(cfg, dict):
         raise ColibriError(f"{root / TOKENIZER_CONFIG} must hold a JSON object")
-    stm = read_json(root / SPECIAL_TOKENS_MAP, "special_tokens_map.json") if SPECIAL_TOKENS_MAP in files else {}
+    stm = read_json(root / SPECIAL_TOKENS_MAP, "special_tokens_map.json", MAX_TEXT_FILE_BYTES) if SPECIAL_TOKENS_MAP in files else {}
     if not isinstance(stm, dict):
         raise ColibriError(f"{root / SPECIAL_TOKENS_MAP} must hold a JSON object")
     if TOKENIZER_JSON in files:
