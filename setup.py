@@ -23,9 +23,9 @@ if debug and sys.platform != "win32":
 
 extension = Extension(
     "colibri._kernels",
-    sources=["src/colibri/_kernels.pyx"],
-    include_dirs=["src/colibri/csrc"],
-    depends=[os.path.join("src", "colibri", "csrc", name) for name in os.listdir(os.path.join("src", "colibri", "csrc"))],
+    sources=["colibri/_kernels.pyx"],
+    include_dirs=["colibri/csrc"],
+    depends=[os.path.join("colibri", "csrc", name) for name in os.listdir(os.path.join("colibri", "csrc"))],
     extra_compile_args=compile_args,
     extra_link_args=link_args,
 )

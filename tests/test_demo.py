@@ -1,4 +1,4 @@
-"""The bundled demo model (int8, src/colibri/data/demo) against the transformers reference
+"""The bundled demo model (int8, colibri/data/demo) against the transformers reference
 recorded at training time, and `run` / `eval` out of the box."""
 from __future__ import annotations
 

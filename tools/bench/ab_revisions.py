@@ -3,7 +3,7 @@
 
 Each revision is checked out into its own git worktree under $BENCH_CACHE/ab/<rev> and built in
 place (`setup.py build_ext --inplace`); runs alternate between them (PYTHONPATH points at the
-worktree's src/), one process per run, so both see the same machine state. Prints each pair and
+directory of its package), one process per run, so both see the same machine state. Prints each pair and
 the medians of prefill and decode tok/s with the ratio B / A. A kernel change is measured this
 way on this shared, noisy machine, not by two runs minutes apart.
 
@@ -28,7 +28,7 @@ CACHE = Path(os.environ.get("BENCH_CACHE", "/work/bench_cache"))
 
 
 def prepare(rev: str) -> Path:
-    """The src/ directory of `rev`, built."""
+    """The directory that holds `rev`'s colibri package (src/ before the top-level layout), built."""
     if rev == "worktree":
         root = REPO
     else:
@@ -39,7 +39,7 @@ def prepare(rev: str) -> Path:
             subprocess.run(["git", "worktree", "add", "--detach", str(root), sha], cwd=REPO, check=True)
     subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root, check=True,
                    stdout=subprocess.DEVNULL)
-    return root / "src"
+    return root / "src" if (root / "src" / "colibri").is_dir() else root     # the layout before/after 2026-12-01
 
 
 def run(src: Path, model_dir: str, args) -> dict:

@@ -51,7 +51,7 @@ from convert_models import CACHE, LLAMA_BIN, PAIRS, stale_layouts, colibri_dir, 
 TINY_FIXTURE = REPO / "tests" / "fixtures" / "mixtral_a" / "hf"
 # Bench this tree's Colibri when it has a built extension (pip install -e . / build_ext --inplace),
 # whatever `colibri` the interpreter would import otherwise.
-SRC = REPO / "src"
+SRC = REPO
 if list((SRC / "colibri").glob("_kernels*.so")) or list((SRC / "colibri").glob("_kernels*.pyd")):
     sys.path.insert(0, str(SRC))
     COLIBRI_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
