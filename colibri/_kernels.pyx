@@ -1,22 +1,27 @@
 # cython: language_level=3
-"""The compiled token step of Colibri.
+"""The compiled layer loop of Colibri.
 
 Design
 ------
 `Engine` holds raw pointers into the mapped weight files (never copies of them), the KV cache and
 one scratch arena, all sized once from the config. `Engine.run()` pushes tokens through
-`token_step()` without the GIL; `token_step()` is the whole model in one screen:
+`forward()` without the GIL, a prefill chunk at a time (decode is a chunk of one token);
+`forward()` is the whole model in one screen, over n tokens:
 
     embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
           -> final_norm -> lm_head
 
+Every block is written once for n tokens: every weight is read once per chunk, and since no
+kernel's arithmetic depends on n, a prompt gives exactly the logits of decoding it token by token.
 Architectures differ only by flags in `Hyper` and by which per-layer pointers are NULL (biases,
 q/k norms, shared expert, Gemma's extra norms and scales): one parameterised block, no
 per-architecture code paths. Attention geometry is per layer (Gemma 4's global layers have
 their own head_dim, key/value heads and RoPE); a sliding-window layer's KV cache is a ring of
-window + prefill chunk rows, so it holds only what that layer can still attend to. Kernels are
-the C functions of csrc/ (scalar reference for now). A non-zero status from the step (non-finite
-router logits or logits: a damaged model) is turned into an exception by the Python layer.
+window + prefill chunk rows, so it holds only what that layer can still attend to. The MoE block
+runs the experts in ascending index, each over the tokens routed to it, in waves that share a
+parallel region (decode: the top-k and the shared expert in one). Kernels are the C functions of
+csrc/, through the kernel table of the tier chosen at import. A non-zero status (non-finite router
+logits or logits: a damaged model) is turned into an exception by the Python layer.
 """
 
 from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t, int64_t, uint64_t
@@ -71,19 +76,15 @@ cdef extern from "dispatch.h" nogil:
     int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
     void cb_glu(float *gate, const float *up, int n, int act)
     int cb_window_start(int pos, int window)
-    void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
-                   int rows, int cols, int n_threads)
     void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
     int cb_attention_softmax(float *x, int n)
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
-    void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
-                      float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
-                      int start, int pos, int ring, float scale, int n_threads)
-    void cb_attention_batch(float *out, int ldo, const float *q, int ldq, const float *k_cache,
-                            const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
-                            int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads)
+    void cb_attention(float *out, int ldo, const float *q, int ldq, const float *k_cache,
+                      const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+                      int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads)
     ctypedef struct cb_matjob:
+        int n
         float *out
         int ldo
         const void *w
@@ -96,7 +97,7 @@ cdef extern from "dispatch.h" nogil:
         cb_act_q8 *acts
         const float *glu_up
         int glu_act
-    void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_threads)
+    void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads)
 
 cdef extern from "os_hints.h" nogil:
     int cb_will_need(const void *start, size_t length, size_t chunk)
@@ -330,26 +331,36 @@ cdef struct Hyper:
     int n_threads
 
 cdef struct Scratch:
-    cb_act_q8 act     # activations quantized per block for int8/int4 weights: q [max_cols], d [max_cols / 32]
-    float *x          # [d_model] the residual stream
-    float *xb         # [d_model] normed input of a block
-    float *xb2        # [d_model] output of a block
-    float *q          # [n_heads * max head_dim]
-    float *k          # [max kv_dim] this position's keys, before they go to the cache (kv_store)
-    float *v          # [max kv_dim] its values
-    float *att        # [n_heads * max head_dim] attention output before wo
+    # Every buffer of one engine call: up to `cap` tokens (a prefill chunk; decode is one), rows
+    # [cap, ...] with token t in row t. Sized once from the config (Engine.__init__).
+    int cap
+    float *x          # [cap, d_model] the residual streams
+    float *xb         # [cap, d_model] normed inputs of a block
+    float *xb2        # [cap, d_model] outputs of a block
+    float *q          # [cap, n_heads * max head_dim]
+    float *att        # [cap, n_heads * max head_dim] attention outputs before wo
+    float *k          # [cap, max kv_dim] keys of the tokens, before they go to the cache rows
+    float *v          # [cap, max kv_dim] their values
     float *scores     # [n_heads, n_ctx]
-    float *hb         # [slots, max_ff] FFN hidden (gate, then activation), one row per expert of a step
-    float *hb2        # [slots, max_ff] FFN hidden (up)
-    float *moe_acc    # [slots, d_model] each expert's output
-    cb_act_q8 *slot_act   # [slots] quantization scratch of each expert's hidden (down's input)
+    float *rx         # [cap, d_model] router inputs (parallel MoE)
+    float *xe         # [cap, d_model] expert inputs (parallel MoE)
+    float *xm         # [cap, d_model] expert outputs (parallel MoE)
+    cb_act_q8 *acts   # [cap] activation quantization of the block inputs (q: [max_cols], d: [max_cols / 32])
+    float *router     # [cap, n_experts] router logits, then probabilities
+    int *tok_chosen   # [cap, top_k] each token's experts in this layer
+    float *tok_w      # [cap, top_k] their weights
+    # the MoE wave (moe): the experts of a layer in ascending index, as many together as fit
+    int wave_rows     # rows of the wave buffers: >= cap and >= MAX_SLOTS
     int max_ff
-    float *rx         # [d_model] the router's input (parallel MoE)
-    float *xe         # [d_model] the experts' input (parallel MoE)
-    float *xm         # [d_model] the experts' output (parallel MoE)
-    float *router     # [n_experts] router logits, then probabilities
-    float *logits     # [vocab]
-    int *chosen       # [n_layers, top_k] experts chosen at the last step (for --verbose)
+    float *g          # [wave_rows, d_model] inputs gathered for the experts of a wave
+    float *hb         # [wave_rows, max_ff] FFN hidden (gate, then activation)
+    float *hb2        # [wave_rows, max_ff] FFN hidden (up)
+    float *y          # [wave_rows, d_model] expert outputs
+    int *rows         # [wave_rows] the token of each gathered row
+    float *row_w      # [wave_rows] its expert's weight
+    cb_act_q8 *wave_acts  # [wave_rows] quantization of gathered inputs, then of the hidden rows
+    float *logits     # [vocab] the last token's logits of the last call
+    int *chosen       # [n_layers, top_k] experts chosen for the last token (for --verbose)
     float *chosen_w   # [n_layers, top_k] their weights
     int64_t *counts   # [n_layers, n_experts] how often each expert was chosen
     int bad_layer     # the layer of a bad router status
@@ -360,39 +371,12 @@ cdef struct Scratch:
     size_t prefetch_chunk     # bytes per advice call (0: no limit), from colibri._os.prefetch_chunk
 
 
-cdef struct Batch:        # scratch of the prefill path: up to `cap` prompt tokens at a time
-    int cap
-    float *x          # [cap, d_model] residual streams
-    float *xb         # [cap, d_model] normed inputs
-    float *xb2        # [cap, d_model] block outputs
-    float *q          # [cap, n_heads * max head_dim]
-    float *att        # [cap, n_heads * max head_dim]
-    float *k          # [cap, max kv_dim] keys of the chunk, before they go to the cache rows
-    float *v          # [cap, max kv_dim]
-    float *rx         # [cap, d_model] router inputs (parallel MoE)
-    float *xe         # [cap, d_model] expert inputs (parallel MoE)
-    float *xm         # [cap, d_model] expert outputs (parallel MoE)
-    float *hb         # [cap, max_ff]
-    float *hb2        # [cap, max_ff]
-    float *g          # [cap, d_model] inputs gathered for one expert
-    float *y          # [cap, d_model] outputs of one expert
-    float *router     # [cap, n_experts]
-    int *chosen       # [cap, top_k]
-    float *chosen_w   # [cap, top_k]
-    int *rows         # [cap] the tokens routed to the current expert
-    float *row_w      # [cap] their weights
-    cb_act_q8 *acts   # [cap] per-token activation quantization (q: [cap, max_cols], d: [cap, max_cols / 32])
-
-
-# ---- the blocks of the token step -----------------------------------------------------------
-
-cdef inline void matvec(float *out, const Mat *m, const float *x, Scratch *s, int n_threads) noexcept nogil:
-    cb_matvec(out, m.data, m.dtype, m.layout, x, &s.act, m.rows, m.cols, n_threads)
-
+# ---- the blocks of the layer loop, each over n tokens (decode: n = 1) ------------------------
 
 cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const float *x, int ldx,
-                     cb_act_q8 *acts) noexcept nogil:
-    """j = the product out[t * ldo + r] = m[r, :] . x[t * ldx + :] (cb_matmul_jobs)."""
+                     cb_act_q8 *acts, int n) noexcept nogil:
+    """j = the product out[t * ldo + r] = m[r, :] . x[t * ldx + :] for t < n (cb_matmul_jobs)."""
+    j.n = n
     j.out = out
     j.ldo = ldo
     j.w = m.data
@@ -407,13 +391,21 @@ cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const floa
     j.glu_act = 0
 
 
+cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, cb_act_q8 *acts, int n,
+                        int n_threads) noexcept nogil:
+    """out[t * ldo + r] = m[r, :] . x[t * ldx + :] for t < n: one product in one parallel region."""
+    cdef cb_matjob j
+    job(&j, out, ldo, m, x, ldx, acts, n)
+    cb_matmul_jobs(&j, 1, n_threads)
+
+
 cdef inline int gate_up_jobs(cb_matjob *jobs, const FFN *f, float *gate_out, float *up_out, int ldo,
-                             const float *x, int ldx, cb_act_q8 *acts, int act) noexcept nogil:
+                             const float *x, int ldx, cb_act_q8 *acts, int n, int act) noexcept nogil:
     """jobs[0:2] = up, then gate with the activation fused in (gate_out = act(gate x) * up x, each
     thread over the rows it computed) when both matrices split alike (same format, layout and
     shape, as converted models have). Returns 1 if fused, 0 if the caller must apply cb_glu."""
-    job(&jobs[0], up_out, ldo, &f.up, x, ldx, acts)
-    job(&jobs[1], gate_out, ldo, &f.gate, x, ldx, acts)
+    job(&jobs[0], up_out, ldo, &f.up, x, ldx, acts, n)
+    job(&jobs[1], gate_out, ldo, &f.gate, x, ldx, acts, n)
     if f.gate.dtype == f.up.dtype and f.gate.layout == f.up.layout and f.gate.rows == f.up.rows:
         jobs[1].glu_up = up_out
         jobs[1].glu_act = act
@@ -422,33 +414,54 @@ cdef inline int gate_up_jobs(cb_matjob *jobs, const FFN *f, float *gate_out, flo
 
 
 cdef enum:
-    MAX_SLOTS = 65            # experts of one step: top-k (<= CB_MAX_TOP_K) and the shared one
+    MAX_SLOTS = 65            # FFNs of one wave: at least top-k (<= CB_MAX_TOP_K) and the shared one
 
 
-cdef void ffn_slots(const Hyper *h, const FFN **f, int count, const float *x, Scratch *s) noexcept nogil:
-    """s.moe_acc[i] = down_i(act(gate_i x) * up_i x) for the FFNs f[i], i < count <= MAX_SLOTS:
-    every gate and up in one parallel region, every down in another."""
+cdef struct Slot:             # one FFN of a wave over some of the tokens
+    const FFN *f
+    const float *x            # [m, ldx] its input rows
+    int ldx
+    cb_act_q8 *acts           # [m] their quantization scratch
+    int row0                  # its rows of the wave buffers: row0 .. row0 + m - 1
+    int m
+    float *out                # [m, d_model] where its outputs go (s.y + row0 * d_model in a MoE wave)
+
+
+cdef void ffn_wave(const Hyper *h, Scratch *s, const Slot *slots, int count) noexcept nogil:
+    """For each slot i: out[t] = down(act(gate x_t) * up x_t), t < m, of its FFN (hidden rows row0..
+    of the wave buffers): every gate and up of the wave in one parallel region, every down in another."""
     cdef cb_matjob jobs[2 * MAX_SLOTS]
     cdef int fused[MAX_SLOTS]
-    cdef int i, ff = s.max_ff
+    cdef int i, t, ff = s.max_ff
+    cdef size_t r
     if count < 1:
         return
     for i in range(count):
-        fused[i] = gate_up_jobs(&jobs[2 * i], f[i], s.hb + <size_t>i * ff, s.hb2 + <size_t>i * ff, ff,
-                                x, h.d_model, &s.act, h.act)
-    cb_matmul_jobs(jobs, 2 * count, 1, h.n_threads)
+        r = <size_t>slots[i].row0
+        fused[i] = gate_up_jobs(&jobs[2 * i], slots[i].f, s.hb + r * ff, s.hb2 + r * ff, ff, slots[i].x,
+                                slots[i].ldx, slots[i].acts, slots[i].m, h.act)
+    cb_matmul_jobs(jobs, 2 * count, h.n_threads)
     for i in range(count):
+        r = <size_t>slots[i].row0
         if not fused[i]:
-            cb_glu(s.hb + <size_t>i * ff, s.hb2 + <size_t>i * ff, f[i].gate.rows, h.act)
-        job(&jobs[i], s.moe_acc + <size_t>i * h.d_model, h.d_model, &f[i].down, s.hb + <size_t>i * ff, ff,
-            &s.slot_act[i])
-    cb_matmul_jobs(jobs, count, 1, h.n_threads)
+            for t in range(slots[i].m):
+                cb_glu(s.hb + (r + t) * ff, s.hb2 + (r + t) * ff, slots[i].f.gate.rows, h.act)
+        job(&jobs[i], slots[i].out, h.d_model, &slots[i].f.down, s.hb + r * ff, ff, s.wave_acts + r, slots[i].m)
+    cb_matmul_jobs(jobs, count, h.n_threads)
 
 
-cdef void ffn(const Hyper *h, const FFN *f, const float *x, float *out, Scratch *s) noexcept nogil:
-    """out[d_model] = down(act(gate x) * up x)."""
-    ffn_slots(h, &f, 1, x, s)
-    memcpy(out, s.moe_acc, sizeof(float) * h.d_model)
+cdef void ffn(const Hyper *h, const FFN *f, const float *x, float *out, Scratch *s, int n) noexcept nogil:
+    """out[n, d] = down(act(gate x) * up x) for the rows of x [n, d] (n <= cap <= wave_rows): a
+    wave of one slot."""
+    cdef Slot slot
+    slot.f = f
+    slot.x = x
+    slot.ldx = h.d_model
+    slot.acts = s.acts
+    slot.row0 = 0
+    slot.m = n
+    slot.out = out
+    ffn_wave(h, s, &slot, 1)
 
 
 cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *v, int pos) noexcept nogil:
@@ -498,22 +511,25 @@ cdef inline void kv_store(Layer *L, const float *k, const float *v, int pos) noe
         memcpy(L.v_cache + row, v + <size_t>j * hd, sizeof(float) * hd)
 
 
-cdef void attention(const Hyper *h, Layer *L, Scratch *s, int pos) noexcept nogil:
-    """s.xb2 = self-attention of s.xb at position `pos`; appends this position's k, v to the cache."""
-    cdef float *k = s.k
-    cdef float *v = s.v
+cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
+    """s.xb2 = self-attention of s.xb [n, d] at positions pos0..pos0+n-1 (causal, in order).
+    The tokens' keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
+    a ring of window + chunk rows keeps every key a query of the chunk can see."""
+    cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
     cdef cb_matjob jobs[3]
-    job(&jobs[0], s.q, 0, &L.wq, s.xb, h.d_model, &s.act)
-    job(&jobs[1], k, 0, &L.wk, s.xb, h.d_model, &s.act)
-    job(&jobs[2], v, 0, &L.wv, s.xb, h.d_model, &s.act)
-    cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, 1, h.n_threads)
-    qkv_finish(h, L, s.q, k, v, pos)
-    kv_store(L, k, v, pos)
-    cb_attention(s.att, s.q, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx,
-                 cb_window_start(pos, L.sliding_window), pos, L.kv_ring, L.attn_scale, h.n_threads)
-    matvec(s.xb2, &L.wo, s.att, s, h.n_threads)
+    job(&jobs[0], s.q, q_dim, &L.wq, s.xb, d, s.acts, n)
+    job(&jobs[1], s.k, kv_dim, &L.wk, s.xb, d, s.acts, n)
+    job(&jobs[2], s.v, kv_dim, &L.wv, s.xb, d, s.acts, n)
+    cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, h.n_threads)
+    for t in range(n):
+        qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+        kv_store(L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+    cb_attention(s.att, q_dim, s.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
+                 L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, h.n_threads)
+    matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
     if L.bo != NULL:
-        cb_add(s.xb2, L.bo, h.d_model)
+        for t in range(n):
+            cb_add(s.xb2 + <size_t>t * d, L.bo, d)
 
 
 cdef inline void will_need(const Range *r, Scratch *s) noexcept nogil:
@@ -523,16 +539,12 @@ cdef inline void will_need(const Range *r, Scratch *s) noexcept nogil:
         s.prefetch_stats[PF_FAILURES] += 1
 
 
-cdef void prefetch_chosen(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer,
-                          const float *router_in) noexcept nogil:
-    """Advise the OS of the chosen experts' pages; with PREFETCH_PREDICT, score the prediction
-    made for this layer and predict the next MoE layer's experts from this router input."""
+cdef void predict_next(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer,
+                       const float *router_in) noexcept nogil:
+    """PREFETCH_PREDICT, one token: score the prediction made for this layer, and predict the next
+    MoE layer's experts from this router input (their pages advised now)."""
     cdef int j, i, hits = 0
     cdef Layer *N
-    for j in range(h.top_k):
-        will_need(&L.expert_pages[chosen[j]], s)
-    if h.prefetch != PREFETCH_PREDICT:
-        return
     if s.predicted[layer * h.top_k] >= 0:                       # how good was the prediction?
         for j in range(h.top_k):
             for i in range(h.top_k):
@@ -542,7 +554,7 @@ cdef void prefetch_chosen(const Hyper *h, Layer *L, Scratch *s, const int *chose
         s.prefetch_stats[PF_PREDICT_HITS] += hits
     if layer + 1 < h.n_layers and L[1].is_moe:                     # predict the next layer
         N = &L[1]
-        matvec(s.router2, &N.router, router_in, s, 1)
+        matmul(s.router2, h.n_experts, &N.router, router_in, h.d_model, s.acts, 1, 1)
         if cb_route(s.router2, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut,
                     s.predicted + (layer + 1) * h.top_k, s.pred_w) == 0:
             for j in range(h.top_k):
@@ -560,41 +572,6 @@ cdef inline int route(const Hyper *h, const Layer *L, float *logits, int *chosen
     return 0
 
 
-cdef int moe(const Hyper *h, Layer *L, Scratch *s, int layer, const float *router_in,
-             const float *expert_in, float *out) noexcept nogil:
-    """out [d_model] = sum over the chosen experts of weight * expert(expert_in) (+ gated shared
-    expert); the router reads router_in (the same vector except in the parallel block)."""
-    cdef int *chosen = s.chosen + layer * h.top_k
-    cdef float *weights = s.chosen_w + layer * h.top_k
-    cdef int j, e, n = 0
-    cdef const FFN *slot_ffn[MAX_SLOTS]
-    cdef float slot_w[MAX_SLOTS]
-    matvec(s.router, &L.router, router_in, s, h.n_threads)
-    if route(h, L, s.router, chosen, weights) != 0:
-        s.bad_layer = layer
-        return STATUS_BAD_ROUTER
-    if h.prefetch != PREFETCH_NONE:
-        prefetch_chosen(h, L, s, chosen, layer, router_in)
-    # the chosen experts in ascending index (the reference's summation order), then the shared
-    # expert scaled by its sigmoid gate; all computed together, summed in that order
-    for e in range(h.n_experts):
-        for j in range(h.top_k):
-            if chosen[j] == e:
-                s.counts[layer * h.n_experts + e] += 1
-                slot_ffn[n] = &L.experts[e]
-                slot_w[n] = weights[j]
-                n += 1
-    if L.has_shared:
-        slot_ffn[n] = &L.shared
-        slot_w[n] = shared_gate(L, expert_in, h.d_model)
-        n += 1
-    ffn_slots(h, slot_ffn, n, expert_in, s)
-    memset(out, 0, sizeof(float) * h.d_model)
-    for j in range(n):
-        cb_axpy(out, slot_w[j], s.moe_acc + <size_t>j * h.d_model, h.d_model)
-    return STATUS_OK
-
-
 cdef inline float shared_gate(const Layer *L, const float *x, int d) noexcept nogil:
     """sigmoid(shared_gate . x): the weight of the shared expert (Qwen2-MoE)."""
     cdef float g = 0
@@ -604,32 +581,126 @@ cdef inline float shared_gate(const Layer *L, const float *x, int d) noexcept no
     return 1.0 / (1.0 + expf(-g))
 
 
-cdef int feed_forward(const Hyper *h, Layer *L, Scratch *s, int layer) noexcept nogil:
-    """s.xb2 = the feed-forward block of the residual s.x (s.xb: its ffn_norm, already computed)."""
-    cdef int d = h.d_model
-    if not L.is_moe:
-        ffn(h, &L.dense, s.xb, s.xb2, s)
-        return STATUS_OK
-    if not L.parallel:
-        return moe(h, L, s, layer, s.xb, s.xb, s.xb2)
-    # Gemma 4: dense MLP and experts side by side, each with its own norms, summed
-    ffn(h, &L.dense, s.xb, s.xb2, s)
-    cb_rmsnorm(s.xb2, s.xb2, L.post_mlp_norm, d, h.rms_eps)
-    cb_rmsnorm(s.rx, s.x, L.router_scale, d, h.rms_eps)
-    cb_scale(s.rx, h.router_root, d)
-    cb_rmsnorm(s.xe, s.x, L.pre_moe_norm, d, h.rms_eps)
-    cdef int status = moe(h, L, s, layer, s.rx, s.xe, s.xm)
-    if status != STATUS_OK:
-        return status
-    cb_rmsnorm(s.xm, s.xm, L.post_moe_norm, d, h.rms_eps)
-    cb_add(s.xb2, s.xm, d)
+cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, int count, int n,
+                      float *out) noexcept nogil:
+    """Run a wave and add each row's output, times its weight, into out [n, d] (the wave's slots
+    in ascending expert index, the shared expert last: each token's summation order)."""
+    cdef int i, r, d = h.d_model
+    ffn_wave(h, s, slots, count)
+    for i in range(count):
+        for r in range(slots[i].row0, slots[i].row0 + slots[i].m):
+            cb_axpy(out + <size_t>s.rows[r] * d, s.row_w[r], s.y + <size_t>r * d, d)
+        if h.release_in_prefill and n > 1 and slots[i].f != &L.shared:
+            cb_release_pages(L.expert_pages[slots[i].f - L.experts].start,
+                             L.expert_pages[slots[i].f - L.experts].length)
+
+
+cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float *router_in,
+             const float *expert_in, float *out) noexcept nogil:
+    """out [n, d] = for each token, the sum over its chosen experts of weight * expert(expert_in)
+    (+ the gated shared expert); the router reads router_in (the same rows except in the parallel
+    block). The experts run in ascending index, each over the tokens routed to it, in waves of up
+    to MAX_SLOTS experts and wave_rows rows (decode: one wave of the top-k and the shared one); an
+    expert every token chose reads expert_in itself (quantized once for all of them)."""
+    cdef int d = h.d_model, k = h.top_k, E = h.n_experts, t, j, e, m, row = 0, count = 0
+    cdef Slot slots[MAX_SLOTS]
+    cdef Slot *sl
+    matmul(s.router, E, &L.router, router_in, d, s.acts, n, h.n_threads)
+    for t in range(n):
+        if route(h, L, s.router + <size_t>t * E, s.tok_chosen + t * k, s.tok_w + t * k) != 0:
+            s.bad_layer = layer
+            return STATUS_BAD_ROUTER
+    memcpy(s.chosen + layer * k, s.tok_chosen + (n - 1) * k, sizeof(int) * k)     # last token, for --verbose
+    memcpy(s.chosen_w + layer * k, s.tok_w + (n - 1) * k, sizeof(float) * k)
+    if h.prefetch != PREFETCH_NONE and n == 1:                # advise the OS of the chosen experts
+        for j in range(k):
+            will_need(&L.expert_pages[s.tok_chosen[j]], s)
+        if h.prefetch == PREFETCH_PREDICT:
+            predict_next(h, L, s, s.tok_chosen, layer, router_in)
+    elif h.prefetch != PREFETCH_NONE:                         # ... of every expert some token chose
+        for e in range(E):
+            for t in range(n * k):
+                if s.tok_chosen[t] == e:
+                    will_need(&L.expert_pages[e], s)
+                    break
+    memset(out, 0, sizeof(float) * n * d)
+    for e in range(E + 1 if L.has_shared else E):         # e == E: the shared expert, every token
+        m = 0
+        for t in range(n):
+            for j in range(k):
+                if e == E or s.tok_chosen[t * k + j] == e:
+                    m += 1
+                    break
+        if m == 0:
+            continue
+        if count == MAX_SLOTS or row + m > s.wave_rows:   # the wave is full: run it
+            wave_finish(h, L, s, slots, count, n, out)
+            count = row = 0
+        if e < E:
+            s.counts[layer * E + e] += m
+        sl = &slots[count]
+        sl.f = &L.shared if e == E else &L.experts[e]
+        sl.row0 = row
+        sl.m = m
+        m = 0
+        for t in range(n):
+            for j in range(k):
+                if e == E or s.tok_chosen[t * k + j] == e:
+                    s.rows[row + m] = t
+                    s.row_w[row + m] = shared_gate(L, expert_in + <size_t>t * d, d) if e == E else s.tok_w[t * k + j]
+                    if sl.m < n:                            # gather the tokens routed to e
+                        memcpy(s.g + <size_t>(row + m) * d, expert_in + <size_t>t * d, sizeof(float) * d)
+                    m += 1
+                    break
+        if sl.m == n:                                       # every token: its input as it is
+            sl.x = expert_in
+            sl.acts = s.acts
+        else:
+            sl.x = s.g + <size_t>row * d
+            sl.acts = s.wave_acts + row
+        sl.ldx = d
+        sl.out = s.y + <size_t>row * d
+        row += sl.m
+        count += 1
+    if count:
+        wave_finish(h, L, s, slots, count, n, out)
     return STATUS_OK
 
 
-cdef inline void embed(const Hyper *h, const Mat *embedding, int token, float *x) noexcept nogil:
-    cb_dequant_row(x, embedding.data, embedding.dtype, embedding.layout, token, embedding.rows, h.d_model)
-    if h.embed_scale != 1.0:
-        cb_scale(x, h.embed_scale, h.d_model)
+cdef int feed_forward(const Hyper *h, Layer *L, Scratch *s, int n, int layer) noexcept nogil:
+    """s.xb2 [n, d] = the feed-forward block of the residuals s.x (s.xb: their ffn_norm)."""
+    cdef int d = h.d_model, t, status
+    cdef size_t o
+    if not L.is_moe:
+        ffn(h, &L.dense, s.xb, s.xb2, s, n)
+        return STATUS_OK
+    if not L.parallel:
+        return moe(h, L, s, n, layer, s.xb, s.xb, s.xb2)
+    # Gemma 4: dense MLP and experts side by side, each with its own norms, summed
+    ffn(h, &L.dense, s.xb, s.xb2, s, n)
+    for t in range(n):
+        o = <size_t>t * d
+        cb_rmsnorm(s.xb2 + o, s.xb2 + o, L.post_mlp_norm, d, h.rms_eps)
+        cb_rmsnorm(s.rx + o, s.x + o, L.router_scale, d, h.rms_eps)
+        cb_scale(s.rx + o, h.router_root, d)
+        cb_rmsnorm(s.xe + o, s.x + o, L.pre_moe_norm, d, h.rms_eps)
+    status = moe(h, L, s, n, layer, s.rx, s.xe, s.xm)
+    if status != STATUS_OK:
+        return status
+    for t in range(n):
+        o = <size_t>t * d
+        cb_rmsnorm(s.xm + o, s.xm + o, L.post_moe_norm, d, h.rms_eps)
+        cb_add(s.xb2 + o, s.xm + o, d)
+    return STATUS_OK
+
+
+cdef inline void rmsnorm_rows(float *out, const float *x, const float *weight, int n, const Hyper *h) noexcept nogil:
+    """out[t] = rmsnorm(x[t]) * weight for the n rows [n, d_model]."""
+    cdef int t
+    cdef size_t o
+    for t in range(n):
+        o = <size_t>t * h.d_model
+        cb_rmsnorm(out + o, x + o, weight, h.d_model, h.rms_eps)
 
 
 cdef inline int logits_status(const Hyper *h, float *logits, int n) noexcept nogil:
@@ -639,189 +710,54 @@ cdef inline int logits_status(const Hyper *h, float *logits, int n) noexcept nog
     return STATUS_OK if cb_all_finite(logits, n) else STATUS_BAD_LOGITS
 
 
-cdef int token_step(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
-                    const Mat *lm_head, Scratch *s, int token, int pos,
-                    int want_logits) noexcept nogil:
-    """Run one token at position `pos` through the model; s.logits holds its logits."""
-    cdef int l, status
-    cdef Layer *L
-    embed(h, embedding, token, s.x)
-    for l in range(h.n_layers):
-        L = &layers[l]
-        cb_rmsnorm(s.xb, s.x, L.attn_norm, h.d_model, h.rms_eps)   # attention block
-        attention(h, L, s, pos)
-        if L.post_attn_norm != NULL:
-            cb_rmsnorm(s.xb2, s.xb2, L.post_attn_norm, h.d_model, h.rms_eps)
-        cb_add(s.x, s.xb2, h.d_model)
-        cb_rmsnorm(s.xb, s.x, L.ffn_norm, h.d_model, h.rms_eps)    # feed-forward block
-        status = feed_forward(h, L, s, l)
-        if status != STATUS_OK:
-            return status
-        if L.post_ffn_norm != NULL:
-            cb_rmsnorm(s.xb2, s.xb2, L.post_ffn_norm, h.d_model, h.rms_eps)
-        cb_add(s.x, s.xb2, h.d_model)
-        if L.layer_scalar != 1.0:
-            cb_scale(s.x, L.layer_scalar, h.d_model)
-    if not want_logits:
-        return STATUS_OK if cb_all_finite(s.x, h.d_model) else STATUS_BAD_HIDDEN
-    cb_rmsnorm(s.x, s.x, final_norm, h.d_model, h.rms_eps)        # head
-    matvec(s.logits, lm_head, s.x, s, h.n_threads)
-    return logits_status(h, s.logits, h.vocab)
-
-
-# ---- prefill: the prompt in chunks, every weight read once per chunk ------------------------
-
 cdef enum:
-    WANT_NONE = 0
-    WANT_LAST = 1
-    WANT_ALL = 2
+    WANT_NONE = 0             # no logits (an inner chunk of a long prompt)
+    WANT_LAST = 1             # the last token's logits [vocab]
+    WANT_ALL = 2              # every token's logits [n, vocab]
 
-PREFILL_CHUNK = 128        # prompt tokens per chunk: bounds the batch scratch (about 40 KB per
+PREFILL_CHUNK = 128        # prompt tokens per chunk: bounds the scratch (about 40 KB per
                            # token for a 1024-wide model with 3584-wide experts)
 
-cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, Batch *b, int n,
-                        int n_threads) noexcept nogil:
-    cb_matmul(out, ldo, m.data, m.dtype, m.layout, x, ldx, b.acts, n, m.rows, m.cols, n_threads)
 
+cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
+                 const Mat *lm_head, Scratch *s, const int *tokens, int n, int pos0,
+                 float *logits, int want) noexcept nogil:
+    """The model, layer by layer, over n <= s.cap tokens at positions pos0.. (decode: n = 1):
 
-cdef void ffn_batch(const Hyper *h, const FFN *f, const float *x, float *out, Batch *b, int n) noexcept nogil:
-    """out[n, d] = down(act(gate x) * up x) for n rows of x [n, d]."""
-    cdef int ff = f.gate.rows, d = h.d_model, t
-    cdef cb_matjob jobs[2]
-    cdef int fused = gate_up_jobs(jobs, f, b.hb, b.hb2, ff, x, d, b.acts, h.act)
-    cb_matmul_jobs(jobs, 2, n, h.n_threads)
-    if not fused:
-        for t in range(n):
-            cb_glu(b.hb + <size_t>t * ff, b.hb2 + <size_t>t * ff, ff, h.act)
-    matmul(out, d, &f.down, b.hb, ff, b, n, h.n_threads)
-
-
-cdef void attention_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int pos0) noexcept nogil:
-    """b.xb2 = self-attention of b.xb [n, d] at positions pos0..pos0+n-1 (causal, in order).
-    The chunk's keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
-    a ring of window + chunk rows keeps every key a query of the chunk can see."""
-    cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
-    cdef cb_matjob jobs[3]
-    job(&jobs[0], b.q, q_dim, &L.wq, b.xb, d, b.acts)
-    job(&jobs[1], b.k, kv_dim, &L.wk, b.xb, d, b.acts)
-    job(&jobs[2], b.v, kv_dim, &L.wv, b.xb, d, b.acts)
-    cb_matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, n, h.n_threads)
-    for t in range(n):
-        qkv_finish(h, L, b.q + <size_t>t * q_dim, b.k + <size_t>t * kv_dim, b.v + <size_t>t * kv_dim, pos0 + t)
-        kv_store(L, b.k + <size_t>t * kv_dim, b.v + <size_t>t * kv_dim, pos0 + t)
-    cb_attention_batch(b.att, q_dim, b.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
-                       L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, h.n_threads)
-    matmul(b.xb2, d, &L.wo, b.att, q_dim, b, n, h.n_threads)
-    if L.bo != NULL:
-        for t in range(n):
-            cb_add(b.xb2 + <size_t>t * d, L.bo, d)
-
-
-cdef int moe_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int layer,
-                   const float *router_in, const float *expert_in, float *out) noexcept nogil:
-    """out [n, d] = the MoE block of expert_in [n, d] (router on router_in [n, d]): tokens grouped
-    by expert, one matmul per expert over the tokens routed to it, empty experts skipped. Per
-    token, experts are summed in ascending index, as in the decode path."""
-    cdef int d = h.d_model, k = h.top_k, E = h.n_experts, t, j, e, m
-    matmul(b.router, E, &L.router, router_in, d, b, n, h.n_threads)
-    for t in range(n):
-        if route(h, L, b.router + <size_t>t * E, b.chosen + t * k, b.chosen_w + t * k) != 0:
-            s.bad_layer = layer
-            return STATUS_BAD_ROUTER
-    memcpy(s.chosen + layer * k, b.chosen + (n - 1) * k, sizeof(int) * k)        # last token, for --verbose
-    memcpy(s.chosen_w + layer * k, b.chosen_w + (n - 1) * k, sizeof(float) * k)
-    memset(out, 0, sizeof(float) * n * d)
-    for e in range(E):
-        m = 0                                                       # gather the tokens of expert e
-        for t in range(n):
-            for j in range(k):
-                if b.chosen[t * k + j] == e:
-                    b.rows[m] = t
-                    b.row_w[m] = b.chosen_w[t * k + j]
-                    memcpy(b.g + <size_t>m * d, expert_in + <size_t>t * d, sizeof(float) * d)
-                    m += 1
-        if m == 0:
-            continue
-        if h.prefetch != PREFETCH_NONE:
-            will_need(&L.expert_pages[e], s)
-        s.counts[layer * E + e] += m
-        ffn_batch(h, &L.experts[e], b.g, b.y, b, m)
-        if h.release_in_prefill:
-            cb_release_pages(L.expert_pages[e].start, L.expert_pages[e].length)
-        for j in range(m):                                          # scatter, weighted
-            cb_axpy(out + <size_t>b.rows[j] * d, b.row_w[j], b.y + <size_t>j * d, d)
-    if L.has_shared:
-        ffn_batch(h, &L.shared, expert_in, b.y, b, n)
-        for t in range(n):
-            cb_axpy(out + <size_t>t * d, shared_gate(L, expert_in + <size_t>t * d, d), b.y + <size_t>t * d, d)
-    return STATUS_OK
-
-
-cdef int feed_forward_batch(const Hyper *h, Layer *L, Scratch *s, Batch *b, int n, int layer) noexcept nogil:
-    """b.xb2 [n, d] = the feed-forward block of the residuals b.x (b.xb: their ffn_norm)."""
-    cdef int d = h.d_model, t, status
-    cdef size_t o
-    if not L.is_moe:
-        ffn_batch(h, &L.dense, b.xb, b.xb2, b, n)
-        return STATUS_OK
-    if not L.parallel:
-        return moe_batch(h, L, s, b, n, layer, b.xb, b.xb, b.xb2)
-    ffn_batch(h, &L.dense, b.xb, b.xb2, b, n)                       # Gemma 4, as feed_forward()
-    for t in range(n):
-        o = <size_t>t * d
-        cb_rmsnorm(b.xb2 + o, b.xb2 + o, L.post_mlp_norm, d, h.rms_eps)
-        cb_rmsnorm(b.rx + o, b.x + o, L.router_scale, d, h.rms_eps)
-        cb_scale(b.rx + o, h.router_root, d)
-        cb_rmsnorm(b.xe + o, b.x + o, L.pre_moe_norm, d, h.rms_eps)
-    status = moe_batch(h, L, s, b, n, layer, b.rx, b.xe, b.xm)
-    if status != STATUS_OK:
-        return status
-    for t in range(n):
-        o = <size_t>t * d
-        cb_rmsnorm(b.xm + o, b.xm + o, L.post_moe_norm, d, h.rms_eps)
-        cb_add(b.xb2 + o, b.xm + o, d)
-    return STATUS_OK
-
-
-cdef int prefill_chunk(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
-                       const Mat *lm_head, Scratch *s, Batch *b, const int *tokens, int n, int pos0,
-                       float *logits, int want) noexcept nogil:
-    """Run n <= b.cap tokens at positions pos0.. through the model, layer by layer.
-    want: WANT_ALL fills logits [n, vocab]; WANT_LAST fills logits [vocab] for the last token;
-    WANT_NONE computes no logits (an inner chunk of a long prompt)."""
+        embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
+              -> final_norm -> lm_head (want: WANT_ALL, WANT_LAST or WANT_NONE)
+    """
     cdef int d = h.d_model, l, t, status
     cdef Layer *L
     for t in range(n):
-        embed(h, embedding, tokens[t], b.x + <size_t>t * d)
+        cb_dequant_row(s.x + <size_t>t * d, embedding.data, embedding.dtype, embedding.layout, tokens[t],
+                       embedding.rows, d)
+        if h.embed_scale != 1.0:
+            cb_scale(s.x + <size_t>t * d, h.embed_scale, d)
     for l in range(h.n_layers):
         L = &layers[l]
-        for t in range(n):                                          # attention block
-            cb_rmsnorm(b.xb + <size_t>t * d, b.x + <size_t>t * d, L.attn_norm, d, h.rms_eps)
-        attention_batch(h, L, s, b, n, pos0)
+        rmsnorm_rows(s.xb, s.x, L.attn_norm, n, h)                 # attention block
+        attention(h, L, s, n, pos0)
         if L.post_attn_norm != NULL:
-            for t in range(n):
-                cb_rmsnorm(b.xb2 + <size_t>t * d, b.xb2 + <size_t>t * d, L.post_attn_norm, d, h.rms_eps)
-        cb_add(b.x, b.xb2, n * d)
-        for t in range(n):                                          # feed-forward block
-            cb_rmsnorm(b.xb + <size_t>t * d, b.x + <size_t>t * d, L.ffn_norm, d, h.rms_eps)
-        status = feed_forward_batch(h, L, s, b, n, l)
+            rmsnorm_rows(s.xb2, s.xb2, L.post_attn_norm, n, h)
+        cb_add(s.x, s.xb2, n * d)
+        rmsnorm_rows(s.xb, s.x, L.ffn_norm, n, h)                  # feed-forward block
+        status = feed_forward(h, L, s, n, l)
         if status != STATUS_OK:
             return status
         if L.post_ffn_norm != NULL:
-            for t in range(n):
-                cb_rmsnorm(b.xb2 + <size_t>t * d, b.xb2 + <size_t>t * d, L.post_ffn_norm, d, h.rms_eps)
-        cb_add(b.x, b.xb2, n * d)
+            rmsnorm_rows(s.xb2, s.xb2, L.post_ffn_norm, n, h)
+        cb_add(s.x, s.xb2, n * d)
         if L.layer_scalar != 1.0:
-            cb_scale(b.x, L.layer_scalar, n * d)
+            cb_scale(s.x, L.layer_scalar, n * d)
     if want == WANT_NONE:
-        return STATUS_OK if cb_all_finite(b.x, n * d) else STATUS_BAD_HIDDEN
+        return STATUS_OK if cb_all_finite(s.x, n * d) else STATUS_BAD_HIDDEN
     if want == WANT_ALL:                                            # head
-        for t in range(n):
-            cb_rmsnorm(b.x + <size_t>t * d, b.x + <size_t>t * d, final_norm, d, h.rms_eps)
-        matmul(logits, h.vocab, lm_head, b.x, d, b, n, h.n_threads)
+        rmsnorm_rows(s.x, s.x, final_norm, n, h)
+        matmul(logits, h.vocab, lm_head, s.x, d, s.acts, n, h.n_threads)
         return logits_status(h, logits, n * h.vocab)
-    cb_rmsnorm(s.x, b.x + <size_t>(n - 1) * d, final_norm, d, h.rms_eps)
-    matvec(logits, lm_head, s.x, s, h.n_threads)
+    rmsnorm_rows(s.x + <size_t>(n - 1) * d, s.x + <size_t>(n - 1) * d, final_norm, 1, h)
+    matmul(logits, h.vocab, lm_head, s.x + <size_t>(n - 1) * d, d, s.acts, 1, h.n_threads)
     return logits_status(h, logits, h.vocab)
 
 
@@ -845,8 +781,6 @@ cdef class Engine:
     cdef Mat lm_head            # [vocab, d_model] (the embedding when tied)
     cdef const float *final_norm  # [d_model]
     cdef Scratch s
-    cdef Batch b
-    cdef cb_act_q8 *acts        # [PREFILL_CHUNK] quantization scratch of the batch rows
     cdef object _keep           # numpy arrays backing the scratch arena, KV cache and tables
     cdef public object logits   # np.ndarray float32 [vocab], a view of the scratch logits
     cdef public object chosen   # np.ndarray int32 [n_layers, top_k]
@@ -857,8 +791,8 @@ cdef class Engine:
     def __cinit__(self):
         self.layers = NULL
         self.experts = NULL
-        self.acts = NULL
-        self.s.slot_act = NULL
+        self.s.acts = NULL
+        self.s.wave_acts = NULL
 
     def __init__(self, dict hp, dict tensors, list layer_flags, int n_threads):
         """hp: the config fields plus run options (model.Model builds it). layer_flags[l]: "moe",
@@ -894,120 +828,81 @@ cdef class Engine:
         cdef int kv_dim = max(f["n_kv_heads"] * f["head_dim"] for f in layer_flags)
         max_ff = max([1] + [f["d_ff"] for f in layer_flags])
         max_cols = max(d, q_dim, max_ff)
-        slots = top_k + 1                      # the chosen experts and the shared one
-        if slots > MAX_SLOTS:
+        if top_k + 1 > MAX_SLOTS:                      # a decode wave: the chosen experts and the shared one
             raise ValueError(f"top-k {top_k} is more than {MAX_SLOTS - 1} experts per token")
+        cap = max(1, min(hp.get("prefill_chunk") or PREFILL_CHUNK, n_ctx))
+        wave = max(cap, MAX_SLOTS)
         f32 = np.float32
+        blocks = max_cols // 32 + 1
         keep = {
-            "x": np.zeros(d, f32), "xb": np.zeros(d, f32), "xb2": np.zeros(d, f32),
-            "q": np.zeros(q_dim, f32), "att": np.zeros(q_dim, f32),
-            "k": np.zeros(kv_dim, f32), "v": np.zeros(kv_dim, f32),
+            "x": np.zeros((cap, d), f32), "xb": np.zeros((cap, d), f32), "xb2": np.zeros((cap, d), f32),
+            "q": np.zeros((cap, q_dim), f32), "att": np.zeros((cap, q_dim), f32),
+            "k": np.zeros((cap, kv_dim), f32), "v": np.zeros((cap, kv_dim), f32),
             "scores": np.zeros((self.h.n_heads, n_ctx), f32),
-            "hb": np.zeros((slots, max_ff), f32), "hb2": np.zeros((slots, max_ff), f32),
-            "moe_acc": np.zeros((slots, d), f32),
-            "slot_act_q": np.zeros((slots, max_ff), np.int8), "slot_act_d": np.zeros((slots, max_ff // 32 + 1), f32),
-            "slot_act_s": np.zeros((slots, max_ff // 32 + 1), np.int32),
-            "slot_act_xp": np.zeros((slots, max_ff), f32),
-            "rx": np.zeros(d, f32), "xe": np.zeros(d, f32), "xm": np.zeros(d, f32),
-            "router": np.zeros(n_experts, f32), "logits": np.zeros(self.h.vocab, f32),
+            "rx": np.zeros((cap, d), f32), "xe": np.zeros((cap, d), f32), "xm": np.zeros((cap, d), f32),
+            "router": np.zeros((cap, n_experts), f32),
+            "tok_chosen": np.zeros((cap, top_k), np.int32), "tok_w": np.zeros((cap, top_k), f32),
+            "g": np.zeros((wave, d), f32), "y": np.zeros((wave, d), f32),
+            "hb": np.zeros((wave, max_ff), f32), "hb2": np.zeros((wave, max_ff), f32),
+            "rows": np.zeros(wave, np.int32), "row_w": np.zeros(wave, f32),
+            # activation quantization of the block inputs [cap] and of the wave rows [wave]
+            "acts": _act_arrays(cap, max_cols), "wave_acts": _act_arrays(wave, max_cols),
+            "logits": np.zeros(self.h.vocab, f32),
             "rope": [tuple(np.ascontiguousarray(a, f32) for a in f["rope"]) for f in layer_flags],
             "chosen": np.zeros((n_layers, top_k), np.int32),
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
-            "act_q": np.zeros(max_cols, np.int8), "act_d": np.zeros(max_cols // 32 + 1, f32),
-            "act_s": np.zeros(max_cols // 32 + 1, np.int32),
-            "act_xp": np.zeros(max_cols, f32),
             "predicted": np.full((n_layers, top_k), -1, np.int32),
             "prefetch_stats": np.zeros(PF_N, np.int64),
             "router2": np.zeros(n_experts, f32), "pred_w": np.zeros(top_k, f32),
             "expert_pages": np.zeros((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
-        }
-        cap = max(1, min(hp.get("prefill_chunk") or PREFILL_CHUNK, n_ctx))
-        n_router = max(hp["num_experts"], 1)
-        keep.update({
-            "b_x": np.zeros((cap, d), f32), "b_xb": np.zeros((cap, d), f32), "b_xb2": np.zeros((cap, d), f32),
-            "b_q": np.zeros((cap, q_dim), f32), "b_att": np.zeros((cap, q_dim), f32),
-            "b_k": np.zeros((cap, kv_dim), f32), "b_v": np.zeros((cap, kv_dim), f32),
-            "b_rx": np.zeros((cap, d), f32), "b_xe": np.zeros((cap, d), f32), "b_xm": np.zeros((cap, d), f32),
-            "b_hb": np.zeros((cap, max_ff), f32), "b_hb2": np.zeros((cap, max_ff), f32),
-            "b_g": np.zeros((cap, d), f32), "b_y": np.zeros((cap, d), f32),
-            "b_router": np.zeros((cap, n_router), f32),
-            "b_chosen": np.zeros((cap, top_k), np.int32), "b_chosen_w": np.zeros((cap, top_k), f32),
-            "b_rows": np.zeros(cap, np.int32), "b_row_w": np.zeros(cap, f32),
-            "b_act_q": np.zeros((cap, max_cols), np.int8), "b_act_d": np.zeros((cap, max_cols // 32 + 1), f32),
-            "b_act_s": np.zeros((cap, max_cols // 32 + 1), np.int32),
-            "b_act_xp": np.zeros((cap, max_cols), f32),
             # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
             # what the attention reads): zero pages are only touched (made resident) as positions
             # are filled. A sliding layer's ring must hold its window plus one prefill chunk.
             "k_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
             "v_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
-        })
+        }
         for f in layer_flags:
             if not (f["kv_ring"] == n_ctx or (f["sliding_window"] > 0 and f["kv_ring"] >= f["sliding_window"] + cap)):
                 raise ValueError(f"kv_ring {f['kv_ring']} cannot hold window {f['sliding_window']} + chunk {cap}")
         for (c, sn), f in zip(keep["rope"], layer_flags):
             assert c.shape == sn.shape == (n_ctx, f["head_dim"] // 2)
         self._keep = keep
-        self.s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
-        self.s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
-        self.s.router2 = _f32(keep["router2"]); self.s.pred_w = _f32(keep["pred_w"])
-        self.s.prefetch_chunk = hp.get("prefetch_chunk_bytes") or 0
-        self.prefetch_stats = keep["prefetch_stats"]
+        cdef Scratch *s = &self.s
+        s.cap = cap
+        s.x = _f32(keep["x"]); s.xb = _f32(keep["xb"]); s.xb2 = _f32(keep["xb2"])
+        s.q = _f32(keep["q"]); s.att = _f32(keep["att"])
+        s.k = _f32(keep["k"]); s.v = _f32(keep["v"])
+        s.scores = _f32(keep["scores"])
+        s.rx = _f32(keep["rx"]); s.xe = _f32(keep["xe"]); s.xm = _f32(keep["xm"])
+        s.router = _f32(keep["router"])
+        s.tok_chosen = <int *><uintptr_t>keep["tok_chosen"].ctypes.data
+        s.tok_w = _f32(keep["tok_w"])
+        s.wave_rows = wave
+        s.max_ff = max_ff
+        s.g = _f32(keep["g"]); s.y = _f32(keep["y"])
+        s.hb = _f32(keep["hb"]); s.hb2 = _f32(keep["hb2"])
+        s.rows = <int *><uintptr_t>keep["rows"].ctypes.data
+        s.row_w = _f32(keep["row_w"])
+        s.acts = _bind_acts(keep["acts"])
+        s.wave_acts = _bind_acts(keep["wave_acts"])
+        s.logits = _f32(keep["logits"])
+        s.chosen = <int *><uintptr_t>keep["chosen"].ctypes.data
+        s.chosen_w = _f32(keep["chosen_w"])
+        s.counts = <int64_t *><uintptr_t>keep["counts"].ctypes.data
+        s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
+        s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
+        s.router2 = _f32(keep["router2"]); s.pred_w = _f32(keep["pred_w"])
+        s.prefetch_chunk = hp.get("prefetch_chunk_bytes") or 0
         assert sizeof(Range) == 2 * sizeof(uint64_t)
         pages = hp.get("expert_pages") or {}
         for (pl, pe), (start, length) in pages.items():
             keep["expert_pages"][pl, pe] = (start, length)
-        self.s.act.q = <signed char *><uintptr_t>keep["act_q"].ctypes.data
-        self.s.act.d = _f32(keep["act_d"])
-        self.s.act.s = <int32_t *><uintptr_t>keep["act_s"].ctypes.data
-        self.s.act.n = 0
-        self.s.act.xp = _f32(keep["act_xp"])
-        self.s.x = _f32(keep["x"]); self.s.xb = _f32(keep["xb"]); self.s.xb2 = _f32(keep["xb2"])
-        self.s.q = _f32(keep["q"]); self.s.att = _f32(keep["att"])
-        self.s.k = _f32(keep["k"]); self.s.v = _f32(keep["v"])
-        self.s.scores = _f32(keep["scores"])
-        self.s.hb = _f32(keep["hb"]); self.s.hb2 = _f32(keep["hb2"])
-        self.s.moe_acc = _f32(keep["moe_acc"]); self.s.router = _f32(keep["router"])
-        self.s.max_ff = max_ff
-        self.s.slot_act = <cb_act_q8 *>calloc(slots, sizeof(cb_act_q8))
-        if self.s.slot_act == NULL:
-            raise MemoryError("cannot allocate the expert scratch")
-        for slot in range(slots):
-            self.s.slot_act[slot].q = <signed char *><uintptr_t>keep["slot_act_q"][slot].ctypes.data
-            self.s.slot_act[slot].d = _f32(keep["slot_act_d"][slot])
-            self.s.slot_act[slot].s = <int32_t *><uintptr_t>keep["slot_act_s"][slot].ctypes.data
-            self.s.slot_act[slot].xp = _f32(keep["slot_act_xp"][slot])
-        self.s.rx = _f32(keep["rx"]); self.s.xe = _f32(keep["xe"]); self.s.xm = _f32(keep["xm"])
-        self.s.logits = _f32(keep["logits"])
-        self.s.chosen = <int *><uintptr_t>keep["chosen"].ctypes.data
-        self.s.chosen_w = _f32(keep["chosen_w"])
-        self.s.counts = <int64_t *><uintptr_t>keep["counts"].ctypes.data
-        self.b.cap = cap
-        self.b.x = _f32(keep["b_x"]); self.b.xb = _f32(keep["b_xb"]); self.b.xb2 = _f32(keep["b_xb2"])
-        self.b.q = _f32(keep["b_q"]); self.b.att = _f32(keep["b_att"])
-        self.b.k = _f32(keep["b_k"]); self.b.v = _f32(keep["b_v"])
-        self.b.rx = _f32(keep["b_rx"]); self.b.xe = _f32(keep["b_xe"]); self.b.xm = _f32(keep["b_xm"])
-        self.b.hb = _f32(keep["b_hb"]); self.b.hb2 = _f32(keep["b_hb2"])
-        self.b.g = _f32(keep["b_g"]); self.b.y = _f32(keep["b_y"]); self.b.router = _f32(keep["b_router"])
-        self.b.chosen = <int *><uintptr_t>keep["b_chosen"].ctypes.data
-        self.b.chosen_w = _f32(keep["b_chosen_w"])
-        self.b.rows = <int *><uintptr_t>keep["b_rows"].ctypes.data
-        self.b.row_w = _f32(keep["b_row_w"])
-        self.acts = <cb_act_q8 *>calloc(cap, sizeof(cb_act_q8))
-        if self.acts == NULL:
-            raise MemoryError("cannot allocate the prefill scratch")
-        cdef int t
-        for t in range(cap):
-            self.acts[t].q = <signed char *><uintptr_t>keep["b_act_q"][t].ctypes.data
-            self.acts[t].d = _f32(keep["b_act_d"][t])
-            self.acts[t].s = <int32_t *><uintptr_t>keep["b_act_s"][t].ctypes.data
-            self.acts[t].xp = _f32(keep["b_act_xp"][t])
-        self.b.acts = self.acts
         self.logits = keep["logits"]
         self.chosen = keep["chosen"]
         self.chosen_weights = keep["chosen_w"]
         self.expert_counts = keep["counts"]
+        self.prefetch_stats = keep["prefetch_stats"]
 
         self.embedding = _mat(tensors["embedding"])
         self.lm_head = _mat(tensors["lm_head"] if "lm_head" in tensors else tensors["embedding"])
@@ -1075,27 +970,25 @@ cdef class Engine:
     def __dealloc__(self):
         free(self.layers)
         free(self.experts)
-        free(self.acts)
-        free(self.s.slot_act)
+        free(self.s.acts)
+        free(self.s.wave_acts)
 
     def reset(self):
         """Forget the context (the KV cache is overwritten position by position, so nothing to clear)."""
         self.expert_counts[...] = 0
         self._keep["predicted"][...] = -1
 
-    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits,
-            bint batched=True):
-        """Push tokens[0..T) through the model at positions pos0.. .
+    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits):
+        """Push tokens[0..T) through the model at positions pos0.., in chunks of at most the
+        prefill chunk (every weight read once per chunk; decode is a chunk of one token).
 
         all_logits: logits_out is [T, vocab] and receives every position's logits;
         otherwise logits_out is [1, vocab] and receives only the last one (the lm_head is skipped
-        for the others). Several tokens go through the prefill path in chunks (weights read once
-        per chunk) unless batched=False, which steps them one by one like decoding (the results
-        are the same). Returns (status, token index of a failure, layer of a bad router).
+        for the others). Returns (status, token index of a failure, layer of a bad router).
         """
-        cdef int t, n, status = STATUS_OK
+        cdef int t = 0, n, status = STATUS_OK
         cdef int T = tokens.shape[0]
-        cdef int want, last
+        cdef int want
         if pos0 < 0 or pos0 + T > self.h.n_ctx:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.h.n_ctx}")
         if logits_out.shape[1] != self.h.vocab or logits_out.shape[0] < (T if all_logits else 1):
@@ -1105,32 +998,16 @@ cdef class Engine:
                 raise ValueError(f"token id {tokens[t]} is outside the vocabulary [0, {self.h.vocab})")
         t = 0
         with nogil:
-            if batched and T > 1:
-                while t < T:
-                    n = T - t if T - t < self.b.cap else self.b.cap
-                    last = t + n == T
-                    want = WANT_ALL if all_logits else (WANT_LAST if last else WANT_NONE)
-                    status = prefill_chunk(&self.h, self.layers, &self.embedding, self.final_norm,
-                                           &self.lm_head, &self.s, &self.b, &tokens[t], n, pos0 + t,
-                                           &logits_out[t if all_logits else 0, 0], want)
-                    if status != STATUS_OK:
-                        break
-                    t += n
-            else:
-                for t in range(T):
-                    want = 1 if (all_logits or t == T - 1) else 0
-                    status = token_step(&self.h, self.layers, &self.embedding, self.final_norm,
-                                        &self.lm_head, &self.s, tokens[t], pos0 + t, want)
-                    if status != STATUS_OK:
-                        break
-                    if all_logits:
-                        memcpy(&logits_out[t, 0], self.s.logits, sizeof(float) * self.h.vocab)
-                    elif want:
-                        memcpy(&logits_out[0, 0], self.s.logits, sizeof(float) * self.h.vocab)
-        if status == STATUS_OK and not all_logits:
-            memcpy(self.s.logits, &logits_out[0, 0], sizeof(float) * self.h.vocab)   # last_logits
-        elif status == STATUS_OK:
-            memcpy(self.s.logits, &logits_out[T - 1, 0], sizeof(float) * self.h.vocab)
+            while t < T:
+                n = T - t if T - t < self.s.cap else self.s.cap
+                want = WANT_ALL if all_logits else (WANT_LAST if t + n == T else WANT_NONE)
+                status = forward(&self.h, self.layers, &self.embedding, self.final_norm, &self.lm_head,
+                                 &self.s, &tokens[t], n, pos0 + t, &logits_out[t if all_logits else 0, 0], want)
+                if status != STATUS_OK:
+                    break
+                t += n
+        if status == STATUS_OK and T:
+            memcpy(self.s.logits, &logits_out[T - 1 if all_logits else 0, 0], sizeof(float) * self.h.vocab)
         return status, min(t, T - 1), self.s.bad_layer
 
     @property
@@ -1149,6 +1026,32 @@ cdef class Engine:
 
 cdef inline float *_f32(a):
     return <float *><uintptr_t>a.ctypes.data
+
+
+def _act_arrays(int rows, int cols):
+    """The numpy arrays behind `rows` activation quantization scratches (cb_act_q8) of up to `cols`
+    values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32 + 1], xp float32 [rows, cols]
+    (the AVX-512 bf16 tile's permuted input)."""
+    blocks = cols // 32 + 1
+    return [np.zeros((rows, cols), np.int8), np.zeros((rows, blocks), np.float32),
+            np.zeros((rows, blocks), np.int32), np.zeros((rows, cols), np.float32)]
+
+
+cdef cb_act_q8 *_bind_acts(list arrays) except NULL:
+    """A calloc'd cb_act_q8 [rows] (free() it) pointing into the arrays of _act_arrays, which must
+    outlive it."""
+    q, d, s, xp = arrays
+    cdef int t, rows = q.shape[0]
+    cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(max(rows, 1), sizeof(cb_act_q8))
+    if acts == NULL:
+        raise MemoryError("cannot allocate the activation scratch")
+    for t in range(rows):
+        acts[t].q = <signed char *><uintptr_t>q[t].ctypes.data
+        acts[t].d = <float *><uintptr_t>d[t].ctypes.data
+        acts[t].s = <int32_t *><uintptr_t>s[t].ctypes.data
+        acts[t].n = 0
+        acts[t].xp = <float *><uintptr_t>xp[t].ctypes.data
+    return acts
 
 
 cdef Mat _mat(tuple t):
@@ -1224,21 +1127,9 @@ def _stored_rows(w, int cols, str dtype, str layout):
 cdef cb_act_q8 *_test_acts(int n, int cols, list keep) except NULL:
     """Activation quantization scratch for n tokens of `cols` values (free() it); the numpy
     arrays behind it go into `keep`, which must outlive its use."""
-    cdef int t
-    act_q = np.zeros((n, cols), np.int8)
-    act_d = np.zeros((n, cols // 32 + 1), np.float32)
-    act_s = np.zeros((n, cols // 32 + 1), np.int32)
-    act_xp = np.zeros((n, cols), np.float32)
-    keep.extend((act_q, act_d, act_s, act_xp))
-    cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(n, sizeof(cb_act_q8))
-    if acts == NULL:
-        raise MemoryError()
-    for t in range(n):
-        acts[t].q = <signed char *><uintptr_t>act_q[t].ctypes.data
-        acts[t].d = <float *><uintptr_t>act_d[t].ctypes.data
-        acts[t].s = <int32_t *><uintptr_t>act_s[t].ctypes.data
-        acts[t].xp = <float *><uintptr_t>act_xp[t].ctypes.data
-    return acts
+    arrays = _act_arrays(n, cols)
+    keep.extend(arrays)
+    return _bind_acts(arrays)
 
 
 def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1, str layout="rows"):
@@ -1300,8 +1191,8 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
     with nogil:
         for r in range(reps):
             for layer in range(n_layers):
-                cb_attention(&o[0, 0], &q[0, 0], &kv[layer, 0, 0, 0], &vv[layer, 0, 0, 0], &sc[0, 0], n_heads, n_kv,
-                             head_dim, pos + 1, 0, pos, ring, scale, n_threads)
+                cb_attention(&o[0, 0], 0, &q[0, 0], 0, &kv[layer, 0, 0, 0], &vv[layer, 0, 0, 0], &sc[0, 0], n_heads,
+                             n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, n_threads)
     return time.perf_counter() - t0
 
 
@@ -1387,6 +1278,7 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
     outs[1] = &ot[0, 0] if not adjacent else &o[0, 0]
     outs[2] = &o[0, 0]
     for k in range(count):
+        jobs[k].n = n
         jobs[k].out = outs[k]
         jobs[k].ldo = rows
         jobs[k].w = ptrs[k]
@@ -1402,7 +1294,7 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
     jobs[count - 1].glu_up = &u[0, 0]
     jobs[count - 1].glu_act = GLU_ACT_CODES[act]
     with nogil:
-        cb_matmul_jobs(jobs, count, n, n_threads)
+        cb_matmul_jobs(jobs, count, n_threads)
     free(acts)
     return out
 
@@ -1439,8 +1331,8 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
     cdef const float[:, ::1] qv = qa
     cdef const float[:, :, ::1] kv = ka, vv = va
     with nogil:
-        cb_attention(&o[0, 0], &qv[0, 0], &kv[0, 0, 0], &vv[0, 0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim, n_ctx,
-                     start, pos, ring, 1.0 / sqrtf(head_dim), n_threads)
+        cb_attention(&o[0, 0], 0, &qv[0, 0], 0, &kv[0, 0, 0], &vv[0, 0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim,
+                     n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), n_threads)
     return out
 
 

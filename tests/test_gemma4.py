@@ -55,7 +55,9 @@ def test_decoding_past_the_window_with_a_wrapping_kv_ring(converted, case):
                           on_step=lambda model: steps.append(model.last_logits)))
     assert new == ref["greedy_ids"].tolist()
     stepped = np.empty((len(ids), m.config.vocab_size), np.float32)  # one token at a time
-    assert m._engine.run(np.asarray(ids, np.int32), 0, stepped, True, False)[0] == 0
+    tokens = np.asarray(ids, np.int32)
+    for t in range(len(ids)):
+        assert m._engine.run(tokens[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
     assert np.abs(stepped - expected).max() <= REL_TOL * np.abs(expected).max()
 
 

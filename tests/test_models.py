@@ -214,12 +214,14 @@ def test_routing_and_counts_are_reported(models):
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("case", CASES)
 def test_batched_prefill_equals_token_by_token(converted, case, dtype, chunk):
-    """The prefill path (tokens grouped by expert, weights read once per chunk) computes every
-    element with the same dot products and summation order as decoding: identical logits."""
+    """A prompt in chunks (tokens grouped by expert, weights read once per chunk) computes every
+    element with the same dot products and summation order as decoding it one token per call:
+    identical logits."""
     ids = np.ascontiguousarray(reference(case)["input_ids"], np.int32)
     m = colibri.load(converted(case, dtype), prefill_chunk=chunk)
     batched = np.empty((len(ids), m.config.vocab_size), np.float32)
     stepped = np.empty_like(batched)
-    assert m._engine.run(ids, 0, batched, True, True)[0] == 0
-    assert m._engine.run(ids, 0, stepped, True, False)[0] == 0
+    assert m._engine.run(ids, 0, batched, True)[0] == 0
+    for t in range(len(ids)):
+        assert m._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
     np.testing.assert_array_equal(batched, stepped)

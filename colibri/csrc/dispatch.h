@@ -235,8 +235,10 @@ static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u
 
 /* One product of a batch (cb_matmul_jobs): out[t * ldo + r] = W[r, :] . x_t for t < n tokens,
  * r < rows, x_t = x + t * ldx; W [rows, cols] stored as dtype/layout. acts [n]: the quantization
- * scratch of the integer formats; jobs with the same input pass the same acts (quantized once). */
+ * scratch of the integer formats; jobs with the same input pass the same acts (quantized once).
+ * Each job has its own n: the experts of one MoE step, each over the tokens routed to it. */
 typedef struct {
+    int n;
     float *out;
     int ldo;
     const void *w;
@@ -349,10 +351,11 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
  * Each thread takes its static share of every product in turn with no barrier between them, so
  * the threads meet once per batch instead of once per matrix. Below CB_PARALLEL_MIN_WORK
  * multiply-adds in all, one thread. */
-static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_threads) {
+static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
     long long work = 0;
     for (int i = 0; i < count; i++) {
         const cb_matjob *j = &jobs[i];
+        const int n = j->n;
         work += (long long)j->rows * j->cols * n;
         int first = 1;                                  /* the first job of this input? */
         for (int p = 0; p < i; p++) first &= jobs[p].acts != j->acts;
@@ -375,6 +378,7 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_thread
     for (int th = 0; th < nt; th++)
         for (int i = 0; i < count; i++) {
             const cb_matjob *j = &jobs[i];
+            const int n = j->n;
             int r0, r1;
             if (j->layout == CB_TRANSPOSED) cb_job_transposed(j, n, th, nt, &r0, &r1);
             else if (j->layout == CB_INTERLEAVED) cb_job_interleaved(j, n, th, nt, &r0, &r1);
@@ -388,11 +392,11 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n, int n_thread
 /* out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n, r < rows: one product (see above). */
 static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                       cb_act_q8 *acts, int n, int rows, int cols, int n_threads) {
-    cb_matjob job = {out, ldo, w, dtype, layout, rows, cols, x, ldx, acts, NULL, 0};
-    cb_matmul_jobs(&job, 1, n, n_threads);
+    cb_matjob job = {n, out, ldo, w, dtype, layout, rows, cols, x, ldx, acts, NULL, 0};
+    cb_matmul_jobs(&job, 1, n_threads);
 }
 
-/* Causal attention of one query position over the cache.
+/* Causal attention over the cache, for each query position (cb_attention below takes n of them).
  *   q        [n_heads, head_dim]           the current query (already roped)
  *   k_cache  [n_kv_heads, ring, head_dim]   keys of positions start..pos (a KV head's rows
  *   v_cache  [n_kv_heads, ring, head_dim]   together: one contiguous read per head)
@@ -429,28 +433,13 @@ static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int *h0, int
     *nh = group - c * CB_ATTN_HEADS < CB_ATTN_HEADS ? group - c * CB_ATTN_HEADS : CB_ATTN_HEADS;
 }
 
-static void cb_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
-                         float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx,
-                         int start, int pos, int ring, float scale, int n_threads) {
-    int parallel = n_threads > 1 && (long long)n_heads * (pos - start + 1) * head_dim >= CB_ATTN_PARALLEL_MIN;
-    const int units = cb_attn_units(n_heads, n_kv_heads);
-    cb_attend_fn attend = cb_kt.attend;
-    (void)parallel;
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int u = 0; u < units; u++) {
-        int h0, nh, kvh;
-        cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
-        attend(out, q, k_cache, v_cache, scores, n_ctx, h0, nh, kvh, head_dim, start, pos, ring, scale);
-    }
-}
-
-/* The prefill's attention: n queries q [n, ldq] at positions pos0.. (their keys already in the
- * cache), out [n, ldo]; `window` > 0 limits each query to its last `window` positions. One
- * parallel region over the units (each uses its heads' scores rows for one query after another)
- * instead of one per query; every head of every query computes exactly as in cb_attention. */
-static void cb_attention_batch(float *out, int ldo, const float *q, int ldq, const float *k_cache,
-                               const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
-                               int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads) {
+/* n queries q [n, ldq] at positions pos0.. (their keys already in the cache), out [n, ldo];
+ * `window` > 0 limits each query to its last `window` positions. One parallel region over the
+ * units (each uses its heads' scores rows for one query after another); every head of every
+ * query computes alike for any n, so a prompt's attention equals decoding's. */
+static void cb_attention(float *out, int ldo, const float *q, int ldq, const float *k_cache,
+                         const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+                         int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads) {
     long long work = 0;
     for (int t = 0; t < n; t++) {
         int pos = pos0 + t;
@@ -477,11 +466,5 @@ static int cb_attention_softmax(float *x, int n) { return cb_kt.softmax(x, n); }
 
 /* The current tier's activation quantization (for the tests). */
 static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantize(a, x, n); }
-
-/* out[rows] = W[rows, cols] @ x[cols] (decode); `a` is the activation quantization scratch. */
-static void cb_matvec(float *out, const void *w, int dtype, int layout, const float *x, cb_act_q8 *a,
-                      int rows, int cols, int n_threads) {
-    cb_matmul(out, rows, w, dtype, layout, x, cols, a, 1, rows, cols, n_threads);
-}
 
 #endif /* COLIBRI_DISPATCH_H */
