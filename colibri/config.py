@@ -38,11 +38,13 @@ import reprlib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from ._engine import QK_NORM_CODES
+from ._kernels import ACT_CODES
 from .errors import ColibriError
 
 ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4")
-QK_NORM_MODES = {"none": 0, "per_head": 1, "whole": 2}   # codes mirrored in _kernels.pyx
-HIDDEN_ACTS = {"silu": 0, "gelu_tanh": 1}   # codes mirrored in _kernels.pyx
+QK_NORM_MODES = QK_NORM_CODES        # name -> the layer loop's code (defined once, in _engine.pyx)
+HIDDEN_ACTS = ACT_CODES              # name -> the kernels' code (defined once, in _kernels.pyx)
 MOE_BLOCKS = ("replace", "parallel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

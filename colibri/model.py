@@ -3,7 +3,7 @@
 Design
 ------
 `load()` validates the directory (modeldir.ModelDir), maps every file read-only
-(modeldir.MappedModelDir) and hands raw addresses to `_kernels.Engine`, which owns the KV cache
+(modeldir.MappedModelDir) and hands raw addresses to `_engine.Engine`, which owns the KV cache
 and the scratch arena. Weights are used in place in the mappings, never copied. The Python layer
 here does what is not per-layer work: checking inputs, sampling, stop tokens, timings and stats.
 
@@ -29,20 +29,14 @@ from .sampling import Sampler
 from .streaming import StopStrings, TextStream
 from .textfiles import TextSide, unlisted
 
-try:
-    from . import _kernels
-except ImportError as e:  # pragma: no cover - depends on the build
-    raise ImportError(
-        "colibri._kernels is not built. Install the package with `pip install .` from the source "
-        "tree (it compiles the Cython extension; needs a C compiler), or build in place with "
-        f"`python setup.py build_ext --inplace`. ({e})") from None
+from . import _engine, _kernels, _routing
 
 MAX_THREADS = 1024             # beyond it a thread that cannot be created would abort mid-output
 DEFAULT_MAX_CONTEXT = 4096     # context when the caller does not choose one (KV pages are lazy)
 _STATUS_MESSAGES = {
-    _kernels.STATUS_BAD_ROUTER: "router logits of layer {layer} are NaN or infinite",
-    _kernels.STATUS_BAD_LOGITS: "the output logits are NaN or infinite",
-    _kernels.STATUS_BAD_HIDDEN: "the hidden state became NaN or infinite",
+    _engine.STATUS_BAD_ROUTER: "router logits of layer {layer} are NaN or infinite",
+    _engine.STATUS_BAD_LOGITS: "the output logits are NaN or infinite",
+    _engine.STATUS_BAD_HIDDEN: "the hidden state became NaN or infinite",
 }
 
 
@@ -121,12 +115,12 @@ class Model:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
                                           or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
-        if cfg.num_experts_per_tok > _kernels.MAX_TOP_K:
+        if cfg.num_experts_per_tok > _routing.MAX_TOP_K:
             raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported "
-                               f"{_kernels.MAX_TOP_K}")
+                               f"{_routing.MAX_TOP_K}")
         hp["qk_norm_mode"] = QK_NORM_MODES[cfg.qk_norm]
         hp["act_code"] = HIDDEN_ACTS[cfg.hidden_act]
-        chunk = max(1, min(prefill_chunk or _kernels.PREFILL_CHUNK, n_ctx))
+        chunk = max(1, min(prefill_chunk or _engine.PREFILL_CHUNK, n_ctx))
         hp["prefill_chunk"] = chunk          # the engine's batch size: the rings are sized for it
         self._chunk = chunk
         self._scratch_logits = np.empty((1, cfg.vocab_size), np.float32)   # a chunk's unused last logits
@@ -135,7 +129,7 @@ class Model:
         hp["release_in_prefill"] = expert_cache_mb is not None and mmap
         if prefetch != "none" and self.residency.spans:
             hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
-        self._engine = _kernels.Engine(hp, self._maps.engine_table(), flags, threads)
+        self._engine = _engine.Engine(hp, self._maps.engine_table(), flags, threads)
         # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk;
         # resident as positions are written, in base pages (with transparent huge pages, the first
         # position of each KV head's region made 2 MB resident: 840 -> 779 MiB peak, mixtral-mini int4)
@@ -286,11 +280,11 @@ class Model:
         # bytes of expert weights the routers asked for: each (token, chosen expert) counts once
         used_bytes = sum(int(counts[l, e]) * self.residency.spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
         out = {"experts_used_per_layer": [int((row > 0).sum()) for row in counts],
-               "prefetch_calls": int(pf[_kernels.PF_CALLS]), "prefetch_bytes": int(pf[_kernels.PF_BYTES]),
-               "prefetch_failures": int(pf[_kernels.PF_FAILURES]),
-               "prediction_hit_rate": (float(pf[_kernels.PF_PREDICT_HITS] / pf[_kernels.PF_PREDICTED])
-                                       if pf[_kernels.PF_PREDICTED] else None),
-               "prefetched_per_used_byte": float(pf[_kernels.PF_BYTES] / used_bytes) if used_bytes else None,
+               "prefetch_calls": int(pf[_engine.PF_CALLS]), "prefetch_bytes": int(pf[_engine.PF_BYTES]),
+               "prefetch_failures": int(pf[_engine.PF_FAILURES]),
+               "prediction_hit_rate": (float(pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED])
+                                       if pf[_engine.PF_PREDICTED] else None),
+               "prefetched_per_used_byte": float(pf[_engine.PF_BYTES] / used_bytes) if used_bytes else None,
                "minor_page_faults": minor, "major_page_faults": major, "rss_bytes": rss, "peak_rss_bytes": peak}
         out.update(self.residency.stats())
         if not self._track:       # no budget: nothing was released, every expert used is resident
@@ -418,7 +412,7 @@ class Model:
             if self._track:
                 # a prefill under a budget released each expert right after using it
                 self.residency.after_step(engine.expert_counts, released=len(tokens) > 1)
-        if status != _kernels.STATUS_OK:
+        if status != _engine.STATUS_OK:
             raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
                                + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
         self._kv_tokens.extend(int(t) for t in tokens)

@@ -354,7 +354,7 @@ class MappedModelDir:
         return addr, (self.md.files[rel]["size"] + page - 1) // page * page
 
     def engine_table(self) -> dict:
-        """name -> (address, dtype, shape, layout), the form colibri._kernels.Engine takes. int16 norms
+        """name -> (address, dtype, shape, layout), the form colibri._engine.Engine takes. int16 norms
         are dequantized here into float32 arrays (kept alive by this object: a few KB)."""
         table = {}
         for n, t in self.md.tensors.items():

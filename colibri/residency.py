@@ -30,10 +30,11 @@ from collections import OrderedDict
 import numpy as np
 
 from . import _os
+from ._engine import PREFETCH_CODES
 from .errors import ColibriError
 from .modeldir import tensor_file
 
-PREFETCH_MODES = {"none": 0, "routed": 1, "predict": 2}     # codes mirrored in _kernels.pyx
+PREFETCH_MODES = PREFETCH_CODES     # name -> the layer loop's code (defined once, in _engine.pyx)
 
 
 MAX_BUDGET_MB = 1e12         # a budget beyond any machine's memory is a typo (or inf)

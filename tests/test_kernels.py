@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import colibri
-from colibri import _kernels, quant
+from colibri import _kernels, _probes, quant
 from colibri.modeldir import from_storage, to_storage
 from conftest import float32_dot_bound
 
@@ -35,7 +35,7 @@ GLU_ATOL = 2e-7
 
 def test_f16_table_matches_numpy_for_every_bit_pattern():
     bits = np.arange(65536, dtype=np.uint16)
-    ours = np.array([_kernels.kernel_f16_to_f32(int(b)) for b in bits], np.float32)
+    ours = np.array([_probes.kernel_f16_to_f32(int(b)) for b in bits], np.float32)
     ref = bits.view(np.float16).astype(np.float32)
     nan = np.isnan(ref)
     assert np.array_equal(np.isnan(ours), nan)
@@ -72,7 +72,7 @@ def test_activation_quantization_is_the_scalar_one_bit_for_bit(isa, x):
     """Every tier quantizes activations to exactly the bytes and scales of the scalar reference
     (numpy mirror: d = amax / 127, q = rint(x * (1 / d)), tiny blocks zero), ties and signed
     zeros included; and each block's sum of q (what unsigned weights take off)."""
-    q, d, sums = _kernels.kernel_quantize_act(x)
+    q, d, sums = _probes.kernel_quantize_act(x)
     b = x.reshape(-1, 32)
     amax = np.abs(b).max(axis=1) if len(b) else np.zeros(0, np.float32)
     ref_d = np.where(amax >= np.float32(1e-30), amax / np.float32(127), 0).astype(np.float32)
@@ -89,7 +89,7 @@ def test_float_matvec_matches_numpy(isa, case, dtype, threads):
     w, x = case
     stored = to_storage(w, dtype)
     exact_w = from_storage(stored, dtype).astype(np.float64)
-    ours = _kernels.kernel_matvec(stored, x, dtype, threads)
+    ours = _probes.kernel_matvec(stored, x, dtype, threads)
     ref = exact_w @ x.astype(np.float64)
     bound = float32_dot_bound(np.abs(exact_w) @ np.abs(x.astype(np.float64)), w.shape[1] + 1)
     assert np.all(np.abs(ours - ref) <= bound)
@@ -112,7 +112,7 @@ def test_block_matvec_matches_numpy(isa, case, dtype, threads):
     stored = quant.quantize(w, dtype)
     exact_w = quant.dequantize(stored, dtype, w.shape[1]).astype(np.float64)
     xq = _quantize_act(x)
-    ours = _kernels.kernel_matvec(stored, x, dtype, threads)
+    ours = _probes.kernel_matvec(stored, x, dtype, threads)
     ref = exact_w @ xq
     bound = float32_dot_bound(np.abs(exact_w) @ np.abs(xq), w.shape[1] + 1)
     assert np.all(np.abs(ours - ref) <= bound)
@@ -121,11 +121,11 @@ def test_block_matvec_matches_numpy(isa, case, dtype, threads):
 @pytest.mark.parametrize("dtype", BLOCK_DTYPES)
 def test_block_formats_need_whole_blocks(dtype):
     with pytest.raises(ValueError, match="multiple of 32"):
-        _kernels.kernel_matvec(np.zeros((2, 34), np.uint8), np.zeros(40, np.float32), dtype)
+        _probes.kernel_matvec(np.zeros((2, 34), np.uint8), np.zeros(40, np.float32), dtype)
 
 
 def test_block_struct_sizes_agree_with_python():
-    assert _kernels.block_sizes() == quant.BLOCK_BYTES == {"int8": 34, "int4": 18}
+    assert _probes.block_sizes() == quant.BLOCK_BYTES == {"int8": 34, "int4": 18}
 
 
 @settings(max_examples=60, deadline=None)
@@ -155,7 +155,7 @@ def test_dequant_row_matches_python(dtype):
     stored = to_storage(w, dtype)
     ref = from_storage(stored, dtype, 64)
     for row in range(5):
-        np.testing.assert_array_equal(_kernels.kernel_dequant_row(stored, row, 64, dtype), ref[row])
+        np.testing.assert_array_equal(_probes.kernel_dequant_row(stored, row, 64, dtype), ref[row])
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
@@ -186,8 +186,8 @@ def test_matvec_large_enough_to_use_threads():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((1024, 1024), dtype=np.float32)       # past CB_PARALLEL_MIN_WORK
     x = rng.standard_normal(1024, dtype=np.float32)
-    one = _kernels.kernel_matvec(w, x, "f32", 1)
-    two = _kernels.kernel_matvec(w, x, "f32", 2)
+    one = _probes.kernel_matvec(w, x, "f32", 1)
+    two = _probes.kernel_matvec(w, x, "f32", 2)
     np.testing.assert_array_equal(one, two)
     np.testing.assert_allclose(one, w.astype(np.float64) @ x, rtol=0, atol=1e-3)
 
@@ -197,7 +197,7 @@ def test_matvec_large_enough_to_use_threads():
        st.booleans(), st.sampled_from([1e-5, 1e-6]))
 def test_rmsnorm_matches_numpy(x, with_weight, eps):
     weight = (np.linspace(-2, 2, len(x)).astype(np.float32) if with_weight else None)
-    ours = _kernels.kernel_rmsnorm(x, weight, eps)
+    ours = _probes.kernel_rmsnorm(x, weight, eps)
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 * x64) + eps)
     if with_weight:
@@ -209,18 +209,18 @@ def test_peak_loops_count_their_operations():
     """The peak loops bench_kernels.py prints next to the prefill figures: operations counted as
     iterations x chains x lanes x 2, and a clear error for an unknown kind."""
     for kind, per_iter in (("fma", 10 * 8 * 2), ("int8", 10 * 32 * 2)):
-        got = _kernels.bench_peak(kind, 1)
+        got = _probes.bench_peak(kind, 1)
         if "avx2" not in _kernels.available_isas():
             assert got is None
             continue
         ops, seconds = got
         assert seconds > 0 and ops % per_iter == 0 and ops > 0
     with pytest.raises(ValueError, match="kind"):
-        _kernels.bench_peak("avx", 1)
+        _probes.bench_peak("avx", 1)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.integers(0, 70), st.sampled_from(["silu", "gelu_pytorch_tanh"]), st.integers(0, 2**32 - 1))
+@given(st.integers(0, 70), st.sampled_from(["silu", "gelu_tanh"]), st.integers(0, 2**32 - 1))
 def test_glu_of_every_tier_agrees_with_the_scalar_one(isa, n, act, seed):
     """act(gate) * up: gates across the float range the activations see (|x| up to 100, where
     SiLU/GELU saturate and exp is clamped), lengths that are not multiples of 8 (the tail)."""
@@ -230,18 +230,18 @@ def test_glu_of_every_tier_agrees_with_the_scalar_one(isa, n, act, seed):
     gate = (rng.standard_normal(n) * rng.choice([0.1, 3.0, 40.0], n)).astype(np.float32)
     gate[: n // 10] = rng.choice([-100.0, -87.5, 0.0, 88.5, 100.0], n // 10)
     up = rng.uniform(-4, 4, n).astype(np.float32)
-    ours = _kernels.kernel_glu(gate, up, act)
+    ours = _probes.kernel_glu(gate, up, act)
     before = _kernels.isa()
     _kernels.select_isa("scalar")
     try:
-        ref = _kernels.kernel_glu(gate, up, act)
+        ref = _probes.kernel_glu(gate, up, act)
     finally:
         _kernels.select_isa(before)
     assert np.all(np.isfinite(ours))
     assert np.all(np.abs(ours - ref) <= GLU_RTOL * np.abs(ref) + GLU_ATOL * np.abs(gate * up))
     # an element's bits do not depend on where the call starts (threads apply it to their rows)
     for start in (1, 3, n // 2):
-        np.testing.assert_array_equal(_kernels.kernel_glu(gate[start:], up[start:], act), ours[start:])
+        np.testing.assert_array_equal(_probes.kernel_glu(gate[start:], up[start:], act), ours[start:])
 
 
 def _vpdpbusd(acc, u, s):
@@ -261,9 +261,9 @@ def test_emulated_vnni_step_is_the_instruction(acc, u, s):
     before = _kernels.isa()
     _kernels.select_isa("avx2")
     try:
-        np.testing.assert_array_equal(_kernels.kernel_dpbusd_emulated(acc, u, s), _vpdpbusd(acc, u, s))
+        np.testing.assert_array_equal(_probes.kernel_dpbusd_emulated(acc, u, s), _vpdpbusd(acc, u, s))
         extremes = (np.full(32, 255, np.uint8), np.full(32, -128, np.int8))
-        np.testing.assert_array_equal(_kernels.kernel_dpbusd_emulated(acc, *extremes), _vpdpbusd(acc, *extremes))
+        np.testing.assert_array_equal(_probes.kernel_dpbusd_emulated(acc, *extremes), _vpdpbusd(acc, *extremes))
     finally:
         _kernels.select_isa(before)
 
@@ -275,7 +275,7 @@ def test_attention_softmax_matches_float64(isa, x):
     probability within 4 ulp, plus the rounding of x - max in float32 (half an ulp of |x - max|,
     which exp turns into that relative error), plus the float32 summation bound of the normaliser
     (gamma(n)); scores far below the largest (exp underflow) at most the smallest normal float."""
-    got = _kernels.kernel_attention_softmax(x)
+    got = _probes.kernel_attention_softmax(x)
     z = x.astype(np.float64) - x.max()
     ref = np.exp(z) / np.exp(z).sum()
     rel = 4 * 2.0**-24 + np.abs(z) * 2.0**-24 + float32_dot_bound(np.ones(1), len(x))[0]
@@ -284,8 +284,8 @@ def test_attention_softmax_matches_float64(isa, x):
 
 
 def test_attention_softmax_of_non_finite_scores_is_refused(isa):
-    assert _kernels.kernel_attention_softmax(np.array([0.0, np.nan, 1.0] * 5, np.float32)) is None
-    assert _kernels.kernel_attention_softmax(np.array([np.inf] + [0.0] * 9, np.float32)) is None
+    assert _probes.kernel_attention_softmax(np.array([0.0, np.nan, 1.0] * 5, np.float32)) is None
+    assert _probes.kernel_attention_softmax(np.array([np.inf] + [0.0] * 9, np.float32)) is None
 
 
 @st.composite
@@ -313,7 +313,7 @@ def test_attention_matches_numpy(isa, case, threads):
     and outputs' length, on every tier and thread count."""
     q, k, v, kv, start, pos = case
     heads, hd = q.shape
-    got = _kernels.kernel_attention(q, k, v, kv, start, pos, threads)
+    got = _probes.kernel_attention(q, k, v, kv, start, pos, threads)
     rows = [p % k.shape[0] for p in range(start, pos + 1)]
     for h in range(heads):
         kh = k[rows, (h // (heads // kv)) * hd:][:, :hd].astype(np.float64)
@@ -338,11 +338,11 @@ def test_attention_takes_caches_in_the_engine_order(isa):
     k = rng.standard_normal((ring, kv * hd), dtype=np.float32)
     v = rng.standard_normal((ring, kv * hd), dtype=np.float32)
     engine_order = [np.ascontiguousarray(a.reshape(ring, kv, hd).transpose(1, 0, 2)) for a in (k, v)]
-    np.testing.assert_array_equal(_kernels.kernel_attention(q, *engine_order, kv, 30, 60, 2),
-                                  _kernels.kernel_attention(q, k, v, kv, 30, 60, 2))
+    np.testing.assert_array_equal(_probes.kernel_attention(q, *engine_order, kv, 30, 60, 2),
+                                  _probes.kernel_attention(q, k, v, kv, 30, 60, 2))
     with pytest.raises(ValueError, match="engine-order caches"):
-        _kernels.kernel_attention(q, engine_order[0], engine_order[1][:, :-1], kv, 0, 3)
+        _probes.kernel_attention(q, engine_order[0], engine_order[1][:, :-1], kv, 0, 3)
     layers = np.stack([engine_order[0]] * 2)
-    assert _kernels.bench_attention(q, layers, layers, ring - 1, 1, 1) > 0
+    assert _probes.bench_attention(q, layers, layers, ring - 1, 1, 1) > 0
     with pytest.raises(ValueError, match="bench_attention"):
-        _kernels.bench_attention(q, layers, layers, ring, 1, 1)
+        _probes.bench_attention(q, layers, layers, ring, 1, 1)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import colibri
-from colibri import _kernels, quant
+from colibri import _kernels, _probes, quant
 from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.modeldir import ModelDir, from_storage, to_storage
@@ -99,7 +99,7 @@ def test_transposed_matvec_matches_numpy(isa, case, threads):
     stored, t = _store(w, dtype)
     exact_w = _exact(stored, dtype, w.shape[1])
     xr = _quantize_act(x) if dtype in BLOCK else x.astype(np.float64)
-    ours = _kernels.kernel_matvec(t, x, dtype, threads, "transposed")
+    ours = _probes.kernel_matvec(t, x, dtype, threads, "transposed")
     ref = exact_w @ xr
     bound = float32_dot_bound(np.abs(exact_w) @ np.abs(xr), w.shape[1] + 1)
     assert np.all(np.abs(ours - ref) <= bound)
@@ -115,8 +115,8 @@ def test_layouts_give_the_same_bits_on_the_scalar_tier(case):
     before = _kernels.isa()
     _kernels.select_isa("scalar")
     try:
-        np.testing.assert_array_equal(_kernels.kernel_matvec(t, x, dtype, 1, "transposed"),
-                                      _kernels.kernel_matvec(stored, x, dtype, 1))
+        np.testing.assert_array_equal(_probes.kernel_matvec(t, x, dtype, 1, "transposed"),
+                                      _probes.kernel_matvec(stored, x, dtype, 1))
     finally:
         _kernels.select_isa(before)
 
@@ -130,9 +130,9 @@ def test_large_transposed_matvec_with_threads_agrees_with_rows(isa, dtype, shape
     w = rng.standard_normal(shape, dtype=np.float32)
     x = rng.standard_normal(shape[1], dtype=np.float32)
     stored, t = _store(w, dtype)
-    rows = _kernels.kernel_matvec(stored, x, dtype, 2)
-    one = _kernels.kernel_matvec(t, x, dtype, 1, "transposed")
-    two = _kernels.kernel_matvec(t, x, dtype, 2, "transposed")
+    rows = _probes.kernel_matvec(stored, x, dtype, 2)
+    one = _probes.kernel_matvec(t, x, dtype, 1, "transposed")
+    two = _probes.kernel_matvec(t, x, dtype, 2, "transposed")
     np.testing.assert_array_equal(one, two)
     exact_w = _exact(stored, dtype, shape[1])
     xr = _quantize_act(x) if dtype in BLOCK else x.astype(np.float64)
@@ -149,9 +149,9 @@ def test_prefill_product_equals_token_by_token(isa, dtype, layout):
     w = rng.standard_normal((rows, cols), dtype=np.float32)
     mat = _in_layout(w, dtype, layout)
     x = rng.standard_normal((17, cols), dtype=np.float32)
-    single = np.stack([_kernels.kernel_matvec(mat, x[i], dtype, 2, layout) for i in range(17)])
+    single = np.stack([_probes.kernel_matvec(mat, x[i], dtype, 2, layout) for i in range(17)])
     for n in (2, 5, 8, 9, 17):      # from 8 tokens the transposed int8/int4 product repacks its chunks
-        np.testing.assert_array_equal(_kernels.kernel_matmul(mat, x[:n], dtype, 2, layout), single[:n])
+        np.testing.assert_array_equal(_probes.kernel_matmul(mat, x[:n], dtype, 2, layout), single[:n])
 
 
 @st.composite
@@ -198,14 +198,14 @@ def test_repacked_prefill_gives_the_bits_of_the_stored_order(isa, case, threads)
     stored, t = _store(w, dtype)
     args = (t, x, dtype, threads, "transposed")
     with _kernels.int_kernels(repack=False):
-        plain = _kernels.kernel_matmul(*args)
+        plain = _probes.kernel_matmul(*args)
     for step in _kernels.available_int_steps():
         for repack in (True, False):
             with _kernels.int_kernels(step, repack):
-                got = _kernels.kernel_matmul(*args)
+                got = _probes.kernel_matmul(*args)
             np.testing.assert_array_equal(got, plain, err_msg=f"{step}, repack {repack}")
         with _kernels.int_kernels(step):
-            decoded = np.stack([_kernels.kernel_matvec(t, row, dtype, threads, "transposed") for row in x[:3]])
+            decoded = np.stack([_probes.kernel_matvec(t, row, dtype, threads, "transposed") for row in x[:3]])
         np.testing.assert_array_equal(decoded, plain[:3], err_msg=f"{step}, decode")
     _assert_exact_product(plain, stored, dtype, x)
 
@@ -231,7 +231,7 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     for step in _kernels.available_int_steps():
         for repack, n in ((True, 12), (False, 12), (True, 1)):
             with _kernels.int_kernels(step, repack):
-                got = _kernels.kernel_matmul(t, x[:n], dtype, 1, "transposed")
+                got = _probes.kernel_matmul(t, x[:n], dtype, 1, "transposed")
             np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {repack} {n}")
             assert np.sign(got).min() == sign
 
@@ -258,11 +258,11 @@ def test_interleaved_gives_the_bits_of_transposed(isa, case, threads):
     dtype, w, x = case
     stored, t = _store(w, dtype)
     il = quant.interleave(stored, dtype, w.shape[1])
-    want = _kernels.kernel_matmul(t, x, dtype, threads, "transposed")
+    want = _probes.kernel_matmul(t, x, dtype, threads, "transposed")
     for step in _kernels.available_int_steps():
         with _kernels.int_kernels(step):
-            got = _kernels.kernel_matmul(il, x, dtype, threads, "interleaved")
-            decoded = np.stack([_kernels.kernel_matvec(il, row, dtype, threads, "interleaved") for row in x[:3]])
+            got = _probes.kernel_matmul(il, x, dtype, threads, "interleaved")
+            decoded = np.stack([_probes.kernel_matvec(il, row, dtype, threads, "interleaved") for row in x[:3]])
         np.testing.assert_array_equal(got, want, err_msg=step)
         np.testing.assert_array_equal(decoded, want[:3], err_msg=f"{step}, decode")
     _assert_exact_product(want, stored, dtype, x)
@@ -285,7 +285,7 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     for step in _kernels.available_int_steps():
         for n in (12, 1):
             with _kernels.int_kernels(step):
-                got = _kernels.kernel_matmul(il, x[:n], dtype, 1, "interleaved")
+                got = _probes.kernel_matmul(il, x[:n], dtype, 1, "interleaved")
             np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {n}")
             assert np.sign(got).min() == sign
 
@@ -317,9 +317,9 @@ def test_interleaved_needs_int_weights_and_whole_groups():
     with pytest.raises(ValueError, match="int8/int4"):
         quant.interleave(np.ones((8, 32), np.float32), "f32", 32)
     with pytest.raises(ValueError, match="int8/int4"):
-        _kernels.kernel_matvec(np.zeros((8, 32), np.float32), np.zeros(32, np.float32), "f32", 1, "interleaved")
+        _probes.kernel_matvec(np.zeros((8, 32), np.float32), np.zeros(32, np.float32), "f32", 1, "interleaved")
     with pytest.raises(ValueError, match="interleaved int4"):
-        _kernels.kernel_matvec(np.zeros((1, 100), np.uint8), np.zeros(32, np.float32), "int4", 1, "interleaved")
+        _probes.kernel_matvec(np.zeros((1, 100), np.uint8), np.zeros(32, np.float32), "int4", 1, "interleaved")
 
 
 @settings(max_examples=60, deadline=None)
@@ -339,7 +339,7 @@ def test_transpose_round_trip(dtype, groups, blocks, seed):
 
 
 def test_group_struct_sizes_agree_with_python():
-    assert _kernels.group_sizes() == quant.GROUP_BYTES == {"int8": 8 * 34, "int4": 8 * 18}
+    assert _probes.group_sizes() == quant.GROUP_BYTES == {"int8": 8 * 34, "int4": 8 * 18}
     assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == quant.GROUP_BYTES      # static_assert in C
 
 
@@ -348,12 +348,12 @@ def test_transposed_blocks_need_whole_groups(dtype):
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         quant.transpose(quant.quantize(np.ones((12, 32), np.float32), dtype), dtype, 32)
     with pytest.raises(ValueError, match="transposed"):
-        _kernels.kernel_matvec(np.zeros((1, 100), np.uint8), np.zeros(32, np.float32), dtype, 1, "transposed")
+        _probes.kernel_matvec(np.zeros((1, 100), np.uint8), np.zeros(32, np.float32), dtype, 1, "transposed")
 
 
 def test_unknown_layout_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown layout"):
-        _kernels.kernel_matvec(np.zeros((2, 2), np.float32), np.zeros(2, np.float32), "f32", 1, "columns")
+        _probes.kernel_matvec(np.zeros((2, 2), np.float32), np.zeros(2, np.float32), "f32", 1, "columns")
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -484,11 +484,11 @@ def test_embedding_row_from_either_layout(case, pick):
     stored, t = _store(w, dtype)
     row = pick % w.shape[0]
     ref = from_storage(stored, dtype, w.shape[1])[row]
-    np.testing.assert_array_equal(_kernels.kernel_dequant_row(stored, row, w.shape[1], dtype), ref)
-    np.testing.assert_array_equal(_kernels.kernel_dequant_row(t, row, w.shape[1], dtype, "transposed"), ref)
+    np.testing.assert_array_equal(_probes.kernel_dequant_row(stored, row, w.shape[1], dtype), ref)
+    np.testing.assert_array_equal(_probes.kernel_dequant_row(t, row, w.shape[1], dtype, "transposed"), ref)
     if dtype in BLOCK:
         il = quant.interleave(stored, dtype, w.shape[1])
-        np.testing.assert_array_equal(_kernels.kernel_dequant_row(il, row, w.shape[1], dtype, "interleaved"), ref)
+        np.testing.assert_array_equal(_probes.kernel_dequant_row(il, row, w.shape[1], dtype, "interleaved"), ref)
 
 
 def test_tied_embedding_in_a_group_layout_has_the_bits_of_rows(converted):
@@ -573,13 +573,13 @@ def test_gate_and_up_with_the_activation_in_one_batch(isa, dtype, layout):
     gate, up = (_in_layout(w, dtype, layout) for w in (w_gate, w_up))
     for n in (1, 3, 9, 20):
         x = rng.standard_normal((n, cols), dtype=np.float32)
-        for act in ("silu", "gelu_pytorch_tanh"):
-            fused = _kernels.kernel_glu_product(gate, up, x, dtype, layout, act, 2)
-            after = _kernels.kernel_glu_product(gate, up, x, dtype, layout, act, 2, adjacent=False)
-            one = _kernels.kernel_glu_product(gate, up, x, dtype, layout, act, 1)
+        for act in ("silu", "gelu_tanh"):
+            fused = _probes.kernel_glu_product(gate, up, x, dtype, layout, act, 2)
+            after = _probes.kernel_glu_product(gate, up, x, dtype, layout, act, 2, adjacent=False)
+            one = _probes.kernel_glu_product(gate, up, x, dtype, layout, act, 1)
             np.testing.assert_array_equal(fused, after)
             np.testing.assert_array_equal(fused, one)
-            g = _kernels.kernel_matmul(gate, x, dtype, 1, layout)
-            u = _kernels.kernel_matmul(up, x, dtype, 1, layout)
-            expect = np.stack([_kernels.kernel_glu(g[t], u[t], act) for t in range(n)])
+            g = _probes.kernel_matmul(gate, x, dtype, 1, layout)
+            u = _probes.kernel_matmul(up, x, dtype, 1, layout)
+            expect = np.stack([_probes.kernel_glu(g[t], u[t], act) for t in range(n)])
             np.testing.assert_array_equal(fused, expect)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import colibri
-from colibri import _kernels
+from colibri import _probes, _routing
 from conftest import reference
 
 # expf mode: float32 exponentials and sums against float64
@@ -17,7 +17,7 @@ EXACT_RTOL = 1e-5
 EXACT_ATOL = 2e-6
 # table mode: each exponential errs by at most LUT_DELTA (softmax_lut.h); a weight over n terms
 # by at most (n + 1) * LUT_DELTA, plus float32 rounding
-LUT_DELTA = _kernels.LUT_DELTA
+LUT_DELTA = _routing.LUT_DELTA
 
 finite = st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False)
 TINY = float(np.float32(1e-30))
@@ -55,7 +55,7 @@ def reference_route(x, k, norm):
 @given(router_logits(), st.booleans())
 def test_exact_mode_matches_reference(case, norm):
     x, k = case
-    chosen, weights = _kernels.kernel_route(x, k, norm, False)
+    chosen, weights = _probes.kernel_route(x, k, norm, False)
     ref_chosen, ref_w = reference_route(x, k, norm)
     assert chosen.tolist() == ref_chosen.tolist()
     assert len(set(chosen.tolist())) == k
@@ -68,7 +68,7 @@ def test_exact_mode_matches_reference(case, norm):
 @given(router_logits(), st.booleans())
 def test_table_mode_is_within_its_documented_bound(case, norm):
     x, k = case
-    chosen, weights = _kernels.kernel_route(x, k, norm, True)
+    chosen, weights = _probes.kernel_route(x, k, norm, True)
     ref_chosen, ref_w = reference_route(x, k, norm)
     assert chosen.tolist() == ref_chosen.tolist()           # selection never uses the table
     assert len(set(chosen.tolist())) == k
@@ -84,22 +84,22 @@ def test_table_mode_is_within_its_documented_bound(case, norm):
 def test_non_finite_logits_are_refused(use_lut, bad):
     x = np.array([0.5, 1.0, bad, -2.0], np.float32)
     with pytest.raises(ValueError, match="not finite"):
-        _kernels.kernel_route(x, 2, True, use_lut)
+        _probes.kernel_route(x, 2, True, use_lut)
 
 
 def test_ties_go_to_the_lowest_index():
-    chosen, weights = _kernels.kernel_route(np.zeros(8, np.float32), 3, False)
+    chosen, weights = _probes.kernel_route(np.zeros(8, np.float32), 3, False)
     assert chosen.tolist() == [0, 1, 2]
     np.testing.assert_allclose(weights, [0.125] * 3, rtol=1e-6)
     x = np.array([1, 3, 2, 3, 3, 0], np.float32)
-    assert _kernels.kernel_route(x, 4, True)[0].tolist() == [1, 3, 4, 2]
+    assert _probes.kernel_route(x, 4, True)[0].tolist() == [1, 3, 4, 2]
 
 
 def test_k_outside_range_is_refused():
     with pytest.raises(ValueError):
-        _kernels.kernel_route(np.zeros(4, np.float32), 5, True)
+        _probes.kernel_route(np.zeros(4, np.float32), 5, True)
     with pytest.raises(ValueError):
-        _kernels.kernel_route(np.zeros(4, np.float32), 0, True)
+        _probes.kernel_route(np.zeros(4, np.float32), 0, True)
 
 
 @pytest.mark.parametrize("case", ["mixtral_a", "olmoe_a", "qwen2moe_b"])

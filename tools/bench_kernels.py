@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from colibri import _kernels, quant
+from colibri import _kernels, _probes, quant
 from colibri.modeldir import to_storage
 
 
@@ -91,16 +91,16 @@ def main():
             w = quant.from_rows(np.ascontiguousarray(np.tile(block, (rows // 1024, 1))), dtype, cols, layout)
             nbytes = w.nbytes
             read_buf = np.ones(nbytes // 8, np.uint64)
-            _kernels.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
-            _kernels.bench_read(read_buf, args.threads)
+            _probes.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
+            _probes.bench_read(read_buf, args.threads)
             steps = other_steps() if layout != "rows" and dtype in ("int8", "int4") else []
             kt, rt, st = [], [], {k: [] for k in steps}
             for _ in range(args.repeat):                     # interleaved, A B A B
-                kt.append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads, layout)))
-                rt.append(timed(lambda: _kernels.bench_read(read_buf, args.threads)))
+                kt.append(timed(lambda: _probes.kernel_matvec(w, x, dtype, args.threads, layout)))
+                rt.append(timed(lambda: _probes.bench_read(read_buf, args.threads)))
                 for step in steps:
                     with _kernels.int_kernels(step):
-                        st[step].append(timed(lambda: _kernels.kernel_matvec(w, x, dtype, args.threads, layout)))
+                        st[step].append(timed(lambda: _probes.kernel_matvec(w, x, dtype, args.threads, layout)))
             kgbs = nbytes / statistics.median(kt) / 1e9
             rgbs = nbytes / statistics.median(rt) / 1e9
             rest = "  " + ", ".join(f"{k} step {nbytes / statistics.median(t) / 1e9:.1f}" for k, t in st.items()) if st else ""
@@ -125,7 +125,7 @@ def token_sweep(args, rng, counts, rows=3584, cols=1024):
             best = {lay: float("inf") for lay in mats}
             for _ in range(args.repeat):
                 for lay, w in mats.items():
-                    best[lay] = min(best[lay], _kernels.bench_matmul(w, x, dtype, args.threads, reps, lay))
+                    best[lay] = min(best[lay], _probes.bench_matmul(w, x, dtype, args.threads, reps, lay))
             cells = "  ".join(f"{lay} {stored.nbytes * reps / t / 1e9:6.1f} ({best[first] / t:.2f} x)"
                               for lay, t in best.items())
             print(f"{dtype:>5} {n:4d} tokens: {cells}")
@@ -143,11 +143,11 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
         nbytes = k.nbytes + v.nbytes
         read_buf = np.ones(nbytes // 8, np.uint64)
         reps = max(1, int(3e8 / nbytes))
-        _kernels.bench_attention(q, k, v, n - 1, args.threads, 1)        # warm: page in
+        _probes.bench_attention(q, k, v, n - 1, args.threads, 1)        # warm: page in
         at, rt = [], []
         for _ in range(args.repeat):
-            at.append(_kernels.bench_attention(q, k, v, n - 1, args.threads, reps) / reps)
-            rt.append(timed(lambda: _kernels.bench_read(read_buf, args.threads)))
+            at.append(_probes.bench_attention(q, k, v, n - 1, args.threads, reps) / reps)
+            rt.append(timed(lambda: _probes.bench_read(read_buf, args.threads)))
         a, r = statistics.median(at), statistics.median(rt)
         print(f"{n:9d} {nbytes / 1e6:9.1f} {a * 1e3:9.3f} {nbytes / a / 1e9:15.1f} {nbytes / r / 1e9:10.1f} {r / a:6.2f}")
         del k, v, read_buf
@@ -171,10 +171,10 @@ def resident_table(args, rng, rows=3584, cols=1024):
         reps = max(1, int(2e8 / stored.nbytes))              # about 0.2 GB of weights a measurement
         best = {lay: float("inf") for lay in mats}
         for lay, w in mats.items():
-            _kernels.bench_matmul(w, x, dtype, args.threads, reps, lay)           # warm the caches
+            _probes.bench_matmul(w, x, dtype, args.threads, reps, lay)           # warm the caches
         for _ in range(args.repeat):
             for lay, w in mats.items():
-                best[lay] = min(best[lay], _kernels.bench_matmul(w, x, dtype, args.threads, reps, lay))
+                best[lay] = min(best[lay], _probes.bench_matmul(w, x, dtype, args.threads, reps, lay))
         cells = [f"{stored.nbytes * reps / best[lay] / 1e9:12.1f}" if lay in best else f"{'-':>12}"
                  for lay in args.layouts.split(",")]
         print(f"{dtype:>6} " + " ".join(cells))
@@ -188,7 +188,7 @@ def other_steps():
 def best_rate(kind, threads, tries=3):
     """The best of `tries` runs of a peak loop, in G operations per second (None: cannot run):
     a peak is what the machine can do, and a shared machine only ever takes some of it away."""
-    runs = [_kernels.bench_peak(kind, threads) for _ in range(tries)]
+    runs = [_probes.bench_peak(kind, threads) for _ in range(tries)]
     return None if runs[0] is None else max(ops / seconds for ops, seconds in runs) / 1e9
 
 
@@ -213,13 +213,13 @@ def prefill_table(args, rng):
                 compared = [v for v in variants if v[2]]
             else:
                 compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []
-            _kernels.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
+            _probes.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
             times, other_times = [], {v[0]: [] for v in compared}
             for _ in range(args.repeat):
-                times.append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
+                times.append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout))
                 for name, vstep, repack in compared:
                     with _kernels.int_kernels(vstep, repack):
-                        other_times[name].append(_kernels.bench_matmul(w, x, dtype, args.threads, reps, layout))
+                        other_times[name].append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout))
             flop = 2.0 * rows * cols * n * reps
             gflops = flop / statistics.median(times) / 1e9
             of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import colibri
-from colibri import _kernels
+from colibri import _kernels, _probes
 from colibri.convert import convert
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +44,8 @@ def speed(calls, repeat):
         few = logits[:2000]
         t_exact, t_lut, t_np = [], [], []
         for _ in range(repeat):
-            t_exact.append(_kernels.bench_route(logits, k, norm, False) / calls)
-            t_lut.append(_kernels.bench_route(logits, k, norm, True) / calls)
+            t_exact.append(_probes.bench_route(logits, k, norm, False) / calls)
+            t_lut.append(_probes.bench_route(logits, k, norm, True) / calls)
             t = time.perf_counter()
             for row in few:
                 numpy_route(row, k, norm)

@@ -1,0 +1,129 @@
+# The layer loop's data, as C sees it: the per-layer tables of pointers into the mapped weights,
+# the hyperparameters, the scratch arena. Built once by _engine.Engine from the model directory.
+
+from libc.stdint cimport int64_t
+from colibri._kernels cimport cb_act_q8
+
+cdef extern from "os_hints.h" nogil:
+    # advice to the OS about an expert's pages (stateless): read ahead, or drop them
+    int cb_will_need(const void *start, size_t length, size_t chunk)
+    int cb_release_pages(const void *start, size_t length)
+
+
+cdef struct Mat:
+    const void *data      # [rows, cols] row-major (layout rows) or transposed (kernels_scalar.h), `dtype` elements
+    int dtype
+    int layout            # CB_ROWS / CB_TRANSPOSED (kernels_scalar.h)
+    int rows
+    int cols
+
+cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
+    Mat gate              # [d_ff, d_model]
+    Mat up                # [d_ff, d_model]
+    Mat down              # [d_model, d_ff]
+
+cdef struct Range:        # a page-aligned span of mapped memory
+    const void *start
+    size_t length
+
+cdef struct Layer:
+    int head_dim              # this layer's attention geometry (Gemma 4: global layers differ)
+    int n_kv_heads
+    float attn_scale          # the factor on q.k
+    const float *rope_cos     # [n_ctx, head_dim / 2]
+    const float *rope_sin     # [n_ctx, head_dim / 2]
+    const float *attn_norm    # [d_model]
+    Mat wq                    # [n_heads * head_dim, d_model]
+    Mat wk                    # [n_kv_heads * head_dim, d_model]
+    Mat wv                    # [n_kv_heads * head_dim, d_model]; data NULL: v is the k projection
+    Mat wo                    # [d_model, n_heads * head_dim]
+    const float *bq           # [n_heads * head_dim] or NULL
+    const float *bk           # [n_kv_heads * head_dim] or NULL
+    const float *bv           # [n_kv_heads * head_dim] or NULL
+    const float *bo           # [d_model] or NULL
+    const float *q_norm       # [head_dim] (per head) or [n_heads * head_dim] (whole) or NULL
+    const float *k_norm       # [head_dim] or [n_kv_heads * head_dim] or NULL
+    const float *ffn_norm     # [d_model]
+    const float *post_attn_norm   # [d_model] or NULL (Gemma's sandwich norms)
+    const float *post_ffn_norm    # [d_model] or NULL
+    float layer_scalar        # the residual stream is multiplied by it after the layer (1: no-op)
+    int sliding_window        # 0: attend to every earlier position
+    int is_moe
+    Mat router                # [n_experts, d_model] f32 (MoE layers)
+    FFN *experts              # [n_experts] (MoE layers)
+    Range *expert_pages       # [n_experts] the mapped file of each expert, for prefetching
+    int has_shared
+    FFN shared                # the shared expert (Qwen2-MoE)
+    const float *shared_gate  # [d_model]: sigmoid(shared_gate . x) scales the shared expert
+    FFN dense                 # the dense MLP (non-MoE layers, and beside the MoE when parallel)
+    int parallel              # Gemma 4: dense MLP and MoE side by side, each with its own norms
+    const float *post_mlp_norm    # [d_model] (parallel) after the dense MLP
+    const float *pre_moe_norm     # [d_model] (parallel) the experts' input norm
+    const float *post_moe_norm    # [d_model] (parallel) after the experts
+    const float *router_scale     # [d_model] (parallel) the router reads rmsnorm(x) * router_scale * d**-0.5
+    const float *expert_scale     # [n_experts] or NULL: multiplies each chosen expert's weight
+    int kv_ring               # rows of the cache: n_ctx, or window + prefill chunk (sliding layers)
+    float *k_cache            # [n_kv_heads, kv_ring, head_dim], position p in row p % kv_ring of each head
+    float *v_cache            # [n_kv_heads, kv_ring, head_dim]
+
+cdef struct Hyper:
+    int d_model
+    int n_layers
+    int n_heads
+    int vocab
+    int n_experts
+    int top_k
+    int norm_topk_prob
+    int use_lut               # routing exponentials from the softmax table instead of expf
+    int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
+    int release_in_prefill    # under an expert budget: release each expert after its prefill product
+    int qk_norm
+    float clip_qkv            # 0: no clipping
+    int v_norm                # RMSNorm without weight over each value head (Gemma 4)
+    int act                   # CB_ACT_SILU / CB_ACT_GELU_TANH of the FFN gate
+    float embed_scale         # the embedding row is multiplied by it (1: no-op)
+    float softcap             # final logit soft-capping (0: none)
+    float router_root         # d_model ** -0.5 (the parallel MoE's router input)
+    float rms_eps
+    int n_ctx
+    int n_threads
+
+cdef struct Scratch:
+    # Every buffer of one engine call: up to `cap` tokens (a prefill chunk; decode is one), rows
+    # [cap, ...] with token t in row t. Sized once from the config (Engine.__init__).
+    int cap
+    float *x          # [cap, d_model] the residual streams
+    float *xb         # [cap, d_model] normed inputs of a block
+    float *xb2        # [cap, d_model] outputs of a block
+    float *q          # [cap, n_heads * max head_dim]
+    float *att        # [cap, n_heads * max head_dim] attention outputs before wo
+    float *k          # [cap, max kv_dim] keys of the tokens, before they go to the cache rows
+    float *v          # [cap, max kv_dim] their values
+    float *scores     # [n_heads, n_ctx]
+    float *rx         # [cap, d_model] router inputs (parallel MoE)
+    float *xe         # [cap, d_model] expert inputs (parallel MoE)
+    float *xm         # [cap, d_model] expert outputs (parallel MoE)
+    cb_act_q8 *acts   # [cap] activation quantization of the block inputs (q: [max_cols], d: [max_cols / 32])
+    float *router     # [cap, n_experts] router logits, then probabilities
+    int *tok_chosen   # [cap, top_k] each token's experts in this layer
+    float *tok_w      # [cap, top_k] their weights
+    # the MoE wave (moe): the experts of a layer in ascending index, as many together as fit
+    int wave_rows     # rows of the wave buffers: >= cap and >= MAX_SLOTS
+    int max_ff
+    float *g          # [wave_rows, d_model] inputs gathered for the experts of a wave
+    float *hb         # [wave_rows, max_ff] FFN hidden (gate, then activation)
+    float *hb2        # [wave_rows, max_ff] FFN hidden (up)
+    float *y          # [wave_rows, d_model] expert outputs
+    int *rows         # [wave_rows] the token of each gathered row
+    float *row_w      # [wave_rows] its expert's weight
+    cb_act_q8 *wave_acts  # [wave_rows] quantization of gathered inputs, then of the hidden rows
+    float *logits     # [vocab] the last token's logits of the last call
+    int *chosen       # [n_layers, top_k] experts chosen for the last token (for --verbose)
+    float *chosen_w   # [n_layers, top_k] their weights
+    int64_t *counts   # [n_layers, n_experts] how often each expert was chosen
+    int bad_layer     # the layer of a bad router status
+    int *predicted    # [n_layers, top_k] experts predicted for a layer by the previous one's hidden state
+    int64_t *prefetch_stats   # [PF_N] counters, see PF_*
+    float *router2    # [n_experts] router logits of the next layer (prediction)
+    float *pred_w     # [top_k] scratch weights of a prediction
+    size_t prefetch_chunk     # bytes per advice call (0: no limit), from colibri._os.prefetch_chunk

@@ -1,0 +1,758 @@
+# cython: language_level=3
+"""The layer loop of Colibri: the model over n tokens, written once (decode is n = 1).
+
+Design
+------
+`Engine` holds raw pointers into the mapped weight files (never copies of them), the KV cache and
+one scratch arena, all sized once from the config. `Engine.run()` pushes tokens through
+`forward()` without the GIL, a prefill chunk at a time (decode is a chunk of one token);
+`forward()` is the whole model in one screen, over n tokens:
+
+    embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
+          -> final_norm -> lm_head
+
+Every block is written once for n tokens: every weight is read once per chunk, and since no
+kernel's arithmetic depends on n, a prompt gives exactly the logits of decoding it token by token.
+Architectures differ only by flags in `Hyper` and by which per-layer pointers are NULL (biases,
+q/k norms, shared expert, Gemma's extra norms and scales): one parameterised block, no
+per-architecture code paths. Attention geometry is per layer (Gemma 4's global layers have
+their own head_dim, key/value heads and RoPE); a sliding-window layer's KV cache is a ring of
+window + prefill chunk rows, so it holds only what that layer can still attend to. The MoE block
+runs the experts in ascending index, each over the tokens routed to it, in waves that share a
+parallel region (decode: the top-k and the shared expert in one). Kernels are the C functions of
+csrc/: the table-driven ones through _kernels' entry points (the tier chosen at import), the
+router through _routing, the element-wise ones directly (_kernels.pxd says which are which). A
+non-zero status (non-finite router logits or logits: a damaged model) is turned into an exception
+by the Python layer. The structs (Mat, FFN, Layer, Hyper, Scratch) are declared in _engine.pxd.
+"""
+
+from libc.stdint cimport uintptr_t, int32_t, int64_t, uint64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset, memcpy
+from libc.math cimport expf, sqrtf
+
+cimport colibri._kernels as kernels
+cimport colibri._routing as routing
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_TRANSPOSED, CB_INTERLEAVED,
+                               cb_rmsnorm, cb_add, cb_axpy, cb_clip, cb_scale, cb_softcap, cb_rope, cb_all_finite)
+
+import numpy as np
+
+from colibri._kernels import DTYPE_CODES, LAYOUT_CODES, act_arrays
+
+# Step status codes, read by model.py.
+cpdef enum:
+    STATUS_OK = 0
+    STATUS_BAD_ROUTER = 1
+    STATUS_BAD_LOGITS = 2
+    STATUS_BAD_HIDDEN = 3
+
+# expert prefetching (PREFETCH_CODES names them)
+cpdef enum:
+    PREFETCH_NONE = 0
+    PREFETCH_ROUTED = 1       # advise the OS of a layer's chosen experts as soon as they are chosen
+    PREFETCH_PREDICT = 2      # ... and of the next layer's likely experts (its router on this hidden state)
+
+# prefetch counters, Engine.prefetch_stats[PF_*]
+cpdef enum:
+    PF_CALLS = 0
+    PF_BYTES = 1
+    PF_FAILURES = 2
+    PF_PREDICTED = 3          # experts predicted for the next layer
+    PF_PREDICT_HITS = 4       # of which the next layer really chose
+    PF_N = 5
+
+# q/k norm modes (QK_NORM_CODES names them)
+cpdef enum:
+    QK_NORM_NONE = 0
+    QK_NORM_PER_HEAD = 1     # Qwen3-MoE: RMSNorm over each head's head_dim values
+    QK_NORM_WHOLE = 2        # OLMoE: RMSNorm over the whole projected q (k) vector
+
+PREFETCH_CODES = {"none": PREFETCH_NONE, "routed": PREFETCH_ROUTED, "predict": PREFETCH_PREDICT}
+QK_NORM_CODES = {"none": QK_NORM_NONE, "per_head": QK_NORM_PER_HEAD, "whole": QK_NORM_WHOLE}
+
+# ---- the blocks of the layer loop, each over n tokens (decode: n = 1) ------------------------
+
+cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const float *x, int ldx,
+                     cb_act_q8 *acts, int n) noexcept nogil:
+    """j = the product out[t * ldo + r] = m[r, :] . x[t * ldx + :] for t < n (cb_matmul_jobs)."""
+    j.n = n
+    j.out = out
+    j.ldo = ldo
+    j.w = m.data
+    j.dtype = m.dtype
+    j.layout = m.layout
+    j.rows = m.rows
+    j.cols = m.cols
+    j.x = x
+    j.ldx = ldx
+    j.acts = acts
+    j.glu_up = NULL
+    j.glu_act = 0
+
+
+cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, cb_act_q8 *acts, int n,
+                        int n_threads) noexcept nogil:
+    """out[t * ldo + r] = m[r, :] . x[t * ldx + :] for t < n: one product in one parallel region."""
+    cdef cb_matjob j
+    job(&j, out, ldo, m, x, ldx, acts, n)
+    kernels.matmul_jobs(&j, 1, n_threads)
+
+
+cdef inline int gate_up_jobs(cb_matjob *jobs, const FFN *f, float *gate_out, float *up_out, int ldo,
+                             const float *x, int ldx, cb_act_q8 *acts, int n, int act) noexcept nogil:
+    """jobs[0:2] = up, then gate with the activation fused in (gate_out = act(gate x) * up x, each
+    thread over the rows it computed) when both matrices split alike (same format, layout and
+    shape, as converted models have). Returns 1 if fused, 0 if the caller must apply cb_glu."""
+    job(&jobs[0], up_out, ldo, &f.up, x, ldx, acts, n)
+    job(&jobs[1], gate_out, ldo, &f.gate, x, ldx, acts, n)
+    if f.gate.dtype == f.up.dtype and f.gate.layout == f.up.layout and f.gate.rows == f.up.rows:
+        jobs[1].glu_up = up_out
+        jobs[1].glu_act = act
+        return 1
+    return 0
+
+
+cdef enum:
+    MAX_SLOTS = 65            # FFNs of one wave: at least top-k (<= CB_MAX_TOP_K) and the shared one
+
+
+cdef struct Slot:             # one FFN of a wave over some of the tokens
+    const FFN *f
+    const float *x            # [m, ldx] its input rows
+    int ldx
+    cb_act_q8 *acts           # [m] their quantization scratch
+    int row0                  # its rows of the wave buffers: row0 .. row0 + m - 1
+    int m
+    float *out                # [m, d_model] where its outputs go (s.y + row0 * d_model in a MoE wave)
+
+
+cdef void ffn_wave(const Hyper *h, Scratch *s, const Slot *slots, int count) noexcept nogil:
+    """For each slot i: out[t] = down(act(gate x_t) * up x_t), t < m, of its FFN (hidden rows row0..
+    of the wave buffers): every gate and up of the wave in one parallel region, every down in another."""
+    cdef cb_matjob jobs[2 * MAX_SLOTS]
+    cdef int fused[MAX_SLOTS]
+    cdef int i, t, ff = s.max_ff
+    cdef size_t r
+    if count < 1:
+        return
+    for i in range(count):
+        r = <size_t>slots[i].row0
+        fused[i] = gate_up_jobs(&jobs[2 * i], slots[i].f, s.hb + r * ff, s.hb2 + r * ff, ff, slots[i].x,
+                                slots[i].ldx, slots[i].acts, slots[i].m, h.act)
+    kernels.matmul_jobs(jobs, 2 * count, h.n_threads)
+    for i in range(count):
+        r = <size_t>slots[i].row0
+        if not fused[i]:
+            for t in range(slots[i].m):
+                kernels.glu(s.hb + (r + t) * ff, s.hb2 + (r + t) * ff, slots[i].f.gate.rows, h.act)
+        job(&jobs[i], slots[i].out, h.d_model, &slots[i].f.down, s.hb + r * ff, ff, s.wave_acts + r, slots[i].m)
+    kernels.matmul_jobs(jobs, count, h.n_threads)
+
+
+cdef void ffn(const Hyper *h, const FFN *f, const float *x, float *out, Scratch *s, int n) noexcept nogil:
+    """out[n, d] = down(act(gate x) * up x) for the rows of x [n, d] (n <= cap <= wave_rows): a
+    wave of one slot."""
+    cdef Slot slot
+    slot.f = f
+    slot.x = x
+    slot.ldx = h.d_model
+    slot.acts = s.acts
+    slot.row0 = 0
+    slot.m = n
+    slot.out = out
+    ffn_wave(h, s, &slot, 1)
+
+
+cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *v, int pos) noexcept nogil:
+    """After the q/k/v projections of one position: biases, q/k/v norms, clipping, rotary embedding.
+    q [n_heads * head_dim], k and v [n_kv_heads * head_dim] (head_dim, n_kv_heads: the layer's).
+    Without a v projection (attention_k_eq_v) v is filled here from the raw k projection."""
+    cdef int hd = L.head_dim
+    cdef int q_dim = h.n_heads * hd
+    cdef int kv_dim = L.n_kv_heads * hd
+    cdef int i
+    if L.bq != NULL:
+        cb_add(q, L.bq, q_dim)
+    if L.bk != NULL:
+        cb_add(k, L.bk, kv_dim)
+    if L.wv.data == NULL:
+        memcpy(v, k, sizeof(float) * kv_dim)
+    elif L.bv != NULL:
+        cb_add(v, L.bv, kv_dim)
+    if h.qk_norm == QK_NORM_PER_HEAD:
+        for i in range(h.n_heads):
+            cb_rmsnorm(q + i * hd, q + i * hd, L.q_norm, hd, h.rms_eps)
+        for i in range(L.n_kv_heads):
+            cb_rmsnorm(k + i * hd, k + i * hd, L.k_norm, hd, h.rms_eps)
+    elif h.qk_norm == QK_NORM_WHOLE:
+        cb_rmsnorm(q, q, L.q_norm, q_dim, h.rms_eps)
+        cb_rmsnorm(k, k, L.k_norm, kv_dim, h.rms_eps)
+    if h.v_norm:
+        for i in range(L.n_kv_heads):
+            cb_rmsnorm(v + i * hd, v + i * hd, NULL, hd, h.rms_eps)
+    if h.clip_qkv > 0:                                              # OLMoE's clip_qkv
+        cb_clip(q, h.clip_qkv, q_dim)
+        cb_clip(k, h.clip_qkv, kv_dim)
+        cb_clip(v, h.clip_qkv, kv_dim)
+    cdef const float *cos_t = L.rope_cos + <size_t>pos * (hd // 2)
+    cdef const float *sin_t = L.rope_sin + <size_t>pos * (hd // 2)
+    cb_rope(q, h.n_heads, hd, cos_t, sin_t)
+    cb_rope(k, L.n_kv_heads, hd, cos_t, sin_t)
+
+
+cdef inline void kv_store(Layer *L, const float *k, const float *v, int pos) noexcept nogil:
+    """Position pos's keys and values [n_kv_heads * head_dim] into row pos % kv_ring of each KV head."""
+    cdef int j, hd = L.head_dim
+    cdef size_t row
+    for j in range(L.n_kv_heads):
+        row = (<size_t>j * L.kv_ring + pos % L.kv_ring) * hd
+        memcpy(L.k_cache + row, k + <size_t>j * hd, sizeof(float) * hd)
+        memcpy(L.v_cache + row, v + <size_t>j * hd, sizeof(float) * hd)
+
+
+cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
+    """s.xb2 = self-attention of s.xb [n, d] at positions pos0..pos0+n-1 (causal, in order).
+    The tokens' keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
+    a ring of window + chunk rows keeps every key a query of the chunk can see."""
+    cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
+    cdef cb_matjob jobs[3]
+    job(&jobs[0], s.q, q_dim, &L.wq, s.xb, d, s.acts, n)
+    job(&jobs[1], s.k, kv_dim, &L.wk, s.xb, d, s.acts, n)
+    job(&jobs[2], s.v, kv_dim, &L.wv, s.xb, d, s.acts, n)
+    kernels.matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, h.n_threads)
+    for t in range(n):
+        qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+        kv_store(L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+    kernels.attention(s.att, q_dim, s.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
+                 L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, h.n_threads)
+    matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
+    if L.bo != NULL:
+        for t in range(n):
+            cb_add(s.xb2 + <size_t>t * d, L.bo, d)
+
+
+cdef inline void will_need(const Range *r, Scratch *s) noexcept nogil:
+    s.prefetch_stats[PF_CALLS] += 1
+    s.prefetch_stats[PF_BYTES] += <int64_t>r.length
+    if cb_will_need(r.start, r.length, s.prefetch_chunk) != 0:
+        s.prefetch_stats[PF_FAILURES] += 1
+
+
+cdef void predict_next(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer,
+                       const float *router_in) noexcept nogil:
+    """PREFETCH_PREDICT, one token: score the prediction made for this layer, and predict the next
+    MoE layer's experts from this router input (their pages advised now)."""
+    cdef int j, i, hits = 0
+    cdef Layer *N
+    if s.predicted[layer * h.top_k] >= 0:                       # how good was the prediction?
+        for j in range(h.top_k):
+            for i in range(h.top_k):
+                if s.predicted[layer * h.top_k + i] == chosen[j]:
+                    hits += 1
+        s.prefetch_stats[PF_PREDICTED] += h.top_k
+        s.prefetch_stats[PF_PREDICT_HITS] += hits
+    if layer + 1 < h.n_layers and L[1].is_moe:                     # predict the next layer
+        N = &L[1]
+        matmul(s.router2, h.n_experts, &N.router, router_in, h.d_model, s.acts, 1, 1)
+        if routing.route(s.router2, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut,
+                    s.predicted + (layer + 1) * h.top_k, s.pred_w) == 0:
+            for j in range(h.top_k):
+                will_need(&N.expert_pages[s.predicted[(layer + 1) * h.top_k + j]], s)
+
+
+cdef inline int route(const Hyper *h, const Layer *L, float *logits, int *chosen, float *weights) noexcept nogil:
+    """Router logits [n_experts] -> top-k experts and their weights (times the per-expert scales)."""
+    cdef int j
+    if routing.route(logits, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut, chosen, weights) != 0:
+        return -1
+    if L.expert_scale != NULL:
+        for j in range(h.top_k):
+            weights[j] *= L.expert_scale[chosen[j]]
+    return 0
+
+
+cdef inline float shared_gate(const Layer *L, const float *x, int d) noexcept nogil:
+    """sigmoid(shared_gate . x): the weight of the shared expert (Qwen2-MoE)."""
+    cdef float g = 0
+    cdef int j
+    for j in range(d):
+        g += L.shared_gate[j] * x[j]
+    return 1.0 / (1.0 + expf(-g))
+
+
+cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, int count, int n,
+                      float *out) noexcept nogil:
+    """Run a wave and add each row's output, times its weight, into out [n, d] (the wave's slots
+    in ascending expert index, the shared expert last: each token's summation order)."""
+    cdef int i, r, d = h.d_model
+    ffn_wave(h, s, slots, count)
+    for i in range(count):
+        for r in range(slots[i].row0, slots[i].row0 + slots[i].m):
+            cb_axpy(out + <size_t>s.rows[r] * d, s.row_w[r], s.y + <size_t>r * d, d)
+        if h.release_in_prefill and n > 1 and slots[i].f != &L.shared:
+            cb_release_pages(L.expert_pages[slots[i].f - L.experts].start,
+                             L.expert_pages[slots[i].f - L.experts].length)
+
+
+cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float *router_in,
+             const float *expert_in, float *out) noexcept nogil:
+    """out [n, d] = for each token, the sum over its chosen experts of weight * expert(expert_in)
+    (+ the gated shared expert); the router reads router_in (the same rows except in the parallel
+    block). The experts run in ascending index, each over the tokens routed to it, in waves of up
+    to MAX_SLOTS experts and wave_rows rows (decode: one wave of the top-k and the shared one); an
+    expert every token chose reads expert_in itself (quantized once for all of them)."""
+    cdef int d = h.d_model, k = h.top_k, E = h.n_experts, t, j, e, m, row = 0, count = 0
+    cdef Slot slots[MAX_SLOTS]
+    cdef Slot *sl
+    matmul(s.router, E, &L.router, router_in, d, s.acts, n, h.n_threads)
+    for t in range(n):
+        if route(h, L, s.router + <size_t>t * E, s.tok_chosen + t * k, s.tok_w + t * k) != 0:
+            s.bad_layer = layer
+            return STATUS_BAD_ROUTER
+    memcpy(s.chosen + layer * k, s.tok_chosen + (n - 1) * k, sizeof(int) * k)     # last token, for --verbose
+    memcpy(s.chosen_w + layer * k, s.tok_w + (n - 1) * k, sizeof(float) * k)
+    if h.prefetch != PREFETCH_NONE and n == 1:                # advise the OS of the chosen experts
+        for j in range(k):
+            will_need(&L.expert_pages[s.tok_chosen[j]], s)
+        if h.prefetch == PREFETCH_PREDICT:
+            predict_next(h, L, s, s.tok_chosen, layer, router_in)
+    elif h.prefetch != PREFETCH_NONE:                         # ... of every expert some token chose
+        for e in range(E):
+            for t in range(n * k):
+                if s.tok_chosen[t] == e:
+                    will_need(&L.expert_pages[e], s)
+                    break
+    memset(out, 0, sizeof(float) * n * d)
+    for e in range(E + 1 if L.has_shared else E):         # e == E: the shared expert, every token
+        m = 0
+        for t in range(n):
+            for j in range(k):
+                if e == E or s.tok_chosen[t * k + j] == e:
+                    m += 1
+                    break
+        if m == 0:
+            continue
+        if count == MAX_SLOTS or row + m > s.wave_rows:   # the wave is full: run it
+            wave_finish(h, L, s, slots, count, n, out)
+            count = row = 0
+        if e < E:
+            s.counts[layer * E + e] += m
+        sl = &slots[count]
+        sl.f = &L.shared if e == E else &L.experts[e]
+        sl.row0 = row
+        sl.m = m
+        m = 0
+        for t in range(n):
+            for j in range(k):
+                if e == E or s.tok_chosen[t * k + j] == e:
+                    s.rows[row + m] = t
+                    s.row_w[row + m] = shared_gate(L, expert_in + <size_t>t * d, d) if e == E else s.tok_w[t * k + j]
+                    if sl.m < n:                            # gather the tokens routed to e
+                        memcpy(s.g + <size_t>(row + m) * d, expert_in + <size_t>t * d, sizeof(float) * d)
+                    m += 1
+                    break
+        if sl.m == n:                                       # every token: its input as it is
+            sl.x = expert_in
+            sl.acts = s.acts
+        else:
+            sl.x = s.g + <size_t>row * d
+            sl.acts = s.wave_acts + row
+        sl.ldx = d
+        sl.out = s.y + <size_t>row * d
+        row += sl.m
+        count += 1
+    if count:
+        wave_finish(h, L, s, slots, count, n, out)
+    return STATUS_OK
+
+
+cdef int feed_forward(const Hyper *h, Layer *L, Scratch *s, int n, int layer) noexcept nogil:
+    """s.xb2 [n, d] = the feed-forward block of the residuals s.x (s.xb: their ffn_norm)."""
+    cdef int d = h.d_model, t, status
+    cdef size_t o
+    if not L.is_moe:
+        ffn(h, &L.dense, s.xb, s.xb2, s, n)
+        return STATUS_OK
+    if not L.parallel:
+        return moe(h, L, s, n, layer, s.xb, s.xb, s.xb2)
+    # Gemma 4: dense MLP and experts side by side, each with its own norms, summed
+    ffn(h, &L.dense, s.xb, s.xb2, s, n)
+    for t in range(n):
+        o = <size_t>t * d
+        cb_rmsnorm(s.xb2 + o, s.xb2 + o, L.post_mlp_norm, d, h.rms_eps)
+        cb_rmsnorm(s.rx + o, s.x + o, L.router_scale, d, h.rms_eps)
+        cb_scale(s.rx + o, h.router_root, d)
+        cb_rmsnorm(s.xe + o, s.x + o, L.pre_moe_norm, d, h.rms_eps)
+    status = moe(h, L, s, n, layer, s.rx, s.xe, s.xm)
+    if status != STATUS_OK:
+        return status
+    for t in range(n):
+        o = <size_t>t * d
+        cb_rmsnorm(s.xm + o, s.xm + o, L.post_moe_norm, d, h.rms_eps)
+        cb_add(s.xb2 + o, s.xm + o, d)
+    return STATUS_OK
+
+
+cdef inline void rmsnorm_rows(float *out, const float *x, const float *weight, int n, const Hyper *h) noexcept nogil:
+    """out[t] = rmsnorm(x[t]) * weight for the n rows [n, d_model]."""
+    cdef int t
+    cdef size_t o
+    for t in range(n):
+        o = <size_t>t * h.d_model
+        cb_rmsnorm(out + o, x + o, weight, h.d_model, h.rms_eps)
+
+
+cdef inline int logits_status(const Hyper *h, float *logits, int n) noexcept nogil:
+    """Soft-cap the logits [n] where configured; STATUS_BAD_LOGITS if any is not finite."""
+    if h.softcap > 0:
+        cb_softcap(logits, h.softcap, n)
+    return STATUS_OK if cb_all_finite(logits, n) else STATUS_BAD_LOGITS
+
+
+cdef enum:
+    WANT_NONE = 0             # no logits (an inner chunk of a long prompt)
+    WANT_LAST = 1             # the last token's logits [vocab]
+    WANT_ALL = 2              # every token's logits [n, vocab]
+
+PREFILL_CHUNK = 128        # prompt tokens per chunk: bounds the scratch (about 40 KB per
+                           # token for a 1024-wide model with 3584-wide experts)
+
+
+cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
+                 const Mat *lm_head, Scratch *s, const int *tokens, int n, int pos0,
+                 float *logits, int want) noexcept nogil:
+    """The model, layer by layer, over n <= s.cap tokens at positions pos0.. (decode: n = 1):
+
+        embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
+              -> final_norm -> lm_head (want: WANT_ALL, WANT_LAST or WANT_NONE)
+    """
+    cdef int d = h.d_model, l, t, status
+    cdef Layer *L
+    for t in range(n):
+        kernels.dequant_row(s.x + <size_t>t * d, embedding.data, embedding.dtype, embedding.layout, tokens[t],
+                       embedding.rows, d)
+        if h.embed_scale != 1.0:
+            cb_scale(s.x + <size_t>t * d, h.embed_scale, d)
+    for l in range(h.n_layers):
+        L = &layers[l]
+        rmsnorm_rows(s.xb, s.x, L.attn_norm, n, h)                 # attention block
+        attention(h, L, s, n, pos0)
+        if L.post_attn_norm != NULL:
+            rmsnorm_rows(s.xb2, s.xb2, L.post_attn_norm, n, h)
+        cb_add(s.x, s.xb2, n * d)
+        rmsnorm_rows(s.xb, s.x, L.ffn_norm, n, h)                  # feed-forward block
+        status = feed_forward(h, L, s, n, l)
+        if status != STATUS_OK:
+            return status
+        if L.post_ffn_norm != NULL:
+            rmsnorm_rows(s.xb2, s.xb2, L.post_ffn_norm, n, h)
+        cb_add(s.x, s.xb2, n * d)
+        if L.layer_scalar != 1.0:
+            cb_scale(s.x, L.layer_scalar, n * d)
+    if want == WANT_NONE:
+        return STATUS_OK if cb_all_finite(s.x, n * d) else STATUS_BAD_HIDDEN
+    if want == WANT_ALL:                                            # head
+        rmsnorm_rows(s.x, s.x, final_norm, n, h)
+        matmul(logits, h.vocab, lm_head, s.x, d, s.acts, n, h.n_threads)
+        return logits_status(h, logits, n * h.vocab)
+    rmsnorm_rows(s.x + <size_t>(n - 1) * d, s.x + <size_t>(n - 1) * d, final_norm, 1, h)
+    matmul(logits, h.vocab, lm_head, s.x + <size_t>(n - 1) * d, d, s.acts, 1, h.n_threads)
+    return logits_status(h, logits, h.vocab)
+
+
+cdef class Engine:
+    """Owns the per-layer pointer table, the KV cache and the scratch arena of one model.
+
+    `tensors` maps tensor names of the model directory (see modeldir.py) to
+    (address, dtype name, shape) of weights that stay mapped for the Engine's lifetime: the
+    caller (model.Model) owns the mappings and keeps them alive.
+    """
+    cdef Hyper h
+    cdef Layer *layers          # [n_layers]
+    cdef FFN *experts           # [n_layers * n_experts]
+    cdef Mat embedding          # [vocab, d_model]
+    cdef Mat lm_head            # [vocab, d_model] (the embedding when tied)
+    cdef const float *final_norm  # [d_model]
+    cdef Scratch s
+    cdef object _keep           # numpy arrays backing the scratch arena, KV cache and tables
+    cdef public object logits   # np.ndarray float32 [vocab], a view of the scratch logits
+    cdef public object chosen   # np.ndarray int32 [n_layers, top_k]
+    cdef public object chosen_weights  # np.ndarray float32 [n_layers, top_k]
+    cdef public object expert_counts   # np.ndarray int64 [n_layers, n_experts]
+    cdef public object prefetch_stats  # np.ndarray int64 [PF_N]
+
+    def __cinit__(self):
+        self.layers = NULL
+        self.experts = NULL
+        self.s.acts = NULL
+        self.s.wave_acts = NULL
+
+    def __init__(self, dict hp, dict tensors, list layer_flags, int n_threads):
+        """hp: the config fields plus run options (model.Model builds it). layer_flags[l]: "moe",
+        "sliding_window", "d_ff", "head_dim", "n_kv_heads", "kv_ring", "attn_scale" (0: 1/sqrt(head_dim))
+        and "rope" = (cos, sin) float32 [n_ctx, head_dim / 2]."""
+        cdef int d = hp["hidden_size"]
+        cdef int n_layers = hp["num_hidden_layers"]
+        cdef int n_experts = max(hp["num_experts"], 1)
+        cdef int top_k = max(hp["num_experts_per_tok"], 1)
+        cdef int n_ctx = hp["n_ctx"]
+        self.h.d_model = d
+        self.h.n_layers = n_layers
+        self.h.n_heads = hp["num_attention_heads"]
+        self.h.vocab = hp["vocab_size"]
+        self.h.n_experts = n_experts
+        self.h.top_k = top_k
+        self.h.norm_topk_prob = 1 if hp["norm_topk_prob"] else 0
+        self.h.use_lut = 0 if hp["exact_softmax"] else 1
+        self.h.prefetch = hp.get("prefetch_mode", PREFETCH_NONE)
+        self.h.release_in_prefill = 1 if hp.get("release_in_prefill") else 0
+        self.h.qk_norm = hp["qk_norm_mode"]
+        self.h.clip_qkv = hp["clip_qkv"] or 0.0
+        self.h.v_norm = 1 if hp.get("v_norm") else 0
+        self.h.act = hp.get("act_code", 0)
+        self.h.embed_scale = hp.get("embedding_scale", 1.0)
+        self.h.softcap = hp.get("final_logit_softcapping") or 0.0
+        self.h.router_root = (<float>d) ** -0.5
+        self.h.rms_eps = hp["rms_norm_eps"]
+        self.h.n_ctx = n_ctx
+        self.h.n_threads = max(n_threads, 1)
+
+        cdef int q_dim = self.h.n_heads * max(f["head_dim"] for f in layer_flags)
+        cdef int kv_dim = max(f["n_kv_heads"] * f["head_dim"] for f in layer_flags)
+        max_ff = max([1] + [f["d_ff"] for f in layer_flags])
+        max_cols = max(d, q_dim, max_ff)
+        if top_k + 1 > MAX_SLOTS:                      # a decode wave: the chosen experts and the shared one
+            raise ValueError(f"top-k {top_k} is more than {MAX_SLOTS - 1} experts per token")
+        cap = max(1, min(hp.get("prefill_chunk") or PREFILL_CHUNK, n_ctx))
+        wave = max(cap, MAX_SLOTS)
+        f32 = np.float32
+        blocks = max_cols // 32 + 1
+        keep = {
+            "x": np.zeros((cap, d), f32), "xb": np.zeros((cap, d), f32), "xb2": np.zeros((cap, d), f32),
+            "q": np.zeros((cap, q_dim), f32), "att": np.zeros((cap, q_dim), f32),
+            "k": np.zeros((cap, kv_dim), f32), "v": np.zeros((cap, kv_dim), f32),
+            "scores": np.zeros((self.h.n_heads, n_ctx), f32),
+            "rx": np.zeros((cap, d), f32), "xe": np.zeros((cap, d), f32), "xm": np.zeros((cap, d), f32),
+            "router": np.zeros((cap, n_experts), f32),
+            "tok_chosen": np.zeros((cap, top_k), np.int32), "tok_w": np.zeros((cap, top_k), f32),
+            "g": np.zeros((wave, d), f32), "y": np.zeros((wave, d), f32),
+            "hb": np.zeros((wave, max_ff), f32), "hb2": np.zeros((wave, max_ff), f32),
+            "rows": np.zeros(wave, np.int32), "row_w": np.zeros(wave, f32),
+            # activation quantization of the block inputs [cap] and of the wave rows [wave]
+            "acts": act_arrays(cap, max_cols), "wave_acts": act_arrays(wave, max_cols),
+            "logits": np.zeros(self.h.vocab, f32),
+            "rope": [tuple(np.ascontiguousarray(a, f32) for a in f["rope"]) for f in layer_flags],
+            "chosen": np.zeros((n_layers, top_k), np.int32),
+            "chosen_w": np.zeros((n_layers, top_k), f32),
+            "counts": np.zeros((n_layers, n_experts), np.int64),
+            "predicted": np.full((n_layers, top_k), -1, np.int32),
+            "prefetch_stats": np.zeros(PF_N, np.int64),
+            "router2": np.zeros(n_experts, f32), "pred_w": np.zeros(top_k, f32),
+            "expert_pages": np.zeros((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
+            # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
+            # what the attention reads): zero pages are only touched (made resident) as positions
+            # are filled. A sliding layer's ring must hold its window plus one prefill chunk.
+            "k_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
+            "v_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
+        }
+        for f in layer_flags:
+            if not (f["kv_ring"] == n_ctx or (f["sliding_window"] > 0 and f["kv_ring"] >= f["sliding_window"] + cap)):
+                raise ValueError(f"kv_ring {f['kv_ring']} cannot hold window {f['sliding_window']} + chunk {cap}")
+        for (c, sn), f in zip(keep["rope"], layer_flags):
+            assert c.shape == sn.shape == (n_ctx, f["head_dim"] // 2)
+        self._keep = keep
+        cdef Scratch *s = &self.s
+        s.cap = cap
+        s.x = _f32(keep["x"]); s.xb = _f32(keep["xb"]); s.xb2 = _f32(keep["xb2"])
+        s.q = _f32(keep["q"]); s.att = _f32(keep["att"])
+        s.k = _f32(keep["k"]); s.v = _f32(keep["v"])
+        s.scores = _f32(keep["scores"])
+        s.rx = _f32(keep["rx"]); s.xe = _f32(keep["xe"]); s.xm = _f32(keep["xm"])
+        s.router = _f32(keep["router"])
+        s.tok_chosen = <int *><uintptr_t>keep["tok_chosen"].ctypes.data
+        s.tok_w = _f32(keep["tok_w"])
+        s.wave_rows = wave
+        s.max_ff = max_ff
+        s.g = _f32(keep["g"]); s.y = _f32(keep["y"])
+        s.hb = _f32(keep["hb"]); s.hb2 = _f32(keep["hb2"])
+        s.rows = <int *><uintptr_t>keep["rows"].ctypes.data
+        s.row_w = _f32(keep["row_w"])
+        s.acts = kernels.bind_acts(keep["acts"])
+        s.wave_acts = kernels.bind_acts(keep["wave_acts"])
+        s.logits = _f32(keep["logits"])
+        s.chosen = <int *><uintptr_t>keep["chosen"].ctypes.data
+        s.chosen_w = _f32(keep["chosen_w"])
+        s.counts = <int64_t *><uintptr_t>keep["counts"].ctypes.data
+        s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
+        s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
+        s.router2 = _f32(keep["router2"]); s.pred_w = _f32(keep["pred_w"])
+        s.prefetch_chunk = hp.get("prefetch_chunk_bytes") or 0
+        assert sizeof(Range) == 2 * sizeof(uint64_t)
+        pages = hp.get("expert_pages") or {}
+        for (pl, pe), (start, length) in pages.items():
+            keep["expert_pages"][pl, pe] = (start, length)
+        self.logits = keep["logits"]
+        self.chosen = keep["chosen"]
+        self.chosen_weights = keep["chosen_w"]
+        self.expert_counts = keep["counts"]
+        self.prefetch_stats = keep["prefetch_stats"]
+
+        self.embedding = _mat(tensors["embedding"])
+        self.lm_head = _mat(tensors["lm_head"] if "lm_head" in tensors else tensors["embedding"])
+        self.final_norm = _vec(tensors, "final_norm")
+
+        self.layers = <Layer *>calloc(n_layers, sizeof(Layer))
+        self.experts = <FFN *>calloc(n_layers * n_experts, sizeof(FFN))
+        if self.layers == NULL or self.experts == NULL:
+            raise MemoryError("cannot allocate the layer table")
+        cdef Layer *L
+        cdef int l, e
+        for l in range(n_layers):
+            L = &self.layers[l]
+            p = f"layers.{l}."
+            flags = layer_flags[l]
+            L.head_dim = flags["head_dim"]
+            L.n_kv_heads = flags["n_kv_heads"]
+            L.attn_scale = flags["attn_scale"] or 1.0 / sqrtf(<float>L.head_dim)
+            L.rope_cos = _f32(keep["rope"][l][0]); L.rope_sin = _f32(keep["rope"][l][1])
+            L.attn_norm = _vec(tensors, p + "attn_norm")
+            L.ffn_norm = _vec(tensors, p + "ffn_norm")
+            L.post_attn_norm = _vec(tensors, p + "post_attn_norm")
+            L.post_ffn_norm = _vec(tensors, p + "post_ffn_norm")
+            L.layer_scalar = _vec(tensors, p + "layer_scalar")[0] if (p + "layer_scalar") in tensors else 1.0
+            L.wq = _mat(tensors[p + "wq"]); L.wk = _mat(tensors[p + "wk"])
+            L.wo = _mat(tensors[p + "wo"])
+            if (p + "wv") in tensors:
+                L.wv = _mat(tensors[p + "wv"])          # else data stays NULL: v is the k projection
+            L.bq = _vec(tensors, p + "bq"); L.bk = _vec(tensors, p + "bk")
+            L.bv = _vec(tensors, p + "bv"); L.bo = _vec(tensors, p + "bo")
+            L.q_norm = _vec(tensors, p + "q_norm"); L.k_norm = _vec(tensors, p + "k_norm")
+            L.sliding_window = flags["sliding_window"]
+            L.is_moe = 1 if flags["moe"] else 0
+            L.kv_ring = flags["kv_ring"]
+            L.k_cache = _f32(keep["k_cache"][l])
+            L.v_cache = _f32(keep["v_cache"][l])
+            if (p + "mlp.gate") in tensors:
+                L.dense = _ffn(tensors, p + "mlp.")
+            if L.is_moe:
+                L.router = _mat(tensors[p + "router"])
+                if L.router.dtype != CB_F32:
+                    raise ValueError(f"tensor {p}router must be f32")
+                L.experts = self.experts + l * n_experts
+                L.expert_pages = <Range *><uintptr_t>(keep["expert_pages"][l].ctypes.data)
+                for e in range(hp["num_experts"]):
+                    L.experts[e] = _ffn(tensors, f"{p}experts.{e}.")
+                L.has_shared = 1 if (p + "shared.gate") in tensors else 0
+                if L.has_shared:
+                    L.shared = _ffn(tensors, p + "shared.")
+                    L.shared_gate = _vec(tensors, p + "shared_gate")
+                L.expert_scale = _vec(tensors, p + "expert_scale")
+                L.parallel = 1 if (p + "router_scale") in tensors else 0
+                if L.parallel:
+                    L.router_scale = _vec(tensors, p + "router_scale")
+                    L.post_mlp_norm = _vec(tensors, p + "post_mlp_norm")
+                    L.pre_moe_norm = _vec(tensors, p + "pre_moe_norm")
+                    L.post_moe_norm = _vec(tensors, p + "post_moe_norm")
+                    if L.dense.gate.data == NULL or L.post_mlp_norm == NULL or L.pre_moe_norm == NULL \
+                            or L.post_moe_norm == NULL:
+                        raise ValueError(f"layer {l}: the parallel MoE block needs mlp.*, post_mlp_norm, "
+                                         f"pre_moe_norm and post_moe_norm")
+            elif L.dense.gate.data == NULL:
+                raise ValueError(f"layer {l}: dense layer without mlp.gate")
+
+    def __dealloc__(self):
+        free(self.layers)
+        free(self.experts)
+        free(self.s.acts)
+        free(self.s.wave_acts)
+
+    def reset(self):
+        """Forget the context (the KV cache is overwritten position by position, so nothing to clear)."""
+        self.expert_counts[...] = 0
+        self._keep["predicted"][...] = -1
+
+    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits):
+        """Push tokens[0..T) through the model at positions pos0.., in chunks of at most the
+        prefill chunk (every weight read once per chunk; decode is a chunk of one token).
+
+        all_logits: logits_out is [T, vocab] and receives every position's logits;
+        otherwise logits_out is [1, vocab] and receives only the last one (the lm_head is skipped
+        for the others). Returns (status, token index of a failure, layer of a bad router).
+        """
+        cdef int t = 0, n, status = STATUS_OK
+        cdef int T = tokens.shape[0]
+        cdef int want
+        if pos0 < 0 or pos0 + T > self.h.n_ctx:
+            raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.h.n_ctx}")
+        if logits_out.shape[1] != self.h.vocab or logits_out.shape[0] < (T if all_logits else 1):
+            raise ValueError("logits_out has the wrong shape")
+        for t in range(T):
+            if tokens[t] < 0 or tokens[t] >= self.h.vocab:
+                raise ValueError(f"token id {tokens[t]} is outside the vocabulary [0, {self.h.vocab})")
+        t = 0
+        with nogil:
+            while t < T:
+                n = T - t if T - t < self.s.cap else self.s.cap
+                want = WANT_ALL if all_logits else (WANT_LAST if t + n == T else WANT_NONE)
+                status = forward(&self.h, self.layers, &self.embedding, self.final_norm, &self.lm_head,
+                                 &self.s, &tokens[t], n, pos0 + t, &logits_out[t if all_logits else 0, 0], want)
+                if status != STATUS_OK:
+                    break
+                t += n
+        if status == STATUS_OK and T:
+            memcpy(self.s.logits, &logits_out[T - 1 if all_logits else 0, 0], sizeof(float) * self.h.vocab)
+        return status, min(t, T - 1), self.s.bad_layer
+
+    @property
+    def n_ctx(self):
+        return self.h.n_ctx
+
+    def kv_cache_ranges(self):
+        """[(address, nbytes)] of every layer's key and value cache."""
+        return [(a.ctypes.data, a.nbytes) for a in self._keep["k_cache"] + self._keep["v_cache"]]
+
+    @property
+    def kv_cache_bytes(self):
+        """Bytes of the KV cache arrays as allocated (keys and values of every layer)."""
+        return sum(a.nbytes for a in self._keep["k_cache"] + self._keep["v_cache"])
+
+
+cdef inline float *_f32(a):
+    return <float *><uintptr_t>a.ctypes.data
+
+
+cdef Mat _mat(tuple t):
+    """(address, dtype name, shape[, layout name]) -> Mat; shape is the logical [rows, cols]."""
+    cdef Mat m
+    addr, dtype, shape = t[:3]
+    m.data = <const void *><uintptr_t>addr
+    m.dtype = DTYPE_CODES[dtype]
+    m.layout = LAYOUT_CODES[t[3] if len(t) > 3 else "rows"]
+    if m.layout == CB_TRANSPOSED and (m.dtype == CB_INT8 or m.dtype == CB_INT4) and shape[0] % 8:
+        raise ValueError(f"a transposed {dtype} matrix needs a multiple of 8 rows, got {shape}")   # whole groups
+    if m.layout == CB_INTERLEAVED and (not (m.dtype == CB_INT8 or m.dtype == CB_INT4) or shape[0] % 8):
+        raise ValueError(f"the interleaved layout needs int8/int4 and a multiple of 8 rows, got {dtype} {shape}")
+    m.rows = shape[0]
+    m.cols = shape[1]
+    return m
+
+
+cdef const float *_vec(dict tensors, str name):
+    """A float32 vector by name, or NULL when the model has no such tensor."""
+    t = tensors.get(name)
+    if t is None:
+        return NULL
+    if t[1] != "f32":
+        raise ValueError(f"tensor {name} must be f32, got {t[1]}")
+    return <const float *><uintptr_t>t[0]
+
+
+cdef FFN _ffn(dict tensors, str prefix):
+    cdef FFN f
+    f.gate = _mat(tensors[prefix + "gate"])
+    f.up = _mat(tensors[prefix + "up"])
+    f.down = _mat(tensors[prefix + "down"])
+    return f
+
+

@@ -1,0 +1,111 @@
+# The contract between Python and csrc/: every C declaration of the kernels, once.
+#
+# csrc/dispatch.h keeps its state in this module's copy of it (the kernel table cb_kt, chosen at
+# import, and the f16 table): the functions marked STATEFUL below read it, so every other module
+# calls them through this module's entry points at the end of this file, never directly. The
+# stateless ones (element-wise arithmetic, sizes) may be called from anywhere.
+
+from libc.stdint cimport uint8_t, int8_t, uint16_t, int32_t
+
+cdef extern from "kernels_scalar.h" nogil:
+    # storage formats and layouts of a matrix (colibri._kernels.DTYPE_CODES / LAYOUT_CODES)
+    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4
+    int CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
+    # the FFN gate's activation (colibri._kernels.ACT_CODES)
+    int CB_ACT_SILU, CB_ACT_GELU_TANH
+    ctypedef struct cb_act_q8:   # one activation vector quantized per block of 32 for int8/int4 weights
+        signed char *q     # [n]
+        float *d           # [n / 32]
+        int32_t *s         # [n / 32] the sum of each block's q
+        int n
+        float *xp          # [n] or NULL: the activation reordered for the bf16 tile
+
+    # stateless
+    float cb_f16_to_f32_exact(uint16_t h)
+    float cb_bf16_to_f32(uint16_t h)
+    size_t cb_row_stride(int dtype, int cols)
+    void cb_rmsnorm(float *out, const float *x, const float *weight, int n, float eps)
+    void cb_add(float *acc, const float *x, int n)
+    void cb_axpy(float *acc, float a, const float *x, int n)
+    void cb_clip(float *x, float limit, int n)
+    void cb_scale(float *x, float a, int n)
+    void cb_softcap(float *x, float cap, int n)
+    void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, const float *sin_t)
+    int cb_all_finite(const float *x, int n)
+
+    # STATEFUL (the f16 table)
+    void cb_init_tables()
+    void cb_dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols)
+
+cdef extern from "dispatch.h" nogil:
+    int CB_ISA_SCALAR, CB_ISA_AVX2, CB_ISA_AVX512
+    int CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI
+    int CB_INT_STEP_AVX512VNNI
+    ctypedef struct cb_cpu_features:
+        int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
+        int avx512_vnni, avx512_bf16, avx_vnni, os_avx, os_avx512
+    ctypedef struct cb_kernel_table:
+        int isa
+        int int_step
+    ctypedef struct cb_matjob:   # one product of a batch: out[t * ldo + r] = W[r, :] . x[t * ldx + :], t < n
+        int n
+        float *out
+        int ldo
+        const void *w
+        int dtype
+        int layout
+        int rows
+        int cols
+        const float *x
+        int ldx
+        cb_act_q8 *acts
+        const float *glu_up
+        int glu_act
+
+    # stateless
+    cb_cpu_features cb_detect_cpu()
+    int cb_best_isa(const cb_cpu_features *f)
+
+    # STATEFUL (the kernel table)
+    cb_kernel_table cb_kt
+    int cb_select_isa(int isa)
+    int cb_set_int_step(int step)
+    int cb_set_prefill_repack(int on)
+    int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
+    void cb_glu(float *gate, const float *up, int n, int act)
+    void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
+                   cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
+    void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads)
+    int cb_attention_softmax(float *x, int n)
+    void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
+    void cb_attention(float *out, int ldo, const float *q, int ldq, const float *k_cache,
+                      const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+                      int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads)
+
+cdef extern from "quant.h":
+    ctypedef struct cb_block_int8:
+        pass
+    ctypedef struct cb_block_int4:
+        pass
+    ctypedef struct cb_group_int8:
+        pass
+    ctypedef struct cb_group_int4:
+        pass
+
+
+# ---- the entry points: the kernels of the tier in use (this module's kernel table) ----------
+
+cdef void matmul_jobs(const cb_matjob *jobs, int count, int n_threads) noexcept nogil
+cdef void matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
+                 cb_act_q8 *acts, int n, int rows, int cols, int n_threads) noexcept nogil
+cdef void attention(float *out, int ldo, const float *q, int ldq, const float *k_cache, const float *v_cache,
+                    float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx, int n, int pos0,
+                    int window, int ring, float scale, int n_threads) noexcept nogil
+cdef void glu(float *gate, const float *up, int n, int act) noexcept nogil
+cdef void dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols) noexcept nogil
+cdef void quantize_act(cb_act_q8 *a, const float *x, int n) noexcept nogil
+cdef int attention_softmax(float *x, int n) noexcept nogil
+cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) noexcept nogil
+
+# activation quantization scratch: bind_acts(act_arrays(rows, cols)) -> cb_act_q8 [rows] (free() it)
+cdef cb_act_q8 *bind_acts(list arrays) except NULL

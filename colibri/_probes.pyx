@@ -1,0 +1,464 @@
+# cython: language_level=3
+"""Probes of the kernels, for the tests and the benchmarks: not used by the engine.
+
+Thin wrappers that call one kernel of the tier in use (through _kernels' entry points, so
+`_kernels.select_isa` switches them too) on numpy arrays, `bench_*` loops that time a kernel with
+no Python between repetitions (tools/bench_kernels.py, tools/bench_routing.py), and the machine's
+attainable read bandwidth and FMA / int8 rates for the rooflines.
+"""
+
+from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t, uint64_t
+from libc.stdlib cimport free
+from libc.math cimport sqrtf
+
+cimport colibri._kernels as kernels
+cimport colibri._routing as routing
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, cb_f16_to_f32_exact, cb_row_stride,
+                               cb_rmsnorm, cb_block_int8, cb_block_int4, cb_group_int8, cb_group_int4)
+from colibri._routing cimport CB_MAX_TOP_K
+
+import numpy as np
+
+from colibri._kernels import ACT_CODES, DTYPE_CODES, LAYOUT_CODES, act_arrays, available_isas, isa
+
+
+def kernel_f16_to_f32(uint16_t h):
+    return cb_f16_to_f32_exact(h)
+
+
+def _stored_rows(w, int cols, str dtype, str layout):
+    """The number of outputs of a stored matrix w (see kernel_matvec); ValueError if w cannot hold
+    a matrix of `cols` inputs in that format and layout."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    if layout not in LAYOUT_CODES:
+        raise ValueError(f"unknown layout {layout!r}")
+    cdef int code = DTYPE_CODES[dtype]
+    block = code == CB_INT8 or code == CB_INT4
+    if block and cols % 32:
+        raise ValueError(f"{dtype} needs a multiple of 32 columns, got {cols}")
+    if layout == "rows":
+        rows = w.shape[0]
+    elif layout == "interleaved":    # [rows / 8, cols / 32 * group bytes]
+        if not block:
+            raise ValueError(f"the interleaved layout is for int8/int4, not {dtype}")
+        rows = w.shape[0] * 8 if w.ndim == 2 else 0
+        if w.ndim != 2 or w.shape[1] != cols // 32 * 8 * cb_row_stride(code, 32):
+            raise ValueError(f"interleaved {dtype} needs [rows / 8, cols / 32 * group bytes], got {w.shape}")
+    elif block:                      # [cols / 32, rows / 8 * group bytes]
+        rows = w.shape[1] // (8 * cb_row_stride(code, 32)) * 8 if w.ndim == 2 else 0
+        if w.ndim != 2 or w.shape[0] != cols // 32 or w.shape[1] != rows // 8 * 8 * cb_row_stride(code, 32):
+            raise ValueError(f"transposed {dtype} needs [cols / 32, rows / 8 * group bytes], got {w.shape}")
+    else:                            # [cols, rows]
+        rows = w.shape[1] if w.ndim == 2 else 0
+    if w.nbytes != rows * cb_row_stride(code, cols):
+        raise ValueError(f"matrix of {w.nbytes} bytes does not hold {rows} rows of {cols} {dtype} values")
+    return rows
+
+
+cdef cb_act_q8 *_test_acts(int n, int cols, list keep) except NULL:
+    """Activation quantization scratch for n tokens of `cols` values (free() it); the numpy
+    arrays behind it go into `keep`, which must outlive its use."""
+    arrays = act_arrays(n, cols)
+    keep.extend(arrays)
+    return kernels.bind_acts(arrays)
+
+
+def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1, str layout="rows"):
+    """W @ x through the kernel table of the current tier.
+
+    w: the stored matrix, C-contiguous. rows layout: [rows, cols] float32 (f32), uint16
+    (f16/bf16), or [rows, cols // 32 * block bytes] uint8 for int8/int4; transposed layout: the
+    float formats [cols, rows], int8/int4 [cols // 32, rows // 8 * group bytes] uint8 (see
+    colibri.quant.transpose)."""
+    return kernel_matmul(w, np.asarray(x).reshape(1, -1), dtype, n_threads, layout)[0]   # cb_matvec is n = 1
+
+
+def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, str layout="rows"):
+    """Seconds for `reps` products out[n, rows] = x[n, cols] @ W[rows, cols]^T through the engine's
+    cb_matmul (n = 1: the decode matvec; n > 1: a prefill tile pass), with no Python between
+    repetitions: what tools/bench_kernels.py times. W is stored as in kernel_matvec."""
+    import time
+    w = np.ascontiguousarray(w)
+    cdef int n = x.shape[0], cols = x.shape[1], r, t
+    cdef int rows = _stored_rows(w, cols, dtype, layout)
+    cdef int code = DTYPE_CODES[dtype]
+    cdef int lay = LAYOUT_CODES[layout]
+    if n < 1 or reps < 1:
+        raise ValueError("bench_matmul: needs n >= 1 tokens and reps >= 1")
+    out = np.zeros((n, rows), np.float32)
+    keep = []
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
+    cdef float[:, ::1] o = out
+    cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
+    t0 = time.perf_counter()
+    with nogil:
+        for r in range(reps):
+            kernels.matmul(&o[0, 0], rows, wp, code, lay, &x[0, 0], cols, acts, n, rows, cols, n_threads)
+    seconds = time.perf_counter() - t0
+    free(acts)
+    return seconds
+
+
+def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_threads, int reps):
+    """Seconds for `reps` decode steps' attention: one query q [n_heads, head_dim] against every
+    layer's cache in k_layers / v_layers float32 [n_layers, n_kv_heads, ring, head_dim] (the
+    engine's order), positions 0..pos, through cb_attention with no Python between layers or
+    repetitions: what tools/bench_kernels.py --attention times."""
+    import time
+    ka = np.ascontiguousarray(k_layers, np.float32)
+    va = np.ascontiguousarray(v_layers, np.float32)
+    if ka.ndim != 4 or va.shape != ka.shape or ka.shape[3] != q.shape[1] or ka.shape[1] < 1 \
+            or q.shape[0] % ka.shape[1] or not 0 <= pos < ka.shape[2] or reps < 1:
+        raise ValueError("bench_attention: q [n_heads, head_dim], caches [n_layers, n_kv_heads, ring, head_dim], "
+                         "0 <= pos < ring, reps >= 1")
+    cdef int n_layers = ka.shape[0], n_kv = ka.shape[1], ring = ka.shape[2], head_dim = ka.shape[3]
+    cdef int n_heads = q.shape[0], r, layer
+    out = np.zeros((n_heads, head_dim), np.float32)
+    scores = np.zeros((n_heads, pos + 1), np.float32)
+    cdef float[:, ::1] o = out, sc = scores
+    cdef const float[:, :, :, ::1] kv = ka, vv = va
+    cdef float scale = 1.0 / sqrtf(head_dim)
+    t0 = time.perf_counter()
+    with nogil:
+        for r in range(reps):
+            for layer in range(n_layers):
+                kernels.attention(&o[0, 0], 0, &q[0, 0], 0, &kv[layer, 0, 0, 0], &vv[layer, 0, 0, 0], &sc[0, 0], n_heads,
+                             n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, n_threads)
+    return time.perf_counter() - t0
+
+
+def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layout="rows"):
+    """out [n, rows] = x [n, cols] @ W^T through cb_matmul (the prefill product), W stored as in
+    kernel_matvec."""
+    w = np.ascontiguousarray(w)
+    cdef int n = x.shape[0], cols = x.shape[1], t
+    cdef int rows = _stored_rows(w, cols, dtype, layout)
+    cdef int code = DTYPE_CODES[dtype]
+    cdef int lay = LAYOUT_CODES[layout]
+    out = np.zeros((n, rows), np.float32)
+    if n == 0 or rows == 0 or cols == 0:
+        return out
+    keep = []
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
+    cdef float[:, ::1] o = out
+    cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
+    with nogil:
+        kernels.matmul(&o[0, 0], rows, wp, code, lay, &x[0, 0], cols, acts, n, rows, cols, n_threads)
+    free(acts)
+    return out
+
+
+
+
+def kernel_glu(const float[::1] gate, const float[::1] up, str act):
+    """act(gate) * up through the current tier's cb_glu (act: "silu" or "gelu_tanh")."""
+    if gate.shape[0] != up.shape[0]:
+        raise ValueError("kernel_glu: gate and up must have the same length")
+    if act not in ACT_CODES:
+        raise ValueError(f"kernel_glu: act must be one of {', '.join(ACT_CODES)}, not {act!r}")
+    out = np.array(gate, np.float32)
+    cdef float[::1] o = out
+    cdef int n = gate.shape[0], code = ACT_CODES[act]
+    if n:
+        kernels.glu(&o[0], &up[0], n, code)
+    return out
+
+
+def kernel_dpbusd_emulated(const int32_t[::1] acc, const uint8_t[::1] u, const int8_t[::1] s):
+    """acc [8] + the VNNI step (vpdpbusd) of u [32] and s [32] as emulated in AVX2 for the
+    "vnni-emulated" int step. ValueError on a tier without AVX2."""
+    if acc.shape[0] != 8 or u.shape[0] != 32 or s.shape[0] != 32:
+        raise ValueError("kernel_dpbusd_emulated: acc [8] int32, u [32] uint8, s [32] int8")
+    out = np.empty(8, np.int32)
+    cdef int32_t[::1] o = out
+    if kernels.dpbusd_emulated(&o[0], &acc[0], &u[0], &s[0]) != 0:
+        raise ValueError(f"kernel_dpbusd_emulated: tier {isa()} has no AVX2")
+    return out
+
+
+def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, str act, int n_threads,
+                       bint adjacent=True):
+    """act(x @ gate^T) * (x @ up^T) [n, rows] through one cb_matmul_jobs batch (each thread applies
+    the activation to the gate rows it computed), gate and up stored as in kernel_matvec.
+    adjacent: the batch is [up, gate]; otherwise [up, another product, gate]."""
+    gate = np.ascontiguousarray(gate)
+    up = np.ascontiguousarray(up)
+    if act not in ACT_CODES:
+        raise ValueError(f"kernel_glu_product: act must be one of {', '.join(ACT_CODES)}, not {act!r}")
+    cdef int n = x.shape[0], cols = x.shape[1]
+    cdef int rows = _stored_rows(gate, cols, dtype, layout)
+    if _stored_rows(up, cols, dtype, layout) != rows or gate.shape != up.shape:
+        raise ValueError("kernel_glu_product: gate and up must have the same shape")
+    out = np.zeros((n, rows), np.float32)
+    up_out = np.zeros((n, rows), np.float32)
+    other = np.zeros((n, rows), np.float32)
+    if n == 0 or rows == 0:
+        return out
+    keep = []
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
+    cdef cb_matjob jobs[3]
+    cdef float[:, ::1] o = out, u = up_out, ot = other
+    cdef int k, count = 2 if adjacent else 3
+    cdef const void *ptrs[3]
+    cdef float *outs[3]
+    ptrs[0] = <const void *><uintptr_t>up.ctypes.data
+    ptrs[1] = ptrs[0] if not adjacent else <const void *><uintptr_t>gate.ctypes.data
+    ptrs[2] = <const void *><uintptr_t>gate.ctypes.data
+    outs[0] = &u[0, 0]
+    outs[1] = &ot[0, 0] if not adjacent else &o[0, 0]
+    outs[2] = &o[0, 0]
+    for k in range(count):
+        jobs[k].n = n
+        jobs[k].out = outs[k]
+        jobs[k].ldo = rows
+        jobs[k].w = ptrs[k]
+        jobs[k].dtype = DTYPE_CODES[dtype]
+        jobs[k].layout = LAYOUT_CODES[layout]
+        jobs[k].rows = rows
+        jobs[k].cols = cols
+        jobs[k].x = &x[0, 0]
+        jobs[k].ldx = cols
+        jobs[k].acts = acts
+        jobs[k].glu_up = NULL
+        jobs[k].glu_act = 0
+    jobs[count - 1].glu_up = &u[0, 0]
+    jobs[count - 1].glu_act = ACT_CODES[act]
+    with nogil:
+        kernels.matmul_jobs(jobs, count, n_threads)
+    free(acts)
+    return out
+
+
+def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1):
+    """One query's causal attention through the tier's kernel (cb_attention): q float32 [n_heads,
+    head_dim] (roped), k_cache / v_cache float32 [ring, n_kv_heads * head_dim] holding position p
+    in row p % ring — or already in the engine's order [n_kv_heads, ring, head_dim] (C-contiguous
+    float32, used as they are: tools/bench_kernels.py); attends positions start..pos with scale
+    1/sqrt(head_dim). -> [n_heads, head_dim]."""
+    qa = np.ascontiguousarray(q, np.float32)
+    cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError("kernel_attention: n_heads must be a multiple of n_kv_heads")
+    if np.ndim(k_cache) == 3:
+        ring = np.shape(k_cache)[1]
+        if np.shape(k_cache) != (n_kv_heads, ring, head_dim) or np.shape(v_cache) != np.shape(k_cache):
+            raise ValueError("kernel_attention: engine-order caches are [n_kv_heads, ring, head_dim]")
+        ka = np.ascontiguousarray(k_cache, np.float32)
+        va = np.ascontiguousarray(v_cache, np.float32)
+    else:
+        ring = np.shape(k_cache)[0]
+        if np.shape(k_cache) != (ring, n_kv_heads * head_dim) or np.shape(v_cache) != np.shape(k_cache):
+            raise ValueError("kernel_attention: q [n_heads, head_dim], caches [ring, n_kv_heads * head_dim]")
+        # the engine's cache order: [n_kv_heads, ring, head_dim]
+        ka = np.ascontiguousarray(np.asarray(k_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
+        va = np.ascontiguousarray(np.asarray(v_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
+    if not 0 <= start <= pos or pos - start + 1 > ring:
+        raise ValueError("kernel_attention: positions start..pos must fit the ring")
+    n_ctx = pos - start + 1
+    out = np.zeros((n_heads, head_dim), np.float32)
+    scores = np.zeros((n_heads, n_ctx), np.float32)
+    cdef float[:, ::1] o = out, sc = scores
+    cdef const float[:, ::1] qv = qa
+    cdef const float[:, :, ::1] kv = ka, vv = va
+    with nogil:
+        kernels.attention(&o[0, 0], 0, &qv[0, 0], 0, &kv[0, 0, 0], &vv[0, 0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim,
+                     n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), n_threads)
+    return out
+
+
+def kernel_attention_softmax(x):
+    """The current tier's attention softmax of float32 x [n] (a copy); None when x holds NaN/inf
+    (cb_softmax's contract: nothing normalised)."""
+    out = np.array(x, np.float32).reshape(-1)
+    cdef float[::1] o = out
+    if out.shape[0] == 0:
+        return out
+    return out if kernels.attention_softmax(&o[0], out.shape[0]) == 0 else None
+
+
+def kernel_quantize_act(const float[::1] x):
+    """(q int8 [n], d float32 [n / 32], s int32 [n / 32]): the current tier's per-block activation
+    quantization (s: each block's sum of q)."""
+    cdef int n = x.shape[0]
+    if n % 32:
+        raise ValueError(f"activations are quantized in blocks of 32, got {n} values")
+    q = np.zeros(max(n, 32), np.int8)
+    d = np.zeros(max(n // 32, 1), np.float32)
+    s = np.zeros(max(n // 32, 1), np.int32)
+    cdef cb_act_q8 act
+    act.q = <signed char *><uintptr_t>q.ctypes.data
+    act.d = <float *><uintptr_t>d.ctypes.data
+    act.s = <int32_t *><uintptr_t>s.ctypes.data
+    act.xp = NULL
+    if n:
+        kernels.quantize_act(&act, &x[0], n)
+    return q[:n], d[:n // 32], s[:n // 32]
+
+
+def kernel_dequant_row(w, int row, int cols, str dtype, str layout="rows"):
+    """Row `row` of a stored matrix (as in kernel_matvec) as float32 [cols] (the embedding lookup)."""
+    w = np.ascontiguousarray(w)
+    cdef int rows = _stored_rows(w, cols, dtype, layout)
+    if not 0 <= row < rows:
+        raise ValueError(f"row {row} is outside 0..{rows - 1}")
+    out = np.zeros(cols, np.float32)
+    cdef float[::1] o = out
+    kernels.dequant_row(&o[0], <const void *><uintptr_t>w.ctypes.data, DTYPE_CODES[dtype], LAYOUT_CODES[layout], row,
+                   rows, cols)
+    return out
+
+
+def kernel_route(const float[::1] logits, int k, bint norm_topk_prob, bint use_lut=False):
+    """(chosen expert indices int32 [k], weights float32 [k]) or ValueError for non-finite logits."""
+    buf = np.array(logits, np.float32)
+    chosen = np.zeros(k, np.int32)
+    weights = np.zeros(k, np.float32)
+    cdef float[::1] b = buf
+    cdef int[::1] c = chosen
+    cdef float[::1] w = weights
+    if k < 1 or k > b.shape[0] or k > CB_MAX_TOP_K:
+        raise ValueError(f"k={k} must be in 1..{min(b.shape[0], CB_MAX_TOP_K)}")
+    if routing.route(&b[0], b.shape[0], k, norm_topk_prob, use_lut, &c[0], &w[0]) != 0:
+        raise ValueError("router logits are not finite")
+    return chosen, weights
+
+
+def bench_route(const float[:, ::1] logits, int k, bint norm_topk_prob, bint use_lut):
+    """Route every row of logits [n, n_experts] (the routing micro-benchmark); returns seconds."""
+    import time
+    cdef int n = logits.shape[0], e = logits.shape[1], i
+    chosen = np.zeros(k, np.int32)
+    weights = np.zeros(k, np.float32)
+    cdef int[::1] c = chosen
+    cdef float[::1] w = weights
+    t0 = time.perf_counter()
+    with nogil:
+        for i in range(n):
+            routing.route(&logits[i, 0], e, k, norm_topk_prob, use_lut, &c[0], &w[0])
+    return time.perf_counter() - t0
+
+
+def kernel_rmsnorm(const float[::1] x, weight, float eps):
+    out = np.zeros(x.shape[0], np.float32)
+    cdef float[::1] o = out
+    cdef const float[::1] wv
+    if weight is None:
+        cb_rmsnorm(&o[0], &x[0], NULL, x.shape[0], eps)
+    else:
+        wv = np.ascontiguousarray(weight, np.float32)
+        cb_rmsnorm(&o[0], &x[0], &wv[0], x.shape[0], eps)
+    return out
+
+
+def block_sizes():
+    """sizeof of the C block structs, for the test that they agree with colibri.quant."""
+    return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4)}
+
+
+def group_sizes():
+    """sizeof of the C group structs of the transposed layout (8 blocks each)."""
+    return {"int8": sizeof(cb_group_int8), "int4": sizeof(cb_group_int4)}
+
+
+cdef extern from *:
+    """
+    /* Streaming read of n bytes (a multiple of 64) split over threads: the machine's read
+     * bandwidth, for the benchmarks' roofline. Returns a checksum so the loop is not removed. */
+    static uint64_t cb_read_bytes(const void *p, size_t n, int n_threads) {
+        const uint64_t *q = (const uint64_t *)p;
+        long long words = (long long)(n / 8);
+        uint64_t total = 0;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) reduction(+:total)
+        for (long long i = 0; i < words; i += 8) {
+            total += (q[i] ^ q[i + 1]) + (q[i + 2] ^ q[i + 3]) + (q[i + 4] ^ q[i + 5]) + (q[i + 6] ^ q[i + 7]);
+        }
+        return total;
+    }
+    """
+    uint64_t cb_read_bytes(const void *p, size_t n, int n_threads) nogil
+
+
+cdef extern from *:
+    """
+    /* The attainable float FMA rate of this machine: 10 independent chains of 8-lane FMAs per
+     * thread (enough to cover the FMA latency), for the prefill GFLOP/s "next to peak". Returns the
+     * number of floating-point operations done, or -1 where it cannot run (no GCC/Clang). */
+    #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    #include <immintrin.h>
+    __attribute__((target("avx2,fma"))) static double cb_peak_fma_avx2(long long iters, int n_threads) {
+        double total = 0.0;
+        #pragma omp parallel num_threads(n_threads) reduction(+:total)
+        {
+            __m256 a[10];
+            const __m256 m = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
+            for (int k = 0; k < 10; k++) a[k] = _mm256_set1_ps(1.0f + k);
+            for (long long i = 0; i < iters; i++)
+                for (int k = 0; k < 10; k++) a[k] = _mm256_fmadd_ps(a[k], m, c);
+            float lanes[8];
+            __m256 s = a[0];
+            for (int k = 1; k < 10; k++) s = _mm256_add_ps(s, a[k]);
+            _mm256_storeu_ps(lanes, s);
+            total += (double)(lanes[0] > 0.0f) * (double)iters * 10.0 * 8.0 * 2.0;
+        }
+        return total;
+    }
+    /* The attainable AVX2 int8 dot-product rate (no VNNI): 10 independent chains of the int8
+     * kernels' step, 32 byte products through maddubs, pairs to int32 through madd, one add (an
+     * 8-bit add per step varies the input, as the kernels' sign does). maddubs and madd are both
+     * multiplies: where the core has one vector integer multiplier, this is the int8 ceiling.
+     * Returns the operations done (2 per byte product), or -1 where it cannot run. */
+    __attribute__((target("avx2,fma"))) static double cb_peak_int8_avx2(long long iters, int n_threads) {
+        double total = 0.0;
+        #pragma omp parallel num_threads(n_threads) reduction(+:total)
+        {
+            __m256i x[10], acc[10];
+            const __m256i w = _mm256_set1_epi8(3), inc = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+            for (int k = 0; k < 10; k++) { x[k] = _mm256_set1_epi8((char)k); acc[k] = _mm256_setzero_si256(); }
+            for (long long i = 0; i < iters; i++)
+                for (int k = 0; k < 10; k++) {
+                    x[k] = _mm256_add_epi8(x[k], inc);
+                    acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x[k]), ones));
+                }
+            __m256i s = acc[0];
+            for (int k = 1; k < 10; k++) s = _mm256_add_epi32(s, acc[k]);
+            total += (double)(_mm256_extract_epi32(s, 0) != 12345) * (double)iters * 10.0 * 32.0 * 2.0;
+        }
+        return total;
+    }
+    #else
+    static double cb_peak_fma_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
+    static double cb_peak_int8_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
+    #endif
+    """
+    double cb_peak_fma_avx2(long long iters, int n_threads) nogil
+    double cb_peak_int8_avx2(long long iters, int n_threads) nogil
+
+
+def bench_peak(str kind, int n_threads):
+    """(operations done, seconds) of a peak loop on n_threads, or None without AVX2 or GCC:
+    kind "fma" — AVX2 FMA chains (float operations); "int8" — the AVX2 int8 dot-product step of
+    the int8 kernels without VNNI (maddubs + madd; 2 operations per byte product)."""
+    import time
+    if kind not in ("fma", "int8"):
+        raise ValueError(f"bench_peak: kind must be 'fma' or 'int8', not {kind!r}")
+    if "avx2" not in available_isas():
+        return None
+    cdef double ops
+    cdef bint fma = kind == "fma"
+    t0 = time.perf_counter()
+    with nogil:
+        ops = cb_peak_fma_avx2(20000000, n_threads) if fma else cb_peak_int8_avx2(10000000, n_threads)
+    seconds = time.perf_counter() - t0
+    return None if ops < 0 else (ops, seconds)
+
+
+def bench_read(buf, int n_threads):
+    """Read every byte of `buf` (C-contiguous, size a multiple of 64) once; returns a checksum."""
+    cdef const unsigned char[::1] v = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    cdef size_t n = v.shape[0] // 64 * 64
+    cdef uint64_t r
+    with nogil:
+        r = cb_read_bytes(&v[0], n, n_threads)
+    return r
+

@@ -1,0 +1,13 @@
+# The contract with csrc/routing.h: the top-k router. routing.h's softmax table is state, filled
+# once by this module at import: other modules call `route` below, never cb_route.
+
+cdef extern from "routing.h" nogil:
+    int CB_MAX_TOP_K          # the most experts a token may choose
+    float CB_LUT_DELTA        # worst-case error of one table exponential (softmax_lut.h)
+    void cb_init_softmax_lut()
+    int cb_route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
+                 int *chosen, float *weights)
+
+# logits [n_experts] -> the top-k experts (chosen [k]) and their weights [k]; -1 if a logit is not finite
+cdef int route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
+               int *chosen, float *weights) noexcept nogil

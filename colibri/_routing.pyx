@@ -1,0 +1,17 @@
+# cython: language_level=3
+"""The router of Colibri: softmax over the router logits, then the top-k experts (routing.h).
+
+The weights come from the float softmax (exact) or from a lookup table of exponentials over a
+clamped logit range (the original design's LUT, `use_lut`); each architecture's variant is a
+flag: renormalised over the chosen experts (`norm_topk_prob`) or not. The table is filled here
+once, at import; the layer loop calls `route` (declared in _routing.pxd).
+"""
+
+cb_init_softmax_lut()
+LUT_DELTA = CB_LUT_DELTA        # worst-case error of one table exponential (softmax_lut.h)
+MAX_TOP_K = CB_MAX_TOP_K
+
+
+cdef int route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
+               int *chosen, float *weights) noexcept nogil:
+    return cb_route(logits, n_experts, k, norm_topk_prob, use_lut, chosen, weights)
