@@ -114,7 +114,9 @@ cdef inline int gate_up_jobs(cb_matjob *jobs, const FFN *f, float *gate_out, flo
 
 
 cdef enum:
-    MAX_SLOTS = 65            # FFNs of one wave: at least top-k (<= CB_MAX_TOP_K) and the shared one
+    MAX_SLOTS = 65            # FFNs of one wave: at least top-k and the shared one
+
+MAX_TOP_K = min(routing.CB_MAX_TOP_K, MAX_SLOTS - 1)    # experts per token: what the router and a wave hold
 
 
 cdef struct Slot:             # one FFN of a wave over some of the tokens
@@ -488,43 +490,45 @@ cdef class Engine:
         self.s.acts = NULL
         self.s.wave_acts = NULL
 
-    def __init__(self, dict hp, dict tensors, list layer_flags, int n_threads):
-        """hp: the config fields plus run options (model.Model builds it). layer_flags[l]: "moe",
-        "sliding_window", "d_ff", "head_dim", "n_kv_heads", "kv_ring", "attn_scale" (0: 1/sqrt(head_dim))
-        and "rope" = (cos, sin) float32 [n_ctx, head_dim / 2]."""
-        cdef int d = hp["hidden_size"]
-        cdef int n_layers = hp["num_hidden_layers"]
-        cdef int n_experts = max(hp["num_experts"], 1)
-        cdef int top_k = max(hp["num_experts_per_tok"], 1)
-        cdef int n_ctx = hp["n_ctx"]
+    def __init__(self, spec):
+        """spec: colibri.spec.EngineSpec — the hyperparameters, each layer's geometry, the tensors'
+        addresses and the run options, all derived there; here they are only checked and laid out."""
+        cdef int d = spec.d_model
+        cdef int n_layers = spec.n_layers
+        cdef int n_experts = spec.n_experts
+        cdef int top_k = spec.top_k
+        cdef int n_ctx = spec.n_ctx
+        cdef int cap = spec.prefill_chunk
+        layers = spec.layers
+        tensors = spec.tensors
+        if not 1 <= top_k <= MAX_TOP_K or n_experts < 1 or not 1 <= cap <= n_ctx or len(layers) != n_layers:
+            raise ValueError(f"inconsistent EngineSpec: top_k {top_k}, n_experts {n_experts}, "
+                             f"prefill_chunk {cap}, n_ctx {n_ctx}, {len(layers)} layers of {n_layers}")
         self.h.d_model = d
         self.h.n_layers = n_layers
-        self.h.n_heads = hp["num_attention_heads"]
-        self.h.vocab = hp["vocab_size"]
+        self.h.n_heads = spec.n_heads
+        self.h.vocab = spec.vocab
         self.h.n_experts = n_experts
         self.h.top_k = top_k
-        self.h.norm_topk_prob = 1 if hp["norm_topk_prob"] else 0
-        self.h.use_lut = 0 if hp["exact_softmax"] else 1
-        self.h.prefetch = hp.get("prefetch_mode", PREFETCH_NONE)
-        self.h.release_in_prefill = 1 if hp.get("release_in_prefill") else 0
-        self.h.qk_norm = hp["qk_norm_mode"]
-        self.h.clip_qkv = hp["clip_qkv"] or 0.0
-        self.h.v_norm = 1 if hp.get("v_norm") else 0
-        self.h.act = hp.get("act_code", 0)
-        self.h.embed_scale = hp.get("embedding_scale", 1.0)
-        self.h.softcap = hp.get("final_logit_softcapping") or 0.0
+        self.h.norm_topk_prob = spec.norm_topk_prob
+        self.h.use_lut = spec.use_lut
+        self.h.prefetch = spec.prefetch
+        self.h.release_in_prefill = spec.release_in_prefill
+        self.h.qk_norm = spec.qk_norm
+        self.h.clip_qkv = spec.clip_qkv
+        self.h.v_norm = spec.v_norm
+        self.h.act = spec.act
+        self.h.embed_scale = spec.embed_scale
+        self.h.softcap = spec.softcap
         self.h.router_root = (<float>d) ** -0.5
-        self.h.rms_eps = hp["rms_norm_eps"]
+        self.h.rms_eps = spec.rms_eps
         self.h.n_ctx = n_ctx
-        self.h.n_threads = max(n_threads, 1)
+        self.h.n_threads = max(spec.n_threads, 1)
 
-        cdef int q_dim = self.h.n_heads * max(f["head_dim"] for f in layer_flags)
-        cdef int kv_dim = max(f["n_kv_heads"] * f["head_dim"] for f in layer_flags)
-        max_ff = max([1] + [f["d_ff"] for f in layer_flags])
+        cdef int q_dim = self.h.n_heads * max(f.head_dim for f in layers)
+        cdef int kv_dim = max(f.n_kv_heads * f.head_dim for f in layers)
+        max_ff = max([1] + [f.d_ff for f in layers])
         max_cols = max(d, q_dim, max_ff)
-        if top_k + 1 > MAX_SLOTS:                      # a decode wave: the chosen experts and the shared one
-            raise ValueError(f"top-k {top_k} is more than {MAX_SLOTS - 1} experts per token")
-        cap = max(1, min(hp.get("prefill_chunk") or PREFILL_CHUNK, n_ctx))
         wave = max(cap, MAX_SLOTS)
         f32 = np.float32
         blocks = max_cols // 32 + 1
@@ -542,7 +546,7 @@ cdef class Engine:
             # activation quantization of the block inputs [cap] and of the wave rows [wave]
             "acts": act_arrays(cap, max_cols), "wave_acts": act_arrays(wave, max_cols),
             "logits": np.zeros(self.h.vocab, f32),
-            "rope": [tuple(np.ascontiguousarray(a, f32) for a in f["rope"]) for f in layer_flags],
+            "rope": [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers],
             "chosen": np.zeros((n_layers, top_k), np.int32),
             "chosen_w": np.zeros((n_layers, top_k), f32),
             "counts": np.zeros((n_layers, n_experts), np.int64),
@@ -553,14 +557,15 @@ cdef class Engine:
             # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
             # what the attention reads): zero pages are only touched (made resident) as positions
             # are filled. A sliding layer's ring must hold its window plus one prefill chunk.
-            "k_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
-            "v_cache": [np.zeros((f["n_kv_heads"], f["kv_ring"], f["head_dim"]), f32) for f in layer_flags],
+            "k_cache": [np.zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
+            "v_cache": [np.zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
         }
-        for f in layer_flags:
-            if not (f["kv_ring"] == n_ctx or (f["sliding_window"] > 0 and f["kv_ring"] >= f["sliding_window"] + cap)):
-                raise ValueError(f"kv_ring {f['kv_ring']} cannot hold window {f['sliding_window']} + chunk {cap}")
-        for (c, sn), f in zip(keep["rope"], layer_flags):
-            assert c.shape == sn.shape == (n_ctx, f["head_dim"] // 2)
+        for f in layers:
+            if not (f.kv_ring == n_ctx or (f.sliding_window > 0 and f.kv_ring >= f.sliding_window + cap)):
+                raise ValueError(f"kv_ring {f.kv_ring} cannot hold window {f.sliding_window} + chunk {cap}")
+        for (c, sn), f in zip(keep["rope"], layers):
+            if not c.shape == sn.shape == (n_ctx, f.head_dim // 2):
+                raise ValueError(f"RoPE tables {c.shape} are not [n_ctx, head_dim / 2] = [{n_ctx}, {f.head_dim // 2}]")
         self._keep = keep
         cdef Scratch *s = &self.s
         s.cap = cap
@@ -587,10 +592,9 @@ cdef class Engine:
         s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
         s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
         s.router2 = _f32(keep["router2"]); s.pred_w = _f32(keep["pred_w"])
-        s.prefetch_chunk = hp.get("prefetch_chunk_bytes") or 0
+        s.prefetch_chunk = spec.prefetch_chunk_bytes
         assert sizeof(Range) == 2 * sizeof(uint64_t)
-        pages = hp.get("expert_pages") or {}
-        for (pl, pe), (start, length) in pages.items():
+        for (pl, pe), (start, length) in spec.expert_pages.items():
             keep["expert_pages"][pl, pe] = (start, length)
         self.logits = keep["logits"]
         self.chosen = keep["chosen"]
@@ -611,10 +615,10 @@ cdef class Engine:
         for l in range(n_layers):
             L = &self.layers[l]
             p = f"layers.{l}."
-            flags = layer_flags[l]
-            L.head_dim = flags["head_dim"]
-            L.n_kv_heads = flags["n_kv_heads"]
-            L.attn_scale = flags["attn_scale"] or 1.0 / sqrtf(<float>L.head_dim)
+            f = layers[l]
+            L.head_dim = f.head_dim
+            L.n_kv_heads = f.n_kv_heads
+            L.attn_scale = f.attn_scale or 1.0 / sqrtf(<float>L.head_dim)
             L.rope_cos = _f32(keep["rope"][l][0]); L.rope_sin = _f32(keep["rope"][l][1])
             L.attn_norm = _vec(tensors, p + "attn_norm")
             L.ffn_norm = _vec(tensors, p + "ffn_norm")
@@ -628,9 +632,9 @@ cdef class Engine:
             L.bq = _vec(tensors, p + "bq"); L.bk = _vec(tensors, p + "bk")
             L.bv = _vec(tensors, p + "bv"); L.bo = _vec(tensors, p + "bo")
             L.q_norm = _vec(tensors, p + "q_norm"); L.k_norm = _vec(tensors, p + "k_norm")
-            L.sliding_window = flags["sliding_window"]
-            L.is_moe = 1 if flags["moe"] else 0
-            L.kv_ring = flags["kv_ring"]
+            L.sliding_window = f.sliding_window
+            L.is_moe = f.moe
+            L.kv_ring = f.kv_ring
             L.k_cache = _f32(keep["k_cache"][l])
             L.v_cache = _f32(keep["v_cache"][l])
             if (p + "mlp.gate") in tensors:
@@ -641,7 +645,7 @@ cdef class Engine:
                     raise ValueError(f"tensor {p}router must be f32")
                 L.experts = self.experts + l * n_experts
                 L.expert_pages = <Range *><uintptr_t>(keep["expert_pages"][l].ctypes.data)
-                for e in range(hp["num_experts"]):
+                for e in range(n_experts):
                     L.experts[e] = _ffn(tensors, f"{p}experts.{e}.")
                 L.has_shared = 1 if (p + "shared.gate") in tensors else 0
                 if L.has_shared:
@@ -722,13 +726,13 @@ cdef inline float *_f32(a):
     return <float *><uintptr_t>a.ctypes.data
 
 
-cdef Mat _mat(tuple t):
-    """(address, dtype name, shape[, layout name]) -> Mat; shape is the logical [rows, cols]."""
+cdef Mat _mat(t):
+    """A TensorRef (colibri.modeldir) -> Mat; its shape is the logical [rows, cols]."""
     cdef Mat m
-    addr, dtype, shape = t[:3]
-    m.data = <const void *><uintptr_t>addr
+    dtype, shape = t.dtype, t.shape
+    m.data = <const void *><uintptr_t>t.address
     m.dtype = DTYPE_CODES[dtype]
-    m.layout = LAYOUT_CODES[t[3] if len(t) > 3 else "rows"]
+    m.layout = LAYOUT_CODES[t.layout]
     if m.layout == CB_TRANSPOSED and (m.dtype == CB_INT8 or m.dtype == CB_INT4) and shape[0] % 8:
         raise ValueError(f"a transposed {dtype} matrix needs a multiple of 8 rows, got {shape}")   # whole groups
     if m.layout == CB_INTERLEAVED and (not (m.dtype == CB_INT8 or m.dtype == CB_INT4) or shape[0] % 8):
@@ -743,9 +747,9 @@ cdef const float *_vec(dict tensors, str name):
     t = tensors.get(name)
     if t is None:
         return NULL
-    if t[1] != "f32":
-        raise ValueError(f"tensor {name} must be f32, got {t[1]}")
-    return <const float *><uintptr_t>t[0]
+    if t.dtype != "f32":
+        raise ValueError(f"tensor {name} must be f32, got {t.dtype}")
+    return <const float *><uintptr_t>t.address
 
 
 cdef FFN _ffn(dict tensors, str prefix):

@@ -20,16 +20,16 @@ import time
 
 import numpy as np
 
-from .config import HIDDEN_ACTS, QK_NORM_MODES
 from .errors import ColibriError
 from . import _os
+from . import spec
 from .modeldir import MappedModelDir, ModelDir
 from .residency import PREFETCH_MODES, Residency
 from .sampling import Sampler
 from .streaming import StopStrings, TextStream
 from .textfiles import TextSide, unlisted
 
-from . import _engine, _kernels, _routing
+from . import _engine, _kernels
 
 MAX_THREADS = 1024             # beyond it a thread that cannot be created would abort mid-output
 DEFAULT_MAX_CONTEXT = 4096     # context when the caller does not choose one (KV pages are lazy)
@@ -38,39 +38,6 @@ _STATUS_MESSAGES = {
     _engine.STATUS_BAD_LOGITS: "the output logits are NaN or infinite",
     _engine.STATUS_BAD_HIDDEN: "the hidden state became NaN or infinite",
 }
-
-
-def rope_tables(head_dim: int, theta: float, n_ctx: int, fraction: float = 1.0) -> tuple:
-    """cos, sin float32 [n_ctx, head_dim/2], computed the way transformers does (float32 freqs).
-
-    fraction < 1 is transformers' "proportional" RoPE (Gemma 4's global layers): the first
-    int(fraction * head_dim // 2) pairs rotate with frequencies theta**(-2i/head_dim) over the
-    full head_dim, the remaining pairs have frequency 0 (cos 1, sin 0: unrotated)."""
-    rotated = int(fraction * head_dim // 2)
-    exponent = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = np.zeros(head_dim // 2, np.float32)
-    inv_freq[:rotated] = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
-    freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.cos(freqs.astype(np.float64)).astype(np.float32), np.sin(freqs.astype(np.float64)).astype(np.float32)
-
-
-def layer_flags(cfg, n_ctx: int, chunk: int) -> list:
-    """Per-layer geometry for the engine: MoE or dense, window, FFN width, head_dim, key/value
-    heads, KV ring rows, attention scale and RoPE tables (shared between equal layers)."""
-    tables = {}
-    out = []
-    for i in range(cfg.num_hidden_layers):
-        hd = cfg.layer_head_dim(i)
-        theta, fraction = cfg.layer_rope(i)
-        key = (hd, theta, fraction)
-        if key not in tables:
-            tables[key] = rope_tables(hd, theta, n_ctx, fraction)
-        window = cfg.layer_window(i)
-        out.append({"moe": cfg.moe_layers[i], "sliding_window": window, "d_ff": cfg.layer_d_ff(i),
-                    "head_dim": hd, "n_kv_heads": cfg.layer_kv_heads_of(i),
-                    "kv_ring": min(n_ctx, window + chunk) if window else n_ctx,
-                    "attn_scale": cfg.attention_scale or 0.0, "rope": tables[key]})
-    return out
 
 
 class Model:
@@ -108,28 +75,19 @@ class Model:
         self.residency = Residency(self._maps, cfg, budget_mb=expert_cache_mb, mlock=mlock, warmup=warmup)
         # the residency bookkeeping runs between steps only when it has something to do
         self._track = expert_cache_mb is not None
-        hp = cfg.to_dict()
-        hp["n_ctx"] = n_ctx
-        hp["exact_softmax"] = bool(exact_softmax)
-        hp["prefetch_mode"] = PREFETCH_MODES.get(prefetch, 0)
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
                                           or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
-        if cfg.num_experts_per_tok > _routing.MAX_TOP_K:
-            raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported "
-                               f"{_routing.MAX_TOP_K}")
-        hp["qk_norm_mode"] = QK_NORM_MODES[cfg.qk_norm]
-        hp["act_code"] = HIDDEN_ACTS[cfg.hidden_act]
-        chunk = max(1, min(prefill_chunk or _engine.PREFILL_CHUNK, n_ctx))
-        hp["prefill_chunk"] = chunk          # the engine's batch size: the rings are sized for it
+        chunk = spec.prefill_chunk(prefill_chunk, n_ctx)   # the engine's tokens per call: the rings are sized for it
         self._chunk = chunk
         self._scratch_logits = np.empty((1, cfg.vocab_size), np.float32)   # a chunk's unused last logits
-        flags = layer_flags(cfg, n_ctx, chunk)
-        hp["expert_pages"] = self.residency.spans
-        hp["release_in_prefill"] = expert_cache_mb is not None and mmap
-        if prefetch != "none" and self.residency.spans:
-            hp["prefetch_chunk_bytes"] = _os.prefetch_chunk(self._dir.root / "config.json")
-        self._engine = _engine.Engine(hp, self._maps.engine_table(), flags, threads)
+        engine_spec = spec.build(
+            cfg, self._maps.tensor_refs(), n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax),
+            prefetch=prefetch, expert_pages=self.residency.spans,
+            prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
+                                  if prefetch != "none" and self.residency.spans else 0),
+            release_in_prefill=expert_cache_mb is not None and mmap)
+        self._engine = _engine.Engine(engine_spec)
         # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk;
         # resident as positions are written, in base pages (with transparent huge pages, the first
         # position of each KV head's region made 2 MB resident: 840 -> 779 MiB peak, mixtral-mini int4)
@@ -145,8 +103,7 @@ class Model:
         # the KV cache: the ids whose keys and values it holds at positions 0.. (for prefix reuse);
         # sliding-window rings allow a rewind of at most ring - window positions (None: any)
         self._kv_tokens = []
-        slack = [f["kv_ring"] - f["sliding_window"] for f in flags if f["sliding_window"] and f["kv_ring"] < n_ctx]
-        self._ring_slack = min(slack) if slack else None
+        self._ring_slack = engine_spec.ring_slack
         self._busy = threading.Lock()              # one request at a time (refused, not queued)
         self._engine_lock = threading.Lock()       # held while the engine runs; close() takes it
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,

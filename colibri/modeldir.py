@@ -23,6 +23,7 @@ import math
 import mmap
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +275,15 @@ class ModelDir:
         return bad
 
 
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor in place in a mapping: its address, storage dtype, logical shape, layout."""
+    address: int
+    dtype: str               # a _kernels.DTYPE_CODES name
+    shape: tuple
+    layout: str = "rows"     # a _kernels.LAYOUT_CODES name
+
+
 class MappedModelDir:
     """Every file of a validated ModelDir, mapped read-only (or read into memory with
     use_mmap=False, for filesystems where mapping is unsafe or slow); weights are used in place.
@@ -353,17 +363,17 @@ class MappedModelDir:
         addr = self._maps[rel][1].ctypes.data
         return addr, (self.md.files[rel]["size"] + page - 1) // page * page
 
-    def engine_table(self) -> dict:
-        """name -> (address, dtype, shape, layout), the form colibri._engine.Engine takes. int16 norms
-        are dequantized here into float32 arrays (kept alive by this object: a few KB)."""
+    def tensor_refs(self) -> dict:
+        """name -> TensorRef of every tensor in place (what colibri.spec hands the engine). int16
+        norms are dequantized here into float32 arrays (kept alive by this object: a few KB)."""
         table = {}
         for n, t in self.md.tensors.items():
             if t["dtype"] == "int16":
                 f32 = (self.array(n).astype(np.float32) * np.float32(t["scale"])).astype(np.float32)
                 self._dequantized[n] = f32
-                table[n] = (f32.ctypes.data, "f32", tuple(t["shape"]))
+                table[n] = TensorRef(f32.ctypes.data, "f32", tuple(t["shape"]))
             else:
-                table[n] = (self.address(n), t["dtype"], tuple(t["shape"]), t.get("layout", "rows"))
+                table[n] = TensorRef(self.address(n), t["dtype"], tuple(t["shape"]), t.get("layout", "rows"))
         return table
 
     def close(self):

@@ -1,0 +1,127 @@
+"""EngineSpec: everything the compiled layer loop needs, derived once, typed.
+
+Design
+------
+The engine (`_engine.Engine`) takes one `EngineSpec` and nothing else: the hyperparameters as
+the kernels see them (codes, not names), each layer's geometry (`LayerSpec`: MoE or dense, its
+window, FFN width, head_dim, key/value heads, the rows of its KV ring, its RoPE tables), the
+address of every tensor in the mapped directory (`TensorRef`) and the run options. Every value
+that depends on two things — the prefill chunk on the context, a sliding layer's ring on its
+window and the chunk, the expert count of a dense model, the top-k limit — is derived here and
+only here; the engine checks what it is given, it does not recompute it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _engine
+from ._kernels import ACT_CODES
+from .errors import ColibriError
+from .modeldir import TensorRef  # noqa: F401  (the tensors' type)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    moe: bool
+    sliding_window: int      # 0: attends to every earlier position
+    d_ff: int                # the dense MLP's width (0: none) or the experts' width
+    head_dim: int
+    n_kv_heads: int
+    kv_ring: int             # rows of its KV cache: n_ctx, or window + prefill chunk
+    attn_scale: float        # the factor on q.k (0: 1/sqrt(head_dim))
+    rope_cos: np.ndarray     # float32 [n_ctx, head_dim / 2]
+    rope_sin: np.ndarray     # float32 [n_ctx, head_dim / 2]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    vocab: int
+    n_experts: int           # routed experts per MoE layer (1 for a dense model: no router is read)
+    top_k: int               # 1 .. _engine.MAX_TOP_K
+    norm_topk_prob: bool
+    use_lut: bool            # routing weights from the softmax table (not exact)
+    qk_norm: int             # _engine.QK_NORM_CODES
+    clip_qkv: float          # 0: none
+    v_norm: bool
+    act: int                 # _kernels.ACT_CODES
+    embed_scale: float
+    softcap: float           # 0: none
+    rms_eps: float
+    n_ctx: int
+    prefill_chunk: int       # tokens per engine call at most, 1 .. n_ctx (the scratch rows)
+    n_threads: int
+    prefetch: int            # _engine.PREFETCH_CODES
+    prefetch_chunk_bytes: int    # bytes per advice call (0: no limit)
+    release_in_prefill: bool     # under an expert budget: drop each expert's pages after its prefill product
+    layers: tuple            # LayerSpec [n_layers]
+    tensors: dict            # name -> TensorRef (modeldir's names: "embedding", "layers.3.wq", ...)
+    expert_pages: dict       # (layer, expert) -> (address, bytes) of the expert's mapped span
+
+    @property
+    def ring_slack(self):
+        """How far back a sliding layer's ring lets the cache rewind (ring - window), or None: any."""
+        slack = [L.kv_ring - L.sliding_window for L in self.layers if L.sliding_window and L.kv_ring < self.n_ctx]
+        return min(slack) if slack else None
+
+
+def rope_tables(head_dim: int, theta: float, n_ctx: int, fraction: float = 1.0) -> tuple:
+    """cos, sin float32 [n_ctx, head_dim/2], computed the way transformers does (float32 freqs).
+
+    fraction < 1 is transformers' "proportional" RoPE (Gemma 4's global layers): the first
+    int(fraction * head_dim // 2) pairs rotate with frequencies theta**(-2i/head_dim) over the
+    full head_dim, the remaining pairs have frequency 0 (cos 1, sin 0: unrotated)."""
+    rotated = int(fraction * head_dim // 2)
+    exponent = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = np.zeros(head_dim // 2, np.float32)
+    inv_freq[:rotated] = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(freqs.astype(np.float64)).astype(np.float32), np.sin(freqs.astype(np.float64)).astype(np.float32)
+
+
+def layer_specs(cfg, n_ctx: int, chunk: int) -> tuple:
+    """Each layer's geometry; RoPE tables shared between layers of equal (head_dim, theta, fraction)."""
+    tables = {}
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        hd = cfg.layer_head_dim(i)
+        theta, fraction = cfg.layer_rope(i)
+        key = (hd, theta, fraction)
+        if key not in tables:
+            tables[key] = rope_tables(hd, theta, n_ctx, fraction)
+        window = cfg.layer_window(i)
+        cos, sin = tables[key]
+        out.append(LayerSpec(moe=bool(cfg.moe_layers[i]), sliding_window=window, d_ff=cfg.layer_d_ff(i),
+                             head_dim=hd, n_kv_heads=cfg.layer_kv_heads_of(i),
+                             kv_ring=min(n_ctx, window + chunk) if window else n_ctx,
+                             attn_scale=cfg.attention_scale or 0.0, rope_cos=cos, rope_sin=sin))
+    return tuple(out)
+
+
+def prefill_chunk(requested, n_ctx: int) -> int:
+    """The engine's tokens per call: the request (default _engine.PREFILL_CHUNK), at most n_ctx."""
+    return max(1, min(requested or _engine.PREFILL_CHUNK, n_ctx))
+
+
+def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_softmax: bool, prefetch: str,
+          prefetch_chunk_bytes: int, release_in_prefill: bool, expert_pages: dict) -> EngineSpec:
+    """The spec of `cfg` (config.ModelConfig) over the mapped `tensors` (name -> TensorRef) with
+    these run options (already validated by the caller, model.Model)."""
+    top_k = max(cfg.num_experts_per_tok, 1)
+    if top_k > _engine.MAX_TOP_K:
+        raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported {_engine.MAX_TOP_K}")
+    return EngineSpec(
+        d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+        vocab=cfg.vocab_size, n_experts=max(cfg.num_experts, 1), top_k=top_k,
+        norm_topk_prob=bool(cfg.norm_topk_prob), use_lut=not exact_softmax,
+        qk_norm=_engine.QK_NORM_CODES[cfg.qk_norm], clip_qkv=float(cfg.clip_qkv or 0.0), v_norm=bool(cfg.v_norm),
+        act=ACT_CODES[cfg.hidden_act], embed_scale=float(cfg.embedding_scale),
+        softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,
+        prefill_chunk=chunk, n_threads=threads, prefetch=_engine.PREFETCH_CODES[prefetch],
+        prefetch_chunk_bytes=int(prefetch_chunk_bytes), release_in_prefill=bool(release_in_prefill),
+        layers=layer_specs(cfg, n_ctx, chunk), tensors=tensors, expert_pages=dict(expert_pages))
+
