@@ -1,13 +1,20 @@
 # The layer loop's data, as C sees it: the per-layer tables of pointers into the mapped weights,
 # the hyperparameters, the scratch arena. Built once by _engine.Engine from the model directory.
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uintptr_t
 from colibri._kernels cimport cb_act_q8
 
 cdef extern from "os_hints.h" nogil:
-    # advice to the OS about an expert's pages (stateless): read ahead, or drop them
-    int cb_will_need(const void *start, size_t length, size_t chunk)
-    int cb_release_pages(const void *start, size_t length)
+    # advice to the OS about an expert's pages, through the functions colibri._os resolved
+    # (colibri._os.engine_advice): read ahead, or drop them
+    ctypedef struct cb_os_advice:
+        int kind
+        uintptr_t will_need
+        uintptr_t release
+        int will_need_arg
+        int release_arg
+    int cb_will_need(const cb_os_advice *a, const void *start, size_t length, size_t chunk)
+    int cb_release_pages(const cb_os_advice *a, const void *start, size_t length)
 
 
 cdef struct Mat:
@@ -127,3 +134,4 @@ cdef struct Scratch:
     float *router2    # [n_experts] router logits of the next layer (prediction)
     float *pred_w     # [top_k] scratch weights of a prediction
     size_t prefetch_chunk     # bytes per advice call (0: no limit), from colibri._os.prefetch_chunk
+    cb_os_advice advice       # the OS functions for the advice (colibri._os.engine_advice)

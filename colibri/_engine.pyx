@@ -39,6 +39,7 @@ from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, C
 import numpy as np
 
 from colibri._kernels import DTYPE_CODES, LAYOUT_CODES, act_arrays
+from colibri._os import zeros     # every buffer of the engine comes from the OS layer (alloc_aligned)
 
 # Step status codes, read by model.py.
 cpdef enum:
@@ -237,7 +238,7 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
 cdef inline void will_need(const Range *r, Scratch *s) noexcept nogil:
     s.prefetch_stats[PF_CALLS] += 1
     s.prefetch_stats[PF_BYTES] += <int64_t>r.length
-    if cb_will_need(r.start, r.length, s.prefetch_chunk) != 0:
+    if cb_will_need(&s.advice, r.start, r.length, s.prefetch_chunk) != 0:
         s.prefetch_stats[PF_FAILURES] += 1
 
 
@@ -293,7 +294,7 @@ cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, i
         for r in range(slots[i].row0, slots[i].row0 + slots[i].m):
             cb_axpy(out + <size_t>s.rows[r] * d, s.row_w[r], s.y + <size_t>r * d, d)
         if h.release_in_prefill and n > 1 and slots[i].f != &L.shared:
-            cb_release_pages(L.expert_pages[slots[i].f - L.experts].start,
+            cb_release_pages(&s.advice, L.expert_pages[slots[i].f - L.experts].start,
                              L.expert_pages[slots[i].f - L.experts].length)
 
 
@@ -531,35 +532,35 @@ cdef class Engine:
         max_cols = max(d, q_dim, max_ff)
         wave = max(cap, MAX_SLOTS)
         f32 = np.float32
-        blocks = max_cols // 32 + 1
         keep = {
-            "x": np.zeros((cap, d), f32), "xb": np.zeros((cap, d), f32), "xb2": np.zeros((cap, d), f32),
-            "q": np.zeros((cap, q_dim), f32), "att": np.zeros((cap, q_dim), f32),
-            "k": np.zeros((cap, kv_dim), f32), "v": np.zeros((cap, kv_dim), f32),
-            "scores": np.zeros((self.h.n_heads, n_ctx), f32),
-            "rx": np.zeros((cap, d), f32), "xe": np.zeros((cap, d), f32), "xm": np.zeros((cap, d), f32),
-            "router": np.zeros((cap, n_experts), f32),
-            "tok_chosen": np.zeros((cap, top_k), np.int32), "tok_w": np.zeros((cap, top_k), f32),
-            "g": np.zeros((wave, d), f32), "y": np.zeros((wave, d), f32),
-            "hb": np.zeros((wave, max_ff), f32), "hb2": np.zeros((wave, max_ff), f32),
-            "rows": np.zeros(wave, np.int32), "row_w": np.zeros(wave, f32),
+            "x": zeros((cap, d), f32), "xb": zeros((cap, d), f32), "xb2": zeros((cap, d), f32),
+            "q": zeros((cap, q_dim), f32), "att": zeros((cap, q_dim), f32),
+            "k": zeros((cap, kv_dim), f32), "v": zeros((cap, kv_dim), f32),
+            "scores": zeros((self.h.n_heads, n_ctx), f32),
+            "rx": zeros((cap, d), f32), "xe": zeros((cap, d), f32), "xm": zeros((cap, d), f32),
+            "router": zeros((cap, n_experts), f32),
+            "tok_chosen": zeros((cap, top_k), np.int32), "tok_w": zeros((cap, top_k), f32),
+            "g": zeros((wave, d), f32), "y": zeros((wave, d), f32),
+            "hb": zeros((wave, max_ff), f32), "hb2": zeros((wave, max_ff), f32),
+            "rows": zeros(wave, np.int32), "row_w": zeros(wave, f32),
             # activation quantization of the block inputs [cap] and of the wave rows [wave]
             "acts": act_arrays(cap, max_cols), "wave_acts": act_arrays(wave, max_cols),
-            "logits": np.zeros(self.h.vocab, f32),
+            "logits": zeros(self.h.vocab, f32),
             "rope": [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers],
-            "chosen": np.zeros((n_layers, top_k), np.int32),
-            "chosen_w": np.zeros((n_layers, top_k), f32),
-            "counts": np.zeros((n_layers, n_experts), np.int64),
-            "predicted": np.full((n_layers, top_k), -1, np.int32),
-            "prefetch_stats": np.zeros(PF_N, np.int64),
-            "router2": np.zeros(n_experts, f32), "pred_w": np.zeros(top_k, f32),
-            "expert_pages": np.zeros((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
+            "chosen": zeros((n_layers, top_k), np.int32),
+            "chosen_w": zeros((n_layers, top_k), f32),
+            "counts": zeros((n_layers, n_experts), np.int64),
+            "predicted": zeros((n_layers, top_k), np.int32),
+            "prefetch_stats": zeros(PF_N, np.int64),
+            "router2": zeros(n_experts, f32), "pred_w": zeros(top_k, f32),
+            "expert_pages": zeros((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
             # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
             # what the attention reads): zero pages are only touched (made resident) as positions
             # are filled. A sliding layer's ring must hold its window plus one prefill chunk.
-            "k_cache": [np.zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
-            "v_cache": [np.zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
+            "k_cache": [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
+            "v_cache": [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
         }
+        keep["predicted"][...] = -1
         for f in layers:
             if not (f.kv_ring == n_ctx or (f.sliding_window > 0 and f.kv_ring >= f.sliding_window + cap)):
                 raise ValueError(f"kv_ring {f.kv_ring} cannot hold window {f.sliding_window} + chunk {cap}")
@@ -593,6 +594,7 @@ cdef class Engine:
         s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
         s.router2 = _f32(keep["router2"]); s.pred_w = _f32(keep["pred_w"])
         s.prefetch_chunk = spec.prefetch_chunk_bytes
+        s.advice.kind, s.advice.will_need, s.advice.release, s.advice.will_need_arg, s.advice.release_arg = spec.advice
         assert sizeof(Range) == 2 * sizeof(uint64_t)
         for (pl, pe), (start, length) in spec.expert_pages.items():
             keep["expert_pages"][pl, pe] = (start, length)

@@ -16,6 +16,8 @@ from libc.stdlib cimport calloc
 
 import numpy as np
 
+from colibri._os import zeros
+
 cb_init_tables()
 
 DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4}
@@ -181,8 +183,8 @@ def act_arrays(int rows, int cols):
     values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32 + 1], xp float32 [rows, cols]
     (the AVX-512 bf16 tile's permuted input)."""
     blocks = cols // 32 + 1
-    return [np.zeros((rows, cols), np.int8), np.zeros((rows, blocks), np.float32),
-            np.zeros((rows, blocks), np.int32), np.zeros((rows, cols), np.float32)]
+    return [zeros((rows, cols), np.int8), zeros((rows, blocks), np.float32),
+            zeros((rows, blocks), np.int32), zeros((rows, cols), np.float32)]
 
 
 cdef cb_act_q8 *bind_acts(list arrays) except NULL:

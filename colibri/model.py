@@ -87,6 +87,7 @@ class Model:
             prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
                                   if prefetch != "none" and self.residency.spans else 0),
             release_in_prefill=expert_cache_mb is not None and mmap)
+        self.engine_spec = engine_spec          # what the engine was built from (colibri.spec.EngineSpec)
         self._engine = _engine.Engine(engine_spec)
         # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk;
         # resident as positions are written, in base pages (with transparent huge pages, the first

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import os
 import stat
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import quant
+from . import _os, quant
 from .config import ModelConfig, read_json, shown
 from .errors import ColibriError
 
@@ -285,47 +284,47 @@ class TensorRef:
 
 
 class MappedModelDir:
-    """Every file of a validated ModelDir, mapped read-only (or read into memory with
-    use_mmap=False, for filesystems where mapping is unsafe or slow); weights are used in place.
+    """Every file of a validated ModelDir, mapped read-only through colibri._os (or read into
+    memory _os allocated, with use_mmap=False, for filesystems where mapping is unsafe or slow);
+    weights are used in place.
 
     `address(name)` is the address of a tensor's first byte, valid until close().
     """
 
     def __init__(self, md: ModelDir, use_mmap: bool = True):
         self.md = md
-        self._maps = {}      # rel -> (mmap or None, uint8 view [size], 64-byte aligned)
+        self._maps = {}      # rel -> (_os.Mapping or _os.AlignedBuffer, its uint8 view [size], page-aligned)
         self._dequantized = {}   # int16 norm name -> float32 [n]
         try:
             in_use = {t["file"] for t in md.tensors.values()}        # once: files x tensors was quadratic
             for rel, entry in md.files.items():
                 if entry["size"] == 0 or rel not in in_use:
                     continue
-                self._maps[rel] = self._map(md.root / rel, entry["size"]) if use_mmap else \
-                    (None, self._read(md.root / rel, entry["size"]))
-        except OSError as e:
+                self._maps[rel] = (self._map if use_mmap else self._read)(md.root / rel, entry["size"])
+        except (OSError, MemoryError) as e:
             self.close()
-            raise ColibriError(f"cannot {'map' if use_mmap else 'read'} {e.filename or md.root}: {e.strerror}") from None
+            what = getattr(e, "filename", None) or md.root
+            raise ColibriError(f"cannot {'map' if use_mmap else 'read'} {what}: {getattr(e, 'strerror', None) or e}") from None
 
     @staticmethod
     def _map(path: Path, size: int) -> tuple:
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if len(mm) != size:                       # changed since validation
-            mm.close()
+        mapping = _os.map_file(path)
+        if mapping.size != size:                       # changed since validation
+            mapping.close()
             raise ColibriError(f"{path} changed size while loading")
-        return mm, np.frombuffer(mm, dtype=np.uint8)
+        return mapping, mapping.as_numpy()
 
     @staticmethod
-    def _read(path: Path, size: int) -> np.ndarray:
-        raw = np.empty(size + ALIGNMENT, np.uint8)
-        start = (-raw.ctypes.data) % ALIGNMENT
-        buf = raw[start:start + size]
+    def _read(path: Path, size: int) -> tuple:
+        _, buffer = _os.alloc_aligned(size, ALIGNMENT)
+        view = buffer.as_numpy()
         with open(path, "rb") as f:
-            got = f.readinto(memoryview(buf))
+            got = f.readinto(memoryview(view))
         if got != size:
+            buffer.close()
             raise ColibriError(f"{path} changed size while loading (read {got} of {size} bytes)")
-        buf.flags.writeable = False
-        return buf
+        view.flags.writeable = False
+        return buffer, view
 
     def address(self, name: str) -> int:
         t = self.md.tensors[name]
@@ -359,7 +358,7 @@ class MappedModelDir:
 
     def file_span(self, rel: str) -> tuple:
         """(address, length) of a whole file in memory, the length rounded up to whole pages."""
-        page = mmap.PAGESIZE
+        page = _os.page_size()
         addr = self._maps[rel][1].ctypes.data
         return addr, (self.md.files[rel]["size"] + page - 1) // page * page
 
@@ -377,14 +376,9 @@ class MappedModelDir:
         return table
 
     def close(self):
-        maps, self._maps = self._maps, {}
-        for mm, _ in maps.values():
-            if mm is None:
-                continue
-            try:
-                mm.close()
-            except BufferError:     # a view is still alive somewhere; the mapping goes with it
-                pass
+        """Drop the mappings: each is unmapped (freed) as soon as no numpy view of it is left (a
+        view handed out by array() keeps its own mapping alive; raw addresses do not)."""
+        self._maps = {}
 
 
 # ---- writing ---------------------------------------------------------------------------------

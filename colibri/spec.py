@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _engine
+from . import _engine, _os
 from ._kernels import ACT_CODES
 from .errors import ColibriError
 from .modeldir import TensorRef  # noqa: F401  (the tensors' type)
@@ -58,6 +58,7 @@ class EngineSpec:
     prefetch: int            # _engine.PREFETCH_CODES
     prefetch_chunk_bytes: int    # bytes per advice call (0: no limit)
     release_in_prefill: bool     # under an expert budget: drop each expert's pages after its prefill product
+    advice: tuple                # _os.EngineAdvice: the OS functions the loop calls for an expert's pages
     layers: tuple            # LayerSpec [n_layers]
     tensors: dict            # name -> TensorRef (modeldir's names: "embedding", "layers.3.wq", ...)
     expert_pages: dict       # (layer, expert) -> (address, bytes) of the expert's mapped span
@@ -108,9 +109,10 @@ def prefill_chunk(requested, n_ctx: int) -> int:
 
 
 def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_softmax: bool, prefetch: str,
-          prefetch_chunk_bytes: int, release_in_prefill: bool, expert_pages: dict) -> EngineSpec:
+          prefetch_chunk_bytes: int, release_in_prefill: bool, expert_pages: dict, advice=None) -> EngineSpec:
     """The spec of `cfg` (config.ModelConfig) over the mapped `tensors` (name -> TensorRef) with
-    these run options (already validated by the caller, model.Model)."""
+    these run options (already validated by the caller, model.Model). advice: the OS functions
+    for the expert pages (default: colibri._os.engine_advice(), what this OS has)."""
     top_k = max(cfg.num_experts_per_tok, 1)
     if top_k > _engine.MAX_TOP_K:
         raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported {_engine.MAX_TOP_K}")
@@ -123,5 +125,6 @@ def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_sof
         softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,
         prefill_chunk=chunk, n_threads=threads, prefetch=_engine.PREFETCH_CODES[prefetch],
         prefetch_chunk_bytes=int(prefetch_chunk_bytes), release_in_prefill=bool(release_in_prefill),
+        advice=_os.engine_advice() if advice is None else _os.EngineAdvice(*advice),
         layers=layer_specs(cfg, n_ctx, chunk), tensors=tensors, expert_pages=dict(expert_pages))
 

@@ -346,3 +346,22 @@ def test_attention_takes_caches_in_the_engine_order(isa):
     assert _probes.bench_attention(q, layers, layers, ring - 1, 1, 1) > 0
     with pytest.raises(ValueError, match="bench_attention"):
         _probes.bench_attention(q, layers, layers, ring, 1, 1)
+
+
+@pytest.mark.parametrize("tier", list(_kernels.ISA_NAMES))
+def test_every_tier_this_cpu_lacks_is_reported(tier):
+    """Every test parametrised by the `isa` fixture runs on the tiers this CPU has; a tier it lacks
+    is skipped here by name, with the CPU features it would need, so a missing AVX-512 run shows
+    in the summary (pytest -rs) instead of passing silently. On a tier it has: the tier selects,
+    its int steps are listed, and the scalar spec is among the tiers."""
+    features = _kernels.cpu_features()
+    if tier not in _kernels.available_isas():
+        have = ", ".join(name for name, on in features.items() if on) or "none"
+        pytest.skip(f"tier {tier} not run: this CPU/OS lacks it (features: {have})")
+    before = _kernels.isa()
+    try:
+        _kernels.select_isa(tier)
+        assert _kernels.isa() == tier and _kernels.int_step() in _kernels.available_int_steps()
+    finally:
+        _kernels.select_isa(before)
+    assert "scalar" in _kernels.available_isas()

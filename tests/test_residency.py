@@ -73,8 +73,17 @@ def test_release_takes_expert_pages_out_of_rss(big_model):
 
 
 def test_warmup_and_mlock_load(big_model):
+    """warmup pages every expert in; mlock pins the dense weights (root, or a memlock limit that
+    holds them); neither changes a logit."""
+    import resource
     m = colibri.load(big_model, warmup=True, mlock=True)
-    assert m.forward([1, 2, 3]).shape == (3, 512)
+    spans = list(m.residency.spans.values())
+    assert sum(_os.resident_bytes(a, n) for a, n in spans) == sum(n for _, n in spans)
+    dense = sum(n for _, n in m.residency.dense_spans)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= dense:
+        assert m.residency.locked is True
+    np.testing.assert_array_equal(m.forward([1, 2, 3]), colibri.load(big_model).forward([1, 2, 3]))
 
 
 @pytest.mark.parametrize("bad", [dict(prefetch="always"), dict(expert_cache_mb=-1), dict(expert_cache_mb="a"),
@@ -129,3 +138,39 @@ def test_peak_rss_stays_within_dense_plus_budget_plus_kv(big_model):
     without = runs[None]["peak"] - runs[None]["base"]
     assert with_budget <= bound
     assert without > with_budget + 16 * (1 << 20)
+
+
+def test_the_engines_advice_goes_through_the_functions_os_resolved(converted):
+    """The layer loop advises the OS only through colibri._os.engine_advice's functions: handed a
+    recording function instead, the engine calls it with each chosen expert's mapped span
+    (MADV_WILLNEED's code) and, in a prefill under a budget, releases each used expert's span."""
+    import ctypes
+    import dataclasses
+    from colibri import _engine
+
+    advice = _os.engine_advice()
+    if _os.BACKEND != "windows":
+        libc = ctypes.CDLL(None)
+        assert advice.kind == _os.ADVICE_KINDS["madvise"]
+        assert advice.will_need == advice.release == ctypes.cast(libc.madvise, ctypes.c_void_p).value
+    calls = []
+    recorder = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
+        lambda address, length, code: calls.append((address, length, code)) or 0)
+    address = ctypes.cast(recorder, ctypes.c_void_p).value
+    m = colibri.load(converted("mixtral_a", "int8"), prefetch="routed", expert_cache_mb=1.0, threads=1)
+    spec = dataclasses.replace(m.engine_spec, advice=_os.EngineAdvice(_os.ADVICE_KINDS["madvise"], address,
+                                                                      address, 101, 102))
+    engine = _engine.Engine(spec)
+    ids = np.arange(1, 9, dtype=np.int32)
+    out = np.empty((1, m.config.vocab_size), np.float32)
+    assert engine.run(ids, 0, out, False)[0] == 0                # a prompt: advice and release per used expert
+    span = {v: k for k, v in m.residency.spans.items()}
+    used = {(l, e) for l in range(m.config.num_hidden_layers) for e in np.flatnonzero(engine.expert_counts[l])}
+    assert {span[(a, n)] for a, n, code in calls if code == 101} == used
+    assert {span[(a, n)] for a, n, code in calls if code == 102} == used
+    calls.clear()
+    engine.run(ids[:1], len(ids), out, False)                    # a decode step: the top-k of every layer
+    assert sorted(span[(a, n)] for a, n, code in calls) == sorted(
+        (l, int(e)) for l in range(m.config.num_hidden_layers) for e in engine.chosen[l])
+    assert all(code == 101 for _, _, code in calls)
+    assert engine.prefetch_stats[_engine.PF_FAILURES] == 0

@@ -58,6 +58,7 @@ INTERFACE = (
     "evict_file_cache",  # path -> bool                      drop a file from the OS page cache
     "read_io_bytes",     # () -> int | None                  bytes this process read from storage
     "page_size",         # () -> int
+    "engine_advice",     # () -> EngineAdvice                the OS functions the layer loop calls
 )
 # What a backend module must define: every interface name, plus the frees that pair with
 # map_file/alloc_aligned. Where the forms differ, the backend's is lower-level: map_file(path)
@@ -304,6 +305,47 @@ def alloc_aligned(nbytes: int, align: int = 4096) -> tuple[int, AlignedBuffer]:
     return address, AlignedBuffer(address, nbytes, base, base_size)
 
 
+def zeros(shape, dtype=np.float32, align: int = 64) -> np.ndarray:
+    """A zero-filled numpy array in memory from `alloc_aligned` (the KV cache, the engine's scratch):
+    its pages cost RAM when first written. The array keeps its buffer alive; the buffer is freed
+    when the last view of it goes."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    _, buffer = alloc_aligned(count * dtype.itemsize, align)
+    return buffer.as_numpy(dtype, shape) if count else np.zeros(shape, dtype)
+
+
+ADVICE_KINDS = {"none": 0, "madvise": 1, "win32": 2}     # csrc/os_hints.h CB_ADVICE_*
+
+
+class EngineAdvice(tuple):
+    """The OS functions the compiled layer loop calls for an expert's pages (csrc/os_hints.h):
+    (kind, will_need, release, will_need_arg, release_arg) — kind an ADVICE_KINDS code, the
+    functions as addresses ctypes resolved (0: none)."""
+    __slots__ = ()
+
+    def __new__(cls, kind: int, will_need: int, release: int, will_need_arg: int = 0, release_arg: int = 0):
+        return super().__new__(cls, (int(kind), int(will_need or 0), int(release or 0), int(will_need_arg),
+                                     int(release_arg)))
+
+    kind = property(lambda self: self[0])
+    will_need = property(lambda self: self[1])
+    release = property(lambda self: self[2])
+    will_need_arg = property(lambda self: self[3])
+    release_arg = property(lambda self: self[4])
+
+
+NO_ADVICE = EngineAdvice(ADVICE_KINDS["none"], 0, 0)
+
+
+def engine_advice() -> EngineAdvice:
+    """What the layer loop calls to prefetch and release an expert's pages, resolved here once:
+    Linux/POSIX: libc's madvise(MADV_WILLNEED / MADV_DONTNEED), as `prefetch` and `release` use;
+    Windows: PrefetchVirtualMemory (absent before Windows 8: no prefetch) and VirtualUnlock."""
+    kind, will_need, release_fn, will_need_arg, release_arg = _backend.engine_advice()
+    return EngineAdvice(ADVICE_KINDS[kind], will_need, release_fn, will_need_arg, release_arg)
+
+
 def lock(ranges) -> bool:
     """Pin the pages of `ranges` in RAM (reading them in if needed) until `unlock`.
 
@@ -395,5 +437,5 @@ def compute_cores() -> int:
     return max(1, len(cores))
 
 
-__all__ = list(INTERFACE) + ["compute_cores", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
-                             "AlignedBuffer", "AdviceWarning"]
+__all__ = list(INTERFACE) + ["compute_cores", "zeros", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
+                             "AlignedBuffer", "AdviceWarning", "EngineAdvice", "ADVICE_KINDS", "NO_ADVICE"]

@@ -103,6 +103,13 @@ def _device_prefetch_chunk(dev: int) -> int:
     return DEFAULT_PREFETCH_CHUNK  # no block device (tmpfs, NFS, btrfs, macOS): be safe
 
 
+def engine_advice() -> tuple:
+    """(kind, will_need, release, will_need_arg, release_arg) for the compiled layer loop: libc's
+    madvise for both, with MADV_WILLNEED / MADV_DONTNEED."""
+    madvise = ctypes.cast(_fn("madvise"), ctypes.c_void_p).value
+    return "madvise", madvise, madvise, MADV_WILLNEED, MADV_DONTNEED
+
+
 def prefetch_chunk(path: str) -> int:
     return _device_prefetch_chunk(os.stat(path).st_dev) if sys.platform.startswith("linux") else 0
 

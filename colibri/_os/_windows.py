@@ -302,6 +302,15 @@ def rss_bytes() -> tuple[int, int]:
     return pmc.WorkingSetSize, max(pmc.PeakWorkingSetSize, pmc.WorkingSetSize)
 
 
+def engine_advice() -> tuple:
+    """(kind, will_need, release, will_need_arg, release_arg) for the compiled layer loop:
+    PrefetchVirtualMemory (0 where the OS lacks it: no prefetch) and VirtualUnlock."""
+    prefetch = _lookup("PrefetchVirtualMemory")
+    unlock = _lookup("VirtualUnlock")
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0   # noqa: E731
+    return "win32", address(prefetch), address(unlock), 0, 0
+
+
 def prefetch_chunk(path: str) -> int:
     return 0  # PrefetchVirtualMemory takes whole ranges
 
