@@ -684,14 +684,17 @@ cdef class Engine:
 
         all_logits: logits_out is [T, vocab] and receives every position's logits;
         otherwise logits_out is [1, vocab] and receives only the last one (the lm_head is skipped
-        for the others). Returns (status, token index of a failure, layer of a bad router).
+        for the others). logits_out None: no logits at all (an inner chunk of a prompt the caller
+        runs piece by piece). Returns (status, token index of a failure, layer of a bad router).
         """
         cdef int t = 0, n, status = STATUS_OK
         cdef int T = tokens.shape[0]
         cdef int want
+        cdef bint none = logits_out is None
+        cdef float *out = NULL
         if pos0 < 0 or pos0 + T > self.h.n_ctx:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.h.n_ctx}")
-        if logits_out.shape[1] != self.h.vocab or logits_out.shape[0] < (T if all_logits else 1):
+        if not none and (logits_out.shape[1] != self.h.vocab or logits_out.shape[0] < (T if all_logits else 1)):
             raise ValueError("logits_out has the wrong shape")
         for t in range(T):
             if tokens[t] < 0 or tokens[t] >= self.h.vocab:
@@ -700,13 +703,17 @@ cdef class Engine:
         with nogil:
             while t < T:
                 n = T - t if T - t < self.s.cap else self.s.cap
-                want = WANT_ALL if all_logits else (WANT_LAST if t + n == T else WANT_NONE)
+                if none:
+                    want = WANT_NONE
+                else:
+                    want = WANT_ALL if all_logits else (WANT_LAST if t + n == T else WANT_NONE)
+                    out = &logits_out[t if all_logits else 0, 0]
                 status = forward(&self.h, self.layers, &self.embedding, self.final_norm, &self.lm_head,
-                                 &self.s, &tokens[t], n, pos0 + t, &logits_out[t if all_logits else 0, 0], want)
+                                 &self.s, &tokens[t], n, pos0 + t, out, want)
                 if status != STATUS_OK:
                     break
                 t += n
-        if status == STATUS_OK and T:
+        if status == STATUS_OK and T and not none:
             memcpy(self.s.logits, &logits_out[T - 1 if all_logits else 0, 0], sizeof(float) * self.h.vocab)
         return status, min(t, T - 1), self.s.bad_layer
 

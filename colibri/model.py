@@ -80,7 +80,6 @@ class Model:
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         chunk = spec.prefill_chunk(prefill_chunk, n_ctx)   # the engine's tokens per call: the rings are sized for it
         self._chunk = chunk
-        self._scratch_logits = np.empty((1, cfg.vocab_size), np.float32)   # a chunk's unused last logits
         engine_spec = spec.build(
             cfg, self._maps.tensor_refs(), n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax),
             prefetch=prefetch, expert_pages=self.residency.spans,
@@ -358,7 +357,7 @@ class Model:
             piece = tokens[start:start + self._chunk]
             last = start + len(piece) == len(tokens)
             if not all_logits and not last:
-                self._run_chunk(piece, pos + start, self._scratch_logits, False)
+                self._run_chunk(piece, pos + start, None, False)       # an inner chunk: no lm_head
             else:
                 self._run_chunk(piece, pos + start, out[start:] if all_logits else out, all_logits)
 

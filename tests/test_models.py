@@ -225,3 +225,17 @@ def test_batched_prefill_equals_token_by_token(converted, case, dtype, chunk):
     for t in range(len(ids)):
         assert m._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
     np.testing.assert_array_equal(batched, stepped)
+
+
+@pytest.mark.parametrize("case", ["mixtral_a", "gemma4_a"])
+def test_an_inner_chunk_without_logits_leaves_the_same_cache(converted, case):
+    """Engine.run(..., None, ...) runs a prompt piece without the lm_head (what generate does for
+    every chunk but the last): the next piece's logits are those of the whole prompt."""
+    ids = np.ascontiguousarray(reference(case)["input_ids"], np.int32)
+    m = colibri.load(converted(case, "int8"), prefill_chunk=4)
+    whole = m.forward(ids)
+    m._engine.reset()
+    assert m._engine.run(ids[:9], 0, None, False)[0] == 0
+    last = np.empty((1, m.config.vocab_size), np.float32)
+    assert m._engine.run(ids[9:], 9, last, False)[0] == 0
+    np.testing.assert_array_equal(last[0], whole[-1])
