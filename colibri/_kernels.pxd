@@ -44,7 +44,7 @@ cdef extern from "dispatch.h" nogil:
     ctypedef struct cb_cpu_features:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
         int avx512_vnni, avx512_bf16, avx_vnni, os_avx, os_avx512
-    ctypedef struct cb_kernel_table:
+    ctypedef struct cb_selection:    # what filled the kernel table
         int isa
         int int_step
     ctypedef struct cb_matjob:   # one product of a batch: out[t * ldo + r] = W[r, :] . x[t * ldx + :], t < n
@@ -67,7 +67,7 @@ cdef extern from "dispatch.h" nogil:
     int cb_best_isa(const cb_cpu_features *f)
 
     # STATEFUL (the kernel table)
-    cb_kernel_table cb_kt
+    cb_selection cb_selected
     int cb_select_isa(int isa)
     int cb_set_int_step(int step)
     int cb_set_prefill_repack(int on)

@@ -63,12 +63,12 @@ INT_STEPS = {"scalar": CB_INT_STEP_SCALAR, "avx2": CB_INT_STEP_AVX2, "vnni-emula
 
 def int_step():
     """The step of the transposed int8/int4 kernels in use (an INT_STEPS name)."""
-    return {v: k for k, v in INT_STEPS.items()}[cb_kt.int_step]
+    return {v: k for k, v in INT_STEPS.items()}[cb_selected.int_step]
 
 
 def available_int_steps():
     """The INT_STEPS the current tier can run on this CPU, slowest first."""
-    before = cb_kt.int_step
+    before = cb_selected.int_step
     names = [name for name, step in INT_STEPS.items() if cb_set_int_step(step) == 0]
     cb_set_int_step(before)
     return names
@@ -113,7 +113,7 @@ class int_kernels:
 
 def isa():
     """The tier in use."""
-    return {v: k for k, v in ISA_NAMES.items()}[cb_kt.isa]
+    return {v: k for k, v in ISA_NAMES.items()}[cb_selected.isa]
 
 
 def _select_at_import():

@@ -1,8 +1,12 @@
-/* dispatch.h — the kernel table, chosen once at import, and the matvec built on it.
+/* dispatch.h — the kernel table, chosen once at import, and the drivers that run it.
  *
- * cb_select_isa() fills cb_kt with the dot products of one tier (scalar, avx2, avx512). The
- * rest of the engine only calls through cb_kt, so forcing a tier (COLIBRI_ISA) changes every
- * kernel at once and nothing else.
+ * cb_select_isa() fills cb_kt for one tier (scalar, avx2, avx512; the tiers side by side, each
+ * filling every entry): a matrix kernel per storage format x layout (cb_mat_kernels), whose
+ * plain-C spec is the scalar tier's entry, and the attention, activation and quantization
+ * kernels. The drivers (cb_matmul_jobs over cb_job_rows / _transposed / _interleaved, and
+ * cb_attention) only call through cb_kt, so forcing a tier (COLIBRI_ISA) changes every kernel at
+ * once and nothing else. The table holds function pointers only; tuning constants are #defines
+ * here, test toggles are cb_options.
  */
 #ifndef COLIBRI_DISPATCH_H
 #define COLIBRI_DISPATCH_H
@@ -21,45 +25,62 @@
 typedef void (*cb_tprefill_fn)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int rows,
                                int cols, int o0, int o1, int n, uint8_t *scratch, int first);
 
-/* out[j * ldo + i] = row i . token j for an R x T tile (R <= tile_rows, T in 1..4), rows `stride`
- * bytes apart; x/ldx for the float formats, acts for the integer ones. */
-typedef void (*cb_tile_fn)(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x,
-                           int ldx, const cb_act_q8 *acts, int cols, int R, int T);
+/* Tokens per tile call: every tier's tiles (rows and transposed) take T in 1..4. */
+#define CB_TILE_TOKENS 4
 
+/* The kernels of one storage format in one layout: cb_kt.mat[dtype][layout]. Each layout's driver
+ * below (cb_job_rows, cb_job_transposed, cb_job_interleaved) reads its own fields:
+ *   CB_ROWS         tile (up to tile_rows rows x CB_TILE_TOKENS tokens) and, where the tile's
+ *                   arithmetic for one token is a dot product, `dot`, which decode calls row by row
+ *                   (a 4-argument call per row instead of the tile's 11: AVX2 int4 decode 10 % faster);
+ *                   permuted_bf16: the tile reads the activation reordered (acts.xp, cb_permute_bf16);
+ *   CB_TRANSPOSED   ttile (groups of CB_TGROUP outputs) and, for int8/int4, tprefill: the repacked
+ *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits), or NULL;
+ *   CB_INTERLEAVED  itile (int8/int4), decode and prefill.
+ * The scalar tier's entries (kernels_scalar.h: cb_tile_scalar, cb_ttile_scalar, cb_itile_scalar)
+ * are the plain-C spec of every other tier's, which the tests hold them to. */
 typedef struct {
-    int isa;                        /* CB_ISA_* */
-    void (*quantize)(cb_act_q8 *a, const float *x, int n);   /* activations for int8/int4 */
-    cb_dot_fn dot[CB_N_DTYPES];     /* indexed by CB_F32 .. CB_INT4 */
-    cb_tile_fn tile[CB_N_DTYPES];   /* NULL: this tier multiplies row by row with dot */
-    int tile_rows[CB_N_DTYPES];     /* rows per tile (the tail goes one row at a time) */
-    int decode_dot[CB_N_DTYPES];    /* 1: dot is the tile's arithmetic for one token, and decode
-                                       calls it row by row (a 4-argument call per row instead of
-                                       the tile's 11: AVX2 int4 decode 10 % faster) */
-    cb_ttile_fn ttile;              /* the transposed layout, every format */
-    cb_itile_fn itile;              /* the interleaved layout (int8/int4), decode and prefill */
-    int ttile_max_t;                /* tokens per ttile call (the scalar one takes any number) */
+    cb_tile_fn tile;
+    cb_dot_fn dot;
+    int tile_rows;
+    int permuted_bf16;
+    cb_ttile_fn ttile;
+    cb_tprefill_fn tprefill;
+    cb_itile_fn itile;
+} cb_mat_kernels;
+
+/* The kernel table: function pointers only, filled once for a tier (cb_select_isa), read by the
+ * drivers below and by nothing else. */
+typedef struct {
+    cb_mat_kernels mat[CB_N_DTYPES][CB_N_LAYOUTS];
+    void (*quantize)(cb_act_q8 *a, const float *x, int n);       /* activations for int8/int4 */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
     int (*softmax)(float *x, int n);    /* the softmax attend uses (cb_softmax's contract) */
-    cb_tprefill_fn tprefill;        /* or NULL: transposed int8/int4 prefill via repacked chunks (cb_job_transposed) */
-    int int_step;                   /* CB_INT_STEP_*: the instruction set of ttile's int8/int4, tprefill and itile */
-    int prefill_repack;             /* tprefill set (1) or left NULL (0: the stored-order tiles, for comparisons) */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
 static cb_cpu_features cb_cpu;
 
+/* What filled the table: the tier, and the int step of its int8/int4 group kernels (a VNNI step
+ * is a feature of the avx2 or avx512 tier, used where the CPU has it). */
+typedef struct { int isa; int int_step; } cb_selection;
+static cb_selection cb_selected;
+
+/* Test and benchmark toggles, kept out of the table: prefill_repack 0 sends transposed int8/int4
+ * prefill through the stored-order ttile instead of tprefill (to compare the two). */
+static struct { int prefill_repack; } cb_options = {1};
+
 /* How the transposed and interleaved int8/int4 kernels (decode tiles, the repacked prefill, the
- * interleaved tiles) multiply bytes,
- * slowest first: the scalar tier's C, AVX2's maddubs + madd, the VNNI step emulated in AVX2
- * (tests only), AVX-VNNI, AVX512-VNNI. All give the same bits. */
+ * interleaved tiles) multiply bytes, slowest first: the scalar tier's C, AVX2's maddubs + madd,
+ * the VNNI step emulated in AVX2 (tests only), AVX-VNNI, AVX512-VNNI. All give the same bits. */
 enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI,
        CB_INT_STEP_AVX512VNNI };
 
-/* The kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or CPU
- * has no such step. */
+/* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
+ * CPU has no such step. The registry the table is filled from (and the tests choose from). */
 typedef struct {
-    cb_ttile_fn ttile;          /* the transposed entry */
+    cb_ttile_fn ttile;          /* the transposed entry (every format: the float ones as the tier's) */
     cb_tprefill_fn tprefill;    /* the transposed repacked prefill, or NULL */
     cb_itile_fn itile;          /* the interleaved entry */
 } cb_int_kernels;
@@ -96,66 +117,99 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
     return 0;
 }
 
-/* Fill cb_kt for `isa`; returns -1 if this CPU/OS cannot run it (cb_kt unchanged). */
-static int cb_select_isa(int isa) {
+/* The fastest int step tier `isa` has on this CPU (the emulated one is for tests only). */
+static int cb_best_int_step(int isa) {
+    const int steps[] = {CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2, CB_INT_STEP_SCALAR};
+    cb_int_kernels k;
+    for (int i = 0; i < 4; i++)
+        if (cb_int_step_kernels(steps[i], isa, &k) == 0) return steps[i];
+    return CB_INT_STEP_SCALAR;
+}
+
+static void cb_set_rows(cb_kernel_table *t, int dtype, cb_tile_fn tile, cb_dot_fn dot, int tile_rows, int permuted) {
+    cb_mat_kernels *e = &t->mat[dtype][CB_ROWS];
+    e->tile = tile;
+    e->dot = dot;
+    e->tile_rows = tile_rows;
+    e->permuted_bf16 = permuted;
+}
+
+/* The tiers, side by side: each fills every entry of the table. */
+static void cb_fill_scalar(cb_kernel_table *t) {
+    for (int d = 0; d < CB_N_DTYPES; d++) cb_set_rows(t, d, cb_tile_scalar, cb_dot_scalar(d), 1, 0);
+    t->quantize = cb_quantize_act_scalar;
+    t->glu = cb_glu_scalar;
+    t->attend = cb_attend_heads_scalar;
+    t->softmax = cb_softmax;
+}
+
+#if CB_X86
+/* tiles of one row and up to 4 tokens (the weights are loaded once for 4 prompt tokens); the
+ * AVX2 dots are those tiles at T = 1 */
+static void cb_fill_avx2(cb_kernel_table *t) {
+    cb_set_rows(t, CB_F32, cb_tile_float_avx2_any, cb_dot_f32_avx2, 1, 0);
+    cb_set_rows(t, CB_F16, cb_tile_float_avx2_any, cb_dot_f16_avx2, 1, 0);
+    cb_set_rows(t, CB_BF16, cb_tile_float_avx2_any, cb_dot_bf16_avx2, 1, 0);
+    cb_set_rows(t, CB_INT8, cb_tile_quant_avx2_any, cb_dot_int8_avx2, 1, 0);
+    cb_set_rows(t, CB_INT4, cb_tile_quant_avx2_any, cb_dot_int4_avx2, 1, 0);
+    t->quantize = cb_quantize_act_avx2;
+    t->glu = cb_glu_avx2;
+    t->attend = cb_attend_heads_avx2;
+    t->softmax = cb_softmax_avx2;
+}
+
+/* 4-row float tiles (bf16 from the permuted input); 2-row int8/int4 tiles where the CPU has
+ * AVX512-VNNI, else AVX2's; the rest as AVX2 (no wider kernel measured faster) */
+static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
+    cb_set_rows(t, CB_F32, cb_tile_float_avx512_any, NULL, 4, 0);
+    cb_set_rows(t, CB_F16, cb_tile_float_avx512_any, NULL, 4, 0);
+    cb_set_rows(t, CB_BF16, cb_tile_float_avx512_any, NULL, 4, 1);
+    if (f->avx512_vnni) {
+        cb_set_rows(t, CB_INT8, cb_tile_quant_avx512_any, NULL, 2, 0);
+        cb_set_rows(t, CB_INT4, cb_tile_quant_avx512_any, NULL, 2, 0);
+    } else {
+        cb_set_rows(t, CB_INT8, cb_tile_quant_avx2_any, cb_dot_int8_avx2, 1, 0);
+        cb_set_rows(t, CB_INT4, cb_tile_quant_avx2_any, cb_dot_int4_avx2, 1, 0);
+    }
+    t->quantize = cb_quantize_act_avx2;
+    t->glu = cb_glu_avx2;
+    t->attend = cb_attend_heads_avx2;
+    t->softmax = cb_softmax_avx2;
+}
+#endif
+
+/* Fill cb_kt for tier `isa` with the group kernels of int step `step`; -1 (cb_kt unchanged) if
+ * this CPU/OS cannot run them. */
+static int cb_select_kernels(int isa, int step) {
     cb_kernel_table t;
+    cb_int_kernels k;
+    cb_cpu = cb_detect_cpu();
+    if (isa > cb_best_isa(&cb_cpu) || cb_int_step_kernels(step, isa, &k) != 0) return -1;
+    memset(&t, 0, sizeof t);
+#if CB_X86
+    if (isa >= CB_ISA_AVX512) cb_fill_avx512(&t, &cb_cpu);
+    else if (isa == CB_ISA_AVX2) cb_fill_avx2(&t);
+    else
+#endif
+        cb_fill_scalar(&t);
+    for (int d = 0; d < CB_N_DTYPES; d++) {
+        t.mat[d][CB_TRANSPOSED].ttile = k.ttile;
+        if (d == CB_INT8 || d == CB_INT4) {
+            t.mat[d][CB_TRANSPOSED].tprefill = k.tprefill;
+            t.mat[d][CB_INTERLEAVED].itile = k.itile;
+        }
+    }
+    cb_kt = t;
+    cb_selected.isa = isa;
+    cb_selected.int_step = step;
+    return 0;
+}
+
+/* Fill cb_kt for `isa` with the fastest int step it has here; -1 if this CPU/OS cannot run it. */
+static int cb_select_isa(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
-    t.isa = isa;
-    t.quantize = cb_quantize_act_scalar;
-    t.dot[CB_F32] = cb_dot_f32_scalar;
-    t.dot[CB_F16] = cb_dot_f16_scalar;
-    t.dot[CB_BF16] = cb_dot_bf16_scalar;
-    t.dot[CB_INT8] = cb_dot_int8_scalar;
-    t.dot[CB_INT4] = cb_dot_int4_scalar;
-    for (int d = 0; d < CB_N_DTYPES; d++) { t.tile[d] = NULL; t.tile_rows[d] = 1; t.decode_dot[d] = 0; }
-    t.ttile_max_t = 4;
-    t.glu = cb_glu_scalar;
-    t.attend = cb_attend_heads_scalar;
-    t.softmax = cb_softmax;
-#if CB_X86
-    if (isa >= CB_ISA_AVX2) {
-        t.dot[CB_F32] = cb_dot_f32_avx2;
-        t.dot[CB_F16] = cb_dot_f16_avx2;
-        t.dot[CB_BF16] = cb_dot_bf16_avx2;
-        t.dot[CB_INT8] = cb_dot_int8_avx2;
-        t.dot[CB_INT4] = cb_dot_int4_avx2;
-        t.quantize = cb_quantize_act_avx2;
-        /* tiles of one row and up to 4 tokens: the weights are loaded once for 4 prompt tokens */
-        t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx2_any;
-        t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx2_any;
-        for (int d = 0; d < CB_N_DTYPES; d++) t.decode_dot[d] = 1;     /* the AVX2 dots are tiles of T = 1 */
-        t.glu = cb_glu_avx2;
-        t.attend = cb_attend_heads_avx2;
-        t.softmax = cb_softmax_avx2;
-    }
-    if (isa >= CB_ISA_AVX512) {
-        t.tile[CB_F32] = t.tile[CB_F16] = t.tile[CB_BF16] = cb_tile_float_avx512_any;
-        t.decode_dot[CB_F32] = t.decode_dot[CB_F16] = t.decode_dot[CB_BF16] = 0;
-        t.tile_rows[CB_F32] = t.tile_rows[CB_F16] = t.tile_rows[CB_BF16] = 4;
-        if (cb_cpu.avx512_vnni) {
-            t.tile[CB_INT8] = t.tile[CB_INT4] = cb_tile_quant_avx512_any;
-            t.decode_dot[CB_INT8] = t.decode_dot[CB_INT4] = 0;
-            t.tile_rows[CB_INT8] = t.tile_rows[CB_INT4] = 2;
-        }
-    }
-#endif
-    /* the transposed and interleaved int8/int4 kernels of the fastest step this tier and CPU have
-     * (the emulated one is for tests only); the AVX-512 tier has no wider ones yet */
-    const int steps[] = {CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2, CB_INT_STEP_SCALAR};
-    for (int i = 0; i < 4; i++) {
-        cb_int_kernels k;
-        if (cb_int_step_kernels(steps[i], isa, &k) == 0) {
-            t.int_step = steps[i];
-            t.ttile = k.ttile;
-            t.tprefill = k.tprefill;
-            t.itile = k.itile;
-            break;
-        }
-    }
-    t.prefill_repack = t.tprefill != NULL;
-    cb_kt = t;
-    return 0;
+    return cb_select_kernels(isa, cb_best_int_step(isa));
 }
 
 /* This thread's scratch of at least `bytes` (64-byte aligned), grown on demand and kept for the
@@ -183,35 +237,22 @@ static uint8_t *cb_thread_scratch(size_t bytes) {
 /* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU) in place, by the current tier. */
 static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gate, up, n, act); }
 
-/* Use int step `step` (CB_INT_STEP_*) for the transposed int8/int4 kernels from now on, for the
- * tests and benchmarks that compare them (cb_select_isa picks the fastest). -1, changing nothing,
- * if the tier or CPU has no such step. */
-static int cb_set_int_step(int step) {
-    cb_int_kernels k;
-    if (cb_int_step_kernels(step, cb_kt.isa, &k) != 0) return -1;
-    cb_kt.int_step = step;
-    cb_kt.ttile = k.ttile;
-    cb_kt.tprefill = cb_kt.prefill_repack ? k.tprefill : NULL;
-    cb_kt.itile = k.itile;
-    return 0;
-}
+/* Re-fill the table for the selected tier with int step `step` (tests and benchmarks compare the
+ * steps; cb_select_isa picks the fastest). -1, changing nothing, if the tier or CPU has no such step. */
+static int cb_set_int_step(int step) { return cb_select_kernels(cb_selected.isa, step); }
 
 /* Turn the repacked prefill of the transposed int8/int4 matrices off (0: the stored-order tiles,
- * which tests and benchmarks compare it with) or back on (1, where the tier has one). Returns
- * whether it is now on. */
+ * which tests and benchmarks compare it with) or back on (1). Returns whether it is now in use. */
 static int cb_set_prefill_repack(int on) {
-    cb_int_kernels k = {NULL, NULL, NULL};
-    cb_int_step_kernels(cb_kt.int_step, cb_kt.isa, &k);
-    cb_kt.tprefill = on ? k.tprefill : NULL;
-    cb_kt.prefill_repack = cb_kt.tprefill != NULL;
-    return cb_kt.prefill_repack;
+    cb_options.prefill_repack = on != 0;
+    return cb_options.prefill_repack && cb_kt.mat[CB_INT8][CB_TRANSPOSED].tprefill != NULL;
 }
 
 /* out[8] = acc[8] + the VNNI step of u[32] (unsigned) and s[32] (signed) as the "vnni-emulated"
  * int step computes it, for its test; -1 on a tier without AVX2. */
 static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) {
 #if CB_X86
-    if (cb_kt.isa < CB_ISA_AVX2) return -1;
+    if (cb_selected.isa < CB_ISA_AVX2) return -1;
     cb_dpbusd_emulated_mem(out, acc, u, s);
     return 0;
 #else
@@ -226,7 +267,7 @@ static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u
  * stay in L1 across the passes (a whole 131072-output head per thread would not fit in L2). */
 #define CB_TCHUNK_BYTES (128 * 1024)
 
-/* From this many tokens a transposed int8/int4 product repacks each chunk (cb_kt.tprefill): the
+/* From this many tokens a transposed int8/int4 product repacks each chunk (its tprefill): the
  * repack costs about what 4 tokens' products save (kernel_matmul of expert-shaped [3584, 1024] and
  * [1024, 3584] matrices, repack on / off interleaved, 2 threads, 2026-11-30: int4 0.7x at 2 tokens,
  * 0.9x at 4, 1.1-1.2x at 8, 1.3-1.4x at 32; int8 0.8-0.9x, 1.0x, 1.1-1.4x, 1.3-1.45x). */
@@ -269,13 +310,14 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     /* float formats: a chunk's slice of an input row is contiguous; below 256 outputs (512 B of
      * bf16) the reads are too short and every row a new page (measured 5x slower at 64) */
     if (j->dtype != CB_INT8 && j->dtype != CB_INT4 && chunk_units < 256 / unit) chunk_units = 256 / unit;
-    const int step = n == 1 ? CB_TDECODE_OUTPUTS / unit : chunk_units, max_t = cb_kt.ttile_max_t;
+    const int step = n == 1 ? CB_TDECODE_OUTPUTS / unit : chunk_units, max_t = CB_TILE_TOKENS;
+    const cb_mat_kernels *e = &cb_kt.mat[j->dtype][CB_TRANSPOSED];
     *r0 = u0 * unit < rows ? u0 * unit : rows;
     *r1 = u1 * unit < rows ? u1 * unit : rows;
     /* the repacked prefill's scratch, sized for this thread's largest chunk (no memory: the
      * stored-order tile below) */
     uint8_t *scratch = NULL;
-    if (n >= CB_TPREFILL_MIN_TOKENS && cb_kt.tprefill && (j->dtype == CB_INT8 || j->dtype == CB_INT4) &&
+    if (n >= CB_TPREFILL_MIN_TOKENS && cb_options.prefill_repack && e->tprefill && (j->dtype == CB_INT8 || j->dtype == CB_INT4) &&
         cols >= CB_QBLOCK && u1 > u0)
         scratch = cb_thread_scratch(cb_tprefill_bytes(step < u1 - u0 ? step : u1 - u0,
                                                       cols / CB_QBLOCK, n));
@@ -283,12 +325,12 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
         int o0 = c * unit, o1 = (c + step < u1 ? c + step : u1) * unit;
         if (o1 > rows) o1 = rows;
         if (scratch) {
-            cb_kt.tprefill(j->out, j->ldo, (const char *)j->w, j->dtype, acts, rows, cols, o0, o1, n, scratch, c == u0);
+            e->tprefill(j->out, j->ldo, (const char *)j->w, j->dtype, acts, rows, cols, o0, o1, n, scratch, c == u0);
             continue;
         }
         for (int t = 0; t < n; t += max_t) {
             int T = n - t < max_t ? n - t : max_t;
-            cb_kt.ttile(j->out + (size_t)t * j->ldo, j->ldo, (const char *)j->w, j->dtype, x + (size_t)t * ldx,
+            e->ttile(j->out + (size_t)t * j->ldo, j->ldo, (const char *)j->w, j->dtype, x + (size_t)t * ldx,
                         ldx, acts + t, rows, cols, o0, o1, T);
         }
     }
@@ -301,13 +343,14 @@ static void cb_job_interleaved(const cb_matjob *j, int n, int th, int nt, int *r
     const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
     *r0 = g0 * CB_TGROUP;
     *r1 = g1 * CB_TGROUP;
-    if (g1 > g0) cb_kt.itile(j->out, j->ldo, (const char *)j->w, j->dtype, j->acts, j->cols, g0, g1, n);
+    if (g1 > g0) cb_kt.mat[j->dtype][CB_INTERLEAVED].itile(j->out, j->ldo, (const char *)j->w, j->dtype, j->acts, j->cols, g0, g1, n);
 }
 
-/* This thread's share of a rows-layout product: with a tile kernel, rows go tile_rows at a time
- * and tokens 4 at a time (decode: one row, or the dot product where it is the tile's arithmetic);
- * otherwise one dot product per element. Either way an element's arithmetic does not depend on
- * n or on the split, so a prompt processed in one matmul gives exactly the logits of decoding. */
+/* This thread's share of a rows-layout product: rows go tile_rows at a time and tokens
+ * CB_TILE_TOKENS at a time through the tile; decode takes one row per tile, or calls the dot
+ * product row by row where it is the tile's arithmetic. Either way an element's arithmetic does
+ * not depend on n or on the split, so a prompt processed in one matmul gives exactly the logits
+ * of decoding. */
 static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {
     const int dtype = j->dtype, rows = j->rows, ldo = j->ldo, cols = j->cols, ldx = j->ldx;
     const float *x = j->x;
@@ -315,11 +358,12 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
     const size_t stride = cb_row_stride(dtype, cols);
     const char *wb = (const char *)j->w;
     float *out = j->out;
-    cb_tile_fn tile = cb_kt.tile[dtype];
-    if (tile && !(n == 1 && cb_kt.decode_dot[dtype])) {
+    const cb_mat_kernels *e = &cb_kt.mat[dtype][CB_ROWS];
+    cb_tile_fn tile = e->tile;
+    if (!(n == 1 && e->dot)) {
         /* decode: one row per tile (one weight stream per thread) measured fastest for every
          * format: 2 or 4 rows at once cut int8 from 26 to 10-24 GB/s, bf16 from 23 to 16-19 */
-        const int TR = n == 1 ? 1 : cb_kt.tile_rows[dtype];
+        const int TR = n == 1 ? 1 : e->tile_rows;
         const int groups = (rows + TR - 1) / TR;
         const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
         *r0 = g0 * TR < rows ? g0 * TR : rows;
@@ -328,8 +372,8 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
             int r0 = g * TR;
             int R = rows - r0 >= TR ? TR : 1;        /* a full group, or the tail row by row */
             for (int r = r0; r < rows && r < r0 + TR; r += R) {
-                for (int t = 0; t < n; t += 4) {
-                    int T = n - t < 4 ? n - t : 4;
+                for (int t = 0; t < n; t += CB_TILE_TOKENS) {
+                    int T = n - t < CB_TILE_TOKENS ? n - t : CB_TILE_TOKENS;
                     tile(out + (size_t)t * ldo + r, ldo, wb + (size_t)r * stride, stride, dtype,
                          x + (size_t)t * ldx, ldx, acts + t, cols, R, T);
                 }
@@ -337,7 +381,7 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
         }
         return;
     }
-    cb_dot_fn dot = cb_kt.dot[dtype];
+    cb_dot_fn dot = e->dot;
     *r0 = (int)((long long)rows * th / nt);
     *r1 = (int)((long long)rows * (th + 1) / nt);
     for (int r = *r0; r < *r1; r++) {
@@ -360,16 +404,16 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
         int first = 1;                                  /* the first job of this input? */
         for (int p = 0; p < i; p++) first &= jobs[p].acts != j->acts;
         if (!first) continue;
-        int quantized = 0, bf16_rows = 0;
+        int quantized = 0, permuted = 0;
         for (int p = i; p < count; p++) {
             if (jobs[p].acts != j->acts) continue;
             quantized |= jobs[p].dtype == CB_INT8 || jobs[p].dtype == CB_INT4;
-            bf16_rows |= jobs[p].dtype == CB_BF16 && jobs[p].layout == CB_ROWS;
+            permuted |= cb_kt.mat[jobs[p].dtype][jobs[p].layout].permuted_bf16;
         }
         if (quantized)
             for (int t = 0; t < n; t++) cb_kt.quantize(&j->acts[t], j->x + (size_t)t * j->ldx, j->cols);
 #if CB_X86
-        if (bf16_rows && cb_kt.isa >= CB_ISA_AVX512 && cb_kt.tile[CB_BF16] && j->acts[0].xp)  /* the AVX-512 bf16 tile's input */
+        if (permuted && j->acts[0].xp)              /* the input of the AVX-512 bf16 tile */
             for (int t = 0; t < n; t++) cb_permute_bf16(j->acts[t].xp, j->x + (size_t)t * j->ldx, j->cols);
 #endif
     }

@@ -197,7 +197,7 @@ CB_TARGET_AVX2 static float cb_dot_int4_avx2(const void *row, const float *x, co
 
 /* The table's tile entries (rows R = 1): the format and T in 1..4 select a body specialised at
  * compile time (a format test per block cost int8 decode about 4 %). Callers never pass T > 4
- * (cb_job_rows tiles by 4, ttile_max_t is 4): T > 4 would run as 4. */
+ * (cb_job_rows and cb_job_transposed tile by CB_TILE_TOKENS = 4): T > 4 would run as 4. */
 #define CB_AVX2_T_CASES(CALL, DT) \
     switch (T) { case 1: CALL(DT, 1); break; case 2: CALL(DT, 2); break; \
                  case 3: CALL(DT, 3); break; default: CALL(DT, 4); break; }

@@ -17,7 +17,7 @@
 
 #include "quant.h"
 
-/* Storage dtypes of a weight matrix. Mirrored in colibri/_kernels.pyx (DTYPE_CODES). */
+/* Storage dtypes of a weight matrix (colibri._kernels.DTYPE_CODES names them). */
 enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_N_DTYPES = 5 };
 
 /* Bytes of one row of `cols` weights in `dtype` (int8/int4: cols % 32 == 0). */
@@ -147,7 +147,7 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  * the same numbers. The scalar kernel below accumulates every output in exactly the order of the
  * scalar dot products above, so at the scalar tier both layouts give the same bits.
  */
-enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2 };   /* Mat.layout; mirrored in colibri/_kernels.pyx */
+enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2, CB_N_LAYOUTS = 3 };   /* colibri._kernels.LAYOUT_CODES */
 
 /* Bytes of a transposed int8/int4 group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
@@ -236,6 +236,30 @@ static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int
             }
         }
     }
+}
+
+/* The tile of the rows layout (cb_tile_fn): out[t * ldo + r] = row r . token t for R rows `stride`
+ * bytes apart and T tokens (x/ldx for the float formats, acts for the integer ones). This is the
+ * plain-C spec of every tier's tile: each element the scalar dot product of its row and token. */
+typedef void (*cb_tile_fn)(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x,
+                           int ldx, const cb_act_q8 *acts, int cols, int R, int T);
+
+static cb_dot_fn cb_dot_scalar(int dtype) {
+    switch (dtype) {
+    case CB_F32: return cb_dot_f32_scalar;
+    case CB_F16: return cb_dot_f16_scalar;
+    case CB_BF16: return cb_dot_bf16_scalar;
+    case CB_INT8: return cb_dot_int8_scalar;
+    default: return cb_dot_int4_scalar;
+    }
+}
+
+static void cb_tile_scalar(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x,
+                           int ldx, const cb_act_q8 *acts, int cols, int R, int T) {
+    cb_dot_fn dot = cb_dot_scalar(dtype);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            out[(size_t)t * ldo + r] = dot(w + (size_t)r * stride, x + (size_t)t * ldx, &acts[t], cols);
 }
 
 static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,

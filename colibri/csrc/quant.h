@@ -131,8 +131,4 @@ static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
     a->n = n;
 }
 
-static inline size_t cb_row_bytes(int dtype_bytes_per_block, int cols) {
-    return (size_t)(cols / CB_QBLOCK) * (size_t)dtype_bytes_per_block;
-}
-
 #endif /* COLIBRI_QUANT_H */
