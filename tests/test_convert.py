@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import colibri
+from colibri import quant
 from colibri.convert import convert
+from colibri.errors import ColibriError
 from colibri.hfcheckpoint import HFCheckpoint
-from colibri.modeldir import ALIGNMENT, ModelDir
+from colibri.modeldir import ALIGNMENT, BLOCK_FORMATS as BLOCK, ModelDir
 from conftest import FIXTURES, reference, write_safetensors
 
 SILENT = dict(log=lambda *a: None)
@@ -257,3 +259,57 @@ def test_models_without_the_gemma_fields_stay_readable_by_earlier_versions(conve
     assert not set(EXTENSION_FIELDS) & set(mixtral)
     gemma = json.loads((converted("gemma4_a") / "config.json").read_text())["model"]
     assert {"moe_block", "sandwich_norms", "layer_head_dims", "embedding_scale"} <= set(gemma)
+
+
+# ---- layouts -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
+def test_converter_layouts(converted, dtype):
+    """Default: the format's faster layout for every matrix but the embedding; the router, norms
+    and vectors are always rows. Interleaved exists for int8/int4 only: asked of a float format,
+    a clear error and no directory."""
+    for layout in (None, "rows", "transposed") + (("interleaved",) if dtype in BLOCK else ()):
+        md = ModelDir(converted("mixtral_a", dtype, layout))
+        for name, t in md.tensors.items():
+            matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")   # untied
+            want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16,
+            if want == "interleaved" and t["dtype"] not in BLOCK:   # which cannot be interleaved
+                want = "rows"
+            assert t["layout"] == (want if matrix else "rows"), (layout, name)
+
+
+def test_layout_choice_per_tensor():
+    """--expert-layout for the routed experts, --layout for the other matrices, the format's
+    faster layout by default; an int8/int4 matrix whose row count is not a multiple of 8 cannot
+    be grouped and stays rows; the embedding, routers, norms and vectors are always rows."""
+    from colibri.convert import _layout_for
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8") == "interleaved"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16") == "rows"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16", "transposed") == "transposed"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8", "rows", "transposed") == "rows"
+    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", "rows", "transposed") == "transposed"
+    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", "transposed", "rows") == "rows"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8") == "rows"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "f16", "transposed") == "transposed"
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", "transposed", "transposed") == "rows"
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "interleaved"     # the head
+    assert _layout_for("embedding", (64, 64), "matrix", "bf16", "rows", "transposed", tied=True) == "transposed"
+    assert _layout_for("layers.3.router", (8, 64), "router", "f32", "transposed", "transposed") == "rows"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int4", "interleaved") == "interleaved"
+    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", None, "interleaved") == "interleaved"
+    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8", "interleaved") == "rows"
+    assert _layout_for("layers.3.experts.5.down", (48, 40), "matrix", "f16", "interleaved") == "rows"   # kept f16
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", "interleaved", "interleaved") == "rows"
+    assert _layout_for("embedding", (64, 64), "matrix", "int4", None, "interleaved", tied=True) == "interleaved"
+
+
+def test_unknown_layout_is_refused(tmp_path):
+    with pytest.raises(ColibriError, match="--expert-layout interleaved is for int8/int4 weights"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="bf16", expert_layout="interleaved")
+    with pytest.raises(ColibriError, match="--layout interleaved is for int8/int4 weights, not --quantize f32"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", layout="interleaved")
+    with pytest.raises(ColibriError, match="--expert-layout 'columns'"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", expert_layout="columns")
+    with pytest.raises(ColibriError, match="--layout 'cols'"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", layout="cols")
+    assert not (tmp_path / "m").exists()

@@ -3,13 +3,11 @@ int8/int4, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time).
 
 Kernels of every tier and format in the transposed and interleaved layouts against numpy and
 against the rows layout; prefill (one matmul over n tokens) against decode (n matvecs), bit for
-bit; the block re-ordering of quant.transpose / quant.interleave; the converter's
---expert-layout and the model directory checks; whole models in every layout.
+bit; the block re-ordering of quant.transpose / quant.interleave; whole models in every layout.
+(The converter's layout choice: test_convert.py; the directory's layout checks: test_modeldir.py;
+relayout: test_relayout.py.)
 """
 from __future__ import annotations
-
-import json
-import shutil
 
 import numpy as np
 import pytest
@@ -19,11 +17,9 @@ from hypothesis.extra import numpy as hnp
 
 import colibri
 from colibri import _kernels, _probes, quant
-from colibri.convert import convert
-from colibri.errors import ColibriError
 from colibri.modeldir import ModelDir, from_storage, to_storage
 
-from conftest import FIXTURES, float32_dot_bound, reference
+from conftest import float32_dot_bound, reference
 
 # matvec against float64: conftest.float32_dot_bound; the two layouts against each other (each
 # within that bound of the exact product): twice it
@@ -358,21 +354,6 @@ def test_unknown_layout_is_a_clear_error():
 
 # ---- models ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
-def test_converter_layouts(converted, dtype):
-    """Default: the format's faster layout for every matrix but the embedding; the router, norms
-    and vectors are always rows. Interleaved exists for int8/int4 only: asked of a float format,
-    a clear error and no directory."""
-    for layout in (None, "rows", "transposed") + (("interleaved",) if dtype in BLOCK else ()):
-        md = ModelDir(converted("mixtral_a", dtype, layout))
-        for name, t in md.tensors.items():
-            matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")   # untied
-            want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16,
-            if want == "interleaved" and t["dtype"] not in BLOCK:   # which cannot be interleaved
-                want = "rows"
-            assert t["layout"] == (want if matrix else "rows"), (layout, name)
-
-
 @pytest.mark.parametrize("case", ["mixtral_a", "mixtral_b", "qwen2moe_b", "gemma4_b"])   # _b: tied embeddings
 def test_f32_transposed_matches_transformers(converted, case):
     ref = reference(case)
@@ -421,61 +402,6 @@ def test_whole_model_the_same_bits_with_every_int_step(isa, converted, dtype, la
                 np.testing.assert_array_equal(m.forward(ids[:n]), want, err_msg=f"{step}, {n} tokens")
 
 
-def test_layout_choice_per_tensor():
-    """--expert-layout for the routed experts, --layout for the other matrices, the format's
-    faster layout by default; an int8/int4 matrix whose row count is not a multiple of 8 cannot
-    be grouped and stays rows; the embedding, routers, norms and vectors are always rows."""
-    from colibri.convert import _layout_for
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8") == "interleaved"
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16") == "rows"
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16", "transposed") == "transposed"
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8", "rows", "transposed") == "rows"
-    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", "rows", "transposed") == "transposed"
-    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", "transposed", "rows") == "rows"
-    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8") == "rows"
-    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "f16", "transposed") == "transposed"
-    assert _layout_for("embedding", (64, 64), "matrix", "int8", "transposed", "transposed") == "rows"
-    assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "interleaved"     # the head
-    assert _layout_for("embedding", (64, 64), "matrix", "bf16", "rows", "transposed", tied=True) == "transposed"
-    assert _layout_for("layers.3.router", (8, 64), "router", "f32", "transposed", "transposed") == "rows"
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int4", "interleaved") == "interleaved"
-    assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", None, "interleaved") == "interleaved"
-    assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8", "interleaved") == "rows"
-    assert _layout_for("layers.3.experts.5.down", (48, 40), "matrix", "f16", "interleaved") == "rows"   # kept f16
-    assert _layout_for("embedding", (64, 64), "matrix", "int8", "interleaved", "interleaved") == "rows"
-    assert _layout_for("embedding", (64, 64), "matrix", "int4", None, "interleaved", tied=True) == "interleaved"
-
-
-def test_modeldir_refuses_a_transposed_vector(converted, tmp_path):
-    src = converted("mixtral_a", "int8")
-    for name, layout, problem in (("layers.0.attn_norm", "transposed", "only weight matrices"),
-                                  ("layers.0.router", "transposed", "only weight matrices"),
-                                  ("layers.0.router", "interleaved", "only weight matrices"),
-                                  ("embedding", "interleaved", "interleaved layout is for int8/int4")):
-        d = tmp_path / f"{name}-{layout}"
-        if name == "embedding":              # an f32 matrix marked interleaved
-            shutil.copytree(converted("mixtral_a", "f32"), d)
-        else:
-            shutil.copytree(src, d)
-        cfg = json.loads((d / "config.json").read_text())
-        cfg["tensors"][name]["layout"] = layout
-        (d / "config.json").write_text(json.dumps(cfg))
-        with pytest.raises(ColibriError, match=problem):
-            ModelDir(d)
-
-
-def test_unknown_layout_is_refused(tmp_path):
-    with pytest.raises(ColibriError, match="--expert-layout interleaved is for int8/int4 weights"):
-        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="bf16", expert_layout="interleaved")
-    with pytest.raises(ColibriError, match="--layout interleaved is for int8/int4 weights, not --quantize f32"):
-        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", layout="interleaved")
-    with pytest.raises(ColibriError, match="--expert-layout 'columns'"):
-        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", expert_layout="columns")
-    with pytest.raises(ColibriError, match="--layout 'cols'"):
-        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", layout="cols")
-    assert not (tmp_path / "m").exists()
-
-
 @settings(max_examples=60, deadline=None)
 @given(layout_case(), st.integers(0, 10**6))
 def test_embedding_row_from_either_layout(case, pick):
@@ -507,57 +433,6 @@ def test_tied_embedding_in_a_group_layout_has_the_bits_of_rows(converted):
             np.testing.assert_array_equal(colibri.load(md.root).forward(ids), rows, err_msg=layout)
     finally:
         _kernels.select_isa(before)
-
-
-def test_relayout_rewrites_a_directory_without_the_checkpoint(converted, tmp_path):
-    """relayout: rows -> default layouts gives the directly converted directory's tensor files,
-    byte for byte; back to rows gives the original ones; the result loads and verifies."""
-    from colibri.convert import relayout
-    rows, default = ModelDir(converted("qwen2moe_a", "int8", "rows")), ModelDir(converted("qwen2moe_a", "int8"))
-    lines = []
-    out = tmp_path / "t"
-    relayout(rows.root, out, log=lines.append)
-    assert any(line.startswith(f"[INFO] Wrote {out}: experts ") for line in lines)
-    got = ModelDir(out)
-    assert got.verify() == []
-    for rel, entry in default.files.items():
-        assert got.files[rel]["sha256"] == entry["sha256"], rel
-    assert {n: t["layout"] for n, t in got.tensors.items()} == {n: t["layout"] for n, t in default.tensors.items()}
-    back = tmp_path / "r"
-    relayout(out, back, expert_layout="rows", layout="rows", log=lines.append)
-    for rel, entry in rows.files.items():
-        assert ModelDir(back).files[rel]["sha256"] == entry["sha256"], rel
-    ids = reference("qwen2moe_a")["input_ids"]
-    np.testing.assert_array_equal(colibri.load(out).forward(ids), colibri.load(default.root).forward(ids))
-
-
-def test_relayout_refuses_its_own_directory_and_a_full_output(converted, tmp_path):
-    from colibri.convert import relayout
-    src = converted("mixtral_a", "int8")
-    with pytest.raises(ColibriError, match="is the model directory itself"):
-        relayout(src, src)
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "x").write_text("keep")
-    with pytest.raises(ColibriError, match="not empty"):
-        relayout(src, tmp_path / "full")
-    assert (tmp_path / "full" / "x").read_text() == "keep"
-    with pytest.raises(ColibriError, match="--layout 'cols'"):
-        relayout(src, tmp_path / "new", layout="cols")
-    assert not (tmp_path / "new").exists()
-
-
-def test_relayout_refuses_a_damaged_source(converted, tmp_path):
-    """A flipped byte in the source is reported, not copied under a fresh checksum."""
-    from colibri.convert import relayout
-    src = tmp_path / "src"
-    shutil.copytree(converted("mixtral_a", "int8", "rows"), src)
-    victim = src / "layers" / "01" / "expert_002.bin"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
-    with pytest.raises(ColibriError, match="expert_002.bin: sha256 mismatch"):
-        relayout(src, tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 @pytest.mark.parametrize("dtype,layout", [(d, lay) for d, lay in FORMAT_LAYOUTS if d in ("bf16", "int8", "int4")])

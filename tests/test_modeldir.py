@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import colibri
-from colibri.modeldir import from_storage, to_storage
+from colibri.errors import ColibriError
+from colibri.modeldir import ModelDir, from_storage, to_storage
 
 
 @pytest.fixture(scope="module")
@@ -485,3 +486,21 @@ def test_each_top_level_key_removed(pristine, tmp_path, key):
         del cfg[key]
     with pytest.raises(colibri.ColibriError):
         _load_after(pristine, tmp_path, edit)
+
+
+def test_modeldir_refuses_a_transposed_vector(converted, tmp_path):
+    src = converted("mixtral_a", "int8")
+    for name, layout, problem in (("layers.0.attn_norm", "transposed", "only weight matrices"),
+                                  ("layers.0.router", "transposed", "only weight matrices"),
+                                  ("layers.0.router", "interleaved", "only weight matrices"),
+                                  ("embedding", "interleaved", "interleaved layout is for int8/int4")):
+        d = tmp_path / f"{name}-{layout}"
+        if name == "embedding":              # an f32 matrix marked interleaved
+            shutil.copytree(converted("mixtral_a", "f32"), d)
+        else:
+            shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["tensors"][name]["layout"] = layout
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ColibriError, match=problem):
+            ModelDir(d)

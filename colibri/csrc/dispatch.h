@@ -268,9 +268,8 @@ static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u
 #define CB_TCHUNK_BYTES (128 * 1024)
 
 /* From this many tokens a transposed int8/int4 product repacks each chunk (its tprefill): the
- * repack costs about what 4 tokens' products save (kernel_matmul of expert-shaped [3584, 1024] and
- * [1024, 3584] matrices, repack on / off interleaved, 2 threads, 2026-11-30: int4 0.7x at 2 tokens,
- * 0.9x at 4, 1.1-1.2x at 8, 1.3-1.4x at 32; int8 0.8-0.9x, 1.0x, 1.1-1.4x, 1.3-1.45x). */
+ * repack costs about what 4 tokens' products save (BENCHMARKS.md, "The repacked prefill's
+ * threshold"). */
 #define CB_TPREFILL_MIN_TOKENS 8
 #define CB_TDECODE_OUTPUTS 4096
 

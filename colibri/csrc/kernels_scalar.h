@@ -1,8 +1,8 @@
-/* kernels_scalar.h — the portable reference kernels of Colibri.
+/* kernels_scalar.h — the portable reference kernels of Colibri: the scalar tier.
  *
- * Every kernel the token step calls exists here first as plain C. These are the specification:
- * SIMD versions (kernels_avx2.h / kernels_avx512.h, a later step) keep the same signatures and
- * are tested against these. Conventions:
+ * Every kernel the layer loop calls exists here as plain C, with the signature of its table entry
+ * (dispatch.h): these are the specification, and the SIMD tiers (kernels_avx2.h, kernels_avx512.h,
+ * kernels_vnni.h) are tested against them. Conventions:
  *   - weights are row-major [rows, cols] ("rows" layout) in one of the storage dtypes below;
  *   - activations are float32, accumulation is float32 except where a comment says otherwise;
  *   - `n_threads` splits the output rows with OpenMP; small problems stay on one thread.
