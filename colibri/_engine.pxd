@@ -7,6 +7,7 @@ from colibri._kernels cimport cb_act_q8
 cdef extern from "os_hints.h" nogil:
     # advice to the OS about an expert's pages, through the functions colibri._os resolved
     # (colibri._os.engine_advice): read ahead, or drop them
+    int CB_ADVICE_NONE, CB_ADVICE_MADVISE, CB_ADVICE_WIN32
     ctypedef struct cb_os_advice:
         int kind
         uintptr_t will_need

@@ -71,6 +71,7 @@ cpdef enum:
 
 PREFETCH_CODES = {"none": PREFETCH_NONE, "routed": PREFETCH_ROUTED, "predict": PREFETCH_PREDICT}
 QK_NORM_CODES = {"none": QK_NORM_NONE, "per_head": QK_NORM_PER_HEAD, "whole": QK_NORM_WHOLE}
+ADVICE_CODES = {"none": CB_ADVICE_NONE, "madvise": CB_ADVICE_MADVISE, "win32": CB_ADVICE_WIN32}   # _os.EngineAdvice kinds
 
 # ---- the blocks of the layer loop, each over n tokens (decode: n = 1) ------------------------
 
@@ -594,7 +595,8 @@ cdef class Engine:
         s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
         s.router2 = _f32(keep["router2"]); s.pred_w = _f32(keep["pred_w"])
         s.prefetch_chunk = spec.prefetch_chunk_bytes
-        s.advice.kind, s.advice.will_need, s.advice.release, s.advice.will_need_arg, s.advice.release_arg = spec.advice
+        kind, s.advice.will_need, s.advice.release, s.advice.will_need_arg, s.advice.release_arg = spec.advice
+        s.advice.kind = ADVICE_CODES[kind]
         assert sizeof(Range) == 2 * sizeof(uint64_t)
         for (pl, pe), (start, length) in spec.expert_pages.items():
             keep["expert_pages"][pl, pe] = (start, length)

@@ -180,11 +180,12 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 
 def act_arrays(int rows, int cols):
     """The numpy arrays behind `rows` activation quantization scratches (cb_act_q8) of up to `cols`
-    values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32 + 1], xp float32 [rows, cols]
-    (the AVX-512 bf16 tile's permuted input)."""
+    values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32 + 1], and xp float32 [rows,
+    cols], the permuted input of the AVX-512 bf16 tile — None where no tier this CPU can run reads
+    it (the drivers skip the permutation when xp is NULL)."""
     blocks = cols // 32 + 1
-    return [zeros((rows, cols), np.int8), zeros((rows, blocks), np.float32),
-            zeros((rows, blocks), np.int32), zeros((rows, cols), np.float32)]
+    xp = zeros((rows, cols), np.float32) if "avx512" in available_isas() else None
+    return [zeros((rows, cols), np.int8), zeros((rows, blocks), np.float32), zeros((rows, blocks), np.int32), xp]
 
 
 cdef cb_act_q8 *bind_acts(list arrays) except NULL:
@@ -200,5 +201,5 @@ cdef cb_act_q8 *bind_acts(list arrays) except NULL:
         acts[t].d = <float *><uintptr_t>d[t].ctypes.data
         acts[t].s = <int32_t *><uintptr_t>s[t].ctypes.data
         acts[t].n = 0
-        acts[t].xp = <float *><uintptr_t>xp[t].ctypes.data
+        acts[t].xp = NULL if xp is None else <float *><uintptr_t>xp[t].ctypes.data
     return acts

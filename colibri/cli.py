@@ -466,7 +466,8 @@ def _print_stats(m) -> None:
     per = st["prefetched_per_used_byte"]
     _err(f"[STATS] experts used per layer: {' '.join(map(str, st['experts_used_per_layer']))}")
     _err(f"[STATS] resident experts: {mb(st['resident_expert_bytes'])} (peak {mb(st['peak_resident_expert_bytes'])}, "
-          f"budget {mb(st['expert_budget_bytes'])}, released {st['experts_released']})")
+          f"budget {mb(st['expert_budget_bytes'])}, released {st['experts_released']}); "
+          f"in memory by the OS's count: {mb(st['expert_bytes_in_memory'])}")
     _err(f"[STATS] prefetch: {st['prefetch_calls']} calls, {mb(st['prefetch_bytes'])}"
           f"{'' if per is None else f', {per:.2f} bytes per byte used'}"
           f"{'' if hit is None else f', prediction hit rate {100 * hit:.1f} %'}")

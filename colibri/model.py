@@ -273,6 +273,7 @@ class Model:
         generator included, is a ColibriError saying it was closed."""
         with self._engine_lock:            # no engine step is running while the weights go away
             self._engine = None
+            self.residency.close()
             self._maps.close()
 
     def __enter__(self):

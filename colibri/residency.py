@@ -121,4 +121,17 @@ class Residency:
     def stats(self) -> dict:
         return {"resident_expert_bytes": self.resident, "peak_resident_expert_bytes": self.peak_resident,
                 "expert_budget_bytes": self.budget, "experts_released": self.released,
-                "expert_bytes_used": self.used_bytes, "dense_locked": bool(self.locked)}
+                "expert_bytes_used": self.used_bytes, "dense_locked": bool(self.locked),
+                "expert_bytes_in_memory": self.in_memory()}
+
+    def in_memory(self) -> int:
+        """Bytes of the expert files in memory now, as the OS reports them (_os.resident_bytes:
+        on Linux the page cache, whether or not this process touched the pages) — the figure a
+        memory cap counts, beside the bookkeeping of `resident`."""
+        return sum(_os.resident_bytes(address, length) for address, length in self.spans.values())
+
+    def close(self) -> None:
+        """Undo mlock before the mappings go (they are about to be unmapped)."""
+        if self.locked:
+            _os.unlock(self.dense_spans)
+            self.locked = False

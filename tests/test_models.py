@@ -239,3 +239,19 @@ def test_an_inner_chunk_without_logits_leaves_the_same_cache(converted, case):
     last = np.empty((1, m.config.vocab_size), np.float32)
     assert m._engine.run(ids[9:], 9, last, False)[0] == 0
     np.testing.assert_array_equal(last[0], whole[-1])
+
+
+def test_without_an_avx512_tier_no_permuted_input_is_allocated(converted, monkeypatch):
+    """The AVX-512 bf16 tile's permuted input (acts.xp) is allocated only where that tier can run;
+    on a CPU without it the engine's scratch has none and bf16 runs as before on the other tiers."""
+    from colibri import _kernels
+    before = _kernels.isa()
+    ids = reference("mixtral_a")["input_ids"]
+    try:
+        _kernels.select_isa("avx2" if "avx2" in _kernels.available_isas() else "scalar")
+        expected = colibri.load(converted("mixtral_a", "bf16")).forward(ids)
+        monkeypatch.setattr(_kernels, "available_isas", lambda: ["scalar", "avx2"])
+        assert _kernels.act_arrays(4, 64)[3] is None
+        np.testing.assert_array_equal(colibri.load(converted("mixtral_a", "bf16")).forward(ids), expected)
+    finally:
+        _kernels.select_isa(before)

@@ -79,11 +79,14 @@ def test_warmup_and_mlock_load(big_model):
     m = colibri.load(big_model, warmup=True, mlock=True)
     spans = list(m.residency.spans.values())
     assert sum(_os.resident_bytes(a, n) for a, n in spans) == sum(n for _, n in spans)
+    assert m.memory_stats()["expert_bytes_in_memory"] == sum(n for _, n in spans)
     dense = sum(n for _, n in m.residency.dense_spans)
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= dense:
         assert m.residency.locked is True
     np.testing.assert_array_equal(m.forward([1, 2, 3]), colibri.load(big_model).forward([1, 2, 3]))
+    m.close()                                                     # unlocked before the unmapping
+    assert m.residency.locked is False
 
 
 @pytest.mark.parametrize("bad", [dict(prefetch="always"), dict(expert_cache_mb=-1), dict(expert_cache_mb="a"),
@@ -151,14 +154,14 @@ def test_the_engines_advice_goes_through_the_functions_os_resolved(converted):
     advice = _os.engine_advice()
     if _os.BACKEND != "windows":
         libc = ctypes.CDLL(None)
-        assert advice.kind == _os.ADVICE_KINDS["madvise"]
+        assert advice.kind == "madvise"
         assert advice.will_need == advice.release == ctypes.cast(libc.madvise, ctypes.c_void_p).value
     calls = []
     recorder = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
         lambda address, length, code: calls.append((address, length, code)) or 0)
     address = ctypes.cast(recorder, ctypes.c_void_p).value
     m = colibri.load(converted("mixtral_a", "int8"), prefetch="routed", expert_cache_mb=1.0, threads=1)
-    spec = dataclasses.replace(m.engine_spec, advice=_os.EngineAdvice(_os.ADVICE_KINDS["madvise"], address,
+    spec = dataclasses.replace(m.engine_spec, advice=_os.EngineAdvice("madvise", address,
                                                                       address, 101, 102))
     engine = _engine.Engine(spec)
     ids = np.arange(1, 9, dtype=np.int32)

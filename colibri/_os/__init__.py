@@ -315,17 +315,17 @@ def zeros(shape, dtype=np.float32, align: int = 64) -> np.ndarray:
     return buffer.as_numpy(dtype, shape) if count else np.zeros(shape, dtype)
 
 
-ADVICE_KINDS = {"none": 0, "madvise": 1, "win32": 2}     # csrc/os_hints.h CB_ADVICE_*
-
-
 class EngineAdvice(tuple):
     """The OS functions the compiled layer loop calls for an expert's pages (csrc/os_hints.h):
-    (kind, will_need, release, will_need_arg, release_arg) — kind an ADVICE_KINDS code, the
-    functions as addresses ctypes resolved (0: none)."""
+    (kind, will_need, release, will_need_arg, release_arg) — kind "none", "madvise" (POSIX:
+    both functions madvise, with the two advice codes) or "win32" (PrefetchVirtualMemory,
+    VirtualUnlock); the functions as addresses ctypes resolved (0: none)."""
     __slots__ = ()
 
-    def __new__(cls, kind: int, will_need: int, release: int, will_need_arg: int = 0, release_arg: int = 0):
-        return super().__new__(cls, (int(kind), int(will_need or 0), int(release or 0), int(will_need_arg),
+    def __new__(cls, kind: str, will_need: int, release: int, will_need_arg: int = 0, release_arg: int = 0):
+        if kind not in ("none", "madvise", "win32"):
+            raise ValueError(f"advice kind {kind!r} is not one of none, madvise, win32")
+        return super().__new__(cls, (kind, int(will_need or 0), int(release or 0), int(will_need_arg),
                                      int(release_arg)))
 
     kind = property(lambda self: self[0])
@@ -335,15 +335,14 @@ class EngineAdvice(tuple):
     release_arg = property(lambda self: self[4])
 
 
-NO_ADVICE = EngineAdvice(ADVICE_KINDS["none"], 0, 0)
+NO_ADVICE = EngineAdvice("none", 0, 0)
 
 
 def engine_advice() -> EngineAdvice:
     """What the layer loop calls to prefetch and release an expert's pages, resolved here once:
     Linux/POSIX: libc's madvise(MADV_WILLNEED / MADV_DONTNEED), as `prefetch` and `release` use;
     Windows: PrefetchVirtualMemory (absent before Windows 8: no prefetch) and VirtualUnlock."""
-    kind, will_need, release_fn, will_need_arg, release_arg = _backend.engine_advice()
-    return EngineAdvice(ADVICE_KINDS[kind], will_need, release_fn, will_need_arg, release_arg)
+    return EngineAdvice(*_backend.engine_advice())
 
 
 def lock(ranges) -> bool:
@@ -438,4 +437,4 @@ def compute_cores() -> int:
 
 
 __all__ = list(INTERFACE) + ["compute_cores", "zeros", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
-                             "AlignedBuffer", "AdviceWarning", "EngineAdvice", "ADVICE_KINDS", "NO_ADVICE"]
+                             "AlignedBuffer", "AdviceWarning", "EngineAdvice", "NO_ADVICE"]

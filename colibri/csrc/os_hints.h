@@ -20,7 +20,7 @@
 #define CB_WINAPI
 #endif
 
-enum { CB_ADVICE_NONE = 0, CB_ADVICE_MADVISE = 1, CB_ADVICE_WIN32 = 2 };   /* colibri._os.ADVICE_KINDS */
+enum { CB_ADVICE_NONE = 0, CB_ADVICE_MADVISE = 1, CB_ADVICE_WIN32 = 2 };   /* colibri._engine.ADVICE_CODES */
 
 typedef struct {
     int kind;              /* CB_ADVICE_* */
