@@ -18,6 +18,20 @@ typedef struct {
     int os_avx, os_avx512;                             /* XCR0 says the OS saves the state */
 } cb_cpu_features;
 
+/* The instruction sets of each tier's functions (per-function target attributes: one build runs
+ * on any x86-64 CPU, and dispatch.h picks the tier at import). MSVC needs no attribute. */
+#if defined(__GNUC__) || defined(__clang__)
+#define CB_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define CB_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define CB_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+#define CB_TARGET_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#else
+#define CB_TARGET_AVX2
+#define CB_TARGET_AVXVNNI
+#define CB_TARGET_AVX512
+#define CB_TARGET_AVX512_VNNI
+#endif
+
 /* A kernel body specialised by constant arguments must be inlined into each caller. */
 #if defined(_MSC_VER)
 #define CB_ALWAYS_INLINE __forceinline

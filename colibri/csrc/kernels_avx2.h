@@ -15,12 +15,6 @@
 #if CB_X86
 #include <immintrin.h>
 
-#if defined(__GNUC__) || defined(__clang__)
-#define CB_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#else
-#define CB_TARGET_AVX2
-#endif
-
 CB_TARGET_AVX2 static inline float cb_hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

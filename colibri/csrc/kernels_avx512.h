@@ -17,14 +17,6 @@
 
 #if CB_X86
 
-#if defined(__GNUC__) || defined(__clang__)
-#define CB_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
-#define CB_TARGET_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-#else
-#define CB_TARGET_AVX512
-#define CB_TARGET_AVX512_VNNI
-#endif
-
 CB_TARGET_AVX512 static inline __m512 cb_bf16x16_to_f32(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }

@@ -23,15 +23,9 @@
 #ifndef COLIBRI_KERNELS_VNNI_H
 #define COLIBRI_KERNELS_VNNI_H
 
-#include "kernels_avx512.h"
+#include "kernels_avx2.h"        /* the shared 256-bit helpers; a sibling of kernels_avx512.h */
 
 #if CB_X86
-
-#if defined(__GNUC__) || defined(__clang__)
-#define CB_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-#else
-#define CB_TARGET_AVXVNNI
-#endif
 
 /* vpdpbusd in AVX2: even and odd bytes widened to int16 (u zero-, s sign-extended), multiplied and
  * paired by madd (|u * s| <= 255 * 128: exact), so lane k gets bytes 4k..4k+3 — the instruction's
