@@ -83,6 +83,8 @@ cdef extern from "dispatch.h" nogil:
                       int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads)
 
 cdef extern from "quant.h":
+    int CB_QBLOCK                # weights per block of the integer formats (32)
+    int CB_TGROUP                # outputs per group of the transposed / interleaved layouts (8)
     ctypedef struct cb_block_int8:
         pass
     ctypedef struct cb_block_int4:

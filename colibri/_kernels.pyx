@@ -23,6 +23,9 @@ cb_init_tables()
 DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4}
 LAYOUT_CODES = {"rows": CB_ROWS, "transposed": CB_TRANSPOSED, "interleaved": CB_INTERLEAVED}
 ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH}     # config.json's hidden_act, normalised
+BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
+QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)
+TGROUP = CB_TGROUP               # outputs per group of the transposed and interleaved layouts
 
 # ---- the SIMD tier, chosen once at import (COLIBRI_ISA forces one) ---------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import ColibriError
 
-LAYOUT_CHOICES = ("rows", "transposed", "interleaved")     # quant.LAYOUTS (not imported: numpy)
+LAYOUT_CHOICES = ("rows", "transposed", "interleaved")     # _kernels.LAYOUT_CODES (not imported: numpy; a test holds them equal)
 
 DEMO_DIR = Path(__file__).parent / "data" / "demo"
 EXIT_USAGE = 2
@@ -46,7 +46,7 @@ def _token_list(text):
     return ids
 
 
-QUANTIZE_CHOICES = ("f32", "f16", "bf16", "int8", "int4")          # modeldir.WEIGHT_DTYPES (not imported: numpy)
+QUANTIZE_CHOICES = ("f32", "f16", "bf16", "int8", "int4")          # _kernels.DTYPE_CODES (not imported: numpy; a test holds them equal)
 QUANTIZE_ALIASES = {"fp32": "f32", "fp16": "f16", "4bit": "int4", "8bit": "int8"}   # the original C engine's
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _os, quant
+from ._kernels import BLOCK_FORMATS, DTYPE_CODES
 from .config import ModelConfig, read_json, shown
 from .errors import ColibriError
 
@@ -42,8 +43,7 @@ MAX_OTHER_FILES = 256                # files in the table beyond one per tensor 
 STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
                   "int8": np.dtype("u1"), "int4": np.dtype("u1"), "int16": np.dtype("<i2")}
 NORM_DTYPES = ("f32", "int16")       # int16 norm weights carry a float "scale": w = scale * q
-WEIGHT_DTYPES = ("f32", "f16", "bf16", "int8", "int4")
-BLOCK_FORMATS = ("int8", "int4")
+WEIGHT_DTYPES = tuple(DTYPE_CODES)       # the kernels' storage formats (colibri._kernels)
 
 
 def storage_nbytes(dtype: str, shape) -> int:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
-QBLOCK = 32
+from ._kernels import LAYOUT_CODES, QBLOCK, TGROUP    # the C definitions (csrc/quant.h, kernels_scalar.h)
+
 BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),
     "int4": np.dtype([("d", "<u2"), ("qs", "u1", (QBLOCK // 2,))]),
 }
 BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18
-TGROUP = 8          # outputs per group of the transposed layout
 GROUP_DTYPES = {
     "int8": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "i1", (TGROUP, QBLOCK))]),
     "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (TGROUP, QBLOCK // 2))]),
@@ -37,7 +37,7 @@ IGROUP_DTYPES = {
     "int8": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "i1", (8, TGROUP, 4))]),
     "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
 }
-LAYOUTS = ("rows", "transposed", "interleaved")
+LAYOUTS = tuple(LAYOUT_CODES)
 
 
 def default_layout(dtype: str) -> str:

@@ -289,3 +289,11 @@ def test_run_without_model_dir():
     p = colibri("run", "--tokens", "1,2", "--max-new-tokens", 1)
     assert p.returncode == 0, p.stderr
     assert "Loaded the bundled demo model" in p.stderr
+
+
+def test_the_clis_choice_lists_are_the_kernels_tables():
+    """cli.py spells the layouts and formats out (its --help imports no numpy); they must be the
+    compiled modules' tables, defined once from the C enums."""
+    from colibri import _kernels, cli
+    assert cli.LAYOUT_CHOICES == tuple(_kernels.LAYOUT_CODES)
+    assert cli.QUANTIZE_CHOICES == tuple(_kernels.DTYPE_CODES)
