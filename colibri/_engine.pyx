@@ -38,8 +38,8 @@ from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, C
 
 import numpy as np
 
-from colibri._kernels import DTYPE_CODES, LAYOUT_CODES, act_arrays
-from colibri._os import zeros     # every buffer of the engine comes from the OS layer (alloc_aligned)
+from colibri._kernels import DTYPE_CODES, LAYOUT_CODES, act_specs
+from colibri._os import arena, zeros     # every buffer of the engine comes from the OS layer (alloc_aligned)
 
 # Step status codes, read by model.py.
 cpdef enum:
@@ -468,9 +468,8 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
 cdef class Engine:
     """Owns the per-layer pointer table, the KV cache and the scratch arena of one model.
 
-    `tensors` maps tensor names of the model directory (see modeldir.py) to
-    (address, dtype name, shape) of weights that stay mapped for the Engine's lifetime: the
-    caller (model.Model) owns the mappings and keeps them alive.
+    Built from an EngineSpec (colibri.spec), whose TensorRefs point into mappings that must stay
+    open for the Engine's lifetime: the caller (model.Model) owns them and closes them after it.
     """
     cdef Hyper h
     cdef Layer *layers          # [n_layers]
@@ -479,7 +478,7 @@ cdef class Engine:
     cdef Mat lm_head            # [vocab, d_model] (the embedding when tied)
     cdef const float *final_norm  # [d_model]
     cdef Scratch s
-    cdef object _keep           # numpy arrays backing the scratch arena, KV cache and tables
+    cdef object _keep           # numpy views (memory from colibri._os) behind the scratch arena, KV cache, tables
     cdef public object logits   # np.ndarray float32 [vocab], a view of the scratch logits
     cdef public object chosen   # np.ndarray int32 [n_layers, top_k]
     cdef public object chosen_weights  # np.ndarray float32 [n_layers, top_k]
@@ -533,34 +532,39 @@ cdef class Engine:
         max_cols = max(d, q_dim, max_ff)
         wave = max(cap, MAX_SLOTS)
         f32 = np.float32
-        keep = {
-            "x": zeros((cap, d), f32), "xb": zeros((cap, d), f32), "xb2": zeros((cap, d), f32),
-            "q": zeros((cap, q_dim), f32), "att": zeros((cap, q_dim), f32),
-            "k": zeros((cap, kv_dim), f32), "v": zeros((cap, kv_dim), f32),
-            "scores": zeros((self.h.n_heads, n_ctx), f32),
-            "rx": zeros((cap, d), f32), "xe": zeros((cap, d), f32), "xm": zeros((cap, d), f32),
-            "router": zeros((cap, n_experts), f32),
-            "tok_chosen": zeros((cap, top_k), np.int32), "tok_w": zeros((cap, top_k), f32),
-            "g": zeros((wave, d), f32), "y": zeros((wave, d), f32),
-            "hb": zeros((wave, max_ff), f32), "hb2": zeros((wave, max_ff), f32),
-            "rows": zeros(wave, np.int32), "row_w": zeros(wave, f32),
-            # activation quantization of the block inputs [cap] and of the wave rows [wave]
-            "acts": act_arrays(cap, max_cols), "wave_acts": act_arrays(wave, max_cols),
-            "logits": zeros(self.h.vocab, f32),
-            "rope": [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers],
-            "chosen": zeros((n_layers, top_k), np.int32),
-            "chosen_w": zeros((n_layers, top_k), f32),
-            "counts": zeros((n_layers, n_experts), np.int64),
-            "predicted": zeros((n_layers, top_k), np.int32),
-            "prefetch_stats": zeros(PF_N, np.int64),
-            "router2": zeros(n_experts, f32), "pred_w": zeros(top_k, f32),
-            "expert_pages": zeros((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
-            # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
-            # what the attention reads): zero pages are only touched (made resident) as positions
-            # are filled. A sliding layer's ring must hold its window plus one prefill chunk.
-            "k_cache": [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
-            "v_cache": [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers],
+        # the scratch arena, one region from colibri._os: rows [cap] for the block inputs, [wave]
+        # for the MoE wave, plus the per-layer tables
+        specs = {
+            "x": ((cap, d), f32), "xb": ((cap, d), f32), "xb2": ((cap, d), f32),
+            "q": ((cap, q_dim), f32), "att": ((cap, q_dim), f32),
+            "k": ((cap, kv_dim), f32), "v": ((cap, kv_dim), f32),
+            "scores": ((self.h.n_heads, n_ctx), f32),
+            "rx": ((cap, d), f32), "xe": ((cap, d), f32), "xm": ((cap, d), f32),
+            "router": ((cap, n_experts), f32),
+            "tok_chosen": ((cap, top_k), np.int32), "tok_w": ((cap, top_k), f32),
+            "g": ((wave, d), f32), "y": ((wave, d), f32),
+            "hb": ((wave, max_ff), f32), "hb2": ((wave, max_ff), f32),
+            "rows": (wave, np.int32), "row_w": (wave, f32),
+            "logits": (self.h.vocab, f32),
+            "chosen": ((n_layers, top_k), np.int32), "chosen_w": ((n_layers, top_k), f32),
+            "counts": ((n_layers, n_experts), np.int64), "predicted": ((n_layers, top_k), np.int32),
+            "prefetch_stats": (PF_N, np.int64),
+            "router2": (n_experts, f32), "pred_w": (top_k, f32),
+            "expert_pages": ((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
         }
+        # activation quantization of the block inputs [cap] and of the wave rows [wave]
+        for prefix, rows in (("acts", cap), ("wave_acts", wave)):
+            specs.update({f"{prefix}.{k}": v for k, v in act_specs(rows, max_cols).items()})
+        keep = arena(specs)
+        for prefix in ("acts", "wave_acts"):
+            keep[prefix] = [keep[f"{prefix}.q"], keep[f"{prefix}.d"], keep[f"{prefix}.s"], keep.get(f"{prefix}.xp")]
+        keep["rope"] = [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers]
+        # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
+        # what the attention reads), each its own pages: zero pages are only touched (made
+        # resident) as positions are filled. A sliding layer's ring must hold its window plus one
+        # prefill chunk.
+        keep["k_cache"] = [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers]
+        keep["v_cache"] = [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers]
         keep["predicted"][...] = -1
         for f in layers:
             if not (f.kv_ring == n_ctx or (f.sliding_window > 0 and f.kv_ring >= f.sliding_window + cap)):

@@ -16,7 +16,7 @@ from libc.stdlib cimport calloc
 
 import numpy as np
 
-from colibri._os import zeros
+from colibri._os import arena
 
 cb_init_tables()
 
@@ -181,14 +181,22 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 
 # ---- activation quantization scratch ----------------------------------------------------------
 
-def act_arrays(int rows, int cols):
-    """The numpy arrays behind `rows` activation quantization scratches (cb_act_q8) of up to `cols`
-    values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32 + 1], and xp float32 [rows,
-    cols], the permuted input of the AVX-512 bf16 tile — None where no tier this CPU can run reads
-    it (the drivers skip the permutation when xp is NULL)."""
+def act_specs(int rows, int cols):
+    """{name: (shape, dtype)} of the arrays behind `rows` activation quantization scratches
+    (cb_act_q8) of up to `cols` values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32
+    + 1], and xp float32 [rows, cols], the permuted input of the AVX-512 bf16 tile — left out where
+    no tier this CPU can run reads it (the drivers skip the permutation when xp is NULL)."""
     blocks = cols // 32 + 1
-    xp = zeros((rows, cols), np.float32) if "avx512" in available_isas() else None
-    return [zeros((rows, cols), np.int8), zeros((rows, blocks), np.float32), zeros((rows, blocks), np.int32), xp]
+    specs = {"q": ((rows, cols), np.int8), "d": ((rows, blocks), np.float32), "s": ((rows, blocks), np.int32)}
+    if "avx512" in available_isas():
+        specs["xp"] = ((rows, cols), np.float32)
+    return specs
+
+
+def act_arrays(int rows, int cols):
+    """[q, d, s, xp or None]: the arrays of act_specs, zero-filled in one region from colibri._os."""
+    a = arena(act_specs(rows, cols))
+    return [a["q"], a["d"], a["s"], a.get("xp")]
 
 
 cdef cb_act_q8 *bind_acts(list arrays) except NULL:

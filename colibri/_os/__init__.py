@@ -315,6 +315,24 @@ def zeros(shape, dtype=np.float32, align: int = 64) -> np.ndarray:
     return buffer.as_numpy(dtype, shape) if count else np.zeros(shape, dtype)
 
 
+def arena(specs, align: int = 64) -> dict:
+    """Zero-filled numpy arrays {name: array} for specs {name: (shape, dtype)}, carved from ONE
+    `alloc_aligned` region (the engine's scratch): each starts on an `align`-byte boundary, and
+    consecutive arrays are staggered by a further `align` * (index % 16) bytes so that arrays of a
+    page-multiple size do not all start at the same offset within a page (loads of one and stores
+    to another would then share their low 12 address bits: false store-forwarding dependencies,
+    "4K aliasing"). The arrays keep the region alive; it is freed when the last of them goes."""
+    layout, offset = [], 0
+    for i, (name, (shape, dtype)) in enumerate(specs.items()):
+        dtype = np.dtype(dtype)
+        offset = (offset + align - 1) // align * align + align * (i % 16)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        layout.append((name, shape, dtype, offset))
+        offset += nbytes
+    _, buffer = alloc_aligned(max(offset, 1), align)
+    return {name: buffer.as_numpy(dtype, shape, offset) for name, shape, dtype, offset in layout}
+
+
 class EngineAdvice(tuple):
     """The OS functions the compiled layer loop calls for an expert's pages (csrc/os_hints.h):
     (kind, will_need, release, will_need_arg, release_arg) — kind "none", "madvise" (POSIX:
@@ -436,5 +454,5 @@ def compute_cores() -> int:
     return max(1, len(cores))
 
 
-__all__ = list(INTERFACE) + ["compute_cores", "zeros", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
+__all__ = list(INTERFACE) + ["compute_cores", "zeros", "arena", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
                              "AlignedBuffer", "AdviceWarning", "EngineAdvice", "NO_ADVICE"]
