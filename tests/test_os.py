@@ -18,6 +18,8 @@ import weakref
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from colibri import _os
 
@@ -377,3 +379,25 @@ def test_a_loaded_model_lives_in_memory_the_os_layer_gave_it(converted):
     m.close()
     gc.collect()
     assert all(ref() is None or ref().closed for ref in alive)   # no view left: unmapped at close
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(["u1", "<i4", "<f4", "<i8"])), min_size=1,
+                max_size=24))
+def test_arena_arrays_are_aligned_zero_and_apart(items):
+    """_os.arena: every array zero-filled, 64-byte aligned, none overlapping another, and arrays
+    of a page-multiple size not all at the same offset within a page."""
+    specs = {f"a{i}": ((n,), dtype) for i, (n, dtype) in enumerate(items)}
+    arrays = _os.arena(specs)
+    spans = []
+    for name, (shape, dtype) in specs.items():
+        a = arrays[name]
+        assert a.shape == shape and a.dtype == np.dtype(dtype) and not a.any()
+        if a.size:
+            assert a.ctypes.data % 64 == 0
+            spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+            a[...] = 1                                           # writeable, and its own memory
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    big = _os.arena({f"p{i}": ((PAGE,), "<f4") for i in range(4)})
+    assert len({a.ctypes.data % PAGE for a in big.values()}) == 4
