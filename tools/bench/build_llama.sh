@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench and llama-quantize (the reference engine of the benchmarks) from
+# Build llama.cpp's llama-bench, llama-quantize and llama-server (the reference engine of the
+# benchmarks; llama-server for tools/bench/serve_load.py) from
 # the llama.cpp vendored in the llama-cpp-python sdist on PyPI, and install gguf-py (what
 # convert_hf_to_gguf.py needs). Everything goes to $BENCH_CACHE (default /work/bench_cache);
 # a finished build is reused.
@@ -16,7 +17,7 @@ SRC="$CACHE/llama_cpp_python-$VERSION"     # the sdist unpacks here
 BUILD="$CACHE/llama.cpp-build"
 mkdir -p "$CACHE/sdist"
 
-if [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ]; then
+if [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ] && [ -x "$BUILD/bin/llama-server" ]; then
     echo "[build_llama] already built: $BUILD/bin"
 else
     if [ ! -d "$SRC/vendor/llama.cpp" ]; then
@@ -28,9 +29,9 @@ else
     cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=ON \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$BUILD" --target llama-bench llama-quantize -j "$JOBS"
+    cmake --build "$BUILD" --target llama-bench llama-quantize llama-server -j "$JOBS"
 fi
 
 # convert_hf_to_gguf.py's imports: gguf (from the same tree, so versions match), numpy,
