@@ -6,7 +6,9 @@ earlier ones have finished — the load an SLA is written against, unlike a clos
 clients wait for each other. Each request is `POST /v1/completions`, streamed, with a prompt of
 `--prompt-tokens` random token ids (the same ids for every target) and `max_tokens` =
 `--gen-tokens` with `ignore_eos` (Colibri and llama-server both honour it), so every request
-costs the same. Per rate and target: P50/P99 of time to first token (TTFT), inter-token latency
+costs the same; every rate gets new prompts (no server can answer from a cache of earlier ones).
+A token whose text is not yet a whole character arrives with the next one: latencies are per
+streamed piece of text. Per rate and target: P50/P99 of time to first token (TTFT), inter-token latency
 (ITL) and end-to-end latency (E2E), and the generated tokens per second over the rate's run.
 Targets alternate within each rate (A, B, A, B ... by rate), on the same machine.
 
@@ -137,17 +139,19 @@ def main(argv=None) -> int:
         targets.insert(0, ["colibri", url])
     if not targets:
         ap.error("give --target NAME=URL or --model-dir D")
-    rng = np.random.default_rng(a.seed)
-    prompts = [rng.integers(10, a.vocab, a.prompt_tokens).tolist() for _ in range(a.requests)]
     rates = [float(r) for r in a.rates.split(",")]
+    # new prompts for every rate (the same for every target): llama-server keeps a cache of earlier
+    # prompts in host memory, and a prompt seen at an earlier rate would skip its prefill there
+    prompts = [[np.random.default_rng((a.seed, k, i)).integers(10, a.vocab, a.prompt_tokens).tolist()
+                for i in range(a.requests)] for k in range(len(rates) + 1)]
     rows = []
     try:
         models = {name: model_id(url) for name, url in targets}
         for name, url in targets:                          # warm: page in the weights, compile nothing
-            asyncio.run(run_rate(url, models[name], 100.0, 1, prompts, 4, a.seed))
-        for rate in rates:
+            asyncio.run(run_rate(url, models[name], 100.0, 1, prompts[-1], 4, a.seed))
+        for k, rate in enumerate(rates):
             for name, url in targets:
-                r = asyncio.run(run_rate(url, models[name], rate, a.requests, prompts, a.gen_tokens, a.seed))
+                r = asyncio.run(run_rate(url, models[name], rate, a.requests, prompts[k], a.gen_tokens, a.seed))
                 r["target"] = name
                 rows.append(r)
                 print(f"[serve_load] {name} at {rate} req/s: TTFT P99 {r['ttft_p99'] * 1e3:.0f} ms, "
