@@ -1,7 +1,7 @@
 # The layer loop's data, as C sees it: the per-layer tables of pointers into the mapped weights,
 # the hyperparameters, the scratch arena. Built once by _engine.Engine from the model directory.
 
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 from colibri._kernels cimport cb_act_q8
 
 cdef extern from "os_hints.h" nogil:
@@ -17,6 +17,43 @@ cdef extern from "os_hints.h" nogil:
     int cb_will_need(const cb_os_advice *a, const void *start, size_t length, size_t chunk)
     int cb_release_pages(const cb_os_advice *a, const void *start, size_t length)
 
+cdef extern from "expert_cache.h" nogil:
+    # which experts hold memory under a byte budget, and the reader thread that reads and drops
+    # them (csrc/expert_cache.h explains the design)
+    int CB_EVICT_LRU, CB_EVICT_LFU
+    int CB_CS_HITS, CB_CS_MISSES, CB_CS_PREFETCHES, CB_CS_PREFETCH_HITS, CB_CS_EVICTIONS, CB_CS_WASTED
+    int CB_CS_OVER_BUDGET, CB_CS_READ_CALLS, CB_CS_READ_BYTES, CB_CS_DROPS, CB_CS_FAILURES, CB_CS_N
+    ctypedef struct cb_cache_os:
+        uintptr_t fadvise
+        int dontneed
+        int read_arg
+    ctypedef struct cb_range_entry:
+        pass
+    ctypedef struct cb_expert_cache:
+        int n
+        const cb_range_entry *pages
+        const int32_t *fds
+        uint8_t *resident
+        uint8_t *fresh
+        int64_t *last_use
+        float *freq
+        int64_t budget
+        int64_t bytes
+        int64_t peak
+        int policy
+        int64_t *stats
+        cb_os_advice advice
+        cb_cache_os os
+        size_t chunk
+    int cb_cache_start(cb_expert_cache *c)
+    void cb_cache_drain(cb_expert_cache *c)
+    void cb_cache_stop(cb_expert_cache *c)
+    void cb_cache_layer(cb_expert_cache *c)
+    void cb_cache_use(cb_expert_cache *c, int i, int read)
+    void cb_cache_prefetch(cb_expert_cache *c, int i)
+    void cb_cache_done(cb_expert_cache *c, int i)
+    int cb_cache_hold(cb_expert_cache *c, int i)
+
 
 cdef struct Mat:
     const void *data      # [rows, cols] row-major (layout rows) or transposed (kernels_scalar.h), `dtype` elements
@@ -29,10 +66,6 @@ cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
     Mat gate              # [d_ff, d_model]
     Mat up                # [d_ff, d_model]
     Mat down              # [d_model, d_ff]
-
-cdef struct Range:        # a page-aligned span of mapped memory
-    const void *start
-    size_t length
 
 cdef struct Layer:
     int head_dim              # this layer's attention geometry (Gemma 4: global layers differ)
@@ -59,7 +92,7 @@ cdef struct Layer:
     int is_moe
     Mat router                # [n_experts, d_model] f32 (MoE layers)
     FFN *experts              # [n_experts] (MoE layers)
-    Range *expert_pages       # [n_experts] the mapped file of each expert, for prefetching
+    int expert0               # the index of its expert 0 in the expert cache: layer * n_experts
     int has_shared
     FFN shared                # the shared expert (Qwen2-MoE)
     const float *shared_gate  # [d_model]: sigmoid(shared_gate . x) scales the shared expert
@@ -84,7 +117,7 @@ cdef struct Hyper:
     int norm_topk_prob
     int use_lut               # routing exponentials from the softmax table instead of expf
     int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
-    int release_in_prefill    # under an expert budget: release each expert after its prefill product
+    int stream_prefill        # under an expert budget: a prefill runs one expert per wave, the next one read meanwhile
     int qk_norm
     float clip_qkv            # 0: no clipping
     int v_norm                # RMSNorm without weight over each value head (Gemma 4)
@@ -131,8 +164,8 @@ cdef struct Scratch:
     int64_t *counts   # [n_layers, n_experts] how often each expert was chosen
     int bad_layer     # the layer of a bad router status
     int *predicted    # [n_layers, top_k] experts predicted for a layer by the previous one's hidden state
-    int64_t *prefetch_stats   # [PF_N] counters, see PF_*
+    int64_t *prefetch_stats   # [PF_N] prediction counters, see PF_*
+    cb_expert_cache *cache    # the expert cache and its reader (NULL: none, nothing is advised)
+    int *expert_m             # [n_experts] tokens of the chunk routed to each expert (a prefill under a budget)
     float *router2    # [n_experts] router logits of the next layer (prediction)
     float *pred_w     # [top_k] scratch weights of a prediction
-    size_t prefetch_chunk     # bytes per advice call (0: no limit), from colibri._os.prefetch_chunk
-    cb_os_advice advice       # the OS functions for the advice (colibri._os.engine_advice)

@@ -23,10 +23,12 @@ parallel region (decode: the top-k and the shared expert in one). Kernels are th
 csrc/: the table-driven ones through _kernels' entry points (the tier chosen at import), the
 router through _routing, the element-wise ones directly (_kernels.pxd says which are which). A
 non-zero status (non-finite router logits or logits: a damaged model) is turned into an exception
-by the Python layer. The structs (Mat, FFN, Layer, Hyper, Scratch) are declared in _engine.pxd.
+by the Python layer. Under a memory budget (or a prefetch mode) the MoE block tells the expert
+cache (csrc/expert_cache.h) which experts it uses and expects; a prefill under a budget then runs
+one expert per wave, the next one's read queued before the current one's product. The structs (Mat, FFN, Layer, Hyper, Scratch) are declared in _engine.pxd.
 """
 
-from libc.stdint cimport uintptr_t, int32_t, int64_t, uint64_t
+from libc.stdint cimport uintptr_t, int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.math cimport expf, sqrtf
@@ -48,20 +50,17 @@ cpdef enum:
     STATUS_BAD_LOGITS = 2
     STATUS_BAD_HIDDEN = 3
 
-# expert prefetching (PREFETCH_CODES names them)
+# expert prefetching through the expert cache's reader (PREFETCH_CODES names them)
 cpdef enum:
-    PREFETCH_NONE = 0
-    PREFETCH_ROUTED = 1       # advise the OS of a layer's chosen experts as soon as they are chosen
-    PREFETCH_PREDICT = 2      # ... and of the next layer's likely experts (its router on this hidden state)
+    PREFETCH_NONE = 0         # experts are read by the loop's page faults
+    PREFETCH_ROUTED = 1       # a chosen expert that is not resident is also read by the reader, in one request
+    PREFETCH_PREDICT = 2      # ... and the next layer's likely experts (its router on this hidden state) one layer early
 
-# prefetch counters, Engine.prefetch_stats[PF_*]
+# prediction counters, Engine.prefetch_stats[PF_*]
 cpdef enum:
-    PF_CALLS = 0
-    PF_BYTES = 1
-    PF_FAILURES = 2
-    PF_PREDICTED = 3          # experts predicted for the next layer
-    PF_PREDICT_HITS = 4       # of which the next layer really chose
-    PF_N = 5
+    PF_PREDICTED = 0          # experts predicted for the next layer
+    PF_PREDICT_HITS = 1       # of which the next layer really chose
+    PF_N = 2
 
 # q/k norm modes (QK_NORM_CODES names them)
 cpdef enum:
@@ -72,6 +71,12 @@ cpdef enum:
 PREFETCH_CODES = {"none": PREFETCH_NONE, "routed": PREFETCH_ROUTED, "predict": PREFETCH_PREDICT}
 QK_NORM_CODES = {"none": QK_NORM_NONE, "per_head": QK_NORM_PER_HEAD, "whole": QK_NORM_WHOLE}
 ADVICE_CODES = {"none": CB_ADVICE_NONE, "madvise": CB_ADVICE_MADVISE, "win32": CB_ADVICE_WIN32}   # _os.EngineAdvice kinds
+EVICTION_CODES = {"lru": CB_EVICT_LRU, "lfu": CB_EVICT_LFU}      # the expert cache's policies
+# the expert cache's counters, Engine.cache_stats[CACHE_STATS[name]] (csrc/expert_cache.h)
+CACHE_STATS = {"hits": CB_CS_HITS, "misses": CB_CS_MISSES, "prefetches": CB_CS_PREFETCHES,
+               "prefetch_hits": CB_CS_PREFETCH_HITS, "evictions": CB_CS_EVICTIONS, "wasted_prefetches": CB_CS_WASTED,
+               "over_budget": CB_CS_OVER_BUDGET, "read_calls": CB_CS_READ_CALLS, "read_bytes": CB_CS_READ_BYTES,
+               "drops": CB_CS_DROPS, "advice_failures": CB_CS_FAILURES}
 
 # ---- the blocks of the layer loop, each over n tokens (decode: n = 1) ------------------------
 
@@ -236,17 +241,10 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
             cb_add(s.xb2 + <size_t>t * d, L.bo, d)
 
 
-cdef inline void will_need(const Range *r, Scratch *s) noexcept nogil:
-    s.prefetch_stats[PF_CALLS] += 1
-    s.prefetch_stats[PF_BYTES] += <int64_t>r.length
-    if cb_will_need(&s.advice, r.start, r.length, s.prefetch_chunk) != 0:
-        s.prefetch_stats[PF_FAILURES] += 1
-
-
 cdef void predict_next(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer,
                        const float *router_in) noexcept nogil:
     """PREFETCH_PREDICT, one token: score the prediction made for this layer, and predict the next
-    MoE layer's experts from this router input (their pages advised now)."""
+    MoE layer's experts from this router input (queued for the cache's reader now)."""
     cdef int j, i, hits = 0
     cdef Layer *N
     if s.predicted[layer * h.top_k] >= 0:                       # how good was the prediction?
@@ -262,7 +260,7 @@ cdef void predict_next(const Hyper *h, Layer *L, Scratch *s, const int *chosen, 
         if routing.route(s.router2, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut,
                     s.predicted + (layer + 1) * h.top_k, s.pred_w) == 0:
             for j in range(h.top_k):
-                will_need(&N.expert_pages[s.predicted[(layer + 1) * h.top_k + j]], s)
+                cb_cache_prefetch(s.cache, N.expert0 + s.predicted[(layer + 1) * h.top_k + j])
 
 
 cdef inline int route(const Hyper *h, const Layer *L, float *logits, int *chosen, float *weights) noexcept nogil:
@@ -294,9 +292,46 @@ cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, i
     for i in range(count):
         for r in range(slots[i].row0, slots[i].row0 + slots[i].m):
             cb_axpy(out + <size_t>s.rows[r] * d, s.row_w[r], s.y + <size_t>r * d, d)
-        if h.release_in_prefill and n > 1 and slots[i].f != &L.shared:
-            cb_release_pages(&s.advice, L.expert_pages[slots[i].f - L.experts].start,
-                             L.expert_pages[slots[i].f - L.experts].length)
+        if h.stream_prefill and n > 1 and slots[i].f != &L.shared:
+            cb_cache_done(s.cache, L.expert0 + <int>(slots[i].f - L.experts))
+
+
+cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int layer,
+                            const float *router_in) noexcept nogil:
+    """Tell the expert cache what this layer will use: decode, the top-k (read by the reader too
+    with a prefetch mode) and, with PREFETCH_PREDICT, the next layer's predicted experts; a
+    prefill, every expert some token chose — streamed under a budget (stream_next), else all at once."""
+    cdef int k = h.top_k, E = h.n_experts, t, j, e
+    cb_cache_layer(s.cache)
+    if n == 1:
+        for j in range(k):
+            cb_cache_use(s.cache, L.expert0 + s.tok_chosen[j], h.prefetch != PREFETCH_NONE)
+        if h.prefetch == PREFETCH_PREDICT:
+            predict_next(h, L, s, s.tok_chosen, layer, router_in)
+        return
+    memset(s.expert_m, 0, sizeof(int) * E)
+    for t in range(n * k):
+        s.expert_m[s.tok_chosen[t]] += 1
+    if h.stream_prefill:                                      # the first expert's read starts now
+        for e in range(E):
+            if s.expert_m[e]:
+                cb_cache_prefetch(s.cache, L.expert0 + e)
+                break
+        return
+    for e in range(E):
+        if s.expert_m[e]:
+            cb_cache_use(s.cache, L.expert0 + e, h.prefetch != PREFETCH_NONE)
+
+
+cdef inline void stream_next(Scratch *s, Layer *L, int e, int E) noexcept nogil:
+    """A prefill under a budget is about to compute expert e: count its use, and queue the read
+    of the next expert the chunk routes to, so that it overlaps e's product."""
+    cdef int f
+    cb_cache_use(s.cache, L.expert0 + e, 1)
+    for f in range(e + 1, E):
+        if s.expert_m[f]:
+            cb_cache_prefetch(s.cache, L.expert0 + f)
+            break
 
 
 cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float *router_in,
@@ -316,17 +351,8 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
             return STATUS_BAD_ROUTER
     memcpy(s.chosen + layer * k, s.tok_chosen + (n - 1) * k, sizeof(int) * k)     # last token, for --verbose
     memcpy(s.chosen_w + layer * k, s.tok_w + (n - 1) * k, sizeof(float) * k)
-    if h.prefetch != PREFETCH_NONE and n == 1:                # advise the OS of the chosen experts
-        for j in range(k):
-            will_need(&L.expert_pages[s.tok_chosen[j]], s)
-        if h.prefetch == PREFETCH_PREDICT:
-            predict_next(h, L, s, s.tok_chosen, layer, router_in)
-    elif h.prefetch != PREFETCH_NONE:                         # ... of every expert some token chose
-        for e in range(E):
-            for t in range(n * k):
-                if s.tok_chosen[t] == e:
-                    will_need(&L.expert_pages[e], s)
-                    break
+    if s.cache != NULL:
+        expert_cache_step(h, L, s, n, layer, router_in)
     memset(out, 0, sizeof(float) * n * d)
     for e in range(E + 1 if L.has_shared else E):         # e == E: the shared expert, every token
         m = 0
@@ -337,9 +363,11 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
                     break
         if m == 0:
             continue
-        if count == MAX_SLOTS or row + m > s.wave_rows:   # the wave is full: run it
-            wave_finish(h, L, s, slots, count, n, out)
+        if count == MAX_SLOTS or row + m > s.wave_rows or (count and h.stream_prefill and n > 1):
+            wave_finish(h, L, s, slots, count, n, out)       # the wave is full (streaming: one expert)
             count = row = 0
+        if e < E and h.stream_prefill and n > 1:
+            stream_next(s, L, e, E)
         if e < E:
             s.counts[layer * E + e] += m
         sl = &slots[count]
@@ -484,12 +512,17 @@ cdef class Engine:
     cdef public object chosen_weights  # np.ndarray float32 [n_layers, top_k]
     cdef public object expert_counts   # np.ndarray int64 [n_layers, n_experts]
     cdef public object prefetch_stats  # np.ndarray int64 [PF_N]
+    cdef public object spec            # the EngineSpec it was built from
+    cdef public object scratch_bytes   # bytes of the scratch arena (its pages are touched as used)
+    cdef public object cache_stats     # np.ndarray int64 [len(CACHE_STATS)], zeros without a cache
+    cdef public object cache_resident  # np.ndarray uint8 [n_layers * n_experts]: admitted by the cache
 
     def __cinit__(self):
         self.layers = NULL
         self.experts = NULL
         self.s.acts = NULL
         self.s.wave_acts = NULL
+        self.s.cache = NULL
 
     def __init__(self, spec):
         """spec: colibri.spec.EngineSpec — the hyperparameters, each layer's geometry, the tensors'
@@ -514,7 +547,7 @@ cdef class Engine:
         self.h.norm_topk_prob = spec.norm_topk_prob
         self.h.use_lut = spec.use_lut
         self.h.prefetch = spec.prefetch
-        self.h.release_in_prefill = spec.release_in_prefill
+        self.h.stream_prefill = spec.expert_budget is not None
         self.h.qk_norm = spec.qk_norm
         self.h.clip_qkv = spec.clip_qkv
         self.h.v_norm = spec.v_norm
@@ -549,13 +582,19 @@ cdef class Engine:
             "chosen": ((n_layers, top_k), np.int32), "chosen_w": ((n_layers, top_k), f32),
             "counts": ((n_layers, n_experts), np.int64), "predicted": ((n_layers, top_k), np.int32),
             "prefetch_stats": (PF_N, np.int64),
-            "router2": (n_experts, f32), "pred_w": (top_k, f32),
-            "expert_pages": ((n_layers, n_experts, 2), np.uint64),     # (start, length) per expert
+            "router2": (n_experts, f32), "pred_w": (top_k, f32), "expert_m": (n_experts, np.int32),
+            # the expert cache, index layer * n_experts + e
+            "expert_pages": ((n_layers * n_experts, 2), np.uint64),     # (start, length) of its mapped file
+            "cache_resident": (n_layers * n_experts, np.uint8), "cache_fresh": (n_layers * n_experts, np.uint8),
+            "cache_last_use": (n_layers * n_experts, np.int64), "cache_freq": (n_layers * n_experts, f32),
+            "cache_stats": (CB_CS_N, np.int64),
         }
         # activation quantization of the block inputs [cap] and of the wave rows [wave]
         for prefix, rows in (("acts", cap), ("wave_acts", wave)):
             specs.update({f"{prefix}.{k}": v for k, v in act_specs(rows, max_cols).items()})
         keep = arena(specs)
+        self.spec = spec
+        self.scratch_bytes = sum(a.nbytes for a in keep.values())
         for prefix in ("acts", "wave_acts"):
             keep[prefix] = [keep[f"{prefix}.q"], keep[f"{prefix}.d"], keep[f"{prefix}.s"], keep.get(f"{prefix}.xp")]
         keep["rope"] = [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers]
@@ -598,12 +637,13 @@ cdef class Engine:
         s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
         s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
         s.router2 = _f32(keep["router2"]); s.pred_w = _f32(keep["pred_w"])
-        s.prefetch_chunk = spec.prefetch_chunk_bytes
-        kind, s.advice.will_need, s.advice.release, s.advice.will_need_arg, s.advice.release_arg = spec.advice
-        s.advice.kind = ADVICE_CODES[kind]
-        assert sizeof(Range) == 2 * sizeof(uint64_t)
+        s.expert_m = <int *><uintptr_t>keep["expert_m"].ctypes.data
         for (pl, pe), (start, length) in spec.expert_pages.items():
-            keep["expert_pages"][pl, pe] = (start, length)
+            keep["expert_pages"][pl * n_experts + pe] = (start, length)
+        if spec.prefetch != PREFETCH_NONE or spec.expert_budget is not None:
+            self._start_cache(spec, keep)
+        self.cache_stats = keep["cache_stats"]
+        self.cache_resident = keep["cache_resident"]
         self.logits = keep["logits"]
         self.chosen = keep["chosen"]
         self.chosen_weights = keep["chosen_w"]
@@ -652,7 +692,7 @@ cdef class Engine:
                 if L.router.dtype != CB_F32:
                     raise ValueError(f"tensor {p}router must be f32")
                 L.experts = self.experts + l * n_experts
-                L.expert_pages = <Range *><uintptr_t>(keep["expert_pages"][l].ctypes.data)
+                L.expert0 = l * n_experts
                 for e in range(n_experts):
                     L.experts[e] = _ffn(tensors, f"{p}experts.{e}.")
                 L.has_shared = 1 if (p + "shared.gate") in tensors else 0
@@ -673,7 +713,69 @@ cdef class Engine:
             elif L.dense.gate.data == NULL:
                 raise ValueError(f"layer {l}: dense layer without mlp.gate")
 
+    cdef _start_cache(self, spec, dict keep):
+        """The expert cache over every expert's span, and its reader thread (csrc/expert_cache.h)."""
+        cdef cb_expert_cache *c = <cb_expert_cache *>calloc(1, sizeof(cb_expert_cache))
+        if c == NULL:
+            raise MemoryError("cannot allocate the expert cache")
+        n = spec.n_layers * spec.n_experts
+        fds = np.full(n, -1, np.int32)
+        for (pl, pe), fd in spec.expert_fds.items():
+            fds[pl * spec.n_experts + pe] = fd
+        keep["cache_fds"] = fds
+        c.n = n
+        c.pages = <const cb_range_entry *><uintptr_t>keep["expert_pages"].ctypes.data
+        c.fds = <const int32_t *><uintptr_t>fds.ctypes.data
+        c.resident = <uint8_t *><uintptr_t>keep["cache_resident"].ctypes.data
+        c.fresh = <uint8_t *><uintptr_t>keep["cache_fresh"].ctypes.data
+        c.last_use = <int64_t *><uintptr_t>keep["cache_last_use"].ctypes.data
+        c.freq = <float *><uintptr_t>keep["cache_freq"].ctypes.data
+        c.stats = <int64_t *><uintptr_t>keep["cache_stats"].ctypes.data
+        c.budget = (1 << 62) if spec.expert_budget is None else spec.expert_budget
+        c.policy = EVICTION_CODES[spec.eviction]
+        kind, c.advice.will_need, c.advice.release, c.advice.will_need_arg, c.advice.release_arg = spec.advice
+        c.advice.kind = ADVICE_CODES[kind]
+        c.os.fadvise, c.os.dontneed, c.os.read_arg = spec.cache_os
+        c.chunk = spec.prefetch_chunk_bytes
+        if cb_cache_start(c) != 0:
+            free(c)
+            raise MemoryError("cannot start the expert cache's reader thread")
+        self.s.cache = c
+
+    def cache_hold(self, indices):
+        """At load: these experts (layer * n_experts + e) are in memory already; admit those
+        that fit the budget. Returns how many were admitted."""
+        if self.s.cache == NULL:
+            return 0
+        return sum(cb_cache_hold(self.s.cache, int(i)) for i in indices)
+
+    def cache_drain(self):
+        """Wait until the cache's reader has run every queued read and drop."""
+        if self.s.cache != NULL:
+            with nogil:
+                cb_cache_drain(self.s.cache)
+
+    @property
+    def cache_bytes(self):
+        """(bytes of experts admitted now, the most at once), or None without a cache."""
+        if self.s.cache == NULL:
+            return None
+        return self.s.cache.bytes, self.s.cache.peak
+
+    def close(self):
+        """Stop the cache's readers (after the jobs they have queued): before the mappings go."""
+        self._stop_cache()
+
+    cdef void _stop_cache(self):
+        cdef cb_expert_cache *c = self.s.cache
+        self.s.cache = NULL
+        if c != NULL:
+            with nogil:
+                cb_cache_stop(c)
+            free(c)
+
     def __dealloc__(self):
+        self._stop_cache()
         free(self.layers)
         free(self.experts)
         free(self.s.acts)

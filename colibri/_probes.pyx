@@ -462,3 +462,95 @@ def bench_read(buf, int n_threads):
         r = cb_read_bytes(&v[0], n, n_threads)
     return r
 
+
+
+from libc.stdlib cimport calloc
+from libc.stdint cimport int64_t
+from colibri._engine cimport (cb_expert_cache, cb_range_entry, cb_cache_start, cb_cache_stop, cb_cache_drain,
+                              cb_cache_layer, cb_cache_use, cb_cache_prefetch, cb_cache_done, cb_cache_hold)
+
+
+cdef class CacheProbe:
+    """The expert cache of csrc/expert_cache.h alone, over `lengths` bytes of experts carved from
+    one anonymous region (so the readers' real advice calls act on real pages), for the tests:
+    drive it with layer / use / prefetch / done and read its state back."""
+    cdef cb_expert_cache *c
+    cdef object keep              # the numpy arrays the cache points into, and the region
+    cdef public object resident   # uint8 [n]
+    cdef public object fresh      # uint8 [n]
+    cdef public object stats      # int64 [CB_CS_N]
+
+    def __init__(self, lengths, long long budget, str policy="lru", advice=None):
+        from colibri import _os
+        from colibri._engine import EVICTION_CODES, ADVICE_CODES, CACHE_STATS
+        n = len(lengths)
+        page = _os.page_size()
+        lengths = [(int(x) + page - 1) // page * page for x in lengths]
+        region = _os.zeros(max(sum(lengths), page), np.uint8, align=page)
+        pages = np.zeros((n, 2), np.uint64)
+        offset = 0
+        for i, length in enumerate(lengths):
+            pages[i] = (region.ctypes.data + offset, length)
+            offset += length
+        self.resident = np.zeros(n, np.uint8)
+        self.fresh = np.zeros(n, np.uint8)
+        self.stats = np.zeros(len(CACHE_STATS), np.int64)
+        last_use = np.zeros(n, np.int64)
+        freq = np.zeros(n, np.float32)
+        fds = np.full(n, -1, np.int32)
+        self.keep = [region, pages, last_use, freq, fds]
+        cdef cb_expert_cache *c = <cb_expert_cache *>calloc(1, sizeof(cb_expert_cache))
+        if c == NULL:
+            raise MemoryError()
+        c.n = n
+        c.pages = <const cb_range_entry *><uintptr_t>pages.ctypes.data
+        c.fds = <const int32_t *><uintptr_t>fds.ctypes.data
+        c.resident = <uint8_t *><uintptr_t>self.resident.ctypes.data
+        c.fresh = <uint8_t *><uintptr_t>self.fresh.ctypes.data
+        c.last_use = <int64_t *><uintptr_t>last_use.ctypes.data
+        c.freq = <float *><uintptr_t>freq.ctypes.data
+        c.stats = <int64_t *><uintptr_t>self.stats.ctypes.data
+        c.budget = budget
+        c.policy = EVICTION_CODES[policy]
+        kind, c.advice.will_need, c.advice.release, c.advice.will_need_arg, c.advice.release_arg = (
+            _os.engine_advice() if advice is None else advice)
+        c.advice.kind = ADVICE_CODES[kind]
+        c.os.fadvise, c.os.dontneed, c.os.read_arg = _os.cache_advice()
+        if cb_cache_start(c) != 0:
+            free(c)
+            raise MemoryError("cannot start the readers")
+        self.c = c
+
+    def layer(self):
+        cb_cache_layer(self.c)
+
+    def use(self, int i, bint read=True):
+        cb_cache_use(self.c, i, read)
+
+    def prefetch(self, int i):
+        cb_cache_prefetch(self.c, i)
+
+    def done(self, int i):
+        cb_cache_done(self.c, i)
+
+    def hold(self, int i):
+        return cb_cache_hold(self.c, i)
+
+    def drain(self):
+        with nogil:
+            cb_cache_drain(self.c)
+
+    @property
+    def bytes(self):
+        return self.c.bytes, self.c.peak
+
+    def close(self):
+        cdef cb_expert_cache *c = self.c
+        self.c = NULL
+        if c != NULL:
+            with nogil:
+                cb_cache_stop(c)
+            free(c)
+
+    def __dealloc__(self):
+        self.close()

@@ -17,6 +17,11 @@ min–max over the `repeat` measured repetitions. Load time is the one `colibri.
 cold page cache it is mostly disk reading). Peak RSS is the process's high-water mark
 (getrusage ru_maxrss: KB on Linux, bytes on macOS; None where `resource` is missing, Windows):
 it counts the mapped weight pages the runs touched.
+
+Under a memory limit (the load options of `run`: memory_limit_mb, expert_cache_mb, prefetch,
+eviction) `memory` reports what the expert cache did over the measured repetitions: bytes read
+from storage per token (prompt and generated), its hit rate, prefetch hit rate and evictions,
+and the enforcing cgroup's peak usage (page cache included) where the OS says.
 """
 from __future__ import annotations
 
@@ -74,8 +79,11 @@ def summarize(values: list) -> dict:
     return {"median": float(np.median(vals)), "min": min(vals), "max": max(vals), "values": values}
 
 
-def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, threads=None) -> dict:
-    """Run the benchmark; return the result as a JSON-ready dict."""
+def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, threads=None, n_ctx=None,
+          **load_options) -> dict:
+    """Run the benchmark; return the result as a JSON-ready dict. load_options: colibri.load's
+    memory_limit_mb, expert_cache_mb, prefetch, eviction."""
+    from . import _os
     from .model import DEFAULT_MAX_CONTEXT, load
     from .modeldir import ModelDir
 
@@ -85,18 +93,36 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
         raise ColibriError(f"--prompt-len {prompt_len} + --gen {gen} exceeds the model's "
                            f"max_position_embeddings {max_pos}")
     t0 = time.perf_counter()
-    model = load(model_dir, threads=threads, n_ctx=max(need, min(max_pos, DEFAULT_MAX_CONTEXT)))
+    model = load(model_dir, threads=threads, n_ctx=n_ctx or max(need, min(max_pos, DEFAULT_MAX_CONTEXT)),
+                 **load_options)
     load_s = time.perf_counter() - t0
     with model:
         prompt = np.random.default_rng(PROMPT_SEED).integers(0, model.config.vocab_size, prompt_len)
         one_repetition(model, prompt, gen)                                  # warm-up, discarded
+        before = model.memory_stats()
         runs = [one_repetition(model, prompt, gen) for _ in range(repeat)]
+        after = model.memory_stats()
         c = model.config
+        tokens = repeat * (prompt_len + gen)
+        read = (None if after["bytes_read_from_storage"] is None
+                else after["bytes_read_from_storage"] - before["bytes_read_from_storage"])
+        uses = (after["cache_hits"] + after["cache_misses"]) - (before["cache_hits"] + before["cache_misses"])
+        prefetches = after["prefetches"] - before["prefetches"]
+        memory = {
+            "memory_limit_bytes": after["memory_limit_bytes"], "memory_limit_source": after["memory_limit_source"],
+            "expert_budget_bytes": after["expert_budget_bytes"], "prefetch": model.prefetch,
+            "bytes_read_per_token": None if read is None else read / tokens,
+            "cache_hit_rate": (after["cache_hits"] - before["cache_hits"]) / uses if uses else None,
+            "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / prefetches if prefetches else None,
+            "evictions": after["experts_released"] - before["experts_released"],
+            "major_page_faults": after["major_page_faults"] - before["major_page_faults"],
+            "cgroup_peak_bytes": _os.memory_usage()[1],
+        }
         return {
             "engine": "colibri", "model_dir": str(model_dir), "architecture": c.architecture,
             "weight_dtype": model.weight_dtype, "threads": model.threads,
             "prompt_len": prompt_len, "gen": gen, "repeat": repeat,
-            "load_seconds": load_s, "peak_rss_bytes": peak_rss_bytes(),
+            "load_seconds": load_s, "peak_rss_bytes": peak_rss_bytes(), "memory": memory,
             **{key: summarize([r[key] for r in runs]) for key, *_ in METRICS},
         }
 
@@ -116,10 +142,21 @@ def format_table(r: dict) -> str:
     lines.append(f"{'load':<22}{r['load_seconds'] * 1000:>12.0f}  {'':<22}ms")
     rss = r["peak_rss_bytes"]
     lines.append(f"{'peak RSS':<22}{'n/a' if rss is None else f'{rss / 2**20:.0f}':>12}  {'':<22}MiB")
+    mem = r["memory"]
+    if mem["expert_budget_bytes"] is not None:
+        per = mem["bytes_read_per_token"]
+        hit = mem["cache_hit_rate"]
+        lines.append(f"{'expert budget':<22}{mem['expert_budget_bytes'] / 2**20:>12.0f}  {'':<22}MiB")
+        lines.append(f"{'read per token':<22}{'n/a' if per is None else f'{per / 2**20:.2f}':>12}  {'':<22}MiB")
+        lines.append(f"{'expert hit rate':<22}{'n/a' if hit is None else f'{100 * hit:.1f}':>12}  {'':<22}%")
+    if mem["cgroup_peak_bytes"] is not None:
+        lines.append(f"{'cgroup peak':<22}{mem['cgroup_peak_bytes'] / 2**20:>12.0f}  {'':<22}MiB")
     return "\n".join(lines)
 
 
 def run_bench(args) -> int:
-    r = bench(args.model_dir, prompt_len=args.prompt_len, gen=args.gen, repeat=args.repeat, threads=args.threads)
+    r = bench(args.model_dir, prompt_len=args.prompt_len, gen=args.gen, repeat=args.repeat, threads=args.threads,
+              n_ctx=args.n_ctx, memory_limit_mb=args.memory_limit_mb, expert_cache_mb=args.expert_cache_mb,
+              prefetch=args.prefetch, eviction=args.eviction)
     print(json.dumps(r) if args.json else format_table(r))
     return 0

@@ -80,10 +80,17 @@ def _model_options(p, demo_default: bool) -> None:
                     help="routing weights from the uint8 softmax lookup table of the original design")
     p.add_argument("--no-mmap", action="store_true",
                    help="read the weights into memory instead of mapping the files (network shares)")
-    p.add_argument("--prefetch", choices=("none", "routed", "predict"), default="none",
-                   help="advise the OS of the chosen (and predicted next-layer) experts' pages")
+    p.add_argument("--memory-limit-mb", "--memory_limit_mb", dest="memory_limit_mb", type=float, default=None,
+                   help="stay under this many MB, page cache of the model's files included (default: the "
+                        "cgroup's or job's limit, else the available RAM); a model larger than it keeps "
+                        "the experts in use and drops the rest")
+    p.add_argument("--prefetch", choices=("none", "routed", "predict"), default=None,
+                   help="routed: readers fetch a missing chosen expert in parallel pieces; predict: also the "
+                        "next layer's predicted experts (default: routed under an expert budget, else none)")
     p.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None,
-                   help="keep at most this many MB of experts resident (LRU); default: no budget")
+                   help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)")
+    p.add_argument("--eviction", choices=("lru", "lfu"), default=None,
+                   help="which expert leaves first under a budget (default: lru)")
     p.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
     p.add_argument("--warmup", action="store_true", help="read every expert once at load")
     p.add_argument("--quiet", action="store_true", help="no [INFO] lines: the generated text only")
@@ -199,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=_positive_int, default=5)
     bench.add_argument("--threads", type=_positive_int, default=None, help="default: all cores")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bench.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
+                       help="context length (default: prompt + gen, at least the model's up to 4096)")
+    bench.add_argument("--memory-limit-mb", "--memory_limit_mb", dest="memory_limit_mb", type=float, default=None,
+                       help="as for run")
+    bench.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None)
+    bench.add_argument("--prefetch", choices=("none", "routed", "predict"), default=None)
+    bench.add_argument("--eviction", choices=("lru", "lfu"), default=None)
     return p
 
 
@@ -254,7 +268,7 @@ def _load(args):
         model_dir, note = str(DEMO_DIR), "the bundled demo model"
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
-             mlock=args.mlock, warmup=args.warmup)
+             mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction)
     m.cli_note = note
     return m
 
@@ -465,9 +479,18 @@ def _print_stats(m) -> None:
     hit = st["prediction_hit_rate"]
     per = st["prefetched_per_used_byte"]
     _err(f"[STATS] experts used per layer: {' '.join(map(str, st['experts_used_per_layer']))}")
+    _err(f"[STATS] {m.residency.plan.describe()}")
     _err(f"[STATS] resident experts: {mb(st['resident_expert_bytes'])} (peak {mb(st['peak_resident_expert_bytes'])}, "
           f"budget {mb(st['expert_budget_bytes'])}, released {st['experts_released']}); "
           f"in memory by the OS's count: {mb(st['expert_bytes_in_memory'])}")
+    rate = st["cache_hit_rate"]
+    if rate is not None:
+        _err(f"[STATS] expert cache: hit rate {100 * rate:.1f} % ({st['cache_hits']} hits, {st['cache_misses']} "
+             f"misses), {st['prefetches']} prefetched ({st['prefetch_hits']} used), {st['experts_dropped']} dropped")
+    if st["bytes_read_from_storage"] is not None:
+        _err(f"[STATS] read from storage since load: {mb(st['bytes_read_from_storage'])}"
+             + ("" if st["cgroup_peak_bytes"] is None else f"; cgroup usage {mb(st['cgroup_usage_bytes'])}, "
+                                                          f"peak {mb(st['cgroup_peak_bytes'])}"))
     _err(f"[STATS] prefetch: {st['prefetch_calls']} calls, {mb(st['prefetch_bytes'])}"
           f"{'' if per is None else f', {per:.2f} bytes per byte used'}"
           f"{'' if hit is None else f', prediction hit rate {100 * hit:.1f} %'}")

@@ -24,7 +24,8 @@ from .errors import ColibriError
 from . import _os
 from . import spec
 from .modeldir import MappedModelDir, ModelDir
-from .residency import PREFETCH_MODES, Residency
+from . import residency
+from .residency import EVICTION_POLICIES, PREFETCH_MODES, Residency
 from .sampling import Sampler
 from .streaming import StopStrings, TextStream
 from .textfiles import TextSide, unlisted
@@ -44,8 +45,9 @@ class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
     def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-                 exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str = "none",
-                 expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False):
+                 exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
+                 expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
+                 memory_limit_mb: float | None = None, eviction: str | None = None):
         t0 = time.perf_counter()
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
@@ -67,33 +69,65 @@ class Model:
         self.threads = threads
         self.n_ctx = n_ctx = int(n_ctx)
         prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
-        if prefetch not in PREFETCH_MODES:
+        if prefetch is not None and prefetch not in PREFETCH_MODES:
             raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
-        if prefetch != "none" and not mmap:
+        if prefetch not in (None, "none") and not mmap:
             raise ColibriError("prefetch needs mapped weights (mmap=True)")
-        self._maps = MappedModelDir(self._dir, use_mmap=mmap)
-        self.residency = Residency(self._maps, cfg, budget_mb=expert_cache_mb, mlock=mlock, warmup=warmup)
-        # the residency bookkeeping runs between steps only when it has something to do
-        self._track = expert_cache_mb is not None
+        if eviction is not None and eviction not in EVICTION_POLICIES:
+            raise ColibriError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
+        cache_budget = residency._megabytes(expert_cache_mb, "expert_cache_mb")
+        limit = residency._megabytes(memory_limit_mb, "memory_limit_mb")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
                                           or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         chunk = spec.prefill_chunk(prefill_chunk, n_ctx)   # the engine's tokens per call: the rings are sized for it
         self._chunk = chunk
-        engine_spec = spec.build(
-            cfg, self._maps.tensor_refs(), n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax),
-            prefetch=prefetch, expert_pages=self.residency.spans,
-            prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
-                                  if prefetch != "none" and self.residency.spans else 0),
-            release_in_prefill=expert_cache_mb is not None and mmap)
-        self.engine_spec = engine_spec          # what the engine was built from (colibri.spec.EngineSpec)
-        self._engine = _engine.Engine(engine_spec)
+        self._maps = MappedModelDir(self._dir, use_mmap=mmap)
+        try:
+            self.residency = Residency(self._maps, cfg, mlock=mlock, warmup=warmup)
+            text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
+            build = dict(n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax),
+                         expert_pages=self.residency.spans,
+                         prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
+                                               if self.residency.spans else 0))
+            tensors = self._maps.tensor_refs()
+            engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))
+            # the memory plan: only mapped experts can be evicted
+            if mmap and self.residency.spans:
+                source = "memory_limit_mb" if limit is not None else ""
+                if limit is None:
+                    limit, source = residency.os_limit()
+                self.residency.plan = residency.plan(
+                    limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
+                    kv=engine.kv_cache_bytes, scratch=engine.scratch_bytes, runtime=_os.rss_bytes()[0],
+                    working_set=self.residency.working_set, n_ctx=n_ctx, path=self.path)
+            budget = self.residency.plan.budget
+            if cache_budget is not None and mmap:
+                budget = cache_budget if budget is None else min(budget, cache_budget)
+            if prefetch is None:           # under a budget the readers fetch a missing expert in parallel pieces
+                prefetch = "routed" if budget is not None else "none"
+            if budget is not None or prefetch != "none":
+                if budget is not None:
+                    self.residency.open_files()
+                del engine
+                engine = _engine.Engine(spec.build(cfg, tensors, prefetch=prefetch, expert_budget=budget,
+                                                   eviction=eviction or residency.DEFAULT_EVICTION,
+                                                   expert_fds=self.residency.fds, **build))
+                if budget is not None:
+                    self._hold_warm_experts(engine)
+        except BaseException:
+            getattr(self, "residency", None) and self.residency.close()
+            self._maps.close()
+            raise
+        self.prefetch = prefetch
+        self.expert_budget = budget             # bytes of experts the cache admits at most, or None
+        self.engine_spec = engine.spec          # what the engine was built from (colibri.spec.EngineSpec)
+        self._engine = engine
         # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk;
         # resident as positions are written, in base pages (with transparent huge pages, the first
         # position of each KV head's region made 2 MB resident: 840 -> 779 MiB peak, mixtral-mini int4)
         self.kv_cache_bytes = self._engine.kv_cache_bytes
         _os.small_pages(self._engine.kv_cache_ranges())
-        text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
         self.tokenizer = text.tokenizer                   # Tokenizer or None (raw ids only)
         self.chat_template = text.template                # ChatTemplate or None
         self.generation_defaults = text.generation        # generation_config.json's defaults
@@ -103,7 +137,7 @@ class Model:
         # the KV cache: the ids whose keys and values it holds at positions 0.. (for prefix reuse);
         # sliding-window rings allow a rewind of at most ring - window positions (None: any)
         self._kv_tokens = []
-        self._ring_slack = engine_spec.ring_slack
+        self._ring_slack = self.engine_spec.ring_slack
         self._busy = threading.Lock()              # one request at a time (refused, not queued)
         self._engine_lock = threading.Lock()       # held while the engine runs; close() takes it
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,
@@ -227,27 +261,48 @@ class Model:
         return self.complete(ids, max_new_tokens, stream=stream, **kwargs)
 
     def memory_stats(self) -> dict:
-        """Residency counters: experts used per layer, resident expert bytes, prefetch calls and
-        bytes, prediction hit rate, page faults, RSS. Cheap enough to call after every request."""
+        """Residency counters: experts used per layer, the memory limit and the expert budget,
+        the expert cache's hits, misses, prefetches and evictions (cumulative since load), bytes
+        read from storage since load, prediction hit rate, page faults, RSS and the cgroup's
+        usage and peak. Cheap enough to call after every request."""
         engine = self._live()
-        pf = engine.prefetch_stats
+        engine.cache_drain()                # the readers' queued work counts (a few ms at most)
+        pf, cs = engine.prefetch_stats, engine.cache_stats
+        c = {name: int(cs[code]) for name, code in _engine.CACHE_STATS.items()}
         minor, major = _os.page_faults()
         rss, peak = _os.rss_bytes()
         counts = engine.expert_counts
+        spans = self.residency.spans
         # bytes of expert weights the routers asked for: each (token, chosen expert) counts once
-        used_bytes = sum(int(counts[l, e]) * self.residency.spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
-        out = {"experts_used_per_layer": [int((row > 0).sum()) for row in counts],
-               "prefetch_calls": int(pf[_engine.PF_CALLS]), "prefetch_bytes": int(pf[_engine.PF_BYTES]),
-               "prefetch_failures": int(pf[_engine.PF_FAILURES]),
-               "prediction_hit_rate": (float(pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED])
-                                       if pf[_engine.PF_PREDICTED] else None),
-               "prefetched_per_used_byte": float(pf[_engine.PF_BYTES] / used_bytes) if used_bytes else None,
-               "minor_page_faults": minor, "major_page_faults": major, "rss_bytes": rss, "peak_rss_bytes": peak}
-        out.update(self.residency.stats())
-        if not self._track:       # no budget: nothing was released, every expert used is resident
-            touched = sum(self.residency.spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
-            out["resident_expert_bytes"] = out["peak_resident_expert_bytes"] = touched
-        return out
+        used_bytes = sum(int(counts[l, e]) * spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
+        touched = sum(spans[(l, e)][1] for l, e in np.argwhere(counts > 0))
+        held = engine.cache_bytes
+        io = _os.read_io_bytes()
+        usage, usage_peak = _os.memory_usage()
+        plan = self.residency.plan
+        uses = c["hits"] + c["misses"]
+        return {"experts_used_per_layer": [int((row > 0).sum()) for row in counts],
+                "memory_limit_bytes": plan.limit, "memory_limit_source": plan.source,
+                "expert_budget_bytes": self.expert_budget,
+                "resident_expert_bytes": held[0] if held is not None else touched,
+                "peak_resident_expert_bytes": held[1] if held is not None else touched,
+                "expert_bytes_used": used_bytes,
+                "cache_hits": c["hits"], "cache_misses": c["misses"],
+                "cache_hit_rate": c["hits"] / uses if uses else None,
+                "prefetches": c["prefetches"], "prefetch_hits": c["prefetch_hits"],
+                "prefetch_hit_rate": c["prefetch_hits"] / c["prefetches"] if c["prefetches"] else None,
+                "experts_released": c["evictions"], "wasted_prefetches": c["wasted_prefetches"],
+                "over_budget": c["over_budget"], "experts_dropped": c["drops"],
+                "prefetch_calls": c["read_calls"], "prefetch_bytes": c["read_bytes"],
+                "prefetch_failures": c["advice_failures"],
+                "prediction_hit_rate": (float(pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED])
+                                        if pf[_engine.PF_PREDICTED] else None),
+                "prefetched_per_used_byte": float(c["read_bytes"] / used_bytes) if used_bytes else None,
+                "bytes_read_from_storage": (io - self.residency.io_at_load
+                                            if io is not None and self.residency.io_at_load is not None else None),
+                "minor_page_faults": minor, "major_page_faults": major, "rss_bytes": rss, "peak_rss_bytes": peak,
+                "cgroup_usage_bytes": usage, "cgroup_peak_bytes": usage_peak,
+                "dense_locked": bool(self.residency.locked), "expert_bytes_in_memory": self.residency.in_memory()}
 
     @property
     def routing(self) -> tuple:
@@ -272,7 +327,9 @@ class Model:
         engine step first (close waits for it); afterwards every use of the Model, a suspended
         generator included, is a ColibriError saying it was closed."""
         with self._engine_lock:            # no engine step is running while the weights go away
-            self._engine = None
+            engine, self._engine = self._engine, None
+            if engine is not None:
+                engine.close()                 # the expert cache's reader stops before the unmapping
             self.residency.close()
             self._maps.close()
 
@@ -288,6 +345,19 @@ class Model:
                 f"{c.num_experts} experts, top-{c.num_experts_per_tok}, {self.weight_dtype}>")
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _hold_warm_experts(self, engine) -> None:
+        """Under a budget at load: the experts already in memory (a warm page cache) are admitted
+        while they fit; the rest of what is in memory is dropped, so the cache's bytes are what
+        the cgroup counts."""
+        res = self.residency
+        index = {key: key[0] * engine.spec.n_experts + key[1] for key in res.spans}
+        warm = res.warm_experts()
+        held = set()
+        for key in warm:
+            if engine.cache_hold([index[key]]):
+                held.add(key)
+        res.drop([k for k, (a, n) in res.spans.items() if k not in held and _os.resident_bytes(a, n)])
 
     def _check_ids(self, ids, what) -> np.ndarray:
         try:
@@ -333,7 +403,6 @@ class Model:
         with self._engine_lock:
             engine = self._live()
             engine.reset()
-            self.residency.reset(engine.expert_counts)
 
     def _reusable_prefix(self, tokens: np.ndarray) -> int:
         """How many leading tokens of `tokens` the KV cache already holds at their positions (at
@@ -367,9 +436,6 @@ class Model:
             engine = self._live()
             del self._kv_tokens[pos:]                 # positions >= pos are about to be overwritten
             status, index, layer = engine.run(tokens, pos, out, all_logits)
-            if self._track:
-                # a prefill under a budget released each expert right after using it
-                self.residency.after_step(engine.expert_counts, released=len(tokens) > 1)
         if status != _engine.STATUS_OK:
             raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
                                + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
@@ -430,8 +496,9 @@ class GenerationRecord:
 
 
 def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-         exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str = "none",
-         expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False) -> Model:
+         exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
+         expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
+         memory_limit_mb: float | None = None, eviction: str | None = None) -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
@@ -439,7 +506,9 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     exact_softmax=False takes the routing weights from the uint8 softmax lookup table of the
     original design instead of expf (see BENCHMARKS.md for why exact is the default);
     prefill_chunk: prompt tokens processed together (default 128; bounds the prefill scratch);
-    prefetch "none" | "routed" | "predict", expert_cache_mb, mlock, warmup: see colibri.residency."""
+    prefetch "none" | "routed" | "predict" (default: "routed" under an expert budget, else "none"),
+    memory_limit_mb (default: the cgroup's / job's limit, else the available RAM), expert_cache_mb,
+    eviction "lru" | "lfu", mlock, warmup: see colibri.residency."""
     return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
                  prefill_chunk=prefill_chunk, prefetch=prefetch, expert_cache_mb=expert_cache_mb,
-                 mlock=mlock, warmup=warmup)
+                 mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction)

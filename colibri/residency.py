@@ -1,70 +1,177 @@
-"""Which experts are resident: prefetching, an LRU under a byte budget, and the counters.
+"""Which experts hold memory: the memory limit, the expert budget it leaves, and the counters.
 
 Design
 ------
-Every expert of every MoE layer is one file, mapped once (modeldir.MappedModelDir); its pages
-come into the process when a router first chooses it. Two mechanisms act on that:
+Every expert of every MoE layer is one file, mapped once (modeldir.MappedModelDir). The work per
+expert — admitting it under a byte budget, evicting the coldest, reading ahead the ones the
+routers chose or will choose, dropping an evicted one from the page cache — runs in the compiled
+expert cache and its reader thread (csrc/expert_cache.h), inside the layer loop. This module
+decides, once at load, whether there is a budget and how large:
 
-- Prefetch (inside the compiled layer loop, csrc/os_hints.h): `routed` advises the OS of a
-  layer's chosen experts the moment they are chosen; `predict` also applies the next MoE layer's
-  router to the current hidden state and advises its likely experts one layer early, and counts
-  how often that guess was right. Useful when expert pages are not yet in the page cache (cold
-  start, a budget smaller than the experts); with a warm cache it is an extra syscall per expert.
-- A budget (`expert_cache_mb`, here, between tokens): an LRU of the experts used, most recent
-  last; when their bytes exceed the budget the coldest are released (_os.release: MADV_DONTNEED
-  / working-set trim), which takes their pages out of this process's RSS. The page cache may
-  keep them, so a released expert that comes back costs a minor fault, not a disk read. A prompt
-  routes to most experts at once, so under a budget the prefill releases each expert right after
-  its matrix product (inside the layer loop): peak RSS stays near dense weights + budget + KV
-  cache + one expert, not the whole checkpoint.
+    limit   --memory-limit-mb, else what the OS enforces (_os.memory_limit: the cgroup's
+            memory.max / memory.limit_in_bytes, which count the page cache of the model's files;
+            a Windows job's limit), else the RAM available now (_os.available_memory) plus what
+            this process already holds.
+    fixed   dense weights (every file that is not an expert) + KV cache at n_ctx + the engine's
+            scratch + this process's resident memory after load (interpreter, libraries,
+            tokenizer) + a margin (MARGIN_FRACTION of the limit, at least MIN_MARGIN: page
+            tables, allocator slack, the kernel's own accounting)
+    budget  limit - fixed, for the experts. If the whole model fits (fixed + every expert <= limit)
+            there is no budget and nothing per expert runs. Below fixed + two layers' choices of
+            experts (the current layer's top-k and the next one's prediction) the model cannot run
+            under the limit: a clear error before anything is read.
 
-With prefetch "none" and no budget, nothing here runs per token. `mlock=True` pins the dense
-weights (attention, embeddings, norms, routers); `warmup=True` reads every expert once at load.
+`expert_cache_mb` gives the expert budget directly instead (the smaller one wins when both are
+given). `prefetch` without a budget runs the same cache with no limit (reads, no evictions).
+`mlock=True` pins the dense weights; `warmup=True` reads every expert once at load.
 """
 from __future__ import annotations
 
 import numbers
-
-from collections import OrderedDict
+import os
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import _os
-from ._engine import PREFETCH_CODES
+from ._engine import EVICTION_CODES, PREFETCH_CODES
 from .errors import ColibriError
 from .modeldir import tensor_file
 
 PREFETCH_MODES = PREFETCH_CODES     # name -> the layer loop's code (defined once, in _engine.pyx)
-
+EVICTION_POLICIES = tuple(EVICTION_CODES)
+DEFAULT_EVICTION = "lru"            # chosen by tools/bench/routing_cache.py on trained routing (BENCHMARKS.md)
 
 MAX_BUDGET_MB = 1e12         # a budget beyond any machine's memory is a typo (or inf)
+MIN_MARGIN = 32 << 20        # bytes the plan keeps free under the limit at least ...
+MARGIN_FRACTION = 1 / 64     # ... or this fraction of it
+MB = 1 << 20
+
+
+def _megabytes(value, name: str):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or not 0 < value < MAX_BUDGET_MB):
+        raise ColibriError(f"{name} must be a positive finite number of megabytes (below {MAX_BUDGET_MB:.0e}), "
+                           f"got {value!r}")
+    return None if value is None else int(float(value) * MB)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    limit: int | None         # bytes the process must stay under (None: no limit known)
+    source: str               # what set it: "--memory-limit-mb", a cgroup file, "available RAM", ...
+    fixed: int                # dense + KV + scratch + runtime + margin
+    experts: int              # bytes of every expert
+    budget: int | None        # the expert budget (None: everything fits, or no limit)
+    minimum: int              # the smallest limit this model runs under
+
+    def describe(self) -> str:
+        if self.limit is None:
+            return "no memory limit"
+        what = "the whole model fits" if self.budget is None else f"expert budget {self.budget / MB:.0f} MB"
+        return f"memory limit {self.limit / MB:.0f} MB ({self.source}): {what}"
+
+
+def plan(limit: int | None, source: str, *, dense: int, experts: int, kv: int, scratch: int, runtime: int,
+         working_set: int, n_ctx: int, path: str) -> MemoryPlan:
+    """The expert budget under `limit` bytes (see the module's design block). Raises ColibriError
+    when the limit is below what the model needs at the least."""
+    if limit is None:
+        return MemoryPlan(None, "", 0, experts, None, 0)
+    margin = max(MIN_MARGIN, int(limit * MARGIN_FRACTION))
+    fixed = dense + kv + scratch + runtime + margin
+    minimum = fixed + working_set
+    if fixed + experts <= limit:
+        return MemoryPlan(limit, source, fixed, experts, None, minimum)
+    if limit < minimum:
+        raise ColibriError(
+            f"memory limit {limit / MB:.0f} MB ({source}) is below the {minimum / MB:.0f} MB {path} needs at "
+            f"least: dense weights {dense / MB:.0f} MB + KV cache {kv / MB:.0f} MB (n_ctx {n_ctx}) + scratch "
+            f"{scratch / MB:.0f} MB + this process {runtime / MB:.0f} MB + margin {margin / MB:.0f} MB + two "
+            f"layers' experts {working_set / MB:.0f} MB; raise --memory-limit-mb or lower --n-ctx")
+    return MemoryPlan(limit, source, fixed, experts, limit - fixed, minimum)
+
+
+def os_limit() -> tuple:
+    """(bytes, source) of the limit to plan for when the caller gives none: the cgroup / job
+    limit, else the RAM available now plus what this process holds; (None, "") if unknown."""
+    limit, source = _os.memory_limit()
+    if limit is not None:
+        return limit, source
+    available = _os.available_memory()
+    if available is None:
+        return None, ""
+    return available + _os.rss_bytes()[0], "available RAM"
 
 
 class Residency:
-    def __init__(self, maps, config, budget_mb: float | None = None, mlock: bool = False, warmup: bool = False):
-        if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real)
-                                      or not 0 < budget_mb < MAX_BUDGET_MB):
-            raise ColibriError(f"expert_cache_mb must be a positive finite number of megabytes "
-                               f"(below {MAX_BUDGET_MB:.0e}), got {budget_mb!r}")
-        self.budget = None if budget_mb is None else int(float(budget_mb) * (1 << 20))
+    """The experts' spans and files, the memory plan, and the statistics of the expert cache."""
+
+    def __init__(self, maps, config, mlock: bool = False, warmup: bool = False):
         self.config = config
-        # (layer, expert) -> (address, page-rounded length) of its file
-        self.spans = {}
+        self.spans = {}                      # (layer, expert) -> (address, page-rounded length) of its file
+        self.paths = {}                      # (layer, expert) -> its file
         for layer, is_moe in enumerate(config.moe_layers):
             if is_moe:
                 for e in range(config.num_experts):
-                    self.spans[(layer, e)] = maps.file_span(tensor_file(f"layers.{layer}.experts.{e}.gate"))
+                    rel = tensor_file(f"layers.{layer}.experts.{e}.gate")
+                    self.spans[(layer, e)] = maps.file_span(rel)
+                    self.paths[(layer, e)] = maps.md.root / rel
         expert_files = {tensor_file(f"layers.{l}.experts.{e}.gate") for (l, e) in self.spans}
         self.dense_spans = [maps.file_span(rel) for rel in maps.mapped_files() if rel not in expert_files]
-        self.lru = OrderedDict()             # (layer, expert) -> bytes, least recently used first
-        self.resident = 0                    # bytes of the experts in the LRU
-        self.peak_resident = 0
-        self.released = 0                    # experts released to stay under the budget
-        self.used_bytes = 0                  # bytes of the experts used, summed over steps
+        self.dense_bytes = sum(n for _, n in self.dense_spans)
+        self.expert_bytes = sum(n for _, n in self.spans.values())
+        self.fds = {}                        # (layer, expert) -> descriptor, while a budget holds
+        self.plan = MemoryPlan(None, "", 0, self.expert_bytes, None, 0)
+        self.io_at_load = _os.read_io_bytes()
         self.locked = _os.lock(self.dense_spans) if mlock else False
         if warmup:
             self.warmup()
-        self._last = np.zeros((config.num_hidden_layers, config.num_experts), np.int64)
+
+    @property
+    def working_set(self) -> int:
+        """Bytes of two layers' choices of experts: what the cache must hold at least."""
+        biggest = max((n for _, n in self.spans.values()), default=0)
+        return 2 * max(self.config.num_experts_per_tok, 1) * biggest
+
+    def open_files(self) -> None:
+        """A descriptor per expert file, so that a dropped expert leaves the page cache too
+        (posix_fadvise). Raises the soft open-file limit towards the hard one when needed; where
+        that is not enough the remaining experts are dropped from the process only."""
+        if _os.cache_advice().fadvise == 0:
+            return
+        try:
+            import resource
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            want = len(self.spans) + 256
+            if soft != resource.RLIM_INFINITY and soft < want:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY
+                                                            else min(want, hard), hard))
+        except (ImportError, ValueError, OSError):
+            pass
+        for key, path in self.paths.items():
+            try:
+                self.fds[key] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                break
+
+    def warm_experts(self, threshold: float = 0.9) -> list:
+        """The experts (layer, expert) whose pages are in memory already (at least `threshold`
+        of them), hottest first is unknown: in index order."""
+        return [key for key, (address, length) in self.spans.items()
+                if length and _os.resident_bytes(address, length) >= threshold * length]
+
+    def drop(self, keys) -> None:
+        """Take these experts out of the process and the page cache (at load: what the budget does
+        not hold)."""
+        _os.release([self.spans[k] for k in keys])
+        for k in keys:
+            fd = self.fds.get(k)
+            if fd is not None:
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except (AttributeError, OSError):
+                    pass
 
     def warmup(self) -> None:
         """Read every expert once (first requests are otherwise slow on a cold page cache)."""
@@ -76,62 +183,20 @@ class Residency:
             int(view[::page].sum())          # one byte a page
             del view
 
-    def after_step(self, counts: np.ndarray, released: bool = False) -> None:
-        """Called between engine steps with the cumulative expert counts [n_layers, n_experts].
-        released: the step (a prefill under a budget) already released every expert it used."""
-        changed = np.argwhere(counts != self._last)
-        self._last[...] = counts
-        if released:
-            for layer, e in changed:
-                self.used_bytes += self.spans[(int(layer), int(e))][1]
-                if self.lru.pop((int(layer), int(e)), None) is not None:
-                    self.resident -= self.spans[(int(layer), int(e))][1]
-            return
-        used = set()
-        for layer, e in changed:
-            key = (int(layer), int(e))
-            used.add(key)
-            size = self.spans[key][1]
-            self.used_bytes += size
-            if key in self.lru:
-                self.lru.move_to_end(key)
-            else:
-                self.lru[key] = size
-                self.resident += size
-        self.peak_resident = max(self.peak_resident, self.resident)
-        if self.budget is None:
-            return
-        victims = []
-        for key in self.lru:                 # coldest first; never what this step used
-            if self.resident <= self.budget:
-                break
-            if key in used:
-                continue
-            victims.append(key)
-            self.resident -= self.lru[key]
-        for key in victims:
-            del self.lru[key]
-        if victims:
-            _os.release([self.spans[k] for k in victims])
-            self.released += len(victims)
-
-    def reset(self, counts: np.ndarray) -> None:
-        self._last[...] = counts
-
-    def stats(self) -> dict:
-        return {"resident_expert_bytes": self.resident, "peak_resident_expert_bytes": self.peak_resident,
-                "expert_budget_bytes": self.budget, "experts_released": self.released,
-                "expert_bytes_used": self.used_bytes, "dense_locked": bool(self.locked),
-                "expert_bytes_in_memory": self.in_memory()}
-
     def in_memory(self) -> int:
         """Bytes of the expert files in memory now, as the OS reports them (_os.resident_bytes:
         on Linux the page cache, whether or not this process touched the pages) — the figure a
-        memory cap counts, beside the bookkeeping of `resident`."""
+        memory cap counts."""
         return sum(_os.resident_bytes(address, length) for address, length in self.spans.values())
 
     def close(self) -> None:
-        """Undo mlock before the mappings go (they are about to be unmapped)."""
+        """Undo mlock and close the descriptors, before the mappings go."""
         if self.locked:
             _os.unlock(self.dense_spans)
             self.locked = False
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = {}

@@ -153,6 +153,13 @@ class Served:
         self.reuse_hits = Counter("colibri_prefix_reuse_hits", "requests that reused part of the KV cache", registry=r)
         self.resident = Gauge("colibri_resident_expert_bytes", "expert weights resident", registry=r)
         self.faults = Gauge("colibri_major_page_faults", "major page faults of the process", registry=r)
+        self.cache_uses = Gauge("colibri_expert_cache_uses", "expert uses since load, by whether the expert "
+                                "cache held it", ["result"], registry=r)
+        self.evictions = Gauge("colibri_expert_evictions", "experts evicted under the budget since load", registry=r)
+        self.storage_read = Gauge("colibri_storage_read_bytes", "bytes read from storage since load", registry=r)
+        self.budget = Gauge("colibri_expert_budget_bytes", "the expert budget (0: none)", registry=r)
+        self.cgroup_usage = Gauge("colibri_cgroup_usage_bytes", "the enforcing cgroup's usage, page cache "
+                                  "included (0: unknown)", registry=r)
 
     def start_loading(self) -> None:
         def run():
@@ -205,6 +212,12 @@ class Served:
                 return
             self.resident.set(st.get("resident_expert_bytes") or 0)
             self.faults.set(st.get("major_page_faults") or 0)
+            self.cache_uses.labels("hit").set(st["cache_hits"])
+            self.cache_uses.labels("miss").set(st["cache_misses"])
+            self.evictions.set(st["experts_released"])
+            self.storage_read.set(st["bytes_read_from_storage"] or 0)
+            self.budget.set(st["expert_budget_bytes"] or 0)
+            self.cgroup_usage.set(st["cgroup_usage_bytes"] or 0)
 
 
 # ---- one generation ----------------------------------------------------------------------------------

@@ -56,12 +56,15 @@ class EngineSpec:
     prefill_chunk: int       # tokens per engine call at most, 1 .. n_ctx (the scratch rows)
     n_threads: int
     prefetch: int            # _engine.PREFETCH_CODES
-    prefetch_chunk_bytes: int    # bytes per advice call (0: no limit)
-    release_in_prefill: bool     # under an expert budget: drop each expert's pages after its prefill product
-    advice: tuple                # _os.EngineAdvice: the OS functions the loop calls for an expert's pages
+    prefetch_chunk_bytes: int    # bytes per read advice call (0: no limit)
+    expert_budget: int | None    # bytes of experts the expert cache admits at most (None: no budget)
+    eviction: str                # the cache's policy, a key of _engine.EVICTION_CODES
+    advice: tuple                # _os.EngineAdvice: the OS functions the cache's reader calls for an expert's pages
+    cache_os: tuple              # _os.CacheAdvice: (posix_fadvise address or 0, POSIX_FADV_DONTNEED, read code)
     layers: tuple            # LayerSpec [n_layers]
     tensors: dict            # name -> TensorRef (modeldir's names: "embedding", "layers.3.wq", ...)
     expert_pages: dict       # (layer, expert) -> (address, bytes) of the expert's mapped span
+    expert_fds: dict         # (layer, expert) -> an open descriptor of its file (for the page-cache drop)
 
     @property
     def ring_slack(self):
@@ -109,10 +112,12 @@ def prefill_chunk(requested, n_ctx: int) -> int:
 
 
 def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_softmax: bool, prefetch: str,
-          prefetch_chunk_bytes: int, release_in_prefill: bool, expert_pages: dict, advice=None) -> EngineSpec:
+          prefetch_chunk_bytes: int, expert_pages: dict, expert_budget: int | None = None, eviction: str = "lru",
+          expert_fds: dict | None = None, advice=None, cache_os=None) -> EngineSpec:
     """The spec of `cfg` (config.ModelConfig) over the mapped `tensors` (name -> TensorRef) with
-    these run options (already validated by the caller, model.Model). advice: the OS functions
-    for the expert pages (default: colibri._os.engine_advice(), what this OS has)."""
+    these run options (already validated by the caller, model.Model). advice, cache_os: the OS
+    functions for the expert pages (default: colibri._os.engine_advice() and cache_advice(),
+    what this OS has)."""
     top_k = max(cfg.num_experts_per_tok, 1)
     if top_k > _engine.MAX_TOP_K:
         raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported {_engine.MAX_TOP_K}")
@@ -124,7 +129,10 @@ def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_sof
         act=ACT_CODES[cfg.hidden_act], embed_scale=float(cfg.embedding_scale),
         softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,
         prefill_chunk=chunk, n_threads=threads, prefetch=_engine.PREFETCH_CODES[prefetch],
-        prefetch_chunk_bytes=int(prefetch_chunk_bytes), release_in_prefill=bool(release_in_prefill),
+        prefetch_chunk_bytes=int(prefetch_chunk_bytes),
+        expert_budget=None if expert_budget is None else int(expert_budget), eviction=eviction,
         advice=_os.engine_advice() if advice is None else _os.EngineAdvice(*advice),
-        layers=layer_specs(cfg, n_ctx, chunk), tensors=tensors, expert_pages=dict(expert_pages))
+        cache_os=tuple(_os.cache_advice() if cache_os is None else cache_os),
+        layers=layer_specs(cfg, n_ctx, chunk), tensors=tensors, expert_pages=dict(expert_pages),
+        expert_fds=dict(expert_fds or {}))
 

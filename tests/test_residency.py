@@ -53,12 +53,14 @@ def test_budget_keeps_tokens_and_bounds_resident_experts(big_model):
     resident = []
     tokens = []
     for tok in m.generate(ids, max_new_tokens=24, stop_at_eos=False,
-                          on_step=lambda model: resident.append(model.residency.resident)):
+                          on_step=lambda model: resident.append(model._engine.cache_bytes[0])):
         tokens.append(tok)
     assert tokens == free
-    # after the prompt (whose experts are all in use at once), the budget holds at every step
-    assert max(resident[1:]) <= budget * (1 << 20)
-    assert m.memory_stats()["experts_released"] > 0
+    # the prompt streams its experts one at a time: the budget holds at every step, the prompt's too
+    assert max(resident) <= budget * (1 << 20)
+    st = m.memory_stats()
+    assert st["experts_released"] > 0 and st["peak_resident_expert_bytes"] <= budget * (1 << 20)
+    assert 0 < st["cache_hit_rate"] < 1 and st["over_budget"] == 0
 
 
 def test_release_takes_expert_pages_out_of_rss(big_model):
@@ -90,7 +92,9 @@ def test_warmup_and_mlock_load(big_model):
 
 
 @pytest.mark.parametrize("bad", [dict(prefetch="always"), dict(expert_cache_mb=-1), dict(expert_cache_mb="a"),
-                                 dict(prefetch="routed", mmap=False)])
+                                 dict(prefetch="routed", mmap=False), dict(eviction="mru"),
+                                 dict(memory_limit_mb=0), dict(memory_limit_mb=float("inf")),
+                                 dict(memory_limit_mb=True)])
 def test_bad_residency_options(converted, bad):
     with pytest.raises(colibri.ColibriError):
         colibri.load(converted("mixtral_a"), **bad)
@@ -101,7 +105,8 @@ def test_cli_stats(converted):
                         "--tokens", "1,2,3", "--max-new-tokens", "8", "--ids", "--prefetch", "predict",
                         "--expert-cache-mb", "0.05", "--warmup", "--stats"], env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    for key in ("experts used per layer", "resident experts", "prediction hit rate", "page faults"):
+    for key in ("experts used per layer", "resident experts", "prediction hit rate", "page faults",
+                "expert cache: hit rate", "read from storage", "memory limit"):
         assert key in r.stderr and key not in r.stdout           # stats never mix with the output
 
 
@@ -114,7 +119,7 @@ base = _os.rss_bytes()[0]
 for seed in range(3):
     ids = np.random.default_rng(seed).integers(1, 500, 40)
     list(m.generate(ids, max_new_tokens=40, stop_at_eos=False))
-print(json.dumps({"base": base, "peak": _os.rss_bytes()[1], "resident": m.residency.resident}))
+print(json.dumps({"base": base, "peak": _os.rss_bytes()[1], "resident": m._engine.cache_bytes}))
 """
 
 # what a generation may add to RSS beyond weights and KV cache: scratch arenas, numpy temporaries
@@ -144,9 +149,11 @@ def test_peak_rss_stays_within_dense_plus_budget_plus_kv(big_model):
 
 
 def test_the_engines_advice_goes_through_the_functions_os_resolved(converted):
-    """The layer loop advises the OS only through colibri._os.engine_advice's functions: handed a
-    recording function instead, the engine calls it with each chosen expert's mapped span
-    (MADV_WILLNEED's code) and, in a prefill under a budget, releases each used expert's span."""
+    """The expert cache's readers advise the OS only through colibri._os's functions: handed
+    recording functions instead (madvise's shape for reads and drops, posix_fadvise's for the
+    page cache), a prompt under a budget reads the experts it uses in pieces of their spans (the
+    read code of CacheAdvice), drops the evicted ones (the release code) and tells the page cache
+    about each drop through the expert file's descriptor."""
     import ctypes
     import dataclasses
     from colibri import _engine
@@ -156,24 +163,37 @@ def test_the_engines_advice_goes_through_the_functions_os_resolved(converted):
         libc = ctypes.CDLL(None)
         assert advice.kind == "madvise"
         assert advice.will_need == advice.release == ctypes.cast(libc.madvise, ctypes.c_void_p).value
-    calls = []
+        assert _os.cache_advice().fadvise == ctypes.cast(libc.posix_fadvise, ctypes.c_void_p).value
+    calls, fadvised = [], []
     recorder = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
         lambda address, length, code: calls.append((address, length, code)) or 0)
+    fadvise = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)(
+        lambda fd, offset, length, code: fadvised.append((fd, offset, length, code)) or 0)
     address = ctypes.cast(recorder, ctypes.c_void_p).value
-    m = colibri.load(converted("mixtral_a", "int8"), prefetch="routed", expert_cache_mb=1.0, threads=1)
-    spec = dataclasses.replace(m.engine_spec, advice=_os.EngineAdvice("madvise", address,
-                                                                      address, 101, 102))
+    m = colibri.load(converted("mixtral_a", "int8"), prefetch="routed", expert_cache_mb=0.05, threads=1)
+    assert m.residency.fds                                       # a descriptor per expert under a budget
+    spec = dataclasses.replace(m.engine_spec, advice=_os.EngineAdvice("madvise", address, address, 0, 102),
+                               cache_os=(ctypes.cast(fadvise, ctypes.c_void_p).value, 4, 101))
     engine = _engine.Engine(spec)
     ids = np.arange(1, 9, dtype=np.int32)
     out = np.empty((1, m.config.vocab_size), np.float32)
-    assert engine.run(ids, 0, out, False)[0] == 0                # a prompt: advice and release per used expert
-    span = {v: k for k, v in m.residency.spans.items()}
-    used = {(l, e) for l in range(m.config.num_hidden_layers) for e in np.flatnonzero(engine.expert_counts[l])}
-    assert {span[(a, n)] for a, n, code in calls if code == 101} == used
-    assert {span[(a, n)] for a, n, code in calls if code == 102} == used
-    calls.clear()
-    engine.run(ids[:1], len(ids), out, False)                    # a decode step: the top-k of every layer
-    assert sorted(span[(a, n)] for a, n, code in calls) == sorted(
-        (l, int(e)) for l in range(m.config.num_hidden_layers) for e in engine.chosen[l])
-    assert all(code == 101 for _, _, code in calls)
-    assert engine.prefetch_stats[_engine.PF_FAILURES] == 0
+    assert engine.run(ids, 0, out, False)[0] == 0                # a prompt: each used expert streamed
+    engine.cache_drain()
+    owner = {}
+    for key, (start, length) in m.residency.spans.items():
+        owner[start] = key
+    def expert_of(a):
+        start = max(s for s in owner if s <= a)
+        assert a < start + m.residency.spans[owner[start]][1]     # inside the span
+        return owner[start]
+    used = {(l, int(e)) for l in range(m.config.num_hidden_layers) for e in np.flatnonzero(engine.expert_counts[l])}
+    read = {expert_of(a) for a, n, code in calls if code == 101}
+    dropped = [expert_of(a) for a, n, code in calls if code == 102]
+    assert read and read <= used and set(dropped) <= used
+    assert {code for _, _, code in calls} <= {101, 102}
+    stats = dict(zip(_engine.CACHE_STATS, engine.cache_stats))
+    assert len(dropped) == stats["drops"] > 0 and stats["evictions"] >= stats["drops"]
+    assert sorted(fd for fd, _, _, _ in fadvised) == sorted(m.residency.fds[k] for k in dropped)
+    assert all(code == 4 and offset == 0 and length == 0 for _, offset, length, code in fadvised)
+    assert stats["advice_failures"] == 0
+    engine.close()

@@ -163,7 +163,8 @@ def test_metrics_parse_as_prometheus_text(server):
     text = httpx.get(server.url + "/metrics").text
     names = {f.name for f in text_string_to_metric_families(text)}
     for needed in ("colibri_requests", "colibri_queue_depth", "colibri_time_to_first_token_seconds",
-                   "colibri_generated_tokens", "colibri_prefix_reuse_hits", "colibri_resident_expert_bytes"):
+                   "colibri_generated_tokens", "colibri_prefix_reuse_hits", "colibri_resident_expert_bytes",
+                   "colibri_expert_cache_uses", "colibri_storage_read_bytes", "colibri_expert_budget_bytes"):
         assert needed in names, names
 
 

@@ -59,6 +59,10 @@ INTERFACE = (
     "read_io_bytes",     # () -> int | None                  bytes this process read from storage
     "page_size",         # () -> int
     "engine_advice",     # () -> EngineAdvice                the OS functions the layer loop calls
+    "cache_advice",      # () -> CacheAdvice                 what the expert cache's reader calls besides
+    "memory_limit",      # () -> (bytes | None, source)      the cgroup / job object limit on this process
+    "memory_usage",      # () -> (current, peak)             of what enforces that limit (None: unknown)
+    "available_memory",  # () -> bytes | None                RAM new allocations can get (MemAvailable)
 )
 # What a backend module must define: every interface name, plus the frees that pair with
 # map_file/alloc_aligned. Where the forms differ, the backend's is lower-level: map_file(path)
@@ -363,6 +367,49 @@ def engine_advice() -> EngineAdvice:
     return EngineAdvice(*_backend.engine_advice())
 
 
+class CacheAdvice(tuple):
+    """What the expert cache's reader thread (csrc/expert_cache.h) calls beside EngineAdvice:
+    (fadvise, dontneed, read_arg) — posix_fadvise's address and POSIX_FADV_DONTNEED (0, 0: the
+    page cache is not told, Windows), and the madvise code of a read (MADV_POPULATE_READ where
+    the kernel has it, else MADV_WILLNEED; unused on Windows)."""
+    __slots__ = ()
+
+    def __new__(cls, fadvise: int, dontneed: int, read_arg: int):
+        return super().__new__(cls, (int(fadvise or 0), int(dontneed), int(read_arg)))
+
+    fadvise = property(lambda self: self[0])
+    dontneed = property(lambda self: self[1])
+    read_arg = property(lambda self: self[2])
+
+
+def cache_advice() -> CacheAdvice:
+    """The expert cache's OS functions, resolved here once (see CacheAdvice)."""
+    return CacheAdvice(*_backend.cache_advice())
+
+
+def memory_limit() -> tuple:
+    """(bytes, source) of the memory limit the OS enforces on this process, or (None, "").
+
+    Linux: the tightest cgroup limit (v2 memory.max / memory.high up the hierarchy, v1
+    hierarchical_memory_limit / memory.limit_in_bytes; colibri._os._cgroup). It counts the page
+    cache of the files the group reads. Windows: the job object's ProcessMemoryLimit /
+    JobMemoryLimit (committed memory; the standby list is not counted). Elsewhere: (None, "")."""
+    return _backend.memory_limit()
+
+
+def memory_usage() -> tuple:
+    """(current, peak) bytes of what enforces memory_limit — the cgroup's memory.current /
+    memory.peak (v2) or usage_in_bytes / max_usage_in_bytes (v1); Windows: the working set and
+    the job's peak — each None where unknown."""
+    return _backend.memory_usage()
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM new allocations can get without swapping: Linux /proc/meminfo MemAvailable,
+    Windows GlobalMemoryStatusEx ullAvailPhys; None where unknown."""
+    return _backend.available_memory()
+
+
 def lock(ranges) -> bool:
     """Pin the pages of `ranges` in RAM (reading them in if needed) until `unlock`.
 
@@ -455,4 +502,4 @@ def compute_cores() -> int:
 
 
 __all__ = list(INTERFACE) + ["compute_cores", "zeros", "arena", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
-                             "AlignedBuffer", "AdviceWarning", "EngineAdvice", "NO_ADVICE"]
+                             "AlignedBuffer", "AdviceWarning", "EngineAdvice", "CacheAdvice", "NO_ADVICE"]

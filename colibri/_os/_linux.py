@@ -27,6 +27,8 @@ MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0x20))
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)      # Linux only
+MADV_POPULATE_READ = 22                                     # Linux 5.14+: read in and map, synchronously
+POSIX_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 _c_off_t = ctypes.c_int64 if sys.platform == "darwin" else ctypes.c_long  # glibc mmap: off_t = long
@@ -40,6 +42,7 @@ _PROTOTYPES = {
     "mincore": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)),
     "mlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
     "munlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
+    "posix_fadvise": (ctypes.c_int, (ctypes.c_int, _c_off_t, _c_off_t, ctypes.c_int)),
 }
 
 
@@ -108,6 +111,58 @@ def engine_advice() -> tuple:
     madvise for both, with MADV_WILLNEED / MADV_DONTNEED."""
     madvise = ctypes.cast(_fn("madvise"), ctypes.c_void_p).value
     return "madvise", madvise, madvise, MADV_WILLNEED, MADV_DONTNEED
+
+
+@functools.lru_cache(maxsize=None)
+def _populate_read_works() -> bool:
+    """Whether this kernel knows MADV_POPULATE_READ (EINVAL before 5.14): tried on one page."""
+    if not sys.platform.startswith("linux"):
+        return False
+    page = mmap.PAGESIZE
+    address = alloc_aligned(page)
+    try:
+        return _fn("madvise")(address, page, MADV_POPULATE_READ) == 0
+    finally:
+        free_aligned(address, page)
+
+
+def cache_advice() -> tuple:
+    """(posix_fadvise, POSIX_FADV_DONTNEED, read code) for the expert cache's reader: the read is
+    MADV_POPULATE_READ where the kernel has it (the pages are read in one request and mapped, so
+    the loop takes no fault), else MADV_WILLNEED (asynchronous readahead)."""
+    try:
+        fadvise = ctypes.cast(_fn("posix_fadvise"), ctypes.c_void_p).value
+    except AttributeError:                                       # macOS has no posix_fadvise
+        fadvise = 0
+    return fadvise or 0, POSIX_FADV_DONTNEED, MADV_POPULATE_READ if _populate_read_works() else MADV_WILLNEED
+
+
+def memory_limit() -> tuple:
+    """(bytes, what set it) of the cgroup limit on this process, or (None, "")."""
+    from . import _cgroup
+    found = _cgroup.find()
+    return (found.limit, found.source) if found else (None, "")
+
+
+def memory_usage() -> tuple:
+    """(current, peak) bytes of the enforcing cgroup, page cache included; Nones without one."""
+    from . import _cgroup
+    found = _cgroup.find()
+    return _cgroup.usage(found) if found else (None, None)
+
+
+def available_memory() -> int | None:
+    """/proc/meminfo MemAvailable: what new allocations can get without swapping."""
+    text = None
+    try:
+        with open("/proc/meminfo") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def prefetch_chunk(path: str) -> int:

@@ -104,6 +104,9 @@ _PROTOTYPES = {
                           BOOL, (HANDLE, ctypes.c_void_p, DWORD)),
     "GetProcessMemoryInfo": ((("kernel32", "K32GetProcessMemoryInfo"), ("psapi", None)),
                              BOOL, (HANDLE, ctypes.POINTER(PROCESS_MEMORY_COUNTERS), DWORD)),
+    # the job this process is in (hJob NULL), JOBOBJECT_EXTENDED_LIMIT_INFORMATION: its memory limits
+    "QueryInformationJobObject": (_K32, BOOL, (HANDLE, ctypes.c_int, ctypes.c_void_p, DWORD, ctypes.c_void_p)),
+    "GlobalMemoryStatusEx": (_K32, BOOL, (ctypes.c_void_p,)),         # MEMORYSTATUSEX *
 }
 
 
@@ -309,6 +312,82 @@ def engine_advice() -> tuple:
     unlock = _lookup("VirtualUnlock")
     address = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0   # noqa: E731
     return "win32", address(prefetch), address(unlock), 0, 0
+
+
+def cache_advice() -> tuple:
+    """No page-cache drop (a trimmed page goes to the standby list, which a job limit does not
+    count); reads are PrefetchVirtualMemory, which takes no code."""
+    return 0, 0, 0
+
+
+JobObjectExtendedLimitInformation = 9
+JOB_OBJECT_LIMIT_PROCESS_MEMORY = 0x100
+JOB_OBJECT_LIMIT_JOB_MEMORY = 0x200
+
+
+class IO_COUNTERS(ctypes.Structure):  # winnt.h
+    _fields_ = [(name, ctypes.c_uint64) for name in ("ReadOperationCount", "WriteOperationCount",
+                                                       "OtherOperationCount", "ReadTransferCount",
+                                                       "WriteTransferCount", "OtherTransferCount")]
+
+
+class JOBOBJECT_BASIC_LIMIT_INFORMATION(ctypes.Structure):  # winnt.h; 64 bytes on x64
+    _fields_ = [("PerProcessUserTimeLimit", ctypes.c_int64), ("PerJobUserTimeLimit", ctypes.c_int64),
+                ("LimitFlags", DWORD), ("MinimumWorkingSetSize", SIZE_T), ("MaximumWorkingSetSize", SIZE_T),
+                ("ActiveProcessLimit", DWORD), ("Affinity", ULONG_PTR), ("PriorityClass", DWORD),
+                ("SchedulingClass", DWORD)]
+
+
+class JOBOBJECT_EXTENDED_LIMIT_INFORMATION(ctypes.Structure):  # winnt.h; 144 bytes on x64
+    _fields_ = [("BasicLimitInformation", JOBOBJECT_BASIC_LIMIT_INFORMATION), ("IoInfo", IO_COUNTERS),
+                ("ProcessMemoryLimit", SIZE_T), ("JobMemoryLimit", SIZE_T),
+                ("PeakProcessMemoryUsed", SIZE_T), ("PeakJobMemoryUsed", SIZE_T)]
+
+
+def _job_limits():
+    info = JOBOBJECT_EXTENDED_LIMIT_INFORMATION()
+    query = _lookup("QueryInformationJobObject")
+    if query is None or not query(None, JobObjectExtendedLimitInformation, ctypes.addressof(info),
+                                  ctypes.sizeof(info), None):
+        return None                                   # not in a job (or an old system)
+    return info
+
+
+def memory_limit() -> tuple:
+    """(bytes, what set it) of the job object's memory limit on this process, or (None, "")."""
+    info = _job_limits()
+    if info is None:
+        return None, ""
+    flags = info.BasicLimitInformation.LimitFlags
+    limits = []
+    if flags & JOB_OBJECT_LIMIT_PROCESS_MEMORY:
+        limits.append((info.ProcessMemoryLimit, "job object ProcessMemoryLimit"))
+    if flags & JOB_OBJECT_LIMIT_JOB_MEMORY:
+        limits.append((info.JobMemoryLimit, "job object JobMemoryLimit"))
+    return min(limits) if limits else (None, "")
+
+
+def memory_usage() -> tuple:
+    """(current, peak): the working set, and the job's peak of committed memory where known."""
+    info = _job_limits()
+    current = _memory_counters().WorkingSetSize
+    return current, (info.PeakJobMemoryUsed or info.PeakProcessMemoryUsed) if info is not None else None
+
+
+class MEMORYSTATUSEX(ctypes.Structure):  # sysinfoapi.h; 64 bytes
+    _fields_ = [("dwLength", DWORD), ("dwMemoryLoad", DWORD)] + [
+        (name, ctypes.c_uint64) for name in ("ullTotalPhys", "ullAvailPhys", "ullTotalPageFile",
+                                             "ullAvailPageFile", "ullTotalVirtual", "ullAvailVirtual",
+                                             "ullAvailExtendedVirtual")]
+
+
+def available_memory() -> int | None:
+    status = MEMORYSTATUSEX()
+    status.dwLength = ctypes.sizeof(status)
+    f = _lookup("GlobalMemoryStatusEx")
+    if f is None or not f(ctypes.addressof(status)):
+        return None
+    return status.ullAvailPhys
 
 
 def prefetch_chunk(path: str) -> int:

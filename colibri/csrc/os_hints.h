@@ -1,12 +1,12 @@
-/* os_hints.h — the OS advice on the token path, through the functions colibri._os resolved.
+/* os_hints.h — the OS advice on an expert's pages, through the functions colibri._os resolved.
  *
- * Prefetching the experts a router has just chosen (or predicted), and under an expert budget
- * dropping an expert's pages right after its prefill product, have to happen inside the compiled
- * layer loop. The OS calls themselves are not looked up here: colibri._os (ctypes) resolves them —
- * libc's madvise on POSIX; kernel32's PrefetchVirtualMemory (Windows 8+; absent: no prefetch) and
- * VirtualUnlock on Windows — and hands their addresses to the engine in a cb_os_advice, so one
- * interface decides what runs (and a test can hand in a recording function instead). Advice: a
- * failure is counted, never fatal. Ranges are page-aligned by the caller (the expert spans).
+ * Reading an expert before the layer loop reaches it, and dropping an evicted one, happen in the
+ * expert cache's reader threads (expert_cache.h). The OS calls themselves are not looked up here:
+ * colibri._os (ctypes) resolves them — libc's madvise on POSIX; kernel32's PrefetchVirtualMemory
+ * (Windows 8+; absent: no prefetch) and VirtualUnlock on Windows — and hands their addresses to
+ * the engine in a cb_os_advice, so one interface decides what runs (and a test can hand in a
+ * recording function instead). Advice: a failure is counted, never fatal. Ranges are page-aligned
+ * by the caller (the expert spans).
  */
 #ifndef COLIBRI_OS_HINTS_H
 #define COLIBRI_OS_HINTS_H
@@ -59,8 +59,7 @@ static int cb_will_need(const cb_os_advice *a, const void *start, size_t len, si
     return failed ? -1 : 0;
 }
 
-/* "These pages may leave the process": the prefill under an expert budget, right after an expert's
- * product, so a long prompt that routes to every expert never holds them all. On Windows
+/* "These pages may leave the process": an expert the cache evicted. On Windows
  * VirtualUnlock of pages that are not locked removes them from the working set (it reports
  * ERROR_NOT_LOCKED): the documented way to trim a range. */
 static int cb_release_pages(const cb_os_advice *a, const void *start, size_t len) {
