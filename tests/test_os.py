@@ -74,6 +74,12 @@ def test_windows_structures_have_the_x64_layout():
     assert w.PROCESS_MEMORY_COUNTERS.PageFaultCount.offset == 4
     assert w.PROCESS_MEMORY_COUNTERS.PeakWorkingSetSize.offset == 8
     assert w.PSAPI_WORKING_SET_EX_INFORMATION.VirtualAttributes.offset == 8
+    assert ctypes.sizeof(w.JOBOBJECT_BASIC_LIMIT_INFORMATION) == 64
+    assert w.JOBOBJECT_BASIC_LIMIT_INFORMATION.LimitFlags.offset == 16
+    assert ctypes.sizeof(w.JOBOBJECT_EXTENDED_LIMIT_INFORMATION) == 144
+    assert w.JOBOBJECT_EXTENDED_LIMIT_INFORMATION.ProcessMemoryLimit.offset == 112
+    assert w.JOBOBJECT_EXTENDED_LIMIT_INFORMATION.JobMemoryLimit.offset == 120
+    assert ctypes.sizeof(w.MEMORYSTATUSEX) == 64 and w.MEMORYSTATUSEX.ullAvailPhys.offset == 16
     info = w.PSAPI_WORKING_SET_EX_INFORMATION()
     info.VirtualAttributes.Flags = 1 | 5 << 1 | 0x04 << 4  # Valid, ShareCount 5, PAGE_READWRITE
     bits = info.VirtualAttributes
@@ -401,3 +407,30 @@ def test_arena_arrays_are_aligned_zero_and_apart(items):
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     big = _os.arena({f"p{i}": ((PAGE,), "<f4") for i in range(4)})
     assert len({a.ctypes.data % PAGE for a in big.values()}) == 4
+
+
+@pytest.mark.parametrize("flags, expected", [(0, (None, "")), (0x100, (300 << 20, "job object ProcessMemoryLimit")),
+                                             (0x300, (200 << 20, "job object JobMemoryLimit"))])
+def test_windows_memory_limit_reads_the_job_object(monkeypatch, flags, expected):
+    """memory_limit on Windows: QueryInformationJobObject(NULL, JobObjectExtendedLimitInformation)
+    of the job the process is in, the tighter of its process and job limits where their flags
+    are set (a recording fake of kernel32 here)."""
+    w = importlib.import_module("colibri._os._windows")
+    calls = []
+
+    def query(job, klass, address, size, returned):
+        calls.append((job, klass, size))
+        info = w.JOBOBJECT_EXTENDED_LIMIT_INFORMATION.from_address(address)
+        info.BasicLimitInformation.LimitFlags = flags
+        info.ProcessMemoryLimit, info.JobMemoryLimit = 300 << 20, 200 << 20
+        return 1
+
+    monkeypatch.setattr(w, "_lookup", lambda name: query if name == "QueryInformationJobObject" else None)
+    assert w.memory_limit() == expected
+    assert calls == [(None, w.JobObjectExtendedLimitInformation, ctypes.sizeof(w.JOBOBJECT_EXTENDED_LIMIT_INFORMATION))]
+
+
+def test_windows_memory_limit_outside_a_job(monkeypatch):
+    w = importlib.import_module("colibri._os._windows")
+    monkeypatch.setattr(w, "_lookup", lambda name: (lambda *a: 0) if name == "QueryInformationJobObject" else None)
+    assert w.memory_limit() == (None, "")

@@ -137,7 +137,8 @@ def run_colibri(args, cg: Cgroup) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
     if r.returncode != 0:
-        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+        return {"error": f"exit {r.returncode}: {last.split('ColibriError: ')[-1][:90]}"}
     return json.loads(r.stdout)
 
 

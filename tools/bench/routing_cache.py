@@ -10,10 +10,14 @@ On it, for caches of 25 / 50 / 75 % of the experts, the hit rate of
     lfu       the least used, counts halved every n_experts uses (CB_EVICT_LFU)
     belady    the one used furthest in the future: the bound no policy can beat
 
-with the current layer's experts never evicted, as the engine's cache does. Also the hit rate
-of the next-layer predictor (the next router on this layer's router input, what --prefetch
-predict reads one layer early) as the engine counts it, and of "the same experts as the
-previous token" for comparison.
+with the current layer's experts never evicted, as the engine's cache does. And predictors of
+the experts d layers ahead (the share of the k experts layer l + d chose that a guess of k named):
+
+    router    the next layer's router on this layer's router input (what --prefetch predict
+              reads one layer early), d = 1, as the engine counts it
+    table     an online transition table: the k experts layer l + d chose most often after
+              layer l chose the same top-1 expert (learned from the tokens before), d = 1, 2, 3
+    previous  the experts layer l + d chose for the previous token
 
     python tools/bench/routing_cache.py [--model-dir colibri/data/demo] [--text tests/fixtures/demo/heldout_head.txt] [--tokens 2000]
 """
@@ -93,6 +97,25 @@ def simulate(tr: np.ndarray, capacity: int, policy: str) -> float:
     return hits / total
 
 
+def lookahead(tr: np.ndarray, d: int) -> tuple:
+    """(table hit rate, previous-token hit rate) of guesses for layer l + d made at layer l."""
+    T, L, k = tr.shape
+    E = int(tr.max()) + 1
+    counts = np.zeros((L, E, L, E))              # [l, top-1 at l, l + d, expert]
+    table_hits = prev_hits = total = 0
+    for t in range(T):
+        for l in range(L - d):
+            truth = set(tr[t, l + d].tolist())
+            top1 = tr[t, l, 0]
+            guess = set(np.argsort(-counts[l, top1, l + d], kind="stable")[:k].tolist())
+            table_hits += len(guess & truth)
+            if t:
+                prev_hits += len(set(tr[t - 1, l + d].tolist()) & truth)
+            total += k
+            counts[l, top1, l + d, list(truth)] += 1
+    return table_hits / total, prev_hits / total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=ROOT / "colibri" / "data" / "demo")
@@ -104,8 +127,14 @@ def main() -> None:
     experts = L * (int(tr.max()) + 1)
     same = np.mean([len(set(tr[t, l]) & set(tr[t - 1, l])) / k for t in range(1, T) for l in range(L)])
     print(f"{args.model_dir.name}: {T} tokens of {args.text.name}, {L} MoE layers x {experts // L} experts, top-{k}")
-    print(f"next-layer router prediction hit rate {100 * predict_hit:.1f} %; "
-          f"same experts as the previous token {100 * same:.1f} %\n")
+    print(f"same experts as the previous token {100 * same:.1f} %\n")
+    print("| predictor of layer l + d at layer l | d = 1 | d = 2 | d = 3 |")
+    print("|---|---:|---:|---:|")
+    rows = [lookahead(tr, d) if d < L else (None, None) for d in (1, 2, 3)]
+    print(f"| router (the next layer's, on this layer's input) | {100 * predict_hit:.1f} % | | |")
+    for i, name in enumerate(("transition table (top-1 -> top-k)", "previous token")):
+        print(f"| {name} | " + " | ".join("" if r[i] is None else f"{100 * r[i]:.1f} %" for r in rows) + " |")
+    print()
     print("| cache (experts) | lru | lfu | belady (bound) |")
     print("|---|---:|---:|---:|")
     for frac in (0.25, 0.5, 0.75):
