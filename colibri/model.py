@@ -82,6 +82,8 @@ class Model:
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         chunk = spec.prefill_chunk(prefill_chunk, n_ctx)   # the engine's tokens per call: the rings are sized for it
         self._chunk = chunk
+        if not mmap:                # read into memory: nothing can be evicted, so all of it must fit
+            residency.check_unmapped(self._dir, limit, self.path)
         self._maps = MappedModelDir(self._dir, use_mmap=mmap)
         try:
             self.residency = Residency(self._maps, cfg, mlock=mlock, warmup=warmup)

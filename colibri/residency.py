@@ -104,6 +104,22 @@ def os_limit() -> tuple:
     return available + _os.rss_bytes()[0], "available RAM"
 
 
+def check_unmapped(md, limit: int | None, path: str) -> None:
+    """With mmap=False every weight is read into anonymous memory, which no budget can evict:
+    before reading, the files must fit the limit (given, else the OS's) with the margin."""
+    source = "memory_limit_mb"
+    if limit is None:
+        limit, source = os_limit()
+    if limit is None:
+        return
+    total = sum(entry["size"] for entry in md.files.values())
+    need = total + max(MIN_MARGIN, int(limit * MARGIN_FRACTION)) + _os.rss_bytes()[0]
+    if need > limit:
+        raise ColibriError(f"{path} ({total / MB:.0f} MB of files) cannot be read into memory under the memory "
+                           f"limit of {limit / MB:.0f} MB ({source}); map it instead (drop --no-mmap / mmap=False): "
+                           f"mapped experts are kept under the limit")
+
+
 class Residency:
     """The experts' spans and files, the memory plan, and the statistics of the expert cache."""
 

@@ -74,6 +74,14 @@ def test_cli_cap_below_the_minimum_fails_before_loading(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_no_mmap_over_the_limit_is_refused_before_reading():
+    demo = Path(colibri.__file__).parent / "data" / "demo"
+    with pytest.raises(colibri.ColibriError, match=r"cannot be read into memory under the memory limit of 40 MB "
+                                                   r"\(memory_limit_mb\); map it instead"):
+        colibri.load(demo, mmap=False, memory_limit_mb=40)
+    colibri.load(demo, mmap=False, memory_limit_mb=4000).close()
+
+
 def test_memory_limit_mb_sizes_the_expert_budget():
     demo = Path(colibri.__file__).parent / "data" / "demo"
     need = colibri.load(demo, n_ctx=64, memory_limit_mb=4000)
