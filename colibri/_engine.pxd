@@ -71,8 +71,9 @@ cdef struct Layer:
     int head_dim              # this layer's attention geometry (Gemma 4: global layers differ)
     int n_kv_heads
     float attn_scale          # the factor on q.k
-    const float *rope_cos     # [n_ctx, head_dim / 2]
-    const float *rope_sin     # [n_ctx, head_dim / 2]
+    int rope_dim              # the first rope_dim values of each head rotate (head_dim: all)
+    const float *rope_cos     # [n_ctx, rope_dim / 2]
+    const float *rope_sin     # [n_ctx, rope_dim / 2]
     const float *attn_norm    # [d_model]
     Mat wq                    # [n_heads * head_dim, d_model]
     Mat wk                    # [n_kv_heads * head_dim, d_model]
@@ -91,11 +92,12 @@ cdef struct Layer:
     int sliding_window        # 0: attend to every earlier position
     int is_moe
     Mat router                # [n_experts, d_model] f32 (MoE layers)
+    const float *router_bias  # [n_experts] or NULL: the sigmoid router's choice bias
     FFN *experts              # [n_experts] (MoE layers)
     int expert0               # the index of its expert 0 in the expert cache: layer * n_experts
     int has_shared
     FFN shared                # the shared expert (Qwen2-MoE)
-    const float *shared_gate  # [d_model]: sigmoid(shared_gate . x) scales the shared expert
+    const float *shared_gate  # [d_model]: sigmoid(shared_gate . x) scales the shared expert; NULL: 1
     FFN dense                 # the dense MLP (non-MoE layers, and beside the MoE when parallel)
     int parallel              # Gemma 4: dense MLP and MoE side by side, each with its own norms
     const float *post_mlp_norm    # [d_model] (parallel) after the dense MLP
@@ -116,6 +118,10 @@ cdef struct Hyper:
     int top_k
     int norm_topk_prob
     int use_lut               # routing exponentials from the softmax table instead of expf
+    int sigmoid_router        # GLM-4.5 / DeepSeek-V3: routing.h cb_route_sigmoid
+    int n_group               # its expert groups ...
+    int topk_group            # ... of which the best topk_group are chosen from
+    float routed_scaling      # its weights' factor
     int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
     int stream_prefill        # under an expert budget: a prefill runs one expert per wave, the next one read meanwhile
     int qk_norm

@@ -204,10 +204,10 @@ cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *
         cb_clip(q, h.clip_qkv, q_dim)
         cb_clip(k, h.clip_qkv, kv_dim)
         cb_clip(v, h.clip_qkv, kv_dim)
-    cdef const float *cos_t = L.rope_cos + <size_t>pos * (hd // 2)
-    cdef const float *sin_t = L.rope_sin + <size_t>pos * (hd // 2)
-    cb_rope(q, h.n_heads, hd, cos_t, sin_t)
-    cb_rope(k, L.n_kv_heads, hd, cos_t, sin_t)
+    cdef const float *cos_t = L.rope_cos + <size_t>pos * (L.rope_dim // 2)
+    cdef const float *sin_t = L.rope_sin + <size_t>pos * (L.rope_dim // 2)
+    cb_rope(q, h.n_heads, hd, L.rope_dim, cos_t, sin_t)
+    cb_rope(k, L.n_kv_heads, hd, L.rope_dim, cos_t, sin_t)
 
 
 cdef inline void kv_store(Layer *L, const float *k, const float *v, int pos) noexcept nogil:
@@ -257,8 +257,7 @@ cdef void predict_next(const Hyper *h, Layer *L, Scratch *s, const int *chosen, 
     if layer + 1 < h.n_layers and L[1].is_moe:                     # predict the next layer
         N = &L[1]
         matmul(s.router2, h.n_experts, &N.router, router_in, h.d_model, s.acts, 1, 1)
-        if routing.route(s.router2, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut,
-                    s.predicted + (layer + 1) * h.top_k, s.pred_w) == 0:
+        if route(h, N, s.router2, s.predicted + (layer + 1) * h.top_k, s.pred_w) == 0:
             for j in range(h.top_k):
                 cb_cache_prefetch(s.cache, N.expert0 + s.predicted[(layer + 1) * h.top_k + j])
 
@@ -266,6 +265,9 @@ cdef void predict_next(const Hyper *h, Layer *L, Scratch *s, const int *chosen, 
 cdef inline int route(const Hyper *h, const Layer *L, float *logits, int *chosen, float *weights) noexcept nogil:
     """Router logits [n_experts] -> top-k experts and their weights (times the per-expert scales)."""
     cdef int j
+    if h.sigmoid_router:
+        return routing.route_sigmoid(logits, L.router_bias, h.n_experts, h.top_k, h.n_group, h.topk_group,
+                                     h.norm_topk_prob, h.routed_scaling, chosen, weights)
     if routing.route(logits, h.n_experts, h.top_k, h.norm_topk_prob, h.use_lut, chosen, weights) != 0:
         return -1
     if L.expert_scale != NULL:
@@ -275,9 +277,11 @@ cdef inline int route(const Hyper *h, const Layer *L, float *logits, int *chosen
 
 
 cdef inline float shared_gate(const Layer *L, const float *x, int d) noexcept nogil:
-    """sigmoid(shared_gate . x): the weight of the shared expert (Qwen2-MoE)."""
+    """sigmoid(shared_gate . x): the weight of the shared expert (Qwen2-MoE); 1 without a gate."""
     cdef float g = 0
     cdef int j
+    if L.shared_gate == NULL:
+        return 1.0
     for j in range(d):
         g += L.shared_gate[j] * x[j]
     return 1.0 / (1.0 + expf(-g))
@@ -546,6 +550,10 @@ cdef class Engine:
         self.h.top_k = top_k
         self.h.norm_topk_prob = spec.norm_topk_prob
         self.h.use_lut = spec.use_lut
+        self.h.sigmoid_router = spec.sigmoid_router
+        self.h.n_group = spec.n_group
+        self.h.topk_group = spec.topk_group
+        self.h.routed_scaling = spec.routed_scaling
         self.h.prefetch = spec.prefetch
         self.h.stream_prefill = spec.expert_budget is not None
         self.h.qk_norm = spec.qk_norm
@@ -609,8 +617,10 @@ cdef class Engine:
             if not (f.kv_ring == n_ctx or (f.sliding_window > 0 and f.kv_ring >= f.sliding_window + cap)):
                 raise ValueError(f"kv_ring {f.kv_ring} cannot hold window {f.sliding_window} + chunk {cap}")
         for (c, sn), f in zip(keep["rope"], layers):
-            if not c.shape == sn.shape == (n_ctx, f.head_dim // 2):
-                raise ValueError(f"RoPE tables {c.shape} are not [n_ctx, head_dim / 2] = [{n_ctx}, {f.head_dim // 2}]")
+            if not (c.shape == sn.shape == (n_ctx, f.rope_dim // 2) and 2 <= f.rope_dim <= f.head_dim
+                    and f.rope_dim % 2 == 0):
+                raise ValueError(f"RoPE tables {c.shape} are not [n_ctx, rope_dim / 2] = [{n_ctx}, {f.rope_dim // 2}]"
+                                 f" (rope_dim {f.rope_dim}, head_dim {f.head_dim})")
         self._keep = keep
         cdef Scratch *s = &self.s
         s.cap = cap
@@ -667,6 +677,7 @@ cdef class Engine:
             L.head_dim = f.head_dim
             L.n_kv_heads = f.n_kv_heads
             L.attn_scale = f.attn_scale or 1.0 / sqrtf(<float>L.head_dim)
+            L.rope_dim = f.rope_dim
             L.rope_cos = _f32(keep["rope"][l][0]); L.rope_sin = _f32(keep["rope"][l][1])
             L.attn_norm = _vec(tensors, p + "attn_norm")
             L.ffn_norm = _vec(tensors, p + "ffn_norm")
@@ -689,6 +700,7 @@ cdef class Engine:
                 L.dense = _ffn(tensors, p + "mlp.")
             if L.is_moe:
                 L.router = _mat(tensors[p + "router"])
+                L.router_bias = _vec(tensors, p + "router_bias")
                 if L.router.dtype != CB_F32:
                     raise ValueError(f"tensor {p}router must be f32")
                 L.experts = self.experts + l * n_experts
@@ -698,7 +710,7 @@ cdef class Engine:
                 L.has_shared = 1 if (p + "shared.gate") in tensors else 0
                 if L.has_shared:
                     L.shared = _ffn(tensors, p + "shared.")
-                    L.shared_gate = _vec(tensors, p + "shared_gate")
+                    L.shared_gate = _vec(tensors, p + "shared_gate")     # NULL: an ungated shared expert
                 L.expert_scale = _vec(tensors, p + "expert_scale")
                 L.parallel = 1 if (p + "router_scale") in tensors else 0
                 if L.parallel:

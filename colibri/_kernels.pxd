@@ -30,7 +30,7 @@ cdef extern from "kernels_scalar.h" nogil:
     void cb_clip(float *x, float limit, int n)
     void cb_scale(float *x, float a, int n)
     void cb_softcap(float *x, float cap, int n)
-    void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, const float *sin_t)
+    void cb_rope(float *v, int n_heads, int head_dim, int rot_dim, const float *cos_t, const float *sin_t)
     int cb_all_finite(const float *x, int n)
 
     # STATEFUL (the f16 table)

@@ -324,6 +324,30 @@ def kernel_route(const float[::1] logits, int k, bint norm_topk_prob, bint use_l
     return chosen, weights
 
 
+def kernel_route_sigmoid(const float[::1] logits, bias, int k, int n_group, int topk_group, bint norm_topk_prob,
+                         float scaling):
+    """The sigmoid router (routing.h cb_route_sigmoid): (chosen int32 [k], weights float32 [k]);
+    bias float32 [n_experts] or None; ValueError when routing.h refuses."""
+    buf = np.array(logits, np.float32)
+    bias_buf = None if bias is None else np.ascontiguousarray(bias, np.float32)
+    chosen = np.zeros(max(k, 1), np.int32)
+    weights = np.zeros(max(k, 1), np.float32)
+    cdef float[::1] b = buf
+    cdef int[::1] c = chosen
+    cdef float[::1] w = weights
+    cdef float[::1] bb
+    cdef const float *bias_ptr = NULL
+    if bias_buf is not None:
+        if bias_buf.shape != buf.shape:
+            raise ValueError("bias must have one value per expert")
+        bb = bias_buf
+        bias_ptr = &bb[0]
+    if routing.route_sigmoid(&b[0], bias_ptr, b.shape[0], k, n_group, topk_group, norm_topk_prob, scaling,
+                             &c[0], &w[0]) != 0:
+        raise ValueError("refused: non-finite logits, or k / n_group / topk_group out of range")
+    return chosen, weights
+
+
 def bench_route(const float[:, ::1] logits, int k, bint norm_topk_prob, bint use_lut):
     """Route every row of logits [n, n_experts] (the routing micro-benchmark); returns seconds."""
     import time

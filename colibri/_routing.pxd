@@ -7,7 +7,14 @@ cdef extern from "routing.h" nogil:
     void cb_init_softmax_lut()
     int cb_route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
                  int *chosen, float *weights)
+    int cb_route_sigmoid(const float *logits, const float *bias, int n_experts, int k, int n_group,
+                         int topk_group, int norm_topk_prob, float scaling, int *chosen, float *weights)
 
 # logits [n_experts] -> the top-k experts (chosen [k]) and their weights [k]; -1 if a logit is not finite
 cdef int route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
                int *chosen, float *weights) noexcept nogil
+
+# the sigmoid router (GLM-4.5, DeepSeek-V3): bias [n_experts] or NULL steers the choice, the
+# weights are the unbiased sigmoid scores (routing.h cb_route_sigmoid)
+cdef int route_sigmoid(const float *logits, const float *bias, int n_experts, int k, int n_group, int topk_group,
+                       int norm_topk_prob, float scaling, int *chosen, float *weights) noexcept nogil

@@ -15,3 +15,8 @@ MAX_TOP_K = CB_MAX_TOP_K
 cdef int route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
                int *chosen, float *weights) noexcept nogil:
     return cb_route(logits, n_experts, k, norm_topk_prob, use_lut, chosen, weights)
+
+
+cdef int route_sigmoid(const float *logits, const float *bias, int n_experts, int k, int n_group, int topk_group,
+                       int norm_topk_prob, float scaling, int *chosen, float *weights) noexcept nogil:
+    return cb_route_sigmoid(logits, bias, n_experts, k, n_group, topk_group, norm_topk_prob, scaling, chosen, weights)

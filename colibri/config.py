@@ -30,6 +30,18 @@ Gemma 4 adds, each defaulting to the behaviour of the other families:
                     and hidden_size**-0.5, and each chosen expert's weight is multiplied by
                     its expert_scale
   layer_scalar      the residual stream is multiplied by a per-layer scalar after each layer
+
+GLM-4.5 (glm4_moe) adds, each defaulting to the behaviour of the families above:
+  router_score      "softmax" | "sigmoid": the experts' scores are sigmoid(logits); the choice
+                    is top-k of score + router_bias (e_score_correction_bias) within the best
+                    topk_group of n_group groups (a group's worth: the sum of its two best biased
+                    scores), the weights are the unbiased scores of the chosen, renormalised
+                    with norm_topk_prob (denominator + 1e-20), times routed_scaling_factor
+  n_group, topk_group, routed_scaling_factor, router_bias (a [num_experts] f32 vector per layer)
+  shared_expert_gated  false: the shared expert's output is added as it is (no sigmoid gate)
+  rotary_dim        > 0: only the first rotary_dim values of each head rotate, in pairs
+                    (i, i + rotary_dim / 2), with frequencies over rotary_dim (transformers'
+                    partial_rotary_factor); 0: the whole head
 """
 from __future__ import annotations
 
@@ -42,7 +54,8 @@ from ._engine import QK_NORM_CODES
 from ._kernels import ACT_CODES
 from .errors import ColibriError
 
-ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4")
+ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4", "glm4_moe")
+ROUTER_SCORES = ("softmax", "sigmoid")
 QK_NORM_MODES = QK_NORM_CODES        # name -> the layer loop's code (defined once, in _engine.pyx)
 HIDDEN_ACTS = ACT_CODES              # name -> the kernels' code (defined once, in _kernels.pyx)
 MOE_BLOCKS = ("replace", "parallel")
@@ -142,6 +155,8 @@ _FIELD_TYPES = {
     "layer_rope_fraction": (list,), "attention_scale": (float, None), "v_norm": (bool,),
     "attention_k_eq_v": (bool,), "embedding_scale": (float,), "final_logit_softcapping": (float, None),
     "sandwich_norms": (bool,), "moe_block": (str,), "layer_scalar": (bool,),
+    "router_score": (str,), "n_group": (int,), "topk_group": (int,), "routed_scaling_factor": (float,),
+    "router_bias": (bool,), "shared_expert_gated": (bool,), "rotary_dim": (int,),
 }
 
 
@@ -149,7 +164,9 @@ _FIELD_TYPES = {
 # mean the behaviour of every earlier model
 EXTENSION_FIELDS = ("layer_head_dims", "layer_kv_heads", "layer_rope_theta", "layer_rope_fraction",
                     "attention_scale", "v_norm", "attention_k_eq_v", "embedding_scale",
-                    "final_logit_softcapping", "sandwich_norms", "moe_block", "layer_scalar")
+                    "final_logit_softcapping", "sandwich_norms", "moe_block", "layer_scalar",
+                    "router_score", "n_group", "topk_group", "routed_scaling_factor", "router_bias",
+                    "shared_expert_gated", "rotary_dim")
 
 
 @dataclass
@@ -193,6 +210,13 @@ class ModelConfig:
     sandwich_norms: bool = False
     moe_block: str = "replace"
     layer_scalar: bool = False
+    router_score: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    shared_expert_gated: bool = True
+    rotary_dim: int = 0
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -304,6 +328,26 @@ class ModelConfig:
                 fail(f"{name} must be a positive number or null, got {shown(v)}")
         if not 0 < self.embedding_scale < 1e30:
             fail(f"embedding_scale must be a positive number, got {shown(self.embedding_scale)}")
+        if self.router_score not in ROUTER_SCORES:
+            fail(f"router_score must be one of {', '.join(ROUTER_SCORES)}, got {shown(self.router_score)}")
+        bounded("n_group", 1, min(self.num_experts, 64))          # routing.h holds 64 group scores
+        bounded("topk_group", 1, self.n_group)
+        if self.num_experts % self.n_group:
+            fail(f"num_experts ({self.num_experts}) is not a multiple of n_group ({self.n_group})")
+        if self.n_group > 1 and (self.router_score != "sigmoid" or self.num_experts // self.n_group < 2):
+            fail("n_group > 1 needs router_score 'sigmoid' and at least 2 experts per group")
+        if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+            fail(f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} experts cannot hold "
+                 f"num_experts_per_tok ({self.num_experts_per_tok})")
+        if not 0 < self.routed_scaling_factor < 1e6:
+            fail(f"routed_scaling_factor must be a positive number, got {shown(self.routed_scaling_factor)}")
+        if self.router_bias and self.router_score != "sigmoid":
+            fail("router_bias needs router_score 'sigmoid'")
+        if self.rotary_dim:
+            smallest = min(self.layer_head_dims or [self.head_dim])
+            if not 2 <= self.rotary_dim <= smallest or self.rotary_dim % 2 or self.layer_rope_fraction:
+                fail(f"rotary_dim must be 0 or an even number up to head_dim ({smallest}), and not with "
+                     f"layer_rope_fraction; got {shown(self.rotary_dim)}")
         if self.moe_block not in MOE_BLOCKS:
             fail(f"moe_block must be one of {', '.join(MOE_BLOCKS)}, got {shown(self.moe_block)}")
         if self.moe_block == "parallel" and self.intermediate_size < 1:
@@ -346,6 +390,10 @@ class ModelConfig:
 
     def layer_kv_heads_of(self, layer: int) -> int:
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def layer_rotary_dim(self, layer: int) -> int:
+        """How many values of each head rotate (the rest pass): rotary_dim, else the head_dim."""
+        return self.rotary_dim or self.layer_head_dim(layer)
 
     def layer_rope(self, layer: int) -> tuple:
         """(base, fraction of the head's rotary pairs that rotate) of a layer."""
@@ -413,7 +461,10 @@ class ModelConfig:
                     t[p + "shared.gate"] = ((sf, d), "matrix")
                     t[p + "shared.up"] = ((sf, d), "matrix")
                     t[p + "shared.down"] = ((d, sf), "matrix")
-                    t[p + "shared_gate"] = ((d,), "vector")
+                    if self.shared_expert_gated:
+                        t[p + "shared_gate"] = ((d,), "vector")
+                if self.router_bias:
+                    t[p + "router_bias"] = ((self.num_experts,), "vector")
                 if self.moe_block == "parallel":
                     t[p + "router_scale"] = ((d,), "vector")
                     t[p + "expert_scale"] = ((self.num_experts,), "vector")

@@ -206,8 +206,13 @@ def _common(hf: _HF, own_attention: bool = True) -> dict:
             raise ColibriError(f"{hf.where}: RoPE type {shown(rope_type if rope_type != 'default' else scaling.d)} "
                                f"is not supported (only the default rotary embedding)")
         theta = rope.num("rope_theta", None)
+        head_dim = hf.dim("head_dim", 0, hi=MAX_HEAD_DIM, lo=0) or hidden // heads
+        factor = rope.num("partial_rotary_factor", None)
+        factor = hf.num("partial_rotary_factor", 1.0) if factor is None else factor
+        if not 0 < factor <= 1:
+            raise ColibriError(f"{hf.where}: partial_rotary_factor must be in (0, 1], got {shown(factor)}")
         out.update(num_key_value_heads=hf.dim("num_key_value_heads", 0, hi=MAX_HEADS, lo=0) or heads,
-                   head_dim=hf.dim("head_dim", 0, hi=MAX_HEAD_DIM, lo=0) or hidden // heads,
+                   head_dim=head_dim, rotary_dim=0 if factor == 1 else int(head_dim * factor),
                    rope_theta=hf.num("rope_theta", 10000.0) if theta is None else theta)
     return out
 
@@ -282,6 +287,28 @@ def _qwen2_moe(hf: _HF) -> dict:
                 attention_bias=hf.bool("qkv_bias", hf.bool("attention_bias", True)),
                 moe_layers=_sparse_layers(hf, experts), layer_types=list(types),
                 sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if sliding else None)
+
+
+def _glm4_moe(hf: _HF) -> dict:
+    """GLM-4.5 / 4.6 / 4.5-Air: the first first_k_dense_replace layers dense, the rest MoE with a
+    sigmoid router (e_score_correction_bias for the choice, group-limited), ungated shared experts,
+    partial rotary. Its multi-token-prediction layers (num_nextn_predict_layers, stored after the
+    last decoder layer) are not part of the model transformers runs: skipped."""
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    experts = _experts(hf, "n_routed_experts")
+    dense = hf.int("first_k_dense_replace", 0, hi=n)
+    ff = hf.dim("moe_intermediate_size", hi=MAX_FFN)
+    return dict(_common(hf), architecture="glm4_moe", num_experts=experts,
+                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS), moe_intermediate_size=ff,
+                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+                shared_expert_intermediate_size=ff * hf.int("n_shared_experts", 0, hi=MAX_EXPERTS),
+                shared_expert_gated=False, norm_topk_prob=hf.bool("norm_topk_prob", True),
+                attention_bias=hf.bool("attention_bias", False),
+                qk_norm="per_head" if hf.bool("use_qk_norm", False) else "none",
+                router_score="sigmoid", router_bias=True, n_group=hf.dim("n_group", 1, hi=MAX_EXPERTS),
+                topk_group=hf.dim("topk_group", 1, hi=MAX_EXPERTS),
+                routed_scaling_factor=hf.num("routed_scaling_factor", 1.0),
+                moe_layers=[i >= dense for i in range(n)], **_uniform_window(n, 0))
 
 
 def _gemma4_text(hf: _HF) -> dict:
@@ -382,6 +409,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": _qwen2_moe,
     "Gemma4ForCausalLM": _gemma4_text,
     "Gemma4ForConditionalGeneration": _gemma4_multimodal,
+    "Glm4MoeForCausalLM": _glm4_moe,
 }
 
 # multimodal checkpoints: the prefix of the text model's tensors (rewritten to "model."), and the
@@ -392,6 +420,8 @@ _TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_to
 # ---- tensor names: HF -> ours ----------------------------------------------------------------
 
 _L = r"model\.layers\.(\d+)\."
+_LAYER_NUMBER = re.compile(_L)
+_MTP_ARCHS = ("Glm4MoeForCausalLM",)
 _MOE = r"(?:mlp|block_sparse_moe)\."
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _IGNORED = re.compile(r"model\.rotary_emb\.inv_freq|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -413,6 +443,8 @@ _RULES = [
     (_L + "(?:" + _MOE + r")?experts\.down_proj", "stacked_down"),
     (_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.shared.{m[2]}"),
     (_L + r"mlp\.shared_expert_gate\.weight", lambda m: f"layers.{m[1]}.shared_gate"),
+    (_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.shared.{m[2]}"),
+    (_L + r"mlp\.gate\.e_score_correction_bias", lambda m: f"layers.{m[1]}.router_bias"),
     (_L + r"mlp\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.mlp.{m[2]}"),
 ]
 # Gemma 4 first: its post_attention_layernorm is a norm after attention, not the FFN's input norm
@@ -444,6 +476,11 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
     unconsumed = []
     towers = 0
     text_prefix = _TEXT_PREFIX.get(hf_arch)
+    # GLM-4.5's multi-token-prediction layers follow the decoder's: not part of the model run
+    extra_layers = ckpt.config.get("num_nextn_predict_layers", 0) if hf_arch in _MTP_ARCHS else 0
+    extra_layers = extra_layers if type(extra_layers) is int and 0 <= extra_layers <= 16 else 0
+    mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + extra_layers)
+    skipped_mtp = 0
     for hf_name in ckpt.names():
         name_in = hf_name
         if text_prefix is not None:
@@ -453,6 +490,10 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
             if hf_name.startswith(text_prefix):
                 name_in = "model." + hf_name[len(text_prefix):]
         if _IGNORED.fullmatch(name_in):
+            continue
+        layer = _LAYER_NUMBER.match(name_in)
+        if layer and len(layer[1]) <= 6 and int(layer[1]) in mtp:
+            skipped_mtp += 1
             continue
         for pattern, handler in _RULES_BY_ARCH.get(cfg.architecture, _RULES):
             m = pattern.fullmatch(name_in)
@@ -493,6 +534,9 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
             break
         else:
             unconsumed.append(hf_name)
+    if skipped_mtp and log is not None:
+        log(f"[INFO] {hf_arch}: ignoring {skipped_mtp} tensors of the multi-token-prediction layer(s) "
+            f"{mtp.start}..{mtp.stop - 1} (transformers does not run them either)")
     if towers and log is not None:
         log(f"[INFO] {hf_arch}: converting the text model; ignoring {towers} tensors of the vision/audio towers")
     if unconsumed:

@@ -65,7 +65,7 @@ def tensor_file(name: str) -> str:
     kind = parts[2]
     if kind == "experts":
         return f"{layer}/expert_{int(parts[3]):03d}.bin"
-    if kind in ("router", "router_scale", "expert_scale"):
+    if kind in ("router", "router_scale", "expert_scale", "router_bias"):
         return f"{layer}/router.bin"
     if kind in ("shared", "shared_gate"):
         return f"{layer}/shared_expert.bin"

@@ -31,8 +31,9 @@ class LayerSpec:
     n_kv_heads: int
     kv_ring: int             # rows of its KV cache: n_ctx, or window + prefill chunk
     attn_scale: float        # the factor on q.k (0: 1/sqrt(head_dim))
-    rope_cos: np.ndarray     # float32 [n_ctx, head_dim / 2]
-    rope_sin: np.ndarray     # float32 [n_ctx, head_dim / 2]
+    rope_dim: int            # the first rope_dim values of each head rotate (head_dim: all)
+    rope_cos: np.ndarray     # float32 [n_ctx, rope_dim / 2]
+    rope_sin: np.ndarray     # float32 [n_ctx, rope_dim / 2]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class EngineSpec:
     top_k: int               # 1 .. _engine.MAX_TOP_K
     norm_topk_prob: bool
     use_lut: bool            # routing weights from the softmax table (not exact)
+    sigmoid_router: bool     # GLM-4.5's router (routing.h cb_route_sigmoid) ...
+    n_group: int             # ... its expert groups, of which
+    topk_group: int          # ... the best topk_group are chosen from
+    routed_scaling: float    # ... and its weights' factor
     qk_norm: int             # _engine.QK_NORM_CODES
     clip_qkv: float          # 0: none
     v_norm: bool
@@ -93,15 +98,16 @@ def layer_specs(cfg, n_ctx: int, chunk: int) -> tuple:
     out = []
     for i in range(cfg.num_hidden_layers):
         hd = cfg.layer_head_dim(i)
+        rot = cfg.layer_rotary_dim(i)            # partial rotary: frequencies over the rotated values
         theta, fraction = cfg.layer_rope(i)
-        key = (hd, theta, fraction)
+        key = (rot, theta, fraction)
         if key not in tables:
-            tables[key] = rope_tables(hd, theta, n_ctx, fraction)
+            tables[key] = rope_tables(rot, theta, n_ctx, fraction)
         window = cfg.layer_window(i)
         cos, sin = tables[key]
         out.append(LayerSpec(moe=bool(cfg.moe_layers[i]), sliding_window=window, d_ff=cfg.layer_d_ff(i),
                              head_dim=hd, n_kv_heads=cfg.layer_kv_heads_of(i),
-                             kv_ring=min(n_ctx, window + chunk) if window else n_ctx,
+                             kv_ring=min(n_ctx, window + chunk) if window else n_ctx, rope_dim=rot,
                              attn_scale=cfg.attention_scale or 0.0, rope_cos=cos, rope_sin=sin))
     return tuple(out)
 
@@ -125,6 +131,8 @@ def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_sof
         d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
         vocab=cfg.vocab_size, n_experts=max(cfg.num_experts, 1), top_k=top_k,
         norm_topk_prob=bool(cfg.norm_topk_prob), use_lut=not exact_softmax,
+        sigmoid_router=cfg.router_score == "sigmoid", n_group=int(cfg.n_group), topk_group=int(cfg.topk_group),
+        routed_scaling=float(cfg.routed_scaling_factor),
         qk_norm=_engine.QK_NORM_CODES[cfg.qk_norm], clip_qkv=float(cfg.clip_qkv or 0.0), v_norm=bool(cfg.v_norm),
         act=ACT_CODES[cfg.hidden_act], embed_scale=float(cfg.embedding_scale),
         softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,

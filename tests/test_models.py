@@ -35,7 +35,7 @@ def models(converted):
 def test_every_architecture_is_covered():
     archs = {json.load(open(f"tests/fixtures/{c}/hf/config.json"))["architectures"][0] for c in CASES}
     assert archs == {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
-                     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"}
+                     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Glm4MoeForCausalLM"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -127,3 +127,79 @@ def test_cli_routing_flags(converted):
     import re
     experts = {flag: [re.findall(r"expert_\d+", line) for line in lines] for flag, lines in outs.items()}
     assert experts["--exact-softmax"] and experts["--exact-softmax"] == experts["--softmax-lut"]   # same selection
+
+
+# ---- the sigmoid router (GLM-4.5 / DeepSeek-V3) -----------------------------------------------------
+
+def reference_route_sigmoid(x, bias, k, n_group, topk_group, norm, scaling):
+    """transformers' Glm4MoeTopkRouter in float64 (ties: lowest group, lowest expert)."""
+    score = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+    choice = score + (0.0 if bias is None else bias.astype(np.float64))
+    per = len(x) // n_group
+    groups = choice.reshape(n_group, per)
+    worth = np.sort(groups, axis=1)[:, ::-1][:, :2].sum(axis=1)
+    kept = np.argsort(-worth, kind="stable")[:topk_group]
+    masked = np.full_like(choice, -np.inf)
+    for g in kept:
+        masked[g * per:(g + 1) * per] = choice[g * per:(g + 1) * per]
+    order = np.argsort(-masked, kind="stable")[:k]
+    w = score[order]
+    if norm:
+        w = w / (w.sum() + 1e-20)
+    return order, w * scaling
+
+
+@st.composite
+def sigmoid_cases(draw):
+    n_group = draw(st.sampled_from([1, 1, 2, 4, 8]))
+    per = draw(st.integers(2, 16))
+    n = n_group * per
+    x = draw(hnp.arrays(np.float32, n, elements=st.floats(-8, 8, width=32)))
+    bias = draw(st.one_of(st.none(), hnp.arrays(np.float32, n, elements=st.floats(-0.5, 0.5, width=32))))
+    topk_group = draw(st.integers(1, n_group))
+    k = draw(st.integers(1, min(8, topk_group * per)))
+    return x, bias, k, n_group, topk_group, draw(st.booleans()), draw(st.sampled_from([1.0, 1.5, 2.5]))
+
+
+def _well_separated(values, k):
+    s = np.sort(values)[::-1]
+    return len(s) <= k or s[k - 1] - s[k] > 1e-5
+
+
+@settings(max_examples=400, deadline=None)
+@given(sigmoid_cases())
+def test_sigmoid_router_matches_transformers_rule(case):
+    x, bias, k, n_group, topk_group, norm, scaling = case
+    chosen, weights = _probes.kernel_route_sigmoid(x, bias, k, n_group, topk_group, norm, scaling)
+    ref_chosen, ref_w = reference_route_sigmoid(x, bias, k, n_group, topk_group, norm, scaling)
+    score = 1.0 / (1.0 + np.exp(-x.astype(np.float64))) + (0 if bias is None else bias)
+    per = len(x) // n_group
+    worth = np.sort(score.reshape(n_group, per), axis=1)[:, ::-1][:, :2].sum(axis=1)
+    if not (_well_separated(worth, topk_group) and _well_separated(score, k)):
+        return              # float32 and float64 may order a near-tie differently: both are right
+    assert sorted(chosen.tolist()) == sorted(ref_chosen.tolist())
+    by_expert = dict(zip(ref_chosen.tolist(), ref_w))
+    np.testing.assert_allclose(weights, [by_expert[e] for e in chosen.tolist()], rtol=1e-5, atol=1e-6)
+    assert len(set(chosen.tolist())) == k
+    kept = {e // per for e in chosen.tolist()}
+    assert len(kept) <= topk_group                    # only from the chosen groups
+
+
+def test_sigmoid_router_bias_chooses_but_never_weighs():
+    x = np.array([2.0, 1.0, 0.0, -1.0], np.float32)
+    bias = np.array([0.0, 0.0, 0.0, 2.0], np.float32)
+    chosen, weights = _probes.kernel_route_sigmoid(x, bias, 2, 1, 1, False, 1.0)
+    assert chosen.tolist() == [3, 0]                          # 3 chosen by its bias ...
+    np.testing.assert_allclose(weights, 1 / (1 + np.exp(-x[[3, 0]].astype(np.float64))), rtol=1e-6)  # ... unbiased weight
+
+
+@pytest.mark.parametrize("bad", [dict(k=0), dict(k=5), dict(n_group=3), dict(topk_group=3), dict(n_group=4, topk_group=1, k=2),
+                                 dict(nan=True)])
+def test_sigmoid_router_refuses(bad):
+    x = np.linspace(-1, 1, 4).astype(np.float32)
+    if bad.pop("nan", False):
+        x[1] = np.nan
+    args = dict(k=2, n_group=2, topk_group=2)
+    args.update(bad)
+    with pytest.raises(ValueError):
+        _probes.kernel_route_sigmoid(x, None, args["k"], args["n_group"], args["topk_group"], True, 1.0)

@@ -63,6 +63,8 @@ from transformers import (
     Gemma4ForConditionalGeneration,
     Gemma4TextConfig,
     GenerationConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -166,6 +168,31 @@ CASES: dict[str, dict] = {
                "checkpoint stored in float16; ALL weights were rounded to f16 before computing references, "
                "so logits_f32 = float32 forward of exactly the stored weights (logits_f16 == logits_f32)"],
     ),
+    "glm4moe_a": dict(
+        arch="glm4_moe", config_cls=Glm4MoeConfig, model_cls=Glm4MoeForCausalLM, seed=9001, init_std=0.15,
+        overrides=dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                       n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
+                       moe_intermediate_size=32, intermediate_size=64, n_shared_experts=1, attention_bias=True,
+                       use_qk_norm=True, norm_topk_prob=True, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        storage="float32", layout="single",
+        notes=["sigmoid router + e_score_correction_bias (randomised) for the choice, 2 groups of 4, best 1 group",
+               "routed_scaling_factor 1.5, norm_topk_prob", "layer 0 dense (first_k_dense_replace=1)",
+               "one ungated shared expert", "partial rotary (half of head_dim 16)", "q/k/v biases, per-head q/k norms"],
+    ),
+    "glm4moe_b": dict(
+        arch="glm4_moe", config_cls=Glm4MoeConfig, model_cls=Glm4MoeForCausalLM, seed=9101, init_std=0.15,
+        overrides=dict(vocab_size=192, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=24, n_routed_experts=4, num_experts_per_tok=3,
+                       n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                       moe_intermediate_size=16, intermediate_size=32, n_shared_experts=2, attention_bias=False,
+                       use_qk_norm=False, norm_topk_prob=False, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5}),
+        storage="bfloat16", layout="single",
+        notes=["every layer MoE, one group, weights not renormalised", "two shared experts (intermediate 32)",
+               "tied embeddings", "checkpoint stored in bfloat16 (references from exactly the stored weights)"],
+    ),
 }
 
 # Gemma 4 with its MoE block (enable_moe_block=True): sliding and full layers, the full ones with
@@ -267,12 +294,15 @@ def router_param_names(model) -> set[str]:
     """Names of params kept in f32 by the converter: *TopKRouter weights and shared_expert_gate."""
     names = set()
     for mname, mod in model.named_modules():
-        if type(mod).__name__.endswith("TopKRouter"):
+        if type(mod).__name__.lower().endswith("topkrouter"):     # TopKRouter; GLM's Glm4MoeTopkRouter
             names.update(f"{mname}.{p}" for p, _ in mod.named_parameters(recurse=False))
         if type(mod).__name__ == "Gemma4TextRouter":
             names.update(f"{mname}.{p}" for p, _ in mod.named_parameters())
     for n, _ in model.named_parameters():
         if n.endswith("shared_expert_gate.weight"):
+            names.add(n)
+    for n, _ in model.named_buffers():
+        if n.endswith("e_score_correction_bias"):
             names.add(n)
     return names
 
@@ -289,6 +319,8 @@ def randomise(model, gen: torch.Generator, std: float, spread: float = 0.3) -> N
     for name, b in model.named_buffers():  # Gemma 4's per-layer residual multiplier (a buffer, saved)
         if name.endswith("layer_scalar"):
             b.copy_(1.0 + spread * torch.randn(b.shape, generator=gen))
+        if name.endswith("e_score_correction_bias"):   # GLM-4.5 / DeepSeek-V3: chooses, never weighs
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 @torch.no_grad()

@@ -430,10 +430,11 @@ static void cb_attend_heads_scalar(float *out, const float *q, const float *k_ca
                        pos, ring, scale, cb_dot_f32_scalar);
 }
 
-/* Rotary embedding, "rotate half" convention (Hugging Face): for each head, element i pairs with
- * i + head_dim/2. cos/sin hold [head_dim/2] values for the current position. */
-static void cb_rope(float *v, int n_heads, int head_dim, const float *cos_t, const float *sin_t) {
-    int half = head_dim / 2;
+/* Rotary embedding, "rotate half" convention (Hugging Face) over the first rot_dim values of each
+ * head (rot_dim = head_dim: all of them; less: transformers' partial_rotary_factor): element i
+ * pairs with i + rot_dim/2. cos/sin hold [rot_dim/2] values for the current position. */
+static void cb_rope(float *v, int n_heads, int head_dim, int rot_dim, const float *cos_t, const float *sin_t) {
+    int half = rot_dim / 2;                     /* pairs (i, i + rot_dim / 2); values past rot_dim pass */
     for (int h = 0; h < n_heads; h++) {
         float *p = v + (size_t)h * head_dim;
         for (int i = 0; i < half; i++) {
