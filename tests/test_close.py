@@ -21,7 +21,9 @@ ITERATIONS = 100
 ALLOWED = ("has been closed", "already generating")
 
 
-def test_close_races_forward_and_generate(converted):
+@pytest.mark.parametrize("options", [{}, dict(expert_cache_mb=0.02, prefetch="predict")],
+                         ids=["plain", "expert cache and its readers"])
+def test_close_races_forward_and_generate(converted, options):
     d = converted("mixtral_a")
     ids = list(range(3, 40))
     with colibri.load(d, threads=1) as ref_model:
@@ -30,7 +32,7 @@ def test_close_races_forward_and_generate(converted):
     rng = random.Random(0)
     outcomes = {"ok": 0, "closed": 0}
     for _ in range(ITERATIONS):
-        m = colibri.load(d, threads=1)
+        m = colibri.load(d, threads=1, **options)
         errors = []
 
         def fwd():
