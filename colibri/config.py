@@ -42,6 +42,15 @@ GLM-4.5 (glm4_moe) adds, each defaulting to the behaviour of the families above:
   rotary_dim        > 0: only the first rotary_dim values of each head rotate, in pairs
                     (i, i + rotary_dim / 2), with frequencies over rotary_dim (transformers'
                     partial_rotary_factor); 0: the whole head
+
+YaRN RoPE (rope_type "yarn": long-context Qwen3, gpt-oss, DeepSeek-V3), off by default:
+  yarn_factor       > 0: the context extension factor (0: plain RoPE)
+  yarn_original_max_position_embeddings, yarn_beta_fast, yarn_beta_slow, yarn_truncate
+                    transformers' _compute_yarn_parameters inputs: the frequencies blend
+                    interpolation and extrapolation over a linear ramp between the two
+                    correction dimensions
+  yarn_attention_factor   cos and sin are multiplied by it (resolved by the converter from
+                    attention_factor, or mscale / mscale_all_dim, or 0.1 ln(factor) + 1)
 """
 from __future__ import annotations
 
@@ -157,6 +166,8 @@ _FIELD_TYPES = {
     "sandwich_norms": (bool,), "moe_block": (str,), "layer_scalar": (bool,),
     "router_score": (str,), "n_group": (int,), "topk_group": (int,), "routed_scaling_factor": (float,),
     "router_bias": (bool,), "shared_expert_gated": (bool,), "rotary_dim": (int,),
+    "yarn_factor": (float,), "yarn_original_max_position_embeddings": (int,), "yarn_beta_fast": (float,),
+    "yarn_beta_slow": (float,), "yarn_truncate": (bool,), "yarn_attention_factor": (float,),
 }
 
 
@@ -166,7 +177,8 @@ EXTENSION_FIELDS = ("layer_head_dims", "layer_kv_heads", "layer_rope_theta", "la
                     "attention_scale", "v_norm", "attention_k_eq_v", "embedding_scale",
                     "final_logit_softcapping", "sandwich_norms", "moe_block", "layer_scalar",
                     "router_score", "n_group", "topk_group", "routed_scaling_factor", "router_bias",
-                    "shared_expert_gated", "rotary_dim")
+                    "shared_expert_gated", "rotary_dim", "yarn_factor", "yarn_original_max_position_embeddings",
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "yarn_attention_factor")
 
 
 @dataclass
@@ -217,6 +229,12 @@ class ModelConfig:
     router_bias: bool = False
     shared_expert_gated: bool = True
     rotary_dim: int = 0
+    yarn_factor: float = 0.0
+    yarn_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True
+    yarn_attention_factor: float = 1.0
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -348,6 +366,12 @@ class ModelConfig:
             if not 2 <= self.rotary_dim <= smallest or self.rotary_dim % 2 or self.layer_rope_fraction:
                 fail(f"rotary_dim must be 0 or an even number up to head_dim ({smallest}), and not with "
                      f"layer_rope_fraction; got {shown(self.rotary_dim)}")
+        for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor"):
+            if not 0 < getattr(self, name) < 1e6:
+                fail(f"{name} must be a positive number, got {shown(getattr(self, name))}")
+        if self.yarn_factor and (not 1.0 <= self.yarn_factor <= 1e4 or self.layer_rope_fraction or self.layer_rope_theta):
+            fail(f"yarn_factor must be 0 or in [1, 1e4], and not with per-layer RoPE; got {shown(self.yarn_factor)}")
+        bounded("yarn_original_max_position_embeddings", 1 if self.yarn_factor else 0, MAX_POSITIONS)
         if self.moe_block not in MOE_BLOCKS:
             fail(f"moe_block must be one of {', '.join(MOE_BLOCKS)}, got {shown(self.moe_block)}")
         if self.moe_block == "parallel" and self.intermediate_size < 1:
@@ -394,6 +418,14 @@ class ModelConfig:
     def layer_rotary_dim(self, layer: int) -> int:
         """How many values of each head rotate (the rest pass): rotary_dim, else the head_dim."""
         return self.rotary_dim or self.layer_head_dim(layer)
+
+    def yarn(self) -> dict | None:
+        """The YaRN parameters spec.rope_tables takes, or None for plain RoPE."""
+        if not self.yarn_factor:
+            return None
+        return {"factor": self.yarn_factor, "original_max_position_embeddings": self.yarn_original_max_position_embeddings,
+                "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow, "truncate": self.yarn_truncate,
+                "attention_factor": self.yarn_attention_factor}
 
     def layer_rope(self, layer: int) -> tuple:
         """(base, fraction of the head's rotary pairs that rotate) of a layer."""

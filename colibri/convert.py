@@ -202,9 +202,12 @@ def _common(hf: _HF, own_attention: bool = True) -> dict:
         rope_type = rope.str("type", "default") if rope_type is None else rope_type
         scaling_type = scaling.str("rope_type", None)
         scaling_type = scaling.str("type", None) if scaling_type is None else scaling_type
-        if rope_type != "default" or scaling_type not in (None, "default"):
+        yarn = {}
+        if rope_type == "yarn" or scaling_type == "yarn":
+            yarn = _yarn(hf, rope if rope_type == "yarn" else scaling)
+        elif rope_type != "default" or scaling_type not in (None, "default"):
             raise ColibriError(f"{hf.where}: RoPE type {shown(rope_type if rope_type != 'default' else scaling.d)} "
-                               f"is not supported (only the default rotary embedding)")
+                               f"is not supported (the default rotary embedding and YaRN are)")
         theta = rope.num("rope_theta", None)
         head_dim = hf.dim("head_dim", 0, hi=MAX_HEAD_DIM, lo=0) or hidden // heads
         factor = rope.num("partial_rotary_factor", None)
@@ -213,8 +216,31 @@ def _common(hf: _HF, own_attention: bool = True) -> dict:
             raise ColibriError(f"{hf.where}: partial_rotary_factor must be in (0, 1], got {shown(factor)}")
         out.update(num_key_value_heads=hf.dim("num_key_value_heads", 0, hi=MAX_HEADS, lo=0) or heads,
                    head_dim=head_dim, rotary_dim=0 if factor == 1 else int(head_dim * factor),
-                   rope_theta=hf.num("rope_theta", 10000.0) if theta is None else theta)
+                   rope_theta=hf.num("rope_theta", 10000.0) if theta is None else theta, **yarn)
     return out
+
+
+def _yarn(hf: _HF, p: _HF) -> dict:
+    """YaRN's parameters as transformers reads them (_compute_yarn_parameters); the attention
+    factor resolved here: attention_factor, else mscale / mscale_all_dim, else 0.1 ln(factor) + 1."""
+    original = p.dim("original_max_position_embeddings", hi=MAX_POSITIONS)
+    factor = p.num("factor", None)
+    factor = hf.dim("max_position_embeddings", hi=MAX_POSITIONS) / original if factor is None else factor
+    if not 1.0 <= factor <= 1e4:
+        raise ColibriError(f"{hf.where}: YaRN factor must be in [1, 1e4], got {shown(factor)}")
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.num("attention_factor", None)
+    mscale, mscale_all = p.num("mscale", None), p.num("mscale_all_dim", None)
+    if attention is None:
+        attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
+                     else get_mscale(factor))
+    return dict(yarn_factor=float(factor), yarn_original_max_position_embeddings=original,
+                yarn_beta_fast=float(p.num("beta_fast", None) or 32.0),
+                yarn_beta_slow=float(p.num("beta_slow", None) or 1.0),
+                yarn_truncate=p.bool("truncate", True), yarn_attention_factor=float(attention))
 
 
 def _experts(hf: _HF, *keys) -> int:

@@ -12,6 +12,7 @@ only here; the engine checks what it is given, it does not recompute it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,18 +79,50 @@ class EngineSpec:
         return min(slack) if slack else None
 
 
-def rope_tables(head_dim: int, theta: float, n_ctx: int, fraction: float = 1.0) -> tuple:
+def yarn_inv_freq(dim: int, theta: float, yarn: dict) -> tuple:
+    """(inv_freq float32 [dim / 2], attention factor) of YaRN, as transformers'
+    _compute_yarn_parameters computes them (float32 tensors, float64 Python scalars)."""
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn["beta_fast"]), correction_dim(yarn["beta_slow"])
+    if yarn["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                                      # transformers' guard against a singular ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = (np.float32(1) - ramp.astype(np.float32)).astype(np.float32)
+    inv_freq = interpolation * (np.float32(1) - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq.astype(np.float32), float(yarn["attention_factor"])
+
+
+def rope_tables(head_dim: int, theta: float, n_ctx: int, fraction: float = 1.0, yarn: dict | None = None) -> tuple:
     """cos, sin float32 [n_ctx, head_dim/2], computed the way transformers does (float32 freqs).
 
     fraction < 1 is transformers' "proportional" RoPE (Gemma 4's global layers): the first
     int(fraction * head_dim // 2) pairs rotate with frequencies theta**(-2i/head_dim) over the
-    full head_dim, the remaining pairs have frequency 0 (cos 1, sin 0: unrotated)."""
-    rotated = int(fraction * head_dim // 2)
-    exponent = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = np.zeros(head_dim // 2, np.float32)
-    inv_freq[:rotated] = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    full head_dim, the remaining pairs have frequency 0 (cos 1, sin 0: unrotated). yarn
+    (config.ModelConfig.yarn()): YaRN's blended frequencies, cos and sin times its attention factor."""
+    scale = 1.0
+    if yarn is not None:
+        inv_freq, scale = yarn_inv_freq(head_dim, theta, yarn)
+    else:
+        rotated = int(fraction * head_dim // 2)
+        exponent = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(head_dim)
+        inv_freq = np.zeros(head_dim // 2, np.float32)
+        inv_freq[:rotated] = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
     freqs = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.cos(freqs.astype(np.float64)).astype(np.float32), np.sin(freqs.astype(np.float64)).astype(np.float32)
+    cos = np.cos(freqs.astype(np.float64)).astype(np.float32)
+    sin = np.sin(freqs.astype(np.float64)).astype(np.float32)
+    if scale != 1.0:
+        cos, sin = (cos * np.float32(scale)).astype(np.float32), (sin * np.float32(scale)).astype(np.float32)
+    return cos, sin
 
 
 def layer_specs(cfg, n_ctx: int, chunk: int) -> tuple:
@@ -102,7 +135,7 @@ def layer_specs(cfg, n_ctx: int, chunk: int) -> tuple:
         theta, fraction = cfg.layer_rope(i)
         key = (rot, theta, fraction)
         if key not in tables:
-            tables[key] = rope_tables(rot, theta, n_ctx, fraction)
+            tables[key] = rope_tables(rot, theta, n_ctx, fraction, cfg.yarn())
         window = cfg.layer_window(i)
         cos, sin = tables[key]
         out.append(LayerSpec(moe=bool(cfg.moe_layers[i]), sliding_window=window, d_ff=cfg.layer_d_ff(i),

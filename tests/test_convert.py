@@ -144,8 +144,15 @@ def test_unknown_architecture_is_named(tmp_path):
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     def edit(cfg):
+        cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(colibri.ColibriError, match="longrope.* not supported"):
+        convert(hf_copy("olmoe_a", tmp_path / "hf", config_edit=edit), tmp_path / "out", **SILENT)
+
+
+def test_yarn_without_its_original_length_is_refused(tmp_path):
+    def edit(cfg):
         cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
-    with pytest.raises(colibri.ColibriError, match="yarn"):
+    with pytest.raises(colibri.ColibriError, match="missing field 'rope_parameters.original_max_position_embeddings'"):
         convert(hf_copy("olmoe_a", tmp_path / "hf", config_edit=edit), tmp_path / "out", **SILENT)
 
 

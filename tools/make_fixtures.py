@@ -128,6 +128,18 @@ CASES: dict[str, dict] = {
                "experts stacked: model.layers.L.mlp.experts.gate_up_proj [E, 2*I, H] (gate rows then up rows) "
                "and model.layers.L.mlp.experts.down_proj [E, H, I]"],
     ),
+    "qwen3moe_c": dict(
+        arch="qwen3_moe", config_cls=Qwen3MoeConfig, model_cls=Qwen3MoeForCausalLM, seed=4101, init_std=0.15,
+        overrides=dict(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False,
+                       max_position_embeddings=512,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                        "original_max_position_embeddings": 64}),
+        storage="float32", layout="single",
+        notes=["YaRN RoPE: factor 8 over 64 original positions (blended frequencies, attention factor "
+               "0.1 ln 8 + 1 on cos and sin)"],
+    ),
     "olmoe_a": dict(
         arch="olmoe", config_cls=OlmoeConfig, model_cls=OlmoeForCausalLM, seed=5001, init_std=0.15,
         overrides=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
