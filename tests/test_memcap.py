@@ -291,6 +291,7 @@ def test_drops_leave_the_page_cache(tmp_path):
         pytest.skip("posix_fadvise and mincore page-cache residency are Linux behaviour")
     from colibri.convert import convert
     convert(big_checkpoint(tmp_path / "hf"), tmp_path / "m", log=lambda *a: None)
+    os.sync()                                    # dirty pages of the new files cannot be dropped
     for rel in colibri.modeldir.ModelDir(tmp_path / "m").files:
         _os.evict_file_cache(tmp_path / "m" / rel)
     budget_mb = 6 * 1.5
