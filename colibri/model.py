@@ -13,6 +13,7 @@ with a clear error rather than interleaved into the same cache.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import numbers
 import os
 import threading
@@ -34,6 +35,7 @@ from . import _engine, _kernels
 
 MAX_THREADS = 1024             # beyond it a thread that cannot be created would abort mid-output
 DEFAULT_MAX_CONTEXT = 4096     # context when the caller does not choose one (KV pages are lazy)
+MIN_PLANNED_CHUNK = 16         # the smallest prefill chunk the memory plan lowers the default to
 _STATUS_MESSAGES = {
     _engine.STATUS_BAD_ROUTER: "router logits of layer {layer} are NaN or infinite",
     _engine.STATUS_BAD_LOGITS: "the output logits are NaN or infinite",
@@ -99,10 +101,25 @@ class Model:
                 source = "memory_limit_mb" if limit is not None else ""
                 if limit is None:
                     limit, source = residency.os_limit()
-                self.residency.plan = residency.plan(
-                    limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
-                    kv=engine.kv_cache_bytes, scratch=engine.scratch_bytes, runtime=_os.rss_bytes()[0],
-                    working_set=self.residency.working_set, n_ctx=n_ctx, path=self.path)
+                while True:
+                    try:
+                        self.residency.plan = residency.plan(
+                            limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
+                            kv=engine.kv_cache_bytes, scratch=engine.scratch_bytes, runtime=_os.rss_bytes()[0],
+                            working_set=self.residency.working_set, n_ctx=n_ctx, path=self.path,
+                            largest_expert=self.residency.largest_expert)
+                        break
+                    except ColibriError:
+                        # the scratch grows with the prefill chunk: unless the caller chose one, a
+                        # smaller chunk may fit the limit (a long prompt then streams its experts
+                        # once per chunk)
+                        if prefill_chunk is not None or build["chunk"] <= MIN_PLANNED_CHUNK:
+                            raise
+                        del engine
+                        build["chunk"] = self._chunk = max(MIN_PLANNED_CHUNK, build["chunk"] // 2)
+                        engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))
+                if build["chunk"] < chunk:
+                    self.residency.plan = dataclasses.replace(self.residency.plan, lowered_chunk=build["chunk"])
             budget = self.residency.plan.budget
             if cache_budget is not None and mmap:
                 budget = cache_budget if budget is None else min(budget, cache_budget)

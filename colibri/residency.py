@@ -14,9 +14,12 @@ decides, once at load, whether there is a budget and how large:
             this process already holds.
     fixed   dense weights (every file that is not an expert) + KV cache at n_ctx + the engine's
             scratch + this process's resident memory after load (interpreter, libraries,
-            tokenizer) + a margin (MARGIN_FRACTION of the limit, at least MIN_MARGIN: page
-            tables, allocator slack, the kernel's own accounting)
-    budget  limit - fixed, for the experts. If the whole model fits (fixed + every expert <= limit)
+            tokenizer) + a margin (MARGIN_FRACTION of the limit, at least MIN_MARGIN and
+            at least the largest expert: page tables, allocator slack, the kernel's own
+            accounting, and an expert the loop faults in before the readers dropped its victim)
+    budget  limit - fixed, for the experts. Where fixed + two layers' choices do not fit and the
+            caller chose no prefill chunk, the chunk (hence the scratch) is halved until they do,
+            down to model.MIN_PLANNED_CHUNK. If the whole model fits (fixed + every expert <= limit)
             there is no budget and nothing per expert runs. Below fixed + two layers' choices of
             experts (the current layer's top-k and the next one's prediction) the model cannot run
             under the limit: a clear error before anything is read.
@@ -64,21 +67,23 @@ class MemoryPlan:
     experts: int              # bytes of every expert
     budget: int | None        # the expert budget (None: everything fits, or no limit)
     minimum: int              # the smallest limit this model runs under
+    lowered_chunk: int | None = None   # the prefill chunk the plan lowered the default to, if it did
 
     def describe(self) -> str:
         if self.limit is None:
             return "no memory limit"
         what = "the whole model fits" if self.budget is None else f"expert budget {self.budget / MB:.0f} MB"
-        return f"memory limit {self.limit / MB:.0f} MB ({self.source}): {what}"
+        lowered = f", prefill chunk lowered to {self.lowered_chunk} to fit" if self.lowered_chunk else ""
+        return f"memory limit {self.limit / MB:.0f} MB ({self.source}): {what}{lowered}"
 
 
 def plan(limit: int | None, source: str, *, dense: int, experts: int, kv: int, scratch: int, runtime: int,
-         working_set: int, n_ctx: int, path: str) -> MemoryPlan:
+         working_set: int, n_ctx: int, path: str, largest_expert: int = 0) -> MemoryPlan:
     """The expert budget under `limit` bytes (see the module's design block). Raises ColibriError
     when the limit is below what the model needs at the least."""
     if limit is None:
         return MemoryPlan(None, "", 0, experts, None, 0)
-    margin = max(MIN_MARGIN, int(limit * MARGIN_FRACTION))
+    margin = max(MIN_MARGIN, int(limit * MARGIN_FRACTION), largest_expert)
     fixed = dense + kv + scratch + runtime + margin
     minimum = fixed + working_set
     if fixed + experts <= limit:
@@ -143,6 +148,10 @@ class Residency:
         self.locked = _os.lock(self.dense_spans) if mlock else False
         if warmup:
             self.warmup()
+
+    @property
+    def largest_expert(self) -> int:
+        return max((n for _, n in self.spans.values()), default=0)
 
     @property
     def working_set(self) -> int:

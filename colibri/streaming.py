@@ -18,7 +18,9 @@ first token, or the next token's leading space would be stripped). The cost per 
 decode of a few tokens, not of the whole sequence.
 
 StopStrings: text that could be the beginning of a stop string is held back until it cannot be;
-the first stop string found ends the text, and it and everything after it are cut.
+the first stop string to complete ends the text (of two completing at the same character, the
+one that starts earlier), and it and everything after it are cut — the same whatever pieces the
+text arrives in.
 """
 from __future__ import annotations
 
@@ -84,15 +86,15 @@ class StopStrings:
         if self.stopped is not None:
             return "", True
         buf = self._held + text
-        first = None
+        first = None                      # (end, start, stop): the stop a token-by-token stream meets first
         for s in self.stops:
             at = buf.find(s)
-            if at >= 0 and (first is None or at < first[0]):
-                first = (at, s)
+            if at >= 0 and (first is None or (at + len(s), at) < first[:2]):
+                first = (at + len(s), at, s)
         if first is not None:
             self._held = ""
-            self.stopped = first[1]
-            return buf[:first[0]], True
+            self.stopped = first[2]
+            return buf[:first[1]], True
         keep = 0                          # the longest end of buf that begins some stop string
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

@@ -74,6 +74,55 @@ def test_cli_cap_below_the_minimum_fails_before_loading(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def _wide_ffn_checkpoint(root: Path) -> Path:
+    """One OLMoE-shaped layer, hidden 64, four experts 8192 wide (6 MB each in f32): a model whose
+    scratch (rows of the FFN width per prefill token) is a large part of its memory."""
+    from conftest import FIXTURES, write_safetensors
+    cfg = json.loads((FIXTURES / "olmoe_a" / "hf" / "config.json").read_text())
+    d, f = 64, 8192
+    cfg.update(hidden_size=d, intermediate_size=f, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+               num_key_value_heads=4, num_hidden_layers=1, vocab_size=128)
+    rng = np.random.default_rng(0)
+    t = {"model.embed_tokens.weight": rng.standard_normal((128, d), np.float32),
+         "lm_head.weight": rng.standard_normal((128, d), np.float32), "model.norm.weight": np.ones(d, np.float32)}
+    p = "model.layers.0."
+    for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+        t[p + n + ".weight"] = np.ones(d, np.float32)
+    for n in "qkvo":
+        t[p + f"self_attn.{n}_proj.weight"] = 0.1 * rng.standard_normal((d, d), np.float32)
+    t[p + "mlp.gate.weight"] = rng.standard_normal((4, d), np.float32)
+    for e in range(4):
+        for n, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+            t[p + f"mlp.experts.{e}.{n}.weight"] = 0.02 * rng.standard_normal(shape, np.float32)
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(root / "model.safetensors", t)
+    return root
+
+
+def test_a_tight_limit_lowers_the_default_prefill_chunk(tmp_path):
+    """The scratch grows with the prefill chunk: under a limit that the default chunk's scratch
+    does not leave room in, the plan halves the chunk until it does (and says so); a chunk the
+    caller chose is kept, and the limit refused."""
+    from colibri.convert import convert
+    convert(_wide_ffn_checkpoint(tmp_path / "hf"), tmp_path / "m", log=lambda *a: None)
+    small = colibri.load(tmp_path / "m", n_ctx=256, prefill_chunk=16, memory_limit_mb=4000)
+    big = colibri.load(tmp_path / "m", n_ctx=256, memory_limit_mb=4000)
+    assert big._engine.scratch_bytes > small._engine.scratch_bytes + 6 * MB
+    plan = small.residency.plan
+    unmargined = plan.fixed - max(residency.MIN_MARGIN, int(plan.limit * residency.MARGIN_FRACTION))
+    limit = unmargined + residency.MIN_MARGIN + small.residency.working_set + 3 * MB
+    small.close(), big.close()
+    m = colibri.load(tmp_path / "m", n_ctx=256, memory_limit_mb=limit / MB)
+    assert m.residency.plan.lowered_chunk is not None and m.residency.plan.lowered_chunk < 128
+    assert f"prefill chunk lowered to {m.residency.plan.lowered_chunk}" in m.residency.plan.describe()
+    ids = list(range(1, 100))
+    free = colibri.load(tmp_path / "m", n_ctx=256)
+    np.testing.assert_array_equal(m.forward(ids), free.forward(ids))   # the chunking changes no logit
+    with pytest.raises(colibri.ColibriError, match="is below"):
+        colibri.load(tmp_path / "m", n_ctx=256, prefill_chunk=128, memory_limit_mb=limit / MB)
+
+
 def test_no_mmap_over_the_limit_is_refused_before_reading():
     demo = Path(colibri.__file__).parent / "data" / "demo"
     with pytest.raises(colibri.ColibriError, match=r"cannot be read into memory under the memory limit of 40 MB "

@@ -15,13 +15,16 @@
  *   - Admitting an expert that does not fit evicts others: first a prefetched one its layer did
  *     not use (a wrong guess), then the coldest by the policy (LRU, or LFU with aging: a use adds
  *     1, and every `n` uses all counts halve); never one of the current layer's or one prefetched
- *     since it began. A victim is queued to be dropped.
- *   - CB_CACHE_READERS reader threads (POSIX threads or Win32) run the queue in order: a read is
- *     split in pieces of CB_CACHE_PIECE bytes that the readers take in parallel (storage serves
- *     several requests at once faster than one), one advice call each on the expert's span (madvise MADV_POPULATE_READ where the kernel has
- *     it, else MADV_WILLNEED; PrefetchVirtualMemory on Windows), a drop is MADV_DONTNEED on the
- *     span and then POSIX_FADV_DONTNEED on its file, so the page cache lets it go too. A job whose
- *     expert changed state since it was queued (re-admitted before its drop ran) is skipped.
+ *     since it began. The victims' drops are queued ahead of everything, the new expert's read
+ *     after them: the pages leave before new ones come (the plan's margin holds one expert for
+ *     the loop's own page faults, which may run ahead of the readers).
+ *   - CB_CACHE_READERS reader threads (POSIX threads or Win32) run the read queue in order. A
+ *     read is split in pieces of CB_CACHE_PIECE bytes that the readers take in parallel (storage
+ *     serves several requests at once faster than one), one advice call each on the expert's
+ *     span: madvise MADV_POPULATE_READ where the kernel has it, else MADV_WILLNEED;
+ *     PrefetchVirtualMemory on Windows. A read of an expert evicted since it was queued is
+ *     skipped. A drop is MADV_DONTNEED on the span, then POSIX_FADV_DONTNEED on its file, so the
+ *     page cache lets it go too; an expert being read is dropped by the reader that finishes it.
  *
  * Nothing here is needed for correctness: a dropped page that the loop touches again is read
  * back by a page fault. The OS functions come from colibri._os (ctypes) as addresses, like
@@ -122,17 +125,23 @@ typedef struct {
     cb_thread thread[CB_CACHE_READERS];
 } cb_expert_cache;
 
-static void cb_cache_push(cb_expert_cache *c, int64_t job) {  /* with the lock held */
-    if (c->count == CB_CACHE_QUEUE) {                          /* a drop must not be lost: run it late */
+static void cb_cache_push_front(cb_expert_cache *c, int64_t job) {   /* with the lock held */
+    if (c->count == CB_CACHE_QUEUE) {                          /* full: a drop replaces the last read */
         if (job & 1) c->queue[(c->head + c->count - 1) % CB_CACHE_QUEUE] = job;
         return;
     }
-    c->queue[(c->head + c->count) % CB_CACHE_QUEUE] = job;
+    c->head = (c->head + CB_CACHE_QUEUE - 1) % CB_CACHE_QUEUE;
+    c->queue[c->head] = job;
     c->count++;
     cb_cond_broadcast(&c->wake);
 }
 
-static void cb_cache_push_drop(cb_expert_cache *c, int i) { cb_cache_push(c, ((int64_t)i << 32) | 1); }
+static void cb_cache_push(cb_expert_cache *c, int64_t job) {  /* with the lock held */
+    if (c->count == CB_CACHE_QUEUE) return;                    /* full: the loop's faults read it */
+    c->queue[(c->head + c->count) % CB_CACHE_QUEUE] = job;
+    c->count++;
+    cb_cond_broadcast(&c->wake);
+}
 
 /* One job per piece; urgent (the loop needs it now): ahead of everything queued, in order. */
 static void cb_cache_push_read(cb_expert_cache *c, int i, int urgent) {
@@ -141,14 +150,8 @@ static void cb_cache_push_read(cb_expert_cache *c, int i, int urgent) {
     for (int64_t k = 0; k < pieces; k++) {
         int64_t p = urgent ? pieces - 1 - k : k;
         int64_t job = ((int64_t)i << 32) | (p << 1);
-        if (urgent && c->count < CB_CACHE_QUEUE) {
-            c->head = (c->head + CB_CACHE_QUEUE - 1) % CB_CACHE_QUEUE;
-            c->queue[c->head] = job;
-            c->count++;
-            cb_cond_broadcast(&c->wake);
-        } else {
-            cb_cache_push(c, job);
-        }
+        if (urgent && c->count < CB_CACHE_QUEUE) cb_cache_push_front(c, job);
+        else cb_cache_push(c, job);
     }
 }
 
@@ -160,14 +163,14 @@ static int cb_cache_drop_now(cb_expert_cache *c, int i) {      /* without the lo
     return failed;
 }
 
-/* Run one job; called and returning with the lock held (released around the OS call). A drop
- * of an expert some piece of which is being read waits for that read (the reader that finishes
- * it drops it), so that no page read after the drop stays in the page cache uncounted. */
+/* Run one read job; called and returning with the lock held (released around the OS call). A
+ * drop of an expert some piece of which is being read waits for that read (the reader that
+ * finishes it drops it), so that no page read after the drop stays in the page cache uncounted. */
 static void cb_cache_run_job(cb_expert_cache *c, int64_t job) {
     int i = (int)(job >> 32);
     const cb_range_entry *r = &c->pages[i];
     if (r->NumberOfBytes == 0) return;
-    if (job & 1) {
+    if (job & 1) {                                              /* a drop */
         if (c->resident[i]) return;                            /* admitted again since */
         if (c->inflight[i]) { c->pending_drop[i] = 1; return; }
         cb_mutex_unlock(&c->lock);
@@ -313,21 +316,35 @@ static int cb_cache_victim(const cb_expert_cache *c) {        /* with the lock h
     return best;
 }
 
-static void cb_cache_admit(cb_expert_cache *c, int i) {       /* with the lock held */
+#define CB_CACHE_MAX_VICTIMS 64   /* evictions one admission makes at most (then it runs over budget) */
+
+/* Admit expert i, evicting until it fits; the victims go to victims [CB_CACHE_MAX_VICTIMS] for the
+ * caller to drop. Returns how many. With the lock held. */
+static int cb_cache_admit(cb_expert_cache *c, int i, int *victims) {
     int64_t need = (int64_t)c->pages[i].NumberOfBytes;
+    int nv = 0;
     while (c->bytes + need > c->budget) {
-        int v = cb_cache_victim(c);
+        int v = nv < CB_CACHE_MAX_VICTIMS ? cb_cache_victim(c) : -1;
         if (v < 0) { c->stats[CB_CS_OVER_BUDGET]++; break; }
         c->resident[v] = 0;
         c->bytes -= (int64_t)c->pages[v].NumberOfBytes;
         c->stats[CB_CS_EVICTIONS]++;
         c->stats[CB_CS_WASTED] += c->fresh[v];
         c->fresh[v] = 0;
-        cb_cache_push_drop(c, v);
+        victims[nv++] = v;
     }
     c->resident[i] = 1;
     c->bytes += need;
     if (c->bytes > c->peak) c->peak = c->bytes;
+    return nv;
+}
+
+/* Queue the victims' drops ahead of everything, so that they run before the read of the expert
+ * that evicted them (queued first, by the caller): the pages leave before new ones come. The
+ * loop's thread never makes the calls itself — fadvise's page-cache drop waits on every CPU
+ * (lru_add_drain_all), which the compute threads hold. With the lock held. */
+static void cb_cache_queue_drops(cb_expert_cache *c, const int *victims, int nv) {
+    for (int j = 0; j < nv; j++) cb_cache_push_front(c, ((int64_t)victims[j] << 32) | 1);
 }
 
 /* A layer's routing begins: the experts used before it may be evicted from now on. */
@@ -340,14 +357,15 @@ static void cb_cache_layer(cb_expert_cache *c) {
 /* The loop is about to compute expert i. read: also queue a read of it (the reader's one large
  * request runs beside the loop's page faults). */
 static void cb_cache_use(cb_expert_cache *c, int i, int read) {
+    int victims[CB_CACHE_MAX_VICTIMS], nv = 0, missed;
     cb_mutex_lock(&c->lock);
-    if (c->resident[i]) {
+    missed = !c->resident[i];
+    if (!missed) {
         c->stats[CB_CS_HITS]++;
         c->stats[CB_CS_PREFETCH_HITS] += c->fresh[i];
     } else {
         c->stats[CB_CS_MISSES]++;
-        cb_cache_admit(c, i);
-        if (read) cb_cache_push_read(c, i, 1);
+        nv = cb_cache_admit(c, i, victims);
     }
     c->fresh[i] = 0;
     c->last_use[i] = ++c->clock;
@@ -356,17 +374,26 @@ static void cb_cache_use(cb_expert_cache *c, int i, int read) {
         for (int j = 0; j < c->n; j++) c->freq[j] *= 0.5f;
         c->uses = 0;
     }
+    if (missed) {
+        if (read) cb_cache_push_read(c, i, 1);                   /* at the front ... */
+        cb_cache_queue_drops(c, victims, nv);                    /* ... and the drops before it */
+    }
     cb_mutex_unlock(&c->lock);
 }
 
 /* Expert i is expected soon: admit it and queue its read (nothing if it is admitted already). */
 static void cb_cache_prefetch(cb_expert_cache *c, int i) {
+    int victims[CB_CACHE_MAX_VICTIMS], nv = 0, admitted = 0;
     cb_mutex_lock(&c->lock);
     if (!c->resident[i]) {
-        cb_cache_admit(c, i);
+        nv = cb_cache_admit(c, i, victims);
         c->fresh[i] = 1;
         c->last_use[i] = ++c->clock;
         c->stats[CB_CS_PREFETCHES]++;
+        admitted = 1;
+    }
+    if (admitted) {
+        cb_cache_queue_drops(c, victims, nv);                    /* the drops first, the read last */
         cb_cache_push_read(c, i, 0);
     }
     cb_mutex_unlock(&c->lock);
