@@ -175,3 +175,8 @@ cdef struct Scratch:
     int *expert_m             # [n_experts] tokens of the chunk routed to each expert (a prefill under a budget)
     float *router2    # [n_experts] router logits of the next layer (prediction)
     float *pred_w     # [top_k] scratch weights of a prediction
+
+
+# a started expert cache over numpy arrays the caller keeps alive (_engine.pyx explains the shapes)
+cdef cb_expert_cache *cache_new(pages, fds, resident, fresh, last_use, freq, stats, long long budget, str policy,
+                               advice, cache_os, size_t chunk) except NULL

@@ -497,6 +497,35 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
     return logits_status(h, logits, h.vocab)
 
 
+cdef cb_expert_cache *cache_new(pages, fds, resident, fresh, last_use, freq, stats, long long budget, str policy,
+                               advice, cache_os, size_t chunk) except NULL:
+    """A started expert cache (csrc/expert_cache.h) over numpy arrays the caller keeps alive:
+    pages uint64 [n, 2] (start, length), fds int32 [n], resident / fresh uint8 [n], last_use int64
+    [n], freq float32 [n], stats int64 [CB_CS_N]; advice an _os.EngineAdvice, cache_os an
+    _os.CacheAdvice. Free with cb_cache_stop + free."""
+    cdef cb_expert_cache *c = <cb_expert_cache *>calloc(1, sizeof(cb_expert_cache))
+    if c == NULL:
+        raise MemoryError("cannot allocate the expert cache")
+    c.n = len(fds)
+    c.pages = <const cb_range_entry *><uintptr_t>pages.ctypes.data
+    c.fds = <const int32_t *><uintptr_t>fds.ctypes.data
+    c.resident = <uint8_t *><uintptr_t>resident.ctypes.data
+    c.fresh = <uint8_t *><uintptr_t>fresh.ctypes.data
+    c.last_use = <int64_t *><uintptr_t>last_use.ctypes.data
+    c.freq = <float *><uintptr_t>freq.ctypes.data
+    c.stats = <int64_t *><uintptr_t>stats.ctypes.data
+    c.budget = budget
+    c.policy = EVICTION_CODES[policy]
+    kind, c.advice.will_need, c.advice.release, c.advice.will_need_arg, c.advice.release_arg = advice
+    c.advice.kind = ADVICE_CODES[kind]
+    c.os.fadvise, c.os.dontneed, c.os.read_arg = cache_os
+    c.chunk = chunk
+    if cb_cache_start(c) != 0:
+        free(c)
+        raise MemoryError("cannot start the expert cache's reader threads")
+    return c
+
+
 cdef class Engine:
     """Owns the per-layer pointer table, the KV cache and the scratch arena of one model.
 
@@ -726,33 +755,15 @@ cdef class Engine:
                 raise ValueError(f"layer {l}: dense layer without mlp.gate")
 
     cdef _start_cache(self, spec, dict keep):
-        """The expert cache over every expert's span, and its reader thread (csrc/expert_cache.h)."""
-        cdef cb_expert_cache *c = <cb_expert_cache *>calloc(1, sizeof(cb_expert_cache))
-        if c == NULL:
-            raise MemoryError("cannot allocate the expert cache")
-        n = spec.n_layers * spec.n_experts
-        fds = np.full(n, -1, np.int32)
+        """The expert cache over every expert's span, and its reader threads (csrc/expert_cache.h)."""
+        fds = np.full(spec.n_layers * spec.n_experts, -1, np.int32)
         for (pl, pe), fd in spec.expert_fds.items():
             fds[pl * spec.n_experts + pe] = fd
         keep["cache_fds"] = fds
-        c.n = n
-        c.pages = <const cb_range_entry *><uintptr_t>keep["expert_pages"].ctypes.data
-        c.fds = <const int32_t *><uintptr_t>fds.ctypes.data
-        c.resident = <uint8_t *><uintptr_t>keep["cache_resident"].ctypes.data
-        c.fresh = <uint8_t *><uintptr_t>keep["cache_fresh"].ctypes.data
-        c.last_use = <int64_t *><uintptr_t>keep["cache_last_use"].ctypes.data
-        c.freq = <float *><uintptr_t>keep["cache_freq"].ctypes.data
-        c.stats = <int64_t *><uintptr_t>keep["cache_stats"].ctypes.data
-        c.budget = (1 << 62) if spec.expert_budget is None else spec.expert_budget
-        c.policy = EVICTION_CODES[spec.eviction]
-        kind, c.advice.will_need, c.advice.release, c.advice.will_need_arg, c.advice.release_arg = spec.advice
-        c.advice.kind = ADVICE_CODES[kind]
-        c.os.fadvise, c.os.dontneed, c.os.read_arg = spec.cache_os
-        c.chunk = spec.prefetch_chunk_bytes
-        if cb_cache_start(c) != 0:
-            free(c)
-            raise MemoryError("cannot start the expert cache's reader thread")
-        self.s.cache = c
+        self.s.cache = cache_new(keep["expert_pages"], fds, keep["cache_resident"], keep["cache_fresh"],
+                                 keep["cache_last_use"], keep["cache_freq"], keep["cache_stats"],
+                                 (1 << 62) if spec.expert_budget is None else spec.expert_budget, spec.eviction,
+                                 spec.advice, spec.cache_os, spec.prefetch_chunk_bytes)
 
     def cache_hold(self, indices):
         """At load: these experts (layer * n_experts + e) are in memory already; admit those

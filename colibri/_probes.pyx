@@ -488,9 +488,7 @@ def bench_read(buf, int n_threads):
 
 
 
-from libc.stdlib cimport calloc
-from libc.stdint cimport int64_t
-from colibri._engine cimport (cb_expert_cache, cb_range_entry, cb_cache_start, cb_cache_stop, cb_cache_drain,
+from colibri._engine cimport (cb_expert_cache, cache_new, cb_cache_stop, cb_cache_drain,
                               cb_cache_layer, cb_cache_use, cb_cache_prefetch, cb_cache_done, cb_cache_hold)
 
 
@@ -506,7 +504,7 @@ cdef class CacheProbe:
 
     def __init__(self, lengths, long long budget, str policy="lru", advice=None):
         from colibri import _os
-        from colibri._engine import EVICTION_CODES, ADVICE_CODES, CACHE_STATS
+        from colibri._engine import CACHE_STATS
         n = len(lengths)
         page = _os.page_size()
         lengths = [(int(x) + page - 1) // page * page for x in lengths]
@@ -523,27 +521,8 @@ cdef class CacheProbe:
         freq = np.zeros(n, np.float32)
         fds = np.full(n, -1, np.int32)
         self.keep = [region, pages, last_use, freq, fds]
-        cdef cb_expert_cache *c = <cb_expert_cache *>calloc(1, sizeof(cb_expert_cache))
-        if c == NULL:
-            raise MemoryError()
-        c.n = n
-        c.pages = <const cb_range_entry *><uintptr_t>pages.ctypes.data
-        c.fds = <const int32_t *><uintptr_t>fds.ctypes.data
-        c.resident = <uint8_t *><uintptr_t>self.resident.ctypes.data
-        c.fresh = <uint8_t *><uintptr_t>self.fresh.ctypes.data
-        c.last_use = <int64_t *><uintptr_t>last_use.ctypes.data
-        c.freq = <float *><uintptr_t>freq.ctypes.data
-        c.stats = <int64_t *><uintptr_t>self.stats.ctypes.data
-        c.budget = budget
-        c.policy = EVICTION_CODES[policy]
-        kind, c.advice.will_need, c.advice.release, c.advice.will_need_arg, c.advice.release_arg = (
-            _os.engine_advice() if advice is None else advice)
-        c.advice.kind = ADVICE_CODES[kind]
-        c.os.fadvise, c.os.dontneed, c.os.read_arg = _os.cache_advice()
-        if cb_cache_start(c) != 0:
-            free(c)
-            raise MemoryError("cannot start the readers")
-        self.c = c
+        self.c = cache_new(pages, fds, self.resident, self.fresh, last_use, freq, self.stats, budget, policy,
+                           _os.engine_advice() if advice is None else advice, _os.cache_advice(), 0)
 
     def layer(self):
         cb_cache_layer(self.c)

@@ -191,12 +191,7 @@ class Residency:
         not hold)."""
         _os.release([self.spans[k] for k in keys])
         for k in keys:
-            fd = self.fds.get(k)
-            if fd is not None:
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                except (AttributeError, OSError):
-                    pass
+            _os.evict_file_cache(self.paths[k])
 
     def warmup(self) -> None:
         """Read every expert once (first requests are otherwise slow on a cold page cache)."""

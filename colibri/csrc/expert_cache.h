@@ -403,7 +403,7 @@ static void cb_cache_prefetch(cb_expert_cache *c, int i) {
  * streams each expert once). */
 static void cb_cache_done(cb_expert_cache *c, int i) {
     cb_mutex_lock(&c->lock);
-    c->last_use[i] = c->layer_start - 1 - (c->n - i % c->n);   /* older than this layer, in order */
+    c->last_use[i] = c->layer_start - 1 - (c->n - i);          /* older than this layer, in index order */
     cb_mutex_unlock(&c->lock);
 }
 
