@@ -66,6 +66,9 @@ cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
     Mat gate              # [d_ff, d_model]
     Mat up                # [d_ff, d_model]
     Mat down              # [d_model, d_ff]
+    const float *gate_b   # [d_ff] or NULL: biases (gpt-oss's experts), added to each product
+    const float *up_b     # [d_ff] or NULL
+    const float *down_b   # [d_model] or NULL
 
 cdef struct Layer:
     int head_dim              # this layer's attention geometry (Gemma 4: global layers differ)
@@ -83,6 +86,7 @@ cdef struct Layer:
     const float *bk           # [n_kv_heads * head_dim] or NULL
     const float *bv           # [n_kv_heads * head_dim] or NULL
     const float *bo           # [d_model] or NULL
+    const float *sinks        # [n_heads] or NULL: attention sinks (gpt-oss), a logit per head, no value
     const float *q_norm       # [head_dim] (per head) or [n_heads * head_dim] (whole) or NULL
     const float *k_norm       # [head_dim] or [n_kv_heads * head_dim] or NULL
     const float *ffn_norm     # [d_model]
@@ -93,6 +97,7 @@ cdef struct Layer:
     int is_moe
     Mat router                # [n_experts, d_model] f32 (MoE layers)
     const float *router_bias  # [n_experts] or NULL: the sigmoid router's choice bias
+    const float *router_logit_bias  # [n_experts] or NULL: added to the router's logits (gpt-oss)
     FFN *experts              # [n_experts] (MoE layers)
     int expert0               # the index of its expert 0 in the expert cache: layer * n_experts
     int has_shared
@@ -127,7 +132,9 @@ cdef struct Hyper:
     int qk_norm
     float clip_qkv            # 0: no clipping
     int v_norm                # RMSNorm without weight over each value head (Gemma 4)
-    int act                   # CB_ACT_SILU / CB_ACT_GELU_TANH of the FFN gate
+    int act                   # CB_ACT_SILU / CB_ACT_GELU_TANH / CB_ACT_SWIGLU_CLAMPED of the FFN gate
+    float swiglu_alpha        # CB_ACT_SWIGLU_CLAMPED's sigmoid factor ...
+    float swiglu_limit        # ... and clamp
     float embed_scale         # the embedding row is multiplied by it (1: no-op)
     float softcap             # final logit soft-capping (0: none)
     float router_root         # d_model ** -0.5 (the parallel MoE's router input)
@@ -146,7 +153,7 @@ cdef struct Scratch:
     float *att        # [cap, n_heads * max head_dim] attention outputs before wo
     float *k          # [cap, max kv_dim] keys of the tokens, before they go to the cache rows
     float *v          # [cap, max kv_dim] their values
-    float *scores     # [n_heads, n_ctx]
+    float *scores     # [n_heads, n_ctx + 1] (the positions, and an attention sink)
     float *rx         # [cap, d_model] router inputs (parallel MoE)
     float *xe         # [cap, d_model] expert inputs (parallel MoE)
     float *xm         # [cap, d_model] expert outputs (parallel MoE)

@@ -35,8 +35,9 @@ from libc.math cimport expf, sqrtf
 
 cimport colibri._kernels as kernels
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_TRANSPOSED, CB_INTERLEAVED,
-                               cb_rmsnorm, cb_add, cb_axpy, cb_clip, cb_scale, cb_softcap, cb_rope, cb_all_finite)
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_ROWS, CB_TRANSPOSED,
+                               CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_rmsnorm, cb_add, cb_axpy, cb_clip,
+                               cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite)
 
 import numpy as np
 
@@ -110,10 +111,12 @@ cdef inline int gate_up_jobs(cb_matjob *jobs, const FFN *f, float *gate_out, flo
                              const float *x, int ldx, cb_act_q8 *acts, int n, int act) noexcept nogil:
     """jobs[0:2] = up, then gate with the activation fused in (gate_out = act(gate x) * up x, each
     thread over the rows it computed) when both matrices split alike (same format, layout and
-    shape, as converted models have). Returns 1 if fused, 0 if the caller must apply cb_glu."""
+    shape, as converted models have) and nothing comes between product and activation (biases;
+    the clamped SwiGLU). Returns 1 if fused, 0 if the caller must apply the activation (ffn_wave)."""
     job(&jobs[0], up_out, ldo, &f.up, x, ldx, acts, n)
     job(&jobs[1], gate_out, ldo, &f.gate, x, ldx, acts, n)
-    if f.gate.dtype == f.up.dtype and f.gate.layout == f.up.layout and f.gate.rows == f.up.rows:
+    if f.gate.dtype == f.up.dtype and f.gate.layout == f.up.layout and f.gate.rows == f.up.rows \
+            and f.gate_b == NULL and f.up_b == NULL and act != CB_ACT_SWIGLU_CLAMPED:
         jobs[1].glu_up = up_out
         jobs[1].glu_act = act
         return 1
@@ -136,9 +139,24 @@ cdef struct Slot:             # one FFN of a wave over some of the tokens
     float *out                # [m, d_model] where its outputs go (s.y + row0 * d_model in a MoE wave)
 
 
+cdef inline void activate(const Hyper *h, const FFN *f, float *gate, float *up) noexcept nogil:
+    """One token's hidden row: gate [d_ff] = act(gate + gate_b) * (up + up_b), biases where the FFN
+    has them, the activation of the model (the clamped SwiGLU with its parameters)."""
+    cdef int ff = f.gate.rows
+    if f.gate_b != NULL:
+        cb_add(gate, f.gate_b, ff)
+    if f.up_b != NULL:
+        cb_add(up, f.up_b, ff)
+    if h.act == CB_ACT_SWIGLU_CLAMPED:
+        cb_glu_clamped(gate, up, ff, h.swiglu_alpha, h.swiglu_limit)
+    else:
+        kernels.glu(gate, up, ff, h.act)
+
+
 cdef void ffn_wave(const Hyper *h, Scratch *s, const Slot *slots, int count) noexcept nogil:
     """For each slot i: out[t] = down(act(gate x_t) * up x_t), t < m, of its FFN (hidden rows row0..
-    of the wave buffers): every gate and up of the wave in one parallel region, every down in another."""
+    of the wave buffers; with its biases where it has them): every gate and up of the wave in one
+    parallel region, every down in another."""
     cdef cb_matjob jobs[2 * MAX_SLOTS]
     cdef int fused[MAX_SLOTS]
     cdef int i, t, ff = s.max_ff
@@ -154,9 +172,13 @@ cdef void ffn_wave(const Hyper *h, Scratch *s, const Slot *slots, int count) noe
         r = <size_t>slots[i].row0
         if not fused[i]:
             for t in range(slots[i].m):
-                kernels.glu(s.hb + (r + t) * ff, s.hb2 + (r + t) * ff, slots[i].f.gate.rows, h.act)
+                activate(h, slots[i].f, s.hb + (r + t) * ff, s.hb2 + (r + t) * ff)
         job(&jobs[i], slots[i].out, h.d_model, &slots[i].f.down, s.hb + r * ff, ff, s.wave_acts + r, slots[i].m)
     kernels.matmul_jobs(jobs, count, h.n_threads)
+    for i in range(count):
+        if slots[i].f.down_b != NULL:
+            for t in range(slots[i].m):
+                cb_add(slots[i].out + <size_t>t * h.d_model, slots[i].f.down_b, h.d_model)
 
 
 cdef void ffn(const Hyper *h, const FFN *f, const float *x, float *out, Scratch *s, int n) noexcept nogil:
@@ -234,7 +256,7 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
         qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
         kv_store(L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
     kernels.attention(s.att, q_dim, s.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
-                 L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, h.n_threads)
+                 L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads)
     matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
     if L.bo != NULL:
         for t in range(n):
@@ -350,6 +372,8 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
     cdef Slot *sl
     matmul(s.router, E, &L.router, router_in, d, s.acts, n, h.n_threads)
     for t in range(n):
+        if L.router_logit_bias != NULL:
+            cb_add(s.router + <size_t>t * E, L.router_logit_bias, E)
         if route(h, L, s.router + <size_t>t * E, s.tok_chosen + t * k, s.tok_w + t * k) != 0:
             s.bad_layer = layer
             return STATUS_BAD_ROUTER
@@ -589,6 +613,8 @@ cdef class Engine:
         self.h.clip_qkv = spec.clip_qkv
         self.h.v_norm = spec.v_norm
         self.h.act = spec.act
+        self.h.swiglu_alpha = spec.swiglu_alpha
+        self.h.swiglu_limit = spec.swiglu_limit
         self.h.embed_scale = spec.embed_scale
         self.h.softcap = spec.softcap
         self.h.router_root = (<float>d) ** -0.5
@@ -608,7 +634,7 @@ cdef class Engine:
             "x": ((cap, d), f32), "xb": ((cap, d), f32), "xb2": ((cap, d), f32),
             "q": ((cap, q_dim), f32), "att": ((cap, q_dim), f32),
             "k": ((cap, kv_dim), f32), "v": ((cap, kv_dim), f32),
-            "scores": ((self.h.n_heads, n_ctx), f32),
+            "scores": ((self.h.n_heads, n_ctx + 1), f32),
             "rx": ((cap, d), f32), "xe": ((cap, d), f32), "xm": ((cap, d), f32),
             "router": ((cap, n_experts), f32),
             "tok_chosen": ((cap, top_k), np.int32), "tok_w": ((cap, top_k), f32),
@@ -719,6 +745,7 @@ cdef class Engine:
                 L.wv = _mat(tensors[p + "wv"])          # else data stays NULL: v is the k projection
             L.bq = _vec(tensors, p + "bq"); L.bk = _vec(tensors, p + "bk")
             L.bv = _vec(tensors, p + "bv"); L.bo = _vec(tensors, p + "bo")
+            L.sinks = _vec(tensors, p + "sinks")
             L.q_norm = _vec(tensors, p + "q_norm"); L.k_norm = _vec(tensors, p + "k_norm")
             L.sliding_window = f.sliding_window
             L.is_moe = f.moe
@@ -730,6 +757,7 @@ cdef class Engine:
             if L.is_moe:
                 L.router = _mat(tensors[p + "router"])
                 L.router_bias = _vec(tensors, p + "router_bias")
+                L.router_logit_bias = _vec(tensors, p + "router_logit_bias")
                 if L.router.dtype != CB_F32:
                     raise ValueError(f"tensor {p}router must be f32")
                 L.experts = self.experts + l * n_experts
@@ -877,6 +905,8 @@ cdef Mat _mat(t):
         raise ValueError(f"a transposed {dtype} matrix needs a multiple of 8 rows, got {shape}")   # whole groups
     if m.layout == CB_INTERLEAVED and (not (m.dtype == CB_INT8 or m.dtype == CB_INT4) or shape[0] % 8):
         raise ValueError(f"the interleaved layout needs int8/int4 and a multiple of 8 rows, got {dtype} {shape}")
+    if m.dtype == CB_MXFP4 and m.layout != CB_ROWS:
+        raise ValueError(f"mxfp4 is stored in the rows layout only, got {t.layout}")
     m.rows = shape[0]
     m.cols = shape[1]
     return m
@@ -897,6 +927,9 @@ cdef FFN _ffn(dict tensors, str prefix):
     f.gate = _mat(tensors[prefix + "gate"])
     f.up = _mat(tensors[prefix + "up"])
     f.down = _mat(tensors[prefix + "down"])
+    f.gate_b = _vec(tensors, prefix + "gate_bias")
+    f.up_b = _vec(tensors, prefix + "up_bias")
+    f.down_b = _vec(tensors, prefix + "down_bias")
     return f
 
 

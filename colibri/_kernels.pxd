@@ -9,10 +9,10 @@ from libc.stdint cimport uint8_t, int8_t, uint16_t, int32_t
 
 cdef extern from "kernels_scalar.h" nogil:
     # storage formats and layouts of a matrix (colibri._kernels.DTYPE_CODES / LAYOUT_CODES)
-    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4
+    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4
     int CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
     # the FFN gate's activation (colibri._kernels.ACT_CODES)
-    int CB_ACT_SILU, CB_ACT_GELU_TANH
+    int CB_ACT_SILU, CB_ACT_GELU_TANH, CB_ACT_SWIGLU_CLAMPED
     ctypedef struct cb_act_q8:   # one activation vector quantized per block of 32 for int8/int4 weights
         signed char *q     # [n]
         float *d           # [n / 32]
@@ -28,6 +28,7 @@ cdef extern from "kernels_scalar.h" nogil:
     void cb_add(float *acc, const float *x, int n)
     void cb_axpy(float *acc, float a, const float *x, int n)
     void cb_clip(float *x, float limit, int n)
+    void cb_glu_clamped(float *gate, const float *up, int n, float alpha, float limit)
     void cb_scale(float *x, float a, int n)
     void cb_softcap(float *x, float cap, int n)
     void cb_rope(float *v, int n_heads, int head_dim, int rot_dim, const float *cos_t, const float *sin_t)
@@ -80,7 +81,8 @@ cdef extern from "dispatch.h" nogil:
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
     void cb_attention(float *out, int ldo, const float *q, int ldq, const float *k_cache,
                       const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
-                      int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads)
+                      int n_ctx, int n, int pos0, int window, int ring, float scale, const float *sinks,
+                      int n_threads)
 
 cdef extern from "quant.h":
     int CB_QBLOCK                # weights per block of the integer formats (32)
@@ -88,6 +90,8 @@ cdef extern from "quant.h":
     ctypedef struct cb_block_int8:
         pass
     ctypedef struct cb_block_int4:
+        pass
+    ctypedef struct cb_block_mxfp4:
         pass
     ctypedef struct cb_group_int8:
         pass
@@ -102,7 +106,7 @@ cdef void matmul(float *out, int ldo, const void *w, int dtype, int layout, cons
                  cb_act_q8 *acts, int n, int rows, int cols, int n_threads) noexcept nogil
 cdef void attention(float *out, int ldo, const float *q, int ldq, const float *k_cache, const float *v_cache,
                     float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx, int n, int pos0,
-                    int window, int ring, float scale, int n_threads) noexcept nogil
+                    int window, int ring, float scale, const float *sinks, int n_threads) noexcept nogil
 cdef void glu(float *gate, const float *up, int n, int act) noexcept nogil
 cdef void dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols) noexcept nogil
 cdef void quantize_act(cb_act_q8 *a, const float *x, int n) noexcept nogil

@@ -20,10 +20,14 @@ from colibri._os import arena
 
 cb_init_tables()
 
-DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4}
+DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4, "mxfp4": CB_MXFP4}
 LAYOUT_CODES = {"rows": CB_ROWS, "transposed": CB_TRANSPOSED, "interleaved": CB_INTERLEAVED}
-ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH}     # config.json's hidden_act, normalised
-BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
+# config.json's hidden_act, normalised; swiglu_clamped: gpt-oss's experts (swiglu_alpha, swiglu_limit)
+ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH, "swiglu_clamped": CB_ACT_SWIGLU_CLAMPED}
+# stored as blocks of 32 with a scale, multiplied against quantized activations
+BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4))
+# ... of which these also have the transposed and interleaved layouts (groups of 8 outputs)
+GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
 QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)
 TGROUP = CB_TGROUP               # outputs per group of the transposed and interleaved layouts
 
@@ -151,10 +155,11 @@ cdef void matmul(float *out, int ldo, const void *w, int dtype, int layout, cons
 
 cdef void attention(float *out, int ldo, const float *q, int ldq, const float *k_cache, const float *v_cache,
                     float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx, int n, int pos0,
-                    int window, int ring, float scale, int n_threads) noexcept nogil:
-    """Causal attention of n queries at positions pos0.. over the cache (cb_attention)."""
+                    int window, int ring, float scale, const float *sinks, int n_threads) noexcept nogil:
+    """Causal attention of n queries at positions pos0.. over the cache (cb_attention); scores
+    [n_heads, n_ctx + 1], sinks [n_heads] or NULL."""
     cb_attention(out, ldo, q, ldq, k_cache, v_cache, scores, n_heads, n_kv_heads, head_dim, n_ctx, n, pos0,
-                 window, ring, scale, n_threads)
+                 window, ring, scale, sinks, n_threads)
 
 
 cdef void glu(float *gate, const float *up, int n, int act) noexcept nogil:

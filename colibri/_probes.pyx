@@ -13,7 +13,7 @@ from libc.math cimport sqrtf
 
 cimport colibri._kernels as kernels
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, cb_f16_to_f32_exact, cb_row_stride,
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, cb_block_mxfp4, cb_f16_to_f32_exact, cb_row_stride,
                                cb_rmsnorm, cb_block_int8, cb_block_int4, cb_group_int8, cb_group_int4)
 from colibri._routing cimport CB_MAX_TOP_K
 
@@ -35,8 +35,10 @@ def _stored_rows(w, int cols, str dtype, str layout):
         raise ValueError(f"unknown layout {layout!r}")
     cdef int code = DTYPE_CODES[dtype]
     block = code == CB_INT8 or code == CB_INT4
-    if block and cols % 32:
+    if (block or code == CB_MXFP4) and cols % 32:
         raise ValueError(f"{dtype} needs a multiple of 32 columns, got {cols}")
+    if code == CB_MXFP4 and layout != "rows":
+        raise ValueError(f"mxfp4 is stored in the rows layout only, not {layout}")
     if layout == "rows":
         rows = w.shape[0]
     elif layout == "interleaved":    # [rows / 8, cols / 32 * group bytes]
@@ -115,7 +117,7 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
     cdef int n_layers = ka.shape[0], n_kv = ka.shape[1], ring = ka.shape[2], head_dim = ka.shape[3]
     cdef int n_heads = q.shape[0], r, layer
     out = np.zeros((n_heads, head_dim), np.float32)
-    scores = np.zeros((n_heads, pos + 1), np.float32)
+    scores = np.zeros((n_heads, pos + 2), np.float32)         # [n_heads, n_ctx + 1]
     cdef float[:, ::1] o = out, sc = scores
     cdef const float[:, :, :, ::1] kv = ka, vv = va
     cdef float scale = 1.0 / sqrtf(head_dim)
@@ -124,7 +126,7 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
         for r in range(reps):
             for layer in range(n_layers):
                 kernels.attention(&o[0, 0], 0, &q[0, 0], 0, &kv[layer, 0, 0, 0], &vv[layer, 0, 0, 0], &sc[0, 0], n_heads,
-                             n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, n_threads)
+                             n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, NULL, n_threads)
     return time.perf_counter() - t0
 
 
@@ -230,12 +232,12 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
     return out
 
 
-def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1):
+def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1, sinks=None):
     """One query's causal attention through the tier's kernel (cb_attention): q float32 [n_heads,
     head_dim] (roped), k_cache / v_cache float32 [ring, n_kv_heads * head_dim] holding position p
     in row p % ring — or already in the engine's order [n_kv_heads, ring, head_dim] (C-contiguous
     float32, used as they are: tools/bench_kernels.py); attends positions start..pos with scale
-    1/sqrt(head_dim). -> [n_heads, head_dim]."""
+    1/sqrt(head_dim); sinks float32 [n_heads] or None: attention sinks. -> [n_heads, head_dim]."""
     qa = np.ascontiguousarray(q, np.float32)
     cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring
     if n_kv_heads < 1 or n_heads % n_kv_heads:
@@ -255,15 +257,22 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
         va = np.ascontiguousarray(np.asarray(v_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
     if not 0 <= start <= pos or pos - start + 1 > ring:
         raise ValueError("kernel_attention: positions start..pos must fit the ring")
-    n_ctx = pos - start + 1
+    cdef int n_ctx = pos - start + 1
     out = np.zeros((n_heads, head_dim), np.float32)
-    scores = np.zeros((n_heads, n_ctx), np.float32)
+    scores = np.zeros((n_heads, n_ctx + 1), np.float32)
     cdef float[:, ::1] o = out, sc = scores
     cdef const float[:, ::1] qv = qa
+    sink_array = None if sinks is None else np.ascontiguousarray(sinks, np.float32).reshape(-1)
+    if sink_array is not None and sink_array.shape[0] != n_heads:
+        raise ValueError("kernel_attention: sinks [n_heads]")
+    cdef const float *sink_ptr = NULL
+    if sink_array is not None:
+        sink_ptr = <const float *><uintptr_t>sink_array.ctypes.data
     cdef const float[:, :, ::1] kv = ka, vv = va
     with nogil:
         kernels.attention(&o[0, 0], 0, &qv[0, 0], 0, &kv[0, 0, 0], &vv[0, 0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim,
-                     n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), n_threads)
+                     n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), sink_ptr,
+                     n_threads)
     return out
 
 
@@ -377,7 +386,7 @@ def kernel_rmsnorm(const float[::1] x, weight, float eps):
 
 def block_sizes():
     """sizeof of the C block structs, for the test that they agree with colibri.quant."""
-    return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4)}
+    return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4), "mxfp4": sizeof(cb_block_mxfp4)}
 
 
 def group_sizes():

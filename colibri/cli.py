@@ -46,7 +46,7 @@ def _token_list(text):
     return ids
 
 
-QUANTIZE_CHOICES = ("f32", "f16", "bf16", "int8", "int4")          # _kernels.DTYPE_CODES (not imported: numpy; a test holds them equal)
+QUANTIZE_CHOICES = ("f32", "f16", "bf16", "int8", "int4", "mxfp4")          # _kernels.DTYPE_CODES (not imported: numpy; a test holds them equal)
 QUANTIZE_ALIASES = {"fp32": "f32", "fp16": "f16", "4bit": "int4", "8bit": "int8"}   # the original C engine's
 
 
@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
     conv.add_argument("--quantize", type=_quantize_choice, default="f32",
                       help="storage of the weight matrices: f32, f16, bf16, int8 or int4 (the original engine's "
-                           "fp16 and 4bit are accepted); norms, biases and routers stay f32")
+                           "fp16 and 4bit are accepted), or mxfp4 (the routed experts in mxfp4 -- kept as they are "
+                           "from a gpt-oss mxfp4 checkpoint --, the other matrices in bf16); norms, biases and "
+                           "routers stay f32")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
@@ -579,6 +581,18 @@ def cmd_info(args) -> int:
         print(f"attention:    {sliding} sliding-window layers (window {c.sliding_window}), {len(full)} full"
               + "".join(f"; full: head_dim {hd}, {kv} kv heads, rope theta {th:g}"
                         + (f" on {fr:g} of the pairs" if fr != 1.0 else "") for hd, kv, (th, fr) in geo))
+    features = [f"attention sinks ({c.num_attention_heads} logits a layer)" if c.attention_sinks else "",
+                "router bias" if c.router_logit_bias else "",
+                "expert biases" if c.expert_bias else "",
+                f"clamped SwiGLU (alpha {c.swiglu_alpha:g}, limit {c.swiglu_limit:g})"
+                if c.hidden_act == "swiglu_clamped" else "",
+                f"YaRN x{c.yarn_factor:g} over {c.yarn_original_max_position_embeddings} positions" if c.yarn_factor else "",
+                f"sigmoid router, {c.n_group} groups (best {c.topk_group})" if c.router_score == "sigmoid" else ""]
+    if any(features):
+        print(f"features:     {', '.join(f for f in features if f)}")
+    kv_bytes = sum(2 * c.layer_kv_heads_of(i) * c.layer_head_dim(i) * 4 for i in range(c.num_hidden_layers))
+    print(f"KV cache:     {kv_bytes} bytes a token (float32 keys and values"
+          + (f"; sliding layers hold at most {c.sliding_window} + a prefill chunk)" if sliding else ")"))
     from .textfiles import TextSide, unlisted
 
     text = TextSide.load(md.root, md.files, c.vocab_size)

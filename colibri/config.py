@@ -43,6 +43,14 @@ GLM-4.5 (glm4_moe) adds, each defaulting to the behaviour of the families above:
                     (i, i + rotary_dim / 2), with frequencies over rotary_dim (transformers'
                     partial_rotary_factor); 0: the whole head
 
+gpt-oss (gpt_oss) adds, each off by default:
+  attention_sinks   a learned logit per head (layers.L.sinks) joins each softmax's denominator
+                    and takes no value
+  router_logit_bias the router has a bias (layers.L.router_logit_bias), added to its logits
+  expert_bias       every routed expert has gate, up and down biases (experts.E.gate_bias ...)
+  hidden_act "swiglu_clamped" with swiglu_alpha, swiglu_limit: gate = min(gate, limit), up =
+                    clamp(up, -limit, limit), act = (up + 1) * gate * sigmoid(alpha * gate)
+
 YaRN RoPE (rope_type "yarn": long-context Qwen3, gpt-oss, DeepSeek-V3), off by default:
   yarn_factor       > 0: the context extension factor (0: plain RoPE)
   yarn_original_max_position_embeddings, yarn_beta_fast, yarn_beta_slow, yarn_truncate
@@ -63,7 +71,7 @@ from ._engine import QK_NORM_CODES
 from ._kernels import ACT_CODES
 from .errors import ColibriError
 
-ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4", "glm4_moe")
+ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4", "glm4_moe", "gpt_oss")
 ROUTER_SCORES = ("softmax", "sigmoid")
 QK_NORM_MODES = QK_NORM_CODES        # name -> the layer loop's code (defined once, in _engine.pyx)
 HIDDEN_ACTS = ACT_CODES              # name -> the kernels' code (defined once, in _kernels.pyx)
@@ -168,6 +176,8 @@ _FIELD_TYPES = {
     "router_bias": (bool,), "shared_expert_gated": (bool,), "rotary_dim": (int,),
     "yarn_factor": (float,), "yarn_original_max_position_embeddings": (int,), "yarn_beta_fast": (float,),
     "yarn_beta_slow": (float,), "yarn_truncate": (bool,), "yarn_attention_factor": (float,),
+    "attention_sinks": (bool,), "router_logit_bias": (bool,), "expert_bias": (bool,), "swiglu_alpha": (float,),
+    "swiglu_limit": (float,),
 }
 
 
@@ -178,7 +188,8 @@ EXTENSION_FIELDS = ("layer_head_dims", "layer_kv_heads", "layer_rope_theta", "la
                     "final_logit_softcapping", "sandwich_norms", "moe_block", "layer_scalar",
                     "router_score", "n_group", "topk_group", "routed_scaling_factor", "router_bias",
                     "shared_expert_gated", "rotary_dim", "yarn_factor", "yarn_original_max_position_embeddings",
-                    "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "yarn_attention_factor")
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "yarn_attention_factor",
+                    "attention_sinks", "router_logit_bias", "expert_bias", "swiglu_alpha", "swiglu_limit")
 
 
 @dataclass
@@ -235,6 +246,11 @@ class ModelConfig:
     yarn_beta_slow: float = 1.0
     yarn_truncate: bool = True
     yarn_attention_factor: float = 1.0
+    attention_sinks: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -372,6 +388,9 @@ class ModelConfig:
         if self.yarn_factor and (not 1.0 <= self.yarn_factor <= 1e4 or self.layer_rope_fraction or self.layer_rope_theta):
             fail(f"yarn_factor must be 0 or in [1, 1e4], and not with per-layer RoPE; got {shown(self.yarn_factor)}")
         bounded("yarn_original_max_position_embeddings", 1 if self.yarn_factor else 0, MAX_POSITIONS)
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            if not 0 < getattr(self, name) < 1e6:
+                fail(f"{name} must be a positive number, got {shown(getattr(self, name))}")
         if self.moe_block not in MOE_BLOCKS:
             fail(f"moe_block must be one of {', '.join(MOE_BLOCKS)}, got {shown(self.moe_block)}")
         if self.moe_block == "parallel" and self.intermediate_size < 1:
@@ -475,6 +494,8 @@ class ModelConfig:
                     t[p + "bv"] = ((kv_dim,), "vector")
             if self.attention_out_bias:
                 t[p + "bo"] = ((d,), "vector")
+            if self.attention_sinks:
+                t[p + "sinks"] = ((self.num_attention_heads,), "vector")
             if self.qk_norm == "per_head":
                 t[p + "q_norm"] = ((hd,), "norm")
                 t[p + "k_norm"] = ((hd,), "norm")
@@ -488,6 +509,10 @@ class ModelConfig:
                     t[f"{p}experts.{e}.gate"] = ((ff, d), "matrix")
                     t[f"{p}experts.{e}.up"] = ((ff, d), "matrix")
                     t[f"{p}experts.{e}.down"] = ((d, ff), "matrix")
+                    if self.expert_bias:
+                        t[f"{p}experts.{e}.gate_bias"] = ((ff,), "vector")
+                        t[f"{p}experts.{e}.up_bias"] = ((ff,), "vector")
+                        t[f"{p}experts.{e}.down_bias"] = ((d,), "vector")
                 if self.shared_expert_intermediate_size:
                     sf = self.shared_expert_intermediate_size
                     t[p + "shared.gate"] = ((sf, d), "matrix")
@@ -497,6 +522,8 @@ class ModelConfig:
                         t[p + "shared_gate"] = ((d,), "vector")
                 if self.router_bias:
                     t[p + "router_bias"] = ((self.num_experts,), "vector")
+                if self.router_logit_bias:
+                    t[p + "router_logit_bias"] = ((self.num_experts,), "vector")
                 if self.moe_block == "parallel":
                     t[p + "router_scale"] = ((d,), "vector")
                     t[p + "expert_scale"] = ((self.num_experts,), "vector")

@@ -51,8 +51,9 @@ from .config import (MAX_EXPERTS, MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, 
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
-from .modeldir import (BLOCK_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
+from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
                        ModelDir, ModelDirWriter, storage_nbytes, tensor_file, to_storage)
+from . import quant
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
 
 _EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
@@ -337,6 +338,38 @@ def _glm4_moe(hf: _HF) -> dict:
                 moe_layers=[i >= dense for i in range(n)], **_uniform_window(n, 0))
 
 
+# transformers' GptOssConfig defaults where a config.json says nothing of RoPE
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+
+
+def _gpt_oss(hf: _HF) -> dict:
+    """gpt-oss-20b / -120b: alternating sliding-window and full-attention layers (layer_types),
+    attention sinks, biases on q/k/v/o, a router with a bias (top-k of the logits, softmax over the
+    chosen), experts with biases and the clamped SwiGLU, YaRN. Its experts come in mxfp4
+    (quantization_config.quant_method "mxfp4": *_blocks / *_scales) or as floats."""
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    if hf.d.get("rope_parameters") is None and hf.d.get("rope_scaling") is None:
+        hf = _HF(dict(hf.d, rope_parameters={**_GPT_OSS_ROPE, "rope_theta": hf.num("rope_theta", 150000.0)}),
+                 hf.where, hf.arch, hf.prefix)
+    quant = hf.sub(hf.obj("quantization_config", {}), "quantization_config.")
+    method = quant.str("quant_method", None)
+    if method not in (None, "mxfp4"):
+        raise ColibriError(f"{hf.where}: quantization_config.quant_method {shown(method)} is not supported for "
+                           f"gpt-oss (mxfp4 is, and unquantized checkpoints)")
+    default_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    types = hf.list("layer_types", n=n, kind=str, default=None) or default_types
+    bias = hf.bool("attention_bias", True)
+    top_k = hf.dim("num_experts_per_tok", 0, hi=MAX_EXPERTS, lo=0) or hf.dim("experts_per_token", hi=MAX_EXPERTS)
+    return dict(_common(hf), architecture="gpt_oss", num_experts=_experts(hf, "num_local_experts"),
+                num_experts_per_tok=top_k, moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
+                norm_topk_prob=True, attention_bias=bias, attention_out_bias=bias, attention_sinks=True,
+                router_logit_bias=True, expert_bias=True, hidden_act="swiglu_clamped",
+                swiglu_alpha=hf.num("swiglu_alpha", 1.702), swiglu_limit=hf.num("swiglu_limit", 7.0),
+                moe_layers=[True] * n, layer_types=list(types),
+                sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if "sliding_attention" in types else None)
+
+
 def _gemma4_text(hf: _HF) -> dict:
     """Gemma 4's text decoder with its MoE block (Gemma4TextConfig, enable_moe_block=True)."""
     def refuse(msg):
@@ -436,6 +469,7 @@ ARCHITECTURES = {
     "Gemma4ForCausalLM": _gemma4_text,
     "Gemma4ForConditionalGeneration": _gemma4_multimodal,
     "Glm4MoeForCausalLM": _glm4_moe,
+    "GptOssForCausalLM": _gpt_oss,
 }
 
 # multimodal checkpoints: the prefix of the text model's tensors (rewritten to "model."), and the
@@ -486,9 +520,17 @@ _GEMMA4_RULES = [
     (_L + r"router\.per_expert_scale", lambda m: f"layers.{m[1]}.expert_scale"),
     (_L + r"layer_scalar", lambda m: f"layers.{m[1]}.layer_scalar"),
 ]
+# gpt-oss first: its experts are stacked [E, in, out] with gate and up interleaved (gpt_oss_experts)
+_GPT_OSS_RULES = [
+    (_L + r"self_attn\.sinks", lambda m: f"layers.{m[1]}.sinks"),
+    (_L + r"mlp\.router\.weight", lambda m: f"layers.{m[1]}.router"),
+    (_L + r"mlp\.router\.bias", lambda m: f"layers.{m[1]}.router_logit_bias"),
+    (_L + r"mlp\.experts\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)", "gpt_oss_experts"),
+]
 _RULES = [(re.compile(p), h) for p, h in _RULES]
 _GEMMA4_RULES = [(re.compile(p), h) for p, h in _GEMMA4_RULES] + _RULES
-_RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES}
+_GPT_OSS_RULES = [(re.compile(p), h) for p, h in _GPT_OSS_RULES] + _RULES
+_RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES, "gpt_oss": _GPT_OSS_RULES}
 
 
 def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None) -> dict:
@@ -530,7 +572,9 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
                             or any(len(g) > 6 or int(g) >= cfg.num_experts for g in numbers[1:])):
                 raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} names a layer or an expert that config.json "
                                    f"does not have ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)")
-            if handler in ("stacked_gate_up", "stacked_down"):
+            if handler == "gpt_oss_experts":
+                _plan_gpt_oss_experts(ckpt, cfg, hf_name, int(m[1]), m[2], m[3], plan)
+            elif handler in ("stacked_gate_up", "stacked_down"):
                 shape = ckpt.shape(hf_name)
                 E, ff, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
                 want = (E, 2 * ff, d) if handler == "stacked_gate_up" else (E, d, ff)
@@ -592,6 +636,71 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
     return plan
 
 
+class MxMatrix:
+    """One matrix of an mxfp4 checkpoint, as stored: blocks uint8 [rows, cols / 32, 16], scales
+    uint8 [rows, cols / 32] (quant.py's mxfp4). Kept as it is for --quantize mxfp4, dequantized
+    exactly for any other format."""
+
+    def __init__(self, blocks: np.ndarray, scales: np.ndarray):
+        self.blocks, self.scales = np.ascontiguousarray(blocks), np.ascontiguousarray(scales)
+        self.shape = (scales.shape[0], scales.shape[1] * QBLOCK)
+
+    def stored(self) -> np.ndarray:
+        return quant.from_mx(self.blocks, self.scales)
+
+    def f32(self) -> np.ndarray:
+        return quant.dequantize(self.stored(), "mxfp4", self.shape[1])
+
+
+def _plan_gpt_oss_experts(ckpt, cfg, hf_name: str, layer: int, proj: str, part: str, plan: dict) -> None:
+    """gpt-oss's stacked experts -> our per-expert tensors. Floats: gate_up_proj [E, D, 2F] ([in,
+    out], gate in the even columns, up in the odd), down_proj [E, F, D]; mxfp4: *_blocks [E, out,
+    in / 32, 16] and *_scales [E, out, in / 32] ([out, in], gate the even rows); biases
+    gate_up_proj_bias [E, 2F] (interleaved alike), down_proj_bias [E, D]. A *_scales tensor is
+    read with its *_blocks."""
+    E, ff, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    gate_up = proj == "gate_up_proj"
+    out_dim, in_dim = (2 * ff, d) if gate_up else (d, ff)
+    want = {"": (E, in_dim, out_dim), "_bias": (E, out_dim), "_blocks": (E, out_dim, in_dim // QBLOCK, QBLOCK // 2),
+            "_scales": (E, out_dim, in_dim // QBLOCK)}[part]
+    shape = tuple(ckpt.shape(hf_name))
+    if shape != want or (part in ("_blocks", "_scales") and in_dim % QBLOCK):
+        raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(shape)}; config.json implies "
+                           f"{list(want)}")
+    if part == "_scales":
+        if hf_name[:-len("_scales")] + "_blocks" not in ckpt.names():
+            raise ColibriError(f"{ckpt.root}: {_cut(hf_name)} has no {_cut(hf_name[:-7])}_blocks beside it")
+        return
+    if part == "_blocks":
+        scales = hf_name[:-len("_blocks")] + "_scales"
+        if scales not in ckpt.names():
+            raise ColibriError(f"{ckpt.root}: {_cut(hf_name)} has no {_cut(scales)} beside it")
+    for e in range(E):
+        base = f"layers.{layer}.experts.{e}."
+        names = [base + "gate", base + "up"] if gate_up else [base + "down"]
+        if part == "_bias":
+            names = [n + "_bias" for n in names]
+        for i, name in enumerate(names):
+            if name in plan:
+                raise ColibriError(f"{_cut(hf_name)}: tensor {name} is given twice in the checkpoint")
+            rows = slice(i, None, 2) if gate_up else slice(None)
+            plan[name] = _gpt_oss_getter(ckpt, hf_name, part, e, rows)
+
+
+def _gpt_oss_getter(ckpt, hf_name, part, expert, rows):
+    def get():
+        if part == "_blocks":
+            blocks, _ = ckpt.raw(hf_name)
+            scales, _ = ckpt.raw(hf_name[:-len("_blocks")] + "_scales")
+            return MxMatrix(blocks[expert, rows], scales[expert, rows])
+        arr, kind = ckpt.raw(hf_name)
+        values = to_f32(arr[expert], kind)                  # a contiguous piece of the mapping
+        if part == "_bias":
+            return np.ascontiguousarray(values[rows])
+        return np.ascontiguousarray(values[:, rows].T)      # [in, out] -> [out, in]
+    return get
+
+
 def _cut(name: str, limit: int = 120) -> str:
     """A tensor name from a checkpoint's header for a message (a name may be megabytes long)."""
     return name if len(name) <= limit else name[:limit - 3] + "..."
@@ -632,7 +741,9 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     if quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
-        if value == "interleaved" and quantize not in BLOCK_FORMATS:
+        if value in ("interleaved", "transposed") and quantize == "mxfp4" and flag == "--expert-layout":
+            raise ColibriError(f"{flag} {value}: mxfp4 experts are stored in the rows layout only")
+        if value == "interleaved" and quantize not in GROUP_FORMATS:
             raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
                                f"choose rows or transposed")
     _check_output(Path(output_dir), force, {"--hf-dir": hf_dir})         # before any work
@@ -642,7 +753,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     expected = cfg.expected_tensors()
 
     out = Path(output_dir)
-    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant) for name, (shape, kind) in expected.items()}
+    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name) for name, (shape, kind) in expected.items()}
     layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
     weights = [sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)     # + alignment padding
@@ -666,7 +777,7 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
     kept = sum(1 for n, (shape, _) in expected.items()
-               if layouts[n] == "rows" and dtypes[n] in BLOCK_FORMATS and shape[0] % TGROUP
+               if layouts[n] == "rows" and dtypes[n] in GROUP_FORMATS and shape[0] % TGROUP
                and (n != "embedding" or cfg.tie_word_embeddings))
     if kept:
         log(f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
@@ -976,11 +1087,18 @@ def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | No
 _FINITE_LIMIT = {"f16": 65504.0, "int8": 65504.0 * 127, "int4": 65504.0 * 8}
 
 
-def _dtype_for(shape, kind, quantize, ln_quant=None):
+# --quantize mxfp4: the routed experts in mxfp4, every other matrix in this (gpt-oss's checkpoints
+# keep attention, router, embedding and head in bf16 beside their mxfp4 experts)
+MXFP4_DENSE_DTYPE = "bf16"
+
+
+def _dtype_for(shape, kind, quantize, ln_quant=None, name=""):
     if kind == "norm":
         return "int16" if ln_quant else "f32"
     if kind != "matrix":
         return "f32"
+    if quantize == "mxfp4" and not _EXPERT_MATRIX.fullmatch(name):
+        return MXFP4_DENSE_DTYPE
     if quantize in BLOCK_FORMATS and shape[-1] % QBLOCK:
         return FALLBACK_DTYPE
     return quantize
@@ -991,11 +1109,11 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
     --expert-layout, other weight matrices --layout (the embedding only when tied: then it is the
     output head), by default the faster one for their format; int8/int4 ones only with a multiple
     of 8 rows; everything else rows."""
-    if kind != "matrix" or (name == "embedding" and not tied):
-        return "rows"
+    if kind != "matrix" or (name == "embedding" and not tied) or (dtype in BLOCK_FORMATS and dtype not in GROUP_FORMATS):
+        return "rows"                              # (mxfp4: the rows layout only)
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)
-    if wanted == "interleaved" and dtype not in BLOCK_FORMATS:    # e.g. a toy matrix kept in f16
+    if wanted == "interleaved" and dtype not in GROUP_FORMATS:    # e.g. a toy matrix kept in f16
         return "rows"
     if wanted != "rows" and dtype in BLOCK_FORMATS and shape[0] % TGROUP:
         return "rows"
@@ -1003,7 +1121,17 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
 
 
 def _stored(name, values, shape, dtype, layout="rows"):
-    """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file."""
+    """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file.
+    values: float32, or an MxMatrix (an mxfp4 checkpoint's), kept byte for byte as mxfp4."""
+    if isinstance(values, MxMatrix):
+        if tuple(values.shape) != shape:
+            raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
+                               f"checkpoint has {list(values.shape)}")
+        if (values.scales == quant.E8M0_NAN).any():
+            raise ColibriError(f"tensor {name}: the checkpoint's mxfp4 scales hold NaN (e8m0 255)")
+        if dtype == "mxfp4":
+            return name, values.stored(), dtype, shape, {}
+        values = values.f32()
     if tuple(values.shape) != shape:
         raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
                            f"checkpoint has {list(values.shape)}")

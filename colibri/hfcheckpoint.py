@@ -21,7 +21,9 @@ from .config import parse_json, read_json, shown
 from .errors import ColibriError
 
 # safetensors dtype -> (numpy dtype of the stored elements, our name of the values)
-_DTYPES = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16"), "F64": ("<f8", "f64")}
+# (U8: the bytes of quantized weights, gpt-oss's mxfp4 *_blocks / *_scales; never read as values)
+_DTYPES = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16"), "F64": ("<f8", "f64"),
+           "U8": ("u1", "u8")}
 MAX_HEADER_BYTES = 100 << 20          # a safetensors header (JSON) larger than this is refused
 MAX_HF_CONFIG_BYTES = 16 << 20        # config.json (a few KB in practice)
 MAX_INDEX_BYTES = 64 << 20            # model.safetensors.index.json (a few MB for the largest models)
@@ -172,13 +174,19 @@ class HFCheckpoint:
     def f32(self, name: str) -> np.ndarray:
         """The tensor's values as float32 (exact for f32/f16/bf16 sources), a copy: the mapped
         pages it was read from are released (see `to_f32`)."""
-        return to_f32(*self.raw(name))
+        arr, kind = self.raw(name)
+        if kind == "u8":
+            raise ColibriError(f"{self.root}: tensor {shown(name, 120)} holds bytes (U8), not weights: a quantized "
+                               f"checkpoint whose format is not understood here (mxfp4 is)")
+        return to_f32(arr, kind)
 
 
 def to_f32(stored: np.ndarray, kind: str) -> np.ndarray:
     """A float32 copy of `stored` (a view of a mapped checkpoint), whose pages are then released
     from this process: converting a 50 GB checkpoint otherwise leaves its whole mapping resident
     (clean file pages, but counted in RSS and in a container's memory)."""
+    if kind == "u8":
+        raise ColibriError("bytes of a quantized tensor cannot be read as weights")
     if kind == "bf16":
         out = (stored.astype(np.uint32) << 16).view(np.float32)
     else:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _os, quant
-from ._kernels import BLOCK_FORMATS, DTYPE_CODES
+from ._kernels import BLOCK_FORMATS, DTYPE_CODES, GROUP_FORMATS
 from .config import ModelConfig, read_json, shown
 from .errors import ColibriError
 
@@ -39,9 +39,9 @@ CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 64 << 20          # a config.json larger than this is refused
 MAX_OTHER_FILES = 256                # files in the table beyond one per tensor (text files)
 # storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits; the
-# block formats int8/int4 are stored as bytes, [rows, cols / 32 * block bytes])
+# block formats int8/int4/mxfp4 are stored as bytes, [rows, cols / 32 * block bytes])
 STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
-                  "int8": np.dtype("u1"), "int4": np.dtype("u1"), "int16": np.dtype("<i2")}
+                  "int8": np.dtype("u1"), "int4": np.dtype("u1"), "mxfp4": np.dtype("u1"), "int16": np.dtype("<i2")}
 NORM_DTYPES = ("f32", "int16")       # int16 norm weights carry a float "scale": w = scale * q
 WEIGHT_DTYPES = tuple(DTYPE_CODES)       # the kernels' storage formats (colibri._kernels)
 
@@ -230,6 +230,8 @@ class ModelDir:
             if layout != "rows":
                 if kind != "matrix" or len(shape) != 2:
                     raise ColibriError(f"{ctx}: only weight matrices can be stored {layout}")
+                if t["dtype"] in BLOCK_FORMATS and t["dtype"] not in GROUP_FORMATS:
+                    raise ColibriError(f"{ctx}: {t['dtype']} is stored in the rows layout only, not {layout}")
                 if layout == "interleaved" and t["dtype"] not in BLOCK_FORMATS:
                     raise ColibriError(f"{ctx}: the interleaved layout is for int8/int4, not {t['dtype']}")
                 if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:

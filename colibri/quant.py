@@ -1,8 +1,11 @@
-"""Block quantization of weight matrices: int8 and int4, mirrored from csrc/quant.h.
+"""Block quantization of weight matrices: int8, int4 and mxfp4, mirrored from csrc/quant.h.
 
     int8: blocks of 32 weights with one f16 scale d:  w ~= d * q,        q in [-127, 127]   (34 bytes)
     int4: blocks of 32 weights with one f16 scale d:  w ~= d * (q - 8),  q in [0, 15]       (18 bytes)
           byte j of a block holds element j in its low nibble and element j + 16 in its high one
+    mxfp4: blocks of 32 e2m1 codes with one e8m0 scale e: w = 2^(e - 127) * FP4_VALUES[q]       (17 bytes)
+          byte j holds element 2j low and 2j + 1 high: gpt-oss's *_blocks and *_scales as they are
+          (`from_mx`, `to_mx`); stored in the rows layout only
 
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
 `transposed` layout stores the same blocks input-major in groups of 8 outputs (their 8 scales
@@ -24,8 +27,13 @@ from ._kernels import LAYOUT_CODES, QBLOCK, TGROUP    # the C definitions (csrc/
 BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),
     "int4": np.dtype([("d", "<u2"), ("qs", "u1", (QBLOCK // 2,))]),
+    "mxfp4": np.dtype([("e", "u1"), ("qs", "u1", (QBLOCK // 2,))]),
 }
-BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18
+BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18, mxfp4: 17
+# the e2m1 values by code (OCP microscaling formats; transformers' FP4_VALUES)
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+E8M0_NAN = 255                   # the e8m0 code that means NaN: refused in a checkpoint
 GROUP_DTYPES = {
     "int8": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "i1", (TGROUP, QBLOCK))]),
     "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (TGROUP, QBLOCK // 2))]),
@@ -46,7 +54,7 @@ def default_layout(dtype: str) -> str:
     no horizontal sums, no repacking; decode and prefill faster than transposed, which was faster
     than rows), rows for the float formats (no integer reduction to save; the axpy's stores make
     the transposed float kernels slower)."""
-    return "interleaved" if dtype in BLOCK_DTYPES else "rows"
+    return "interleaved" if dtype in GROUP_DTYPES else "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:
@@ -85,16 +93,59 @@ def quantize(w: np.ndarray, dtype: str) -> np.ndarray:
         q = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)) + 8, 8)
         q = np.clip(q, 0, 15).astype(np.uint8)
         out["qs"] = q[..., :QBLOCK // 2] | (q[..., QBLOCK // 2:] << 4)
+    elif dtype == "mxfp4":
+        return _quantize_mxfp4(b)
     else:
         raise ValueError(f"unknown block format {dtype!r}")
     out["d"] = d.view(np.uint16)
     return out.view(np.uint8).reshape(b.shape[0], -1)
 
 
+def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
+    """[rows, nb, 32] float32 -> stored mxfp4 rows: per block the smallest power-of-two scale that
+    puts the largest magnitude at or below 6, each weight rounded to the nearest e2m1 value (ties
+    to the smaller magnitude), as OCP's reference quantizer does."""
+    amax = np.abs(b).max(axis=2)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.ceil(np.log2(np.where(amax > 0, amax, 1) / 6.0)), -127) + 127
+    e = np.clip(e, 0, 254).astype(np.uint8)
+    scaled = b / np.ldexp(np.float32(1), e.astype(np.int32) - 127)[..., None]
+    mags = FP4_VALUES[:8]
+    code = np.abs(np.abs(scaled)[..., None] - mags).argmin(axis=-1).astype(np.uint8)   # first of a tie: smaller
+    code |= ((scaled < 0) & (code > 0)).astype(np.uint8) << 3
+    out = np.zeros(b.shape[:2], BLOCK_DTYPES["mxfp4"])
+    out["e"] = e
+    out["qs"] = code[..., 0::2] | (code[..., 1::2] << 4)
+    return out.view(np.uint8).reshape(b.shape[0], -1)
+
+
+def from_mx(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A checkpoint's mxfp4 matrix (blocks uint8 [rows, cols / 32, 16], scales uint8 [rows,
+    cols / 32]) -> its stored rows layout uint8 [rows, cols / 32 * 17], every byte kept."""
+    rows, nb = scales.shape
+    if blocks.shape != (rows, nb, QBLOCK // 2):
+        raise ValueError(f"mxfp4 blocks {list(blocks.shape)} do not match scales {list(scales.shape)}")
+    out = np.zeros((rows, nb), BLOCK_DTYPES["mxfp4"])
+    out["e"] = scales
+    out["qs"] = blocks
+    return out.view(np.uint8).reshape(rows, -1)
+
+
+def to_mx(stored: np.ndarray, cols: int) -> tuple:
+    """The inverse of `from_mx`: (blocks [rows, cols / 32, 16], scales [rows, cols / 32])."""
+    blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES["mxfp4"]).reshape(stored.shape[0], cols // QBLOCK)
+    return blocks["qs"].copy(), blocks["e"].copy()
+
+
 def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """uint8 [rows, row_bytes] of blocks -> float32 [rows, cols] (exactly what the kernels use)."""
     rows = stored.shape[0]
     blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows, cols // QBLOCK)
+    if dtype == "mxfp4":
+        scale = np.ldexp(np.float32(1), blocks["e"].astype(np.int32) - 127).astype(np.float32)[..., None]
+        qs = blocks["qs"]
+        q = FP4_VALUES[np.stack([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1, QBLOCK)]
+        return (scale * q).astype(np.float32).reshape(rows, cols)
     d = blocks["d"].view(np.float16).astype(np.float32)[..., None]
     if dtype == "int8":
         q = blocks["qs"].astype(np.float32)
@@ -112,6 +163,8 @@ def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     scales and weights of block kb of outputs 8g .. 8g+7 (rows must be a multiple of 8)."""
     if dtype not in BLOCK_DTYPES:
         return np.ascontiguousarray(np.asarray(stored).T)
+    if dtype not in GROUP_DTYPES:
+        raise ValueError(f"{dtype} is stored in the rows layout only")
     rows = stored.shape[0]
     if rows % TGROUP:
         raise ValueError(f"the transposed {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
@@ -128,7 +181,7 @@ def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """An int8/int4 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
     cols / 32 * group bytes], group (g, kb) holding block kb of outputs 8g .. 8g+7 (rows must be a
     multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole."""
-    if dtype not in BLOCK_DTYPES:
+    if dtype not in GROUP_DTYPES:
         raise ValueError(f"the interleaved layout is for int8/int4, not {dtype}")
     rows = stored.shape[0]
     if rows % TGROUP:

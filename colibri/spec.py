@@ -55,6 +55,8 @@ class EngineSpec:
     clip_qkv: float          # 0: none
     v_norm: bool
     act: int                 # _kernels.ACT_CODES
+    swiglu_alpha: float      # the clamped SwiGLU's sigmoid factor and clamp (act swiglu_clamped)
+    swiglu_limit: float
     embed_scale: float
     softcap: float           # 0: none
     rms_eps: float
@@ -167,7 +169,8 @@ def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_sof
         sigmoid_router=cfg.router_score == "sigmoid", n_group=int(cfg.n_group), topk_group=int(cfg.topk_group),
         routed_scaling=float(cfg.routed_scaling_factor),
         qk_norm=_engine.QK_NORM_CODES[cfg.qk_norm], clip_qkv=float(cfg.clip_qkv or 0.0), v_norm=bool(cfg.v_norm),
-        act=ACT_CODES[cfg.hidden_act], embed_scale=float(cfg.embedding_scale),
+        act=ACT_CODES[cfg.hidden_act], swiglu_alpha=float(cfg.swiglu_alpha), swiglu_limit=float(cfg.swiglu_limit),
+        embed_scale=float(cfg.embedding_scale),
         softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,
         prefill_chunk=chunk, n_threads=threads, prefetch=_engine.PREFETCH_CODES[prefetch],
         prefetch_chunk_bytes=int(prefetch_chunk_bytes),

@@ -77,6 +77,15 @@ def reference(case: str) -> dict:
 
 # ---- helpers shared by the test modules (none imports another) ----------------------------------
 
+def kl_mean(ref_logits, logits) -> float:
+    """Mean over positions of KL(softmax(ref) || softmax(logits)), in float64."""
+    def logp(x):
+        x = x.astype(np.float64) - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    p, q = logp(ref_logits), logp(logits)
+    return float((np.exp(p) * (p - q)).sum(-1).mean())
+
+
 def colibri(*args, timeout=180):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

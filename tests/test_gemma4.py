@@ -17,7 +17,7 @@ import pytest
 
 import colibri
 from colibri.convert import convert
-from conftest import FIXTURES, reference
+from conftest import FIXTURES, kl_mean, reference
 
 REL_TOL = 1e-4                # as in test_models.py: float32 rounding only
 # Colibri int8/int4 against transformers on the same rounded weights: what is left is the
@@ -27,14 +27,6 @@ KL_SAME_WEIGHTS_MAX = 1e-3
 # transformers on the int8 weights, measures 9.2e-4 on gemma4_b)
 KL_INT8_VS_F32_MAX = 2e-3
 TOP1_INT8_MIN = 0.95
-
-
-def kl_mean(ref_logits, logits):
-    def logp(x):
-        x = x.astype(np.float64) - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-    p, q = logp(ref_logits), logp(logits)
-    return float((np.exp(p) * (p - q)).sum(-1).mean())
 
 
 @pytest.mark.parametrize("case", ["gemma4_a", "gemma4_b"])

@@ -20,7 +20,7 @@ from conftest import float32_dot_bound
 TIER_RTOL = 1e-5
 INT_TIER_RTOL = 1e-2
 FLOAT_DTYPES = ("f32", "f16", "bf16")
-BLOCK_DTYPES = ("int8", "int4")
+BLOCK_DTYPES = ("int8", "int4", "mxfp4")
 ISAS = _kernels.available_isas()
 
 
@@ -125,11 +125,11 @@ def test_block_formats_need_whole_blocks(dtype):
 
 
 def test_block_struct_sizes_agree_with_python():
-    assert _probes.block_sizes() == quant.BLOCK_BYTES == {"int8": 34, "int4": 18}
+    assert _probes.block_sizes() == quant.BLOCK_BYTES == {"int8": 34, "int4": 18, "mxfp4": 17}
 
 
 @settings(max_examples=60, deadline=None)
-@given(block_matvec_case(), st.sampled_from(BLOCK_DTYPES))
+@given(block_matvec_case(), st.sampled_from(("int8", "int4")))
 def test_quantize_round_trip_error_is_bounded(case, dtype):
     w, _ = case
     stored = quant.quantize(w, dtype)
@@ -302,7 +302,9 @@ def attention_case(draw):
     q = rng.standard_normal((kv * group, hd), dtype=np.float32)
     k = rng.standard_normal((ring, kv * hd), dtype=np.float32)
     v = rng.standard_normal((ring, kv * hd), dtype=np.float32)
-    return q, k, v, kv, start, start + n - 1
+    # attention sinks (gpt-oss) on some: logits from far below to far above the scores
+    sinks = (rng.uniform(-6, 6, kv * group).astype(np.float32) if draw(st.booleans()) else None)
+    return q, k, v, kv, start, start + n - 1, sinks
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -310,17 +312,19 @@ def attention_case(draw):
 def test_attention_matches_numpy(isa, case, threads):
     """Grouped-query attention of one query (transformers' repeat_kv: head h reads KV head
     h // group) over a ring buffer, against float64: within a bound of float32 sums of the scores'
-    and outputs' length, on every tier and thread count."""
-    q, k, v, kv, start, pos = case
+    and outputs' length, on every tier and thread count. With sinks, head h's sink logit joins
+    the softmax (transformers' eager_attention_forward for gpt-oss) and takes no value."""
+    q, k, v, kv, start, pos, sinks = case
     heads, hd = q.shape
-    got = _probes.kernel_attention(q, k, v, kv, start, pos, threads)
+    got = _probes.kernel_attention(q, k, v, kv, start, pos, threads, sinks)
     rows = [p % k.shape[0] for p in range(start, pos + 1)]
     for h in range(heads):
         kh = k[rows, (h // (heads // kv)) * hd:][:, :hd].astype(np.float64)
         vh = v[rows, (h // (heads // kv)) * hd:][:, :hd].astype(np.float64)
         s = kh @ q[h].astype(np.float64) / np.sqrt(hd)
-        p = np.exp(s - s.max())
-        p /= p.sum()
+        both = s if sinks is None else np.append(s, sinks[h])
+        p = np.exp(s - both.max())
+        p /= np.exp(both - both.max()).sum()
         ref = p @ vh
         # scores err <= gamma(hd) * |k||q| / sqrt(hd) moves p by about that much relatively
         s_err = float32_dot_bound(np.abs(kh) @ np.abs(q[h].astype(np.float64)), hd + 1) / np.sqrt(hd)

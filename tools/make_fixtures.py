@@ -65,6 +65,8 @@ from transformers import (
     GenerationConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -205,6 +207,40 @@ CASES: dict[str, dict] = {
         notes=["every layer MoE, one group, weights not renormalised", "two shared experts (intermediate 32)",
                "tied embeddings", "checkpoint stored in bfloat16 (references from exactly the stored weights)"],
     ),
+    "gpt_oss_a": dict(
+        arch="gpt_oss", config_cls=GptOssConfig, model_cls=GptOssForCausalLM, seed=9474, init_std=0.15,
+        overrides=dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                       intermediate_size=32, sliding_window=6, swiglu_limit=1.5, swiglu_alpha=1.5,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                       max_position_embeddings=512, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "truncate": False,
+                                        "original_max_position_embeddings": 64}),
+        storage="float32", layout="single", quant_refs=("int8", "int4", "mxfp4"),
+        min_router_margin=2e-3, max_attempts=400,   # no expert choice within reach of int8 activation rounding
+        notes=["attention sinks ~ N(0, 1.5^2) (they matter: see case.json['sinks_check'])",
+               "sliding window 6 < T on layers 0 and 2, full attention on layer 1",
+               "swiglu_limit 1.5, swiglu_alpha 1.5: the clamp is active (case.json['clamp_fraction'])",
+               "router with a bias; experts stacked, gate/up interleaved, with biases (kept f32 in bf16/f16 refs)",
+               "YaRN RoPE, factor 8 over 64 original positions, truncate false"],
+    ),
+    "gpt_oss_b": dict(
+        arch="gpt_oss", config_cls=GptOssConfig, model_cls=GptOssForCausalLM, seed=9301, init_std=0.15,
+        overrides=dict(vocab_size=192, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=3,
+                       intermediate_size=64, sliding_window=5, swiglu_limit=2.0,
+                       layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "truncate": False,
+                                        "original_max_position_embeddings": 4096}),
+        storage="bfloat16", layout="mxfp4",
+        notes=["experts in the published MXFP4 layout: mlp.experts.{gate_up,down}_proj_{blocks,scales} "
+               "(config quantization_config.quant_method mxfp4); every other tensor bf16",
+               "the model's experts were rounded to mxfp4 first, so logits_f32 is the float32 forward of "
+               "exactly the stored weights (transformers dequantizes the checkpoint to those)",
+               "gpt-oss-20b's RoPE (YaRN 32 over 4096, theta 150000), 8 heads of 8 on one KV head"],
+    ),
 }
 
 # Gemma 4 with its MoE block (enable_moe_block=True): sliding and full layers, the full ones with
@@ -311,8 +347,8 @@ def router_param_names(model) -> set[str]:
         if type(mod).__name__ == "Gemma4TextRouter":
             names.update(f"{mname}.{p}" for p, _ in mod.named_parameters())
     for n, _ in model.named_parameters():
-        if n.endswith("shared_expert_gate.weight"):
-            names.add(n)
+        if n.endswith(("shared_expert_gate.weight", "gate_up_proj_bias", "down_proj_bias")):
+            names.add(n)          # (gpt-oss's expert biases are [E, out]: vectors to the converter)
     for n, _ in model.named_buffers():
         if n.endswith("e_score_correction_bias"):
             names.add(n)
@@ -324,6 +360,8 @@ def randomise(model, gen: torch.Generator, std: float, spread: float = 0.3) -> N
     for name, p in model.named_parameters():  # named_parameters() de-duplicates tied weights
         if name.endswith(".bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("self_attn.sinks"):   # gpt-oss: logits beside the scores, spread to matter
+            p.copy_(1.5 * torch.randn(p.shape, generator=gen))
         elif p.ndim == 1:  # RMSNorm scales (and Gemma 4's router / per-expert scales)
             p.copy_(1.0 + spread * torch.randn(p.shape, generator=gen))
         else:
@@ -401,7 +439,7 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
 
 
 def moe_layer_indices(model) -> list[int]:
-    return [i for i, layer in enumerate(decoder_layers(model)) if hasattr(layer.mlp, "gate") or hasattr(layer, "router")]
+    return [i for i, layer in enumerate(decoder_layers(model)) if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router") or hasattr(layer, "router")]
 
 
 def build_model(spec: dict):
@@ -490,6 +528,8 @@ def attempt(spec: dict, seed: int) -> dict:
     k = experts_per_token(model)
     V = text_config(model).vocab_size
 
+    if spec["layout"] == "mxfp4":  # the experts as the mxfp4 checkpoint will hold them
+        mxfp4_round_experts(model)
     storage = spec["storage"]
     if storage != "float32":  # the checkpoint dtype is the truth: round ALL weights first
         model = rounded_copy(model, getattr(torch, storage), matrices_only=False)
@@ -536,27 +576,87 @@ def attempt(spec: dict, seed: int) -> dict:
             for a, b in zip(rl, rlr))
         del mr
     if spec.get("quant_refs"):
-        for dt in ("int8", "int4"):
-            res[f"logits_{dt}w"], _ = forward(quantized_copy(model, dt), ids)
+        res["router_margin_quant"] = float("inf")
+        for dt in spec["quant_refs"] if isinstance(spec["quant_refs"], (list, tuple)) else ("int8", "int4"):
+            res[f"logits_{dt}w"], rlq = forward(quantized_copy(model, dt), ids)
+            res["router_margin_quant"] = min(res["router_margin_quant"], router_margin(rlq, k))
     return res
+
+
+@torch.no_grad()
+def mxfp4_round_experts(model) -> None:
+    """gpt-oss's stacked experts ([E, in, out]) rounded in place to what mxfp4 blocks of 32 inputs
+    hold (colibri.quant's mxfp4 quantizer: power-of-two scale, nearest e2m1 value)."""
+    from colibri.quant import dequantize, quantize
+    for layer in model.model.layers:
+        for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+            for e in range(p.shape[0]):
+                w = p[e].detach().numpy().T.astype(np.float32)           # [out, in]
+                back = dequantize(quantize(np.ascontiguousarray(w), "mxfp4"), "mxfp4", w.shape[1])
+                p[e].copy_(torch.from_numpy(np.ascontiguousarray(back.T)))
+
+
+def write_mxfp4_experts(hf_dir: Path, model) -> list[str]:
+    """Rewrite the saved checkpoint's stacked experts in the published mxfp4 layout: for
+    gate_up_proj [E, D, 2F] and down_proj [E, F, D] ([in, out]), *_blocks uint8 [E, out, in / 32, 16]
+    and *_scales uint8 [E, out, in / 32]; config.json gets quantization_config mxfp4."""
+    from colibri.quant import quantize, to_mx
+    path = hf_dir / "model.safetensors"
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    written = []
+    for i, layer in enumerate(model.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            del tensors[name]
+            w = getattr(layer.mlp.experts, proj).detach().float().numpy()          # [E, in, out]
+            blocks, scales = [], []
+            for e in range(w.shape[0]):
+                b, s_ = to_mx(quantize(np.ascontiguousarray(w[e].T), "mxfp4"), w.shape[1])
+                blocks.append(b)
+                scales.append(s_)
+            tensors[name + "_blocks"] = torch.from_numpy(np.stack(blocks))
+            tensors[name + "_scales"] = torch.from_numpy(np.stack(scales))
+            written += [name + "_blocks", name + "_scales"]
+    save_file(tensors, path, metadata=metadata)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return written
 
 
 @torch.no_grad()
 def quantized_copy(model, dtype: str):
     """The model with every text-model matrix replaced by what `colibri convert --quantize dtype`
-    stores (router kept f32, f16 where the columns are not a multiple of 32; towers untouched)."""
+    stores (router kept f32, f16 where the columns are not a multiple of 32; towers untouched).
+    mxfp4: the routed experts in mxfp4, the other matrices bf16 (convert.MXFP4_DENSE_DTYPE).
+    gpt-oss's stacked experts are [E, in, out]: quantized per expert along `in`, as converted."""
     from colibri.quant import QBLOCK, dequantize, quantize
+
+    def stored(w, fmt):                  # [rows, cols] float32 -> what the format holds
+        if fmt == "bf16":
+            return torch.from_numpy(w).to(torch.bfloat16).float().numpy()
+        if w.shape[1] % QBLOCK:
+            return w.astype(np.float16).astype(np.float32)
+        return dequantize(quantize(w, fmt), fmt, w.shape[1])
+
     m = copy.deepcopy(model)
     keep = router_param_names(m)
     for name, p in m.named_parameters():
         if p.ndim < 2 or name in keep or "vision" in name or "audio" in name:
             continue
-        w = p.detach().numpy().astype(np.float32).reshape(-1, p.shape[-1])
-        if w.shape[1] % QBLOCK:
-            q = w.astype(np.float16).astype(np.float32)
+        stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj")) and p.ndim == 3
+        expert = stacked or ".experts." in name
+        fmt = dtype if dtype != "mxfp4" or expert else "bf16"
+        if stacked and m.config.model_type == "gpt_oss":
+            q = np.stack([stored(np.ascontiguousarray(p[e].detach().numpy().T.astype(np.float32)), fmt).T
+                          for e in range(p.shape[0])])
         else:
-            q = dequantize(quantize(w, dtype), dtype, w.shape[1])
-        p.copy_(torch.from_numpy(q.reshape(p.shape)))
+            w = p.detach().numpy().astype(np.float32).reshape(-1, p.shape[-1])
+            q = stored(w, fmt)
+        p.copy_(torch.from_numpy(np.ascontiguousarray(q).reshape(p.shape)))
     return m
 
 
@@ -601,20 +701,50 @@ def sliding_window_check(model, ids, logits) -> dict:
     )
 
 
+@torch.no_grad()
+def gpt_oss_checks(model, ids, logits) -> dict:
+    """That the distinctive parts matter here: logits without sinks differ; the clamp is hit."""
+    nosink = copy.deepcopy(model)
+    for layer in nosink.model.layers:
+        layer.self_attn.sinks.fill_(-1e4)
+    d = float((forward(nosink, ids)[0] - logits).abs().max())
+    assert d > 1e-2, d
+    hits = [0, 0]
+    hooks = []
+    for layer in model.model.layers:
+        def h(mod, inp, out):
+            x, idx = inp[0], inp[1]
+            for e in range(mod.num_experts):
+                rows = (idx == e).any(-1)
+                if rows.any():
+                    gu = x[rows] @ mod.gate_up_proj[e] + mod.gate_up_proj_bias[e]
+                    hits[0] += int((gu[..., ::2] > mod.limit).sum() + (gu[..., 1::2].abs() > mod.limit).sum())
+                    hits[1] += gu.numel()
+        hooks.append(layer.mlp.experts.register_forward_hook(h))
+    forward(model, ids)
+    for hk in hooks:
+        hk.remove()
+    assert hits[0] > 0, hits
+    return dict(sinks_check=dict(max_logit_change_without_sinks=d),
+                clamp_fraction=round(hits[0] / hits[1], 4))
+
+
 def make_case(name: str) -> dict:
     spec = CASES[name]
     case_dir = OUT / name
     rejected = []
     seed = spec["seed"]
-    for _ in range(MAX_ATTEMPTS):
+    for _ in range(spec.get("max_attempts", MAX_ATTEMPTS)):
         res = attempt(spec, seed)
         rm = min(res["router_margin"], res["router_margin_bf16"], res["router_margin_f16"])
-        if rm >= MIN_ROUTER_MARGIN and res["greedy_margin"] >= MIN_GREEDY_MARGIN:
+        if "min_router_margin" in spec:      # the quantized references' routing must be as clear
+            rm = min(rm, res.get("router_margin_quant", rm))
+        if rm >= spec.get("min_router_margin", MIN_ROUTER_MARGIN) and res["greedy_margin"] >= MIN_GREEDY_MARGIN:
             break
         rejected.append(dict(seed=seed, router_margin=rm, greedy_margin=res["greedy_margin"]))
         seed += 1
     else:
-        raise RuntimeError(f"{name}: no acceptable seed in {MAX_ATTEMPTS} attempts")
+        raise RuntimeError(f"{name}: no acceptable seed in {spec.get('max_attempts', MAX_ATTEMPTS)} attempts")
 
     model, ids = res["model"], res["ids"]
     if case_dir.exists():
@@ -635,6 +765,8 @@ def make_case(name: str) -> dict:
         extra["shards"] = shards
     if spec["layout"] == "stacked":
         extra["stacked_tensors"] = stack_experts(hf_dir, model)
+    if spec["layout"] == "mxfp4":
+        extra["mxfp4_tensors"] = summarise_names(write_mxfp4_experts(hf_dir, model))
     if spec.get("tokenizer"):
         extra["tokenizer"] = train_tokenizer(hf_dir / "tokenizer.model", text_config(model).vocab_size)
 
@@ -655,6 +787,8 @@ def make_case(name: str) -> dict:
     if model.config.model_type == "olmoe" and model.config.clip_qkv is not None:
         extra["clip_fraction"] = clip_fraction(model, ids)
         assert all(v > 0 for v in extra["clip_fraction"].values()), extra["clip_fraction"]
+    if model.config.model_type == "gpt_oss":
+        extra.update(gpt_oss_checks(model, ids, res["logits"]))
     if getattr(model.config, "sliding_window", None) and model.config.model_type == "mixtral":
         assert ids.numel() > model.config.sliding_window
         extra["sliding_window_check"] = sliding_window_check(model, ids, res["logits"])
@@ -674,7 +808,7 @@ def make_case(name: str) -> dict:
         router_logits_f32=rl.numpy().astype(np.float32),
         moe_layers=np.asarray(moe_layers, dtype=np.int64),
         **{f"logits_{dt}w": res[f"logits_{dt}w"].numpy().astype(np.float32)
-           for dt in ("int8", "int4") if f"logits_{dt}w" in res},
+           for dt in ("int8", "int4", "mxfp4") if f"logits_{dt}w" in res},
     )
 
     manifest = tensor_manifest(hf_dir)

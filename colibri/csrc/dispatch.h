@@ -152,6 +152,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     cb_set_rows(t, CB_BF16, cb_tile_float_avx2_any, cb_dot_bf16_avx2, 1, 0);
     cb_set_rows(t, CB_INT8, cb_tile_quant_avx2_any, cb_dot_int8_avx2, 1, 0);
     cb_set_rows(t, CB_INT4, cb_tile_quant_avx2_any, cb_dot_int4_avx2, 1, 0);
+    cb_set_rows(t, CB_MXFP4, cb_tile_quant_avx2_any, cb_dot_mxfp4_avx2, 1, 0);
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
@@ -159,7 +160,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
 }
 
 /* 4-row float tiles (bf16 from the permuted input); 2-row int8/int4 tiles where the CPU has
- * AVX512-VNNI, else AVX2's; the rest as AVX2 (no wider kernel measured faster) */
+ * AVX512-VNNI, else AVX2's; the rest (mxfp4 too) as AVX2 (no wider kernel measured faster) */
 static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     cb_set_rows(t, CB_F32, cb_tile_float_avx512_any, NULL, 4, 0);
     cb_set_rows(t, CB_F16, cb_tile_float_avx512_any, NULL, 4, 0);
@@ -171,6 +172,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
         cb_set_rows(t, CB_INT8, cb_tile_quant_avx2_any, cb_dot_int8_avx2, 1, 0);
         cb_set_rows(t, CB_INT4, cb_tile_quant_avx2_any, cb_dot_int4_avx2, 1, 0);
     }
+    cb_set_rows(t, CB_MXFP4, cb_tile_quant_avx2_any, cb_dot_mxfp4_avx2, 1, 0);   /* AVX2's: memory-bound */
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
@@ -406,7 +408,7 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
         int quantized = 0, permuted = 0;
         for (int p = i; p < count; p++) {
             if (jobs[p].acts != j->acts) continue;
-            quantized |= jobs[p].dtype == CB_INT8 || jobs[p].dtype == CB_INT4;
+            quantized |= CB_IS_QUANT(jobs[p].dtype);
             permuted |= cb_kt.mat[jobs[p].dtype][jobs[p].layout].permuted_bf16;
         }
         if (quantized)
@@ -443,7 +445,8 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout,
  *   q        [n_heads, head_dim]           the current query (already roped)
  *   k_cache  [n_kv_heads, ring, head_dim]   keys of positions start..pos (a KV head's rows
  *   v_cache  [n_kv_heads, ring, head_dim]   together: one contiguous read per head)
- *   scores   [n_heads, n_ctx]               scratch (row stride n_ctx >= pos - start + 1)
+ *   scores   [n_heads, n_ctx + 1]           scratch (row stride n_ctx + 1: the positions and a sink)
+ *   sinks    [n_heads] or NULL               attention sinks: a logit per head in the softmax, no value
  *   out      [n_heads, head_dim]
  * Positions start..pos are attended (start > 0 for sliding-window layers); position p lives in
  * cache row p % ring (ring = the cache's rows: n_ctx, or a sliding layer's window plus a prefill
@@ -477,12 +480,13 @@ static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int *h0, int
 }
 
 /* n queries q [n, ldq] at positions pos0.. (their keys already in the cache), out [n, ldo];
- * `window` > 0 limits each query to its last `window` positions. One parallel region over the
+ * `window` > 0 limits each query to its last `window` positions; scores [n_heads, n_ctx + 1]. One parallel region over the
  * units (each uses its heads' scores rows for one query after another); every head of every
  * query computes alike for any n, so a prompt's attention equals decoding's. */
 static void cb_attention(float *out, int ldo, const float *q, int ldq, const float *k_cache,
                          const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
-                         int n_ctx, int n, int pos0, int window, int ring, float scale, int n_threads) {
+                         int n_ctx, int n, int pos0, int window, int ring, float scale, const float *sinks,
+                         int n_threads) {
     long long work = 0;
     for (int t = 0; t < n; t++) {
         int pos = pos0 + t;
@@ -498,8 +502,8 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const flo
         cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
         for (int t = 0; t < n; t++) {
             int pos = pos0 + t;
-            attend(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores, n_ctx, h0, nh, kvh,
-                   head_dim, cb_window_start(pos, window), pos, ring, scale);
+            attend(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores, n_ctx + 1, h0, nh, kvh,
+                   head_dim, cb_window_start(pos, window), pos, ring, scale, sinks);
         }
     }
 }

@@ -138,8 +138,24 @@ CB_TARGET_AVX2 static inline __m256i cb_unpack_int4_avx2(const uint8_t *qs) {
     return _mm256_sub_epi8(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
 }
 
-/* One block of int8 / int4 weights as 32 signed bytes, and its scale. */
+/* mxfp4 block -> 32 signed bytes, its doubled e2m1 values (cb_mxfp4_int) in element order: the
+ * low nibbles (even elements) and high nibbles (odd) through one byte shuffle each, then
+ * interleaved back. */
+CB_TARGET_AVX2 static inline __m256i cb_unpack_mxfp4_avx2(const uint8_t *qs) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)cb_mxfp4_int), m4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+}
+
+/* One block of int8 / int4 / mxfp4 weights as 32 signed bytes, and its scale. */
 CB_TARGET_AVX2 static inline __m256i cb_load_qblock_avx2(const char *row, int dtype, int b, float *d) {
+    if (dtype == CB_MXFP4) {
+        const cb_block_mxfp4 *blk = (const cb_block_mxfp4 *)row + b;
+        *d = cb_e8m0_half(blk->e);
+        return cb_unpack_mxfp4_avx2(blk->qs);
+    }
     if (dtype == CB_INT8) {
         const cb_block_int8 *blk = (const cb_block_int8 *)row + b;
         *d = _cvtsh_ss(blk->d);
@@ -189,6 +205,13 @@ CB_TARGET_AVX2 static float cb_dot_int4_avx2(const void *row, const float *x, co
     return out;
 }
 
+CB_TARGET_AVX2 static float cb_dot_mxfp4_avx2(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    float out;
+    (void)x;
+    cb_tile_quant_avx2(&out, 1, (const char *)row, CB_MXFP4, a, n, 1);
+    return out;
+}
+
 /* The table's tile entries (rows R = 1): the format and T in 1..4 select a body specialised at
  * compile time (a format test per block cost int8 decode about 4 %). Callers never pass T > 4
  * (cb_job_rows and cb_job_transposed tile by CB_TILE_TOKENS = 4): T > 4 would run as 4. */
@@ -201,7 +224,9 @@ CB_TARGET_AVX2 static void cb_tile_quant_avx2_any(float *out, int ldo, const cha
                                                   int R, int T) {
     (void)x; (void)ldx; (void)stride; (void)R;
 #define CB_CALL_Q2(dt, t) cb_tile_quant_avx2(out, ldo, w, dt, acts, cols, t)
-    if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_Q2, CB_INT8) } else { CB_AVX2_T_CASES(CB_CALL_Q2, CB_INT4) }
+    if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_Q2, CB_INT8) }
+    else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_Q2, CB_MXFP4) }
+    else { CB_AVX2_T_CASES(CB_CALL_Q2, CB_INT4) }
 #undef CB_CALL_Q2
 }
 
@@ -715,7 +740,7 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
                      int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
-                     float scale, const int NH, const int HD) {
+                     float scale, const float *sinks, const int NH, const int HD) {
     const int head_dim = HD ? HD : head_dim_;          /* a constant where HD is: the loops unroll */
     const int n = pos - start + 1, row0 = start % ring;
     const float *qh[4];
@@ -758,7 +783,10 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
             for (int i = 0; i < NH; i++) sc[i][t + 1] = r[4 + i];
         row = row_b + 1 == ring ? 0 : row_b + 1;
     }
-    for (int i = 0; i < NH; i++) cb_softmax_avx2(sc[i], n);
+    for (int i = 0; i < NH; i++) {                       /* a sink: one more logit, no value */
+        if (sinks) sc[i][n] = sinks[h0 + i];
+        cb_softmax_avx2(sc[i], n + (sinks != NULL));
+    }
     /* The value rows a block at a time (vblock rows, CB_ATTN_VBLOCK_BYTES): each pass over 16 of
      * the block's columns finds its rows in L1 and prefetches its own 64-byte piece of the rows of
      * the next block, so the next block arrives whole over the passes, a block ahead. Column-first
@@ -804,15 +832,16 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
 
 CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, const float *k_cache, const float *v_cache,
                                                 float *scores, int sc_stride, int h0, int nh, int kvh,
-                                                int head_dim, int start, int pos, int ring, float scale) {
+                                                int head_dim, int start, int pos, int ring, float scale,
+                                                const float *sinks) {
     if (head_dim % 8) {
         for (int h = h0; h < h0 + nh; h++)
             cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, head_dim,
-                           start, pos, ring, scale, cb_dot_f32_avx2);
+                           start, pos, ring, scale, sinks, cb_dot_f32_avx2);
         return;
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, \
-                                                 head_dim, start, pos, ring, scale, k, hd)
+                                                 head_dim, start, pos, ring, scale, sinks, k, hd)
 #define CB_ATTEND_HD(hd)                  \
     switch (nh) {                         \
     case 1: CB_ATTEND_NH(1, hd); break;   \

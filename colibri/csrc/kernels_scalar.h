@@ -18,14 +18,18 @@
 #include "quant.h"
 
 /* Storage dtypes of a weight matrix (colibri._kernels.DTYPE_CODES names them). */
-enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_N_DTYPES = 5 };
+enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 = 5, CB_N_DTYPES = 6 };
 
-/* Bytes of one row of `cols` weights in `dtype` (int8/int4: cols % 32 == 0). */
+/* The formats whose products take quantized activations (cb_act_q8). */
+#define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4)
+
+/* Bytes of one row of `cols` weights in `dtype` (int8/int4/mxfp4: cols % 32 == 0). */
 static inline size_t cb_row_stride(int dtype, int cols) {
     switch (dtype) {
     case CB_F32: return (size_t)cols * 4;
     case CB_F16: case CB_BF16: return (size_t)cols * 2;
     case CB_INT8: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int8);
+    case CB_MXFP4: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_mxfp4);
     default: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int4);
     }
 }
@@ -121,6 +125,25 @@ static inline int32_t cb_block_dot_int4(const uint8_t *qs, const int8_t *xq) {
     return s;
 }
 
+/* mxfp4: the doubled codes (cb_mxfp4_int) of element 2j (low nibble of qs[j]) and 2j + 1 (high). */
+static inline int32_t cb_block_dot_mxfp4(const uint8_t *qs, const int8_t *xq) {
+    int32_t s = 0;
+    for (int j = 0; j < CB_QBLOCK / 2; j++) {
+        s += (int32_t)cb_mxfp4_int[qs[j] & 0x0F] * (int32_t)xq[2 * j];
+        s += (int32_t)cb_mxfp4_int[qs[j] >> 4] * (int32_t)xq[2 * j + 1];
+    }
+    return s;
+}
+
+static float cb_dot_mxfp4_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
+    const cb_block_mxfp4 *w = (const cb_block_mxfp4 *)row;
+    (void)x;
+    float acc = 0.0f;
+    for (int b = 0; b < n / CB_QBLOCK; b++)
+        acc += cb_e8m0_half(w[b].e) * a->d[b] * (float)cb_block_dot_mxfp4(w[b].qs, a->q + b * CB_QBLOCK);
+    return acc;
+}
+
 static float cb_dot_int8_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
     const cb_block_int8 *w = (const cb_block_int8 *)row;
     (void)x;
@@ -188,6 +211,17 @@ static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int d
  * the row is gathered, one block per group of its column). */
 static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols) {
     const char *wb = (const char *)w;
+    if (dtype == CB_MXFP4) {                            /* rows layout only */
+        const cb_block_mxfp4 *blk = (const cb_block_mxfp4 *)(wb + (size_t)row * cb_row_stride(dtype, cols));
+        for (int b = 0; b < cols / CB_QBLOCK; b++) {
+            float d = cb_e8m0_half(blk[b].e);
+            for (int j = 0; j < CB_QBLOCK / 2; j++) {
+                out[b * CB_QBLOCK + 2 * j] = d * (float)cb_mxfp4_int[blk[b].qs[j] & 0x0F];
+                out[b * CB_QBLOCK + 2 * j + 1] = d * (float)cb_mxfp4_int[blk[b].qs[j] >> 4];
+            }
+        }
+        return;
+    }
     if (dtype != CB_INT8 && dtype != CB_INT4) {
         if (layout == CB_TRANSPOSED) {                  /* element i of the row: input row i, column `row` */
             size_t stride = cb_row_stride(dtype, rows);
@@ -250,6 +284,7 @@ static cb_dot_fn cb_dot_scalar(int dtype) {
     case CB_F16: return cb_dot_f16_scalar;
     case CB_BF16: return cb_dot_bf16_scalar;
     case CB_INT8: return cb_dot_int8_scalar;
+    case CB_MXFP4: return cb_dot_mxfp4_scalar;
     default: return cb_dot_int4_scalar;
     }
 }
@@ -357,7 +392,18 @@ static inline float cb_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
-enum { CB_ACT_SILU = 0, CB_ACT_GELU_TANH = 1 };   /* config.HIDDEN_ACTS */
+enum { CB_ACT_SILU = 0, CB_ACT_GELU_TANH = 1, CB_ACT_SWIGLU_CLAMPED = 2 };   /* config.HIDDEN_ACTS */
+
+/* gpt-oss's clamped SwiGLU, in place: gate = min(gate, limit), up = clamp(up, -limit, limit),
+ * gate = (up + 1) * gate * sigmoid(alpha * gate). Its experts have biases, so it is never fused
+ * into a product (cb_matjob.glu_up): the engine calls it after adding them, on every tier. */
+static inline void cb_glu_clamped(float *gate, const float *up, int n, float alpha, float limit) {
+    for (int i = 0; i < n; i++) {
+        float g = gate[i] < limit ? gate[i] : limit;
+        float u = up[i] > limit ? limit : (up[i] < -limit ? -limit : up[i]);
+        gate[i] = (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+    }
+}
 
 /* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU), in place: the scalar tier's; cb_glu in
  * dispatch.h calls the current tier's. */
@@ -393,10 +439,11 @@ static int cb_softmax(float *x, int n) {
     return 0;
 }
 
-/* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+1]. */
+/* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+2].
+ * sinks [n_heads] or NULL: head h's sink logit joins the softmax (in sc[n]) and takes no value. */
 static inline void cb_attend_head(float *out, const float *q, const float *k_cache, const float *v_cache,
                                   float *sc, int h, int kvh, int head_dim, int start,
-                                  int pos, int ring, float scale, cb_dot_fn dot) {
+                                  int pos, int ring, float scale, const float *sinks, cb_dot_fn dot) {
     const float *qh = q + (size_t)h * head_dim;
     int n = pos - start + 1;
     int row0 = start % ring;                     /* the cache row of position start; rows wrap */
@@ -404,7 +451,8 @@ static inline void cb_attend_head(float *out, const float *q, const float *k_cac
         const float *kt = k_cache + ((size_t)kvh * ring + row) * head_dim;
         sc[t] = dot(kt, qh, NULL, head_dim) * scale;
     }
-    cb_softmax(sc, n);
+    if (sinks) sc[n] = sinks[h];
+    cb_softmax(sc, n + (sinks != NULL));
     float *oh = out + (size_t)h * head_dim;
     memset(oh, 0, sizeof(float) * (size_t)head_dim);
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
@@ -416,18 +464,19 @@ static inline void cb_attend_head(float *out, const float *q, const float *k_cac
 /* Attention of one query at `pos` for query heads h0 .. h0 + nh - 1 (nh <= 4), which all read
  * KV head kvh (grouped-query attention), over positions start..pos whose keys and values live in
  * row p % ring of the caches [n_kv_heads, ring, head_dim]; q [n_heads, head_dim] roped, out [n_heads,
- * head_dim], scores: a row of >= pos - start + 1 floats per head, sc_stride apart. Every tier
- * implements this; prefill and decode both come through it, so they agree bit for bit. */
+ * head_dim], scores: a row of >= pos - start + 2 floats per head, sc_stride apart; sinks [n_heads]
+ * or NULL: attention sinks (gpt-oss), one logit per head in the softmax's denominator, no value.
+ * Every tier implements this; prefill and decode both come through it, so they agree bit for bit. */
 typedef void (*cb_attend_fn)(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
                              int sc_stride, int h0, int nh, int kvh, int head_dim, int start, int pos,
-                             int ring, float scale);
+                             int ring, float scale, const float *sinks);
 
 static void cb_attend_heads_scalar(float *out, const float *q, const float *k_cache, const float *v_cache,
                                    float *scores, int sc_stride, int h0, int nh, int kvh,
-                                   int head_dim, int start, int pos, int ring, float scale) {
+                                   int head_dim, int start, int pos, int ring, float scale, const float *sinks) {
     for (int h = h0; h < h0 + nh; h++)
         cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, head_dim, start,
-                       pos, ring, scale, cb_dot_f32_scalar);
+                       pos, ring, scale, sinks, cb_dot_f32_scalar);
 }
 
 /* Rotary embedding, "rotate half" convention (Hugging Face) over the first rot_dim values of each

@@ -5,7 +5,14 @@
  *   int4: blocks of 32 weights, one f16 scale, two weights a byte:
  *         w = d * (q - 8), q in [0, 15]; byte j holds element j (low nibble) and j + 16 (high)
  *                                                                                        (18 bytes)
- * A row of an int8/int4 matrix is cols/32 consecutive blocks; cols must be a multiple of 32.
+ *   mxfp4 (OCP microscaling FP4: gpt-oss's experts): blocks of 32 weights, one e8m0 scale byte e
+ *         and 16 bytes of e2m1 codes: w = 2^(e - 127) * FP4[q], FP4 = 0, 0.5, 1, 1.5, 2, 3, 4, 6
+ *         and their negatives (q + 8); byte j holds element 2j (low nibble) and 2j + 1 (high):
+ *         the checkpoint's *_scales byte and *_blocks bytes as they are, side by side (17 bytes).
+ *         The kernels take the codes doubled, as integers (cb_mxfp4_int), and the scale halved
+ *         (cb_e8m0_half): w = 2^(e - 128) * cb_mxfp4_int[q], the same number.
+ * A row of an int8/int4/mxfp4 matrix is cols/32 consecutive blocks; cols must be a multiple of 32.
+ * mxfp4 is stored in the rows layout only.
  *
  * The `transposed` layout ([in, out] at block granularity) stores the same blocks input-major:
  * for each block of 32 inputs kb, the blocks of all outputs in order, 8 outputs at a time as one
@@ -32,6 +39,7 @@
 
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
 #define CB_QBLOCK 32
 
@@ -44,6 +52,23 @@ typedef struct {
     uint16_t d;                 /* f16 scale */
     uint8_t qs[CB_QBLOCK / 2];  /* [16] element j in the low nibble of qs[j], element j+16 in the high */
 } cb_block_int4;
+
+typedef struct {
+    uint8_t e;                  /* e8m0 scale: 2^(e - 127) (255, NaN in the standard, is refused at convert) */
+    uint8_t qs[CB_QBLOCK / 2];  /* [16] e2m1 codes: element 2j in the low nibble of qs[j], 2j + 1 in the high */
+} cb_block_mxfp4;
+
+/* The e2m1 values times 2, by code: an exact int8 (what the integer kernels multiply). */
+static const int8_t cb_mxfp4_int[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 2^(e - 128): half the block's scale, which goes with the doubled codes (exact for every e:
+ * e < 2 are subnormal floats). */
+static inline float cb_e8m0_half(uint8_t e) {
+    uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 #define CB_TGROUP 8             /* outputs per group of the transposed integer layout */
 
@@ -94,6 +119,7 @@ static inline size_t cb_tprefill_bytes(int units, int nb, int n) {
 #endif
 CB_STATIC_ASSERT(sizeof(cb_block_int8) == 34, "int8 block must be 34 bytes");
 CB_STATIC_ASSERT(sizeof(cb_block_int4) == 18, "int4 block must be 18 bytes");
+CB_STATIC_ASSERT(sizeof(cb_block_mxfp4) == 17, "mxfp4 block must be 17 bytes");
 CB_STATIC_ASSERT(sizeof(cb_group_int8) == 8 * 34, "int8 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_group_int4) == 8 * 18, "int4 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_int8) == sizeof(cb_group_int8), "interleaved int8 group must be 8 blocks");
