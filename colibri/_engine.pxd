@@ -2,7 +2,7 @@
 # the hyperparameters, the scratch arena. Built once by _engine.Engine from the model directory.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
-from colibri._kernels cimport cb_act_q8
+from colibri._kernels cimport cb_act_q8, cb_matjob
 
 cdef extern from "os_hints.h" nogil:
     # advice to the OS about an expert's pages, through the functions colibri._os resolved
@@ -87,6 +87,21 @@ cdef struct Layer:
     const float *bv           # [n_kv_heads * head_dim] or NULL
     const float *bo           # [d_model] or NULL
     const float *sinks        # [n_heads] or NULL: attention sinks (gpt-oss), a logit per head, no value
+    # multi-head latent attention (DeepSeek-V3; mla 0: the q/k/v projections above): head_dim is
+    # rope_dim + kv_rank, the cache row [shared RoPE key, latent] of the one KV head (k_cache and
+    # v_cache are the same array); per head, the query [rope_dim, nope] is turned into [rope_dim,
+    # kv_rank] by wkb, and the attention's latent value into v_head values by wvb
+    int mla
+    int kv_rank               # kv_lora_rank
+    int qk_head               # the query's per-head width: rope_dim + nope
+    int v_head                # the value's per-head width (wo's input: n_heads * v_head)
+    Mat wq_a                  # [q_lora_rank, d_model], data NULL: wq [n_heads * qk_head, d_model] instead
+    const float *q_a_norm     # [q_lora_rank]
+    Mat wq_b                  # [n_heads * qk_head, q_lora_rank], each head's rows [rope, nope]
+    Mat wkv_a                 # [rope_dim + kv_rank, d_model]
+    const float *kv_a_norm    # [kv_rank]
+    Mat wkb                   # [n_heads * kv_rank, nope] f32/f16 rows: head h's rows h * kv_rank ..
+    Mat wvb                   # [n_heads * v_head, kv_rank] f32/f16 rows: head h's rows h * v_head ..
     const float *q_norm       # [head_dim] (per head) or [n_heads * head_dim] (whole) or NULL
     const float *k_norm       # [head_dim] or [n_kv_heads * head_dim] or NULL
     const float *ffn_norm     # [d_model]
@@ -157,6 +172,10 @@ cdef struct Scratch:
     float *rx         # [cap, d_model] router inputs (parallel MoE)
     float *xe         # [cap, d_model] expert inputs (parallel MoE)
     float *xm         # [cap, d_model] expert outputs (parallel MoE)
+    float *mla_qa     # [cap, q_lora_rank] MLA: the low-rank query
+    float *mla_q      # [cap, n_heads * qk_head] MLA: the heads' queries before the absorption
+    float *mla_o      # [cap, n_heads * v_head] MLA: the heads' values
+    cb_matjob *head_jobs  # [n_heads] MLA: one product per head
     cb_act_q8 *acts   # [cap] activation quantization of the block inputs (q: [max_cols], d: [max_cols / 32])
     float *router     # [cap, n_experts] router logits, then probabilities
     int *tok_chosen   # [cap, top_k] each token's experts in this layer

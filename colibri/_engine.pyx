@@ -37,7 +37,7 @@ cimport colibri._kernels as kernels
 cimport colibri._routing as routing
 from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_ROWS, CB_TRANSPOSED,
                                CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_rmsnorm, cb_add, cb_axpy, cb_clip,
-                               cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite)
+                               cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite, cb_row_stride)
 
 import numpy as np
 
@@ -261,6 +261,58 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
     if L.bo != NULL:
         for t in range(n):
             cb_add(s.xb2 + <size_t>t * d, L.bo, d)
+
+
+cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
+    """s.xb2 = multi-head latent attention of s.xb [n, d] (DeepSeek-V3), absorbed: the cache holds
+    per position only [RoPE key, latent] (rope_dim + kv_rank numbers), every query head attends
+    it as one KV head, with its query [rope part, wkb_h . nope part] and its value wvb_h . (the
+    attention's latent). The same arithmetic for any n, so a prompt equals decoding it."""
+    cdef int d = h.d_model, H = h.n_heads, D = L.head_dim, R = L.kv_rank, rope = L.rope_dim
+    cdef int qk = L.qk_head, v = L.v_head, nope = L.qk_head - L.rope_dim, t, i
+    cdef int ql = L.wq_a.rows
+    cdef cb_matjob jobs[2]
+    cdef cb_matjob *heads = s.head_jobs
+    cdef Mat wh
+    cdef const float *cos_t
+    cdef const float *sin_t
+    cdef float *row
+    if L.wq_a.data != NULL:                     # the low-rank query and the latent, in one batch
+        job(&jobs[0], s.mla_qa, ql, &L.wq_a, s.xb, d, s.acts, n)
+        job(&jobs[1], s.k, D, &L.wkv_a, s.xb, d, s.acts, n)
+        kernels.matmul_jobs(jobs, 2, h.n_threads)
+        for t in range(n):
+            cb_rmsnorm(s.mla_qa + <size_t>t * ql, s.mla_qa + <size_t>t * ql, L.q_a_norm, ql, h.rms_eps)
+        matmul(s.mla_q, H * qk, &L.wq_b, s.mla_qa, ql, s.acts, n, h.n_threads)
+    else:
+        job(&jobs[0], s.mla_q, H * qk, &L.wq, s.xb, d, s.acts, n)
+        job(&jobs[1], s.k, D, &L.wkv_a, s.xb, d, s.acts, n)
+        kernels.matmul_jobs(jobs, 2, h.n_threads)
+    for t in range(n):                          # the latent normed, the RoPE parts rotated, cached
+        row = s.k + <size_t>t * D
+        cb_rmsnorm(row + rope, row + rope, L.kv_a_norm, R, h.rms_eps)
+        cos_t = L.rope_cos + <size_t>(pos0 + t) * (rope // 2)
+        sin_t = L.rope_sin + <size_t>(pos0 + t) * (rope // 2)
+        cb_rope(row, 1, D, rope, cos_t, sin_t)
+        cb_rope(s.mla_q + <size_t>t * H * qk, H, qk, rope, cos_t, sin_t)
+        memcpy(L.k_cache + <size_t>((pos0 + t) % L.kv_ring) * D, row, sizeof(float) * D)
+        for i in range(H):                      # each head's query: [its RoPE part, (absorbed below)]
+            memcpy(s.q + (<size_t>t * H + i) * D, s.mla_q + (<size_t>t * H + i) * qk, sizeof(float) * rope)
+    for i in range(H):                          # latent queries: wkb_h . nope_h
+        wh = L.wkb
+        wh.data = <const char *>L.wkb.data + <size_t>i * R * cb_row_stride(L.wkb.dtype, nope)
+        wh.rows = R
+        job(&heads[i], s.q + <size_t>i * D + rope, H * D, &wh, s.mla_q + <size_t>i * qk + rope, H * qk, s.acts, n)
+    kernels.matmul_jobs(heads, H, h.n_threads)
+    kernels.attention(s.att, H * D, s.q, H * D, L.k_cache, L.v_cache, s.scores, H, 1, D, h.n_ctx, n, pos0, 0,
+                      L.kv_ring, L.attn_scale, NULL, h.n_threads)
+    for i in range(H):                          # values: wvb_h . (head h's attention over the latents)
+        wh = L.wvb
+        wh.data = <const char *>L.wvb.data + <size_t>i * v * cb_row_stride(L.wvb.dtype, R)
+        wh.rows = v
+        job(&heads[i], s.mla_o + <size_t>i * v, H * v, &wh, s.att + <size_t>i * D + rope, H * D, s.acts, n)
+    kernels.matmul_jobs(heads, H, h.n_threads)
+    matmul(s.xb2, d, &L.wo, s.mla_o, H * v, s.acts, n, h.n_threads)
 
 
 cdef void predict_next(const Hyper *h, Layer *L, Scratch *s, const int *chosen, int layer,
@@ -497,7 +549,10 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
     for l in range(h.n_layers):
         L = &layers[l]
         rmsnorm_rows(s.xb, s.x, L.attn_norm, n, h)                 # attention block
-        attention(h, L, s, n, pos0)
+        if L.mla:
+            attention_mla(h, L, s, n, pos0)
+        else:
+            attention(h, L, s, n, pos0)
         if L.post_attn_norm != NULL:
             rmsnorm_rows(s.xb2, s.xb2, L.post_attn_norm, n, h)
         cb_add(s.x, s.xb2, n * d)
@@ -579,6 +634,7 @@ cdef class Engine:
         self.experts = NULL
         self.s.acts = NULL
         self.s.wave_acts = NULL
+        self.s.head_jobs = NULL
         self.s.cache = NULL
 
     def __init__(self, spec):
@@ -625,7 +681,11 @@ cdef class Engine:
         cdef int q_dim = self.h.n_heads * max(f.head_dim for f in layers)
         cdef int kv_dim = max(f.n_kv_heads * f.head_dim for f in layers)
         max_ff = max([1] + [f.d_ff for f in layers])
-        max_cols = max(d, q_dim, max_ff)
+        # MLA: the low-rank query, the heads' queries and values (1 where no layer has them)
+        q_lora = max([1] + [f.q_lora for f in layers])
+        mla_q = max([1] + [self.h.n_heads * f.qk_head for f in layers])
+        mla_o = max([1] + [self.h.n_heads * f.v_head for f in layers])
+        max_cols = max(d, q_dim, max_ff, q_lora, mla_o)
         wave = max(cap, MAX_SLOTS)
         f32 = np.float32
         # the scratch arena, one region from colibri._os: rows [cap] for the block inputs, [wave]
@@ -636,6 +696,7 @@ cdef class Engine:
             "k": ((cap, kv_dim), f32), "v": ((cap, kv_dim), f32),
             "scores": ((self.h.n_heads, n_ctx + 1), f32),
             "rx": ((cap, d), f32), "xe": ((cap, d), f32), "xm": ((cap, d), f32),
+            "mla_qa": ((cap, q_lora), f32), "mla_q": ((cap, mla_q), f32), "mla_o": ((cap, mla_o), f32),
             "router": ((cap, n_experts), f32),
             "tok_chosen": ((cap, top_k), np.int32), "tok_w": ((cap, top_k), f32),
             "g": ((wave, d), f32), "y": ((wave, d), f32),
@@ -666,7 +727,9 @@ cdef class Engine:
         # resident) as positions are filled. A sliding layer's ring must hold its window plus one
         # prefill chunk.
         keep["k_cache"] = [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers]
-        keep["v_cache"] = [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers]
+        # an MLA layer's one array holds the latent rows its attention reads as keys and as values
+        keep["v_cache"] = [k if f.kv_rank else zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32)
+                           for f, k in zip(layers, keep["k_cache"])]
         keep["predicted"][...] = -1
         for f in layers:
             if not (f.kv_ring == n_ctx or (f.sliding_window > 0 and f.kv_ring >= f.sliding_window + cap)):
@@ -684,6 +747,10 @@ cdef class Engine:
         s.k = _f32(keep["k"]); s.v = _f32(keep["v"])
         s.scores = _f32(keep["scores"])
         s.rx = _f32(keep["rx"]); s.xe = _f32(keep["xe"]); s.xm = _f32(keep["xm"])
+        s.mla_qa = _f32(keep["mla_qa"]); s.mla_q = _f32(keep["mla_q"]); s.mla_o = _f32(keep["mla_o"])
+        s.head_jobs = <cb_matjob *>calloc(max(self.h.n_heads, 1), sizeof(cb_matjob))
+        if s.head_jobs == NULL:
+            raise MemoryError("cannot allocate the attention's product table")
         s.router = _f32(keep["router"])
         s.tok_chosen = <int *><uintptr_t>keep["tok_chosen"].ctypes.data
         s.tok_w = _f32(keep["tok_w"])
@@ -739,8 +806,12 @@ cdef class Engine:
             L.post_attn_norm = _vec(tensors, p + "post_attn_norm")
             L.post_ffn_norm = _vec(tensors, p + "post_ffn_norm")
             L.layer_scalar = _vec(tensors, p + "layer_scalar")[0] if (p + "layer_scalar") in tensors else 1.0
-            L.wq = _mat(tensors[p + "wq"]); L.wk = _mat(tensors[p + "wk"])
             L.wo = _mat(tensors[p + "wo"])
+            L.mla = 1 if f.kv_rank else 0
+            if L.mla:
+                _mla_layer(L, f, tensors, p, self.h.n_heads)
+            else:
+                L.wq = _mat(tensors[p + "wq"]); L.wk = _mat(tensors[p + "wk"])
             if (p + "wv") in tensors:
                 L.wv = _mat(tensors[p + "wv"])          # else data stays NULL: v is the k projection
             L.bq = _vec(tensors, p + "bq"); L.bk = _vec(tensors, p + "bk")
@@ -831,6 +902,7 @@ cdef class Engine:
         free(self.experts)
         free(self.s.acts)
         free(self.s.wave_acts)
+        free(self.s.head_jobs)
 
     def reset(self):
         """Forget the context (the KV cache is overwritten position by position, so nothing to clear)."""
@@ -880,14 +952,21 @@ cdef class Engine:
     def n_ctx(self):
         return self.h.n_ctx
 
+    def _kv_arrays(self):
+        """Every layer's key and value cache arrays, each once (an MLA layer has one for both)."""
+        seen = {}
+        for a in self._keep["k_cache"] + self._keep["v_cache"]:
+            seen[a.ctypes.data] = a
+        return list(seen.values())
+
     def kv_cache_ranges(self):
         """[(address, nbytes)] of every layer's key and value cache."""
-        return [(a.ctypes.data, a.nbytes) for a in self._keep["k_cache"] + self._keep["v_cache"]]
+        return [(a.ctypes.data, a.nbytes) for a in self._kv_arrays()]
 
     @property
     def kv_cache_bytes(self):
         """Bytes of the KV cache arrays as allocated (keys and values of every layer)."""
-        return sum(a.nbytes for a in self._keep["k_cache"] + self._keep["v_cache"])
+        return sum(a.nbytes for a in self._kv_arrays())
 
 
 cdef inline float *_f32(a):
@@ -910,6 +989,32 @@ cdef Mat _mat(t):
     m.rows = shape[0]
     m.cols = shape[1]
     return m
+
+
+cdef _mla_layer(Layer *L, f, dict tensors, str p, int n_heads):
+    """A multi-head latent attention layer's tables (_engine.pxd, Layer), its shapes checked."""
+    L.kv_rank = f.kv_rank
+    L.qk_head = f.qk_head
+    L.v_head = f.v_head
+    if (p + "wq_a") in tensors:
+        L.wq_a = _mat(tensors[p + "wq_a"])
+        L.q_a_norm = _vec(tensors, p + "q_a_norm")
+        L.wq_b = _mat(tensors[p + "wq_b"])
+    else:
+        L.wq = _mat(tensors[p + "wq"])
+    L.wkv_a = _mat(tensors[p + "wkv_a"])
+    L.kv_a_norm = _vec(tensors, p + "kv_a_norm")
+    L.wkb = _mat(tensors[p + "wkb"])
+    L.wvb = _mat(tensors[p + "wvb"])
+    nope = f.qk_head - f.rope_dim
+    if (f.head_dim != f.rope_dim + f.kv_rank or f.n_kv_heads != 1 or nope < 1
+            or L.wkv_a.rows != f.head_dim or (L.wkb.rows, L.wkb.cols) != (n_heads * f.kv_rank, nope)
+            or (L.wvb.rows, L.wvb.cols) != (n_heads * f.v_head, f.kv_rank) or L.wo.cols != n_heads * f.v_head
+            or L.kv_a_norm == NULL or (L.wq_a.data != NULL and L.q_a_norm == NULL)):
+        raise ValueError(f"{p}: inconsistent multi-head latent attention tensors")
+    for name in ("wkb", "wvb"):                    # multiplied without quantized activations
+        if tensors[p + name].dtype not in ("f32", "f16") or tensors[p + name].layout != "rows":
+            raise ValueError(f"tensor {p}{name} must be f32 or f16 in the rows layout")
 
 
 cdef const float *_vec(dict tensors, str name):

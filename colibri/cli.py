@@ -590,7 +590,13 @@ def cmd_info(args) -> int:
                 f"sigmoid router, {c.n_group} groups (best {c.topk_group})" if c.router_score == "sigmoid" else ""]
     if any(features):
         print(f"features:     {', '.join(f for f in features if f)}")
-    kv_bytes = sum(2 * c.layer_kv_heads_of(i) * c.layer_head_dim(i) * 4 for i in range(c.num_hidden_layers))
+    if c.mla:
+        print(f"attention:    multi-head latent: a latent of {c.kv_lora_rank} + a shared RoPE key of {c.rotary_dim} "
+              f"a token are cached; {c.num_attention_heads} heads of {c.qk_nope_head_dim} + {c.rotary_dim} (query) "
+              f"and {c.v_head_dim} (value), absorbed"
+              + (f"; low-rank query {c.q_lora_rank}" if c.q_lora_rank else ""))
+    kv_bytes = sum((1 if c.mla else 2) * c.layer_kv_heads_of(i) * c.layer_head_dim(i) * 4
+                   for i in range(c.num_hidden_layers))
     print(f"KV cache:     {kv_bytes} bytes a token (float32 keys and values"
           + (f"; sliding layers hold at most {c.sliding_window} + a prefill chunk)" if sliding else ")"))
     from .textfiles import TextSide, unlisted

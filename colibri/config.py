@@ -51,6 +51,17 @@ gpt-oss (gpt_oss) adds, each off by default:
   hidden_act "swiglu_clamped" with swiglu_alpha, swiglu_limit: gate = min(gate, limit), up =
                     clamp(up, -limit, limit), act = (up + 1) * gate * sigmoid(alpha * gate)
 
+DeepSeek-V3 / Kimi K2 (deepseek_v3) add multi-head latent attention, off by default:
+  kv_lora_rank      > 0: keys and values come from one latent of kv_lora_rank numbers a token
+                    (kv_a_proj, its RMSNorm) beside one shared RoPE key of rotary_dim numbers; the
+                    KV cache holds only those (head_dim = kv_lora_rank + rotary_dim, one KV head),
+                    and kv_b_proj is absorbed: wkb (its key half, transposed per head) turns each
+                    head's non-rotary query into a latent query, wvb (its value half) turns each
+                    head's attention over the latents into its value
+  q_lora_rank       > 0: the query goes through q_a_proj, its RMSNorm and q_b_proj; 0: q_proj
+  qk_nope_head_dim, v_head_dim   the per-head widths of the non-rotary query and of the value
+  (attention_scale holds qk_head_dim^-0.5 times YaRN's mscale(mscale_all_dim)^2)
+
 YaRN RoPE (rope_type "yarn": long-context Qwen3, gpt-oss, DeepSeek-V3), off by default:
   yarn_factor       > 0: the context extension factor (0: plain RoPE)
   yarn_original_max_position_embeddings, yarn_beta_fast, yarn_beta_slow, yarn_truncate
@@ -71,7 +82,7 @@ from ._engine import QK_NORM_CODES
 from ._kernels import ACT_CODES
 from .errors import ColibriError
 
-ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4", "glm4_moe", "gpt_oss")
+ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4", "glm4_moe", "gpt_oss", "deepseek_v3")
 ROUTER_SCORES = ("softmax", "sigmoid")
 QK_NORM_MODES = QK_NORM_CODES        # name -> the layer loop's code (defined once, in _engine.pyx)
 HIDDEN_ACTS = ACT_CODES              # name -> the kernels' code (defined once, in _kernels.pyx)
@@ -177,7 +188,8 @@ _FIELD_TYPES = {
     "yarn_factor": (float,), "yarn_original_max_position_embeddings": (int,), "yarn_beta_fast": (float,),
     "yarn_beta_slow": (float,), "yarn_truncate": (bool,), "yarn_attention_factor": (float,),
     "attention_sinks": (bool,), "router_logit_bias": (bool,), "expert_bias": (bool,), "swiglu_alpha": (float,),
-    "swiglu_limit": (float,),
+    "swiglu_limit": (float,), "kv_lora_rank": (int,), "q_lora_rank": (int,), "qk_nope_head_dim": (int,),
+    "v_head_dim": (int,),
 }
 
 
@@ -189,7 +201,8 @@ EXTENSION_FIELDS = ("layer_head_dims", "layer_kv_heads", "layer_rope_theta", "la
                     "router_score", "n_group", "topk_group", "routed_scaling_factor", "router_bias",
                     "shared_expert_gated", "rotary_dim", "yarn_factor", "yarn_original_max_position_embeddings",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "yarn_attention_factor",
-                    "attention_sinks", "router_logit_bias", "expert_bias", "swiglu_alpha", "swiglu_limit")
+                    "attention_sinks", "router_logit_bias", "expert_bias", "swiglu_alpha", "swiglu_limit",
+                    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
 
 
 @dataclass
@@ -251,6 +264,10 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -388,6 +405,20 @@ class ModelConfig:
         if self.yarn_factor and (not 1.0 <= self.yarn_factor <= 1e4 or self.layer_rope_fraction or self.layer_rope_theta):
             fail(f"yarn_factor must be 0 or in [1, 1e4], and not with per-layer RoPE; got {shown(self.yarn_factor)}")
         bounded("yarn_original_max_position_embeddings", 1 if self.yarn_factor else 0, MAX_POSITIONS)
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            bounded(name, 0, MAX_HIDDEN)
+        if self.kv_lora_rank:
+            if (self.head_dim != self.kv_lora_rank + self.rotary_dim or self.num_key_value_heads != 1
+                    or self.qk_nope_head_dim < 1 or self.v_head_dim < 1 or self.layer_head_dims or self.layer_kv_heads
+                    or self.qk_norm != "none" or self.attention_bias or self.attention_out_bias or self.v_norm
+                    or self.attention_k_eq_v or "sliding_attention" in self.layer_types or self.attention_sinks):
+                fail("multi-head latent attention (kv_lora_rank > 0) needs head_dim = kv_lora_rank + rotary_dim, one "
+                     "key/value head, qk_nope_head_dim and v_head_dim > 0, and none of per-layer geometry, q/k norms, "
+                     "biases, v_norm, attention_k_eq_v, sliding windows, sinks")
+            if self.attention_scale is None:
+                fail("multi-head latent attention needs attention_scale (qk_head_dim^-0.5 times YaRN's mscale^2)")
+        elif self.q_lora_rank or self.qk_nope_head_dim or self.v_head_dim:
+            fail("q_lora_rank, qk_nope_head_dim and v_head_dim are for multi-head latent attention (kv_lora_rank > 0)")
         for name in ("swiglu_alpha", "swiglu_limit"):
             if not 0 < getattr(self, name) < 1e6:
                 fail(f"{name} must be a positive number, got {shown(getattr(self, name))}")
@@ -451,6 +482,11 @@ class ModelConfig:
         theta = self.layer_rope_theta[layer] if self.layer_rope_theta else self.rope_theta
         return float(theta), float(self.layer_rope_fraction[layer] if self.layer_rope_fraction else 1.0)
 
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3): kv_lora_rank > 0."""
+        return self.kv_lora_rank > 0
+
     def layer_has_v(self, layer: int) -> bool:
         """False where v is the k projection (Gemma 4's attention_k_eq_v on full-attention layers)."""
         return not (self.attention_k_eq_v and self.layer_types[layer] == "full_attention")
@@ -461,11 +497,30 @@ class ModelConfig:
         the table is built."""
         return 3 * self.num_experts * sum(self.moe_layers)
 
+    def _mla_tensors(self, p: str) -> dict:
+        """A multi-head latent attention layer's tensors (kind "absorbed": f32 or f16, rows)."""
+        d, H, R, rope = self.hidden_size, self.num_attention_heads, self.kv_lora_rank, self.rotary_dim
+        qk = self.qk_nope_head_dim + rope
+        t = {}
+        if self.q_lora_rank:
+            t[p + "wq_a"] = ((self.q_lora_rank, d), "matrix")
+            t[p + "q_a_norm"] = ((self.q_lora_rank,), "norm")
+            t[p + "wq_b"] = ((H * qk, self.q_lora_rank), "matrix")
+        else:
+            t[p + "wq"] = ((H * qk, d), "matrix")
+        t[p + "wkv_a"] = ((rope + R, d), "matrix")
+        t[p + "kv_a_norm"] = ((R,), "norm")
+        t[p + "wkb"] = ((H * R, self.qk_nope_head_dim), "absorbed")
+        t[p + "wvb"] = ((H * self.v_head_dim, R), "absorbed")
+        t[p + "wo"] = ((d, H * self.v_head_dim), "matrix")
+        return t
+
     def expected_tensors(self) -> dict:
         """Every tensor a model of this config has: name -> (shape, kind).
 
         kind is "matrix" (stored in the model's weight dtype), "norm" (f32, or int16 with a scale
-        under --ln-quant int16), "vector" (f32: biases, the shared-expert gate) or "router" (f32 matrix). The converter writes exactly these; the loader checks them.
+        under --ln-quant int16), "vector" (f32: biases, the shared-expert gate), "router" (f32 matrix)
+        or "absorbed" (MLA's per-head up-projections: f32 in an f32 model, else f16; rows). The converter writes exactly these; the loader checks them.
         """
         d = self.hidden_size
         t = {"embedding": ((self.vocab_size, d), "matrix"), "final_norm": ((d,), "norm")}
@@ -482,11 +537,14 @@ class ModelConfig:
                 t[p + "post_ffn_norm"] = ((d,), "norm")
             if self.layer_scalar:
                 t[p + "layer_scalar"] = ((1,), "vector")
-            t[p + "wq"] = ((q_dim, d), "matrix")
-            t[p + "wk"] = ((kv_dim, d), "matrix")
-            if self.layer_has_v(layer):
-                t[p + "wv"] = ((kv_dim, d), "matrix")
-            t[p + "wo"] = ((d, q_dim), "matrix")
+            if self.mla:
+                t.update(self._mla_tensors(p))
+            else:
+                t[p + "wq"] = ((q_dim, d), "matrix")
+                t[p + "wk"] = ((kv_dim, d), "matrix")
+                if self.layer_has_v(layer):
+                    t[p + "wv"] = ((kv_dim, d), "matrix")
+                t[p + "wo"] = ((d, q_dim), "matrix")
             if self.attention_bias:
                 t[p + "bq"] = ((q_dim,), "vector")
                 t[p + "bk"] = ((kv_dim,), "vector")

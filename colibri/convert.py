@@ -52,7 +52,7 @@ from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
 from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
-                       ModelDir, ModelDirWriter, storage_nbytes, tensor_file, to_storage)
+                       ModelDir, ModelDirWriter, from_storage, storage_nbytes, tensor_file, to_storage)
 from . import quant
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
 
@@ -370,6 +370,45 @@ def _gpt_oss(hf: _HF) -> dict:
                 sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if "sliding_attention" in types else None)
 
 
+def _deepseek_v3(hf: _HF) -> dict:
+    """DeepSeek-V3 / R1 and Kimi K2: multi-head latent attention (config.py: the KV cache holds the
+    latent and the shared RoPE key; kv_b_proj absorbed into wkb / wvb), the first
+    first_k_dense_replace layers dense, the rest MoE with GLM-4.5's router (sigmoid, correction
+    bias, groups) and ungated shared experts. The next-token-prediction layers
+    (num_nextn_predict_layers, stored after the last decoder layer) are not run by transformers:
+    skipped, with a note."""
+    n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
+    experts = _experts(hf, "n_routed_experts")
+    ff = hf.dim("moe_intermediate_size", hi=MAX_FFN)
+    rank, rope = hf.dim("kv_lora_rank", hi=MAX_HIDDEN), hf.dim("qk_rope_head_dim", hi=MAX_HEAD_DIM)
+    nope, v = hf.dim("qk_nope_head_dim", hi=MAX_HEAD_DIM), hf.dim("v_head_dim", hi=MAX_HEAD_DIM)
+    if rope % 2:
+        hf.fail("qk_rope_head_dim", f"must be even for rotary embeddings, got {rope}")
+    if hf.bool("attention_bias", False):
+        hf.fail("attention_bias", "true is not supported with multi-head latent attention (no published model has it)")
+    common = _common(hf)
+    scale = (nope + rope) ** -0.5
+    rope_params = hf.obj("rope_parameters", None) or hf.obj("rope_scaling", None) or {}
+    kind = rope_params.get("rope_type", rope_params.get("type", "default"))
+    all_dim = rope_params.get("mscale_all_dim") if kind != "default" else None
+    if all_dim:                        # transformers' yarn_apply_mscale: the softmax scale times mscale^2
+        factor = common.get("yarn_factor") or 1.0
+        m = 0.1 * float(all_dim) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    common.update(head_dim=rank + rope, num_key_value_heads=1, rotary_dim=rope)
+    return dict(common, architecture="deepseek_v3", num_experts=experts,
+                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS), moe_intermediate_size=ff,
+                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+                shared_expert_intermediate_size=ff * hf.int("n_shared_experts", 0, hi=MAX_EXPERTS),
+                shared_expert_gated=False, norm_topk_prob=hf.bool("norm_topk_prob", True),
+                router_score="sigmoid", router_bias=True, n_group=hf.dim("n_group", 1, hi=MAX_EXPERTS),
+                topk_group=hf.dim("topk_group", 1, hi=MAX_EXPERTS),
+                routed_scaling_factor=hf.num("routed_scaling_factor", 1.0),
+                kv_lora_rank=rank, q_lora_rank=hf.dim("q_lora_rank", 0, hi=MAX_HIDDEN, lo=0),
+                qk_nope_head_dim=nope, v_head_dim=v, attention_scale=scale,
+                moe_layers=[i >= hf.int("first_k_dense_replace", 0, hi=n) for i in range(n)], **_uniform_window(n, 0))
+
+
 def _gemma4_text(hf: _HF) -> dict:
     """Gemma 4's text decoder with its MoE block (Gemma4TextConfig, enable_moe_block=True)."""
     def refuse(msg):
@@ -470,6 +509,7 @@ ARCHITECTURES = {
     "Gemma4ForConditionalGeneration": _gemma4_multimodal,
     "Glm4MoeForCausalLM": _glm4_moe,
     "GptOssForCausalLM": _gpt_oss,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
 # multimodal checkpoints: the prefix of the text model's tensors (rewritten to "model."), and the
@@ -481,7 +521,7 @@ _TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_to
 
 _L = r"model\.layers\.(\d+)\."
 _LAYER_NUMBER = re.compile(_L)
-_MTP_ARCHS = ("Glm4MoeForCausalLM",)
+_MTP_ARCHS = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 _MOE = r"(?:mlp|block_sparse_moe)\."
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _IGNORED = re.compile(r"model\.rotary_emb\.inv_freq|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -527,10 +567,17 @@ _GPT_OSS_RULES = [
     (_L + r"mlp\.router\.bias", lambda m: f"layers.{m[1]}.router_logit_bias"),
     (_L + r"mlp\.experts\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)", "gpt_oss_experts"),
 ]
+# DeepSeek-V3 first: its attention is rewritten into the latent form (mla_tensors)
+_DEEPSEEK_RULES = [
+    (_L + r"self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight", "mla"),
+    (_L + r"self_attn\.q_a_layernorm\.weight", lambda m: f"layers.{m[1]}.q_a_norm"),
+    (_L + r"self_attn\.kv_a_layernorm\.weight", lambda m: f"layers.{m[1]}.kv_a_norm"),
+]
 _RULES = [(re.compile(p), h) for p, h in _RULES]
+_DEEPSEEK_RULES = [(re.compile(p), h) for p, h in _DEEPSEEK_RULES] + _RULES
 _GEMMA4_RULES = [(re.compile(p), h) for p, h in _GEMMA4_RULES] + _RULES
 _GPT_OSS_RULES = [(re.compile(p), h) for p, h in _GPT_OSS_RULES] + _RULES
-_RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES, "gpt_oss": _GPT_OSS_RULES}
+_RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES, "gpt_oss": _GPT_OSS_RULES, "deepseek_v3": _DEEPSEEK_RULES}
 
 
 def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None) -> dict:
@@ -572,7 +619,9 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
                             or any(len(g) > 6 or int(g) >= cfg.num_experts for g in numbers[1:])):
                 raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} names a layer or an expert that config.json "
                                    f"does not have ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)")
-            if handler == "gpt_oss_experts":
+            if handler == "mla":
+                _plan_mla(ckpt, cfg, hf_name, int(m[1]), m[2], plan)
+            elif handler == "gpt_oss_experts":
                 _plan_gpt_oss_experts(ckpt, cfg, hf_name, int(m[1]), m[2], m[3], plan)
             elif handler in ("stacked_gate_up", "stacked_down"):
                 shape = ckpt.shape(hf_name)
@@ -634,6 +683,55 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
             raise ColibriError(f"tensor {name}: expected shape {list(want)} from config.json, checkpoint has "
                                f"{list(shape)} ({_cut(hf_name)})")
     return plan
+
+
+def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> None:
+    """DeepSeek-V3's attention projections -> the latent form (config.py, kv_lora_rank):
+      q_proj / q_b_proj [H * (nope + rope), in] -> wq / wq_b, each head's rows reordered to
+          [rope, nope], the rope rows de-interleaved where rope_interleave (pairs (2i, 2i + 1) become
+          (i, i + rope / 2), the pairs cb_rope rotates: the dot products are unchanged)
+      kv_a_proj_with_mqa [R + rope, d] -> wkv_a [rope, R] rows (rope rows reordered alike)
+      kv_b_proj [H * (nope + v), R] -> wkb [H * R, nope] (each head's key rows, transposed: the
+          latent query is wkb_h . q_nope_h) and wvb [H * v, R] (each head's value rows)"""
+    H, R, rope, nope, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.rotary_dim, cfg.qk_nope_head_dim,
+                           cfg.v_head_dim)
+    interleaved = ckpt.config.get("rope_interleave", True) is not False
+    perm = np.r_[0:rope:2, 1:rope:2] if interleaved else np.arange(rope)
+    p = f"layers.{layer}."
+    fanin = {"q_proj": cfg.hidden_size, "q_a_proj": cfg.hidden_size, "q_b_proj": cfg.q_lora_rank,
+             "kv_a_proj_with_mqa": cfg.hidden_size, "kv_b_proj": R}[proj]
+    rows = {"q_proj": H * (nope + rope), "q_a_proj": cfg.q_lora_rank, "q_b_proj": H * (nope + rope),
+            "kv_a_proj_with_mqa": R + rope, "kv_b_proj": H * (nope + v)}[proj]
+    if proj.startswith("q_") and (proj != "q_proj") != bool(cfg.q_lora_rank):
+        raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} does not fit config.json's q_lora_rank "
+                           f"({cfg.q_lora_rank or 'null'})")
+    if tuple(ckpt.shape(hf_name)) != (rows, fanin):
+        raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(ckpt.shape(hf_name))}; config.json "
+                           f"implies {[rows, fanin]}")
+
+    def query(w):                      # [H * (nope + rope), in] -> per head [rope (reordered), nope]
+        w = w.reshape(H, nope + rope, -1)
+        return np.concatenate([w[:, nope:][:, perm], w[:, :nope]], axis=1).reshape(H * (nope + rope), -1)
+
+    def kv_a(w):
+        return np.concatenate([w[R:][perm], w[:R]])
+
+    def kv_b(w, part):
+        w = w.reshape(H, nope + v, R)
+        if part == "wkb":
+            return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)).reshape(H * R, nope)
+        return np.ascontiguousarray(w[:, nope:]).reshape(H * v, R)
+
+    if proj == "kv_b_proj":
+        targets = {"wkb": lambda: kv_b(ckpt.f32(hf_name), "wkb"), "wvb": lambda: kv_b(ckpt.f32(hf_name), "wvb")}
+    else:
+        transform = {"q_proj": query, "q_b_proj": query, "kv_a_proj_with_mqa": kv_a, "q_a_proj": lambda w: w}[proj]
+        name = {"q_proj": "wq", "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a"}[proj]
+        targets = {name: lambda: np.ascontiguousarray(transform(ckpt.f32(hf_name)))}
+    for name, get in targets.items():
+        if p + name in plan:
+            raise ColibriError(f"{_cut(hf_name)}: tensor {p + name} is given twice in the checkpoint")
+        plan[p + name] = get
 
 
 class MxMatrix:
@@ -765,7 +863,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
 
     def write(writer):
         for rel, names in _files_of(expected):
-            writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name], layouts[name])
+            writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name], layouts[name],
+                                            "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None)
                                     for name in names))
         for name in copied:
             writer.add_file(name, Path(hf_dir) / name)
@@ -1087,6 +1186,11 @@ def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | No
 _FINITE_LIMIT = {"f16": 65504.0, "int8": 65504.0 * 127, "int4": 65504.0 * 8}
 
 
+# MLA's absorbed up-projections (config.py, kind "absorbed") are multiplied per head, each with
+# its own input, so without quantized (or, for bf16, permuted) activations: f32 or f16. A bf16
+# model keeps them bf16-rounded in f32 (the same numbers as its bf16 weights), a quantized one f16.
+ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int4": "f16", "mxfp4": "f16"}
+
 # --quantize mxfp4: the routed experts in mxfp4, every other matrix in this (gpt-oss's checkpoints
 # keep attention, router, embedding and head in bf16 beside their mxfp4 experts)
 MXFP4_DENSE_DTYPE = "bf16"
@@ -1095,6 +1199,8 @@ MXFP4_DENSE_DTYPE = "bf16"
 def _dtype_for(shape, kind, quantize, ln_quant=None, name=""):
     if kind == "norm":
         return "int16" if ln_quant else "f32"
+    if kind == "absorbed":           # MLA's per-head products: a float format every tier multiplies unquantized
+        return ABSORBED_DTYPE[quantize]
     if kind != "matrix":
         return "f32"
     if quantize == "mxfp4" and not _EXPERT_MATRIX.fullmatch(name):
@@ -1120,9 +1226,10 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
     return wanted
 
 
-def _stored(name, values, shape, dtype, layout="rows"):
+def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None):
     """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file.
-    values: float32, or an MxMatrix (an mxfp4 checkpoint's), kept byte for byte as mxfp4."""
+    values: float32, or an MxMatrix (an mxfp4 checkpoint's), kept byte for byte as mxfp4;
+    kind_rounding "bf16": f32 storage of bf16-rounded values (ABSORBED_DTYPE)."""
     if isinstance(values, MxMatrix):
         if tuple(values.shape) != shape:
             raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
@@ -1146,6 +1253,8 @@ def _stored(name, values, shape, dtype, layout="rows"):
         scale = amax / 32767.0 if amax > 0 else 1.0
         q = np.clip(np.rint(values.astype(np.float64) / scale), -32767, 32767).astype("<i2")
         return name, q, dtype, shape, {"scale": scale}
+    if dtype == "f32" and kind_rounding == "bf16":
+        values = from_storage(to_storage(values, "bf16"), "bf16")
     stored = to_storage(values, dtype)
     if layout != "rows":
         return name, from_rows(stored, dtype, shape[1], layout), dtype, shape, {"layout": layout}

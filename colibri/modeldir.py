@@ -42,7 +42,8 @@ MAX_OTHER_FILES = 256                # files in the table beyond one per tensor 
 # block formats int8/int4/mxfp4 are stored as bytes, [rows, cols / 32 * block bytes])
 STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
                   "int8": np.dtype("u1"), "int4": np.dtype("u1"), "mxfp4": np.dtype("u1"), "int16": np.dtype("<i2")}
-NORM_DTYPES = ("f32", "int16")       # int16 norm weights carry a float "scale": w = scale * q
+NORM_DTYPES = ("f32", "int16")
+ABSORBED_DTYPES = ("f32", "f16")     # MLA's absorbed up-projections (config.expected_tensors "absorbed")       # int16 norm weights carry a float "scale": w = scale * q
 WEIGHT_DTYPES = tuple(DTYPE_CODES)       # the kernels' storage formats (colibri._kernels)
 
 
@@ -65,7 +66,7 @@ def tensor_file(name: str) -> str:
     kind = parts[2]
     if kind == "experts":
         return f"{layer}/expert_{int(parts[3]):03d}.bin"
-    if kind in ("router", "router_scale", "expert_scale", "router_bias"):
+    if kind in ("router", "router_scale", "expert_scale", "router_bias", "router_logit_bias"):
         return f"{layer}/router.bin"
     if kind in ("shared", "shared_gate"):
         return f"{layer}/shared_expert.bin"
@@ -215,7 +216,8 @@ class ModelDir:
                 raise ColibriError(f"{ctx}: file {shown(t['file'])} is not in the file table")
             if t["dtype"] not in STORAGE_DTYPES:
                 raise ColibriError(f"{ctx}: unknown dtype {shown(t['dtype'])}")
-            allowed = WEIGHT_DTYPES if kind == "matrix" else NORM_DTYPES if kind == "norm" else ("f32",)
+            allowed = (WEIGHT_DTYPES if kind == "matrix" else NORM_DTYPES if kind == "norm"
+                       else ABSORBED_DTYPES if kind == "absorbed" else ("f32",))
             if t["dtype"] not in allowed:
                 raise ColibriError(f"{ctx}: expected dtype {' or '.join(allowed)}, got {t['dtype']}")
             if t["dtype"] == "int16":

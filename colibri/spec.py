@@ -35,6 +35,10 @@ class LayerSpec:
     rope_dim: int            # the first rope_dim values of each head rotate (head_dim: all)
     rope_cos: np.ndarray     # float32 [n_ctx, rope_dim / 2]
     rope_sin: np.ndarray     # float32 [n_ctx, rope_dim / 2]
+    kv_rank: int = 0         # multi-head latent attention's latent width (0: not MLA; head_dim = rope_dim + kv_rank)
+    q_lora: int = 0          # its low-rank query width (0: none)
+    qk_head: int = 0         # its per-head query width (rope_dim + qk_nope_head_dim)
+    v_head: int = 0          # its per-head value width
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,9 @@ def layer_specs(cfg, n_ctx: int, chunk: int) -> tuple:
         out.append(LayerSpec(moe=bool(cfg.moe_layers[i]), sliding_window=window, d_ff=cfg.layer_d_ff(i),
                              head_dim=hd, n_kv_heads=cfg.layer_kv_heads_of(i),
                              kv_ring=min(n_ctx, window + chunk) if window else n_ctx, rope_dim=rot,
-                             attn_scale=cfg.attention_scale or 0.0, rope_cos=cos, rope_sin=sin))
+                             attn_scale=cfg.attention_scale or 0.0, rope_cos=cos, rope_sin=sin,
+                             kv_rank=cfg.kv_lora_rank, q_lora=cfg.q_lora_rank,
+                             qk_head=cfg.qk_nope_head_dim + rot if cfg.mla else 0, v_head=cfg.v_head_dim))
     return tuple(out)
 
 

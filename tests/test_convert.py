@@ -322,13 +322,14 @@ def test_unknown_layout_is_refused(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
-    """GLM-4.5 checkpoints store num_nextn_predict_layers extra layers after the decoder's
-    (eh_proj, enorm, hnorm, a full MoE layer): transformers does not run them, so convert skips
-    them with a note; a layer past those is still refused."""
+@pytest.mark.parametrize("case, arch", [("glm4moe_a", "glm4_moe"), ("deepseekv3_a", "deepseek_v3")])
+def test_multi_token_prediction_layers_are_skipped(tmp_path, case, arch):
+    """GLM-4.5 and DeepSeek-V3 checkpoints store num_nextn_predict_layers extra layers after the
+    decoder's (eh_proj, enorm, hnorm, a full MoE layer): transformers does not run them, so
+    convert skips them with a note; a layer past those is still refused."""
     from colibri.hfcheckpoint import HFCheckpoint
     from conftest import write_safetensors
-    src = Path(__file__).parent / "fixtures" / "glm4moe_a" / "hf"
+    src = Path(__file__).parent / "fixtures" / case / "hf"
     hf = tmp_path / "hf"
     shutil.copytree(src, hf)
     ckpt = HFCheckpoint(hf)
@@ -343,10 +344,10 @@ def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
     lines = []
     convert(hf, tmp_path / "m", log=lines.append)
     assert any("ignoring 2 tensors of the multi-token-prediction layer(s) 3..3" in line for line in lines)
-    ref = np.load(Path(__file__).parent / "fixtures" / "glm4moe_a" / "reference.npz")
+    ref = np.load(Path(__file__).parent / "fixtures" / case / "reference.npz")
     logits = colibri.load(tmp_path / "m").forward(ref["input_ids"])
     assert np.abs(logits - ref["logits_f32"]).max() <= 1e-4 * np.abs(ref["logits_f32"]).max()
     cfg["num_nextn_predict_layers"] = 0
     (hf / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(colibri.ColibriError, match=r"not understood for glm4_moe: model\.layers\.3\.eh_proj"):
+    with pytest.raises(colibri.ColibriError, match=rf"not understood for {arch}: model\.layers\.3\.eh_proj"):
         convert(hf, tmp_path / "m2", log=lambda *a: None)

@@ -433,3 +433,22 @@ def test_a_model_larger_than_its_cgroup_runs_under_it(tmp_path):
             d.rmdir()
         except OSError:
             pass
+
+
+@pytest.mark.parametrize("case, dtype", [("gpt_oss_b", "f32"), ("gpt_oss_b", "mxfp4"), ("deepseekv3_a", "f32"),
+                                         ("deepseekv3_a", "int4")])
+def test_new_families_under_an_expert_budget_give_the_same_logits(converted, case, dtype):
+    """gpt-oss (expert biases in the expert files, mxfp4 experts) and DeepSeek-V3 (MLA, shared
+    experts, a dense layer) under an expert budget of a quarter of the experts: the cache
+    evicts and re-reads them, prefill streams one expert at a time, and the logits are those
+    without a budget."""
+    from colibri.modeldir import ModelDir
+    from conftest import reference
+    d = converted(case, dtype)
+    ref = reference(case)
+    free = colibri.load(d).forward(ref["input_ids"])
+    md = ModelDir(d)
+    experts = sum(t["nbytes"] for n, t in md.tensors.items() if ".experts." in n)
+    capped = colibri.load(d, expert_cache_mb=experts / 4 / 2**20)
+    np.testing.assert_array_equal(capped.forward(ref["input_ids"]), free)
+    assert capped.memory_stats()["experts_released"] > 0

@@ -36,7 +36,7 @@ def test_every_architecture_is_covered():
     archs = {json.load(open(f"tests/fixtures/{c}/hf/config.json"))["architectures"][0] for c in CASES}
     assert archs == {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
                      "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Glm4MoeForCausalLM",
-                     "GptOssForCausalLM"}
+                     "GptOssForCausalLM", "DeepseekV3ForCausalLM"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

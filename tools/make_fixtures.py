@@ -65,6 +65,8 @@ from transformers import (
     GenerationConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     MixtralConfig,
@@ -240,6 +242,39 @@ CASES: dict[str, dict] = {
                "the model's experts were rounded to mxfp4 first, so logits_f32 is the float32 forward of "
                "exactly the stored weights (transformers dequantizes the checkpoint to those)",
                "gpt-oss-20b's RoPE (YaRN 32 over 4096, theta 150000), 8 heads of 8 on one KV head"],
+    ),
+    "deepseekv3_a": dict(
+        arch="deepseek_v3", config_cls=DeepseekV3Config, model_cls=DeepseekV3ForCausalLM, seed=9401, init_std=0.15,
+        overrides=dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                       qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                       topk_group=2, n_shared_experts=1, moe_intermediate_size=32, intermediate_size=64,
+                       first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       rope_interleave=True, max_position_embeddings=512, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                        "original_max_position_embeddings": 64, "mscale": 1.0,
+                                        "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+        storage="float32", layout="single", quant_refs=("int8", "int4"), no_activation_flips=True,
+        max_attempts=200,
+        notes=["multi-head latent attention: q_lora_rank 48 (q_a_proj, q_a_layernorm, q_b_proj), kv_lora_rank 32, "
+               "qk_nope 16 + qk_rope 8, v_head_dim 24 (!= nope), interleaved RoPE pairs",
+               "YaRN x8 with mscale = mscale_all_dim = 1: the softmax scale is qk_head_dim^-0.5 * mscale^2",
+               "sigmoid router + e_score_correction_bias, 4 groups of 2, best 2 groups, routed_scaling 2.5",
+               "layer 0 dense (first_k_dense_replace 1), one shared expert"],
+    ),
+    "deepseekv3_b": dict(
+        arch="deepseek_v3", config_cls=DeepseekV3Config, model_cls=DeepseekV3ForCausalLM, seed=9501, init_std=0.15,
+        overrides=dict(vocab_size=192, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                       num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=8,
+                       qk_rope_head_dim=16, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=3, n_group=1,
+                       topk_group=1, n_shared_experts=2, moe_intermediate_size=16, intermediate_size=32,
+                       first_k_dense_replace=0, routed_scaling_factor=1.0, norm_topk_prob=False,
+                       rope_interleave=False, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        storage="bfloat16", layout="single",
+        notes=["MLA without the q low-rank (q_proj), kv_lora_rank 64, nope 8 + rope 16, v 8, plain RoPE pairs",
+               "every layer MoE, one group, weights not renormalised, two shared experts, tied embeddings",
+               "checkpoint stored in bfloat16 (references from exactly the stored weights)"],
     ),
 }
 
@@ -577,10 +612,54 @@ def attempt(spec: dict, seed: int) -> dict:
         del mr
     if spec.get("quant_refs"):
         res["router_margin_quant"] = float("inf")
+        res["activation_rounding_flips"] = 0
         for dt in spec["quant_refs"] if isinstance(spec["quant_refs"], (list, tuple)) else ("int8", "int4"):
-            res[f"logits_{dt}w"], rlq = forward(quantized_copy(model, dt), ids)
+            mq = quantized_copy(model, dt)
+            res[f"logits_{dt}w"], rlq = forward(mq, ids)
             res["router_margin_quant"] = min(res["router_margin_quant"], router_margin(rlq, k))
+            if spec.get("no_activation_flips"):
+                res["activation_rounding_flips"] += activation_rounding_flips(mq, ids)
     return res
+
+
+@torch.no_grad()
+def routed_experts(model, ids) -> list:
+    """The expert sets each MoE layer's router chose for each token: [layer][token] frozensets
+    (the routers that return their choice: the TopK / Topk routers' third output)."""
+    chosen, hooks = [], []
+    for mod in model.modules():
+        if type(mod).__name__.lower().endswith("topkrouter"):
+            hooks.append(mod.register_forward_hook(
+                lambda _m, _i, out: chosen.append([frozenset(r.tolist()) for r in out[2]])))
+    forward(model, ids)
+    for h in hooks:
+        h.remove()
+    return chosen
+
+
+@torch.no_grad()
+def activation_rounding_flips(model, ids) -> int:
+    """How many (layer, token) expert choices change when every linear layer's input (the
+    routers' and kv_b_proj's excepted) is rounded as Colibri rounds the activations it multiplies
+    against int8/int4/mxfp4 weights (blocks of 32: d = amax / 127, q = rint(x / d)): a fixture
+    whose quantized references a rounding flips would hold Colibri to a different routing."""
+    def rounded(_m, args):
+        x = args[0]
+        if x.shape[-1] % 32:
+            return None
+        b = x.reshape(*x.shape[:-1], -1, 32)
+        d = b.abs().amax(-1, keepdim=True) / 127
+        q = torch.where(d > 0, torch.round(b / torch.where(d > 0, d, torch.ones_like(d))), torch.zeros_like(b))
+        return ((q * d).reshape(x.shape),) + tuple(args[1:])
+    plain = routed_experts(model, ids)
+    hooks = [mod.register_forward_pre_hook(rounded) for name, mod in model.named_modules()
+             if isinstance(mod, torch.nn.Linear) and "router" not in name and not name.endswith(("gate", "kv_b_proj"))]
+    try:
+        noisy = routed_experts(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(a != b for la, lb in zip(plain, noisy) for a, b in zip(la, lb))
 
 
 @torch.no_grad()
@@ -638,6 +717,8 @@ def quantized_copy(model, dtype: str):
     def stored(w, fmt):                  # [rows, cols] float32 -> what the format holds
         if fmt == "bf16":
             return torch.from_numpy(w).to(torch.bfloat16).float().numpy()
+        if fmt == "f16":
+            return w.astype(np.float16).astype(np.float32)
         if w.shape[1] % QBLOCK:
             return w.astype(np.float16).astype(np.float32)
         return dequantize(quantize(w, fmt), fmt, w.shape[1])
@@ -650,6 +731,8 @@ def quantized_copy(model, dtype: str):
         stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj")) and p.ndim == 3
         expert = stacked or ".experts." in name
         fmt = dtype if dtype != "mxfp4" or expert else "bf16"
+        if name.endswith("kv_b_proj.weight"):        # MLA's absorbed up-projections: f16 (convert.py)
+            fmt = "f16"
         if stacked and m.config.model_type == "gpt_oss":
             q = np.stack([stored(np.ascontiguousarray(p[e].detach().numpy().T.astype(np.float32)), fmt).T
                           for e in range(p.shape[0])])
@@ -739,6 +822,8 @@ def make_case(name: str) -> dict:
         rm = min(res["router_margin"], res["router_margin_bf16"], res["router_margin_f16"])
         if "min_router_margin" in spec:      # the quantized references' routing must be as clear
             rm = min(rm, res.get("router_margin_quant", rm))
+        if res.get("activation_rounding_flips"):
+            rm = 0.0
         if rm >= spec.get("min_router_margin", MIN_ROUTER_MARGIN) and res["greedy_margin"] >= MIN_GREEDY_MARGIN:
             break
         rejected.append(dict(seed=seed, router_margin=rm, greedy_margin=res["greedy_margin"]))
