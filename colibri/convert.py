@@ -872,7 +872,8 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
                                       "hf_dir_name": Path(hf_dir).resolve().name},
                       ln_bits=16 if ln_quant else 32)
     _write_model_dir(out, force, need, write, {"--hf-dir": hf_dir})
-    fallback = sum(1 for n, (_, kind) in expected.items() if kind == "matrix" and dtypes[n] != quantize)
+    fallback = sum(1 for n, (shape, kind) in expected.items()
+                   if kind == "matrix" and dtypes[n] == FALLBACK_DTYPE != quantize and shape[-1] % QBLOCK)
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
     kept = sum(1 for n, (shape, _) in expected.items()

@@ -76,3 +76,23 @@ def test_eval_needs_a_tokenizer(converted, tmp_path):
     r = subprocess.run([sys.executable, "-m", "colibri", "eval", "--model-dir", str(converted("olmoe_a")),
                         "--text", str(text)], env=ENV, capture_output=True, text=True)
     assert r.returncode == 2 and "tokenizer" in r.stderr
+
+
+@pytest.mark.parametrize("case, dtype", [("gpt_oss_b", "mxfp4"), ("deepseekv3_b", "int8")])
+def test_eval_takes_the_new_families(tmp_path, case, dtype):
+    """gpt-oss (mxfp4) and DeepSeek-V3 (MLA) through eval, against their f32 conversion: the
+    checkpoint with a small BPE tokenizer.json beside it, converted twice."""
+    import shutil
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from colibri.convert import convert
+    hf = tmp_path / "hf"
+    shutil.copytree(Path(__file__).parent / "fixtures" / case / "hf", hf)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.save(str(hf / "tokenizer.json"))
+    for fmt in ("f32", dtype):
+        convert(hf, tmp_path / fmt, quantize=fmt, log=lambda *a: None)
+    r = evaluate(colibri.load(tmp_path / dtype), TEXT, ctx=32, reference=colibri.load(tmp_path / "f32"))
+    assert r["scored"] > 50 and math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+    assert 0 < r["kl_mean"] < 0.05 and r["top1_agreement"] >= 0.8

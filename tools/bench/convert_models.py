@@ -31,6 +31,16 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("BENCH_CACHE", "/work/bench_cache"))
 LLAMA_BIN = CACHE / "llama.cpp-build" / "bin"
 PAIRS = (("bf16", "bf16"), ("int8", "q8_0"), ("int4", "q4_0"))
+# gpt-oss in mxfp4 on both sides: Colibri's --quantize mxfp4 keeps the checkpoint's expert blocks
+# and stores the rest bf16; convert_hf_to_gguf.py --outtype bf16 keeps them as MXFP4 and the rest bf16
+# DeepSeek-V3-3l: int8 and int4 only (its bf16 forms would need 17 GB more disk); its bf16 GGUF is
+# only the source of llama-quantize
+PAIRS_OF = {"gpt-oss-20b-4l": (("mxfp4", "mxfp4"),), "deepseek-v3-3l": (("int8", "q8_0"), ("int4", "q4_0"))}
+GGUF_SOURCE = {"gpt-oss-20b-4l": "mxfp4"}     # what convert_hf_to_gguf.py --outtype bf16 writes (default bf16)
+
+
+def pairs_of(model: str) -> tuple:
+    return PAIRS_OF.get(model, PAIRS)
 
 
 def colibri_dir(model: str, fmt: str) -> Path:
@@ -65,8 +75,9 @@ def convert(model: str, threads: int = 1, force: bool = False, engines=("colibri
     hf = CACHE / "hf" / model
     if not (hf / "config.json").is_file() and not (drop_hf and gguf_file(model, "bf16").is_file()):
         raise SystemExit(f"{hf} does not exist: run tools/bench/make_models.py {model}")
+    pairs = pairs_of(model)
     if "colibri" in engines:
-        for fmt, _ in PAIRS:
+        for fmt, _ in pairs:
             out = colibri_dir(model, fmt)
             if (out / "config.json").is_file() and not force:
                 stale = stale_layouts(out, fmt)
@@ -84,17 +95,19 @@ def convert(model: str, threads: int = 1, force: bool = False, engines=("colibri
                  "--quantize", fmt, "--force"], threads)
     if "llama" in engines:
         gguf_file(model, "bf16").parent.mkdir(parents=True, exist_ok=True)
-        bf16 = gguf_file(model, "bf16")
+        bf16 = gguf_file(model, GGUF_SOURCE.get(model, "bf16"))     # the converter's output (bf16, + MXFP4 experts)
         if force or not bf16.is_file():
             tmp = bf16.with_suffix(".tmp")
             run([sys.executable, HERE / "gguf_convert.py", hf, "--outtype", "bf16", "--outfile", tmp], threads)
             os.replace(tmp, bf16)
-    if drop_hf and hf.exists() and all(p.exists() for p in [colibri_dir(model, c) for c, _ in PAIRS] + [gguf_file(model, "bf16")]):
+    if drop_hf and hf.exists() and all(p.exists() for p in [colibri_dir(model, c) for c, _ in pairs] + [bf16]):
         print(f"[convert] removing {hf} (make_models.py remakes it identically)")
         shutil.rmtree(hf)
     if "llama" in engines:
-        for _, fmt in PAIRS[1:]:
+        for _, fmt in pairs:
             out = gguf_file(model, fmt)
+            if out == bf16:
+                continue
             if out.is_file() and not force:
                 print(f"[convert] {out} exists")
                 continue

@@ -64,13 +64,33 @@ MODELS = {
         attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8,
         moe_intermediate_size=704, vocab_size=262144, sliding_window=1024, final_logit_softcapping=30.0,
         hidden_size_per_layer_input=0, max_position_embeddings=262144, eos_token_id=[1, 106])),
+    # the public openai/gpt-oss-20b shape (hidden 2880, 64 heads of 64 on 8 KV heads, 32 experts
+    # top-4 of width 2880, vocab 201088, sliding window 128 on every other layer, YaRN), 4 of
+    # its 24 layers; experts in the published MXFP4 layout (*_blocks / *_scales), the rest bf16
+    "gpt-oss-20b-4l": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=4, num_local_experts=32, vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128, num_experts_per_tok=4,
+        eos_token_id=200002, pad_token_id=199999, max_position_embeddings=131072)),
+    # the public deepseek-ai/DeepSeek-V3 widths (hidden 7168, 128 heads, MLA q_lora 1536 / kv_lora 512,
+    # nope 128 + rope 64, v 128, expert width 2048, dense width 18432, vocab 129280, YaRN x40),
+    # scaled to fit: 3 layers (the first dense) of 16 experts top-8 in 8 groups (best 4), one shared
+    "deepseek-v3-3l": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=8, n_group=8,
+        topk_group=4, max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096})),
 }
-NO_TOKENIZER = {"gemma4-26b-a4b"}
+NO_TOKENIZER = {"gemma4-26b-a4b", "gpt-oss-20b-4l", "deepseek-v3-3l"}   # gguf_convert.py gives llama.cpp a vocabulary
 TINY = {  # --self-check sizes
     "MixtralConfig": dict(hidden_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                           intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
     "OlmoeConfig": dict(hidden_size=64, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                         intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
+    "DeepseekV3Config": dict(hidden_size=64, num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                             intermediate_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=300),
     "Gemma4TextConfig": dict(hidden_size=64, num_hidden_layers=3, intermediate_size=64, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
                              attention_k_eq_v=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
@@ -114,10 +134,68 @@ def gemma4_tensor_list(cfg) -> list:
     return out + [("model.norm.weight", (d,), True)]
 
 
+def gpt_oss_tensor_list(cfg) -> list:
+    """GptOssForCausalLM as its published mxfp4 checkpoints name it: the experts' *_blocks (U8, random
+    codes) and *_scales (U8, e8m0 near 2^-6: weights of about 0.02), every other tensor bf16."""
+    d, V, E, f = cfg.hidden_size, cfg.vocab_size, cfg.num_local_experts, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = [("model.embed_tokens.weight", (V, d), False)]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (d,), True), (p + "post_attention_layernorm.weight", (d,), True)]
+        for x, rows in (("q", q), ("k", kv), ("v", kv)):
+            out += [(p + f"self_attn.{x}_proj.weight", (rows, d), False), (p + f"self_attn.{x}_proj.bias", (rows,), False)]
+        out += [(p + "self_attn.o_proj.weight", (d, q), False), (p + "self_attn.o_proj.bias", (d,), False),
+                (p + "self_attn.sinks", (cfg.num_attention_heads,), False),
+                (p + "mlp.router.weight", (E, d), False), (p + "mlp.router.bias", (E,), False)]
+        for proj, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+            x = p + "mlp.experts." + proj
+            out += [(x + "_blocks", (E, rows, cols // 32, 16), "blocks"), (x + "_scales", (E, rows, cols // 32), "scales"),
+                    (x + "_bias", (E, rows), False)]
+    return out + [("model.norm.weight", (d,), True), ("lm_head.weight", (V, d), False)]
+
+
+def deepseek_v3_tensor_list(cfg) -> list:
+    """DeepseekV3ForCausalLM as save_pretrained names it (experts one by one)."""
+    d, V, E, H = cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_attention_heads
+    qk, R = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    out = [("model.embed_tokens.weight", (V, d), False)]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out += [(a + "q_a_proj.weight", (cfg.q_lora_rank, d), False), (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), True),
+                (a + "q_b_proj.weight", (H * qk, cfg.q_lora_rank), False),
+                (a + "kv_a_proj_with_mqa.weight", (R + cfg.qk_rope_head_dim, d), False),
+                (a + "kv_a_layernorm.weight", (R,), True),
+                (a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R), False),
+                (a + "o_proj.weight", (d, H * cfg.v_head_dim), False)]
+        if i < cfg.first_k_dense_replace:
+            f = cfg.intermediate_size
+            out += [(p + "mlp.gate_proj.weight", (f, d), False), (p + "mlp.up_proj.weight", (f, d), False),
+                    (p + "mlp.down_proj.weight", (d, f), False)]
+        else:
+            f, s = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+            out += [(p + "mlp.gate.weight", (E, d), False), (p + "mlp.gate.e_score_correction_bias", (E,), False)]
+            for e in range(E):
+                x = f"{p}mlp.experts.{e}."
+                out += [(x + "gate_proj.weight", (f, d), False), (x + "up_proj.weight", (f, d), False),
+                        (x + "down_proj.weight", (d, f), False)]
+            out += [(p + "mlp.shared_experts.gate_proj.weight", (s, d), False),
+                    (p + "mlp.shared_experts.up_proj.weight", (s, d), False),
+                    (p + "mlp.shared_experts.down_proj.weight", (d, s), False)]
+        out += [(p + "input_layernorm.weight", (d,), True), (p + "post_attention_layernorm.weight", (d,), True)]
+    return out + [("model.norm.weight", (d,), True), ("lm_head.weight", (V, d), False)]
+
+
 def tensor_list(cfg) -> list:
-    """[(name, shape, is_norm)] in module order, named as save_pretrained names them."""
+    """[(name, shape, kind)] in module order, named as save_pretrained names them; kind True: a
+    norm weight (1), False: bf16 N(0, 0.02), "blocks" / "scales": mxfp4 bytes (U8)."""
     if cfg.model_type == "gemma4_text":
         return gemma4_tensor_list(cfg)
+    if cfg.model_type == "gpt_oss":
+        return gpt_oss_tensor_list(cfg)
+    if cfg.model_type == "deepseek_v3":
+        return deepseek_v3_tensor_list(cfg)
     d, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -147,13 +225,24 @@ def tensor_list(cfg) -> list:
     return out
 
 
-def bf16_values(name: str, shape, is_norm: bool, seed: int):
-    """Yield the tensor's bf16 bits (uint16 arrays) chunk by chunk."""
+def element_bytes(kind) -> int:
+    return 1 if kind in ("blocks", "scales") else 2
+
+
+def bf16_values(name: str, shape, is_norm, seed: int):
+    """Yield the tensor's bf16 bits (uint16 arrays) chunk by chunk (mxfp4 bytes for "blocks" /
+    "scales": random codes, e8m0 scales 121 +- 1)."""
     n = int(np.prod(shape))
-    if is_norm:
+    if is_norm is True:
         yield np.full(n, 0x3F80, np.uint16)      # 1.0
         return
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if is_norm in ("blocks", "scales"):
+        for start in range(0, n, CHUNK):
+            k = min(CHUNK, n - start)
+            yield (rng.integers(0, 256, k, dtype=np.uint8) if is_norm == "blocks"
+                   else rng.integers(120, 123, k, dtype=np.uint8))
+        return
     for start in range(0, n, CHUNK):
         x = rng.standard_normal(min(CHUNK, n - start), dtype=np.float32)
         x *= np.float32(STD)
@@ -165,7 +254,7 @@ def bf16_values(name: str, shape, is_norm: bool, seed: int):
 def plan_shards(tensors) -> list:
     shards, cur, size = [], [], 0
     for t in tensors:
-        nb = int(np.prod(t[1])) * 2
+        nb = int(np.prod(t[1])) * element_bytes(t[2])
         if cur and size + nb > SHARD_BYTES:
             shards.append(cur)
             cur, size = [], 0
@@ -177,9 +266,10 @@ def plan_shards(tensors) -> list:
 
 def write_safetensors(path: Path, tensors, seed: int) -> None:
     header, off = {}, 0
-    for name, shape, _ in tensors:
-        nb = int(np.prod(shape)) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nb]}
+    for name, shape, kind in tensors:
+        nb = int(np.prod(shape)) * element_bytes(kind)
+        header[name] = {"dtype": "U8" if element_bytes(kind) == 1 else "BF16", "shape": list(shape),
+                        "data_offsets": [off, off + nb]}
         off += nb
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -189,7 +279,7 @@ def write_safetensors(path: Path, tensors, seed: int) -> None:
         fh.write(blob)
         for name, shape, is_norm in tensors:
             for chunk in bf16_values(name, shape, is_norm, seed):
-                fh.write(chunk.astype("<u2", copy=False).tobytes())
+                fh.write(chunk.tobytes() if chunk.dtype == np.uint8 else chunk.astype("<u2", copy=False).tobytes())
 
 
 def train_tokenizer(vocab_size: int, seed: int = 0) -> bytes:
@@ -220,7 +310,7 @@ def write_model(cfg, out: Path, seed: int = 0, tokenizer: bool = True) -> None:
     tmp.mkdir(parents=True)
     tensors = tensor_list(cfg)
     shards = plan_shards(tensors)
-    total = sum(int(np.prod(s)) * 2 for _, s, _ in tensors)
+    total = sum(int(np.prod(s)) * element_bytes(k) for _, s, k in tensors)
     print(f"[make_models] {out.name}: {len(tensors)} tensors, {total / 1e9:.2f} GB bf16, {len(shards)} shard(s)",
           flush=True)
     if len(shards) == 1:
@@ -235,6 +325,9 @@ def write_model(cfg, out: Path, seed: int = 0, tokenizer: bool = True) -> None:
             weight_map.update({name: fname for name, _, _ in shard})
         index = {"metadata": {"total_parameters": total // 2, "total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if cfg.model_type == "gpt_oss":          # as the published checkpoints say it
+        cfg.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (tmp / "config.json").write_text(cfg.to_json_string(use_diff=True))
     (tmp / "generation_config.json").write_text(GenerationConfig.from_model_config(cfg).to_json_string())
     if tokenizer:
@@ -252,6 +345,8 @@ def self_check() -> int:
     from safetensors import safe_open
     ok = True
     for (cls_name, arch, _) in MODELS.values():
+        if cls_name not in TINY:        # gpt-oss: the mxfp4 layout, which save_pretrained does not write
+            continue
         cfg = make_config(cls_name, arch, TINY[cls_name])
         with tempfile.TemporaryDirectory() as d:
             ours, ref = Path(d) / "ours", Path(d) / "ref"
@@ -267,9 +362,10 @@ def self_check() -> int:
             loaded, info = getattr(transformers, arch).from_pretrained(ours, output_loading_info=True)
             bad_keys = [k for v in info.values() for k in (v or [])]
             sd = loaded.state_dict()            # an expert weight as transformers sees it (stacked or not)
+            probe = "model.layers.1.self_attn." + ("q_a_proj" if cfg.model_type == "deepseek_v3" else "q_proj") + ".weight"
             with safe_open(str(ours / "model.safetensors"), "pt") as f:
-                q = f.get_tensor("model.layers.1.self_attn.q_proj.weight")
-            same_w = torch.equal(sd["model.layers.1.self_attn.q_proj.weight"], q)
+                q = f.get_tensor(probe)
+            same_w = torch.equal(sd[probe], q)
             std = float(q.float().std())
             print(f"[self-check] {arch}: tensors {'==' if same_t else '!='} save_pretrained, "
                   f"config.json {'==' if same_c else '!='}, from_pretrained problems {bad_keys or 'none'}, "

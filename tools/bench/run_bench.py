@@ -46,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from convert_models import CACHE, LLAMA_BIN, PAIRS, stale_layouts, colibri_dir, gguf_file  # noqa: E402
+from convert_models import CACHE, LLAMA_BIN, pairs_of, stale_layouts, colibri_dir, gguf_file  # noqa: E402
 
 TINY_FIXTURE = REPO / "tests" / "fixtures" / "mixtral_a" / "hf"
 # Bench this tree's Colibri when it has a built extension (pip install -e . / build_ext --inplace),
@@ -84,9 +84,10 @@ def run_colibri(model_dir, a, threads) -> dict:
             "p99_ms": med["decode_p99_ms"], "rss": rss, "load_s": r["load_seconds"]}
 
 
-def run_llama(gguf, a, threads) -> dict:
-    stdout, rss = run_child([LLAMA_BIN / "llama-bench", "-m", gguf, "-p", a.prompt_len, "-n", a.gen,
-                             "-t", threads, "-r", 1, "-o", "json"])
+def run_llama(gguf, a, threads, bench=None, extra=()) -> dict:
+    """llama-bench (llama.cpp's, or ik_llama.cpp's at `bench` with its `extra` flags: -rtr 1)."""
+    stdout, rss = run_child([bench or LLAMA_BIN / "llama-bench", "-m", gguf, "-p", a.prompt_len, "-n", a.gen,
+                             "-t", threads, "-r", 1, "-o", "json", *extra])
     tests = json.loads(stdout)
     pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
     tg = next(t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0)
@@ -145,7 +146,12 @@ def evict(path) -> None:
 
 
 RUNNERS = {"colibri": lambda *x: run_colibri(*x), "llama.cpp": lambda *x: run_llama(*x),
-           "transformers": lambda *x: run_transformers(*x)}
+           "transformers": lambda *x: run_transformers(*x),
+           # ik_llama.cpp (github ikawrakow/ik_llama.cpp, built by the user: --ik-bench PATH), as it
+           # comes and with its run-time repacking
+           "ik_llama.cpp": lambda g, a, t: run_llama(g, a, t, a.ik_bench),
+           "ik_llama.cpp -rtr": lambda g, a, t: run_llama(g, a, t, a.ik_bench, ("-rtr", 1))}
+LLAMA_ENGINES = ("llama.cpp", "ik_llama.cpp", "ik_llama.cpp -rtr")
 
 
 def prewarm(path, passes: int = 2) -> None:
@@ -259,12 +265,15 @@ def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
     from colibri import _kernels
     date = datetime.date.today().isoformat()
     llama_meta = next((m for (eng, _, _), ms in rows.items() if eng == "llama.cpp" for m in ms), None)
+    ik_meta = next((m for (eng, _, _), ms in rows.items() if eng.startswith("ik_") for m in ms), None)
     title = "Colibri vs llama.cpp" if llama_meta else "Colibri"
     out = [f"# {name}: {title}, {date}", "",
            f"- Machine: {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}, {platform.system()}",
            f"- Colibri: git {git_rev()}, kernels {_kernels.isa()} ({Path(colibri.__file__).parent})",
            (f"- llama.cpp: build {llama_meta['build']}, {llama_meta['backend']}, Release, GGML_NATIVE=ON, "
             f"OpenMP, no BLAS (llama-cpp-python 0.3.36's vendor/llama.cpp)" if llama_meta else "- llama.cpp: not run"),
+           *([f"- ik_llama.cpp: build {ik_meta['build']}, {ik_meta['backend']}, Release, GGML_NATIVE=ON, "
+              f"OpenMP ({a.ik_bench}); '-rtr': its run-time repacking (-rtr 1)"] if ik_meta else []),
            f"- Work: prompt {a.prompt_len} random token ids, {a.gen} generated tokens; {a.reps} repetitions per row, "
            f"one process each, engines interleaved; figures are median (min–max)",
            f"- Read bandwidth (readbw.c, 1 GiB, best of 5 passes per measurement): "
@@ -273,18 +282,21 @@ def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
            + "; ".join(f"{fmt} {c / 1e6:.1f} MB" + (f" (GGUF {g / 1e6:.1f} MB)" if g else "")
                        for fmt, (c, g) in active.items()),
            "", "| engine | format | threads | pp tok/s | tg tok/s | P99 ms/token | peak RSS MiB | TTFT ms warm | "
-           "TTFT ms cold | tg % of roofline | Colibri / llama.cpp pp, tg |",
+           "TTFT ms cold | tg % of roofline | Colibri / peer pp, tg |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    pairs = pairs_of(name)
     for (eng, fmt, threads), ms in rows.items():
-        c_bytes, g_bytes = active[fmt if eng == "colibri" else dict((l, c) for c, l in PAIRS).get(fmt, fmt)]
-        nbytes = g_bytes if eng == "llama.cpp" and g_bytes else c_bytes
+        c_bytes, g_bytes = active[fmt if eng == "colibri" else dict((l, c) for c, l in pairs).get(fmt, fmt)]
+        nbytes = g_bytes if eng in LLAMA_ENGINES and g_bytes else c_bytes
         limit = statistics.median(bw[threads]) * 1e9 / nbytes
         ratio = ""
-        partner = next(((("llama.cpp", l, threads)) for c, l in PAIRS if c == fmt), None)
-        if eng == "colibri" and partner in rows:
+        partners = [(e, l, threads) for c, l in pairs if c == fmt for e in LLAMA_ENGINES]
+        if eng == "colibri":
             cp, ct = (stat([m["pp"] for m in ms])[0], stat([m["tg"] for m in ms])[0])
-            lp, lt = (stat([m["pp"] for m in rows[partner]])[0], stat([m["tg"] for m in rows[partner]])[0])
-            ratio = f"{cp / lp:.2f}, {ct / lt:.2f}"
+            for partner in partners:
+                if partner in rows:
+                    lp, lt = (stat([m["pp"] for m in rows[partner]])[0], stat([m["tg"] for m in rows[partner]])[0])
+                    ratio += f"{'; ' if ratio else ''}{partner[0]}: {cp / lp:.2f}, {ct / lt:.2f}"
         out.append(f"| {eng} | {fmt} | {threads} | {cell([m['pp'] for m in ms])} | {cell([m['tg'] for m in ms], '{:.2f}')} | "
                    f"{cell([m['p99_ms'] for m in ms], '{:.1f}')} | {cell([m['rss'] for m in ms], '{:.0f}', 2**-20)} | "
                    f"{cell([m['ttft_ms'] for m in ms], '{:.0f}')} | {cell(cold.get((eng, fmt, threads), []), '{:.0f}')} | "
@@ -325,12 +337,14 @@ def plan(a) -> list:
     out = []
     for model in a.models:
         entries = []
-        for cfmt, lfmt in PAIRS:
+        for cfmt, lfmt in pairs_of(model):
             if cfmt not in a.formats:
                 continue
             entries.append(("colibri", cfmt, colibri_dir(model, cfmt)))
             if not a.no_llama:
                 entries.append(("llama.cpp", lfmt, gguf_file(model, lfmt)))
+            if a.ik_bench:
+                entries += [("ik_llama.cpp", lfmt, gguf_file(model, lfmt)), ("ik_llama.cpp -rtr", lfmt, gguf_file(model, lfmt))]
         if a.transformers and model == "mixtral-mini":
             entries.append(("transformers", "bf16", CACHE / "hf" / model))
         out.append((model, entries))
@@ -344,7 +358,10 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="custom", help="model name for --model-dirs in the report")
     ap.add_argument("--tiny", action="store_true", help="the bundled test fixture, Colibri only: seconds")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
-    ap.add_argument("--formats", default="bf16,int8,int4", help="Colibri formats (paired with bf16/q8_0/q4_0)")
+    ap.add_argument("--formats", default="bf16,int8,int4,mxfp4",
+                    help="Colibri formats (paired with bf16/q8_0/q4_0; mxfp4 with the MXFP4 GGUF)")
+    ap.add_argument("--ik-bench", default=None,
+                    help="ik_llama.cpp's llama-bench (build it yourself): runs it as it comes and with -rtr 1")
     ap.add_argument("--threads", default="2", help="comma-separated thread counts")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -382,13 +399,17 @@ def main(argv=None) -> int:
                 c, k, e = colibri_active_bytes(path)
                 active[fmt] = [c, None]
         for eng, fmt, path in entries:
-            if eng == "llama.cpp":
-                cfmt = next(c for c, l in PAIRS if l == fmt)
+            if eng in LLAMA_ENGINES:
+                cfmt = next(c for c, l in pairs_of(name) if l == fmt)
                 active[cfmt][1] = gguf_active_bytes(path, k, e)
         rows = {(eng, fmt, t): [] for t in thread_counts for eng, fmt, _ in entries}
         bw = {t: [] for t in thread_counts}
-        paired = [e for e in entries if e[0] != "transformers"]
-        pairs = [paired[i:i + 2] for i in range(0, len(paired), 2)] if not a.no_llama else [[x] for x in paired]
+        pairs = []                  # a format's engines, one after another (reversed on odd repetitions)
+        for entry in (e for e in entries if e[0] != "transformers"):
+            if entry[0] == "colibri" or not pairs:
+                pairs.append([entry])
+            else:
+                pairs[-1].append(entry)
         pairs += [[e] for e in entries if e[0] == "transformers"]
         cold = {}
         if a.cold:
