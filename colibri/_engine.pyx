@@ -982,10 +982,11 @@ cdef Mat _mat(t):
     m.layout = LAYOUT_CODES[t.layout]
     if m.layout == CB_TRANSPOSED and (m.dtype == CB_INT8 or m.dtype == CB_INT4) and shape[0] % 8:
         raise ValueError(f"a transposed {dtype} matrix needs a multiple of 8 rows, got {shape}")   # whole groups
-    if m.layout == CB_INTERLEAVED and (not (m.dtype == CB_INT8 or m.dtype == CB_INT4) or shape[0] % 8):
-        raise ValueError(f"the interleaved layout needs int8/int4 and a multiple of 8 rows, got {dtype} {shape}")
-    if m.dtype == CB_MXFP4 and m.layout != CB_ROWS:
-        raise ValueError(f"mxfp4 is stored in the rows layout only, got {t.layout}")
+    if m.layout == CB_INTERLEAVED and (not (m.dtype == CB_INT8 or m.dtype == CB_INT4 or m.dtype == CB_MXFP4)
+                                       or shape[0] % 8):
+        raise ValueError(f"the interleaved layout needs int8/int4/mxfp4 and a multiple of 8 rows, got {dtype} {shape}")
+    if m.dtype == CB_MXFP4 and m.layout == CB_TRANSPOSED:
+        raise ValueError("mxfp4 has no transposed layout")
     m.rows = shape[0]
     m.cols = shape[1]
     return m

@@ -97,6 +97,12 @@ cdef extern from "quant.h":
         pass
     ctypedef struct cb_group_int4:
         pass
+    ctypedef struct cb_igroup_int8:
+        pass
+    ctypedef struct cb_igroup_int4:
+        pass
+    ctypedef struct cb_igroup_mxfp4:
+        pass
 
 
 # ---- the entry points: the kernels of the tier in use (this module's kernel table) ----------

@@ -26,8 +26,9 @@ LAYOUT_CODES = {"rows": CB_ROWS, "transposed": CB_TRANSPOSED, "interleaved": CB_
 ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH, "swiglu_clamped": CB_ACT_SWIGLU_CLAMPED}
 # stored as blocks of 32 with a scale, multiplied against quantized activations
 BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4))
-# ... of which these also have the transposed and interleaved layouts (groups of 8 outputs)
+# ... of which these also have the transposed layout (groups of 8 outputs), and these the interleaved one
 GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
+INTERLEAVED_FORMATS = BLOCK_FORMATS
 QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)
 TGROUP = CB_TGROUP               # outputs per group of the transposed and interleaved layouts
 

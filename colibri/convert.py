@@ -51,7 +51,7 @@ from .config import (MAX_EXPERTS, MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, 
 from .errors import ColibriError
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
-from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
+from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, INTERLEAVED_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
                        ModelDir, ModelDirWriter, from_storage, storage_nbytes, tensor_file, to_storage)
 from . import quant
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
@@ -839,9 +839,9 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     if quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
-        if value in ("interleaved", "transposed") and quantize == "mxfp4" and flag == "--expert-layout":
-            raise ColibriError(f"{flag} {value}: mxfp4 experts are stored in the rows layout only")
-        if value == "interleaved" and quantize not in GROUP_FORMATS:
+        if value == "transposed" and quantize == "mxfp4" and flag == "--expert-layout":
+            raise ColibriError(f"{flag} {value}: mxfp4 experts have no transposed layout; choose rows or interleaved")
+        if value == "interleaved" and quantize not in INTERLEAVED_FORMATS:
             raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
                                f"choose rows or transposed")
     _check_output(Path(output_dir), force, {"--hf-dir": hf_dir})         # before any work
@@ -1216,11 +1216,13 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
     --expert-layout, other weight matrices --layout (the embedding only when tied: then it is the
     output head), by default the faster one for their format; int8/int4 ones only with a multiple
     of 8 rows; everything else rows."""
-    if kind != "matrix" or (name == "embedding" and not tied) or (dtype in BLOCK_FORMATS and dtype not in GROUP_FORMATS):
-        return "rows"                              # (mxfp4: the rows layout only)
+    if kind != "matrix" or (name == "embedding" and not tied):
+        return "rows"
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)
-    if wanted == "interleaved" and dtype not in GROUP_FORMATS:    # e.g. a toy matrix kept in f16
+    if wanted == "interleaved" and dtype not in INTERLEAVED_FORMATS:    # e.g. a toy matrix kept in f16
+        return "rows"
+    if wanted == "transposed" and dtype in BLOCK_FORMATS and dtype not in GROUP_FORMATS:     # mxfp4
         return "rows"
     if wanted != "rows" and dtype in BLOCK_FORMATS and shape[0] % TGROUP:
         return "rows"
@@ -1238,6 +1240,8 @@ def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None):
         if (values.scales == quant.E8M0_NAN).any():
             raise ColibriError(f"tensor {name}: the checkpoint's mxfp4 scales hold NaN (e8m0 255)")
         if dtype == "mxfp4":
+            if layout != "rows":
+                return name, from_rows(values.stored(), dtype, shape[1], layout), dtype, shape, {"layout": layout}
             return name, values.stored(), dtype, shape, {}
         values = values.f32()
     if tuple(values.shape) != shape:

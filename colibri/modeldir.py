@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _os, quant
-from ._kernels import BLOCK_FORMATS, DTYPE_CODES, GROUP_FORMATS
+from ._kernels import BLOCK_FORMATS, DTYPE_CODES, GROUP_FORMATS, INTERLEAVED_FORMATS
 from .config import ModelConfig, read_json, shown
 from .errors import ColibriError
 
@@ -232,10 +232,10 @@ class ModelDir:
             if layout != "rows":
                 if kind != "matrix" or len(shape) != 2:
                     raise ColibriError(f"{ctx}: only weight matrices can be stored {layout}")
-                if t["dtype"] in BLOCK_FORMATS and t["dtype"] not in GROUP_FORMATS:
-                    raise ColibriError(f"{ctx}: {t['dtype']} is stored in the rows layout only, not {layout}")
-                if layout == "interleaved" and t["dtype"] not in BLOCK_FORMATS:
-                    raise ColibriError(f"{ctx}: the interleaved layout is for int8/int4, not {t['dtype']}")
+                if layout == "transposed" and t["dtype"] in BLOCK_FORMATS and t["dtype"] not in GROUP_FORMATS:
+                    raise ColibriError(f"{ctx}: {t['dtype']} has no transposed layout (rows or interleaved)")
+                if layout == "interleaved" and t["dtype"] not in INTERLEAVED_FORMATS:
+                    raise ColibriError(f"{ctx}: the interleaved layout is for int8/int4/mxfp4, not {t['dtype']}")
                 if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:
                     raise ColibriError(f"{ctx}: {layout} {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
                                        f"got {list(shape)}")

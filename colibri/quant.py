@@ -5,7 +5,7 @@
           byte j of a block holds element j in its low nibble and element j + 16 in its high one
     mxfp4: blocks of 32 e2m1 codes with one e8m0 scale e: w = 2^(e - 127) * FP4_VALUES[q]       (17 bytes)
           byte j holds element 2j low and 2j + 1 high: gpt-oss's *_blocks and *_scales as they are
-          (`from_mx`, `to_mx`); stored in the rows layout only
+          (`from_mx`, `to_mx`); rows or interleaved (the int4 group's order, the e8m0 scales first)
 
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
 `transposed` layout stores the same blocks input-major in groups of 8 outputs (their 8 scales
@@ -44,6 +44,8 @@ GROUP_BYTES = {name: dt.itemsize for name, dt in GROUP_DTYPES.items()}     # int
 IGROUP_DTYPES = {
     "int8": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "i1", (8, TGROUP, 4))]),
     "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
+    # mxfp4: the 8 e8m0 scales, then the codes where int4 keeps its nibbles (csrc/quant.h)
+    "mxfp4": np.dtype([("e", "u1", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
 }
 LAYOUTS = tuple(LAYOUT_CODES)
 
@@ -54,7 +56,7 @@ def default_layout(dtype: str) -> str:
     no horizontal sums, no repacking; decode and prefill faster than transposed, which was faster
     than rows), rows for the float formats (no integer reduction to save; the axpy's stores make
     the transposed float kernels slower)."""
-    return "interleaved" if dtype in GROUP_DTYPES else "rows"
+    return "interleaved" if dtype in IGROUP_DTYPES else "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:
@@ -164,7 +166,7 @@ def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     if dtype not in BLOCK_DTYPES:
         return np.ascontiguousarray(np.asarray(stored).T)
     if dtype not in GROUP_DTYPES:
-        raise ValueError(f"{dtype} is stored in the rows layout only")
+        raise ValueError(f"{dtype} has no transposed layout (rows or interleaved)")
     rows = stored.shape[0]
     if rows % TGROUP:
         raise ValueError(f"the transposed {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
@@ -181,14 +183,21 @@ def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """An int8/int4 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
     cols / 32 * group bytes], group (g, kb) holding block kb of outputs 8g .. 8g+7 (rows must be a
     multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole."""
-    if dtype not in GROUP_DTYPES:
-        raise ValueError(f"the interleaved layout is for int8/int4, not {dtype}")
+    if dtype not in IGROUP_DTYPES:
+        raise ValueError(f"the interleaved layout is for int8/int4/mxfp4, not {dtype}")
     rows = stored.shape[0]
     if rows % TGROUP:
         raise ValueError(f"the interleaved {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
     nb = cols // QBLOCK
     blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows // TGROUP, TGROUP, nb)
     out = np.zeros((rows // TGROUP, nb), IGROUP_DTYPES[dtype])
+    if dtype == "mxfp4":                 # codes in element order, then packed as int4's nibbles
+        out["e"] = blocks["e"].transpose(0, 2, 1)
+        qs = blocks["qs"]
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=-1).reshape(qs.shape[:3] + (QBLOCK,))
+        packed = codes[..., :16] | (codes[..., 16:] << 4)                        # [groups, 8, nb, 16]
+        out["qs"] = packed.reshape(packed.shape[:3] + (4, 4)).transpose(0, 2, 3, 1, 4)
+        return out.view(np.uint8).reshape(rows // TGROUP, -1)
     out["d"] = blocks["d"].transpose(0, 2, 1)                       # [groups, nb, 8]
     qs = blocks["qs"]                                               # [groups, 8, nb, bytes]
     units = qs.reshape(qs.shape[:3] + (-1, 4))                      # [groups, 8, nb, units, 4]
@@ -201,6 +210,12 @@ def deinterleave(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.nda
     nb = cols // QBLOCK
     groups = np.ascontiguousarray(stored).view(IGROUP_DTYPES[dtype]).reshape(rows // TGROUP, nb)
     out = np.zeros((rows // TGROUP, TGROUP, nb), BLOCK_DTYPES[dtype])
+    if dtype == "mxfp4":
+        out["e"] = groups["e"].transpose(0, 2, 1)
+        packed = groups["qs"].transpose(0, 3, 1, 2, 4).reshape(rows // TGROUP, TGROUP, nb, 16)
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)             # element order
+        out["qs"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return out.view(np.uint8).reshape(rows, -1)
     out["d"] = groups["d"].transpose(0, 2, 1)
     qs = groups["qs"].transpose(0, 3, 1, 2, 4)                      # [groups, 8, nb, units, 4]
     out["qs"] = qs.reshape(qs.shape[:3] + (-1,))

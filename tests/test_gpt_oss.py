@@ -68,7 +68,8 @@ def test_mxfp4_blocks_and_scales_are_the_checkpoints_byte_for_byte(converted):
                                                       ("up", gate_up, slice(1, None, 2)), ("down", down, slice(None))):
                     name = f"layers.{layer}.experts.{e}.{part}"
                     assert md.md.tensors[name]["dtype"] == "mxfp4"
-                    b, s = quant.to_mx(np.asarray(md.array(name)), md.md.tensors[name]["shape"][1])
+                    assert md.md.tensors[name].get("layout") == "interleaved"         # the default
+                    b, s = quant.to_mx(np.asarray(md.rows_array(name)), md.md.tensors[name]["shape"][1])
                     np.testing.assert_array_equal(b, blocks[e, rows])
                     np.testing.assert_array_equal(s, scales[e, rows])
     assert md.md.tensors["layers.0.wq"]["dtype"] == "bf16"        # the rest as the checkpoint keeps it
@@ -83,7 +84,7 @@ def test_mxfp4_checkpoint_converts_exactly_to_f32(converted):
     name = "layers.1.experts.2.down"
     cols = mx.md.tensors[name]["shape"][1]
     np.testing.assert_array_equal(np.asarray(md.array(name)),
-                                  quant.dequantize(np.asarray(mx.array(name)), "mxfp4", cols))
+                                  quant.dequantize(np.asarray(mx.rows_array(name)), "mxfp4", cols))
     md.close()
     mx.close()
 
@@ -131,11 +132,19 @@ def test_info_names_the_features(converted):
     assert "KV cache:     128 bytes a token" in r.stdout          # 2 layers x (k + v) x 1 head x 8 x 4 bytes
 
 
-def test_mxfp4_in_other_layouts_is_refused(tmp_path):
+def test_mxfp4_transposed_is_refused_and_rows_is_the_same_model(converted, tmp_path):
     r = run_cli(*convert_args(FIXTURES / "gpt_oss_b" / "hf", tmp_path / "o", "--quantize", "mxfp4",
-                             "--expert-layout", "interleaved"))
-    one_line_error(r, "mxfp4 experts are stored in the rows layout only")
+                             "--expert-layout", "transposed"))
+    one_line_error(r, "mxfp4 experts have no transposed layout")
     assert not (tmp_path / "o").exists()
+    from colibri.convert import convert
+    convert(FIXTURES / "gpt_oss_b" / "hf", tmp_path / "rows", quantize="mxfp4", expert_layout="rows",
+            log=lambda *a: None)
+    ref = reference("gpt_oss_b")
+    rows = colibri.load(tmp_path / "rows").forward(ref["input_ids"])
+    interleaved = colibri.load(converted("gpt_oss_b", "mxfp4")).forward(ref["input_ids"])
+    assert ModelDir(tmp_path / "rows").tensors["layers.0.experts.1.up"].get("layout", "rows") == "rows"
+    assert kl_mean(rows, interleaved) < 1e-6
 
 
 def test_nan_scales_are_refused(tmp_path):

@@ -264,12 +264,36 @@ def test_interleaved_gives_the_bits_of_transposed(isa, case, threads):
     _assert_exact_product(want, stored, dtype, x)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(interleaved_case(), st.sampled_from([1, 2]))
+def test_interleaved_mxfp4_against_rows_and_numpy(isa, case, threads):
+    """mxfp4 has no transposed layout: its interleaved tiles give the same bits with every int
+    step, decode the bits of prefill, the exact integer product within float32 summation error,
+    and on the scalar tier the rows layout's bits."""
+    _, w, x = case
+    stored = quant.quantize(w, "mxfp4")
+    il = quant.interleave(stored, "mxfp4", w.shape[1])
+    results = {}
+    for step in _kernels.available_int_steps():
+        with _kernels.int_kernels(step):
+            results[step] = _probes.kernel_matmul(il, x, "mxfp4", threads, "interleaved")
+            decoded = np.stack([_probes.kernel_matvec(il, row, "mxfp4", threads, "interleaved") for row in x[:3]])
+        np.testing.assert_array_equal(decoded, results[step][:3], err_msg=f"{step}, decode")
+    first = next(iter(results.values()))
+    for step, got in results.items():
+        np.testing.assert_array_equal(got, first, err_msg=step)
+    _assert_exact_product(first, stored, "mxfp4", x)
+    if _kernels.isa() == "scalar":
+        np.testing.assert_array_equal(first, _probes.kernel_matmul(stored, x, "mxfp4", threads, "rows"))
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-@pytest.mark.parametrize("dtype", BLOCK)
+@pytest.mark.parametrize("dtype", BLOCK + ("mxfp4",))
 def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     """As for the repacked prefill: int8 at 127 (255 unsigned in the VNNI steps), int4 nibbles at
-    15 (8 maddubs of a block summed in int16: 30480), activations at +-127, through every int
-    step, prefill and decode, with enough groups (40) for the decode's side-by-side parts."""
+    15 (8 maddubs of a block summed in int16: 30480), mxfp4 codes at +-6 (24 after the offset: its
+    int16 sums go to int32 every two vectors), activations at +-127, through every int step,
+    prefill and decode, with enough groups (40) for the decode's side-by-side parts."""
     rows, cols, n = 320, 64, 12
     w = np.full((rows, cols), 0.7, np.float32)
     if dtype == "int4":
@@ -284,6 +308,28 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
                 got = _probes.kernel_matmul(il, x[:n], dtype, 1, "interleaved")
             np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {n}")
             assert np.sign(got).min() == sign
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_mxfp4_interleave_round_trip(groups, blocks, seed):
+    """Interleaved mxfp4 is lossless (the checkpoint's bytes come back), its group holds the 8
+    scales of the block, then each code where int4 keeps its nibble: element 4v + i of output
+    r low in qs[v][r][i], element 16 + 4v + i high."""
+    w = np.random.default_rng(seed).standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    stored = quant.quantize(w, "mxfp4")
+    il = quant.interleave(stored, "mxfp4", w.shape[1])
+    assert il.shape == (groups, blocks * 136)
+    np.testing.assert_array_equal(quant.to_rows(il, "mxfp4", *w.shape, "interleaved"), stored)
+    g = il.view(quant.IGROUP_DTYPES["mxfp4"]).reshape(groups, blocks)
+    b = stored.view(quant.BLOCK_DTYPES["mxfp4"]).reshape(8 * groups, blocks)
+    gi, kb = groups - 1, blocks - 1
+    np.testing.assert_array_equal(g[gi, kb]["e"], b[8 * gi:8 * gi + 8, kb]["e"])
+    for r in range(8):
+        qs = b[8 * gi + r, kb]["qs"]
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=-1).reshape(32)            # element order
+        np.testing.assert_array_equal(g[gi, kb]["qs"][:, r] & 0x0F, codes[:16].reshape(4, 4))
+        np.testing.assert_array_equal(g[gi, kb]["qs"][:, r] >> 4, codes[16:].reshape(4, 4))
 
 
 @settings(max_examples=60, deadline=None)
@@ -312,6 +358,8 @@ def test_interleaved_needs_int_weights_and_whole_groups():
         quant.interleave(quant.quantize(np.ones((12, 32), np.float32), "int8"), "int8", 32)
     with pytest.raises(ValueError, match="int8/int4"):
         quant.interleave(np.ones((8, 32), np.float32), "f32", 32)
+    with pytest.raises(ValueError, match="no transposed layout"):
+        quant.transpose(quant.quantize(np.ones((8, 32), np.float32), "mxfp4"), "mxfp4", 32)
     with pytest.raises(ValueError, match="int8/int4"):
         _probes.kernel_matvec(np.zeros((8, 32), np.float32), np.zeros(32, np.float32), "f32", 1, "interleaved")
     with pytest.raises(ValueError, match="interleaved int4"):
@@ -336,7 +384,8 @@ def test_transpose_round_trip(dtype, groups, blocks, seed):
 
 def test_group_struct_sizes_agree_with_python():
     assert _probes.group_sizes() == quant.GROUP_BYTES == {"int8": 8 * 34, "int4": 8 * 18}
-    assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == quant.GROUP_BYTES      # static_assert in C
+    assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == {**quant.GROUP_BYTES, "mxfp4": 8 * 17}
+    assert _probes.igroup_sizes() == {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()}   # static_assert in C
 
 
 @pytest.mark.parametrize("dtype", BLOCK)

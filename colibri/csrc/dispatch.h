@@ -200,6 +200,7 @@ static int cb_select_kernels(int isa, int step) {
             t.mat[d][CB_TRANSPOSED].tprefill = k.tprefill;
             t.mat[d][CB_INTERLEAVED].itile = k.itile;
         }
+        if (d == CB_MXFP4) t.mat[d][CB_INTERLEAVED].itile = k.itile;     /* (no transposed mxfp4) */
     }
     cb_kt = t;
     cb_selected.isa = isa;

@@ -867,7 +867,33 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
  * registers) and prefill (4-token tiles over CB_TPREFILL_KBLOCKS blocks of a group, which stay in
  * L1 across the tiles). The int32 block sums are exact and each output adds its blocks in order
  * with the transposed kernels' fmadd, so the three layouts give the same bits on this tier, and
- * prefill equals decode. kernels_vnni.h has the same tile with a VNNI step. */
+ * prefill equals decode. kernels_vnni.h has the same tile with a VNNI step. mxfp4 is int4's tile
+ * with each nibble shuffled to its doubled value + 12 (cb_mxfp4_u12) and 12 * sum(x) taken off;
+ * its int16 sums (up to 2 x 2 x 24 x 127 a vector) go to int32 every two vectors. */
+
+/* The 8 outputs' weight scales of an interleaved group at gp: f16 (int8/int4) or e8m0 halved
+ * (mxfp4, cb_e8m0_half in 8 lanes: (e - 1) << 23 from e = 2, the two subnormals below). */
+CB_TARGET_AVX2 static inline __m256 cb_igroup_scales_avx2(const char *gp, int dtype) {
+    if (dtype != CB_MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gp));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gp));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(small, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+
+/* An int4 / mxfp4 group's vector v of codes (32 bytes), its low and high nibbles as the bytes
+ * the integer step multiplies: int4's as they are, mxfp4's through cb_mxfp4_u12. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_inibbles_avx2(const char *gp, int dtype, int v, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + (dtype == CB_MXFP4 ? 8 : 16) + 32 * v));
+    *lo = _mm256_and_si256(a, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+    if (dtype == CB_MXFP4) {
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)cb_mxfp4_u12));
+        *lo = _mm256_shuffle_epi8(lut, *lo);
+        *hi = _mm256_shuffle_epi8(lut, *hi);
+    }
+}
 
 /* 4 activation bytes in every int32 lane, from memory: vbroadcastss is a load, no shuffle
  * (measured 1.2-1.4x over a set1 of the 4 bytes in the decode tile). */
@@ -878,7 +904,7 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *acts, int kb0, int kb1, int first,
                const int T) {
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
     const size_t gbytes = cb_group_bytes(dtype);
     const int8_t *xq[4];
     const float *xd[4];
@@ -904,23 +930,30 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
                 }
             }
         } else {
-            const cb_igroup_int4 *g = (const cb_igroup_int4 *)gp;
+            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
             __m256i p16[4];
-            for (int j = 0; j < T; j++) p16[j] = _mm256_setzero_si256();
+            for (int j = 0; j < T; j++) {
+                p16[j] = _mm256_setzero_si256();
+                isum[j] = _mm256_set1_epi32(-offset * xs[j][kb]);
+            }
             for (int v = 0; v < 4; v++) {
-                const __m256i a = _mm256_loadu_si256((const __m256i *)g->qs[v]);
-                const __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+                __m256i lo, hi;
+                cb_inibbles_avx2(gp, dtype, v, &lo, &hi);
                 for (int j = 0; j < T; j++) {
                     const int8_t *x = xq[j] + kb * CB_QBLOCK + 4 * v;
                     p16[j] = _mm256_add_epi16(p16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, CB_BCAST4(x)),
                                                                        _mm256_maddubs_epi16(hi, CB_BCAST4(x + 16))));
                     CB_IN_ORDER(p16[j]);
                 }
+                if (dtype == CB_MXFP4 && v == 1)       /* two vectors' sums: up to 24384 in int16 */
+                    for (int j = 0; j < T; j++) {
+                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p16[j], ones));
+                        p16[j] = _mm256_setzero_si256();
+                    }
             }
-            for (int j = 0; j < T; j++)
-                isum[j] = _mm256_sub_epi32(_mm256_madd_epi16(p16[j], ones), _mm256_set1_epi32(8 * xs[j][kb]));
+            for (int j = 0; j < T; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p16[j], ones));
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gp));
+        const __m256 dw = cb_igroup_scales_avx2(gp, dtype);
         for (int j = 0; j < T; j++)
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])), acc[j]);
     }
@@ -934,7 +967,7 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int dtype, const cb_act_q8 *act, int nb,
                 const int G) {
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
     const size_t gbytes = cb_group_bytes(dtype);
     const int8_t *xq = act->q;
     const float *xd = act->d;
@@ -955,22 +988,30 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
                 }
             }
         } else {
+            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
             __m256i p16[4];
-            for (int k = 0; k < G; k++) p16[k] = _mm256_setzero_si256();
+            for (int k = 0; k < G; k++) {
+                p16[k] = _mm256_setzero_si256();
+                isum[k] = _mm256_set1_epi32(-offset * xs[kb]);
+            }
             for (int v = 0; v < 4; v++) {
                 const __m256i xl = CB_BCAST4(x + 4 * v), xh = CB_BCAST4(x + 16 + 4 * v);
                 for (int k = 0; k < G; k++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)((const cb_igroup_int4 *)(gp + k * gstride))->qs[v]);
-                    const __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+                    __m256i lo, hi;
+                    cb_inibbles_avx2(gp + k * gstride, dtype, v, &lo, &hi);
                     p16[k] = _mm256_add_epi16(p16[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
                 }
+                if (dtype == CB_MXFP4 && v == 1)
+                    for (int k = 0; k < G; k++) {
+                        isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(p16[k], ones));
+                        p16[k] = _mm256_setzero_si256();
+                    }
             }
-            for (int k = 0; k < G; k++)
-                isum[k] = _mm256_sub_epi32(_mm256_madd_epi16(p16[k], ones), _mm256_set1_epi32(8 * xs[kb]));
+            for (int k = 0; k < G; k++) isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(p16[k], ones));
         }
         const __m256 dx = _mm256_set1_ps(xd[kb]);
         for (int k = 0; k < G; k++) {
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp + k * gstride)));
+            const __m256 dw = cb_igroup_scales_avx2(gp + k * gstride, dtype);
             acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k]), _mm256_mul_ps(dw, dx), acc[k]);
         }
     }
@@ -1017,6 +1058,7 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
     if (n == 1) {
 #define CB_CALL_ID(o, os, gp, gs, G) \
     if (dtype == CB_INT8) cb_idecode_avx2(o, os, gp, gs, CB_INT8, acts, nb, G); \
+    else if (dtype == CB_MXFP4) cb_idecode_avx2(o, os, gp, gs, CB_MXFP4, acts, nb, G); \
     else cb_idecode_avx2(o, os, gp, gs, CB_INT4, acts, nb, G);
         CB_IDECODE_LOOP(CB_CALL_ID)
 #undef CB_CALL_ID
@@ -1024,6 +1066,7 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
     }
 #define CB_CALL_IG(dt, tt) cb_igroup_avx2(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
+                  else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IG, CB_MXFP4) }
                   else { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT4) })
 #undef CB_CALL_IG
 }

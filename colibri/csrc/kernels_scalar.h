@@ -172,9 +172,17 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  */
 enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2, CB_N_LAYOUTS = 3 };   /* colibri._kernels.LAYOUT_CODES */
 
-/* Bytes of a transposed int8/int4 group of 8 outputs. */
+/* Bytes of a transposed int8/int4 (or interleaved mxfp4) group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
-    return dtype == CB_INT8 ? sizeof(cb_group_int8) : sizeof(cb_group_int4);
+    return dtype == CB_INT8 ? sizeof(cb_group_int8) : dtype == CB_MXFP4 ? sizeof(cb_igroup_mxfp4)
+                                                                       : sizeof(cb_group_int4);
+}
+
+/* An interleaved group's 8 weight scales as floats (int8/int4: f16; mxfp4: 2^(e - 128), the
+ * half scale of its doubled codes). */
+static inline float cb_igroup_scale(const char *grp, int dtype, int r) {
+    return dtype == CB_MXFP4 ? cb_e8m0_half(((const cb_igroup_mxfp4 *)grp)->e[r])
+                             : cb_f16_table[((const uint16_t *)grp)[r]];
 }
 
 /* One weight of a float-format row, as float. */
@@ -192,12 +200,16 @@ typedef void (*cb_ttile_fn)(float *out, int ldo, const char *w, int dtype, const
                             const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T);
 
 /* The 32 weights q[32] of output r in an interleaved group (quant.h) as signed integers (int4:
- * nibble - 8), input order. */
+ * nibble - 8; mxfp4: the doubled e2m1 value), input order. */
 static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int dtype, int r) {
     for (int v = 0; v < 8; v++)
         for (int i = 0; i < 4; i++) {
             if (dtype == CB_INT8) {
                 q[4 * v + i] = ((const cb_igroup_int8 *)grp)->qs[v][r][i];
+            } else if (dtype == CB_MXFP4 && v < 4) {
+                uint8_t b = ((const cb_igroup_mxfp4 *)grp)->qs[v][r][i];
+                q[4 * v + i] = cb_mxfp4_int[b & 0x0F];
+                q[16 + 4 * v + i] = cb_mxfp4_int[b >> 4];
             } else if (v < 4) {
                 uint8_t b = ((const cb_igroup_int4 *)grp)->qs[v][r][i];
                 q[4 * v + i] = (int8_t)((b & 0x0F) - 8);
@@ -211,7 +223,7 @@ static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int d
  * the row is gathered, one block per group of its column). */
 static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols) {
     const char *wb = (const char *)w;
-    if (dtype == CB_MXFP4) {                            /* rows layout only */
+    if (dtype == CB_MXFP4 && layout != CB_INTERLEAVED) {      /* rows */
         const cb_block_mxfp4 *blk = (const cb_block_mxfp4 *)(wb + (size_t)row * cb_row_stride(dtype, cols));
         for (int b = 0; b < cols / CB_QBLOCK; b++) {
             float d = cb_e8m0_half(blk[b].e);
@@ -222,7 +234,7 @@ static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int
         }
         return;
     }
-    if (dtype != CB_INT8 && dtype != CB_INT4) {
+    if (!CB_IS_QUANT(dtype)) {
         if (layout == CB_TRANSPOSED) {                  /* element i of the row: input row i, column `row` */
             size_t stride = cb_row_stride(dtype, rows);
             for (int i = 0; i < cols; i++) out[i] = cb_load_f32_scalar(wb + (size_t)i * stride, dtype, row);
@@ -239,7 +251,7 @@ static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int
             const char *grp = wb + ((size_t)(row / CB_TGROUP) * nb + b) * cb_group_bytes(dtype);
             int8_t q[CB_QBLOCK];
             cb_igroup_weights(q, grp, dtype, row % CB_TGROUP);
-            float df = cb_f16_table[((const uint16_t *)grp)[row % CB_TGROUP]];
+            float df = cb_igroup_scale(grp, dtype, row % CB_TGROUP);
             for (int j = 0; j < CB_QBLOCK; j++) out[b * CB_QBLOCK + j] = df * (float)q[j];
         }
         return;
@@ -329,7 +341,7 @@ static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const
     }
 }
 
-/* Interleaved tile (int8/int4, quant.h): out[t * ldo + o] = W[o, :] . token t (acts[t]) for the
+/* Interleaved tile (int8/int4/mxfp4, quant.h): out[t * ldo + o] = W[o, :] . token t (acts[t]) for the
  * outputs of groups [g0, g1) and every token t < n; W has `cols` inputs. Every tier implements
  * this signature; each output's blocks are scaled and added in order, as in the scalar dot
  * products above, so at the scalar tier all three layouts give the same bits. */
@@ -351,7 +363,7 @@ static void cb_itile_scalar(float *out, int ldo, const char *w, int dtype, const
                     cb_igroup_weights(q, grp, dtype, r);
                     int32_t s = 0;
                     for (int i = 0; i < CB_QBLOCK; i++) s += (int32_t)q[i] * (int32_t)xq[kb * CB_QBLOCK + i];
-                    acc += cb_f16_table[((const uint16_t *)grp)[r]] * acts[t].d[kb] * (float)s;
+                    acc += cb_igroup_scale(grp, dtype, r) * acts[t].d[kb] * (float)s;
                 }
                 out[(size_t)t * ldo + g * CB_TGROUP + r] = acc;
             }

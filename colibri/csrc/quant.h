@@ -12,7 +12,7 @@
  *         The kernels take the codes doubled, as integers (cb_mxfp4_int), and the scale halved
  *         (cb_e8m0_half): w = 2^(e - 128) * cb_mxfp4_int[q], the same number.
  * A row of an int8/int4/mxfp4 matrix is cols/32 consecutive blocks; cols must be a multiple of 32.
- * mxfp4 is stored in the rows layout only.
+ * mxfp4 is stored in the rows layout (the checkpoint's order) or the interleaved one (below).
  *
  * The `transposed` layout ([in, out] at block granularity) stores the same blocks input-major:
  * for each block of 32 inputs kb, the blocks of all outputs in order, 8 outputs at a time as one
@@ -28,7 +28,11 @@
  * 32-byte vector holds 4 inputs of each of the 8 outputs, so 4 activation bytes broadcast to every
  * int32 lane give the 8 outputs' partial sums in their own lanes — no horizontal sums (the
  * transposed order needs an hadd tree per group and token), one vpdpbusd per vector with VNNI.
- * Same blocks, same numbers: a matrix converts between the three layouts without loss.
+ * Same blocks, same numbers: a matrix converts between the three layouts without loss. An mxfp4
+ * interleaved group (cb_igroup_mxfp4) is int4's with the 8 e8m0 scales first and each code where
+ * int4 keeps its nibble (element 4v + i of output r low in qs[v][r][i], 16 + 4v + i high): the
+ * kernels turn a nibble into its doubled value + 12 (cb_mxfp4_u12, unsigned, one byte shuffle) and
+ * take 12 * sum(x) off, where int4 takes 8 * sum(x).
  *
  * Activations multiplied against integer weights are quantized per block of 32 to int8 with a
  * float scale (cb_act_q8), as the fast engines do: the dot product of two blocks is then an
@@ -95,6 +99,17 @@ typedef struct {
                                            cb_block_int4: w = d * (q - 8)) */
 } cb_igroup_int4;
 
+typedef struct {
+    uint8_t e[CB_TGROUP];               /* [8] e8m0 scales of outputs 8g .. 8g+7 */
+    uint8_t qs[4][CB_TGROUP][4];        /* [vector v][output r][i]: the codes of inputs 4v + i (low
+                                           nibble) and 16 + 4v + i (high) of output r */
+} cb_igroup_mxfp4;
+
+/* The doubled e2m1 values + 12 by code, unsigned (0 .. 24): what the interleaved kernels multiply
+ * (then 12 * sum(x) comes off). */
+static const uint8_t cb_mxfp4_u12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#define CB_MXFP4_OFFSET 12
+
 /* The prefill's packed form of one group and block (kernels_avx2.h, cb_tprefill_quant_avx2): 8
  * float scales, then 8 vectors of 32 bytes, vector c holding inputs 4c..4c+3 of the 8 outputs
  * (int4 as one nibble value per byte; int8 as w + 128 in the VNNI kernels). Scratch only, never
@@ -124,6 +139,7 @@ CB_STATIC_ASSERT(sizeof(cb_group_int8) == 8 * 34, "int8 group must be 8 blocks")
 CB_STATIC_ASSERT(sizeof(cb_group_int4) == 8 * 18, "int4 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_int8) == sizeof(cb_group_int8), "interleaved int8 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_int4) == sizeof(cb_group_int4), "interleaved int4 group must be 8 blocks");
+CB_STATIC_ASSERT(sizeof(cb_igroup_mxfp4) == 8 * 17, "interleaved mxfp4 group must be 8 blocks");
 
 /* Activations quantized per block of 32: x[i] ~= d[i / 32] * q[i]. */
 typedef struct {

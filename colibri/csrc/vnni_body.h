@@ -118,13 +118,13 @@ CB_VNNI_NAME(cb_ttile)(float *out, int ldo, const char *w, int dtype, const floa
 
 /* One interleaved group (as cb_igroup_avx2) with this step: int8 flipped to unsigned (q ^ 0x80 =
  * q + 128) in a register, int4's low and high nibbles as they are; each block's sum starts from
- * -128 * sum(x) or -8 * sum(x) (acts->s). Per block and token: 8 (xor +) vpdpbusd in two chains. */
+ * -128 * sum(x), -8 * sum(x) or (mxfp4, its codes shuffled to cb_mxfp4_u12) -12 * sum(x) (acts->s). Per block and token: 8 (xor +) vpdpbusd in two chains. */
 CB_VNNI_TARGET static CB_ALWAYS_INLINE void
 CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *acts, int kb0, int kb1,
                         int first, const int T) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : 8;
+    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
     const int8_t *xq[4];
     const float *xd[4];
     const int32_t *xs[4];
@@ -153,10 +153,9 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
                 }
             }
         } else {
-            const cb_igroup_int4 *g = (const cb_igroup_int4 *)gp;
             for (int v = 0; v < 4; v++) {
-                const __m256i a = _mm256_loadu_si256((const __m256i *)g->qs[v]);
-                const __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+                __m256i lo, hi;
+                cb_inibbles_avx2(gp, dtype, v, &lo, &hi);
                 for (int j = 0; j < T; j++) {
                     const int8_t *x = xq[j] + kb * CB_QBLOCK + 4 * v;
                     even[j] = CB_VNNI_DPBUSD(even[j], lo, CB_BCAST4(x));
@@ -164,7 +163,7 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
                 }
             }
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gp));
+        const __m256 dw = cb_igroup_scales_avx2(gp, dtype);
         for (int j = 0; j < T; j++)
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j])),
                                      _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])), acc[j]);
@@ -176,9 +175,9 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
 CB_VNNI_TARGET static CB_ALWAYS_INLINE void
 CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstride, int dtype, const cb_act_q8 *act,
                          int nb, const int G) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : 8;
+    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
     __m256 acc[4];
     for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
     for (int kb = 0; kb < nb; kb++, gp += gbytes) {
@@ -201,15 +200,16 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
             for (int v = 0; v < 4; v++) {
                 const __m256i xl = CB_BCAST4(x + 4 * v), xh = CB_BCAST4(x + 16 + 4 * v);
                 for (int k = 0; k < G; k++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)((const cb_igroup_int4 *)(gp + k * gstride))->qs[v]);
-                    even[k] = CB_VNNI_DPBUSD(even[k], _mm256_and_si256(a, m4), xl);
-                    odd[k] = CB_VNNI_DPBUSD(odd[k], _mm256_and_si256(_mm256_srli_epi16(a, 4), m4), xh);
+                    __m256i lo, hi;
+                    cb_inibbles_avx2(gp + k * gstride, dtype, v, &lo, &hi);
+                    even[k] = CB_VNNI_DPBUSD(even[k], lo, xl);
+                    odd[k] = CB_VNNI_DPBUSD(odd[k], hi, xh);
                 }
             }
         }
         const __m256 dx = _mm256_set1_ps(act->d[kb]);
         for (int k = 0; k < G; k++) {
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp + k * gstride)));
+            const __m256 dw = cb_igroup_scales_avx2(gp + k * gstride, dtype);
             acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[k], odd[k])), _mm256_mul_ps(dw, dx), acc[k]);
         }
     }
@@ -223,6 +223,7 @@ CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_a
     if (n == 1) {
 #define CB_CALL_IDV(o, os, gp, gs, G) \
     if (dtype == CB_INT8) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT8, acts, nb, G); \
+    else if (dtype == CB_MXFP4) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_MXFP4, acts, nb, G); \
     else CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT4, acts, nb, G);
         CB_IDECODE_LOOP(CB_CALL_IDV)
 #undef CB_CALL_IDV
@@ -230,6 +231,7 @@ CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_a
     }
 #define CB_CALL_IGV(dt, tt) CB_VNNI_NAME(cb_igroup)(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT8) }
+                  else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_MXFP4) }
                   else { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT4) })
 #undef CB_CALL_IGV
 }
