@@ -290,6 +290,12 @@ CHATS = {
     "mistralai-Mixtral-8x7B-Instruct-v0.1": (None, "llama-spm", [{}]),
     "mistralai-Mistral-Nemo-Instruct-2407": ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
                                              "llama-spm", [{}]),
+    # the new families' templates (issue 23), rendered through a vocabulary that is not theirs
+    # (the real ones are not in the sdist): the render is the template's, the ids the vocabulary's
+    "openai-gpt-oss-120b": ("openai-gpt-oss-120b.jinja", "qwen2", [{}, {"reasoning_effort": "high"}]),
+    "deepseek-ai-DeepSeek-V3.1": ("deepseek-ai-DeepSeek-V3.1.jinja", "qwen2", [{}, {"thinking": True}]),
+    "moonshotai-Kimi-K2": ("moonshotai-Kimi-K2.jinja", "qwen2", [{}]),
+    "GLM-4.6": ("GLM-4.6.jinja", "qwen2", [{}]),
 }
 
 CONVERSATIONS = [
