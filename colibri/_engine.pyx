@@ -14,8 +14,10 @@ one scratch arena, all sized once from the config. `Engine.run()` pushes tokens 
 Every block is written once for n tokens: every weight is read once per chunk, and since no
 kernel's arithmetic depends on n, a prompt gives exactly the logits of decoding it token by token.
 Architectures differ only by flags in `Hyper` and by which per-layer pointers are NULL (biases,
-q/k norms, shared expert, Gemma's extra norms and scales): one parameterised block, no
-per-architecture code paths. Attention geometry is per layer (Gemma 4's global layers have
+q/k norms, shared expert, Gemma's extra norms and scales, gpt-oss's sinks and expert biases): one
+parameterised block, no per-architecture code paths — except the attention of multi-head latent
+attention layers (DeepSeek-V3, `attention_mla`), whose KV cache holds the latent and whose
+up-projections are absorbed into the query and the output. Attention geometry is per layer (Gemma 4's global layers have
 their own head_dim, key/value heads and RoPE); a sliding-window layer's KV cache is a ring of
 window + prefill chunk rows, so it holds only what that layer can still attend to. The MoE block
 runs the experts in ascending index, each over the tokens routed to it, in waves that share a
