@@ -12,6 +12,8 @@ One repetition = one `generate` of `gen` tokens in a fresh context:
                   the last token needs none), engine time without sampling, like llama-bench's tg
   TTFT            wall time from the call to the first yielded token (prefill + first sample)
   P50/P99         of the wall time between consecutive yielded tokens (decode step + sample)
+  P99 / P50       their ratio: how smooth decoding is (the original design's "no spikes"; 1.15 or
+                  less is the target)
 One warm-up repetition runs first and is discarded; each figure is reported as the median and
 min–max over the `repeat` measured repetitions. Load time is the one `colibri.load` call (with a
 cold page cache it is mostly disk reading). Peak RSS is the process's high-water mark
@@ -40,6 +42,7 @@ METRICS = (  # key, label, unit, format
     ("ttft_ms", "time to first token", "ms", "{:.1f}"),
     ("decode_p50_ms", "decode latency P50", "ms/token", "{:.2f}"),
     ("decode_p99_ms", "decode latency P99", "ms/token", "{:.2f}"),
+    ("decode_p99_over_p50", "decode P99 / P50", "", "{:.2f}"),
 )
 
 
@@ -68,6 +71,8 @@ def one_repetition(model, prompt, gen: int) -> dict:
         "ttft_ms": gaps[0] * 1000,
         "decode_p50_ms": float(np.percentile(decode, 50)) if decode else None,
         "decode_p99_ms": float(np.percentile(decode, 99)) if decode else None,
+        "decode_p99_over_p50": (float(np.percentile(decode, 99) / np.percentile(decode, 50))
+                                if decode and np.percentile(decode, 50) > 0 else None),
     }
 
 

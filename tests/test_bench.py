@@ -26,6 +26,8 @@ def test_colibri_bench_json(converted):
     for key in ("prefill_tok_s", "decode_tok_s", "ttft_ms"):
         assert out[key]["min"] <= out[key]["median"] <= out[key]["max"] and out[key]["median"] > 0
     assert out["peak_rss_bytes"] > 0 and out["load_seconds"] > 0
+    for p50, p99, ratio in zip(*(out[k]["values"] for k in ("decode_p50_ms", "decode_p99_ms", "decode_p99_over_p50"))):
+        assert ratio >= 1 and abs(ratio - p99 / p50) <= 1e-9 * ratio       # the smoothness figure
 
 
 def test_colibri_bench_table_and_errors(converted):
