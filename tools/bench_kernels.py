@@ -3,8 +3,8 @@
 
 Decode is memory-bound: a matvec kernel is as good as the fraction of the read bandwidth it
 reaches on a matrix much larger than the last-level cache. For each storage format and layout
-(--layouts rows,transposed) this times `W @ x` on a matrix of about --mb megabytes (several times
-the L3), interleaved with a plain streaming read of a buffer of the same size, and prints GB/s and
+(--layouts rows,transposed) this times `W @ x` on a matrix of about --mb megabytes (by default
+512, or 4 x the last-level cache the OS reports where that is more; the table says which), interleaved with a plain streaming read of a buffer of the same size, and prints GB/s and
 the ratio. Medians of --repeat. (The transposed matrix has a huge output dimension here, so its
 outputs live in L2 rather than L1 as in an expert's matrix: if anything it is measured low.)
 
@@ -26,7 +26,7 @@ variants the tier has are timed too, interleaved: the stored-order tile instead 
 chunk, and the other int steps (AVX2 beside a VNNI step: _kernels.available_int_steps; the emulated
 VNNI step is left out), also in the matvec table.
 
-    python tools/bench_kernels.py [--threads 2] [--mb 512] [--repeat 9] [--isa avx512] [--tokens 128]
+    python tools/bench_kernels.py [--threads 2] [--mb N] [--repeat 9] [--isa avx512] [--tokens 128]
                                   [--layouts rows,transposed,interleaved]
     python tools/bench_kernels.py --sweep 1,2,4,8,32,128 --layouts transposed,interleaved
     python tools/bench_kernels.py --attention 256,1024,4096
@@ -48,6 +48,20 @@ from colibri import _kernels, _probes, quant
 from colibri.modeldir import to_storage
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache the OS reports (Linux sysfs: cpu0's highest index), or None."""
+    from pathlib import Path
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            pass
+    return max(sizes) if sizes else None
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -57,11 +71,12 @@ def timed(fn) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--mb", type=int, default=512, help="size of the bf16 matrix in MB")
+    ap.add_argument("--mb", type=int, default=None,
+                    help="size of the bf16 matrix in MB (default: 512, or 4 x the last-level cache where that is more)")
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
-    ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4")
+    ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4,mxfp4")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
     ap.add_argument("--layouts", default="rows,transposed,interleaved")
     ap.add_argument("--sweep", default=None,
@@ -79,10 +94,16 @@ def main():
     if args.attention:
         attention_table(args, rng, [int(n) for n in args.attention.split(",")])
         return
+    llc = last_level_cache_bytes()
+    if args.mb is None:          # "from memory" must be past the caches: a 300 MB L3 holds a 512 MB matrix's third
+        args.mb = max(512, 4 * (llc or 0) >> 20)
     cols = args.cols
     rows = args.mb * (1 << 20) // (2 * cols)
     x = rng.standard_normal(cols).astype(np.float32)
-    print(f"tier {_kernels.isa()}, {args.threads} threads, matrix [{rows}, {cols}], median of {args.repeat}")
+    where = ("from memory" if llc is None or args.mb << 20 >= 4 * llc else
+             f"partly from the cache (WARNING: --mb {args.mb} is within 4 x the last-level cache)")
+    print(f"tier {_kernels.isa()}, {args.threads} threads, matrix [{rows}, {cols}], median of {args.repeat}; "
+          f"last-level cache {f'{llc >> 20} MB' if llc else 'unknown'}: this table runs {where}")
     print(f"{'format':>6} {'layout':>10} {'MB':>7} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6}")
     base = rng.standard_normal((1024, cols)).astype(np.float32)
     for dtype in args.dtypes.split(","):
@@ -163,7 +184,7 @@ def resident_table(args, rng, rows=3584, cols=1024):
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
     x = rng.standard_normal((1, cols)).astype(np.float32)
     print(f"\ndecode from the caches: [{rows}, {cols}] weights, {args.threads} thread(s), GB/s of weights, "
-          f"best of {args.repeat}, layouts interleaved in time")
+          f"best of {args.repeat}, layouts interleaved in time (this table runs from the caches by design)")
     print(f"{'format':>6} " + " ".join(f"{lay:>12}" for lay in args.layouts.split(",")))
     for dtype in args.dtypes.split(","):
         stored = to_storage(w_f32, dtype)
