@@ -70,6 +70,7 @@ cdef extern from "dispatch.h" nogil:
     # STATEFUL (the kernel table)
     cb_selection cb_selected
     int cb_select_isa(int isa)
+    int cb_self_test(int isa)
     int cb_set_int_step(int step)
     int cb_set_prefill_repack(int on)
     int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)

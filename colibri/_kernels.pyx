@@ -124,20 +124,57 @@ def isa():
     return {v: k for k, v in ISA_NAMES.items()}[cb_selected.isa]
 
 
-def _select_at_import():
-    import os
-    forced = os.environ.get("COLIBRI_ISA", "").strip().lower()
+def self_test(str name):
+    """Run the known-answer self-test of tier `name` against the scalar spec (dispatch.h,
+    cb_self_test: every format and layout through the drivers, attention, GLU; a few ms). Returns None when it passes (the tier stays selected) or a message naming the
+    failing check (the tier stays selected too: the caller picks another)."""
+    code = cb_self_test(ISA_NAMES[name])
+    if code == 0:
+        return None
+    if code < 0:
+        return f"tier {name} cannot run on this CPU"
+    return f"the {name} kernels disagree with the scalar spec (self-test check {code})"
+
+
+def choose_tier(forced: str, available, test):
+    """(tier, warning or None, error or None): the tier to run. forced (COLIBRI_ISA, "" for none)
+    must pass `test` (a failure is an error: the user asked for it); otherwise the fastest of
+    `available` (slowest first) that passes, the ones that failed named in one warning."""
     if forced:
-        select_isa(forced)        # ValueError names the problem; colibri.model turns it into a clear error
-    else:
-        select_isa(max(available_isas(), key=ISA_NAMES.get))
+        if forced not in ISA_NAMES:
+            return None, None, f"COLIBRI_ISA={forced!r} is not a tier; choose one of {', '.join(ISA_NAMES)}"
+        if forced not in available:
+            return None, None, (f"COLIBRI_ISA={forced}: this CPU (or OS) does not support it; "
+                                f"available: {', '.join(available)}")
+        failure = test(forced)
+        return (None, None, f"COLIBRI_ISA={forced}: {failure}") if failure else (forced, None, None)
+    failed = []
+    for name in sorted(available, key=ISA_NAMES.get, reverse=True):
+        failure = test(name) if name != "scalar" else None        # the spec itself
+        if failure is None:
+            return name, (f"colibri: {'; '.join(failed)}; using the {name} tier" if failed else None), None
+        failed.append(failure)
+    return "scalar", None, None
+
+
+def _select_at_import():
+    """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test."""
+    import os
+    import warnings
+    name, warning, error = choose_tier(os.environ.get("COLIBRI_ISA", "").strip().lower(), available_isas(),
+                                       self_test)
+    if warning:
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
+    if error:
+        raise ValueError(error)
+    select_isa(name)
 
 
 try:
     _select_at_import()
     ISA_ERROR = None
 except ValueError as e:           # keep importable; loading a model reports the error
-    select_isa(max(available_isas(), key=ISA_NAMES.get))
+    select_isa(choose_tier("", available_isas(), self_test)[0])
     ISA_ERROR = str(e)
 
 

@@ -369,3 +369,27 @@ def test_every_tier_this_cpu_lacks_is_reported(tier):
     finally:
         _kernels.select_isa(before)
     assert "scalar" in _kernels.available_isas()
+
+
+def test_the_self_test_passes_on_every_tier_and_keeps_it(isa):
+    """The import-time known-answer test (dispatch.h cb_self_test: every format and layout,
+    attention with and without sinks, both GLUs, against the scalar spec) passes here on every
+    tier the CPU has, and leaves that tier selected."""
+    assert _kernels.self_test(isa) is None
+    assert _kernels.isa() == isa
+
+
+def test_a_tier_that_fails_its_self_test_is_not_used():
+    """choose_tier: the fastest tier that passes, the failures named in one warning; a forced tier
+    (COLIBRI_ISA) that fails, is unknown or unavailable is an error naming it."""
+    tiers = ["scalar", "avx2", "avx512"]
+    broken = {"avx512": "the avx512 kernels disagree with the scalar spec (self-test check 7)"}
+    name, warning, error = _kernels.choose_tier("", tiers, broken.get)
+    assert (name, error) == ("avx2", None) and "check 7" in warning and "using the avx2 tier" in warning
+    assert _kernels.choose_tier("", tiers, lambda n: None) == ("avx512", None, None)
+    assert _kernels.choose_tier("", tiers, lambda n: "bad")[0] == "scalar"       # the spec is never tested
+    assert _kernels.choose_tier("avx2", tiers, broken.get) == ("avx2", None, None)
+    name, _, error = _kernels.choose_tier("avx512", tiers, broken.get)
+    assert name is None and error.startswith("COLIBRI_ISA=avx512: ") and "check 7" in error
+    assert "not a tier" in _kernels.choose_tier("avx1024", tiers, broken.get)[2]
+    assert "does not support it" in _kernels.choose_tier("avx512", ["scalar", "avx2"], broken.get)[2]

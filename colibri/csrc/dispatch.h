@@ -515,4 +515,129 @@ static int cb_attention_softmax(float *x, int n) { return cb_kt.softmax(x, n); }
 /* The current tier's activation quantization (for the tests). */
 static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantize(a, x, n); }
 
+/* ---- the import-time self-test ---------------------------------------------------------------
+ *
+ * A known-answer test of a tier against the scalar spec, on the drivers the engine uses: every
+ * storage format in every layout it has (rows; transposed for the float formats and int8/int4;
+ * interleaved for int8/int4/mxfp4) through cb_matmul at one token and at five (decode and the
+ * prefill tiles), the attention with and without sinks, and both GLU activations, each computed
+ * on the scalar tier and on the tier under test from the same deterministic inputs (weights of
+ * random bytes whose scales are set to valid values). Results must agree within float32
+ * summation-order error (CB_SELFTEST_RTOL of the largest reference value). About 30 small
+ * products: about 2 ms at import, most of it the tier switches' CPU detection (cpuid traps to the
+ * hypervisor in a VM). Returns 0 with tier `isa` selected, or 1 + the index of the
+ * first failing check with the table left on tier `isa` (the caller picks another); -1 if the CPU
+ * cannot run `isa` at all. */
+#define CB_SELFTEST_RTOL 1e-3f
+
+static uint32_t cb_selftest_rand(uint32_t *state) {
+    *state = *state * 1664525u + 1013904223u;
+    return *state >> 8;
+}
+
+/* Fill a stored [rows, cols] matrix of `dtype` in `layout` with deterministic bytes, its scales
+ * made valid: f32 values in [-1, 1); f16 / bf16 of normal magnitude; int8/int4/mxfp4 random
+ * weights with f16 scales near 2^-6 or e8m0 scales of 2^-6 +- 1. */
+static void cb_selftest_fill(uint8_t *w, size_t bytes, int dtype, int layout, int rows, int cols, uint32_t *state) {
+    if (dtype == CB_F32) {
+        float *f = (float *)w;
+        for (size_t i = 0; i < bytes / 4; i++) f[i] = (float)(cb_selftest_rand(state) % 2000u) / 1000.0f - 1.0f;
+        return;
+    }
+    if (dtype == CB_F16 || dtype == CB_BF16) {
+        uint16_t *h = (uint16_t *)w;
+        for (size_t i = 0; i < bytes / 2; i++) {
+            uint32_t r = cb_selftest_rand(state);
+            h[i] = dtype == CB_F16 ? (uint16_t)((r & 0x8000u) | ((10u + (r >> 16) % 6u) << 10) | (r & 0x3FFu))
+                                   : (uint16_t)((r & 0x8000u) | ((118u + (r >> 16) % 8u) << 7) | (r & 0x7Fu));
+        }
+        return;
+    }
+    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)cb_selftest_rand(state);
+    const int nb = cols / CB_QBLOCK, groups = rows / CB_TGROUP;
+    if (layout == CB_ROWS) {                            /* each block's scale */
+        const size_t bb = cb_row_stride(dtype, CB_QBLOCK);
+        for (size_t b = 0; b < (size_t)rows * nb; b++) {
+            if (dtype == CB_MXFP4) w[b * bb] = (uint8_t)(120u + cb_selftest_rand(state) % 3u);
+            else { uint16_t d = (uint16_t)(0x2000u + cb_selftest_rand(state) % 0x400u); memcpy(w + b * bb, &d, 2); }
+        }
+        return;
+    }
+    for (size_t gi = 0; gi < (size_t)groups * nb; gi++) {   /* each group's 8 scales, first in the group */
+        uint8_t *g = w + gi * cb_group_bytes(dtype);
+        for (int r = 0; r < CB_TGROUP; r++) {
+            if (dtype == CB_MXFP4) g[r] = (uint8_t)(120u + cb_selftest_rand(state) % 3u);
+            else { uint16_t d = (uint16_t)(0x2000u + cb_selftest_rand(state) % 0x400u); memcpy(g + 2 * r, &d, 2); }
+        }
+    }
+}
+
+static int cb_selftest_close(const float *ref, const float *got, int n) {
+    float scale = 0.0f;
+    for (int i = 0; i < n; i++) scale = fabsf(ref[i]) > scale ? fabsf(ref[i]) : scale;
+    for (int i = 0; i < n; i++)
+        if (!(fabsf(ref[i] - got[i]) <= CB_SELFTEST_RTOL * scale + 1e-6f)) return 0;   /* NaN fails too */
+    return 1;
+}
+
+static int cb_self_test(int isa) {
+    enum { R = 16, C = 64, N = 5, HEADS = 4, KV = 2, HD = 16, RING = 9 };
+    static uint8_t w[R * C * 4];                        /* the largest: f32 */
+    static float x[N * C], ref[N * R], got[N * R], xp[N * C], ad[N * C / CB_QBLOCK];
+    static int8_t aq[N * C];
+    static int32_t as[N * C / CB_QBLOCK];
+    static float kc[KV * RING * HD], vc[KV * RING * HD], q[HEADS * HD], sinks[HEADS], sc[HEADS * (RING + 1)];
+    static float gate[3 * C], up[3 * C], gref[3 * C];
+    cb_act_q8 acts[N];
+    uint32_t state = 12345u;
+    int check = 0;
+    if (cb_select_isa(isa) != 0) return -1;
+    for (int t = 0; t < N; t++) {
+        acts[t].q = aq + t * C; acts[t].d = ad + t * (C / CB_QBLOCK); acts[t].s = as + t * (C / CB_QBLOCK);
+        acts[t].n = 0; acts[t].xp = xp + t * C;
+    }
+    for (int i = 0; i < N * C; i++) x[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
+    for (int dtype = 0; dtype < CB_N_DTYPES; dtype++)
+        for (int layout = 0; layout < CB_N_LAYOUTS; layout++) {
+            const int quant = CB_IS_QUANT(dtype);
+            if ((layout == CB_TRANSPOSED && dtype == CB_MXFP4) || (layout == CB_INTERLEAVED && !quant)) continue;
+            const size_t bytes = (size_t)R * cb_row_stride(dtype, C);
+            cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
+            for (int n = 1; n <= N; n += N - 1) {
+                check++;
+                cb_select_isa(CB_ISA_SCALAR);
+                cb_matmul(ref, R, w, dtype, layout, x, C, acts, n, R, C, 1);
+                cb_select_isa(isa);
+                cb_matmul(got, R, w, dtype, layout, x, C, acts, n, R, C, 1);
+                if (!cb_selftest_close(ref, got, n * R)) return check;
+            }
+        }
+    for (int i = 0; i < KV * RING * HD; i++) {
+        kc[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
+        vc[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
+    }
+    for (int i = 0; i < HEADS * HD; i++) q[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
+    for (int i = 0; i < HEADS; i++) sinks[i] = (float)(cb_selftest_rand(&state) % 4000u) / 1000.0f - 2.0f;
+    for (int with_sinks = 0; with_sinks < 2; with_sinks++) {
+        check++;
+        cb_select_isa(CB_ISA_SCALAR);                  /* a window of 9: positions 3..11 of a ring of 9, wrapped */
+        cb_attention(ref, 0, q, 0, kc, vc, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1);
+        cb_select_isa(isa);
+        cb_attention(got, 0, q, 0, kc, vc, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1);
+        if (!cb_selftest_close(ref, got, HEADS * HD)) return check;
+    }
+    for (int act = CB_ACT_SILU; act <= CB_ACT_GELU_TANH; act++) {
+        check++;
+        for (int i = 0; i < 3 * C; i++) {
+            gate[i] = (float)(cb_selftest_rand(&state) % 8000u) / 1000.0f - 4.0f;
+            up[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
+        }
+        memcpy(gref, gate, sizeof gate);
+        cb_glu_scalar(gref, up, 3 * C - 5, act);
+        cb_glu(gate, up, 3 * C - 5, act);
+        if (!cb_selftest_close(gref, gate, 3 * C - 5)) return check;
+    }
+    return 0;
+}
+
 #endif /* COLIBRI_DISPATCH_H */
