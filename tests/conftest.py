@@ -30,6 +30,22 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE_ROOT = Path(colibri_package.__file__).resolve().parents[1]      # the directory that holds colibri/
 
 
+def tier_report() -> str:
+    """The tiers this run tests (the `isa` fixture runs the kernel tests on each), the int steps
+    of the best one, and the CPU features they come from: what a log says about its host."""
+    feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
+    return (f"colibri tiers tested: {', '.join(_kernels.available_isas())} (default {_kernels.isa()}, int steps "
+            f"{', '.join(_kernels.available_int_steps())}); CPU features: {' '.join(feats) or 'none'}")
+
+
+def pytest_report_header(config):
+    return [tier_report()]
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(tier_report())         # also under -q, where the header is not printed
+
+
 def float32_dot_bound(abs_dot, n_ops):
     """The error bound of a float32 dot product (Higham, Accuracy and Stability of Numerical
     Algorithms, 3.1): |computed - exact| <= gamma(n) * sum_i |w_i x_i|, gamma(n) = n u / (1 - n u),
