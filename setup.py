@@ -13,7 +13,9 @@ from setuptools import Extension, setup
 debug = os.environ.get("COLIBRI_DEBUG") == "1"
 
 if sys.platform == "win32":
-    compile_args = ["/O2", "/openmp"]
+    # /std:c11: the headers use _Static_assert, which MSVC's C mode has only from C11; OpenMP 2.0
+    # (/openmp) is all the code asks of it (signed loop indices, no collapse, no simd)
+    compile_args = ["/O2", "/openmp", "/std:c11"]
     link_args = []
 else:
     # each module includes the headers of every .pxd it cimports and calls a few of their static
