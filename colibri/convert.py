@@ -722,8 +722,9 @@ def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> Non
             return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)).reshape(H * R, nope)
         return np.ascontiguousarray(w[:, nope:]).reshape(H * v, R)
 
-    if proj == "kv_b_proj":
-        targets = {"wkb": lambda: kv_b(ckpt.f32(hf_name), "wkb"), "wvb": lambda: kv_b(ckpt.f32(hf_name), "wvb")}
+    if proj == "kv_b_proj":             # one read of kv_b_proj serves both halves
+        read = _read_once(lambda: ckpt.f32(hf_name), 2)
+        targets = {"wkb": lambda: kv_b(read(), "wkb"), "wvb": lambda: kv_b(read(), "wvb")}
     else:
         transform = {"q_proj": query, "q_b_proj": query, "kv_a_proj_with_mqa": kv_a, "q_a_proj": lambda w: w}[proj]
         name = {"q_proj": "wq", "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a"}[proj]
@@ -778,21 +779,49 @@ def _plan_gpt_oss_experts(ckpt, cfg, hf_name: str, layer: int, proj: str, part: 
         names = [base + "gate", base + "up"] if gate_up else [base + "down"]
         if part == "_bias":
             names = [n + "_bias" for n in names]
+        read = _read_once(_gpt_oss_reader(ckpt, hf_name, part, e), len(names))    # gate and up: one read
         for i, name in enumerate(names):
             if name in plan:
                 raise ColibriError(f"{_cut(hf_name)}: tensor {name} is given twice in the checkpoint")
-            rows = slice(i, None, 2) if gate_up else slice(None)
-            plan[name] = _gpt_oss_getter(ckpt, hf_name, part, e, rows)
+            plan[name] = _gpt_oss_getter(read, part, slice(i, None, 2) if gate_up else slice(None))
 
 
-def _gpt_oss_getter(ckpt, hf_name, part, expert, rows):
+def _read_once(read, uses: int):
+    """A getter that calls read() on its first call and hands the value to `uses` calls in all,
+    dropping it after the last (two tensors cut from one checkpoint tensor: one read, one copy)."""
+    state = {"left": uses}
+
     def get():
+        if "value" not in state:
+            state["value"] = read()
+        value = state["value"]
+        state["left"] -= 1
+        if state["left"] == 0:                  # the last use: drop it (a later call reads again)
+            del state["value"]
+            state["left"] = uses
+        return value
+    return get
+
+
+def _gpt_oss_reader(ckpt, hf_name, part, expert):
+    """Expert `expert` of a gpt-oss stacked tensor: float32 [in, out] (biases [out]), or the
+    (blocks, scales) bytes of an mxfp4 one ([out, in / 32, 16], [out, in / 32])."""
+    def read():
         if part == "_blocks":
             blocks, _ = ckpt.raw(hf_name)
             scales, _ = ckpt.raw(hf_name[:-len("_blocks")] + "_scales")
-            return MxMatrix(blocks[expert, rows], scales[expert, rows])
+            return blocks[expert], scales[expert]
         arr, kind = ckpt.raw(hf_name)
-        values = to_f32(arr[expert], kind)                  # a contiguous piece of the mapping
+        return to_f32(arr[expert], kind)                    # a contiguous piece of the mapping
+    return read
+
+
+def _gpt_oss_getter(read, part, rows):
+    """Our tensor from the expert's stacked values: its rows (gate the even, up the odd)."""
+    def get():
+        values = read()
+        if part == "_blocks":
+            return MxMatrix(values[0][rows], values[1][rows])
         if part == "_bias":
             return np.ascontiguousarray(values[rows])
         return np.ascontiguousarray(values[:, rows].T)      # [in, out] -> [out, in]
