@@ -175,8 +175,10 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
 
 
 def layouts_of(args, dtype):
-    """The --layouts a format has (interleaved: int8/int4 only)."""
-    return [lay for lay in args.layouts.split(",") if lay != "interleaved" or dtype in quant.BLOCK_DTYPES]
+    """The --layouts a format has (interleaved: the block formats; transposed: not mxfp4)."""
+    return [lay for lay in args.layouts.split(",")
+            if (lay != "interleaved" or dtype in quant.IGROUP_DTYPES)
+            and (lay != "transposed" or dtype not in quant.BLOCK_DTYPES or dtype in quant.GROUP_DTYPES)]
 
 
 def resident_table(args, rng, rows=3584, cols=1024):
