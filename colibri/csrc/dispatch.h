@@ -580,7 +580,10 @@ static int cb_selftest_close(const float *ref, const float *got, int n) {
     return 1;
 }
 
-static int cb_self_test(int isa) {
+/* The kernels of tier `isa` with int step `step` against the scalar spec: 0 if all agree, -1 if
+ * this CPU/OS cannot run them, else the number of the first check that failed. The selection is
+ * left at (isa, step). Needs cb_init_tables() first (the scalar spec's f16 table). */
+static int cb_self_test_step(int isa, int step) {
     enum { R = 16, C = 64, N = 5, HEADS = 4, KV = 2, HD = 16, RING = 9 };
     static uint8_t w[R * C * 4];                        /* the largest: f32 */
     static float x[N * C], ref[N * R], got[N * R], xp[N * C], ad[N * C / CB_QBLOCK];
@@ -591,7 +594,7 @@ static int cb_self_test(int isa) {
     cb_act_q8 acts[N];
     uint32_t state = 12345u;
     int check = 0;
-    if (cb_select_isa(isa) != 0) return -1;
+    if (cb_select_kernels(isa, step) != 0) return -1;
     for (int t = 0; t < N; t++) {
         acts[t].q = aq + t * C; acts[t].d = ad + t * (C / CB_QBLOCK); acts[t].s = as + t * (C / CB_QBLOCK);
         acts[t].n = 0; acts[t].xp = xp + t * C;
@@ -605,9 +608,9 @@ static int cb_self_test(int isa) {
             cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
             for (int n = 1; n <= N; n += N - 1) {
                 check++;
-                cb_select_isa(CB_ISA_SCALAR);
+                cb_select_kernels(CB_ISA_SCALAR, CB_INT_STEP_SCALAR);
                 cb_matmul(ref, R, w, dtype, layout, x, C, acts, n, R, C, 1);
-                cb_select_isa(isa);
+                cb_select_kernels(isa, step);
                 cb_matmul(got, R, w, dtype, layout, x, C, acts, n, R, C, 1);
                 if (!cb_selftest_close(ref, got, n * R)) return check;
             }
@@ -620,9 +623,9 @@ static int cb_self_test(int isa) {
     for (int i = 0; i < HEADS; i++) sinks[i] = (float)(cb_selftest_rand(&state) % 4000u) / 1000.0f - 2.0f;
     for (int with_sinks = 0; with_sinks < 2; with_sinks++) {
         check++;
-        cb_select_isa(CB_ISA_SCALAR);                  /* a window of 9: positions 3..11 of a ring of 9, wrapped */
+        cb_select_kernels(CB_ISA_SCALAR, CB_INT_STEP_SCALAR);                  /* a window of 9: positions 3..11 of a ring of 9, wrapped */
         cb_attention(ref, 0, q, 0, kc, vc, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1);
-        cb_select_isa(isa);
+        cb_select_kernels(isa, step);
         cb_attention(got, 0, q, 0, kc, vc, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1);
         if (!cb_selftest_close(ref, got, HEADS * HD)) return check;
     }
@@ -638,6 +641,13 @@ static int cb_self_test(int isa) {
         if (!cb_selftest_close(gref, gate, 3 * C - 5)) return check;
     }
     return 0;
+}
+
+/* cb_self_test_step with the int step import would choose for `isa`. */
+static int cb_self_test(int isa) {
+    cb_cpu = cb_detect_cpu();
+    if (isa > cb_best_isa(&cb_cpu)) return -1;
+    return cb_self_test_step(isa, cb_best_int_step(isa));
 }
 
 #endif /* COLIBRI_DISPATCH_H */
