@@ -77,6 +77,13 @@ class PROCESS_MEMORY_COUNTERS(ctypes.Structure):  # psapi.h; 72 bytes on x64
                 ("PeakPagefileUsage", SIZE_T)]
 
 
+class MEMORYSTATUSEX(ctypes.Structure):  # sysinfoapi.h; 64 bytes
+    _fields_ = [("dwLength", DWORD), ("dwMemoryLoad", DWORD)] + [
+        (name, ctypes.c_uint64) for name in ("ullTotalPhys", "ullAvailPhys", "ullTotalPageFile",
+                                             "ullAvailPageFile", "ullTotalVirtual", "ullAvailVirtual",
+                                             "ullAvailExtendedVirtual")]
+
+
 _K32 = (("kernel32", None),)  # (dll, symbol) candidates, tried in order; None: the same name
 # name: (candidates, restype, argtypes)
 _PROTOTYPES = {
@@ -105,8 +112,9 @@ _PROTOTYPES = {
     "GetProcessMemoryInfo": ((("kernel32", "K32GetProcessMemoryInfo"), ("psapi", None)),
                              BOOL, (HANDLE, ctypes.POINTER(PROCESS_MEMORY_COUNTERS), DWORD)),
     # the job this process is in (hJob NULL), JOBOBJECT_EXTENDED_LIMIT_INFORMATION: its memory limits
-    "QueryInformationJobObject": (_K32, BOOL, (HANDLE, ctypes.c_int, ctypes.c_void_p, DWORD, ctypes.c_void_p)),
-    "GlobalMemoryStatusEx": (_K32, BOOL, (ctypes.c_void_p,)),         # MEMORYSTATUSEX *
+    "QueryInformationJobObject": (_K32, BOOL, (HANDLE, ctypes.c_int, ctypes.c_void_p, DWORD,
+                                               ctypes.POINTER(DWORD))),
+    "GlobalMemoryStatusEx": (_K32, BOOL, (ctypes.POINTER(MEMORYSTATUSEX),)),
 }
 
 
@@ -142,9 +150,15 @@ def _last_error() -> int:
     return ctypes.get_last_error()  # Windows only, like every caller of it
 
 
+def _describe(code: int) -> str:
+    """The system's message for a Win32 error code (FormatMessage; just the number off Windows)."""
+    format_error = getattr(ctypes, "FormatError", None)
+    return format_error(code).strip() if format_error is not None else f"Windows error {code}"
+
+
 def _error(call: str, code: int, path: str | None = None, hint: str = "") -> OSError:
     """OSError(winerror=code): on Windows its errno (and subclass) follows from the code."""
-    msg = f"{call} failed: {ctypes.FormatError(code).strip()}" + (f". {hint}" if hint else "")
+    msg = f"{call} failed: {_describe(code)}" + (f". {hint}" if hint else "")
     return OSError(None, msg, path, code)
 
 
@@ -192,8 +206,7 @@ def unmap_file(address: int, size: int) -> None:
 def alloc_aligned(nbytes: int) -> int:
     address = _fn("VirtualAlloc")(None, nbytes, MEM_COMMIT | MEM_RESERVE, PAGE_READWRITE)
     if not address:
-        raise MemoryError(f"cannot allocate {nbytes} bytes (VirtualAlloc): "
-                          f"{ctypes.FormatError(_last_error()).strip()}")
+        raise MemoryError(f"cannot allocate {nbytes} bytes (VirtualAlloc): {_describe(_last_error())}")
     return address
 
 
@@ -374,18 +387,11 @@ def memory_usage() -> tuple:
     return current, (info.PeakJobMemoryUsed or info.PeakProcessMemoryUsed) if info is not None else None
 
 
-class MEMORYSTATUSEX(ctypes.Structure):  # sysinfoapi.h; 64 bytes
-    _fields_ = [("dwLength", DWORD), ("dwMemoryLoad", DWORD)] + [
-        (name, ctypes.c_uint64) for name in ("ullTotalPhys", "ullAvailPhys", "ullTotalPageFile",
-                                             "ullAvailPageFile", "ullTotalVirtual", "ullAvailVirtual",
-                                             "ullAvailExtendedVirtual")]
-
-
 def available_memory() -> int | None:
     status = MEMORYSTATUSEX()
     status.dwLength = ctypes.sizeof(status)
     f = _lookup("GlobalMemoryStatusEx")
-    if f is None or not f(ctypes.addressof(status)):
+    if f is None or not f(ctypes.byref(status)):
         return None
     return status.ullAvailPhys
 
