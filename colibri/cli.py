@@ -160,14 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a directory holding tokenizer.json / tokenizer.model / tokenizer_config.json / "
                           "chat_template.jinja / generation_config.json ... (e.g. the HF checkpoint)")
 
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a Colibri model directory")
-    conv.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", required=True)
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint or a GGUF file into a Colibri model directory")
+    source = conv.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", help="a Hugging Face checkpoint directory")
+    source.add_argument("--gguf", help="a llama.cpp GGUF model file (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; needs the "
+                                       "gguf package: pip install 'colibri[gguf]'); its Q8_0/Q4_0 blocks are kept as "
+                                       "int8/int4, its tokenizer and chat template are made into the directory's files")
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
-    conv.add_argument("--quantize", type=_quantize_choice, default="f32",
+    conv.add_argument("--quantize", type=_quantize_choice, default=None,
                       help="storage of the weight matrices: f32, f16, bf16, int8 or int4 (the original engine's "
                            "fp16 and 4bit are accepted), or mxfp4 (the routed experts in mxfp4 -- kept as they are "
                            "from a gpt-oss mxfp4 checkpoint --, the other matrices in bf16); norms, biases and "
-                           "routers stay f32")
+                           "routers stay f32 (default: f32 for --hf-dir; for --gguf the format closest to the "
+                           "file's: int8 for Q8_0, int4 for Q4_0 and the 4-bit K/IQ types, f16/bf16/f32 as they are)")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
@@ -524,7 +529,7 @@ def cmd_convert(args) -> int:
     from .convert import convert
 
     convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
-            expert_layout=args.expert_layout, layout=args.layout)
+            expert_layout=args.expert_layout, layout=args.layout, gguf=args.gguf)
     return 0
 
 

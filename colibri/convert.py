@@ -49,6 +49,7 @@ import numpy as np
 from .config import (MAX_EXPERTS, MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS,
                      MAX_VOCAB, ModelConfig, shown)
 from .errors import ColibriError
+from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
 from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, INTERLEAVED_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
@@ -566,6 +567,8 @@ _GPT_OSS_RULES = [
     (_L + r"mlp\.router\.weight", lambda m: f"layers.{m[1]}.router"),
     (_L + r"mlp\.router\.bias", lambda m: f"layers.{m[1]}.router_logit_bias"),
     (_L + r"mlp\.experts\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)", "gpt_oss_experts"),
+    # one expert's biases, by name (a GGUF's merged tensors cut per expert: gguf_import.py)
+    (_L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.bias", lambda m: f"layers.{m[1]}.experts.{int(m[2])}.{m[3]}_bias"),
 ]
 # DeepSeek-V3 first: its attention is rewritten into the latent form (mla_tensors)
 _DEEPSEEK_RULES = [
@@ -709,15 +712,13 @@ def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> Non
         raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(ckpt.shape(hf_name))}; config.json "
                            f"implies {[rows, fanin]}")
 
-    def query(w):                      # [H * (nope + rope), in] -> per head [rope (reordered), nope]
-        w = w.reshape(H, nope + rope, -1)
-        return np.concatenate([w[:, nope:][:, perm], w[:, :nope]], axis=1).reshape(H * (nope + rope), -1)
-
-    def kv_a(w):
-        return np.concatenate([w[R:][perm], w[:R]])
+    # whole rows move: a block-quantized matrix (a GGUF's Q8_0, quant.BlockMatrix) stays as it is
+    head = np.r_[nope + perm, 0:nope]
+    query_rows = (np.arange(H)[:, None] * (nope + rope) + head).reshape(-1)   # per head [rope (reordered), nope]
+    kv_a_rows = np.r_[R + perm, 0:R]
 
     def kv_b(w, part):
-        w = w.reshape(H, nope + v, R)
+        w = (w.f32() if isinstance(w, quant.BlockMatrix) else w).reshape(H, nope + v, R)
         if part == "wkb":
             return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)).reshape(H * R, nope)
         return np.ascontiguousarray(w[:, nope:]).reshape(H * v, R)
@@ -726,29 +727,22 @@ def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> Non
         read = _read_once(lambda: ckpt.f32(hf_name), 2)
         targets = {"wkb": lambda: kv_b(read(), "wkb"), "wvb": lambda: kv_b(read(), "wvb")}
     else:
-        transform = {"q_proj": query, "q_b_proj": query, "kv_a_proj_with_mqa": kv_a, "q_a_proj": lambda w: w}[proj]
+        order = {"q_proj": query_rows, "q_b_proj": query_rows, "kv_a_proj_with_mqa": kv_a_rows, "q_a_proj": None}[proj]
         name = {"q_proj": "wq", "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a"}[proj]
-        targets = {name: lambda: np.ascontiguousarray(transform(ckpt.f32(hf_name)))}
+        targets = {name: lambda: _rows_in_order(ckpt.f32(hf_name), order)}
     for name, get in targets.items():
         if p + name in plan:
             raise ColibriError(f"{_cut(hf_name)}: tensor {p + name} is given twice in the checkpoint")
         plan[p + name] = get
 
 
-class MxMatrix:
-    """One matrix of an mxfp4 checkpoint, as stored: blocks uint8 [rows, cols / 32, 16], scales
-    uint8 [rows, cols / 32] (quant.py's mxfp4). Kept as it is for --quantize mxfp4, dequantized
-    exactly for any other format."""
-
-    def __init__(self, blocks: np.ndarray, scales: np.ndarray):
-        self.blocks, self.scales = np.ascontiguousarray(blocks), np.ascontiguousarray(scales)
-        self.shape = (scales.shape[0], scales.shape[1] * QBLOCK)
-
-    def stored(self) -> np.ndarray:
-        return quant.from_mx(self.blocks, self.scales)
-
-    def f32(self) -> np.ndarray:
-        return quant.dequantize(self.stored(), "mxfp4", self.shape[1])
+def _rows_in_order(w, order):
+    """Matrix `w` (float32, or a quant.BlockMatrix kept in its blocks) with its rows in `order`."""
+    if order is None:
+        return w
+    if isinstance(w, quant.BlockMatrix):
+        return quant.BlockMatrix(w.stored()[order], w.dtype, w.shape[1])
+    return np.ascontiguousarray(w[order])
 
 
 def _plan_gpt_oss_experts(ckpt, cfg, hf_name: str, layer: int, proj: str, part: str, plan: dict) -> None:
@@ -821,7 +815,8 @@ def _gpt_oss_getter(read, part, rows):
     def get():
         values = read()
         if part == "_blocks":
-            return MxMatrix(values[0][rows], values[1][rows])
+            return quant.BlockMatrix(quant.from_mx(values[0][rows], values[1][rows]), "mxfp4",
+                                     values[1].shape[-1] * QBLOCK)
         if part == "_bias":
             return np.ascontiguousarray(values[rows])
         return np.ascontiguousarray(values[:, rows].T)      # [in, out] -> [out, in]
@@ -844,7 +839,7 @@ def _slice_getter(ckpt, hf_name, expert, row0, row1):
 
 
 def hf_model_config(ckpt: HFCheckpoint) -> tuple:
-    where = str(ckpt.root / "config.json")
+    where = getattr(ckpt, "config_source", None) or str(ckpt.root / "config.json")
     archs = ckpt.config.get("architectures")
     archs = [] if archs is None else archs
     if type(archs) is not list or not all(type(a) is str for a in archs):
@@ -858,49 +853,85 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
     return arch, ModelConfig.from_dict(fields, where)
 
 
-def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=print,
+def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False, log=print,
             ln_quant: str | None = None, expert_layout: str | None = None,
-            layout: str | None = None) -> ModelConfig:
-    """Convert a HF checkpoint directory into a Colibri model directory; returns its config."""
+            layout: str | None = None, gguf=None) -> ModelConfig:
+    """Convert a HF checkpoint directory (hf_dir) or a GGUF file (gguf; gguf_import.py) into a
+    Colibri model directory; returns its config. quantize: the weight format (default f32 for a
+    checkpoint, the closest to the file's for a GGUF)."""
+    if (hf_dir is None) == (gguf is None):
+        raise ColibriError("convert reads one source: --hf-dir DIR (a Hugging Face checkpoint) or --gguf FILE")
     if ln_quant not in (None, "int16"):
         raise ColibriError(f"--ln-quant {ln_quant!r} is not supported; the option is int16")
     _check_layouts(expert_layout, layout)
-    if quantize not in WEIGHT_DTYPES:
+    if quantize is not None and quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
+    source_flag, source = ("--gguf", gguf) if gguf is not None else ("--hf-dir", hf_dir)
+    _check_output(Path(output_dir), force, {source_flag: source})         # before any work
+    if gguf is not None:
+        ckpt = GGUFCheckpoint(gguf)
+        quantize = quantize or ckpt.default_format()
+    else:
+        ckpt = HFCheckpoint(hf_dir)
+        quantize = quantize or "f32"
     for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
         if value == "transposed" and quantize == "mxfp4" and flag == "--expert-layout":
             raise ColibriError(f"{flag} {value}: mxfp4 experts have no transposed layout; choose rows or interleaved")
         if value == "interleaved" and quantize not in INTERLEAVED_FORMATS:
             raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
                                f"choose rows or transposed")
-    _check_output(Path(output_dir), force, {"--hf-dir": hf_dir})         # before any work
-    ckpt = HFCheckpoint(hf_dir)
     arch, cfg = hf_model_config(ckpt)
     plan = plan_tensors(ckpt, cfg, arch, log)
     expected = cfg.expected_tensors()
+    with tempfile.TemporaryDirectory(prefix="colibri-gguf-text-") as staged:
+        text_dir = Path(hf_dir) if gguf is None else Path(staged)
+        if gguf is not None:
+            ckpt.write_text_files(text_dir, cfg.vocab_size)
+        return _convert_planned(ckpt, arch, cfg, plan, expected, Path(output_dir), text_dir, quantize, force, log,
+                                ln_quant, expert_layout, layout, {source_flag: source})
 
-    out = Path(output_dir)
+
+def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, force, log, ln_quant,
+                     expert_layout, layout, inputs) -> ModelConfig:
+    """convert's writing half: the planned tensors in their formats and layouts, the text files
+    of `text_dir`, then what the conversion did, in the log."""
+
     dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name) for name, (shape, kind) in expected.items()}
     layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
     weights = [sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)     # + alignment padding
                for _, names in _files_of(expected)]
-    text = [(Path(hf_dir) / n).stat().st_size for n in textfiles.present(Path(hf_dir))]
+    text = [(text_dir / n).stat().st_size for n in textfiles.present(text_dir)]
     need = _space_needed(weights + text, len(expected), out.resolve().parent)
 
-    copied = textfiles.validate(Path(hf_dir), cfg.vocab_size)     # before a byte is written
+    copied = textfiles.validate(text_dir, cfg.vocab_size)     # before a byte is written
+    from_gguf = isinstance(ckpt, GGUFCheckpoint)
+    requantized = {}             # GGUF type -> [(relative RMS error, elements)] (gguf_import.py)
+
+    def values(name):
+        v = plan[name]()
+        if from_gguf and dtypes[name] != "f32" and ckpt.requantized(ckpt.last_read_type, dtypes[name]):
+            requantized.setdefault(ckpt.last_read_type, []).append((requantization_error(v, dtypes[name]),
+                                                                     math.prod(v.shape)))
+        return v
 
     def write(writer):
         for rel, names in _files_of(expected):
-            writer.write_file(rel, (_stored(name, plan[name](), expected[name][0], dtypes[name], layouts[name],
+            writer.write_file(rel, (_stored(name, values(name), expected[name][0], dtypes[name], layouts[name],
                                             "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None)
                                     for name in names))
         for name in copied:
-            writer.add_file(name, Path(hf_dir) / name)
-        writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert",
-                                      "hf_dir_name": Path(hf_dir).resolve().name},
+            writer.add_file(name, text_dir / name)
+        source = ({"gguf_architecture": ckpt.arch, "gguf_name": ckpt.root.name} if from_gguf
+                  else {"hf_dir_name": ckpt.root.resolve().name})
+        writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert", **source},
                       ln_bits=16 if ln_quant else 32)
-    _write_model_dir(out, force, need, write, {"--hf-dir": hf_dir})
+    _write_model_dir(out, force, need, write, inputs)
+    if requantized:
+        errors = ", ".join(f"{t} {math.sqrt(sum(e * e * n for e, n in v) / sum(n for _, n in v)):.4f} "
+                           f"({len(v)} tensors)" for t, v in sorted(requantized.items()))
+        log(f"[INFO] GGUF-quantized tensors not in a Colibri format of their own were dequantized and stored in "
+            f"{quantize}; relative RMS error against the GGUF's own values (first rows of each tensor): {errors}")
     fallback = sum(1 for n, (shape, kind) in expected.items()
                    if kind == "matrix" and dtypes[n] == FALLBACK_DTYPE != quantize and shape[-1] % QBLOCK)
     if fallback:
@@ -911,9 +942,10 @@ def convert(hf_dir, output_dir, quantize: str = "f32", force: bool = False, log=
     if kept:
         log(f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
     expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
-    log(f"[INFO] Converted {arch} ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
+    log(f"[INFO] Converted {f'{ckpt.root.name} ({ckpt.arch}, as {arch})' if from_gguf else arch} "
+        f"({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
         f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}, experts {' and '.join(expert_layouts)}"
-        + (f"; copied {', '.join(copied)}" if copied else
+        + (f"; {'made from its metadata' if from_gguf else 'copied'} {', '.join(copied)}" if copied else
            " (no tokenizer.json or tokenizer.model: raw token ids only)"))
     return cfg
 
@@ -1260,15 +1292,16 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
 
 def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None):
     """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file.
-    values: float32, or an MxMatrix (an mxfp4 checkpoint's), kept byte for byte as mxfp4;
+    values: float32, or a quant.BlockMatrix (an mxfp4 checkpoint's experts, a GGUF's Q8_0/Q4_0
+    matrices), kept byte for byte when `dtype` is its format;
     kind_rounding "bf16": f32 storage of bf16-rounded values (ABSORBED_DTYPE)."""
-    if isinstance(values, MxMatrix):
+    if isinstance(values, quant.BlockMatrix):
         if tuple(values.shape) != shape:
             raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
                                f"checkpoint has {list(values.shape)}")
-        if (values.scales == quant.E8M0_NAN).any():
-            raise ColibriError(f"tensor {name}: the checkpoint's mxfp4 scales hold NaN (e8m0 255)")
-        if dtype == "mxfp4":
+        if values.bad_scales():
+            raise ColibriError(f"tensor {name}: the checkpoint's {values.dtype} block scales hold NaN or infinity")
+        if dtype == values.dtype:
             if layout != "rows":
                 return name, from_rows(values.stored(), dtype, shape[1], layout), dtype, shape, {"layout": layout}
             return name, values.stored(), dtype, shape, {}

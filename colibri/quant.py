@@ -157,6 +157,32 @@ def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     return (d * q).reshape(rows, cols)
 
 
+class BlockMatrix:
+    """A matrix that arrives already in one of these block formats: its rows layout, uint8
+    [rows, row_bytes(dtype, cols)] (gpt-oss's mxfp4 experts via `from_mx`; a GGUF's Q8_0 and
+    Q4_0 tensors, which are int8 and int4 byte for byte). Stored as it is when the target format
+    is `dtype`; `f32` gives exactly the values the kernels would compute with."""
+
+    def __init__(self, stored: np.ndarray, dtype: str, cols: int):
+        if dtype not in BLOCK_DTYPES or cols % QBLOCK or stored.ndim != 2 or stored.shape[1] != row_bytes(dtype, cols):
+            raise ValueError(f"{dtype} rows of {cols} columns cannot be {list(stored.shape)} bytes")
+        self.dtype, self._stored = dtype, np.ascontiguousarray(stored, np.uint8)
+        self.shape = (stored.shape[0], cols)
+
+    def stored(self) -> np.ndarray:
+        return self._stored
+
+    def f32(self) -> np.ndarray:
+        return dequantize(self._stored, self.dtype, self.shape[1])
+
+    def bad_scales(self) -> bool:
+        """Does a block scale hold NaN or infinity (mxfp4's e8m0 255, a non-finite f16)?"""
+        blocks = self._stored.view(BLOCK_DTYPES[self.dtype])
+        if self.dtype == "mxfp4":
+            return bool((blocks["e"] == E8M0_NAN).any())
+        return not bool(np.isfinite(blocks["d"].view(np.float16)).all())
+
+
 def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """A matrix stored in the rows layout -> the same matrix in the transposed layout.
 

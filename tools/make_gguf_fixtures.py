@@ -1,0 +1,89 @@
+"""GGUF test fixtures made by llama.cpp's own tools from the HF test fixtures (tests/test_gguf.py).
+
+    python tools/make_gguf_fixtures.py --sdist /path/to/llama_cpp_python-0.3.36 \
+        --quantize-bin /path/to/llama-quantize [--out tests/fixtures/gguf]
+
+For each case: llama.cpp's convert_hf_to_gguf.py (from the sdist's vendor/llama.cpp, run in this
+process) writes the checkpoint as an F32 or F16 GGUF, and llama-quantize makes the quantized ones.
+Needs torch (convert_hf_to_gguf imports it) and what that script needs; the tests need neither.
+
+  mixtral_a  (llama + experts, its sentencepiece tokenizer.model: 128 pieces)
+             F32, Q8_0, Q4_0, Q4_K_M (the 64- and 48-wide rows leave Q4_K to its fallbacks,
+             Q5_0 and Q8_0: the requantization path)
+  qwen3moe_c, olmoe_a  F16, with no vocabulary: these fixtures have no tokenizer, and the
+             script's vocabulary step is skipped (set_vocab replaced by a no-op) -- every tensor
+             and every other metadata key is the script's own. (llama.cpp's qwen2moe/qwen3moe
+             graphs have no dense layers: the fixtures with mlp_only_layers or a sparse step
+             cannot be converted; qwen3moe_c and olmoe_a route as llama.cpp's graphs do.)
+  gpt_oss_b  BF16 with its MXFP4 experts as the script repacks them (GGML's nibble order), no
+             vocabulary.
+  deepseekv3_a  F32 and Q8_0 (llama.cpp's deepseek2: kv_b_proj split into attn_k_b / attn_v_b, the
+             multi-token-prediction layer left out), no vocabulary.
+
+Deterministic for the same sdist, torch and checkpoint (the GGUF writer has no timestamps).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+
+CASES = {                      # case: (outtype of the script, quantized types, keep the vocabulary)
+    "mixtral_a": ("f32", ("Q8_0", "Q4_0", "Q4_K_M"), True),
+    "qwen3moe_c": ("f16", (), False),
+    "olmoe_a": ("f16", (), False),
+    "gpt_oss_b": ("bf16", (), False),
+    "deepseekv3_a": ("f32", ("Q8_0",), False),
+}
+
+
+def convert_case(llama_cpp: Path, case: str, outtype: str, keep_vocab: bool, out: Path) -> None:
+    sys.path.insert(0, str(llama_cpp / "gguf-py"))
+    sys.path.insert(0, str(llama_cpp))
+    import convert_hf_to_gguf as script
+
+    original = script.get_model_class
+
+    def model_class(name, mmproj=False):          # the classes are imported lazily, by name
+        cls = original(name, mmproj)
+        if not keep_vocab and not mmproj:
+            cls.set_vocab = lambda self: None
+        return cls
+    script.get_model_class = model_class
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", str(FIXTURES / case / "hf"), "--outtype", outtype, "--outfile", str(out)]
+    try:
+        script.main()
+    finally:
+        sys.argv = argv
+        script.get_model_class = original
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sdist", required=True, type=Path, help="an unpacked llama-cpp-python sdist")
+    ap.add_argument("--quantize-bin", required=True, type=Path, help="llama.cpp's llama-quantize")
+    ap.add_argument("--out", type=Path, default=FIXTURES / "gguf")
+    args = ap.parse_args()
+    llama_cpp = args.sdist / "vendor" / "llama.cpp"
+    args.out.mkdir(parents=True, exist_ok=True)
+    for case, (outtype, quantized, keep_vocab) in CASES.items():
+        base_file = args.out / f"{case}-{outtype.upper()}.gguf"
+        # one case per process: the script's model registry and patches are per process
+        code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tools')!r}); import make_gguf_fixtures as m; "
+                f"from pathlib import Path; m.convert_case(Path({str(llama_cpp)!r}), {case!r}, {outtype!r}, "
+                f"{keep_vocab!r}, Path({str(base_file)!r}))")
+        subprocess.run([sys.executable, "-c", code], check=True)
+        for qtype in quantized:
+            subprocess.run([str(args.quantize_bin), str(base_file), str(args.out / f"{case}-{qtype}.gguf"), qtype],
+                           check=True, stdout=subprocess.DEVNULL)
+        print(f"{case}: {outtype.upper()}{''.join(', ' + q for q in quantized)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
