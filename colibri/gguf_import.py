@@ -440,9 +440,16 @@ class GGUFCheckpoint:
             return []                                         # no vocabulary: raw token ids
         from .gguf_vocab import tokenizer_files
         files = tokenizer_files(tokenizer_meta, str(self.root))
-        generation = {k: self.meta[g] for k, g in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                                                   ("eos_token_id", "tokenizer.ggml.eos_token_id"))
-                      if type(self.meta.get(g)) is int and 0 <= self.meta[g] < vocab_size}
+        def token(key):
+            v = self.meta.get(f"tokenizer.ggml.{key}")
+            return v if type(v) is int and 0 <= v < vocab_size else None
+        # generation stops where llama.cpp's does: at end of text, and at the end of a turn or a
+        # message where the file names those tokens (eot / eom: a chat model's <|im_end|>, <|eot_id|>)
+        stops = list(dict.fromkeys(t for t in map(token, ("eos_token_id", "eot_token_id", "eom_token_id"))
+                                   if t is not None))
+        generation = {k: v for k, v in (("bos_token_id", token("bos_token_id")),
+                                        ("eos_token_id", stops[0] if len(stops) == 1 else stops or None))
+                      if v is not None}
         if generation:
             files["generation_config.json"] = json.dumps(generation, indent=1) + "\n"
         for name, text in files.items():

@@ -260,6 +260,21 @@ def test_the_imported_tokenizer_gives_the_checkpoint_s_ids(two_tokenizers, text)
     assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
 
 
+def test_generation_stops_at_the_end_of_a_turn_too(tmp_path):
+    """generation_config.json's eos_token_id: the file's eos, then its eot / eom tokens (a chat
+    model's end of turn), as llama.cpp stops at every end-of-generation token."""
+    import json
+    ckpt = GGUFCheckpoint(GGUF_DIR / "mixtral_a-Q8_0.gguf")
+    ckpt.write_text_files(tmp_path, 128)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
+    ckpt.meta.update({"tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.eom_token_id": 2})
+    ckpt.write_text_files(tmp_path, 128)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
+    ckpt.meta["tokenizer.ggml.eot_token_id"] = 500                       # outside the vocabulary: dropped
+    ckpt.write_text_files(tmp_path, 128)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
 def test_a_gguf_without_a_vocabulary_converts_to_raw_ids(imported):
     md = ModelDir(imported("olmoe_a-F16"))
     assert not any(n.startswith("tokenizer") for n in md.files)
