@@ -163,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint or a GGUF file into a Colibri model directory")
     source = conv.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", help="a Hugging Face checkpoint directory")
-    source.add_argument("--gguf", help="a llama.cpp GGUF model file (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; needs the "
-                                       "gguf package: pip install 'colibri[gguf]'); its Q8_0/Q4_0 blocks are kept as "
-                                       "int8/int4, its tokenizer and chat template are made into the directory's files")
+    source.add_argument("--gguf", help="a llama.cpp GGUF model file (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3/Kimi K2, "
+                                       "Gemma 4; needs the "
+                                       "gguf package: pip install 'colibri[gguf]'); its Q8_0/Q4_0/MXFP4 blocks are kept as "
+                                       "int8/int4/mxfp4, its tokenizer and chat template are made into the directory's files")
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
     conv.add_argument("--quantize", type=_quantize_choice, default=None,
                       help="storage of the weight matrices: f32, f16, bf16, int8 or int4 (the original engine's "

@@ -11,7 +11,7 @@ that fit the file, and any failure of the reader on a damaged file ends as one C
 naming the file.
 
 Architectures, as llama.cpp names them: `llama` with experts (Mixtral), `qwen2moe`, `qwen3moe`,
-`olmoe`, `gpt-oss`. Where the GGUF carries no setting that transformers' config has, llama.cpp's
+`olmoe`, `gpt-oss`, `deepseek2` (DeepSeek-V3, Kimi K2), `gemma4` (with its MoE block). Where the GGUF carries no setting that transformers' config has, llama.cpp's
 graph decides, since that is how every GGUF user runs the file: qwen3moe renormalizes the top-k
 routing weights, qwen2moe and olmoe do not (`norm_topk_prob`); gpt-oss's SwiGLU clamp is 7.0 with
 alpha 1.702, and its even layers slide (`load_swa_pattern`, period 2).
@@ -58,7 +58,7 @@ MIN_KV_BYTES = 8 + 1 + 4 + 1                      # key length, key, value type,
 # general.architecture -> the transformers class its config is built as
 ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 "deepseek2": "DeepseekV3ForCausalLM"}
+                 "deepseek2": "DeepseekV3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
 # llama.cpp's MoE graph per architecture: renormalize the top-k weights? (build_moe_ffn's norm_w)
 NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2          # {arch}.expert_gating_func (llama_expert_gating_func_type)
@@ -77,6 +77,20 @@ ERROR_SAMPLE_ROWS = 256          # rows of each requantized tensor the reported 
 
 _L = r"blk\.(\d+)\."
 _EXPERTS = "experts"
+_GATE_UP = "gate_up"            # Gemma 4's merged [E, 2 * ff, d]: gate the first half of each expert's rows
+# Gemma 4 first: llama.cpp's names of its sandwich norms, router and layer scalar
+_GEMMA4_NAMES = [(re.compile(p), t) for p, t in [
+    (_L + r"ffn_norm\.weight", "model.layers.{0}.pre_feedforward_layernorm.weight"),
+    (_L + r"post_ffw_norm\.weight", "model.layers.{0}.post_feedforward_layernorm.weight"),
+    (_L + r"post_ffw_norm_(1|2)\.weight", "model.layers.{0}.post_feedforward_layernorm_{1}.weight"),
+    (_L + r"pre_ffw_norm_2\.weight", "model.layers.{0}.pre_feedforward_layernorm_2.weight"),
+    (_L + r"layer_output_scale\.weight", "model.layers.{0}.layer_scalar"),
+    (_L + r"ffn_gate_inp\.weight", "model.layers.{0}.router.proj.weight"),
+    (_L + r"ffn_gate_inp\.scale", "model.layers.{0}.router.scale"),
+    (_L + r"ffn_down_exps\.scale", "model.layers.{0}.router.per_expert_scale"),
+    (_L + r"ffn_gate_up_exps\.weight", _GATE_UP),
+    (r"rope_freqs\.weight", None),        # proportional RoPE's frequency factors: in the config instead
+]]
 # GGUF tensor name -> transformers' (a template with the match's groups), or _EXPERTS (merged)
 _NAMES = [(re.compile(p), t) for p, t in [
     (r"token_embd\.weight", "model.embed_tokens.weight"),
@@ -189,6 +203,16 @@ class GGUFCheckpoint:
                                f"got {shown(v)}")
         return v
 
+    def _kv_heads(self, heads):
+        """attention.head_count_kv: one count, or one per layer (Gemma 4): the first here."""
+        kv = self.meta.get(f"{self.arch}.attention.head_count_kv", heads)
+        if type(kv) is list and kv and all(type(k) is int for k in kv):
+            return kv[0]
+        if type(kv) is not int:
+            raise ColibriError(f"{self.root}: metadata {self.arch}.attention.head_count_kv must be an integer or a "
+                               f"list of them, got {shown(kv)}")
+        return kv
+
     def _hf_config(self, tensors) -> dict:
         heads = self._arch_key("attention.head_count")
         blocks = self._arch_key("block_count")
@@ -208,7 +232,7 @@ class GGUFCheckpoint:
             "hidden_size": self._arch_key("embedding_length"),
             "num_hidden_layers": blocks,
             "num_attention_heads": heads,
-            "num_key_value_heads": self._arch_key("attention.head_count_kv", heads),
+            "num_key_value_heads": self._kv_heads(heads),
             "rms_norm_eps": self._arch_key("attention.layer_norm_rms_epsilon", 1e-6, num),
             "rope_theta": self._arch_key("rope.freq_base", 10000.0, num),
             "max_position_embeddings": self._arch_key("context_length", 4096),
@@ -237,6 +261,8 @@ class GGUFCheckpoint:
         dense = [i for i in range(blocks if type(blocks) is int else 0) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
         if self.arch == "deepseek2":
             self._deepseek(cfg, tensors, heads, experts, ffn, expert_ffn, rotary)
+        elif self.arch == "gemma4":
+            self._gemma4(cfg, tensors, blocks, experts, ffn, expert_ffn)
         elif self.arch == "llama":
             cfg.update(num_local_experts=experts, intermediate_size=expert_ffn)
         elif self.arch == "gpt-oss":
@@ -303,6 +329,46 @@ class GGUFCheckpoint:
             if multiplier:
                 scaling.update(mscale=round(multiplier / 0.1, 6), mscale_all_dim=round(multiplier / 0.1, 6))
 
+    def _gemma4(self, cfg, tensors, blocks, experts, ffn, expert_ffn) -> None:
+        """Gemma 4 with its MoE block: transformers' Gemma4TextConfig from llama.cpp's keys. The
+        sliding layers' head size is key_length_swa, the full layers' key_length (per_layer_config);
+        key/value heads per layer from head_count_kv (an array); the full layers' proportional RoPE
+        fraction from rope_freqs (llama.cpp's factors: 1 for the rotated pairs, 1e30 for the rest),
+        else from rope.dimension_count."""
+        types = self._layer_types(blocks)
+        kv = self.meta.get(f"{self.arch}.attention.head_count_kv")
+        kv = kv if type(kv) is list and len(kv) == blocks else [cfg["num_key_value_heads"]] * blocks
+        swa_dim = self._arch_key("attention.key_length_swa") or cfg.get("head_dim")
+        full_dim = self._arch_key("attention.key_length") or swa_dim
+        if swa_dim is None or any(type(k) is not int for k in kv):
+            raise ColibriError(f"{self.root}: metadata lacks {self.arch}.attention.key_length_swa / head_count_kv")
+        base = next((i for i, t in enumerate(types) if t == "sliding_attention"), 0)
+        per_layer = {str(i): {"head_dim": full_dim if t == "full_attention" else swa_dim, "num_key_value_heads": kv[i]}
+                     for i, t in enumerate(types) if (full_dim if t == "full_attention" else swa_dim, kv[i]) !=
+                     (swa_dim, kv[base])}
+        freqs = tensors.get("rope_freqs.weight")
+        rotary = self._arch_key("rope.dimension_count") or full_dim
+        if freqs is not None:
+            factors = np.asarray(freqs.data, np.float32).reshape(-1)
+            fraction = float(np.count_nonzero(factors == 1.0)) / max(1, factors.size)
+        else:
+            fraction = rotary / full_dim
+        for k in ("head_dim", "partial_rotary_factor", "rope_scaling", "num_experts_per_tok", "norm_topk_prob"):
+            cfg.pop(k, None)
+        full_v = [f"blk.{i}.attn_v.weight" in tensors for i, t in enumerate(types) if t == "full_attention"]
+        cfg.update(head_dim=swa_dim, num_key_value_heads=kv[base], per_layer_config=per_layer, layer_types=types,
+                   sliding_window=self._arch_key("attention.sliding_window"), enable_moe_block=True,
+                   num_experts=experts, top_k_experts=self._arch_key("expert_used_count"),
+                   moe_intermediate_size=expert_ffn, intermediate_size=ffn,
+                   attention_k_eq_v=bool(full_v) and not any(full_v),
+                   final_logit_softcapping=self._arch_key("final_logit_softcapping", None, (int, float)),
+                   hidden_size_per_layer_input=self._arch_key("embedding_length_per_layer_input", 0),
+                   num_kv_shared_layers=self._arch_key("attention.shared_kv_layers", 0),
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": self._arch_key(
+                                        "rope.freq_base_swa", 10000.0, (int, float))},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": fraction,
+                                                       "rope_theta": cfg.pop("rope_theta")}})
+
     def _layer_types(self, blocks) -> list:
         """Sliding or full attention per layer, as llama.cpp's load_swa_pattern reads them: the
         {arch}.attention.sliding_window_pattern array (true: sliding), or its period (default 2:
@@ -321,9 +387,10 @@ class GGUFCheckpoint:
     # -- tensors --
     def _map_names(self, tensors) -> None:
         heads = self._arch_key("attention.head_count")
-        kv_heads = self._arch_key("attention.head_count_kv", heads)
+        kv_heads = self._arch_key("attention.head_count_kv", heads) if self.arch == "llama" else None
+        names = (_GEMMA4_NAMES if self.arch == "gemma4" else []) + _NAMES
         for name, t in tensors.items():
-            for pattern, template in _NAMES:
+            for pattern, template in names:
                 m = pattern.fullmatch(name)
                 if m is None:
                     continue
@@ -332,6 +399,16 @@ class GGUFCheckpoint:
                 if template is _KV_B:
                     self._kv_b.setdefault(int(m[1]), {})[m[2]] = t
                     self._tensors[f"model.layers.{m[1]}.self_attn.kv_b_proj.weight"] = (None, int(m[1]), _KV_B)
+                    break
+                if template is _GATE_UP:
+                    shape = tuple(reversed([int(d) for d in t.shape]))        # [E, 2 * ff, d]
+                    if len(shape) != 3 or shape[1] % 2:
+                        raise ColibriError(f"{self.root}: tensor {name} has shape {list(shape)}; merged gate/up "
+                                           f"experts are [experts, 2 x ff, in]")
+                    ff = shape[1] // 2
+                    for e in range(shape[0]):
+                        for part, rows in (("gate", np.arange(ff)), ("up", np.arange(ff, 2 * ff))):
+                            self._tensors[f"model.layers.{m[1]}.mlp.experts.{e}.{part}_proj.weight"] = (t, e, rows)
                     break
                 if template is _EXPERTS:
                     shape = tuple(reversed([int(d) for d in t.shape]))        # [E, out, in] / [E, out]
@@ -364,7 +441,8 @@ class GGUFCheckpoint:
                                                                           self._kv_b[expert]["v"]))
             return (k[0] * (k[2] + v[1]), k[1]) if len(k) == len(v) == 3 else k + v
         shape = tuple(reversed([int(d) for d in t.shape]))
-        return shape[1:] if expert is not None else shape
+        shape = shape[1:] if expert is not None else shape
+        return (len(order),) + shape[1:] if order is not None else shape
 
     def gguf_type(self, name: str) -> str:
         t, expert, order = self._tensors[name]
@@ -390,13 +468,14 @@ class GGUFCheckpoint:
             self.last_read_type = self.gguf_type(name)
             return self._kv_b_proj(expert)
         self.last_read_type = t.tensor_type.name        # for convert's requantization report
-        return self._read(t, expert, order, self.shape(name))
+        return self._read(t, expert, order)
 
-    def _read(self, t, expert, order=None, shape=None):
+    def _read(self, t, expert, order=None):
+        """Tensor t (expert `expert` of a merged one), its rows in `order` (a selection or a
+        permutation of them; None: all, as stored)."""
         kind = t.tensor_type.name
         data = t.data if expert is None else t.data[expert]
-        if shape is None:
-            shape = tuple(reversed([int(d) for d in t.shape]))[1 if expert is not None else 0:]
+        shape = tuple(reversed([int(d) for d in t.shape]))[1 if expert is not None else 0:]
         try:
             if kind in ("Q8_0", "Q4_0", "MXFP4") and len(shape) == 2:
                 fmt = CARRIED[kind]

@@ -85,7 +85,9 @@ def from_hf(tmp_path_factory):
 
 @pytest.mark.parametrize("name, case, fmt", [("mixtral_a-F32", "mixtral_a", "f32"),
                                              ("qwen3moe_c-F16", "qwen3moe_c", "f16"),
-                                             ("olmoe_a-F16", "olmoe_a", "f16")])
+                                             ("olmoe_a-F16", "olmoe_a", "f16"),
+                                             ("gemma4_a-F16", "gemma4_a", "f16"),
+                                             ("gemma4_b-F16", "gemma4_b", "f16")])
 def test_a_float_gguf_is_the_safetensors_model(imported, from_hf, name, case, fmt):
     ours, ref = logits(imported(name), case)
     theirs, _ = logits(from_hf(case, fmt), case)

@@ -19,13 +19,18 @@ Needs torch (convert_hf_to_gguf imports it) and what that script needs; the test
              vocabulary.
   deepseekv3_a  F32 and Q8_0 (llama.cpp's deepseek2: kv_b_proj split into attn_k_b / attn_v_b, the
              multi-token-prediction layer left out), no vocabulary.
+  gemma4_a, gemma4_b  F16, no vocabulary (the script reads tokenizer.json for the embedding's
+             row count: a placeholder with vocab_size tokens stands in for it).
 
 Deterministic for the same sdist, torch and checkpoint (the GGUF writer has no timestamps).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -38,10 +43,23 @@ CASES = {                      # case: (outtype of the script, quantized types, 
     "olmoe_a": ("f16", (), False),
     "gpt_oss_b": ("bf16", (), False),
     "deepseekv3_a": ("f32", ("Q8_0",), False),
+    "gemma4_a": ("f16", (), False),
+    "gemma4_b": ("f16", (), False),
 }
 
 
 def convert_case(llama_cpp: Path, case: str, outtype: str, keep_vocab: bool, out: Path) -> None:
+    src = FIXTURES / case / "hf"
+    if not keep_vocab and case.startswith("gemma4"):
+        # the script's Gemma branch counts the vocabulary in tokenizer.json to trim the embedding
+        # (even with the vocabulary step skipped): a copy of the checkpoint with a placeholder
+        staged = Path(tempfile.mkdtemp(prefix="colibri-gguf-fixture-"))
+        shutil.copytree(src, staged / "hf")
+        cfg = json.loads((src / "config.json").read_text())
+        n = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]          # gemma4_b: the multimodal wrapper
+        (staged / "hf" / "tokenizer.json").write_text(json.dumps(
+            {"model": {"vocab": {f"t{i}": i for i in range(n)}}, "added_tokens": []}))
+        src = staged / "hf"
     sys.path.insert(0, str(llama_cpp / "gguf-py"))
     sys.path.insert(0, str(llama_cpp))
     import convert_hf_to_gguf as script
@@ -55,7 +73,7 @@ def convert_case(llama_cpp: Path, case: str, outtype: str, keep_vocab: bool, out
         return cls
     script.get_model_class = model_class
     argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", str(FIXTURES / case / "hf"), "--outtype", outtype, "--outfile", str(out)]
+    sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", outtype, "--outfile", str(out)]
     try:
         script.main()
     finally:
