@@ -712,13 +712,13 @@ def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> Non
         raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(ckpt.shape(hf_name))}; config.json "
                            f"implies {[rows, fanin]}")
 
-    # whole rows move: a block-quantized matrix (a GGUF's Q8_0, quant.BlockMatrix) stays as it is
+    # whole rows move: a matrix in its stored form (a GGUF's Q8_0, quant.StoredMatrix) stays as it is
     head = np.r_[nope + perm, 0:nope]
     query_rows = (np.arange(H)[:, None] * (nope + rope) + head).reshape(-1)   # per head [rope (reordered), nope]
     kv_a_rows = np.r_[R + perm, 0:R]
 
     def kv_b(w, part):
-        w = (w.f32() if isinstance(w, quant.BlockMatrix) else w).reshape(H, nope + v, R)
+        w = (w.f32() if isinstance(w, quant.StoredMatrix) else w).reshape(H, nope + v, R)
         if part == "wkb":
             return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)).reshape(H * R, nope)
         return np.ascontiguousarray(w[:, nope:]).reshape(H * v, R)
@@ -737,11 +737,11 @@ def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> Non
 
 
 def _rows_in_order(w, order):
-    """Matrix `w` (float32, or a quant.BlockMatrix kept in its blocks) with its rows in `order`."""
+    """Matrix `w` (float32, or a quant.StoredMatrix kept as stored) with its rows in `order`."""
     if order is None:
         return w
-    if isinstance(w, quant.BlockMatrix):
-        return quant.BlockMatrix(w.stored()[order], w.dtype, w.shape[1])
+    if isinstance(w, quant.StoredMatrix):
+        return w.rows(order)
     return np.ascontiguousarray(w[order])
 
 
@@ -815,7 +815,7 @@ def _gpt_oss_getter(read, part, rows):
     def get():
         values = read()
         if part == "_blocks":
-            return quant.BlockMatrix(quant.from_mx(values[0][rows], values[1][rows]), "mxfp4",
+            return quant.StoredMatrix(quant.from_mx(values[0][rows], values[1][rows]), "mxfp4",
                                      values[1].shape[-1] * QBLOCK)
         if part == "_bias":
             return np.ascontiguousarray(values[rows])
@@ -1292,16 +1292,17 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
 
 def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None):
     """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file.
-    values: float32, or a quant.BlockMatrix (an mxfp4 checkpoint's experts, a GGUF's Q8_0/Q4_0
-    matrices), kept byte for byte when `dtype` is its format;
+    values: float32, or a quant.StoredMatrix (an mxfp4 checkpoint's experts, a GGUF's Q8_0/Q4_0/
+    MXFP4/F16/BF16 matrices), kept byte for byte when `dtype` is its format;
     kind_rounding "bf16": f32 storage of bf16-rounded values (ABSORBED_DTYPE)."""
-    if isinstance(values, quant.BlockMatrix):
+    if isinstance(values, quant.StoredMatrix):
         if tuple(values.shape) != shape:
             raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
                                f"checkpoint has {list(values.shape)}")
-        if values.bad_scales():
-            raise ColibriError(f"tensor {name}: the checkpoint's {values.dtype} block scales hold NaN or infinity")
-        if dtype == values.dtype:
+        if values.not_finite():
+            raise ColibriError(f"tensor {name}: the checkpoint's {values.dtype} values or block scales hold NaN or "
+                               f"infinity")
+        if dtype == values.dtype and (layout == "rows" or dtype in BLOCK_FORMATS):
             if layout != "rows":
                 return name, from_rows(values.stored(), dtype, shape[1], layout), dtype, shape, {"layout": layout}
             return name, values.stored(), dtype, shape, {}

@@ -20,7 +20,7 @@ Tensors, by GGUF type:
 - F32, F16, BF16: the values as they are.
 - Q8_0 and Q4_0: the blocks of Colibri's int8 and int4 exactly (34 bytes: an f16 scale and 32
   int8; 18 bytes: an f16 scale and 16 bytes, element j in the low nibble of byte j and element
-  j + 16 in the high one, value d * (q - 8)): a `quant.BlockMatrix`, written byte for byte
+  j + 16 in the high one, value d * (q - 8)): a `quant.StoredMatrix`, written byte for byte
   when the target format is the same, dequantized otherwise. MXFP4 likewise into mxfp4, with
   its nibbles reordered (`_mxfp4_from_ggml`): the same values, no requantization.
 - every other type (the K-quants, IQ4_XS, Q5_0, ...): dequantized by gguf's reference code
@@ -453,8 +453,8 @@ class GGUFCheckpoint:
         head's key rows transposed) and attn_v_b [H, v, R]."""
         k = self._read(self._kv_b[layer]["k"], None)
         v = self._read(self._kv_b[layer]["v"], None)
-        k = k.f32() if isinstance(k, quant.BlockMatrix) else k
-        v = v.f32() if isinstance(v, quant.BlockMatrix) else v
+        k = k.f32() if isinstance(k, quant.StoredMatrix) else k
+        v = v.f32() if isinstance(v, quant.StoredMatrix) else v
         if k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[2]:
             raise ColibriError(f"{self.root}: blk.{layer}.attn_k_b {list(k.shape)} and attn_v_b {list(v.shape)} do not "
                                f"fit together ([heads, rank, nope] and [heads, v, rank])")
@@ -462,7 +462,7 @@ class GGUFCheckpoint:
         return np.concatenate([k.transpose(0, 2, 1), v], axis=1).reshape(-1, R)
 
     def f32(self, name: str):
-        """float32 values, or a quant.BlockMatrix for a Q8_0/Q4_0/MXFP4 matrix (kept as it is)."""
+        """float32 values, or a quant.StoredMatrix for a Q8_0/Q4_0/MXFP4/F16/BF16 matrix (kept as it is)."""
         t, expert, order = self._tensors[name]
         if order is _KV_B:
             self.last_read_type = self.gguf_type(name)
@@ -482,7 +482,10 @@ class GGUFCheckpoint:
                 rows = _copied(data).reshape(shape[0], -1)                    # [rows, row bytes]
                 if kind == "MXFP4":
                     rows = _mxfp4_from_ggml(rows)
-                return quant.BlockMatrix(rows if order is None else rows[order], fmt, shape[1])
+                return quant.StoredMatrix(rows if order is None else rows[order], fmt, shape[1])
+            if kind in ("F16", "BF16") and len(shape) == 2:
+                rows = _copied(data).view("<u2").reshape(shape)
+                return quant.StoredMatrix(rows if order is None else rows[order], CARRIED[kind], shape[1])
             if kind == "F32":
                 values = _copied(data)
             elif kind == "F16":
@@ -571,8 +574,8 @@ def requantization_error(values: np.ndarray, dtype: str) -> float:
     """The relative RMS error of storing `values` (a GGUF tensor's dequantized values) as
     `dtype`: ||stored - values|| / ||values||, over its first ERROR_SAMPLE_ROWS rows."""
     from .modeldir import from_storage, to_storage
-    if isinstance(values, quant.BlockMatrix):
-        values = quant.BlockMatrix(values.stored()[:ERROR_SAMPLE_ROWS], values.dtype, values.shape[1]).f32()
+    if isinstance(values, quant.StoredMatrix):
+        values = values.rows(slice(0, ERROR_SAMPLE_ROWS)).f32()
     v = np.asarray(values, np.float32)[:ERROR_SAMPLE_ROWS]
     if dtype in quant.BLOCK_DTYPES and v.ndim == 2 and v.shape[1] % quant.QBLOCK == 0:
         back = quant.dequantize(quant.quantize(v, dtype), dtype, v.shape[1])

@@ -48,6 +48,7 @@ IGROUP_DTYPES = {
     "mxfp4": np.dtype([("e", "u1", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
 }
 LAYOUTS = tuple(LAYOUT_CODES)
+FLOAT16_FORMATS = ("f16", "bf16")      # 2-byte float storage (modeldir.to_storage), held by StoredMatrix too
 
 
 def default_layout(dtype: str) -> str:
@@ -157,26 +158,41 @@ def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     return (d * q).reshape(rows, cols)
 
 
-class BlockMatrix:
-    """A matrix that arrives already in one of these block formats: its rows layout, uint8
-    [rows, row_bytes(dtype, cols)] (gpt-oss's mxfp4 experts via `from_mx`; a GGUF's Q8_0 and
-    Q4_0 tensors, which are int8 and int4 byte for byte). Stored as it is when the target format
-    is `dtype`; `f32` gives exactly the values the kernels would compute with."""
+class StoredMatrix:
+    """A matrix that arrives already in one of Colibri's storage formats, in its rows layout:
+    uint8 [rows, row_bytes(dtype, cols)] of int8/int4/mxfp4 blocks (gpt-oss's mxfp4 experts via
+    `from_mx`; a GGUF's Q8_0, Q4_0 and MXFP4 tensors), or uint16 [rows, cols] of f16/bf16 values
+    (a GGUF's F16/BF16 matrices). Stored as it is when the target format is `dtype` (no pass
+    through float32, no second rounding); `f32` gives exactly the values the kernels compute with."""
 
     def __init__(self, stored: np.ndarray, dtype: str, cols: int):
-        if dtype not in BLOCK_DTYPES or cols % QBLOCK or stored.ndim != 2 or stored.shape[1] != row_bytes(dtype, cols):
-            raise ValueError(f"{dtype} rows of {cols} columns cannot be {list(stored.shape)} bytes")
-        self.dtype, self._stored = dtype, np.ascontiguousarray(stored, np.uint8)
+        width = cols * 2 if dtype in FLOAT16_FORMATS else row_bytes(dtype, cols) if dtype in BLOCK_DTYPES else -1
+        if (dtype in BLOCK_DTYPES and cols % QBLOCK) or stored.ndim != 2 or stored.shape[1] * stored.itemsize != width:
+            raise ValueError(f"{dtype} rows of {cols} columns cannot be {list(stored.shape)} x {stored.itemsize} bytes")
+        self.dtype = dtype
+        self._stored = np.ascontiguousarray(stored, "<u2" if dtype in FLOAT16_FORMATS else np.uint8)
         self.shape = (stored.shape[0], cols)
 
     def stored(self) -> np.ndarray:
         return self._stored
 
     def f32(self) -> np.ndarray:
+        if self.dtype == "bf16":
+            return (self._stored.astype(np.uint32) << 16).view(np.float32)
+        if self.dtype == "f16":
+            return self._stored.view(np.float16).astype(np.float32)
         return dequantize(self._stored, self.dtype, self.shape[1])
 
-    def bad_scales(self) -> bool:
-        """Does a block scale hold NaN or infinity (mxfp4's e8m0 255, a non-finite f16)?"""
+    def rows(self, order) -> "StoredMatrix":
+        """The same matrix with its rows in `order` (whole rows move: blocks stay intact)."""
+        return StoredMatrix(self._stored[order], self.dtype, self.shape[1])
+
+    def not_finite(self) -> bool:
+        """Does a value or a block scale hold NaN or infinity (mxfp4's e8m0 255, a non-finite f16
+        scale, an all-ones f16/bf16 exponent)?"""
+        if self.dtype in FLOAT16_FORMATS:
+            exponent = 0x7F80 if self.dtype == "bf16" else 0x7C00
+            return bool(((self._stored & exponent) == exponent).any())
         blocks = self._stored.view(BLOCK_DTYPES[self.dtype])
         if self.dtype == "mxfp4":
             return bool((blocks["e"] == E8M0_NAN).any())

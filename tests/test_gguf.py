@@ -387,6 +387,20 @@ def test_random_damage_to_the_header_and_metadata_is_a_colibri_error(tmp_path, e
         assert str(path) in str(e) or "config" in str(e) or "tensor" in str(e), str(e)
 
 
+@pytest.mark.parametrize("name, qtype, bad", [("olmoe_a-F16", "F16", b"\x00\x7e"),        # an f16 NaN
+                                              ("mixtral_a-Q8_0", "Q8_0", b"\x00\x7c")])    # an f16 block scale inf
+def test_a_non_finite_value_carried_from_the_file_is_refused(tmp_path, name, qtype, bad):
+    src = GGUF_DIR / f"{name}.gguf"
+    t = next(t for t in gguf.GGUFReader(src).tensors if t.tensor_type.name == qtype and len(t.shape) == 2)
+    data = bytearray(src.read_bytes())
+    data[t.data_offset:t.data_offset + 2] = bad
+    path = tmp_path / "nan.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ColibriError, match="hold NaN or infinity"):
+        convert(None, tmp_path / "out", gguf=path, **SILENT)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_output_may_not_replace_the_gguf_s_directory(tmp_path):
     src = tmp_path / "models" / "m.gguf"
     src.parent.mkdir()
