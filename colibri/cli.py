@@ -58,6 +58,13 @@ def _quantize_choice(text):
     return value
 
 
+def _role_choice(text):
+    role, sep, fmt = text.partition("=")
+    if not sep or not role or not fmt:
+        raise argparse.ArgumentTypeError(f"expected ROLE=FORMAT (e.g. attention=int8), got {text!r}")
+    return role, _quantize_choice(fmt)
+
+
 def _number(text):
     try:
         return float(text)
@@ -174,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "from a gpt-oss mxfp4 checkpoint --, the other matrices in bf16); norms, biases and "
                            "routers stay f32 (default: f32 for --hf-dir; for --gguf the format closest to the "
                            "file's: int8 for Q8_0, int4 for Q4_0 and the 4-bit K/IQ types, f16/bf16/f32 as they are)")
+    conv.add_argument("--role", action="append", default=[], metavar="ROLE=FORMAT", type=_role_choice,
+                      help="store the matrices of one role in another format than --quantize (repeatable): "
+                           "roles experts, shared (shared experts), dense (dense layers' MLPs), attention, head "
+                           "(the output head, or the tied embedding), embedding (an untied one); e.g. --quantize "
+                           "int4 --role attention=int8 --role head=int8. The log gives the bytes a decoded token "
+                           "reads, by role")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
@@ -530,7 +543,7 @@ def cmd_convert(args) -> int:
     from .convert import convert
 
     convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
-            expert_layout=args.expert_layout, layout=args.layout, gguf=args.gguf)
+            expert_layout=args.expert_layout, layout=args.layout, gguf=args.gguf, roles=dict(args.role))
     return 0
 
 
@@ -554,15 +567,14 @@ def cmd_bench(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .modeldir import ModelDir
+    from .modeldir import ROLES, ModelDir, tensor_role
 
     md = ModelDir(args.model_dir)
     c = md.config
     total = sum(f["size"] for f in md.files.values())
     moe = sum(c.moe_layers)
-    expert_bytes = sum(t["nbytes"] for n, t in md.tensors.items() if ".experts." in n)
-    per_expert = expert_bytes / max(1, moe * c.num_experts)
-    active = total - expert_bytes + per_expert * moe * c.num_experts_per_tok
+    per_token = md.bytes_per_token()
+    active = sum(per_token.values())
     print(f"model:        {md.root}")
     print(f"architecture: {c.architecture} (from {md.raw.get('source', {}).get('hf_architecture', '?')})")
     print(f"layers:       {c.num_hidden_layers} ({moe} MoE, {c.num_hidden_layers - moe} dense"
@@ -571,8 +583,15 @@ def cmd_info(args) -> int:
           + (f", shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""))
     print(f"dimensions:   hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads} kv, "
           f"head_dim {c.head_dim}, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
+    formats = {}
+    for n, t in md.tensors.items():
+        role = tensor_role(n)
+        if role in ROLES:
+            formats.setdefault(role, set()).add(t["dtype"])
     print(f"weights:      {md.weight_dtype}, {len(md.files)} files, {total / 1e6:.1f} MB "
-          f"(about {active / 1e6:.1f} MB read per token)")
+          f"({active / 1e6:.1f} MB read per decoded token: "
+          + ", ".join(f"{r} {per_token[r] / 1e6:.1f} in {'/'.join(sorted(formats[r]))}"
+                      for r in ROLES if r in formats and per_token.get(r, 0) >= 0.05e6) + ")")
     def layouts(names):
         return " and ".join(sorted({md.tensors[n].get("layout", "rows") for n in names})) or "rows"
     experts = {n for n in md.tensors if ".experts." in n}

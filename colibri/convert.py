@@ -52,8 +52,9 @@ from .errors import ColibriError
 from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
-from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, INTERLEAVED_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, WEIGHT_DTYPES, MappedModelDir,
-                       ModelDir, ModelDirWriter, from_storage, storage_nbytes, tensor_file, to_storage)
+from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, INTERLEAVED_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
+                       WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, from_storage, storage_nbytes,
+                       tensor_file, tensor_role, to_storage)
 from . import quant
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
 
@@ -855,10 +856,12 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
 
 def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False, log=print,
             ln_quant: str | None = None, expert_layout: str | None = None,
-            layout: str | None = None, gguf=None) -> ModelConfig:
+            layout: str | None = None, gguf=None, roles: dict | None = None) -> ModelConfig:
     """Convert a HF checkpoint directory (hf_dir) or a GGUF file (gguf; gguf_import.py) into a
     Colibri model directory; returns its config. quantize: the weight format (default f32 for a
-    checkpoint, the closest to the file's for a GGUF)."""
+    checkpoint, the closest to the file's for a GGUF); roles: {role: format} for the matrices of
+    some roles (modeldir.ROLES: e.g. attention and the output head at int8 beside int4 experts)."""
+    roles = check_roles(roles)
     if (hf_dir is None) == (gguf is None):
         raise ColibriError("convert reads one source: --hf-dir DIR (a Hugging Face checkpoint) or --gguf FILE")
     if ln_quant not in (None, "int16"):
@@ -888,15 +891,31 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
         if gguf is not None:
             ckpt.write_text_files(text_dir, cfg.vocab_size)
         return _convert_planned(ckpt, arch, cfg, plan, expected, Path(output_dir), text_dir, quantize, force, log,
-                                ln_quant, expert_layout, layout, {source_flag: source})
+                                ln_quant, expert_layout, layout, {source_flag: source}, roles)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def check_roles(roles) -> dict:
+    """{role: format} from --role ROLE=FORMAT: known roles (modeldir.ROLES), storage formats."""
+    roles = dict(roles or {})
+    for role, fmt in roles.items():
+        if role not in ROLES:
+            raise ColibriError(f"--role {role}={fmt}: unknown role {role!r}; roles are {', '.join(ROLES)}")
+        if fmt not in WEIGHT_DTYPES:
+            raise ColibriError(f"--role {role}={fmt}: {fmt!r} is not a format; choose one of {', '.join(WEIGHT_DTYPES)}")
+    return roles
 
 
 def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, force, log, ln_quant,
-                     expert_layout, layout, inputs) -> ModelConfig:
+                     expert_layout, layout, inputs, roles) -> ModelConfig:
     """convert's writing half: the planned tensors in their formats and layouts, the text files
     of `text_dir`, then what the conversion did, in the log."""
 
-    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name) for name, (shape, kind) in expected.items()}
+    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name, roles)
+              for name, (shape, kind) in expected.items()}
     layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
     weights = [sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)     # + alignment padding
@@ -941,6 +960,12 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
                and (n != "embedding" or cfg.tie_word_embeddings))
     if kept:
         log(f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
+    per_token = ModelDir(out).bytes_per_token()
+    total = sum(per_token.values())
+    shown_roles = [r for r in (*ROLES, "router", "other") if per_token.get(r, 0) > 0.001 * total]
+    log(f"[INFO] Bytes read per decoded token: {_size(total)} ("
+        + ", ".join(f"{r} {_size(per_token[r])}" + (f" in {roles[r]}" if r in roles else "") for r in shown_roles)
+        + ")")
     expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
     log(f"[INFO] Converted {f'{ckpt.root.name} ({ckpt.arch}, as {arch})' if from_gguf else arch} "
         f"({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
@@ -1258,18 +1283,21 @@ ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int
 MXFP4_DENSE_DTYPE = "bf16"
 
 
-def _dtype_for(shape, kind, quantize, ln_quant=None, name=""):
+def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None):
+    """The storage format of one tensor: --quantize, or its role's --role format."""
+    role_format = (roles or {}).get(tensor_role(name))
     if kind == "norm":
         return "int16" if ln_quant else "f32"
     if kind == "absorbed":           # MLA's per-head products: a float format every tier multiplies unquantized
-        return ABSORBED_DTYPE[quantize]
+        return ABSORBED_DTYPE[role_format or quantize]
     if kind != "matrix":
         return "f32"
-    if quantize == "mxfp4" and not _EXPERT_MATRIX.fullmatch(name):
-        return MXFP4_DENSE_DTYPE
-    if quantize in BLOCK_FORMATS and shape[-1] % QBLOCK:
+    fmt = role_format or quantize
+    if role_format is None and quantize == "mxfp4" and not _EXPERT_MATRIX.fullmatch(name):
+        fmt = MXFP4_DENSE_DTYPE
+    if fmt in BLOCK_FORMATS and shape[-1] % QBLOCK:
         return FALLBACK_DTYPE
-    return quantize
+    return fmt
 
 
 def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=False):

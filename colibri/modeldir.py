@@ -111,6 +111,30 @@ def read_config_json(root: Path) -> dict:
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
+# What a weight matrix does in the model, by its name: the unit of convert's --role FORMAT and of
+# the bytes a decoded token reads (ModelDir.bytes_per_token).
+ROLES = ("experts", "shared", "dense", "attention", "head", "embedding")   # the matrices' roles
+_ATTENTION_PARTS = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkb", "wvb")
+
+
+def tensor_role(name: str) -> str:
+    """One of ROLES for a weight matrix; "router" for the router's tensors, "other" for norms,
+    biases, sinks and scalars."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return {"lm_head": "head", "embedding": "embedding"}.get(name, "other")
+    kind = parts[2]
+    if kind == "experts":
+        return "experts" if parts[-1] in ("gate", "up", "down") else "other"
+    if kind in ("router", "router_scale", "expert_scale", "router_bias", "router_logit_bias"):
+        return "router"
+    if kind == "shared":
+        return "shared"
+    if kind == "mlp":
+        return "dense"
+    return "attention" if kind in _ATTENTION_PARTS else "other"
+
+
 class ModelDir:
     """A validated model directory: its config, tensor table and file table (nothing mapped)."""
 
@@ -259,6 +283,22 @@ class ModelDir:
                     raise ColibriError(f"{where}: tensors {first} and {second} share bytes {begin}..{min(end, end2)} "
                                        f"of {rel} (two tensors must not overlap in a file)")
         return tensors
+
+    def bytes_per_token(self) -> dict:
+        """{role: bytes of weights one decoded token reads}: every tensor once, except a routed
+        expert's (top-k of num_experts of them run in each MoE layer: counted k / E) and an untied
+        embedding table (one row of it is read); a tied one is the output head too."""
+        c = self.config
+        out = {}
+        for name, t in self.tensors.items():
+            role = tensor_role(name)
+            n = t["nbytes"]
+            if role == "experts":
+                n = n * c.num_experts_per_tok / c.num_experts
+            elif role == "embedding":
+                role, n = ("head", n) if c.tie_word_embeddings else (role, n / t["shape"][0])
+            out[role] = out.get(role, 0.0) + n
+        return out
 
     def verify(self, progress=None, files=None) -> list:
         """sha256 of every file (or of `files`) against the table: a list of (file, problem), empty

@@ -351,3 +351,59 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, case, arch):
     (hf / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(colibri.ColibriError, match=rf"not understood for {arch}: model\.layers\.3\.eh_proj"):
         convert(hf, tmp_path / "m2", log=lambda *a: None)
+
+
+# ---- formats by role (--role ROLE=FORMAT) and the bytes a decoded token reads -----------------
+
+def test_roles_choose_the_format_of_their_matrices(tmp_path):
+    from colibri.modeldir import tensor_role
+    said = []
+    convert(FIXTURES / "deepseekv3_a" / "hf", tmp_path / "m", quantize="int4", log=said.append,
+            roles={"attention": "int8", "head": "int8", "shared": "bf16", "dense": "f16"})
+    md = ModelDir(tmp_path / "m")
+    formats = {}
+    for n, t in md.tensors.items():
+        formats.setdefault(tensor_role(n), set()).add(t["dtype"])
+    assert formats["experts"] == {"int4"} and md.weight_dtype == "int4"
+    assert formats["attention"] <= {"int8", "f16"}        # wkb/wvb: f16 (ABSORBED_DTYPE); 48-wide q_b: f16
+    assert "int8" in formats["attention"]
+    assert formats["head"] == {"int8"} and formats["shared"] == {"bf16"} and formats["dense"] == {"f16"}
+    assert formats["router"] == {"f32"}                    # never quantized
+    (line,) = [s for s in said if s.startswith("[INFO] Bytes read per decoded token")]
+    assert "attention" in line and "in int8" in line and "shared" in line and "in bf16" in line
+
+
+def test_bytes_per_token_counts_top_k_experts_and_one_embedding_row(converted):
+    md = ModelDir(converted("mixtral_a", "int8"))
+    c = md.config
+    per = md.bytes_per_token()
+    experts = sum(t["nbytes"] for n, t in md.tensors.items() if ".experts." in n)
+    assert per["experts"] == pytest.approx(experts * c.num_experts_per_tok / c.num_experts)
+    emb = md.tensors["embedding"]
+    assert per["embedding"] == pytest.approx(emb["nbytes"] / emb["shape"][0])   # untied: one row
+    assert per["head"] == md.tensors["lm_head"]["nbytes"]
+    total = sum(t["nbytes"] for t in md.tensors.values())
+    assert sum(per.values()) == pytest.approx(total - experts - emb["nbytes"] + per["experts"] + per["embedding"])
+
+
+@pytest.mark.parametrize("roles, message", [({"brains": "int8"}, "unknown role 'brains'"),
+                                            ({"attention": "int3"}, "'int3' is not a format"),
+                                            ({"router": "int8"}, "unknown role 'router'")])
+def test_a_bad_role_is_refused_before_any_work(tmp_path, roles, message):
+    with pytest.raises(ColibriError, match=message):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int4", roles=roles, **SILENT)
+    assert not (tmp_path / "m").exists()
+
+
+def test_role_on_the_command_line(tmp_path):
+    import subprocess
+    import sys
+    ok = subprocess.run([sys.executable, "-m", "colibri", "convert", "--hf-dir", str(FIXTURES / "mixtral_a" / "hf"),
+                         "--output-dir", str(tmp_path / "m"), "--quantize", "int4", "--role", "attention=int8"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert ModelDir(tmp_path / "m").tensors["layers.0.wq"]["dtype"] == "int8"
+    bad = subprocess.run([sys.executable, "-m", "colibri", "convert", "--hf-dir", str(FIXTURES / "mixtral_a" / "hf"),
+                          "--output-dir", str(tmp_path / "n"), "--role", "attention"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "expected ROLE=FORMAT" in bad.stderr

@@ -197,15 +197,10 @@ def run_bandwidth(exe, threads, mib) -> float:
 # -- bytes per token ---------------------------------------------------------------------------
 
 def colibri_active_bytes(model_dir) -> tuple:
-    """(bytes read per decoded token, top-k, num_experts) from a Colibri config.json."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    k, e = cfg["model"]["num_experts_per_tok"], cfg["model"]["num_experts"]
-    total = 0.0
-    for name, t in cfg["tensors"].items():
-        if name == "embedding":
-            continue
-        total += t["nbytes"] * (k / e if ".experts." in name else 1)
-    return total, k, e
+    """(bytes read per decoded token, top-k, num_experts): ModelDir.bytes_per_token."""
+    from colibri.modeldir import ModelDir
+    md = ModelDir(model_dir)
+    return sum(md.bytes_per_token().values()), md.config.num_experts_per_tok, md.config.num_experts
 
 
 def gguf_active_bytes(path, k, e) -> float | None:
