@@ -277,6 +277,31 @@ def test_generation_stops_at_the_end_of_a_turn_too(tmp_path):
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
+@pytest.mark.parametrize("name, types", [("wide-Q4_K_M", {"Q4_K", "Q6_K"}), ("wide-IQ4_XS", {"IQ4_XS", "Q6_K"})])
+def test_k_quants_and_iq4_xs_are_dequantized_and_requantized(tmp_path, imported, name, types):
+    """Real Q4_K / Q6_K / IQ4_XS blocks (256-wide rows: tools/make_gguf_fixtures.py, "wide"):
+    gguf's reference dequantization, the target format's quantization, each type's error in the
+    log; at int8 the model stays far closer to the file's own values than at int4."""
+    said = []
+    convert(None, tmp_path / "m", gguf=GGUF_DIR / f"{name}.gguf", log=said.append)
+    (report,) = [line for line in said if "dequantized" in line]
+    for t in types:
+        error = float(report.split(f"{t} ")[1].split()[0])
+        assert 0 < error < 0.2, report
+    assert ModelDir(tmp_path / "m").weight_dtype == "int4"          # general.file_type Q4_K_M / IQ4_XS
+    ids = list(range(1, 48))
+
+    def run(d):
+        m = colibri.load(d)
+        try:
+            return m.forward(ids)
+        finally:
+            m.close()
+    exact = run(imported(name, "f32"))
+    at_int8, at_int4 = run(imported(name, "int8")), run(tmp_path / "m")
+    assert rel(at_int8, exact) < 0.05 and rel(at_int8, exact) < rel(at_int4, exact) / 3
+
+
 def test_a_gguf_without_a_vocabulary_converts_to_raw_ids(imported):
     md = ModelDir(imported("olmoe_a-F16"))
     assert not any(n.startswith("tokenizer") for n in md.files)

@@ -21,6 +21,8 @@ Needs torch (convert_hf_to_gguf imports it) and what that script needs; the test
              multi-token-prediction layer left out), no vocabulary.
   gemma4_a, gemma4_b  F16, no vocabulary (the script reads tokenizer.json for the embedding's
              row count: a placeholder with vocab_size tokens stands in for it).
+  wide       Q4_K_M and IQ4_XS of a one-layer Mixtral with 256-wide rows (WIDE, made here from a
+             seed): real Q4_K, Q6_K and IQ4_XS blocks for the requantization path.
 
 Deterministic for the same sdist, torch and checkpoint (the GGUF writer has no timestamps).
 """
@@ -45,11 +47,35 @@ CASES = {                      # case: (outtype of the script, quantized types, 
     "deepseekv3_a": ("f32", ("Q8_0",), False),
     "gemma4_a": ("f16", (), False),
     "gemma4_b": ("f16", (), False),
+    "wide": ("f32", ("Q4_K_M", "IQ4_XS"), True),
 }
+NOT_KEPT = {"wide-F32.gguf"}     # the wide checkpoint's float file: only its quantized ones are fixtures
+
+
+# A checkpoint with 256-wide rows, so that llama-quantize's K-quants and IQ4_XS get their own
+# blocks (the test fixtures' 32- to 96-wide rows fall back to Q5_0/Q8_0): one Mixtral layer, made
+# here with transformers from a seed, with mixtral_a's 128-piece tokenizer.model.
+WIDE = {"vocab_size": 128, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 512, "tie_word_embeddings": False}
+WIDE_SEED = 4096
+
+
+def make_wide_checkpoint(out: Path) -> Path:
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(WIDE_SEED)
+    model = MixtralForCausalLM(MixtralConfig(**WIDE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05) if p.ndim > 1 else p.fill_(1.0)
+    model.save_pretrained(out)
+    shutil.copyfile(FIXTURES / "mixtral_a" / "hf" / "tokenizer.model", out / "tokenizer.model")
+    return out
 
 
 def convert_case(llama_cpp: Path, case: str, outtype: str, keep_vocab: bool, out: Path) -> None:
-    src = FIXTURES / case / "hf"
+    src = FIXTURES / case / "hf" if case != "wide" else make_wide_checkpoint(Path(tempfile.mkdtemp()) / "hf")
     if not keep_vocab and case.startswith("gemma4"):
         # the script's Gemma branch counts the vocabulary in tokenizer.json to trim the embedding
         # (even with the vocabulary step skipped): a copy of the checkpoint with a placeholder
@@ -99,6 +125,8 @@ def main() -> int:
         for qtype in quantized:
             subprocess.run([str(args.quantize_bin), str(base_file), str(args.out / f"{case}-{qtype}.gguf"), qtype],
                            check=True, stdout=subprocess.DEVNULL)
+        if base_file.name in NOT_KEPT:
+            base_file.unlink()
         print(f"{case}: {outtype.upper()}{''.join(', ' + q for q in quantized)}")
     return 0
 
