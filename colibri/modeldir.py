@@ -98,6 +98,9 @@ def read_config_json(root: Path) -> dict:
     if not root.exists():
         raise ColibriError(f"model directory {root} does not exist")
     if not root.is_dir():
+        if root.suffix.lower() == ".gguf":
+            raise ColibriError(f"{root} is a GGUF file; convert it into a model directory first: "
+                               f"python -m colibri convert --gguf {root} --output-dir {root.with_suffix('')}")
         raise ColibriError(f"{root} is not a directory (expected a converted model directory)")
     if not path.is_file():
         raise ColibriError(f"{path} is missing: not a Colibri model directory "

@@ -433,3 +433,9 @@ def test_the_output_may_not_replace_the_gguf_s_directory(tmp_path):
     with pytest.raises(ColibriError, match="--gguf"):
         convert(None, src.parent, gguf=src, force=True, **SILENT)
     assert src.exists()
+
+
+def test_a_gguf_given_as_a_model_directory_says_how_to_convert_it():
+    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(GGUF_DIR / "olmoe_a-F16.gguf"),
+                        "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is a GGUF file; convert it" in r.stderr and "--gguf" in r.stderr
