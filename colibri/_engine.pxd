@@ -126,8 +126,8 @@ cdef struct Layer:
     const float *router_scale     # [d_model] (parallel) the router reads rmsnorm(x) * router_scale * d**-0.5
     const float *expert_scale     # [n_experts] or NULL: multiplies each chosen expert's weight
     int kv_ring               # rows of the cache: n_ctx, or window + prefill chunk (sliding layers)
-    float *k_cache            # [n_kv_heads, kv_ring, head_dim], position p in row p % kv_ring of each head
-    float *v_cache            # [n_kv_heads, kv_ring, head_dim]
+    void *k_cache             # [n_kv_heads, kv_ring, head_dim] of Hyper.kv elements, position p in row p % kv_ring of each head
+    void *v_cache             # [n_kv_heads, kv_ring, head_dim]
 
 cdef struct Hyper:
     int d_model
@@ -156,6 +156,8 @@ cdef struct Hyper:
     float rms_eps
     int n_ctx
     int n_threads
+    int kv                    # the KV cache's element type (_kernels.KV_CODES: f32, f16)
+    int kv_bytes              # bytes of one of its elements
 
 cdef struct Scratch:
     # Every buffer of one engine call: up to `cap` tokens (a prefill chunk; decode is one), rows

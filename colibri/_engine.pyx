@@ -234,14 +234,15 @@ cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *
     cb_rope(k, L.n_kv_heads, hd, L.rope_dim, cos_t, sin_t)
 
 
-cdef inline void kv_store(Layer *L, const float *k, const float *v, int pos) noexcept nogil:
-    """Position pos's keys and values [n_kv_heads * head_dim] into row pos % kv_ring of each KV head."""
+cdef inline void kv_store(const Hyper *h, Layer *L, const float *k, const float *v, int pos) noexcept nogil:
+    """Position pos's keys and values [n_kv_heads * head_dim] into row pos % kv_ring of each KV
+    head, as the cache's elements (h.kv: f32 copied, f16 rounded to nearest even)."""
     cdef int j, hd = L.head_dim
     cdef size_t row
     for j in range(L.n_kv_heads):
-        row = (<size_t>j * L.kv_ring + pos % L.kv_ring) * hd
-        memcpy(L.k_cache + row, k + <size_t>j * hd, sizeof(float) * hd)
-        memcpy(L.v_cache + row, v + <size_t>j * hd, sizeof(float) * hd)
+        row = (<size_t>j * L.kv_ring + pos % L.kv_ring) * hd * h.kv_bytes
+        kernels.kv_store(<char *>L.k_cache + row, k + <size_t>j * hd, hd, h.kv)
+        kernels.kv_store(<char *>L.v_cache + row, v + <size_t>j * hd, hd, h.kv)
 
 
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
@@ -256,9 +257,9 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
     kernels.matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, h.n_threads)
     for t in range(n):
         qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
-        kv_store(L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+        kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
     kernels.attention(s.att, q_dim, s.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
-                 L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads)
+                 L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
     matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
     if L.bo != NULL:
         for t in range(n):
@@ -297,7 +298,7 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
         sin_t = L.rope_sin + <size_t>(pos0 + t) * (rope // 2)
         cb_rope(row, 1, D, rope, cos_t, sin_t)
         cb_rope(s.mla_q + <size_t>t * H * qk, H, qk, rope, cos_t, sin_t)
-        memcpy(L.k_cache + <size_t>((pos0 + t) % L.kv_ring) * D, row, sizeof(float) * D)
+        kernels.kv_store(<char *>L.k_cache + <size_t>((pos0 + t) % L.kv_ring) * D * h.kv_bytes, row, D, h.kv)
         for i in range(H):                      # each head's query: [its RoPE part, (absorbed below)]
             memcpy(s.q + (<size_t>t * H + i) * D, s.mla_q + (<size_t>t * H + i) * qk, sizeof(float) * rope)
     for i in range(H):                          # latent queries: wkb_h . nope_h
@@ -307,7 +308,7 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
         job(&heads[i], s.q + <size_t>i * D + rope, H * D, &wh, s.mla_q + <size_t>i * qk + rope, H * qk, s.acts, n)
     kernels.matmul_jobs(heads, H, h.n_threads)
     kernels.attention(s.att, H * D, s.q, H * D, L.k_cache, L.v_cache, s.scores, H, 1, D, h.n_ctx, n, pos0, 0,
-                      L.kv_ring, L.attn_scale, NULL, h.n_threads)
+                      L.kv_ring, L.attn_scale, NULL, h.n_threads, h.kv)
     for i in range(H):                          # values: wvb_h . (head h's attention over the latents)
         wh = L.wvb
         wh.data = <const char *>L.wvb.data + <size_t>i * v * cb_row_stride(L.wvb.dtype, R)
@@ -679,6 +680,10 @@ cdef class Engine:
         self.h.rms_eps = spec.rms_eps
         self.h.n_ctx = n_ctx
         self.h.n_threads = max(spec.n_threads, 1)
+        if spec.kv_cache not in ("f32", "f16"):
+            raise ValueError(f"kv_cache {spec.kv_cache!r}: f32 or f16")
+        self.h.kv = kernels.CB_KV_F16 if spec.kv_cache == "f16" else kernels.CB_KV_F32
+        self.h.kv_bytes = 2 if spec.kv_cache == "f16" else 4
 
         cdef int q_dim = self.h.n_heads * max(f.head_dim for f in layers)
         cdef int kv_dim = max(f.n_kv_heads * f.head_dim for f in layers)
@@ -728,9 +733,10 @@ cdef class Engine:
         # what the attention reads), each its own pages: zero pages are only touched (made
         # resident) as positions are filled. A sliding layer's ring must hold its window plus one
         # prefill chunk.
-        keep["k_cache"] = [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32) for f in layers]
+        kv_type = {"f32": f32, "f16": np.float16}[spec.kv_cache]       # its elements (_kernels.KV_CODES)
+        keep["k_cache"] = [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), kv_type) for f in layers]
         # an MLA layer's one array holds the latent rows its attention reads as keys and as values
-        keep["v_cache"] = [k if f.kv_rank else zeros((f.n_kv_heads, f.kv_ring, f.head_dim), f32)
+        keep["v_cache"] = [k if f.kv_rank else zeros((f.n_kv_heads, f.kv_ring, f.head_dim), kv_type)
                            for f, k in zip(layers, keep["k_cache"])]
         keep["predicted"][...] = -1
         for f in layers:
@@ -823,8 +829,8 @@ cdef class Engine:
             L.sliding_window = f.sliding_window
             L.is_moe = f.moe
             L.kv_ring = f.kv_ring
-            L.k_cache = _f32(keep["k_cache"][l])
-            L.v_cache = _f32(keep["v_cache"][l])
+            L.k_cache = <void *><uintptr_t>keep["k_cache"][l].ctypes.data
+            L.v_cache = <void *><uintptr_t>keep["v_cache"][l].ctypes.data
             if (p + "mlp.gate") in tensors:
                 L.dense = _ffn(tensors, p + "mlp.")
             if L.is_moe:

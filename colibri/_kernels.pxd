@@ -80,10 +80,13 @@ cdef extern from "dispatch.h" nogil:
     void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads)
     int cb_attention_softmax(float *x, int n)
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
-    void cb_attention(float *out, int ldo, const float *q, int ldq, const float *k_cache,
-                      const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+    void cb_attention(float *out, int ldo, const float *q, int ldq, const void *k_cache,
+                      const void *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
                       int n_ctx, int n, int pos0, int window, int ring, float scale, const float *sinks,
-                      int n_threads)
+                      int n_threads, int kv)
+    void cb_kv_store(void *dst, const float *src, int n, int kv)
+    int CB_KV_F32                # the KV cache's element types (a load option: kv_cache)
+    int CB_KV_F16
 
 cdef extern from "quant.h":
     int CB_QBLOCK                # weights per block of the integer formats (32)
@@ -111,9 +114,10 @@ cdef extern from "quant.h":
 cdef void matmul_jobs(const cb_matjob *jobs, int count, int n_threads) noexcept nogil
 cdef void matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                  cb_act_q8 *acts, int n, int rows, int cols, int n_threads) noexcept nogil
-cdef void attention(float *out, int ldo, const float *q, int ldq, const float *k_cache, const float *v_cache,
+cdef void attention(float *out, int ldo, const float *q, int ldq, const void *k_cache, const void *v_cache,
                     float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx, int n, int pos0,
-                    int window, int ring, float scale, const float *sinks, int n_threads) noexcept nogil
+                    int window, int ring, float scale, const float *sinks, int n_threads, int kv) noexcept nogil
+cdef void kv_store(void *dst, const float *src, int n, int kv) noexcept nogil
 cdef void glu(float *gate, const float *up, int n, int act) noexcept nogil
 cdef void dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols) noexcept nogil
 cdef void quantize_act(cb_act_q8 *a, const float *x, int n) noexcept nogil

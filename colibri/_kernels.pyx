@@ -35,6 +35,7 @@ TGROUP = CB_TGROUP               # outputs per group of the transposed and inter
 # ---- the SIMD tier, chosen once at import (COLIBRI_ISA forces one) ---------------------------
 
 ISA_NAMES = {"scalar": CB_ISA_SCALAR, "avx2": CB_ISA_AVX2, "avx512": CB_ISA_AVX512}
+KV_CODES = {"f32": CB_KV_F32, "f16": CB_KV_F16}     # the KV cache's element types (load(kv_cache=))
 
 
 def cpu_features():
@@ -191,13 +192,18 @@ cdef void matmul(float *out, int ldo, const void *w, int dtype, int layout, cons
     cb_matmul(out, ldo, w, dtype, layout, x, ldx, acts, n, rows, cols, n_threads)
 
 
-cdef void attention(float *out, int ldo, const float *q, int ldq, const float *k_cache, const float *v_cache,
+cdef void attention(float *out, int ldo, const float *q, int ldq, const void *k_cache, const void *v_cache,
                     float *scores, int n_heads, int n_kv_heads, int head_dim, int n_ctx, int n, int pos0,
-                    int window, int ring, float scale, const float *sinks, int n_threads) noexcept nogil:
-    """Causal attention of n queries at positions pos0.. over the cache (cb_attention); scores
-    [n_heads, n_ctx + 1], sinks [n_heads] or NULL."""
+                    int window, int ring, float scale, const float *sinks, int n_threads, int kv) noexcept nogil:
+    """Causal attention of n queries at positions pos0.. over the cache (cb_attention) of kv
+    (KV_CODES) elements; scores [n_heads, n_ctx + 1], sinks [n_heads] or NULL."""
     cb_attention(out, ldo, q, ldq, k_cache, v_cache, scores, n_heads, n_kv_heads, head_dim, n_ctx, n, pos0,
-                 window, ring, scale, sinks, n_threads)
+                 window, ring, scale, sinks, n_threads, kv)
+
+
+cdef void kv_store(void *dst, const float *src, int n, int kv) noexcept nogil:
+    """n floats into a cache row of kv (KV_CODES) elements (cb_kv_store)."""
+    cb_kv_store(dst, src, n, kv)
 
 
 cdef void glu(float *gate, const float *up, int n, int act) noexcept nogil:

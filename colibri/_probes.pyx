@@ -103,14 +103,15 @@ def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, s
     return seconds
 
 
-def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_threads, int reps):
+def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_threads, int reps, str kv="f32"):
     """Seconds for `reps` decode steps' attention: one query q [n_heads, head_dim] against every
     layer's cache in k_layers / v_layers float32 [n_layers, n_kv_heads, ring, head_dim] (the
     engine's order), positions 0..pos, through cb_attention with no Python between layers or
-    repetitions: what tools/bench_kernels.py --attention times."""
+    repetitions: what tools/bench_kernels.py --attention times. kv "f16": the caches stored as f16."""
     import time
-    ka = np.ascontiguousarray(k_layers, np.float32)
-    va = np.ascontiguousarray(v_layers, np.float32)
+    kv_type = _kv_type(kv)
+    ka = np.ascontiguousarray(k_layers, kv_type)
+    va = np.ascontiguousarray(v_layers, kv_type)
     if ka.ndim != 4 or va.shape != ka.shape or ka.shape[3] != q.shape[1] or ka.shape[1] < 1 \
             or q.shape[0] % ka.shape[1] or not 0 <= pos < ka.shape[2] or reps < 1:
         raise ValueError("bench_attention: q [n_heads, head_dim], caches [n_layers, n_kv_heads, ring, head_dim], "
@@ -120,14 +121,17 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
     out = np.zeros((n_heads, head_dim), np.float32)
     scores = np.zeros((n_heads, pos + 2), np.float32)         # [n_heads, n_ctx + 1]
     cdef float[:, ::1] o = out, sc = scores
-    cdef const float[:, :, :, ::1] kv = ka, vv = va
+    cdef const char *kp = <const char *><uintptr_t>ka.ctypes.data
+    cdef const char *vp = <const char *><uintptr_t>va.ctypes.data
+    cdef size_t layer_bytes = <size_t>n_kv * ring * head_dim * ka.itemsize
+    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
     cdef float scale = 1.0 / sqrtf(head_dim)
     t0 = time.perf_counter()
     with nogil:
         for r in range(reps):
             for layer in range(n_layers):
-                kernels.attention(&o[0, 0], 0, &q[0, 0], 0, &kv[layer, 0, 0, 0], &vv[layer, 0, 0, 0], &sc[0, 0], n_heads,
-                             n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, NULL, n_threads)
+                kernels.attention(&o[0, 0], 0, &q[0, 0], 0, kp + layer * layer_bytes, vp + layer * layer_bytes, &sc[0, 0],
+                                  n_heads, n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, NULL, n_threads, code)
     return time.perf_counter() - t0
 
 
@@ -233,12 +237,20 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
     return out
 
 
-def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1, sinks=None):
+def _kv_type(kv):
+    if kv not in ("f32", "f16"):
+        raise ValueError(f"kv {kv!r}: f32 or f16")
+    return np.float16 if kv == "f16" else np.float32
+
+
+def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1, sinks=None,
+                     str kv="f32"):
     """One query's causal attention through the tier's kernel (cb_attention): q float32 [n_heads,
     head_dim] (roped), k_cache / v_cache float32 [ring, n_kv_heads * head_dim] holding position p
     in row p % ring — or already in the engine's order [n_kv_heads, ring, head_dim] (C-contiguous
     float32, used as they are: tools/bench_kernels.py); attends positions start..pos with scale
-    1/sqrt(head_dim); sinks float32 [n_heads] or None: attention sinks. -> [n_heads, head_dim]."""
+    1/sqrt(head_dim); sinks float32 [n_heads] or None: attention sinks; kv "f16": the caches
+    stored as f16 (rounded to nearest even, as the engine stores them). -> [n_heads, head_dim]."""
     qa = np.ascontiguousarray(q, np.float32)
     cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring
     if n_kv_heads < 1 or n_heads % n_kv_heads:
@@ -269,11 +281,24 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
     cdef const float *sink_ptr = NULL
     if sink_array is not None:
         sink_ptr = <const float *><uintptr_t>sink_array.ctypes.data
-    cdef const float[:, :, ::1] kv = ka, vv = va
+    kv_type = _kv_type(kv)
+    ka, va = np.ascontiguousarray(ka, kv_type), np.ascontiguousarray(va, kv_type)
+    cdef const void *kp = <const void *><uintptr_t>ka.ctypes.data
+    cdef const void *vp = <const void *><uintptr_t>va.ctypes.data
+    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
     with nogil:
-        kernels.attention(&o[0, 0], 0, &qv[0, 0], 0, &kv[0, 0, 0], &vv[0, 0, 0], &sc[0, 0], n_heads, n_kv_heads, head_dim,
+        kernels.attention(&o[0, 0], 0, &qv[0, 0], 0, kp, vp, &sc[0, 0], n_heads, n_kv_heads, head_dim,
                      n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), sink_ptr,
-                     n_threads)
+                     n_threads, code)
+    return out
+
+
+def kernel_kv_store(const float[::1] x):
+    """x as the f16 cache stores it (cb_kv_store: the tier's conversion) -> uint16 [n]."""
+    out = np.zeros(x.shape[0], np.uint16)
+    cdef uint16_t[::1] o = out
+    with nogil:
+        kernels.kv_store(&o[0], &x[0], x.shape[0], kernels.CB_KV_F16)
     return out
 
 

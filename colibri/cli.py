@@ -98,6 +98,9 @@ def _model_options(p, demo_default: bool) -> None:
                    help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)")
     p.add_argument("--eviction", choices=("lru", "lfu"), default=None,
                    help="which expert leaves first under a budget (default: lru)")
+    p.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
+                   help="the KV cache's elements: f16 halves its bytes (long contexts; keys and values rounded "
+                        "to f16 as they are stored, attention in f32) (default: f32)")
     p.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
     p.add_argument("--warmup", action="store_true", help="read every expert once at load")
     p.add_argument("--quiet", action="store_true", help="no [INFO] lines: the generated text only")
@@ -234,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None)
     bench.add_argument("--prefetch", choices=("none", "routed", "predict"), default=None)
     bench.add_argument("--eviction", choices=("lru", "lfu"), default=None)
+    bench.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
+                       help="as for run")
     return p
 
 
@@ -289,7 +294,8 @@ def _load(args):
         model_dir, note = str(DEMO_DIR), "the bundled demo model"
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
-             mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction)
+             mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction,
+             kv_cache=args.kv_cache)
     m.cli_note = note
     return m
 

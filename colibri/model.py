@@ -43,13 +43,15 @@ _STATUS_MESSAGES = {
 }
 
 
+KV_CACHE_TYPES = ("f32", "f16")        # load(kv_cache=): the KV cache's elements (_kernels.KV_CODES)
+
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
     def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
                  exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
                  expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
-                 memory_limit_mb: float | None = None, eviction: str | None = None):
+                 memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32"):
         t0 = time.perf_counter()
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
@@ -75,6 +77,8 @@ class Model:
             raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
         if prefetch not in (None, "none") and not mmap:
             raise ColibriError("prefetch needs mapped weights (mmap=True)")
+        if kv_cache not in KV_CACHE_TYPES:
+            raise ColibriError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
         if eviction is not None and eviction not in EVICTION_POLICIES:
             raise ColibriError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
         cache_budget = residency._megabytes(expert_cache_mb, "expert_cache_mb")
@@ -90,7 +94,7 @@ class Model:
         try:
             self.residency = Residency(self._maps, cfg, mlock=mlock, warmup=warmup)
             text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
-            build = dict(n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax),
+            build = dict(n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax), kv_cache=kv_cache,
                          expert_pages=self.residency.spans,
                          prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
                                                if self.residency.spans else 0))
@@ -517,7 +521,7 @@ class GenerationRecord:
 def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
          exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
          expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
-         memory_limit_mb: float | None = None, eviction: str | None = None) -> Model:
+         memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32") -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
@@ -527,7 +531,9 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     prefill_chunk: prompt tokens processed together (default 128; bounds the prefill scratch);
     prefetch "none" | "routed" | "predict" (default: "routed" under an expert budget, else "none"),
     memory_limit_mb (default: the cgroup's / job's limit, else the available RAM), expert_cache_mb,
-    eviction "lru" | "lfu", mlock, warmup: see colibri.residency."""
+    eviction "lru" | "lfu", mlock, warmup: see colibri.residency;
+    kv_cache "f32" | "f16": the KV cache's elements (f16: half its bytes; keys and values rounded to
+    f16 as they are stored, attention computed in f32 -- BENCHMARKS.md, "f16 KV cache")."""
     return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
                  prefill_chunk=prefill_chunk, prefetch=prefetch, expert_cache_mb=expert_cache_mb,
-                 mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction)
+                 mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache)

@@ -393,3 +393,41 @@ def test_a_tier_that_fails_its_self_test_is_not_used():
     assert name is None and error.startswith("COLIBRI_ISA=avx512: ") and "check 7" in error
     assert "not a tier" in _kernels.choose_tier("avx1024", tiers, broken.get)[2]
     assert "does not support it" in _kernels.choose_tier("avx512", ["scalar", "avx2"], broken.get)[2]
+
+
+# ---- the f16 KV cache (load(kv_cache="f16")) -------------------------------------------------
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hnp.arrays(np.float32, st.integers(1, 67), elements=st.one_of(
+    st.floats(width=32, allow_nan=False), st.floats(-2.0**-13, 2.0**-13, width=32), st.floats(-70000.0, 70000.0, width=32),
+    st.sampled_from([np.inf, -np.inf, 65504.0, 65520.0, 65519.996, 2.0**-25, 2.0**-24, 3 * 2.0**-26, -0.0]).map(np.float32))))
+def test_the_f16_cache_store_rounds_as_numpy(isa, x):
+    """cb_kv_store (F16C on the AVX2 and AVX-512 tiers, the scalar spec elsewhere): round to nearest
+    even, overflow to infinity, subnormals kept — numpy's astype(float16) bit for bit."""
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(_probes.kernel_kv_store(x), want)
+
+
+def test_the_f16_cache_store_keeps_nan():
+    x = np.array([np.nan, -np.nan, 1.0], np.float32)
+    got = _probes.kernel_kv_store(x).view(np.float16)
+    assert np.isnan(got[:2]).all() and got[2] == 1.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from([8, 16, 24, 64, 128]), st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8)]),
+       st.integers(1, 70), st.integers(0, 2**31 - 1), st.booleans())
+def test_attention_over_an_f16_cache_is_attention_over_its_values(isa, head_dim, heads, positions, seed, sinks):
+    """Reading f16 keys and values converts them exactly: the result equals f32 attention over
+    the same (f16-rounded) cache, bit for bit, on every tier."""
+    n_heads, n_kv = heads
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n_kv, positions, head_dim)).astype(np.float16)
+    v = rng.standard_normal((n_kv, positions, head_dim)).astype(np.float16)
+    s = rng.standard_normal(n_heads).astype(np.float32) if sinks else None
+    start = positions // 3
+    ours = _probes.kernel_attention(q, k, v, n_kv, start, positions - 1, sinks=s, kv="f16")
+    theirs = _probes.kernel_attention(q, k.astype(np.float32), v.astype(np.float32), n_kv, start, positions - 1, sinks=s)
+    np.testing.assert_array_equal(ours, theirs)

@@ -256,3 +256,36 @@ def test_without_an_avx512_tier_no_permuted_input_is_allocated(converted, monkey
         np.testing.assert_array_equal(colibri.load(converted("mixtral_a", "bf16")).forward(ids), expected)
     finally:
         _kernels.select_isa(before)
+
+
+# ---- the f16 KV cache (load(kv_cache="f16")) -------------------------------------------------
+
+F16_KV_REL = 2e-2      # |Δlogit| / max|logit| against transformers (measured 5e-4 .. 8e-3 on these cases)
+
+
+@pytest.mark.parametrize("case", ["mixtral_a", "qwen3moe_a", "gemma4_a", "gpt_oss_a", "deepseekv3_a"])
+def test_an_f16_kv_cache_halves_it_and_stays_close(converted, case):
+    """Keys and values rounded to f16 as they are stored (attention itself in f32): the cache's
+    bytes halve, the logits stay within F16_KV_REL of transformers' with the same top-1 tokens
+    (sliding windows, sinks, MLA's latent cache alike), and a prompt still equals decoding it."""
+    ref = reference(case)
+    ids = np.ascontiguousarray(ref["input_ids"], np.int32)
+    full, half = colibri.load(converted(case, "f32")), colibri.load(converted(case, "f32"), kv_cache="f16")
+    assert half.kv_cache_bytes * 2 == full.kv_cache_bytes
+    logits = half.forward(ids)
+    want = ref["logits_f32"]
+    assert np.abs(logits - want).max() <= F16_KV_REL * np.abs(want).max()
+    assert (logits.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+    batched = np.empty((len(ids), half.config.vocab_size), np.float32)
+    stepped = np.empty_like(batched)
+    half._engine.reset()
+    assert half._engine.run(ids, 0, batched, True)[0] == 0
+    half._engine.reset()
+    for t in range(len(ids)):
+        assert half._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+    np.testing.assert_array_equal(batched, stepped)
+
+
+def test_an_unknown_kv_cache_type_is_refused(converted):
+    with pytest.raises(colibri.ColibriError, match="kv_cache must be one of f32, f16"):
+        colibri.load(converted("mixtral_a", "f32"), kv_cache="int8")

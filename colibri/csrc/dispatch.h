@@ -56,6 +56,7 @@ typedef struct {
     void (*quantize)(cb_act_q8 *a, const float *x, int n);       /* activations for int8/int4 */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
+    cb_kv_store_fn kv_store;        /* a key or value row into the cache, in its element type */
     int (*softmax)(float *x, int n);    /* the softmax attend uses (cb_softmax's contract) */
 } cb_kernel_table;
 
@@ -140,6 +141,7 @@ static void cb_fill_scalar(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_scalar;
     t->glu = cb_glu_scalar;
     t->attend = cb_attend_heads_scalar;
+    t->kv_store = cb_kv_store_scalar;
     t->softmax = cb_softmax;
 }
 
@@ -156,6 +158,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
+    t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
 }
 
@@ -176,6 +179,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
+    t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
 }
 #endif
@@ -484,10 +488,10 @@ static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int *h0, int
  * `window` > 0 limits each query to its last `window` positions; scores [n_heads, n_ctx + 1]. One parallel region over the
  * units (each uses its heads' scores rows for one query after another); every head of every
  * query computes alike for any n, so a prompt's attention equals decoding's. */
-static void cb_attention(float *out, int ldo, const float *q, int ldq, const float *k_cache,
-                         const float *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+static void cb_attention(float *out, int ldo, const float *q, int ldq, const void *k_cache,
+                         const void *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
                          int n_ctx, int n, int pos0, int window, int ring, float scale, const float *sinks,
-                         int n_threads) {
+                         int n_threads, int kv) {
     long long work = 0;
     for (int t = 0; t < n; t++) {
         int pos = pos0 + t;
@@ -504,10 +508,13 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const flo
         for (int t = 0; t < n; t++) {
             int pos = pos0 + t;
             attend(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores, n_ctx + 1, h0, nh, kvh,
-                   head_dim, cb_window_start(pos, window), pos, ring, scale, sinks);
+                   head_dim, cb_window_start(pos, window), pos, ring, scale, sinks, kv);
         }
     }
 }
+
+/* n floats into a cache row of kv (CB_KV_*) elements, by the current tier. */
+static void cb_kv_store(void *dst, const float *src, int n, int kv) { cb_kt.kv_store(dst, src, n, kv); }
 
 /* The current tier's attention softmax (for the tests). */
 static int cb_attention_softmax(float *x, int n) { return cb_kt.softmax(x, n); }
@@ -590,6 +597,7 @@ static int cb_self_test_step(int isa, int step) {
     static int8_t aq[N * C];
     static int32_t as[N * C / CB_QBLOCK];
     static float kc[KV * RING * HD], vc[KV * RING * HD], q[HEADS * HD], sinks[HEADS], sc[HEADS * (RING + 1)];
+    static uint16_t kc16[KV * RING * HD], vc16[KV * RING * HD];
     static float gate[3 * C], up[3 * C], gref[3 * C];
     cb_act_q8 acts[N];
     uint32_t state = 12345u;
@@ -621,13 +629,26 @@ static int cb_self_test_step(int isa, int step) {
     }
     for (int i = 0; i < HEADS * HD; i++) q[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
     for (int i = 0; i < HEADS; i++) sinks[i] = (float)(cb_selftest_rand(&state) % 4000u) / 1000.0f - 2.0f;
-    for (int with_sinks = 0; with_sinks < 2; with_sinks++) {
-        check++;
-        cb_select_kernels(CB_ISA_SCALAR, CB_INT_STEP_SCALAR);                  /* a window of 9: positions 3..11 of a ring of 9, wrapped */
-        cb_attention(ref, 0, q, 0, kc, vc, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1);
-        cb_select_kernels(isa, step);
-        cb_attention(got, 0, q, 0, kc, vc, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1);
-        if (!cb_selftest_close(ref, got, HEADS * HD)) return check;
+    for (int i = 0; i < KV * RING * HD; i++) {           /* the same cache in f16 (both tiers store it alike) */
+        kc16[i] = cb_f32_to_f16(kc[i]);
+        vc16[i] = cb_f32_to_f16(vc[i]);
+    }
+    for (int kv = CB_KV_F32; kv <= CB_KV_F16; kv++)
+        for (int with_sinks = 0; with_sinks < 2; with_sinks++) {
+            const void *k = kv == CB_KV_F16 ? (const void *)kc16 : (const void *)kc;
+            const void *v = kv == CB_KV_F16 ? (const void *)vc16 : (const void *)vc;
+            check++;
+            cb_select_kernels(CB_ISA_SCALAR, CB_INT_STEP_SCALAR);              /* a window of 9: positions 3..11 of a ring of 9, wrapped */
+            cb_attention(ref, 0, q, 0, k, v, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1, kv);
+            cb_select_kernels(isa, step);
+            cb_attention(got, 0, q, 0, k, v, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1, kv);
+            if (!cb_selftest_close(ref, got, HEADS * HD)) return check;
+        }
+    check++;                                              /* the tier's f16 store is the scalar spec's */
+    {
+        static uint16_t stored[KV * RING * HD];
+        cb_kv_store(stored, kc, KV * RING * HD, CB_KV_F16);
+        if (memcmp(stored, kc16, sizeof stored) != 0) return check;
     }
     for (int act = CB_ACT_SILU; act <= CB_ACT_GELU_TANH; act++) {
         check++;

@@ -737,11 +737,30 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
 #ifndef CB_ATTN_VBLOCK_BYTES
 #define CB_ATTN_VBLOCK_BYTES 2048    /* value bytes per block of the value pass (8 rows at head_dim 64; at least 4 rows) */
 #endif
+/* 8 cache values at element i of a row of KV (CB_KV_*) elements, as floats (f16: F16C). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_t i, const int KV) {
+    if (KV == CB_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
+CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, int kv) {
+    if (kv != CB_KV_F16) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) ((uint16_t *)dst)[i] = cb_f32_to_f16(src[i]);
+}
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
-cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
+cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
                      int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
-                     float scale, const float *sinks, const int NH, const int HD) {
+                     float scale, const float *sinks, const int NH, const int HD, const int KV) {
     const int head_dim = HD ? HD : head_dim_;          /* a constant where HD is: the loops unroll */
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;        /* bytes of one cache element */
     const int n = pos - start + 1, row0 = start % ring;
     const float *qh[4];
     float *sc[4];
@@ -749,7 +768,8 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
         qh[i] = q + (size_t)(h0 + i) * head_dim;
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
     }
-    const float *kbase = k_cache + (size_t)kvh * ring * head_dim, *vbase = v_cache + (size_t)kvh * ring * head_dim;
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;
     const __m256 vscale = _mm256_set1_ps(scale);
     /* Scores two key rows at a time: each q load serves both rows and 2 x NH independent FMA chains
      * hide the FMA latency (one row's NH chains of head_dim / 8 did not: 7 FLOP a cycle of 32).
@@ -757,16 +777,16 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
      * score does not depend on its row's partner (or on being the odd one out at the end). */
     for (int t = 0, row = row0; t < n; t += 2) {
         const int pair = t + 1 < n, row_b = row + 1 == ring ? 0 : row + 1;
-        const float *ka = kbase + (size_t)row * head_dim, *kb = kbase + (size_t)(pair ? row_b : row) * head_dim;
+        const char *ka = kbase + (size_t)row * head_dim * es, *kb = kbase + (size_t)(pair ? row_b : row) * head_dim * es;
         for (int r = 0; r < 2; r++) {
             int ahead = row + CB_ATTN_PREFETCH + r;
             ahead = ahead < ring ? ahead : ahead % ring;
-            for (int d = 0; d < head_dim; d += 16) _mm_prefetch((const char *)(kbase + (size_t)ahead * head_dim + d), _MM_HINT_T0);
+            for (size_t d = 0; d < head_dim * es; d += 64) _mm_prefetch(kbase + (size_t)ahead * head_dim * es + d, _MM_HINT_T0);
         }
         __m256 acc_a[4], acc_b[4];
         for (int i = 0; i < 4; i++) acc_a[i] = acc_b[i] = _mm256_setzero_ps();
         for (int d = 0; d < head_dim; d += 8) {
-            const __m256 kva = _mm256_loadu_ps(ka + d), kvb = _mm256_loadu_ps(kb + d);
+            const __m256 kva = cb_kv_load8(ka, d, KV), kvb = cb_kv_load8(kb, d, KV);
             for (int i = 0; i < NH; i++) {
                 const __m256 qv = _mm256_loadu_ps(qh[i] + d);
                 acc_a[i] = _mm256_fmadd_ps(kva, qv, acc_a[i]);
@@ -795,8 +815,7 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
      * run at the read bandwidth (16 KB blocks: 0.8 of it; tools/bench_kernels.py --attention).
      * Each output still adds its positions in order (the sums wait in out between blocks), so
      * the block size does not change a bit. */
-    const int vblock = CB_ATTN_VBLOCK_BYTES / (head_dim * (int)sizeof(float)) > 4
-                           ? CB_ATTN_VBLOCK_BYTES / (head_dim * (int)sizeof(float)) : 4;
+    const int vblock = CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) > 4 ? CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) : 4;
     for (int t0 = 0, row_t0 = row0; t0 < n; t0 += vblock) {
         const int t1 = n - t0 > vblock ? t0 + vblock : n;
         const int next0 = (int)(((int64_t)row_t0 + vblock) % ring);
@@ -809,9 +828,9 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
                 a1[i] = t0 && two ? _mm256_loadu_ps(o + 8) : _mm256_setzero_ps();
             }
             for (int t = t0, row = row_t0, next = next0; t < t1; t++) {
-                const float *v = vbase + (size_t)row * head_dim + d;
-                _mm_prefetch((const char *)(vbase + (size_t)next * head_dim + d), _MM_HINT_T0);
-                const __m256 v0 = _mm256_loadu_ps(v), v1 = two ? _mm256_loadu_ps(v + 8) : _mm256_setzero_ps();
+                const char *v = vbase + (size_t)row * head_dim * es;
+                _mm_prefetch(vbase + ((size_t)next * head_dim + d) * es, _MM_HINT_T0);
+                const __m256 v0 = cb_kv_load8(v, d, KV), v1 = two ? cb_kv_load8(v, d + 8, KV) : _mm256_setzero_ps();
                 for (int i = 0; i < NH; i++) {
                     const __m256 p = _mm256_broadcast_ss(sc[i] + t);
                     a0[i] = _mm256_fmadd_ps(p, v0, a0[i]);
@@ -830,18 +849,18 @@ cb_attend_group_avx2(float *out, const float *q, const float *k_cache, const flo
     }
 }
 
-CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                                float *scores, int sc_stride, int h0, int nh, int kvh,
-                                                int head_dim, int start, int pos, int ring, float scale,
-                                                const float *sinks) {
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attend_heads_kv_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
+                        int sc_stride, int h0, int nh, int kvh, int head_dim, int start, int pos, int ring,
+                        float scale, const float *sinks, const int KV) {
     if (head_dim % 8) {
         for (int h = h0; h < h0 + nh; h++)
             cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, head_dim,
-                           start, pos, ring, scale, sinks, cb_dot_f32_avx2);
+                           start, pos, ring, scale, sinks, KV == CB_KV_F16 ? cb_dot_f16_avx2 : cb_dot_f32_avx2, KV);
         return;
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, \
-                                                 head_dim, start, pos, ring, scale, sinks, k, hd)
+                                                 head_dim, start, pos, ring, scale, sinks, k, hd, KV)
 #define CB_ATTEND_HD(hd)                  \
     switch (nh) {                         \
     case 1: CB_ATTEND_NH(1, hd); break;   \
@@ -854,6 +873,18 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
     else CB_ATTEND_HD(0)
 #undef CB_ATTEND_HD
 #undef CB_ATTEND_NH
+}
+
+CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, const void *k_cache, const void *v_cache,
+                                                float *scores, int sc_stride, int h0, int nh, int kvh,
+                                                int head_dim, int start, int pos, int ring, float scale,
+                                                const float *sinks, int kv) {
+    if (kv == CB_KV_F16)
+        cb_attend_heads_kv_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
+                                scale, sinks, CB_KV_F16);
+    else
+        cb_attend_heads_kv_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
+                                scale, sinks, CB_KV_F32);
 }
 
 /* ---- the interleaved layout (int8/int4, quant.h) ---------------------------------------------

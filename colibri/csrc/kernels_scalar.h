@@ -451,16 +451,22 @@ static int cb_softmax(float *x, int n) {
     return 0;
 }
 
+/* The KV cache's element types (a load option): f32, or f16 (half the bytes; values rounded to
+ * nearest even as they are stored, cb_kt.kv_store; read back exactly). */
+enum { CB_KV_F32 = 0, CB_KV_F16 = 1 };
+
 /* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+2].
- * sinks [n_heads] or NULL: head h's sink logit joins the softmax (in sc[n]) and takes no value. */
-static inline void cb_attend_head(float *out, const float *q, const float *k_cache, const float *v_cache,
+ * sinks [n_heads] or NULL: head h's sink logit joins the softmax (in sc[n]) and takes no value.
+ * The caches hold kv (CB_KV_*) elements; dot multiplies a key row of that type by the query. */
+static inline void cb_attend_head(float *out, const float *q, const void *k_cache, const void *v_cache,
                                   float *sc, int h, int kvh, int head_dim, int start,
-                                  int pos, int ring, float scale, const float *sinks, cb_dot_fn dot) {
+                                  int pos, int ring, float scale, const float *sinks, cb_dot_fn dot, int kv) {
     const float *qh = q + (size_t)h * head_dim;
+    const size_t es = kv == CB_KV_F16 ? 2 : 4;
     int n = pos - start + 1;
     int row0 = start % ring;                     /* the cache row of position start; rows wrap */
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *kt = k_cache + ((size_t)kvh * ring + row) * head_dim;
+        const char *kt = (const char *)k_cache + ((size_t)kvh * ring + row) * head_dim * es;
         sc[t] = dot(kt, qh, NULL, head_dim) * scale;
     }
     if (sinks) sc[n] = sinks[h];
@@ -468,9 +474,42 @@ static inline void cb_attend_head(float *out, const float *q, const float *k_cac
     float *oh = out + (size_t)h * head_dim;
     memset(oh, 0, sizeof(float) * (size_t)head_dim);
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const float *vt = v_cache + ((size_t)kvh * ring + row) * head_dim;
-        cb_axpy(oh, sc[t], vt, head_dim);
+        const char *vt = (const char *)v_cache + ((size_t)kvh * ring + row) * head_dim * es;
+        if (kv == CB_KV_F16)
+            for (int d = 0; d < head_dim; d++) oh[d] += sc[t] * cb_f16_table[((const uint16_t *)vt)[d]];
+        else
+            cb_axpy(oh, sc[t], (const float *)vt, head_dim);
     }
+}
+
+/* f32 -> f16, round to nearest even (as F16C's vcvtps2ph with _MM_FROUND_TO_NEAREST_INT and
+ * numpy's astype(float16)): overflow to infinity, NaN stays NaN, subnormals kept. */
+static inline uint16_t cb_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, abs = x & 0x7FFFFFFFu;
+    if (abs > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));   /* NaN */
+    if (abs >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);        /* rounds past 65504: inf */
+    if (abs < 0x38800000u) {                                          /* an f16 subnormal (or 0) */
+        if (abs < 0x33000000u) return (uint16_t)sign;                 /* below half the smallest */
+        const uint32_t m = (abs & 0x7FFFFFu) | 0x800000u, shift = 126u - (abs >> 23);
+        uint32_t r = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        r += rem > half || (rem == half && (r & 1u));
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = (abs - 0x38000000u) >> 13;                           /* rebias 127 -> 15 */
+    const uint32_t rem = abs & 0x1FFFu;
+    r += rem > 0x1000u || (rem == 0x1000u && (r & 1u));
+    return (uint16_t)(sign | r);
+}
+
+/* Store n floats into a cache row of kv (CB_KV_*) elements. */
+static void cb_kv_store_scalar(void *dst, const float *src, int n, int kv) {
+    if (kv == CB_KV_F16)
+        for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = cb_f32_to_f16(src[i]);
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
 /* Attention of one query at `pos` for query heads h0 .. h0 + nh - 1 (nh <= 4), which all read
@@ -479,16 +518,18 @@ static inline void cb_attend_head(float *out, const float *q, const float *k_cac
  * head_dim], scores: a row of >= pos - start + 2 floats per head, sc_stride apart; sinks [n_heads]
  * or NULL: attention sinks (gpt-oss), one logit per head in the softmax's denominator, no value.
  * Every tier implements this; prefill and decode both come through it, so they agree bit for bit. */
-typedef void (*cb_attend_fn)(float *out, const float *q, const float *k_cache, const float *v_cache, float *scores,
+typedef void (*cb_attend_fn)(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
                              int sc_stride, int h0, int nh, int kvh, int head_dim, int start, int pos,
-                             int ring, float scale, const float *sinks);
+                             int ring, float scale, const float *sinks, int kv);
+typedef void (*cb_kv_store_fn)(void *dst, const float *src, int n, int kv);
 
-static void cb_attend_heads_scalar(float *out, const float *q, const float *k_cache, const float *v_cache,
+static void cb_attend_heads_scalar(float *out, const float *q, const void *k_cache, const void *v_cache,
                                    float *scores, int sc_stride, int h0, int nh, int kvh,
-                                   int head_dim, int start, int pos, int ring, float scale, const float *sinks) {
+                                   int head_dim, int start, int pos, int ring, float scale, const float *sinks,
+                                   int kv) {
     for (int h = h0; h < h0 + nh; h++)
         cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, head_dim, start,
-                       pos, ring, scale, sinks, cb_dot_f32_scalar);
+                       pos, ring, scale, sinks, kv == CB_KV_F16 ? cb_dot_f16_scalar : cb_dot_f32_scalar, kv);
 }
 
 /* Rotary embedding, "rotate half" convention (Hugging Face) over the first rot_dim values of each
