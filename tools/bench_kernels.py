@@ -153,25 +153,31 @@ def token_sweep(args, rng, counts, rows=3584, cols=1024):
 
 
 def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_dim=64):
-    """Decode's attention (cb_attention, every layer, one query) against the read bandwidth."""
+    """Decode's attention (cb_attention, every layer, one query) against the read bandwidth, with
+    the f32 and the f16 cache (load(kv_cache=)) interleaved: ms per token of each and their ratio."""
     print(f"tier {_kernels.isa()}, {args.threads} threads, {layers} layers x {heads} heads / {kv_heads} KV heads x "
-          f"head_dim {head_dim}, f32 cache; median of {args.repeat}, interleaved with a read of the same bytes")
-    print(f"{'positions':>9} {'cache MB':>9} {'ms/token':>9} {'attention GB/s':>15} {'read GB/s':>10} {'ratio':>6}")
+          f"head_dim {head_dim}; median of {args.repeat}, interleaved with a read of the f32 cache's bytes")
+    print(f"{'positions':>9} {'f32 MB':>7} {'f32 ms':>8} {'f16 ms':>8} {'f32/f16':>8} {'f32 GB/s':>9} {'f16 GB/s':>9} "
+          f"{'read GB/s':>10} {'f32 of read':>12}")
     q = rng.standard_normal((heads, head_dim), dtype=np.float32)
     for n in lengths:
         k = rng.standard_normal((layers, kv_heads, n, head_dim), dtype=np.float32)
         v = rng.standard_normal((layers, kv_heads, n, head_dim), dtype=np.float32)
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
         nbytes = k.nbytes + v.nbytes
         read_buf = np.ones(nbytes // 8, np.uint64)
         reps = max(1, int(3e8 / nbytes))
         _probes.bench_attention(q, k, v, n - 1, args.threads, 1)        # warm: page in
-        at, rt = [], []
+        _probes.bench_attention(q, k16, v16, n - 1, args.threads, 1, "f16")
+        at, ht, rt = [], [], []
         for _ in range(args.repeat):
             at.append(_probes.bench_attention(q, k, v, n - 1, args.threads, reps) / reps)
+            ht.append(_probes.bench_attention(q, k16, v16, n - 1, args.threads, reps, "f16") / reps)
             rt.append(timed(lambda: _probes.bench_read(read_buf, args.threads)))
-        a, r = statistics.median(at), statistics.median(rt)
-        print(f"{n:9d} {nbytes / 1e6:9.1f} {a * 1e3:9.3f} {nbytes / a / 1e9:15.1f} {nbytes / r / 1e9:10.1f} {r / a:6.2f}")
-        del k, v, read_buf
+        a, h, r = statistics.median(at), statistics.median(ht), statistics.median(rt)
+        print(f"{n:9d} {nbytes / 1e6:7.1f} {a * 1e3:8.3f} {h * 1e3:8.3f} {a / h:8.2f} {nbytes / a / 1e9:9.1f} "
+              f"{nbytes / 2 / h / 1e9:9.1f} {nbytes / r / 1e9:10.1f} {r / a:12.2f}")
+        del k, v, k16, v16, read_buf
 
 
 def layouts_of(args, dtype):
