@@ -99,6 +99,21 @@ def test_a_float_gguf_is_the_safetensors_model(imported, from_hf, name, case, fm
         assert getattr(a, field) == getattr(b, field), field
 
 
+def test_a_qwen2_moe_gguf_with_its_shared_expert_is_the_safetensors_model(imported, tmp_path):
+    """Qwen2-MoE's shared expert and its sigmoid gate (ffn_*_shexp, ffn_gate_inp_shexp) and the
+    q/k/v biases: the GGUF import equals the conversion of the checkpoint it was made from
+    (tests/fixtures/gguf/qwen2moe_g/, f16: both sides hold the same numbers)."""
+    convert(GGUF_DIR / "qwen2moe_g", tmp_path / "hf", quantize="f16", **SILENT)
+    ids = list(range(1, 60))
+    a, b = colibri.load(imported("qwen2moe_g-F16")), colibri.load(tmp_path / "hf")
+    try:
+        np.testing.assert_array_equal(a.forward(ids), b.forward(ids))
+        assert a.config.shared_expert_intermediate_size == 64 and a.config.attention_bias
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("qtype, fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
 def test_q8_0_and_q4_0_blocks_are_carried_byte_for_byte(imported, qtype, fmt):
     src = GGUF_DIR / f"mixtral_a-{qtype}.gguf"

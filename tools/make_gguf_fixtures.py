@@ -23,6 +23,8 @@ Needs torch (convert_hf_to_gguf imports it) and what that script needs; the test
              row count: a placeholder with vocab_size tokens stands in for it).
   wide       Q4_K_M and IQ4_XS of a one-layer Mixtral with 256-wide rows (WIDE, made here from a
              seed): real Q4_K, Q6_K and IQ4_XS blocks for the requantization path.
+  qwen2moe_g  F16 of a Qwen2-MoE without dense layers (QWEN2MOE, made here from a seed, its
+             safetensors kept in tests/fixtures/gguf/qwen2moe_g/): the shared expert and its gate.
 
 Deterministic for the same sdist, torch and checkpoint (the GGUF writer has no timestamps).
 """
@@ -48,6 +50,7 @@ CASES = {                      # case: (outtype of the script, quantized types, 
     "gemma4_a": ("f16", (), False),
     "gemma4_b": ("f16", (), False),
     "wide": ("f32", ("Q4_K_M", "IQ4_XS"), True),
+    "qwen2moe_g": ("f16", (), False),
 }
 NOT_KEPT = {"wide-F32.gguf"}     # the wide checkpoint's float file: only its quantized ones are fixtures
 
@@ -74,8 +77,35 @@ def make_wide_checkpoint(out: Path) -> Path:
     return out
 
 
+# Qwen2-MoE as llama.cpp's graph runs it (no dense layers: every layer sparse), with its shared
+# expert and that expert's sigmoid gate and the q/k/v biases. The test fixtures' Qwen2-MoE cases
+# have dense layers, which llama.cpp's qwen2moe cannot hold; this checkpoint (f16, committed beside
+# its GGUF: tests/fixtures/gguf/qwen2moe_g/) is the safetensors side of the comparison.
+QWEN2MOE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": False, "max_position_embeddings": 256,
+            "tie_word_embeddings": False}
+QWEN2MOE_SEED = 2048
+
+
+def make_qwen2moe_checkpoint(out: Path) -> Path:
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    torch.manual_seed(QWEN2MOE_SEED)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**QWEN2MOE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15) if p.ndim > 1 else p.normal_(0.0, 0.3) if p.numel() != model.config.hidden_size \
+                else p.uniform_(0.5, 1.5)
+    model.to(torch.float16).save_pretrained(out)
+    return out
+
+
 def convert_case(llama_cpp: Path, case: str, outtype: str, keep_vocab: bool, out: Path) -> None:
-    src = FIXTURES / case / "hf" if case != "wide" else make_wide_checkpoint(Path(tempfile.mkdtemp()) / "hf")
+    src = (FIXTURES / case / "hf" if case not in ("wide", "qwen2moe_g") else
+           make_wide_checkpoint(Path(tempfile.mkdtemp()) / "hf") if case == "wide" else
+           make_qwen2moe_checkpoint(FIXTURES / "gguf" / "qwen2moe_g"))
     if not keep_vocab and case.startswith("gemma4"):
         # the script's Gemma branch counts the vocabulary in tokenizer.json to trim the embedding
         # (even with the vocabulary step skipped): a copy of the checkpoint with a placeholder
