@@ -454,3 +454,9 @@ def test_a_gguf_given_as_a_model_directory_says_how_to_convert_it():
     r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(GGUF_DIR / "olmoe_a-F16.gguf"),
                         "--prompt", "hi"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is a GGUF file; convert it" in r.stderr and "--gguf" in r.stderr
+
+
+def test_without_the_gguf_package_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)          # import gguf now raises ImportError
+    with pytest.raises(ColibriError, match=r"pip install 'colibri\[gguf\]'"):
+        GGUFCheckpoint(GGUF_DIR / "olmoe_a-F16.gguf")
