@@ -914,7 +914,7 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
     """convert's writing half: the planned tensors in their formats and layouts, the text files
     of `text_dir`, then what the conversion did, in the log."""
 
-    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name, roles)
+    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name, roles, cfg.tie_word_embeddings)
               for name, (shape, kind) in expected.items()}
     layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
@@ -1283,9 +1283,11 @@ ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int
 MXFP4_DENSE_DTYPE = "bf16"
 
 
-def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None):
-    """The storage format of one tensor: --quantize, or its role's --role format."""
-    role_format = (roles or {}).get(tensor_role(name))
+def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=False):
+    """The storage format of one tensor: --quantize, or its role's --role format (a tied
+    embedding is the output head: --role head)."""
+    role = tensor_role(name)
+    role_format = (roles or {}).get("head" if role == "embedding" and tied else role)
     if kind == "norm":
         return "int16" if ln_quant else "f32"
     if kind == "absorbed":           # MLA's per-head products: a float format every tier multiplies unquantized

@@ -407,3 +407,11 @@ def test_role_on_the_command_line(tmp_path):
                           "--output-dir", str(tmp_path / "n"), "--role", "attention"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "expected ROLE=FORMAT" in bad.stderr
+
+
+def test_a_tied_embedding_takes_the_head_s_format(tmp_path):
+    """mixtral_b ties its embedding to the output head: --role head sets the one matrix both use."""
+    convert(FIXTURES / "mixtral_b" / "hf", tmp_path / "m", quantize="int4", roles={"head": "int8"}, **SILENT)
+    md = ModelDir(tmp_path / "m")
+    assert md.config.tie_word_embeddings and md.tensors["embedding"]["dtype"] == "int8"
+    assert "lm_head" not in md.tensors

@@ -26,7 +26,8 @@ VARIANTS = [("f32", "f32", None), ("bf16", "bf16", None), ("f16", "f16", None), 
 ROLE_VARIANTS = [("int4", "int4", {}), ("int4, attention int8", "int4", {"attention": "int8"}),
                  ("int4, head int8", "int4", {"head": "int8"}),
                  ("int4, attention + head int8", "int4", {"attention": "int8", "head": "int8"}),
-                 ("int8, experts int4 (the embedding too at int8)", "int8", {"experts": "int4"})]
+                 ("int8, experts int4 (the embedding too at int8)", "int8", {"experts": "int4"}),
+                 ("int8", "int8", {})]
 
 
 def main():
