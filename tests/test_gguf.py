@@ -357,7 +357,6 @@ def test_a_dense_llama_is_refused(tmp_path):
 def test_an_unknown_tensor_or_tensor_type_is_named(tmp_path):
     src = GGUF_DIR / "mixtral_a-F32.gguf"
     reader = gguf.GGUFReader(src)
-    GT = gguf.GGUFValueType
     kv = {}
     for name, field in reader.fields.items():
         if name.startswith(("GGUF.", "general.architecture")) or not name.startswith("llama."):

@@ -26,7 +26,6 @@ import ctypes
 import importlib
 import os
 import sys
-import warnings
 
 import numpy as np
 import pytest
