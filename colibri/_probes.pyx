@@ -296,6 +296,8 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
 def kernel_kv_store(const float[::1] x):
     """x as the f16 cache stores it (cb_kv_store: the tier's conversion) -> uint16 [n]."""
     out = np.zeros(x.shape[0], np.uint16)
+    if x.shape[0] == 0:
+        return out
     cdef uint16_t[::1] o = out
     with nogil:
         kernels.kv_store(&o[0], &x[0], x.shape[0], kernels.CB_KV_F16)

@@ -886,7 +886,9 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
     arch, cfg = hf_model_config(ckpt)
     plan = plan_tensors(ckpt, cfg, arch, log)
     expected = cfg.expected_tensors()
-    with tempfile.TemporaryDirectory(prefix="colibri-gguf-text-") as staged:
+    # a GGUF's text files are made from its metadata into a staging directory; a checkpoint's are read where they are
+    staging = tempfile.TemporaryDirectory(prefix="colibri-gguf-text-") if gguf is not None else contextlib.nullcontext()
+    with staging as staged:
         text_dir = Path(hf_dir) if gguf is None else Path(staged)
         if gguf is not None:
             ckpt.write_text_files(text_dir, cfg.vocab_size)
