@@ -436,12 +436,12 @@ def test_a_model_larger_than_its_cgroup_runs_under_it(tmp_path):
 
 
 @pytest.mark.parametrize("case, dtype", [("gpt_oss_b", "f32"), ("gpt_oss_b", "mxfp4"), ("deepseekv3_a", "f32"),
-                                         ("deepseekv3_a", "int4")])
+                                         ("deepseekv3_a", "int4"), ("glm4moe_a", "f32"), ("glm4moe_a", "int8")])
 def test_new_families_under_an_expert_budget_give_the_same_logits(converted, case, dtype):
-    """gpt-oss (expert biases in the expert files, mxfp4 experts) and DeepSeek-V3 (MLA, shared
-    experts, a dense layer) under an expert budget of a quarter of the experts: the cache
-    evicts and re-reads them, prefill streams one expert at a time, and the logits are those
-    without a budget."""
+    """gpt-oss (expert biases in the expert files, mxfp4 experts), DeepSeek-V3 (MLA, shared
+    experts, a dense layer) and GLM-4.5 (the same router, partial rotary, attention biases) under
+    an expert budget of a quarter of the experts: the cache evicts and re-reads them, prefill
+    streams one expert at a time, and the logits are those without a budget."""
     from colibri.modeldir import ModelDir
     from conftest import reference
     d = converted(case, dtype)
@@ -452,3 +452,36 @@ def test_new_families_under_an_expert_budget_give_the_same_logits(converted, cas
     capped = colibri.load(d, expert_cache_mb=experts / 4 / 2**20)
     np.testing.assert_array_equal(capped.forward(ref["input_ids"]), free)
     assert capped.memory_stats()["experts_released"] > 0
+
+
+@pytest.mark.parametrize("case, dtype", [("deepseekv3_a", "f32"), ("gpt_oss_b", "mxfp4"), ("glm4moe_a", "int8")])
+def test_new_families_under_a_memory_limit_give_the_same_tokens(converted, monkeypatch, case, dtype):
+    """memory_limit_mb with room for the fixed part (a small limit's margin), two layers' choices
+    and one expert more: the plan gives the experts a budget smaller than they are, the cache
+    evicts, and greedy decoding gives the tokens of the model without a limit. The process's
+    resident memory, which the plan counts as fixed, is held at its value before the loads: these
+    experts are a few pages each, less than what the interpreter's memory moves between loads."""
+    from conftest import reference
+    d = converted(case, dtype)
+    ref = reference(case)
+    rss = _os.rss_bytes()
+    monkeypatch.setattr(_os, "rss_bytes", lambda: rss)
+    need = colibri.load(d, n_ctx=64, memory_limit_mb=4000)
+    assert need.expert_budget is None and need.residency.plan.source == "memory_limit_mb"   # it fits
+    plan, res = need.residency.plan, need.residency
+    unmargined = plan.fixed - max(residency.MIN_MARGIN, int(plan.limit * residency.MARGIN_FRACTION), res.largest_expert)
+    limit = unmargined + residency.MIN_MARGIN + res.working_set + res.largest_expert
+    need.close()
+    assert res.working_set + res.largest_expert < res.expert_bytes
+    m = colibri.load(d, n_ctx=64, memory_limit_mb=limit / MB)
+    assert m.expert_budget == m.residency.plan.budget == m.residency.plan.limit - m.residency.plan.fixed
+    assert m.residency.working_set <= m.expert_budget < m.residency.expert_bytes
+    free = colibri.load(d, n_ctx=64)
+    kw = dict(max_new_tokens=len(ref["greedy_ids"]), stop_at_eos=False)
+    tokens = list(m.generate(ref["input_ids"], **kw))
+    assert tokens == list(free.generate(ref["input_ids"], **kw))
+    if dtype == "f32":
+        assert tokens == ref["greedy_ids"].tolist()
+    st = m.memory_stats()
+    assert st["experts_released"] > 0 and st["peak_resident_expert_bytes"] <= m.expert_budget
+    m.close(), free.close()
