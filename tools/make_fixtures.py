@@ -43,6 +43,7 @@ tests/fixtures/README.md.  Usage (from repo root):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import io
 import json
@@ -81,6 +82,8 @@ from transformers import (
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "fixtures"
+if str(REPO) not in sys.path:        # colibri.quant (the quantized references), run as a script
+    sys.path.insert(1, str(REPO))
 
 N_NEW = 12
 MIN_ROUTER_MARGIN = 1e-4
@@ -192,10 +195,12 @@ CASES: dict[str, dict] = {
                        moe_intermediate_size=32, intermediate_size=64, n_shared_experts=1, attention_bias=True,
                        use_qk_norm=True, norm_topk_prob=True, tie_word_embeddings=False,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-        storage="float32", layout="single", quant_refs=("int8", "int4"),
+        storage="float32", layout="single", quant_refs=("int8", "int4"), no_activation_flips=True,
         notes=["sigmoid router + e_score_correction_bias (randomised) for the choice, 2 groups of 4, best 1 group",
                "routed_scaling_factor 1.5, norm_topk_prob", "layer 0 dense (first_k_dense_replace=1)",
-               "one ungated shared expert", "partial rotary (half of head_dim 16)", "q/k/v biases, per-head q/k norms"],
+               "one ungated shared expert", "partial rotary (half of head_dim 16)", "q/k/v biases, per-head q/k norms",
+               "drawn so that rounding every matrix product's input but the router's as Colibri does (routed experts "
+               "included) flips no expert choice of the int8 / int4 references"],
     ),
     "glm4moe_b": dict(
         arch="glm4_moe", config_cls=Glm4MoeConfig, model_cls=Glm4MoeForCausalLM, seed=9101, init_std=0.15,
@@ -618,7 +623,7 @@ def attempt(spec: dict, seed: int) -> dict:
             res[f"logits_{dt}w"], rlq = forward(mq, ids)
             res["router_margin_quant"] = min(res["router_margin_quant"], router_margin(rlq, k))
             if spec.get("no_activation_flips"):
-                res["activation_rounding_flips"] += activation_rounding_flips(mq, ids)
+                res["activation_rounding_flips"] += activation_rounding_flips(mq, ids, dt)
     return res
 
 
@@ -637,28 +642,90 @@ def routed_experts(model, ids) -> list:
     return chosen
 
 
-@torch.no_grad()
-def activation_rounding_flips(model, ids) -> int:
-    """How many (layer, token) expert choices change when every linear layer's input (the
-    routers' and kv_b_proj's excepted) is rounded as Colibri rounds the activations it multiplies
-    against int8/int4/mxfp4 weights (blocks of 32: d = amax / 127, q = rint(x / d)): a fixture
-    whose quantized references a rounding flips would hold Colibri to a different routing."""
+def colibri_rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as Colibri multiplies it against int8/int4/mxfp4 weights (quant.h cb_quantize_act_scalar):
+    blocks of 32 along the last axis, d = amax / 127 (0 where amax < 1e-30), q = rint(x * (1 / d)) as int8,
+    back to q * d. Inputs whose width is not a multiple of 32 are returned as they are (those
+    matrices are stored f16: no rounding)."""
+    if x.shape[-1] % 32:
+        return x
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    d = torch.where(amax >= 1e-30, amax / 127, torch.zeros_like(amax))
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.round(b * inv)
+    return (q * d).reshape(x.shape).to(x.dtype)
+
+
+class RoundedProductInputs(torch.overrides.TorchFunctionMode):
+    """Under it, the first operand of every matrix product (F.linear, matmul, @, mm, bmm) is
+    rounded by colibri_rounded_activations; `count` says how many were."""
+    PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.PRODUCTS:
+            self.count += 1
+            args = (colibri_rounded_activations(args[0]),) + tuple(args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+def routed_expert_modules(model) -> list:
+    """The modules that hold routed experts as 3-D parameters ([E, ., .]: transformers 5.x's
+    stacked experts, applied by their own forward with F.linear or @, not through nn.Linear)."""
+    return [mod for mod in model.modules() if any(p.ndim == 3 for p in mod.parameters(recurse=False))]
+
+
+@contextlib.contextmanager
+def colibri_activation_rounding(model, dtype: str):
+    """Within it, the input of every matrix product that Colibri runs against `dtype` weights is
+    rounded as Colibri rounds it (colibri_rounded_activations). int8 / int4: every nn.Linear's but
+    the routers' (and shared_expert_gate's, both kept f32) and kv_b_proj's (f16 in the converter),
+    and every routed expert's (gate/up and down of the stacked 3-D experts, which transformers
+    applies with F.linear or @ in the experts' own forward, not through nn.Linear); mxfp4: the
+    routed experts' only (the other matrices are bf16: no rounding)."""
     def rounded(_m, args):
-        x = args[0]
-        if x.shape[-1] % 32:
-            return None
-        b = x.reshape(*x.shape[:-1], -1, 32)
-        d = b.abs().amax(-1, keepdim=True) / 127
-        q = torch.where(d > 0, torch.round(b / torch.where(d > 0, d, torch.ones_like(d))), torch.zeros_like(b))
-        return ((q * d).reshape(x.shape),) + tuple(args[1:])
-    plain = routed_experts(model, ids)
-    hooks = [mod.register_forward_pre_hook(rounded) for name, mod in model.named_modules()
-             if isinstance(mod, torch.nn.Linear) and "router" not in name and not name.endswith(("gate", "kv_b_proj"))]
+        return (colibri_rounded_activations(args[0]),) + tuple(args[1:])
+
+    def rounded_forward(orig):
+        def forward(*args, **kwargs):
+            mode = RoundedProductInputs()
+            with mode:
+                out = orig(*args, **kwargs)
+            assert mode.count > 0, "no routed expert product was rounded"
+            return out
+        return forward
+
+    hooks = []
+    if dtype != "mxfp4":
+        hooks = [mod.register_forward_pre_hook(rounded) for name, mod in model.named_modules()
+                 if isinstance(mod, torch.nn.Linear) and "router" not in name
+                 and not name.endswith(("gate", "kv_b_proj"))]
+    experts = [(mod, mod.__dict__.get("forward")) for mod in routed_expert_modules(model)]
+    for mod, _ in experts:
+        mod.forward = rounded_forward(mod.forward)
     try:
-        noisy = routed_experts(model, ids)
+        yield
     finally:
         for h in hooks:
             h.remove()
+        for mod, own in experts:
+            del mod.forward
+            if own is not None:
+                mod.forward = own
+
+
+@torch.no_grad()
+def activation_rounding_flips(model, ids, dtype: str) -> int:
+    """How many (layer, token) expert choices change under colibri_activation_rounding(model, dtype):
+    a fixture whose quantized references that rounding flips would hold Colibri to a different routing."""
+    plain = routed_experts(model, ids)
+    with colibri_activation_rounding(model, dtype):
+        noisy = routed_experts(model, ids)
     return sum(a != b for la, lb in zip(plain, noisy) for a, b in zip(la, lb))
 
 
