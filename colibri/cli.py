@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import _end_startup_guard
 from .errors import ColibriError
 
 LAYOUT_CHOICES = ("rows", "transposed", "interleaved")     # _kernels.LAYOUT_CODES (not imported: numpy; a test holds them equal)
@@ -243,8 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = None
     try:
+        _end_startup_guard()              # Ctrl-C is a KeyboardInterrupt from here on (colibri/__init__.py)
+        args = build_parser().parse_args(argv)
         return {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
                 "relayout": cmd_relayout, "info": cmd_info, "verify": cmd_verify, "bench": cmd_bench,
                 "eval": cmd_eval}[args.command](args)
@@ -260,9 +263,12 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except (MemoryError, OverflowError, RecursionError, ValueError) as e:
         # an input so large or deep that a step failed before its own check: still one line
-        what = {MemoryError: "out of memory", RecursionError: "input nested too deeply"}.get(type(e), type(e).__name__)
-        print(f"error: {what}: {str(e)[:300] or 'no details'} (while running {args.command}; check the sizes "
-              f"in the model's config.json and the flags)", file=sys.stderr)
+        # (isinstance, not the exact type: numpy's "Unable to allocate" is a MemoryError subclass)
+        what = ("out of memory" if isinstance(e, MemoryError) else
+                "input nested too deeply" if isinstance(e, RecursionError) else type(e).__name__)
+        command = args.command if args is not None else "the command line"
+        print(f"error: {what}: {' '.join(str(e).split())[:300] or 'no details'} (while running {command}; check "
+              f"the sizes in the model's config.json and the flags)", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -107,8 +107,11 @@ MAX_HEAD_DIM = 1 << 12               # 8x Gemma 4's 512 (the RoPE tables are n_c
 MAX_FFN = 1 << 18                    # any intermediate size; 5x Llama 3 405B's 53248
 MAX_POSITIONS = 1 << 30              # max_position_embeddings (and sliding_window); 100x Llama 4 Scout's
 MAX_Q_DIM = 1 << 17                  # heads x head_dim; 5x the largest (128 x 192)
-MAX_POSITIONS_X_HEAD_DIM = 1 << 34   # max_position_embeddings x head_dim (the RoPE table at full
-                                     # context); 12x Llama 4 Scout's 10485760 x 128
+MAX_ROPE_TABLE = 1 << 30             # max_position_embeddings x the RoPE tables' width (the rotated
+                                     # values of every distinct table, rope_table_widths): the cos and
+                                     # sin tables hold that many float32 at n_ctx = max_position_embeddings
+                                     # (4 GiB at the bound, and n_ctx never exceeds it); 5x Gemma 4's
+                                     # 262144 x (256 + 512)
 MAX_EMBEDDING = 1 << 34              # vocab x hidden; 8x Llama 3 405B's 128256 x 16384
 MAX_EXPERT_WEIGHTS = 1 << 37         # experts x moe_intermediate x hidden of one layer; 24x Kimi K2's
                                      # 384 x 2048 x 7168
@@ -350,17 +353,26 @@ class ModelConfig:
                 fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of the "
                      f"{kvh} key/value heads of layer {layer}")
 
+        for name, lower, upper in (("rms_norm_eps", 1e-12, 1.0), ("rope_theta", 1.0, 1e12)):
+            v = getattr(self, name)
+            if not lower <= v <= upper:       # also false for NaN (before the RoPE tables are counted)
+                fail(f"{name} must be a number in [{lower:g}, {upper:g}], got {shown(v)}")
+
         # products of dimensions: what one table, loop or allocation is sized by
         head_dim = max(self.layer_head_dims or [self.head_dim])
         which = "the largest of layer_head_dims" if self.layer_head_dims else "head_dim"
         moe = sum(self.moe_layers)
+        widths = self.rope_table_widths()
+        width_name = "rotary_dim" if self.rotary_dim else "layer_head_dims" if self.layer_head_dims else "head_dim"
+        width = (f"{width_name} {' + '.join(map(str, widths))}" if len(widths) <= 4 else
+                 f"{width_name} summing to {sum(widths)} over {len(widths)} tables")
         for what, value, limit in (
                 (f"MoE layers ({moe} of num_hidden_layers) x num_experts ({self.num_experts})",
                  moe * self.num_experts, MAX_EXPERT_INSTANCES),
                 (f"num_attention_heads ({self.num_attention_heads}) x {which} ({head_dim})",
                  self.num_attention_heads * head_dim, MAX_Q_DIM),
-                (f"max_position_embeddings ({self.max_position_embeddings}) x {which} ({head_dim})",
-                 self.max_position_embeddings * head_dim, MAX_POSITIONS_X_HEAD_DIM),
+                (f"max_position_embeddings ({self.max_position_embeddings}) x the RoPE tables' width ({width})",
+                 self.max_position_embeddings * sum(widths), MAX_ROPE_TABLE),
                 (f"vocab_size ({self.vocab_size}) x hidden_size ({self.hidden_size})",
                  self.vocab_size * self.hidden_size, MAX_EMBEDDING),
                 (f"num_experts ({self.num_experts}) x moe_intermediate_size ({self.moe_intermediate_size}) x "
@@ -369,10 +381,6 @@ class ModelConfig:
             if value > limit:
                 fail(f"{what} = {value} exceeds {limit} (far beyond any real model: a damaged config.json?)")
 
-        for name, lower, upper in (("rms_norm_eps", 1e-12, 1.0), ("rope_theta", 1.0, 1e12)):
-            v = getattr(self, name)
-            if not lower <= v <= upper:       # also false for NaN
-                fail(f"{name} must be a number in [{lower:g}, {upper:g}], got {shown(v)}")
         for name in ("attention_scale", "final_logit_softcapping"):
             v = getattr(self, name)
             if v is not None and not 0 < v < 1e30:
@@ -468,6 +476,14 @@ class ModelConfig:
     def layer_rotary_dim(self, layer: int) -> int:
         """How many values of each head rotate (the rest pass): rotary_dim, else the head_dim."""
         return self.rotary_dim or self.layer_head_dim(layer)
+
+    def rope_table_widths(self) -> list:
+        """The rotated values a position of each distinct RoPE table: spec.layer_specs builds one
+        table (cos and sin, n_ctx x width / 2 each) per distinct (rotary dim, theta, fraction)."""
+        seen = {}
+        for layer in range(self.num_hidden_layers):
+            seen.setdefault((self.layer_rotary_dim(layer), *self.layer_rope(layer)), self.layer_rotary_dim(layer))
+        return list(seen.values())
 
     def yarn(self) -> dict | None:
         """The YaRN parameters spec.rope_tables takes, or None for plain RoPE."""

@@ -6,6 +6,7 @@ outputs that tools/make_fixtures.py wrote with transformers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -102,12 +103,76 @@ def kl_mean(ref_logits, logits) -> float:
     return float((np.exp(p) * (p - q)).sum(-1).mean())
 
 
-def colibri(*args, timeout=180):
+# ---- an address-space limit for the error paths (RLIMIT_AS) ------------------------------------
+#
+# Every error path runs under one, so that an attempted huge allocation fails the test (a
+# MemoryError, a failed mmap) instead of swapping the machine. 2 GiB is several times what the
+# test models need (the demo model with 64 threads maps 0.3 GB; a thread's stack counts whole).
+# Where the OS has no RLIMIT_AS (Windows) the helpers change nothing.
+
+AS_LIMIT = 2 << 30
+
+
+def _set_address_space(limit: int) -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def as_limit(limit: int = AS_LIMIT, then=None) -> dict:
+    """subprocess.run / Popen keyword arguments: the child runs under RLIMIT_AS `limit`; `then`:
+    another preexec function to run after it (e.g. one that sets RLIMIT_FSIZE)."""
+    if os.name != "posix":
+        return {}
+
+    def preexec():
+        _set_address_space(limit)
+        if then is not None:
+            then()
+    return {"preexec_fn": preexec}
+
+
+def _mapped_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def address_space_headroom(extra: int = AS_LIMIT):
+    """In-process: the soft RLIMIT_AS at what this process maps now + `extra` for the block, then
+    back; a huge allocation inside raises MemoryError instead of swapping. Nothing where there is
+    no RLIMIT_AS or no /proc/self/statm."""
+    try:
+        import resource
+    except ImportError:
+        yield None
+        return
+    now = _mapped_bytes()
+    if now is None:
+        yield None
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = now + extra
+    for bound in (soft, hard):
+        if bound != resource.RLIM_INFINITY:
+            cap = min(cap, bound)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield cap
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def colibri(*args, timeout=180, limit=None):
+    """`python -m colibri ARGS` in a subprocess; limit: an RLIMIT_AS for it in bytes (AS_LIMIT for an
+    error path), None for none."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("PYTHONWARNINGS", None)
     return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=str(REPO))
+                          env=env, timeout=timeout, cwd=str(REPO), **(as_limit(limit) if limit else {}))
 
 
 def one_line_error(proc, *must_contain, status=2):

@@ -3,7 +3,9 @@
 Each iteration loads a model, starts forward() and generate() in two threads, closes it from the
 main thread at a random moment, and checks that every call either finished with the right answer
 or raised the "has been closed" ColibriError (or the one-request-at-a-time refusal). A closed
-Model's every public use is a ColibriError, never AttributeError or SIGSEGV.
+Model's every public use is a ColibriError, never AttributeError or SIGSEGV. Every test runs under
+an address-space headroom (conftest.address_space_headroom): a huge allocation fails the test
+instead of swapping the machine.
 """
 from __future__ import annotations
 
@@ -16,9 +18,16 @@ import pytest
 
 import colibri
 from colibri import ColibriError
+from conftest import address_space_headroom
 
 ITERATIONS = 100
 ALLOWED = ("has been closed", "already generating")
+
+
+@pytest.fixture(autouse=True)
+def _headroom():
+    with address_space_headroom():
+        yield
 
 
 @pytest.mark.parametrize("options", [{}, dict(expert_cache_mb=0.02, prefetch="predict")],

@@ -6,6 +6,10 @@ directory that is not a Colibri one is refused even with --force. A refusal is o
 and exit status 2, and every file is byte-identical afterwards (the whole test directory is hashed
 before and after, so a leftover temporary directory shows too). SIGTERM and a full disk clean up
 like Ctrl-C: no temporary directory, the previous output as it was.
+
+Every subprocess runs under an address-space limit (conftest.as_limit), every in-process call under
+a headroom of as much (conftest.address_space_headroom): an attempted huge allocation fails the
+test instead of swapping the machine.
 """
 from __future__ import annotations
 
@@ -28,8 +32,7 @@ import colibri
 from colibri.cli import main
 from colibri.convert import convert, relayout
 from colibri.modeldir import ModelDirWriter
-from conftest import FIXTURES
-from conftest import ENV, big_checkpoint, convert_cmd
+from conftest import ENV, FIXTURES, address_space_headroom, as_limit, big_checkpoint, convert_cmd
 
 SILENT = dict(log=lambda *a: None)
 
@@ -50,8 +53,15 @@ def snapshot(root: Path) -> dict:
     return seen
 
 
+@pytest.fixture(autouse=True)
+def _headroom():
+    with address_space_headroom():
+        yield
+
+
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], env=ENV, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], env=ENV, capture_output=True, text=True,
+                          **as_limit())
 
 
 def refused(proc, *named) -> str:
@@ -247,7 +257,7 @@ def test_sigterm_during_convert_leaves_no_temporary_and_the_previous_output(tmp_
         convert(FIXTURES / "olmoe_a" / "hf", out, **SILENT)
     before = snapshot(tmp_path)
     proc = subprocess.Popen(convert_cmd(hf, out, "--quantize", "int4", "--force"), env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **as_limit())
     deadline = time.time() + 60
     midway = False
     while time.time() < deadline and proc.poll() is None:

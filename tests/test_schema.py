@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import resource
 import select
 import shutil
 import struct
@@ -29,12 +28,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import colibri
-from colibri.config import (MAX_EMBEDDING, MAX_EXPERT_INSTANCES, MAX_EXPERT_WEIGHTS, MAX_POSITIONS_X_HEAD_DIM,
-                            MAX_Q_DIM, ModelConfig)
+from colibri.config import (MAX_EMBEDDING, MAX_EXPERT_INSTANCES, MAX_EXPERT_WEIGHTS, MAX_Q_DIM, MAX_ROPE_TABLE,
+                            ModelConfig)
 from colibri.modeldir import MappedModelDir, ModelDir, ModelDirWriter, tensor_file, to_storage
-from conftest import FIXTURES
+from conftest import AS_LIMIT, FIXTURES, as_limit
 
-AS_LIMIT = 2 << 30
 QUICK = 2.0                      # seconds: the slowest a refusal (or a small load) may take
 ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent), OMP_NUM_THREADS="1",
            OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -316,7 +314,9 @@ DIMENSIONS = [
     ("heads x head_dim", lambda m: dict(m, num_attention_heads=64, head_dim=4096, layer_head_dims=[]),
      ["num_attention_heads", "head_dim", str(MAX_Q_DIM)]),
     ("positions x head_dim", lambda m: dict(m, max_position_embeddings=1 << 30, head_dim=4096, layer_head_dims=[]),
-     ["max_position_embeddings", "head_dim", str(MAX_POSITIONS_X_HEAD_DIM)]),
+     ["max_position_embeddings", "head_dim", str(MAX_ROPE_TABLE)]),
+    ("RoPE tables of 2^27 positions", lambda m: dict(m, max_position_embeddings=1 << 27),     # 2^31 values and more
+     ["max_position_embeddings (134217728)", "RoPE tables", str(MAX_ROPE_TABLE)]),
     ("vocab x hidden", lambda m: dict(m, vocab_size=1 << 22, hidden_size=1 << 17),
      ["vocab_size", "hidden_size", str(MAX_EMBEDDING)]),
     ("experts x ff x hidden", lambda m: dict(m, num_experts=1 << 14, moe_intermediate_size=1 << 18),
@@ -386,10 +386,6 @@ def test_json_bombs_in_the_model_config(model_dirs, worker, kind):
 
 # ---- the CLI: a few examples end to end ---------------------------------------------------------
 
-def _limit_memory():
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
-
-
 @pytest.mark.parametrize("damage", ["none", "layers x experts", "deep", "tensor shape"])
 def test_cli_info_is_one_line(model_dirs, tmp_path, damage):
     doc, _ = model_dirs["gemma4_a"]
@@ -406,7 +402,7 @@ def test_cli_info_is_one_line(model_dirs, tmp_path, damage):
         write_json(d / "config.json", bad)
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "colibri", "info", "--model-dir", str(d)], env=ENV,
-                       capture_output=True, text=True, preexec_fn=_limit_memory, timeout=60)
+                       capture_output=True, text=True, timeout=60, **as_limit())
     assert time.perf_counter() - t < 30
     if damage == "none":
         assert r.returncode == 0 and "gemma4" in r.stdout, r.stderr
