@@ -2,20 +2,28 @@
 
 Design
 ------
-Starlette (routing, request/response, server-sent events) under uvicorn, prometheus_client for
-/metrics: the optional extra `colibri[serve]`. One Model holds one KV cache, so one generation
-runs at a time (the design): requests wait in a FIFO (asyncio.Lock wakes its waiters in order)
+Starlette (routing, request/response) under uvicorn, prometheus_client for /metrics: the
+optional extra `colibri[serve]`. One Model holds one KV cache, so one generation runs at a time
+(the design): requests wait in a FIFO (Served.acquire hands the engine to the first waiter)
 bounded by `max_queue` — beyond it, and after `queue_timeout` seconds of waiting, the answer is
 503 with Retry-After. The engine runs on one worker thread; the event loop only parses, queues
-and writes. A stream advances one token per hop to that thread, so a client that disconnects
-stops its generation after the token being computed (the generator is closed on the same
-thread, then the next request starts). Repeated prefixes (multi-turn chat, a shared system
-prompt) reuse the KV cache through Model.generate's prefix reuse.
+and writes. A generation advances one token per hop to that thread, and each request watches
+its connection: a client that disconnects (streamed or not, or while it waits in the queue)
+stops its generation after the token being computed — its generator is closed on the engine
+thread, the next request's work queuing behind that close. Repeated prefixes (multi-turn chat,
+a shared system prompt) reuse the KV cache through Model.generate's prefix reuse.
 
 Endpoints, in OpenAI's shapes: POST /v1/chat/completions, POST /v1/completions (whole, or
 streamed as `data: {...}` chunks and `data: [DONE]`; `stream_options.include_usage`), GET
 /v1/models, GET /health (503 while the model loads, 200 when ready), GET /metrics (Prometheus
-text). Errors are `{"error": {"message", "type", "param", "code"}}` with the status OpenAI uses.
+text). Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not
+JSON or a parameter of the wrong type or range (as OpenAI), 401 for a wrong or missing key
+(compared in constant time), 404 for another model's name, 413 for a body over MAX_BODY_BYTES
+(by Content-Length before reading, else as soon as the streamed body passes it), 422 for a
+well-formed request the model cannot process (the chat template refuses or fails on the
+conversation, the model has no chat template, prompt token ids outside the vocabulary), 503
+(loading, queue full, queue timeout) with Retry-After, and 500 for anything unexpected — logged
+with its traceback on the server, never sent to the client.
 Parameters: messages / prompt, max_tokens (max_completion_tokens), temperature, top_p, top_k,
 min_p, repetition_penalty, presence_penalty, frequency_penalty, stop, seed, logprobs /
 top_logprobs, n = 1, stream, chat_template_kwargs, ignore_eos. Unset sampling values take the checkpoint's
@@ -24,9 +32,12 @@ generation_config.json defaults (as `run` does), then greedy.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import hmac
 import json
+import logging
 import math
 import signal
 import threading
@@ -39,6 +50,12 @@ MAX_STOP_STRINGS = 4                   # OpenAI's limit
 MAX_BODY_BYTES = 16 << 20              # a request body larger than this is refused (413)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16    # OpenAI's legacy completions default
 RETRY_AFTER_SECONDS = 1
+GRACEFUL_SHUTDOWN_SECONDS = 30         # SIGTERM: the running request's time to finish before it is cancelled
+# apply_chat_template's own keywords: chat_template_kwargs cannot set them (the request's fields do)
+RESERVED_TEMPLATE_KEYWORDS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents",
+                                        "continue_final_message"})
+
+logger = logging.getLogger("colibri.server")
 
 
 def _need_stack():
@@ -54,12 +71,19 @@ class APIError(Exception):
     """An OpenAI-shaped error response."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = dict(headers or {})
+        if status == 503:
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Disconnected(Exception):
+    """The client went away: nothing more is sent to it."""
 
 
 # ---- request bodies --------------------------------------------------------------------------------
@@ -105,6 +129,68 @@ def _text_of(content):
     return content
 
 
+def _messages(body: dict) -> list:
+    """The conversation, checked for its shape (400s); what the template makes of it is its own."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = msg.get("content")
+        if content is None and not msg.get("tool_calls"):
+            raise APIError(400, f"messages[{i}] has no 'content'", param="messages")
+        if content is not None and not isinstance(content, (str, list)):
+            raise APIError(400, f"messages[{i}]['content'] must be a string or a list of text parts, got "
+                                f"{json.dumps(content)[:80]}", param="messages")
+        out.append({**msg, "content": _text_of(content)})
+    return out
+
+
+def _chat_prompt(m, body: dict) -> list:
+    """The token ids of a chat request's conversation; the template's refusal is a 422."""
+    msgs = _messages(body)
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise APIError(400, "'tools' must be a list of objects (JSON schemas)", param="tools")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_KEYWORDS & kwargs.keys())
+    if reserved:
+        raise APIError(400, f"'chat_template_kwargs' cannot set '{reserved[0]}' (a field of the request or of the "
+                            f"server)", param="chat_template_kwargs")
+    try:
+        return m.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, **kwargs)
+    except ColibriError as e:
+        raise APIError(422, str(e), param="messages", code="chat_template_error") from None
+
+
+def _completion_prompt(m, body: dict) -> list:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        try:
+            ids = m.encode(prompt)
+        except ColibriError as e:
+            raise APIError(400, str(e), param="prompt") from None
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+        vocab = m.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(422, f"token id {str(bad)[:30]} is outside the model's vocabulary [0, {vocab})",
+                           param="prompt", code="token_out_of_vocabulary")
+    else:
+        raise APIError(400, "'prompt' must be a string, or a list of token ids (one prompt per request)",
+                       param="prompt")
+    if not ids:
+        raise APIError(400, "the prompt is empty (it encodes to no tokens)", param="prompt")
+    return ids
+
+
 def sampling_options(body: dict) -> dict:
     """The Model.generate keywords a request asks for."""
     out = dict(
@@ -112,7 +198,9 @@ def sampling_options(body: dict) -> dict:
         top_p=_field(body, "top_p", _NUMBER, None, lambda v: 0 < v <= 1, "a number in (0, 1]"),
         top_k=_field(body, "top_k", int, None, lambda v: v >= 0, "an integer >= 0"),
         min_p=_field(body, "min_p", _NUMBER, None, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-        repetition_penalty=_field(body, "repetition_penalty", _NUMBER, None, lambda v: v > 0, "a number > 0"),
+        # bounded so that logits divided or multiplied by it stay finite (else the sampler fails mid-generation)
+        repetition_penalty=_field(body, "repetition_penalty", _NUMBER, None, lambda v: 1e-6 <= v <= 1e6,
+                                  "a number in [1e-6, 1e6]"),
         presence_penalty=_field(body, "presence_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         frequency_penalty=_field(body, "frequency_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         seed=_field(body, "seed", int, 0, lambda v: v >= 0, "a non-negative integer"),
@@ -138,8 +226,8 @@ class Served:
         self.load_error = None
         self.created = int(time.time())
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
-        self.lock = None                       # asyncio.Lock, made on the server's loop
-        self.waiting = 0
+        self.busy = False                      # a request holds the engine
+        self.waiters = collections.deque()     # futures of the requests waiting for it, in arrival order
         r = self.registry = CollectorRegistry()
         self.requests = Counter("colibri_requests", "requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
         self.queue_depth = Gauge("colibri_queue_depth", "requests waiting for the engine", registry=r)
@@ -166,7 +254,9 @@ class Served:
             try:
                 self.model = self.load()
             except Exception as e:          # noqa: BLE001 - reported by /health and each request
-                self.load_error = str(e)
+                self.load_error = str(e) or type(e).__name__
+                if not isinstance(e, ColibriError):
+                    logger.error("loading the model failed", exc_info=e)
         threading.Thread(target=run, name="colibri-load", daemon=True).start()
 
     def ready(self):
@@ -176,33 +266,79 @@ class Served:
             raise APIError(503, "the model is still loading", kind="server_error", code="loading")
         return self.model
 
-    async def acquire(self) -> None:
-        if self.lock is None:
-            self.lock = asyncio.Lock()
-        if self.waiting >= self.max_queue and self.lock.locked():
+    # -- the FIFO in front of the engine: ownership passes from one request to the next --
+
+    async def acquire(self, gone: asyncio.Event) -> None:
+        """Wait for the engine, first come first served. 503 when `max_queue` requests already
+        wait or after `queue_timeout` seconds; Disconnected when `gone` is set meanwhile. Every
+        return is paired with one finish() or release()."""
+        if not self.busy:
+            self.busy = True
+            return
+        if len(self.waiters) >= self.max_queue:
             raise APIError(503, f"the queue is full ({self.max_queue} waiting); retry later", kind="server_error",
                            code="queue_full")
-        self.waiting += 1
-        self.queue_depth.set(self.waiting)
+        turn = asyncio.get_running_loop().create_future()
+        self.waiters.append(turn)
+        self.queue_depth.set(len(self.waiters))
+        left = asyncio.ensure_future(gone.wait())
+        owned = False
         try:
-            await asyncio.wait_for(self.lock.acquire(), self.queue_timeout)
-        except asyncio.TimeoutError:
+            await asyncio.wait((turn, left), timeout=self.queue_timeout, return_when=asyncio.FIRST_COMPLETED)
+            owned = turn.done() and not gone.is_set()
+        finally:                            # also when this task is cancelled
+            left.cancel()
+            if not owned:
+                self._give_up(turn)
+            self.queue_depth.set(len(self.waiters))
+        if not owned:
+            if gone.is_set():
+                raise Disconnected()
             raise APIError(503, f"waited {self.queue_timeout:g} s for the engine; retry later", kind="server_error",
-                           code="queue_timeout") from None
-        finally:
-            self.waiting -= 1
-            self.queue_depth.set(self.waiting)
+                           code="queue_timeout")
+
+    def _give_up(self, turn) -> None:
+        if turn.done() and not turn.cancelled():
+            self.release()                  # the engine was handed to this request: pass it on
+        else:
+            turn.cancel()
+            with contextlib.suppress(ValueError):
+                self.waiters.remove(turn)
+
+    def release(self) -> None:
+        """Hand the engine to the first request still waiting, or mark it free."""
+        while self.waiters:
+            turn = self.waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                self.queue_depth.set(len(self.waiters))
+                return
+        self.busy = False
+        self.queue_depth.set(0)
 
     def finish(self, g) -> None:
-        """End a generation without awaiting (it may run in a cancelled task): close its generator
-        on the engine thread — after the step in flight, the executor being FIFO — then free the
-        engine for the next request."""
-        loop = asyncio.get_running_loop()
-        done = self.executor.submit(g.events.close)
-        done.add_done_callback(lambda _: loop.call_soon_threadsafe(self.lock.release))
+        """End a generation and hand the engine on, without awaiting (this may run in a
+        cancelled task): its generator is closed on the engine thread after the step in flight,
+        and the next request's work, submitted later to the same FIFO executor, runs after that
+        close. Idempotent."""
+        if g.finished:
+            return
+        g.finished = True
+        try:
+            self.executor.submit(g.close)
+        except RuntimeError:                # the executor is shut down: the process is exiting
+            pass
+        self.release()
 
     async def on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def next_event(self, g, gone: asyncio.Event):
+        """The next (text, pick) event of `g`, or None at its end; Disconnected, without asking
+        the engine for another token, once the client has gone."""
+        if gone.is_set():
+            raise Disconnected()
+        return await self.on_engine(g.step)
 
     def observe_memory(self) -> None:
         if self.model is not None:
@@ -220,6 +356,23 @@ class Served:
             self.cgroup_usage.set(st["cgroup_usage_bytes"] or 0)
 
 
+class _Watch:
+    """Sets `gone` when the connection says http.disconnect (once the request body is read,
+    an ASGI server's receive() answers nothing else)."""
+
+    def __init__(self, receive):
+        self.gone = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run(receive))
+
+    async def _run(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
 # ---- one generation ----------------------------------------------------------------------------------
 
 def _prepare(served: Served, body, chat: bool):
@@ -227,7 +380,7 @@ def _prepare(served: Served, body, chat: bool):
     m = served.ready()
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    name = body.get("model")
+    name = _field(body, "model", str, None, what="a string")
     if name is not None and name != served.name:
         raise APIError(404, f"the model '{str(name)[:100]}' does not exist; this server serves '{served.name}'",
                        param="model", code="model_not_found")
@@ -238,44 +391,20 @@ def _prepare(served: Served, body, chat: bool):
     include_usage = bool(opts.get("include_usage", False))
     gen = sampling_options(body)
     stops = _stop_list(body)
-    try:
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
-            msgs = []
-            for i, msg in enumerate(messages):
-                if not isinstance(msg, dict):
-                    raise APIError(400, f"messages[{i}] must be an object", param="messages")
-                msgs.append({**msg, "content": _text_of(msg.get("content"))})
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-            tools = body.get("tools")
-            ids = m.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, **kwargs)
-            want = _field(body, "max_completion_tokens", int, None, lambda v: v >= 1, "a positive integer")
-            want = _field(body, "max_tokens", int, want, lambda v: v >= 1, "a positive integer")
-            if body.get("logprobs") not in (None, False, True):
-                raise APIError(400, "'logprobs' must be true or false", param="logprobs")
-            top = _field(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
-            logprobs = top if body.get("logprobs") else None
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = m.encode(prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                ids = prompt
-            else:
-                raise APIError(400, "'prompt' must be a string, or a list of token ids (one prompt per request)",
-                               param="prompt")
-            if body.get("echo"):
-                raise APIError(400, "'echo' is not supported", param="echo")
-            want = _field(body, "max_tokens", int, COMPLETIONS_DEFAULT_MAX_TOKENS, lambda v: v >= 1, "a positive integer")
-            logprobs = _field(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
-    except ColibriError as e:
-        raise APIError(400, str(e)) from None
+    if chat:
+        ids = _chat_prompt(m, body)
+        want = _field(body, "max_completion_tokens", int, None, lambda v: v >= 1, "a positive integer")
+        want = _field(body, "max_tokens", int, want, lambda v: v >= 1, "a positive integer")
+        if body.get("logprobs") not in (None, False, True):
+            raise APIError(400, "'logprobs' must be true or false", param="logprobs")
+        top = _field(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
+        logprobs = top if body.get("logprobs") else None
+    else:
+        ids = _completion_prompt(m, body)
+        if body.get("echo"):
+            raise APIError(400, "'echo' is not supported", param="echo")
+        want = _field(body, "max_tokens", int, COMPLETIONS_DEFAULT_MAX_TOKENS, lambda v: v >= 1, "a positive integer")
+        logprobs = _field(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
     room = m.n_ctx - len(ids)
     if room < 1:
         raise APIError(400, f"the prompt has {len(ids)} tokens; the context is {m.n_ctx}", param="messages" if chat else "prompt",
@@ -286,6 +415,8 @@ def _prepare(served: Served, body, chat: bool):
         raise APIError(400, f"max_tokens {want} + the prompt's {len(ids)} tokens exceed the context of {m.n_ctx}",
                        param="max_tokens", code="context_length_exceeded")
     return m, ids, dict(gen, max_new_tokens=want, logprobs=logprobs), stops, logprobs, stream, include_usage
+
+
 
 
 def _token_text(m, token: int) -> str:
@@ -300,22 +431,35 @@ def _chat_logprob(m, pick, top: int) -> dict:
 
 
 class Generation:
-    """Drives one Model.stream_tokens on the engine thread; collects text, logprobs and timings."""
+    """One Model.stream_tokens, driven on the engine thread one event at a time; collects text,
+    logprobs and timings. Made on the event loop (no model work), started on the engine."""
 
-    def __init__(self, served: Served, m, ids, gen: dict, stops):
-        self.served, self.m = served, m
-        self.t0 = time.perf_counter()
-        self.events = m.stream_tokens(ids, stop=stops, **gen)     # checks run here
-        self.record = m.last_generation
+    def __init__(self, served: Served, m, ids, gen: dict, stops, arrived: float):
+        self.served, self.m, self.ids, self.gen, self.stops = served, m, ids, gen, stops
+        self.t0 = arrived
+        self.events = self.record = None
         self.prompt_tokens = len(ids)
         self.last_token_at = None
+        self.finished = False
+
+    def start(self) -> None:
+        """Runs on the engine thread; Model.stream_tokens' checks raise here."""
+        self.events = self.m.stream_tokens(self.ids, stop=self.stops, **self.gen)
+        self.record = self.m.last_generation
 
     def step(self):
         """The next event, or None at the end (runs on the engine thread)."""
+        if self.events is None:
+            return None
         try:
             return next(self.events)
         except StopIteration:
             return None
+
+    def close(self) -> None:
+        """Runs on the engine thread: the generator's cleanup frees the Model for the next one."""
+        if self.events is not None:
+            self.events.close()
 
     def note_token(self) -> None:
         now = time.perf_counter()
@@ -330,6 +474,8 @@ class Generation:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
 
     def account(self) -> None:
+        if self.record is None:
+            return
         s = self.served
         s.tokens_in.inc(self.prompt_tokens)
         s.tokens_out.inc(len(self.record.tokens))
@@ -343,90 +489,143 @@ class Generation:
 def create_app(served: Served):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     def error_response(e: APIError, endpoint: str):
         served.requests.labels(endpoint, str(e.status)).inc()
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if e.status == 503 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+
+    class Endpoint:
+        """One route as an ASGI app around `handler(request, send)`, which sends its own
+        response. An APIError is answered in OpenAI's shape; any other exception is logged here
+        with its traceback and answered with a 500 in the same shape (never the traceback);
+        a client that went away gets nothing more. Whatever it held is released by the
+        handler's own finally blocks."""
+
+        def __init__(self, endpoint: str, handler):
+            self.endpoint, self.handler = endpoint, handler
+
+        async def __call__(self, scope, receive, send):
+            started = False
+
+            async def tracked(message):
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            try:
+                await self.handler(Request(scope, receive), tracked)
+            except Disconnected:
+                served.requests.labels(self.endpoint, "disconnected").inc()
+            except asyncio.CancelledError:
+                # the ASGI server cancels what outlasts its graceful shutdown: the handler's
+                # finally blocks have freed the engine; ending here, not re-raising, keeps a
+                # traceback out of the log (uvicorn then closes the connection)
+                served.requests.labels(self.endpoint, "cancelled").inc()
+                logger.warning("%s %s cancelled (the server is stopping)", scope.get("method"), scope.get("path"))
+            except APIError as e:
+                if not started:
+                    await error_response(e, self.endpoint)(scope, receive, send)
+            except Exception as e:       # noqa: BLE001 - the catch-all: a 500, the traceback in the log
+                logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
+                if not started:
+                    await error_response(_internal(e), self.endpoint)(scope, receive, send)
 
     def check_key(request: Request) -> None:
         if served.api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {served.api_key}":
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        # headers arrive decoded as latin-1: back to the bytes the client sent; the comparison
+        # takes the same time wherever the bytes differ
+        same = hmac.compare_digest(token.strip().encode("latin-1"), served.api_key.encode("utf-8"))
+        if not (same and scheme.lower() == "bearer"):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error",
                            code="invalid_api_key")
 
     async def read_body(request: Request):
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MB")
+        limit = MAX_BODY_BYTES
+        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                             headers={"Connection": "close"})
+        length = request.headers.get("content-length", "").strip()
+        if length.isdigit() and int(length) > limit:
+            raise too_large                  # refused before a byte of the body is read
+        parts, size = [], 0
         try:
-            return json.loads(raw)
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_large          # a chunked (or lying) body: read no further
+                parts.append(part)
+        except ClientDisconnect:
+            raise Disconnected() from None
+        try:
+            return json.loads(b"".join(parts))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
             raise APIError(400, f"the request body is not valid JSON ({str(e)[:100]})") from None
 
-    async def health(request: Request):
+    async def reply(request: Request, send, response) -> None:
+        await response(request.scope, request.receive, send)
+
+    async def health(request: Request, send):
         if served.model is not None:
-            return JSONResponse({"status": "ok"})
+            return await reply(request, send, JSONResponse({"status": "ok"}))
         if served.load_error:
-            return JSONResponse({"status": "error", "error": served.load_error}, status_code=500)
-        return JSONResponse({"status": "loading"}, status_code=503)
+            return await reply(request, send, JSONResponse({"status": "error", "error": served.load_error},
+                                                           status_code=500))
+        await reply(request, send, JSONResponse({"status": "loading"}, status_code=503,
+                                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
 
-    async def models(request: Request):
-        try:
-            check_key(request)
-        except APIError as e:
-            return error_response(e, "models")
-        return JSONResponse({"object": "list", "data": [{"id": served.name, "object": "model",
-                                                         "created": served.created, "owned_by": "colibri"}]})
+    async def models(request: Request, send):
+        check_key(request)
+        await reply(request, send, JSONResponse({"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}]}))
 
-    async def metrics(request: Request):
+    async def metrics(request: Request, send):
         served.observe_memory()
-        return Response(generate_latest(served.registry), media_type=CONTENT_TYPE_LATEST)
+        await reply(request, send, Response(generate_latest(served.registry), media_type=CONTENT_TYPE_LATEST))
 
-    async def completion(request: Request, chat: bool):
+    async def completion(request: Request, send, chat: bool):
+        arrived = time.perf_counter()
         endpoint = "chat" if chat else "completions"
-        try:
-            check_key(request)
-            body = await read_body(request)
-            m, ids, gen, stops, logprobs, stream, include_usage = _prepare(served, body, chat)
-        except APIError as e:
-            return error_response(e, endpoint)
-        try:
-            await served.acquire()
-        except APIError as e:
-            return error_response(e, endpoint)
+        check_key(request)
+        body = await read_body(request)
+        m, ids, gen, stops, logprobs, stream, include_usage = _prepare(served, body, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
+        watch = _Watch(request.receive)
         try:
-            g = await served.on_engine(Generation, served, m, ids, gen, stops)
-        except ColibriError as e:
-            served.lock.release()
-            return error_response(APIError(400, str(e)), endpoint)
-        if not stream:
-            return await whole(g, rid, obj, chat, logprobs, endpoint)
-        return StreamingResponse(streamed(g, rid, obj, chat, logprobs, include_usage, endpoint),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            await served.acquire(watch.gone)
+            g = Generation(served, m, ids, gen, stops, arrived)
+            try:                             # from here the engine is this request's until finish()
+                try:
+                    await served.on_engine(g.start)
+                except ColibriError as e:
+                    raise APIError(400, str(e)) from None
+                if stream:
+                    return await streamed(g, send, watch.gone, rid, obj, chat, logprobs, include_usage, endpoint)
+                doc = await whole(g, watch.gone, rid, obj, chat, logprobs)
+            finally:
+                served.finish(g)
+                g.account()
+        finally:
+            watch.stop()
+        await reply(request, send, JSONResponse(doc))
+        served.requests.labels(endpoint, "200").inc()
 
-    async def whole(g: Generation, rid, obj, chat, logprobs, endpoint):
+    async def whole(g: Generation, gone, rid, obj, chat, logprobs) -> dict:
         text, picks = [], []
         try:
-            while (ev := await served.on_engine(g.step)) is not None:
+            while (ev := await served.next_event(g, gone)) is not None:
                 piece, pick = ev
                 text.append(piece)
                 if pick is not None:
                     g.note_token()
                     picks.append(pick)
         except ColibriError as e:
-            return error_response(APIError(500, str(e), kind="server_error"), endpoint)
-        finally:
-            served.finish(g)
-        g.account()
-        served.requests.labels(endpoint, "200").inc()
+            raise APIError(500, str(e), kind="server_error") from None
         content = "".join(text)
         choice = {"index": 0, "finish_reason": g.record.finish_reason}
         if chat:
@@ -435,26 +634,35 @@ def create_app(served: Served):
         else:
             choice["text"] = content
             choice["logprobs"] = None if logprobs is None else _completion_logprobs(g.m, picks, logprobs)
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": served.name,
-                             "choices": [choice], "usage": g.usage()})
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": served.name,
+                "choices": [choice], "usage": g.usage()}
 
-    async def streamed(g: Generation, rid, obj, chat, logprobs, include_usage, endpoint):
+    async def streamed(g: Generation, send, gone, rid, obj, chat, logprobs, include_usage, endpoint) -> None:
+        """Server-sent events, one per token; the client's disconnect ends the loop before the
+        engine is asked for another token (the caller's finally then frees the engine)."""
         created = int(time.time())
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def emit(doc) -> None:
+            text = "data: [DONE]\n\n" if doc is None else f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
+            await send({"type": "http.response.body", "body": text.encode("utf-8"), "more_body": True})
 
         def event(choice, usage=None):
             doc = {"id": rid, "object": chunk_obj, "created": created, "model": served.name,
                    "choices": [choice] if choice is not None else []}
             if include_usage:
                 doc["usage"] = usage
-            return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
+            return doc
 
-        finished = False
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
+        outcome = "200"
         try:
             if chat:
-                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            while (ev := await served.on_engine(g.step)) is not None:
+                await emit(event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}))
+            while (ev := await served.next_event(g, gone)) is not None:
                 piece, pick = ev
                 if pick is not None:
                     g.note_token()
@@ -466,42 +674,60 @@ def create_app(served: Served):
                         _completion_logprobs(g.m, [pick], logprobs)
                 choice = ({"index": 0, "delta": {"content": piece}, "logprobs": lp, "finish_reason": None} if chat
                           else {"index": 0, "text": piece, "logprobs": lp, "finish_reason": None})
-                yield event(choice)
+                await emit(event(choice))
             last = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": g.record.finish_reason} if chat
                     else {"index": 0, "text": "", "logprobs": None, "finish_reason": g.record.finish_reason})
-            yield event(last)
+            await emit(event(last))
             if include_usage:
-                yield event(None, g.usage())
-            yield "data: [DONE]\n\n"
-            finished = True
-        except ColibriError as e:
-            yield f"data: {json.dumps(APIError(500, str(e), kind='server_error').body())}\n\n"
-        finally:
-            # a client that went away cancels this task (no await works any more): the generator
-            # is closed on the engine thread after the token being computed, then the next
-            # request may start
-            served.finish(g)
-            g.account()
-            served.requests.labels(endpoint, "200" if finished else "disconnected").inc()
+                await emit(event(None, g.usage()))
+        except Disconnected:
+            raise
+        except Exception as e:           # noqa: BLE001 - the headers are out: the error is the last event
+            outcome = "500"
+            if isinstance(e, ColibriError):
+                err = APIError(500, str(e), kind="server_error")
+            else:
+                logger.error("%s failed mid-stream", endpoint, exc_info=e)
+                err = _internal(e)
+            await emit(err.body())
+        await emit(None)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        served.requests.labels(endpoint, outcome).inc()
 
-    async def chat_completions(request: Request):
-        return await completion(request, chat=True)
+    async def chat_completions(request: Request, send):
+        await completion(request, send, chat=True)
 
-    async def completions(request: Request):
-        return await completion(request, chat=False)
+    async def completions(request: Request, send):
+        await completion(request, send, chat=False)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         served.start_loading()              # /health says 503 until the model is ready
         yield
-        served.executor.shutdown(wait=True, cancel_futures=True)
+        served.executor.shutdown(wait=True)     # the closes of cancelled generations run first
+
+    async def http_error(request: Request, exc: HTTPException):
+        # routing's own errors (an unknown path: 404, a wrong method: 405) in OpenAI's shape too
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                     kind=kind).body(), status_code=exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception):
+        return JSONResponse(_internal(exc).body(), status_code=500)      # uvicorn logs the traceback
 
     app = Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-    ], lifespan=lifespan)
+        Route("/health", Endpoint("health", health), methods=["GET"]),
+        Route("/v1/models", Endpoint("models", models), methods=["GET"]),
+        Route("/metrics", Endpoint("metrics", metrics), methods=["GET"]),
+        Route("/v1/chat/completions", Endpoint("chat", chat_completions), methods=["POST"]),
+        Route("/v1/completions", Endpoint("completions", completions), methods=["POST"]),
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
     return app
+
+
+def _internal(e: Exception) -> APIError:
+    return APIError(500, f"internal server error ({type(e).__name__}); the server's log has the details",
+                    kind="server_error", code="internal_error")
 
 
 def _completion_logprobs(m, picks, top: int) -> dict:
@@ -516,11 +742,14 @@ def _completion_logprobs(m, picks, top: int) -> dict:
 
 def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 16, queue_timeout: float = 600.0, log=print) -> None:
-    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, lets the running request
-    finish or be cancelled, and returns). `load()` -> Model, called once in the background."""
+    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running request
+    GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels it, and returns). `load()` -> Model,
+    called once in the background."""
     _need_stack()
     import uvicorn
 
+    if api_key is not None and not api_key.strip():
+        raise ColibriError("--api-key is empty: give a key, or leave the option out to serve without one")
     served = Served(load, name, api_key, max_queue, queue_timeout)
     app = create_app(served)
     log(f"[INFO] Serving '{name}' on http://{host}:{port}/v1 (health: /health, metrics: /metrics); "
@@ -529,6 +758,6 @@ def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: s
     # a handler that returns makes that re-raise a no-op, so SIGTERM ends with status 0
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
     finally:
         signal.signal(signal.SIGTERM, previous)
