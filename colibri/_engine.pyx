@@ -43,7 +43,7 @@ from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, C
 
 import numpy as np
 
-from colibri._kernels import DTYPE_CODES, LAYOUT_CODES, act_specs
+from colibri._kernels import ACT_ARRAYS, DTYPE_CODES, LAYOUT_CODES, act_specs
 from colibri._os import arena, zeros     # every buffer of the engine comes from the OS layer (alloc_aligned)
 
 # Step status codes, read by model.py.
@@ -722,12 +722,12 @@ cdef class Engine:
         }
         # activation quantization of the block inputs [cap] and of the wave rows [wave]
         for prefix, rows in (("acts", cap), ("wave_acts", wave)):
-            specs.update({f"{prefix}.{k}": v for k, v in act_specs(rows, max_cols).items()})
+            specs.update({f"{prefix}.{k}": v for k, v in act_specs(rows, max_cols, spec.bf16_products).items()})
         keep = arena(specs)
         self.spec = spec
         self.scratch_bytes = sum(a.nbytes for a in keep.values())
         for prefix in ("acts", "wave_acts"):
-            keep[prefix] = [keep[f"{prefix}.q"], keep[f"{prefix}.d"], keep[f"{prefix}.s"], keep.get(f"{prefix}.xp")]
+            keep[prefix] = [keep.get(f"{prefix}.{name}") for name in ACT_ARRAYS]
         keep["rope"] = [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers]
         # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
         # what the attention reads), each its own pages: zero pages are only touched (made

@@ -19,6 +19,7 @@ cdef extern from "kernels_scalar.h" nogil:
         int32_t *s         # [n / 32] the sum of each block's q
         int n
         float *xp          # [n] or NULL: the activation reordered for the bf16 tile
+        uint16_t *xb       # [n] or NULL: the activation rounded to bf16 (bf16 products)
 
     # stateless
     float cb_f16_to_f32_exact(uint16_t h)
@@ -78,6 +79,8 @@ cdef extern from "dispatch.h" nogil:
     void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
     void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads)
+    int cb_has_bf16_products()
+    void cb_round_bf16(uint16_t *dst, const float *x, int n)
     int cb_attention_softmax(float *x, int n)
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
     void cb_attention(float *out, int ldo, const float *q, int ldq, const void *k_cache,
@@ -121,6 +124,7 @@ cdef void kv_store(void *dst, const float *src, int n, int kv) noexcept nogil
 cdef void glu(float *gate, const float *up, int n, int act) noexcept nogil
 cdef void dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols) noexcept nogil
 cdef void quantize_act(cb_act_q8 *a, const float *x, int n) noexcept nogil
+cdef void round_bf16(uint16_t *dst, const float *x, int n) noexcept nogil
 cdef int attention_softmax(float *x, int n) noexcept nogil
 cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) noexcept nogil
 

@@ -11,7 +11,7 @@ _kernels.pxd, so selecting a tier changes every kernel at once and nothing else.
 of the formats, layouts and activations are defined here once, from the C enums.
 """
 
-from libc.stdint cimport uintptr_t, uint8_t, int8_t, int32_t
+from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t
 from libc.stdlib cimport calloc
 
 import numpy as np
@@ -220,6 +220,11 @@ cdef void quantize_act(cb_act_q8 *a, const float *x, int n) noexcept nogil:
     cb_quantize_act(a, x, n)
 
 
+cdef void round_bf16(uint16_t *dst, const float *x, int n) noexcept nogil:
+    """n activations rounded to bf16 as bf16 products take them (cb_kernel_table.round_bf16)."""
+    cb_round_bf16(dst, x, n)
+
+
 cdef int attention_softmax(float *x, int n) noexcept nogil:
     return cb_attention_softmax(x, n)
 
@@ -230,28 +235,42 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 
 # ---- activation quantization scratch ----------------------------------------------------------
 
-def act_specs(int rows, int cols):
+def act_specs(int rows, int cols, bint bf16_products=False):
     """{name: (shape, dtype)} of the arrays behind `rows` activation quantization scratches
     (cb_act_q8) of up to `cols` values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32
     + 1], and xp float32 [rows, cols], the permuted input of the AVX-512 bf16 tile — left out where
-    no tier this CPU can run reads it (the drivers skip the permutation when xp is NULL)."""
+    no tier this CPU can run reads it (the drivers skip the permutation when xp is NULL); with
+    bf16_products, xb uint16 [rows, cols]: the activations rounded to bf16, which make the drivers
+    take bf16 products (vdpbf16ps) wherever the tier has them."""
     blocks = cols // 32 + 1
     specs = {"q": ((rows, cols), np.int8), "d": ((rows, blocks), np.float32), "s": ((rows, blocks), np.int32)}
     if "avx512" in available_isas():
         specs["xp"] = ((rows, cols), np.float32)
+    if bf16_products:
+        specs["xb"] = ((rows, cols), np.uint16)
     return specs
 
 
-def act_arrays(int rows, int cols):
-    """[q, d, s, xp or None]: the arrays of act_specs, zero-filled in one region from colibri._os."""
-    a = arena(act_specs(rows, cols))
-    return [a["q"], a["d"], a["s"], a.get("xp")]
+ACT_ARRAYS = ("q", "d", "s", "xp", "xb")     # the order of act_arrays' list (bind_acts reads it)
+
+
+def act_arrays(int rows, int cols, bint bf16_products=False):
+    """[q, d, s, xp or None, xb or None]: the arrays of act_specs, zero-filled in one region from
+    colibri._os."""
+    a = arena(act_specs(rows, cols, bf16_products))
+    return [a.get(name) for name in ACT_ARRAYS]
+
+
+def has_bf16_products():
+    """Whether the tier in use multiplies bf16 weights by bf16 activations (AVX512_BF16's
+    vdpbf16ps): what load(bf16_products="auto") takes."""
+    return bool(cb_has_bf16_products())
 
 
 cdef cb_act_q8 *bind_acts(list arrays) except NULL:
-    """A calloc'd cb_act_q8 [rows] (free() it) pointing into the arrays of act_arrays, which must
-    outlive it."""
-    q, d, s, xp = arrays
+    """A calloc'd cb_act_q8 [rows] (free() it) pointing into the arrays of act_arrays (ACT_ARRAYS
+    order), which must outlive it."""
+    q, d, s, xp, xb = arrays
     cdef int t, rows = q.shape[0]
     cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(max(rows, 1), sizeof(cb_act_q8))
     if acts == NULL:
@@ -262,4 +281,5 @@ cdef cb_act_q8 *bind_acts(list arrays) except NULL:
         acts[t].s = <int32_t *><uintptr_t>s[t].ctypes.data
         acts[t].n = 0
         acts[t].xp = NULL if xp is None else <float *><uintptr_t>xp[t].ctypes.data
+        acts[t].xb = NULL if xb is None else <uint16_t *><uintptr_t>xb[t].ctypes.data
     return acts

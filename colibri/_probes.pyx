@@ -59,10 +59,11 @@ def _stored_rows(w, int cols, str dtype, str layout):
     return rows
 
 
-cdef cb_act_q8 *_test_acts(int n, int cols, list keep) except NULL:
+cdef cb_act_q8 *_test_acts(int n, int cols, list keep, bint bf16_products=False) except NULL:
     """Activation quantization scratch for n tokens of `cols` values (free() it); the numpy
-    arrays behind it go into `keep`, which must outlive its use."""
-    arrays = act_arrays(n, cols)
+    arrays behind it go into `keep`, which must outlive its use. bf16_products: with the bf16
+    activations that make bf16 matrices take bf16 products where the tier has them."""
+    arrays = act_arrays(n, cols, bf16_products)
     keep.extend(arrays)
     return kernels.bind_acts(arrays)
 
@@ -77,10 +78,12 @@ def kernel_matvec(w, const float[::1] x, str dtype, int n_threads=1, str layout=
     return kernel_matmul(w, np.asarray(x).reshape(1, -1), dtype, n_threads, layout)[0]   # cb_matvec is n = 1
 
 
-def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, str layout="rows"):
+def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, str layout="rows",
+                 bint bf16_products=False):
     """Seconds for `reps` products out[n, rows] = x[n, cols] @ W[rows, cols]^T through the engine's
     cb_matmul (n = 1: the decode matvec; n > 1: a prefill tile pass), with no Python between
-    repetitions: what tools/bench_kernels.py times. W is stored as in kernel_matvec."""
+    repetitions: what tools/bench_kernels.py times. W is stored as in kernel_matvec;
+    bf16_products as in kernel_matmul."""
     import time
     w = np.ascontiguousarray(w)
     cdef int n = x.shape[0], cols = x.shape[1], r, t
@@ -91,7 +94,7 @@ def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, s
         raise ValueError("bench_matmul: needs n >= 1 tokens and reps >= 1")
     out = np.zeros((n, rows), np.float32)
     keep = []
-    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep, bf16_products)
     cdef float[:, ::1] o = out
     cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
     t0 = time.perf_counter()
@@ -135,9 +138,11 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
     return time.perf_counter() - t0
 
 
-def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layout="rows"):
+def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layout="rows",
+                  bint bf16_products=False):
     """out [n, rows] = x [n, cols] @ W^T through cb_matmul (the prefill product), W stored as in
-    kernel_matvec."""
+    kernel_matvec. bf16_products: the activations also rounded to bf16 (acts.xb), which a bf16
+    rows matrix then multiplies by vdpbf16ps where the tier has it (_kernels.has_bf16_products)."""
     w = np.ascontiguousarray(w)
     cdef int n = x.shape[0], cols = x.shape[1], t
     cdef int rows = _stored_rows(w, cols, dtype, layout)
@@ -147,7 +152,7 @@ def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layo
     if n == 0 or rows == 0 or cols == 0:
         return out
     keep = []
-    cdef cb_act_q8 *acts = _test_acts(n, cols, keep)
+    cdef cb_act_q8 *acts = _test_acts(n, cols, keep, bf16_products)
     cdef float[:, ::1] o = out
     cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
     with nogil:
@@ -156,6 +161,15 @@ def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layo
     return out
 
 
+
+
+def kernel_round_bf16(const float[::1] x):
+    """x rounded to bf16 (uint16 bits) by the current tier, as bf16 products round activations."""
+    out = np.zeros(x.shape[0], np.uint16)
+    cdef uint16_t[::1] o = out
+    if x.shape[0]:
+        kernels.round_bf16(&o[0], &x[0], x.shape[0])
+    return out
 
 
 def kernel_glu(const float[::1] gate, const float[::1] up, str act):
@@ -328,6 +342,7 @@ def kernel_quantize_act(const float[::1] x):
     act.d = <float *><uintptr_t>d.ctypes.data
     act.s = <int32_t *><uintptr_t>s.ctypes.data
     act.xp = NULL
+    act.xb = NULL
     if n:
         kernels.quantize_act(&act, &x[0], n)
     return q[:n], d[:n // 32], s[:n // 32]

@@ -102,6 +102,10 @@ def _model_options(p, demo_default: bool) -> None:
     p.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
                    help="the KV cache's elements: f16 halves its bytes (long contexts; keys and values rounded "
                         "to f16 as they are stored, attention in f32) (default: f32)")
+    p.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=("auto", "bf16", "f32"),
+                   default="auto",
+                   help="bf16 weights: bf16 rounds the activations to bf16 for AVX512_BF16's vdpbf16ps (as "
+                        "llama.cpp), f32 multiplies exactly in f32 (default: auto, bf16 where the CPU has it)")
     p.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
     p.add_argument("--warmup", action="store_true", help="read every expert once at load")
     p.add_argument("--quiet", action="store_true", help="no [INFO] lines: the generated text only")
@@ -240,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--eviction", choices=("lru", "lfu"), default=None)
     bench.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
                        help="as for run")
+    bench.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=("auto", "bf16", "f32"),
+                       default="auto", help="as for run")
     return p
 
 
@@ -301,7 +307,7 @@ def _load(args):
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
              mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction,
-             kv_cache=args.kv_cache)
+             kv_cache=args.kv_cache, bf16_products=args.bf16_products)
     m.cli_note = note
     return m
 

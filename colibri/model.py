@@ -44,6 +44,11 @@ _STATUS_MESSAGES = {
 
 
 KV_CACHE_TYPES = ("f32", "f16")        # load(kv_cache=): the KV cache's elements (_kernels.KV_CODES)
+# load(bf16_products=): how bf16 matrices multiply. "f32": the weights widened to f32, the
+# activations as they are (exact: the products of transformers in float32); "bf16": the activations
+# rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps (f32 sums, as llama.cpp and
+# ik_llama.cpp do; BENCHMARKS.md, "bf16 products"); "auto": bf16 where the CPU has the instruction.
+BF16_PRODUCTS = ("auto", "bf16", "f32")
 
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
@@ -51,7 +56,8 @@ class Model:
     def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
                  exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
                  expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
-                 memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32"):
+                 memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
+                 bf16_products: str = "auto"):
         t0 = time.perf_counter()
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
@@ -79,6 +85,7 @@ class Model:
             raise ColibriError("prefetch needs mapped weights (mmap=True)")
         if kv_cache not in KV_CACHE_TYPES:
             raise ColibriError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
+        self.bf16_products = _bf16_products(bf16_products)
         if eviction is not None and eviction not in EVICTION_POLICIES:
             raise ColibriError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
         cache_budget = residency._megabytes(expert_cache_mb, "expert_cache_mb")
@@ -95,6 +102,7 @@ class Model:
             self.residency = Residency(self._maps, cfg, mlock=mlock, warmup=warmup)
             text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
             build = dict(n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax), kv_cache=kv_cache,
+                         bf16_products=self.bf16_products,
                          expert_pages=self.residency.spans,
                          prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
                                                if self.residency.spans else 0))
@@ -504,6 +512,17 @@ class Model:
                     on_step(self)
 
 
+def _bf16_products(choice) -> bool:
+    """Whether a model loaded with load(bf16_products=choice) takes bf16 products on this CPU's
+    tier; ColibriError for an unknown choice, or "bf16" where the tier has no vdpbf16ps."""
+    if choice not in BF16_PRODUCTS:
+        raise ColibriError(f"bf16_products must be one of {', '.join(BF16_PRODUCTS)}, got {choice!r}")
+    if choice == "bf16" and not _kernels.has_bf16_products():
+        raise ColibriError(f"bf16_products='bf16' needs AVX512_BF16 (vdpbf16ps), which tier {_kernels.isa()} "
+                           "of this CPU lacks; use 'auto' or 'f32'")
+    return choice == "bf16" or (choice == "auto" and _kernels.has_bf16_products())
+
+
 class GenerationRecord:
     """What the last generate() did: for the caller (logprobs, finish reason) and the CLI's notes."""
 
@@ -521,7 +540,8 @@ class GenerationRecord:
 def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
          exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
          expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
-         memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32") -> Model:
+         memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
+         bf16_products: str = "auto") -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
@@ -533,7 +553,11 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     memory_limit_mb (default: the cgroup's / job's limit, else the available RAM), expert_cache_mb,
     eviction "lru" | "lfu", mlock, warmup: see colibri.residency;
     kv_cache "f32" | "f16": the KV cache's elements (f16: half its bytes; keys and values rounded to
-    f16 as they are stored, attention computed in f32 -- BENCHMARKS.md, "f16 KV cache")."""
+    f16 as they are stored, attention computed in f32 -- BENCHMARKS.md, "f16 KV cache");
+    bf16_products "auto" | "bf16" | "f32": how bf16 weights multiply (BF16_PRODUCTS: "f32" is exact,
+    "bf16" rounds the activations to bf16 for AVX512_BF16's vdpbf16ps, "auto" is "bf16" where the
+    CPU has that instruction)."""
     return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
                  prefill_chunk=prefill_chunk, prefetch=prefetch, expert_cache_mb=expert_cache_mb,
-                 mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache)
+                 mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache,
+                 bf16_products=bf16_products)

@@ -68,6 +68,7 @@ class EngineSpec:
     prefill_chunk: int       # tokens per engine call at most, 1 .. n_ctx (the scratch rows)
     n_threads: int
     kv_cache: str            # the KV cache's elements: "f32", or "f16" (half the bytes; _kernels.KV_CODES)
+    bf16_products: bool      # bf16 matrices multiply activations rounded to bf16 (vdpbf16ps) where the tier can
     prefetch: int            # _engine.PREFETCH_CODES
     prefetch_chunk_bytes: int    # bytes per read advice call (0: no limit)
     expert_budget: int | None    # bytes of experts the expert cache admits at most (None: no budget)
@@ -161,7 +162,8 @@ def prefill_chunk(requested, n_ctx: int) -> int:
 
 def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_softmax: bool, prefetch: str,
           prefetch_chunk_bytes: int, expert_pages: dict, expert_budget: int | None = None, eviction: str = "lru",
-          expert_fds: dict | None = None, advice=None, cache_os=None, kv_cache: str = "f32") -> EngineSpec:
+          expert_fds: dict | None = None, advice=None, cache_os=None, kv_cache: str = "f32",
+          bf16_products: bool = False) -> EngineSpec:
     """The spec of `cfg` (config.ModelConfig) over the mapped `tensors` (name -> TensorRef) with
     these run options (already validated by the caller, model.Model). advice, cache_os: the OS
     functions for the expert pages (default: colibri._os.engine_advice() and cache_advice(),
@@ -179,7 +181,8 @@ def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_sof
         act=ACT_CODES[cfg.hidden_act], swiglu_alpha=float(cfg.swiglu_alpha), swiglu_limit=float(cfg.swiglu_limit),
         embed_scale=float(cfg.embedding_scale),
         softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,
-        prefill_chunk=chunk, n_threads=threads, kv_cache=kv_cache, prefetch=_engine.PREFETCH_CODES[prefetch],
+        prefill_chunk=chunk, n_threads=threads, kv_cache=kv_cache, bf16_products=bool(bf16_products),
+        prefetch=_engine.PREFETCH_CODES[prefetch],
         prefetch_chunk_bytes=int(prefetch_chunk_bytes),
         expert_budget=None if expert_budget is None else int(expert_budget), eviction=eviction,
         advice=_os.engine_advice() if advice is None else _os.EngineAdvice(*advice),

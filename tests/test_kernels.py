@@ -167,7 +167,7 @@ def test_whole_model_agrees_across_tiers(converted, dtype):
         results = {}
         for name in ISAS:
             _kernels.select_isa(name)
-            results[name] = colibri.load(converted("mixtral_a", dtype)).forward(ids)
+            results[name] = colibri.load(converted("mixtral_a", dtype), bf16_products="f32").forward(ids)
     finally:
         _kernels.select_isa(before)
     scale = np.abs(results["scalar"]).max()
@@ -431,3 +431,84 @@ def test_attention_over_an_f16_cache_is_attention_over_its_values(isa, head_dim,
     ours = _probes.kernel_attention(q, k, v, n_kv, start, positions - 1, sinks=s, kv="f16")
     theirs = _probes.kernel_attention(q, k.astype(np.float32), v.astype(np.float32), n_kv, start, positions - 1, sinks=s)
     np.testing.assert_array_equal(ours, theirs)
+
+
+# ---- bf16 products (load(bf16_products=): AVX512_BF16's vdpbf16ps) ---------------------------
+
+BF16_PRODUCTS_TIER = "avx512" if "avx512" in ISAS and _kernels.cpu_features()["avx512_bf16"] else None
+needs_bf16_products = pytest.mark.skipif(BF16_PRODUCTS_TIER is None, reason="this CPU has no AVX512_BF16 "
+                                         "(vdpbf16ps): bf16 products run only where it does")
+
+
+def _round_bf16(x):
+    """numpy mirror of vcvtneps2bf16: round to nearest even, denormal inputs to signed zero, NaN
+    quieted; uint16 bits."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    denormal = (bits & 0x7F800000) == 0
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = np.where(denormal, ((bits >> 16) & 0x8000).astype(np.uint16), rounded)
+    return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded).astype(np.uint16)
+
+
+def _bf16_values(bits):
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hnp.arrays(np.uint32, st.integers(1, 70), elements=st.one_of(
+    st.integers(0, 2**32 - 1), st.sampled_from([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800000,
+                                                0x7FC00001, 0x7F800001, 0x00000001, 0x807FFFFF, 0x80000000]))))
+def test_the_bf16_rounding_is_vcvtneps2bf16s(isa, bits):
+    """Every tier rounds activations to bf16 as the instruction does (ties to even, denormals to
+    zero, NaN kept a NaN): the scalar spec and the AVX-512 vector code bit for bit."""
+    x = bits.view(np.float32)
+    got, want = _probes.kernel_round_bf16(x), _round_bf16(x)
+    nan = np.isnan(_bf16_values(want))
+    np.testing.assert_array_equal(np.isnan(_bf16_values(got)), nan)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+@needs_bf16_products
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(1, 9), st.sampled_from([1, 2]),
+       st.integers(0, 2**31 - 1))
+def test_bf16_products_are_the_rounded_activations_times_the_weights(rows, cols, n, threads, seed):
+    """vdpbf16ps: each product of a bf16 weight and the bf16-rounded activation is exact, the f32
+    sums within summation-order error of the float64 result; every token of a prefill gives the
+    bits of decoding it alone (the tile's order does not depend on its shape); tails of any width."""
+    rng = np.random.default_rng(seed)
+    w = to_storage(rng.uniform(-4, 4, (rows, cols)).astype(np.float32), "bf16")
+    x = rng.uniform(-4, 4, (n, cols)).astype(np.float32)
+    before = _kernels.isa()
+    try:
+        _kernels.select_isa(BF16_PRODUCTS_TIER)
+        assert _kernels.has_bf16_products()
+        got = _probes.kernel_matmul(w, x, "bf16", threads, bf16_products=True)
+        alone = np.stack([_probes.kernel_matmul(w, x[t:t + 1], "bf16", threads, bf16_products=True)[0]
+                          for t in range(n)])
+    finally:
+        _kernels.select_isa(before)
+    wf = from_storage(w, "bf16").astype(np.float64)
+    xr = _bf16_values(_round_bf16(x)).astype(np.float64)
+    ref = xr @ wf.T
+    bound = float32_dot_bound(np.abs(xr) @ np.abs(wf.T), cols + 1)
+    assert np.all(np.abs(got - ref) <= bound)
+    np.testing.assert_array_equal(alone, got)
+
+
+def test_a_tier_without_bf16_products_multiplies_exactly():
+    """Where the tier has no vdpbf16ps (avx2, scalar), a model's bf16 activations are ignored: the
+    exact f32 products, bit for bit those of bf16_products=False."""
+    rng = np.random.default_rng(1)
+    w = to_storage(rng.standard_normal((24, 100)).astype(np.float32), "bf16")
+    x = rng.standard_normal((5, 100)).astype(np.float32)
+    before = _kernels.isa()
+    try:
+        for name in [t for t in ISAS if t != BF16_PRODUCTS_TIER]:
+            _kernels.select_isa(name)
+            assert not _kernels.has_bf16_products()
+            np.testing.assert_array_equal(_probes.kernel_matmul(w, x, "bf16", bf16_products=True),
+                                          _probes.kernel_matmul(w, x, "bf16"))
+    finally:
+        _kernels.select_isa(before)

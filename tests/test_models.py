@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import colibri
+from colibri import _kernels
 from conftest import CASES, reference
 
 # max |ours - reference| <= REL_TOL * max |reference logit| (float32 rounding, different summation order)
@@ -26,8 +27,8 @@ def models(converted):
     cache = {}
 
     def get(case, dtype="f32"):
-        if (case, dtype) not in cache:
-            cache[(case, dtype)] = colibri.load(converted(case, dtype), threads=2)
+        if (case, dtype) not in cache:       # bf16 as transformers multiplies it: exact f32 products
+            cache[(case, dtype)] = colibri.load(converted(case, dtype), threads=2, bf16_products="f32")
         return cache[(case, dtype)]
     return get
 
@@ -245,7 +246,6 @@ def test_an_inner_chunk_without_logits_leaves_the_same_cache(converted, case):
 def test_without_an_avx512_tier_no_permuted_input_is_allocated(converted, monkeypatch):
     """The AVX-512 bf16 tile's permuted input (acts.xp) is allocated only where that tier can run;
     on a CPU without it the engine's scratch has none and bf16 runs as before on the other tiers."""
-    from colibri import _kernels
     before = _kernels.isa()
     ids = reference("mixtral_a")["input_ids"]
     try:
@@ -289,3 +289,57 @@ def test_an_f16_kv_cache_halves_it_and_stays_close(converted, case):
 def test_an_unknown_kv_cache_type_is_refused(converted):
     with pytest.raises(colibri.ColibriError, match="kv_cache must be one of f32, f16"):
         colibri.load(converted("mixtral_a", "f32"), kv_cache="int8")
+
+
+# ---- bf16 products (load(bf16_products=)) ----------------------------------------------------
+
+# KL(transformers' bf16-weight logits || ours) with the activations rounded to bf16 at every bf16
+# product (measured 1.1e-5 .. 2.4e-3 over every fixture on Zen 4; BENCHMARKS.md, "bf16 products")
+BF16_PRODUCTS_KL = 5e-3
+HAS_BF16_PRODUCTS = "avx512" in _kernels.available_isas() and _kernels.cpu_features()["avx512_bf16"]
+
+
+def _kl(want, got):
+    def log_softmax(z):
+        z = z.astype(np.float64) - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    lw, lg = log_softmax(want), log_softmax(got)
+    return float((np.exp(lw) * (lw - lg)).sum(-1).mean())
+
+
+def test_auto_bf16_products_follow_the_tier(converted):
+    """"auto" takes bf16 products exactly where the tier has vdpbf16ps; "f32" never; "bf16" where it
+    has none is one clear error naming the choice."""
+    before = _kernels.isa()
+    try:
+        for name in _kernels.available_isas():
+            _kernels.select_isa(name)
+            native = _kernels.has_bf16_products()
+            assert colibri.load(converted("mixtral_a", "bf16")).bf16_products is native
+            assert colibri.load(converted("mixtral_a", "bf16"), bf16_products="f32").bf16_products is False
+            if not native:
+                with pytest.raises(colibri.ColibriError, match="bf16_products='bf16' needs AVX512_BF16"):
+                    colibri.load(converted("mixtral_a", "bf16"), bf16_products="bf16")
+    finally:
+        _kernels.select_isa(before)
+    with pytest.raises(colibri.ColibriError, match="bf16_products must be one of auto, bf16, f32"):
+        colibri.load(converted("mixtral_a", "bf16"), bf16_products="fast")
+
+
+@pytest.mark.skipif(not HAS_BF16_PRODUCTS, reason="this CPU has no AVX512_BF16: bf16 products run only where it does")
+@pytest.mark.parametrize("case", CASES)
+def test_bf16_products_stay_close_to_transformers(converted, case):
+    """With the activations rounded to bf16 (vdpbf16ps) the logits move off the exact ones, within
+    BF16_PRODUCTS_KL of transformers' (same bf16 weights), and a prompt still equals decoding it."""
+    ref = reference(case)
+    ids = np.ascontiguousarray(ref["input_ids"], np.int32)
+    m = colibri.load(converted(case, "bf16"), bf16_products="bf16")
+    logits = m.forward(ids)
+    exact = colibri.load(converted(case, "bf16"), bf16_products="f32").forward(ids)
+    assert np.abs(logits - exact).max() > 0          # they did take the other path
+    assert _kl(ref["logits_bf16"], logits) <= BF16_PRODUCTS_KL
+    m._engine.reset()
+    stepped = np.empty_like(logits)
+    for t in range(len(ids)):
+        assert m._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+    np.testing.assert_array_equal(stepped, logits)

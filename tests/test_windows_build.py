@@ -35,7 +35,7 @@ MINGW_INCLUDE = Path("/usr/x86_64-w64-mingw32/include")
 # freestanding only so that clang's intrin.h and MinGW's setjmp.h do not both declare _setjmp.
 MSVC_FLAGS = ["--target=x86_64-pc-windows-msvc", "-fsyntax-only", "-fms-compatibility", "-std=c11",
               "-ffreestanding", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-              "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavxvnni", "-Wall", "-Werror", "-Werror=gnu",
+              "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mavxvnni", "-Wall", "-Werror", "-Werror=gnu",
               "-Werror=vla", "-Wno-unused-function", "-include", str(ROOT / "tests" / "win" / "msvc_prelude.h"),
               "-idirafter", str(MINGW_INCLUDE), f"-I{CSRC}"]
 

@@ -115,16 +115,22 @@ def main():
             _probes.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
             _probes.bench_read(read_buf, args.threads)
             steps = other_steps() if layout != "rows" and dtype in ("int8", "int4") else []
-            kt, rt, st = [], [], {k: [] for k in steps}
+            products = bf16_products_of(dtype, layout)
+            kt, rt, st, bt = [], [], {k: [] for k in steps}, []
+            x1 = x.reshape(1, -1)
             for _ in range(args.repeat):                     # interleaved, A B A B
                 kt.append(timed(lambda: _probes.kernel_matvec(w, x, dtype, args.threads, layout)))
                 rt.append(timed(lambda: _probes.bench_read(read_buf, args.threads)))
                 for step in steps:
                     with _kernels.int_kernels(step):
                         st[step].append(timed(lambda: _probes.kernel_matvec(w, x, dtype, args.threads, layout)))
+                if products:
+                    bt.append(timed(lambda: _probes.kernel_matmul(w, x1, dtype, args.threads, layout, True)))
             kgbs = nbytes / statistics.median(kt) / 1e9
             rgbs = nbytes / statistics.median(rt) / 1e9
             rest = "  " + ", ".join(f"{k} step {nbytes / statistics.median(t) / 1e9:.1f}" for k, t in st.items()) if st else ""
+            if bt:
+                rest += f"  bf16 products {nbytes / statistics.median(bt) / 1e9:.1f} ({nbytes / statistics.median(bt) / 1e9 / rgbs:.2f})"
             print(f"{dtype:>6} {layout:>10} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}{rest}")
             del w, read_buf
     resident_table(args, rng)
@@ -180,6 +186,12 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
         del k, v, k16, v16, read_buf
 
 
+def bf16_products_of(dtype, layout):
+    """Whether the tables also time this format with bf16 products (load(bf16_products="bf16"):
+    vdpbf16ps, the activations rounded to bf16), beside the exact widened path."""
+    return dtype == "bf16" and layout == "rows" and _kernels.has_bf16_products()
+
+
 def layouts_of(args, dtype):
     """The --layouts a format has (interleaved: the block formats; transposed: not mxfp4)."""
     return [lay for lay in args.layouts.split(",")
@@ -207,6 +219,10 @@ def resident_table(args, rng, rows=3584, cols=1024):
         cells = [f"{stored.nbytes * reps / best[lay] / 1e9:12.1f}" if lay in best else f"{'-':>12}"
                  for lay in args.layouts.split(",")]
         print(f"{dtype:>6} " + " ".join(cells))
+        if "rows" in mats and bf16_products_of(dtype, "rows"):
+            t = min(_probes.bench_matmul(mats["rows"], x, dtype, args.threads, reps, "rows", True)
+                    for _ in range(args.repeat))
+            print(f"{'':>6} rows with bf16 products (vdpbf16ps): {stored.nbytes * reps / t / 1e9:.1f}")
 
 
 def other_steps():
@@ -244,11 +260,15 @@ def prefill_table(args, rng):
                 compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []
             _probes.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
             times, other_times = [], {v[0]: [] for v in compared}
+            if bf16_products_of(dtype, layout):
+                other_times["bf16 products"] = []
             for _ in range(args.repeat):
                 times.append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout))
                 for name, vstep, repack in compared:
                     with _kernels.int_kernels(vstep, repack):
                         other_times[name].append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout))
+                if "bf16 products" in other_times:
+                    other_times["bf16 products"].append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout, True))
             flop = 2.0 * rows * cols * n * reps
             gflops = flop / statistics.median(times) / 1e9
             of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"

@@ -3,7 +3,9 @@
 
 Converts one Hugging Face checkpoint into each variant (f32, bf16, f16, int8, int4, f32 with
 --ln-quant int16, int8 with --ln-quant int16) and runs `eval` on the text with the f32 directory
-as the reference; also the routing lookup table (exact_softmax=False) against expf on f32.
+as the reference; bf16 both ways (exact f32 products, and bf16 products: the activations rounded
+to bf16, where the CPU has vdpbf16ps); also the routing lookup table (exact_softmax=False)
+against expf on f32.
 Prints a markdown table (for BENCHMARKS.md).
 
     python tools/quality_table.py --hf-dir /work/demo_build/hf --text /work/demo_build/heldout.txt [--ctx 256]
@@ -16,11 +18,13 @@ import tempfile
 from pathlib import Path
 
 import colibri
+from colibri import _kernels
 from colibri.convert import convert
 from colibri.evaluate import evaluate
 
 VARIANTS = [("f32", "f32", None), ("bf16", "bf16", None), ("f16", "f16", None), ("int8", "int8", None),
             ("int4", "int4", None), ("f32 + int16 norms", "f32", "int16"), ("int8 + int16 norms", "int8", "int16")]
+BF16_PRODUCTS_VARIANT = "bf16, bf16 products (vdpbf16ps)"     # the bf16 directory, load(bf16_products="bf16")
 # --role variants: (label, --quantize, {role: format}); the bytes column is then the bytes a decoded
 # token reads (ModelDir.bytes_per_token), the figure decode speed follows
 ROLE_VARIANTS = [("int4", "int4", {}), ("int4, attention int8", "int4", {"attention": "int8"}),
@@ -53,9 +57,12 @@ def main():
             dirs[label] = d
         ref = colibri.load(dirs["f32"])
         for label, _, _ in VARIANTS:
-            r = evaluate(colibri.load(dirs[label]), text, ctx=args.ctx, reference=ref)
+            r = evaluate(colibri.load(dirs[label], bf16_products="f32"), text, ctx=args.ctx, reference=ref)
             size = sum(p.stat().st_size for p in dirs[label].rglob("*.bin"))
             rows.append((label, size, r))
+            if label == "bf16" and _kernels.has_bf16_products():
+                r = evaluate(colibri.load(dirs[label], bf16_products="bf16"), text, ctx=args.ctx, reference=ref)
+                rows.append((BF16_PRODUCTS_VARIANT, size, r))
         r = evaluate(colibri.load(dirs["f32"], exact_softmax=False), text, ctx=args.ctx, reference=ref)
         rows.append(("f32, routing table (--softmax-lut)", None, r))
     print(f"{rows[0][2]['scored']} scored tokens, ctx {args.ctx}\n")

@@ -25,11 +25,13 @@ typedef struct {
 #define CB_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define CB_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 #define CB_TARGET_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define CB_TARGET_AVX512_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #else
 #define CB_TARGET_AVX2
 #define CB_TARGET_AVXVNNI
 #define CB_TARGET_AVX512
 #define CB_TARGET_AVX512_VNNI
+#define CB_TARGET_AVX512_BF16
 #endif
 
 /* A kernel body specialised by constant arguments must be inlined into each caller. */

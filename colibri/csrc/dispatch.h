@@ -34,6 +34,9 @@ typedef void (*cb_tprefill_fn)(float *out, int ldo, const char *w, int dtype, co
  *                   arithmetic for one token is a dot product, `dot`, which decode calls row by row
  *                   (a 4-argument call per row instead of the tile's 11: AVX2 int4 decode 10 % faster);
  *                   permuted_bf16: the tile reads the activation reordered (acts.xp, cb_permute_bf16);
+ *                   tile_bf16x (bf16 only, where the CPU has AVX512_BF16): the tile of bf16
+ *                   products, taken instead of `tile` for a model whose acts carry xb (see
+ *                   cb_takes_bf16x; its spec is kernels_scalar.h's cb_tile_bf16x_scalar);
  *   CB_TRANSPOSED   ttile (groups of CB_TGROUP outputs) and, for int8/int4, tprefill: the repacked
  *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits), or NULL;
  *   CB_INTERLEAVED  itile (int8/int4), decode and prefill.
@@ -44,6 +47,7 @@ typedef struct {
     cb_dot_fn dot;
     int tile_rows;
     int permuted_bf16;
+    cb_tile_fn tile_bf16x;      /* bf16 rows only: the tile of bf16 products (acts.xb), or NULL */
     cb_ttile_fn ttile;
     cb_tprefill_fn tprefill;
     cb_itile_fn itile;
@@ -58,6 +62,7 @@ typedef struct {
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
     cb_kv_store_fn kv_store;        /* a key or value row into the cache, in its element type */
     int (*softmax)(float *x, int n);    /* the softmax attend uses (cb_softmax's contract) */
+    void (*round_bf16)(uint16_t *dst, const float *x, int n);   /* acts.xb for tile_bf16x */
 } cb_kernel_table;
 
 static cb_kernel_table cb_kt;
@@ -143,6 +148,7 @@ static void cb_fill_scalar(cb_kernel_table *t) {
     t->attend = cb_attend_heads_scalar;
     t->kv_store = cb_kv_store_scalar;
     t->softmax = cb_softmax;
+    t->round_bf16 = cb_round_bf16_scalar;
 }
 
 #if CB_X86
@@ -160,6 +166,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->attend = cb_attend_heads_avx2;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
+    t->round_bf16 = cb_round_bf16_scalar;
 }
 
 /* 4-row float tiles (bf16 from the permuted input); 2-row int8/int4 tiles where the CPU has
@@ -176,6 +183,12 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
         cb_set_rows(t, CB_INT4, cb_tile_quant_avx2_any, cb_dot_int4_avx2, 1, 0);
     }
     cb_set_rows(t, CB_MXFP4, cb_tile_quant_avx2_any, cb_dot_mxfp4_avx2, 1, 0);   /* AVX2's: memory-bound */
+    if (f->avx512_bf16) {
+        t->mat[CB_BF16][CB_ROWS].tile_bf16x = cb_tile_bf16x_avx512_any;   /* 4 rows, as the widened tile */
+        t->round_bf16 = cb_round_bf16_avx512;
+    } else {
+        t->round_bf16 = cb_round_bf16_scalar;
+    }
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
@@ -352,6 +365,14 @@ static void cb_job_interleaved(const cb_matjob *j, int n, int th, int nt, int *r
     if (g1 > g0) cb_kt.mat[j->dtype][CB_INTERLEAVED].itile(j->out, j->ldo, (const char *)j->w, j->dtype, j->acts, j->cols, g0, g1, n);
 }
 
+/* Does job j take bf16 products (bf16 rows weights, the activation rounded to bf16 in acts.xb,
+ * vdpbf16ps)? Where the model's acts carry xb (load(bf16_products=)) and the tier has the tile;
+ * elsewhere the same job runs the widened, exact path. */
+static inline int cb_takes_bf16x(const cb_matjob *j) {
+    return j->dtype == CB_BF16 && j->layout == CB_ROWS && j->acts && j->acts[0].xb &&
+           cb_kt.mat[CB_BF16][CB_ROWS].tile_bf16x;
+}
+
 /* This thread's share of a rows-layout product: rows go tile_rows at a time and tokens
  * CB_TILE_TOKENS at a time through the tile; decode takes one row per tile, or calls the dot
  * product row by row where it is the tile's arithmetic. Either way an element's arithmetic does
@@ -365,8 +386,9 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
     const char *wb = (const char *)j->w;
     float *out = j->out;
     const cb_mat_kernels *e = &cb_kt.mat[dtype][CB_ROWS];
-    cb_tile_fn tile = e->tile;
-    if (!(n == 1 && e->dot)) {
+    const int bf16x = cb_takes_bf16x(j);
+    cb_tile_fn tile = bf16x ? e->tile_bf16x : e->tile;
+    if (!(n == 1 && e->dot) || bf16x) {
         /* decode: one row per tile (one weight stream per thread) measured fastest for every
          * format: 2 or 4 rows at once cut int8 from 26 to 10-24 GB/s, bf16 from 23 to 16-19 */
         const int TR = n == 1 ? 1 : e->tile_rows;
@@ -410,14 +432,17 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
         int first = 1;                                  /* the first job of this input? */
         for (int p = 0; p < i; p++) first &= jobs[p].acts != j->acts;
         if (!first) continue;
-        int quantized = 0, permuted = 0;
+        int quantized = 0, permuted = 0, bf16x = 0;
         for (int p = i; p < count; p++) {
             if (jobs[p].acts != j->acts) continue;
             quantized |= CB_IS_QUANT(jobs[p].dtype);
-            permuted |= cb_kt.mat[jobs[p].dtype][jobs[p].layout].permuted_bf16;
+            if (cb_takes_bf16x(&jobs[p])) bf16x = 1;
+            else permuted |= cb_kt.mat[jobs[p].dtype][jobs[p].layout].permuted_bf16;
         }
         if (quantized)
             for (int t = 0; t < n; t++) cb_kt.quantize(&j->acts[t], j->x + (size_t)t * j->ldx, j->cols);
+        if (bf16x)
+            for (int t = 0; t < n; t++) cb_kt.round_bf16(j->acts[t].xb, j->x + (size_t)t * j->ldx, j->cols);
 #if CB_X86
         if (permuted && j->acts[0].xp)              /* the input of the AVX-512 bf16 tile */
             for (int t = 0; t < n; t++) cb_permute_bf16(j->acts[t].xp, j->x + (size_t)t * j->ldx, j->cols);
@@ -445,6 +470,12 @@ static void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout,
     cb_matjob job = {n, out, ldo, w, dtype, layout, rows, cols, x, ldx, acts, NULL, 0};
     cb_matmul_jobs(&job, 1, n_threads);
 }
+
+/* The current tier's rounding of activations to bf16 (for the tests). */
+static void cb_round_bf16(uint16_t *dst, const float *x, int n) { cb_kt.round_bf16(dst, x, n); }
+
+/* Does the tier in use have bf16 products (vdpbf16ps)? What load(bf16_products="auto") asks. */
+static int cb_has_bf16_products(void) { return cb_kt.mat[CB_BF16][CB_ROWS].tile_bf16x != NULL; }
 
 /* Causal attention over the cache, for each query position (cb_attention below takes n of them).
  *   q        [n_heads, head_dim]           the current query (already roped)
@@ -527,8 +558,9 @@ static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantiz
  * A known-answer test of a tier against the scalar spec, on the drivers the engine uses: every
  * storage format in every layout it has (rows; transposed for the float formats and int8/int4;
  * interleaved for int8/int4/mxfp4) through cb_matmul at one token and at five (decode and the
- * prefill tiles), the attention with and without sinks, and both GLU activations, each computed
- * on the scalar tier and on the tier under test from the same deterministic inputs (weights of
+ * prefill tiles), bf16 products where the tier has them (the rounding bit for bit), the
+ * attention with and without sinks, and both GLU activations, each computed on the scalar tier
+ * and on the tier under test from the same deterministic inputs (weights of
  * random bytes whose scales are set to valid values). Results must agree within float32
  * summation-order error (CB_SELFTEST_RTOL of the largest reference value). About 30 small
  * products: about 2 ms at import, most of it the tier switches' CPU detection (cpuid traps to the
@@ -605,7 +637,7 @@ static int cb_self_test_step(int isa, int step) {
     if (cb_select_kernels(isa, step) != 0) return -1;
     for (int t = 0; t < N; t++) {
         acts[t].q = aq + t * C; acts[t].d = ad + t * (C / CB_QBLOCK); acts[t].s = as + t * (C / CB_QBLOCK);
-        acts[t].n = 0; acts[t].xp = xp + t * C;
+        acts[t].n = 0; acts[t].xp = xp + t * C; acts[t].xb = NULL;
     }
     for (int i = 0; i < N * C; i++) x[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
     for (int dtype = 0; dtype < CB_N_DTYPES; dtype++)
@@ -623,6 +655,22 @@ static int cb_self_test_step(int isa, int step) {
                 if (!cb_selftest_close(ref, got, n * R)) return check;
             }
         }
+    if (cb_kt.mat[CB_BF16][CB_ROWS].tile_bf16x) {      /* bf16 products: rounding, then the tile */
+        static uint16_t xb[N * C], xb_ref[N * C];
+        check++;
+        cb_round_bf16_scalar(xb_ref, x, N * C - 3);      /* a tail the vector rounding masks */
+        cb_kt.round_bf16(xb, x, N * C - 3);
+        if (memcmp(xb, xb_ref, sizeof(uint16_t) * (N * C - 3)) != 0) return check;
+        cb_selftest_fill(w, (size_t)R * cb_row_stride(CB_BF16, C), CB_BF16, CB_ROWS, R, C, &state);
+        for (int t = 0; t < N; t++) acts[t].xb = xb + t * C;
+        for (int n = 1; n <= N; n += N - 1) {
+            check++;
+            cb_matmul(got, R, w, CB_BF16, CB_ROWS, x, C, acts, n, R, C, 1);     /* rounds x into xb */
+            cb_tile_bf16x_scalar(ref, R, (const char *)w, cb_row_stride(CB_BF16, C), CB_BF16, x, C, acts, C, R, n);
+            if (!cb_selftest_close(ref, got, n * R)) return check;
+        }
+        for (int t = 0; t < N; t++) acts[t].xb = NULL;
+    }
     for (int i = 0; i < KV * RING * HD; i++) {
         kc[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
         vc[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;

@@ -4,9 +4,9 @@
  *
  * Every format is multiplied by tiles (R rows x T tokens, below), which serve decode and prefill
  * alike. Float formats use 16-lane FMAs with masked loads for the tail (no scalar remainder). bf16
- * weights are widened to f32 by a shift and multiplied in f32: vdpbf16ps would need the
- * activations rounded to bf16 too, which costs accuracy and buys nothing in a memory-bound
- * matvec. Integer formats use vpdpbusd (AVX512_VNNI) on the sign trick of kernels_avx2.h:
+ * weights are widened to f32 by a shift and multiplied in f32 (exact products), or, where the CPU
+ * has AVX512_BF16 and the model takes bf16 products, multiplied by vdpbf16ps with the activation
+ * rounded to bf16 (below). Integer formats use vpdpbusd (AVX512_VNNI) on the sign trick of kernels_avx2.h:
  * sum(w * x) = sum(|w| * sign(x, w)), one instruction per 32 byte products; they only exist as
  * tiles (below), which serve decode (1 row x 1 token) and prefill (2 rows x 4 tokens) alike.
  */
@@ -132,6 +132,64 @@ cb_tile_quant_avx512(float *out, int ldo, const char *w, size_t stride, int dtyp
         for (int j = 0; j < T; j++) out[(size_t)j * ldo + i] = cb_hsum256(_mm256_add_ps(even[i][j], odd[i][j]));
 }
 
+/* ---- bf16 products (AVX512_BF16) ------------------------------------------------------------
+ * vdpbf16ps multiplies 32 bf16 weights by 32 bf16 activations and adds each pair's two products
+ * into one of 16 f32 lanes: one instruction per 32 weights and token, where the widened path above
+ * takes two unpacks and two FMAs. The activation is rounded to bf16 once per product (round_bf16,
+ * into acts.xb): that rounding is the whole accuracy cost (BENCHMARKS.md, "bf16 products"), the
+ * products of two bf16 values being exact in f32. One accumulator per (row, token), filled in the
+ * same order for any tile shape, so decode and prefill agree bit for bit. */
+CB_TARGET_AVX512_BF16 static inline __m512bh cb_as_bf16x32(__m512i v) {
+    __m512bh r;
+    memcpy(&r, &v, sizeof r);
+    return r;
+}
+
+CB_TARGET_AVX512_BF16 static void cb_round_bf16_avx512(uint16_t *dst, const float *x, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+        __m256i v;
+        memcpy(&v, &h, sizeof v);
+        _mm256_storeu_si256((__m256i *)(dst + i), v);
+    }
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i));
+        __m256i v;
+        memcpy(&v, &h, sizeof v);
+        _mm256_mask_storeu_epi16(dst + i, m, v);
+    }
+}
+
+CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void
+cb_tile_bf16x_avx512(float *out, int ldo, const char *w, size_t stride, const cb_act_q8 *acts, int cols,
+                     const int R, const int T) {
+    __m512 acc[CB_TILE_MAX][CB_TILE_MAX];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) acc[i][j] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= cols; k += 32) {
+        __m512i wv[CB_TILE_MAX];
+        for (int i = 0; i < R; i++) wv[i] = _mm512_loadu_si512((const void *)((const uint16_t *)(w + (size_t)i * stride) + k));
+        for (int j = 0; j < T; j++) {
+            const __m512bh xv = cb_as_bf16x32(_mm512_loadu_si512((const void *)(acts[j].xb + k)));
+            for (int i = 0; i < R; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], cb_as_bf16x32(wv[i]), xv);
+        }
+    }
+    if (k < cols) {                         /* the tail: zero pairs beyond the row add nothing */
+        const __mmask32 m = (__mmask32)((1ull << (cols - k)) - 1u);
+        __m512i wv[CB_TILE_MAX];
+        for (int i = 0; i < R; i++) wv[i] = _mm512_maskz_loadu_epi16(m, (const uint16_t *)(w + (size_t)i * stride) + k);
+        for (int j = 0; j < T; j++) {
+            const __m512bh xv = cb_as_bf16x32(_mm512_maskz_loadu_epi16(m, acts[j].xb + k));
+            for (int i = 0; i < R; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], cb_as_bf16x32(wv[i]), xv);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) out[(size_t)j * ldo + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
 /* One entry point per format family; R in {1, 4}, T in 1..4 select a specialised body. */
 #define CB_TILE_CASES(CALL) \
     switch (R * 8 + T) { \
@@ -145,6 +203,14 @@ CB_TARGET_AVX512 static void cb_tile_float_avx512_any(float *out, int ldo, const
 #define CB_CALL_F(r, t) cb_tile_float_avx512(out, ldo, w, stride, dtype, x, ldx, acts, cols, r, t)
     CB_TILE_CASES(CB_CALL_F)
 #undef CB_CALL_F
+}
+
+CB_TARGET_AVX512_BF16 static void cb_tile_bf16x_avx512_any(float *out, int ldo, const char *w, size_t stride,
+        int dtype, const float *x, int ldx, const cb_act_q8 *acts, int cols, int R, int T) {
+    (void)dtype; (void)x; (void)ldx;
+#define CB_CALL_B(r, t) cb_tile_bf16x_avx512(out, ldo, w, stride, acts, cols, r, t)
+    CB_TILE_CASES(CB_CALL_B)
+#undef CB_CALL_B
 }
 
 CB_TARGET_AVX512_VNNI static void cb_tile_quant_avx512_any(float *out, int ldo, const char *w, size_t stride,

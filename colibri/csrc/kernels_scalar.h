@@ -82,6 +82,21 @@ static inline float cb_bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* f32 -> bf16 as vcvtneps2bf16 does it: round to nearest even, a denormal input to a signed
+ * zero (the instruction treats denormal inputs as zero), a NaN stays a NaN (quieted). */
+static inline uint16_t cb_f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7F800000u) == 0) return (uint16_t)((bits >> 16) & 0x8000u);         /* zero, denormal */
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x0040u);  /* NaN */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Round n activations to bf16 (cb_kernel_table.round_bf16's spec). */
+static void cb_round_bf16_scalar(uint16_t *dst, const float *x, int n) {
+    for (int i = 0; i < n; i++) dst[i] = cb_f32_to_bf16(x[i]);
+}
+
 /* ---- dot products and matrix-vector products ---------------------------------------------- */
 
 static float cb_dot_f32_scalar(const void *row, const float *x, const cb_act_q8 *a, int n) {
@@ -289,6 +304,22 @@ static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int
  * plain-C spec of every tier's tile: each element the scalar dot product of its row and token. */
 typedef void (*cb_tile_fn)(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x,
                            int ldx, const cb_act_q8 *acts, int cols, int R, int T);
+
+/* bf16 products (the rows tile of bf16 weights with the activation rounded to bf16, acts.xb):
+ * the plain-C spec of the AVX512_BF16 tile. A product of two bf16 values is exact in f32, so only
+ * the order of the f32 sums differs between the spec and a tier. */
+static void cb_tile_bf16x_scalar(float *out, int ldo, const char *w, size_t stride, int dtype, const float *x,
+                                 int ldx, const cb_act_q8 *acts, int cols, int R, int T) {
+    (void)dtype; (void)x; (void)ldx;
+    for (int r = 0; r < R; r++) {
+        const uint16_t *row = (const uint16_t *)(w + (size_t)r * stride);
+        for (int t = 0; t < T; t++) {
+            float acc = 0.0f;
+            for (int i = 0; i < cols; i++) acc += cb_bf16_to_f32(row[i]) * cb_bf16_to_f32(acts[t].xb[i]);
+            out[(size_t)t * ldo + r] = acc;
+        }
+    }
+}
 
 static cb_dot_fn cb_dot_scalar(int dtype) {
     switch (dtype) {

@@ -149,6 +149,8 @@ typedef struct {
                        w + 8; VNNI's int8, w + 128) take off, times 8 or 128 */
     int n;
     float *xp;      /* [n] or NULL: the float activation reordered for the AVX-512 bf16 tile */
+    uint16_t *xb;   /* [n] or NULL: the activation rounded to bf16 for bf16 products (vdpbf16ps),
+                       set where a model takes them (load(bf16_products=)); see dispatch.h */
 } cb_act_q8;
 
 #define CB_ACT_TINY 1e-30f
