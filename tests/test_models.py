@@ -78,7 +78,7 @@ def test_thread_count_does_not_change_results(tmp_path):
     """Rows are split between threads, never a dot product: one or two threads, same bits. The
     model is large enough (256 wide, 512-wide experts) for the matrix products to use threads."""
     from colibri.convert import convert
-    from test_hardening import big_checkpoint
+    from conftest import big_checkpoint
     for dtype in ("f32", "int8"):
         out = tmp_path / dtype
         convert(big_checkpoint(tmp_path / f"hf_{dtype}"), out, quantize=dtype, log=lambda *a: None)
