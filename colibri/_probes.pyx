@@ -20,7 +20,7 @@ from colibri._routing cimport CB_MAX_TOP_K
 
 import numpy as np
 
-from colibri._kernels import ACT_CODES, DTYPE_CODES, LAYOUT_CODES, act_arrays, available_isas, isa
+from colibri._kernels import ACT_CODES, DTYPE_CODES, LAYOUT_CODES, act_arrays, available_isas, cpu_features, isa
 
 
 def kernel_f16_to_f32(uint16_t h):
@@ -442,94 +442,35 @@ def group_sizes():
     return {"int8": sizeof(cb_group_int8), "int4": sizeof(cb_group_int4)}
 
 
-cdef extern from *:
-    """
-    /* Streaming read of n bytes (a multiple of 64) split over threads: the machine's read
-     * bandwidth, for the benchmarks' roofline. Returns a checksum so the loop is not removed. */
-    static uint64_t cb_read_bytes(const void *p, size_t n, int n_threads) {
-        const uint64_t *q = (const uint64_t *)p;
-        long long words = (long long)(n / 8);
-        uint64_t total = 0;
-        #pragma omp parallel for schedule(static) num_threads(n_threads) reduction(+:total)
-        for (long long i = 0; i < words; i += 8) {
-            total += (q[i] ^ q[i + 1]) + (q[i + 2] ^ q[i + 3]) + (q[i + 4] ^ q[i + 5]) + (q[i + 6] ^ q[i + 7]);
-        }
-        return total;
-    }
-    """
-    uint64_t cb_read_bytes(const void *p, size_t n, int n_threads) nogil
-
-
-cdef extern from *:
-    """
-    /* The attainable float FMA rate of this machine: 10 independent chains of 8-lane FMAs per
-     * thread (enough to cover the FMA latency), for the prefill GFLOP/s "next to peak". Returns the
-     * number of floating-point operations done, or -1 where it cannot run (no GCC/Clang). */
-    #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-    #include <immintrin.h>
-    __attribute__((target("avx2,fma"))) static double cb_peak_fma_avx2(long long iters, int n_threads) {
-        double total = 0.0;
-        #pragma omp parallel num_threads(n_threads) reduction(+:total)
-        {
-            __m256 a[10];
-            const __m256 m = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
-            for (int k = 0; k < 10; k++) a[k] = _mm256_set1_ps(1.0f + k);
-            for (long long i = 0; i < iters; i++)
-                for (int k = 0; k < 10; k++) a[k] = _mm256_fmadd_ps(a[k], m, c);
-            float lanes[8];
-            __m256 s = a[0];
-            for (int k = 1; k < 10; k++) s = _mm256_add_ps(s, a[k]);
-            _mm256_storeu_ps(lanes, s);
-            total += (double)(lanes[0] > 0.0f) * (double)iters * 10.0 * 8.0 * 2.0;
-        }
-        return total;
-    }
-    /* The attainable AVX2 int8 dot-product rate (no VNNI): 10 independent chains of the int8
-     * kernels' step, 32 byte products through maddubs, pairs to int32 through madd, one add (an
-     * 8-bit add per step varies the input, as the kernels' sign does). maddubs and madd are both
-     * multiplies: where the core has one vector integer multiplier, this is the int8 ceiling.
-     * Returns the operations done (2 per byte product), or -1 where it cannot run. */
-    __attribute__((target("avx2,fma"))) static double cb_peak_int8_avx2(long long iters, int n_threads) {
-        double total = 0.0;
-        #pragma omp parallel num_threads(n_threads) reduction(+:total)
-        {
-            __m256i x[10], acc[10];
-            const __m256i w = _mm256_set1_epi8(3), inc = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
-            for (int k = 0; k < 10; k++) { x[k] = _mm256_set1_epi8((char)k); acc[k] = _mm256_setzero_si256(); }
-            for (long long i = 0; i < iters; i++)
-                for (int k = 0; k < 10; k++) {
-                    x[k] = _mm256_add_epi8(x[k], inc);
-                    acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x[k]), ones));
-                }
-            __m256i s = acc[0];
-            for (int k = 1; k < 10; k++) s = _mm256_add_epi32(s, acc[k]);
-            total += (double)(_mm256_extract_epi32(s, 0) != 12345) * (double)iters * 10.0 * 32.0 * 2.0;
-        }
-        return total;
-    }
-    #else
-    static double cb_peak_fma_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
-    static double cb_peak_int8_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
-    #endif
-    """
-    double cb_peak_fma_avx2(long long iters, int n_threads) nogil
-    double cb_peak_int8_avx2(long long iters, int n_threads) nogil
+PEAKS = ("fma", "fma512", "int8", "bf16")     # bench_peak's kinds (csrc/probes.h)
 
 
 def bench_peak(str kind, int n_threads):
-    """(operations done, seconds) of a peak loop on n_threads, or None without AVX2 or GCC:
-    kind "fma" — AVX2 FMA chains (float operations); "int8" — the AVX2 int8 dot-product step of
-    the int8 kernels without VNNI (maddubs + madd; 2 operations per byte product)."""
+    """(operations done, seconds) of a peak loop on n_threads (csrc/probes.h), or None where this
+    CPU cannot run it: kind "fma" — AVX2 FMA chains (float operations); "fma512" — AVX-512 FMA
+    chains; "int8" — the AVX2 int8 dot-product step of the int8 kernels without VNNI (maddubs +
+    madd; 2 operations per byte product); "bf16" — AVX512_BF16's vdpbf16ps (2 per bf16 product)."""
     import time
-    if kind not in ("fma", "int8"):
-        raise ValueError(f"bench_peak: kind must be 'fma' or 'int8', not {kind!r}")
-    if "avx2" not in available_isas():
+    if kind not in PEAKS:
+        raise ValueError(f"bench_peak: kind must be one of {', '.join(PEAKS)}, not {kind!r}")
+    features = cpu_features()
+    runs = {"fma": "avx2" in available_isas(), "int8": "avx2" in available_isas(),
+            "fma512": "avx512" in available_isas(),
+            "bf16": "avx512" in available_isas() and features["avx512_bf16"]}
+    if not runs[kind]:
         return None
     cdef double ops
-    cdef bint fma = kind == "fma"
+    cdef int code = PEAKS.index(kind)
     t0 = time.perf_counter()
     with nogil:
-        ops = cb_peak_fma_avx2(20000000, n_threads) if fma else cb_peak_int8_avx2(10000000, n_threads)
+        if code == 0:
+            ops = cb_peak_fma_avx2(20000000, n_threads)
+        elif code == 1:
+            ops = cb_peak_fma_avx512(10000000, n_threads)
+        elif code == 2:
+            ops = cb_peak_int8_avx2(10000000, n_threads)
+        else:
+            ops = cb_peak_bf16_avx512(10000000, n_threads)
     seconds = time.perf_counter() - t0
     return None if ops < 0 else (ops, seconds)
 

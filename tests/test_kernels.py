@@ -208,9 +208,13 @@ def test_rmsnorm_matches_numpy(x, with_weight, eps):
 def test_peak_loops_count_their_operations():
     """The peak loops bench_kernels.py prints next to the prefill figures: operations counted as
     iterations x chains x lanes x 2, and a clear error for an unknown kind."""
-    for kind, per_iter in (("fma", 10 * 8 * 2), ("int8", 10 * 32 * 2)):
+    avx512 = "avx512" in _kernels.available_isas()
+    runs = {"fma": "avx2" in _kernels.available_isas(), "int8": "avx2" in _kernels.available_isas(),
+            "fma512": avx512, "bf16": avx512 and _kernels.cpu_features()["avx512_bf16"]}
+    assert set(runs) == set(_probes.PEAKS)
+    for kind, per_iter in (("fma", 10 * 8 * 2), ("int8", 10 * 32 * 2), ("fma512", 10 * 16 * 2), ("bf16", 10 * 32 * 2)):
         got = _probes.bench_peak(kind, 1)
-        if "avx2" not in _kernels.available_isas():
+        if not runs[kind]:
             assert got is None
             continue
         ops, seconds = got

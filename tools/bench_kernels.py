@@ -241,9 +241,15 @@ def prefill_table(args, rng):
     cols, rows, n = args.cols, 1024, args.tokens
     x = rng.standard_normal((n, cols)).astype(np.float32)
     peak_gf, ipeak_g = best_rate("fma", args.threads), best_rate("int8", args.threads)
+    wide = "avx512" in _kernels.isa() and best_rate("fma512", args.threads)
+    if wide and peak_gf and wide > peak_gf:         # the tier's float kernels are 16 lanes wide
+        peak_gf = wide
+    bf16_peak = best_rate("bf16", args.threads) if _kernels.has_bf16_products() else None
     print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
-          f"{args.threads} thread(s): AVX2 FMA peak " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
-          + ", AVX2 int8 dot peak (maddubs + madd) " + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a"))
+          f"{args.threads} thread(s): FMA peak " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
+          + (f" (AVX-512 {wide:.0f})" if wide else "")
+          + ", AVX2 int8 dot peak (maddubs + madd) " + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a")
+          + (f", vdpbf16ps peak {bf16_peak:.0f} GFLOP/s" if bf16_peak else ""))
     step = _kernels.int_step()
     variants = [("stored-order", step, False)] + [(f"{k} step", k, True) for k in other_steps()]
     print(f"(int8/int4 transposed: the {step} step on repacked chunks, and interleaved with it "
@@ -274,6 +280,8 @@ def prefill_table(args, rng):
             of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"
             of_int8 = f"{gflops / ipeak_g:8.0%}" if ipeak_g and dtype in ("int8", "int4") else "       -"
             rest = ", ".join(f"{k} {flop / statistics.median(t) / 1e9:.1f}" for k, t in other_times.items()) or "-"
+            if "bf16 products" in other_times and bf16_peak:
+                rest += f" ({flop / statistics.median(other_times['bf16 products']) / 1e9 / bf16_peak:.0%} of vdpbf16ps)"
             print(f"{dtype:>6} {layout:>10} {gflops:8.1f} {of_fma} {of_int8}  {rest}")
 
 if __name__ == "__main__":
