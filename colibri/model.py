@@ -71,6 +71,7 @@ class Model:
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
             raise ColibriError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
         threads = int(threads)
+        _check_threads_start(threads)
         if n_ctx is None:
             n_ctx = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or not 1 <= n_ctx <= cfg.max_position_embeddings:
@@ -510,6 +511,29 @@ class Model:
                 pos += 1
                 if on_step:
                     on_step(self)
+
+
+def _check_threads_start(threads: int) -> None:
+    """ColibriError unless `threads` threads can exist at once. The OpenMP runtime creates the
+    engine's threads at its first parallel region with the default stack size, and ends the process
+    (status 1) where one cannot be created (an address-space limit, a thread limit): so the same
+    number is tried here first, with Python threads of that stack size, and released."""
+    if threads <= 1:
+        return
+    release = threading.Event()
+    started = []
+    try:
+        for _ in range(threads - 1):
+            t = threading.Thread(target=release.wait, daemon=True)
+            t.start()
+            started.append(t)
+    except RuntimeError as e:
+        raise ColibriError(f"cannot start {threads} threads (threads / --threads): {e}; only {len(started) + 1} "
+                           f"could run at once here (this machine has {_os.compute_cores()} cores)") from None
+    finally:
+        release.set()
+        for t in started:
+            t.join()
 
 
 def _bf16_products(choice) -> bool:

@@ -68,6 +68,7 @@ import numpy as np
 from .errors import ColibriError
 
 MAX_LOGPROBS = 20
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)   # float32 logits divided or multiplied by it stay finite, non-zero
 _GROWTH = (64, 512, 4096)             # top_p candidate set sizes; then x8 until the vocabulary
 _DRAW_BLOCK = 1024                    # the inverse CDF in two levels beyond this many weights
 
@@ -167,8 +168,11 @@ class Sampler:
         self.top_k = int(top_k)
         self.top_p = _real("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)")
         self.min_p = _real("min_p", min_p, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)")
-        self.repetition_penalty = _real("repetition_penalty", repetition_penalty, lambda v: v > 0,
-                                        "a finite number > 0 (1: off)")
+        # logits are float32: a penalty (or its reciprocal) beyond float32's range would divide
+        # them to 0 or infinity
+        self.repetition_penalty = _real("repetition_penalty", repetition_penalty,
+                                        lambda v: REPETITION_PENALTY_RANGE[0] <= v <= REPETITION_PENALTY_RANGE[1],
+                                        "a number in [1e-30, 1e30] (1: off)")
         self.presence_penalty = _real("presence_penalty", presence_penalty, lambda v: -2 <= v <= 2,
                                       "a number in [-2, 2] (0: off)")
         self.frequency_penalty = _real("frequency_penalty", frequency_penalty, lambda v: -2 <= v <= 2,
@@ -359,7 +363,9 @@ class Sampler:
         try:
             if self.temperature == 0.0:
                 return x, self._greedy(x, what)
-            return x, self._weights(x, what)
+            # a temperature near 0 sends (x - max) / t to -inf: weight 0, the limit it stands for
+            with np.errstate(over="ignore"):
+                return x, self._weights(x, what)
         except ColibriError:
             if x is not raw:                       # the model's own logits at fault: say so
                 _check_max(float(raw.max()), lambda: int(np.argmax(raw)), "logits")

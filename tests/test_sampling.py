@@ -407,7 +407,9 @@ def test_bad_histories_are_errors():
     s.reset([10])
     with pytest.raises(ColibriError, match="token id 10 .*5 entries"):
         s.pick(np.zeros(5, np.float32))
-    s = Sampler(repetition_penalty=1e-38)
+    with pytest.raises(ColibriError, match=r"repetition_penalty must be a number in \[1e-30, 1e30\]"):
+        Sampler(repetition_penalty=1e-38)             # float32 logits would divide to infinity
+    s = Sampler(repetition_penalty=1e-30)             # in range, and still too much for a logit of 1e10
     s.reset([0])
     with pytest.raises(ColibriError, match=r"after the penalties contain \+inf"):
-        s.pick(np.array([10.0, 0.0], np.float32))
+        s.pick(np.array([1e10, 0.0], np.float32))

@@ -24,11 +24,17 @@ from colibri.generation import GenerationDefaults
 from colibri.streaming import StopStrings, TextStream
 from colibri.tokenizer import SentencePieceTokenizer
 from conftest import CHATML, FIXTURES, SMALL_VOCAB, SPECIALS
-from conftest import colibri as run_cli, one_line_error
+from conftest import AS_LIMIT, colibri as run_cli, one_line_error
+
 
 @pytest.fixture(scope="module")
 def demo_tok():
     return SentencePieceTokenizer(DEMO_DIR / "tokenizer.model")
+
+
+def limited(*args, **kwargs):
+    """The CLI under the address-space limit of every error-path test (conftest.AS_LIMIT)."""
+    return run_cli(*args, limit=AS_LIMIT, **kwargs)
 
 
 # ---- streaming text ------------------------------------------------------------------------------
@@ -245,10 +251,10 @@ def test_run_chat_and_prompt_sources(chat_model_dir, tmp_path):
 def test_bad_prompt_bytes_and_templates_are_one_line_errors(chat_model_dir, tmp_path):
     f = tmp_path / "bad.txt"
     f.write_bytes(b"caf\xe9 latin-1")
-    one_line_error(run_cli("run", "--model-dir", chat_model_dir, "--prompt-file", f), "bad.txt", "UTF-8")
-    one_line_error(run_cli("run", "--model-dir", chat_model_dir, "--prompt", "caf\udce9"), "UTF-8")
-    one_line_error(run_cli("run", "--model-dir", chat_model_dir, "--system", "x", "--prompt", "hi"), "--chat")
-    one_line_error(run_cli("run", "--chat", "--prompt", "hi"), "chat template")          # the demo has none
+    one_line_error(limited("run", "--model-dir", chat_model_dir, "--prompt-file", f), "bad.txt", "UTF-8")
+    one_line_error(limited("run", "--model-dir", chat_model_dir, "--prompt", "caf\udce9"), "UTF-8")
+    one_line_error(limited("run", "--model-dir", chat_model_dir, "--system", "x", "--prompt", "hi"), "--chat")
+    one_line_error(limited("run", "--chat", "--prompt", "hi"), "chat template")          # the demo has none
 
 
 def test_chat_command_holds_a_conversation(chat_model_dir):
@@ -278,7 +284,7 @@ def test_tokenizer_command_adds_text_files_without_reconverting(converted, chat_
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "tokenizer.json").write_text("{not json")
-    one_line_error(run_cli("tokenizer", "--model-dir", d, "--from", bad), "tokenizer.json")
+    one_line_error(limited("tokenizer", "--model-dir", d, "--from", bad), "tokenizer.json")
     assert colibri.load(d).tokenizer.vocab_size == m.tokenizer.vocab_size          # unchanged
 
 
@@ -289,7 +295,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(converted, tmp_path):
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0")).save(str(src / "tokenizer.json"))
     d = tmp_path / "m"
     shutil.copytree(converted("qwen3moe_a"), d)                                     # vocab_size 256
-    one_line_error(run_cli("tokenizer", "--model-dir", d, "--from", src), "300", "256")
+    one_line_error(limited("tokenizer", "--model-dir", d, "--from", src), "300", "256")
 
 
 def test_convert_refuses_a_broken_tokenizer_before_writing(chat_hf, tmp_path):
@@ -297,7 +303,7 @@ def test_convert_refuses_a_broken_tokenizer_before_writing(chat_hf, tmp_path):
     shutil.copytree(chat_hf, hf)
     (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
     out = tmp_path / "out"
-    one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", out), "tokenizer_config.json")
+    one_line_error(limited("convert", "--hf-dir", hf, "--output-dir", out), "tokenizer_config.json")
     assert not out.exists()
 
 
@@ -305,7 +311,7 @@ def test_quantize_aliases_of_the_original_engine(tmp_path):
     p = run_cli("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", tmp_path / "o", "--quantize", "fp16")
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "o" / "config.json").read_text())["weight_dtype"] == "f16"
-    one_line_error(run_cli("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", tmp_path / "x",
+    one_line_error(limited("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", tmp_path / "x",
                            "--quantize", "3bit"), "3bit")
 
 
@@ -320,7 +326,7 @@ def test_a_template_that_raises_is_one_line_with_its_message(chat_model_dir, tmp
     assert run_cli("tokenizer", "--model-dir", d, "--from", src).returncode == 0
     ok = run_cli("run", "--model-dir", d, "--chat", "--prompt", "hello", "--max-new-tokens", 2, "--ids")
     assert ok.returncode == 0, ok.stderr
-    one_line_error(run_cli("run", "--model-dir", d, "--chat", "--system", "x", "--prompt", "hello"),
+    one_line_error(limited("run", "--model-dir", d, "--chat", "--system", "x", "--prompt", "hello"),
                    "System role not supported")
 
 
@@ -329,7 +335,7 @@ def test_an_invalid_tokenizer_model_is_refused_at_convert(tmp_path):
     shutil.copytree(FIXTURES / "mixtral_a" / "hf", hf)
     (hf / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     out = tmp_path / "out"
-    one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", out), "tokenizer.model")
+    one_line_error(limited("convert", "--hf-dir", hf, "--output-dir", out), "tokenizer.model")
     assert not out.exists()
 
 
