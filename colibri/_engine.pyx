@@ -43,7 +43,8 @@ from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, C
 
 import numpy as np
 
-from colibri._kernels import ACT_ARRAYS, DTYPE_CODES, LAYOUT_CODES, act_specs
+from colibri import names
+from colibri._kernels import ACT_ARRAYS, DTYPE_CODES, KV_CODES, LAYOUT_CODES, act_specs
 from colibri._os import arena, zeros     # every buffer of the engine comes from the OS layer (alloc_aligned)
 
 # Step status codes, read by model.py.
@@ -71,10 +72,10 @@ cpdef enum:
     QK_NORM_PER_HEAD = 1     # Qwen3-MoE: RMSNorm over each head's head_dim values
     QK_NORM_WHOLE = 2        # OLMoE: RMSNorm over the whole projected q (k) vector
 
-PREFETCH_CODES = {"none": PREFETCH_NONE, "routed": PREFETCH_ROUTED, "predict": PREFETCH_PREDICT}
+PREFETCH_CODES = dict(zip(names.PREFETCH_MODES, (PREFETCH_NONE, PREFETCH_ROUTED, PREFETCH_PREDICT)))
 QK_NORM_CODES = {"none": QK_NORM_NONE, "per_head": QK_NORM_PER_HEAD, "whole": QK_NORM_WHOLE}
 ADVICE_CODES = {"none": CB_ADVICE_NONE, "madvise": CB_ADVICE_MADVISE, "win32": CB_ADVICE_WIN32}   # _os.EngineAdvice kinds
-EVICTION_CODES = {"lru": CB_EVICT_LRU, "lfu": CB_EVICT_LFU}      # the expert cache's policies
+EVICTION_CODES = dict(zip(names.EVICTION_POLICIES, (CB_EVICT_LRU, CB_EVICT_LFU)))      # the expert cache's policies
 # the expert cache's counters, Engine.cache_stats[CACHE_STATS[name]] (csrc/expert_cache.h)
 CACHE_STATS = {"hits": CB_CS_HITS, "misses": CB_CS_MISSES, "prefetches": CB_CS_PREFETCHES,
                "prefetch_hits": CB_CS_PREFETCH_HITS, "evictions": CB_CS_EVICTIONS, "wasted_prefetches": CB_CS_WASTED,
@@ -680,10 +681,10 @@ cdef class Engine:
         self.h.rms_eps = spec.rms_eps
         self.h.n_ctx = n_ctx
         self.h.n_threads = max(spec.n_threads, 1)
-        if spec.kv_cache not in ("f32", "f16"):
-            raise ValueError(f"kv_cache {spec.kv_cache!r}: f32 or f16")
-        self.h.kv = kernels.CB_KV_F16 if spec.kv_cache == "f16" else kernels.CB_KV_F32
-        self.h.kv_bytes = 2 if spec.kv_cache == "f16" else 4
+        if spec.kv_cache not in KV_CODES:
+            raise ValueError(f"kv_cache {spec.kv_cache!r}: one of {', '.join(KV_CODES)}")
+        self.h.kv = KV_CODES[spec.kv_cache]
+        self.h.kv_bytes = 2 if self.h.kv == kernels.CB_KV_F16 else 4
 
         cdef int q_dim = self.h.n_heads * max(f.head_dim for f in layers)
         cdef int kv_dim = max(f.n_kv_heads * f.head_dim for f in layers)

@@ -16,12 +16,13 @@ from libc.stdlib cimport calloc
 
 import numpy as np
 
+from colibri import names
 from colibri._os import arena
 
 cb_init_tables()
 
-DTYPE_CODES = {"f32": CB_F32, "f16": CB_F16, "bf16": CB_BF16, "int8": CB_INT8, "int4": CB_INT4, "mxfp4": CB_MXFP4}
-LAYOUT_CODES = {"rows": CB_ROWS, "transposed": CB_TRANSPOSED, "interleaved": CB_INTERLEAVED}
+DTYPE_CODES = dict(zip(names.FORMATS, (CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4)))
+LAYOUT_CODES = dict(zip(names.LAYOUTS, (CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED)))
 # config.json's hidden_act, normalised; swiglu_clamped: gpt-oss's experts (swiglu_alpha, swiglu_limit)
 ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH, "swiglu_clamped": CB_ACT_SWIGLU_CLAMPED}
 # stored as blocks of 32 with a scale, multiplied against quantized activations
@@ -35,7 +36,7 @@ TGROUP = CB_TGROUP               # outputs per group of the transposed and inter
 # ---- the SIMD tier, chosen once at import (COLIBRI_ISA forces one) ---------------------------
 
 ISA_NAMES = {"scalar": CB_ISA_SCALAR, "avx2": CB_ISA_AVX2, "avx512": CB_ISA_AVX512}
-KV_CODES = {"f32": CB_KV_F32, "f16": CB_KV_F16}     # the KV cache's element types (load(kv_cache=))
+KV_CODES = dict(zip(names.KV_CACHE_TYPES, (CB_KV_F32, CB_KV_F16)))     # the KV cache's element types
 
 
 def cpu_features():

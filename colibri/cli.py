@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 from . import _end_startup_guard
+from . import names
 from .errors import ColibriError
 
-LAYOUT_CHOICES = ("rows", "transposed", "interleaved")     # _kernels.LAYOUT_CODES (not imported: numpy; a test holds them equal)
+LAYOUT_CHOICES = names.LAYOUTS
 
 DEMO_DIR = Path(__file__).parent / "data" / "demo"
 EXIT_USAGE = 2
@@ -47,7 +48,7 @@ def _token_list(text):
     return ids
 
 
-QUANTIZE_CHOICES = ("f32", "f16", "bf16", "int8", "int4", "mxfp4")          # _kernels.DTYPE_CODES (not imported: numpy; a test holds them equal)
+QUANTIZE_CHOICES = names.FORMATS
 QUANTIZE_ALIASES = {"fp32": "f32", "fp16": "f16", "4bit": "int4", "8bit": "int8"}   # the original C engine's
 
 
@@ -92,17 +93,17 @@ def _model_options(p, demo_default: bool) -> None:
                    help="stay under this many MB, page cache of the model's files included (default: the "
                         "cgroup's or job's limit, else the available RAM); a model larger than it keeps "
                         "the experts in use and drops the rest")
-    p.add_argument("--prefetch", choices=("none", "routed", "predict"), default=None,
+    p.add_argument("--prefetch", choices=names.PREFETCH_MODES, default=None,
                    help="routed: readers fetch a missing chosen expert in parallel pieces; predict: also the "
                         "next layer's predicted experts (default: routed under an expert budget, else none)")
     p.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None,
                    help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)")
-    p.add_argument("--eviction", choices=("lru", "lfu"), default=None,
+    p.add_argument("--eviction", choices=names.EVICTION_POLICIES, default=None,
                    help="which expert leaves first under a budget (default: lru)")
-    p.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
+    p.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=names.KV_CACHE_TYPES, default="f32",
                    help="the KV cache's elements: f16 halves its bytes (long contexts; keys and values rounded "
                         "to f16 as they are stored, attention in f32) (default: f32)")
-    p.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=("auto", "bf16", "f32"),
+    p.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=names.BF16_PRODUCTS,
                    default="auto",
                    help="bf16 weights: bf16 rounds the activations to bf16 for AVX512_BF16's vdpbf16ps (as "
                         "llama.cpp), f32 multiplies exactly in f32 (default: auto, bf16 where the CPU has it)")
@@ -240,11 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory-limit-mb", "--memory_limit_mb", dest="memory_limit_mb", type=float, default=None,
                        help="as for run")
     bench.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None)
-    bench.add_argument("--prefetch", choices=("none", "routed", "predict"), default=None)
-    bench.add_argument("--eviction", choices=("lru", "lfu"), default=None)
-    bench.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
+    bench.add_argument("--prefetch", choices=names.PREFETCH_MODES, default=None)
+    bench.add_argument("--eviction", choices=names.EVICTION_POLICIES, default=None)
+    bench.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=names.KV_CACHE_TYPES, default="f32",
                        help="as for run")
-    bench.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=("auto", "bf16", "f32"),
+    bench.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=names.BF16_PRODUCTS,
                        default="auto", help="as for run")
     return p
 

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from .errors import ColibriError
+from .names import BF16_PRODUCTS, KV_CACHE_TYPES
 from . import _os
 from . import spec
 from .modeldir import MappedModelDir, ModelDir
@@ -43,12 +44,10 @@ _STATUS_MESSAGES = {
 }
 
 
-KV_CACHE_TYPES = ("f32", "f16")        # load(kv_cache=): the KV cache's elements (_kernels.KV_CODES)
-# load(bf16_products=): how bf16 matrices multiply. "f32": the weights widened to f32, the
-# activations as they are (exact: the products of transformers in float32); "bf16": the activations
-# rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps (f32 sums, as llama.cpp and
-# ik_llama.cpp do; BENCHMARKS.md, "bf16 products"); "auto": bf16 where the CPU has the instruction.
-BF16_PRODUCTS = ("auto", "bf16", "f32")
+# load(bf16_products=) (names.BF16_PRODUCTS): how bf16 matrices multiply. "f32": the weights
+# widened to f32, the activations as they are (exact: the products of transformers in float32);
+# "bf16": the activations rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps (f32 sums, as
+# llama.cpp and ik_llama.cpp do; BENCHMARKS.md, "bf16 products"); "auto": bf16 where the CPU has it.
 
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""

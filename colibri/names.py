@@ -1,0 +1,16 @@
+"""The names a user chooses by, each list defined once.
+
+Storage formats, layouts, and the run options that pick among fixed choices. The CLI reads them
+without importing numpy or the compiled modules (a fast --help), and the modules that map them
+to the C side's codes build their tables from them, in the C enums' order: _kernels.DTYPE_CODES,
+LAYOUT_CODES, KV_CODES; _engine.PREFETCH_CODES, EVICTION_CODES.
+"""
+
+FORMATS = ("f32", "f16", "bf16", "int8", "int4", "mxfp4")    # csrc/kernels_scalar.h CB_F32 .. CB_MXFP4
+LAYOUTS = ("rows", "transposed", "interleaved")             # CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
+KV_CACHE_TYPES = ("f32", "f16")                             # load(kv_cache=): CB_KV_F32, CB_KV_F16
+PREFETCH_MODES = ("none", "routed", "predict")              # load(prefetch=): the layer loop's PREFETCH_*
+EVICTION_POLICIES = ("lru", "lfu")                          # load(eviction=): CB_EVICT_LRU, CB_EVICT_LFU
+# load(bf16_products=): "f32" the exact products, "bf16" the activations rounded to bf16 for
+# AVX512_BF16's vdpbf16ps, "auto" bf16 where the CPU has it (colibri.model)
+BF16_PRODUCTS = ("auto", "bf16", "f32")
