@@ -16,6 +16,7 @@ stretch, and only when this import is `python -m colibri` locating its main modu
 handler that prints the line and exits; cli.main() gives SIGINT its previous handler back
 (_end_startup_guard) first thing inside its try.
 """
+import os
 import sys
 
 _INTERRUPTED_LINE = "\n[INFO] Interrupted"           # as cli.main prints it
@@ -36,8 +37,11 @@ def _located_by_python_m() -> bool:
 
 
 def _interrupted_at_startup(signum, frame):
+    # os._exit, not SystemExit: an exception raised inside an import that C code runs (numpy's
+    # extension importing datetime) comes back wrapped in that module's ImportError traceback;
+    # nothing needs cleaning up before the command has started
     print(_INTERRUPTED_LINE, file=sys.stderr, flush=True)
-    raise SystemExit(130)
+    os._exit(130)
 
 
 def _signal_module():

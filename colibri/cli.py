@@ -7,6 +7,7 @@ Every mistake a user can make ends as one line on stderr and exit status 2 (1 fo
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -254,6 +255,7 @@ def main(argv=None) -> int:
     args = None
     try:
         _end_startup_guard()              # Ctrl-C is a KeyboardInterrupt from here on (colibri/__init__.py)
+        _note_interrupts()
         args = build_parser().parse_args(argv)
         return {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
                 "relayout": cmd_relayout, "info": cmd_info, "verify": cmd_verify, "bench": cmd_bench,
@@ -268,6 +270,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\n[INFO] Interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except ImportError as e:
+        # Ctrl-C inside an import that C code runs (numpy's extension importing datetime) comes
+        # back as that module's ImportError, the KeyboardInterrupt as its cause
+        if _interrupted or _caused_by(e, KeyboardInterrupt):
+            print("\n[INFO] Interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        raise
     except (MemoryError, OverflowError, RecursionError, ValueError) as e:
         # an input so large or deep that a step failed before its own check: still one line
         # (isinstance, not the exact type: numpy's "Unable to allocate" is a MemoryError subclass)
@@ -277,6 +286,32 @@ def main(argv=None) -> int:
         print(f"error: {what}: {' '.join(str(e).split())[:300] or 'no details'} (while running {command}; check "
               f"the sizes in the model's config.json and the flags)", file=sys.stderr)
         return EXIT_USAGE
+
+
+_interrupted = False        # a SIGINT has arrived (an import that C code runs may swallow its KeyboardInterrupt)
+
+
+def _interrupt(signum, frame):
+    global _interrupted
+    _interrupted = True
+    signal.default_int_handler(signum, frame)         # raises KeyboardInterrupt
+
+
+def _note_interrupts() -> None:
+    """SIGINT keeps raising KeyboardInterrupt, and also records that it came (_interrupted)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:      # not where it is ignored
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def _caused_by(e: BaseException, kind: type) -> bool:
+    """Whether `kind` is somewhere in e's chain of causes and contexts."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _describe(m) -> str:

@@ -11,6 +11,7 @@ checked through both backends.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import lzma
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import colibri.chat
 from colibri.chat import ChatTemplate
 from colibri.streaming import TextStream
 from colibri.tokenizer import TOKENIZER_JSON, TOKENIZER_MODEL, load_tokenizer
@@ -152,8 +154,16 @@ def test_streamed_pieces_of_random_ids_concatenate_to_decode(tmp_root, vocab, ba
 
 
 @pytest.mark.parametrize("name", CHATS)
-def test_chat_template_gives_transformers_ids(tmp_root, name):
+def test_chat_template_gives_transformers_ids(tmp_root, name, monkeypatch):
     spec = json.loads((TEXT / "chat" / f"{name}.json").read_text(encoding="utf-8"))
+    if "rendered_on" in spec:                   # strftime_now (gpt-oss's "Current date") as on that day
+        day = datetime.date.fromisoformat(spec["rendered_on"])
+
+        class RenderDay(datetime.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return cls(day.year, day.month, day.day)
+        monkeypatch.setattr(colibri.chat, "datetime", RenderDay)
     source = (TEXT / "chat" / spec["template_file"]).read_text(encoding="utf-8")
     tok = tokenizer(spec["vocab"], backends_of(spec["vocab"])[0], tmp_root)
     template = ChatTemplate(source, spec["template_file"], tok.special_tokens_map)

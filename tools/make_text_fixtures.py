@@ -81,6 +81,7 @@ of a byte-identical tokenizer.json.  ``tests/fixtures/text/README.md`` is writte
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import lzma
 import os
@@ -860,7 +861,9 @@ def do_chat(name: str, src, vocab: str, kwarg_sets, templates: Path, out: Path, 
                 except Exception as e:  # noqa: BLE001 - the template raised: record it
                     c["error"] = str(e)
                 cases.append(c)
-    doc = {"template_file": tname, "vocab": vocab, "cases": cases}
+    # the day transformers rendered the cases: a template's strftime_now (gpt-oss's "Current date")
+    # gives it, and the test renders with that day
+    doc = {"template_file": tname, "vocab": vocab, "rendered_on": datetime.date.today().isoformat(), "cases": cases}
     (cdir / f"{name}.json").write_text(json.dumps(doc, ensure_ascii=True, indent=1) + "\n", encoding="ascii")
     n_err = sum("error" in c for c in cases)
     log(f"== chat {name}: {len(cases)} cases ({n_err} errors)")
