@@ -45,6 +45,7 @@ import time
 import uuid
 
 from .errors import ColibriError
+from .sampling import REPETITION_PENALTY_RANGE
 
 MAX_STOP_STRINGS = 4                   # OpenAI's limit
 MAX_BODY_BYTES = 16 << 20              # a request body larger than this is refused (413)
@@ -199,8 +200,9 @@ def sampling_options(body: dict) -> dict:
         top_k=_field(body, "top_k", int, None, lambda v: v >= 0, "an integer >= 0"),
         min_p=_field(body, "min_p", _NUMBER, None, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
         # bounded so that logits divided or multiplied by it stay finite (else the sampler fails mid-generation)
-        repetition_penalty=_field(body, "repetition_penalty", _NUMBER, None, lambda v: 1e-6 <= v <= 1e6,
-                                  "a number in [1e-6, 1e6]"),
+        repetition_penalty=_field(body, "repetition_penalty", _NUMBER, None,
+                                  lambda v: REPETITION_PENALTY_RANGE[0] <= v <= REPETITION_PENALTY_RANGE[1],
+                                  f"a number in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}]"),
         presence_penalty=_field(body, "presence_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         frequency_penalty=_field(body, "frequency_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         seed=_field(body, "seed", int, 0, lambda v: v >= 0, "a non-negative integer"),
