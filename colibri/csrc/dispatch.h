@@ -28,6 +28,17 @@ typedef void (*cb_tprefill_fn)(float *out, int ldo, const char *w, int dtype, co
 /* Tokens per tile call: every tier's tiles (rows and transposed) take T in 1..4. */
 #define CB_TILE_TOKENS 4
 
+/* The scalar tier's tprefill, the plain-C spec of every tier's: the stored-order tile over the
+ * tokens CB_TILE_TOKENS at a time (the repacked kernels give its bits; no scratch used). */
+static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int rows,
+                               int cols, int o0, int o1, int n, uint8_t *scratch, int first) {
+    (void)scratch; (void)first;
+    for (int t = 0; t < n; t += CB_TILE_TOKENS) {
+        const int T = n - t < CB_TILE_TOKENS ? n - t : CB_TILE_TOKENS;
+        cb_ttile_scalar(out + (size_t)t * ldo, ldo, w, dtype, NULL, 0, acts + t, rows, cols, o0, o1, T);
+    }
+}
+
 /* The kernels of one storage format in one layout: cb_kt.mat[dtype][layout]. Each layout's driver
  * below (cb_job_rows, cb_job_transposed, cb_job_interleaved) reads its own fields:
  *   CB_ROWS         tile (up to tile_rows rows x CB_TILE_TOKENS tokens) and, where the tile's
@@ -38,7 +49,8 @@ typedef void (*cb_tprefill_fn)(float *out, int ldo, const char *w, int dtype, co
  *                   products, taken instead of `tile` for a model whose acts carry xb (see
  *                   cb_takes_bf16x; its spec is kernels_scalar.h's cb_tile_bf16x_scalar);
  *   CB_TRANSPOSED   ttile (groups of CB_TGROUP outputs) and, for int8/int4, tprefill: the repacked
- *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits), or NULL;
+ *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits; the scalar tier's is the
+ *                   stored-order tile itself, cb_tprefill_scalar);
  *   CB_INTERLEAVED  itile (int8/int4), decode and prefill.
  * The scalar tier's entries (kernels_scalar.h: cb_tile_scalar, cb_ttile_scalar, cb_itile_scalar)
  * are the plain-C spec of every other tier's, which the tests hold them to. */
@@ -87,7 +99,7 @@ enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_S
  * CPU has no such step. The registry the table is filled from (and the tests choose from). */
 typedef struct {
     cb_ttile_fn ttile;          /* the transposed entry (every format: the float ones as the tier's) */
-    cb_tprefill_fn tprefill;    /* the transposed repacked prefill, or NULL */
+    cb_tprefill_fn tprefill;    /* the transposed repacked prefill (the scalar tier: its spec) */
     cb_itile_fn itile;          /* the interleaved entry */
 } cb_int_kernels;
 
@@ -96,6 +108,7 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
     int ok = 0;
     if (isa == CB_ISA_SCALAR) {
         s.ttile = cb_ttile_scalar;
+        s.tprefill = cb_tprefill_scalar;
         s.itile = cb_itile_scalar;
         ok = step == CB_INT_STEP_SCALAR;
     }
