@@ -61,6 +61,8 @@ cdef struct Mat:
     int layout            # CB_ROWS / CB_TRANSPOSED (kernels_scalar.h)
     int rows
     int cols
+    double *input_stats   # [cols + 1] or NULL: the sum of each input column's squares over the
+                          # tokens multiplied, then their count (colibri.calibrate: Model(capture_inputs=True))
 
 cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
     Mat gate              # [d_ff, d_model]

@@ -100,6 +100,20 @@ cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const floa
     j.acts = acts
     j.glu_up = NULL
     j.glu_act = 0
+    if m.input_stats != NULL:
+        add_input_stats(m, x, ldx, n)
+
+
+cdef void add_input_stats(const Mat *m, const float *x, int ldx, int n) noexcept nogil:
+    """m.input_stats[c] += x[t, c]^2 over the n tokens of a product, and the token count after the
+    columns: the activation statistics `calibrate` collects (an expert sees only its tokens)."""
+    cdef int t, c
+    cdef double v
+    for t in range(n):
+        for c in range(m.cols):
+            v = x[<size_t>t * ldx + c]
+            m.input_stats[c] += v * v
+    m.input_stats[m.cols] += n
 
 
 cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, cb_act_q8 *acts, int n,
@@ -998,6 +1012,11 @@ cdef Mat _mat(t):
         raise ValueError("mxfp4 has no transposed layout")
     m.rows = shape[0]
     m.cols = shape[1]
+    m.input_stats = NULL
+    if t.input_stats is not None:
+        if t.input_stats.dtype != np.float64 or t.input_stats.shape != (shape[1] + 1,) or not t.input_stats.flags.c_contiguous:
+            raise ValueError(f"input_stats of a [{shape[0]}, {shape[1]}] matrix must be float64 [{shape[1] + 1}]")
+        m.input_stats = <double *><uintptr_t>t.input_stats.ctypes.data
     return m
 
 

@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(the output head, or the tied embedding), embedding (an untied one); e.g. --quantize "
                            "int4 --role attention=int8 --role head=int8. The log gives the bytes a decoded token "
                            "reads, by role")
+    conv.add_argument("--importance", default=None, metavar="FILE",
+                      help="a file made by `calibrate` (the same checkpoint, any format): int8/int4 scales are "
+                           "chosen to minimise the rounding error weighted by each input's mean square")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
@@ -230,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=_positive_int, default=None)
     ev.add_argument("--json", action="store_true")
 
+    cal = sub.add_parser("calibrate", help="activation statistics of a text, for convert --importance")
+    cal.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True,
+                     help="a conversion of the checkpoint (f32, bf16 or int8 is best)")
+    cal.add_argument("--text", required=True, help="a UTF-8 text file, representative of the use")
+    cal.add_argument("--output", required=True, help="the importance file to write (.npz)")
+    cal.add_argument("--ctx", type=_positive_int, default=512, help="tokens per chunk (default 512)")
+    cal.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=_positive_int, default=None,
+                     help="use at most this many tokens of the text")
+    cal.add_argument("--threads", type=_positive_int, default=None)
+
     bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
     bench.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
     bench.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=_positive_int, default=128)
@@ -259,7 +272,7 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         return {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
                 "relayout": cmd_relayout, "info": cmd_info, "verify": cmd_verify, "bench": cmd_bench,
-                "eval": cmd_eval}[args.command](args)
+                "eval": cmd_eval, "calibrate": cmd_calibrate}[args.command](args)
     except ColibriError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -597,7 +610,8 @@ def cmd_convert(args) -> int:
     from .convert import convert
 
     convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
-            expert_layout=args.expert_layout, layout=args.layout, gguf=args.gguf, roles=dict(args.role))
+            expert_layout=args.expert_layout, layout=args.layout, gguf=args.gguf, roles=dict(args.role),
+            importance=args.importance)
     return 0
 
 
@@ -612,6 +626,26 @@ def cmd_eval(args) -> int:
     from .evaluate import run_eval
 
     return run_eval(args)
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import calibrate, save
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ColibriError(f"{args.text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise ColibriError(f"--output {out}: its directory does not exist")
+    t0 = time.perf_counter()
+    result = calibrate(args.model_dir, text, ctx=args.ctx, max_tokens=args.max_tokens, threads=args.threads,
+                       progress=lambda i, n: _err(f"[INFO] chunk {i}/{n}") if i == n or i % 10 == 0 else None)
+    save(result, out)
+    reached = sum(1 for _, count in result["tensors"].values() if count)
+    _err(f"[INFO] {result['meta']['tokens']} tokens, {reached} of {len(result['tensors'])} matrices reached, "
+         f"{time.perf_counter() - t0:.1f} s -> {out}; use it with: convert ... --importance {out}")
+    return 0
 
 
 def cmd_bench(args) -> int:

@@ -52,7 +52,7 @@ from .errors import ColibriError
 from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
-from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, INTERLEAVED_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
+from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, IMPORTANCE_FORMATS, INTERLEAVED_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
                        WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, from_storage, storage_nbytes,
                        tensor_file, tensor_role, to_storage)
 from . import quant
@@ -856,12 +856,17 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
 
 def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False, log=print,
             ln_quant: str | None = None, expert_layout: str | None = None,
-            layout: str | None = None, gguf=None, roles: dict | None = None) -> ModelConfig:
+            layout: str | None = None, gguf=None, roles: dict | None = None, importance=None) -> ModelConfig:
     """Convert a HF checkpoint directory (hf_dir) or a GGUF file (gguf; gguf_import.py) into a
     Colibri model directory; returns its config. quantize: the weight format (default f32 for a
     checkpoint, the closest to the file's for a GGUF); roles: {role: format} for the matrices of
-    some roles (modeldir.ROLES: e.g. attention and the output head at int8 beside int4 experts)."""
+    some roles (modeldir.ROLES: e.g. attention and the output head at int8 beside int4 experts);
+    importance: a `calibrate` file, whose statistics choose the int8/int4 scales (quant.py)."""
     roles = check_roles(roles)
+    weights_of = None
+    if importance is not None:
+        from .calibrate import load_importance
+        weights_of = (importance, load_importance(importance))
     if (hf_dir is None) == (gguf is None):
         raise ColibriError("convert reads one source: --hf-dir DIR (a Hugging Face checkpoint) or --gguf FILE")
     if ln_quant not in (None, "int16"):
@@ -893,7 +898,7 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
         if gguf is not None:
             ckpt.write_text_files(text_dir, cfg.vocab_size)
         return _convert_planned(ckpt, arch, cfg, plan, expected, Path(output_dir), text_dir, quantize, force, log,
-                                ln_quant, expert_layout, layout, {source_flag: source}, roles)
+                                ln_quant, expert_layout, layout, {source_flag: source}, roles, weights_of)
 
 
 def _size(n: float) -> str:
@@ -911,8 +916,32 @@ def check_roles(roles) -> dict:
     return roles
 
 
+def _importance_for(weights_of, expected: dict, dtypes: dict, log) -> dict:
+    """{tensor: importance [cols]} for the int8/int4 matrices a calibrate file covers (its columns
+    checked against the matrix), with a line saying how many; {} without a file."""
+    if weights_of is None:
+        return {}
+    path, vectors = weights_of
+    wanted = [n for n in expected if dtypes[n] in IMPORTANCE_FORMATS and len(expected[n][0]) == 2]
+    out = {}
+    for n in wanted:
+        v = vectors.get(n)
+        if v is None:
+            continue
+        if v.shape != (expected[n][0][1],):
+            raise ColibriError(f"{path}: the statistics of {n} have {v.size} columns, the matrix {expected[n][0][1]}: "
+                               "calibrated on another model")
+        out[n] = v
+    if wanted and not out:
+        raise ColibriError(f"{path}: none of its tensors is an int8/int4 matrix of this model: calibrated on another "
+                           "model (run calibrate on a conversion of this checkpoint)")
+    log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4 matrices (the others, which no "
+        "calibration token reached, round to nearest)")
+    return out
+
+
 def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, force, log, ln_quant,
-                     expert_layout, layout, inputs, roles) -> ModelConfig:
+                     expert_layout, layout, inputs, roles, weights_of=None) -> ModelConfig:
     """convert's writing half: the planned tensors in their formats and layouts, the text files
     of `text_dir`, then what the conversion did, in the log."""
 
@@ -926,6 +955,7 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
     need = _space_needed(weights + text, len(expected), out.resolve().parent)
 
     copied = textfiles.validate(text_dir, cfg.vocab_size)     # before a byte is written
+    importance = _importance_for(weights_of, expected, dtypes, log)
     from_gguf = isinstance(ckpt, GGUFCheckpoint)
     requantized = {}             # GGUF type -> [(relative RMS error, elements)] (gguf_import.py)
 
@@ -939,7 +969,8 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
     def write(writer):
         for rel, names in _files_of(expected):
             writer.write_file(rel, (_stored(name, values(name), expected[name][0], dtypes[name], layouts[name],
-                                            "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None)
+                                            "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None,
+                                            importance.get(name))
                                     for name in names))
         for name in copied:
             writer.add_file(name, text_dir / name)
@@ -1322,11 +1353,12 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
     return wanted
 
 
-def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None):
+def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None, importance=None):
     """(name, stored array, dtype, shape, extra table fields) for ModelDirWriter.write_file.
     values: float32, or a quant.StoredMatrix (an mxfp4 checkpoint's experts, a GGUF's Q8_0/Q4_0/
     MXFP4/F16/BF16 matrices), kept byte for byte when `dtype` is its format;
-    kind_rounding "bf16": f32 storage of bf16-rounded values (ABSORBED_DTYPE)."""
+    kind_rounding "bf16": f32 storage of bf16-rounded values (ABSORBED_DTYPE); importance [cols]:
+    the int8/int4 scale search's column weights (quant.quantize)."""
     if isinstance(values, quant.StoredMatrix):
         if tuple(values.shape) != shape:
             raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
@@ -1355,7 +1387,7 @@ def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None):
         return name, q, dtype, shape, {"scale": scale}
     if dtype == "f32" and kind_rounding == "bf16":
         values = from_storage(to_storage(values, "bf16"), "bf16")
-    stored = to_storage(values, dtype)
+    stored = to_storage(values, dtype, importance)
     if layout != "rows":
         return name, from_rows(stored, dtype, shape[1], layout), dtype, shape, {"layout": layout}
     return name, stored, dtype, shape, {}

@@ -328,6 +328,7 @@ class TensorRef:
     dtype: str               # a _kernels.DTYPE_CODES name
     shape: tuple
     layout: str = "rows"     # a _kernels.LAYOUT_CODES name
+    input_stats: object = None   # float64 [cols + 1] or None: what the engine adds each input's squares to
 
 
 class MappedModelDir:
@@ -430,10 +431,11 @@ class MappedModelDir:
 
 # ---- writing ---------------------------------------------------------------------------------
 
-def to_storage(array: np.ndarray, dtype: str) -> np.ndarray:
+def to_storage(array: np.ndarray, dtype: str, importance=None) -> np.ndarray:
     """float32 (or float16/float64) values -> the stored elements of `dtype`, little-endian.
 
-    bf16 rounds to nearest even, as torch's .to(torch.bfloat16) does; NaN stays NaN.
+    bf16 rounds to nearest even, as torch's .to(torch.bfloat16) does; NaN stays NaN. importance
+    [cols] (int8/int4): each input column's weight in the scale search (quant.quantize).
     """
     a = np.asarray(array, dtype=np.float32)
     if dtype == "f32":
@@ -448,8 +450,11 @@ def to_storage(array: np.ndarray, dtype: str) -> np.ndarray:
             rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
         return rounded.astype("<u2", copy=False)
     if dtype in BLOCK_FORMATS:
-        return quant.quantize(a, dtype)
+        return quant.quantize(a, dtype, importance if dtype in IMPORTANCE_FORMATS else None)
     raise ColibriError(f"unknown storage dtype {dtype!r}")
+
+
+IMPORTANCE_FORMATS = ("int8", "int4")     # the formats whose scales an importance vector chooses
 
 
 def from_storage(stored: np.ndarray, dtype: str, cols: int | None = None) -> np.ndarray:

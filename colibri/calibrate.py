@@ -1,0 +1,114 @@
+"""`python -m colibri calibrate`: activation statistics for importance-weighted quantization.
+
+Design
+------
+The model runs a text (cut into chunks of `ctx` tokens as `eval` cuts them) with
+Model(capture_inputs=True): every matrix product adds the squares of its input's columns to that
+matrix's statistics (_engine.pyx, add_input_stats), so a routed expert sees only the tokens
+routed to it, a dense matrix every token. What is kept per matrix is the mean square of each
+input column, E[x_c^2], and the number of tokens it saw: the diagonal of the input's second
+moment, which is what the output error of a rounded weight row costs,
+
+    E[(w - w_q) . x]^2  ~  sum_c (w_c - w_q,c)^2 E[x_c^2]      (columns taken as uncorrelated),
+
+the quantity llama.cpp's importance matrix (imatrix) holds too. `convert --importance FILE` hands
+each matrix's vector to quant.quantize, which picks every block's scale to minimise that weighted
+error (quant.py).
+
+The file is an .npz: "mean_sq/<tensor>" float32 [cols], "count/<tensor>" int64 [] and "meta" (JSON:
+the model directory, its architecture, tokens, ctx). Tensor names are Colibri's, the names
+`convert` writes for the same architecture, whatever the format of the calibrated directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ColibriError
+
+FORMAT = "colibri-importance-1"
+MIN_TOKENS = 16           # fewer tokens than this give no statistics worth the name
+
+
+def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = None, threads: int | None = None,
+              progress=None) -> dict:
+    """{tensor name: (mean_sq float32 [cols], tokens seen)} over `text` run through `model_dir`."""
+    from .evaluate import MIN_CTX, chunks_of
+    from .model import load
+    model = load(model_dir, threads=threads, capture_inputs=True)
+    try:
+        if model.tokenizer is None:
+            raise ColibriError(f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): calibrate needs "
+                               "one to tokenize the text")
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or not MIN_CTX <= ctx <= model.n_ctx:
+            raise ColibriError(f"--ctx must be in {MIN_CTX}..{model.n_ctx}, got {ctx!r}")
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_TOKENS:
+                raise ColibriError(f"--max-tokens must be an integer >= {MIN_TOKENS}, got {max_tokens!r}")
+            ids = ids[:max_tokens]
+        chunks = chunks_of(ids, ctx, model.config.bos_token_id)
+        if sum(len(c) for c in chunks) < MIN_TOKENS:
+            raise ColibriError(f"the text is too short to calibrate on ({len(ids)} tokens; at least {MIN_TOKENS})")
+        for i, chunk in enumerate(chunks):
+            model.forward(chunk)
+            if progress:
+                progress(i + 1, len(chunks))
+        out = {}
+        for name, s in model.input_stats.items():
+            count = int(s[-1])
+            mean_sq = (s[:-1] / count if count else np.zeros(s.size - 1)).astype(np.float32)
+            out[name] = (mean_sq, count)
+        out_meta = {"model_dir": str(model.path), "architecture": model.config.architecture,
+                    "tokens": sum(len(c) for c in chunks), "ctx": ctx}
+        return {"tensors": out, "meta": out_meta}
+    finally:
+        model.close()
+
+
+def save(result: dict, path) -> None:
+    """Write calibrate()'s result to `path` (.npz), whole or not at all."""
+    path = Path(path)
+    arrays = {"meta": np.array(json.dumps({"format": FORMAT, **result["meta"]}))}
+    for name, (mean_sq, count) in result["tensors"].items():
+        arrays[f"mean_sq/{name}"] = mean_sq
+        arrays[f"count/{name}"] = np.array(count, np.int64)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_importance(path) -> dict:
+    """{tensor name: importance float32 [cols]} of a calibrate file (tensors no token reached left
+    out); ColibriError naming the file for anything else."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            files = set(z.files)
+            meta = json.loads(str(z["meta"])) if "meta" in files else {}
+            if meta.get("format") != FORMAT:
+                raise ColibriError(f"{path}: not a Colibri importance file (python -m colibri calibrate writes them)")
+            out = {}
+            for key in sorted(files):
+                if not key.startswith("mean_sq/"):
+                    continue
+                name = key[len("mean_sq/"):]
+                v, count = z[key], z.get(f"count/{name}")
+                if count is None or v.ndim != 1 or v.dtype != np.float32 or not np.isfinite(v).all() or (v < 0).any():
+                    raise ColibriError(f"{path}: the statistics of {name} are damaged (need float32 [cols], finite, "
+                                       ">= 0, and its count)")
+                if int(count) > 0:
+                    out[name] = v
+            return out
+    except ColibriError:
+        raise
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise ColibriError(f"{path}: cannot read it as an importance file ({' '.join(str(e).split())[:200]})") from None
