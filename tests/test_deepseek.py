@@ -23,10 +23,9 @@ from conftest import FIXTURES, colibri as run_cli, kl_mean, one_line_error, refe
 # against transformers on exactly the weights the format stores: what is left is the per-block
 # int8 rounding of the activations. On deepseekv3_a it measures 1.2e-3 (int8) and 1.0e-3 (int4);
 # rounding transformers' own linear inputs the same way gives 1.04e-3 against the same reference
-# (tools/make_fixtures.py activation_rounding_flips rounds them so; the fixture was drawn with no
-# expert choice that this rounding flips). That hook misses the routed experts (3-D parameters,
-# not nn.Linear); rounding their inputs too gives 1.10e-3 (int8) / 1.05e-3 (int4), still no flip,
-# and Colibri's int4 logits then match to KL 5e-14, its int8 ones to 3e-4 (from position 2 on: an
+# (tools/make_fixtures.py activation_rounding_flips, which rounds the routed experts' inputs too
+# since d99aad8; the fixture was drawn with no expert choice that this rounding flips): 1.10e-3
+# (int8) / 1.05e-3 (int4), and Colibri's int4 logits then match to KL 5e-14, its int8 ones to 3e-4 (from position 2 on: an
 # input of layer 0's dense MLP there lies 2e-6 of a step from a rounding tie, which the float32
 # summation order decides)
 KL_SAME_WEIGHTS_MAX = 3e-3
