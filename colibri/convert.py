@@ -916,7 +916,7 @@ def check_roles(roles) -> dict:
     return roles
 
 
-def _importance_for(weights_of, expected: dict, dtypes: dict, log) -> dict:
+def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | None = None) -> dict:
     """{tensor: importance [cols]} for the int8/int4 matrices a calibrate file covers (its columns
     checked against the matrix), with a line saying how many; {} without a file."""
     if weights_of is None:
@@ -936,7 +936,7 @@ def _importance_for(weights_of, expected: dict, dtypes: dict, log) -> dict:
         raise ColibriError(f"{path}: none of its tensors is an int8/int4 matrix of this model: calibrated on another "
                            "model (run calibrate on a conversion of this checkpoint)")
     log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4 matrices (the others, which no "
-        "calibration token reached, round to nearest)")
+        "calibration token reached, round to nearest)" + (note or ""))
     return out
 
 
@@ -955,7 +955,9 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
     need = _space_needed(weights + text, len(expected), out.resolve().parent)
 
     copied = textfiles.validate(text_dir, cfg.vocab_size)     # before a byte is written
-    importance = _importance_for(weights_of, expected, dtypes, log)
+    importance = _importance_for(weights_of, expected, dtypes, log,
+                                 "; a GGUF's Q8_0/Q4_0 blocks carried byte for byte keep their own scales"
+                                 if isinstance(ckpt, GGUFCheckpoint) else None)
     from_gguf = isinstance(ckpt, GGUFCheckpoint)
     requantized = {}             # GGUF type -> [(relative RMS error, elements)] (gguf_import.py)
 

@@ -173,3 +173,20 @@ def test_calibrate_on_the_demo_writes_a_file_convert_reads(tmp_path):
     assert not (tmp_path / "x.npz").exists()
     one_line_error(run_cli("calibrate", "--model-dir", DEMO_DIR, "--text", text, "--output",
                            tmp_path / "nowhere" / "x.npz", limit=AS_LIMIT), "does not exist")
+
+
+def test_a_requantized_gguf_takes_the_importance(converted, tmp_path):
+    """convert --gguf of K-quant blocks into int4 requantizes them, with the importance when given;
+    the log says that carried blocks keep their own scales."""
+    pytest.importorskip("gguf")
+    ids = reference("mixtral_a")["input_ids"]
+    path = tmp_path / "imp.npz"
+    _importance_file(converted("mixtral_a", "f32"), ids, path, tmp_path)
+    gguf = FIXTURES / "gguf" / "mixtral_a-Q4_K_M.gguf"
+    lines = []
+    convert(None, tmp_path / "a", quantize="int4", gguf=gguf, log=lines.append)
+    convert(None, tmp_path / "b", quantize="int4", gguf=gguf, importance=path, log=lines.append)
+    assert any("carried byte for byte keep their own scales" in line for line in lines)
+    a, b = MappedModelDir(ModelDir(tmp_path / "a")), MappedModelDir(ModelDir(tmp_path / "b"))
+    assert any(not np.array_equal(a.rows_array(n), b.rows_array(n)) for n in a.md.tensors
+               if a.md.tensors[n]["dtype"] == "int4")
