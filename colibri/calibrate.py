@@ -57,16 +57,21 @@ def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = Non
             model.forward(chunk)
             if progress:
                 progress(i + 1, len(chunks))
-        out = {}
-        for name, s in model.input_stats.items():
-            count = int(s[-1])
-            mean_sq = (s[:-1] / count if count else np.zeros(s.size - 1)).astype(np.float32)
-            out[name] = (mean_sq, count)
-        out_meta = {"model_dir": str(model.path), "architecture": model.config.architecture,
-                    "tokens": sum(len(c) for c in chunks), "ctx": ctx}
-        return {"tensors": out, "meta": out_meta}
+        return {"tensors": summarize(model.input_stats),
+                "meta": {"model_dir": str(model.path), "architecture": model.config.architecture,
+                         "tokens": sum(len(c) for c in chunks), "ctx": ctx}}
     finally:
         model.close()
+
+
+def summarize(input_stats: dict) -> dict:
+    """Model.input_stats (float64 [cols + 1]: sums of squares, then the token count) -> {tensor:
+    (mean_sq float32 [cols], tokens seen)}; a matrix no token reached has zeros."""
+    out = {}
+    for name, s in input_stats.items():
+        count = int(s[-1])
+        out[name] = ((s[:-1] / count if count else np.zeros(s.size - 1)).astype(np.float32), count)
+    return out
 
 
 def save(result: dict, path) -> None:

@@ -630,11 +630,9 @@ def cmd_eval(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import calibrate, save
+    from .evaluate import read_text
 
-    try:
-        text = Path(args.text).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ColibriError(f"{args.text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = read_text(args.text)
     out = Path(args.output)
     if not out.parent.is_dir():
         raise ColibriError(f"--output {out}: its directory does not exist")

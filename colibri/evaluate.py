@@ -92,16 +92,21 @@ def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) ->
     return result
 
 
-def run_eval(args) -> int:
-    from .model import load
-
-    path = Path(args.text)
+def read_text(path) -> str:
+    """The UTF-8 text of --text `path`; ColibriError naming it otherwise (eval, calibrate)."""
+    path = Path(path)
     if not path.is_file():
         raise ColibriError(f"--text {path}: no such file")
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ColibriError(f"--text {path} is not UTF-8 text ({e})") from None
+
+
+def run_eval(args) -> int:
+    from .model import load
+
+    text = read_text(args.text)
     model = load(args.model_dir, threads=args.threads)
     reference = load(args.reference_dir, threads=args.threads) if args.reference_dir else None
 

@@ -113,7 +113,8 @@ class Model:
             self.input_stats = {}
             if capture_inputs:
                 for name, t in tensors.items():
-                    if len(t.shape) == 2 and name != "embedding" or (name == "embedding" and "lm_head" not in tensors):
+                    # every matrix a product reads: the embedding only where it is also the head
+                    if len(t.shape) == 2 and (name != "embedding" or "lm_head" not in tensors):
                         self.input_stats[name] = np.zeros(t.shape[1] + 1, np.float64)
                         tensors[name] = dataclasses.replace(t, input_stats=self.input_stats[name])
             engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))

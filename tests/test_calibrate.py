@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 import colibri
 from colibri import calibrate, quant
@@ -95,8 +94,7 @@ def _importance_file(model_dir, ids, path, tmp_path):
     """calibrate's file from a forward over `ids` (the fixtures have no tokenizer to take a text)."""
     m = colibri.load(model_dir, capture_inputs=True)
     m.forward(ids)
-    tensors = {n: ((s[:-1] / s[-1] if s[-1] else np.zeros(s.size - 1)).astype(np.float32), int(s[-1]))
-               for n, s in m.input_stats.items()}
+    tensors = calibrate.summarize(m.input_stats)
     calibrate.save({"tensors": tensors, "meta": {"model_dir": str(model_dir), "architecture": "x", "tokens": len(ids),
                                                  "ctx": len(ids)}}, path)
     return tensors
