@@ -9,7 +9,7 @@ from libc.stdint cimport uint8_t, int8_t, uint16_t, int32_t
 
 cdef extern from "kernels_scalar.h" nogil:
     # storage formats and layouts of a matrix (colibri._kernels.DTYPE_CODES / LAYOUT_CODES)
-    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4
+    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4
     int CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
     # the FFN gate's activation (colibri._kernels.ACT_CODES)
     int CB_ACT_SILU, CB_ACT_GELU_TANH, CB_ACT_SWIGLU_CLAMPED
@@ -17,6 +17,7 @@ cdef extern from "kernels_scalar.h" nogil:
         signed char *q     # [n]
         float *d           # [n / 32]
         int32_t *s         # [n / 32] the sum of each block's q
+        int32_t *h         # [n / 32] the sum of each block's first 16 q
         int n
         float *xp          # [n] or NULL: the activation reordered for the bf16 tile
         uint16_t *xb       # [n] or NULL: the activation rounded to bf16 (bf16 products)

@@ -21,12 +21,12 @@ from colibri._os import arena
 
 cb_init_tables()
 
-DTYPE_CODES = dict(zip(names.FORMATS, (CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4)))
+DTYPE_CODES = dict(zip(names.FORMATS, (CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4)))
 LAYOUT_CODES = dict(zip(names.LAYOUTS, (CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED)))
 # config.json's hidden_act, normalised; swiglu_clamped: gpt-oss's experts (swiglu_alpha, swiglu_limit)
 ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH, "swiglu_clamped": CB_ACT_SWIGLU_CLAMPED}
 # stored as blocks of 32 with a scale, multiplied against quantized activations
-BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4))
+BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4, CB_NL4))
 # ... of which these also have the transposed layout (groups of 8 outputs), and these the interleaved one
 GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
 INTERLEAVED_FORMATS = BLOCK_FORMATS
@@ -238,13 +238,14 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 
 def act_specs(int rows, int cols, bint bf16_products=False):
     """{name: (shape, dtype)} of the arrays behind `rows` activation quantization scratches
-    (cb_act_q8) of up to `cols` values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32
+    (cb_act_q8) of up to `cols` values: q int8 [rows, cols], d float32, s and h int32 [rows, cols / 32
     + 1], and xp float32 [rows, cols], the permuted input of the AVX-512 bf16 tile — left out where
     no tier this CPU can run reads it (the drivers skip the permutation when xp is NULL); with
     bf16_products, xb uint16 [rows, cols]: the activations rounded to bf16, which make the drivers
     take bf16 products (vdpbf16ps) wherever the tier has them."""
     blocks = cols // 32 + 1
-    specs = {"q": ((rows, cols), np.int8), "d": ((rows, blocks), np.float32), "s": ((rows, blocks), np.int32)}
+    specs = {"q": ((rows, cols), np.int8), "d": ((rows, blocks), np.float32), "s": ((rows, blocks), np.int32),
+             "h": ((rows, blocks), np.int32)}
     if "avx512" in available_isas():
         specs["xp"] = ((rows, cols), np.float32)
     if bf16_products:
@@ -252,11 +253,11 @@ def act_specs(int rows, int cols, bint bf16_products=False):
     return specs
 
 
-ACT_ARRAYS = ("q", "d", "s", "xp", "xb")     # the order of act_arrays' list (bind_acts reads it)
+ACT_ARRAYS = ("q", "d", "s", "h", "xp", "xb")     # the order of act_arrays' list (bind_acts reads it)
 
 
 def act_arrays(int rows, int cols, bint bf16_products=False):
-    """[q, d, s, xp or None, xb or None]: the arrays of act_specs, zero-filled in one region from
+    """[q, d, s, h, xp or None, xb or None]: the arrays of act_specs, zero-filled in one region from
     colibri._os."""
     a = arena(act_specs(rows, cols, bf16_products))
     return [a.get(name) for name in ACT_ARRAYS]
@@ -271,7 +272,7 @@ def has_bf16_products():
 cdef cb_act_q8 *bind_acts(list arrays) except NULL:
     """A calloc'd cb_act_q8 [rows] (free() it) pointing into the arrays of act_arrays (ACT_ARRAYS
     order), which must outlive it."""
-    q, d, s, xp, xb = arrays
+    q, d, s, h, xp, xb = arrays
     cdef int t, rows = q.shape[0]
     cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(max(rows, 1), sizeof(cb_act_q8))
     if acts == NULL:
@@ -280,6 +281,7 @@ cdef cb_act_q8 *bind_acts(list arrays) except NULL:
         acts[t].q = <signed char *><uintptr_t>q[t].ctypes.data
         acts[t].d = <float *><uintptr_t>d[t].ctypes.data
         acts[t].s = <int32_t *><uintptr_t>s[t].ctypes.data
+        acts[t].h = <int32_t *><uintptr_t>h[t].ctypes.data
         acts[t].n = 0
         acts[t].xp = NULL if xp is None else <float *><uintptr_t>xp[t].ctypes.data
         acts[t].xb = NULL if xb is None else <uint16_t *><uintptr_t>xb[t].ctypes.data

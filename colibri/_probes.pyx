@@ -13,7 +13,7 @@ from libc.math cimport sqrtf
 
 cimport colibri._kernels as kernels
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, cb_block_mxfp4, cb_igroup_int8,
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, cb_block_mxfp4, cb_igroup_int8,
                                cb_igroup_int4, cb_igroup_mxfp4, cb_f16_to_f32_exact, cb_row_stride,
                                cb_rmsnorm, cb_block_int8, cb_block_int4, cb_group_int8, cb_group_int4)
 from colibri._routing cimport CB_MAX_TOP_K
@@ -35,11 +35,17 @@ def _stored_rows(w, int cols, str dtype, str layout):
     if layout not in LAYOUT_CODES:
         raise ValueError(f"unknown layout {layout!r}")
     cdef int code = DTYPE_CODES[dtype]
-    block = code == CB_INT8 or code == CB_INT4 or code == CB_MXFP4
+    block = code == CB_INT8 or code == CB_INT4 or code == CB_MXFP4 or code == CB_NL4
     if block and cols % 32:
         raise ValueError(f"{dtype} needs a multiple of 32 columns, got {cols}")
     if code == CB_MXFP4 and layout == "transposed":
         raise ValueError("mxfp4 has no transposed layout")
+    if code == CB_NL4:              # [rows / 8, cols / 32 * 140 + 32]: the groups, then the row scales
+        if layout != "interleaved":
+            raise ValueError("nl4 has only the interleaved layout")
+        if w.ndim != 2 or w.shape[1] != cols // 32 * 140 + 32:
+            raise ValueError(f"interleaved nl4 needs [rows / 8, cols / 32 * 140 + 32], got {w.shape}")
+        return w.shape[0] * 8
     if layout == "rows":
         rows = w.shape[0]
     elif layout == "interleaved":    # [rows / 8, cols / 32 * group bytes]
@@ -329,23 +335,25 @@ def kernel_attention_softmax(x):
 
 
 def kernel_quantize_act(const float[::1] x):
-    """(q int8 [n], d float32 [n / 32], s int32 [n / 32]): the current tier's per-block activation
-    quantization (s: each block's sum of q)."""
+    """(q int8 [n], d float32 [n / 32], s int32 [n / 32], h int32 [n / 32]): the current tier's
+    per-block activation quantization (s: each block's sum of q, h: of its first 16)."""
     cdef int n = x.shape[0]
     if n % 32:
         raise ValueError(f"activations are quantized in blocks of 32, got {n} values")
     q = np.zeros(max(n, 32), np.int8)
     d = np.zeros(max(n // 32, 1), np.float32)
     s = np.zeros(max(n // 32, 1), np.int32)
+    h = np.zeros(max(n // 32, 1), np.int32)
     cdef cb_act_q8 act
     act.q = <signed char *><uintptr_t>q.ctypes.data
     act.d = <float *><uintptr_t>d.ctypes.data
     act.s = <int32_t *><uintptr_t>s.ctypes.data
+    act.h = <int32_t *><uintptr_t>h.ctypes.data
     act.xp = NULL
     act.xb = NULL
     if n:
         kernels.quantize_act(&act, &x[0], n)
-    return q[:n], d[:n // 32], s[:n // 32]
+    return q[:n], d[:n // 32], s[:n // 32], h[:n // 32]
 
 
 def kernel_dequant_row(w, int row, int cols, str dtype, str layout="rows"):

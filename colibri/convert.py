@@ -62,6 +62,7 @@ _EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
 
 # a matrix whose rows are not a whole number of blocks cannot be int8/int4: it is stored in this
 FALLBACK_DTYPE = "f16"
+NL4_FALLBACK_DTYPE = "int4"      # an nl4 matrix whose rows are not whole groups of 8 (nl4 is interleaved only)
 
 # ---- the registry: HF config -> ModelConfig ---------------------------------------------------
 
@@ -1311,7 +1312,7 @@ _FINITE_LIMIT = {"f16": 65504.0, "int8": 65504.0 * 127, "int4": 65504.0 * 8}
 # MLA's absorbed up-projections (config.py, kind "absorbed") are multiplied per head, each with
 # its own input, so without quantized (or, for bf16, permuted) activations: f32 or f16. A bf16
 # model keeps them bf16-rounded in f32 (the same numbers as its bf16 weights), a quantized one f16.
-ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int4": "f16", "mxfp4": "f16"}
+ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int4": "f16", "mxfp4": "f16", "nl4": "f16"}
 
 # --quantize mxfp4: the routed experts in mxfp4, every other matrix in this (gpt-oss's checkpoints
 # keep attention, router, embedding and head in bf16 beside their mxfp4 experts)
@@ -1334,6 +1335,8 @@ def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=F
         fmt = MXFP4_DENSE_DTYPE
     if fmt in BLOCK_FORMATS and shape[-1] % QBLOCK:
         return FALLBACK_DTYPE
+    if fmt == "nl4" and (len(shape) != 2 or shape[0] % TGROUP):    # interleaved only: whole groups of rows
+        return NL4_FALLBACK_DTYPE
     return fmt
 
 
@@ -1343,7 +1346,9 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
     output head), by default the faster one for their format; int8/int4 ones only with a multiple
     of 8 rows; everything else rows."""
     if kind != "matrix" or (name == "embedding" and not tied):
-        return "rows"
+        return "rows" if dtype != "nl4" else "interleaved"
+    if dtype == "nl4":                  # its only layout (_dtype_for gave whole groups of rows)
+        return "interleaved"
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)
     if wanted == "interleaved" and dtype not in INTERLEAVED_FORMATS:    # e.g. a toy matrix kept in f16

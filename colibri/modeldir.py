@@ -41,7 +41,8 @@ MAX_OTHER_FILES = 256                # files in the table beyond one per tensor 
 # storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits; the
 # block formats int8/int4/mxfp4 are stored as bytes, [rows, cols / 32 * block bytes])
 STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
-                  "int8": np.dtype("u1"), "int4": np.dtype("u1"), "mxfp4": np.dtype("u1"), "int16": np.dtype("<i2")}
+                  "int8": np.dtype("u1"), "int4": np.dtype("u1"), "mxfp4": np.dtype("u1"), "nl4": np.dtype("u1"),
+                  "int16": np.dtype("<i2")}
 NORM_DTYPES = ("f32", "int16")
 ABSORBED_DTYPES = ("f32", "f16")     # MLA's absorbed up-projections (config.expected_tensors "absorbed")       # int16 norm weights carry a float "scale": w = scale * q
 WEIGHT_DTYPES = tuple(DTYPE_CODES)       # the kernels' storage formats (colibri._kernels)
@@ -49,6 +50,8 @@ WEIGHT_DTYPES = tuple(DTYPE_CODES)       # the kernels' storage formats (colibri
 
 def storage_nbytes(dtype: str, shape) -> int:
     """Bytes of a tensor of logical `shape` stored as `dtype`."""
+    if dtype == "nl4":                        # interleaved, its only stored layout: groups + row scales
+        return quant.nl4_bytes(math.prod(shape[:-1]), shape[-1])
     if dtype in BLOCK_FORMATS:
         rows = math.prod(shape[:-1])          # exact integers: np.prod wraps around past 2**63
         return rows * quant.row_bytes(dtype, shape[-1])
@@ -262,10 +265,12 @@ class ModelDir:
                 if layout == "transposed" and t["dtype"] in BLOCK_FORMATS and t["dtype"] not in GROUP_FORMATS:
                     raise ColibriError(f"{ctx}: {t['dtype']} has no transposed layout (rows or interleaved)")
                 if layout == "interleaved" and t["dtype"] not in INTERLEAVED_FORMATS:
-                    raise ColibriError(f"{ctx}: the interleaved layout is for int8/int4/mxfp4, not {t['dtype']}")
+                    raise ColibriError(f"{ctx}: the interleaved layout is for int8/int4/mxfp4/nl4, not {t['dtype']}")
                 if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:
                     raise ColibriError(f"{ctx}: {layout} {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
                                        f"got {list(shape)}")
+            if t["dtype"] == "nl4" and layout != "interleaved":
+                raise ColibriError(f"{ctx}: nl4 is stored interleaved only, not {layout}")
             if t["dtype"] in BLOCK_FORMATS and (len(shape) != 2 or shape[1] % quant.QBLOCK):
                 raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
             nbytes = storage_nbytes(t["dtype"], shape)
@@ -454,7 +459,7 @@ def to_storage(array: np.ndarray, dtype: str, importance=None) -> np.ndarray:
     raise ColibriError(f"unknown storage dtype {dtype!r}")
 
 
-IMPORTANCE_FORMATS = ("int8", "int4")     # the formats whose scales an importance vector chooses
+IMPORTANCE_FORMATS = ("int8", "int4", "nl4")     # the formats whose scales an importance vector chooses
 
 
 def from_storage(stored: np.ndarray, dtype: str, cols: int | None = None) -> np.ndarray:

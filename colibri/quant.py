@@ -7,6 +7,12 @@
           byte j holds element 2j low and 2j + 1 high: gpt-oss's *_blocks and *_scales as they are
           (`from_mx`, `to_mx`); rows or interleaved (the int4 group's order, the e8m0 scales first)
 
+    nl4: a 16-value non-linear codebook (NL4_VALUES: IQ4_NL's values halved) under a signed 6-bit
+          scale per 16 weights and an f32 scale per row: w = row_scale * sub * NL4_VALUES[q]; the
+          engine stores it interleaved only (csrc/quant.h, cb_igroup_nl4: 140-byte groups, then the
+          rows' f32 scales). Its rows form here is [rows, cols / 32 * 18 + 4]: per block of 32 the
+          two scales + 32 (a byte each) and int4's nibble order, then the row's f32 scale.
+
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
 `transposed` layout stores the same blocks input-major in groups of 8 outputs (their 8 scales
 first, then their 8 blocks' weights; csrc/quant.h): `transpose` / `untranspose` convert. The
@@ -48,6 +54,24 @@ IGROUP_DTYPES = {
     "mxfp4": np.dtype([("e", "u1", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
 }
 LAYOUTS = tuple(LAYOUT_CODES)
+
+# nl4 (csrc/quant.h: cb_nl4_int, cb_igroup_nl4)
+NL4_VALUES = np.array([-64, -52, -42, -32, -24, -18, -11, -5, 0, 6, 12, 19, 26, 34, 44, 56], np.float32)
+NL4_SCALE_BIAS = 32                    # a stored six-bit scale is sub + 32; sub in [-32, 31]
+NL4_SUB_MAX = 31                       # the quantizer's range: sub in [-31, 31]
+NL4_BLOCK = np.dtype([("sc", "u1", (2,)), ("qs", "u1", (QBLOCK // 2,))])     # the rows form's block
+NL4_GROUP = np.dtype([("sc", "u1", (12,)), ("qs", "u1", (4, TGROUP, 4))])   # cb_igroup_nl4: 140 bytes
+# Scale search (_quantize_nl4): the row scale leaves this headroom above the largest half-block
+# scale so the least-squares scales of the search can still be reached; each half-block tries
+# its extreme on the codebook's ends (-64 and 56) nudged by -NL4_TRIES .. NL4_TRIES 64ths.
+NL4_HEADROOM = 1.15
+NL4_TRIES = 7
+_NL4_MIDS = (NL4_VALUES[1:] + NL4_VALUES[:-1]) / 2
+
+
+def nl4_bytes(rows: int, cols: int) -> int:
+    """Bytes of an interleaved nl4 matrix: its groups, then its f32 row scales."""
+    return rows // TGROUP * (cols // QBLOCK) * NL4_GROUP.itemsize + 4 * rows
 FLOAT16_FORMATS = ("f16", "bf16")      # 2-byte float storage (modeldir.to_storage), held by StoredMatrix too
 
 
@@ -55,12 +79,15 @@ def default_layout(dtype: str) -> str:
     """The faster layout of a weight matrix stored as `dtype` (BENCHMARKS.md, "Expert layout" and
     "Interleaved"): interleaved for int8/int4 (8 outputs per activation load, in their own lanes:
     no horizontal sums, no repacking; decode and prefill faster than transposed, which was faster
-    than rows), rows for the float formats (no integer reduction to save; the axpy's stores make
-    the transposed float kernels slower)."""
-    return "interleaved" if dtype in IGROUP_DTYPES else "rows"
+    than rows) and nl4 (its only layout), rows for the float formats (no integer reduction to
+    save; the axpy's stores make the transposed float kernels slower)."""
+    return "interleaved" if dtype in IGROUP_DTYPES or dtype == "nl4" else "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:
+    """Bytes of one row in the rows layout (nl4: its rows form, block scales and the row scale)."""
+    if dtype == "nl4":
+        return cols // QBLOCK * NL4_BLOCK.itemsize + 4
     return cols // QBLOCK * BLOCK_BYTES[dtype]
 
 
@@ -122,13 +149,21 @@ def _weighted_scales(b: np.ndarray, imp: np.ndarray, dtype: str, d_rtn: np.ndarr
 
 
 def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) -> np.ndarray:
-    """float32 [rows, cols] -> uint8 [rows, row_bytes(dtype, cols)] of int8/int4 blocks.
+    """float32 [rows, cols] -> uint8 [rows, row_bytes(dtype, cols)] of int8/int4/mxfp4 blocks (nl4:
+    its rows form, _quantize_nl4).
 
     importance float [cols] or None: the weight of each input column's rounding error (the mean
     square of that input, colibri.calibrate); with it each int8/int4 block's scale is the one of
     least weighted error (_weighted_scales), else round to nearest from the largest magnitude
     (int4: q4_0's recipe, byte for byte)."""
     b = _blocks(w)                                                  # [rows, nblocks, 32]
+    if dtype == "nl4":
+        if importance is not None:
+            importance = np.asarray(importance)
+            if importance.shape != (b.shape[1] * QBLOCK,) or not np.isfinite(importance).all() or (importance < 0).any():
+                raise ValueError(f"importance must be {b.shape[1] * QBLOCK} finite values >= 0, got shape "
+                                 f"{importance.shape}")
+        return _quantize_nl4(b, importance)
     if importance is not None:
         importance = np.asarray(importance)
         if importance.shape != (b.shape[1] * QBLOCK,) or not np.isfinite(importance).all() or (importance < 0).any():
@@ -158,6 +193,117 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
         raise ValueError(f"unknown block format {dtype!r}")
     out["d"] = d.view(np.uint16)
     return out.view(np.uint8).reshape(b.shape[0], -1)
+
+
+def _nl4_codes(x: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The nearest codebook entry (uint8 code) of each x / d (d = 0: code 8, the value 0)."""
+    safe = np.where(d != 0, d, 1).astype(np.float32)
+    q = np.searchsorted(_NL4_MIDS, (x / safe).ravel()).reshape(x.shape).astype(np.uint8)
+    return np.where(d != 0, q, np.uint8(8))
+
+
+def _quantize_nl4(b: np.ndarray, importance) -> np.ndarray:
+    """[rows, nb, 32] float32 -> the nl4 rows form. Per row an f32 scale s = NL4_HEADROOM x the
+    largest half-block extreme / (64 x NL4_SUB_MAX); per half-block of 16 the integer scale sub
+    and the codes of least weighted error sum_c w_c (x_c - s sub v_c)^2 among the candidates:
+    the extreme on either end of the codebook (NL4_TRIES nudges), each scale refitted by weighted
+    least squares and rounded to a multiple of s (as llama.cpp's IQ4_NL search, with the
+    scale's own rounding in the error). w_c: the importance of column c (calibrate), or x_c^2."""
+    rows, nb, _ = b.shape
+    if rows > _SEARCH_ROWS:
+        return np.concatenate([_quantize_nl4(b[r:r + _SEARCH_ROWS], importance)
+                               for r in range(0, rows, _SEARCH_ROWS)])
+    x = b.reshape(rows, 2 * nb, QBLOCK // 2)                        # half-blocks
+    if importance is not None:
+        w = np.broadcast_to(np.asarray(importance, np.float32).reshape(1, 2 * nb, QBLOCK // 2), x.shape)
+    else:
+        w = x * x
+    w = w + np.float32(1e-30)
+    ext = np.take_along_axis(x, np.abs(x).argmax(axis=2)[..., None], axis=2)       # [rows, 2nb, 1] signed
+    row_scale = (np.abs(ext).max(axis=(1, 2)) * np.float32(NL4_HEADROOM / (64 * NL4_SUB_MAX))).astype(np.float32)
+    s = row_scale.reshape(rows, 1, 1)
+    s_safe = np.where(s > 0, s, 1).astype(np.float32)
+    best_sub = np.zeros(x.shape[:2] + (1,), np.float32)
+    best_err = (w * x * x).sum(axis=2, keepdims=True)               # sub = 0: every weight 0
+    for end in (NL4_VALUES[0], NL4_VALUES[-1]):
+        for t in range(-NL4_TRIES, NL4_TRIES + 1):
+            den = np.float32(end + t * abs(end) / 64)
+            d0 = ext / den
+            q = NL4_VALUES[_nl4_codes(x, d0)]
+            num, dd = (w * x * q).sum(axis=2, keepdims=True), (w * q * q).sum(axis=2, keepdims=True)
+            d = np.where(dd > 0, num / np.where(dd > 0, dd, 1), 0)
+            sub = np.clip(np.rint(d / s_safe), -NL4_SUB_MAX, NL4_SUB_MAX).astype(np.float32)
+            ds = (sub * s).astype(np.float32)
+            err = (w * (x - ds * NL4_VALUES[_nl4_codes(x, ds)]) ** 2).sum(axis=2, keepdims=True)
+            better = err < best_err
+            best_sub = np.where(better, sub, best_sub)
+            best_err = np.where(better, err, best_err)
+    ds = (best_sub * s).astype(np.float32)
+    codes = _nl4_codes(x, ds).reshape(rows, nb, QBLOCK)
+    out = np.zeros((rows, nb), NL4_BLOCK)
+    out["sc"] = (best_sub.reshape(rows, nb, 2) + NL4_SCALE_BIAS).astype(np.uint8)
+    out["qs"] = codes[..., :QBLOCK // 2] | (codes[..., QBLOCK // 2:] << 4)
+    return np.concatenate([out.view(np.uint8).reshape(rows, -1), row_scale.astype("<f4").view(np.uint8).reshape(rows, 4)],
+                          axis=1)
+
+
+def _nl4_parts(stored: np.ndarray, cols: int):
+    """An nl4 rows form -> (blocks NL4_BLOCK [rows, nb], row scales float32 [rows])."""
+    stored = np.ascontiguousarray(stored, np.uint8)
+    rows, nb = stored.shape[0], cols // QBLOCK
+    if stored.ndim != 2 or stored.shape[1] != row_bytes("nl4", cols):
+        raise ValueError(f"nl4 rows of {cols} columns cannot be {list(stored.shape)} bytes")
+    blocks = np.ascontiguousarray(stored[:, :nb * NL4_BLOCK.itemsize]).view(NL4_BLOCK).reshape(rows, nb)
+    row_scale = np.ascontiguousarray(stored[:, nb * NL4_BLOCK.itemsize:]).view("<f4").reshape(rows)
+    return blocks, row_scale
+
+
+def _dequantize_nl4(stored: np.ndarray, cols: int) -> np.ndarray:
+    blocks, row_scale = _nl4_parts(stored, cols)
+    rows, nb = blocks.shape
+    qs = blocks["qs"]
+    v = NL4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=2)]                     # [rows, nb, 32]
+    sub = blocks["sc"].astype(np.float32) - NL4_SCALE_BIAS                         # [rows, nb, 2]
+    half = np.repeat(sub, QBLOCK // 2, axis=2)
+    # the kernels' order: (sub * code) summed per half, then the row scale
+    return (row_scale.astype(np.float32)[:, None, None] * (half * v)).astype(np.float32).reshape(rows, cols)
+
+
+def _interleave_nl4(stored: np.ndarray, cols: int) -> np.ndarray:
+    blocks, row_scale = _nl4_parts(stored, cols)
+    rows, nb = blocks.shape
+    if rows % TGROUP:
+        raise ValueError(f"the interleaved nl4 layout needs a multiple of {TGROUP} rows, got {rows}")
+    g = blocks.reshape(rows // TGROUP, TGROUP, nb)
+    out = np.zeros((rows // TGROUP, nb), NL4_GROUP)
+    sc = g["sc"].transpose(0, 2, 1, 3).astype(np.uint16)                           # [groups, nb, 8, 2]
+    lo, hi = sc[..., 0], sc[..., 1]
+    out["sc"][..., :8] = (lo | ((hi & 3) << 6)).astype(np.uint8)
+    high4 = (hi >> 2) & 15
+    out["sc"][..., 8:] = (high4[..., 0::2] | (high4[..., 1::2] << 4)).astype(np.uint8)
+    qs = g["qs"]                                                                    # [groups, 8, nb, 16]
+    out["qs"] = qs.reshape(qs.shape[:3] + (4, 4)).transpose(0, 2, 3, 1, 4)
+    flat = np.concatenate([out.view(np.uint8).ravel(), row_scale.astype("<f4").view(np.uint8)])
+    return flat.reshape(rows // TGROUP, -1)
+
+
+def _deinterleave_nl4(stored: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    nb = cols // QBLOCK
+    flat = np.ascontiguousarray(stored, np.uint8).ravel()
+    if flat.size != nl4_bytes(rows, cols):
+        raise ValueError(f"an interleaved nl4 [{rows}, {cols}] matrix is {nl4_bytes(rows, cols)} bytes, got {flat.size}")
+    gbytes = rows // TGROUP * nb * NL4_GROUP.itemsize
+    groups = flat[:gbytes].view(NL4_GROUP).reshape(rows // TGROUP, nb)
+    row_scale = flat[gbytes:].view("<f4")
+    sc = groups["sc"].astype(np.uint16)
+    lo = sc[..., :8] & 63
+    high4 = np.stack([sc[..., 8:] & 15, sc[..., 8:] >> 4], axis=-1).reshape(sc.shape[:2] + (8,))
+    hi = (sc[..., :8] >> 6) | (high4 << 2)
+    out = np.zeros((rows // TGROUP, TGROUP, nb), NL4_BLOCK)
+    out["sc"] = np.stack([lo, hi], axis=-1).transpose(0, 2, 1, 3).astype(np.uint8)
+    qs = groups["qs"].transpose(0, 3, 1, 2, 4)                                      # [groups, 8, nb, 4, 4]
+    out["qs"] = qs.reshape(qs.shape[:3] + (-1,))
+    return np.concatenate([out.view(np.uint8).reshape(rows, -1), row_scale.view(np.uint8).reshape(rows, 4)], axis=1)
 
 
 def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
@@ -198,6 +344,8 @@ def to_mx(stored: np.ndarray, cols: int) -> tuple:
 
 def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """uint8 [rows, row_bytes] of blocks -> float32 [rows, cols] (exactly what the kernels use)."""
+    if dtype == "nl4":
+        return _dequantize_nl4(stored, cols)
     rows = stored.shape[0]
     blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows, cols // QBLOCK)
     if dtype == "mxfp4":
@@ -281,8 +429,10 @@ def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     """An int8/int4 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
     cols / 32 * group bytes], group (g, kb) holding block kb of outputs 8g .. 8g+7 (rows must be a
     multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole."""
+    if dtype == "nl4":
+        return _interleave_nl4(stored, cols)
     if dtype not in IGROUP_DTYPES:
-        raise ValueError(f"the interleaved layout is for int8/int4/mxfp4, not {dtype}")
+        raise ValueError(f"the interleaved layout is for int8/int4/mxfp4/nl4, not {dtype}")
     rows = stored.shape[0]
     if rows % TGROUP:
         raise ValueError(f"the interleaved {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
@@ -305,6 +455,8 @@ def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
 
 def deinterleave(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.ndarray:
     """The inverse of `interleave`: the matrix in the rows layout."""
+    if dtype == "nl4":
+        return _deinterleave_nl4(stored, rows, cols)
     nb = cols // QBLOCK
     groups = np.ascontiguousarray(stored).view(IGROUP_DTYPES[dtype]).reshape(rows // TGROUP, nb)
     out = np.zeros((rows // TGROUP, TGROUP, nb), BLOCK_DTYPES[dtype])

@@ -213,7 +213,7 @@ def test_routing_and_counts_are_reported(models):
 
 
 @pytest.mark.parametrize("chunk", [None, 5, 1])
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4", "nl4"])
 @pytest.mark.parametrize("case", CASES)
 def test_batched_prefill_equals_token_by_token(converted, case, dtype, chunk):
     """A prompt in chunks (tokens grouped by expert, weights read once per chunk) computes every

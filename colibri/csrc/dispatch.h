@@ -51,7 +51,7 @@ static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, co
  *   CB_TRANSPOSED   ttile (groups of CB_TGROUP outputs) and, for int8/int4, tprefill: the repacked
  *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits; the scalar tier's is the
  *                   stored-order tile itself, cb_tprefill_scalar);
- *   CB_INTERLEAVED  itile (int8/int4), decode and prefill.
+ *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4), decode and prefill.
  * The scalar tier's entries (kernels_scalar.h: cb_tile_scalar, cb_ttile_scalar, cb_itile_scalar)
  * are the plain-C spec of every other tier's, which the tests hold them to. */
 typedef struct {
@@ -230,7 +230,7 @@ static int cb_select_kernels(int isa, int step) {
             t.mat[d][CB_TRANSPOSED].tprefill = k.tprefill;
             t.mat[d][CB_INTERLEAVED].itile = k.itile;
         }
-        if (d == CB_MXFP4) t.mat[d][CB_INTERLEAVED].itile = k.itile;     /* (no transposed mxfp4) */
+        if (d == CB_MXFP4 || d == CB_NL4) t.mat[d][CB_INTERLEAVED].itile = k.itile;   /* (no transposed mxfp4/nl4) */
     }
     cb_kt = t;
     cb_selected.isa = isa;
@@ -368,14 +368,21 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     }
 }
 
-/* This thread's share of an interleaved int8/int4 product: whole groups of 8 outputs, all tokens
- * in one call (cb_itile_fn). */
+/* This thread's share of an interleaved int8/int4/mxfp4/nl4 product: whole groups of 8 outputs,
+ * all tokens in one call (cb_itile_fn); nl4's row scales then multiply the finished outputs. */
 static void cb_job_interleaved(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {
     const int groups = j->rows / CB_TGROUP;
     const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
     *r0 = g0 * CB_TGROUP;
     *r1 = g1 * CB_TGROUP;
     if (g1 > g0) cb_kt.mat[j->dtype][CB_INTERLEAVED].itile(j->out, j->ldo, (const char *)j->w, j->dtype, j->acts, j->cols, g0, g1, n);
+    if (j->dtype == CB_NL4 && g1 > g0) {     /* each finished output times its row scale (quant.h) */
+        const float *rs = cb_nl4_row_scales(j->w, j->rows, j->cols);
+        for (int t = 0; t < n; t++) {
+            float *o = j->out + (size_t)t * j->ldo;
+            for (int r = *r0; r < *r1; r++) o[r] *= rs[r];
+        }
+    }
 }
 
 /* Does job j take bf16 products (bf16 rows weights, the activation rounded to bf16 in acts.xb,
@@ -569,8 +576,8 @@ static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantiz
 /* ---- the import-time self-test ---------------------------------------------------------------
  *
  * A known-answer test of a tier against the scalar spec, on the drivers the engine uses: every
- * storage format in every layout it has (rows; transposed for the float formats and int8/int4;
- * interleaved for int8/int4/mxfp4) through cb_matmul at one token and at five (decode and the
+ * storage format in every layout it has (rows, but not nl4; transposed for the float formats and
+ * int8/int4; interleaved for int8/int4/mxfp4/nl4) through cb_matmul at one token and at five (decode and the
  * prefill tiles), bf16 products where the tier has them (the rounding bit for bit), the
  * attention with and without sinks, and both GLU activations, each computed on the scalar tier
  * and on the tier under test from the same deterministic inputs (weights of
@@ -589,7 +596,8 @@ static uint32_t cb_selftest_rand(uint32_t *state) {
 
 /* Fill a stored [rows, cols] matrix of `dtype` in `layout` with deterministic bytes, its scales
  * made valid: f32 values in [-1, 1); f16 / bf16 of normal magnitude; int8/int4/mxfp4 random
- * weights with f16 scales near 2^-6 or e8m0 scales of 2^-6 +- 1. */
+ * weights with f16 scales near 2^-6 or e8m0 scales of 2^-6 +- 1; nl4 random bytes with row
+ * scales in [2^-6, 2^-5). */
 static void cb_selftest_fill(uint8_t *w, size_t bytes, int dtype, int layout, int rows, int cols, uint32_t *state) {
     if (dtype == CB_F32) {
         float *f = (float *)w;
@@ -613,6 +621,11 @@ static void cb_selftest_fill(uint8_t *w, size_t bytes, int dtype, int layout, in
             if (dtype == CB_MXFP4) w[b * bb] = (uint8_t)(120u + cb_selftest_rand(state) % 3u);
             else { uint16_t d = (uint16_t)(0x2000u + cb_selftest_rand(state) % 0x400u); memcpy(w + b * bb, &d, 2); }
         }
+        return;
+    }
+    if (dtype == CB_NL4) {                              /* its six-bit scales take any bits; the row scales */
+        float *rs = (float *)(void *)(w + (size_t)groups * nb * sizeof(cb_igroup_nl4));
+        for (int r = 0; r < rows; r++) rs[r] = (float)(1000u + cb_selftest_rand(state) % 1000u) * (1.0f / 64000.0f);
         return;
     }
     for (size_t gi = 0; gi < (size_t)groups * nb; gi++) {   /* each group's 8 scales, first in the group */
@@ -640,7 +653,7 @@ static int cb_self_test_step(int isa, int step) {
     static uint8_t w[R * C * 4];                        /* the largest: f32 */
     static float x[N * C], ref[N * R], got[N * R], xp[N * C], ad[N * C / CB_QBLOCK];
     static int8_t aq[N * C];
-    static int32_t as[N * C / CB_QBLOCK];
+    static int32_t as[N * C / CB_QBLOCK], ah[N * C / CB_QBLOCK];
     static float kc[KV * RING * HD], vc[KV * RING * HD], q[HEADS * HD], sinks[HEADS], sc[HEADS * (RING + 1)];
     static uint16_t kc16[KV * RING * HD], vc16[KV * RING * HD];
     static float gate[3 * C], up[3 * C], gref[3 * C];
@@ -650,14 +663,15 @@ static int cb_self_test_step(int isa, int step) {
     if (cb_select_kernels(isa, step) != 0) return -1;
     for (int t = 0; t < N; t++) {
         acts[t].q = aq + t * C; acts[t].d = ad + t * (C / CB_QBLOCK); acts[t].s = as + t * (C / CB_QBLOCK);
-        acts[t].n = 0; acts[t].xp = xp + t * C; acts[t].xb = NULL;
+        acts[t].h = ah + t * (C / CB_QBLOCK); acts[t].n = 0; acts[t].xp = xp + t * C; acts[t].xb = NULL;
     }
     for (int i = 0; i < N * C; i++) x[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
     for (int dtype = 0; dtype < CB_N_DTYPES; dtype++)
         for (int layout = 0; layout < CB_N_LAYOUTS; layout++) {
             const int quant = CB_IS_QUANT(dtype);
             if ((layout == CB_TRANSPOSED && dtype == CB_MXFP4) || (layout == CB_INTERLEAVED && !quant)) continue;
-            const size_t bytes = (size_t)R * cb_row_stride(dtype, C);
+            if (dtype == CB_NL4 && layout != CB_INTERLEAVED) continue;
+            const size_t bytes = dtype == CB_NL4 ? cb_nl4_bytes(R, C) : (size_t)R * cb_row_stride(dtype, C);
             cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
             for (int n = 1; n <= N; n += N - 1) {
                 check++;

@@ -119,6 +119,9 @@ CB_TARGET_AVX2 static void cb_quantize_act_avx2(cb_act_q8 *a, const float *x, in
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         a->s[b] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+        __m128i h4 = _mm256_castsi256_si128(s32);                 /* lanes 0..3: elements 0..15 */
+        h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4E));
+        a->h[b] = _mm_cvtsi128_si32(_mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1)));
     }
     a->n = n;
 }
@@ -916,14 +919,31 @@ CB_TARGET_AVX2 static inline __m256 cb_igroup_scales_avx2(const char *gp, int dt
  * the integer step multiplies: int4's as they are, mxfp4's through cb_mxfp4_u12. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_inibbles_avx2(const char *gp, int dtype, int v, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + (dtype == CB_MXFP4 ? 8 : 16) + 32 * v));
+    const size_t codes = dtype == CB_MXFP4 ? offsetof(cb_igroup_mxfp4, qs)
+                       : dtype == CB_NL4 ? offsetof(cb_igroup_nl4, qs) : offsetof(cb_igroup_int4, qs);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + codes + 32 * v));
     *lo = _mm256_and_si256(a, m4);
     *hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
-    if (dtype == CB_MXFP4) {
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)cb_mxfp4_u12));
+    if (dtype == CB_MXFP4 || dtype == CB_NL4) {
+        const __m256i lut = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(dtype == CB_MXFP4 ? cb_mxfp4_u12 : cb_nl4_u64)));
         *lo = _mm256_shuffle_epi8(lut, *lo);
         *hi = _mm256_shuffle_epi8(lut, *hi);
     }
+}
+
+/* An nl4 group's 16 six-bit scales (quant.h, cb_nl4_scales) as floats: the low halves' of the 8
+ * outputs in *lo, the high halves' in *hi. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_nl4_scales_avx2(const char *gp, __m256 *lo, __m256 *hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gp));
+    uint32_t packed;
+    memcpy(&packed, gp + 8, 4);
+    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)packed),
+                                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                         _mm256_set1_epi32(15));
+    const __m256i bias = _mm256_set1_epi32(CB_NL4_SCALE_BIAS);
+    *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(63)), bias));
+    *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(b, 6), _mm256_slli_epi32(nib, 2)), bias));
 }
 
 /* 4 activation bytes in every int32 lane, from memory: vbroadcastss is a load, no shuffle
@@ -939,12 +959,13 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
     const size_t gbytes = cb_group_bytes(dtype);
     const int8_t *xq[4];
     const float *xd[4];
-    const int32_t *xs[4];
+    const int32_t *xs[4], *xlow[4];
     __m256 acc[4];
     for (int j = 0; j < T; j++) {       /* locals: out's stores could alias int8_t (cb_tpacked_group_avx2) */
         xq[j] = acts[j].q;
         xd[j] = acts[j].d;
         xs[j] = acts[j].s;
+        xlow[j] = acts[j].h;
         acc[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
     }
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
@@ -960,6 +981,30 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
                     CB_IN_ORDER(isum[j]);
                 }
             }
+        } else if (dtype == CB_NL4) {      /* two chains, int32 at once: a vector's pair sums reach 30480 */
+            __m256i hsum[4];
+            for (int j = 0; j < T; j++) {
+                isum[j] = _mm256_set1_epi32(-CB_NL4_OFFSET * xlow[j][kb]);
+                hsum[j] = _mm256_set1_epi32(-CB_NL4_OFFSET * (xs[j][kb] - xlow[j][kb]));
+            }
+            for (int v = 0; v < 4; v++) {
+                __m256i lo, hi;
+                cb_inibbles_avx2(gp, dtype, v, &lo, &hi);
+                for (int j = 0; j < T; j++) {
+                    const int8_t *x = xq[j] + kb * CB_QBLOCK + 4 * v;
+                    isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, CB_BCAST4(x)), ones));
+                    hsum[j] = _mm256_add_epi32(hsum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, CB_BCAST4(x + 16)), ones));
+                    CB_IN_ORDER(isum[j]);
+                }
+            }
+            __m256 slo, shi;
+            cb_nl4_scales_avx2(gp, &slo, &shi);
+            for (int j = 0; j < T; j++) {
+                const __m256 dx = _mm256_set1_ps(xd[j][kb]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(slo, dx), acc[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum[j]), _mm256_mul_ps(shi, dx), acc[j]);
+            }
+            continue;
         } else {
             const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
             __m256i p16[4];
@@ -1002,7 +1047,7 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
     const size_t gbytes = cb_group_bytes(dtype);
     const int8_t *xq = act->q;
     const float *xd = act->d;
-    const int32_t *xs = act->s;
+    const int32_t *xs = act->s, *xlow = act->h;
     __m256 acc[4];
     for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
     for (int kb = 0; kb < nb; kb++, gp += gbytes) {
@@ -1018,6 +1063,29 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
                                                                                                _mm256_sign_epi8(xb, w)), ones));
                 }
             }
+        } else if (dtype == CB_NL4) {      /* as cb_igroup_avx2's nl4 branch */
+            __m256i hsum[4];
+            for (int k = 0; k < G; k++) {
+                isum[k] = _mm256_set1_epi32(-CB_NL4_OFFSET * xlow[kb]);
+                hsum[k] = _mm256_set1_epi32(-CB_NL4_OFFSET * (xs[kb] - xlow[kb]));
+            }
+            for (int v = 0; v < 4; v++) {
+                const __m256i xl = CB_BCAST4(x + 4 * v), xhi = CB_BCAST4(x + 16 + 4 * v);
+                for (int k = 0; k < G; k++) {
+                    __m256i lo, hi;
+                    cb_inibbles_avx2(gp + k * gstride, dtype, v, &lo, &hi);
+                    isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones));
+                    hsum[k] = _mm256_add_epi32(hsum[k], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
+                }
+            }
+            const __m256 dx = _mm256_set1_ps(xd[kb]);
+            for (int k = 0; k < G; k++) {
+                __m256 slo, shi;
+                cb_nl4_scales_avx2(gp + k * gstride, &slo, &shi);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k]), _mm256_mul_ps(slo, dx), acc[k]);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum[k]), _mm256_mul_ps(shi, dx), acc[k]);
+            }
+            continue;
         } else {
             const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
             __m256i p16[4];
@@ -1090,6 +1158,7 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
 #define CB_CALL_ID(o, os, gp, gs, G) \
     if (dtype == CB_INT8) cb_idecode_avx2(o, os, gp, gs, CB_INT8, acts, nb, G); \
     else if (dtype == CB_MXFP4) cb_idecode_avx2(o, os, gp, gs, CB_MXFP4, acts, nb, G); \
+    else if (dtype == CB_NL4) cb_idecode_avx2(o, os, gp, gs, CB_NL4, acts, nb, G); \
     else cb_idecode_avx2(o, os, gp, gs, CB_INT4, acts, nb, G);
         CB_IDECODE_LOOP(CB_CALL_ID)
 #undef CB_CALL_ID
@@ -1098,6 +1167,7 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
 #define CB_CALL_IG(dt, tt) cb_igroup_avx2(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
                   else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IG, CB_MXFP4) }
+                  else if (dtype == CB_NL4) { CB_AVX2_T_CASES(CB_CALL_IG, CB_NL4) }
                   else { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT4) })
 #undef CB_CALL_IG
 }

@@ -18,14 +18,16 @@
 #include "quant.h"
 
 /* Storage dtypes of a weight matrix (colibri._kernels.DTYPE_CODES names them). */
-enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 = 5, CB_N_DTYPES = 6 };
+enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 = 5, CB_NL4 = 6, CB_N_DTYPES = 7 };
 
 /* The formats whose products take quantized activations (cb_act_q8). */
-#define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4)
+#define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4 || (dtype) == CB_NL4)
 
-/* Bytes of one row of `cols` weights in `dtype` (int8/int4/mxfp4: cols % 32 == 0). */
+/* Bytes of one row of `cols` weights in `dtype` (int8/int4/mxfp4: cols % 32 == 0; nl4, which has
+no rows layout: 0, see cb_nl4_bytes). */
 static inline size_t cb_row_stride(int dtype, int cols) {
     switch (dtype) {
+    case CB_NL4: return 0;
     case CB_F32: return (size_t)cols * 4;
     case CB_F16: case CB_BF16: return (size_t)cols * 2;
     case CB_INT8: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int8);
@@ -190,11 +192,20 @@ enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2, CB_N_LAYOUTS = 3 };  
 /* Bytes of a transposed int8/int4 (or interleaved mxfp4) group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
     return dtype == CB_INT8 ? sizeof(cb_group_int8) : dtype == CB_MXFP4 ? sizeof(cb_igroup_mxfp4)
-                                                                       : sizeof(cb_group_int4);
+         : dtype == CB_NL4 ? sizeof(cb_igroup_nl4) : sizeof(cb_group_int4);
+}
+
+/* An interleaved nl4 matrix [rows, cols]: its groups, then its f32 row scales [rows] (quant.h). */
+static inline size_t cb_nl4_bytes(int rows, int cols) {
+    return (size_t)(rows / CB_TGROUP) * (cols / CB_QBLOCK) * sizeof(cb_igroup_nl4) + (size_t)rows * sizeof(float);
+}
+
+static inline const float *cb_nl4_row_scales(const void *w, int rows, int cols) {
+    return (const float *)((const char *)w + (size_t)(rows / CB_TGROUP) * (cols / CB_QBLOCK) * sizeof(cb_igroup_nl4));
 }
 
 /* An interleaved group's 8 weight scales as floats (int8/int4: f16; mxfp4: 2^(e - 128), the
- * half scale of its doubled codes). */
+ * half scale of its doubled codes; nl4 has two per output, cb_nl4_scales). */
 static inline float cb_igroup_scale(const char *grp, int dtype, int r) {
     return dtype == CB_MXFP4 ? cb_e8m0_half(((const cb_igroup_mxfp4 *)grp)->e[r])
                              : cb_f16_table[((const uint16_t *)grp)[r]];
@@ -215,7 +226,7 @@ typedef void (*cb_ttile_fn)(float *out, int ldo, const char *w, int dtype, const
                             const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T);
 
 /* The 32 weights q[32] of output r in an interleaved group (quant.h) as signed integers (int4:
- * nibble - 8; mxfp4: the doubled e2m1 value), input order. */
+ * nibble - 8; mxfp4: the doubled e2m1 value; nl4: its codebook value), input order. */
 static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int dtype, int r) {
     for (int v = 0; v < 8; v++)
         for (int i = 0; i < 4; i++) {
@@ -225,6 +236,10 @@ static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int d
                 uint8_t b = ((const cb_igroup_mxfp4 *)grp)->qs[v][r][i];
                 q[4 * v + i] = cb_mxfp4_int[b & 0x0F];
                 q[16 + 4 * v + i] = cb_mxfp4_int[b >> 4];
+            } else if (dtype == CB_NL4 && v < 4) {
+                uint8_t b = ((const cb_igroup_nl4 *)grp)->qs[v][r][i];
+                q[4 * v + i] = cb_nl4_int[b & 0x0F];
+                q[16 + 4 * v + i] = cb_nl4_int[b >> 4];
             } else if (v < 4) {
                 uint8_t b = ((const cb_igroup_int4 *)grp)->qs[v][r][i];
                 q[4 * v + i] = (int8_t)((b & 0x0F) - 8);
@@ -260,6 +275,20 @@ static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int
         return;
     }
     const size_t bbytes = dtype == CB_INT8 ? sizeof(cb_block_int8) : sizeof(cb_block_int4);
+    if (dtype == CB_NL4) {                              /* interleaved only */
+        const int nb = cols / CB_QBLOCK;
+        const float rs = cb_nl4_row_scales(w, rows, cols)[row];
+        for (int b = 0; b < nb; b++) {
+            const char *grp = wb + ((size_t)(row / CB_TGROUP) * nb + b) * sizeof(cb_igroup_nl4);
+            int8_t q[CB_QBLOCK];
+            int lo, hi;
+            cb_igroup_weights(q, grp, dtype, row % CB_TGROUP);
+            cb_nl4_scales(((const cb_igroup_nl4 *)grp)->sc, row % CB_TGROUP, &lo, &hi);
+            for (int j = 0; j < CB_QBLOCK; j++)        /* sub * code is an exact integer: one rounding */
+                out[b * CB_QBLOCK + j] = rs * (float)((j < 16 ? lo : hi) * q[j]);
+        }
+        return;
+    }
     if (layout == CB_INTERLEAVED) {
         const int nb = cols / CB_QBLOCK;
         for (int b = 0; b < nb; b++) {
@@ -328,6 +357,7 @@ static cb_dot_fn cb_dot_scalar(int dtype) {
     case CB_BF16: return cb_dot_bf16_scalar;
     case CB_INT8: return cb_dot_int8_scalar;
     case CB_MXFP4: return cb_dot_mxfp4_scalar;
+    case CB_NL4: return NULL;                   /* no rows layout */
     default: return cb_dot_int4_scalar;
     }
 }
@@ -392,9 +422,17 @@ static void cb_itile_scalar(float *out, int ldo, const char *w, int dtype, const
                     const char *grp = w + ((size_t)g * nb + kb) * gbytes;
                     int8_t q[CB_QBLOCK];
                     cb_igroup_weights(q, grp, dtype, r);
-                    int32_t s = 0;
-                    for (int i = 0; i < CB_QBLOCK; i++) s += (int32_t)q[i] * (int32_t)xq[kb * CB_QBLOCK + i];
-                    acc += cb_igroup_scale(grp, dtype, r) * acts[t].d[kb] * (float)s;
+                    int32_t s_lo = 0, s_hi = 0;       /* inputs 0..15 and 16..31 */
+                    for (int i = 0; i < 16; i++) s_lo += (int32_t)q[i] * (int32_t)xq[kb * CB_QBLOCK + i];
+                    for (int i = 16; i < CB_QBLOCK; i++) s_hi += (int32_t)q[i] * (int32_t)xq[kb * CB_QBLOCK + i];
+                    if (dtype == CB_NL4) {            /* each half its own scale; the row scale after (dispatch.h) */
+                        int lo, hi;
+                        cb_nl4_scales(((const cb_igroup_nl4 *)grp)->sc, r, &lo, &hi);
+                        acc += (float)s_lo * ((float)lo * acts[t].d[kb]);
+                        acc += (float)s_hi * ((float)hi * acts[t].d[kb]);
+                    } else {
+                        acc += cb_igroup_scale(grp, dtype, r) * acts[t].d[kb] * (float)(s_lo + s_hi);
+                    }
                 }
                 out[(size_t)t * ldo + g * CB_TGROUP + r] = acc;
             }

@@ -11,6 +11,9 @@
  *         the checkpoint's *_scales byte and *_blocks bytes as they are, side by side (17 bytes).
  *         The kernels take the codes doubled, as integers (cb_mxfp4_int), and the scale halved
  *         (cb_e8m0_half): w = 2^(e - 128) * cb_mxfp4_int[q], the same number.
+ *   nl4: a 16-value non-linear codebook (cb_nl4_int: IQ4_NL's values halved) under a signed 6-bit
+ *         scale per 16 weights and an f32 scale per row: w = row_scale * sub * cb_nl4_int[q],
+ *         sub in [-32, 31]; the interleaved layout only (below): 4.375 bits a weight + 32 bits a row.
  * A row of an int8/int4/mxfp4 matrix is cols/32 consecutive blocks; cols must be a multiple of 32.
  * mxfp4 is stored in the rows layout (the checkpoint's order) or the interleaved one (below).
  *
@@ -33,6 +36,12 @@
  * int4 keeps its nibble (element 4v + i of output r low in qs[v][r][i], 16 + 4v + i high): the
  * kernels turn a nibble into its doubled value + 12 (cb_mxfp4_u12, unsigned, one byte shuffle) and
  * take 12 * sum(x) off, where int4 takes 8 * sum(x).
+ * An nl4 interleaved group (cb_igroup_nl4) is int4's codes under 16 six-bit scales: output r's
+ * inputs 0..15 (the low nibbles) have scale sc_lo[r], inputs 16..31 (the high ones) sc_hi[r], so
+ * the two chains the kernels already keep for the low and high nibbles each take their own
+ * scale. The kernels shuffle a code to cb_nl4_u64 (its value + 64, unsigned) and take 64 times
+ * each half's activation sum off (cb_act_q8.s and .h). After the matrix's groups come its `rows`
+ * f32 row scales, which multiply each output once, when its sum is complete (dispatch.h).
  *
  * Activations multiplied against integer weights are quantized per block of 32 to int8 with a
  * float scale (cb_act_q8), as the fast engines do: the dot product of two blocks is then an
@@ -110,6 +119,30 @@ typedef struct {
 static const uint8_t cb_mxfp4_u12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 #define CB_MXFP4_OFFSET 12
 
+/* An interleaved nl4 group: 8 outputs x 32 inputs, 140 bytes. sc packs the 16 six-bit scales,
+ * each stored + 32 (0 .. 63): byte r (r < 8) holds sc_lo[r] in its low 6 bits and the low 2 bits
+ * of sc_hi[r] above them; byte 8 + r / 2 holds the high 4 bits of sc_hi[r] in its low (r even) or
+ * high (r odd) nibble (cb_nl4_scales). */
+typedef struct {
+    uint8_t sc[12];                     /* [12] the packed scales */
+    uint8_t qs[4][CB_TGROUP][4];        /* [vector v][output r][i]: the codes of inputs 4v + i (low
+                                           nibble) and 16 + 4v + i (high) of output r, as int4's */
+} cb_igroup_nl4;
+
+/* The codebook, by code: IQ4_NL's 16 values (llama.cpp's kvalues_iq4nl, fitted to the weights of
+ * trained models) halved and rounded half to even, so that value + 64 (0 .. 120) times an int8
+ * activation cannot saturate vpmaddubsw's pair sums (2 * 120 * 127 < 32767). */
+static const int8_t cb_nl4_int[16] = {-64, -52, -42, -32, -24, -18, -11, -5, 0, 6, 12, 19, 26, 34, 44, 56};
+static const uint8_t cb_nl4_u64[16] = {0, 12, 22, 32, 40, 46, 53, 59, 64, 70, 76, 83, 90, 98, 108, 120};
+#define CB_NL4_OFFSET 64
+#define CB_NL4_SCALE_BIAS 32
+
+/* The two six-bit scales of output r (r < 8) of an nl4 group, signed. */
+static inline void cb_nl4_scales(const uint8_t sc[12], int r, int *lo, int *hi) {
+    *lo = (sc[r] & 63) - CB_NL4_SCALE_BIAS;
+    *hi = ((sc[r] >> 6) | (((sc[8 + r / 2] >> (4 * (r & 1))) & 15) << 2)) - CB_NL4_SCALE_BIAS;
+}
+
 /* The prefill's packed form of one group and block (kernels_avx2.h, cb_tprefill_quant_avx2): 8
  * float scales, then 8 vectors of 32 bytes, vector c holding inputs 4c..4c+3 of the 8 outputs
  * (int4 as one nibble value per byte; int8 as w + 128 in the VNNI kernels). Scratch only, never
@@ -140,6 +173,7 @@ CB_STATIC_ASSERT(sizeof(cb_group_int4) == 8 * 18, "int4 group must be 8 blocks")
 CB_STATIC_ASSERT(sizeof(cb_igroup_int8) == sizeof(cb_group_int8), "interleaved int8 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_int4) == sizeof(cb_group_int4), "interleaved int4 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_mxfp4) == 8 * 17, "interleaved mxfp4 group must be 8 blocks");
+CB_STATIC_ASSERT(sizeof(cb_igroup_nl4) == 140, "interleaved nl4 group must be 140 bytes");
 
 /* Activations quantized per block of 32: x[i] ~= d[i / 32] * q[i]. */
 typedef struct {
@@ -147,6 +181,8 @@ typedef struct {
     float *d;       /* [n / 32] */
     int32_t *s;     /* [n / 32] the sum of each block's q: what unsigned weights (int4's nibbles,
                        w + 8; VNNI's int8, w + 128) take off, times 8 or 128 */
+    int32_t *h;     /* [n / 32] the sum of each block's first 16 q (nl4's low half; the high half's
+                       is s - h) */
     int n;
     float *xp;      /* [n] or NULL: the float activation reordered for the AVX-512 bf16 tile */
     uint16_t *xb;   /* [n] or NULL: the activation rounded to bf16 for bf16 products (vdpbf16ps),
@@ -165,12 +201,14 @@ static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
         float d = amax >= CB_ACT_TINY ? amax / 127.0f : 0.0f;
         float id = d > 0.0f ? 1.0f / d : 0.0f;
         a->d[b] = d;
-        int32_t sum = 0;
+        int32_t sum = 0, half = 0;
         for (int j = 0; j < CB_QBLOCK; j++) {
             a->q[b * CB_QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
             sum += a->q[b * CB_QBLOCK + j];
+            if (j == CB_QBLOCK / 2 - 1) half = sum;
         }
         a->s[b] = sum;
+        a->h[b] = half;
     }
     a->n = n;
 }

@@ -124,22 +124,28 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
                         int first, const int T) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
+    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET : 8;
     const int8_t *xq[4];
     const float *xd[4];
-    const int32_t *xs[4];
+    const int32_t *xs[4], *xlow[4];
     __m256 acc[4];
     for (int j = 0; j < T; j++) {
         xq[j] = acts[j].q;
         xd[j] = acts[j].d;
         xs[j] = acts[j].s;
+        xlow[j] = acts[j].h;
         acc[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
     }
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         __m256i even[4], odd[4];
         for (int j = 0; j < T; j++) {
-            even[j] = _mm256_set1_epi32(-offset * xs[j][kb]);
-            odd[j] = _mm256_setzero_si256();
+            if (dtype == CB_NL4) {          /* the low and high halves, each with its own offset sum */
+                even[j] = _mm256_set1_epi32(-offset * xlow[j][kb]);
+                odd[j] = _mm256_set1_epi32(-offset * (xs[j][kb] - xlow[j][kb]));
+            } else {
+                even[j] = _mm256_set1_epi32(-offset * xs[j][kb]);
+                odd[j] = _mm256_setzero_si256();
+            }
         }
         if (dtype == CB_INT8) {
             const cb_igroup_int8 *g = (const cb_igroup_int8 *)gp;
@@ -163,6 +169,16 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
                 }
             }
         }
+        if (dtype == CB_NL4) {
+            __m256 slo, shi;
+            cb_nl4_scales_avx2(gp, &slo, &shi);
+            for (int j = 0; j < T; j++) {
+                const __m256 dx = _mm256_set1_ps(xd[j][kb]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even[j]), _mm256_mul_ps(slo, dx), acc[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd[j]), _mm256_mul_ps(shi, dx), acc[j]);
+            }
+            continue;
+        }
         const __m256 dw = cb_igroup_scales_avx2(gp, dtype);
         for (int j = 0; j < T; j++)
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j])),
@@ -177,15 +193,20 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
                          int nb, const int G) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
+    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET : 8;
     __m256 acc[4];
     for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
     for (int kb = 0; kb < nb; kb++, gp += gbytes) {
         const int8_t *x = act->q + kb * CB_QBLOCK;
         __m256i even[4], odd[4];
         for (int k = 0; k < G; k++) {
-            even[k] = _mm256_set1_epi32(-offset * act->s[kb]);
-            odd[k] = _mm256_setzero_si256();
+            if (dtype == CB_NL4) {
+                even[k] = _mm256_set1_epi32(-offset * act->h[kb]);
+                odd[k] = _mm256_set1_epi32(-offset * (act->s[kb] - act->h[kb]));
+            } else {
+                even[k] = _mm256_set1_epi32(-offset * act->s[kb]);
+                odd[k] = _mm256_setzero_si256();
+            }
         }
         if (dtype == CB_INT8) {
             for (int c = 0; c < 8; c += 2) {
@@ -208,6 +229,15 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
             }
         }
         const __m256 dx = _mm256_set1_ps(act->d[kb]);
+        if (dtype == CB_NL4) {
+            for (int k = 0; k < G; k++) {
+                __m256 slo, shi;
+                cb_nl4_scales_avx2(gp + k * gstride, &slo, &shi);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even[k]), _mm256_mul_ps(slo, dx), acc[k]);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd[k]), _mm256_mul_ps(shi, dx), acc[k]);
+            }
+            continue;
+        }
         for (int k = 0; k < G; k++) {
             const __m256 dw = cb_igroup_scales_avx2(gp + k * gstride, dtype);
             acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[k], odd[k])), _mm256_mul_ps(dw, dx), acc[k]);
@@ -224,6 +254,7 @@ CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_a
 #define CB_CALL_IDV(o, os, gp, gs, G) \
     if (dtype == CB_INT8) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT8, acts, nb, G); \
     else if (dtype == CB_MXFP4) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_MXFP4, acts, nb, G); \
+    else if (dtype == CB_NL4) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_NL4, acts, nb, G); \
     else CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT4, acts, nb, G);
         CB_IDECODE_LOOP(CB_CALL_IDV)
 #undef CB_CALL_IDV
@@ -232,6 +263,7 @@ CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_a
 #define CB_CALL_IGV(dt, tt) CB_VNNI_NAME(cb_igroup)(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT8) }
                   else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_MXFP4) }
+                  else if (dtype == CB_NL4) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_NL4) }
                   else { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT4) })
 #undef CB_CALL_IGV
 }
