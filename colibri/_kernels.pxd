@@ -131,3 +131,8 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 
 # activation quantization scratch: bind_acts(act_arrays(rows, cols)) -> cb_act_q8 [rows] (free() it)
 cdef cb_act_q8 *bind_acts(list arrays) except NULL
+
+cdef extern from "quantize_nl4.h" nogil:
+    # stateless: nl4's scale and code search (rows in parallel), into colibri.quant's rows form
+    int CB_NL4_SUB_MAX           # the search's sub-scales lie in [-31, 31]
+    void cb_quantize_nl4(uint8_t *out, const float *w, const float *importance, int rows, int cols, int n_threads)

@@ -14,6 +14,7 @@ of the formats, layouts and activations are defined here once, from the C enums.
 from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t
 from libc.stdlib cimport calloc
 
+import os
 import numpy as np
 
 from colibri import names
@@ -31,6 +32,7 @@ BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_
 GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
 INTERLEAVED_FORMATS = BLOCK_FORMATS
 QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)
+NL4_SUB_MAX = CB_NL4_SUB_MAX     # nl4's quantizer keeps its six-bit scales in [-31, 31] (quantize_nl4.h)
 TGROUP = CB_TGROUP               # outputs per group of the transposed and interleaved layouts
 
 # ---- the SIMD tier, chosen once at import (COLIBRI_ISA forces one) ---------------------------
@@ -286,3 +288,28 @@ cdef cb_act_q8 *bind_acts(list arrays) except NULL:
         acts[t].xp = NULL if xp is None else <float *><uintptr_t>xp[t].ctypes.data
         acts[t].xb = NULL if xb is None else <uint16_t *><uintptr_t>xb[t].ctypes.data
     return acts
+
+
+def quantize_nl4(w, importance=None, int n_threads=0):
+    """float32 [rows, cols] (cols % 32 == 0) -> uint8 [rows, cols / 32 * 18 + 4]: nl4's rows form
+    (colibri.quant), its scales and codes chosen by csrc/quantize_nl4.h; importance float32 [cols]
+    or None (the weights' own squares then weigh the error); n_threads 0: every CPU."""
+    cdef const float[:, ::1] wv = np.ascontiguousarray(w, np.float32)
+    cdef int rows = wv.shape[0], cols = wv.shape[1]
+    if cols % 32:
+        raise ValueError(f"nl4 needs a multiple of 32 columns, got {cols}")
+    cdef const float[::1] iv
+    cdef const float *ip = NULL
+    if importance is not None:
+        iv = np.ascontiguousarray(importance, np.float32)
+        if iv.shape[0] != cols:
+            raise ValueError(f"importance must be {cols} values, got {iv.shape[0]}")
+        ip = &iv[0]
+    out = np.zeros((rows, cols // 32 * 18 + 4), np.uint8)
+    cdef uint8_t[:, ::1] ov = out
+    if n_threads <= 0:
+        n_threads = os.cpu_count() or 1
+    if rows and cols:
+        with nogil:
+            cb_quantize_nl4(&ov[0, 0], &wv[0, 0], ip, rows, cols, n_threads)
+    return out

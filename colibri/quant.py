@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import LAYOUT_CODES, QBLOCK, TGROUP    # the C definitions (csrc/quant.h, kernels_scalar.h)
+from ._kernels import LAYOUT_CODES, NL4_SUB_MAX, QBLOCK, TGROUP, quantize_nl4    # the C definitions (csrc/quant.h, kernels_scalar.h)
 
 BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),
@@ -58,15 +58,8 @@ LAYOUTS = tuple(LAYOUT_CODES)
 # nl4 (csrc/quant.h: cb_nl4_int, cb_igroup_nl4)
 NL4_VALUES = np.array([-64, -52, -42, -32, -24, -18, -11, -5, 0, 6, 12, 19, 26, 34, 44, 56], np.float32)
 NL4_SCALE_BIAS = 32                    # a stored six-bit scale is sub + 32; sub in [-32, 31]
-NL4_SUB_MAX = 31                       # the quantizer's range: sub in [-31, 31]
 NL4_BLOCK = np.dtype([("sc", "u1", (2,)), ("qs", "u1", (QBLOCK // 2,))])     # the rows form's block
 NL4_GROUP = np.dtype([("sc", "u1", (12,)), ("qs", "u1", (4, TGROUP, 4))])   # cb_igroup_nl4: 140 bytes
-# Scale search (_quantize_nl4): the row scale leaves this headroom above the largest half-block
-# scale so the least-squares scales of the search can still be reached; each half-block tries
-# its extreme on the codebook's ends (-64 and 56) nudged by -NL4_TRIES .. NL4_TRIES 64ths.
-NL4_HEADROOM = 1.15
-NL4_TRIES = 7
-_NL4_MIDS = (NL4_VALUES[1:] + NL4_VALUES[:-1]) / 2
 
 
 def nl4_bytes(rows: int, cols: int) -> int:
@@ -195,56 +188,12 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
     return out.view(np.uint8).reshape(b.shape[0], -1)
 
 
-def _nl4_codes(x: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """The nearest codebook entry (uint8 code) of each x / d (d = 0: code 8, the value 0)."""
-    safe = np.where(d != 0, d, 1).astype(np.float32)
-    q = np.searchsorted(_NL4_MIDS, (x / safe).ravel()).reshape(x.shape).astype(np.uint8)
-    return np.where(d != 0, q, np.uint8(8))
-
-
 def _quantize_nl4(b: np.ndarray, importance) -> np.ndarray:
-    """[rows, nb, 32] float32 -> the nl4 rows form. Per row an f32 scale s = NL4_HEADROOM x the
-    largest half-block extreme / (64 x NL4_SUB_MAX); per half-block of 16 the integer scale sub
-    and the codes of least weighted error sum_c w_c (x_c - s sub v_c)^2 among the candidates:
-    the extreme on either end of the codebook (NL4_TRIES nudges), each scale refitted by weighted
-    least squares and rounded to a multiple of s (as llama.cpp's IQ4_NL search, with the
-    scale's own rounding in the error). w_c: the importance of column c (calibrate), or x_c^2."""
+    """[rows, nb, 32] float32 -> the nl4 rows form: the scale and code search of
+    csrc/quantize_nl4.h (per row an f32 scale; per half-block of 16 the six-bit scale and codes of
+    least importance-weighted error, or squared-weight-weighted without importance)."""
     rows, nb, _ = b.shape
-    if rows > _SEARCH_ROWS:
-        return np.concatenate([_quantize_nl4(b[r:r + _SEARCH_ROWS], importance)
-                               for r in range(0, rows, _SEARCH_ROWS)])
-    x = b.reshape(rows, 2 * nb, QBLOCK // 2)                        # half-blocks
-    if importance is not None:
-        w = np.broadcast_to(np.asarray(importance, np.float32).reshape(1, 2 * nb, QBLOCK // 2), x.shape)
-    else:
-        w = x * x
-    w = w + np.float32(1e-30)
-    ext = np.take_along_axis(x, np.abs(x).argmax(axis=2)[..., None], axis=2)       # [rows, 2nb, 1] signed
-    row_scale = (np.abs(ext).max(axis=(1, 2)) * np.float32(NL4_HEADROOM / (64 * NL4_SUB_MAX))).astype(np.float32)
-    s = row_scale.reshape(rows, 1, 1)
-    s_safe = np.where(s > 0, s, 1).astype(np.float32)
-    best_sub = np.zeros(x.shape[:2] + (1,), np.float32)
-    best_err = (w * x * x).sum(axis=2, keepdims=True)               # sub = 0: every weight 0
-    for end in (NL4_VALUES[0], NL4_VALUES[-1]):
-        for t in range(-NL4_TRIES, NL4_TRIES + 1):
-            den = np.float32(end + t * abs(end) / 64)
-            d0 = ext / den
-            q = NL4_VALUES[_nl4_codes(x, d0)]
-            num, dd = (w * x * q).sum(axis=2, keepdims=True), (w * q * q).sum(axis=2, keepdims=True)
-            d = np.where(dd > 0, num / np.where(dd > 0, dd, 1), 0)
-            sub = np.clip(np.rint(d / s_safe), -NL4_SUB_MAX, NL4_SUB_MAX).astype(np.float32)
-            ds = (sub * s).astype(np.float32)
-            err = (w * (x - ds * NL4_VALUES[_nl4_codes(x, ds)]) ** 2).sum(axis=2, keepdims=True)
-            better = err < best_err
-            best_sub = np.where(better, sub, best_sub)
-            best_err = np.where(better, err, best_err)
-    ds = (best_sub * s).astype(np.float32)
-    codes = _nl4_codes(x, ds).reshape(rows, nb, QBLOCK)
-    out = np.zeros((rows, nb), NL4_BLOCK)
-    out["sc"] = (best_sub.reshape(rows, nb, 2) + NL4_SCALE_BIAS).astype(np.uint8)
-    out["qs"] = codes[..., :QBLOCK // 2] | (codes[..., QBLOCK // 2:] << 4)
-    return np.concatenate([out.view(np.uint8).reshape(rows, -1), row_scale.astype("<f4").view(np.uint8).reshape(rows, 4)],
-                          axis=1)
+    return quantize_nl4(b.reshape(rows, nb * QBLOCK), importance)
 
 
 def _nl4_parts(stored: np.ndarray, cols: int):
