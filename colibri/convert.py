@@ -886,6 +886,8 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
     for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
         if value == "transposed" and quantize == "mxfp4" and flag == "--expert-layout":
             raise ColibriError(f"{flag} {value}: mxfp4 experts have no transposed layout; choose rows or interleaved")
+        if value in ("rows", "transposed") and quantize == "nl4":
+            raise ColibriError(f"{flag} {value}: nl4 is stored interleaved only; leave the flag out or choose interleaved")
         if value == "interleaved" and quantize not in INTERLEAVED_FORMATS:
             raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
                                f"choose rows or transposed")
@@ -1021,6 +1023,9 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     out = Path(output_dir)
     _check_output(out, force, {"--model-dir": src.root})
     cfg, expected = src.config, src.config.expected_tensors()
+    if any(t["dtype"] == "nl4" for t in src.tensors.values()) and {expert_layout, layout} & {"rows", "transposed"}:
+        raise ColibriError(f"{src.root} holds nl4 matrices, which are stored interleaved only: its other matrices "
+                           f"can change layout, so leave out --expert-layout/--layout rows or transposed")
     layouts = {n: _layout_for(n, shape, kind, src.tensors[n]["dtype"], expert_layout, layout, cfg.tie_word_embeddings)
                for n, (shape, kind) in expected.items()}
     in_tensor_files = {t["file"] for t in src.tensors.values()}

@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
-    ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4,mxfp4")
+    ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4,mxfp4,nl4")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
     ap.add_argument("--layouts", default="rows,transposed,interleaved")
     ap.add_argument("--sweep", default=None,
@@ -193,7 +193,10 @@ def bf16_products_of(dtype, layout):
 
 
 def layouts_of(args, dtype):
-    """The --layouts a format has (interleaved: the block formats; transposed: not mxfp4)."""
+    """The --layouts a format has (interleaved: the block formats; transposed: not mxfp4; nl4:
+    interleaved only)."""
+    if dtype == "nl4":
+        return [lay for lay in args.layouts.split(",") if lay == "interleaved"]
     return [lay for lay in args.layouts.split(",")
             if (lay != "interleaved" or dtype in quant.IGROUP_DTYPES)
             and (lay != "transposed" or dtype not in quant.BLOCK_DTYPES or dtype in quant.GROUP_DTYPES)]

@@ -932,18 +932,26 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_inibbles_avx2(const char *gp, int
     }
 }
 
-/* An nl4 group's 16 six-bit scales (quant.h, cb_nl4_scales) as floats: the low halves' of the 8
- * outputs in *lo, the high halves' in *hi. */
-CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_nl4_scales_avx2(const char *gp, __m256 *lo, __m256 *hi) {
+/* An nl4 group's 16 six-bit scales (quant.h, cb_nl4_scales), signed int32: the low halves' of
+ * the 8 outputs in *lo, the high halves' in *hi. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_nl4_scales_avx2(const char *gp, __m256i *lo, __m256i *hi) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gp));
     uint32_t packed;
     memcpy(&packed, gp + 8, 4);
-    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)packed),
-                                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                                         _mm256_set1_epi32(15));
+    const __m256i nib = _mm256_srlv_epi32(_mm256_set1_epi32((int)packed), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
     const __m256i bias = _mm256_set1_epi32(CB_NL4_SCALE_BIAS);
-    *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(63)), bias));
-    *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(b, 6), _mm256_slli_epi32(nib, 2)), bias));
+    *lo = _mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(63)), bias);
+    *hi = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(b, 6), _mm256_and_si256(_mm256_slli_epi32(nib, 2),
+                                                                                     _mm256_set1_epi32(60))), bias);
+}
+
+/* An nl4 block's two half sums (int32, exact) under their scales, as one int32 vector: each
+ * half's sum is at most 16 x 64 x 127 in magnitude, so the total stays below 2^24 and converts to
+ * float exactly. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256i cb_nl4_scaled_avx2(const char *gp, __m256i lo_sum, __m256i hi_sum) {
+    __m256i lo, hi;
+    cb_nl4_scales_avx2(gp, &lo, &hi);
+    return _mm256_add_epi32(_mm256_mullo_epi32(lo_sum, lo), _mm256_mullo_epi32(hi_sum, hi));
 }
 
 /* 4 activation bytes in every int32 lane, from memory: vbroadcastss is a load, no shuffle
@@ -997,13 +1005,12 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
                     CB_IN_ORDER(isum[j]);
                 }
             }
-            __m256 slo, shi;
+            __m256i slo, shi;
             cb_nl4_scales_avx2(gp, &slo, &shi);
-            for (int j = 0; j < T; j++) {
-                const __m256 dx = _mm256_set1_ps(xd[j][kb]);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(slo, dx), acc[j]);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum[j]), _mm256_mul_ps(shi, dx), acc[j]);
-            }
+            for (int j = 0; j < T; j++)
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(isum[j], slo),
+                                                                             _mm256_mullo_epi32(hsum[j], shi))),
+                                         _mm256_set1_ps(xd[j][kb]), acc[j]);
             continue;
         } else {
             const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
@@ -1079,12 +1086,8 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
                 }
             }
             const __m256 dx = _mm256_set1_ps(xd[kb]);
-            for (int k = 0; k < G; k++) {
-                __m256 slo, shi;
-                cb_nl4_scales_avx2(gp + k * gstride, &slo, &shi);
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k]), _mm256_mul_ps(slo, dx), acc[k]);
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum[k]), _mm256_mul_ps(shi, dx), acc[k]);
-            }
+            for (int k = 0; k < G; k++)
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb_nl4_scaled_avx2(gp + k * gstride, isum[k], hsum[k])), dx, acc[k]);
             continue;
         } else {
             const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;

@@ -425,11 +425,11 @@ static void cb_itile_scalar(float *out, int ldo, const char *w, int dtype, const
                     int32_t s_lo = 0, s_hi = 0;       /* inputs 0..15 and 16..31 */
                     for (int i = 0; i < 16; i++) s_lo += (int32_t)q[i] * (int32_t)xq[kb * CB_QBLOCK + i];
                     for (int i = 16; i < CB_QBLOCK; i++) s_hi += (int32_t)q[i] * (int32_t)xq[kb * CB_QBLOCK + i];
-                    if (dtype == CB_NL4) {            /* each half its own scale; the row scale after (dispatch.h) */
+                    if (dtype == CB_NL4) {            /* each half its own integer scale, exactly (below 2^24:
+                                                         quant.h); the row scale after (dispatch.h) */
                         int lo, hi;
                         cb_nl4_scales(((const cb_igroup_nl4 *)grp)->sc, r, &lo, &hi);
-                        acc += (float)s_lo * ((float)lo * acts[t].d[kb]);
-                        acc += (float)s_hi * ((float)hi * acts[t].d[kb]);
+                        acc += (float)(s_lo * lo + s_hi * hi) * acts[t].d[kb];
                     } else {
                         acc += cb_igroup_scale(grp, dtype, r) * acts[t].d[kb] * (float)(s_lo + s_hi);
                     }

@@ -170,13 +170,12 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
             }
         }
         if (dtype == CB_NL4) {
-            __m256 slo, shi;
+            __m256i slo, shi;
             cb_nl4_scales_avx2(gp, &slo, &shi);
-            for (int j = 0; j < T; j++) {
-                const __m256 dx = _mm256_set1_ps(xd[j][kb]);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even[j]), _mm256_mul_ps(slo, dx), acc[j]);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd[j]), _mm256_mul_ps(shi, dx), acc[j]);
-            }
+            for (int j = 0; j < T; j++)
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(even[j], slo),
+                                                                             _mm256_mullo_epi32(odd[j], shi))),
+                                         _mm256_set1_ps(xd[j][kb]), acc[j]);
             continue;
         }
         const __m256 dw = cb_igroup_scales_avx2(gp, dtype);
@@ -230,12 +229,8 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
         }
         const __m256 dx = _mm256_set1_ps(act->d[kb]);
         if (dtype == CB_NL4) {
-            for (int k = 0; k < G; k++) {
-                __m256 slo, shi;
-                cb_nl4_scales_avx2(gp + k * gstride, &slo, &shi);
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even[k]), _mm256_mul_ps(slo, dx), acc[k]);
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd[k]), _mm256_mul_ps(shi, dx), acc[k]);
-            }
+            for (int k = 0; k < G; k++)
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb_nl4_scaled_avx2(gp + k * gstride, even[k], odd[k])), dx, acc[k]);
             continue;
         }
         for (int k = 0; k < G; k++) {
