@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "int8/int4/mxfp4, its tokenizer and chat template are made into the directory's files")
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
     conv.add_argument("--quantize", type=_quantize_choice, default=None,
-                      help="storage of the weight matrices: f32, f16, bf16, int8 or int4 (the original engine's "
+                      help="storage of the weight matrices: f32, f16, bf16, int8, int4 or nl4 (4-bit, a non-linear "
+                           "codebook with a scale per 16 weights: less error than int4 in the same bytes; the original engine's "
                            "fp16 and 4bit are accepted), or mxfp4 (the routed experts in mxfp4 -- kept as they are "
                            "from a gpt-oss mxfp4 checkpoint --, the other matrices in bf16); norms, biases and "
                            "routers stay f32 (default: f32 for --hf-dir; for --gguf the format closest to the "
@@ -198,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "int4 --role attention=int8 --role head=int8. The log gives the bytes a decoded token "
                            "reads, by role")
     conv.add_argument("--importance", default=None, metavar="FILE",
-                      help="a file made by `calibrate` (the same checkpoint, any format): int8/int4 scales are "
-                           "chosen to minimise the rounding error weighted by each input's mean square")
+                      help="a file made by `calibrate` (the same checkpoint, any format): int8/int4/nl4 scales "
+                           "(and nl4's codes) are chosen to minimise the rounding error weighted by each input's "
+                           "mean square")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,

@@ -920,7 +920,7 @@ def check_roles(roles) -> dict:
 
 
 def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | None = None) -> dict:
-    """{tensor: importance [cols]} for the int8/int4 matrices a calibrate file covers (its columns
+    """{tensor: importance [cols]} for the int8/int4/nl4 matrices a calibrate file covers (its columns
     checked against the matrix), with a line saying how many; {} without a file."""
     if weights_of is None:
         return {}
@@ -938,7 +938,7 @@ def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | N
     if wanted and not out:
         raise ColibriError(f"{path}: none of its tensors is an int8/int4 matrix of this model: calibrated on another "
                            "model (run calibrate on a conversion of this checkpoint)")
-    log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4 matrices (the others, which no "
+    log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4/nl4 matrices (the others, which no "
         "calibration token reached, round to nearest)" + (note or ""))
     return out
 

@@ -187,3 +187,25 @@ def test_nl4_model_against_f32(tmp_path):
     ref = colibri.load(tmp_path / "f32").forward(ids)
     kl = {fmt: kl_mean(ref, colibri.load(tmp_path / fmt).forward(ids)) for fmt in ("nl4", "int4")}
     assert kl["nl4"] < 0.8 * kl["int4"], kl
+
+
+def test_nl4_out_of_its_layout_is_refused(tmp_path):
+    """nl4 exists only interleaved: a table entry that says rows is refused when the directory
+    opens, naming the tensor; convert and relayout refuse the layout flags that ask for it."""
+    import json
+    from colibri.convert import convert, relayout
+    from colibri.errors import ColibriError
+    hf = FIXTURES / "mixtral_a" / "hf"
+    with pytest.raises(ColibriError, match="nl4 is stored interleaved only"):
+        convert(hf, tmp_path / "x", quantize="nl4", expert_layout="rows", log=lambda *a: None)
+    assert not (tmp_path / "x").exists()
+    convert(hf, tmp_path / "nl4", quantize="nl4", log=lambda *a: None)
+    with pytest.raises(ColibriError, match="interleaved only"):
+        relayout(tmp_path / "nl4", tmp_path / "y", layout="transposed", log=lambda *a: None)
+    cfg_path = tmp_path / "nl4" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    name = next(n for n, t in cfg["tensors"].items() if t["dtype"] == "nl4")
+    cfg["tensors"][name]["layout"] = "rows"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ColibriError, match=f"{name}.*nl4 is stored interleaved only"):
+        ModelDir(tmp_path / "nl4")

@@ -23,13 +23,14 @@ from colibri.convert import convert
 from colibri.evaluate import evaluate
 
 VARIANTS = [("f32", "f32", None), ("bf16", "bf16", None), ("f16", "f16", None), ("int8", "int8", None),
-            ("int4", "int4", None), ("f32 + int16 norms", "f32", "int16"), ("int8 + int16 norms", "int8", "int16")]
+            ("int4", "int4", None), ("nl4", "nl4", None), ("f32 + int16 norms", "f32", "int16"), ("int8 + int16 norms", "int8", "int16")]
 BF16_PRODUCTS_VARIANT = "bf16, bf16 products (vdpbf16ps)"     # the bf16 directory, load(bf16_products="bf16")
 # --role variants: (label, --quantize, {role: format}); the bytes column is then the bytes a decoded
 # token reads (ModelDir.bytes_per_token), the figure decode speed follows
 ROLE_VARIANTS = [("int4", "int4", {}), ("int4, attention int8", "int4", {"attention": "int8"}),
                  ("int4, head int8", "int4", {"head": "int8"}),
                  ("int4, attention + head int8", "int4", {"attention": "int8", "head": "int8"}),
+                 ("nl4", "nl4", {}), ("nl4, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}),
                  ("int8, experts int4 (the embedding too at int8)", "int8", {"experts": "int4"}),
                  ("int8", "int8", {})]
 
