@@ -91,6 +91,8 @@ Outputs (OUT defaults to /work/demo_build)
 Usage
     python tools/train_demo.py                        # full run, ~35-41 min on one core
     python tools/train_demo.py --steps 20 --out /tmp/x  # smoke test
+    python tools/train_demo.py --out /work/demo2_build --seed 4321 --tokenizer bpe --expert-ffn 512 --steps 800
+                                                      # the second model of BENCHMARKS "nl4 against llama.cpp"
 
 Results (full run, 2026-11-29, from OUT/train_report.json)
     1250 steps in 2429 s of training (1.94 s/step: slower than the 1.64 s measured, because other
@@ -189,7 +191,9 @@ def chapter_text(ch) -> str:
 
 # -------------------------------------------------------------------------------------- tokenizer
 
-def train_tokenizer(verses, path: Path):
+def train_tokenizer(verses, path: Path, kind: str = "unigram"):
+    """kind "unigram" (the demo's), or "bpe": sentencepiece BPE with byte fallback, which llama.cpp's
+    tokenizer reproduces id for id (its llama vocabulary type), for side-by-side quality runs."""
     import io
 
     import sentencepiece as spm
@@ -198,7 +202,7 @@ def train_tokenizer(verses, path: Path):
     # model's trainer_spec, making tokenizer.model depend on --out.
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(verses), model_writer=buf, model_type="unigram",
+        sentence_iterator=iter(verses), model_writer=buf, model_type=kind, byte_fallback=kind == "bpe",
         vocab_size=VOCAB, character_coverage=1.0, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID,
         unk_id=UNK_ID, input_sentence_size=1_000_000, shuffle_input_sentence=False,
         max_sentence_length=4096, num_threads=1, minloglevel=2,
@@ -325,16 +329,22 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", default="/work/demo_build")
+    ap.add_argument("--seed", type=int, default=SEED, help="a second model: another seed")
+    ap.add_argument("--tokenizer", choices=("unigram", "bpe"), default="unigram",
+                    help="bpe: sentencepiece BPE with byte fallback (what llama.cpp tokenizes exactly)")
+    ap.add_argument("--expert-ffn", type=int, default=MODEL_CONFIG["intermediate_size"],
+                    help="the experts' intermediate size (512: whole 256-blocks for llama.cpp's k-quants)")
     args = ap.parse_args(argv)
+    MODEL_CONFIG["intermediate_size"] = args.expert_ffn
     t_start = time.perf_counter()
 
     import numpy as np
     import torch
     import torch.nn.functional as F
 
-    random.seed(SEED)
-    np.random.seed(SEED)
-    torch.manual_seed(SEED)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
 
@@ -358,11 +368,11 @@ def main(argv=None):
         f"held out {len(held)} chapters / {sum(len(t) + 1 for t in held_texts)} chars")
 
     # tokenizer
-    sp = train_tokenizer([v for c in train for v in c[2]], out / "tokenizer.model")
+    sp = train_tokenizer([v for c in train for v in c[2]], out / "tokenizer.model", args.tokenizer)
     train_stream = encode_docs(sp, train_texts)
     held_doc_tokens = [sp.EncodeAsIds(t) for t in held_texts]
     held_stream = encode_docs(sp, held_texts)
-    log(f"tokenizer: unigram {sp.GetPieceSize()} pieces; train {len(train_stream)} tokens "
+    log(f"tokenizer: {args.tokenizer} {sp.GetPieceSize()} pieces; train {len(train_stream)} tokens "
         f"({sum(map(len, train_texts)) / len(train_stream):.2f} chars/token), held out {len(held_stream)} tokens")
 
     # model
@@ -375,7 +385,7 @@ def main(argv=None):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                              {"params": no_decay, "weight_decay": 0.0}], lr=PEAK_LR, betas=BETAS, eps=1e-8)
     data = torch.tensor(train_stream, dtype=torch.long)
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(args.seed)
     aux_coef = model.config.router_aux_loss_coef
 
     model.train()
@@ -431,13 +441,13 @@ def main(argv=None):
                     heldout=[f"{c[0]} {c[1]}" for c in held],
                     train_chars=sum(map(len, train_texts)), heldout_chars=sum(len(t) + 1 for t in held_texts),
                     train_tokens=len(train_stream), heldout_tokens=len(held_stream)),
-        tokenizer=dict(type="sentencepiece unigram", vocab_size=sp.GetPieceSize(), pad_id=PAD_ID, bos_id=BOS_ID,
+        tokenizer=dict(type=f"sentencepiece {args.tokenizer}", vocab_size=sp.GetPieceSize(), pad_id=PAD_ID, bos_id=BOS_ID,
                        eos_id=EOS_ID, unk_id=UNK_ID),
         model=dict(MODEL_CONFIG, parameters=n_params, experts_implementation="eager",
                    attn_implementation_training="sdpa"),
         training=dict(steps=args.steps, batch=BATCH, context=CONTEXT, tokens_seen=args.steps * BATCH * CONTEXT,
                       optimizer="AdamW", peak_lr=PEAK_LR, min_lr=MIN_LR, warmup=min(WARMUP, max(1, args.steps // 10)),
-                      weight_decay=WEIGHT_DECAY, betas=list(BETAS), grad_clip=GRAD_CLIP, seed=SEED, threads=1,
+                      weight_decay=WEIGHT_DECAY, betas=list(BETAS), grad_clip=GRAD_CLIP, seed=args.seed, threads=1,
                       torch=torch.__version__),
         results=dict(final_train_loss=history[-1]["train_loss"] if history else None,
                      final_train_loss_note=f"mean cross-entropy of the last <= {LOG_EVERY} training steps",

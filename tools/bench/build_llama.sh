@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-quantize and llama-server (the reference engine of the
-# benchmarks; llama-server for tools/bench/serve_load.py) from
+# Build llama.cpp's llama-bench, llama-quantize, llama-server, llama-imatrix and llama-perplexity
+# (the reference engine of the benchmarks; llama-server for tools/bench/serve_load.py; imatrix and
+# perplexity for tools/bench/quant_vs_llama.py) from
 # the llama.cpp vendored in the llama-cpp-python sdist on PyPI, and install gguf-py (what
 # convert_hf_to_gguf.py needs). Everything goes to $BENCH_CACHE (default /work/bench_cache);
 # a finished build is reused.
@@ -17,7 +18,9 @@ SRC="$CACHE/llama_cpp_python-$VERSION"     # the sdist unpacks here
 BUILD="$CACHE/llama.cpp-build"
 mkdir -p "$CACHE/sdist"
 
-if [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ] && [ -x "$BUILD/bin/llama-server" ]; then
+TARGETS="llama-bench llama-quantize llama-server llama-imatrix llama-perplexity"
+if [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ] && [ -x "$BUILD/bin/llama-server" ] &&
+   [ -x "$BUILD/bin/llama-imatrix" ] && [ -x "$BUILD/bin/llama-perplexity" ]; then
     echo "[build_llama] already built: $BUILD/bin"
 else
     if [ ! -d "$SRC/vendor/llama.cpp" ]; then
@@ -31,7 +34,7 @@ else
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$BUILD" --target llama-bench llama-quantize llama-server -j "$JOBS"
+    cmake --build "$BUILD" --target $TARGETS -j "$JOBS"
 fi
 
 # convert_hf_to_gguf.py's imports: gguf (from the same tree, so versions match), numpy,
