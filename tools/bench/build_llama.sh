@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-quantize, llama-server, llama-imatrix and llama-perplexity
-# (the reference engine of the benchmarks; llama-server for tools/bench/serve_load.py; imatrix and
-# perplexity for tools/bench/quant_vs_llama.py) from
+# Build llama.cpp's llama-bench, llama-quantize, llama-server, llama-imatrix, llama-perplexity and
+# llama-tokenize (the reference engine of the benchmarks; llama-server for
+# tools/bench/serve_load.py; the last three for tools/bench/quant_vs_llama.py) from
 # the llama.cpp vendored in the llama-cpp-python sdist on PyPI, and install gguf-py (what
 # convert_hf_to_gguf.py needs). Everything goes to $BENCH_CACHE (default /work/bench_cache);
 # a finished build is reused.
@@ -18,9 +18,9 @@ SRC="$CACHE/llama_cpp_python-$VERSION"     # the sdist unpacks here
 BUILD="$CACHE/llama.cpp-build"
 mkdir -p "$CACHE/sdist"
 
-TARGETS="llama-bench llama-quantize llama-server llama-imatrix llama-perplexity"
+TARGETS="llama-bench llama-quantize llama-server llama-imatrix llama-perplexity llama-tokenize"
 if [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ] && [ -x "$BUILD/bin/llama-server" ] &&
-   [ -x "$BUILD/bin/llama-imatrix" ] && [ -x "$BUILD/bin/llama-perplexity" ]; then
+   [ -x "$BUILD/bin/llama-imatrix" ] && [ -x "$BUILD/bin/llama-perplexity" ] && [ -x "$BUILD/bin/llama-tokenize" ]; then
     echo "[build_llama] already built: $BUILD/bin"
 else
     if [ ! -d "$SRC/vendor/llama.cpp" ]; then
