@@ -577,7 +577,7 @@ def requantization_error(values: np.ndarray, dtype: str) -> float:
     if isinstance(values, quant.StoredMatrix):
         values = values.rows(slice(0, ERROR_SAMPLE_ROWS)).f32()
     v = np.asarray(values, np.float32)[:ERROR_SAMPLE_ROWS]
-    if dtype in quant.BLOCK_DTYPES and v.ndim == 2 and v.shape[1] % quant.QBLOCK == 0:
+    if (dtype in quant.BLOCK_DTYPES or dtype == "nl4") and v.ndim == 2 and v.shape[1] % quant.QBLOCK == 0:
         back = quant.dequantize(quant.quantize(v, dtype), dtype, v.shape[1])
     elif dtype in ("f16", "bf16"):
         back = from_storage(to_storage(v, dtype), dtype)

@@ -8,6 +8,8 @@ importance; and a whole model converted to nl4 against f32.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -209,3 +211,19 @@ def test_nl4_out_of_its_layout_is_refused(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ColibriError, match=f"{name}.*nl4 is stored interleaved only"):
         ModelDir(tmp_path / "nl4")
+
+
+def test_nl4_from_a_k_quant_gguf(tmp_path):
+    """A Q4_K_M GGUF converted to nl4: the blocks that are not Colibri's own are requantized, with
+    their error reported, and it is below int4's."""
+    from colibri.convert import convert
+    errors = {}
+    for fmt in ("nl4", "int4"):
+        lines = []
+        convert(None, tmp_path / fmt, quantize=fmt, gguf=FIXTURES / "gguf" / "mixtral_a-Q4_K_M.gguf", log=lines.append)
+        line = next(x for x in lines if "relative RMS error" in x)
+        assert f"stored in {fmt}" in line
+        errors[fmt] = [float(e) for e in re.findall(r"Q\w+ ([0-9.]+) \(", line)]
+    assert all(0 < n < 0.8 * i for n, i in zip(errors["nl4"], errors["int4"])), errors
+    ids = np.ascontiguousarray(reference("mixtral_a")["input_ids"], np.int32)
+    assert np.isfinite(colibri.load(tmp_path / "nl4").forward(ids)).all()
