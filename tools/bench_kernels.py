@@ -114,7 +114,7 @@ def main():
             read_buf = np.ones(nbytes // 8, np.uint64)
             _probes.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
             _probes.bench_read(read_buf, args.threads)
-            steps = other_steps() if layout != "rows" and dtype in ("int8", "int4") else []
+            steps = other_steps() if layout != "rows" and dtype in ("int8", "int4", "nl4") else []
             products = bf16_products_of(dtype, layout)
             kt, rt, st, bt = [], [], {k: [] for k in steps}, []
             x1 = x.reshape(1, -1)
