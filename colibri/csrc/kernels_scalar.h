@@ -24,7 +24,7 @@ enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 =
 #define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4 || (dtype) == CB_NL4)
 
 /* Bytes of one row of `cols` weights in `dtype` (int8/int4/mxfp4: cols % 32 == 0; nl4, which has
-no rows layout: 0, see cb_nl4_bytes). */
+ * no rows layout: 0, see cb_nl4_bytes). */
 static inline size_t cb_row_stride(int dtype, int cols) {
     switch (dtype) {
     case CB_NL4: return 0;
@@ -189,7 +189,7 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  */
 enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2, CB_N_LAYOUTS = 3 };   /* colibri._kernels.LAYOUT_CODES */
 
-/* Bytes of a transposed int8/int4 (or interleaved mxfp4) group of 8 outputs. */
+/* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4) group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
     return dtype == CB_INT8 ? sizeof(cb_group_int8) : dtype == CB_MXFP4 ? sizeof(cb_igroup_mxfp4)
          : dtype == CB_NL4 ? sizeof(cb_igroup_nl4) : sizeof(cb_group_int4);
