@@ -17,7 +17,7 @@ cdef extern from "kernels_scalar.h" nogil:
         signed char *q     # [n]
         float *d           # [n / 32]
         int32_t *s         # [n / 32] the sum of each block's q
-        int32_t *h         # [n / 32] the sum of each block's first 16 q
+        int32_t *nl4_off   # [2 * n / 32] -64 x the sums of each block's first and last 16 q
         int n
         float *xp          # [n] or NULL: the activation reordered for the bf16 tile
         uint16_t *xb       # [n] or NULL: the activation rounded to bf16 (bf16 products)
@@ -95,6 +95,7 @@ cdef extern from "dispatch.h" nogil:
 cdef extern from "quant.h":
     int CB_QBLOCK                # weights per block of the integer formats (32)
     int CB_TGROUP                # outputs per group of the transposed / interleaved layouts (8)
+    int CB_NL4_OFFSET            # nl4's codebook values + 64 are what the integer steps multiply
     ctypedef struct cb_block_int8:
         pass
     ctypedef struct cb_block_int4:

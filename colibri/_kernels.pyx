@@ -32,6 +32,7 @@ BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_
 GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
 INTERLEAVED_FORMATS = BLOCK_FORMATS
 QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)
+NL4_OFFSET = CB_NL4_OFFSET       # nl4's codes are multiplied as value + 64 (quant.h)
 NL4_SUB_MAX = CB_NL4_SUB_MAX     # nl4's quantizer keeps its six-bit scales in [-31, 31] (quantize_nl4.h)
 TGROUP = CB_TGROUP               # outputs per group of the transposed and interleaved layouts
 
@@ -240,14 +241,14 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 
 def act_specs(int rows, int cols, bint bf16_products=False):
     """{name: (shape, dtype)} of the arrays behind `rows` activation quantization scratches
-    (cb_act_q8) of up to `cols` values: q int8 [rows, cols], d float32, s and h int32 [rows, cols / 32
-    + 1], and xp float32 [rows, cols], the permuted input of the AVX-512 bf16 tile — left out where
+    (cb_act_q8) of up to `cols` values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32
+    + 1], nl4_off int32 [rows, 2 * (cols / 32 + 1)], and xp float32 [rows, cols], the permuted input of the AVX-512 bf16 tile — left out where
     no tier this CPU can run reads it (the drivers skip the permutation when xp is NULL); with
     bf16_products, xb uint16 [rows, cols]: the activations rounded to bf16, which make the drivers
     take bf16 products (vdpbf16ps) wherever the tier has them."""
     blocks = cols // 32 + 1
     specs = {"q": ((rows, cols), np.int8), "d": ((rows, blocks), np.float32), "s": ((rows, blocks), np.int32),
-             "h": ((rows, blocks), np.int32)}
+             "nl4_off": ((rows, 2 * blocks), np.int32)}
     if "avx512" in available_isas():
         specs["xp"] = ((rows, cols), np.float32)
     if bf16_products:
@@ -255,11 +256,11 @@ def act_specs(int rows, int cols, bint bf16_products=False):
     return specs
 
 
-ACT_ARRAYS = ("q", "d", "s", "h", "xp", "xb")     # the order of act_arrays' list (bind_acts reads it)
+ACT_ARRAYS = ("q", "d", "s", "nl4_off", "xp", "xb")     # the order of act_arrays' list (bind_acts reads it)
 
 
 def act_arrays(int rows, int cols, bint bf16_products=False):
-    """[q, d, s, h, xp or None, xb or None]: the arrays of act_specs, zero-filled in one region from
+    """[q, d, s, nl4_off, xp or None, xb or None]: the arrays of act_specs, zero-filled in one region from
     colibri._os."""
     a = arena(act_specs(rows, cols, bf16_products))
     return [a.get(name) for name in ACT_ARRAYS]
@@ -274,7 +275,7 @@ def has_bf16_products():
 cdef cb_act_q8 *bind_acts(list arrays) except NULL:
     """A calloc'd cb_act_q8 [rows] (free() it) pointing into the arrays of act_arrays (ACT_ARRAYS
     order), which must outlive it."""
-    q, d, s, h, xp, xb = arrays
+    q, d, s, nl4_off, xp, xb = arrays
     cdef int t, rows = q.shape[0]
     cdef cb_act_q8 *acts = <cb_act_q8 *>calloc(max(rows, 1), sizeof(cb_act_q8))
     if acts == NULL:
@@ -283,7 +284,7 @@ cdef cb_act_q8 *bind_acts(list arrays) except NULL:
         acts[t].q = <signed char *><uintptr_t>q[t].ctypes.data
         acts[t].d = <float *><uintptr_t>d[t].ctypes.data
         acts[t].s = <int32_t *><uintptr_t>s[t].ctypes.data
-        acts[t].h = <int32_t *><uintptr_t>h[t].ctypes.data
+        acts[t].nl4_off = <int32_t *><uintptr_t>nl4_off[t].ctypes.data
         acts[t].n = 0
         acts[t].xp = NULL if xp is None else <float *><uintptr_t>xp[t].ctypes.data
         acts[t].xb = NULL if xb is None else <uint16_t *><uintptr_t>xb[t].ctypes.data

@@ -335,25 +335,26 @@ def kernel_attention_softmax(x):
 
 
 def kernel_quantize_act(const float[::1] x):
-    """(q int8 [n], d float32 [n / 32], s int32 [n / 32], h int32 [n / 32]): the current tier's
-    per-block activation quantization (s: each block's sum of q, h: of its first 16)."""
+    """(q int8 [n], d float32 [n / 32], s int32 [n / 32], nl4_off int32 [n / 32, 2]): the current
+    tier's per-block activation quantization (s: each block's sum of q; nl4_off: -64 x the sums
+    of its first and last 16)."""
     cdef int n = x.shape[0]
     if n % 32:
         raise ValueError(f"activations are quantized in blocks of 32, got {n} values")
     q = np.zeros(max(n, 32), np.int8)
     d = np.zeros(max(n // 32, 1), np.float32)
     s = np.zeros(max(n // 32, 1), np.int32)
-    h = np.zeros(max(n // 32, 1), np.int32)
+    off = np.zeros(2 * max(n // 32, 1), np.int32)
     cdef cb_act_q8 act
     act.q = <signed char *><uintptr_t>q.ctypes.data
     act.d = <float *><uintptr_t>d.ctypes.data
     act.s = <int32_t *><uintptr_t>s.ctypes.data
-    act.h = <int32_t *><uintptr_t>h.ctypes.data
+    act.nl4_off = <int32_t *><uintptr_t>off.ctypes.data
     act.xp = NULL
     act.xb = NULL
     if n:
         kernels.quantize_act(&act, &x[0], n)
-    return q[:n], d[:n // 32], s[:n // 32], h[:n // 32]
+    return q[:n], d[:n // 32], s[:n // 32], off[:2 * (n // 32)].reshape(-1, 2)
 
 
 def kernel_dequant_row(w, int row, int cols, str dtype, str layout="rows"):

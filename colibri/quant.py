@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import LAYOUT_CODES, NL4_SUB_MAX, QBLOCK, TGROUP, quantize_nl4    # the C definitions (csrc/quant.h, kernels_scalar.h)
+from ._kernels import LAYOUT_CODES, NL4_OFFSET, NL4_SUB_MAX, QBLOCK, TGROUP, quantize_nl4    # the C definitions (csrc/quant.h, kernels_scalar.h)
 
 BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),

@@ -71,9 +71,9 @@ def _quantize_act(x):
 def test_activation_quantization_is_the_scalar_one_bit_for_bit(isa, x):
     """Every tier quantizes activations to exactly the bytes and scales of the scalar reference
     (numpy mirror: d = amax / 127, q = rint(x * (1 / d)), tiny blocks zero), ties and signed
-    zeros included; and each block's sum of q (what unsigned weights take off) and of its first
-    16 (nl4's low half)."""
-    q, d, sums, halves = _probes.kernel_quantize_act(x)
+    zeros included; and each block's sum of q (what unsigned weights take off) and -64 times the
+    sums of its halves (nl4's offsets)."""
+    q, d, sums, nl4_off = _probes.kernel_quantize_act(x)
     b = x.reshape(-1, 32)
     amax = np.abs(b).max(axis=1) if len(b) else np.zeros(0, np.float32)
     ref_d = np.where(amax >= np.float32(1e-30), amax / np.float32(127), 0).astype(np.float32)
@@ -82,7 +82,8 @@ def test_activation_quantization_is_the_scalar_one_bit_for_bit(isa, x):
     np.testing.assert_array_equal(d, ref_d)
     np.testing.assert_array_equal(q, ref_q)
     np.testing.assert_array_equal(sums, ref_q.reshape(-1, 32).astype(np.int64).sum(axis=1))
-    np.testing.assert_array_equal(halves, ref_q.reshape(-1, 32)[:, :16].astype(np.int64).sum(axis=1))
+    halves = ref_q.reshape(-1, 2, 16).astype(np.int64).sum(axis=2)
+    np.testing.assert_array_equal(nl4_off, -quant.NL4_OFFSET * halves)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

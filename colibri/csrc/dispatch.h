@@ -653,7 +653,7 @@ static int cb_self_test_step(int isa, int step) {
     static uint8_t w[R * C * 4];                        /* the largest: f32 */
     static float x[N * C], ref[N * R], got[N * R], xp[N * C], ad[N * C / CB_QBLOCK];
     static int8_t aq[N * C];
-    static int32_t as[N * C / CB_QBLOCK], ah[N * C / CB_QBLOCK];
+    static int32_t as[N * C / CB_QBLOCK], aoff[2 * N * C / CB_QBLOCK];
     static float kc[KV * RING * HD], vc[KV * RING * HD], q[HEADS * HD], sinks[HEADS], sc[HEADS * (RING + 1)];
     static uint16_t kc16[KV * RING * HD], vc16[KV * RING * HD];
     static float gate[3 * C], up[3 * C], gref[3 * C];
@@ -663,7 +663,7 @@ static int cb_self_test_step(int isa, int step) {
     if (cb_select_kernels(isa, step) != 0) return -1;
     for (int t = 0; t < N; t++) {
         acts[t].q = aq + t * C; acts[t].d = ad + t * (C / CB_QBLOCK); acts[t].s = as + t * (C / CB_QBLOCK);
-        acts[t].h = ah + t * (C / CB_QBLOCK); acts[t].n = 0; acts[t].xp = xp + t * C; acts[t].xb = NULL;
+        acts[t].nl4_off = aoff + t * 2 * (C / CB_QBLOCK); acts[t].n = 0; acts[t].xp = xp + t * C; acts[t].xb = NULL;
     }
     for (int i = 0; i < N * C; i++) x[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
     for (int dtype = 0; dtype < CB_N_DTYPES; dtype++)

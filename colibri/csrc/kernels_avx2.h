@@ -121,7 +121,9 @@ CB_TARGET_AVX2 static void cb_quantize_act_avx2(cb_act_q8 *a, const float *x, in
         a->s[b] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
         __m128i h4 = _mm256_castsi256_si128(s32);                 /* lanes 0..3: elements 0..15 */
         h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4E));
-        a->h[b] = _mm_cvtsi128_si32(_mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1)));
+        const int32_t half = _mm_cvtsi128_si32(_mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1)));
+        a->nl4_off[2 * b] = -CB_NL4_OFFSET * half;
+        a->nl4_off[2 * b + 1] = -CB_NL4_OFFSET * (a->s[b] - half);
     }
     a->n = n;
 }
@@ -967,13 +969,13 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
     const size_t gbytes = cb_group_bytes(dtype);
     const int8_t *xq[4];
     const float *xd[4];
-    const int32_t *xs[4], *xlow[4];
+    const int32_t *xs[4], *xoff[4];
     __m256 acc[4];
     for (int j = 0; j < T; j++) {       /* locals: out's stores could alias int8_t (cb_tpacked_group_avx2) */
         xq[j] = acts[j].q;
         xd[j] = acts[j].d;
         xs[j] = acts[j].s;
-        xlow[j] = acts[j].h;
+        xoff[j] = acts[j].nl4_off;
         acc[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
     }
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
@@ -992,8 +994,8 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
         } else if (dtype == CB_NL4) {      /* two chains, int32 at once: a vector's pair sums reach 30480 */
             __m256i hsum[4];
             for (int j = 0; j < T; j++) {
-                isum[j] = _mm256_set1_epi32(-CB_NL4_OFFSET * xlow[j][kb]);
-                hsum[j] = _mm256_set1_epi32(-CB_NL4_OFFSET * (xs[j][kb] - xlow[j][kb]));
+                isum[j] = _mm256_set1_epi32(xoff[j][2 * kb]);
+                hsum[j] = _mm256_set1_epi32(xoff[j][2 * kb + 1]);
             }
             for (int v = 0; v < 4; v++) {
                 __m256i lo, hi;
@@ -1054,7 +1056,7 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
     const size_t gbytes = cb_group_bytes(dtype);
     const int8_t *xq = act->q;
     const float *xd = act->d;
-    const int32_t *xs = act->s, *xlow = act->h;
+    const int32_t *xs = act->s, *xoff = act->nl4_off;
     __m256 acc[4];
     for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
     for (int kb = 0; kb < nb; kb++, gp += gbytes) {
@@ -1073,8 +1075,8 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
         } else if (dtype == CB_NL4) {      /* as cb_igroup_avx2's nl4 branch */
             __m256i hsum[4];
             for (int k = 0; k < G; k++) {
-                isum[k] = _mm256_set1_epi32(-CB_NL4_OFFSET * xlow[kb]);
-                hsum[k] = _mm256_set1_epi32(-CB_NL4_OFFSET * (xs[kb] - xlow[kb]));
+                isum[k] = _mm256_set1_epi32(xoff[2 * kb]);
+                hsum[k] = _mm256_set1_epi32(xoff[2 * kb + 1]);
             }
             for (int v = 0; v < 4; v++) {
                 const __m256i xl = CB_BCAST4(x + 4 * v), xhi = CB_BCAST4(x + 16 + 4 * v);

@@ -40,7 +40,7 @@
  * inputs 0..15 (the low nibbles) have scale sc_lo[r], inputs 16..31 (the high ones) sc_hi[r], so
  * the two chains the kernels already keep for the low and high nibbles each take their own
  * scale. The kernels shuffle a code to cb_nl4_u64 (its value + 64, unsigned) and take 64 times
- * each half's activation sum off (cb_act_q8.s and .h). After the matrix's groups come its `rows`
+ * each half's activation sum off (cb_act_q8.nl4_off). After the matrix's groups come its `rows`
  * f32 row scales, which multiply each output once, when its sum is complete (dispatch.h).
  *
  * Activations multiplied against integer weights are quantized per block of 32 to int8 with a
@@ -181,8 +181,9 @@ typedef struct {
     float *d;       /* [n / 32] */
     int32_t *s;     /* [n / 32] the sum of each block's q: what unsigned weights (int4's nibbles,
                        w + 8; VNNI's int8, w + 128) take off, times 8 or 128 */
-    int32_t *h;     /* [n / 32] the sum of each block's first 16 q (nl4's low half; the high half's
-                       is s - h) */
+    int32_t *nl4_off; /* [2 * n / 32] per block -64 x the sum of its first 16 q, then -64 x the sum
+                       of its last 16: what nl4's codes + 64 take off in each half, ready to
+                       broadcast (the prefill's 4-token tiles would recompute them per group) */
     int n;
     float *xp;      /* [n] or NULL: the float activation reordered for the AVX-512 bf16 tile */
     uint16_t *xb;   /* [n] or NULL: the activation rounded to bf16 for bf16 products (vdpbf16ps),
@@ -208,7 +209,8 @@ static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
             if (j == CB_QBLOCK / 2 - 1) half = sum;
         }
         a->s[b] = sum;
-        a->h[b] = half;
+        a->nl4_off[2 * b] = -CB_NL4_OFFSET * half;
+        a->nl4_off[2 * b + 1] = -CB_NL4_OFFSET * (sum - half);
     }
     a->n = n;
 }

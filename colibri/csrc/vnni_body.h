@@ -127,21 +127,21 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
     const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET : 8;
     const int8_t *xq[4];
     const float *xd[4];
-    const int32_t *xs[4], *xlow[4];
+    const int32_t *xs[4], *xoff[4];
     __m256 acc[4];
     for (int j = 0; j < T; j++) {
         xq[j] = acts[j].q;
         xd[j] = acts[j].d;
         xs[j] = acts[j].s;
-        xlow[j] = acts[j].h;
+        xoff[j] = acts[j].nl4_off;
         acc[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo);
     }
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         __m256i even[4], odd[4];
         for (int j = 0; j < T; j++) {
             if (dtype == CB_NL4) {          /* the low and high halves, each with its own offset sum */
-                even[j] = _mm256_set1_epi32(-offset * xlow[j][kb]);
-                odd[j] = _mm256_set1_epi32(-offset * (xs[j][kb] - xlow[j][kb]));
+                even[j] = _mm256_set1_epi32(xoff[j][2 * kb]);
+                odd[j] = _mm256_set1_epi32(xoff[j][2 * kb + 1]);
             } else {
                 even[j] = _mm256_set1_epi32(-offset * xs[j][kb]);
                 odd[j] = _mm256_setzero_si256();
@@ -200,8 +200,8 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
         __m256i even[4], odd[4];
         for (int k = 0; k < G; k++) {
             if (dtype == CB_NL4) {
-                even[k] = _mm256_set1_epi32(-offset * act->h[kb]);
-                odd[k] = _mm256_set1_epi32(-offset * (act->s[kb] - act->h[kb]));
+                even[k] = _mm256_set1_epi32(act->nl4_off[2 * kb]);
+                odd[k] = _mm256_set1_epi32(act->nl4_off[2 * kb + 1]);
             } else {
                 even[k] = _mm256_set1_epi32(-offset * act->s[kb]);
                 odd[k] = _mm256_setzero_si256();
