@@ -96,6 +96,7 @@ cdef extern from "quant.h":
     int CB_QBLOCK                # weights per block of the integer formats (32)
     int CB_TGROUP                # outputs per group of the transposed / interleaved layouts (8)
     int CB_NL4_OFFSET            # nl4's codebook values + 64 are what the integer steps multiply
+    int CB_NL4_SCALE_BIAS        # a stored six-bit nl4 scale is sub + 32
     ctypedef struct cb_block_int8:
         pass
     ctypedef struct cb_block_int4:

@@ -33,6 +33,7 @@ GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_
 INTERLEAVED_FORMATS = BLOCK_FORMATS
 QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)
 NL4_OFFSET = CB_NL4_OFFSET       # nl4's codes are multiplied as value + 64 (quant.h)
+NL4_SCALE_BIAS = CB_NL4_SCALE_BIAS   # a stored six-bit nl4 scale is sub + 32, sub in [-32, 31]
 NL4_SUB_MAX = CB_NL4_SUB_MAX     # nl4's quantizer keeps its six-bit scales in [-31, 31] (quantize_nl4.h)
 TGROUP = CB_TGROUP               # outputs per group of the transposed and interleaved layouts
 

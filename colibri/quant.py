@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import LAYOUT_CODES, NL4_OFFSET, NL4_SUB_MAX, QBLOCK, TGROUP, quantize_nl4    # the C definitions (csrc/quant.h, kernels_scalar.h)
+from ._kernels import LAYOUT_CODES, NL4_OFFSET, NL4_SCALE_BIAS, NL4_SUB_MAX, QBLOCK, TGROUP, quantize_nl4    # the C definitions (csrc/quant.h, kernels_scalar.h)
 
 BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),
@@ -57,7 +57,6 @@ LAYOUTS = tuple(LAYOUT_CODES)
 
 # nl4 (csrc/quant.h: cb_nl4_int, cb_igroup_nl4)
 NL4_VALUES = np.array([-64, -52, -42, -32, -24, -18, -11, -5, 0, 6, 12, 19, 26, 34, 44, 56], np.float32)
-NL4_SCALE_BIAS = 32                    # a stored six-bit scale is sub + 32; sub in [-32, 31]
 NL4_BLOCK = np.dtype([("sc", "u1", (2,)), ("qs", "u1", (QBLOCK // 2,))])     # the rows form's block
 NL4_GROUP = np.dtype([("sc", "u1", (12,)), ("qs", "u1", (4, TGROUP, 4))])   # cb_igroup_nl4: 140 bytes
 
@@ -150,18 +149,13 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
     least weighted error (_weighted_scales), else round to nearest from the largest magnitude
     (int4: q4_0's recipe, byte for byte)."""
     b = _blocks(w)                                                  # [rows, nblocks, 32]
-    if dtype == "nl4":
-        if importance is not None:
-            importance = np.asarray(importance)
-            if importance.shape != (b.shape[1] * QBLOCK,) or not np.isfinite(importance).all() or (importance < 0).any():
-                raise ValueError(f"importance must be {b.shape[1] * QBLOCK} finite values >= 0, got shape "
-                                 f"{importance.shape}")
-        return _quantize_nl4(b, importance)
     if importance is not None:
         importance = np.asarray(importance)
         if importance.shape != (b.shape[1] * QBLOCK,) or not np.isfinite(importance).all() or (importance < 0).any():
             raise ValueError(f"importance must be {b.shape[1] * QBLOCK} finite values >= 0, got shape "
                              f"{importance.shape}")
+    if dtype == "nl4":
+        return _quantize_nl4(b, importance)
     out = np.zeros(b.shape[:2], BLOCK_DTYPES[dtype])
     if dtype == "int8":
         d = _f16_scale((np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32))
