@@ -716,7 +716,9 @@ cdef class Engine:
             "x": ((cap, d), f32), "xb": ((cap, d), f32), "xb2": ((cap, d), f32),
             "q": ((cap, q_dim), f32), "att": ((cap, q_dim), f32),
             "k": ((cap, kv_dim), f32), "v": ((cap, kv_dim), f32),
-            "scores": ((self.h.n_heads, n_ctx + 1), f32),
+            # the attention's scores: a row per head (decode), or per thread a block of queries'
+            "scores": ((kernels.cb_attention_score_rows(self.h.n_heads, self.h.n_threads) if cap > 1
+                        else self.h.n_heads, n_ctx + 1), f32),
             "rx": ((cap, d), f32), "xe": ((cap, d), f32), "xm": ((cap, d), f32),
             "mla_qa": ((cap, q_lora), f32), "mla_q": ((cap, mla_q), f32), "mla_o": ((cap, mla_o), f32),
             "router": ((cap, n_experts), f32),

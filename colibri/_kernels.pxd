@@ -88,6 +88,7 @@ cdef extern from "dispatch.h" nogil:
                       const void *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
                       int n_ctx, int n, int pos0, int window, int ring, float scale, const float *sinks,
                       int n_threads, int kv)
+    int cb_attention_score_rows(int n_heads, int n_threads)
     void cb_kv_store(void *dst, const float *src, int n, int kv)
     int CB_KV_F32                # the KV cache's element types (a load option: kv_cache)
     int CB_KV_F16

@@ -12,6 +12,7 @@ from libc.stdlib cimport free
 from libc.math cimport sqrtf
 
 cimport colibri._kernels as kernels
+from colibri._kernels cimport cb_attention_score_rows
 cimport colibri._routing as routing
 from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, cb_block_mxfp4, cb_igroup_int8,
                                cb_igroup_int4, cb_igroup_mxfp4, cb_f16_to_f32_exact, cb_row_stride,
@@ -141,6 +142,47 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
             for layer in range(n_layers):
                 kernels.attention(&o[0, 0], 0, &q[0, 0], 0, kp + layer * layer_bytes, vp + layer * layer_bytes, &sc[0, 0],
                                   n_heads, n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, NULL, n_threads, code)
+    return time.perf_counter() - t0
+
+
+def bench_attention_prompt(q, k_cache, v_cache, int pos0, int n_threads, int reps, bint one_at_a_time=False,
+                           str kv="f32"):
+    """Seconds for `reps` attentions of a prompt chunk: q float32 [n, n_heads, head_dim] at
+    positions pos0.. against engine-order caches [n_kv_heads, ring >= pos0 + n, head_dim], through
+    cb_attention as the engine's prefill calls it (n queries, blocks sharing the cache rows), or
+    with one_at_a_time as decode calls it (n calls of one query): what tools/bench_kernels.py
+    --prompt-attention times."""
+    import time
+    qa = np.ascontiguousarray(q, np.float32)
+    kv_type = _kv_type(kv)
+    ka = np.ascontiguousarray(k_cache, kv_type)
+    va = np.ascontiguousarray(v_cache, kv_type)
+    if qa.ndim != 3 or ka.ndim != 3 or va.shape != ka.shape or ka.shape[2] != qa.shape[2] \
+            or qa.shape[1] % ka.shape[0] or pos0 < 0 or pos0 + qa.shape[0] > ka.shape[1] or reps < 1:
+        raise ValueError("bench_attention_prompt: q [n, n_heads, head_dim], caches [n_kv_heads, ring, head_dim], "
+                         "pos0 + n <= ring, reps >= 1")
+    cdef int n = qa.shape[0], n_heads = qa.shape[1], head_dim = qa.shape[2], n_kv = ka.shape[0], ring = ka.shape[1]
+    cdef int n_ctx = ring, r, t, ld = n_heads * head_dim
+    out = np.zeros((n, n_heads, head_dim), np.float32)
+    scores = np.zeros((cb_attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
+    cdef float *o = <float *><uintptr_t>out.ctypes.data
+    cdef float *sc = <float *><uintptr_t>scores.ctypes.data
+    cdef const float *qp = <const float *><uintptr_t>qa.ctypes.data
+    cdef const void *kp = <const void *><uintptr_t>ka.ctypes.data
+    cdef const void *vp = <const void *><uintptr_t>va.ctypes.data
+    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
+    cdef float scale = 1.0 / sqrtf(head_dim)
+    cdef bint one = one_at_a_time
+    t0 = time.perf_counter()
+    with nogil:
+        for r in range(reps):
+            if one:
+                for t in range(n):
+                    kernels.attention(o + <size_t>t * ld, ld, qp + <size_t>t * ld, ld, kp, vp, sc, n_heads, n_kv,
+                                      head_dim, n_ctx, 1, pos0 + t, 0, ring, scale, NULL, n_threads, code)
+            else:
+                kernels.attention(o, ld, qp, ld, kp, vp, sc, n_heads, n_kv, head_dim, n_ctx, n, pos0, 0, ring, scale,
+                                  NULL, n_threads, code)
     return time.perf_counter() - t0
 
 
@@ -310,6 +352,45 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
         kernels.attention(&o[0, 0], 0, &qv[0, 0], 0, kp, vp, &sc[0, 0], n_heads, n_kv_heads, head_dim,
                      n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), sink_ptr,
                      n_threads, code)
+    return out
+
+
+def kernel_attention_prompt(q, k_cache, v_cache, int n_kv_heads, int pos0, int window=0, int n_threads=1,
+                            sinks=None, str kv="f32"):
+    """A prompt's causal attention through the tier's kernel (cb_attention with n queries, the
+    engine's prefill call): q float32 [n, n_heads, head_dim] for positions pos0 .. pos0 + n - 1,
+    their keys and values already in the engine-order caches float32 [n_kv_heads, ring,
+    head_dim] (position p in row p % ring); window > 0: each query sees its last `window`
+    positions; sinks and kv as kernel_attention. -> [n, n_heads, head_dim]."""
+    qa = np.ascontiguousarray(q, np.float32)
+    if qa.ndim != 3 or np.ndim(k_cache) != 3 or n_kv_heads < 1 or qa.shape[1] % n_kv_heads:
+        raise ValueError("kernel_attention_prompt: q [n, n_heads, head_dim], caches [n_kv_heads, ring, head_dim]")
+    cdef int n = qa.shape[0], n_heads = qa.shape[1], head_dim = qa.shape[2], ring = np.shape(k_cache)[1]
+    if np.shape(k_cache) != (n_kv_heads, ring, head_dim) or np.shape(v_cache) != np.shape(k_cache) or n < 1:
+        raise ValueError("kernel_attention_prompt: caches [n_kv_heads, ring, head_dim], n >= 1")
+    cdef int n_ctx = pos0 + n
+    if pos0 < 0 or window < 0 or (ring < n_ctx and not (window > 0 and ring >= window + n - 1)):
+        raise ValueError("kernel_attention_prompt: the ring must hold every query's positions")
+    kv_type = _kv_type(kv)
+    ka = np.ascontiguousarray(k_cache, kv_type)
+    va = np.ascontiguousarray(v_cache, kv_type)
+    out = np.zeros((n, n_heads, head_dim), np.float32)
+    scores = np.zeros((cb_attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
+    sink_array = None if sinks is None else np.ascontiguousarray(sinks, np.float32).reshape(-1)
+    if sink_array is not None and sink_array.shape[0] != n_heads:
+        raise ValueError("kernel_attention_prompt: sinks [n_heads]")
+    cdef const float *sink_ptr = NULL
+    if sink_array is not None:
+        sink_ptr = <const float *><uintptr_t>sink_array.ctypes.data
+    cdef float *o = <float *><uintptr_t>out.ctypes.data
+    cdef float *sc = <float *><uintptr_t>scores.ctypes.data
+    cdef const float *qp = <const float *><uintptr_t>qa.ctypes.data
+    cdef const void *kp = <const void *><uintptr_t>ka.ctypes.data
+    cdef const void *vp = <const void *><uintptr_t>va.ctypes.data
+    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
+    with nogil:
+        kernels.attention(o, n_heads * head_dim, qp, n_heads * head_dim, kp, vp, sc, n_heads, n_kv_heads, head_dim,
+                          n_ctx, n, pos0, window, ring, 1.0 / sqrtf(head_dim), sink_ptr, n_threads, code)
     return out
 
 

@@ -340,6 +340,45 @@ def test_attention_matches_numpy(isa, case, threads):
         assert np.all(np.abs(got[h] - ref) <= bound), h
 
 
+@st.composite
+def prompt_attention_case(draw):
+    """A prompt's queries (n of them, across the 8-query blocks) at positions pos0.., full
+    attention over n_ctx = pos0 + n rows or a sliding window over a ring of window + n - 1 rows;
+    head_dim a multiple of 8 or not, groups of 1..9 query heads per KV head."""
+    kv, group = draw(st.integers(1, 2)), draw(st.integers(1, 9))
+    hd = draw(st.sampled_from([8, 12, 64, 128]))
+    n = draw(st.integers(1, 20))
+    pos0 = draw(st.integers(0, 60))
+    window = draw(st.sampled_from([0, 0, 1, 5, 17]))
+    ring = pos0 + n if window == 0 else max(window + n - 1, 1)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((n, kv * group, hd), dtype=np.float32)
+    k = rng.standard_normal((kv, ring, hd), dtype=np.float32)
+    v = rng.standard_normal((kv, ring, hd), dtype=np.float32)
+    sinks = rng.uniform(-6, 6, kv * group).astype(np.float32) if draw(st.booleans()) else None
+    return q, k, v, kv, pos0, window, sinks, draw(st.sampled_from(["f32", "f16"]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt_attention_case(), st.sampled_from([1, 2]))
+def test_a_prompts_attention_is_decoding_each_query_bit_for_bit(isa, case, threads):
+    """cb_attention over n queries (blocks of 8 with the cache rows shared, threads taking the
+    (head group, block) pairs) gives each query exactly the bits of attending it alone, as decode
+    does: with sliding windows, sinks, both cache types and every tier."""
+    q, k, v, kv, pos0, window, sinks, kvt = case
+    n, heads, hd = q.shape
+    ring = k.shape[1]
+    got = _probes.kernel_attention_prompt(q, k, v, kv, pos0, window, threads, sinks, kvt)
+    rows = np.arange(ring)
+    for t in range(n):
+        pos = pos0 + t
+        start = max(pos - window + 1, 0) if window else 0
+        # kernel_attention's [ring, kv * hd] form of the same cache, position p in row p % ring
+        flat_k, flat_v = (np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(ring, kv * hd) for a in (k, v))
+        one = _probes.kernel_attention(q[t], flat_k[rows], flat_v[rows], kv, start, pos, threads, sinks, kvt)
+        np.testing.assert_array_equal(got[t], one, err_msg=f"query {t} at {pos}")
+
+
 def test_attention_takes_caches_in_the_engine_order(isa):
     """kernel_attention on caches already [n_kv_heads, ring, head_dim] (what bench_attention times)
     gives the bits of the [ring, n_kv_heads * head_dim] form; bench_attention refuses other shapes."""

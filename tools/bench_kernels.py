@@ -30,11 +30,18 @@ VNNI step is left out), also in the matvec table.
                                   [--layouts rows,transposed,interleaved]
     python tools/bench_kernels.py --sweep 1,2,4,8,32,128 --layouts transposed,interleaved
     python tools/bench_kernels.py --attention 256,1024,4096
+    python tools/bench_kernels.py --prompt-attention 512,4096,16384
 
 --attention: decode's attention alone, per context length: one query of a Mixtral-shaped model
 (16 layers, 16 heads over 4 KV heads, head_dim 64) against every layer's f32 KV cache (32 KB per
 position), GB/s of cache read next to the plain read of a buffer of the same size, interleaved.
 (interleaved is for int8/int4: the float formats skip it.)
+
+--prompt-attention: a prompt chunk's attention alone, per context length: the last 128 queries of
+a prompt of that length in one layer of Qwen3-MoE's shape (32 heads over 4 KV heads, head_dim 128),
+as prefill computes them (blocks of queries sharing the cache rows) and one query at a time (as
+decoding them would; the same bits), f32 and f16 caches, GFLOP/s (4 x heads x head_dim per query
+and position) next to the FMA peak measured in the same run.
 """
 from __future__ import annotations
 
@@ -84,6 +91,8 @@ def main():
                          "[3584, 1024] int8/int4 matrix per token count, each layout's GB/s and the ratio to the first")
     ap.add_argument("--attention", default=None,
                     help="context lengths, e.g. 256,1024,4096: only decode's attention over a 16-layer KV cache")
+    ap.add_argument("--prompt-attention", default=None,
+                    help="context lengths, e.g. 512,4096,16384: only a prompt chunk's attention (Qwen3-MoE's heads)")
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
@@ -93,6 +102,9 @@ def main():
         return
     if args.attention:
         attention_table(args, rng, [int(n) for n in args.attention.split(",")])
+        return
+    if args.prompt_attention:
+        prompt_attention_table(args, rng, [int(n) for n in args.prompt_attention.split(",")])
         return
     llc = last_level_cache_bytes()
     if args.mb is None:          # "from memory" must be past the caches: a 300 MB L3 holds a 512 MB matrix's third
@@ -184,6 +196,34 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
         print(f"{n:9d} {nbytes / 1e6:7.1f} {a * 1e3:8.3f} {h * 1e3:8.3f} {a / h:8.2f} {nbytes / a / 1e9:9.1f} "
               f"{nbytes / 2 / h / 1e9:9.1f} {nbytes / r / 1e9:10.1f} {r / a:12.2f}")
         del k, v, k16, v16, read_buf
+
+
+def prompt_attention_table(args, rng, lengths, chunk=128, kv_heads=4, heads=32, head_dim=128):
+    """A prompt chunk's attention (cb_attention, n = chunk queries ending at each length) as the
+    block kernel computes it and one query at a time, f32 and f16 caches, interleaved."""
+    peak = best_rate("fma", args.threads)
+    print(f"tier {_kernels.isa()}, {args.threads} threads, the last {chunk} queries of a prompt, {heads} heads / "
+          f"{kv_heads} KV heads x head_dim {head_dim}; median of {args.repeat}, interleaved; FMA peak "
+          + (f"{peak:.0f} GFLOP/s" if peak else "n/a"))
+    print(f"{'positions':>9} {'cache':>5} {'block GFLOP/s':>14} {'one at a time':>14} {'block / one':>12} "
+          f"{'block of peak':>14}")
+    for n in lengths:
+        k = rng.standard_normal((kv_heads, n, head_dim), dtype=np.float32)
+        v = rng.standard_normal((kv_heads, n, head_dim), dtype=np.float32)
+        q = rng.standard_normal((chunk, heads, head_dim), dtype=np.float32)
+        pos0 = n - chunk
+        flop = 4 * heads * head_dim * sum(pos0 + t + 1 for t in range(chunk))
+        for kv in ("f32", "f16"):
+            kc, vc = (k, v) if kv == "f32" else (k.astype(np.float16), v.astype(np.float16))
+            reps = max(1, int(2e10 / flop))
+            _probes.bench_attention_prompt(q, kc, vc, pos0, args.threads, 1, False, kv)      # warm
+            block, one = [], []
+            for _ in range(args.repeat):
+                block.append(_probes.bench_attention_prompt(q, kc, vc, pos0, args.threads, reps, False, kv) / reps)
+                one.append(_probes.bench_attention_prompt(q, kc, vc, pos0, args.threads, reps, True, kv) / reps)
+            b, o = flop / statistics.median(block) / 1e9, flop / statistics.median(one) / 1e9
+            print(f"{n:9d} {kv:>5} {b:14.1f} {o:14.1f} {b / o:12.2f} " + (f"{b / peak:14.2f}" if peak else f"{'':>14}"))
+        del k, v, q
 
 
 def bf16_products_of(dtype, layout):

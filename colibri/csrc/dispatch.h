@@ -14,6 +14,9 @@
 #include <stdlib.h>
 
 #include "cpu.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include "kernels_scalar.h"
 #include "kernels_avx2.h"
 #include "kernels_avx512.h"
@@ -72,6 +75,7 @@ typedef struct {
     void (*quantize)(cb_act_q8 *a, const float *x, int n);       /* activations for int8/int4 */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
+    cb_attend_block_fn attend_block;    /* a prompt's block of queries, each exactly as attend */
     cb_kv_store_fn kv_store;        /* a key or value row into the cache, in its element type */
     int (*softmax)(float *x, int n);    /* the softmax attend uses (cb_softmax's contract) */
     void (*round_bf16)(uint16_t *dst, const float *x, int n);   /* acts.xb for tile_bf16x */
@@ -159,6 +163,7 @@ static void cb_fill_scalar(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_scalar;
     t->glu = cb_glu_scalar;
     t->attend = cb_attend_heads_scalar;
+    t->attend_block = cb_attend_block_scalar;
     t->kv_store = cb_kv_store_scalar;
     t->softmax = cb_softmax;
     t->round_bf16 = cb_round_bf16_scalar;
@@ -177,6 +182,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
+    t->attend_block = cb_attend_block_avx2;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
     t->round_bf16 = cb_round_bf16_scalar;
@@ -205,6 +211,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
+    t->attend_block = cb_attend_block_avx512;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
 }
@@ -513,16 +520,9 @@ static int cb_has_bf16_products(void) { return cb_kt.mat[CB_BF16][CB_ROWS].tile_
  * 2-thread decode step at 180 positions). */
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
-/* The first position a query at `pos` attends: pos - window + 1 in a sliding-window layer
- * (window > 0), else 0. */
-static inline int cb_window_start(int pos, int window) {
-    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-}
-
 /* The attention's units of work: the query heads of each KV head, up to CB_ATTN_HEADS at a time
  * (cb_attend_fn), so a key or value row read once serves that many heads. Unit u covers heads
  * *h0 .. *h0 + *nh - 1 of KV head *kvh. */
-#define CB_ATTN_HEADS 4
 static inline int cb_attn_units(int n_heads, int n_kv_heads) {
     const int group = n_heads / n_kv_heads;
     return n_kv_heads * ((group + CB_ATTN_HEADS - 1) / CB_ATTN_HEADS);
@@ -535,10 +535,33 @@ static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int *h0, int
     *nh = group - c * CB_ATTN_HEADS < CB_ATTN_HEADS ? group - c * CB_ATTN_HEADS : CB_ATTN_HEADS;
 }
 
+/* The calling thread's number in the parallel region it is in (0 outside one, or without OpenMP). */
+static inline int cb_thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* A prompt's queries go to cb_kt.attend_block CB_ATTN_QBLOCK at a time: the block's cache rows are
+ * read from memory once for all of them (one query at a time read a query's whole span each). */
+#define CB_ATTN_QBLOCK 8
+
+/* The rows of n_ctx + 1 floats cb_attention's `scores` must have for n_threads threads: a row per
+ * head for one query, a block's rows per thread for several. */
+static inline int cb_attention_score_rows(int n_heads, int n_threads) {
+    const int block = (n_threads > 1 ? n_threads : 1) * CB_ATTN_QBLOCK * CB_ATTN_HEADS;
+    return n_heads > block ? n_heads : block;
+}
+
 /* n queries q [n, ldq] at positions pos0.. (their keys already in the cache), out [n, ldo];
- * `window` > 0 limits each query to its last `window` positions; scores [n_heads, n_ctx + 1]. One parallel region over the
- * units (each uses its heads' scores rows for one query after another); every head of every
- * query computes alike for any n, so a prompt's attention equals decoding's. */
+ * `window` > 0 limits each query to its last `window` positions; scores
+ * [cb_attention_score_rows(n_heads, n_threads), n_ctx + 1]. One query (decode): one parallel
+ * region over the units, each using its heads' scores rows. Several: the (unit, block of
+ * CB_ATTN_QBLOCK queries) pairs handed out one at a time, the blocks of the latest (longest)
+ * queries first, each thread using its own block of rows. Every head of every query computes
+ * alike either way, so a prompt's attention equals decoding's. */
 static void cb_attention(float *out, int ldo, const float *q, int ldq, const void *k_cache,
                          const void *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
                          int n_ctx, int n, int pos0, int window, int ring, float scale, const float *sinks,
@@ -550,17 +573,30 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const voi
     }
     int parallel = n_threads > 1 && work >= CB_ATTN_PARALLEL_MIN;
     const int units = cb_attn_units(n_heads, n_kv_heads);
-    cb_attend_fn attend = cb_kt.attend;
     (void)parallel;
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
-    for (int u = 0; u < units; u++) {
+    if (n == 1) {
+        cb_attend_fn attend = cb_kt.attend;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
+        for (int u = 0; u < units; u++) {
+            int h0, nh, kvh;
+            cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
+            attend(out, q, k_cache, v_cache, scores, n_ctx + 1, h0, nh, kvh, head_dim, cb_window_start(pos0, window),
+                   pos0, ring, scale, sinks, kv);
+        }
+        return;
+    }
+    cb_attend_block_fn attend_block = cb_kt.attend_block;
+    const int blocks = (n + CB_ATTN_QBLOCK - 1) / CB_ATTN_QBLOCK;
+    const size_t per_thread = (size_t)CB_ATTN_QBLOCK * CB_ATTN_HEADS * (size_t)(n_ctx + 1);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (parallel)
+    for (int item = 0; item < units * blocks; item++) {
+        const int b = blocks - 1 - item / units, u = item % units;
+        const int j0 = b * CB_ATTN_QBLOCK, nq = n - j0 < CB_ATTN_QBLOCK ? n - j0 : CB_ATTN_QBLOCK;
         int h0, nh, kvh;
         cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
-        for (int t = 0; t < n; t++) {
-            int pos = pos0 + t;
-            attend(out + (size_t)t * ldo, q + (size_t)t * ldq, k_cache, v_cache, scores, n_ctx + 1, h0, nh, kvh,
-                   head_dim, cb_window_start(pos, window), pos, ring, scale, sinks, kv);
-        }
+        attend_block(out + (size_t)j0 * ldo, ldo, q + (size_t)j0 * ldq, ldq, nq, k_cache, v_cache,
+                     scores + (size_t)cb_thread_num() * per_thread, n_ctx + 1, h0, nh, kvh, head_dim, pos0 + j0,
+                     window, ring, scale, sinks, kv);
     }
 }
 
@@ -718,6 +754,19 @@ static int cb_self_test_step(int isa, int step) {
             cb_select_kernels(isa, step);
             cb_attention(got, 0, q, 0, k, v, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1, kv);
             if (!cb_selftest_close(ref, got, HEADS * HD)) return check;
+            check++;           /* three queries at once (a prompt's block) = one at a time, bit for bit */
+            {
+                enum { NQ = 3 };
+                static float q3[NQ * HEADS * HD], one[NQ * HEADS * HD], block[NQ * HEADS * HD];
+                static float sc3[CB_ATTN_QBLOCK * CB_ATTN_HEADS * (RING + 1)];
+                for (int i = 0; i < NQ * HEADS * HD; i++) q3[i] = q[i % (HEADS * HD)] * (float)(1 + i / (HEADS * HD));
+                for (int t = 0; t < NQ; t++)         /* window 7: positions 3..9, 4..10, 5..11 */
+                    cb_attention(one + t * HEADS * HD, 0, q3 + t * HEADS * HD, 0, k, v, sc3, HEADS, KV, HD, RING, 1,
+                                 9 + t, 7, RING, 0.25f, with_sinks ? sinks : NULL, 1, kv);
+                cb_attention(block, HEADS * HD, q3, HEADS * HD, k, v, sc3, HEADS, KV, HD, RING, NQ, 9, 7, RING, 0.25f,
+                             with_sinks ? sinks : NULL, 1, kv);
+                if (memcmp(one, block, sizeof one) != 0) return check;
+            }
         }
     check++;                                              /* the tier's f16 store is the scalar spec's */
     {

@@ -760,6 +760,106 @@ CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, 
     for (; i < n; i++) ((uint16_t *)dst)[i] = cb_f32_to_f16(src[i]);
 }
 
+/* ---- a prompt's block of queries (cb_attend_block_fn) ----
+ *
+ * Decode's kernel above, one query at a time, reads the query's whole span of keys and values
+ * from memory; a prompt chunk's queries read the same rows again and again (at a 4096-token prompt,
+ * 128 queries x 4 MB per KV head). The block kernel turns the loops: a block of key (then value)
+ * rows, CB_ATTN_KBLOCK_BYTES, is read once and serves every query of the block from L1/L2. Each
+ * score and each output is the same sequence of operations as decode's, so a prompt equals
+ * decoding it bit for bit (tests/test_kernels.py checks): a score is its row's NH FMA chains over
+ * head_dim / 8 steps in the order of d, gathered by the same hadd tree (hadd pairs, then the two
+ * 128-bit halves, times the scale), whatever rows share a step; an output adds its positions in
+ * order from zero, its sums waiting in `out` between blocks. Only the tiling differs: R key rows a
+ * step (decode: 2) and CV 8-column vectors of values a pass (decode: 2): with AVX-512's 32
+ * registers (cb_attend_block_avx512) 4 and 4, halving the loads per FMA. */
+
+/* Scores of positions t0..t1-1 of one query's span (t counts from the span's first position;
+ * row_t0 is t0's cache row): sc[i][t] = qh[i] . k_t * scale for the NH heads. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attn_block_scores_avx2(float *const *sc, const float *const *qh, const char *kbase, int t0, int t1, int row_t0,
+                          int ring, int head_dim, __m256 vscale, const int NH, const int R, const int KV) {
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;        /* bytes of one cache element */
+    for (int t = t0, row = row_t0; t < t1; t += R) {  /* R rows a step (2 or 4); the last valid one repeats */
+        const char *k[4];
+        for (int r = 0, rr = row; r < R; r++) {
+            k[r] = kbase + (size_t)rr * head_dim * es;
+            if (t + r + 1 < t1) rr = rr + 1 == ring ? 0 : rr + 1;
+        }
+        __m256 acc[4][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+        for (int d = 0; d < head_dim; d += 8) {
+            __m256 kv[4];
+            for (int r = 0; r < R; r++) kv[r] = cb_kv_load8(k[r], d, KV);
+            for (int i = 0; i < NH; i++) {
+                const __m256 qv = _mm256_loadu_ps(qh[i] + d);
+                for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(kv[r], qv, acc[r][i]);
+            }
+        }
+        for (int r = 0; r < R; r += 2) {
+            const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+            const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(acc[r + 1][0], acc[r + 1][1]),
+                                             _mm256_hadd_ps(acc[r + 1][2], acc[r + 1][3]));
+            float s8[8];                                 /* [row a: heads 0-3, row b: heads 0-3] */
+            _mm256_storeu_ps(s8, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
+                                                             _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
+            for (int h = 0; h < 2; h++)
+                if (t + r + h < t1)
+                    for (int i = 0; i < NH; i++) sc[i][t + r + h] = s8[4 * h + i];
+        }
+        for (int r = 0; r < R && t + r < t1; r++) row = row + 1 == ring ? 0 : row + 1;
+    }
+}
+
+/* Values of positions t0..t1-1 of one query's span into o[i] (from zero at t = 0, else onto what
+ * o holds): NV 8-column vectors from column d, every row. (A pass whose vector count was not a
+ * constant kept its accumulators on the stack.) */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attn_block_vpass_avx2(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
+                         int ring, int head_dim, int d, const int NH, const int NV, const int KV) {
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    __m256 acc[4][4];
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NV; c++) acc[i][c] = t0 ? _mm256_loadu_ps(o[i] + d + 8 * c) : _mm256_setzero_ps();
+    for (int t = t0, row = row_t0; t < t1; t++) {
+        const char *v = vbase + ((size_t)row * head_dim + d) * es;
+        __m256 vv[4];
+        for (int c = 0; c < NV; c++) vv[c] = cb_kv_load8(v, 8 * c, KV);
+        for (int i = 0; i < NH; i++) {
+            const __m256 p = _mm256_broadcast_ss(sc[i] + t);
+            for (int c = 0; c < NV; c++) acc[i][c] = _mm256_fmadd_ps(p, vv[c], acc[i][c]);
+        }
+        row = row + 1 == ring ? 0 : row + 1;
+    }
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NV; c++) _mm256_storeu_ps(o[i] + d + 8 * c, acc[i][c]);
+}
+
+/* The value pass, CV 8-column vectors at a time (the last pass takes what is left). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attn_block_values_avx2(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
+                          int ring, int head_dim, const int NH, const int CV, const int KV) {
+    int d = 0;
+    for (; d + 8 * CV <= head_dim; d += 8 * CV)
+        cb_attn_block_vpass_avx2(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, CV, KV);
+    switch ((head_dim - d) / 8) {
+    case 3: cb_attn_block_vpass_avx2(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 3, KV); break;
+    case 2: cb_attn_block_vpass_avx2(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 2, KV); break;
+    case 1: cb_attn_block_vpass_avx2(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 1, KV); break;
+    default: break;
+    }
+}
+
+/* A sink (one more logit, no value) and the softmax of each head's n scores, as decode's. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_attn_block_softmax_avx2(float *const *sc, int n, const float *sinks,
+                                                                     int h0, const int NH) {
+    for (int i = 0; i < NH; i++) {
+        if (sinks) sc[i][n] = sinks[h0 + i];
+        cb_softmax_avx2(sc[i], n + (sinks != NULL));
+    }
+}
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
                      int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
@@ -854,6 +954,55 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
     }
 }
 
+/* nq queries at positions pos0.., the block's key rows then its value rows CB_ATTN_KBLOCK_BYTES at
+ * a time for every query that sees them. scores: rows [nq * CB_ATTN_HEADS] of sc_stride floats,
+ * row j * CB_ATTN_HEADS + i for query j's head h0 + i. */
+#ifndef CB_ATTN_KBLOCK_BYTES
+#define CB_ATTN_KBLOCK_BYTES 16384
+#endif
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
+                            const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim_,
+                            int pos0, int window, int ring, float scale, const float *sinks,
+                            const int NH, const int HD, const int R, const int KV) {
+    const int head_dim = HD ? HD : head_dim_;
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;
+    const int rows = CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) > 8 ? CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) : 8;
+    const int first = cb_window_start(pos0, window), last = pos0 + nq - 1;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int pass = 0; pass < 2; pass++) {              /* 0: scores, 1: values (after the softmaxes) */
+        for (int b0 = first; b0 <= last; b0 += rows) {
+            const int b1 = last + 1 - b0 > rows ? b0 + rows : last + 1;
+            for (int j = 0; j < nq; j++) {
+                const int pos = pos0 + j, start = cb_window_start(pos, window);
+                const int a = b0 > start ? b0 : start, b = b1 < pos + 1 ? b1 : pos + 1;
+                if (a >= b) continue;
+                const float *qh[4];
+                float *sc[4], *o[4];
+                for (int i = 0; i < NH; i++) {
+                    qh[i] = q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim;
+                    sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride;
+                    o[i] = out + (size_t)j * ldo + (size_t)(h0 + i) * head_dim;
+                }
+                if (pass == 0)
+                    cb_attn_block_scores_avx2(sc, qh, kbase, a - start, b - start, a % ring, ring, head_dim, vscale, NH, R, KV);
+                else
+                    cb_attn_block_values_avx2(o, (const float *const *)sc, vbase, a - start, b - start, a % ring,
+                                              ring, head_dim, NH, R, KV);
+            }
+        }
+        if (pass == 0)
+            for (int j = 0; j < nq; j++) {
+                const int pos = pos0 + j;
+                float *sc[4];
+                for (int i = 0; i < NH; i++) sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride;
+                cb_attn_block_softmax_avx2(sc, pos - cb_window_start(pos, window) + 1, sinks, h0, NH);
+            }
+    }
+}
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_heads_kv_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
                         int sc_stride, int h0, int nh, int kvh, int head_dim, int start, int pos, int ring,
@@ -890,6 +1039,47 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
     else
         cb_attend_heads_kv_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
                                 scale, sinks, CB_KV_F32);
+}
+
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attend_block_kv_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache, const void *v_cache,
+                        float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0, int window,
+                        int ring, float scale, const float *sinks, const int R, const int KV) {
+    if (head_dim % 8) {                                 /* as cb_attend_heads_kv_avx2: head by head */
+        for (int j = 0; j < nq; j++)
+            for (int h = h0; h < h0 + nh; h++)
+                cb_attend_head(out + (size_t)j * ldo, q + (size_t)j * ldq, k_cache, v_cache,
+                               scores + ((size_t)j * CB_ATTN_HEADS + h - h0) * sc_stride, h, kvh, head_dim,
+                               cb_window_start(pos0 + j, window), pos0 + j, ring, scale, sinks,
+                               KV == CB_KV_F16 ? cb_dot_f16_avx2 : cb_dot_f32_avx2, KV);
+        return;
+    }
+#define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
+                                                        h0, kvh, head_dim, pos0, window, ring, scale, sinks, k, hd, R, KV)
+#define CB_ATTEND_HD(hd)                  \
+    switch (nh) {                         \
+    case 1: CB_ATTEND_NH(1, hd); break;   \
+    case 2: CB_ATTEND_NH(2, hd); break;   \
+    case 3: CB_ATTEND_NH(3, hd); break;   \
+    default: CB_ATTEND_NH(4, hd); break;  \
+    }
+    if (head_dim == 64) CB_ATTEND_HD(64)
+    else if (head_dim == 128) CB_ATTEND_HD(128)
+    else CB_ATTEND_HD(0)
+#undef CB_ATTEND_HD
+#undef CB_ATTEND_NH
+}
+
+CB_TARGET_AVX2 static void cb_attend_block_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
+                                                const void *v_cache, float *scores, int sc_stride, int h0, int nh,
+                                                int kvh, int head_dim, int pos0, int window, int ring, float scale,
+                                                const float *sinks, int kv) {
+    if (kv == CB_KV_F16)
+        cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                                window, ring, scale, sinks, 2, CB_KV_F16);
+    else
+        cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                                window, ring, scale, sinks, 2, CB_KV_F32);
 }
 
 /* ---- the interleaved layout (int8/int4, quant.h) ---------------------------------------------

@@ -592,6 +592,25 @@ typedef void (*cb_attend_fn)(float *out, const float *q, const void *k_cache, co
                              int ring, float scale, const float *sinks, int kv);
 typedef void (*cb_kv_store_fn)(void *dst, const float *src, int n, int kv);
 
+/* The attention's query heads per unit of work (cb_attend_fn's nh <= CB_ATTN_HEADS). */
+#define CB_ATTN_HEADS 4
+
+/* The first position a query at `pos` attends: pos - window + 1 in a sliding-window layer
+ * (window > 0), else 0. */
+static inline int cb_window_start(int pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* A prompt's block of nq queries at positions pos0.. for the query heads h0 .. h0 + nh - 1 of KV
+ * head kvh, each query's span as cb_window_start gives it (window 0: from position 0): q [nq, ldq]
+ * and out [nq, ldo] rows as cb_attend_fn's q and out; scores: rows [nq * CB_ATTN_HEADS] of sc_stride
+ * floats, query j's head h0 + i in row j * CB_ATTN_HEADS + i. Each query's result is exactly the
+ * tier's cb_attend_fn's for it (the tiers turn the loops so that cache rows serve the whole block). */
+typedef void (*cb_attend_block_fn)(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
+                                   const void *v_cache, float *scores, int sc_stride, int h0, int nh, int kvh,
+                                   int head_dim, int pos0, int window, int ring, float scale, const float *sinks,
+                                   int kv);
+
 static void cb_attend_heads_scalar(float *out, const float *q, const void *k_cache, const void *v_cache,
                                    float *scores, int sc_stride, int h0, int nh, int kvh,
                                    int head_dim, int start, int pos, int ring, float scale, const float *sinks,
@@ -599,6 +618,19 @@ static void cb_attend_heads_scalar(float *out, const float *q, const void *k_cac
     for (int h = h0; h < h0 + nh; h++)
         cb_attend_head(out, q, k_cache, v_cache, scores + (size_t)h * sc_stride, h, kvh, head_dim, start,
                        pos, ring, scale, sinks, kv == CB_KV_F16 ? cb_dot_f16_scalar : cb_dot_f32_scalar, kv);
+}
+
+/* cb_attend_block_fn's spec: the queries one after another, as decoding them. */
+static void cb_attend_block_scalar(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
+                                   const void *v_cache, float *scores, int sc_stride, int h0, int nh, int kvh,
+                                   int head_dim, int pos0, int window, int ring, float scale, const float *sinks,
+                                   int kv) {
+    for (int j = 0; j < nq; j++)
+        for (int h = h0; h < h0 + nh; h++)
+            cb_attend_head(out + (size_t)j * ldo, q + (size_t)j * ldq, k_cache, v_cache,
+                           scores + ((size_t)j * CB_ATTN_HEADS + h - h0) * sc_stride, h, kvh, head_dim,
+                           cb_window_start(pos0 + j, window), pos0 + j, ring, scale, sinks,
+                           kv == CB_KV_F16 ? cb_dot_f16_scalar : cb_dot_f32_scalar, kv);
 }
 
 /* Rotary embedding, "rotate half" convention (Hugging Face) over the first rot_dim values of each

@@ -35,7 +35,9 @@ PAIRS = (("bf16", "bf16"), ("int8", "q8_0"), ("int4", "q4_0"))
 # and stores the rest bf16; convert_hf_to_gguf.py --outtype bf16 keeps them as MXFP4 and the rest bf16
 # DeepSeek-V3-3l: int8 and int4 only (its bf16 forms would need 17 GB more disk); its bf16 GGUF is
 # only the source of llama-quantize
-PAIRS_OF = {"gpt-oss-20b-4l": (("mxfp4", "mxfp4"),), "deepseek-v3-3l": (("int8", "q8_0"), ("int4", "q4_0"))}
+# Qwen3-MoE-4l (the long-context shape): int4 / q4_0 only
+PAIRS_OF = {"gpt-oss-20b-4l": (("mxfp4", "mxfp4"),), "deepseek-v3-3l": (("int8", "q8_0"), ("int4", "q4_0")),
+            "qwen3-moe-4l": (("int4", "q4_0"),)}
 GGUF_SOURCE = {"gpt-oss-20b-4l": "mxfp4"}     # what convert_hf_to_gguf.py --outtype bf16 writes (default bf16)
 
 

@@ -71,6 +71,14 @@ MODELS = {
         num_hidden_layers=4, num_local_experts=32, vocab_size=201088, hidden_size=2880, intermediate_size=2880,
         head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128, num_experts_per_tok=4,
         eos_token_id=200002, pad_token_id=199999, max_position_embeddings=131072)),
+    # the public Qwen/Qwen3-30B-A3B shape (hidden 2048, 32 heads of 128 on 4 KV heads, q/k norms per
+    # head, 128 experts top-8 of width 768, vocab 151936, rope 1e6, 40960 positions), 4 of its 48
+    # layers: the long-context benchmarks' shape (issue 24)
+    "qwen3-moe-4l": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+        vocab_size=151936, max_position_embeddings=40960, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # the public deepseek-ai/DeepSeek-V3 widths (hidden 7168, 128 heads, MLA q_lora 1536 / kv_lora 512,
     # nope 128 + rope 64, v 128, expert width 2048, dense width 18432, vocab 129280, YaRN x40),
     # scaled to fit: 3 layers (the first dense) of 16 experts top-8 in 8 groups (best 4), one shared
@@ -81,7 +89,7 @@ MODELS = {
                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 4096})),
 }
-NO_TOKENIZER = {"gemma4-26b-a4b", "gpt-oss-20b-4l", "deepseek-v3-3l"}   # gguf_convert.py gives llama.cpp a vocabulary
+NO_TOKENIZER = {"gemma4-26b-a4b", "gpt-oss-20b-4l", "deepseek-v3-3l", "qwen3-moe-4l"}   # gguf_convert.py gives llama.cpp a vocabulary
 TINY = {  # --self-check sizes
     "MixtralConfig": dict(hidden_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                           intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, vocab_size=300),
@@ -91,6 +99,9 @@ TINY = {  # --self-check sizes
                              num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
                              intermediate_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=300),
+    "Qwen3MoeConfig": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           intermediate_size=96, vocab_size=300, tie_word_embeddings=False),
     "Gemma4TextConfig": dict(hidden_size=64, num_hidden_layers=3, intermediate_size=64, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
                              attention_k_eq_v=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
@@ -199,7 +210,8 @@ def tensor_list(cfg) -> list:
     d, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    f = cfg.intermediate_size
+    qwen3 = cfg.model_type == "qwen3_moe"           # expert width apart, q/k norms per head
+    f = cfg.moe_intermediate_size if qwen3 else cfg.intermediate_size
     mixtral = cfg.model_type == "mixtral"
     E = cfg.num_local_experts if mixtral else cfg.num_experts
     out = [("model.embed_tokens.weight", (V, d), False)]
@@ -207,7 +219,9 @@ def tensor_list(cfg) -> list:
         p = f"model.layers.{i}."
         out += [(p + "self_attn.q_proj.weight", (q, d), False), (p + "self_attn.k_proj.weight", (kv, d), False),
                 (p + "self_attn.v_proj.weight", (kv, d), False), (p + "self_attn.o_proj.weight", (d, q), False)]
-        if not mixtral:      # OLMoE: RMSNorm over the whole projected q / k
+        if qwen3:
+            out += [(p + "self_attn.q_norm.weight", (hd,), True), (p + "self_attn.k_norm.weight", (hd,), True)]
+        elif not mixtral:    # OLMoE: RMSNorm over the whole projected q / k
             out += [(p + "self_attn.q_norm.weight", (q,), True), (p + "self_attn.k_norm.weight", (kv,), True)]
         moe = p + ("block_sparse_moe." if mixtral else "mlp.")
         out.append((moe + "gate.weight", (E, d), False))
