@@ -75,6 +75,7 @@ typedef struct {
     void (*quantize)(cb_act_q8 *a, const float *x, int n);       /* activations for int8/int4 */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
+    int attend_heads;               /* the most query heads attend takes at once */
     cb_attend_block_fn attend_block;    /* a prompt's block of queries, each exactly as attend */
     cb_kv_store_fn kv_store;        /* a key or value row into the cache, in its element type */
     int (*softmax)(float *x, int n);    /* the softmax attend uses (cb_softmax's contract) */
@@ -163,6 +164,7 @@ static void cb_fill_scalar(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_scalar;
     t->glu = cb_glu_scalar;
     t->attend = cb_attend_heads_scalar;
+    t->attend_heads = CB_ATTN_HEADS;
     t->attend_block = cb_attend_block_scalar;
     t->kv_store = cb_kv_store_scalar;
     t->softmax = cb_softmax;
@@ -182,6 +184,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
+    t->attend_heads = CB_ATTN_HEADS;
     t->attend_block = cb_attend_block_avx2;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
@@ -210,7 +213,8 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     }
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
-    t->attend = cb_attend_heads_avx2;
+    t->attend = cb_attend_heads_avx512;
+    t->attend_heads = CB_ATTN_HEADS_WIDE;
     t->attend_block = cb_attend_block_avx512;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
@@ -520,19 +524,19 @@ static int cb_has_bf16_products(void) { return cb_kt.mat[CB_BF16][CB_ROWS].tile_
  * 2-thread decode step at 180 positions). */
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
-/* The attention's units of work: the query heads of each KV head, up to CB_ATTN_HEADS at a time
- * (cb_attend_fn), so a key or value row read once serves that many heads. Unit u covers heads
- * *h0 .. *h0 + *nh - 1 of KV head *kvh. */
-static inline int cb_attn_units(int n_heads, int n_kv_heads) {
+/* The attention's units of work: the query heads of each KV head, up to `per` at a time (decode:
+ * the tier's cb_kt.attend_heads; a prompt's blocks: CB_ATTN_HEADS), so a key or value row read once
+ * serves that many heads. Unit u covers heads *h0 .. *h0 + *nh - 1 of KV head *kvh. */
+static inline int cb_attn_units(int n_heads, int n_kv_heads, int per) {
     const int group = n_heads / n_kv_heads;
-    return n_kv_heads * ((group + CB_ATTN_HEADS - 1) / CB_ATTN_HEADS);
+    return n_kv_heads * ((group + per - 1) / per);
 }
-static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int *h0, int *nh, int *kvh) {
-    const int group = n_heads / n_kv_heads, per_kv = (group + CB_ATTN_HEADS - 1) / CB_ATTN_HEADS;
+static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int per, int *h0, int *nh, int *kvh) {
+    const int group = n_heads / n_kv_heads, per_kv = (group + per - 1) / per;
     const int c = u % per_kv;
     *kvh = u / per_kv;
-    *h0 = *kvh * group + c * CB_ATTN_HEADS;
-    *nh = group - c * CB_ATTN_HEADS < CB_ATTN_HEADS ? group - c * CB_ATTN_HEADS : CB_ATTN_HEADS;
+    *h0 = *kvh * group + c * per;
+    *nh = group - c * per < per ? group - c * per : per;
 }
 
 /* The calling thread's number in the parallel region it is in (0 outside one, or without OpenMP). */
@@ -572,20 +576,21 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const voi
         work += (long long)n_heads * (pos - cb_window_start(pos, window) + 1) * head_dim;
     }
     int parallel = n_threads > 1 && work >= CB_ATTN_PARALLEL_MIN;
-    const int units = cb_attn_units(n_heads, n_kv_heads);
     (void)parallel;
     if (n == 1) {
         cb_attend_fn attend = cb_kt.attend;
+        const int per = cb_kt.attend_heads, units = cb_attn_units(n_heads, n_kv_heads, per);
         #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
         for (int u = 0; u < units; u++) {
             int h0, nh, kvh;
-            cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
+            cb_attn_unit(u, n_heads, n_kv_heads, per, &h0, &nh, &kvh);
             attend(out, q, k_cache, v_cache, scores, n_ctx + 1, h0, nh, kvh, head_dim, cb_window_start(pos0, window),
                    pos0, ring, scale, sinks, kv);
         }
         return;
     }
     cb_attend_block_fn attend_block = cb_kt.attend_block;
+    const int units = cb_attn_units(n_heads, n_kv_heads, CB_ATTN_HEADS);
     const int blocks = (n + CB_ATTN_QBLOCK - 1) / CB_ATTN_QBLOCK;
     const size_t per_thread = (size_t)CB_ATTN_QBLOCK * CB_ATTN_HEADS * (size_t)(n_ctx + 1);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (parallel)
@@ -593,7 +598,7 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const voi
         const int b = blocks - 1 - item / units, u = item % units;
         const int j0 = b * CB_ATTN_QBLOCK, nq = n - j0 < CB_ATTN_QBLOCK ? n - j0 : CB_ATTN_QBLOCK;
         int h0, nh, kvh;
-        cb_attn_unit(u, n_heads, n_kv_heads, &h0, &nh, &kvh);
+        cb_attn_unit(u, n_heads, n_kv_heads, CB_ATTN_HEADS, &h0, &nh, &kvh);
         attend_block(out + (size_t)j0 * ldo, ldo, q + (size_t)j0 * ldq, ldq, nq, k_cache, v_cache,
                      scores + (size_t)cb_thread_num() * per_thread, n_ctx + 1, h0, nh, kvh, head_dim, pos0 + j0,
                      window, ring, scale, sinks, kv);

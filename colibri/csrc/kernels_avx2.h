@@ -867,8 +867,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
     const int head_dim = HD ? HD : head_dim_;          /* a constant where HD is: the loops unroll */
     const size_t es = KV == CB_KV_F16 ? 2 : 4;        /* bytes of one cache element */
     const int n = pos - start + 1, row0 = start % ring;
-    const float *qh[4];
-    float *sc[4];
+    const float *qh[8];                                /* NH <= 8 (8: the AVX-512 build's 32 registers) */
+    float *sc[8];
     for (int i = 0; i < NH; i++) {
         qh[i] = q + (size_t)(h0 + i) * head_dim;
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
@@ -888,8 +888,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
             ahead = ahead < ring ? ahead : ahead % ring;
             for (size_t d = 0; d < head_dim * es; d += 64) _mm_prefetch(kbase + (size_t)ahead * head_dim * es + d, _MM_HINT_T0);
         }
-        __m256 acc_a[4], acc_b[4];
-        for (int i = 0; i < 4; i++) acc_a[i] = acc_b[i] = _mm256_setzero_ps();
+        __m256 acc_a[8], acc_b[8];
+        for (int i = 0; i < 8; i++) acc_a[i] = acc_b[i] = _mm256_setzero_ps();
         for (int d = 0; d < head_dim; d += 8) {
             const __m256 kva = cb_kv_load8(ka, d, KV), kvb = cb_kv_load8(kb, d, KV);
             for (int i = 0; i < NH; i++) {
@@ -898,14 +898,16 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 acc_b[i] = _mm256_fmadd_ps(kvb, qv, acc_b[i]);
             }
         }
-        const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(acc_a[0], acc_a[1]), _mm256_hadd_ps(acc_a[2], acc_a[3]));
-        const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(acc_b[0], acc_b[1]), _mm256_hadd_ps(acc_b[2], acc_b[3]));
-        float r[8];                                      /* [row a: heads 0-3, row b: heads 0-3] */
-        _mm256_storeu_ps(r, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
-                                                        _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
-        for (int i = 0; i < NH; i++) sc[i][t] = r[i];
-        if (pair)
-            for (int i = 0; i < NH; i++) sc[i][t + 1] = r[4 + i];
+        for (int g = 0; g < NH; g += 4) {                /* a tree per 4 heads (a head's sum is the same in any) */
+            const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(acc_a[g], acc_a[g + 1]), _mm256_hadd_ps(acc_a[g + 2], acc_a[g + 3]));
+            const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(acc_b[g], acc_b[g + 1]), _mm256_hadd_ps(acc_b[g + 2], acc_b[g + 3]));
+            float r[8];                                  /* [row a: heads g..g+3, row b: heads g..g+3] */
+            _mm256_storeu_ps(r, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
+                                                            _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
+            for (int i = g; i < NH && i < g + 4; i++) sc[i][t] = r[i - g];
+            if (pair)
+                for (int i = g; i < NH && i < g + 4; i++) sc[i][t + 1] = r[4 + i - g];
+        }
         row = row_b + 1 == ring ? 0 : row_b + 1;
     }
     for (int i = 0; i < NH; i++) {                       /* a sink: one more logit, no value */
@@ -926,7 +928,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
         const int next0 = (int)(((int64_t)row_t0 + vblock) % ring);
         for (int d = 0; d < head_dim; d += 16) {
             const int two = d + 16 <= head_dim;            /* 16 columns, or the last 8 */
-            __m256 a0[4], a1[4];
+            __m256 a0[8], a1[8];
             for (int i = 0; i < NH; i++) {
                 const float *o = out + (size_t)(h0 + i) * head_dim + d;
                 a0[i] = t0 ? _mm256_loadu_ps(o) : _mm256_setzero_ps();

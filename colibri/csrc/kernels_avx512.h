@@ -244,5 +244,34 @@ CB_TARGET_AVX512 static void cb_attend_block_avx512(float *out, int ldo, const f
                                 window, ring, scale, sinks, 4, CB_KV_F32);
 }
 
+/* One query (cb_attend_fn, decode) for up to CB_ATTN_HEADS_WIDE = 8 query heads of a KV head: with
+ * 32 registers a key or value row read once serves 8 heads (Qwen3-MoE's and gpt-oss's groups of 8
+ * each read their KV head once, not twice). Each head's score and output are the same operations
+ * as in AVX2's 4-head kernel, so the bits are the same. Fewer than 8 heads: AVX2's. */
+#define CB_ATTN_HEADS_WIDE 8
+CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, const void *k_cache, const void *v_cache,
+                                                    float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim,
+                                                    int start, int pos, int ring, float scale, const float *sinks,
+                                                    int kv) {
+    if (nh != CB_ATTN_HEADS_WIDE || head_dim % 8) {
+        for (int h = h0; h < h0 + nh; h += CB_ATTN_HEADS)
+            cb_attend_heads_avx2(out, q, k_cache, v_cache, scores, sc_stride, h, h0 + nh - h < CB_ATTN_HEADS ? h0 + nh - h
+                                 : CB_ATTN_HEADS, kvh, head_dim, start, pos, ring, scale, sinks, kv);
+        return;
+    }
+#define CB_ATTEND_8(hd, k) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, start, \
+                                                pos, ring, scale, sinks, CB_ATTN_HEADS_WIDE, hd, k)
+    if (kv == CB_KV_F16) {
+        if (head_dim == 64) CB_ATTEND_8(64, CB_KV_F16);
+        else if (head_dim == 128) CB_ATTEND_8(128, CB_KV_F16);
+        else CB_ATTEND_8(0, CB_KV_F16);
+    } else {
+        if (head_dim == 64) CB_ATTEND_8(64, CB_KV_F32);
+        else if (head_dim == 128) CB_ATTEND_8(128, CB_KV_F32);
+        else CB_ATTEND_8(0, CB_KV_F32);
+    }
+#undef CB_ATTEND_8
+}
+
 #endif /* CB_X86 */
 #endif /* COLIBRI_KERNELS_AVX512_H */

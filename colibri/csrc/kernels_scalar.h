@@ -581,7 +581,7 @@ static void cb_kv_store_scalar(void *dst, const float *src, int n, int kv) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
-/* Attention of one query at `pos` for query heads h0 .. h0 + nh - 1 (nh <= 4), which all read
+/* Attention of one query at `pos` for query heads h0 .. h0 + nh - 1 (nh <= the table's attend_heads), which all read
  * KV head kvh (grouped-query attention), over positions start..pos whose keys and values live in
  * row p % ring of the caches [n_kv_heads, ring, head_dim]; q [n_heads, head_dim] roped, out [n_heads,
  * head_dim], scores: a row of >= pos - start + 2 floats per head, sc_stride apart; sinks [n_heads]
@@ -592,7 +592,8 @@ typedef void (*cb_attend_fn)(float *out, const float *q, const void *k_cache, co
                              int ring, float scale, const float *sinks, int kv);
 typedef void (*cb_kv_store_fn)(void *dst, const float *src, int n, int kv);
 
-/* The attention's query heads per unit of work (cb_attend_fn's nh <= CB_ATTN_HEADS). */
+/* The attention's query heads per unit of work: a prompt block's (cb_attend_block_fn's nh), and
+ * decode's (cb_attend_fn's nh) on the tiers without a wider kernel (cb_kernel_table.attend_heads). */
 #define CB_ATTN_HEADS 4
 
 /* The first position a query at `pos` attends: pos - window + 1 in a sliding-window layer
