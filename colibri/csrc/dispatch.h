@@ -15,7 +15,7 @@
 
 #include "cpu.h"
 #ifdef _OPENMP
-#include <omp.h>
+int omp_get_thread_num(void);    /* OpenMP's own (<omp.h> is not on every toolchain's path: MSVC mode) */
 #endif
 #include "kernels_scalar.h"
 #include "kernels_avx2.h"
