@@ -9,7 +9,7 @@ from libc.stdint cimport uint8_t, int8_t, uint16_t, int32_t
 
 cdef extern from "kernels_scalar.h" nogil:
     # storage formats and layouts of a matrix (colibri._kernels.DTYPE_CODES / LAYOUT_CODES)
-    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4
+    int CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6
     int CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
     # the FFN gate's activation (colibri._kernels.ACT_CODES)
     int CB_ACT_SILU, CB_ACT_GELU_TANH, CB_ACT_SWIGLU_CLAMPED
@@ -98,6 +98,7 @@ cdef extern from "quant.h":
     int CB_TGROUP                # outputs per group of the transposed / interleaved layouts (8)
     int CB_NL4_OFFSET            # nl4's codebook values + 64 are what the integer steps multiply
     int CB_NL4_SCALE_BIAS        # a stored six-bit nl4 scale is sub + 32
+    int CB_INT6_OFFSET           # int6's codes + 32 are what the integer steps multiply
     ctypedef struct cb_block_int8:
         pass
     ctypedef struct cb_block_int4:
@@ -111,6 +112,8 @@ cdef extern from "quant.h":
     ctypedef struct cb_igroup_int8:
         pass
     ctypedef struct cb_igroup_int4:
+        pass
+    ctypedef struct cb_igroup_int6:
         pass
     ctypedef struct cb_igroup_mxfp4:
         pass

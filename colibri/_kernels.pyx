@@ -22,18 +22,21 @@ from colibri._os import arena
 
 cb_init_tables()
 
-DTYPE_CODES = dict(zip(names.FORMATS, (CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4)))
+DTYPE_CODES = dict(zip(names.FORMATS, (CB_F32, CB_F16, CB_BF16, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6)))
 LAYOUT_CODES = dict(zip(names.LAYOUTS, (CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED)))
 # config.json's hidden_act, normalised; swiglu_clamped: gpt-oss's experts (swiglu_alpha, swiglu_limit)
 ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH, "swiglu_clamped": CB_ACT_SWIGLU_CLAMPED}
 # stored as blocks of 32 with a scale, multiplied against quantized activations
-BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4, CB_NL4))
+BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6))
 # ... of which these also have the transposed layout (groups of 8 outputs), and these the interleaved one
 GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
 INTERLEAVED_FORMATS = BLOCK_FORMATS
+# ... and these have no other layout (no rows kernels: quant.h)
+INTERLEAVED_ONLY_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_NL4, CB_INT6))
 QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)
 NL4_OFFSET = CB_NL4_OFFSET       # nl4's codes are multiplied as value + 64 (quant.h)
 NL4_SCALE_BIAS = CB_NL4_SCALE_BIAS   # a stored six-bit nl4 scale is sub + 32, sub in [-32, 31]
+INT6_OFFSET = CB_INT6_OFFSET     # int6's codes are stored as code + 32, 0 .. 63 (quant.h)
 NL4_SUB_MAX = CB_NL4_SUB_MAX     # nl4's quantizer keeps its six-bit scales in [-31, 31] (quantize_nl4.h)
 TGROUP = CB_TGROUP               # outputs per group of the transposed and interleaved layouts
 

@@ -14,8 +14,8 @@ from libc.math cimport sqrtf
 cimport colibri._kernels as kernels
 from colibri._kernels cimport cb_attention_score_rows
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, cb_block_mxfp4, cb_igroup_int8,
-                               cb_igroup_int4, cb_igroup_mxfp4, cb_f16_to_f32_exact, cb_row_stride,
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, cb_block_mxfp4, cb_igroup_int8,
+                               cb_igroup_int4, cb_igroup_mxfp4, cb_igroup_int6, cb_f16_to_f32_exact, cb_row_stride,
                                cb_rmsnorm, cb_block_int8, cb_block_int4, cb_group_int8, cb_group_int4)
 from colibri._routing cimport CB_MAX_TOP_K
 
@@ -36,11 +36,13 @@ def _stored_rows(w, int cols, str dtype, str layout):
     if layout not in LAYOUT_CODES:
         raise ValueError(f"unknown layout {layout!r}")
     cdef int code = DTYPE_CODES[dtype]
-    block = code == CB_INT8 or code == CB_INT4 or code == CB_MXFP4 or code == CB_NL4
+    block = code == CB_INT8 or code == CB_INT4 or code == CB_MXFP4 or code == CB_NL4 or code == CB_INT6
     if block and cols % 32:
         raise ValueError(f"{dtype} needs a multiple of 32 columns, got {cols}")
     if code == CB_MXFP4 and layout == "transposed":
         raise ValueError("mxfp4 has no transposed layout")
+    if code == CB_INT6 and layout != "interleaved":
+        raise ValueError("int6 has only the interleaved layout")
     if code == CB_NL4:              # [rows / 8, cols / 32 * 140 + 32]: the groups, then the row scales
         if layout != "interleaved":
             raise ValueError("nl4 has only the interleaved layout")
@@ -51,7 +53,7 @@ def _stored_rows(w, int cols, str dtype, str layout):
         rows = w.shape[0]
     elif layout == "interleaved":    # [rows / 8, cols / 32 * group bytes]
         if not block:
-            raise ValueError(f"the interleaved layout is for int8/int4/mxfp4, not {dtype}")
+            raise ValueError(f"the interleaved layout is for int8/int4/mxfp4/int6, not {dtype}")
         rows = w.shape[0] * 8 if w.ndim == 2 else 0
         if w.ndim != 2 or w.shape[1] != cols // 32 * 8 * cb_row_stride(code, 32):
             raise ValueError(f"interleaved {dtype} needs [rows / 8, cols / 32 * group bytes], got {w.shape}")
@@ -518,13 +520,16 @@ def kernel_rmsnorm(const float[::1] x, weight, float eps):
 
 
 def block_sizes():
-    """sizeof of the C block structs, for the test that they agree with colibri.quant."""
-    return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4), "mxfp4": sizeof(cb_block_mxfp4)}
+    """sizeof of the C block structs, for the test that they agree with colibri.quant (int6, which
+    has no rows struct: an eighth of its interleaved group, what a row's block takes)."""
+    return {"int8": sizeof(cb_block_int8), "int4": sizeof(cb_block_int4), "mxfp4": sizeof(cb_block_mxfp4),
+            "int6": sizeof(cb_igroup_int6) // 8}
 
 
 def igroup_sizes():
     """sizeof of the C group structs of the interleaved layout."""
-    return {"int8": sizeof(cb_igroup_int8), "int4": sizeof(cb_igroup_int4), "mxfp4": sizeof(cb_igroup_mxfp4)}
+    return {"int8": sizeof(cb_igroup_int8), "int4": sizeof(cb_igroup_int4), "mxfp4": sizeof(cb_igroup_mxfp4),
+            "int6": sizeof(cb_igroup_int6)}
 
 
 def group_sizes():

@@ -186,20 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
                                        "int8/int4/mxfp4, its tokenizer and chat template are made into the directory's files")
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
     conv.add_argument("--quantize", type=_quantize_choice, default=None,
-                      help="storage of the weight matrices: f32, f16, bf16, int8, int4 or nl4 (4-bit, a non-linear "
-                           "codebook with a scale per 16 weights: less error than int4 in the same bytes; the original engine's "
-                           "fp16 and 4bit are accepted), or mxfp4 (the routed experts in mxfp4 -- kept as they are "
+                      help="storage of the weight matrices: f32, f16, bf16, int8, int4, nl4 (4-bit, a non-linear "
+                           "codebook with a scale per 16 weights: less error than int4 in the same bytes) or int6 "
+                           "(6.5 bits a weight: e.g. --role head=int6 beside 4-bit experts), or mxfp4 (the routed experts in mxfp4 -- kept as they are "
                            "from a gpt-oss mxfp4 checkpoint --, the other matrices in bf16); norms, biases and "
-                           "routers stay f32 (default: f32 for --hf-dir; for --gguf the format closest to the "
+                           "routers stay f32; the original engine's fp16 and 4bit are accepted (default: f32 for --hf-dir; for --gguf the format closest to the "
                            "file's: int8 for Q8_0, int4 for Q4_0 and the 4-bit K/IQ types, f16/bf16/f32 as they are)")
     conv.add_argument("--role", action="append", default=[], metavar="ROLE=FORMAT", type=_role_choice,
                       help="store the matrices of one role in another format than --quantize (repeatable): "
                            "roles experts, shared (shared experts), dense (dense layers' MLPs), attention, head "
                            "(the output head, or the tied embedding), embedding (an untied one); e.g. --quantize "
-                           "int4 --role attention=int8 --role head=int8. The log gives the bytes a decoded token "
+                           "nl4 --role attention=int6 --role head=int6. The log gives the bytes a decoded token "
                            "reads, by role")
     conv.add_argument("--importance", default=None, metavar="FILE",
-                      help="a file made by `calibrate` (the same checkpoint, any format): int8/int4/nl4 scales "
+                      help="a file made by `calibrate` (the same checkpoint, any format): int8/int4/nl4/int6 scales "
                            "(and nl4's codes) are chosen to minimise the rounding error weighted by each input's "
                            "mean square")
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,

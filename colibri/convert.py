@@ -52,7 +52,7 @@ from .errors import ColibriError
 from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
-from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, IMPORTANCE_FORMATS, INTERLEAVED_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
+from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, IMPORTANCE_FORMATS, INTERLEAVED_FORMATS, INTERLEAVED_ONLY_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
                        WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, from_storage, storage_nbytes,
                        tensor_file, tensor_role, to_storage)
 from . import quant
@@ -62,7 +62,8 @@ _EXPERT_MATRIX = re.compile(r"layers\.\d+\.experts\.\d+\.(gate|up|down)")
 
 # a matrix whose rows are not a whole number of blocks cannot be int8/int4: it is stored in this
 FALLBACK_DTYPE = "f16"
-NL4_FALLBACK_DTYPE = "int4"      # an nl4 matrix whose rows are not whole groups of 8 (nl4 is interleaved only)
+# a matrix whose rows are not whole groups of 8 cannot be nl4/int6 (interleaved only): stored in this
+INTERLEAVED_ONLY_FALLBACK = {"nl4": "int4", "int6": "int8"}
 
 # ---- the registry: HF config -> ModelConfig ---------------------------------------------------
 
@@ -886,8 +887,8 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
     for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
         if value == "transposed" and quantize == "mxfp4" and flag == "--expert-layout":
             raise ColibriError(f"{flag} {value}: mxfp4 experts have no transposed layout; choose rows or interleaved")
-        if value in ("rows", "transposed") and quantize == "nl4":
-            raise ColibriError(f"{flag} {value}: nl4 is stored interleaved only; leave the flag out or choose interleaved")
+        if value in ("rows", "transposed") and quantize in INTERLEAVED_ONLY_FORMATS:
+            raise ColibriError(f"{flag} {value}: {quantize} is stored interleaved only; leave the flag out or choose interleaved")
         if value == "interleaved" and quantize not in INTERLEAVED_FORMATS:
             raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
                                f"choose rows or transposed")
@@ -920,7 +921,7 @@ def check_roles(roles) -> dict:
 
 
 def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | None = None) -> dict:
-    """{tensor: importance [cols]} for the int8/int4/nl4 matrices a calibrate file covers (its columns
+    """{tensor: importance [cols]} for the int8/int4/nl4/int6 matrices a calibrate file covers (its columns
     checked against the matrix), with a line saying how many; {} without a file."""
     if weights_of is None:
         return {}
@@ -938,7 +939,7 @@ def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | N
     if wanted and not out:
         raise ColibriError(f"{path}: none of its tensors is an int8/int4 matrix of this model: calibrated on another "
                            "model (run calibrate on a conversion of this checkpoint)")
-    log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4/nl4 matrices (the others, which no "
+    log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4/nl4/int6 matrices (the others, which no "
         "calibration token reached, round to nearest)" + (note or ""))
     return out
 
@@ -1023,8 +1024,9 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     out = Path(output_dir)
     _check_output(out, force, {"--model-dir": src.root})
     cfg, expected = src.config, src.config.expected_tensors()
-    if any(t["dtype"] == "nl4" for t in src.tensors.values()) and {expert_layout, layout} & {"rows", "transposed"}:
-        raise ColibriError(f"{src.root} holds nl4 matrices, which are stored interleaved only: its other matrices "
+    only = sorted({t["dtype"] for t in src.tensors.values()} & set(INTERLEAVED_ONLY_FORMATS))
+    if only and {expert_layout, layout} & {"rows", "transposed"}:
+        raise ColibriError(f"{src.root} holds {'/'.join(only)} matrices, which are stored interleaved only: its other matrices "
                            f"can change layout, so leave out --expert-layout/--layout rows or transposed")
     layouts = {n: _layout_for(n, shape, kind, src.tensors[n]["dtype"], expert_layout, layout, cfg.tie_word_embeddings)
                for n, (shape, kind) in expected.items()}
@@ -1317,7 +1319,8 @@ _FINITE_LIMIT = {"f16": 65504.0, "int8": 65504.0 * 127, "int4": 65504.0 * 8}
 # MLA's absorbed up-projections (config.py, kind "absorbed") are multiplied per head, each with
 # its own input, so without quantized (or, for bf16, permuted) activations: f32 or f16. A bf16
 # model keeps them bf16-rounded in f32 (the same numbers as its bf16 weights), a quantized one f16.
-ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int4": "f16", "mxfp4": "f16", "nl4": "f16"}
+ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int4": "f16", "mxfp4": "f16", "nl4": "f16",
+                  "int6": "f16"}
 
 # --quantize mxfp4: the routed experts in mxfp4, every other matrix in this (gpt-oss's checkpoints
 # keep attention, router, embedding and head in bf16 beside their mxfp4 experts)
@@ -1340,8 +1343,8 @@ def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=F
         fmt = MXFP4_DENSE_DTYPE
     if fmt in BLOCK_FORMATS and shape[-1] % QBLOCK:
         return FALLBACK_DTYPE
-    if fmt == "nl4" and (len(shape) != 2 or shape[0] % TGROUP):    # interleaved only: whole groups of rows
-        return NL4_FALLBACK_DTYPE
+    if fmt in INTERLEAVED_ONLY_FORMATS and (len(shape) != 2 or shape[0] % TGROUP):   # whole groups of rows
+        return INTERLEAVED_ONLY_FALLBACK[fmt]
     return fmt
 
 
@@ -1351,8 +1354,8 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
     output head), by default the faster one for their format; int8/int4 ones only with a multiple
     of 8 rows; everything else rows."""
     if kind != "matrix" or (name == "embedding" and not tied):
-        return "rows" if dtype != "nl4" else "interleaved"
-    if dtype == "nl4":                  # its only layout (_dtype_for gave whole groups of rows)
+        return "rows" if dtype not in INTERLEAVED_ONLY_FORMATS else "interleaved"
+    if dtype in INTERLEAVED_ONLY_FORMATS:   # its only layout (_dtype_for gave whole groups of rows)
         return "interleaved"
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)

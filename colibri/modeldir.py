@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _os, quant
-from ._kernels import BLOCK_FORMATS, DTYPE_CODES, GROUP_FORMATS, INTERLEAVED_FORMATS
+from ._kernels import BLOCK_FORMATS, DTYPE_CODES, GROUP_FORMATS, INTERLEAVED_FORMATS, INTERLEAVED_ONLY_FORMATS
 from .config import ModelConfig, read_json, shown
 from .errors import ColibriError
 
@@ -42,6 +42,7 @@ MAX_OTHER_FILES = 256                # files in the table beyond one per tensor 
 # block formats int8/int4/mxfp4 are stored as bytes, [rows, cols / 32 * block bytes])
 STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
                   "int8": np.dtype("u1"), "int4": np.dtype("u1"), "mxfp4": np.dtype("u1"), "nl4": np.dtype("u1"),
+                  "int6": np.dtype("u1"),
                   "int16": np.dtype("<i2")}
 NORM_DTYPES = ("f32", "int16")
 ABSORBED_DTYPES = ("f32", "f16")     # MLA's absorbed up-projections (config.expected_tensors "absorbed")       # int16 norm weights carry a float "scale": w = scale * q
@@ -265,12 +266,12 @@ class ModelDir:
                 if layout == "transposed" and t["dtype"] in BLOCK_FORMATS and t["dtype"] not in GROUP_FORMATS:
                     raise ColibriError(f"{ctx}: {t['dtype']} has no transposed layout (rows or interleaved)")
                 if layout == "interleaved" and t["dtype"] not in INTERLEAVED_FORMATS:
-                    raise ColibriError(f"{ctx}: the interleaved layout is for int8/int4/mxfp4/nl4, not {t['dtype']}")
+                    raise ColibriError(f"{ctx}: the interleaved layout is for {'/'.join(INTERLEAVED_FORMATS)}, not {t['dtype']}")
                 if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:
                     raise ColibriError(f"{ctx}: {layout} {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
                                        f"got {list(shape)}")
-            if t["dtype"] == "nl4" and layout != "interleaved":
-                raise ColibriError(f"{ctx}: nl4 is stored interleaved only, not {layout}")
+            if t["dtype"] in INTERLEAVED_ONLY_FORMATS and layout != "interleaved":
+                raise ColibriError(f"{ctx}: {t['dtype']} is stored interleaved only, not {layout}")
             if t["dtype"] in BLOCK_FORMATS and (len(shape) != 2 or shape[1] % quant.QBLOCK):
                 raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
             nbytes = storage_nbytes(t["dtype"], shape)
@@ -459,7 +460,7 @@ def to_storage(array: np.ndarray, dtype: str, importance=None) -> np.ndarray:
     raise ColibriError(f"unknown storage dtype {dtype!r}")
 
 
-IMPORTANCE_FORMATS = ("int8", "int4", "nl4")     # the formats whose scales an importance vector chooses
+IMPORTANCE_FORMATS = ("int8", "int4", "nl4", "int6")     # the formats whose scales an importance vector chooses
 
 
 def from_storage(stored: np.ndarray, dtype: str, cols: int | None = None) -> np.ndarray:

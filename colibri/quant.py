@@ -1,4 +1,4 @@
-"""Block quantization of weight matrices: int8, int4 and mxfp4, mirrored from csrc/quant.h.
+"""Block quantization of weight matrices: int8, int4, mxfp4, nl4 and int6, mirrored from csrc/quant.h.
 
     int8: blocks of 32 weights with one f16 scale d:  w ~= d * q,        q in [-127, 127]   (34 bytes)
     int4: blocks of 32 weights with one f16 scale d:  w ~= d * (q - 8),  q in [0, 15]       (18 bytes)
@@ -12,6 +12,10 @@
           engine stores it interleaved only (csrc/quant.h, cb_igroup_nl4: 140-byte groups, then the
           rows' f32 scales). Its rows form here is [rows, cols / 32 * 18 + 4]: per block of 32 the
           two scales + 32 (a byte each) and int4's nibble order, then the row's f32 scale.
+    int6: blocks of 32 weights with one f16 scale d:  w ~= d * (u - 32), u in [0, 63]     (26 bytes)
+          the low 4 bits of u in int4's nibble order (16 bytes), then the high 2 bits (8 bytes,
+          INT6_HIGH_ORDER); the engine stores it interleaved only (csrc/quant.h, cb_igroup_int6:
+          the same bytes, 8 outputs a group).
 
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
 `transposed` layout stores the same blocks input-major in groups of 8 outputs (their 8 scales
@@ -34,8 +38,9 @@ BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),
     "int4": np.dtype([("d", "<u2"), ("qs", "u1", (QBLOCK // 2,))]),
     "mxfp4": np.dtype([("e", "u1"), ("qs", "u1", (QBLOCK // 2,))]),
+    "int6": np.dtype([("d", "<u2"), ("qs", "u1", (QBLOCK // 2,)), ("qh", "u1", (QBLOCK // 4,))]),
 }
-BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18, mxfp4: 17
+BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18, mxfp4: 17, int6: 26
 # the e2m1 values by code (OCP microscaling formats; transformers' FP4_VALUES)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                       np.float32)
@@ -52,8 +57,15 @@ IGROUP_DTYPES = {
     "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
     # mxfp4: the 8 e8m0 scales, then the codes where int4 keeps its nibbles (csrc/quant.h)
     "mxfp4": np.dtype([("e", "u1", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4))]),
+    # int6: int4's group, then the codes' high 2 bits: qh[pair][output][4] (csrc/quant.h)
+    "int6": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (4, TGROUP, 4)), ("qh", "u1", (2, TGROUP, 4))]),
 }
 LAYOUTS = tuple(LAYOUT_CODES)
+
+# int6's high 2 bits: byte 4p + i of a block's qh holds, from bit 0 up, those of elements
+# 4(2p) + i, 16 + 4(2p) + i, 4(2p + 1) + i and 16 + 4(2p + 1) + i (the interleaved group's qh[p][r][i],
+# csrc/quant.h): INT6_HIGH_ORDER[b, k] is the element in bits 2k, 2k + 1 of byte b.
+INT6_HIGH_ORDER = np.array([[16 * (k % 2) + 4 * (2 * (b // 4) + k // 2) + b % 4 for k in range(4)] for b in range(8)])
 
 # nl4 (csrc/quant.h: cb_nl4_int, cb_igroup_nl4)
 NL4_VALUES = np.array([-64, -52, -42, -32, -24, -18, -11, -5, 0, 6, 12, 19, 26, 34, 44, 56], np.float32)
@@ -101,9 +113,11 @@ def _blocks(w: np.ndarray) -> np.ndarray:
 # Scale candidates of the importance-weighted search (quantize(importance=)): the block's largest
 # magnitude over each divisor, as llama.cpp's make_qx_quants tries them, each refitted by weighted
 # least squares. int4 maps the signed extreme near -8 (its levels are -8 .. 7), int8 near 127.
-SEARCH_DIVISORS = {"int4": tuple(8 + 0.15 * k for k in range(-5, 6)), "int8": tuple(127 - 3.0 * k for k in range(-2, 5))}
+SEARCH_DIVISORS = {"int4": tuple(8 + 0.15 * k for k in range(-5, 6)), "int8": tuple(127 - 3.0 * k for k in range(-2, 5)),
+                   "int6": tuple(32 + 0.5 * k for k in range(-6, 7))}
 _SEARCH_ROWS = 128        # rows searched at a time: the temporaries stay in the caches
-LEVELS = {"int4": (-8, 7), "int8": (-127, 127)}
+LEVELS = {"int4": (-8, 7), "int8": (-127, 127), "int6": (-32, 31)}
+_SIGNED_EXTREME = ("int4", "int6")      # formats whose levels are asymmetric: the signed extreme maps to the lowest
 
 
 def _weighted_scales(b: np.ndarray, imp: np.ndarray, dtype: str, d_rtn: np.ndarray) -> np.ndarray:
@@ -124,9 +138,9 @@ def _weighted_scales(b: np.ndarray, imp: np.ndarray, dtype: str, d_rtn: np.ndarr
         return (w * (x - d * q) ** 2).sum(axis=2)
 
     best, best_err = d_rtn, error(d_rtn)
-    ref = (np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)[..., 0] if dtype == "int4"
+    ref = (np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)[..., 0] if dtype in _SIGNED_EXTREME
            else np.abs(b).max(axis=2))
-    sign = np.float32(-1.0 if dtype == "int4" else 1.0)
+    sign = np.float32(-1.0 if dtype in _SIGNED_EXTREME else 1.0)
     for div in SEARCH_DIVISORS[dtype]:
         d0 = ref / (sign * np.float32(div))
         q = np.clip(np.rint(np.divide(x, d0[..., None], out=np.zeros_like(x), where=d0[..., None] != 0)), lo, hi)
@@ -147,7 +161,8 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
     importance float [cols] or None: the weight of each input column's rounding error (the mean
     square of that input, colibri.calibrate); with it each int8/int4 block's scale is the one of
     least weighted error (_weighted_scales), else round to nearest from the largest magnitude
-    (int4: q4_0's recipe, byte for byte)."""
+    (int4: q4_0's recipe, byte for byte). int6 always searches its scales: without importance every
+    column weighs the same (the plain squared error), as it has no peer's bytes to reproduce."""
     b = _blocks(w)                                                  # [rows, nblocks, 32]
     if importance is not None:
         importance = np.asarray(importance)
@@ -174,6 +189,18 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
         q = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)) + 8, 8)
         q = np.clip(q, 0, 15).astype(np.uint8)
         out["qs"] = q[..., :QBLOCK // 2] | (q[..., QBLOCK // 2:] << 4)
+    elif dtype == "int6":
+        idx = np.abs(b).argmax(axis=2)[..., None]
+        extreme = np.take_along_axis(b, idx, axis=2)[..., 0]
+        d = _f16_scale((extreme / np.float32(-32)).astype(np.float32))
+        d = _weighted_scales(b, importance if importance is not None else np.ones(b.shape[1] * QBLOCK, np.float32),
+                             dtype, d)
+        df = d.astype(np.float32)[..., None]
+        u = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)) + 32, 32)
+        u = np.clip(u, 0, 63).astype(np.uint8)                      # [rows, nb, 32]
+        out["qs"] = (u[..., :QBLOCK // 2] & 0x0F) | ((u[..., QBLOCK // 2:] & 0x0F) << 4)
+        high = (u >> 4)[..., INT6_HIGH_ORDER]                       # [rows, nb, 8, 4]
+        out["qh"] = (high << (2 * np.arange(4, dtype=np.uint8))).sum(axis=-1, dtype=np.uint8)
     elif dtype == "mxfp4":
         return _quantize_mxfp4(b)
     else:
@@ -299,6 +326,12 @@ def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     d = blocks["d"].view(np.float16).astype(np.float32)[..., None]
     if dtype == "int8":
         q = blocks["qs"].astype(np.float32)
+    elif dtype == "int6":
+        qs = blocks["qs"]
+        u = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int16)            # the low 4 bits
+        high = (blocks["qh"][..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3    # [rows, nb, 8, 4]
+        u[..., INT6_HIGH_ORDER] |= high.astype(np.int16) << 4
+        q = u.astype(np.float32) - 32
     else:
         qs = blocks["qs"]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float32) - 8
@@ -369,7 +402,7 @@ def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
 
 
 def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
-    """An int8/int4 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
+    """An int8/int4/mxfp4/nl4/int6 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
     cols / 32 * group bytes], group (g, kb) holding block kb of outputs 8g .. 8g+7 (rows must be a
     multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole."""
     if dtype == "nl4":
@@ -390,9 +423,10 @@ def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
         out["qs"] = packed.reshape(packed.shape[:3] + (4, 4)).transpose(0, 2, 3, 1, 4)
         return out.view(np.uint8).reshape(rows // TGROUP, -1)
     out["d"] = blocks["d"].transpose(0, 2, 1)                       # [groups, nb, 8]
-    qs = blocks["qs"]                                               # [groups, 8, nb, bytes]
-    units = qs.reshape(qs.shape[:3] + (-1, 4))                      # [groups, 8, nb, units, 4]
-    out["qs"] = units.transpose(0, 2, 3, 1, 4)                      # [groups, nb, units, 8, 4]
+    for field in ("qs", "qh") if dtype == "int6" else ("qs",):
+        qs = blocks[field]                                          # [groups, 8, nb, bytes]
+        units = qs.reshape(qs.shape[:3] + (-1, 4))                  # [groups, 8, nb, units, 4]
+        out[field] = units.transpose(0, 2, 3, 1, 4)                 # [groups, nb, units, 8, 4]
     return out.view(np.uint8).reshape(rows // TGROUP, -1)
 
 
@@ -410,8 +444,9 @@ def deinterleave(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.nda
         out["qs"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return out.view(np.uint8).reshape(rows, -1)
     out["d"] = groups["d"].transpose(0, 2, 1)
-    qs = groups["qs"].transpose(0, 3, 1, 2, 4)                      # [groups, 8, nb, units, 4]
-    out["qs"] = qs.reshape(qs.shape[:3] + (-1,))
+    for field in ("qs", "qh") if dtype == "int6" else ("qs",):
+        qs = groups[field].transpose(0, 3, 1, 2, 4)                 # [groups, 8, nb, units, 4]
+        out[field] = qs.reshape(qs.shape[:3] + (-1,))
     return out.view(np.uint8).reshape(rows, -1)
 
 

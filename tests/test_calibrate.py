@@ -110,7 +110,7 @@ def test_convert_with_importance_weights_each_matrix_s_rounding(converted, tmp_p
     lines = []
     out = tmp_path / "int4i"
     convert(FIXTURES / "mixtral_a" / "hf", out, quantize="int4", importance=path, log=lines.append)
-    assert any("importance from" in line and "int8/int4/nl4 matrices" in line for line in lines)
+    assert any("importance from" in line and "int8/int4/nl4/int6 matrices" in line for line in lines)
     plain = converted("mixtral_a", "int4", "rows")
     f32 = MappedModelDir(ModelDir(converted("mixtral_a", "f32")))
     a, b = MappedModelDir(ModelDir(plain)), MappedModelDir(ModelDir(out))

@@ -128,7 +128,7 @@ def test_block_formats_need_whole_blocks(dtype):
 
 
 def test_block_struct_sizes_agree_with_python():
-    assert _probes.block_sizes() == quant.BLOCK_BYTES == {"int8": 34, "int4": 18, "mxfp4": 17}
+    assert _probes.block_sizes() == quant.BLOCK_BYTES == {"int8": 34, "int4": 18, "mxfp4": 17, "int6": 26}
 
 
 @settings(max_examples=60, deadline=None)

@@ -384,7 +384,7 @@ def test_transpose_round_trip(dtype, groups, blocks, seed):
 
 def test_group_struct_sizes_agree_with_python():
     assert _probes.group_sizes() == quant.GROUP_BYTES == {"int8": 8 * 34, "int4": 8 * 18}
-    assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == {**quant.GROUP_BYTES, "mxfp4": 8 * 17}
+    assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == {**quant.GROUP_BYTES, "mxfp4": 8 * 17, "int6": 8 * 26}
     assert _probes.igroup_sizes() == {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()}   # static_assert in C
 
 

@@ -53,7 +53,9 @@ def _assert_exact_product(out, stored, x):
 
 
 @st.composite
-def nl4_case(draw):
+def interleaved_case(draw):
+    """(weights [8 k, 32 m] at one of three scales, tokens [n, 32 m]): an interleaved product
+    (nl4's, and test_int6's)."""
     rows, cols = 8 * draw(st.integers(1, 83)), 32 * draw(st.sampled_from([1, 2, 3, 7, 10, 31, 33]))
     n = draw(st.integers(1, 23))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -63,7 +65,7 @@ def nl4_case(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(nl4_case(), st.sampled_from([1, 2]))
+@given(interleaved_case(), st.sampled_from([1, 2]))
 def test_nl4_kernels_give_the_exact_product(isa, case, threads):
     """Every int step of the tier: the exact product within float32 error, every step the same
     bits, and each token's decode the bits of the prefill."""

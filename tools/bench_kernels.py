@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
-    ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4,mxfp4,nl4")
+    ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4,mxfp4,nl4,int6")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
     ap.add_argument("--layouts", default="rows,transposed,interleaved")
     ap.add_argument("--sweep", default=None,
@@ -126,7 +126,7 @@ def main():
             read_buf = np.ones(nbytes // 8, np.uint64)
             _probes.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
             _probes.bench_read(read_buf, args.threads)
-            steps = other_steps() if layout != "rows" and dtype in ("int8", "int4", "nl4") else []
+            steps = other_steps() if layout != "rows" and dtype in ("int8", "int4", "nl4", "int6") else []
             products = bf16_products_of(dtype, layout)
             kt, rt, st, bt = [], [], {k: [] for k in steps}, []
             x1 = x.reshape(1, -1)
@@ -233,9 +233,9 @@ def bf16_products_of(dtype, layout):
 
 
 def layouts_of(args, dtype):
-    """The --layouts a format has (interleaved: the block formats; transposed: not mxfp4; nl4:
-    interleaved only)."""
-    if dtype == "nl4":
+    """The --layouts a format has (interleaved: the block formats; transposed: not mxfp4; nl4 and
+    int6: interleaved only)."""
+    if dtype in _kernels.INTERLEAVED_ONLY_FORMATS:
         return [lay for lay in args.layouts.split(",") if lay == "interleaved"]
     return [lay for lay in args.layouts.split(",")
             if (lay != "interleaved" or dtype in quant.IGROUP_DTYPES)

@@ -54,7 +54,7 @@ static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, co
  *   CB_TRANSPOSED   ttile (groups of CB_TGROUP outputs) and, for int8/int4, tprefill: the repacked
  *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits; the scalar tier's is the
  *                   stored-order tile itself, cb_tprefill_scalar);
- *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4), decode and prefill.
+ *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4/int6), decode and prefill.
  * The scalar tier's entries (kernels_scalar.h: cb_tile_scalar, cb_ttile_scalar, cb_itile_scalar)
  * are the plain-C spec of every other tier's, which the tests hold them to. */
 typedef struct {
@@ -241,7 +241,8 @@ static int cb_select_kernels(int isa, int step) {
             t.mat[d][CB_TRANSPOSED].tprefill = k.tprefill;
             t.mat[d][CB_INTERLEAVED].itile = k.itile;
         }
-        if (d == CB_MXFP4 || d == CB_NL4) t.mat[d][CB_INTERLEAVED].itile = k.itile;   /* (no transposed mxfp4/nl4) */
+        if (d == CB_MXFP4 || d == CB_NL4 || d == CB_INT6)      /* (no transposed mxfp4/nl4/int6) */
+            t.mat[d][CB_INTERLEAVED].itile = k.itile;
     }
     cb_kt = t;
     cb_selected.isa = isa;
@@ -379,7 +380,7 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     }
 }
 
-/* This thread's share of an interleaved int8/int4/mxfp4/nl4 product: whole groups of 8 outputs,
+/* This thread's share of an interleaved int8/int4/mxfp4/nl4/int6 product: whole groups of 8 outputs,
  * all tokens in one call (cb_itile_fn); nl4's row scales then multiply the finished outputs. */
 static void cb_job_interleaved(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {
     const int groups = j->rows / CB_TGROUP;
@@ -617,8 +618,8 @@ static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantiz
 /* ---- the import-time self-test ---------------------------------------------------------------
  *
  * A known-answer test of a tier against the scalar spec, on the drivers the engine uses: every
- * storage format in every layout it has (rows, but not nl4; transposed for the float formats and
- * int8/int4; interleaved for int8/int4/mxfp4/nl4) through cb_matmul at one token and at five (decode and the
+ * storage format in every layout it has (rows, but not nl4/int6; transposed for the float formats and
+ * int8/int4; interleaved for int8/int4/mxfp4/nl4/int6) through cb_matmul at one token and at five (decode and the
  * prefill tiles), bf16 products where the tier has them (the rounding bit for bit), the
  * attention with and without sinks, and both GLU activations, each computed on the scalar tier
  * and on the tier under test from the same deterministic inputs (weights of
@@ -636,7 +637,7 @@ static uint32_t cb_selftest_rand(uint32_t *state) {
 }
 
 /* Fill a stored [rows, cols] matrix of `dtype` in `layout` with deterministic bytes, its scales
- * made valid: f32 values in [-1, 1); f16 / bf16 of normal magnitude; int8/int4/mxfp4 random
+ * made valid: f32 values in [-1, 1); f16 / bf16 of normal magnitude; int8/int4/mxfp4/int6 random
  * weights with f16 scales near 2^-6 or e8m0 scales of 2^-6 +- 1; nl4 random bytes with row
  * scales in [2^-6, 2^-5). */
 static void cb_selftest_fill(uint8_t *w, size_t bytes, int dtype, int layout, int rows, int cols, uint32_t *state) {
@@ -711,7 +712,7 @@ static int cb_self_test_step(int isa, int step) {
         for (int layout = 0; layout < CB_N_LAYOUTS; layout++) {
             const int quant = CB_IS_QUANT(dtype);
             if ((layout == CB_TRANSPOSED && dtype == CB_MXFP4) || (layout == CB_INTERLEAVED && !quant)) continue;
-            if (dtype == CB_NL4 && layout != CB_INTERLEAVED) continue;
+            if ((dtype == CB_NL4 || dtype == CB_INT6) && layout != CB_INTERLEAVED) continue;
             const size_t bytes = dtype == CB_NL4 ? cb_nl4_bytes(R, C) : (size_t)R * cb_row_stride(dtype, C);
             cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
             for (int n = 1; n <= N; n += N - 1) {

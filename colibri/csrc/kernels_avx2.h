@@ -1109,15 +1109,36 @@ CB_TARGET_AVX2 static inline __m256 cb_igroup_scales_avx2(const char *gp, int dt
     return _mm256_castsi256_ps(_mm256_blendv_epi8(small, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
 }
 
-/* An int4 / mxfp4 group's vector v of codes (32 bytes), its low and high nibbles as the bytes
- * the integer step multiplies: int4's as they are, mxfp4's through cb_mxfp4_u12. */
+/* Each byte of h shifted left by `shift` (4, 2, 0 or -2: right by 2), bits 4..5 kept: an int6
+ * code's high 2 bits in place above its nibble (CB_INT6_HSHIFT). The shifts are immediates in
+ * every branch (MSVC and clang at -O0 want constants). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256i cb_int6_high_avx2(__m256i h, int shift) {
+    __m256i placed;
+    switch (shift) {
+    case 4: placed = _mm256_slli_epi16(h, 4); break;
+    case 2: placed = _mm256_slli_epi16(h, 2); break;
+    case 0: placed = h; break;
+    default: placed = _mm256_srli_epi16(h, 2); break;
+    }
+    return _mm256_and_si256(placed, _mm256_set1_epi8(0x30));
+}
+
+/* An int4 / mxfp4 / nl4 / int6 group's vector v of codes (32 bytes), its low and high nibbles as
+ * the bytes the integer step multiplies: int4's as they are, mxfp4's through cb_mxfp4_u12, nl4's
+ * through cb_nl4_u64, int6's with their high 2 bits ORed in (u = code + 32, 0 .. 63). */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_inibbles_avx2(const char *gp, int dtype, int v, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const size_t codes = dtype == CB_MXFP4 ? offsetof(cb_igroup_mxfp4, qs)
-                       : dtype == CB_NL4 ? offsetof(cb_igroup_nl4, qs) : offsetof(cb_igroup_int4, qs);
+                       : dtype == CB_NL4 ? offsetof(cb_igroup_nl4, qs)
+                       : dtype == CB_INT6 ? offsetof(cb_igroup_int6, qs) : offsetof(cb_igroup_int4, qs);
     const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + codes + 32 * v));
     *lo = _mm256_and_si256(a, m4);
     *hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+    if (dtype == CB_INT6) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(gp + offsetof(cb_igroup_int6, qh) + 32 * (v / 2)));
+        *lo = _mm256_or_si256(*lo, cb_int6_high_avx2(h, CB_INT6_HSHIFT(v, 0)));
+        *hi = _mm256_or_si256(*hi, cb_int6_high_avx2(h, CB_INT6_HSHIFT(v, 1)));
+    }
     if (dtype == CB_MXFP4 || dtype == CB_NL4) {
         const __m256i lut = _mm256_broadcastsi128_si256(
             _mm_loadu_si128((const __m128i *)(dtype == CB_MXFP4 ? cb_mxfp4_u12 : cb_nl4_u64)));
@@ -1207,7 +1228,7 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
                                          _mm256_set1_ps(xd[j][kb]), acc[j]);
             continue;
         } else {
-            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
+            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
             __m256i p16[4];
             for (int j = 0; j < T; j++) {
                 p16[j] = _mm256_setzero_si256();
@@ -1222,7 +1243,8 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
                                                                        _mm256_maddubs_epi16(hi, CB_BCAST4(x + 16))));
                     CB_IN_ORDER(p16[j]);
                 }
-                if (dtype == CB_MXFP4 && v == 1)       /* two vectors' sums: up to 24384 in int16 */
+                if ((dtype == CB_MXFP4 && v == 1) || dtype == CB_INT6)   /* mxfp4: two vectors' sums, up to
+                                                                   24384 in int16; int6: one's, 32004 */
                     for (int j = 0; j < T; j++) {
                         isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p16[j], ones));
                         p16[j] = _mm256_setzero_si256();
@@ -1284,7 +1306,7 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb_nl4_scaled_avx2(gp + k * gstride, isum[k], hsum[k])), dx, acc[k]);
             continue;
         } else {
-            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : 8;
+            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
             __m256i p16[4];
             for (int k = 0; k < G; k++) {
                 p16[k] = _mm256_setzero_si256();
@@ -1297,7 +1319,7 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
                     cb_inibbles_avx2(gp + k * gstride, dtype, v, &lo, &hi);
                     p16[k] = _mm256_add_epi16(p16[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
                 }
-                if (dtype == CB_MXFP4 && v == 1)
+                if ((dtype == CB_MXFP4 && v == 1) || dtype == CB_INT6)
                     for (int k = 0; k < G; k++) {
                         isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(p16[k], ones));
                         p16[k] = _mm256_setzero_si256();
@@ -1356,6 +1378,7 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
     if (dtype == CB_INT8) cb_idecode_avx2(o, os, gp, gs, CB_INT8, acts, nb, G); \
     else if (dtype == CB_MXFP4) cb_idecode_avx2(o, os, gp, gs, CB_MXFP4, acts, nb, G); \
     else if (dtype == CB_NL4) cb_idecode_avx2(o, os, gp, gs, CB_NL4, acts, nb, G); \
+    else if (dtype == CB_INT6) cb_idecode_avx2(o, os, gp, gs, CB_INT6, acts, nb, G); \
     else cb_idecode_avx2(o, os, gp, gs, CB_INT4, acts, nb, G);
         CB_IDECODE_LOOP(CB_CALL_ID)
 #undef CB_CALL_ID
@@ -1365,6 +1388,7 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
                   else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IG, CB_MXFP4) }
                   else if (dtype == CB_NL4) { CB_AVX2_T_CASES(CB_CALL_IG, CB_NL4) }
+                  else if (dtype == CB_INT6) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT6) }
                   else { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT4) })
 #undef CB_CALL_IG
 }

@@ -18,13 +18,15 @@
 #include "quant.h"
 
 /* Storage dtypes of a weight matrix (colibri._kernels.DTYPE_CODES names them). */
-enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 = 5, CB_NL4 = 6, CB_N_DTYPES = 7 };
+enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 = 5, CB_NL4 = 6, CB_INT6 = 7, CB_N_DTYPES = 8 };
 
 /* The formats whose products take quantized activations (cb_act_q8). */
-#define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4 || (dtype) == CB_NL4)
+#define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4 || (dtype) == CB_NL4 || \
+                            (dtype) == CB_INT6)
 
 /* Bytes of one row of `cols` weights in `dtype` (int8/int4/mxfp4: cols % 32 == 0; nl4, which has
- * no rows layout: 0, see cb_nl4_bytes). */
+ * no rows layout: 0, see cb_nl4_bytes; int6, which has none either: its interleaved matrix's bytes
+ * over its rows). */
 static inline size_t cb_row_stride(int dtype, int cols) {
     switch (dtype) {
     case CB_NL4: return 0;
@@ -32,6 +34,7 @@ static inline size_t cb_row_stride(int dtype, int cols) {
     case CB_F16: case CB_BF16: return (size_t)cols * 2;
     case CB_INT8: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int8);
     case CB_MXFP4: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_mxfp4);
+    case CB_INT6: return (size_t)(cols / CB_QBLOCK) * (sizeof(cb_igroup_int6) / CB_TGROUP);
     default: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int4);
     }
 }
@@ -189,10 +192,11 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  */
 enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2, CB_N_LAYOUTS = 3 };   /* colibri._kernels.LAYOUT_CODES */
 
-/* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4) group of 8 outputs. */
+/* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4/int6) group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
     return dtype == CB_INT8 ? sizeof(cb_group_int8) : dtype == CB_MXFP4 ? sizeof(cb_igroup_mxfp4)
-         : dtype == CB_NL4 ? sizeof(cb_igroup_nl4) : sizeof(cb_group_int4);
+         : dtype == CB_NL4 ? sizeof(cb_igroup_nl4) : dtype == CB_INT6 ? sizeof(cb_igroup_int6)
+         : sizeof(cb_group_int4);
 }
 
 /* An interleaved nl4 matrix [rows, cols]: its groups, then its f32 row scales [rows] (quant.h). */
@@ -226,7 +230,7 @@ typedef void (*cb_ttile_fn)(float *out, int ldo, const char *w, int dtype, const
                             const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T);
 
 /* The 32 weights q[32] of output r in an interleaved group (quant.h) as signed integers (int4:
- * nibble - 8; mxfp4: the doubled e2m1 value; nl4: its codebook value), input order. */
+ * nibble - 8; mxfp4: the doubled e2m1 value; nl4: its codebook value; int6: u - 32), input order. */
 static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int dtype, int r) {
     for (int v = 0; v < 8; v++)
         for (int i = 0; i < 4; i++) {
@@ -240,6 +244,12 @@ static inline void cb_igroup_weights(int8_t q[CB_QBLOCK], const char *grp, int d
                 uint8_t b = ((const cb_igroup_nl4 *)grp)->qs[v][r][i];
                 q[4 * v + i] = cb_nl4_int[b & 0x0F];
                 q[16 + 4 * v + i] = cb_nl4_int[b >> 4];
+            } else if (dtype == CB_INT6 && v < 4) {
+                const cb_igroup_int6 *g6 = (const cb_igroup_int6 *)grp;
+                const uint8_t b = g6->qs[v][r][i], h = g6->qh[v / 2][r][i];
+                const int k = 2 * (v & 1);                 /* bits 2k, 2k + 1: the low nibble's */
+                q[4 * v + i] = (int8_t)(((b & 0x0F) | (((h >> (2 * k)) & 3) << 4)) - CB_INT6_OFFSET);
+                q[16 + 4 * v + i] = (int8_t)(((b >> 4) | (((h >> (2 * k + 2)) & 3) << 4)) - CB_INT6_OFFSET);
             } else if (v < 4) {
                 uint8_t b = ((const cb_igroup_int4 *)grp)->qs[v][r][i];
                 q[4 * v + i] = (int8_t)((b & 0x0F) - 8);
@@ -357,7 +367,7 @@ static cb_dot_fn cb_dot_scalar(int dtype) {
     case CB_BF16: return cb_dot_bf16_scalar;
     case CB_INT8: return cb_dot_int8_scalar;
     case CB_MXFP4: return cb_dot_mxfp4_scalar;
-    case CB_NL4: return NULL;                   /* no rows layout */
+    case CB_NL4: case CB_INT6: return NULL;     /* no rows layout */
     default: return cb_dot_int4_scalar;
     }
 }

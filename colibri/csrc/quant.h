@@ -14,6 +14,10 @@
  *   nl4: a 16-value non-linear codebook (cb_nl4_int: IQ4_NL's values halved) under a signed 6-bit
  *         scale per 16 weights and an f32 scale per row: w = row_scale * sub * cb_nl4_int[q],
  *         sub in [-32, 31]; the interleaved layout only (below): 4.375 bits a weight + 32 bits a row.
+ *   int6: blocks of 32 weights, one f16 scale: w = d * (u - 32), u in [0, 63] split into its low 4
+ *         bits (int4's nibbles) and its high 2 (a byte holds four); the interleaved layout only
+ *         (cb_igroup_int6): 6.5 bits a weight, for the matrices whose error costs most per byte
+ *         (the output head, attention) beside 4-bit experts.
  * A row of an int8/int4/mxfp4 matrix is cols/32 consecutive blocks; cols must be a multiple of 32.
  * mxfp4 is stored in the rows layout (the checkpoint's order) or the interleaved one (below).
  *
@@ -42,6 +46,12 @@
  * scale. The kernels shuffle a code to cb_nl4_u64 (its value + 64, unsigned) and take 64 times
  * each half's activation sum off (cb_act_q8.nl4_off). After the matrix's groups come its `rows`
  * f32 row scales, which multiply each output once, when its sum is complete (dispatch.h).
+ * An int6 interleaved group (cb_igroup_int6) is int4's group (the 8 f16 scales, the low 4 bits
+ * of each code where int4 keeps its nibble) followed by the codes' high 2 bits, 32 bytes for each
+ * two of int4's code vectors: qh[p][r][i] holds, from its low bits up, the high bits of the low
+ * and high nibble of qs[2p][r][i], then those of qs[2p + 1][r][i]. A kernel ORs them in above
+ * the nibbles (a shift and a mask per vector) and multiplies u = code + 32 as int4 multiplies its
+ * nibbles, taking 32 * sum(x) off.
  *
  * Activations multiplied against integer weights are quantized per block of 32 to int8 with a
  * float scale (cb_act_q8), as the fast engines do: the dot product of two blocks is then an
@@ -114,6 +124,20 @@ typedef struct {
                                            nibble) and 16 + 4v + i (high) of output r */
 } cb_igroup_mxfp4;
 
+/* An interleaved int6 group: 8 outputs x 32 inputs, 208 bytes (quant.h's header). */
+typedef struct {
+    uint16_t d[CB_TGROUP];              /* [8] f16 scales */
+    uint8_t qs[4][CB_TGROUP][4];        /* [vector v][output r][i]: the low 4 bits of u = code + 32 of
+                                           inputs 4v + i (low nibble) and 16 + 4v + i (high), as int4 */
+    uint8_t qh[2][CB_TGROUP][4];        /* [pair p][output r][i]: bits 2k, 2k + 1 hold the high 2 bits
+                                           of vector 2p + k / 2's low (k even) or high (k odd) nibble */
+} cb_igroup_int6;
+#define CB_INT6_OFFSET 32               /* u = code + 32: what the integer steps multiply */
+
+/* Bits 4..5 of each byte: the high 2 bits of vector v's low (half 0) or high (half 1) nibbles,
+ * from the byte qh that holds them (cb_igroup_int6), as a shift of that byte. */
+#define CB_INT6_HSHIFT(v, half) (4 - 2 * (2 * ((v) & 1) + (half)))
+
 /* The doubled e2m1 values + 12 by code, unsigned (0 .. 24): what the interleaved kernels multiply
  * (then 12 * sum(x) comes off). */
 static const uint8_t cb_mxfp4_u12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -174,6 +198,7 @@ CB_STATIC_ASSERT(sizeof(cb_igroup_int8) == sizeof(cb_group_int8), "interleaved i
 CB_STATIC_ASSERT(sizeof(cb_igroup_int4) == sizeof(cb_group_int4), "interleaved int4 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_mxfp4) == 8 * 17, "interleaved mxfp4 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_nl4) == 140, "interleaved nl4 group must be 140 bytes");
+CB_STATIC_ASSERT(sizeof(cb_igroup_int6) == 208, "interleaved int6 group must be 208 bytes");
 
 /* Activations quantized per block of 32: x[i] ~= d[i / 32] * q[i]. */
 typedef struct {

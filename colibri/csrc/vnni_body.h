@@ -118,13 +118,15 @@ CB_VNNI_NAME(cb_ttile)(float *out, int ldo, const char *w, int dtype, const floa
 
 /* One interleaved group (as cb_igroup_avx2) with this step: int8 flipped to unsigned (q ^ 0x80 =
  * q + 128) in a register, int4's low and high nibbles as they are; each block's sum starts from
- * -128 * sum(x), -8 * sum(x) or (mxfp4, its codes shuffled to cb_mxfp4_u12) -12 * sum(x) (acts->s). Per block and token: 8 (xor +) vpdpbusd in two chains. */
+ * -128 * sum(x), -8 * sum(x), (mxfp4, its codes shuffled to cb_mxfp4_u12) -12 * sum(x) or (int6,
+ * u = code + 32 with its high bits ORed in) -32 * sum(x) (acts->s). Per block and token: 8 (xor +) vpdpbusd in two chains. */
 CB_VNNI_TARGET static CB_ALWAYS_INLINE void
 CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *acts, int kb0, int kb1,
                         int first, const int T) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET : 8;
+    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET
+                         : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
     const int8_t *xq[4];
     const float *xd[4];
     const int32_t *xs[4], *xoff[4];
@@ -192,7 +194,8 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
                          int nb, const int G) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET : 8;
+    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET
+                         : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
     __m256 acc[4];
     for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
     for (int kb = 0; kb < nb; kb++, gp += gbytes) {
@@ -250,6 +253,7 @@ CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_a
     if (dtype == CB_INT8) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT8, acts, nb, G); \
     else if (dtype == CB_MXFP4) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_MXFP4, acts, nb, G); \
     else if (dtype == CB_NL4) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_NL4, acts, nb, G); \
+    else if (dtype == CB_INT6) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT6, acts, nb, G); \
     else CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT4, acts, nb, G);
         CB_IDECODE_LOOP(CB_CALL_IDV)
 #undef CB_CALL_IDV
@@ -259,6 +263,7 @@ CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_a
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT8) }
                   else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_MXFP4) }
                   else if (dtype == CB_NL4) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_NL4) }
+                  else if (dtype == CB_INT6) { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT6) }
                   else { CB_AVX2_T_CASES(CB_CALL_IGV, CB_INT4) })
 #undef CB_CALL_IGV
 }

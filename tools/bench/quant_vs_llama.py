@@ -5,7 +5,8 @@ Both engines quantize the same Hugging Face checkpoint with an importance matrix
 calibration text, and each measures the KL divergence of its 4-bit model from its own full-
 precision one on the same held-out chunks:
 
-  Colibri     convert --quantize f32 / int4 / nl4 (and nl4 with --role ROLE=FORMAT mixes);
+  Colibri     convert --quantize f32 / int4 / nl4 (and nl4 with --role ROLE=FORMAT mixes: int8 or int6
+              attention and head);
               calibrate on the calibration text (the f32 conversion) for --importance.
   llama.cpp   convert_hf_to_gguf.py --outtype f32; llama-imatrix on the calibration text;
               llama-quantize --imatrix to Q4_0, Q4_K_M and IQ4_XS; llama-perplexity
@@ -54,7 +55,9 @@ LLAMA_TYPES = [("Q4_0 --pure", "Q4_0", ["--pure"]), ("Q4_0", "Q4_0", []), ("Q4_K
 COLIBRI_VARIANTS = [("int4", "int4", {}, False), ("int4, importance", "int4", {}, True),
                     ("nl4", "nl4", {}, False), ("nl4, importance", "nl4", {}, True),
                     ("nl4, importance, head int8", "nl4", {"head": "int8"}, True),
-                    ("nl4, importance, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}, True)]
+                    ("nl4, importance, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}, True),
+                    ("nl4, importance, head int6", "nl4", {"head": "int6"}, True),
+                    ("nl4, importance, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, True)]
 
 
 def sh(cmd, **kw):
