@@ -586,9 +586,10 @@ _GPT_OSS_RULES = [(re.compile(p), h) for p, h in _GPT_OSS_RULES] + _RULES
 _RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES, "gpt_oss": _GPT_OSS_RULES, "deepseek_v3": _DEEPSEEK_RULES}
 
 
-def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None) -> dict:
+def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None, sources: dict | None = None) -> dict:
     """our tensor name -> getter returning its float32 values; checks names and shapes (from the
-    safetensors headers, before a byte of weights is read). Work and memory are linear in the
+    safetensors headers, before a byte of weights is read). sources, if given, receives our name
+    -> the checkpoint tensor read as it, for the tensors read whole. Work and memory are linear in the
     number of checkpoint tensors and in the size of the config's table: a name for a layer or an
     expert the config does not have is refused, not planned; stacked experts are expanded only
     once their shape is the config's."""
@@ -688,6 +689,8 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
         if (math.prod(shape) != math.prod(want)) if flat else shape != want:
             raise ColibriError(f"tensor {name}: expected shape {list(want)} from config.json, checkpoint has "
                                f"{list(shape)} ({_cut(hf_name)})")
+    if sources is not None:
+        sources.update(source)
     return plan
 
 
@@ -878,6 +881,7 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     source_flag, source = ("--gguf", gguf) if gguf is not None else ("--hf-dir", hf_dir)
     _check_output(Path(output_dir), force, {source_flag: source})         # before any work
+    by_type = gguf is not None and quantize is None    # no --quantize: a GGUF's finer tensors keep their precision
     if gguf is not None:
         ckpt = GGUFCheckpoint(gguf)
         quantize = quantize or ckpt.default_format()
@@ -893,7 +897,9 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
             raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
                                f"choose rows or transposed")
     arch, cfg = hf_model_config(ckpt)
-    plan = plan_tensors(ckpt, cfg, arch, log)
+    sources = {}
+    plan = plan_tensors(ckpt, cfg, arch, log, sources)
+    kept = ckpt.kept_formats(sources, quantize) if by_type else {}
     expected = cfg.expected_tensors()
     # a GGUF's text files are made from its metadata into a staging directory; a checkpoint's are read where they are
     staging = tempfile.TemporaryDirectory(prefix="colibri-gguf-text-") if gguf is not None else contextlib.nullcontext()
@@ -902,7 +908,7 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
         if gguf is not None:
             ckpt.write_text_files(text_dir, cfg.vocab_size)
         return _convert_planned(ckpt, arch, cfg, plan, expected, Path(output_dir), text_dir, quantize, force, log,
-                                ln_quant, expert_layout, layout, {source_flag: source}, roles, weights_of)
+                                ln_quant, expert_layout, layout, {source_flag: source}, roles, weights_of, kept)
 
 
 def _size(n: float) -> str:
@@ -945,12 +951,23 @@ def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | N
 
 
 def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, force, log, ln_quant,
-                     expert_layout, layout, inputs, roles, weights_of=None) -> ModelConfig:
+                     expert_layout, layout, inputs, roles, weights_of=None, kept=None) -> ModelConfig:
     """convert's writing half: the planned tensors in their formats and layouts, the text files
-    of `text_dir`, then what the conversion did, in the log."""
+    of `text_dir`, then what the conversion did, in the log. kept: {tensor: format} of a GGUF's
+    finer tensors (GGUFCheckpoint.kept_formats), below --role, above `quantize`."""
 
-    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name, roles, cfg.tie_word_embeddings)
+    kept = kept or {}
+    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name, roles, cfg.tie_word_embeddings, kept.get(name))
               for name, (shape, kind) in expected.items()}
+    if kept:
+        counts = {}
+        for name, fmt in kept.items():
+            if dtypes.get(name) == fmt:
+                counts[fmt] = counts.get(fmt, 0) + 1
+        if counts:
+            log("[INFO] kept at the GGUF's finer precision (no --quantize): "
+                + ", ".join(f"{n} matrices in {fmt}" for fmt, n in sorted(counts.items()))
+                + f", the rest in {quantize} (--quantize FORMAT stores every matrix in one format)")
     layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
                for name, (shape, kind) in expected.items()}
     weights = [sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)     # + alignment padding
@@ -1327,9 +1344,9 @@ ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int
 MXFP4_DENSE_DTYPE = "bf16"
 
 
-def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=False):
+def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=False, kept=None):
     """The storage format of one tensor: --quantize, or its role's --role format (a tied
-    embedding is the output head: --role head)."""
+    embedding is the output head: --role head), or `kept` (a GGUF tensor's finer format)."""
     role = tensor_role(name)
     role_format = (roles or {}).get("head" if role == "embedding" and tied else role)
     if kind == "norm":
@@ -1338,8 +1355,8 @@ def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=F
         return ABSORBED_DTYPE[role_format or quantize]
     if kind != "matrix":
         return "f32"
-    fmt = role_format or quantize
-    if role_format is None and quantize == "mxfp4" and not _EXPERT_MATRIX.fullmatch(name):
+    fmt = role_format or kept or quantize
+    if role_format is None and kept is None and quantize == "mxfp4" and not _EXPERT_MATRIX.fullmatch(name):
         fmt = MXFP4_DENSE_DTYPE
     if fmt in BLOCK_FORMATS and shape[-1] % QBLOCK:
         return FALLBACK_DTYPE

@@ -73,6 +73,10 @@ FILE_TYPE_FORMAT = {0: "f32", 1: "f16", 32: "bf16", 7: "int8", 2: "int4", 3: "in
                     10: "int4", 11: "int4", 12: "int4", 13: "int4", 14: "int4", 15: "int4", 16: "int8",
                     17: "int8", 18: "int8", 25: "int4", 30: "int4", 38: "mxfp4"}
 DEFAULT_FORMAT = "int8"
+# a tensor whose GGUF type holds more than the file's 4 bits -> the Colibri format that keeps it,
+# where convert is given no --quantize (a Q4_K_M file keeps its output, attn_v and half its
+# ffn_down in Q6_K: they stay 6-bit, int6, instead of falling to the file's int4; Q8_0 is carried)
+KEPT_PRECISION = {"Q8_0": "int8", "Q6_K": "int6", "Q5_K": "int6", "Q5_0": "int6", "Q5_1": "int6"}
 ERROR_SAMPLE_ROWS = 256          # rows of each requantized tensor the reported error is measured on
 
 _L = r"blk\.(\d+)\."
@@ -506,6 +510,17 @@ class GGUFCheckpoint:
     def default_format(self) -> str:
         """The Colibri format closest to what the file holds (general.file_type), else int8."""
         return FILE_TYPE_FORMAT.get(self.meta.get("general.file_type"), DEFAULT_FORMAT)
+
+    def kept_formats(self, sources: dict, default: str) -> dict:
+        """{our tensor: format} for the matrices whose GGUF type holds more than `default` keeps
+        (KEPT_PRECISION, where it is not `default` itself); sources: our name -> the name this
+        checkpoint reads it by (convert.plan_tensors)."""
+        out = {}
+        for name, src in sources.items():
+            fmt = KEPT_PRECISION.get(self.gguf_type(src))
+            if fmt is not None and fmt != default and len(self.shape(src)) == 2 and (fmt, default) != ("int6", "int8"):
+                out[name] = fmt
+        return out
 
     @staticmethod
     def requantized(gguf_type: str | None, dtype: str) -> bool:

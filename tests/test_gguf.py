@@ -218,17 +218,41 @@ def test_a_quantized_gguf_is_as_close_to_transformers_as_our_own_conversion(impo
 
 def test_types_without_a_colibri_format_are_requantized_and_the_error_reported(tmp_path, imported):
     said = []
-    convert(None, tmp_path / "m", gguf=GGUF_DIR / "mixtral_a-Q4_K_M.gguf", log=said.append)
+    convert(None, tmp_path / "m", gguf=GGUF_DIR / "mixtral_a-Q4_K_M.gguf", quantize="int4", log=said.append)
     report = [line for line in said if "dequantized" in line]
     assert len(report) == 1 and "Q5_0" in report[0], said
     error = float(report[0].split("Q5_0 ")[1].split()[0])
     assert 0 < error < 0.2                      # two 4-bit roundings of the same weights
-    assert ModelDir(tmp_path / "m").weight_dtype == "int4"       # general.file_type Q4_K_M -> int4
+    assert ModelDir(tmp_path / "m").weight_dtype == "int4"
     # at int8 the file's own values are kept far more closely than any 4-bit format could
     exact, _ = logits(imported("mixtral_a-Q4_K_M", "f32"), "mixtral_a")
     at_int8, _ = logits(imported("mixtral_a-Q4_K_M", "int8"), "mixtral_a")
     at_int4, _ = logits(tmp_path / "m", "mixtral_a")
     assert rel(at_int8, exact) < rel(at_int4, exact) / 4
+
+
+def test_a_gguf_s_finer_tensors_keep_their_precision_without_quantize(tmp_path, imported):
+    """No --quantize: the file's type (Q4_K_M -> int4) for most matrices, but its Q8_0 ones carried
+    as int8 and its 5/6-bit ones (here Q5_0: llama-quantize's fallback for rows narrower than
+    256) as int6, which holds a 5-bit block's values (its scale found by the search): the logits
+    stay far closer to the file's own values than with --quantize int4; the log says so."""
+    import gguf
+    said = []
+    convert(None, tmp_path / "m", gguf=GGUF_DIR / "mixtral_a-Q4_K_M.gguf", log=said.append)
+    md = ModelDir(tmp_path / "m")
+    assert md.weight_dtype == "int4"                          # general.file_type Q4_K_M -> int4
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(GGUF_DIR / "mixtral_a-Q4_K_M.gguf").tensors}
+    assert types["output.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == "Q5_0"
+    assert md.tensors["lm_head"]["dtype"] == "int8" and md.tensors["layers.0.wq"]["dtype"] == "int6"
+    assert md.tensors["embedding"]["dtype"] == "int6" and md.tensors["embedding"]["layout"] == "interleaved"
+    (kept,) = [line for line in said if "finer precision" in line]
+    assert "in int6" in kept and "in int8" in kept, kept
+    (report,) = [line for line in said if "dequantized" in line]
+    assert float(report.split("Q5_0 ")[1].split()[0]) < 2e-3, report     # within f16 rounding of the scales
+    exact, _ = logits(imported("mixtral_a-Q4_K_M", "f32"), "mixtral_a")
+    default, _ = logits(tmp_path / "m", "mixtral_a")
+    at_int4, _ = logits(imported("mixtral_a-Q4_K_M", "int4"), "mixtral_a")
+    assert rel(default, exact) < rel(at_int4, exact) / 4
 
 
 def test_a_gpt_oss_mxfp4_gguf_is_the_checkpoint_as_llama_cpp_runs_it(tmp_path, imported):
