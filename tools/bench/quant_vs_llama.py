@@ -110,12 +110,14 @@ def gguf_bytes_per_token(path: Path) -> float:
 
 
 def llama_kl(bin_dir: Path, gguf: Path, text: Path, base: Path, ctx: int, threads: int) -> float:
-    out = sh([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "-t", threads,
-              "--kl-divergence-base", base, "--kl-divergence"])
-    m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", out.stdout + out.stderr)
-    if not m:
-        raise RuntimeError(f"no 'Mean KLD' in llama-perplexity's output for {gguf}")
-    return float(m.group(1))
+    for _ in range(3):        # seen here: now and then a run ends without its statistics (exit 0)
+        out = sh([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "-t", threads,
+                  "--kl-divergence-base", base, "--kl-divergence"])
+        m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", out.stdout + out.stderr)
+        if m:
+            return float(m.group(1))
+        print(f"no 'Mean KLD' in llama-perplexity's output; its last lines: {(out.stdout + out.stderr)[-400:]!r}")
+    raise RuntimeError(f"no 'Mean KLD' in llama-perplexity's output for {gguf}, three times")
 
 
 def main() -> int:
