@@ -63,6 +63,8 @@ cdef struct Mat:
     int cols
     double *input_stats   # [cols + 1] or NULL: the sum of each input column's squares over the
                           # tokens multiplied, then their count (colibri.calibrate: Model(capture_inputs=True))
+    double *input_gram    # [cols, cols] or NULL: the sums of x[c] x[c'] (c <= c', the upper triangle) over the
+                          # same tokens (calibrate --second-moments: Model(capture_second_moments=))
 
 cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
     Mat gate              # [d_ff, d_model]

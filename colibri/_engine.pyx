@@ -107,13 +107,24 @@ cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const floa
 cdef void add_input_stats(const Mat *m, const float *x, int ldx, int n) noexcept nogil:
     """m.input_stats[c] += x[t, c]^2 over the n tokens of a product, and the token count after the
     columns: the activation statistics `calibrate` collects (an expert sees only its tokens)."""
-    cdef int t, c
+    cdef int t, c, c2
     cdef double v
+    cdef double *g
+    cdef const float *xt
     for t in range(n):
         for c in range(m.cols):
             v = x[<size_t>t * ldx + c]
             m.input_stats[c] += v * v
     m.input_stats[m.cols] += n
+    if m.input_gram != NULL:                  # the upper triangle of sum_t x_t x_t^T, a row at a time
+        for t in range(n):
+            xt = x + <size_t>t * ldx
+            for c in range(m.cols):
+                v = xt[c]
+                if v != 0:
+                    g = m.input_gram + <size_t>c * m.cols
+                    for c2 in range(c, m.cols):
+                        g[c2] += v * xt[c2]
 
 
 cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, cb_act_q8 *acts, int n,
@@ -1021,6 +1032,13 @@ cdef Mat _mat(t):
         if t.input_stats.dtype != np.float64 or t.input_stats.shape != (shape[1] + 1,) or not t.input_stats.flags.c_contiguous:
             raise ValueError(f"input_stats of a [{shape[0]}, {shape[1]}] matrix must be float64 [{shape[1] + 1}]")
         m.input_stats = <double *><uintptr_t>t.input_stats.ctypes.data
+    m.input_gram = NULL
+    if t.input_gram is not None:
+        if (m.input_stats == NULL or t.input_gram.dtype != np.float64 or t.input_gram.shape != (shape[1], shape[1])
+                or not t.input_gram.flags.c_contiguous):
+            raise ValueError(f"input_gram of a [{shape[0]}, {shape[1]}] matrix must be float64 [{shape[1]}, {shape[1]}], "
+                             "beside input_stats")
+        m.input_gram = <double *><uintptr_t>t.input_gram.ctypes.data
     return m
 
 

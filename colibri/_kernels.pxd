@@ -142,3 +142,6 @@ cdef extern from "quantize_nl4.h" nogil:
     # stateless: nl4's scale and code search (rows in parallel), into colibri.quant's rows form
     int CB_NL4_SUB_MAX           # the search's sub-scales lie in [-31, 31]
     void cb_quantize_nl4(uint8_t *out, const float *w, const float *importance, int rows, int cols, int n_threads)
+    float cb_nl4_row_scale(float amax)
+    void cb_nl4_search_halves(uint8_t *sc, uint8_t *codes, const float *x, const float *w, const float *s,
+                              int rows, int n_threads)

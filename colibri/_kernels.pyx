@@ -318,3 +318,33 @@ def quantize_nl4(w, importance=None, int n_threads=0):
         with nogil:
             cb_quantize_nl4(&ov[0, 0], &wv[0, 0], ip, rows, cols, n_threads)
     return out
+
+
+def nl4_row_scales(w):
+    """float32 [rows, cols] -> float32 [rows]: the f32 scale nl4 gives each row (quantize_nl4.h)."""
+    a = np.abs(np.asarray(w, np.float32))
+    amax = a.max(axis=1) if a.shape[1] else np.zeros(a.shape[0], np.float32)
+    return np.array([cb_nl4_row_scale(v) for v in amax.tolist()], np.float32)
+
+
+def nl4_search_halves(x, w, s, int n_threads=0):
+    """Half-blocks x float32 [rows, 16] under row scales s float32 [rows], weighed by w float32 [16]
+    -> (stored six-bit scales uint8 [rows], codes uint8 [rows, 16]): quantize_nl4.h's search of one
+    half-block, for colibri.quant's error-compensating quantizer."""
+    cdef const float[:, ::1] xv = np.ascontiguousarray(x, np.float32)
+    cdef const float[::1] wv = np.ascontiguousarray(w, np.float32)
+    cdef const float[::1] sv = np.ascontiguousarray(s, np.float32)
+    cdef int rows = xv.shape[0]
+    if xv.shape[1] != 16 or wv.shape[0] != 16 or sv.shape[0] != rows:
+        raise ValueError(f"nl4_search_halves needs x [rows, 16], w [16], s [rows]; got {list(np.shape(x))}, "
+                         f"{wv.shape[0]}, {sv.shape[0]}")
+    sc = np.zeros(rows, np.uint8)
+    codes = np.zeros((rows, 16), np.uint8)
+    cdef uint8_t[::1] scv = sc
+    cdef uint8_t[:, ::1] cv = codes
+    if n_threads <= 0:
+        n_threads = os.cpu_count() or 1
+    if rows:
+        with nogil:
+            cb_nl4_search_halves(&scv[0], &cv[0, 0], &xv[0, 0], &wv[0], &sv[0], rows, n_threads)
+    return sc, codes

@@ -15,9 +15,20 @@ the quantity llama.cpp's importance matrix (imatrix) holds too. `convert --impor
 each matrix's vector to quant.quantize, which picks every block's scale to minimise that weighted
 error (quant.py).
 
-The file is an .npz: "mean_sq/<tensor>" float32 [cols], "count/<tensor>" int64 [] and "meta" (JSON:
-the model directory, its architecture, tokens, ctx). Tensor names are Colibri's, the names
-`convert` writes for the same architecture, whatever the format of the calibrated directory.
+Second moments. The diagonal ignores that hidden states are strongly correlated. With
+--second-moments, chosen matrices also collect their input's whole second moment H = E[x x^T]
+(the engine adds the upper triangle of x x^T, cols^2 / 2 multiply-adds a token), and convert
+rounds their columns in order, each one's error moved onto the columns not yet rounded
+(colibri.gptq), which minimises the real output error E[((w - w_q) . x)^2] = (w - w_q)^T H (w - w_q).
+Which matrices: "dense" every one outside the routed experts (attention, the head, shared experts,
+dense layers: read for every token, and most of a small model's error), "all" the routed experts
+too (an [cols, cols] per expert: for small models), "diag" none; "auto" (the default) is "dense"
+while the float64 accumulators fit SECOND_MOMENT_BUDGET_MB, else "diag", said in the log.
+
+The file is an .npz: "mean_sq/<tensor>" float32 [cols], "count/<tensor>" int64 [], "gram/<tensor>"
+float32 [cols, cols] (the mean of x x^T, symmetric; only where collected) and "meta" (JSON: the
+model directory, its architecture, tokens, ctx, second_moments). Tensor names are Colibri's, the
+names `convert` writes for the same architecture, whatever the format of the calibrated directory.
 """
 from __future__ import annotations
 
@@ -31,14 +42,49 @@ from .errors import ColibriError
 
 FORMAT = "colibri-importance-1"
 MIN_TOKENS = 16           # fewer tokens than this give no statistics worth the name
+SECOND_MOMENTS = ("auto", "diag", "dense", "all")
+SECOND_MOMENT_BUDGET_MB = 4096      # "auto": the most float64 accumulators it collects before "diag"
+
+
+def is_routed_expert(name: str) -> bool:
+    """Is tensor `name` one routed expert's matrix (Colibri's names: layers.L.experts.E.part)?"""
+    return ".experts." in name
+
+
+def second_moment_names(shapes: dict, mode: str, log=None) -> tuple:
+    """(the tensors whose whole second moment `mode` collects, the mode it resolved to), from
+    {tensor: shape} of the matrices a product reads."""
+    if mode not in SECOND_MOMENTS:
+        raise ColibriError(f"--second-moments must be one of {', '.join(SECOND_MOMENTS)}, got {mode!r}")
+    if mode == "diag":
+        return frozenset(), mode
+    chosen = frozenset(n for n in shapes if mode == "all" or not is_routed_expert(n))
+    if mode == "auto":
+        mb = sum(shapes[n][1] ** 2 * 8 for n in chosen) / 2 ** 20
+        if mb > SECOND_MOMENT_BUDGET_MB:
+            if log:
+                log(f"[INFO] the second moments of the matrices outside the experts would take {mb:.0f} MB "
+                    f"(over {SECOND_MOMENT_BUDGET_MB}): collecting their diagonals only (--second-moments dense "
+                    "collects them anyway)")
+            return frozenset(), "diag"
+        mode = "dense"
+    return chosen, mode
 
 
 def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = None, threads: int | None = None,
-              progress=None) -> dict:
-    """{tensor name: (mean_sq float32 [cols], tokens seen)} over `text` run through `model_dir`."""
+              progress=None, second_moments: str = "auto", log=None) -> dict:
+    """{"tensors": {tensor name: (mean_sq float32 [cols], tokens seen)}, "grams": {tensor name: mean
+    of x x^T float32 [cols, cols]}, "meta": {...}} over `text` run through `model_dir`."""
     from .evaluate import MIN_CTX, chunks_of
     from .model import load
-    model = load(model_dir, threads=threads, capture_inputs=True)
+    if second_moments not in SECOND_MOMENTS:
+        raise ColibriError(f"--second-moments must be one of {', '.join(SECOND_MOMENTS)}, got {second_moments!r}")
+    resolved = [second_moments]
+
+    def choose(shapes):
+        names, resolved[0] = second_moment_names(shapes, second_moments, log)
+        return names
+    model = load(model_dir, threads=threads, capture_inputs=True, second_moments=choose)
     try:
         if model.tokenizer is None:
             raise ColibriError(f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): calibrate needs "
@@ -57,9 +103,9 @@ def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = Non
             model.forward(chunk)
             if progress:
                 progress(i + 1, len(chunks))
-        return {"tensors": summarize(model.input_stats),
+        return {"tensors": summarize(model.input_stats), "grams": summarize_grams(model.input_grams, model.input_stats),
                 "meta": {"model_dir": str(model.path), "architecture": model.config.architecture,
-                         "tokens": sum(len(c) for c in chunks), "ctx": ctx}}
+                         "tokens": sum(len(c) for c in chunks), "ctx": ctx, "second_moments": resolved[0]}}
     finally:
         model.close()
 
@@ -74,6 +120,18 @@ def summarize(input_stats: dict) -> dict:
     return out
 
 
+def summarize_grams(input_grams: dict, input_stats: dict) -> dict:
+    """Model.input_grams (float64 [cols, cols], sums of x x^T on and above the diagonal) -> {tensor:
+    the mean of x x^T, float32 [cols, cols], symmetric}, for the matrices a token reached."""
+    out = {}
+    for name, g in input_grams.items():
+        count = int(input_stats[name][-1])
+        if count:
+            upper = np.triu(g)
+            out[name] = ((upper + np.triu(g, 1).T) / count).astype(np.float32)
+    return out
+
+
 def save(result: dict, path) -> None:
     """Write calibrate()'s result to `path` (.npz), whole or not at all."""
     path = Path(path)
@@ -81,6 +139,8 @@ def save(result: dict, path) -> None:
     for name, (mean_sq, count) in result["tensors"].items():
         arrays[f"mean_sq/{name}"] = mean_sq
         arrays[f"count/{name}"] = np.array(count, np.int64)
+    for name, gram in result.get("grams", {}).items():
+        arrays[f"gram/{name}"] = gram
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -92,8 +152,9 @@ def save(result: dict, path) -> None:
 
 
 def load_importance(path) -> dict:
-    """{tensor name: importance float32 [cols]} of a calibrate file (tensors no token reached left
-    out); ColibriError naming the file for anything else."""
+    """{tensor name: importance} of a calibrate file: the second moment float32 [cols, cols] where it
+    holds one, else the mean squares float32 [cols] (tensors no token reached left out);
+    ColibriError naming the file for anything else."""
     path = Path(path)
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -110,8 +171,16 @@ def load_importance(path) -> dict:
                 if count is None or v.ndim != 1 or v.dtype != np.float32 or not np.isfinite(v).all() or (v < 0).any():
                     raise ColibriError(f"{path}: the statistics of {name} are damaged (need float32 [cols], finite, "
                                        ">= 0, and its count)")
-                if int(count) > 0:
-                    out[name] = v
+                if int(count) <= 0:
+                    continue
+                out[name] = v
+                if f"gram/{name}" in files:
+                    g = z[f"gram/{name}"]
+                    if (g.dtype != np.float32 or g.shape != (v.size, v.size) or not np.isfinite(g).all()
+                            or (np.diagonal(g) < 0).any() or not np.array_equal(g, g.T)):
+                        raise ColibriError(f"{path}: the second moment of {name} is damaged (need float32 "
+                                           f"[{v.size}, {v.size}], finite, symmetric, a diagonal >= 0)")
+                    out[name] = g
             return out
     except ColibriError:
         raise

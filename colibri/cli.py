@@ -244,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=_positive_int, default=None,
                      help="use at most this many tokens of the text")
     cal.add_argument("--threads", type=_positive_int, default=None)
+    cal.add_argument("--second-moments", "--second_moments", dest="second_moments", default="auto",
+                     choices=("auto", "diag", "dense", "all"),
+                     help="which matrices also collect their input's whole second moment, with which convert "
+                          "compensates each rounding error (GPTQ): dense = all but the routed experts, all = "
+                          "the experts too (small models), diag = none; auto (default): dense while it fits "
+                          "4 GB, else diag")
 
     bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
     bench.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
@@ -640,10 +646,12 @@ def cmd_calibrate(args) -> int:
         raise ColibriError(f"--output {out}: its directory does not exist")
     t0 = time.perf_counter()
     result = calibrate(args.model_dir, text, ctx=args.ctx, max_tokens=args.max_tokens, threads=args.threads,
-                       progress=lambda i, n: _err(f"[INFO] chunk {i}/{n}") if i == n or i % 10 == 0 else None)
+                       progress=lambda i, n: _err(f"[INFO] chunk {i}/{n}") if i == n or i % 10 == 0 else None,
+                       second_moments=args.second_moments, log=_err)
     save(result, out)
     reached = sum(1 for _, count in result["tensors"].values() if count)
-    _err(f"[INFO] {result['meta']['tokens']} tokens, {reached} of {len(result['tensors'])} matrices reached, "
+    _err(f"[INFO] {result['meta']['tokens']} tokens, {reached} of {len(result['tensors'])} matrices reached "
+         f"({len(result['grams'])} with their whole second moment), "
          f"{time.perf_counter() - t0:.1f} s -> {out}; use it with: convert ... --importance {out}")
     return 0
 

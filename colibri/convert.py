@@ -938,15 +938,19 @@ def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | N
         v = vectors.get(n)
         if v is None:
             continue
-        if v.shape != (expected[n][0][1],):
-            raise ColibriError(f"{path}: the statistics of {n} have {v.size} columns, the matrix {expected[n][0][1]}: "
+        cols = expected[n][0][1]
+        if v.shape not in ((cols,), (cols, cols)):
+            raise ColibriError(f"{path}: the statistics of {n} have {v.shape[-1]} columns, the matrix {cols}: "
                                "calibrated on another model")
         out[n] = v
     if wanted and not out:
         raise ColibriError(f"{path}: none of its tensors is an int8/int4 matrix of this model: calibrated on another "
                            "model (run calibrate on a conversion of this checkpoint)")
+    full = sum(1 for v in out.values() if v.ndim == 2)
     log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4/nl4/int6 matrices (the others, which no "
-        "calibration token reached, round to nearest)" + (note or ""))
+        "calibration token reached, round to nearest)"
+        + (f"; {full} with their inputs' whole second moment, rounding errors compensated (GPTQ)" if full else "")
+        + (note or ""))
     return out
 
 

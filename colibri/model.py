@@ -56,10 +56,13 @@ class Model:
                  exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
                  expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
                  memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
-                 bf16_products: str = "auto", capture_inputs: bool = False):
+                 bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None):
         """capture_inputs: every matrix product adds its inputs' squares per column into
         self.input_stats[tensor name] (float64 [cols + 1], the token count last): what
-        colibri.calibrate collects; it costs a pass over each input."""
+        colibri.calibrate collects; it costs a pass over each input. second_moments (with
+        capture_inputs): {tensor: shape} of those matrices -> the names that also add x x^T into
+        self.input_grams[name] (float64 [cols, cols], the upper triangle: cols^2 / 2 more
+        multiply-adds a token)."""
         t0 = time.perf_counter()
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
@@ -111,12 +114,18 @@ class Model:
                                                if self.residency.spans else 0))
             tensors = self._maps.tensor_refs()
             self.input_stats = {}
+            self.input_grams = {}
             if capture_inputs:
-                for name, t in tensors.items():
-                    # every matrix a product reads: the embedding only where it is also the head
-                    if len(t.shape) == 2 and (name != "embedding" or "lm_head" not in tensors):
-                        self.input_stats[name] = np.zeros(t.shape[1] + 1, np.float64)
-                        tensors[name] = dataclasses.replace(t, input_stats=self.input_stats[name])
+                # every matrix a product reads: the embedding only where it is also the head
+                read = {name: t.shape for name, t in tensors.items()
+                        if len(t.shape) == 2 and (name != "embedding" or "lm_head" not in tensors)}
+                full = second_moments(read) if second_moments is not None else ()
+                for name, shape in read.items():
+                    self.input_stats[name] = np.zeros(shape[1] + 1, np.float64)
+                    if name in full:
+                        self.input_grams[name] = np.zeros((shape[1], shape[1]), np.float64)
+                    tensors[name] = dataclasses.replace(tensors[name], input_stats=self.input_stats[name],
+                                                        input_gram=self.input_grams.get(name))
             engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))
             # the memory plan: only mapped experts can be evicted
             if mmap and self.residency.spans:
@@ -574,7 +583,7 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
          exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
          expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
          memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
-         bf16_products: str = "auto", capture_inputs: bool = False) -> Model:
+         bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None) -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
@@ -590,8 +599,9 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     bf16_products "auto" | "bf16" | "f32": how bf16 weights multiply (BF16_PRODUCTS: "f32" is exact,
     "bf16" rounds the activations to bf16 for AVX512_BF16's vdpbf16ps, "auto" is "bf16" where the
     CPU has that instruction); capture_inputs: collect each matrix's input statistics
-    (Model.input_stats; colibri.calibrate)."""
+    (Model.input_stats; colibri.calibrate), and with second_moments ({tensor: shape} -> names)
+    those matrices' whole input second moments (Model.input_grams)."""
     return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
                  prefill_chunk=prefill_chunk, prefetch=prefetch, expert_cache_mb=expert_cache_mb,
                  mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache,
-                 bf16_products=bf16_products, capture_inputs=capture_inputs)
+                 bf16_products=bf16_products, capture_inputs=capture_inputs, second_moments=second_moments)

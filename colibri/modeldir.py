@@ -335,6 +335,7 @@ class TensorRef:
     shape: tuple
     layout: str = "rows"     # a _kernels.LAYOUT_CODES name
     input_stats: object = None   # float64 [cols + 1] or None: what the engine adds each input's squares to
+    input_gram: object = None    # float64 [cols, cols] or None: what it adds x x^T to (upper triangle)
 
 
 class MappedModelDir:

@@ -162,51 +162,83 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
     square of that input, colibri.calibrate); with it each int8/int4 block's scale is the one of
     least weighted error (_weighted_scales), else round to nearest from the largest magnitude
     (int4: q4_0's recipe, byte for byte). int6 always searches its scales: without importance every
-    column weighs the same (the plain squared error), as it has no peer's bytes to reproduce."""
+    column weighs the same (the plain squared error), as it has no peer's bytes to reproduce.
+    importance float [cols, cols] (int8/int4/int6/nl4): the input's whole second moment E[x x^T]
+    (calibrate --second-moments): the columns are rounded in order, each one's error moved onto
+    the columns not yet rounded (colibri.gptq), the scales chosen as with its diagonal."""
     b = _blocks(w)                                                  # [rows, nblocks, 32]
+    cols = b.shape[1] * QBLOCK
     if importance is not None:
         importance = np.asarray(importance)
-        if importance.shape != (b.shape[1] * QBLOCK,) or not np.isfinite(importance).all() or (importance < 0).any():
-            raise ValueError(f"importance must be {b.shape[1] * QBLOCK} finite values >= 0, got shape "
-                             f"{importance.shape}")
+        if (importance.shape not in ((cols,), (cols, cols)) or not np.isfinite(importance).all()
+                or (np.diagonal(importance) if importance.ndim == 2 else importance).min(initial=0) < 0):
+            raise ValueError(f"importance must be {cols} finite values >= 0 (or a [{cols}, {cols}] second moment), "
+                             f"got shape {importance.shape}")
+        if importance.ndim == 2:
+            if dtype not in SECOND_MOMENT_FORMATS:
+                raise ValueError(f"a second moment chooses {'/'.join(SECOND_MOMENT_FORMATS)} weights, not {dtype}")
+            from .gptq import quantize_compensated
+            return quantize_compensated(b.reshape(b.shape[0], cols), dtype, importance)
     if dtype == "nl4":
         return _quantize_nl4(b, importance)
-    out = np.zeros(b.shape[:2], BLOCK_DTYPES[dtype])
+    if dtype == "mxfp4":
+        return _quantize_mxfp4(b)
+    if dtype not in LEVELS:
+        raise ValueError(f"unknown block format {dtype!r}")
+    d = initial_scales(b, dtype)
+    if importance is not None or dtype == "int6":
+        d = _weighted_scales(b, importance if importance is not None else np.ones(cols, np.float32), dtype, d)
+    return pack_blocks(dtype, d, levels_of(b, d, dtype))
+
+
+SECOND_MOMENT_FORMATS = ("int8", "int4", "int6", "nl4")     # the formats colibri.gptq can write
+
+
+def initial_scales(b: np.ndarray, dtype: str) -> np.ndarray:
+    """The round-to-nearest f16 scale of each block of b [rows, nb, 32]: int8's largest magnitude
+    over 127; int4's / int6's signed extreme over the lowest level (-8 / -32)."""
     if dtype == "int8":
-        d = _f16_scale((np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32))
-        if importance is not None:
-            d = _weighted_scales(b, importance, dtype, d)
-        df = d.astype(np.float32)[..., None]
-        q = np.where(df > 0, np.rint(b / np.where(df > 0, df, 1)), 0)
-        out["qs"] = np.clip(q, -127, 127).astype(np.int8)
+        return _f16_scale((np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32))
+    extreme = np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)[..., 0]
+    return _f16_scale((extreme / np.float32(LEVELS[dtype][0])).astype(np.float32))
+
+
+def levels_of(b: np.ndarray, d: np.ndarray, dtype: str) -> np.ndarray:
+    """int16 [rows, nb, 32]: the level of each weight of b under its block's f16 scale d [rows, nb]
+    (rounded to nearest, clipped to the format's levels; 0 where the scale is 0)."""
+    lo, hi = LEVELS[dtype]
+    df = d.astype(np.float32)[..., None]
+    q = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)), 0)
+    return np.clip(q, lo, hi).astype(np.int16)
+
+
+def pack_blocks(dtype: str, d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """int8/int4/int6 blocks from their f16 scales d [rows, nb] and levels q [rows, nb, 32] (in the
+    format's range) -> uint8 [rows, row_bytes]: the stored rows layout."""
+    out = np.zeros(d.shape, BLOCK_DTYPES[dtype])
+    if dtype == "int8":
+        out["qs"] = q.astype(np.int8)
     elif dtype == "int4":
-        idx = np.abs(b).argmax(axis=2)[..., None]
-        extreme = np.take_along_axis(b, idx, axis=2)[..., 0]        # the signed value of largest magnitude
-        d = _f16_scale((extreme / np.float32(-8)).astype(np.float32))
-        if importance is not None:
-            d = _weighted_scales(b, importance, dtype, d)
-        df = d.astype(np.float32)[..., None]
-        q = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)) + 8, 8)
-        q = np.clip(q, 0, 15).astype(np.uint8)
-        out["qs"] = q[..., :QBLOCK // 2] | (q[..., QBLOCK // 2:] << 4)
-    elif dtype == "int6":
-        idx = np.abs(b).argmax(axis=2)[..., None]
-        extreme = np.take_along_axis(b, idx, axis=2)[..., 0]
-        d = _f16_scale((extreme / np.float32(-32)).astype(np.float32))
-        d = _weighted_scales(b, importance if importance is not None else np.ones(b.shape[1] * QBLOCK, np.float32),
-                             dtype, d)
-        df = d.astype(np.float32)[..., None]
-        u = np.where(df != 0, np.rint(b / np.where(df != 0, df, 1)) + 32, 32)
-        u = np.clip(u, 0, 63).astype(np.uint8)                      # [rows, nb, 32]
+        u = (q + 8).astype(np.uint8)
+        out["qs"] = u[..., :QBLOCK // 2] | (u[..., QBLOCK // 2:] << 4)
+    else:                                                           # int6
+        u = (q + 32).astype(np.uint8)                               # [rows, nb, 32] in [0, 63]
         out["qs"] = (u[..., :QBLOCK // 2] & 0x0F) | ((u[..., QBLOCK // 2:] & 0x0F) << 4)
         high = (u >> 4)[..., INT6_HIGH_ORDER]                       # [rows, nb, 8, 4]
         out["qh"] = (high << (2 * np.arange(4, dtype=np.uint8))).sum(axis=-1, dtype=np.uint8)
-    elif dtype == "mxfp4":
-        return _quantize_mxfp4(b)
-    else:
-        raise ValueError(f"unknown block format {dtype!r}")
-    out["d"] = d.view(np.uint16)
-    return out.view(np.uint8).reshape(b.shape[0], -1)
+    out["d"] = np.asarray(d, np.float16).view(np.uint16)
+    return out.view(np.uint8).reshape(d.shape[0], -1)
+
+
+def pack_nl4(sc: np.ndarray, codes: np.ndarray, row_scale: np.ndarray) -> np.ndarray:
+    """nl4's rows form from its stored six-bit scales sc uint8 [rows, nb, 2] (sub + NL4_SCALE_BIAS),
+    codes uint8 [rows, nb, 32] (indices of NL4_VALUES) and row scales float32 [rows]."""
+    rows, nb = sc.shape[:2]
+    blocks = np.zeros((rows, nb), NL4_BLOCK)
+    blocks["sc"] = sc
+    blocks["qs"] = codes[..., :QBLOCK // 2] | (codes[..., QBLOCK // 2:] << 4)
+    return np.concatenate([blocks.view(np.uint8).reshape(rows, -1),
+                           np.asarray(row_scale, "<f4").reshape(rows, 1).view(np.uint8)], axis=1)
 
 
 def _quantize_nl4(b: np.ndarray, importance) -> np.ndarray:

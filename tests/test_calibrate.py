@@ -162,8 +162,12 @@ def test_calibrate_on_the_demo_writes_a_file_convert_reads(tmp_path):
     assert "use it with: convert" in r.stderr
     vectors = calibrate.load_importance(out)
     md = ModelDir(DEMO_DIR)
-    assert "layers.0.wq" in vectors and vectors["layers.0.wq"].shape == (md.tensors["layers.0.wq"]["shape"][1],)
-    assert all((v >= 0).all() and v.dtype == np.float32 for v in vectors.values())
+    cols = md.tensors["layers.0.wq"]["shape"][1]
+    # the default (auto, within its budget): whole second moments outside the routed experts
+    assert "layers.0.wq" in vectors and vectors["layers.0.wq"].shape == (cols, cols)
+    assert all(v.ndim == 1 for n, v in vectors.items() if calibrate.is_routed_expert(n))
+    assert all((np.diagonal(v) if v.ndim == 2 else v).min() >= 0 and v.dtype == np.float32 for v in vectors.values())
+    assert "with their whole second moment" in r.stderr
     short = tmp_path / "short.txt"
     short.write_text("Hi.", encoding="utf-8")
     one_line_error(run_cli("calibrate", "--model-dir", DEMO_DIR, "--text", short, "--output", tmp_path / "x.npz",

@@ -107,6 +107,25 @@ static int cb_nl4_half(const float *x, const float *w, float s, uint8_t *q) {
     return best_sub;
 }
 
+/* The row scale of a row whose largest magnitude is amax. */
+static inline float cb_nl4_row_scale(float amax) {
+    return amax * (CB_NL4_HEADROOM / (64.0f * CB_NL4_SUB_MAX));
+}
+
+/* The half-block step of the error-compensating quantizer (colibri.quant, _gptq): for each of
+ * `rows` half-blocks x [rows, 16] under its row's scale s [rows], weighed by w [16] (the input
+ * columns' importance), the stored six-bit scale sc [rows] (sub + CB_NL4_SCALE_BIAS) and the
+ * codes [rows, 16] of least weighted error, by the search above. */
+static void cb_nl4_search_halves(uint8_t *sc, uint8_t *codes, const float *x, const float *w, const float *s,
+                                 int rows, int n_threads) {
+    if (!cb_nl4_lut_ready) cb_nl4_init_lut();
+    float wt[16];
+    for (int i = 0; i < 16; i++) wt[i] = w[i] + 1e-30f;
+    #pragma omp parallel for schedule(static) num_threads(n_threads > 0 ? n_threads : 1)
+    for (int r = 0; r < rows; r++)
+        sc[r] = (uint8_t)(cb_nl4_half(x + (size_t)r * 16, wt, s[r], codes + (size_t)r * 16) + CB_NL4_SCALE_BIAS);
+}
+
 /* out [rows, cols / 32 * 18 + 4] (the rows form) <- w [rows, cols] float32, cols % 32 == 0;
  * importance [cols] or NULL. */
 static void cb_quantize_nl4(uint8_t *out, const float *w, const float *importance, int rows, int cols, int n_threads) {
@@ -119,7 +138,7 @@ static void cb_quantize_nl4(uint8_t *out, const float *w, const float *importanc
         uint8_t *o = out + (size_t)r * row_bytes;
         float amax = 0.0f;
         for (int c = 0; c < cols; c++) amax = fabsf(x[c]) > amax ? fabsf(x[c]) : amax;
-        const float s = amax * (CB_NL4_HEADROOM / (64.0f * CB_NL4_SUB_MAX));
+        const float s = cb_nl4_row_scale(amax);
         for (int b = 0; b < nb; b++) {
             uint8_t q[2][16];
             for (int h = 0; h < 2; h++) {
