@@ -12,7 +12,9 @@ all of a matrix's rows go together, as vectors.
 
     H += DAMP x mean(diag H) x I          positive definite (columns never seen, tiny ones)
     U  = the upper Cholesky factor of H^-1
-    for each column j (in blocks of BLOCK columns, so the update of the later ones is one product):
+    for each column j (the updates lazy: a column's error reaches the rest of its scale block at
+    once, the rest of its BLOCK of columns after the scale block, the later columns after the
+    BLOCK, each of the last two as one matrix product):
         at a scale block's first column: its scales from its current values, chosen as the
             diagonal path chooses them (diag H as the importance)
         q_j = the nearest level of w_j under that scale;  e = (w_j - q_j) / U[j, j]
@@ -70,35 +72,34 @@ def quantize_compensated(w: np.ndarray, dtype: str, second_moment: np.ndarray) -
     for b0 in range(0, cols, BLOCK):
         b1 = min(b0 + BLOCK, cols)
         blk = work[:, b0:b1].copy()                   # [rows, b1 - b0], updated as its columns round
-        err = np.zeros_like(blk)
-        for j in range(b1 - b0):
-            c = b0 + j
-            if c % group == 0:
-                g = c // group
-                x = blk[:, j:j + group].astype(np.float32)
-                if dtype == "nl4":
-                    sc[:, g], _ = nl4_search_halves(x, imp[c:c + group], row_scale)
-                    step = row_scale * (sc[:, g].astype(np.float32) - NL4_SCALE_BIAS)    # [rows]
-                else:
-                    xb = x[:, None, :]
-                    d16[:, g] = quant._weighted_scales(xb, imp[c:c + group], dtype,
-                                                       quant.initial_scales(xb, dtype))[:, 0]
-                    step = d16[:, g].astype(np.float32)
-            col = blk[:, j]
+        err = np.zeros_like(blk)                      # the scaled errors e, by column
+        for c0 in range(b0, b1, group):               # a scale block: its scales, then its columns
+            c1, g = c0 + group, c0 // group
+            x = blk[:, c0 - b0:c1 - b0].astype(np.float32)
             if dtype == "nl4":
-                ratio = np.divide(col, step, out=np.zeros_like(col), where=step != 0)
-                idx = np.abs(ratio[:, None] - quant.NL4_VALUES[None, :]).argmin(axis=1)
-                idx = np.where(step != 0, idx, 8)
-                sub = sc[:, g].astype(np.float32) - NL4_SCALE_BIAS
-                q = (row_scale * (sub * quant.NL4_VALUES[idx])).astype(np.float64)    # the kernels' order
+                sc[:, g], _ = nl4_search_halves(x, imp[c0:c1], row_scale)
+                sub = sc[:, g].astype(np.float32) - NL4_SCALE_BIAS                # [rows]
+                step = row_scale * sub
             else:
-                idx = quant.levels_of(col.astype(np.float32)[:, None, None], step[:, None], dtype)[:, 0, 0]
-                q = step.astype(np.float64) * idx
-            codes[:, c] = idx
-            e = (col - q) / u[c, c]
-            blk[:, j + 1:] -= np.outer(e, u[c, c + 1:b1])
-            err[:, j] = e
-        work[:, b1:] -= err @ u[b0:b1, b1:]
+                xb = x[:, None, :]
+                d16[:, g] = quant._weighted_scales(xb, imp[c0:c1], dtype, quant.initial_scales(xb, dtype))[:, 0]
+                step = d16[:, g].astype(np.float32)
+            for c in range(c0, c1):
+                j = c - b0
+                col = blk[:, j]
+                if dtype == "nl4":
+                    ratio = np.divide(col, step, out=np.zeros_like(col), where=step != 0)
+                    idx = np.where(step != 0, np.abs(ratio[:, None] - quant.NL4_VALUES).argmin(axis=1), 8)
+                    q = (row_scale * (sub * quant.NL4_VALUES[idx])).astype(np.float64)    # the kernels' order
+                else:
+                    idx = quant.levels_of(col.astype(np.float32)[:, None, None], step[:, None], dtype)[:, 0, 0]
+                    q = step.astype(np.float64) * idx
+                codes[:, c] = idx
+                e = (col - q) / u[c, c]
+                blk[:, j + 1:c1 - b0] -= np.outer(e, u[c, c + 1:c1])     # within the scale block
+                err[:, j] = e
+            blk[:, c1 - b0:] -= err[:, c0 - b0:c1 - b0] @ u[c0:c1, c1:b1]  # the rest of the block
+        work[:, b1:] -= err @ u[b0:b1, b1:]                                 # the later blocks
     if dtype == "nl4":
         nb = cols // quant.QBLOCK
         return quant.pack_nl4(sc.reshape(rows, nb, 2), codes.reshape(rows, nb, quant.QBLOCK).astype(np.uint8),

@@ -7,7 +7,9 @@ precision one on the same held-out chunks:
 
   Colibri     convert --quantize f32 / int4 / nl4 (and nl4 with --role ROLE=FORMAT mixes: int8 or int6
               attention and head);
-              calibrate on the calibration text (the f32 conversion) for --importance.
+              calibrate on the calibration text (the f32 conversion) for --importance, twice: the
+              mean squares alone (--second-moments diag) and every matrix's whole second moment
+              (--second-moments all: compensated rounding, colibri.gptq).
   llama.cpp   convert_hf_to_gguf.py --outtype f32; llama-imatrix on the calibration text;
               llama-quantize --imatrix to Q4_0, Q4_K_M and IQ4_XS; llama-perplexity
               --kl-divergence-base on f32, then --kl-divergence for each.
@@ -52,12 +54,16 @@ LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/work/bench_cache/llama_cp
 # output tensor, no k-quant mixture): the counterpart of Colibri's plain int4
 LLAMA_TYPES = [("Q4_0 --pure", "Q4_0", ["--pure"]), ("Q4_0", "Q4_0", []), ("Q4_K_M", "Q4_K_M", []),
                ("IQ4_XS", "IQ4_XS", [])]
-COLIBRI_VARIANTS = [("int4", "int4", {}, False), ("int4, importance", "int4", {}, True),
-                    ("nl4", "nl4", {}, False), ("nl4, importance", "nl4", {}, True),
-                    ("nl4, importance, head int8", "nl4", {"head": "int8"}, True),
-                    ("nl4, importance, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}, True),
-                    ("nl4, importance, head int6", "nl4", {"head": "int6"}, True),
-                    ("nl4, importance, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, True)]
+# (label, format, roles, importance: None, "diag" (calibrate --second-moments diag: the mean squares)
+# or "all" (every matrix's whole second moment: GPTQ-style compensated rounding, colibri.gptq))
+COLIBRI_VARIANTS = [("int4", "int4", {}, None), ("int4, importance", "int4", {}, "diag"),
+                    ("int4, second moments", "int4", {}, "all"),
+                    ("nl4", "nl4", {}, None), ("nl4, importance", "nl4", {}, "diag"),
+                    ("nl4, second moments", "nl4", {}, "all"),
+                    ("nl4, importance, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}, "diag"),
+                    ("nl4, importance, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, "diag"),
+                    ("nl4, second moments, head int6", "nl4", {"head": "int6"}, "all"),
+                    ("nl4, second moments, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, "all")]
 
 
 def sh(cmd, **kw):
@@ -184,14 +190,17 @@ def main() -> int:
         rows.append(("llama.cpp", f"{qtype}, imatrix", b, kl, kl / q4_0[0], b / q4_0[1]))
     # ratios: to each engine's plain 4-bit (llama.cpp's Q4_0 --pure, Colibri's int4)
 
-    imp = work / "importance.npz"
-    if not imp.exists():
-        save(calibrate(model_f32_dir, read_text(calib_path), ctx=ctx, max_tokens=args.calib_tokens), imp)
+    imp = {mode: work / f"importance-{mode}.npz" for mode in ("diag", "all")}
+    for mode, path in imp.items():
+        if not path.exists():
+            save(calibrate(model_f32_dir, read_text(calib_path), ctx=ctx, max_tokens=args.calib_tokens,
+                           second_moments=mode), path)
     int4_row = None
-    for label, fmt, roles, with_imp in COLIBRI_VARIANTS:
+    for label, fmt, roles, imp_mode in COLIBRI_VARIANTS:
         d = work / ("colibri-" + re.sub(r"[^a-z0-9]+", "-", label))
         if not d.exists():
-            convert(args.hf_dir, d, quantize=fmt, roles=roles, importance=imp if with_imp else None, log=lambda *a: None)
+            convert(args.hf_dir, d, quantize=fmt, roles=roles, importance=imp[imp_mode] if imp_mode else None,
+                    log=lambda *a: None)
         b = sum(ModelDir(d).bytes_per_token().values())
         kl = colibri_kl(colibri.load(d), ref, chunk_list, ctx)
         int4_row = int4_row or (kl, b)
