@@ -232,7 +232,7 @@ def test_types_without_a_colibri_format_are_requantized_and_the_error_reported(t
 
 
 def test_a_gguf_s_finer_tensors_keep_their_precision_without_quantize(tmp_path, imported):
-    """No --quantize: the file's type (Q4_K_M -> int4) for most matrices, but its Q8_0 ones carried
+    """No --quantize: the file's type (Q4_K_M -> nl4) for most matrices, but its Q8_0 ones carried
     as int8 and its 5/6-bit ones (here Q5_0: llama-quantize's fallback for rows narrower than
     256) as int6, which holds a 5-bit block's values (its scale found by the search): the logits
     stay far closer to the file's own values than with --quantize int4; the log says so."""
@@ -240,7 +240,7 @@ def test_a_gguf_s_finer_tensors_keep_their_precision_without_quantize(tmp_path, 
     said = []
     convert(None, tmp_path / "m", gguf=GGUF_DIR / "mixtral_a-Q4_K_M.gguf", log=said.append)
     md = ModelDir(tmp_path / "m")
-    assert md.weight_dtype == "int4"                          # general.file_type Q4_K_M -> int4
+    assert md.weight_dtype == "nl4"                           # general.file_type Q4_K_M -> nl4
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(GGUF_DIR / "mixtral_a-Q4_K_M.gguf").tensors}
     assert types["output.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == "Q5_0"
     assert md.tensors["lm_head"]["dtype"] == "int8" and md.tensors["layers.0.wq"]["dtype"] == "int6"
@@ -320,14 +320,15 @@ def test_generation_stops_at_the_end_of_a_turn_too(tmp_path):
 def test_k_quants_and_iq4_xs_are_dequantized_and_requantized(tmp_path, imported, name, types):
     """Real Q4_K / Q6_K / IQ4_XS blocks (256-wide rows: tools/make_gguf_fixtures.py, "wide"):
     gguf's reference dequantization, the target format's quantization, each type's error in the
-    log; at int8 the model stays far closer to the file's own values than at int4."""
+    log; at int8 the model stays far closer to the file's own values than at the default nl4, and
+    nl4 closer than int4."""
     said = []
     convert(None, tmp_path / "m", gguf=GGUF_DIR / f"{name}.gguf", log=said.append)
     (report,) = [line for line in said if "dequantized" in line]
     for t in types:
         error = float(report.split(f"{t} ")[1].split()[0])
         assert 0 < error < 0.2, report
-    assert ModelDir(tmp_path / "m").weight_dtype == "int4"          # general.file_type Q4_K_M / IQ4_XS
+    assert ModelDir(tmp_path / "m").weight_dtype == "nl4"           # general.file_type Q4_K_M / IQ4_XS
     ids = list(range(1, 48))
 
     def run(d):
@@ -337,8 +338,9 @@ def test_k_quants_and_iq4_xs_are_dequantized_and_requantized(tmp_path, imported,
         finally:
             m.close()
     exact = run(imported(name, "f32"))
-    at_int8, at_int4 = run(imported(name, "int8")), run(tmp_path / "m")
-    assert rel(at_int8, exact) < 0.05 and rel(at_int8, exact) < rel(at_int4, exact) / 3
+    at_int8, default, at_int4 = run(imported(name, "int8")), run(tmp_path / "m"), run(imported(name, "int4"))
+    assert rel(at_int8, exact) < 0.05 and rel(at_int8, exact) < rel(default, exact) / 3
+    assert rel(default, exact) < rel(at_int4, exact)        # nl4, the default, errs less than int4
 
 
 def test_a_gguf_without_a_vocabulary_converts_to_raw_ids(imported):
