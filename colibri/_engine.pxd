@@ -17,6 +17,10 @@ cdef extern from "os_hints.h" nogil:
     int cb_will_need(const cb_os_advice *a, const void *start, size_t length, size_t chunk)
     int cb_release_pages(const cb_os_advice *a, const void *start, size_t length)
 
+cdef extern from "gram.h" nogil:
+    # g [cols, cols] (upper triangle) += x^T x over n tokens; xt: float scratch [cols * n]
+    void cb_gram_add(double *g, const float *x, int ldx, int n, int cols, float *xt)
+
 cdef extern from "expert_cache.h" nogil:
     # which experts hold memory under a byte budget, and the reader thread that reads and drops
     # them (csrc/expert_cache.h explains the design)

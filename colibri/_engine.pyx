@@ -31,7 +31,7 @@ one expert per wave, the next one's read queued before the current one's product
 """
 
 from libc.stdint cimport uintptr_t, int32_t, int64_t, uint8_t, uint64_t
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset, memcpy
 from libc.math cimport expf, sqrtf
 
@@ -107,24 +107,22 @@ cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const floa
 cdef void add_input_stats(const Mat *m, const float *x, int ldx, int n) noexcept nogil:
     """m.input_stats[c] += x[t, c]^2 over the n tokens of a product, and the token count after the
     columns: the activation statistics `calibrate` collects (an expert sees only its tokens)."""
-    cdef int t, c, c2
+    cdef int t, c
     cdef double v
-    cdef double *g
-    cdef const float *xt
+    cdef float *scratch
     for t in range(n):
         for c in range(m.cols):
             v = x[<size_t>t * ldx + c]
             m.input_stats[c] += v * v
     m.input_stats[m.cols] += n
-    if m.input_gram != NULL:                  # the upper triangle of sum_t x_t x_t^T, a row at a time
-        for t in range(n):
-            xt = x + <size_t>t * ldx
-            for c in range(m.cols):
-                v = xt[c]
-                if v != 0:
-                    g = m.input_gram + <size_t>c * m.cols
-                    for c2 in range(c, m.cols):
-                        g[c2] += v * xt[c2]
+    if m.input_gram != NULL and n > 0:        # the upper triangle of sum_t x_t x_t^T (csrc/gram.h)
+        scratch = <float *>malloc(<size_t>n * m.cols * sizeof(float))
+        if scratch != NULL:
+            cb_gram_add(m.input_gram, x, ldx, n, m.cols, scratch)
+            free(scratch)
+        else:                                 # no room for the transposed tokens: one at a time
+            for t in range(n):
+                cb_gram_add(m.input_gram, x + <size_t>t * ldx, ldx, 1, m.cols, NULL)
 
 
 cdef inline void matmul(float *out, int ldo, const Mat *m, const float *x, int ldx, cb_act_q8 *acts, int n,

@@ -23,10 +23,13 @@ rounds their columns in order, each one's error moved onto the columns not yet r
 Which matrices: "dense" every one outside the routed experts (attention, the head, shared experts,
 dense layers: read for every token, and most of a small model's error), "all" the routed experts
 too (an [cols, cols] per expert: for small models), "diag" none; "auto" (the default) is "dense"
-while the float64 accumulators fit SECOND_MOMENT_BUDGET_MB, else "diag", said in the log.
+as far as the float64 sums fit SECOND_MOMENT_BUDGET_MB (the head first, then the narrowest
+inputs), the rest left to their diagonals, said in the log. Matrices that multiply the same input
+(a layer's wq/wk/wv, an FFN's gate/up: SAME_INPUT) share one second moment, collected once.
 
 The file is an .npz: "mean_sq/<tensor>" float32 [cols], "count/<tensor>" int64 [], "gram/<tensor>"
-float32 [cols, cols] (the mean of x x^T, symmetric; only where collected) and "meta" (JSON: the
+float32 [cols, cols] (the mean of x x^T, symmetric; only where collected, and only for the owner of
+an input several matrices multiply: input_owner) and "meta" (JSON: the
 model directory, its architecture, tokens, ctx, second_moments). Tensor names are Colibri's, the
 names `convert` writes for the same architecture, whatever the format of the calibrated directory.
 """
@@ -51,24 +54,46 @@ def is_routed_expert(name: str) -> bool:
     return ".experts." in name
 
 
+# matrices that multiply the same input as another (every supported family): one second moment
+# serves them all, collected on the owner's products only
+SAME_INPUT = ((".wk", ".wq"), (".wv", ".wq"), (".up", ".gate"))
+HEAD_NAMES = ("lm_head", "embedding")
+
+
+def input_owner(name: str) -> str:
+    """The tensor whose second moment stands for `name`'s (itself, or its layer's wq / its FFN's gate)."""
+    for suffix, owner in SAME_INPUT:
+        if name.endswith(suffix):
+            return name[:-len(suffix)] + owner
+    return name
+
+
 def second_moment_names(shapes: dict, mode: str, log=None) -> tuple:
-    """(the tensors whose whole second moment `mode` collects, the mode it resolved to), from
-    {tensor: shape} of the matrices a product reads."""
+    """(the tensors that collect their whole second moment under `mode`, the mode it resolved to),
+    from {tensor: shape} of the matrices a product reads. Only owners collect (input_owner). "auto"
+    takes the matrices outside the routed experts, the head first and then the narrowest, while
+    their float64 sums fit SECOND_MOMENT_BUDGET_MB, and says how many it left to their diagonals."""
     if mode not in SECOND_MOMENTS:
         raise ColibriError(f"--second-moments must be one of {', '.join(SECOND_MOMENTS)}, got {mode!r}")
     if mode == "diag":
         return frozenset(), mode
-    chosen = frozenset(n for n in shapes if mode == "all" or not is_routed_expert(n))
-    if mode == "auto":
-        mb = sum(shapes[n][1] ** 2 * 8 for n in chosen) / 2 ** 20
-        if mb > SECOND_MOMENT_BUDGET_MB:
-            if log:
-                log(f"[INFO] the second moments of the matrices outside the experts would take {mb:.0f} MB "
-                    f"(over {SECOND_MOMENT_BUDGET_MB}): collecting their diagonals only (--second-moments dense "
-                    "collects them anyway)")
-            return frozenset(), "diag"
-        mode = "dense"
-    return chosen, mode
+    owners = [n for n in shapes if (mode == "all" or not is_routed_expert(n))
+              and (input_owner(n) == n or input_owner(n) not in shapes)]
+    if mode != "auto":
+        return frozenset(owners), mode
+    owners.sort(key=lambda n: (n not in HEAD_NAMES, shapes[n][1], n))
+    chosen, mb = [], 0.0
+    for n in owners:
+        size = shapes[n][1] ** 2 * 8 / 2 ** 20
+        if mb + size > SECOND_MOMENT_BUDGET_MB:
+            break
+        chosen.append(n)
+        mb += size
+    if len(chosen) < len(owners) and log:
+        log(f"[INFO] whole second moments for {len(chosen)} of the {len(owners)} inputs outside the experts "
+            f"({mb:.0f} MB of sums; the rest would pass {SECOND_MOMENT_BUDGET_MB} MB and keep their mean squares: "
+            "--second-moments dense collects them all)")
+    return frozenset(chosen), "dense" if chosen else "diag"
 
 
 def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = None, threads: int | None = None,
@@ -122,7 +147,8 @@ def summarize(input_stats: dict) -> dict:
 
 def summarize_grams(input_grams: dict, input_stats: dict) -> dict:
     """Model.input_grams (float64 [cols, cols], sums of x x^T on and above the diagonal) -> {tensor:
-    the mean of x x^T, float32 [cols, cols], symmetric}, for the matrices a token reached."""
+    the mean of x x^T, float32 [cols, cols], symmetric}, for the matrices a token reached (owners
+    only: load_importance hands an owner's to the matrices that share its input)."""
     out = {}
     for name, g in input_grams.items():
         count = int(input_stats[name][-1])
@@ -174,8 +200,9 @@ def load_importance(path) -> dict:
                 if int(count) <= 0:
                     continue
                 out[name] = v
-                if f"gram/{name}" in files:
-                    g = z[f"gram/{name}"]
+                owner = input_owner(name)
+                if f"gram/{owner}" in files:
+                    g = z[f"gram/{owner}"]
                     if (g.dtype != np.float32 or g.shape != (v.size, v.size) or not np.isfinite(g).all()
                             or (np.diagonal(g) < 0).any() or not np.array_equal(g, g.T)):
                         raise ColibriError(f"{path}: the second moment of {name} is damaged (need float32 "

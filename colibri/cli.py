@@ -248,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=("auto", "diag", "dense", "all"),
                      help="which matrices also collect their input's whole second moment, with which convert "
                           "compensates each rounding error (GPTQ): dense = all but the routed experts, all = "
-                          "the experts too (small models), diag = none; auto (default): dense while it fits "
-                          "4 GB, else diag")
+                          "the experts too (small models), diag = none; auto (default): dense as far as it "
+                          "fits 4 GB, the head first")
 
     bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
     bench.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)

@@ -75,34 +75,58 @@ def test_a_bad_second_moment_is_refused():
 
 def test_the_engine_sums_x_x_t_beside_the_squares(converted):
     """The chosen matrices' sums: symmetric, positive semi-definite, their diagonal the squares'
-    sums bit for bit (the same products added in the same order); the logits unchanged."""
+    sums (to float32 rounding: csrc/gram.h sums a product's tokens in float32); the logits
+    unchanged; a matrix that shares its owner's input (wk: wq's) collects nothing itself."""
     ids = reference("mixtral_a")["input_ids"]
     plain = colibri.load(converted("mixtral_a", "f32"))
-    m = colibri.load(converted("mixtral_a", "f32"), capture_inputs=True,
-                     second_moments=lambda shapes: {n for n in shapes if n.endswith((".wq", ".experts.1.down"))
-                                                    or n == "lm_head"})
+    picked = lambda shapes: {n for n in shapes if n.endswith((".wq", ".experts.1.gate")) or n == "lm_head"}
+    m = colibri.load(converted("mixtral_a", "f32"), capture_inputs=True, second_moments=picked)
     np.testing.assert_array_equal(m.forward(ids), plain.forward(ids))
-    assert set(m.input_grams) == {n for n in m.input_stats if n.endswith((".wq", ".experts.1.down")) or n == "lm_head"}
+    assert set(m.input_grams) == picked(m.input_stats)
     grams = calibrate.summarize_grams(m.input_grams, m.input_stats)
+    assert grams
     for name, g in grams.items():
         stats = m.input_stats[name]
-        np.testing.assert_array_equal(np.diagonal(m.input_grams[name]), stats[:-1])
+        np.testing.assert_allclose(np.diagonal(g), stats[:-1] / stats[-1], rtol=1e-5, atol=1e-12)
         np.testing.assert_array_equal(g, g.T)
         assert np.linalg.eigvalsh(g.astype(np.float64)).min() > -1e-4 * max(float(np.abs(g).max()), 1e-30), name
-    assert "lm_head" in grams or "embedding" in m.input_stats
+        if name.endswith(".wq"):          # the same input as wk / wv: their squares are the same sums
+            np.testing.assert_array_equal(m.input_stats[name[:-3] + ".wk"], stats)
+
+
+def test_many_tokens_a_product_and_one_at_a_time_sum_the_same(converted):
+    """Products of many tokens (csrc/gram.h: the tokens transposed, then dot products) and of one
+    token each (prefill_chunk=1: no transposition) give the same second moments, to float32
+    rounding."""
+    ids = reference("mixtral_a")["input_ids"]
+    picked = lambda shapes: {n for n in shapes if n.endswith((".wq", ".experts.0.gate")) or n == "lm_head"}
+    a = colibri.load(converted("mixtral_a", "f32"), capture_inputs=True, second_moments=picked)
+    b = colibri.load(converted("mixtral_a", "f32"), capture_inputs=True, second_moments=picked, prefill_chunk=1)
+    a.forward(ids)
+    b.forward(ids)
+    assert set(a.input_grams) == set(b.input_grams) == picked(a.input_stats)
+    for name, g in a.input_grams.items():
+        np.testing.assert_allclose(g, b.input_grams[name], rtol=1e-4, atol=1e-5 * float(np.abs(g).max()))
 
 
 def test_which_matrices_collect_second_moments(monkeypatch):
-    shapes = {"lm_head": (64, 32), "layers.0.wq": (32, 32), "layers.0.experts.0.gate": (48, 32),
+    shapes = {"lm_head": (64, 32), "layers.0.wq": (32, 32), "layers.0.wk": (16, 32), "layers.0.wo": (32, 48),
+              "layers.0.experts.0.gate": (48, 32), "layers.0.experts.0.up": (48, 32),
               "layers.0.experts.0.down": (32, 48)}
     assert calibrate.second_moment_names(shapes, "diag") == (frozenset(), "diag")
-    assert calibrate.second_moment_names(shapes, "dense") == ({"lm_head", "layers.0.wq"}, "dense")
-    assert calibrate.second_moment_names(shapes, "all") == (set(shapes), "all")
-    assert calibrate.second_moment_names(shapes, "auto") == ({"lm_head", "layers.0.wq"}, "dense")
-    monkeypatch.setattr(calibrate, "SECOND_MOMENT_BUDGET_MB", 0.01)      # 2 x 32^2 x 8 bytes = 0.016 MB
+    dense = {"lm_head", "layers.0.wq", "layers.0.wo"}                 # wk shares wq's input
+    assert calibrate.second_moment_names(shapes, "dense") == (dense, "dense")
+    assert calibrate.second_moment_names(shapes, "all") == (dense | {"layers.0.experts.0.gate",
+                                                                     "layers.0.experts.0.down"}, "all")
+    assert calibrate.second_moment_names(shapes, "auto") == (dense, "dense")
+    assert calibrate.input_owner("layers.3.experts.5.up") == "layers.3.experts.5.gate"
+    # a budget for two 32-wide inputs: the head first, then the narrowest; wo (48 wide) is left out
+    monkeypatch.setattr(calibrate, "SECOND_MOMENT_BUDGET_MB", 2 * 32 ** 2 * 8 / 2 ** 20)
     lines = []
-    assert calibrate.second_moment_names(shapes, "auto", lines.append) == (frozenset(), "diag")
-    assert "diagonals only" in lines[0]
+    assert calibrate.second_moment_names(shapes, "auto", lines.append) == ({"lm_head", "layers.0.wq"}, "dense")
+    assert "2 of the 3 inputs" in lines[0]
+    monkeypatch.setattr(calibrate, "SECOND_MOMENT_BUDGET_MB", 0.001)
+    assert calibrate.second_moment_names(shapes, "auto") == (frozenset(), "diag")
     with pytest.raises(ColibriError, match="--second-moments"):
         calibrate.second_moment_names(shapes, "full")
 
