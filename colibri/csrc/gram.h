@@ -13,6 +13,16 @@
 
 #include <stddef.h>
 
+/* OpenMP 4's simd reductions where the compiler has them (MSVC's OpenMP 2.0 does not): the
+ * float32 sums may then be reordered into vector lanes */
+#if defined(_OPENMP) && _OPENMP >= 201307
+#define CB_GRAM_SIMD4 _Pragma("omp simd reduction(+:s0, s1, s2, s3)")
+#define CB_GRAM_SIMD1 _Pragma("omp simd reduction(+:s)")
+#else
+#define CB_GRAM_SIMD4
+#define CB_GRAM_SIMD1
+#endif
+
 static void cb_gram_add(double *g, const float *x, int ldx, int n, int cols, float *xt) {
     const float *src = x;                   /* one token is its own transpose: xt may be NULL */
     if (n > 1) {
@@ -28,7 +38,7 @@ static void cb_gram_add(double *g, const float *x, int ldx, int n, int cols, flo
         for (; c2 + 4 <= cols; c2 += 4) {
             const float *b0 = src + (size_t)c2 * n, *b1 = b0 + n, *b2 = b1 + n, *b3 = b2 + n;
             float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-            #pragma omp simd reduction(+:s0, s1, s2, s3)
+            CB_GRAM_SIMD4
             for (int t = 0; t < n; t++) {
                 s0 += a[t] * b0[t];
                 s1 += a[t] * b1[t];
@@ -43,7 +53,7 @@ static void cb_gram_add(double *g, const float *x, int ldx, int n, int cols, flo
         for (; c2 < cols; c2++) {
             const float *b = src + (size_t)c2 * n;
             float s = 0.0f;
-            #pragma omp simd reduction(+:s)
+            CB_GRAM_SIMD1
             for (int t = 0; t < n; t++) s += a[t] * b[t];
             row[c2] += s;
         }
