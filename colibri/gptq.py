@@ -37,12 +37,13 @@ BLOCK = 128           # columns updated together (a multiple of both scale block
 NL4_HALF = quant.QBLOCK // 2
 
 
-def upper_inverse_factor(h: np.ndarray) -> np.ndarray:
-    """float64 [cols, cols] U, upper triangular, with U^T U = (h + damping)^-1."""
+def upper_inverse_factor(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+    """float64 [cols, cols] U, upper triangular, with U^T U = (h + damping)^-1 (LinAlgError where
+    h + damping is not positive definite)."""
     h = np.array(h, np.float64)
     diag = np.diagonal(h).copy()
     mean = float(diag.mean()) if diag.size else 0.0
-    h[np.diag_indices_from(h)] += DAMP * mean if mean > 0 else 1.0
+    h[np.diag_indices_from(h)] += damp * mean if mean > 0 else 1.0
     dead = np.diagonal(h) <= 0                        # a column never seen: no error moves through it
     if dead.any():
         h[dead, :] = 0
@@ -52,6 +53,19 @@ def upper_inverse_factor(h: np.ndarray) -> np.ndarray:
     return np.linalg.cholesky((inv + inv.T) / 2).T
 
 
+def _factor_or_none(h: np.ndarray):
+    """upper_inverse_factor at DAMP, else at 10 and 100 times it (a second moment that float32
+    rounding left slightly indefinite); None if none is positive definite."""
+    for damp in (DAMP, 10 * DAMP, 100 * DAMP):
+        try:
+            u = upper_inverse_factor(h, damp)
+        except np.linalg.LinAlgError:
+            continue
+        if np.isfinite(u).all():
+            return u
+    return None
+
+
 def quantize_compensated(w: np.ndarray, dtype: str, second_moment: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] -> the stored rows layout of `dtype` (quant.quantize's bytes), its
     columns rounded in order with their errors compensated under second_moment [cols, cols]."""
@@ -59,7 +73,9 @@ def quantize_compensated(w: np.ndarray, dtype: str, second_moment: np.ndarray) -
     rows, cols = w.shape
     h = np.asarray(second_moment, np.float64)
     imp = np.ascontiguousarray(np.diagonal(h), np.float32)
-    u = upper_inverse_factor(h)
+    u = _factor_or_none(h)
+    if u is None:                                      # nothing to compensate with: the diagonal path
+        return quant.quantize(w, dtype, imp)
     group = NL4_HALF if dtype == "nl4" else quant.QBLOCK
     n_groups = cols // group
     if dtype == "nl4":

@@ -61,6 +61,16 @@ def test_a_diagonal_second_moment_gives_the_diagonal_path_s_bytes(dtype, rows, n
     np.testing.assert_array_equal(quant.quantize(w, dtype, np.diag(imp)), quant.quantize(w, dtype, imp))
 
 
+def test_an_indefinite_second_moment_falls_back_to_its_diagonal():
+    """A second moment no dampening makes positive definite (here, strongly negative off the
+    diagonal) leaves nothing to compensate with: the diagonal path's bytes."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    h = np.full((64, 64), -5.0, np.float32)
+    np.fill_diagonal(h, 1.0)
+    np.testing.assert_array_equal(quant.quantize(w, "int4", h), quant.quantize(w, "int4", np.diagonal(h).copy()))
+
+
 def test_a_bad_second_moment_is_refused():
     w = np.ones((8, 64), np.float32)
     with pytest.raises(ValueError, match="second moment"):
