@@ -235,7 +235,7 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
 @st.composite
 def interleaved_case(draw):
     """(dtype, w [rows, cols], x [n, cols]): whole groups and blocks, past one 32-block prefill
-    pass (cols > 1024) sometimes, 1..23 tokens (decode; 4-token tiles and their tails), and
+    pass (cols > 1024) sometimes, 1..23 tokens (decode; 4- and 8-token tiles and their tails), and
     enough groups for the decode's 4 side-by-side parts plus a remainder (up to 83 groups)."""
     dtype = draw(st.sampled_from(BLOCK))
     rows, cols = 8 * draw(st.integers(1, 83)), 32 * draw(st.sampled_from([1, 2, 3, 7, 31, 32, 33, 40]))

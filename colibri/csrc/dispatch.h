@@ -131,7 +131,7 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
         s = vex;
         ok = cb_cpu.avx_vnni;
     } else if (step == CB_INT_STEP_AVX512VNNI) {
-        cb_int_kernels evex = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni, cb_itile_avx512vnni};
+        cb_int_kernels evex = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni, cb_itile_wide_avx512vnni};
         s = evex;
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni;
     }
