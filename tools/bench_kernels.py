@@ -200,11 +200,15 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
 
 def prompt_attention_table(args, rng, lengths, chunk=128, kv_heads=4, heads=32, head_dim=128):
     """A prompt chunk's attention (cb_attention, n = chunk queries ending at each length) as the
-    block kernel computes it and one query at a time, f32 and f16 caches, interleaved."""
+    block kernel computes it and one query at a time, f32 and f16 caches, interleaved. The peak is
+    the tier's FMA width's: the AVX-512 tier's block kernel runs 16 lanes."""
     peak = best_rate("fma", args.threads)
+    wide = "avx512" in _kernels.isa() and best_rate("fma512", args.threads)
+    if wide and peak and wide > peak:
+        peak = wide
     print(f"tier {_kernels.isa()}, {args.threads} threads, the last {chunk} queries of a prompt, {heads} heads / "
           f"{kv_heads} KV heads x head_dim {head_dim}; median of {args.repeat}, interleaved; FMA peak "
-          + (f"{peak:.0f} GFLOP/s" if peak else "n/a"))
+          + (f"{peak:.0f} GFLOP/s" if peak else "n/a") + (" (512-bit)" if wide and wide >= peak else ""))
     print(f"{'positions':>9} {'cache':>5} {'block GFLOP/s':>14} {'one at a time':>14} {'block / one':>12} "
           f"{'block of peak':>14}")
     for n in lengths:

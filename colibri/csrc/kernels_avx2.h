@@ -962,6 +962,43 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
 #ifndef CB_ATTN_KBLOCK_BYTES
 #define CB_ATTN_KBLOCK_BYTES 16384
 #endif
+/* The block kernel's order, for every tier's: per pass (0: scores, 1: values after the softmaxes)
+ * the key or value rows a block (CB_ATTN_KBLOCK_BYTES) at a time for each query that sees them.
+ * SCORES(sc, qh, kbase, t0, t1, row_t0) and VALUES(o, sc, vbase, t0, t1, row_t0) are the tier's
+ * passes over one query's rows; the body runs in a function with cb_attend_qblock_group_avx2's
+ * parameters (head_dim and es defined). */
+#define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES)                                                           \
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;                     \
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;                     \
+    const int rows = CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) > 8 ? CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) : 8; \
+    const int first = cb_window_start(pos0, window), last = pos0 + nq - 1;                              \
+    for (int pass = 0; pass < 2; pass++) {                                                              \
+        for (int b0 = first; b0 <= last; b0 += rows) {                                                  \
+            const int b1 = last + 1 - b0 > rows ? b0 + rows : last + 1;                                 \
+            for (int j = 0; j < nq; j++) {                                                              \
+                const int pos = pos0 + j, start = cb_window_start(pos, window);                         \
+                const int a = b0 > start ? b0 : start, b = b1 < pos + 1 ? b1 : pos + 1;                 \
+                if (a >= b) continue;                                                                   \
+                const float *qh[4];                                                                     \
+                float *sc[4], *o[4];                                                                    \
+                for (int i = 0; i < NH; i++) {                                                          \
+                    qh[i] = q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim;                          \
+                    sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride;                       \
+                    o[i] = out + (size_t)j * ldo + (size_t)(h0 + i) * head_dim;                         \
+                }                                                                                       \
+                if (pass == 0) SCORES(sc, qh, kbase, a - start, b - start, a % ring);                   \
+                else VALUES(o, (const float *const *)sc, vbase, a - start, b - start, a % ring);        \
+            }                                                                                           \
+        }                                                                                               \
+        if (pass == 0)                                                                                  \
+            for (int j = 0; j < nq; j++) {                                                              \
+                const int pos = pos0 + j;                                                               \
+                float *sc[4];                                                                           \
+                for (int i = 0; i < NH; i++) sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride; \
+                cb_attn_block_softmax_avx2(sc, pos - cb_window_start(pos, window) + 1, sinks, h0, NH);  \
+            }                                                                                           \
+    }
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
                             const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim_,
@@ -969,40 +1006,12 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
                             const int NH, const int HD, const int R, const int KV) {
     const int head_dim = HD ? HD : head_dim_;
     const size_t es = KV == CB_KV_F16 ? 2 : 4;
-    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;
-    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;
-    const int rows = CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) > 8 ? CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) : 8;
-    const int first = cb_window_start(pos0, window), last = pos0 + nq - 1;
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int pass = 0; pass < 2; pass++) {              /* 0: scores, 1: values (after the softmaxes) */
-        for (int b0 = first; b0 <= last; b0 += rows) {
-            const int b1 = last + 1 - b0 > rows ? b0 + rows : last + 1;
-            for (int j = 0; j < nq; j++) {
-                const int pos = pos0 + j, start = cb_window_start(pos, window);
-                const int a = b0 > start ? b0 : start, b = b1 < pos + 1 ? b1 : pos + 1;
-                if (a >= b) continue;
-                const float *qh[4];
-                float *sc[4], *o[4];
-                for (int i = 0; i < NH; i++) {
-                    qh[i] = q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim;
-                    sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride;
-                    o[i] = out + (size_t)j * ldo + (size_t)(h0 + i) * head_dim;
-                }
-                if (pass == 0)
-                    cb_attn_block_scores_avx2(sc, qh, kbase, a - start, b - start, a % ring, ring, head_dim, vscale, NH, R, KV);
-                else
-                    cb_attn_block_values_avx2(o, (const float *const *)sc, vbase, a - start, b - start, a % ring,
-                                              ring, head_dim, NH, R, KV);
-            }
-        }
-        if (pass == 0)
-            for (int j = 0; j < nq; j++) {
-                const int pos = pos0 + j;
-                float *sc[4];
-                for (int i = 0; i < NH; i++) sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride;
-                cb_attn_block_softmax_avx2(sc, pos - cb_window_start(pos, window) + 1, sinks, h0, NH);
-            }
-    }
+#define CB_SCORES_AVX2(sc, qh, kb, t0, t1, r0) cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV)
+#define CB_VALUES_AVX2(o, sc, vb, t0, t1, r0) cb_attn_block_values_avx2(o, sc, vb, t0, t1, r0, ring, head_dim, NH, R, KV)
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2)
+#undef CB_SCORES_AVX2
+#undef CB_VALUES_AVX2
 }
 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void

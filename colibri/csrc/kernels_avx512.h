@@ -225,23 +225,162 @@ CB_TARGET_AVX512_VNNI static void cb_tile_quant_avx512_any(float *out, int ldo, 
 #undef CB_CALL_Q
 }
 
-/* A prompt's block of queries (cb_attend_block_fn): the AVX2 tier's kernel compiled with AVX-512's
- * 32 vector registers, which hold the score pass's key rows four at a time (16 accumulators; AVX2's
- * 16 registers hold two). The same 256-bit operations in the same order per score and output, so
- * the same bits as the AVX2 tier and as decoding each query (cb_attend_heads_avx2). The last 128
- * queries of a 4096-token prompt in Qwen3-MoE's heads, 2 threads (tools/bench_kernels.py
- * --prompt-attention, Zen 4): 80-108 GFLOP/s with an f32 cache, 120-146 with f16, 1.3-1.6x
- * decoding them one at a time; at 2 rows and 2 vectors, 76-95 and 112-119. */
+/* ---- a prompt's block of queries (cb_attend_block_fn) on 512-bit vectors -------------------------
+ *
+ * The AVX2 tier's block kernel (kernels_avx2.h: its order, CB_ATTEND_QBLOCK_BODY) with each FMA
+ * on 16 lanes, so each score and output is still the same sequence of operations as decoding its
+ * query (cb_attend_heads_avx512, 256-bit): a score's 8 lanes of partial sums are those of key row
+ * r in lanes 0..7 and of row r + 1 in lanes 8..15 of one vector (8 rows a step: 16 accumulators for
+ * 4 heads), split back into 256-bit halves for decode's hadd tree; a value pass takes 16 columns a
+ * vector (4 vectors x 4 heads), each lane adding its positions in order. Where the 512-bit FMA
+ * runs at the 256-bit instruction rate (Zen 5, Intel's two 512-bit ports) half the instructions do
+ * the same work. */
+
+/* Elements d..d+7 of cache rows a and b (CB_KV_* elements) as floats: a's in lanes 0..7, b's in 8..15. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load8x2(const char *a, const char *b, size_t d, const int KV) {
+    if (KV == CB_KV_F16)
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(a + 2 * d))),
+            _mm_loadu_si128((const __m128i *)(const void *)(b + 2 * d)), 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)(const void *)a + d)),
+                              _mm256_loadu_ps((const float *)(const void *)b + d), 1);
+}
+
+/* 16 cache values at element i of a row, as floats. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load16(const char *row, size_t i, const int KV) {
+    if (KV == CB_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * i)));
+    return _mm512_loadu_ps((const float *)(const void *)row + i);
+}
+
+/* As cb_attn_block_scores_avx2 with R = 2P rows a step, row pairs sharing a vector. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_attn_block_scores_avx512(float *const *sc, const float *const *qh, const char *kbase, int t0, int t1, int row_t0,
+                            int ring, int head_dim, __m256 vscale, const int NH, const int P, const int KV) {
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    for (int t = t0, row = row_t0; t < t1; t += 2 * P) {   /* the last valid row repeats */
+        const char *k[8];
+        for (int r = 0, rr = row; r < 2 * P; r++) {
+            k[r] = kbase + (size_t)rr * head_dim * es;
+            if (t + r + 1 < t1) rr = rr + 1 == ring ? 0 : rr + 1;
+        }
+        __m512 acc[4][4];                               /* [row pair][head] */
+        for (int p = 0; p < P; p++)
+            for (int i = 0; i < 4; i++) acc[p][i] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 8) {
+            __m512 kv[4];
+            for (int p = 0; p < P; p++) kv[p] = cb_kv_load8x2(k[2 * p], k[2 * p + 1], (size_t)d, KV);
+            for (int i = 0; i < NH; i++) {
+                const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qh[i] + d));
+                for (int p = 0; p < P; p++) acc[p][i] = _mm512_fmadd_ps(kv[p], qv, acc[p][i]);
+            }
+        }
+        for (int p = 0; p < P; p++) {
+            __m256 a[4], b[4];                          /* rows 2p and 2p + 1: decode's accumulators */
+            for (int i = 0; i < 4; i++) {
+                a[i] = _mm512_castps512_ps256(acc[p][i]);
+                b[i] = _mm512_extractf32x8_ps(acc[p][i], 1);
+            }
+            const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+            float s8[8];                                /* [row a: heads 0-3, row b: heads 0-3] */
+            _mm256_storeu_ps(s8, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
+                                                             _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
+            for (int h = 0; h < 2; h++)
+                if (t + 2 * p + h < t1)
+                    for (int i = 0; i < NH; i++) sc[i][t + 2 * p + h] = s8[4 * h + i];
+        }
+        for (int r = 0; r < 2 * P && t + r < t1; r++) row = row + 1 == ring ? 0 : row + 1;
+    }
+}
+
+/* As cb_attn_block_vpass_avx2 with NV 16-column vectors from column d. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_attn_block_vpass_avx512(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
+                           int ring, int head_dim, int d, const int NH, const int NV, const int KV) {
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    __m512 acc[4][4];
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NV; c++) acc[i][c] = t0 ? _mm512_loadu_ps(o[i] + d + 16 * c) : _mm512_setzero_ps();
+    for (int t = t0, row = row_t0; t < t1; t++) {
+        const char *v = vbase + ((size_t)row * head_dim + d) * es;
+        __m512 vv[4];
+        for (int c = 0; c < NV; c++) vv[c] = cb_kv_load16(v, (size_t)(16 * c), KV);
+        for (int i = 0; i < NH; i++) {
+            const __m512 p = _mm512_set1_ps(sc[i][t]);
+            for (int c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
+        }
+        row = row + 1 == ring ? 0 : row + 1;
+    }
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(o[i] + d + 16 * c, acc[i][c]);
+}
+
+/* The value pass, 4 vectors of 16 columns at a time; a last 8 columns by the AVX2 pass. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_attn_block_values_avx512(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
+                            int ring, int head_dim, const int NH, const int KV) {
+    int d = 0;
+    for (; d + 64 <= head_dim; d += 64) cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 4, KV);
+    switch ((head_dim - d) / 16) {
+    case 3: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 3, KV); break;
+    case 2: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 2, KV); break;
+    case 1: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 1, KV); break;
+    default: break;
+    }
+    if (head_dim % 16)
+        cb_attn_block_vpass_avx2(o, sc, vbase, t0, t1, row_t0, ring, head_dim, head_dim - 8, NH, 1, KV);
+}
+
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
+                              const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim_,
+                              int pos0, int window, int ring, float scale, const float *sinks,
+                              const int NH, const int HD, const int KV) {
+    const int head_dim = HD ? HD : head_dim_;
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const __m256 vscale = _mm256_set1_ps(scale);
+#define CB_SCORES_AVX512(sc, qh, kb, t0, t1, r0) cb_attn_block_scores_avx512(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, 4, KV)
+#define CB_VALUES_AVX512(o, sc, vb, t0, t1, r0) cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, NH, KV)
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512)
+#undef CB_SCORES_AVX512
+#undef CB_VALUES_AVX512
+}
+
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_attend_block_kv_avx512(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache, const void *v_cache,
+                          float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0, int window,
+                          int ring, float scale, const float *sinks, const int KV) {
+    if (head_dim % 8) {                                 /* head by head, as the AVX2 tier's */
+        cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                                window, ring, scale, sinks, 4, KV);
+        return;
+    }
+#define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
+                                                          h0, kvh, head_dim, pos0, window, ring, scale, sinks, k, hd, KV)
+#define CB_ATTEND_HD(hd)                  \
+    switch (nh) {                         \
+    case 1: CB_ATTEND_NH(1, hd); break;   \
+    case 2: CB_ATTEND_NH(2, hd); break;   \
+    case 3: CB_ATTEND_NH(3, hd); break;   \
+    default: CB_ATTEND_NH(4, hd); break;  \
+    }
+    if (head_dim == 64) CB_ATTEND_HD(64)
+    else if (head_dim == 128) CB_ATTEND_HD(128)
+    else CB_ATTEND_HD(0)
+#undef CB_ATTEND_HD
+#undef CB_ATTEND_NH
+}
+
 CB_TARGET_AVX512 static void cb_attend_block_avx512(float *out, int ldo, const float *q, int ldq, int nq,
                                                     const void *k_cache, const void *v_cache, float *scores,
                                                     int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0,
                                                     int window, int ring, float scale, const float *sinks, int kv) {
     if (kv == CB_KV_F16)
-        cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, 4, CB_KV_F16);
+        cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                                  window, ring, scale, sinks, CB_KV_F16);
     else
-        cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, 4, CB_KV_F32);
+        cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                                  window, ring, scale, sinks, CB_KV_F32);
 }
 
 /* One query (cb_attend_fn, decode) for up to CB_ATTN_HEADS_WIDE = 8 query heads of a KV head: with
