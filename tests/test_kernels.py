@@ -380,6 +380,31 @@ def test_a_prompts_attention_is_decoding_each_query_bit_for_bit(isa, case, threa
         np.testing.assert_array_equal(got[t], one, err_msg=f"query {t} at {pos}")
 
 
+@pytest.mark.skipif("avx512" not in _kernels.available_isas(), reason="this CPU has no AVX-512 tier")
+@settings(max_examples=100, deadline=None)
+@given(prompt_attention_case(), st.sampled_from([1, 2]))
+def test_the_avx512_attention_gives_the_avx2_bits(case, threads):
+    """The AVX-512 tier's attention (512-bit vectors: key row pairs per vector, 16-column value
+    vectors) splits each score back into the AVX2 tier's hadd tree and adds each output's positions
+    in the same order: a prompt's and the last query's decode give the AVX2 tier's bits."""
+    q, k, v, kv, pos0, window, sinks, kvt = case
+    n, heads, hd = q.shape
+    ring = k.shape[1]
+    flat_k, flat_v = (np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(ring, kv * hd) for a in (k, v))
+    pos = pos0 + n - 1
+    start = max(pos - window + 1, 0) if window else 0
+    before, got = _kernels.isa(), {}
+    try:
+        for tier in ("avx2", "avx512"):
+            _kernels.select_isa(tier)
+            got[tier] = (_probes.kernel_attention_prompt(q, k, v, kv, pos0, window, threads, sinks, kvt),
+                         _probes.kernel_attention(q[-1], flat_k, flat_v, kv, start, pos, threads, sinks, kvt))
+    finally:
+        _kernels.select_isa(before)
+    np.testing.assert_array_equal(got["avx512"][0], got["avx2"][0], err_msg="prompt")
+    np.testing.assert_array_equal(got["avx512"][1], got["avx2"][1], err_msg="decode")
+
+
 def test_attention_takes_caches_in_the_engine_order(isa):
     """kernel_attention on caches already [n_kv_heads, ring, head_dim] (what bench_attention times)
     gives the bits of the [ring, n_kv_heads * head_dim] form; bench_attention refuses other shapes."""

@@ -293,16 +293,22 @@ cb_attn_block_scores_avx512(float *const *sc, const float *const *qh, const char
     }
 }
 
-/* As cb_attn_block_vpass_avx2 with NV 16-column vectors from column d. */
+/* As cb_attn_block_vpass_avx2 with NV 16-column vectors from column d, for NH <= 8 heads (NH x NV
+ * <= 16 accumulators); `ahead` > 0: each row also prefetches its piece of the row `ahead` rows on
+ * (decode's next block), which changes no bit. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attn_block_vpass_avx512(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
-                           int ring, int head_dim, int d, const int NH, const int NV, const int KV) {
+                           int ring, int head_dim, int d, int ahead, const int NH, const int NV, const int KV) {
     const size_t es = KV == CB_KV_F16 ? 2 : 4;
-    __m512 acc[4][4];
+    __m512 acc[8][4];
     for (int i = 0; i < NH; i++)
         for (int c = 0; c < NV; c++) acc[i][c] = t0 ? _mm512_loadu_ps(o[i] + d + 16 * c) : _mm512_setzero_ps();
     for (int t = t0, row = row_t0; t < t1; t++) {
         const char *v = vbase + ((size_t)row * head_dim + d) * es;
+        if (ahead) {
+            const int next = (int)(((int64_t)row + ahead) % ring);
+            for (size_t b = 0; b < 16 * NV * es; b += 64) _mm_prefetch(vbase + ((size_t)next * head_dim + d) * es + b, _MM_HINT_T0);
+        }
         __m512 vv[4];
         for (int c = 0; c < NV; c++) vv[c] = cb_kv_load16(v, (size_t)(16 * c), KV);
         for (int i = 0; i < NH; i++) {
@@ -315,20 +321,24 @@ cb_attn_block_vpass_avx512(float *const *o, const float *const *sc, const char *
         for (int c = 0; c < NV; c++) _mm512_storeu_ps(o[i] + d + 16 * c, acc[i][c]);
 }
 
-/* The value pass, 4 vectors of 16 columns at a time; a last 8 columns by the AVX2 pass. */
+/* The value pass, NV vectors of 16 columns at a time; a last 8 columns by the AVX2 pass (4 heads a
+ * call). */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attn_block_values_avx512(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
-                            int ring, int head_dim, const int NH, const int KV) {
+                            int ring, int head_dim, int ahead, const int NH, const int NV, const int KV) {
     int d = 0;
-    for (; d + 64 <= head_dim; d += 64) cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 4, KV);
+    for (; d + 16 * NV <= head_dim; d += 16 * NV)
+        cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, ahead, NH, NV, KV);
     switch ((head_dim - d) / 16) {
-    case 3: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 3, KV); break;
-    case 2: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 2, KV); break;
-    case 1: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, NH, 1, KV); break;
+    case 3: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, ahead, NH, 3, KV); break;
+    case 2: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, ahead, NH, 2, KV); break;
+    case 1: cb_attn_block_vpass_avx512(o, sc, vbase, t0, t1, row_t0, ring, head_dim, d, ahead, NH, 1, KV); break;
     default: break;
     }
     if (head_dim % 16)
-        cb_attn_block_vpass_avx2(o, sc, vbase, t0, t1, row_t0, ring, head_dim, head_dim - 8, NH, 1, KV);
+        for (int g = 0; g < NH; g += 4)
+            cb_attn_block_vpass_avx2(o + g, sc + g, vbase, t0, t1, row_t0, ring, head_dim, head_dim - 8,
+                                     NH - g < 4 ? NH - g : 4, 1, KV);
 }
 
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
@@ -340,7 +350,7 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
     const size_t es = KV == CB_KV_F16 ? 2 : 4;
     const __m256 vscale = _mm256_set1_ps(scale);
 #define CB_SCORES_AVX512(sc, qh, kb, t0, t1, r0) cb_attn_block_scores_avx512(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, 4, KV)
-#define CB_VALUES_AVX512(o, sc, vb, t0, t1, r0) cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, NH, KV)
+#define CB_VALUES_AVX512(o, sc, vb, t0, t1, r0) cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, 0, NH, 4, KV)
     CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512)
 #undef CB_SCORES_AVX512
 #undef CB_VALUES_AVX512
@@ -385,31 +395,114 @@ CB_TARGET_AVX512 static void cb_attend_block_avx512(float *out, int ldo, const f
 
 /* One query (cb_attend_fn, decode) for up to CB_ATTN_HEADS_WIDE = 8 query heads of a KV head: with
  * 32 registers a key or value row read once serves 8 heads (Qwen3-MoE's and gpt-oss's groups of 8
- * each read their KV head once, not twice). Each head's score and output are the same operations
- * as in AVX2's 4-head kernel, so the bits are the same. Fewer than 8 heads: AVX2's. */
+ * each read their KV head once, not twice). On 512-bit vectors as the prompt's block kernel above:
+ * key rows in pairs per vector, 4 rows a step (2 x NH chains), each score's lanes split back into
+ * the AVX2 kernel's hadd tree; values 16 columns a vector, 32 a pass for 8 heads (64 for up to 4),
+ * in the AVX2 kernel's blocks of rows, each prefetching its piece of the next block. Every score
+ * and output is the AVX2 tier's sequence of operations (cb_attend_group_avx2), so the bits are
+ * that tier's and the prompt's. */
 #define CB_ATTN_HEADS_WIDE 8
+
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
+                       int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
+                       float scale, const float *sinks, const int NH, const int HD, const int KV) {
+    const int head_dim = HD ? HD : head_dim_;
+    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const int n = pos - start + 1, row0 = start % ring;
+    const float *qh[8];
+    float *sc[8], *o[8];
+    for (int i = 0; i < NH; i++) {
+        qh[i] = q + (size_t)(h0 + i) * head_dim;
+        sc[i] = scores + (size_t)(h0 + i) * sc_stride;
+        o[i] = out + (size_t)(h0 + i) * head_dim;
+    }
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int t = 0, row = row0; t < n; t += 4) {         /* the last valid row repeats */
+        const char *k[4];
+        for (int r = 0, rr = row; r < 4; r++) {
+            k[r] = kbase + (size_t)rr * head_dim * es;
+            if (t + r + 1 < n) rr = rr + 1 == ring ? 0 : rr + 1;
+        }
+        for (int r = 0; r < 4; r++) {
+            int ahead = row + CB_ATTN_PREFETCH + r;
+            ahead = ahead < ring ? ahead : ahead % ring;
+            for (size_t b = 0; b < head_dim * es; b += 64) _mm_prefetch(kbase + (size_t)ahead * head_dim * es + b, _MM_HINT_T0);
+        }
+        __m512 acc[2][8];                               /* [row pair][head] */
+        for (int p = 0; p < 2; p++)
+            for (int i = 0; i < 8; i++) acc[p][i] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 8) {
+            const __m512 kv0 = cb_kv_load8x2(k[0], k[1], (size_t)d, KV), kv1 = cb_kv_load8x2(k[2], k[3], (size_t)d, KV);
+            for (int i = 0; i < NH; i++) {
+                const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qh[i] + d));
+                acc[0][i] = _mm512_fmadd_ps(kv0, qv, acc[0][i]);
+                acc[1][i] = _mm512_fmadd_ps(kv1, qv, acc[1][i]);
+            }
+        }
+        for (int p = 0; p < 2; p++)
+            for (int g = 0; g < NH; g += 4) {           /* a tree per 4 heads, as the AVX2 kernel's */
+                __m256 a[4], b[4];
+                for (int i = 0; i < 4; i++) {
+                    a[i] = _mm512_castps512_ps256(acc[p][g + i]);
+                    b[i] = _mm512_extractf32x8_ps(acc[p][g + i], 1);
+                }
+                const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+                float r8[8];                            /* [row a: heads g..g+3, row b: heads g..g+3] */
+                _mm256_storeu_ps(r8, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
+                                                                 _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
+                for (int h = 0; h < 2; h++)
+                    if (t + 2 * p + h < n)
+                        for (int i = g; i < NH && i < g + 4; i++) sc[i][t + 2 * p + h] = r8[4 * h + i - g];
+            }
+        for (int r = 0; r < 4 && t + r < n; r++) row = row + 1 == ring ? 0 : row + 1;
+    }
+    cb_attn_block_softmax_avx2(sc, n, sinks, h0, NH);
+    const int vblock = CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) > 4 ? CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) : 4;
+    for (int t0 = 0, row_t0 = row0; t0 < n; t0 += vblock) {
+        const int t1 = n - t0 > vblock ? t0 + vblock : n;
+        cb_attn_block_values_avx512(o, (const float *const *)sc, vbase, t0, t1, row_t0, ring, head_dim, vblock, NH,
+                                    NH > 4 ? 2 : 4, KV);
+        row_t0 = (int)(((int64_t)row_t0 + (t1 - t0)) % ring);
+    }
+}
+
 CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, const void *k_cache, const void *v_cache,
                                                     float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim,
                                                     int start, int pos, int ring, float scale, const float *sinks,
                                                     int kv) {
-    if (nh != CB_ATTN_HEADS_WIDE || head_dim % 8) {
-        for (int h = h0; h < h0 + nh; h += CB_ATTN_HEADS)
-            cb_attend_heads_avx2(out, q, k_cache, v_cache, scores, sc_stride, h, h0 + nh - h < CB_ATTN_HEADS ? h0 + nh - h
-                                 : CB_ATTN_HEADS, kvh, head_dim, start, pos, ring, scale, sinks, kv);
+    if (head_dim % 8) {
+        cb_attend_heads_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
+                             scale, sinks, kv);
         return;
     }
-#define CB_ATTEND_8(hd, k) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, start, \
-                                                pos, ring, scale, sinks, CB_ATTN_HEADS_WIDE, hd, k)
-    if (kv == CB_KV_F16) {
-        if (head_dim == 64) CB_ATTEND_8(64, CB_KV_F16);
-        else if (head_dim == 128) CB_ATTEND_8(128, CB_KV_F16);
-        else CB_ATTEND_8(0, CB_KV_F16);
-    } else {
-        if (head_dim == 64) CB_ATTEND_8(64, CB_KV_F32);
-        else if (head_dim == 128) CB_ATTEND_8(128, CB_KV_F32);
-        else CB_ATTEND_8(0, CB_KV_F32);
+#define CB_ATTEND_NH(k, hd, kvt) cb_attend_group_avx512(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
+                                                        start, pos, ring, scale, sinks, k, hd, kvt)
+#define CB_ATTEND_HD(hd, kvt)                                        \
+    switch (nh) {                                                    \
+    case 1: CB_ATTEND_NH(1, hd, kvt); break;                         \
+    case 2: CB_ATTEND_NH(2, hd, kvt); break;                         \
+    case 3: CB_ATTEND_NH(3, hd, kvt); break;                         \
+    case 4: CB_ATTEND_NH(4, hd, kvt); break;                         \
+    case 5: CB_ATTEND_NH(5, hd, kvt); break;                         \
+    case 6: CB_ATTEND_NH(6, hd, kvt); break;                         \
+    case 7: CB_ATTEND_NH(7, hd, kvt); break;                         \
+    default: CB_ATTEND_NH(8, hd, kvt); break;                        \
     }
-#undef CB_ATTEND_8
+    if (kv == CB_KV_F16) {
+        if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_F16)
+        else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_F16)
+        else CB_ATTEND_HD(0, CB_KV_F16)
+    } else {
+        if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_F32)
+        else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_F32)
+        else CB_ATTEND_HD(0, CB_KV_F32)
+    }
+#undef CB_ATTEND_HD
+#undef CB_ATTEND_NH
 }
 
 #endif /* CB_X86 */
