@@ -771,8 +771,9 @@ CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, 
  * head_dim / 8 steps in the order of d, gathered by the same hadd tree (hadd pairs, then the two
  * 128-bit halves, times the scale), whatever rows share a step; an output adds its positions in
  * order from zero, its sums waiting in `out` between blocks. Only the tiling differs: R key rows a
- * step (decode: 2) and CV 8-column vectors of values a pass (decode: 2): with AVX-512's 32
- * registers (cb_attend_block_avx512) 4 and 4, halving the loads per FMA. */
+ * step (decode: 2) and CV 8-column vectors of values a pass (decode: 2). The AVX-512 tier
+ * (kernels_avx512.h) runs the same operations per lane on 512-bit vectors, in this order
+ * (CB_ATTEND_QBLOCK_BODY), for the same bits. */
 
 /* Scores of positions t0..t1-1 of one query's span (t counts from the span's first position;
  * row_t0 is t0's cache row): sc[i][t] = qh[i] . k_t * scale for the NH heads. */
@@ -867,7 +868,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
     const int head_dim = HD ? HD : head_dim_;          /* a constant where HD is: the loops unroll */
     const size_t es = KV == CB_KV_F16 ? 2 : 4;        /* bytes of one cache element */
     const int n = pos - start + 1, row0 = start % ring;
-    const float *qh[8];                                /* NH <= 8 (8: the AVX-512 build's 32 registers) */
+    const float *qh[8];                                /* NH <= 4 here (the AVX-512 tier's units of 8: its own kernel) */
     float *sc[8];
     for (int i = 0; i < NH; i++) {
         qh[i] = q + (size_t)(h0 + i) * head_dim;

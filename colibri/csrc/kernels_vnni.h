@@ -107,7 +107,7 @@ CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE __m512i cb_bcast4_512(const int8_t
  * tokens: cb_igroup_avx512vnni's arithmetic on both groups at once. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_igroup2_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int dtype, const cb_act_q8 *acts,
-                      int kb0, int kb1, int first, const int T) {
+                      int kb0, int kb1, int first, int prefetch, const int T) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
     const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET
@@ -125,6 +125,11 @@ cb_igroup2_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int d
     }
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         const char *gq = gp + gstride;                       /* group g + 1's block kb */
+        if (prefetch)                                        /* the next pair's block kb, from memory */
+            for (size_t b = 0; b < gbytes; b += 64) {
+                _mm_prefetch(gp + 2 * gstride + b, _MM_HINT_T0);
+                _mm_prefetch(gp + 3 * gstride + b, _MM_HINT_T0);
+            }
         __m512i even[CB_ITILE2_TOKENS], odd[CB_ITILE2_TOKENS];
         for (int j = 0; j < T; j++) {
             if (dtype == CB_NL4) {
@@ -193,7 +198,7 @@ cb_itile_wide_avx512vnni(float *out, int ldo, const char *w, int dtype, const cb
     }
     const int nb = cols / CB_QBLOCK;
     const size_t gbytes = cb_group_bytes(dtype), gstride = (size_t)nb * gbytes;
-#define CB_CALL_IG2(dt, tt) cb_igroup2_avx512vnni(o, ldo, gp, gstride, dt, acts + t, kb0, kb1, kb0 == 0, tt)
+#define CB_CALL_IG2(dt, tt) cb_igroup2_avx512vnni(o, ldo, gp, gstride, dt, acts + t, kb0, kb1, kb0 == 0, t == 0, tt)
     for (int g = g0; g < paired; g += 2)
         for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {
             const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;
