@@ -9,3 +9,4 @@ cdef extern from "probes.h" nogil:
     double cb_peak_fma_avx512(long long iters, int n_threads)
     double cb_peak_int8_avx2(long long iters, int n_threads)
     double cb_peak_bf16_avx512(long long iters, int n_threads)
+    double cb_peak_vnni_avx512(long long iters, int n_threads)

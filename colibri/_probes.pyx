@@ -537,21 +537,23 @@ def group_sizes():
     return {"int8": sizeof(cb_group_int8), "int4": sizeof(cb_group_int4)}
 
 
-PEAKS = ("fma", "fma512", "int8", "bf16")     # bench_peak's kinds (csrc/probes.h)
+PEAKS = ("fma", "fma512", "int8", "bf16", "vnni512")     # bench_peak's kinds (csrc/probes.h)
 
 
 def bench_peak(str kind, int n_threads):
     """(operations done, seconds) of a peak loop on n_threads (csrc/probes.h), or None where this
     CPU cannot run it: kind "fma" — AVX2 FMA chains (float operations); "fma512" — AVX-512 FMA
     chains; "int8" — the AVX2 int8 dot-product step of the int8 kernels without VNNI (maddubs +
-    madd; 2 operations per byte product); "bf16" — AVX512_BF16's vdpbf16ps (2 per bf16 product)."""
+    madd; 2 operations per byte product); "bf16" — AVX512_BF16's vdpbf16ps (2 per bf16 product);
+    "vnni512" — 512-bit vpdpbusd (2 per byte product)."""
     import time
     if kind not in PEAKS:
         raise ValueError(f"bench_peak: kind must be one of {', '.join(PEAKS)}, not {kind!r}")
     features = cpu_features()
     runs = {"fma": "avx2" in available_isas(), "int8": "avx2" in available_isas(),
             "fma512": "avx512" in available_isas(),
-            "bf16": "avx512" in available_isas() and features["avx512_bf16"]}
+            "bf16": "avx512" in available_isas() and features["avx512_bf16"],
+            "vnni512": "avx512" in available_isas() and features["avx512_vnni"]}
     if not runs[kind]:
         return None
     cdef double ops
@@ -564,8 +566,10 @@ def bench_peak(str kind, int n_threads):
             ops = cb_peak_fma_avx512(10000000, n_threads)
         elif code == 2:
             ops = cb_peak_int8_avx2(10000000, n_threads)
-        else:
+        elif code == 3:
             ops = cb_peak_bf16_avx512(10000000, n_threads)
+        else:
+            ops = cb_peak_vnni_avx512(10000000, n_threads)
     seconds = time.perf_counter() - t0
     return None if ops < 0 else (ops, seconds)
 

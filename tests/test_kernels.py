@@ -213,9 +213,11 @@ def test_peak_loops_count_their_operations():
     iterations x chains x lanes x 2, and a clear error for an unknown kind."""
     avx512 = "avx512" in _kernels.available_isas()
     runs = {"fma": "avx2" in _kernels.available_isas(), "int8": "avx2" in _kernels.available_isas(),
-            "fma512": avx512, "bf16": avx512 and _kernels.cpu_features()["avx512_bf16"]}
+            "fma512": avx512, "bf16": avx512 and _kernels.cpu_features()["avx512_bf16"],
+            "vnni512": avx512 and _kernels.cpu_features()["avx512_vnni"]}
     assert set(runs) == set(_probes.PEAKS)
-    for kind, per_iter in (("fma", 10 * 8 * 2), ("int8", 10 * 32 * 2), ("fma512", 10 * 16 * 2), ("bf16", 10 * 32 * 2)):
+    for kind, per_iter in (("fma", 10 * 8 * 2), ("int8", 10 * 32 * 2), ("fma512", 10 * 16 * 2), ("bf16", 10 * 32 * 2),
+                           ("vnni512", 10 * 64 * 2)):
         got = _probes.bench_peak(kind, 1)
         if not runs[kind]:
             assert got is None

@@ -31,11 +31,20 @@ VNNI step is left out), also in the matvec table.
     python tools/bench_kernels.py --sweep 1,2,4,8,32,128 --layouts transposed,interleaved
     python tools/bench_kernels.py --attention 256,1024,4096
     python tools/bench_kernels.py --prompt-attention 512,4096,16384
+    python tools/bench_kernels.py --expert-prefill 768x2048x8,2048x768x8,3584x1024x32 --dtypes int8,int4,nl4,bf16
 
 --attention: decode's attention alone, per context length: one query of a Mixtral-shaped model
 (16 layers, 16 heads over 4 KV heads, head_dim 64) against every layer's f32 KV cache (32 KB per
 position), GB/s of cache read next to the plain read of a buffer of the same size, interleaved.
 (interleaved is for int8/int4: the float formats skip it.)
+
+--expert-prefill: a MoE prefill's expert products, ROWSxCOLSxTOKENS each (Qwen3-30B-A3B's experts
+are [768, 2048] / [2048, 768] with about 8 tokens each at a 128-token chunk, Mixtral-mini's [3584,
+1024] / [1024, 3584] with about 32), in the default layout of each format (int formats interleaved,
+bf16 rows with bf16 products where the CPU has them): GFLOP/s with the matrix in the caches and
+with distinct copies streamed from memory (past 4 x the last-level cache, one product each, as
+a prefill reads its experts), next to the 512-bit vpdpbusd and vdpbf16ps peaks measured in the
+same run; the tier's other int steps beside (interleaved: AVX2's 256-bit tile).
 
 --prompt-attention: a prompt chunk's attention alone, per context length: the last 128 queries of
 a prompt of that length in one layer of Qwen3-MoE's shape (32 heads over 4 KV heads, head_dim 128),
@@ -93,6 +102,9 @@ def main():
                     help="context lengths, e.g. 256,1024,4096: only decode's attention over a 16-layer KV cache")
     ap.add_argument("--prompt-attention", default=None,
                     help="context lengths, e.g. 512,4096,16384: only a prompt chunk's attention (Qwen3-MoE's heads)")
+    ap.add_argument("--expert-prefill", default=None,
+                    help="ROWSxCOLSxTOKENS shapes, e.g. 768x2048x8,2048x768x8: only experts' prefill products, "
+                         "cache-resident and streamed from memory")
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
@@ -105,6 +117,9 @@ def main():
         return
     if args.prompt_attention:
         prompt_attention_table(args, rng, [int(n) for n in args.prompt_attention.split(",")])
+        return
+    if args.expert_prefill:
+        expert_prefill_table(args, rng, [tuple(int(v) for v in shape.split("x")) for shape in args.expert_prefill.split(",")])
         return
     llc = last_level_cache_bytes()
     if args.mb is None:          # "from memory" must be past the caches: a 300 MB L3 holds a 512 MB matrix's third
@@ -228,6 +243,49 @@ def prompt_attention_table(args, rng, lengths, chunk=128, kv_heads=4, heads=32, 
             b, o = flop / statistics.median(block) / 1e9, flop / statistics.median(one) / 1e9
             print(f"{n:9d} {kv:>5} {b:14.1f} {o:14.1f} {b / o:12.2f} " + (f"{b / peak:14.2f}" if peak else f"{'':>14}"))
         del k, v, q
+
+
+def expert_prefill_table(args, rng, shapes):
+    """Experts' prefill products in each format's default layout, from the caches and from memory."""
+    vnni = best_rate("vnni512", args.threads)
+    bf16_peak = best_rate("bf16", args.threads) if _kernels.has_bf16_products() else None
+    llc = last_level_cache_bytes() or (32 << 20)
+    print(f"tier {_kernels.isa()}, int step {_kernels.int_step()}, {args.threads} threads, median of {args.repeat}; "
+          f"peaks: 512-bit vpdpbusd " + (f"{vnni:.0f} GOP/s" if vnni else "n/a")
+          + ", vdpbf16ps " + (f"{bf16_peak:.0f} GFLOP/s" if bf16_peak else "n/a"))
+    print(f"{'format':>6} {'shape':>18} {'cached GFLOP/s':>15} {'of peak':>8} {'from memory':>12} {'of peak':>8}  other steps (cached, from memory)")
+    for dtype in args.dtypes.split(","):
+        layout = quant.default_layout(dtype)
+        products = dtype == "bf16" and _kernels.has_bf16_products()
+        peak = bf16_peak if products else vnni if dtype in ("int8", "int4", "mxfp4", "nl4", "int6") else None
+        steps = other_steps() if layout == "interleaved" else []
+        for rows, cols, n in shapes:
+            w = quant.from_rows(to_storage(rng.standard_normal((rows, cols)).astype(np.float32), dtype), dtype, cols, layout)
+            copies = [w.copy() for _ in range(max(2, -(-4 * llc // w.nbytes)))]
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            flop = 2.0 * rows * cols * n
+            reps = max(1, int(2e9 / flop))
+
+            def cached():
+                return flop * reps / _probes.bench_matmul(w, x, dtype, args.threads, reps, layout, products) / 1e9
+
+            def streamed():
+                t = sum(_probes.bench_matmul(c, x, dtype, args.threads, 1, layout, products) for c in copies)
+                return flop * len(copies) / t / 1e9
+            cached(), streamed()                                   # warm: page in
+            c, m, other = [], [], {k: ([], []) for k in steps}
+            for _ in range(args.repeat):                           # interleaved
+                c.append(cached())
+                m.append(streamed())
+                for step in steps:
+                    with _kernels.int_kernels(step):
+                        other[step][0].append(cached())
+                        other[step][1].append(streamed())
+            cm, mm = statistics.median(c), statistics.median(m)
+            rest = ", ".join(f"{k} {statistics.median(a):.0f}, {statistics.median(b):.0f}" for k, (a, b) in other.items())
+            of = (lambda g: f"{g / peak:8.0%}") if peak else (lambda g: f"{'':>8}")
+            print(f"{dtype:>6} {f'[{rows},{cols}] x {n}':>18} {cm:15.0f} {of(cm)} {mm:12.0f} {of(mm)}  {rest or '-'}")
+            del copies
 
 
 def bf16_products_of(dtype, layout):

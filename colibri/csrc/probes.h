@@ -5,7 +5,8 @@
  * cb_peak_* run 10 independent chains of one vector instruction per thread (enough to cover its
  * latency) and return the operations done, or -1 where this CPU or compiler cannot run them: the
  * float FMA at 256 and 512 bits, the AVX2 int8 step of the kernels without VNNI (maddubs + madd),
- * and AVX512_BF16's vdpbf16ps (what bf16 products are held to). The caller checks the CPU first.
+ * AVX512_BF16's vdpbf16ps (what bf16 products are held to) and 512-bit vpdpbusd (the wide int prefill
+ * tile's step). The caller checks the CPU first.
  */
 #ifndef COLIBRI_PROBES_H
 #define COLIBRI_PROBES_H
@@ -111,7 +112,26 @@ CB_TARGET_AVX512_BF16 static double cb_peak_bf16_avx512(long long iters, int n_t
     }
     return total;
 }
+
+/* 512-bit vpdpbusd (AVX512_VNNI): 64 byte products into 16 int32 lanes, 128 operations each — the
+ * wide prefill tile's step (kernels_vnni.h, cb_igroup2_avx512vnni). */
+CB_TARGET_AVX512_VNNI static double cb_peak_vnni_avx512(long long iters, int n_threads) {
+    double total = 0.0;
+    #pragma omp parallel num_threads(n_threads) reduction(+:total)
+    {
+        __m512i a[10];
+        const __m512i u = _mm512_set1_epi8(3), x = _mm512_set1_epi8(-2);
+        for (int k = 0; k < 10; k++) a[k] = _mm512_set1_epi32(k);
+        for (long long i = 0; i < iters; i++)
+            for (int k = 0; k < 10; k++) a[k] = _mm512_dpbusd_epi32(a[k], u, x);
+        __m512i s = a[0];
+        for (int k = 1; k < 10; k++) s = _mm512_add_epi32(s, a[k]);
+        total += (double)(_mm512_reduce_add_epi32(s) != 12345) * (double)iters * 10.0 * 64.0 * 2.0;
+    }
+    return total;
+}
 #else
+static double cb_peak_vnni_avx512(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
 static double cb_peak_fma_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
 static double cb_peak_fma_avx512(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
 static double cb_peak_int8_avx2(long long iters, int n_threads) { (void)iters; (void)n_threads; return -1.0; }
