@@ -78,8 +78,8 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 /* ---- the AVX512-VNNI step's prefill on 512-bit vectors ----------------------------------------
  *
  * The interleaved prefill tile above works on 256-bit vectors: one group's 8 outputs. Where
- * vpdpbusd runs on 512 bits at the 256-bit instruction rate (Zen 5: measured 6.8 G zmm against 7.0
- * G ymm a second per core; Intel's two 512-bit ports) a zmm holding two neighbouring groups — their
+ * vpdpbusd runs on 512 bits at the 256-bit instruction rate (Zen 5: 6.8-7.8 G a second per core on
+ * zmm as on ymm, BENCHMARKS.md; Intel's two 512-bit ports) a zmm holding two neighbouring groups — their
  * 16 outputs, group g in lanes 0..7, g + 1 in lanes 8..15 — does twice the work per instruction.
  * Each vector of a group's codes is unpacked by the 256-bit helpers and the two groups' halves
  * joined (amortised over up to 8 tokens: 32 registers hold 16 sum chains and 8 accumulators); 4
