@@ -297,6 +297,28 @@ def test_attention_softmax_of_non_finite_scores_is_refused(isa):
     assert _probes.kernel_attention_softmax(np.array([np.inf] + [0.0] * 9, np.float32)) is None
 
 
+@pytest.mark.skipif("avx512" not in _kernels.available_isas(), reason="this CPU has no AVX-512 tier")
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 300), elements=st.floats(-200, 200, width=32)))
+def test_the_avx512_softmax_gives_the_avx2_bits(x):
+    """The AVX-512 tier's attention softmax (16-lane exp, the sum still 8 lanes in the AVX2 loop's
+    order) is the AVX2 one bit for bit at every length (16-element steps, an 8-element step, the
+    scalar tail), and refuses a NaN or an infinity wherever it is."""
+    before, got = _kernels.isa(), {}
+    try:
+        for tier in ("avx2", "avx512"):
+            _kernels.select_isa(tier)
+            got[tier] = _probes.kernel_attention_softmax(x)
+            for where in {0, len(x) // 2, len(x) - 1}:
+                for bad in (np.nan, np.inf):
+                    y = x.copy()
+                    y[where] = bad
+                    assert _probes.kernel_attention_softmax(y) is None, (tier, where, bad)
+    finally:
+        _kernels.select_isa(before)
+    np.testing.assert_array_equal(got["avx512"], got["avx2"])
+
+
 @st.composite
 def attention_case(draw):
     """(q [heads, hd], k, v [ring, kv * hd], kv heads, start, pos): query heads per KV head 1..9
@@ -347,9 +369,10 @@ def prompt_attention_case(draw):
     """A prompt's queries (n of them, across the 8-query blocks) at positions pos0.., full
     attention over n_ctx = pos0 + n rows or a sliding window over a ring of window + n - 1 rows;
     head_dim a multiple of 8 or not (and of 16 or not: the AVX-512 value pass's 16-column vectors
-    and its last 8 columns), groups of 1..9 query heads per KV head."""
+    and its last 8 columns; 8 to 512 in the AVX-512 key blocks of 16 KB, 4 to 512 rows; 520 past
+    them), groups of 1..9 query heads per KV head."""
     kv, group = draw(st.integers(1, 2)), draw(st.integers(1, 9))
-    hd = draw(st.sampled_from([8, 12, 24, 40, 64, 80, 128]))
+    hd = draw(st.sampled_from([8, 12, 24, 40, 64, 80, 128, 256, 512, 520]))
     n = draw(st.integers(1, 20))
     pos0 = draw(st.integers(0, 60))
     window = draw(st.sampled_from([0, 0, 1, 5, 17]))
@@ -386,8 +409,9 @@ def test_a_prompts_attention_is_decoding_each_query_bit_for_bit(isa, case, threa
 @settings(max_examples=100, deadline=None)
 @given(prompt_attention_case(), st.sampled_from([1, 2]))
 def test_the_avx512_attention_gives_the_avx2_bits(case, threads):
-    """The AVX-512 tier's attention (512-bit vectors: key row pairs per vector, 16-column value
-    vectors) splits each score back into the AVX2 tier's hadd tree and adds each output's positions
+    """The AVX-512 tier's attention (512-bit vectors: key row pairs per vector, a prompt's key
+    blocks converted once into pairs and its scores gathered by transposing adds, 16-column value
+    vectors) sums each score in the AVX2 tier's hadd-tree order and adds each output's positions
     in the same order: a prompt's and the last query's decode give the AVX2 tier's bits."""
     q, k, v, kv, pos0, window, sinks, kvt = case
     n, heads, hd = q.shape

@@ -217,7 +217,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     t->attend_heads = CB_ATTN_HEADS_WIDE;
     t->attend_block = cb_attend_block_avx512;
     t->kv_store = cb_kv_store_avx2;
-    t->softmax = cb_softmax_avx2;
+    t->softmax = cb_softmax_avx512;
 }
 #endif
 

@@ -254,22 +254,28 @@ CB_TARGET_AVX2 static void cb_tile_float_avx2_any(float *out, int ldo, const cha
  * x / (1 + e^-x), and the tanh GELU x * sigmoid(2u) = x / (1 + e^-2u), u = sqrt(2/pi)(x + 0.044715 x^3)
  * (0.5 (1 + tanh u) = sigmoid(2u)): 8 lanes at a time instead of one libm call per element (the
  * GLU was 4-6 % of a prefill). */
-CB_TARGET_AVX2 static inline __m256 cb_exp_avx2(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+#define CB_LN_SMALLEST_NORMAL -87.3365448f   /* ln(FLT_MIN): an exp below it is taken as 0 */
+
+/* The exp's operations on a vector of W (_mm256 or _mm512) lanes, written once: the AVX-512 tier's
+ * cb_exp_avx512 is the same arithmetic lane by lane, so the same bits. VT is the float vector type,
+ * ROUND(v) rounds to the nearest integer, CASTI reinterprets the exponent bits as floats. */
+#define CB_EXP_BODY(W, VT, ROUND, CASTI)                                                             \
+    {                                                                                              \
+        x = W##_min_ps(W##_max_ps(x, W##_set1_ps(-87.3f)), W##_set1_ps(88.3f));                    \
+        const VT n = ROUND(W##_mul_ps(x, W##_set1_ps(1.44269504088896341f)));                      \
+        VT r = W##_fnmadd_ps(n, W##_set1_ps(0.693359375f), x);                                     \
+        r = W##_fnmadd_ps(n, W##_set1_ps(-2.12194440e-4f), r);                                     \
+        VT p = W##_set1_ps(1.9875691500e-4f);                                                      \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(1.3981999507e-3f));                                     \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(8.3334519073e-3f));                                     \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(4.1665795894e-2f));                                     \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(1.6666665459e-1f));                                     \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(5.0000001201e-1f));                                     \
+        p = W##_fmadd_ps(p, W##_mul_ps(r, r), W##_add_ps(r, W##_set1_ps(1.0f)));                   \
+        return W##_mul_ps(p, CASTI(W##_slli_epi32(W##_add_epi32(W##_cvtps_epi32(n), W##_set1_epi32(127)), 23))); \
+    }
+#define CB_ROUND_NEAREST256(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+CB_TARGET_AVX2 static inline __m256 cb_exp_avx2(__m256 x) CB_EXP_BODY(_mm256, __m256, CB_ROUND_NEAREST256, _mm256_castsi256_ps)
 
 /* act(x) * u of 8 lanes. */
 CB_TARGET_AVX2 static inline __m256 cb_glu8_avx2(__m256 x, __m256 u, int act) {
@@ -699,6 +705,25 @@ CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const cha
  * weight per head), in blocks of rows that stay in L1 across those passes. Loops are unrolled for
  * head_dim 64 and 128. The per-head loop read every key and value row once per head, through a
  * function pointer per dot product: at 576 positions the attention took a third of a decode step. */
+/* The softmax's exps from element i on, x[k] = exp(x[k] - mx), and their sum: 8 lanes a step
+ * adding onto s8 (the partial sums of elements before i), then the lanes' sum, then a scalar tail.
+ * The AVX-512 tier's softmax runs its 16-lane steps first and ends here, for the same bits. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE float cb_softmax_exps_avx2(float *x, int i, int n, float mx, __m256 s8) {
+    const __m256 vmx = _mm256_set1_ps(mx), underflow = _mm256_set1_ps(CB_LN_SMALLEST_NORMAL);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 z = _mm256_sub_ps(_mm256_loadu_ps(x + i), vmx);
+        const __m256 e = _mm256_and_ps(cb_exp_avx2(z), _mm256_cmp_ps(z, underflow, _CMP_GE_OQ));
+        _mm256_storeu_ps(x + i, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    float sum = cb_hsum256(s8);
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    return sum;
+}
+
 /* cb_softmax with 8 lanes and cb_exp_avx2 (within 2 ulp of expf), exp below the smallest normal
  * float taken as 0 (expf gives a subnormal: nothing next to the sum, which is >= 1). The
  * attention's; the scalar tier and routing keep cb_softmax. */
@@ -717,19 +742,7 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
         mx = x[i] > mx ? x[i] : mx;
     }
     if (!isfinite(mx)) return -1;
-    const __m256 vmx = _mm256_set1_ps(mx), underflow = _mm256_set1_ps(-87.3365448f);   /* ln(smallest normal) */
-    __m256 s8 = _mm256_setzero_ps();
-    for (i = 0; i + 8 <= n; i += 8) {
-        const __m256 z = _mm256_sub_ps(_mm256_loadu_ps(x + i), vmx);
-        const __m256 e = _mm256_and_ps(cb_exp_avx2(z), _mm256_cmp_ps(z, underflow, _CMP_GE_OQ));
-        _mm256_storeu_ps(x + i, e);
-        s8 = _mm256_add_ps(s8, e);
-    }
-    float sum = cb_hsum256(s8);
-    for (; i < n; i++) {
-        x[i] = expf(x[i] - mx);
-        sum += x[i];
-    }
+    const float sum = cb_softmax_exps_avx2(x, 0, n, mx, _mm256_setzero_ps());
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
     for (; i < n; i++) x[i] *= 1.0f / sum;
@@ -852,13 +865,16 @@ cb_attn_block_values_avx2(float *const *o, const float *const *sc, const char *v
     }
 }
 
-/* A sink (one more logit, no value) and the softmax of each head's n scores, as decode's. */
+/* A sink (one more logit, no value) and the softmax (the tier's: cb_softmax_avx2 or _avx512, the
+ * same bits) of each head's n scores, as decode's. */
+#define CB_ATTN_SOFTMAX_HEADS(SOFTMAX, sc, n, sinks, h0, NH) \
+    for (int i_ = 0; i_ < (NH); i_++) {                      \
+        if (sinks) (sc)[i_][n] = (sinks)[(h0) + i_];        \
+        SOFTMAX((sc)[i_], (n) + ((sinks) != NULL));           \
+    }
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_attn_block_softmax_avx2(float *const *sc, int n, const float *sinks,
                                                                      int h0, const int NH) {
-    for (int i = 0; i < NH; i++) {
-        if (sinks) sc[i][n] = sinks[h0 + i];
-        cb_softmax_avx2(sc[i], n + (sinks != NULL));
-    }
+    CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx2, sc, n, sinks, h0, NH)
 }
 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
@@ -964,18 +980,24 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
 #define CB_ATTN_KBLOCK_BYTES 16384
 #endif
 /* The block kernel's order, for every tier's: per pass (0: scores, 1: values after the softmaxes)
- * the key or value rows a block (CB_ATTN_KBLOCK_BYTES) at a time for each query that sees them.
- * SCORES(sc, qh, kbase, t0, t1, row_t0) and VALUES(o, sc, vbase, t0, t1, row_t0) are the tier's
- * passes over one query's rows; the body runs in a function with cb_attend_qblock_group_avx2's
+ * the key or value rows a block (ROWS positions) at a time for each query that sees them.
+ * PREPARE(pass, b0, b1) runs once per block (positions b0..b1-1) before its queries (the AVX-512
+ * tier converts the block's rows there); SOFTMAX(x, n) is the tier's softmax (cb_softmax's
+ * contract, the same bits in every tier that has one); SCORES(sc, qh, kbase, t0, t1, row_t0, s0) and
+ * VALUES(o, sc, vbase, t0, t1, row_t0, s0) are the tier's passes over one query's rows (s0: the
+ * first row's place in its block); the body runs in a function with cb_attend_qblock_group_avx2's
  * parameters (head_dim and es defined). */
-#define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES)                                                           \
+#define CB_ATTN_KBLOCK_ROWS(head_dim, es) \
+    (CB_ATTN_KBLOCK_BYTES / ((head_dim) * (int)(es)) > 8 ? CB_ATTN_KBLOCK_BYTES / ((head_dim) * (int)(es)) : 8)
+#define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES, ROWS, PREPARE, SOFTMAX)                                            \
     const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;                     \
     const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;                     \
-    const int rows = CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) > 8 ? CB_ATTN_KBLOCK_BYTES / (head_dim * (int)es) : 8; \
+    const int rows = (ROWS);                                                                            \
     const int first = cb_window_start(pos0, window), last = pos0 + nq - 1;                              \
     for (int pass = 0; pass < 2; pass++) {                                                              \
         for (int b0 = first; b0 <= last; b0 += rows) {                                                  \
             const int b1 = last + 1 - b0 > rows ? b0 + rows : last + 1;                                 \
+            PREPARE(pass, b0, b1);                                                                      \
             for (int j = 0; j < nq; j++) {                                                              \
                 const int pos = pos0 + j, start = cb_window_start(pos, window);                         \
                 const int a = b0 > start ? b0 : start, b = b1 < pos + 1 ? b1 : pos + 1;                 \
@@ -987,8 +1009,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                     sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride;                       \
                     o[i] = out + (size_t)j * ldo + (size_t)(h0 + i) * head_dim;                         \
                 }                                                                                       \
-                if (pass == 0) SCORES(sc, qh, kbase, a - start, b - start, a % ring);                   \
-                else VALUES(o, (const float *const *)sc, vbase, a - start, b - start, a % ring);        \
+                if (pass == 0) SCORES(sc, qh, kbase, a - start, b - start, a % ring, a - b0);           \
+                else VALUES(o, (const float *const *)sc, vbase, a - start, b - start, a % ring, a - b0); \
             }                                                                                           \
         }                                                                                               \
         if (pass == 0)                                                                                  \
@@ -996,7 +1018,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 const int pos = pos0 + j;                                                               \
                 float *sc[4];                                                                           \
                 for (int i = 0; i < NH; i++) sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride; \
-                cb_attn_block_softmax_avx2(sc, pos - cb_window_start(pos, window) + 1, sinks, h0, NH);  \
+                CB_ATTN_SOFTMAX_HEADS(SOFTMAX, sc, pos - cb_window_start(pos, window) + 1, sinks, h0, NH) \
             }                                                                                           \
     }
 
@@ -1008,11 +1030,14 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
     const int head_dim = HD ? HD : head_dim_;
     const size_t es = KV == CB_KV_F16 ? 2 : 4;
     const __m256 vscale = _mm256_set1_ps(scale);
-#define CB_SCORES_AVX2(sc, qh, kb, t0, t1, r0) cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV)
-#define CB_VALUES_AVX2(o, sc, vb, t0, t1, r0) cb_attn_block_values_avx2(o, sc, vb, t0, t1, r0, ring, head_dim, NH, R, KV)
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2)
+#define CB_SCORES_AVX2(sc, qh, kb, t0, t1, r0, s0) cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV)
+#define CB_VALUES_AVX2(o, sc, vb, t0, t1, r0, s0) cb_attn_block_values_avx2(o, sc, vb, t0, t1, r0, ring, head_dim, NH, R, KV)
+#define CB_PREPARE_NONE(pass, b0, b1) (void)0
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2, CB_ATTN_KBLOCK_ROWS(head_dim, es), CB_PREPARE_NONE,
+                          cb_softmax_avx2)
 #undef CB_SCORES_AVX2
 #undef CB_VALUES_AVX2
+#undef CB_PREPARE_NONE
 }
 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void

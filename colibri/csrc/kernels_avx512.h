@@ -229,12 +229,57 @@ CB_TARGET_AVX512_VNNI static void cb_tile_quant_avx512_any(float *out, int ldo, 
  *
  * The AVX2 tier's block kernel (kernels_avx2.h: its order, CB_ATTEND_QBLOCK_BODY) with each FMA
  * on 16 lanes, so each score and output is still the same sequence of operations as decoding its
- * query (cb_attend_heads_avx512, 256-bit): a score's 8 lanes of partial sums are those of key row
- * r in lanes 0..7 and of row r + 1 in lanes 8..15 of one vector (8 rows a step: 16 accumulators for
- * 4 heads), split back into 256-bit halves for decode's hadd tree; a value pass takes 16 columns a
- * vector (4 vectors x 4 heads), each lane adding its positions in order. Where the 512-bit FMA
- * runs at the 256-bit instruction rate (Zen 5, Intel's two 512-bit ports) half the instructions do
- * the same work. */
+ * query (cb_attend_heads_avx512) and as the AVX2 tier: a score's 8 lanes of partial sums are those
+ * of key row r in lanes 0..7 and of row r + 1 in lanes 8..15 of one vector. A key block (16 KB of
+ * f32) is converted once into such row pairs for all the block's queries; a step takes 8 rows for
+ * 3-4 heads or 16 for 1-2 (16 accumulators), and its scores are gathered by transposing adds in the
+ * hadd tree's order and stored a head's 8 or 16 rows at once (the first version split each pair
+ * back into 256-bit halves, one hadd tree and 8 scalar stores per pair: at 4,096 positions its
+ * scores took more operations than their FMAs). A value pass takes 16 columns a vector (4 vectors
+ * x 4 heads), each lane adding its positions in order (converting the block's f16 values once, as
+ * the keys, measured slower: vcvtph2ps from memory is cheap there, and the copy is not). Where the
+ * 512-bit FMA runs at the 256-bit instruction rate (Zen 5, Intel's two 512-bit ports) half the
+ * instructions do the same work. */
+
+/* cb_exp_avx2 on 16 lanes: the same operations lane by lane (CB_EXP_BODY), so the same bits. */
+#define CB_ROUND_NEAREST512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_exp_avx512(__m512 x)
+    CB_EXP_BODY(_mm512, __m512, CB_ROUND_NEAREST512, _mm512_castsi512_ps)
+
+/* cb_softmax_avx2's result bit for bit with 16 lanes at a time: the max is exact in any order, each
+ * exp is the same lane arithmetic, and the sum still runs in 8 lanes, a 16-element step adding its
+ * low then its high 8 (the AVX2 loop's two steps), with the AVX2 loop's last 8 and scalar tail.
+ * (The attention's softmax was a seventh of a long prompt's block kernel.) */
+CB_TARGET_AVX512 static int cb_softmax_avx512(float *x, int n) {
+    int i = 0;
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan16 = 0;
+    for (; i + 16 <= n; i += 16) {          /* max drops NaNs: they are looked for apart */
+        const __m512 v = _mm512_loadu_ps(x + i);
+        m16 = _mm512_max_ps(m16, v);
+        nan16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    if (nan16) return -1;
+    float mx = _mm512_reduce_max_ps(m16);
+    for (; i < n; i++) {
+        if (isnan(x[i])) return -1;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    if (!isfinite(mx)) return -1;
+    const __m512 vmx = _mm512_set1_ps(mx), underflow = _mm512_set1_ps(CB_LN_SMALLEST_NORMAL);
+    __m256 s8 = _mm256_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 z = _mm512_sub_ps(_mm512_loadu_ps(x + i), vmx);
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, underflow, _CMP_GE_OQ), cb_exp_avx512(z));
+        _mm512_storeu_ps(x + i, e);
+        s8 = _mm256_add_ps(_mm256_add_ps(s8, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+    }
+    const float sum = cb_softmax_exps_avx2(x, i, n, mx, s8);
+    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+    for (; i < n; i++) x[i] *= 1.0f / sum;
+    return 0;
+}
 
 /* Elements d..d+7 of cache rows a and b (CB_KV_* elements) as floats: a's in lanes 0..7, b's in 8..15. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load8x2(const char *a, const char *b, size_t d, const int KV) {
@@ -252,44 +297,105 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load16(const char *row, si
     return _mm512_loadu_ps((const float *)(const void *)row + i);
 }
 
-/* As cb_attn_block_scores_avx2 with R = 2P rows a step, row pairs sharing a vector. */
+/* The key block, converted once for all the block's queries: cache rows of positions b0..b1-1 to
+ * f32 in pairs, kf [pairs][head_dim / 8][16]: pair p's vector c holds elements 8c..8c+7 of position
+ * b0 + 2p in lanes 0..7 and of b0 + 2p + 1 in lanes 8..15 (an odd block's last row repeats), so a
+ * score step loads a row pair with one plain load, however many queries and heads read it (each
+ * had converted f16 and joined two halves itself, once per query and step). The 16 rows after a
+ * partial block are zeroed: a step of 16 rows may read that far and its extra lanes are never
+ * stored (zeros, not stale bits: no denormal stalls). */
+#define CB_ATTN_KF_FLOATS 4096          /* a key block's f32 pairs: 16 KB, L1-resident with its queries */
+#define CB_ATTN_KF_MAX_HD 512           /* head_dim the scratch serves (8 rows at 512); beyond: the AVX2 kernel */
+#define CB_ATTN_KF_PAD 16               /* rows after a block a score step may read */
+static inline int cb_attn_kf_rows(int head_dim) { return (CB_ATTN_KF_FLOATS / head_dim) & ~7; }
+
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
-cb_attn_block_scores_avx512(float *const *sc, const float *const *qh, const char *kbase, int t0, int t1, int row_t0,
-                            int ring, int head_dim, __m256 vscale, const int NH, const int P, const int KV) {
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;
-    for (int t = t0, row = row_t0; t < t1; t += 2 * P) {   /* the last valid row repeats */
-        const char *k[8];
-        for (int r = 0, rr = row; r < 2 * P; r++) {
-            k[r] = kbase + (size_t)rr * head_dim * es;
-            if (t + r + 1 < t1) rr = rr + 1 == ring ? 0 : rr + 1;
-        }
-        __m512 acc[4][4];                               /* [row pair][head] */
+cb_attn_kblock_pairs_avx512(float *kf, const char *kbase, int b0, int b1, int rows, int ring, int head_dim,
+                            const int KV) {
+    const size_t es = KV == CB_KV_F16 ? 2 : 4, rbytes = (size_t)head_dim * es;
+    const int n = b1 - b0, pairs = (n + 1) / 2;
+    int row = b0 % ring;
+    for (int p = 0; p < pairs; p++) {
+        const int rb = 2 * p + 1 < n ? (row + 1 == ring ? 0 : row + 1) : row;
+        const char *a = kbase + (size_t)row * rbytes, *b = kbase + (size_t)rb * rbytes;
+        const char *na = kbase + (size_t)((row + rows) % ring) * rbytes;   /* the next block's rows */
+        for (size_t c = 0; c < 2 * rbytes; c += 64) _mm_prefetch(na + c, _MM_HINT_T0);
+        float *dst = kf + (size_t)p * 2 * head_dim;
+        for (int d = 0; d < head_dim; d += 8) _mm512_storeu_ps(dst + 2 * d, cb_kv_load8x2(a, b, (size_t)d, KV));
+        row = rb + 1 == ring ? 0 : rb + 1;
+    }
+    if (2 * pairs < rows) memset(kf + (size_t)2 * pairs * head_dim, 0, sizeof(float) * CB_ATTN_KF_PAD * head_dim);
+}
+
+/* Prefetch the cache rows of positions b0..b1-1 (rbytes each) into L1: the next value block, while
+ * this one's queries add theirs (the rows come from L3 or memory once per block and query block). */
+static CB_ALWAYS_INLINE void cb_attn_prefetch_rows(const char *base, int b0, int b1, int ring, size_t rbytes) {
+    for (int t = b0, row = b0 % ring; t < b1; t++) {
+        for (size_t c = 0; c < rbytes; c += 64) _mm_prefetch(base + (size_t)row * rbytes + c, _MM_HINT_T0);
+        row = row + 1 == ring ? 0 : row + 1;
+    }
+}
+
+/* hadd on 512 bits: per 128-bit lane [x0 + x1, x2 + x3, y0 + y1, y2 + y3], _mm256_hadd_ps's pairs. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_hadd512(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+/* 8 rows' half sums from 4 row pairs' accumulators of one head (a[p]: row 2p's 8 partial sums in
+ * lanes 0..7, row 2p + 1's in 8..15). 128-bit lanes: [rows 0 2 4 6: partials 0-3 summed as
+ * (0 + 1) + (2 + 3)], [the same rows: (4 + 5) + (6 + 7)], then rows 1 3 5 7 alike. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_rows8_halves(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    return cb_hadd512(cb_hadd512(a0, a1), cb_hadd512(a2, a3));
+}
+
+/* Two such sets of 8 rows joined: the halves added ((0123) + (4567), the AVX2 tree's last add) and
+ * put in row order, times the scale: lanes 0..7 rows 0..7 of x, lanes 8..15 those of y. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_rows8x2_scores(__m512 x, __m512 y, __m512 vscale) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(order, s), vscale);
+}
+
+/* Scores of one query's rows s0..s1-1 of the key block kf (row s is position b0 + s):
+ * sc[i][t_at_0 + s] = qh[i] . k * scale for the NH (<= 4) heads, 2P rows a step (P = 4 row pairs
+ * for 3-4 heads, 8 for 1-2: 16 accumulators). Each score is the AVX2 kernel's: 8 lanes of FMA
+ * chains over d in order, gathered (0 + 1) + (2 + 3), + ((4 + 5) + (6 + 7)), times the scale — by
+ * transposing adds over whole vectors (about 1.5 operations a score) instead of a hadd tree and
+ * scalar stores per row pair (about 4). Rows outside s0..s1-1 in a step are computed, not stored. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_attn_block_scores_kf_avx512(float *const *sc, const float *const *qh, const float *kf, int s0, int s1,
+                               int t_at_0, int head_dim, __m512 vscale, const int NH, const int P) {
+    for (int s = s0 & ~1; s < s1; s += 2 * P) {
+        const float *kp = kf + (size_t)s * head_dim;   /* pair s / 2 */
+        __m512 acc[8][4];                               /* [row pair][head] */
         for (int p = 0; p < P; p++)
-            for (int i = 0; i < 4; i++) acc[p][i] = _mm512_setzero_ps();
+            for (int i = 0; i < NH; i++) acc[p][i] = _mm512_setzero_ps();
         for (int d = 0; d < head_dim; d += 8) {
-            __m512 kv[4];
-            for (int p = 0; p < P; p++) kv[p] = cb_kv_load8x2(k[2 * p], k[2 * p + 1], (size_t)d, KV);
+            __m512 kv[8];
+            for (int p = 0; p < P; p++) kv[p] = _mm512_loadu_ps(kp + (size_t)p * 2 * head_dim + 2 * d);
             for (int i = 0; i < NH; i++) {
                 const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qh[i] + d));
                 for (int p = 0; p < P; p++) acc[p][i] = _mm512_fmadd_ps(kv[p], qv, acc[p][i]);
             }
         }
-        for (int p = 0; p < P; p++) {
-            __m256 a[4], b[4];                          /* rows 2p and 2p + 1: decode's accumulators */
-            for (int i = 0; i < 4; i++) {
-                a[i] = _mm512_castps512_ps256(acc[p][i]);
-                b[i] = _mm512_extractf32x8_ps(acc[p][i], 1);
+        const int lo = s0 > s ? s0 - s : 0, hi = s1 - s < 2 * P ? s1 - s : 2 * P;
+        const unsigned keep = ((1u << hi) - 1) & ~((1u << lo) - 1);
+        if (P == 8) {
+            for (int i = 0; i < NH; i++)
+                _mm512_mask_storeu_ps(sc[i] + t_at_0 + s, (__mmask16)keep,
+                                      cb_rows8x2_scores(cb_rows8_halves(acc[0][i], acc[1][i], acc[2][i], acc[3][i]),
+                                                        cb_rows8_halves(acc[4][i], acc[5][i], acc[6][i], acc[7][i]),
+                                                        vscale));
+        } else {
+            for (int i = 0; i < NH; i += 2) {
+                const __m512 x = cb_rows8_halves(acc[0][i], acc[1][i], acc[2][i], acc[3][i]);
+                const __m512 y = i + 1 < NH ? cb_rows8_halves(acc[0][i + 1], acc[1][i + 1], acc[2][i + 1], acc[3][i + 1])
+                                            : _mm512_setzero_ps();
+                const __m512 sv = cb_rows8x2_scores(x, y, vscale);
+                _mm256_mask_storeu_ps(sc[i] + t_at_0 + s, (__mmask8)keep, _mm512_castps512_ps256(sv));
+                if (i + 1 < NH) _mm256_mask_storeu_ps(sc[i + 1] + t_at_0 + s, (__mmask8)keep, _mm512_extractf32x8_ps(sv, 1));
             }
-            const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-            const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
-            float s8[8];                                /* [row a: heads 0-3, row b: heads 0-3] */
-            _mm256_storeu_ps(s8, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
-                                                             _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
-            for (int h = 0; h < 2; h++)
-                if (t + 2 * p + h < t1)
-                    for (int i = 0; i < NH; i++) sc[i][t + 2 * p + h] = s8[4 * h + i];
         }
-        for (int r = 0; r < 2 * P && t + r < t1; r++) row = row + 1 == ring ? 0 : row + 1;
     }
 }
 
@@ -344,14 +450,22 @@ cb_attn_block_values_avx512(float *const *o, const float *const *sc, const char 
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
                               const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim_,
-                              int pos0, int window, int ring, float scale, const float *sinks,
+                              int pos0, int window, int ring, float scale, const float *sinks, float *kf,
                               const int NH, const int HD, const int KV) {
     const int head_dim = HD ? HD : head_dim_;
     const size_t es = KV == CB_KV_F16 ? 2 : 4;
-    const __m256 vscale = _mm256_set1_ps(scale);
-#define CB_SCORES_AVX512(sc, qh, kb, t0, t1, r0) cb_attn_block_scores_avx512(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, 4, KV)
-#define CB_VALUES_AVX512(o, sc, vb, t0, t1, r0) cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, 0, NH, 4, KV)
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512)
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int krows = cb_attn_kf_rows(head_dim);
+    memset(kf + (size_t)krows * head_dim, 0, sizeof(float) * CB_ATTN_KF_PAD * head_dim);
+#define CB_PREPARE_AVX512(pass, b0, b1) \
+    if (pass == 0) cb_attn_kblock_pairs_avx512(kf, kbase, b0, b1, krows, ring, head_dim, KV); \
+    else cb_attn_prefetch_rows(vbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, head_dim * es)
+#define CB_SCORES_AVX512(sc, qh, kb, t0, t1, r0, s0) \
+    cb_attn_block_scores_kf_avx512(sc, qh, kf, s0, (s0) + (t1) - (t0), (t0) - (s0), head_dim, vscale, NH, NH <= 2 ? 8 : 4)
+#define CB_VALUES_AVX512(o, sc, vb, t0, t1, r0, s0) \
+    cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, 0, NH, 4, KV)
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512, krows, CB_PREPARE_AVX512, cb_softmax_avx512)
+#undef CB_PREPARE_AVX512
 #undef CB_SCORES_AVX512
 #undef CB_VALUES_AVX512
 }
@@ -359,14 +473,14 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attend_block_kv_avx512(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache, const void *v_cache,
                           float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0, int window,
-                          int ring, float scale, const float *sinks, const int KV) {
-    if (head_dim % 8) {                                 /* head by head, as the AVX2 tier's */
+                          int ring, float scale, const float *sinks, float *kf, const int KV) {
+    if (head_dim % 8 || head_dim > CB_ATTN_KF_MAX_HD) {  /* head by head / without the scratch: the AVX2 tier's */
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
                                 window, ring, scale, sinks, 4, KV);
         return;
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
-                                                          h0, kvh, head_dim, pos0, window, ring, scale, sinks, k, hd, KV)
+                                                          h0, kvh, head_dim, pos0, window, ring, scale, sinks, kf, k, hd, KV)
 #define CB_ATTEND_HD(hd)                  \
     switch (nh) {                         \
     case 1: CB_ATTEND_NH(1, hd); break;   \
@@ -385,12 +499,13 @@ CB_TARGET_AVX512 static void cb_attend_block_avx512(float *out, int ldo, const f
                                                     const void *k_cache, const void *v_cache, float *scores,
                                                     int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0,
                                                     int window, int ring, float scale, const float *sinks, int kv) {
+    float kf[CB_ATTN_KF_FLOATS + CB_ATTN_KF_PAD * CB_ATTN_KF_MAX_HD];   /* a key block's pairs and the pad: 48 KB */
     if (kv == CB_KV_F16)
         cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                  window, ring, scale, sinks, CB_KV_F16);
+                                  window, ring, scale, sinks, kf, CB_KV_F16);
     else
         cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                  window, ring, scale, sinks, CB_KV_F32);
+                                  window, ring, scale, sinks, kf, CB_KV_F32);
 }
 
 /* One query (cb_attend_fn, decode) for up to CB_ATTN_HEADS_WIDE = 8 query heads of a KV head: with
@@ -460,7 +575,7 @@ cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const vo
             }
         for (int r = 0; r < 4 && t + r < n; r++) row = row + 1 == ring ? 0 : row + 1;
     }
-    cb_attn_block_softmax_avx2(sc, n, sinks, h0, NH);
+    CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
     const int vblock = CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) > 4 ? CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) : 4;
     for (int t0 = 0, row_t0 = row0; t0 < n; t0 += vblock) {
         const int t1 = n - t0 > vblock ? t0 + vblock : n;
