@@ -13,6 +13,7 @@ For each depth D and repetition, every file is read into the page cache, then in
   ik_llama.cpp (optional; users build it themselves, nothing here builds it) llama-bench `-p D -n 0`
                and `-gp D,32` (decode after a D-token prompt), with `-rtr 1` (its repacked rows, its
                fastest here), flash attention off and on.
+--skip leaves out the engines whose names contain any of its comma-separated parts.
 The peers keep their default KV cache (f16, as Colibri's --kv-cache f16). The order of the
 engines is reversed every other repetition. Prints one line per measurement and, at the end, the
 median of each (engine, depth) and Colibri's ratio to the best peer; --out writes every run as JSON.
@@ -78,7 +79,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--skip", default="", help="comma-separated substrings of engine names not to run, e.g. "
+                    "'llama.cpp fa,colibri kv f32' (llama.cpp's rows, not ik_llama.cpp's; a 16k prefill takes minutes per engine)")
     a = ap.parse_args(argv)
+    skip = [s for s in a.skip.split(",") if s]
     results = []          # {"engine", "depth", "rep", "pp", "tg"}
 
     def record(engine, depth, rep, pp, tg):
@@ -92,6 +96,7 @@ def main(argv=None) -> int:
             warm([a.model_dir, a.gguf])
             engines = [(f"colibri kv {kv}", None, kv) for kv in ("f32", "f16")] + \
                       [(name, binary, make) for name, binary, make in peer_runs(a)]
+            engines = [e for e in engines if not any(s in e[0] for s in skip)]
             if rep % 2:
                 engines.reverse()
             for name, binary, what in engines:
