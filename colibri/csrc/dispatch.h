@@ -77,6 +77,7 @@ typedef struct {
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
     int attend_heads;               /* the most query heads attend takes at once */
     cb_attend_block_fn attend_block;    /* a prompt's block of queries, each exactly as attend */
+    int attend_block_heads;         /* the most query heads attend_block takes at once */
     cb_kv_store_fn kv_store;        /* a key or value row into the cache, in its element type */
     int (*softmax)(float *x, int n);    /* the softmax attend uses (cb_softmax's contract) */
     void (*round_bf16)(uint16_t *dst, const float *x, int n);   /* acts.xb for tile_bf16x */
@@ -166,6 +167,7 @@ static void cb_fill_scalar(cb_kernel_table *t) {
     t->attend = cb_attend_heads_scalar;
     t->attend_heads = CB_ATTN_HEADS;
     t->attend_block = cb_attend_block_scalar;
+    t->attend_block_heads = CB_ATTN_HEADS;
     t->kv_store = cb_kv_store_scalar;
     t->softmax = cb_softmax;
     t->round_bf16 = cb_round_bf16_scalar;
@@ -186,6 +188,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->attend = cb_attend_heads_avx2;
     t->attend_heads = CB_ATTN_HEADS;
     t->attend_block = cb_attend_block_avx2;
+    t->attend_block_heads = CB_ATTN_HEADS;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
     t->round_bf16 = cb_round_bf16_scalar;
@@ -216,6 +219,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     t->attend = cb_attend_heads_avx512;
     t->attend_heads = CB_ATTN_HEADS_WIDE;
     t->attend_block = cb_attend_block_avx512;
+    t->attend_block_heads = CB_ATTN_HEADS_WIDE;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx512;
 }
@@ -526,7 +530,7 @@ static int cb_has_bf16_products(void) { return cb_kt.mat[CB_BF16][CB_ROWS].tile_
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
 /* The attention's units of work: the query heads of each KV head, up to `per` at a time (decode:
- * the tier's cb_kt.attend_heads; a prompt's blocks: CB_ATTN_HEADS), so a key or value row read once
+ * the tier's cb_kt.attend_heads; a prompt's blocks: cb_kt.attend_block_heads), so a key or value row read once
  * serves that many heads. Unit u covers heads *h0 .. *h0 + *nh - 1 of KV head *kvh. */
 static inline int cb_attn_units(int n_heads, int n_kv_heads, int per) {
     const int group = n_heads / n_kv_heads;
@@ -556,7 +560,7 @@ static inline int cb_thread_num(void) {
 /* The rows of n_ctx + 1 floats cb_attention's `scores` must have for n_threads threads: a row per
  * head for one query, a block's rows per thread for several. */
 static inline int cb_attention_score_rows(int n_heads, int n_threads) {
-    const int block = (n_threads > 1 ? n_threads : 1) * CB_ATTN_QBLOCK * CB_ATTN_HEADS;
+    const int block = (n_threads > 1 ? n_threads : 1) * CB_ATTN_QBLOCK * CB_ATTN_BLOCK_HEADS_MAX;
     return n_heads > block ? n_heads : block;
 }
 
@@ -591,15 +595,15 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const voi
         return;
     }
     cb_attend_block_fn attend_block = cb_kt.attend_block;
-    const int units = cb_attn_units(n_heads, n_kv_heads, CB_ATTN_HEADS);
+    const int per = cb_kt.attend_block_heads, units = cb_attn_units(n_heads, n_kv_heads, per);
     const int blocks = (n + CB_ATTN_QBLOCK - 1) / CB_ATTN_QBLOCK;
-    const size_t per_thread = (size_t)CB_ATTN_QBLOCK * CB_ATTN_HEADS * (size_t)(n_ctx + 1);
+    const size_t per_thread = (size_t)CB_ATTN_QBLOCK * CB_ATTN_BLOCK_HEADS_MAX * (size_t)(n_ctx + 1);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (parallel)
     for (int item = 0; item < units * blocks; item++) {
         const int b = blocks - 1 - item / units, u = item % units;
         const int j0 = b * CB_ATTN_QBLOCK, nq = n - j0 < CB_ATTN_QBLOCK ? n - j0 : CB_ATTN_QBLOCK;
         int h0, nh, kvh;
-        cb_attn_unit(u, n_heads, n_kv_heads, CB_ATTN_HEADS, &h0, &nh, &kvh);
+        cb_attn_unit(u, n_heads, n_kv_heads, per, &h0, &nh, &kvh);
         attend_block(out + (size_t)j0 * ldo, ldo, q + (size_t)j0 * ldq, ldq, nq, k_cache, v_cache,
                      scores + (size_t)cb_thread_num() * per_thread, n_ctx + 1, h0, nh, kvh, head_dim, pos0 + j0,
                      window, ring, scale, sinks, kv);
@@ -764,7 +768,7 @@ static int cb_self_test_step(int isa, int step) {
             {
                 enum { NQ = 3 };
                 static float q3[NQ * HEADS * HD], one[NQ * HEADS * HD], block[NQ * HEADS * HD];
-                static float sc3[CB_ATTN_QBLOCK * CB_ATTN_HEADS * (RING + 1)];
+                static float sc3[CB_ATTN_QBLOCK * CB_ATTN_BLOCK_HEADS_MAX * (RING + 1)];
                 for (int i = 0; i < NQ * HEADS * HD; i++) q3[i] = q[i % (HEADS * HD)] * (float)(1 + i / (HEADS * HD));
                 for (int t = 0; t < NQ; t++)         /* window 7: positions 3..9, 4..10, 5..11 */
                     cb_attention(one + t * HEADS * HD, 0, q3 + t * HEADS * HD, 0, k, v, sc3, HEADS, KV, HD, RING, 1,

@@ -974,8 +974,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
 }
 
 /* nq queries at positions pos0.., the block's key rows then its value rows CB_ATTN_KBLOCK_BYTES at
- * a time for every query that sees them. scores: rows [nq * CB_ATTN_HEADS] of sc_stride floats,
- * row j * CB_ATTN_HEADS + i for query j's head h0 + i. */
+ * a time for every query that sees them. scores: rows [nq * CB_ATTN_BLOCK_HEADS_MAX] of sc_stride
+ * floats, row j * CB_ATTN_BLOCK_HEADS_MAX + i for query j's head h0 + i. */
 #ifndef CB_ATTN_KBLOCK_BYTES
 #define CB_ATTN_KBLOCK_BYTES 16384
 #endif
@@ -1002,11 +1002,11 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 const int pos = pos0 + j, start = cb_window_start(pos, window);                         \
                 const int a = b0 > start ? b0 : start, b = b1 < pos + 1 ? b1 : pos + 1;                 \
                 if (a >= b) continue;                                                                   \
-                const float *qh[4];                                                                     \
-                float *sc[4], *o[4];                                                                    \
+                const float *qh[8];                                                                     \
+                float *sc[8], *o[8];                                                                    \
                 for (int i = 0; i < NH; i++) {                                                          \
                     qh[i] = q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim;                          \
-                    sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride;                       \
+                    sc[i] = scores + ((size_t)j * CB_ATTN_BLOCK_HEADS_MAX + i) * sc_stride;                       \
                     o[i] = out + (size_t)j * ldo + (size_t)(h0 + i) * head_dim;                         \
                 }                                                                                       \
                 if (pass == 0) SCORES(sc, qh, kbase, a - start, b - start, a % ring, a - b0);           \
@@ -1016,8 +1016,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
         if (pass == 0)                                                                                  \
             for (int j = 0; j < nq; j++) {                                                              \
                 const int pos = pos0 + j;                                                               \
-                float *sc[4];                                                                           \
-                for (int i = 0; i < NH; i++) sc[i] = scores + ((size_t)j * CB_ATTN_HEADS + i) * sc_stride; \
+                float *sc[8];                                                                           \
+                for (int i = 0; i < NH; i++) sc[i] = scores + ((size_t)j * CB_ATTN_BLOCK_HEADS_MAX + i) * sc_stride; \
                 CB_ATTN_SOFTMAX_HEADS(SOFTMAX, sc, pos - cb_window_start(pos, window) + 1, sinks, h0, NH) \
             }                                                                                           \
     }
@@ -1086,7 +1086,7 @@ cb_attend_block_kv_avx2(float *out, int ldo, const float *q, int ldq, int nq, co
         for (int j = 0; j < nq; j++)
             for (int h = h0; h < h0 + nh; h++)
                 cb_attend_head(out + (size_t)j * ldo, q + (size_t)j * ldq, k_cache, v_cache,
-                               scores + ((size_t)j * CB_ATTN_HEADS + h - h0) * sc_stride, h, kvh, head_dim,
+                               scores + ((size_t)j * CB_ATTN_BLOCK_HEADS_MAX + h - h0) * sc_stride, h, kvh, head_dim,
                                cb_window_start(pos0 + j, window), pos0 + j, ring, scale, sinks,
                                KV == CB_KV_F16 ? cb_dot_f16_avx2 : cb_dot_f32_avx2, KV);
         return;

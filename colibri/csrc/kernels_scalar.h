@@ -602,9 +602,12 @@ typedef void (*cb_attend_fn)(float *out, const float *q, const void *k_cache, co
                              int ring, float scale, const float *sinks, int kv);
 typedef void (*cb_kv_store_fn)(void *dst, const float *src, int n, int kv);
 
-/* The attention's query heads per unit of work: a prompt block's (cb_attend_block_fn's nh), and
- * decode's (cb_attend_fn's nh) on the tiers without a wider kernel (cb_kernel_table.attend_heads). */
+/* The attention's query heads per unit of work on the tiers without a wider kernel: decode's
+ * (cb_attend_fn's nh, cb_kernel_table.attend_heads) and a prompt block's (cb_attend_block_fn's nh,
+ * cb_kernel_table.attend_block_heads). A prompt block's scores have CB_ATTN_BLOCK_HEADS_MAX rows a
+ * query whatever the tier takes (the AVX-512 tier: 8, a KV head of Qwen3-MoE or gpt-oss at once). */
 #define CB_ATTN_HEADS 4
+#define CB_ATTN_BLOCK_HEADS_MAX 8
 
 /* The first position a query at `pos` attends: pos - window + 1 in a sliding-window layer
  * (window > 0), else 0. */
@@ -614,8 +617,8 @@ static inline int cb_window_start(int pos, int window) {
 
 /* A prompt's block of nq queries at positions pos0.. for the query heads h0 .. h0 + nh - 1 of KV
  * head kvh, each query's span as cb_window_start gives it (window 0: from position 0): q [nq, ldq]
- * and out [nq, ldo] rows as cb_attend_fn's q and out; scores: rows [nq * CB_ATTN_HEADS] of sc_stride
- * floats, query j's head h0 + i in row j * CB_ATTN_HEADS + i. Each query's result is exactly the
+ * and out [nq, ldo] rows as cb_attend_fn's q and out; scores: rows [nq * CB_ATTN_BLOCK_HEADS_MAX] of
+ * sc_stride floats, query j's head h0 + i in row j * CB_ATTN_BLOCK_HEADS_MAX + i. Each query's result is exactly the
  * tier's cb_attend_fn's for it (the tiers turn the loops so that cache rows serve the whole block). */
 typedef void (*cb_attend_block_fn)(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
                                    const void *v_cache, float *scores, int sc_stride, int h0, int nh, int kvh,
@@ -639,7 +642,7 @@ static void cb_attend_block_scalar(float *out, int ldo, const float *q, int ldq,
     for (int j = 0; j < nq; j++)
         for (int h = h0; h < h0 + nh; h++)
             cb_attend_head(out + (size_t)j * ldo, q + (size_t)j * ldq, k_cache, v_cache,
-                           scores + ((size_t)j * CB_ATTN_HEADS + h - h0) * sc_stride, h, kvh, head_dim,
+                           scores + ((size_t)j * CB_ATTN_BLOCK_HEADS_MAX + h - h0) * sc_stride, h, kvh, head_dim,
                            cb_window_start(pos0 + j, window), pos0 + j, ring, scale, sinks,
                            kv == CB_KV_F16 ? cb_dot_f16_scalar : cb_dot_f32_scalar, kv);
 }
