@@ -37,7 +37,7 @@ from libc.math cimport expf, sqrtf
 
 cimport colibri._kernels as kernels
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_ROWS, CB_TRANSPOSED,
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16, CB_ROWS, CB_TRANSPOSED,
                                CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_rmsnorm, cb_add, cb_axpy, cb_clip,
                                cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite, cb_row_stride)
 
@@ -1017,8 +1017,10 @@ cdef Mat _mat(t):
     if m.layout == CB_TRANSPOSED and (m.dtype == CB_INT8 or m.dtype == CB_INT4) and shape[0] % 8:
         raise ValueError(f"a transposed {dtype} matrix needs a multiple of 8 rows, got {shape}")   # whole groups
     if m.layout == CB_INTERLEAVED and (not (m.dtype == CB_INT8 or m.dtype == CB_INT4 or m.dtype == CB_MXFP4
-                                            or m.dtype == CB_NL4 or m.dtype == CB_INT6) or shape[0] % 8):
-        raise ValueError(f"the interleaved layout needs int8/int4/mxfp4/nl4/int6 and a multiple of 8 rows, got {dtype} {shape}")
+                                            or m.dtype == CB_NL4 or m.dtype == CB_INT6 or m.dtype == CB_BF16)
+                                       or shape[0] % 8 or shape[1] % 32):
+        raise ValueError(f"the interleaved layout needs int8/int4/mxfp4/nl4/int6/bf16, a multiple of 8 rows and of "
+                         f"32 columns, got {dtype} {shape}")
     if (m.dtype == CB_NL4 or m.dtype == CB_INT6) and m.layout != CB_INTERLEAVED:
         raise ValueError(f"{dtype} has only the interleaved layout")
     if m.dtype == CB_MXFP4 and m.layout == CB_TRANSPOSED:

@@ -30,7 +30,7 @@ ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH, "swiglu_clamped
 BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6))
 # ... of which these also have the transposed layout (groups of 8 outputs), and these the interleaved one
 GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
-INTERLEAVED_FORMATS = BLOCK_FORMATS
+INTERLEAVED_FORMATS = BLOCK_FORMATS + ("bf16",)      # bf16: cb_igroup_bf16, groups of 8 outputs x 4 inputs
 # ... and these have no other layout (no rows kernels: quant.h)
 INTERLEAVED_ONLY_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_NL4, CB_INT6))
 QBLOCK = CB_QBLOCK               # weights per block of the integer formats (quant.h)

@@ -14,7 +14,7 @@ from libc.math cimport sqrtf
 cimport colibri._kernels as kernels
 from colibri._kernels cimport cb_attention_score_rows
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, cb_block_mxfp4, cb_igroup_int8,
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16, cb_block_mxfp4, cb_igroup_int8,
                                cb_igroup_int4, cb_igroup_mxfp4, cb_igroup_int6, cb_f16_to_f32_exact, cb_row_stride,
                                cb_rmsnorm, cb_block_int8, cb_block_int4, cb_group_int8, cb_group_int4)
 from colibri._routing cimport CB_MAX_TOP_K
@@ -52,8 +52,10 @@ def _stored_rows(w, int cols, str dtype, str layout):
     if layout == "rows":
         rows = w.shape[0]
     elif layout == "interleaved":    # [rows / 8, cols / 32 * group bytes]
-        if not block:
-            raise ValueError(f"the interleaved layout is for int8/int4/mxfp4/int6, not {dtype}")
+        if code == CB_BF16 and cols % 32:
+            raise ValueError(f"interleaved bf16 needs a multiple of 32 columns, got {cols}")
+        if not block and code != CB_BF16:
+            raise ValueError(f"the interleaved layout is for int8/int4/mxfp4/int6/bf16, not {dtype}")
         rows = w.shape[0] * 8 if w.ndim == 2 else 0
         if w.ndim != 2 or w.shape[1] != cols // 32 * 8 * cb_row_stride(code, 32):
             raise ValueError(f"interleaved {dtype} needs [rows / 8, cols / 32 * group bytes], got {w.shape}")

@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
                       default=None, help="storage order of the experts' matrices: rows [out, in], transposed [in, out] or, "
-                                         "for int8/int4, interleaved (groups of 8 outputs, 4 inputs at a time) "
+                                         "for int8/int4/mxfp4/bf16, interleaved (groups of 8 outputs, 4 inputs at a time) "
                                          "(default: the faster for the format, quant.default_layout)")
     conv.add_argument("--layout", choices=LAYOUT_CHOICES, default=None,
                       help="the same for the other weight matrices (attention, dense MLPs, lm_head, a tied "

@@ -21,13 +21,13 @@ f16 instead, and the converter says how many.
 
 Layouts: `--expert-layout` stores the routed experts' matrices `rows` ([out, in]), `transposed`
 ([in, out]; for int8/int4 the same blocks, input-major in groups of 8 outputs: quant.transpose) or,
-for int8/int4, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time:
+for int8/int4/mxfp4/bf16, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time:
 quant.interleave); `--layout` the other weight matrices (attention, dense MLPs, shared expert,
 lm_head, and a tied embedding, which is also the output head; an untied embedding is only looked
 up and stays rows). Either defaults to the faster layout of the format (quant.default_layout). An
-int8/int4 matrix whose rows are not a multiple of 8 stays `rows`, and so does a float matrix asked
-to be interleaved (a toy matrix kept in f16); `--quantize` f32/f16/bf16 with `interleaved` is an
-error.
+int8/int4/bf16 matrix whose rows are not a multiple of 8 stays `rows` (bf16: also one whose inputs
+are not a multiple of 32), and so does an f32/f16 matrix asked to be interleaved (a toy matrix
+kept in f16); `--quantize` f32/f16 with `interleaved` is an error.
 """
 from __future__ import annotations
 
@@ -894,8 +894,8 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
         if value in ("rows", "transposed") and quantize in INTERLEAVED_ONLY_FORMATS:
             raise ColibriError(f"{flag} {value}: {quantize} is stored interleaved only; leave the flag out or choose interleaved")
         if value == "interleaved" and quantize not in INTERLEAVED_FORMATS:
-            raise ColibriError(f"{flag} interleaved is for int8/int4 weights, not --quantize {quantize}; "
-                               f"choose rows or transposed")
+            raise ColibriError(f"{flag} interleaved is for {'/'.join(INTERLEAVED_FORMATS)} weights, not --quantize "
+                               f"{quantize}; choose rows or transposed")
     arch, cfg = hf_model_config(ckpt)
     sources = {}
     plan = plan_tensors(ckpt, cfg, arch, log, sources)
@@ -1384,7 +1384,9 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
         return "rows"
     if wanted == "transposed" and dtype in BLOCK_FORMATS and dtype not in GROUP_FORMATS:     # mxfp4
         return "rows"
-    if wanted != "rows" and dtype in BLOCK_FORMATS and shape[0] % TGROUP:
+    if wanted != "rows" and (dtype in BLOCK_FORMATS or wanted == "interleaved") and shape[0] % TGROUP:
+        return "rows"
+    if wanted == "interleaved" and shape[-1] % QBLOCK:                  # interleaved bf16: whole 32-input blocks
         return "rows"
     return wanted
 

@@ -58,7 +58,7 @@ def storage_nbytes(dtype: str, shape) -> int:
         return rows * quant.row_bytes(dtype, shape[-1])
     return math.prod(shape) * STORAGE_DTYPES[dtype].itemsize
 LAYOUTS = quant.LAYOUTS        # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4);
-                               # interleaved: int8/int4 groups of 8 outputs, 4 inputs at a time (quant.py)
+                               # interleaved: int8/int4/bf16 groups of 8 outputs, 4 inputs at a time (quant.py)
 
 
 def tensor_file(name: str) -> str:
@@ -267,12 +267,12 @@ class ModelDir:
                     raise ColibriError(f"{ctx}: {t['dtype']} has no transposed layout (rows or interleaved)")
                 if layout == "interleaved" and t["dtype"] not in INTERLEAVED_FORMATS:
                     raise ColibriError(f"{ctx}: the interleaved layout is for {'/'.join(INTERLEAVED_FORMATS)}, not {t['dtype']}")
-                if t["dtype"] in BLOCK_FORMATS and shape[0] % quant.TGROUP:
+                if (t["dtype"] in BLOCK_FORMATS or layout == "interleaved") and shape[0] % quant.TGROUP:
                     raise ColibriError(f"{ctx}: {layout} {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
                                        f"got {list(shape)}")
             if t["dtype"] in INTERLEAVED_ONLY_FORMATS and layout != "interleaved":
                 raise ColibriError(f"{ctx}: {t['dtype']} is stored interleaved only, not {layout}")
-            if t["dtype"] in BLOCK_FORMATS and (len(shape) != 2 or shape[1] % quant.QBLOCK):
+            if (t["dtype"] in BLOCK_FORMATS or layout == "interleaved") and (len(shape) != 2 or shape[1] % quant.QBLOCK):
                 raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
             nbytes = storage_nbytes(t["dtype"], shape)
             if t["nbytes"] != nbytes:
@@ -388,13 +388,13 @@ class MappedModelDir:
     def array(self, name: str) -> np.ndarray:
         """A read-only numpy view of a tensor in its storage dtype and layout (no copy): rows
         layout [rows, cols] (int8/int4: [rows, row bytes]); transposed [cols, rows] (int8/int4:
-        [cols / 32, rows / 8 * group bytes], quant.transpose); interleaved (int8/int4) [rows / 8,
+        [cols / 32, rows / 8 * group bytes], quant.transpose); interleaved (int8/int4/bf16...) [rows / 8,
         cols / 32 * group bytes] (quant.interleave)."""
         t = self.md.tensors[name]
         view = self._maps[t["file"]][1][t["offset"]:t["offset"] + t["nbytes"]]
         layout = t.get("layout", "rows")
         transposed = layout == "transposed"
-        if t["dtype"] in BLOCK_FORMATS:
+        if t["dtype"] in BLOCK_FORMATS or layout == "interleaved":
             first = {"transposed": t["shape"][1] // quant.QBLOCK, "interleaved": t["shape"][0] // quant.TGROUP}
             return view.reshape(first.get(layout, t["shape"][0]), -1)
         shape = t["shape"][::-1] if transposed else t["shape"]

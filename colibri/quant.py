@@ -80,12 +80,13 @@ FLOAT16_FORMATS = ("f16", "bf16")      # 2-byte float storage (modeldir.to_stora
 
 
 def default_layout(dtype: str) -> str:
-    """The faster layout of a weight matrix stored as `dtype` (BENCHMARKS.md, "Expert layout" and
-    "Interleaved"): interleaved for int8/int4 (8 outputs per activation load, in their own lanes:
-    no horizontal sums, no repacking; decode and prefill faster than transposed, which was faster
-    than rows) and nl4 (its only layout), rows for the float formats (no integer reduction to
-    save; the axpy's stores make the transposed float kernels slower)."""
-    return "interleaved" if dtype in IGROUP_DTYPES or dtype == "nl4" else "rows"
+    """The faster layout of a weight matrix stored as `dtype` (BENCHMARKS.md, "Expert layout",
+    "Interleaved" and "Interleaved bf16"): interleaved for int8/int4 (8 outputs per activation
+    load, in their own lanes: no horizontal sums, no repacking; decode and prefill faster than
+    transposed, which was faster than rows), nl4 (its only layout) and bf16 (the same lanes: the
+    prompt's products 4x those of rows widened, 9x with bf16 products; decode from the caches 4x),
+    rows for f32/f16 (the axpy's stores make the transposed float kernels slower)."""
+    return "interleaved" if dtype in IGROUP_DTYPES or dtype in ("nl4", "bf16") else "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:
@@ -433,12 +434,31 @@ def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     return out.view(np.uint8).reshape(nb, -1)
 
 
+def _interleave_bf16(stored: np.ndarray, cols: int) -> np.ndarray:
+    """bf16 bits [rows, cols] -> uint8 [rows / 8, cols * 16]: cb_igroup_bf16's order, a group's
+    inputs 4 at a time for its 8 outputs ([groups, cols / 4, 8, 4] bf16 values)."""
+    rows = stored.shape[0]
+    if rows % TGROUP or cols % QBLOCK:
+        raise ValueError(f"the interleaved bf16 layout needs a multiple of {TGROUP} rows and of {QBLOCK} columns, "
+                         f"got [{rows}, {cols}]")
+    w = np.ascontiguousarray(stored).view(np.uint16).reshape(rows // TGROUP, TGROUP, cols // 4, 4)
+    return np.ascontiguousarray(w.transpose(0, 2, 1, 3)).view(np.uint8).reshape(rows // TGROUP, -1)
+
+
+def _deinterleave_bf16(stored: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    groups = np.ascontiguousarray(stored).view(np.uint16).reshape(rows // TGROUP, cols // 4, TGROUP, 4)
+    return np.ascontiguousarray(groups.transpose(0, 2, 1, 3)).reshape(rows, cols)
+
+
 def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
-    """An int8/int4/mxfp4/nl4/int6 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
+    """An int8/int4/mxfp4/nl4/int6/bf16 matrix stored in the rows layout -> the interleaved layout: uint8 [rows / 8,
     cols / 32 * group bytes], group (g, kb) holding block kb of outputs 8g .. 8g+7 (rows must be a
-    multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole."""
+    multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole
+    (bf16: 4 values, 8 bytes; cols a multiple of 32)."""
     if dtype == "nl4":
         return _interleave_nl4(stored, cols)
+    if dtype == "bf16":
+        return _interleave_bf16(stored, cols)
     if dtype not in IGROUP_DTYPES:
         raise ValueError(f"the interleaved layout is for int8/int4/mxfp4/nl4, not {dtype}")
     rows = stored.shape[0]
@@ -466,6 +486,8 @@ def deinterleave(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.nda
     """The inverse of `interleave`: the matrix in the rows layout."""
     if dtype == "nl4":
         return _deinterleave_nl4(stored, rows, cols)
+    if dtype == "bf16":
+        return _deinterleave_bf16(stored, rows, cols)
     nb = cols // QBLOCK
     groups = np.ascontiguousarray(stored).view(IGROUP_DTYPES[dtype]).reshape(rows // TGROUP, nb)
     out = np.zeros((rows // TGROUP, TGROUP, nb), BLOCK_DTYPES[dtype])

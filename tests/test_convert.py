@@ -82,7 +82,7 @@ def test_bf16_checkpoint_keeps_its_exact_bits(converted):
     assert kind == "bf16"
     m = colibri.load(converted("olmoe_b", "bf16"))
     from colibri.modeldir import MappedModelDir
-    stored = MappedModelDir(m._dir).array("layers.0.experts.3.up")
+    stored = MappedModelDir(m._dir).rows_array("layers.0.experts.3.up")     # in whatever layout it is stored
     assert np.array_equal(stored, raw)
 
 
@@ -273,14 +273,15 @@ def test_models_without_the_gemma_fields_stay_readable_by_earlier_versions(conve
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
 def test_converter_layouts(converted, dtype):
     """Default: the format's faster layout for every matrix but the embedding; the router, norms
-    and vectors are always rows. Interleaved exists for int8/int4 only: asked of a float format,
-    a clear error and no directory."""
-    for layout in (None, "rows", "transposed") + (("interleaved",) if dtype in BLOCK else ()):
+    and vectors are always rows. Interleaved exists for int8/int4 and bf16 (whole groups of 8 rows;
+    bf16 also whole blocks of 32 inputs): asked of f32, a clear error and no directory."""
+    for layout in (None, "rows", "transposed") + (("interleaved",) if dtype in BLOCK + ("bf16",) else ()):
         md = ModelDir(converted("mixtral_a", dtype, layout))
         for name, t in md.tensors.items():
             matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")   # untied
             want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16,
-            if want == "interleaved" and t["dtype"] not in BLOCK:   # which cannot be interleaved
+            if want == "interleaved" and (t["dtype"] not in BLOCK + ("bf16",) or t["shape"][0] % 8
+                                          or t["shape"][-1] % 32):   # which cannot be interleaved
                 want = "rows"
             assert t["layout"] == (want if matrix else "rows"), (layout, name)
 
@@ -291,7 +292,10 @@ def test_layout_choice_per_tensor():
     be grouped and stays rows; the embedding, routers, norms and vectors are always rows."""
     from colibri.convert import _layout_for
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8") == "interleaved"
-    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16") == "rows"
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16") == "interleaved"
+    assert _layout_for("layers.3.experts.5.up", (48, 40), "matrix", "bf16") == "rows"       # not whole blocks
+    assert _layout_for("layers.3.experts.5.up", (44, 64), "matrix", "bf16") == "rows"       # not whole groups
+    assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "f32") == "rows"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16", "transposed") == "transposed"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8", "rows", "transposed") == "rows"
     assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", "rows", "transposed") == "transposed"
@@ -311,9 +315,9 @@ def test_layout_choice_per_tensor():
 
 
 def test_unknown_layout_is_refused(tmp_path):
-    with pytest.raises(ColibriError, match="--expert-layout interleaved is for int8/int4 weights"):
-        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="bf16", expert_layout="interleaved")
-    with pytest.raises(ColibriError, match="--layout interleaved is for int8/int4 weights, not --quantize f32"):
+    with pytest.raises(ColibriError, match="--expert-layout interleaved is for int8/int4/.*bf16 weights, not --quantize f16"):
+        convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="f16", expert_layout="interleaved")
+    with pytest.raises(ColibriError, match="--layout interleaved is for int8/int4/.*bf16 weights, not --quantize f32"):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", layout="interleaved")
     with pytest.raises(ColibriError, match="--expert-layout 'columns'"):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", expert_layout="columns")

@@ -1,5 +1,5 @@
 """The storage layouts of a weight matrix: `rows` ([out, in]), `transposed` ([in, out]) and, for
-int8/int4, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time).
+int8/int4 and bf16, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time).
 
 Kernels of every tier and format in the transposed and interleaved layouts against numpy and
 against the rows layout; prefill (one matmul over n tokens) against decode (n matvecs), bit for
@@ -45,8 +45,8 @@ def _in_layout(w, dtype, layout):
     return quant.from_rows(to_storage(w, dtype), dtype, w.shape[1], layout)
 
 
-# (dtype, layout) pairs that exist: interleaved is for int8/int4 only
-FORMAT_LAYOUTS = [(d, lay) for d in FORMATS for lay in quant.LAYOUTS if lay != "interleaved" or d in BLOCK]
+# (dtype, layout) pairs that exist: interleaved is for int8/int4 and bf16 here (mxfp4/nl4/int6 apart)
+FORMAT_LAYOUTS = [(d, lay) for d in FORMATS for lay in quant.LAYOUTS if lay != "interleaved" or d in BLOCK + ("bf16",)]
 
 
 def _exact(stored, dtype, cols):
@@ -353,6 +353,86 @@ def test_interleave_round_trip(dtype, groups, blocks, seed):
             np.testing.assert_array_equal(g[gi, kb]["qs"][unit, r], b[8 * gi + r, kb]["qs"][4 * unit:4 * unit + 4])
 
 
+def _bf16_bits(a):
+    """float -> bf16 bits, rounded to nearest even (as the engine's activation rounding)."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_values(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(interleaved_case(), st.sampled_from([1, 2]))
+def test_interleaved_bf16_gives_the_scalar_bits_on_every_tier(isa, case, threads):
+    """Interleaved bf16 widened to f32: each output's two lanes of FMAs in the scalar spec's order
+    (kernels_scalar.h, cb_itile_bf16_lanes), so every tier gives the scalar tier's bits, a prompt
+    the bits of each token's decode, and the exact product within float32 summation error."""
+    _, w, x = case
+    stored = to_storage(w, "bf16")
+    il = quant.interleave(stored, "bf16", w.shape[1])
+    got = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved")
+    decoded = np.stack([_probes.kernel_matvec(il, row, "bf16", threads, "interleaved") for row in x[:3]])
+    np.testing.assert_array_equal(decoded, got[:3])
+    before = _kernels.isa()
+    _kernels.select_isa("scalar")
+    try:
+        np.testing.assert_array_equal(got, _probes.kernel_matmul(il, x, "bf16", 1, "interleaved"))
+    finally:
+        _kernels.select_isa(before)
+    exact_w = _exact(stored, "bf16", w.shape[1])
+    bound = float32_dot_bound(np.abs(x.astype(np.float64)) @ np.abs(exact_w).T, w.shape[1] + 1)
+    assert np.all(np.abs(got - x.astype(np.float64) @ exact_w.T) <= bound)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(interleaved_case(), st.sampled_from([1, 2]))
+def test_interleaved_bf16_products_are_the_rounded_activations_times_the_weights(isa, case, threads):
+    """bf16 products (vdpbf16ps) from the interleaved layout: the activations rounded to bf16 times
+    the weights, within float32 summation error of that exact product; a prompt the bits of each
+    token's decode; the rows layout's bf16 products within twice the bound. A tier without them
+    multiplies exactly (the widened path)."""
+    _, w, x = case
+    stored = to_storage(w, "bf16")
+    il = quant.interleave(stored, "bf16", w.shape[1])
+    got = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
+    decoded = np.stack([_probes.kernel_matmul(il, row[None], "bf16", threads, "interleaved", bf16_products=True)[0]
+                        for row in x[:3]])
+    np.testing.assert_array_equal(decoded, got[:3])
+    exact_w = _exact(stored, "bf16", w.shape[1])
+    xr = _bf16_values(_bf16_bits(x)).astype(np.float64) if _kernels.has_bf16_products() else x.astype(np.float64)
+    bound = float32_dot_bound(np.abs(xr) @ np.abs(exact_w).T, w.shape[1] + 1)
+    assert np.all(np.abs(got - xr @ exact_w.T) <= bound)
+    rows = _probes.kernel_matmul(stored, x, "bf16", threads, "rows", bf16_products=True)
+    assert np.all(np.abs(got - rows) <= 2 * bound)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_interleave_bf16_round_trip(groups, blocks, seed):
+    """cb_igroup_bf16's order: group g's bytes are its inputs 4 at a time, each 4 of its 8 outputs'
+    in turn (vector c, output r, i: input 4c + i of output 8g + r)."""
+    w = np.random.default_rng(seed).standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    stored = to_storage(w, "bf16")
+    il = quant.interleave(stored, "bf16", w.shape[1])
+    assert il.shape == (groups, blocks * 512) and il.dtype == np.uint8
+    np.testing.assert_array_equal(quant.deinterleave(il, "bf16", *w.shape), stored)
+    np.testing.assert_array_equal(quant.to_rows(il, "bf16", *w.shape, "interleaved"), stored)
+    g = il.view(np.uint16).reshape(groups, 8 * blocks, 8, 4)
+    gi, c, r = groups - 1, 8 * blocks - 1, 5
+    np.testing.assert_array_equal(g[gi, c, r], stored[8 * gi + r, 4 * c:4 * c + 4])
+
+
+def test_interleaved_bf16_needs_whole_groups_and_blocks():
+    with pytest.raises(ValueError, match="multiple of 8 rows and of 32 columns"):
+        quant.interleave(to_storage(np.ones((12, 32), np.float32), "bf16"), "bf16", 32)
+    with pytest.raises(ValueError, match="multiple of 8 rows and of 32 columns"):
+        quant.interleave(to_storage(np.ones((8, 40), np.float32), "bf16"), "bf16", 40)
+    with pytest.raises(ValueError, match="interleaved bf16 needs a multiple of 32 columns"):
+        _probes.kernel_matvec(np.zeros((1, 640), np.uint8), np.zeros(40, np.float32), "bf16", 1, "interleaved")
+
+
 def test_interleaved_needs_int_weights_and_whole_groups():
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         quant.interleave(quant.quantize(np.ones((12, 32), np.float32), "int8"), "int8", 32)
@@ -462,7 +542,7 @@ def test_embedding_row_from_either_layout(case, pick):
     ref = from_storage(stored, dtype, w.shape[1])[row]
     np.testing.assert_array_equal(_probes.kernel_dequant_row(stored, row, w.shape[1], dtype), ref)
     np.testing.assert_array_equal(_probes.kernel_dequant_row(t, row, w.shape[1], dtype, "transposed"), ref)
-    if dtype in BLOCK:
+    if dtype in BLOCK or (dtype == "bf16" and w.shape[0] % 8 == 0 and w.shape[1] % 32 == 0):
         il = quant.interleave(stored, dtype, w.shape[1])
         np.testing.assert_array_equal(_probes.kernel_dequant_row(il, row, w.shape[1], dtype, "interleaved"), ref)
 

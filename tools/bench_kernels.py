@@ -36,7 +36,7 @@ VNNI step is left out), also in the matvec table.
 --attention: decode's attention alone, per context length: one query of a Mixtral-shaped model
 (16 layers, 16 heads over 4 KV heads, head_dim 64) against every layer's f32 KV cache (32 KB per
 position), GB/s of cache read next to the plain read of a buffer of the same size, interleaved.
-(interleaved is for int8/int4: the float formats skip it.)
+(interleaved is for the block formats and bf16: the other float formats skip it.)
 
 --expert-prefill: a MoE prefill's expert products, ROWSxCOLSxTOKENS each (Qwen3-30B-A3B's experts
 are [768, 2048] / [2048, 768] with about 8 tokens each at a 128-token chunk, Mixtral-mini's [3584,
@@ -291,16 +291,16 @@ def expert_prefill_table(args, rng, shapes):
 def bf16_products_of(dtype, layout):
     """Whether the tables also time this format with bf16 products (load(bf16_products="bf16"):
     vdpbf16ps, the activations rounded to bf16), beside the exact widened path."""
-    return dtype == "bf16" and layout == "rows" and _kernels.has_bf16_products()
+    return dtype == "bf16" and layout in ("rows", "interleaved") and _kernels.has_bf16_products()
 
 
 def layouts_of(args, dtype):
-    """The --layouts a format has (interleaved: the block formats; transposed: not mxfp4; nl4 and
-    int6: interleaved only)."""
+    """The --layouts a format has (interleaved: the block formats and bf16; transposed: not mxfp4;
+    nl4 and int6: interleaved only)."""
     if dtype in _kernels.INTERLEAVED_ONLY_FORMATS:
         return [lay for lay in args.layouts.split(",") if lay == "interleaved"]
     return [lay for lay in args.layouts.split(",")
-            if (lay != "interleaved" or dtype in quant.IGROUP_DTYPES)
+            if (lay != "interleaved" or dtype in _kernels.INTERLEAVED_FORMATS)
             and (lay != "transposed" or dtype not in quant.BLOCK_DTYPES or dtype in quant.GROUP_DTYPES)]
 
 
@@ -324,10 +324,10 @@ def resident_table(args, rng, rows=3584, cols=1024):
         cells = [f"{stored.nbytes * reps / best[lay] / 1e9:12.1f}" if lay in best else f"{'-':>12}"
                  for lay in args.layouts.split(",")]
         print(f"{dtype:>6} " + " ".join(cells))
-        if "rows" in mats and bf16_products_of(dtype, "rows"):
-            t = min(_probes.bench_matmul(mats["rows"], x, dtype, args.threads, reps, "rows", True)
+        for lay in (lay for lay in mats if bf16_products_of(dtype, lay)):
+            t = min(_probes.bench_matmul(mats[lay], x, dtype, args.threads, reps, lay, True)
                     for _ in range(args.repeat))
-            print(f"{'':>6} rows with bf16 products (vdpbf16ps): {stored.nbytes * reps / t / 1e9:.1f}")
+            print(f"{'':>6} {lay} with bf16 products (vdpbf16ps): {stored.nbytes * reps / t / 1e9:.1f}")
 
 
 def other_steps():
@@ -365,7 +365,7 @@ def prefill_table(args, rng):
     for dtype in args.dtypes.split(","):
         for layout in layouts_of(args, dtype):
             w = quant.from_rows(to_storage(w_f32, dtype), dtype, cols, layout)
-            if layout == "interleaved":                   # no repack to switch off: the other steps only
+            if layout == "interleaved" and dtype in quant.IGROUP_DTYPES:   # no repack to switch off: the other steps only
                 compared = [v for v in variants if v[2]]
             else:
                 compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []

@@ -54,7 +54,9 @@ static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, co
  *   CB_TRANSPOSED   ttile (groups of CB_TGROUP outputs) and, for int8/int4, tprefill: the repacked
  *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits; the scalar tier's is the
  *                   stored-order tile itself, cb_tprefill_scalar);
- *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4/int6), decode and prefill.
+ *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4/int6, and bf16 widened to f32), decode and prefill;
+ *                   itile_bf16x (bf16 only, where the CPU has AVX512_BF16): its bf16 products, taken
+ *                   as tile_bf16x is (spec: kernels_scalar.h's cb_itile_bf16x_scalar);
  * The scalar tier's entries (kernels_scalar.h: cb_tile_scalar, cb_ttile_scalar, cb_itile_scalar)
  * are the plain-C spec of every other tier's, which the tests hold them to. */
 typedef struct {
@@ -66,6 +68,7 @@ typedef struct {
     cb_ttile_fn ttile;
     cb_tprefill_fn tprefill;
     cb_itile_fn itile;
+    cb_itile_fn itile_bf16x;    /* bf16 interleaved only: the tile of bf16 products (acts.xb), or NULL */
 } cb_mat_kernels;
 
 /* The kernel table: function pointers only, filled once for a tier (cb_select_isa), read by the
@@ -171,6 +174,7 @@ static void cb_fill_scalar(cb_kernel_table *t) {
     t->kv_store = cb_kv_store_scalar;
     t->softmax = cb_softmax;
     t->round_bf16 = cb_round_bf16_scalar;
+    t->mat[CB_BF16][CB_INTERLEAVED].itile = cb_itile_scalar;
 }
 
 #if CB_X86
@@ -192,6 +196,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx2;
     t->round_bf16 = cb_round_bf16_scalar;
+    t->mat[CB_BF16][CB_INTERLEAVED].itile = cb_itile_bf16_avx2;
 }
 
 /* 4-row float tiles (bf16 from the permuted input); 2-row int8/int4 tiles where the CPU has
@@ -210,6 +215,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     cb_set_rows(t, CB_MXFP4, cb_tile_quant_avx2_any, cb_dot_mxfp4_avx2, 1, 0);   /* AVX2's: memory-bound */
     if (f->avx512_bf16) {
         t->mat[CB_BF16][CB_ROWS].tile_bf16x = cb_tile_bf16x_avx512_any;   /* 4 rows, as the widened tile */
+        t->mat[CB_BF16][CB_INTERLEAVED].itile_bf16x = cb_itile_bf16x_avx512;
         t->round_bf16 = cb_round_bf16_avx512;
     } else {
         t->round_bf16 = cb_round_bf16_scalar;
@@ -222,6 +228,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     t->attend_block_heads = CB_ATTN_HEADS_WIDE;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx512;
+    t->mat[CB_BF16][CB_INTERLEAVED].itile = cb_itile_bf16_avx512;
 }
 #endif
 
@@ -384,14 +391,18 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     }
 }
 
-/* This thread's share of an interleaved int8/int4/mxfp4/nl4/int6 product: whole groups of 8 outputs,
- * all tokens in one call (cb_itile_fn); nl4's row scales then multiply the finished outputs. */
+static inline int cb_takes_bf16x(const cb_matjob *j);
+
+/* This thread's share of an interleaved int8/int4/mxfp4/nl4/int6/bf16 product: whole groups of 8
+ * outputs, all tokens in one call (cb_itile_fn); nl4's row scales then multiply the finished outputs. */
 static void cb_job_interleaved(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {
     const int groups = j->rows / CB_TGROUP;
     const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
     *r0 = g0 * CB_TGROUP;
     *r1 = g1 * CB_TGROUP;
-    if (g1 > g0) cb_kt.mat[j->dtype][CB_INTERLEAVED].itile(j->out, j->ldo, (const char *)j->w, j->dtype, j->acts, j->cols, g0, g1, n);
+    const cb_mat_kernels *e = &cb_kt.mat[j->dtype][CB_INTERLEAVED];
+    const cb_itile_fn itile = cb_takes_bf16x(j) ? e->itile_bf16x : e->itile;
+    if (g1 > g0) itile(j->out, j->ldo, (const char *)j->w, j->dtype, j->acts, j->cols, g0, g1, n);
     if (j->dtype == CB_NL4 && g1 > g0) {     /* each finished output times its row scale (quant.h) */
         const float *rs = cb_nl4_row_scales(j->w, j->rows, j->cols);
         for (int t = 0; t < n; t++) {
@@ -401,12 +412,13 @@ static void cb_job_interleaved(const cb_matjob *j, int n, int th, int nt, int *r
     }
 }
 
-/* Does job j take bf16 products (bf16 rows weights, the activation rounded to bf16 in acts.xb,
- * vdpbf16ps)? Where the model's acts carry xb (load(bf16_products=)) and the tier has the tile;
- * elsewhere the same job runs the widened, exact path. */
+/* Does job j take bf16 products (bf16 weights, rows or interleaved, the activation rounded to bf16
+ * in acts.xb, vdpbf16ps)? Where the model's acts carry xb (load(bf16_products=)) and the tier has
+ * the tile; elsewhere the same job runs the widened, exact path. */
 static inline int cb_takes_bf16x(const cb_matjob *j) {
-    return j->dtype == CB_BF16 && j->layout == CB_ROWS && j->acts && j->acts[0].xb &&
-           cb_kt.mat[CB_BF16][CB_ROWS].tile_bf16x;
+    if (j->dtype != CB_BF16 || !j->acts || !j->acts[0].xb) return 0;
+    return j->layout == CB_ROWS ? cb_kt.mat[CB_BF16][CB_ROWS].tile_bf16x != NULL
+         : j->layout == CB_INTERLEAVED && cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x != NULL;
 }
 
 /* This thread's share of a rows-layout product: rows go tile_rows at a time and tokens
@@ -468,6 +480,8 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
         int first = 1;                                  /* the first job of this input? */
         for (int p = 0; p < i; p++) first &= jobs[p].acts != j->acts;
         if (!first) continue;
+        if (j->acts)                                    /* what the interleaved bf16 kernels widen against */
+            for (int t = 0; t < n; t++) j->acts[t].x = j->x + (size_t)t * j->ldx;
         int quantized = 0, permuted = 0, bf16x = 0;
         for (int p = i; p < count; p++) {
             if (jobs[p].acts != j->acts) continue;
@@ -623,8 +637,8 @@ static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantiz
  *
  * A known-answer test of a tier against the scalar spec, on the drivers the engine uses: every
  * storage format in every layout it has (rows, but not nl4/int6; transposed for the float formats and
- * int8/int4; interleaved for int8/int4/mxfp4/nl4/int6) through cb_matmul at one token and at five (decode and the
- * prefill tiles), bf16 products where the tier has them (the rounding bit for bit), the
+ * int8/int4; interleaved for int8/int4/mxfp4/nl4/int6/bf16) through cb_matmul at one token and at five (decode and the
+ * prefill tiles), bf16 products where the tier has them, rows and interleaved (the rounding bit for bit), the
  * attention with and without sinks, and both GLU activations, each computed on the scalar tier
  * and on the tier under test from the same deterministic inputs (weights of
  * random bytes whose scales are set to valid values). Results must agree within float32
@@ -715,7 +729,8 @@ static int cb_self_test_step(int isa, int step) {
     for (int dtype = 0; dtype < CB_N_DTYPES; dtype++)
         for (int layout = 0; layout < CB_N_LAYOUTS; layout++) {
             const int quant = CB_IS_QUANT(dtype);
-            if ((layout == CB_TRANSPOSED && dtype == CB_MXFP4) || (layout == CB_INTERLEAVED && !quant)) continue;
+            if ((layout == CB_TRANSPOSED && dtype == CB_MXFP4) || (layout == CB_INTERLEAVED && !quant && dtype != CB_BF16))
+                continue;
             if ((dtype == CB_NL4 || dtype == CB_INT6) && layout != CB_INTERLEAVED) continue;
             const size_t bytes = dtype == CB_NL4 ? cb_nl4_bytes(R, C) : (size_t)R * cb_row_stride(dtype, C);
             cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
@@ -740,6 +755,12 @@ static int cb_self_test_step(int isa, int step) {
             check++;
             cb_matmul(got, R, w, CB_BF16, CB_ROWS, x, C, acts, n, R, C, 1);     /* rounds x into xb */
             cb_tile_bf16x_scalar(ref, R, (const char *)w, cb_row_stride(CB_BF16, C), CB_BF16, x, C, acts, C, R, n);
+            if (!cb_selftest_close(ref, got, n * R)) return check;
+        }
+        for (int n = 1; n <= N && cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x; n += N - 1) {   /* interleaved */
+            check++;
+            cb_matmul(got, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, n, R, C, 1);
+            cb_itile_bf16x_scalar(ref, R, (const char *)w, CB_BF16, acts, C, 0, R / CB_TGROUP, n);
             if (!cb_selftest_close(ref, got, n * R)) return check;
         }
         for (int t = 0; t < N; t++) acts[t].xb = NULL;

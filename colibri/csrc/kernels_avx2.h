@@ -1405,6 +1405,76 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
     for (int g = g0 + per * CB_IDECODE_STREAMS; g < g1; g++)                                            \
         DECODE(out + (size_t)g * CB_TGROUP, 0, w + (size_t)g * row, 0, 1);
 
+/* ---- interleaved bf16 (cb_igroup_bf16), widened to f32 -----------------------------------------
+ * A group's vector c (64 bytes) is two 256-bit halves, outputs 0-3 and 4-7, each lane 2o + p a pair
+ * of bf16 weights (inputs 4c + 2p and + 1): shifted left 16 bits it is the lower input's weight as
+ * f32, masked the higher one's, each multiplied by that input broadcast in the same pattern
+ * (x[4c], x[4c + 2] and x[4c + 1], x[4c + 3], one in-lane shuffle each). The two FMAs keep the
+ * scalar spec's order lane for lane (cb_itile_bf16_lanes), and the hadd that ends a tile adds
+ * lane 0 and lane 1 of each output, so this tile gives the scalar tier's bits. A group's weights
+ * are contiguous (its blocks in order), read once per tile of up to 4 tokens (16-64 KB: L1 or
+ * L2); decode takes 4 groups side by side, as the integer formats do. */
+#define CB_IBF16_TOKENS_AVX2 4
+
+/* out[j * ldo + og * 8 + 0..7] = groups gp + og * gstride, og < G, times tokens j < T (G * T <= 4). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
+                   int cols, const int G, const int T) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 lo[4][CB_IBF16_TOKENS_AVX2], hi[4][CB_IBF16_TOKENS_AVX2];     /* outputs 0-3 and 4-7 */
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < T; j++) lo[g][j] = hi[g][j] = _mm256_setzero_ps();
+    for (int k = 0; k < cols; k += 4, gp += 64) {
+        __m256 xe[CB_IBF16_TOKENS_AVX2], xo[CB_IBF16_TOKENS_AVX2];
+        for (int j = 0; j < T; j++) {
+            const __m256 xv = _mm256_broadcast_ps((const __m128 *)(acts[j].x + k));
+            xe[j] = _mm256_permute_ps(xv, 0x88);         /* x[k], x[k + 2], ... */
+            xo[j] = _mm256_permute_ps(xv, 0xDD);         /* x[k + 1], x[k + 3], ... */
+        }
+        for (int g = 0; g < G; g++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + g * gstride));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(gp + g * gstride + 32));
+            const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), ao = _mm256_castsi256_ps(_mm256_and_si256(a, high));
+            const __m256 be = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), bo = _mm256_castsi256_ps(_mm256_and_si256(b, high));
+            for (int j = 0; j < T; j++) {
+                lo[g][j] = _mm256_fmadd_ps(ao, xo[j], _mm256_fmadd_ps(ae, xe[j], lo[g][j]));
+                hi[g][j] = _mm256_fmadd_ps(bo, xo[j], _mm256_fmadd_ps(be, xe[j], hi[g][j]));
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < T; j++)         /* [o0 o1 o4 o5 | o2 o3 o6 o7] -> in order */
+            _mm256_storeu_ps(out + (size_t)j * ldo + g * ostride,
+                             _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo[g][j], hi[g][j])), 0xD8)));
+}
+
+/* The interleaved bf16 entry (cb_itile_fn, dtype CB_BF16): groups [g0, g1), all n tokens. */
+CB_TARGET_AVX2 static void cb_itile_bf16_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                                              int cols, int g0, int g1, int n) {
+    (void)dtype;
+    const size_t row = (size_t)cols * 2 * CB_TGROUP;     /* a group's bytes */
+    if (n == 1) {
+        const int per = (g1 - g0) / 4;
+        for (int g = g0; g < g0 + per; g++)
+            cb_ibf16_tile_avx2(out + (size_t)g * CB_TGROUP, 0, (size_t)per * CB_TGROUP, w + (size_t)g * row, per * row,
+                               acts, cols, 4, 1);
+        for (int g = g0 + 4 * per; g < g1; g++)
+            cb_ibf16_tile_avx2(out + (size_t)g * CB_TGROUP, 0, 0, w + (size_t)g * row, 0, acts, cols, 1, 1);
+        return;
+    }
+    for (int g = g0; g < g1; g++)
+        for (int t = 0; t < n; t += CB_IBF16_TOKENS_AVX2) {
+            float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
+            const char *gp = w + (size_t)g * row;
+            switch (n - t) {
+            case 1: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 1); break;
+            case 2: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 2); break;
+            case 3: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 3); break;
+            default: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 4); break;
+            }
+        }
+}
+
 /* The table's interleaved entry (cb_kernel_table.itile): groups [g0, g1), all n tokens. */
 CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                          int cols, int g0, int g1, int n) {

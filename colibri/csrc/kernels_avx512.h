@@ -225,6 +225,134 @@ CB_TARGET_AVX512_VNNI static void cb_tile_quant_avx512_any(float *out, int ldo, 
 #undef CB_CALL_Q
 }
 
+/* ---- interleaved bf16 (cb_igroup_bf16) on 512-bit vectors ----------------------------------------
+ * A group's vector (64 bytes) is one register: lane 2o + p holds output o's pair of weights for
+ * inputs 4c + 2p and + 1, so no horizontal sum until a tile ends (one shuffle and add per 8
+ * outputs and token), and one load of weights serves every token of the tile. Widened (exact):
+ * the lower words shifted up and the upper words masked are the two inputs' weights in f32,
+ * times x[4c], x[4c + 2] / x[4c + 1], x[4c + 3] broadcast from a 128-bit load, two FMAs in the
+ * scalar spec's order (kernels_scalar.h, cb_itile_bf16_lanes): the AVX2 and scalar tiers' bits.
+ * bf16 products: one vdpbf16ps per vector and token, the 4 rounded activations broadcast as one
+ * 64-bit value. A prompt's tile is 2 groups x up to 8 tokens (16 accumulators), a group pair's
+ * weights (2 x 16-64 KB) read from L1/L2 once per 8 tokens; decode takes 4 groups side by side. */
+#define CB_IBF16_TOKENS 8
+
+/* lanes 2o and 2o + 1 added, outputs in order: of one group (low 8 lanes), or of two (g, h). */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_ibf16_pairs_avx512(__m512 acc) {
+    return _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));
+}
+
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_ibf16_store_avx512(float *out, int ldo, size_t ostride, __m512 acc[4][CB_IBF16_TOKENS], const int G, const int T) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    for (int j = 0; j < T; j++) {
+        if (G == 2 && ostride == CB_TGROUP) {
+            _mm512_storeu_ps(out + (size_t)j * ldo, _mm512_permutex2var_ps(cb_ibf16_pairs_avx512(acc[0][j]), even,
+                                                                           cb_ibf16_pairs_avx512(acc[1][j])));
+            continue;
+        }
+        for (int g = 0; g < G; g++)
+            _mm256_storeu_ps(out + (size_t)j * ldo + g * ostride,
+                             _mm512_castps512_ps256(_mm512_permutexvar_ps(even, cb_ibf16_pairs_avx512(acc[g][j]))));
+    }
+}
+
+/* out[j * ldo + g * ostride + 0..7] = group gp + g * gstride (g < G) times tokens j < T, widened. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_ibf16_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
+                     int cols, const int G, const int T) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 acc[4][CB_IBF16_TOKENS];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < T; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int k = 0; k < cols; k += 4, gp += 64) {
+        __m512 we[4], wo[4];
+        for (int g = 0; g < G; g++) {
+            const __m512i a = _mm512_loadu_si512((const void *)(gp + g * gstride));
+            we[g] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+            wo[g] = _mm512_castsi512_ps(_mm512_and_si512(a, high));
+        }
+        for (int j = 0; j < T; j++) {
+            const __m512 xv = _mm512_broadcast_f32x4(_mm_loadu_ps(acts[j].x + k));
+            const __m512 xe = _mm512_permute_ps(xv, 0x88), xo = _mm512_permute_ps(xv, 0xDD);
+            for (int g = 0; g < G; g++) acc[g][j] = _mm512_fmadd_ps(wo[g], xo, _mm512_fmadd_ps(we[g], xe, acc[g][j]));
+        }
+    }
+    cb_ibf16_store_avx512(out, ldo, ostride, acc, G, T);
+}
+
+/* The same tile of bf16 products (acts.xb, vdpbf16ps). */
+CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void
+cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
+                      int cols, const int G, const int T) {
+    __m512 acc[4][CB_IBF16_TOKENS];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < T; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int k = 0; k < cols; k += 4, gp += 64) {
+        __m512i wv[4];
+        for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(gp + g * gstride));
+        for (int j = 0; j < T; j++) {
+            int64_t x4;
+            memcpy(&x4, acts[j].xb + k, sizeof x4);
+            const __m512bh xv = cb_as_bf16x32(_mm512_set1_epi64(x4));
+            for (int g = 0; g < G; g++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], cb_as_bf16x32(wv[g]), xv);
+        }
+    }
+    cb_ibf16_store_avx512(out, ldo, ostride, acc, G, T);
+}
+
+/* The order of both entries below: decode (n = 1) 4 groups side by side (CB_IDECODE_LOOP's split),
+ * a prompt 2 groups x 8 tokens a tile, an odd last group alone. TILE(o, ldo, ostride, gp, gstride,
+ * acts, G, T) with constant G and T. */
+#define CB_T8_SWITCH(CALL, G)                                                                           \
+    switch (n - t < CB_IBF16_TOKENS ? n - t : CB_IBF16_TOKENS) {                                        \
+    case 1: CALL(G, 1); break; case 2: CALL(G, 2); break; case 3: CALL(G, 3); break;                    \
+    case 4: CALL(G, 4); break; case 5: CALL(G, 5); break; case 6: CALL(G, 6); break;                    \
+    case 7: CALL(G, 7); break; default: CALL(G, 8); break; }
+#define CB_IBF16_ENTRY(TILE)                                                                            \
+    const size_t row = (size_t)cols * 2 * CB_TGROUP;                                                    \
+    if (n == 1) {                                                                                       \
+        const int per = (g1 - g0) / 4;                                                                  \
+        for (int g = g0; g < g0 + per; g++)                                                             \
+            TILE(out + (size_t)g * CB_TGROUP, 0, (size_t)per * CB_TGROUP, w + (size_t)g * row, per * row, acts, 4, 1); \
+        for (int g = g0 + 4 * per; g < g1; g++)                                                         \
+            TILE(out + (size_t)g * CB_TGROUP, 0, 0, w + (size_t)g * row, 0, acts, 1, 1);                \
+        return;                                                                                         \
+    }                                                                                                   \
+    for (int g = g0; g < g1; g += 2)                                                                    \
+        for (int t = 0; t < n; t += CB_IBF16_TOKENS) {                                                  \
+            float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;                                   \
+            const char *gp = w + (size_t)g * row;                                                       \
+            if (g + 1 < g1) { CB_T8_SWITCH(CB_IBF16_PAIR, 2) }                                          \
+            else { CB_T8_SWITCH(CB_IBF16_ONE, 1) }                                                      \
+        }
+
+CB_TARGET_AVX512 static void cb_itile_bf16_avx512(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                                                  int cols, int g0, int g1, int n) {
+    (void)dtype;
+#define CB_TILE_W(o, l, os, p, ps, a, G, T) cb_ibf16_tile_avx512(o, l, os, p, ps, a, cols, G, T)
+#define CB_IBF16_PAIR(G, T) CB_TILE_W(o, ldo, CB_TGROUP, gp, row, acts + t, G, T)
+#define CB_IBF16_ONE(G, T) CB_TILE_W(o, ldo, 0, gp, 0, acts + t, G, T)
+    CB_IBF16_ENTRY(CB_TILE_W)
+#undef CB_IBF16_PAIR
+#undef CB_IBF16_ONE
+#undef CB_TILE_W
+}
+
+CB_TARGET_AVX512_BF16 static void cb_itile_bf16x_avx512(float *out, int ldo, const char *w, int dtype,
+                                                        const cb_act_q8 *acts, int cols, int g0, int g1, int n) {
+    (void)dtype;
+#define CB_TILE_B(o, l, os, p, ps, a, G, T) cb_ibf16x_tile_avx512(o, l, os, p, ps, a, cols, G, T)
+#define CB_IBF16_PAIR(G, T) CB_TILE_B(o, ldo, CB_TGROUP, gp, row, acts + t, G, T)
+#define CB_IBF16_ONE(G, T) CB_TILE_B(o, ldo, 0, gp, 0, acts + t, G, T)
+    CB_IBF16_ENTRY(CB_TILE_B)
+#undef CB_IBF16_PAIR
+#undef CB_IBF16_ONE
+#undef CB_TILE_B
+}
+#undef CB_IBF16_ENTRY
+#undef CB_T8_SWITCH
+
 /* ---- a prompt's block of queries (cb_attend_block_fn) on 512-bit vectors -------------------------
  *
  * The AVX2 tier's block kernel (kernels_avx2.h: its order, CB_ATTEND_QBLOCK_BODY) with each FMA

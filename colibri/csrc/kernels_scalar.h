@@ -192,11 +192,11 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  */
 enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2, CB_N_LAYOUTS = 3 };   /* colibri._kernels.LAYOUT_CODES */
 
-/* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4/int6) group of 8 outputs. */
+/* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4/int6/bf16) group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
     return dtype == CB_INT8 ? sizeof(cb_group_int8) : dtype == CB_MXFP4 ? sizeof(cb_igroup_mxfp4)
          : dtype == CB_NL4 ? sizeof(cb_igroup_nl4) : dtype == CB_INT6 ? sizeof(cb_igroup_int6)
-         : sizeof(cb_group_int4);
+         : dtype == CB_BF16 ? sizeof(cb_igroup_bf16) : sizeof(cb_group_int4);
 }
 
 /* An interleaved nl4 matrix [rows, cols]: its groups, then its f32 row scales [rows] (quant.h). */
@@ -272,6 +272,11 @@ static void cb_dequant_row(float *out, const void *w, int dtype, int layout, int
                 out[b * CB_QBLOCK + 2 * j + 1] = d * (float)cb_mxfp4_int[blk[b].qs[j] >> 4];
             }
         }
+        return;
+    }
+    if (dtype == CB_BF16 && layout == CB_INTERLEAVED) {    /* input 4c + i at w[c][row % 8][i] of its group */
+        const uint16_t *grp = (const uint16_t *)(wb + (size_t)(row / CB_TGROUP) * cols * 2 * CB_TGROUP);
+        for (int i = 0; i < cols; i++) out[i] = cb_bf16_to_f32(grp[(size_t)(i / 4) * 4 * CB_TGROUP + (row % CB_TGROUP) * 4 + i % 4]);
         return;
     }
     if (!CB_IS_QUANT(dtype)) {
@@ -412,15 +417,62 @@ static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const
     }
 }
 
-/* Interleaved tile (int8/int4/mxfp4, quant.h): out[t * ldo + o] = W[o, :] . token t (acts[t]) for the
- * outputs of groups [g0, g1) and every token t < n; W has `cols` inputs. Every tier implements
+/* Interleaved tile (int8/int4/mxfp4/nl4/int6/bf16, quant.h): out[t * ldo + o] = W[o, :] . token t (acts[t];
+ * bf16: acts[t].x, or .xb for bf16 products) for the outputs of groups [g0, g1) and every token
+ * t < n; W has `cols` inputs. Every tier implements
  * this signature; each output's blocks are scaled and added in order, as in the scalar dot
  * products above, so at the scalar tier all three layouts give the same bits. */
 typedef void (*cb_itile_fn)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols,
                             int g0, int g1, int n);
 
+/* ---- the interleaved bf16 layout (cb_igroup_bf16) ---------------------------------------------
+ * Output r of a group sums its inputs in two lanes, p = 0 taking inputs 4c, 4c + 1 and p = 1
+ * inputs 4c + 2, 4c + 3 of every vector c, in order; the output is lane 0 + lane 1. The widened
+ * (exact) path adds each product with one rounding, the lower input of a pair first:
+ * lane = fma(w[4c + 2p], x[4c + 2p], lane), then fma(w[4c + 2p + 1], x[4c + 2p + 1], lane), which the
+ * AVX2 and AVX-512 kernels do lane for lane, so every tier gives these bits. bf16 products take
+ * the activation rounded to bf16 (acts.xb) and vdpbf16ps's order, the higher input of a pair
+ * first (Intel's definition; exact products, so fma is that sum): the spec of the AVX512_BF16
+ * kernel, which the tests hold to a tolerance only (flushing of subnormals is the CPU's). */
+static void cb_itile_bf16_lanes(float *out, int ldo, const char *w, const cb_act_q8 *acts, int cols, int g0,
+                                int g1, int n, int products) {
+    const int units = cols / 4;                          /* vectors of 4 inputs, over all blocks */
+    const size_t row = (size_t)(cols / CB_QBLOCK) * sizeof(cb_igroup_bf16);
+    for (int g = g0; g < g1; g++) {
+        const uint16_t (*vec)[CB_TGROUP][4] = (const uint16_t (*)[CB_TGROUP][4])(w + (size_t)g * row);
+        for (int r = 0; r < CB_TGROUP; r++)
+            for (int t = 0; t < n; t++) {
+                float lane[2] = {0.0f, 0.0f};
+                for (int c = 0; c < units; c++)
+                    for (int p = 0; p < 2; p++) {
+                        const int i = 4 * c + 2 * p;
+                        const float w0 = cb_bf16_to_f32(vec[c][r][2 * p]), w1 = cb_bf16_to_f32(vec[c][r][2 * p + 1]);
+                        if (products) {
+                            lane[p] = fmaf(w1, cb_bf16_to_f32(acts[t].xb[i + 1]), lane[p]);
+                            lane[p] = fmaf(w0, cb_bf16_to_f32(acts[t].xb[i]), lane[p]);
+                        } else {
+                            lane[p] = fmaf(w0, acts[t].x[i], lane[p]);
+                            lane[p] = fmaf(w1, acts[t].x[i + 1], lane[p]);
+                        }
+                    }
+                out[(size_t)t * ldo + g * CB_TGROUP + r] = lane[0] + lane[1];
+            }
+    }
+}
+
+/* The interleaved bf16 tile of bf16 products (acts.xb): the spec of the AVX512_BF16 kernel. */
+static void cb_itile_bf16x_scalar(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols,
+                                  int g0, int g1, int n) {
+    (void)dtype;
+    cb_itile_bf16_lanes(out, ldo, w, acts, cols, g0, g1, n, 1);
+}
+
 static void cb_itile_scalar(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols,
                             int g0, int g1, int n) {
+    if (dtype == CB_BF16) {
+        cb_itile_bf16_lanes(out, ldo, w, acts, cols, g0, g1, n, 0);
+        return;
+    }
     const int nb = cols / CB_QBLOCK;
     const size_t gbytes = cb_group_bytes(dtype);
     for (int g = g0; g < g1; g++)

@@ -124,6 +124,14 @@ typedef struct {
                                            nibble) and 16 + 4v + i (high) of output r */
 } cb_igroup_mxfp4;
 
+/* An interleaved bf16 group: 8 outputs x 32 inputs, 512 bytes, no scale. A vector of it (64
+ * bytes) holds 4 inputs of each of the 8 outputs, so a 512-bit register is 8 outputs x 2 pairs of
+ * inputs in its 16 lanes: vdpbf16ps multiplies it by the 4 activations broadcast, the widened path
+ * by the even and odd inputs (kernels_scalar.h, cb_itile_bf16_scalar: the order of the sums). */
+typedef struct {
+    uint16_t w[8][CB_TGROUP][4];        /* [vector c][output r][i]: input 4c + i of output r (bf16 bits) */
+} cb_igroup_bf16;
+
 /* An interleaved int6 group: 8 outputs x 32 inputs, 208 bytes (quant.h's header). */
 typedef struct {
     uint16_t d[CB_TGROUP];              /* [8] f16 scales */
@@ -199,6 +207,7 @@ CB_STATIC_ASSERT(sizeof(cb_igroup_int4) == sizeof(cb_group_int4), "interleaved i
 CB_STATIC_ASSERT(sizeof(cb_igroup_mxfp4) == 8 * 17, "interleaved mxfp4 group must be 8 blocks");
 CB_STATIC_ASSERT(sizeof(cb_igroup_nl4) == 140, "interleaved nl4 group must be 140 bytes");
 CB_STATIC_ASSERT(sizeof(cb_igroup_int6) == 208, "interleaved int6 group must be 208 bytes");
+CB_STATIC_ASSERT(sizeof(cb_igroup_bf16) == 512, "interleaved bf16 group must be 512 bytes");
 
 /* Activations quantized per block of 32: x[i] ~= d[i / 32] * q[i]. */
 typedef struct {
@@ -213,6 +222,8 @@ typedef struct {
     float *xp;      /* [n] or NULL: the float activation reordered for the AVX-512 bf16 tile */
     uint16_t *xb;   /* [n] or NULL: the activation rounded to bf16 for bf16 products (vdpbf16ps),
                        set where a model takes them (load(bf16_products=)); see dispatch.h */
+    const float *x; /* [n] the float activation itself, which the interleaved bf16 kernels widen
+                       against: set by cb_matmul_jobs for each batch (not owned) */
 } cb_act_q8;
 
 #define CB_ACT_TINY 1e-30f
