@@ -55,6 +55,12 @@ MODELS = {
     "olmoe-1b-7b": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         intermediate_size=1024, hidden_size=2048, num_hidden_layers=16, num_experts=64,
         num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304)),
+    # the same shape with 8 of its 16 layers (3.3 B parameters: its bf16 GGUF and Colibri directory fit
+    # beside the other benchmark models on a 250 GB disk, the full one's six forms would not); the
+    # output head is 16 % of a decoded token's weights instead of 9 % (issue 24's OLMoE rows)
+    "olmoe-1b-7b-8l": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        intermediate_size=1024, hidden_size=2048, num_hidden_layers=8, num_experts=64,
+        num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304)),
     # the public google/gemma-4-26B-A4B text model (its text_config), as Gemma4ForCausalLM: 30 layers
     # (5 sliding-window : 1 full), 128 experts top-8 beside a dense MLP, full layers with
     # head_dim 512, 2 KV heads and k = v; no tokenizer (262144 pieces; benchmarks use token ids)
