@@ -681,7 +681,7 @@ cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const vo
     }
     const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;
     const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;
-    const __m256 vscale = _mm256_set1_ps(scale);
+    const __m512 vscale512 = _mm512_set1_ps(scale);
     for (int t = 0, row = row0; t < n; t += 4) {         /* the last valid row repeats */
         const char *k[4];
         for (int r = 0, rr = row; r < 4; r++) {
@@ -704,22 +704,24 @@ cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const vo
                 acc[1][i] = _mm512_fmadd_ps(kv1, qv, acc[1][i]);
             }
         }
-        for (int p = 0; p < 2; p++)
-            for (int g = 0; g < NH; g += 4) {           /* a tree per 4 heads, as the AVX2 kernel's */
-                __m256 a[4], b[4];
-                for (int i = 0; i < 4; i++) {
-                    a[i] = _mm512_castps512_ps256(acc[p][g + i]);
-                    b[i] = _mm512_extractf32x8_ps(acc[p][g + i], 1);
-                }
-                const __m256 sa = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-                const __m256 sb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
-                float r8[8];                            /* [row a: heads g..g+3, row b: heads g..g+3] */
-                _mm256_storeu_ps(r8, _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20),
-                                                                 _mm256_permute2f128_ps(sa, sb, 0x31)), vscale));
-                for (int h = 0; h < 2; h++)
-                    if (t + 2 * p + h < n)
-                        for (int i = g; i < NH && i < g + 4; i++) sc[i][t + 2 * p + h] = r8[4 * h + i - g];
-            }
+        /* 4 heads' 4 rows a vector, gathered by the prompt kernel's transposing adds (the hadd
+         * tree's order: the AVX2 bits): heads g, g + 1 as "8 rows" of cb_rows8_halves, g + 2, g + 3
+         * the other 8, so lanes 4i..4i+3 are head g + i's rows t..t+3, stored 4 at a time (the
+         * first version's 256-bit hadd trees and 8 scalar stores per row pair took about twice
+         * the operations) */
+        const __mmask8 keep = (__mmask8)((1u << (n - t < 4 ? n - t : 4)) - 1u);
+        const __m512 z = _mm512_setzero_ps();
+        for (int g = 0; g < NH; g += 4) {
+            const __m512 x = cb_rows8_halves(acc[0][g], acc[1][g], g + 1 < NH ? acc[0][g + 1] : z, g + 1 < NH ? acc[1][g + 1] : z);
+            const __m512 y = g + 2 < NH ? cb_rows8_halves(acc[0][g + 2], acc[1][g + 2], g + 3 < NH ? acc[0][g + 3] : z,
+                                                          g + 3 < NH ? acc[1][g + 3] : z)
+                                        : z;
+            const __m512 sv = cb_rows8x2_scores(x, y, vscale512);
+            _mm_mask_storeu_ps(sc[g] + t, keep, _mm512_castps512_ps128(sv));
+            if (g + 1 < NH) _mm_mask_storeu_ps(sc[g + 1] + t, keep, _mm512_extractf32x4_ps(sv, 1));
+            if (g + 2 < NH) _mm_mask_storeu_ps(sc[g + 2] + t, keep, _mm512_extractf32x4_ps(sv, 2));
+            if (g + 3 < NH) _mm_mask_storeu_ps(sc[g + 3] + t, keep, _mm512_extractf32x4_ps(sv, 3));
+        }
         for (int r = 0; r < 4 && t + r < n; r++) row = row + 1 == ring ? 0 : row + 1;
     }
     CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
