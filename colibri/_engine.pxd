@@ -164,8 +164,7 @@ cdef struct Hyper:
     float rms_eps
     int n_ctx
     int n_threads
-    int kv                    # the KV cache's element type (_kernels.KV_CODES: f32, f16)
-    int kv_bytes              # bytes of one of its elements
+    int kv                    # the KV cache's element type (_kernels.KV_CODES: f32, f16, q8)
 
 cdef struct Scratch:
     # Every buffer of one engine call: up to `cap` tokens (a prefill chunk; decode is one), rows

@@ -39,9 +39,12 @@ cimport colibri._kernels as kernels
 cimport colibri._routing as routing
 from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16, CB_ROWS, CB_TRANSPOSED,
                                CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_rmsnorm, cb_add, cb_axpy, cb_clip,
-                               cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite, cb_row_stride)
+                               cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite, cb_row_stride,
+                               cb_kv_row_bytes)
 
 import numpy as np
+
+from colibri.errors import ColibriError
 
 from colibri import names
 from colibri._kernels import ACT_ARRAYS, DTYPE_CODES, KV_CODES, LAYOUT_CODES, act_specs
@@ -260,11 +263,12 @@ cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *
 
 cdef inline void kv_store(const Hyper *h, Layer *L, const float *k, const float *v, int pos) noexcept nogil:
     """Position pos's keys and values [n_kv_heads * head_dim] into row pos % kv_ring of each KV
-    head, as the cache's elements (h.kv: f32 copied, f16 rounded to nearest even)."""
+    head, as the cache's elements (h.kv: f32 copied, f16 rounded to nearest even, q8 quantized
+    per row)."""
     cdef int j, hd = L.head_dim
     cdef size_t row
     for j in range(L.n_kv_heads):
-        row = (<size_t>j * L.kv_ring + pos % L.kv_ring) * hd * h.kv_bytes
+        row = (<size_t>j * L.kv_ring + pos % L.kv_ring) * cb_kv_row_bytes(hd, h.kv)
         kernels.kv_store(<char *>L.k_cache + row, k + <size_t>j * hd, hd, h.kv)
         kernels.kv_store(<char *>L.v_cache + row, v + <size_t>j * hd, hd, h.kv)
 
@@ -322,7 +326,7 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
         sin_t = L.rope_sin + <size_t>(pos0 + t) * (rope // 2)
         cb_rope(row, 1, D, rope, cos_t, sin_t)
         cb_rope(s.mla_q + <size_t>t * H * qk, H, qk, rope, cos_t, sin_t)
-        kernels.kv_store(<char *>L.k_cache + <size_t>((pos0 + t) % L.kv_ring) * D * h.kv_bytes, row, D, h.kv)
+        kernels.kv_store(<char *>L.k_cache + <size_t>((pos0 + t) % L.kv_ring) * cb_kv_row_bytes(D, h.kv), row, D, h.kv)
         for i in range(H):                      # each head's query: [its RoPE part, (absorbed below)]
             memcpy(s.q + (<size_t>t * H + i) * D, s.mla_q + (<size_t>t * H + i) * qk, sizeof(float) * rope)
     for i in range(H):                          # latent queries: wkb_h . nope_h
@@ -707,7 +711,6 @@ cdef class Engine:
         if spec.kv_cache not in KV_CODES:
             raise ValueError(f"kv_cache {spec.kv_cache!r}: one of {', '.join(KV_CODES)}")
         self.h.kv = KV_CODES[spec.kv_cache]
-        self.h.kv_bytes = 2 if self.h.kv == kernels.CB_KV_F16 else 4
 
         cdef int q_dim = self.h.n_heads * max(f.head_dim for f in layers)
         cdef int kv_dim = max(f.n_kv_heads * f.head_dim for f in layers)
@@ -759,10 +762,18 @@ cdef class Engine:
         # what the attention reads), each its own pages: zero pages are only touched (made
         # resident) as positions are filled. A sliding layer's ring must hold its window plus one
         # prefill chunk.
-        kv_type = {"f32": f32, "f16": np.float16}[spec.kv_cache]       # its elements (_kernels.KV_CODES)
-        keep["k_cache"] = [zeros((f.n_kv_heads, f.kv_ring, f.head_dim), kv_type) for f in layers]
+        # A row is a KV head's head_dim elements (_kernels.KV_CODES) at one position; a q8 row is
+        # bytes: its f32 scale and head_dim codes (cb_kv_row_bytes).
+        kv_type = {"f32": f32, "f16": np.float16, "q8": np.uint8}[spec.kv_cache]
+        kv_code = self.h.kv
+        kv_row = lambda f: (f.head_dim if spec.kv_cache != "q8" else cb_kv_row_bytes(f.head_dim, kv_code),)
+        for f in layers:
+            if spec.kv_cache == "q8" and f.head_dim > kernels.CB_KV_Q8_MAX_HEAD_DIM:
+                raise ColibriError(f"kv_cache q8 serves head_dim up to {kernels.CB_KV_Q8_MAX_HEAD_DIM}, "
+                                   f"this model's is {f.head_dim}: use f16")
+        keep["k_cache"] = [zeros((f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type) for f in layers]
         # an MLA layer's one array holds the latent rows its attention reads as keys and as values
-        keep["v_cache"] = [k if f.kv_rank else zeros((f.n_kv_heads, f.kv_ring, f.head_dim), kv_type)
+        keep["v_cache"] = [k if f.kv_rank else zeros((f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type)
                            for f, k in zip(layers, keep["k_cache"])]
         keep["predicted"][...] = -1
         for f in layers:

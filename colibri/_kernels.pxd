@@ -92,6 +92,9 @@ cdef extern from "dispatch.h" nogil:
     void cb_kv_store(void *dst, const float *src, int n, int kv)
     int CB_KV_F32                # the KV cache's element types (a load option: kv_cache)
     int CB_KV_F16
+    int CB_KV_Q8
+    int CB_KV_Q8_MAX_HEAD_DIM    # head_dim a q8 cache serves
+    size_t cb_kv_row_bytes(int head_dim, int kv)   # bytes of one cache row (a KV head at a position)
 
 cdef extern from "quant.h":
     int CB_QBLOCK                # weights per block of the integer formats (32)

@@ -43,7 +43,7 @@ TGROUP = CB_TGROUP               # outputs per group of the transposed and inter
 # ---- the SIMD tier, chosen once at import (COLIBRI_ISA forces one) ---------------------------
 
 ISA_NAMES = {"scalar": CB_ISA_SCALAR, "avx2": CB_ISA_AVX2, "avx512": CB_ISA_AVX512}
-KV_CODES = dict(zip(names.KV_CACHE_TYPES, (CB_KV_F32, CB_KV_F16)))     # the KV cache's element types
+KV_CODES = dict(zip(names.KV_CACHE_TYPES, (CB_KV_F32, CB_KV_F16, CB_KV_Q8)))     # the KV cache's element types
 
 
 def cpu_features():

@@ -12,7 +12,7 @@ from libc.stdlib cimport free
 from libc.math cimport sqrtf
 
 cimport colibri._kernels as kernels
-from colibri._kernels cimport cb_attention_score_rows
+from colibri._kernels cimport cb_attention_score_rows, cb_kv_row_bytes
 cimport colibri._routing as routing
 from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16, cb_block_mxfp4, cb_igroup_int8,
                                cb_igroup_int4, cb_igroup_mxfp4, cb_igroup_int6, cb_f16_to_f32_exact, cb_row_stride,
@@ -21,7 +21,7 @@ from colibri._routing cimport CB_MAX_TOP_K
 
 import numpy as np
 
-from colibri._kernels import ACT_CODES, DTYPE_CODES, LAYOUT_CODES, act_arrays, available_isas, cpu_features, isa
+from colibri._kernels import ACT_CODES, DTYPE_CODES, KV_CODES, LAYOUT_CODES, act_arrays, available_isas, cpu_features, isa
 
 
 def kernel_f16_to_f32(uint16_t h):
@@ -121,24 +121,23 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
     """Seconds for `reps` decode steps' attention: one query q [n_heads, head_dim] against every
     layer's cache in k_layers / v_layers float32 [n_layers, n_kv_heads, ring, head_dim] (the
     engine's order), positions 0..pos, through cb_attention with no Python between layers or
-    repetitions: what tools/bench_kernels.py --attention times. kv "f16": the caches stored as f16."""
+    repetitions: what tools/bench_kernels.py --attention times. kv: the caches' elements (_kv_cache)."""
     import time
-    kv_type = _kv_type(kv)
-    ka = np.ascontiguousarray(k_layers, kv_type)
-    va = np.ascontiguousarray(v_layers, kv_type)
-    if ka.ndim != 4 or va.shape != ka.shape or ka.shape[3] != q.shape[1] or ka.shape[1] < 1 \
-            or q.shape[0] % ka.shape[1] or not 0 <= pos < ka.shape[2] or reps < 1:
+    if np.ndim(k_layers) != 4 or np.shape(v_layers) != np.shape(k_layers) or np.shape(k_layers)[3] != q.shape[1] \
+            or np.shape(k_layers)[1] < 1 or q.shape[0] % np.shape(k_layers)[1] or not 0 <= pos < np.shape(k_layers)[2] \
+            or reps < 1:
         raise ValueError("bench_attention: q [n_heads, head_dim], caches [n_layers, n_kv_heads, ring, head_dim], "
                          "0 <= pos < ring, reps >= 1")
-    cdef int n_layers = ka.shape[0], n_kv = ka.shape[1], ring = ka.shape[2], head_dim = ka.shape[3]
+    ka, va = _kv_cache(k_layers, kv), _kv_cache(v_layers, kv)
+    cdef int n_layers = ka.shape[0], n_kv = ka.shape[1], ring = ka.shape[2], head_dim = q.shape[1]
     cdef int n_heads = q.shape[0], r, layer
     out = np.zeros((n_heads, head_dim), np.float32)
     scores = np.zeros((n_heads, pos + 2), np.float32)         # [n_heads, n_ctx + 1]
     cdef float[:, ::1] o = out, sc = scores
     cdef const char *kp = <const char *><uintptr_t>ka.ctypes.data
     cdef const char *vp = <const char *><uintptr_t>va.ctypes.data
-    cdef size_t layer_bytes = <size_t>n_kv * ring * head_dim * ka.itemsize
-    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
+    cdef size_t layer_bytes = ka.strides[0]
+    cdef int code = KV_CODES[kv]
     cdef float scale = 1.0 / sqrtf(head_dim)
     t0 = time.perf_counter()
     with nogil:
@@ -158,13 +157,12 @@ def bench_attention_prompt(q, k_cache, v_cache, int pos0, int n_threads, int rep
     --prompt-attention times."""
     import time
     qa = np.ascontiguousarray(q, np.float32)
-    kv_type = _kv_type(kv)
-    ka = np.ascontiguousarray(k_cache, kv_type)
-    va = np.ascontiguousarray(v_cache, kv_type)
+    ka, va = np.asarray(k_cache), np.asarray(v_cache)
     if qa.ndim != 3 or ka.ndim != 3 or va.shape != ka.shape or ka.shape[2] != qa.shape[2] \
             or qa.shape[1] % ka.shape[0] or pos0 < 0 or pos0 + qa.shape[0] > ka.shape[1] or reps < 1:
         raise ValueError("bench_attention_prompt: q [n, n_heads, head_dim], caches [n_kv_heads, ring, head_dim], "
                          "pos0 + n <= ring, reps >= 1")
+    ka, va = _kv_cache(ka, kv), _kv_cache(va, kv)
     cdef int n = qa.shape[0], n_heads = qa.shape[1], head_dim = qa.shape[2], n_kv = ka.shape[0], ring = ka.shape[1]
     cdef int n_ctx = ring, r, t, ld = n_heads * head_dim
     out = np.zeros((n, n_heads, head_dim), np.float32)
@@ -174,7 +172,7 @@ def bench_attention_prompt(q, k_cache, v_cache, int pos0, int n_threads, int rep
     cdef const float *qp = <const float *><uintptr_t>qa.ctypes.data
     cdef const void *kp = <const void *><uintptr_t>ka.ctypes.data
     cdef const void *vp = <const void *><uintptr_t>va.ctypes.data
-    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
+    cdef int code = KV_CODES[kv]
     cdef float scale = 1.0 / sqrtf(head_dim)
     cdef bint one = one_at_a_time
     t0 = time.perf_counter()
@@ -303,10 +301,24 @@ def kernel_glu_product(gate, up, const float[:, ::1] x, str dtype, str layout, s
     return out
 
 
-def _kv_type(kv):
-    if kv not in ("f32", "f16"):
-        raise ValueError(f"kv {kv!r}: f32 or f16")
-    return np.float16 if kv == "f16" else np.float32
+def _kv_cache(x, str kv):
+    """float rows x [..., head_dim] as a KV cache of kv (KV_CODES) elements, stored as the engine
+    stores them (cb_kv_store, the tier's): f32 as is, f16 rounded, q8 rows of [f32 scale, head_dim
+    int8 codes] -> float32 / float16 [..., head_dim] or uint8 [..., head_dim + 4]."""
+    if kv not in KV_CODES:
+        raise ValueError(f"kv {kv!r}: one of {', '.join(KV_CODES)}")
+    rows = np.ascontiguousarray(x, np.float32)
+    if kv != "q8":
+        return np.ascontiguousarray(rows, np.float16 if kv == "f16" else np.float32)
+    cdef int head_dim = rows.shape[rows.ndim - 1], r
+    flat = rows.reshape(-1, head_dim)
+    out = np.zeros((flat.shape[0], cb_kv_row_bytes(head_dim, kernels.CB_KV_Q8)), np.uint8)
+    cdef const float *src = <const float *><uintptr_t>flat.ctypes.data
+    cdef char *dst = <char *><uintptr_t>out.ctypes.data
+    cdef size_t rbytes = out.shape[1]
+    for r in range(flat.shape[0]):
+        kernels.kv_store(dst + <size_t>r * rbytes, src + <size_t>r * head_dim, head_dim, kernels.CB_KV_Q8)
+    return out.reshape(tuple(rows.shape)[:rows.ndim - 1] + (out.shape[1],))
 
 
 def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, int n_threads=1, sinks=None,
@@ -315,8 +327,8 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
     head_dim] (roped), k_cache / v_cache float32 [ring, n_kv_heads * head_dim] holding position p
     in row p % ring — or already in the engine's order [n_kv_heads, ring, head_dim] (C-contiguous
     float32, used as they are: tools/bench_kernels.py); attends positions start..pos with scale
-    1/sqrt(head_dim); sinks float32 [n_heads] or None: attention sinks; kv "f16": the caches
-    stored as f16 (rounded to nearest even, as the engine stores them). -> [n_heads, head_dim]."""
+    1/sqrt(head_dim); sinks float32 [n_heads] or None: attention sinks; kv: the caches stored as
+    the engine stores that element type (_kv_cache: f16 rounded, q8 quantized). -> [n_heads, head_dim]."""
     qa = np.ascontiguousarray(q, np.float32)
     cdef int n_heads = qa.shape[0], head_dim = qa.shape[1], ring
     if n_kv_heads < 1 or n_heads % n_kv_heads:
@@ -347,11 +359,10 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
     cdef const float *sink_ptr = NULL
     if sink_array is not None:
         sink_ptr = <const float *><uintptr_t>sink_array.ctypes.data
-    kv_type = _kv_type(kv)
-    ka, va = np.ascontiguousarray(ka, kv_type), np.ascontiguousarray(va, kv_type)
+    ka, va = _kv_cache(ka, kv), _kv_cache(va, kv)
     cdef const void *kp = <const void *><uintptr_t>ka.ctypes.data
     cdef const void *vp = <const void *><uintptr_t>va.ctypes.data
-    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
+    cdef int code = KV_CODES[kv]
     with nogil:
         kernels.attention(&o[0, 0], 0, &qv[0, 0], 0, kp, vp, &sc[0, 0], n_heads, n_kv_heads, head_dim,
                      n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), sink_ptr,
@@ -375,9 +386,7 @@ def kernel_attention_prompt(q, k_cache, v_cache, int n_kv_heads, int pos0, int w
     cdef int n_ctx = pos0 + n
     if pos0 < 0 or window < 0 or (ring < n_ctx and not (window > 0 and ring >= window + n - 1)):
         raise ValueError("kernel_attention_prompt: the ring must hold every query's positions")
-    kv_type = _kv_type(kv)
-    ka = np.ascontiguousarray(k_cache, kv_type)
-    va = np.ascontiguousarray(v_cache, kv_type)
+    ka, va = _kv_cache(k_cache, kv), _kv_cache(v_cache, kv)
     out = np.zeros((n, n_heads, head_dim), np.float32)
     scores = np.zeros((cb_attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
     sink_array = None if sinks is None else np.ascontiguousarray(sinks, np.float32).reshape(-1)
@@ -391,15 +400,18 @@ def kernel_attention_prompt(q, k_cache, v_cache, int n_kv_heads, int pos0, int w
     cdef const float *qp = <const float *><uintptr_t>qa.ctypes.data
     cdef const void *kp = <const void *><uintptr_t>ka.ctypes.data
     cdef const void *vp = <const void *><uintptr_t>va.ctypes.data
-    cdef int code = kernels.CB_KV_F16 if kv == "f16" else kernels.CB_KV_F32
+    cdef int code = KV_CODES[kv]
     with nogil:
         kernels.attention(o, n_heads * head_dim, qp, n_heads * head_dim, kp, vp, sc, n_heads, n_kv_heads, head_dim,
                           n_ctx, n, pos0, window, ring, 1.0 / sqrtf(head_dim), sink_ptr, n_threads, code)
     return out
 
 
-def kernel_kv_store(const float[::1] x):
-    """x as the f16 cache stores it (cb_kv_store: the tier's conversion) -> uint16 [n]."""
+def kernel_kv_store(const float[::1] x, str kv="f16"):
+    """x as a cache row of kv elements (cb_kv_store: the tier's conversion): f16 -> uint16 [n]; q8
+    -> uint8 [4 + n] (the f32 scale's bytes, then the codes)."""
+    if kv == "q8":
+        return _kv_cache(np.asarray(x), "q8")
     out = np.zeros(x.shape[0], np.uint16)
     if x.shape[0] == 0:
         return out

@@ -103,7 +103,8 @@ def _model_options(p, demo_default: bool) -> None:
                    help="which expert leaves first under a budget (default: lru)")
     p.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=names.KV_CACHE_TYPES, default="f32",
                    help="the KV cache's elements: f16 halves its bytes (long contexts; keys and values rounded "
-                        "to f16 as they are stored, attention in f32) (default: f32)")
+                        "to f16 as they are stored, attention in f32); q8 takes about a quarter (int8 codes and "
+                        "one f32 scale per KV head and position) (default: f32)")
     p.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=names.BF16_PRODUCTS,
                    default="auto",
                    help="bf16 weights: bf16 rounds the activations to bf16 for AVX512_BF16's vdpbf16ps (as "

@@ -594,8 +594,10 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     prefetch "none" | "routed" | "predict" (default: "routed" under an expert budget, else "none"),
     memory_limit_mb (default: the cgroup's / job's limit, else the available RAM), expert_cache_mb,
     eviction "lru" | "lfu", mlock, warmup: see colibri.residency;
-    kv_cache "f32" | "f16": the KV cache's elements (f16: half its bytes; keys and values rounded to
-    f16 as they are stored, attention computed in f32 -- BENCHMARKS.md, "f16 KV cache");
+    kv_cache "f32" | "f16" | "q8": the KV cache's elements (f16: half its bytes; keys and values
+    rounded to f16 as they are stored, attention computed in f32 -- BENCHMARKS.md, "f16 KV cache";
+    q8: (head_dim + 4) / (4 head_dim) of f32's bytes, each KV head's row at a position int8 codes
+    and one f32 scale, read back as code x scale -- BENCHMARKS.md, "q8 KV cache");
     bf16_products "auto" | "bf16" | "f32": how bf16 weights multiply (BF16_PRODUCTS: "f32" is exact,
     "bf16" rounds the activations to bf16 for AVX512_BF16's vdpbf16ps, "auto" is "bf16" where the
     CPU has that instruction); capture_inputs: collect each matrix's input statistics

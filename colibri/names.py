@@ -8,7 +8,7 @@ LAYOUT_CODES, KV_CODES; _engine.PREFETCH_CODES, EVICTION_CODES.
 
 FORMATS = ("f32", "f16", "bf16", "int8", "int4", "mxfp4", "nl4", "int6")    # csrc/kernels_scalar.h CB_F32 .. CB_INT6
 LAYOUTS = ("rows", "transposed", "interleaved")             # CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
-KV_CACHE_TYPES = ("f32", "f16")                             # load(kv_cache=): CB_KV_F32, CB_KV_F16
+KV_CACHE_TYPES = ("f32", "f16", "q8")                       # load(kv_cache=): CB_KV_F32, CB_KV_F16, CB_KV_Q8
 PREFETCH_MODES = ("none", "routed", "predict")              # load(prefetch=): the layer loop's PREFETCH_*
 EVICTION_POLICIES = ("lru", "lfu")                          # load(eviction=): CB_EVICT_LRU, CB_EVICT_LFU
 # load(bf16_products=): "f32" the exact products, "bf16" the activations rounded to bf16 for

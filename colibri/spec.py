@@ -67,7 +67,7 @@ class EngineSpec:
     n_ctx: int
     prefill_chunk: int       # tokens per engine call at most, 1 .. n_ctx (the scratch rows)
     n_threads: int
-    kv_cache: str            # the KV cache's elements: "f32", or "f16" (half the bytes; _kernels.KV_CODES)
+    kv_cache: str            # the KV cache's elements: "f32", "f16" (half the bytes) or "q8" (_kernels.KV_CODES)
     bf16_products: bool      # bf16 matrices multiply activations rounded to bf16 (vdpbf16ps) where the tier can
     prefetch: int            # _engine.PREFETCH_CODES
     prefetch_chunk_bytes: int    # bytes per read advice call (0: no limit)

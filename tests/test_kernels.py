@@ -382,7 +382,7 @@ def prompt_attention_case(draw):
     k = rng.standard_normal((kv, ring, hd), dtype=np.float32)
     v = rng.standard_normal((kv, ring, hd), dtype=np.float32)
     sinks = rng.uniform(-6, 6, kv * group).astype(np.float32) if draw(st.booleans()) else None
-    return q, k, v, kv, pos0, window, sinks, draw(st.sampled_from(["f32", "f16"]))
+    return q, k, v, kv, pos0, window, sinks, draw(st.sampled_from(["f32", "f16", "q8"]))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -528,6 +528,74 @@ def test_attention_over_an_f16_cache_is_attention_over_its_values(isa, head_dim,
     start = positions // 3
     ours = _probes.kernel_attention(q, k, v, n_kv, start, positions - 1, sinks=s, kv="f16")
     theirs = _probes.kernel_attention(q, k.astype(np.float32), v.astype(np.float32), n_kv, start, positions - 1, sinks=s)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+# ---- the q8 KV cache (load(kv_cache="q8")) ---------------------------------------------------
+
+def _q8_rows(x):
+    """numpy mirror of cb_kv_store_q8 on rows x [..., head_dim] -> (scale [...], codes int8 [..., head_dim])."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = np.abs(x).max(-1)
+        amax = np.where(np.isnan(x).any(-1), np.float32(np.nan), amax).astype(np.float32)
+        d = (amax / np.float32(127)).astype(np.float32)
+        ok = (d > 0) & np.isfinite(d)
+        codes = np.where(ok[..., None], np.rint(x / np.where(ok, d, 1)[..., None]), 0)
+    return d, np.clip(codes, -127, 127).astype(np.int8)
+
+
+def _q8_values(d, codes):
+    with np.errstate(invalid="ignore"):                 # 0 x inf: a non-finite row reads back as NaN
+        return (codes.astype(np.float32) * d[..., None]).astype(np.float32)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hnp.arrays(np.float32, st.integers(1, 67), elements=st.one_of(
+    st.floats(-2.0**100, 2.0**100, width=32), st.floats(-2.0**-100, 2.0**-100, width=32), st.just(np.float32(0.0)),
+    st.floats(width=32, allow_nan=False).filter(lambda f: abs(f) < 2.0**-120))))
+def test_the_q8_cache_store_is_its_numpy_mirror(isa, x):
+    """cb_kv_store for q8 (the same code on every tier): the row's f32 scale max|x| / 127, then the
+    codes round(x / scale) to nearest even — an all-zero row has scale 0 and codes 0; every value
+    is within half a step (and a rounding) of its dequantized one where the scale is a normal
+    float, and within 127 smallest normals where it is not (a row below 1.5e-36: no real key)."""
+    got = _probes.kernel_kv_store(x, "q8")
+    d, codes = _q8_rows(x)
+    assert got.shape == (4 + x.shape[0],)
+    assert got[:4].view(np.float32)[0] == d
+    np.testing.assert_array_equal(got[4:].view(np.int8), codes)
+    back = _q8_values(d, codes).astype(np.float64)
+    step = np.float64(d) if d >= np.finfo(np.float32).tiny else 254 * np.float64(np.finfo(np.float32).tiny)
+    assert np.all(np.abs(back - x) <= 0.5 * step * (1 + 1e-6) + np.abs(back) * 2.0**-23 + 2.0**-149)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_q8_row_with_nan_or_infinity_reads_back_as_nan(bad):
+    """Non-finite keys stay visible: the row's scale is NaN or infinite, its codes 0, so every
+    value reads back as NaN (0 x inf) and the engine's finiteness check fails as with f32."""
+    x = np.array([1.0, bad, -2.0], np.float32)
+    got = _probes.kernel_kv_store(x, "q8")
+    assert not np.isfinite(got[:4].view(np.float32)[0]) and not got[4:].any()
+    assert np.isnan(_q8_values(got[:4].view(np.float32), got[4:].view(np.int8)[None])).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from([8, 12, 16, 24, 64, 128, 136]), st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8)]),
+       st.integers(1, 70), st.integers(0, 2**31 - 1), st.booleans())
+def test_attention_over_a_q8_cache_is_attention_over_its_values(isa, head_dim, heads, positions, seed, sinks):
+    """Reading a q8 row gives code * scale, one rounding, and then what an f32 row gets: the
+    result equals f32 attention over the dequantized cache, bit for bit, on every tier (decode's
+    units of 1-8 heads, head_dim a multiple of 16, of 8 only, or neither)."""
+    n_heads, n_kv = heads
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+    k = (rng.standard_normal((n_kv, positions, head_dim)) * rng.uniform(0.1, 10, (n_kv, positions, 1))).astype(np.float32)
+    v = rng.standard_normal((n_kv, positions, head_dim)).astype(np.float32)
+    s = rng.standard_normal(n_heads).astype(np.float32) if sinks else None
+    start = positions // 3
+    ours = _probes.kernel_attention(q, k, v, n_kv, start, positions - 1, sinks=s, kv="q8")
+    kd, vd = _q8_values(*_q8_rows(k)), _q8_values(*_q8_rows(v))
+    theirs = _probes.kernel_attention(q, kd, vd, n_kv, start, positions - 1, sinks=s)
     np.testing.assert_array_equal(ours, theirs)
 
 

@@ -286,8 +286,32 @@ def test_an_f16_kv_cache_halves_it_and_stays_close(converted, case):
     np.testing.assert_array_equal(batched, stepped)
 
 
+@pytest.mark.parametrize("case", ["mixtral_a", "qwen3moe_a", "gemma4_a", "gpt_oss_a", "deepseekv3_a"])
+def test_a_q8_kv_cache_is_a_quarter_and_a_prompt_still_equals_decoding_it(converted, case):
+    """Keys and values stored as int8 codes with one f32 scale a row (a KV head at a position):
+    every cache array is (head_dim + 4) bytes a row where f32's is 4 head_dim (MLA's latent rows
+    alike), and a prompt still equals decoding it. (Its closeness is checked on the trained demo,
+    tests/test_demo.py: these random-weight fixtures route on near-ties, so q8's 1 % logit error
+    flips experts and says nothing; the kernels are held bit for bit to attention over the
+    dequantized cache, tests/test_kernels.py.)"""
+    ref = reference(case)
+    ids = np.ascontiguousarray(ref["input_ids"], np.int32)
+    full, q8 = colibri.load(converted(case, "f32")), colibri.load(converted(case, "f32"), kv_cache="q8")
+    for f32_rows, q8_rows in zip(full._engine._kv_arrays(), q8._engine._kv_arrays(), strict=True):
+        assert q8_rows.dtype == np.uint8 and q8_rows.shape == f32_rows.shape[:-1] + (f32_rows.shape[-1] + 4,)
+    batched = np.empty((len(ids), q8.config.vocab_size), np.float32)
+    stepped = np.empty_like(batched)
+    q8._engine.reset()
+    assert q8._engine.run(ids, 0, batched, True)[0] == 0
+    assert np.isfinite(batched).all()
+    q8._engine.reset()
+    for t in range(len(ids)):
+        assert q8._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+    np.testing.assert_array_equal(batched, stepped)
+
+
 def test_an_unknown_kv_cache_type_is_refused(converted):
-    with pytest.raises(colibri.ColibriError, match="kv_cache must be one of f32, f16"):
+    with pytest.raises(colibri.ColibriError, match="kv_cache must be one of f32, f16, q8"):
         colibri.load(converted("mixtral_a", "f32"), kv_cache="int8")
 
 

@@ -187,11 +187,12 @@ def token_sweep(args, rng, counts, rows=3584, cols=1024):
 
 def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_dim=64):
     """Decode's attention (cb_attention, every layer, one query) against the read bandwidth, with
-    the f32 and the f16 cache (load(kv_cache=)) interleaved: ms per token of each and their ratio."""
+    the f32, f16 and q8 caches (load(kv_cache=)) interleaved: ms per token of each, f32's over f16's,
+    and each one's cache bytes per second."""
     print(f"tier {_kernels.isa()}, {args.threads} threads, {layers} layers x {heads} heads / {kv_heads} KV heads x "
           f"head_dim {head_dim}; median of {args.repeat}, interleaved with a read of the f32 cache's bytes")
-    print(f"{'positions':>9} {'f32 MB':>7} {'f32 ms':>8} {'f16 ms':>8} {'f32/f16':>8} {'f32 GB/s':>9} {'f16 GB/s':>9} "
-          f"{'read GB/s':>10} {'f32 of read':>12}")
+    print(f"{'positions':>9} {'f32 MB':>7} {'f32 ms':>8} {'f16 ms':>8} {'q8 ms':>8} {'f32/f16':>8} {'f32 GB/s':>9} "
+          f"{'f16 GB/s':>9} {'q8 GB/s':>8} {'read GB/s':>10} {'f32 of read':>12}")
     q = rng.standard_normal((heads, head_dim), dtype=np.float32)
     for n in lengths:
         k = rng.standard_normal((layers, kv_heads, n, head_dim), dtype=np.float32)
@@ -202,14 +203,17 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
         reps = max(1, int(3e8 / nbytes))
         _probes.bench_attention(q, k, v, n - 1, args.threads, 1)        # warm: page in
         _probes.bench_attention(q, k16, v16, n - 1, args.threads, 1, "f16")
-        at, ht, rt = [], [], []
-        for _ in range(args.repeat):
+        q8_bytes = nbytes * (head_dim + 4) / (4 * head_dim)
+        at, ht, qt, rt = [], [], [], []
+        for _ in range(args.repeat):      # (q8: the caches quantized per call, outside the timing)
             at.append(_probes.bench_attention(q, k, v, n - 1, args.threads, reps) / reps)
             ht.append(_probes.bench_attention(q, k16, v16, n - 1, args.threads, reps, "f16") / reps)
+            qt.append(_probes.bench_attention(q, k, v, n - 1, args.threads, reps, "q8") / reps)
             rt.append(timed(lambda: _probes.bench_read(read_buf, args.threads)))
-        a, h, r = statistics.median(at), statistics.median(ht), statistics.median(rt)
-        print(f"{n:9d} {nbytes / 1e6:7.1f} {a * 1e3:8.3f} {h * 1e3:8.3f} {a / h:8.2f} {nbytes / a / 1e9:9.1f} "
-              f"{nbytes / 2 / h / 1e9:9.1f} {nbytes / r / 1e9:10.1f} {r / a:12.2f}")
+        a, h, q8, r = statistics.median(at), statistics.median(ht), statistics.median(qt), statistics.median(rt)
+        print(f"{n:9d} {nbytes / 1e6:7.1f} {a * 1e3:8.3f} {h * 1e3:8.3f} {q8 * 1e3:8.3f} {a / h:8.2f} "
+              f"{nbytes / a / 1e9:9.1f} {nbytes / 2 / h / 1e9:9.1f} {q8_bytes / q8 / 1e9:8.1f} {nbytes / r / 1e9:10.1f} "
+              f"{r / a:12.2f}")
         del k, v, k16, v16, read_buf
 
 
@@ -232,8 +236,8 @@ def prompt_attention_table(args, rng, lengths, chunk=128, kv_heads=4, heads=32, 
         q = rng.standard_normal((chunk, heads, head_dim), dtype=np.float32)
         pos0 = n - chunk
         flop = 4 * heads * head_dim * sum(pos0 + t + 1 for t in range(chunk))
-        for kv in ("f32", "f16"):
-            kc, vc = (k, v) if kv == "f32" else (k.astype(np.float16), v.astype(np.float16))
+        for kv in ("f32", "f16", "q8"):
+            kc, vc = (k.astype(np.float16), v.astype(np.float16)) if kv == "f16" else (k, v)   # q8: per call
             reps = max(1, int(2e10 / flop))
             _probes.bench_attention_prompt(q, kc, vc, pos0, args.threads, 1, False, kv)      # warm
             block, one = [], []

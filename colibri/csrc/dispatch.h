@@ -716,6 +716,7 @@ static int cb_self_test_step(int isa, int step) {
     static int32_t as[N * C / CB_QBLOCK], aoff[2 * N * C / CB_QBLOCK];
     static float kc[KV * RING * HD], vc[KV * RING * HD], q[HEADS * HD], sinks[HEADS], sc[HEADS * (RING + 1)];
     static uint16_t kc16[KV * RING * HD], vc16[KV * RING * HD];
+    static char kc8[KV * RING * (HD + CB_KV_Q8_SCALE_BYTES)], vc8[KV * RING * (HD + CB_KV_Q8_SCALE_BYTES)];
     static float gate[3 * C], up[3 * C], gref[3 * C];
     cb_act_q8 acts[N];
     uint32_t state = 12345u;
@@ -775,10 +776,14 @@ static int cb_self_test_step(int isa, int step) {
         kc16[i] = cb_f32_to_f16(kc[i]);
         vc16[i] = cb_f32_to_f16(vc[i]);
     }
-    for (int kv = CB_KV_F32; kv <= CB_KV_F16; kv++)
+    for (int r = 0; r < KV * RING; r++) {                 /* and in q8 (every tier stores it with the scalar code) */
+        cb_kv_store_q8(kc8 + (size_t)r * (HD + CB_KV_Q8_SCALE_BYTES), kc + r * HD, HD);
+        cb_kv_store_q8(vc8 + (size_t)r * (HD + CB_KV_Q8_SCALE_BYTES), vc + r * HD, HD);
+    }
+    for (int kv = CB_KV_F32; kv <= CB_KV_Q8; kv++)
         for (int with_sinks = 0; with_sinks < 2; with_sinks++) {
-            const void *k = kv == CB_KV_F16 ? (const void *)kc16 : (const void *)kc;
-            const void *v = kv == CB_KV_F16 ? (const void *)vc16 : (const void *)vc;
+            const void *k = kv == CB_KV_F16 ? (const void *)kc16 : kv == CB_KV_Q8 ? (const void *)kc8 : (const void *)kc;
+            const void *v = kv == CB_KV_F16 ? (const void *)vc16 : kv == CB_KV_Q8 ? (const void *)vc8 : (const void *)vc;
             check++;
             cb_select_kernels(CB_ISA_SCALAR, CB_INT_STEP_SCALAR);              /* a window of 9: positions 3..11 of a ring of 9, wrapped */
             cb_attention(ref, 0, q, 0, k, v, sc, HEADS, KV, HD, RING, 1, 11, RING, RING, 0.25f, with_sinks ? sinks : NULL, 1, kv);

@@ -223,6 +223,11 @@ CB_TARGET_AVX2 static float cb_dot_mxfp4_avx2(const void *row, const float *x, c
 #define CB_AVX2_T_CASES(CALL, DT) \
     switch (T) { case 1: CALL(DT, 1); break; case 2: CALL(DT, 2); break; \
                  case 3: CALL(DT, 3); break; default: CALL(DT, 4); break; }
+/* T = 1..8 (the 512-bit tiles' tokens: kernels_vnni.h, kernels_avx512.h), each a separate instantiation. */
+#define CB_T8_CASES(CALL, DT) \
+    switch (T) { case 1: CALL(DT, 1); break; case 2: CALL(DT, 2); break; case 3: CALL(DT, 3); break; \
+                 case 4: CALL(DT, 4); break; case 5: CALL(DT, 5); break; case 6: CALL(DT, 6); break; \
+                 case 7: CALL(DT, 7); break; default: CALL(DT, 8); break; }
 
 CB_TARGET_AVX2 static void cb_tile_quant_avx2_any(float *out, int ldo, const char *w, size_t stride, int dtype,
                                                   const float *x, int ldx, const cb_act_q8 *acts, int cols,
@@ -755,13 +760,22 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
 #ifndef CB_ATTN_VBLOCK_BYTES
 #define CB_ATTN_VBLOCK_BYTES 2048    /* value bytes per block of the value pass (8 rows at head_dim 64; at least 4 rows) */
 #endif
-/* 8 cache values at element i of a row of KV (CB_KV_*) elements, as floats (f16: F16C). */
+/* 8 cache values at element i of a row of KV (CB_KV_*) elements, as floats (f16: F16C; q8: code
+ * times the row's scale, one rounding, as cb_kv_q8_dequant). row is the row's start. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_t i, const int KV) {
+    if (KV == CB_KV_Q8) {
+        const __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)((const char *)row + CB_KV_Q8_SCALE_BYTES + i));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_broadcast_ss((const float *)row));
+    }
     if (KV == CB_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
     return _mm256_loadu_ps((const float *)row + i);
 }
 
 CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, int kv) {
+    if (kv == CB_KV_Q8) {
+        cb_kv_store_q8(dst, src, n);
+        return;
+    }
     if (kv != CB_KV_F16) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
         return;
@@ -793,11 +807,11 @@ CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attn_block_scores_avx2(float *const *sc, const float *const *qh, const char *kbase, int t0, int t1, int row_t0,
                           int ring, int head_dim, __m256 vscale, const int NH, const int R, const int KV) {
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;        /* bytes of one cache element */
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     for (int t = t0, row = row_t0; t < t1; t += R) {  /* R rows a step (2 or 4); the last valid one repeats */
         const char *k[4];
         for (int r = 0, rr = row; r < R; r++) {
-            k[r] = kbase + (size_t)rr * head_dim * es;
+            k[r] = kbase + (size_t)rr * rbytes;
             if (t + r + 1 < t1) rr = rr + 1 == ring ? 0 : rr + 1;
         }
         __m256 acc[4][4];
@@ -832,14 +846,14 @@ cb_attn_block_scores_avx2(float *const *sc, const float *const *qh, const char *
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attn_block_vpass_avx2(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
                          int ring, int head_dim, int d, const int NH, const int NV, const int KV) {
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     __m256 acc[4][4];
     for (int i = 0; i < NH; i++)
         for (int c = 0; c < NV; c++) acc[i][c] = t0 ? _mm256_loadu_ps(o[i] + d + 8 * c) : _mm256_setzero_ps();
     for (int t = t0, row = row_t0; t < t1; t++) {
-        const char *v = vbase + ((size_t)row * head_dim + d) * es;
+        const char *v = vbase + (size_t)row * rbytes;
         __m256 vv[4];
-        for (int c = 0; c < NV; c++) vv[c] = cb_kv_load8(v, 8 * c, KV);
+        for (int c = 0; c < NV; c++) vv[c] = cb_kv_load8(v, (size_t)d + 8 * c, KV);
         for (int i = 0; i < NH; i++) {
             const __m256 p = _mm256_broadcast_ss(sc[i] + t);
             for (int c = 0; c < NV; c++) acc[i][c] = _mm256_fmadd_ps(p, vv[c], acc[i][c]);
@@ -882,7 +896,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                      int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
                      float scale, const float *sinks, const int NH, const int HD, const int KV) {
     const int head_dim = HD ? HD : head_dim_;          /* a constant where HD is: the loops unroll */
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;        /* bytes of one cache element */
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);   /* bytes of one cache row */
     const int n = pos - start + 1, row0 = start % ring;
     const float *qh[8];                                /* NH <= 4 here (the AVX-512 tier's units of 8: its own kernel) */
     float *sc[8];
@@ -890,8 +904,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
         qh[i] = q + (size_t)(h0 + i) * head_dim;
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
     }
-    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;
-    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;
     const __m256 vscale = _mm256_set1_ps(scale);
     /* Scores two key rows at a time: each q load serves both rows and 2 x NH independent FMA chains
      * hide the FMA latency (one row's NH chains of head_dim / 8 did not: 7 FLOP a cycle of 32).
@@ -899,11 +913,11 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
      * score does not depend on its row's partner (or on being the odd one out at the end). */
     for (int t = 0, row = row0; t < n; t += 2) {
         const int pair = t + 1 < n, row_b = row + 1 == ring ? 0 : row + 1;
-        const char *ka = kbase + (size_t)row * head_dim * es, *kb = kbase + (size_t)(pair ? row_b : row) * head_dim * es;
+        const char *ka = kbase + (size_t)row * rbytes, *kb = kbase + (size_t)(pair ? row_b : row) * rbytes;
         for (int r = 0; r < 2; r++) {
             int ahead = row + CB_ATTN_PREFETCH + r;
             ahead = ahead < ring ? ahead : ahead % ring;
-            for (size_t d = 0; d < head_dim * es; d += 64) _mm_prefetch(kbase + (size_t)ahead * head_dim * es + d, _MM_HINT_T0);
+            for (size_t d = 0; d < rbytes; d += 64) _mm_prefetch(kbase + (size_t)ahead * rbytes + d, _MM_HINT_T0);
         }
         __m256 acc_a[8], acc_b[8];
         for (int i = 0; i < 8; i++) acc_a[i] = acc_b[i] = _mm256_setzero_ps();
@@ -939,7 +953,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
      * run at the read bandwidth (16 KB blocks: 0.8 of it; tools/bench_kernels.py --attention).
      * Each output still adds its positions in order (the sums wait in out between blocks), so
      * the block size does not change a bit. */
-    const int vblock = CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) > 4 ? CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) : 4;
+    const int vblock = CB_ATTN_VBLOCK_BYTES / (int)rbytes > 4 ? CB_ATTN_VBLOCK_BYTES / (int)rbytes : 4;
     for (int t0 = 0, row_t0 = row0; t0 < n; t0 += vblock) {
         const int t1 = n - t0 > vblock ? t0 + vblock : n;
         const int next0 = (int)(((int64_t)row_t0 + vblock) % ring);
@@ -952,8 +966,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 a1[i] = t0 && two ? _mm256_loadu_ps(o + 8) : _mm256_setzero_ps();
             }
             for (int t = t0, row = row_t0, next = next0; t < t1; t++) {
-                const char *v = vbase + (size_t)row * head_dim * es;
-                _mm_prefetch(vbase + ((size_t)next * head_dim + d) * es, _MM_HINT_T0);
+                const char *v = vbase + (size_t)row * rbytes;
+                _mm_prefetch(vbase + (size_t)next * rbytes + (size_t)d * rbytes / (size_t)head_dim, _MM_HINT_T0); /* ~column d */
                 const __m256 v0 = cb_kv_load8(v, d, KV), v1 = two ? cb_kv_load8(v, d + 8, KV) : _mm256_setzero_ps();
                 for (int i = 0; i < NH; i++) {
                     const __m256 p = _mm256_broadcast_ss(sc[i] + t);
@@ -986,12 +1000,12 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
  * contract, the same bits in every tier that has one); SCORES(sc, qh, kbase, t0, t1, row_t0, s0) and
  * VALUES(o, sc, vbase, t0, t1, row_t0, s0) are the tier's passes over one query's rows (s0: the
  * first row's place in its block); the body runs in a function with cb_attend_qblock_group_avx2's
- * parameters (head_dim and es defined). */
-#define CB_ATTN_KBLOCK_ROWS(head_dim, es) \
-    (CB_ATTN_KBLOCK_BYTES / ((head_dim) * (int)(es)) > 8 ? CB_ATTN_KBLOCK_BYTES / ((head_dim) * (int)(es)) : 8)
+ * parameters (head_dim and rbytes, a cache row's bytes, defined). */
+#define CB_ATTN_KBLOCK_ROWS(rbytes) \
+    (CB_ATTN_KBLOCK_BYTES / (int)(rbytes) > 8 ? CB_ATTN_KBLOCK_BYTES / (int)(rbytes) : 8)
 #define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES, ROWS, PREPARE, SOFTMAX)                                            \
-    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;                     \
-    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;                     \
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;                            \
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;                            \
     const int rows = (ROWS);                                                                            \
     const int first = cb_window_start(pos0, window), last = pos0 + nq - 1;                              \
     for (int pass = 0; pass < 2; pass++) {                                                              \
@@ -1028,12 +1042,12 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
                             int pos0, int window, int ring, float scale, const float *sinks,
                             const int NH, const int HD, const int R, const int KV) {
     const int head_dim = HD ? HD : head_dim_;
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     const __m256 vscale = _mm256_set1_ps(scale);
 #define CB_SCORES_AVX2(sc, qh, kb, t0, t1, r0, s0) cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV)
 #define CB_VALUES_AVX2(o, sc, vb, t0, t1, r0, s0) cb_attn_block_values_avx2(o, sc, vb, t0, t1, r0, ring, head_dim, NH, R, KV)
 #define CB_PREPARE_NONE(pass, b0, b1) (void)0
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2, CB_ATTN_KBLOCK_ROWS(head_dim, es), CB_PREPARE_NONE,
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2, CB_ATTN_KBLOCK_ROWS(rbytes), CB_PREPARE_NONE,
                           cb_softmax_avx2)
 #undef CB_SCORES_AVX2
 #undef CB_VALUES_AVX2
@@ -1073,6 +1087,9 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
     if (kv == CB_KV_F16)
         cb_attend_heads_kv_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
                                 scale, sinks, CB_KV_F16);
+    else if (kv == CB_KV_Q8)
+        cb_attend_heads_kv_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
+                                scale, sinks, CB_KV_Q8);
     else
         cb_attend_heads_kv_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
                                 scale, sinks, CB_KV_F32);
@@ -1114,6 +1131,9 @@ CB_TARGET_AVX2 static void cb_attend_block_avx2(float *out, int ldo, const float
     if (kv == CB_KV_F16)
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
                                 window, ring, scale, sinks, 2, CB_KV_F16);
+    else if (kv == CB_KV_Q8)
+        cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                                window, ring, scale, sinks, 2, CB_KV_Q8);
     else
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
                                 window, ring, scale, sinks, 2, CB_KV_F32);
@@ -1455,20 +1475,17 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
                              _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo[g][j], hi[g][j])), 0xD8)));
 }
 
-/* The interleaved bf16 entry (cb_itile_fn, dtype CB_BF16): groups [g0, g1), all n tokens. */
+/* The interleaved bf16 entry (cb_itile_fn, dtype CB_BF16): groups [g0, g1), all n tokens; decode
+ * takes CB_IDECODE_LOOP's split (cb_group_bytes(CB_BF16) gives a group's bytes per block). */
 CB_TARGET_AVX2 static void cb_itile_bf16_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                               int cols, int g0, int g1, int n) {
-    (void)dtype;
-    const size_t row = (size_t)cols * 2 * CB_TGROUP;     /* a group's bytes */
     if (n == 1) {
-        const int per = (g1 - g0) / 4;
-        for (int g = g0; g < g0 + per; g++)
-            cb_ibf16_tile_avx2(out + (size_t)g * CB_TGROUP, 0, (size_t)per * CB_TGROUP, w + (size_t)g * row, per * row,
-                               acts, cols, 4, 1);
-        for (int g = g0 + 4 * per; g < g1; g++)
-            cb_ibf16_tile_avx2(out + (size_t)g * CB_TGROUP, 0, 0, w + (size_t)g * row, 0, acts, cols, 1, 1);
+#define CB_CALL_ID(o, os, gp, gs, G) cb_ibf16_tile_avx2(o, 0, os, gp, gs, acts, cols, G, 1)
+        CB_IDECODE_LOOP(CB_CALL_ID)
+#undef CB_CALL_ID
         return;
     }
+    const size_t row = (size_t)cols * 2 * CB_TGROUP;     /* a group's bytes */
     for (int g = g0; g < g1; g++)
         for (int t = 0; t < n; t += CB_IBF16_TOKENS_AVX2) {
             float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;

@@ -302,56 +302,42 @@ cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
 }
 
 /* The order of both entries below: decode (n = 1) 4 groups side by side (CB_IDECODE_LOOP's split),
- * a prompt 2 groups x 8 tokens a tile, an odd last group alone. TILE(o, ldo, ostride, gp, gstride,
- * acts, G, T) with constant G and T. */
-#define CB_T8_SWITCH(CALL, G)                                                                           \
-    switch (n - t < CB_IBF16_TOKENS ? n - t : CB_IBF16_TOKENS) {                                        \
-    case 1: CALL(G, 1); break; case 2: CALL(G, 2); break; case 3: CALL(G, 3); break;                    \
-    case 4: CALL(G, 4); break; case 5: CALL(G, 5); break; case 6: CALL(G, 6); break;                    \
-    case 7: CALL(G, 7); break; default: CALL(G, 8); break; }
-#define CB_IBF16_ENTRY(TILE)                                                                            \
-    const size_t row = (size_t)cols * 2 * CB_TGROUP;                                                    \
+ * a prompt 2 groups x 8 tokens a tile, an odd last group alone. In a function with cb_itile_fn's
+ * parameters and CB_IBF16_DECODE(o, ostride, gp, gstride, G) and CB_IBF16_PAIR(G, T) (G groups
+ * of a tile, T tokens, both constant) defined. */
+#define CB_IBF16_ENTRY()                                                                                \
     if (n == 1) {                                                                                       \
-        const int per = (g1 - g0) / 4;                                                                  \
-        for (int g = g0; g < g0 + per; g++)                                                             \
-            TILE(out + (size_t)g * CB_TGROUP, 0, (size_t)per * CB_TGROUP, w + (size_t)g * row, per * row, acts, 4, 1); \
-        for (int g = g0 + 4 * per; g < g1; g++)                                                         \
-            TILE(out + (size_t)g * CB_TGROUP, 0, 0, w + (size_t)g * row, 0, acts, 1, 1);                \
+        CB_IDECODE_LOOP(CB_IBF16_DECODE)                                                                \
         return;                                                                                         \
     }                                                                                                   \
+    const size_t row = (size_t)cols * 2 * CB_TGROUP;                                                    \
     for (int g = g0; g < g1; g += 2)                                                                    \
         for (int t = 0; t < n; t += CB_IBF16_TOKENS) {                                                  \
             float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;                                   \
             const char *gp = w + (size_t)g * row;                                                       \
-            if (g + 1 < g1) { CB_T8_SWITCH(CB_IBF16_PAIR, 2) }                                          \
-            else { CB_T8_SWITCH(CB_IBF16_ONE, 1) }                                                      \
+            const int T = n - t;                                                                        \
+            if (g + 1 < g1) { CB_T8_CASES(CB_IBF16_PAIR, 2) }                                           \
+            else { CB_T8_CASES(CB_IBF16_PAIR, 1) }                                                      \
         }
 
 CB_TARGET_AVX512 static void cb_itile_bf16_avx512(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                                   int cols, int g0, int g1, int n) {
-    (void)dtype;
-#define CB_TILE_W(o, l, os, p, ps, a, G, T) cb_ibf16_tile_avx512(o, l, os, p, ps, a, cols, G, T)
-#define CB_IBF16_PAIR(G, T) CB_TILE_W(o, ldo, CB_TGROUP, gp, row, acts + t, G, T)
-#define CB_IBF16_ONE(G, T) CB_TILE_W(o, ldo, 0, gp, 0, acts + t, G, T)
-    CB_IBF16_ENTRY(CB_TILE_W)
+#define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16_tile_avx512(o, 0, os, gp, gs, acts, cols, G, 1)
+#define CB_IBF16_PAIR(G, T) cb_ibf16_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, G, T)
+    CB_IBF16_ENTRY()
 #undef CB_IBF16_PAIR
-#undef CB_IBF16_ONE
-#undef CB_TILE_W
+#undef CB_IBF16_DECODE
 }
 
 CB_TARGET_AVX512_BF16 static void cb_itile_bf16x_avx512(float *out, int ldo, const char *w, int dtype,
                                                         const cb_act_q8 *acts, int cols, int g0, int g1, int n) {
-    (void)dtype;
-#define CB_TILE_B(o, l, os, p, ps, a, G, T) cb_ibf16x_tile_avx512(o, l, os, p, ps, a, cols, G, T)
-#define CB_IBF16_PAIR(G, T) CB_TILE_B(o, ldo, CB_TGROUP, gp, row, acts + t, G, T)
-#define CB_IBF16_ONE(G, T) CB_TILE_B(o, ldo, 0, gp, 0, acts + t, G, T)
-    CB_IBF16_ENTRY(CB_TILE_B)
+#define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16x_tile_avx512(o, 0, os, gp, gs, acts, cols, G, 1)
+#define CB_IBF16_PAIR(G, T) cb_ibf16x_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, G, T)
+    CB_IBF16_ENTRY()
 #undef CB_IBF16_PAIR
-#undef CB_IBF16_ONE
-#undef CB_TILE_B
+#undef CB_IBF16_DECODE
 }
 #undef CB_IBF16_ENTRY
-#undef CB_T8_SWITCH
 
 /* ---- a prompt's block of queries (cb_attend_block_fn) on 512-bit vectors -------------------------
  *
@@ -414,6 +400,13 @@ CB_TARGET_AVX512 static int cb_softmax_avx512(float *x, int n) {
 
 /* Elements d..d+7 of cache rows a and b (CB_KV_* elements) as floats: a's in lanes 0..7, b's in 8..15. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load8x2(const char *a, const char *b, size_t d, const int KV) {
+    if (KV == CB_KV_Q8) {              /* both rows' 8 codes widened at once, each times its row's scale */
+        const __m128i c = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(a + CB_KV_Q8_SCALE_BYTES + d)),
+                                             _mm_loadl_epi64((const __m128i *)(const void *)(b + CB_KV_Q8_SCALE_BYTES + d)));
+        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(*(const float *)(const void *)a),
+                                            _mm256_set1_ps(*(const float *)(const void *)b), 1);
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), s);
+    }
     if (KV == CB_KV_F16)
         return _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(a + 2 * d))),
@@ -422,8 +415,12 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load8x2(const char *a, con
                               _mm256_loadu_ps((const float *)(const void *)b + d), 1);
 }
 
-/* 16 cache values at element i of a row, as floats. */
+/* 16 cache values at element i of a row (row: its start), as floats (q8: as cb_kv_load8). */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load16(const char *row, size_t i, const int KV) {
+    if (KV == CB_KV_Q8) {
+        const __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(row + CB_KV_Q8_SCALE_BYTES + i));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), _mm512_set1_ps(*(const float *)(const void *)row));
+    }
     if (KV == CB_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * i)));
     return _mm512_loadu_ps((const float *)(const void *)row + i);
 }
@@ -443,7 +440,7 @@ static inline int cb_attn_kf_rows(int head_dim) { return (CB_ATTN_KF_FLOATS / he
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attn_kblock_pairs_avx512(float *kf, const char *kbase, int b0, int b1, int rows, int ring, int head_dim,
                             const int KV) {
-    const size_t es = KV == CB_KV_F16 ? 2 : 4, rbytes = (size_t)head_dim * es;
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     const int n = b1 - b0, pairs = (n + 1) / 2;
     int row = b0 % ring;
     for (int p = 0; p < pairs; p++) {
@@ -536,18 +533,19 @@ cb_attn_block_scores_kf_avx512(float *const *sc, const float *const *qh, const f
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attn_block_vpass_avx512(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
                            int ring, int head_dim, int d, int ahead, const int NH, const int NV, const int KV) {
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
+    const size_t col = (size_t)d * rbytes / (size_t)head_dim, span = (size_t)16 * NV * rbytes / (size_t)head_dim;
     __m512 acc[8][4];
     for (int i = 0; i < NH; i++)
         for (int c = 0; c < NV; c++) acc[i][c] = t0 ? _mm512_loadu_ps(o[i] + d + 16 * c) : _mm512_setzero_ps();
     for (int t = t0, row = row_t0; t < t1; t++) {
-        const char *v = vbase + ((size_t)row * head_dim + d) * es;
-        if (ahead) {
+        const char *v = vbase + (size_t)row * rbytes;
+        if (ahead) {                                     /* about the bytes of columns d..d+16NV-1 */
             const int next = (int)(((int64_t)row + ahead) % ring);
-            for (size_t b = 0; b < 16 * NV * es; b += 64) _mm_prefetch(vbase + ((size_t)next * head_dim + d) * es + b, _MM_HINT_T0);
+            for (size_t b = 0; b < span; b += 64) _mm_prefetch(vbase + (size_t)next * rbytes + col + b, _MM_HINT_T0);
         }
         __m512 vv[4];
-        for (int c = 0; c < NV; c++) vv[c] = cb_kv_load16(v, (size_t)(16 * c), KV);
+        for (int c = 0; c < NV; c++) vv[c] = cb_kv_load16(v, (size_t)(d + 16 * c), KV);
         for (int i = 0; i < NH; i++) {
             const __m512 p = _mm512_set1_ps(sc[i][t]);
             for (int c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
@@ -584,13 +582,13 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
                               int pos0, int window, int ring, float scale, const float *sinks, float *kf,
                               const int NH, const int HD, const int KV) {
     const int head_dim = HD ? HD : head_dim_;
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     const __m512 vscale = _mm512_set1_ps(scale);
     const int krows = cb_attn_kf_rows(head_dim);
     memset(kf + (size_t)krows * head_dim, 0, sizeof(float) * CB_ATTN_KF_PAD * head_dim);
 #define CB_PREPARE_AVX512(pass, b0, b1) \
     if (pass == 0) cb_attn_kblock_pairs_avx512(kf, kbase, b0, b1, krows, ring, head_dim, KV); \
-    else cb_attn_prefetch_rows(vbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, head_dim * es)
+    else cb_attn_prefetch_rows(vbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, rbytes)
     const int NH_A = NH < 4 ? NH : 4, NH_B = NH > 4 ? NH - 4 : 1;   /* up to 8 heads: two calls of 4 */
 #define CB_SCORES_AVX512(sc, qh, kb, t0, t1, r0, s0)                                                          \
     do {                                                                                                      \
@@ -650,6 +648,9 @@ CB_TARGET_AVX512 static void cb_attend_block_avx512(float *out, int ldo, const f
     if (kv == CB_KV_F16)
         cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
                                   window, ring, scale, sinks, kf, CB_KV_F16);
+    else if (kv == CB_KV_Q8)
+        cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                                  window, ring, scale, sinks, kf, CB_KV_Q8);
     else
         cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
                                   window, ring, scale, sinks, kf, CB_KV_F32);
@@ -670,7 +671,7 @@ cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const vo
                        int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
                        float scale, const float *sinks, const int NH, const int HD, const int KV) {
     const int head_dim = HD ? HD : head_dim_;
-    const size_t es = KV == CB_KV_F16 ? 2 : 4;
+    const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     const int n = pos - start + 1, row0 = start % ring;
     const float *qh[8];
     float *sc[8], *o[8];
@@ -679,19 +680,19 @@ cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const vo
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
         o[i] = out + (size_t)(h0 + i) * head_dim;
     }
-    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * head_dim * es;
-    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * head_dim * es;
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;
     const __m512 vscale512 = _mm512_set1_ps(scale);
     for (int t = 0, row = row0; t < n; t += 4) {         /* the last valid row repeats */
         const char *k[4];
         for (int r = 0, rr = row; r < 4; r++) {
-            k[r] = kbase + (size_t)rr * head_dim * es;
+            k[r] = kbase + (size_t)rr * rbytes;
             if (t + r + 1 < n) rr = rr + 1 == ring ? 0 : rr + 1;
         }
         for (int r = 0; r < 4; r++) {
             int ahead = row + CB_ATTN_PREFETCH + r;
             ahead = ahead < ring ? ahead : ahead % ring;
-            for (size_t b = 0; b < head_dim * es; b += 64) _mm_prefetch(kbase + (size_t)ahead * head_dim * es + b, _MM_HINT_T0);
+            for (size_t b = 0; b < rbytes; b += 64) _mm_prefetch(kbase + (size_t)ahead * rbytes + b, _MM_HINT_T0);
         }
         __m512 acc[2][8];                               /* [row pair][head] */
         for (int p = 0; p < 2; p++)
@@ -725,7 +726,7 @@ cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const vo
         for (int r = 0; r < 4 && t + r < n; r++) row = row + 1 == ring ? 0 : row + 1;
     }
     CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
-    const int vblock = CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) > 4 ? CB_ATTN_VBLOCK_BYTES / (head_dim * (int)es) : 4;
+    const int vblock = CB_ATTN_VBLOCK_BYTES / (int)rbytes > 4 ? CB_ATTN_VBLOCK_BYTES / (int)rbytes : 4;
     for (int t0 = 0, row_t0 = row0; t0 < n; t0 += vblock) {
         const int t1 = n - t0 > vblock ? t0 + vblock : n;
         cb_attn_block_values_avx512(o, (const float *const *)sc, vbase, t0, t1, row_t0, ring, head_dim, vblock, NH,
@@ -760,6 +761,10 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
         if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_F16)
         else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_F16)
         else CB_ATTEND_HD(0, CB_KV_F16)
+    } else if (kv == CB_KV_Q8) {
+        if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_Q8)
+        else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_Q8)
+        else CB_ATTEND_HD(0, CB_KV_Q8)
     } else {
         if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_F32)
         else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_F32)

@@ -582,9 +582,28 @@ static int cb_softmax(float *x, int n) {
     return 0;
 }
 
-/* The KV cache's element types (a load option): f32, or f16 (half the bytes; values rounded to
- * nearest even as they are stored, cb_kt.kv_store; read back exactly). */
-enum { CB_KV_F32 = 0, CB_KV_F16 = 1 };
+/* The KV cache's element types (a load option): f32, f16 (half the bytes; values rounded to
+ * nearest even as they are stored, cb_kt.kv_store; read back exactly), or q8 (a quarter of f32's
+ * bytes and 4 more a row: a row of head_dim values is its f32 scale d = max |x| / 127 followed by
+ * head_dim int8 codes round(x / d), and reads back as code * d). Every kernel reads a q8 row as
+ * the f32 row of those products and does with it what it does with an f32 row, so attention over
+ * a q8 cache is, bit for bit, attention over an f32 cache holding the dequantized rows. */
+enum { CB_KV_F32 = 0, CB_KV_F16 = 1, CB_KV_Q8 = 2 };
+#define CB_KV_Q8_SCALE_BYTES 4          /* a q8 row's f32 scale, before its codes */
+#define CB_KV_Q8_MAX_HEAD_DIM 1024      /* head_dim a q8 cache serves (the generic path's row buffer) */
+
+/* Bytes of one cache row (a KV head's head_dim values at one position) of kv elements. */
+static inline size_t cb_kv_row_bytes(int head_dim, int kv) {
+    return kv == CB_KV_Q8 ? (size_t)head_dim + CB_KV_Q8_SCALE_BYTES : (size_t)head_dim * (kv == CB_KV_F16 ? 2 : 4);
+}
+
+/* A q8 cache row's n values as floats: code * scale, one rounding each. */
+static inline void cb_kv_q8_dequant(float *dst, const char *row, int n) {
+    float d;
+    memcpy(&d, row, sizeof d);
+    const int8_t *c = (const int8_t *)(const void *)(row + CB_KV_Q8_SCALE_BYTES);
+    for (int i = 0; i < n; i++) dst[i] = (float)c[i] * d;
+}
 
 /* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+2].
  * sinks [n_heads] or NULL: head h's sink logit joins the softmax (in sc[n]) and takes no value.
@@ -593,11 +612,16 @@ static inline void cb_attend_head(float *out, const float *q, const void *k_cach
                                   float *sc, int h, int kvh, int head_dim, int start,
                                   int pos, int ring, float scale, const float *sinks, cb_dot_fn dot, int kv) {
     const float *qh = q + (size_t)h * head_dim;
-    const size_t es = kv == CB_KV_F16 ? 2 : 4;
+    const size_t rbytes = cb_kv_row_bytes(head_dim, kv);
+    float deq[CB_KV_Q8_MAX_HEAD_DIM];            /* a q8 row dequantized (dot: the f32 one then) */
     int n = pos - start + 1;
     int row0 = start % ring;                     /* the cache row of position start; rows wrap */
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const char *kt = (const char *)k_cache + ((size_t)kvh * ring + row) * head_dim * es;
+        const char *kt = (const char *)k_cache + ((size_t)kvh * ring + row) * rbytes;
+        if (kv == CB_KV_Q8) {
+            cb_kv_q8_dequant(deq, kt, head_dim);
+            kt = (const char *)deq;
+        }
         sc[t] = dot(kt, qh, NULL, head_dim) * scale;
     }
     if (sinks) sc[n] = sinks[h];
@@ -605,8 +629,11 @@ static inline void cb_attend_head(float *out, const float *q, const void *k_cach
     float *oh = out + (size_t)h * head_dim;
     memset(oh, 0, sizeof(float) * (size_t)head_dim);
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
-        const char *vt = (const char *)v_cache + ((size_t)kvh * ring + row) * head_dim * es;
-        if (kv == CB_KV_F16)
+        const char *vt = (const char *)v_cache + ((size_t)kvh * ring + row) * rbytes;
+        if (kv == CB_KV_Q8) {
+            cb_kv_q8_dequant(deq, vt, head_dim);
+            cb_axpy(oh, sc[t], deq, head_dim);
+        } else if (kv == CB_KV_F16)
             for (int d = 0; d < head_dim; d++) oh[d] += sc[t] * cb_f16_table[((const uint16_t *)vt)[d]];
         else
             cb_axpy(oh, sc[t], (const float *)vt, head_dim);
@@ -635,9 +662,32 @@ static inline uint16_t cb_f32_to_f16(float f) {
     return (uint16_t)(sign | r);
 }
 
+/* A q8 cache row (CB_KV_Q8) of n floats: d = max |x| / 127, codes lrintf(x / d) (round to nearest
+ * even; all 0 where d is 0). A row holding NaN or infinity stores d = NaN or infinity and codes 0,
+ * so it reads back as NaN and the engine's finiteness check sees it, as with an f32 cache. (A row
+ * below 127 x FLT_MIN has a subnormal scale and reads back within 127 x FLT_MIN.) Every
+ * tier stores q8 through this (once per KV head and token: not worth a vector version). */
+static void cb_kv_store_q8(void *dst, const float *src, int n) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float a = fabsf(src[i]);
+        if (!(a <= amax)) amax = a;              /* NaN wins, and stays */
+        if (isnan(amax)) break;
+    }
+    const float d = amax / 127.0f;
+    int8_t *c = (int8_t *)dst + CB_KV_Q8_SCALE_BYTES;
+    memcpy(dst, &d, sizeof d);
+    for (int i = 0; i < n; i++) {
+        const long r = d > 0.0f && isfinite(d) ? lrintf(src[i] / d) : 0;
+        c[i] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+    }
+}
+
 /* Store n floats into a cache row of kv (CB_KV_*) elements. */
 static void cb_kv_store_scalar(void *dst, const float *src, int n, int kv) {
-    if (kv == CB_KV_F16)
+    if (kv == CB_KV_Q8)
+        cb_kv_store_q8(dst, src, n);
+    else if (kv == CB_KV_F16)
         for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = cb_f32_to_f16(src[i]);
     else
         memcpy(dst, src, sizeof(float) * (size_t)n);

@@ -45,12 +45,6 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
                                                                 _mm256_loadu_si256((const __m256i *)s)));
 }
 
-/* T = 1..8 (the 512-bit tile's tokens), each a separate instantiation. */
-#define CB_T8_CASES(CALL, DT) \
-    switch (T) { case 1: CALL(DT, 1); break; case 2: CALL(DT, 2); break; case 3: CALL(DT, 3); break; \
-                 case 4: CALL(DT, 4); break; case 5: CALL(DT, 5); break; case 6: CALL(DT, 6); break; \
-                 case 7: CALL(DT, 7); break; default: CALL(DT, 8); break; }
-
 #define CB_VNNI_TARGET CB_TARGET_AVX512_VNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_epi32(a, u, s)
 #define CB_VNNI_NAME(base) base##_avx512vnni

@@ -66,6 +66,10 @@ def peer_runs(a) -> list:
             runs.append((f"ik_llama.cpp -rtr fa {fa_name}", a.ik_bench,
                          lambda d, fa=fa: {"pp": ["-p", str(d), "-n", "0", "-fa", fa, "-rtr", "1"],
                                            "tg": ["-gp", f"{d},32", "-fa", fa, "-rtr", "1"]}))
+        # its 8-bit KV cache (q8_0 keys and values; a quantized V cache needs its flash attention)
+        q8 = ["-fa", "1", "-rtr", "1", "-ctk", "q8_0", "-ctv", "q8_0"]
+        runs.append(("ik_llama.cpp -rtr fa on kv q8_0", a.ik_bench,
+                     lambda d: {"pp": ["-p", str(d), "-n", "0"] + q8, "tg": ["-gp", f"{d},32"] + q8}))
     return runs
 
 
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
     for depth in [int(d) for d in a.depths.split(",")]:
         for rep in range(a.reps):
             warm([a.model_dir, a.gguf])
-            engines = [(f"colibri kv {kv}", None, kv) for kv in ("f32", "f16")] + \
+            engines = [(f"colibri kv {kv}", None, kv) for kv in ("f32", "f16", "q8")] + \
                       [(name, binary, make) for name, binary, make in peer_runs(a)]
             engines = [e for e in engines if not any(s in e[0] for s in skip)]
             if rep % 2:
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
                     tests = what(depth)
                     record(name, depth, rep, llama_bench(binary, a.gguf, tests["pp"], a.threads),
                            llama_bench(binary, a.gguf, tests["tg"], a.threads))
-    print("\nmedians (Colibri kv f16 / the best peer):")
+    print("\nmedians (each Colibri cache / the best peer):")
     for depth in sorted({r["depth"] for r in results}):
         rows = {}
         for r in results:
@@ -117,10 +121,10 @@ def main(argv=None) -> int:
         peers = [m for e, m in med.items() if not e.startswith("colibri")]
         for e, (pp, tg) in med.items():
             print(f"depth {depth:6d}  {e:28s} pp {pp:8.1f}  tg {tg:7.2f}")
-        if peers and "colibri kv f16" in med:
-            pp, tg = med["colibri kv f16"]
-            print(f"depth {depth:6d}  Colibri / best peer: pp {pp / max(p for p, _ in peers):.2f}, "
-                  f"tg {tg / max(t for _, t in peers):.2f}")
+        for e, (pp, tg) in med.items():
+            if peers and e.startswith("colibri"):
+                print(f"depth {depth:6d}  {e} / best peer: pp {pp / max(p for p, _ in peers):.2f}, "
+                      f"tg {tg / max(t for _, t in peers):.2f}")
     return 0
 
 
