@@ -810,6 +810,13 @@ static int cb_self_test_step(int isa, int step) {
         cb_kv_store(stored, kc, KV * RING * HD, CB_KV_F16);
         if (memcmp(stored, kc16, sizeof stored) != 0) return check;
     }
+    check++;                                              /* and its q8 store (a row of 19: a tail) */
+    {
+        static char stored[CB_KV_Q8_SCALE_BYTES + 19], want[CB_KV_Q8_SCALE_BYTES + 19];
+        cb_kv_store_q8(want, kc, 19);
+        cb_kv_store(stored, kc, 19, CB_KV_Q8);
+        if (memcmp(stored, want, sizeof stored) != 0) return check;
+    }
     for (int act = CB_ACT_SILU; act <= CB_ACT_GELU_TANH; act++) {
         check++;
         for (int i = 0; i < 3 * C; i++) {

@@ -665,8 +665,8 @@ static inline uint16_t cb_f32_to_f16(float f) {
 /* A q8 cache row (CB_KV_Q8) of n floats: d = max |x| / 127, codes lrintf(x / d) (round to nearest
  * even; all 0 where d is 0). A row holding NaN or infinity stores d = NaN or infinity and codes 0,
  * so it reads back as NaN and the engine's finiteness check sees it, as with an f32 cache. (A row
- * below 127 x FLT_MIN has a subnormal scale and reads back within 127 x FLT_MIN.) Every
- * tier stores q8 through this (once per KV head and token: not worth a vector version). */
+ * below 127 x FLT_MIN has a subnormal scale and reads back within 127 x FLT_MIN.) The AVX2 and
+ * AVX-512 tiers store the same bytes with 8 lanes (cb_kv_store_q8_avx2). */
 static void cb_kv_store_q8(void *dst, const float *src, int n) {
     float amax = 0.0f;
     for (int i = 0; i < n; i++) {
