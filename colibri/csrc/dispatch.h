@@ -222,9 +222,9 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     }
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
-    t->attend = cb_attend_heads_avx512;
+    t->attend = f->avx512_vnni ? cb_attend_heads_avx512vnni : cb_attend_heads_avx512;   /* q8: vpdpbusd */
     t->attend_heads = CB_ATTN_HEADS_WIDE;
-    t->attend_block = cb_attend_block_avx512;
+    t->attend_block = f->avx512_vnni ? cb_attend_block_avx512vnni : cb_attend_block_avx512;
     t->attend_block_heads = CB_ATTN_HEADS_WIDE;
     t->kv_store = cb_kv_store_avx2;
     t->softmax = cb_softmax_avx512;
@@ -566,10 +566,6 @@ static inline int cb_thread_num(void) {
     return 0;
 #endif
 }
-
-/* A prompt's queries go to cb_kt.attend_block CB_ATTN_QBLOCK at a time: the block's cache rows are
- * read from memory once for all of them (one query at a time read a query's whole span each). */
-#define CB_ATTN_QBLOCK 8
 
 /* The rows of n_ctx + 1 floats cb_attention's `scores` must have for n_threads threads: a row per
  * head for one query, a block's rows per thread for several. */

@@ -760,15 +760,52 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
 #ifndef CB_ATTN_VBLOCK_BYTES
 #define CB_ATTN_VBLOCK_BYTES 2048    /* value bytes per block of the value pass (8 rows at head_dim 64; at least 4 rows) */
 #endif
-/* 8 cache values at element i of a row of KV (CB_KV_*) elements, as floats (f16: F16C; q8: code
- * times the row's scale, one rounding, as cb_kv_q8_dequant). row is the row's start. */
+/* 8 cache values at element i of a row of KV (CB_KV_*) elements, as floats (f16: F16C; q8: the
+ * codes, whose row scale the value pass puts into the row's weight, cb_kv_weight). row is the
+ * row's start. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_t i, const int KV) {
     if (KV == CB_KV_Q8) {
         const __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)((const char *)row + CB_KV_Q8_SCALE_BYTES + i));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_broadcast_ss((const float *)row));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
     }
     if (KV == CB_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
     return _mm256_loadu_ps((const float *)row + i);
+}
+
+/* The weight value row `row` of KV elements takes in the value pass: probability p, times the
+ * row's scale for q8 (cb_attend_head's w). */
+static CB_ALWAYS_INLINE float cb_kv_weight(float p, const char *row, const int KV) {
+    return KV == CB_KV_Q8 ? p * cb_kv_q8_scale(row) : p;
+}
+
+/* q8 scores (cb_q8_score's bits) of one key row for NH <= 4 query heads: codes qc [NH][qlen]
+ * (cb_q8_query_quantize), m [NH]. The integer sums by vpmaddubsw of |k| and q signed by k (products
+ * and pair sums stay within int16: codes are within +-127), then vpmaddwd with ones, 32 codes a
+ * step; a last head_dim % 32 in C. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_row_scores_avx2(float *s, const int8_t *qc, int qlen,
+                                                                 const cb_q8_query *m, const char *krow,
+                                                                 int head_dim, const int NH) {
+    const int8_t *kc = (const int8_t *)(const void *)(krow + CB_KV_Q8_SCALE_BYTES);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[4];
+    for (int i = 0; i < NH; i++) acc[i] = _mm256_setzero_si256();
+    int d = 0;
+    for (; d + 32 <= head_dim; d += 32) {
+        const __m256i k = _mm256_loadu_si256((const __m256i *)(const void *)(kc + d)), ka = _mm256_abs_epi8(k);
+        for (int i = 0; i < NH; i++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(const void *)(qc + (size_t)i * qlen + d));
+            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ka, _mm256_sign_epi8(qv, k)), ones));
+        }
+    }
+    const float dk = cb_kv_q8_scale(krow);
+    for (int i = 0; i < NH; i++) {
+        __m128i x = _mm_add_epi32(_mm256_castsi256_si128(acc[i]), _mm256_extracti128_si256(acc[i], 1));
+        x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+        x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+        int32_t sum = _mm_cvtsi128_si32(x);
+        for (int e = d; e < head_dim; e++) sum += (int32_t)qc[(size_t)i * qlen + e] * kc[e];
+        s[i] = cb_q8_score_from_sum(sum, dk, m[i].qs);
+    }
 }
 
 /* cb_kv_store_q8 with 8 lanes, the same bytes: the max is exact in any order, the division is
@@ -841,6 +878,20 @@ CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, 
 
 /* Scores of positions t0..t1-1 of one query's span (t counts from the span's first position;
  * row_t0 is t0's cache row): sc[i][t] = qh[i] . k_t * scale for the NH heads. */
+/* q8 (cb_q8_score): query codes qc [NH][qlen] and m [NH], a row at a time. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attn_block_scores_q8_avx2(float *const *sc, const int8_t *qc, const cb_q8_query *m, const char *kbase, int t0,
+                             int t1, int row_t0, int ring, int head_dim, const int NH) {
+    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
+    const int qlen = cb_q8_qlen(head_dim);
+    for (int t = t0, row = row_t0; t < t1; t++) {
+        float s[4];
+        cb_q8_row_scores_avx2(s, qc, qlen, m, kbase + (size_t)row * rbytes, head_dim, NH);
+        for (int i = 0; i < NH; i++) sc[i][t] = s[i];
+        row = row + 1 == ring ? 0 : row + 1;
+    }
+}
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attn_block_scores_avx2(float *const *sc, const float *const *qh, const char *kbase, int t0, int t1, int row_t0,
                           int ring, int head_dim, __m256 vscale, const int NH, const int R, const int KV) {
@@ -892,7 +943,7 @@ cb_attn_block_vpass_avx2(float *const *o, const float *const *sc, const char *vb
         __m256 vv[4];
         for (int c = 0; c < NV; c++) vv[c] = cb_kv_load8(v, (size_t)d + 8 * c, KV);
         for (int i = 0; i < NH; i++) {
-            const __m256 p = _mm256_broadcast_ss(sc[i] + t);
+            const __m256 p = _mm256_set1_ps(cb_kv_weight(sc[i][t], v, KV));
             for (int c = 0; c < NV; c++) acc[i][c] = _mm256_fmadd_ps(p, vv[c], acc[i][c]);
         }
         row = row + 1 == ring ? 0 : row + 1;
@@ -944,6 +995,21 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
     const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;
     const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;
     const __m256 vscale = _mm256_set1_ps(scale);
+    if (KV == CB_KV_Q8) {                              /* q8: integer sums of codes (cb_q8_score) */
+        const int qlen = cb_q8_qlen(head_dim);
+        int8_t qc[4 * CB_KV_Q8_MAX_HEAD_DIM];
+        cb_q8_query m[4];
+        for (int i = 0; i < NH; i++) cb_q8_query_quantize(qc + (size_t)i * qlen, &m[i], qh[i], head_dim, scale);
+        for (int t = 0, row = row0; t < n; t++) {
+            int ahead = row + CB_ATTN_PREFETCH;
+            ahead = ahead < ring ? ahead : ahead % ring;
+            for (size_t b = 0; b < rbytes; b += 64) _mm_prefetch(kbase + (size_t)ahead * rbytes + b, _MM_HINT_T0);
+            float s[4];
+            cb_q8_row_scores_avx2(s, qc, qlen, m, kbase + (size_t)row * rbytes, head_dim, NH);
+            for (int i = 0; i < NH; i++) sc[i][t] = s[i];
+            row = row + 1 == ring ? 0 : row + 1;
+        }
+    } else
     /* Scores two key rows at a time: each q load serves both rows and 2 x NH independent FMA chains
      * hide the FMA latency (one row's NH chains of head_dim / 8 did not: 7 FLOP a cycle of 32).
      * Each row's sums are gathered as before — hadd pairs, then the two 128-bit halves — so a
@@ -1008,7 +1074,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 _mm_prefetch(vbase + (size_t)next * rbytes + col, _MM_HINT_T0);
                 const __m256 v0 = cb_kv_load8(v, d, KV), v1 = two ? cb_kv_load8(v, d + 8, KV) : _mm256_setzero_ps();
                 for (int i = 0; i < NH; i++) {
-                    const __m256 p = _mm256_broadcast_ss(sc[i] + t);
+                    const __m256 p = _mm256_set1_ps(cb_kv_weight(sc[i][t], v, KV));
                     a0[i] = _mm256_fmadd_ps(p, v0, a0[i]);
                     a1[i] = _mm256_fmadd_ps(p, v1, a1[i]);
                 }
@@ -1035,9 +1101,9 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
  * the key or value rows a block (ROWS positions) at a time for each query that sees them.
  * PREPARE(pass, b0, b1) runs once per block (positions b0..b1-1) before its queries (the AVX-512
  * tier converts the block's rows there); SOFTMAX(x, n) is the tier's softmax (cb_softmax's
- * contract, the same bits in every tier that has one); SCORES(sc, qh, kbase, t0, t1, row_t0, s0) and
- * VALUES(o, sc, vbase, t0, t1, row_t0, s0) are the tier's passes over one query's rows (s0: the
- * first row's place in its block); the body runs in a function with cb_attend_qblock_group_avx2's
+ * contract, the same bits in every tier that has one); SCORES(j, sc, qh, kbase, t0, t1, row_t0, s0) and
+ * VALUES(o, sc, vbase, t0, t1, row_t0, s0) are the tier's passes over one query's rows (j: the
+ * query's place in the block; s0: the first row's place in its block); the body runs in a function with cb_attend_qblock_group_avx2's
  * parameters (head_dim and rbytes, a cache row's bytes, defined). */
 #define CB_ATTN_KBLOCK_ROWS(rbytes) \
     (CB_ATTN_KBLOCK_BYTES / (int)(rbytes) > 8 ? CB_ATTN_KBLOCK_BYTES / (int)(rbytes) : 8)
@@ -1061,7 +1127,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                     sc[i] = scores + ((size_t)j * CB_ATTN_BLOCK_HEADS_MAX + i) * sc_stride;                       \
                     o[i] = out + (size_t)j * ldo + (size_t)(h0 + i) * head_dim;                         \
                 }                                                                                       \
-                if (pass == 0) SCORES(sc, qh, kbase, a - start, b - start, a % ring, a - b0);           \
+                if (pass == 0) SCORES(j, sc, qh, kbase, a - start, b - start, a % ring, a - b0);        \
                 else VALUES(o, (const float *const *)sc, vbase, a - start, b - start, a % ring, a - b0); \
             }                                                                                           \
         }                                                                                               \
@@ -1077,12 +1143,22 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
                             const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim_,
-                            int pos0, int window, int ring, float scale, const float *sinks,
-                            const int NH, const int HD, const int R, const int KV) {
+                            int pos0, int window, int ring, float scale, const float *sinks, int8_t *qc,
+                            cb_q8_query *m, const int NH, const int HD, const int R, const int KV) {
     const int head_dim = HD ? HD : head_dim_;
     const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     const __m256 vscale = _mm256_set1_ps(scale);
-#define CB_SCORES_AVX2(sc, qh, kb, t0, t1, r0, s0) cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV)
+    const int qlen = cb_q8_qlen(head_dim);
+    if (KV == CB_KV_Q8)                      /* q8: the block's query heads quantized once, [nq][4][qlen] */
+        for (int j = 0; j < nq; j++)
+            for (int i = 0; i < NH; i++)
+                cb_q8_query_quantize(qc + (size_t)(CB_ATTN_HEADS * j + i) * qlen, &m[CB_ATTN_HEADS * j + i],
+                                     q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim, head_dim, scale);
+#define CB_SCORES_AVX2(j, sc, qh, kb, t0, t1, r0, s0)                                                         \
+    if (KV == CB_KV_Q8)                                                                                       \
+        cb_attn_block_scores_q8_avx2(sc, qc + (size_t)CB_ATTN_HEADS * (j) * qlen, m + CB_ATTN_HEADS * (j), kb, t0, t1, r0, ring, head_dim, NH); \
+    else                                                                                                      \
+        cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV)
 #define CB_VALUES_AVX2(o, sc, vb, t0, t1, r0, s0) cb_attn_block_values_avx2(o, sc, vb, t0, t1, r0, ring, head_dim, NH, R, KV)
 #define CB_PREPARE_NONE(pass, b0, b1) (void)0
     CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2, CB_ATTN_KBLOCK_ROWS(rbytes), CB_PREPARE_NONE,
@@ -1136,7 +1212,8 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_block_kv_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache, const void *v_cache,
                         float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0, int window,
-                        int ring, float scale, const float *sinks, const int R, const int KV) {
+                        int ring, float scale, const float *sinks, int8_t *qc, cb_q8_query *m, const int R,
+                        const int KV) {
     if (head_dim % 8) {                                 /* as cb_attend_heads_kv_avx2: head by head */
         for (int j = 0; j < nq; j++)
             for (int h = h0; h < h0 + nh; h++)
@@ -1147,7 +1224,8 @@ cb_attend_block_kv_avx2(float *out, int ldo, const float *q, int ldq, int nq, co
         return;
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
-                                                        h0, kvh, head_dim, pos0, window, ring, scale, sinks, k, hd, R, KV)
+                                                        h0, kvh, head_dim, pos0, window, ring, scale, sinks, qc, m, \
+                                                        k, hd, R, KV)
 #define CB_ATTEND_HD(hd)                  \
     switch (nh) {                         \
     case 1: CB_ATTEND_NH(1, hd); break;   \
@@ -1168,13 +1246,15 @@ CB_TARGET_AVX2 static void cb_attend_block_avx2(float *out, int ldo, const float
                                                 const float *sinks, int kv) {
     if (kv == CB_KV_F16)
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, 2, CB_KV_F16);
-    else if (kv == CB_KV_Q8)
+                                window, ring, scale, sinks, NULL, NULL, 2, CB_KV_F16);
+    else if (kv == CB_KV_Q8) {
+        int8_t qc[CB_ATTN_QBLOCK * CB_ATTN_HEADS * CB_KV_Q8_MAX_HEAD_DIM];   /* the block's quantized query heads */
+        cb_q8_query m[CB_ATTN_QBLOCK * CB_ATTN_HEADS];
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, 2, CB_KV_Q8);
-    else
+                                window, ring, scale, sinks, qc, m, 2, CB_KV_Q8);
+    } else
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, 2, CB_KV_F32);
+                                window, ring, scale, sinks, NULL, NULL, 2, CB_KV_F32);
 }
 
 /* ---- the interleaved layout (int8/int4, quant.h) ---------------------------------------------

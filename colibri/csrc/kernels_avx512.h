@@ -398,15 +398,9 @@ CB_TARGET_AVX512 static int cb_softmax_avx512(float *x, int n) {
     return 0;
 }
 
-/* Elements d..d+7 of cache rows a and b (CB_KV_* elements) as floats: a's in lanes 0..7, b's in 8..15. */
+/* Elements d..d+7 of cache rows a and b (f32 or f16: q8 scores take the integer kernels) as floats:
+ * a's in lanes 0..7, b's in 8..15. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load8x2(const char *a, const char *b, size_t d, const int KV) {
-    if (KV == CB_KV_Q8) {              /* both rows' 8 codes widened at once, each times its row's scale */
-        const __m128i c = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(a + CB_KV_Q8_SCALE_BYTES + d)),
-                                             _mm_loadl_epi64((const __m128i *)(const void *)(b + CB_KV_Q8_SCALE_BYTES + d)));
-        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(*(const float *)(const void *)a),
-                                            _mm256_set1_ps(*(const float *)(const void *)b), 1);
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), s);
-    }
     if (KV == CB_KV_F16)
         return _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(a + 2 * d))),
@@ -415,12 +409,10 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load8x2(const char *a, con
                               _mm256_loadu_ps((const float *)(const void *)b + d), 1);
 }
 
-/* 16 cache values at element i of a row (row: its start), as floats (q8: as cb_kv_load8). */
+/* 16 cache values at element i of a row (row: its start), as floats (q8: the codes, as cb_kv_load8). */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load16(const char *row, size_t i, const int KV) {
-    if (KV == CB_KV_Q8) {
-        const __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(row + CB_KV_Q8_SCALE_BYTES + i));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), _mm512_set1_ps(*(const float *)(const void *)row));
-    }
+    if (KV == CB_KV_Q8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(row + CB_KV_Q8_SCALE_BYTES + i))));
     if (KV == CB_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * i)));
     return _mm512_loadu_ps((const float *)(const void *)row + i);
 }
@@ -547,7 +539,7 @@ cb_attn_block_vpass_avx512(float *const *o, const float *const *sc, const char *
         __m512 vv[4];
         for (int c = 0; c < NV; c++) vv[c] = cb_kv_load16(v, (size_t)(d + 16 * c), KV);
         for (int i = 0; i < NH; i++) {
-            const __m512 p = _mm512_set1_ps(sc[i][t]);
+            const __m512 p = _mm512_set1_ps(cb_kv_weight(sc[i][t], v, KV));
             for (int c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
         }
         row = row + 1 == ring ? 0 : row + 1;
@@ -590,7 +582,7 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
     if (pass == 0) cb_attn_kblock_pairs_avx512(kf, kbase, b0, b1, krows, ring, head_dim, KV); \
     else cb_attn_prefetch_rows(vbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, rbytes)
     const int NH_A = NH < 4 ? NH : 4, NH_B = NH > 4 ? NH - 4 : 1;   /* up to 8 heads: two calls of 4 */
-#define CB_SCORES_AVX512(sc, qh, kb, t0, t1, r0, s0)                                                          \
+#define CB_SCORES_AVX512(j, sc, qh, kb, t0, t1, r0, s0)                                                        \
     do {                                                                                                      \
         cb_attn_block_scores_kf_avx512(sc, qh, kf, s0, (s0) + (t1) - (t0), (t0) - (s0), head_dim, vscale, NH_A, \
                                        NH_A <= 2 ? 8 : 4);                                                    \
@@ -617,7 +609,7 @@ cb_attend_block_kv_avx512(float *out, int ldo, const float *q, int ldq, int nq, 
         for (int g = 0; g < nh; g += CB_ATTN_HEADS)      /* 4 heads a call */
             cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0 + g,
                                     nh - g < CB_ATTN_HEADS ? nh - g : CB_ATTN_HEADS, kvh, head_dim, pos0, window, ring,
-                                    scale, sinks, 4, KV);
+                                    scale, sinks, NULL, NULL, 4, KV);
         return;
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
@@ -645,12 +637,14 @@ CB_TARGET_AVX512 static void cb_attend_block_avx512(float *out, int ldo, const f
                                                     int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0,
                                                     int window, int ring, float scale, const float *sinks, int kv) {
     float kf[CB_ATTN_KF_FLOATS + CB_ATTN_KF_PAD * CB_ATTN_KF_MAX_HD];   /* a key block's pairs and the pad: 48 KB */
-    if (kv == CB_KV_F16)
+    if (kv == CB_KV_Q8)                    /* without AVX512-VNNI: the AVX2 tier's integer sums, 4 heads a call */
+        for (int g = 0; g < nh; g += CB_ATTN_HEADS)
+            cb_attend_block_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0 + g,
+                                 nh - g < CB_ATTN_HEADS ? nh - g : CB_ATTN_HEADS, kvh, head_dim, pos0, window, ring,
+                                 scale, sinks, kv);
+    else if (kv == CB_KV_F16)
         cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
                                   window, ring, scale, sinks, kf, CB_KV_F16);
-    else if (kv == CB_KV_Q8)
-        cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                  window, ring, scale, sinks, kf, CB_KV_Q8);
     else
         cb_attend_block_kv_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
                                   window, ring, scale, sinks, kf, CB_KV_F32);
@@ -739,9 +733,11 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
                                                     float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim,
                                                     int start, int pos, int ring, float scale, const float *sinks,
                                                     int kv) {
-    if (head_dim % 8) {
-        cb_attend_heads_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
-                             scale, sinks, kv);
+    if (head_dim % 8 || kv == CB_KV_Q8) {       /* q8 without AVX512-VNNI: the AVX2 tier's integer sums */
+        for (int g = 0; g < nh; g += CB_ATTN_HEADS)
+            cb_attend_heads_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0 + g,
+                                 nh - g < CB_ATTN_HEADS ? nh - g : CB_ATTN_HEADS, kvh, head_dim, start, pos, ring,
+                                 scale, sinks, kv);
         return;
     }
 #define CB_ATTEND_NH(k, hd, kvt) cb_attend_group_avx512(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
@@ -761,10 +757,6 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
         if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_F16)
         else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_F16)
         else CB_ATTEND_HD(0, CB_KV_F16)
-    } else if (kv == CB_KV_Q8) {
-        if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_Q8)
-        else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_Q8)
-        else CB_ATTEND_HD(0, CB_KV_Q8)
     } else {
         if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_F32)
         else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_F32)
@@ -772,6 +764,240 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
     }
 #undef CB_ATTEND_HD
 #undef CB_ATTEND_NH
+}
+
+/* ---- q8 attention with AVX512-VNNI (cb_q8_score's bits) ----
+ *
+ * Key rows are transposed 16 at a time so that one vpdpbusd adds 4 codes of 16 rows at once:
+ * kt [groups][16] int32, group g of row r the row's codes 4g..4g+3 XOR 0x80 (vpdpbusd takes them
+ * as unsigned, code + 128; the query's bias, -128 x its codes' sum, starts the sum), and the query
+ * head's 4 codes of group g broadcast. A score's sum is then complete in its lane: no reduction
+ * (decode's f32 scores spend about a third of their operations gathering lanes). The transpose
+ * (64 shuffles per 16 x 64 bytes) is paid once per row and serves every query head reading it: 8
+ * in decode's units, a prompt block's 8 queries x 8 heads. The float part, the weights and the
+ * value pass are the AVX2 tier's operations (cb_q8_score_from_sum, cb_kv_weight), so the bits are
+ * that tier's and a prompt's equal decoding it. */
+#define CB_Q8_KT_BYTES 16384            /* a prompt's transposed key block (128 rows at head_dim 128) */
+
+/* Rows rows[0..valid-1] (q8 cache rows) into kt [cb_q8_qlen(head_dim) / 4][16] and kd [16]:
+ * bytes past head_dim and rows past valid are code 0 (they meet the query's zero padding or are
+ * never stored). */
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
+cb_q8_transpose16_avx512vnni(int32_t *kt, float *kd, const char *const *rows, int valid, int head_dim) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int c = 0; c < head_dim; c += 64) {
+        const __mmask64 m = head_dim - c >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (head_dim - c)) - 1);
+        __m512i r[16], a[16], b[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < valid ? _mm512_maskz_loadu_epi8(m, rows[i] + CB_KV_Q8_SCALE_BYTES + c) : _mm512_setzero_si512();
+        for (int k = 0; k < 8; k++) {                 /* 32-bit interleave of row pairs */
+            a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+            a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+        }
+        for (int k = 0; k < 4; k++) {                 /* b[4k + j], 128-bit lane L: group 4L + j of rows 4k..4k+3 */
+            b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+            b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+            b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+            b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+        }
+        int32_t *dst = kt + (size_t)(c / 4) * 16;
+        for (int j = 0; j < 4; j++) {                 /* group 4L + j: lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
+            const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+            const __m512i d0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44), d1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+            _mm512_storeu_si512(dst + (size_t)(0 + j) * 16, _mm512_xor_si512(_mm512_shuffle_i32x4(c0, d0, 0x88), flip));
+            _mm512_storeu_si512(dst + (size_t)(4 + j) * 16, _mm512_xor_si512(_mm512_shuffle_i32x4(c0, d0, 0xDD), flip));
+            _mm512_storeu_si512(dst + (size_t)(8 + j) * 16, _mm512_xor_si512(_mm512_shuffle_i32x4(c1, d1, 0x88), flip));
+            _mm512_storeu_si512(dst + (size_t)(12 + j) * 16, _mm512_xor_si512(_mm512_shuffle_i32x4(c1, d1, 0xDD), flip));
+        }
+    }
+    for (int i = 0; i < 16; i++) kd[i] = i < valid ? cb_kv_q8_scale(rows[i]) : 0.0f;
+}
+
+/* Scores of V x 16 transposed rows (kt, kd: V consecutive sets of 16) for NH query heads (codes qc
+ * [NH][qlen], m [NH]): sc[i][t_at + r] for the rows r of the set whose bit is in keep[v]. */
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
+cb_q8_scores16_avx512vnni(float *const *sc, int t_at, const __mmask16 *keep, const int32_t *kt, const float *kd,
+                          const int8_t *qc, int qlen, const cb_q8_query *m, const int NH, const int V) {
+    const int groups = qlen / 4;
+    __m512i acc[2][8];
+    for (int v = 0; v < V; v++)
+        for (int i = 0; i < NH; i++) acc[v][i] = _mm512_set1_epi32(m[i].bias);
+    for (int g = 0; g < groups; g++) {
+        __m512i k[2];
+        for (int v = 0; v < V; v++) k[v] = _mm512_loadu_si512(kt + ((size_t)v * groups + g) * 16);
+        for (int i = 0; i < NH; i++) {
+            int32_t q4;
+            memcpy(&q4, qc + (size_t)i * qlen + 4 * g, 4);
+            const __m512i qv = _mm512_set1_epi32(q4);
+            for (int v = 0; v < V; v++) acc[v][i] = _mm512_dpbusd_epi32(acc[v][i], k[v], qv);
+        }
+    }
+    for (int v = 0; v < V; v++) {
+        const __m512 dk = _mm512_loadu_ps(kd + 16 * v);
+        for (int i = 0; i < NH; i++)
+            _mm512_mask_storeu_ps(sc[i] + t_at + 16 * v, keep[v],
+                                  _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[v][i]), dk), _mm512_set1_ps(m[i].qs)));
+    }
+}
+
+/* Decode (cb_attend_fn) over a q8 cache for NH <= 8 query heads: the key rows 16 at a time,
+ * transposed and prefetched a set ahead; the softmax and values as cb_attend_group_avx512's. */
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
+cb_attend_group_q8_avx512vnni(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
+                              int sc_stride, int h0, int kvh, int head_dim, int start, int pos, int ring, float scale,
+                              const float *sinks, const int NH) {
+    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
+    const int n = pos - start + 1, row0 = start % ring, qlen = cb_q8_qlen(head_dim);
+    int8_t qc[CB_ATTN_HEADS_WIDE * CB_KV_Q8_MAX_HEAD_DIM];
+    cb_q8_query m[CB_ATTN_HEADS_WIDE];
+    int32_t kt[16 * CB_KV_Q8_MAX_HEAD_DIM / 4];
+    float kd[16], *sc[8], *o[8];
+    for (int i = 0; i < NH; i++) {
+        cb_q8_query_quantize(qc + (size_t)i * qlen, &m[i], q + (size_t)(h0 + i) * head_dim, head_dim, scale);
+        sc[i] = scores + (size_t)(h0 + i) * sc_stride;
+        o[i] = out + (size_t)(h0 + i) * head_dim;
+    }
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;
+    for (int t = 0, row = row0; t < n; t += 16) {
+        const int valid = n - t < 16 ? n - t : 16;
+        const char *rows[16];
+        for (int r = 0; r < valid; r++) {
+            rows[r] = kbase + (size_t)row * rbytes;
+            int ahead = row + 16;                      /* the next set's row */
+            ahead = ahead < ring ? ahead : ahead % ring;
+            for (size_t b = 0; b < rbytes; b += 64) _mm_prefetch(kbase + (size_t)ahead * rbytes + b, _MM_HINT_T0);
+            row = row + 1 == ring ? 0 : row + 1;
+        }
+        cb_q8_transpose16_avx512vnni(kt, kd, rows, valid, head_dim);
+        const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
+        cb_q8_scores16_avx512vnni(sc, t, &keep, kt, kd, qc, qlen, m, NH, 1);
+    }
+    CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
+    const int vblock = CB_ATTN_VBLOCK_BYTES / (int)rbytes > 4 ? CB_ATTN_VBLOCK_BYTES / (int)rbytes : 4;
+    for (int t0 = 0, row_t0 = row0; t0 < n; t0 += vblock) {
+        const int t1 = n - t0 > vblock ? t0 + vblock : n;
+        cb_attn_block_values_avx512(o, (const float *const *)sc, vbase, t0, t1, row_t0, ring, head_dim, vblock, NH,
+                                    NH > 4 ? 2 : 4, CB_KV_Q8);
+        row_t0 = (int)(((int64_t)row_t0 + (t1 - t0)) % ring);
+    }
+}
+
+/* A prompt's block (cb_attend_block_fn) over a q8 cache for NH <= 8 heads: the block's query heads
+ * quantized once, each key block (CB_Q8_KT_BYTES) transposed once for all of them, 32 rows a step
+ * (2 x NH accumulators); values as cb_attend_qblock_group_avx512's. Scratch: kt [CB_Q8_KT_BYTES /
+ * 4 + 16 x CB_KV_Q8_MAX_HEAD_DIM / 4], kd [rows + 16], qc [CB_ATTN_QBLOCK][8][qlen], m [CB_ATTN_QBLOCK][8]. */
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
+cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
+                               const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim,
+                               int pos0, int window, int ring, float scale, const float *sinks, int32_t *kt, float *kd,
+                               int8_t *qc, cb_q8_query *m, const int NH) {
+    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
+    const int qlen = cb_q8_qlen(head_dim), groups = qlen / 4;
+    const int krows = CB_Q8_KT_BYTES / qlen > 16 ? (CB_Q8_KT_BYTES / qlen) & ~15 : 16;
+    for (int j = 0; j < nq; j++)
+        for (int i = 0; i < NH; i++)
+            cb_q8_query_quantize(qc + (size_t)(8 * j + i) * qlen, &m[8 * j + i],
+                                 q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim, head_dim, scale);
+#define CB_PREPARE_Q8(pass, b0, b1)                                                                   \
+    if (pass == 0) {                                                                                  \
+        for (int s_ = 0, row_ = (b0) % ring; s_ < (b1) - (b0); s_ += 16) {                            \
+            const int valid_ = (b1) - (b0) - s_ < 16 ? (b1) - (b0) - s_ : 16;                         \
+            const char *rows_[16];                                                                    \
+            for (int r_ = 0; r_ < valid_; r_++) {                                                     \
+                rows_[r_] = kbase + (size_t)row_ * rbytes;                                            \
+                row_ = row_ + 1 == ring ? 0 : row_ + 1;                                               \
+            }                                                                                         \
+            cb_q8_transpose16_avx512vnni(kt + (size_t)(s_ / 16) * groups * 16, kd + s_, rows_, valid_, head_dim); \
+        }                                                                                             \
+        cb_attn_prefetch_rows(kbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, rbytes); \
+    } else                                                                                            \
+        cb_attn_prefetch_rows(vbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, rbytes)
+#define CB_SCORES_Q8(j, sc, qh, kb, t0, t1, r0, s0)                                                   \
+    do {                                                                                              \
+        const int s1_ = (s0) + (t1) - (t0), t_at_ = (t0) - (s0);                                      \
+        const int8_t *qj_ = qc + (size_t)8 * (j) * qlen;                                              \
+        (void)qh;                                                                                     \
+        for (int s_ = (s0) & ~15; s_ < s1_; s_ += 32) {                                               \
+            __mmask16 keep_[2];                                                                       \
+            for (int v_ = 0; v_ < 2; v_++) {                                                          \
+                const int lo_ = (s0) - s_ - 16 * v_, hi_ = s1_ - s_ - 16 * v_;                        \
+                const unsigned up_ = hi_ >= 16 ? 0xFFFFu : hi_ > 0 ? (1u << hi_) - 1u : 0u;           \
+                keep_[v_] = (__mmask16)(lo_ > 0 ? up_ & ~((1u << (lo_ < 16 ? lo_ : 16)) - 1u) : up_); \
+            }                                                                                         \
+            if (s1_ - s_ > 16)                                                                        \
+                cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kt + (size_t)(s_ / 16) * groups * 16, kd + s_, \
+                                          qj_, qlen, m + 8 * (j), NH, 2);                             \
+            else                                                                                      \
+                cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kt + (size_t)(s_ / 16) * groups * 16, kd + s_, \
+                                          qj_, qlen, m + 8 * (j), NH, 1);                             \
+        }                                                                                             \
+    } while (0)
+    const int NH_A = NH < 4 ? NH : 4, NH_B = NH > 4 ? NH - 4 : 1;
+#define CB_VALUES_Q8(o, sc, vb, t0, t1, r0, s0)                                                       \
+    do {                                                                                              \
+        cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, 0, NH_A, 4, CB_KV_Q8);     \
+        if (NH > 4) cb_attn_block_values_avx512(o + 4, sc + 4, vb, t0, t1, r0, ring, head_dim, 0, NH_B, 4, CB_KV_Q8); \
+    } while (0)
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_Q8, CB_VALUES_Q8, krows, CB_PREPARE_Q8, cb_softmax_avx512)
+#undef CB_PREPARE_Q8
+#undef CB_SCORES_Q8
+#undef CB_VALUES_Q8
+}
+
+/* The tier's attention where the CPU has AVX512-VNNI: q8 caches (head_dim a multiple of 8) by the
+ * kernels above, the rest as cb_attend_heads_avx512 / cb_attend_block_avx512. */
+CB_TARGET_AVX512_VNNI static void cb_attend_heads_avx512vnni(float *out, const float *q, const void *k_cache,
+                                                             const void *v_cache, float *scores, int sc_stride, int h0,
+                                                             int nh, int kvh, int head_dim, int start, int pos, int ring,
+                                                             float scale, const float *sinks, int kv) {
+    if (kv != CB_KV_Q8 || head_dim % 8) {
+        cb_attend_heads_avx512(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
+                               scale, sinks, kv);
+        return;
+    }
+#define CB_Q8_NH(k) cb_attend_group_q8_avx512vnni(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
+                                                  start, pos, ring, scale, sinks, k)
+    switch (nh) {
+    case 1: CB_Q8_NH(1); break;
+    case 2: CB_Q8_NH(2); break;
+    case 3: CB_Q8_NH(3); break;
+    case 4: CB_Q8_NH(4); break;
+    case 5: CB_Q8_NH(5); break;
+    case 6: CB_Q8_NH(6); break;
+    case 7: CB_Q8_NH(7); break;
+    default: CB_Q8_NH(8); break;
+    }
+#undef CB_Q8_NH
+}
+
+CB_TARGET_AVX512_VNNI static void cb_attend_block_avx512vnni(float *out, int ldo, const float *q, int ldq, int nq,
+                                                             const void *k_cache, const void *v_cache, float *scores,
+                                                             int sc_stride, int h0, int nh, int kvh, int head_dim,
+                                                             int pos0, int window, int ring, float scale,
+                                                             const float *sinks, int kv) {
+    if (kv != CB_KV_Q8 || head_dim % 8) {
+        cb_attend_block_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
+                               window, ring, scale, sinks, kv);
+        return;
+    }
+    int32_t kt[CB_Q8_KT_BYTES / 4 + 16 * CB_KV_Q8_MAX_HEAD_DIM / 4];   /* 32 KB at most */
+    float kd[CB_Q8_KT_BYTES / 16 + 16];
+    int8_t qc[CB_ATTN_QBLOCK * 8 * CB_KV_Q8_MAX_HEAD_DIM];                /* 64 KB at most */
+    cb_q8_query m[CB_ATTN_QBLOCK * 8];
+#define CB_Q8_NH(k) cb_attend_qblock_q8_avx512vnni(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, kvh, \
+                                                   head_dim, pos0, window, ring, scale, sinks, kt, kd, qc, m, k)
+    switch (nh) {
+    case 1: CB_Q8_NH(1); break;
+    case 2: CB_Q8_NH(2); break;
+    case 3: CB_Q8_NH(3); break;
+    case 4: CB_Q8_NH(4); break;
+    case 5: CB_Q8_NH(5); break;
+    case 6: CB_Q8_NH(6); break;
+    case 7: CB_Q8_NH(7); break;
+    default: CB_Q8_NH(8); break;
+    }
+#undef CB_Q8_NH
 }
 
 #endif /* CB_X86 */

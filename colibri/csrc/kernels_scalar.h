@@ -585,9 +585,10 @@ static int cb_softmax(float *x, int n) {
 /* The KV cache's element types (a load option): f32, f16 (half the bytes; values rounded to
  * nearest even as they are stored, cb_kt.kv_store; read back exactly), or q8 (a quarter of f32's
  * bytes and 4 more a row: a row of head_dim values is its f32 scale d = max |x| / 127 followed by
- * head_dim int8 codes round(x / d), and reads back as code * d). Every kernel reads a q8 row as
- * the f32 row of those products and does with it what it does with an f32 row, so attention over
- * a q8 cache is, bit for bit, attention over an f32 cache holding the dequantized rows. */
+ * head_dim int8 codes round(x / d), and stands for code * d). Attention over a q8 cache works on
+ * the codes, as the peers' q8_0 caches do (cb_q8_score below): the query head is quantized the
+ * same way, a score is the exact integer dot product of the codes times the two scales, and a
+ * value row adds code x (probability x its scale). */
 enum { CB_KV_F32 = 0, CB_KV_F16 = 1, CB_KV_Q8 = 2 };
 #define CB_KV_Q8_SCALE_BYTES 4          /* a q8 row's f32 scale, before its codes */
 #define CB_KV_Q8_MAX_HEAD_DIM 1024      /* head_dim a q8 cache serves (the generic path's row buffer) */
@@ -597,32 +598,75 @@ static inline size_t cb_kv_row_bytes(int head_dim, int kv) {
     return kv == CB_KV_Q8 ? (size_t)head_dim + CB_KV_Q8_SCALE_BYTES : (size_t)head_dim * (kv == CB_KV_F16 ? 2 : 4);
 }
 
-/* A q8 cache row's n values as floats: code * scale, one rounding each. */
-static inline void cb_kv_q8_dequant(float *dst, const char *row, int n) {
+/* q8 attention. A query head is quantized as cb_kv_store_q8 stores a cache row (scale d_q =
+ * max |q| / 127, codes round(q / d_q)); the score of a key row with scale d_k and codes k is
+ *     s = ((float)(sum_d q_d k_d) x d_k) x (d_q x scale)
+ * — the integer sum exact (|sum| <= 127 x 127 x CB_KV_Q8_MAX_HEAD_DIM < 2^24, so its float too),
+ * then two roundings, in this order on every tier — so a score has the same bits however a tier
+ * sums the products (vpmaddubsw, vpdpbusd, in rows or transposed), and a prompt equals decoding it.
+ * A value row adds w x code to each output column with w = p x d_v (its probability times its
+ * scale, one rounding), positions in order. A NaN or infinite query or row gives NaN scores, as
+ * with f32. The quantized query head: its codes zero-padded to cb_q8_qlen bytes (a whole number
+ * of 64-byte vectors; the padding multiplies whatever the key rows hold there by 0) and: */
+typedef struct {
+    int32_t bias;       /* -128 x the sum of the codes: vpdpbusd multiplies key bytes as unsigned
+                           (code + 128), so a sum starts here to be the codes' own */
+    float qs;           /* d_q x the attention's scale */
+} cb_q8_query;
+#define CB_Q8_QALIGN 64
+static inline int cb_q8_qlen(int head_dim) { return (head_dim + CB_Q8_QALIGN - 1) / CB_Q8_QALIGN * CB_Q8_QALIGN; }
+
+static void cb_kv_store_q8(void *dst, const float *src, int n);
+
+/* Quantize query head qh [head_dim] into codes [cb_q8_qlen(head_dim)] and m. */
+static inline void cb_q8_query_quantize(int8_t *codes, cb_q8_query *m, const float *qh, int head_dim, float scale) {
+    char row[CB_KV_Q8_SCALE_BYTES + CB_KV_Q8_MAX_HEAD_DIM];
+    float d;
+    int32_t sum = 0;
+    cb_kv_store_q8(row, qh, head_dim);
+    memcpy(&d, row, sizeof d);
+    memcpy(codes, row + CB_KV_Q8_SCALE_BYTES, (size_t)head_dim);
+    memset(codes + head_dim, 0, (size_t)(cb_q8_qlen(head_dim) - head_dim));
+    for (int i = 0; i < head_dim; i++) sum += codes[i];
+    m->bias = -128 * sum;
+    m->qs = d * scale;
+}
+
+/* A q8 row's scale (its first 4 bytes). */
+static inline float cb_kv_q8_scale(const char *row) {
     float d;
     memcpy(&d, row, sizeof d);
-    const int8_t *c = (const int8_t *)(const void *)(row + CB_KV_Q8_SCALE_BYTES);
-    for (int i = 0; i < n; i++) dst[i] = (float)c[i] * d;
+    return d;
+}
+
+/* The score's float part from the exact integer sum: every tier's. */
+static inline float cb_q8_score_from_sum(int32_t sum, float d_k, float qs) { return ((float)sum * d_k) * qs; }
+
+/* The spec of one score: query codes qc against key row krow. */
+static inline float cb_q8_score(const int8_t *qc, float qs, const char *krow, int head_dim) {
+    const int8_t *kc = (const int8_t *)(const void *)(krow + CB_KV_Q8_SCALE_BYTES);
+    int32_t sum = 0;
+    for (int d = 0; d < head_dim; d++) sum += (int32_t)qc[d] * kc[d];
+    return cb_q8_score_from_sum(sum, cb_kv_q8_scale(krow), qs);
 }
 
 /* Head h of the query at `pos`, attending positions start..pos: out [head_dim], sc [>= pos-start+2].
  * sinks [n_heads] or NULL: head h's sink logit joins the softmax (in sc[n]) and takes no value.
- * The caches hold kv (CB_KV_*) elements; dot multiplies a key row of that type by the query. */
+ * The caches hold kv (CB_KV_*) elements; dot multiplies a key row of that type (f32, f16) by the
+ * query; q8 takes cb_q8_score. */
 static inline void cb_attend_head(float *out, const float *q, const void *k_cache, const void *v_cache,
                                   float *sc, int h, int kvh, int head_dim, int start,
                                   int pos, int ring, float scale, const float *sinks, cb_dot_fn dot, int kv) {
     const float *qh = q + (size_t)h * head_dim;
     const size_t rbytes = cb_kv_row_bytes(head_dim, kv);
-    float deq[CB_KV_Q8_MAX_HEAD_DIM];            /* a q8 row dequantized (dot: the f32 one then) */
+    int8_t qc[CB_KV_Q8_MAX_HEAD_DIM];           /* the query head's codes (q8) */
+    cb_q8_query qm = {0, 0.0f};
+    if (kv == CB_KV_Q8) cb_q8_query_quantize(qc, &qm, qh, head_dim, scale);
     int n = pos - start + 1;
     int row0 = start % ring;                     /* the cache row of position start; rows wrap */
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
         const char *kt = (const char *)k_cache + ((size_t)kvh * ring + row) * rbytes;
-        if (kv == CB_KV_Q8) {
-            cb_kv_q8_dequant(deq, kt, head_dim);
-            kt = (const char *)deq;
-        }
-        sc[t] = dot(kt, qh, NULL, head_dim) * scale;
+        sc[t] = kv == CB_KV_Q8 ? cb_q8_score(qc, qm.qs, kt, head_dim) : dot(kt, qh, NULL, head_dim) * scale;
     }
     if (sinks) sc[n] = sinks[h];
     cb_softmax(sc, n + (sinks != NULL));
@@ -631,8 +675,9 @@ static inline void cb_attend_head(float *out, const float *q, const void *k_cach
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
         const char *vt = (const char *)v_cache + ((size_t)kvh * ring + row) * rbytes;
         if (kv == CB_KV_Q8) {
-            cb_kv_q8_dequant(deq, vt, head_dim);
-            cb_axpy(oh, sc[t], deq, head_dim);
+            const float w = sc[t] * cb_kv_q8_scale(vt);
+            const int8_t *c = (const int8_t *)(const void *)(vt + CB_KV_Q8_SCALE_BYTES);
+            for (int d = 0; d < head_dim; d++) oh[d] += w * (float)c[d];
         } else if (kv == CB_KV_F16)
             for (int d = 0; d < head_dim; d++) oh[d] += sc[t] * cb_f16_table[((const uint16_t *)vt)[d]];
         else
@@ -710,6 +755,11 @@ typedef void (*cb_kv_store_fn)(void *dst, const float *src, int n, int kv);
  * query whatever the tier takes (the AVX-512 tier: 8, a KV head of Qwen3-MoE or gpt-oss at once). */
 #define CB_ATTN_HEADS 4
 #define CB_ATTN_BLOCK_HEADS_MAX 8
+
+/* A prompt's queries go to cb_kt.attend_block CB_ATTN_QBLOCK at a time (its nq never exceeds it):
+ * the block's cache rows are read from memory once for all of them (one query at a time read a
+ * query's whole span each). */
+#define CB_ATTN_QBLOCK 8
 
 /* The first position a query at `pos` attends: pos - window + 1 in a sliding-window layer
  * (window > 0), else 0. */
