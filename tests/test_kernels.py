@@ -580,9 +580,11 @@ def test_a_q8_row_with_nan_or_infinity_reads_back_as_nan(bad):
 
 
 def _q8_attention(q, k, v, start, pos, sinks):
-    """numpy mirror of q8 attention (cb_q8_score, cb_attend_head): q [n_heads, hd], caches
-    [n_kv, ring, hd] float32 as the engine would store them. Scores to the bit (integer sums of
-    codes, then two float32 roundings); the softmax and the value sums in float64."""
+    """numpy mirror of q8 attention (cb_attend_head): q [n_heads, hd], caches [n_kv, ring, hd]
+    float32 holding position p in row p (ring > pos) as the engine would store them. Scores to the
+    bit (integer sums of codes, then two float32 roundings); the softmax in float64; the values in
+    groups of 32 positions from multiples of 32, each weight p x its row's scale coded as an int16
+    of the group's largest / 32767, the integer sums times that scale."""
     n_heads, hd = q.shape
     n_kv = k.shape[0]
     scale = np.float32(1.0 / np.float64(np.sqrt(np.float32(hd))))
@@ -590,19 +592,22 @@ def _q8_attention(q, k, v, start, pos, sinks):
     kd, kc = _q8_rows(k[:, start:pos + 1])
     vd, vc = _q8_rows(v[:, start:pos + 1])
     out = np.zeros((n_heads, hd))
-    scores = np.zeros((n_heads, pos - start + 1), np.float32)
     for h in range(n_heads):
         g = h // (n_heads // n_kv)
         sums = kc[g].astype(np.int64) @ qc[h].astype(np.int64)
         assert np.abs(sums).max(initial=0) < 2**24
-        scores[h] = (sums.astype(np.float32) * kd[g]).astype(np.float32) * np.float32(qd[h] * scale)
-        logits = scores[h].astype(np.float64)
+        scores = (sums.astype(np.float32) * kd[g]).astype(np.float32) * np.float32(qd[h] * scale)
+        logits = scores.astype(np.float64)
         if sinks is not None:
             logits = np.append(logits, np.float64(sinks[h]))
         p = np.exp(logits - logits.max())
-        p = (p / p.sum())[:pos - start + 1].astype(np.float32)
-        out[h] = ((p * vd[g]).astype(np.float32).astype(np.float64)[:, None] * vc[g]).sum(0)
-    return out, scores
+        w = (p / p.sum())[:pos - start + 1].astype(np.float32) * vd[g]
+        for g0 in range(start - start % 32, pos + 1, 32):
+            span = slice(max(g0, start) - start, min(g0 + 32, pos + 1) - start)
+            gs = np.float32(w[span].max() / np.float32(32767))
+            wq = np.minimum(np.rint(w[span] / gs), 32767).astype(np.int64) if gs > 0 else np.zeros(len(w[span]), np.int64)
+            out[h] += (wq[:, None] * vc[g][span]).sum(0).astype(np.float32).astype(np.float64) * np.float64(gs)
+    return out
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -610,10 +615,11 @@ def _q8_attention(q, k, v, start, pos, sinks):
        st.integers(1, 70), st.integers(0, 2**31 - 1), st.booleans())
 def test_attention_over_a_q8_cache_works_on_the_codes(isa, head_dim, heads, positions, seed, sinks):
     """q8 attention: the query head quantized as a row is stored, each score the exact integer sum
-    of code products times the key row's scale, then the query's scale x 1/sqrt(head_dim); each
-    value row weighted by its probability times its scale. Equal to the numpy mirror up to the
-    softmax's float32 rounding, on every tier (decode's units of 1-8 heads; head_dim a multiple of
-    64, 32, 16, 8 or none of them: the integer kernels' tails)."""
+    of code products times the key row's scale, then the query's scale x 1/sqrt(head_dim); the
+    values in groups of 32 positions with int16 weights. Equal to the numpy mirror up to the
+    softmax's float32 rounding (a weight's code may move by one), on every tier (decode's units of
+    1-8 heads; spans starting inside a group; head_dim a multiple of 64, 32, 16, 8 or none of
+    them: the integer kernels' tails)."""
     n_heads, n_kv = heads
     rng = np.random.default_rng(seed)
     q = (rng.standard_normal((n_heads, head_dim)) * rng.uniform(0.1, 4, (n_heads, 1))).astype(np.float32)
@@ -622,8 +628,8 @@ def test_attention_over_a_q8_cache_works_on_the_codes(isa, head_dim, heads, posi
     s = rng.standard_normal(n_heads).astype(np.float32) if sinks else None
     start = positions // 3
     ours = _probes.kernel_attention(q, k, v, n_kv, start, positions - 1, sinks=s, kv="q8")
-    theirs, _ = _q8_attention(q, k, v, start, positions - 1, s)
-    np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5 * np.abs(theirs).max())
+    theirs = _q8_attention(q, k, v, start, positions - 1, s)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
 
 
 def test_q8_attention_is_not_f32_attention_over_the_dequantized_rows():
@@ -637,10 +643,10 @@ def test_q8_attention_is_not_f32_attention_over_the_dequantized_rows():
     k = rng.standard_normal((1, n, hd)).astype(np.float32) * np.float32(4)
     v = rng.standard_normal((1, n, hd)).astype(np.float32)
     ours = _probes.kernel_attention(q, k, v, 1, 0, n - 1, kv="q8")
-    theirs, _ = _q8_attention(q, k, v, 0, n - 1, None)
+    theirs = _q8_attention(q, k, v, 0, n - 1, None)
     dequantized = _probes.kernel_attention(q, _q8_values(*_q8_rows(k)), _q8_values(*_q8_rows(v)), 1, 0, n - 1)
-    np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5 * np.abs(theirs).max())
-    assert np.abs(ours - dequantized).max() > 1e-3 * np.abs(dequantized).max()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    assert np.abs(ours - dequantized).max() > 1e-2 * np.abs(dequantized).max()
 
 
 # ---- bf16 products (load(bf16_products=): AVX512_BF16's vdpbf16ps) ---------------------------

@@ -760,22 +760,11 @@ CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
 #ifndef CB_ATTN_VBLOCK_BYTES
 #define CB_ATTN_VBLOCK_BYTES 2048    /* value bytes per block of the value pass (8 rows at head_dim 64; at least 4 rows) */
 #endif
-/* 8 cache values at element i of a row of KV (CB_KV_*) elements, as floats (f16: F16C; q8: the
- * codes, whose row scale the value pass puts into the row's weight, cb_kv_weight). row is the
- * row's start. */
+/* 8 cache values at element i of a row of KV (f32 or f16: q8 takes the integer kernels) elements,
+ * as floats (f16: F16C). row is the row's start. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_t i, const int KV) {
-    if (KV == CB_KV_Q8) {
-        const __m128i c = _mm_loadl_epi64((const __m128i *)(const void *)((const char *)row + CB_KV_Q8_SCALE_BYTES + i));
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-    }
     if (KV == CB_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
     return _mm256_loadu_ps((const float *)row + i);
-}
-
-/* The weight value row `row` of KV elements takes in the value pass: probability p, times the
- * row's scale for q8 (cb_attend_head's w). */
-static CB_ALWAYS_INLINE float cb_kv_weight(float p, const char *row, const int KV) {
-    return KV == CB_KV_Q8 ? p * cb_kv_q8_scale(row) : p;
 }
 
 /* q8 scores (cb_q8_score's bits) of one key row for NH <= 4 query heads: codes qc [NH][qlen]
@@ -806,6 +795,107 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_row_scores_avx2(float *s, cons
         for (int e = d; e < head_dim; e++) sum += (int32_t)qc[(size_t)i * qlen + e] * kc[e];
         s[i] = cb_q8_score_from_sum(sum, dk, m[i].qs);
     }
+}
+
+/* Prefetch the cache rows of positions b0..b1-1 (rbytes each) into L1: the next value block, while
+ * this one's queries add theirs (the rows come from L3 or memory once per block and query block). */
+static CB_ALWAYS_INLINE void cb_attn_prefetch_rows(const char *base, int b0, int b1, int ring, size_t rbytes) {
+    for (int t = b0, row = b0 % ring; t < b1; t++) {
+        for (size_t c = 0; c < rbytes; c += 64) _mm_prefetch(base + (size_t)row * rbytes + c, _MM_HINT_T0);
+        row = row + 1 == ring ? 0 : row + 1;
+    }
+}
+
+/* q8 values (cb_attend_head's groups of CB_Q8_VGROUP positions, int16 weights). A group's value
+ * rows as int16 pairs: vp [pairs][head_dim] int32, column d of pair m holding the code of the
+ * pair's first position in its low half and of its second in the high half (what vpmaddwd and
+ * vpdpwssd multiply by a weight pair), vd [2 x pairs] the rows' scales; the rows from cache row
+ * `row` on, wrapping (head_dim % 8 == 0). A prompt converts a block's rows once for all its
+ * queries and heads. */
+#define CB_Q8_VP_INT32 16384            /* a converted block's int32 (64 KB: 32 rows at head_dim 1024) */
+#define CB_Q8_KBLOCK_BYTES 16384        /* a q8 prompt block's key codes (128 rows at head_dim 128) */
+
+/* A q8 prompt block's positions: a whole number of value groups (the blocks start at multiples of
+ * CB_Q8_VGROUP, so a group never spans two blocks), at least one. */
+static inline int cb_q8_block_rows(int head_dim) {
+    const int r = CB_Q8_KBLOCK_BYTES / cb_q8_qlen(head_dim) / CB_Q8_VGROUP * CB_Q8_VGROUP;
+    return r > CB_Q8_VGROUP ? r : CB_Q8_VGROUP;
+}
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float *vd, const char *vbase, int row,
+                                                             int pairs, int ring, int head_dim) {
+    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
+    const __m256i low = _mm256_set1_epi32(0xFFFF);
+    for (int m = 0; m < pairs; m++) {
+        const int rb = row + 1 == ring ? 0 : row + 1;
+        const char *a = vbase + (size_t)row * rbytes, *b = vbase + (size_t)rb * rbytes;
+        vd[2 * m] = cb_kv_q8_scale(a);
+        vd[2 * m + 1] = cb_kv_q8_scale(b);
+        for (int d = 0; d < head_dim; d += 8) {
+            const __m256i ca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(a + CB_KV_Q8_SCALE_BYTES + d)));
+            const __m256i cb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(b + CB_KV_Q8_SCALE_BYTES + d)));
+            _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d),
+                                _mm256_or_si256(_mm256_and_si256(ca, low), _mm256_slli_epi32(cb, 16)));
+        }
+        row = rb + 1 == ring ? 0 : rb + 1;
+    }
+}
+
+/* One head's weights for a group: wp [CB_Q8_VGROUP / 2] int16 code pairs (positions 2m, 2m + 1
+ * of the group), returning the group's scale (cb_q8_group_scale). p: the head's probabilities by
+ * t; t_first: the t of the group's first position (< 0 where the span starts inside it); lo..hi-1:
+ * the t of the span's positions (the others weigh 0); vd: the group's row scales. */
+static CB_ALWAYS_INLINE float cb_q8_weights(int32_t *wp, const float *p, int t_first, int lo, int hi, const float *vd) {
+    float w[CB_Q8_VGROUP], wmax = 0.0f;
+    int nan = 0;
+    for (int k = 0; k < CB_Q8_VGROUP; k++) {
+        const int t = t_first + k;
+        w[k] = t >= lo && t < hi ? p[t] * vd[k] : 0.0f;
+        nan |= isnan(w[k]);
+        wmax = w[k] > wmax ? w[k] : wmax;
+    }
+    const float g = cb_q8_group_scale(wmax, nan);
+    for (int m = 0; m < CB_Q8_VGROUP / 2; m++)
+        wp[m] = (int32_t)(((uint32_t)cb_q8_weight_code(w[2 * m], g) & 0xFFFFu) |
+                          ((uint32_t)cb_q8_weight_code(w[2 * m + 1], g) << 16));
+    return g;
+}
+
+/* A group's values into o[i] for NH (<= 4) heads, NC 8-column vectors from column d: the integer
+ * sums by vpmaddwd over the pairs, then o = fma(sum, g, o) (zero: o from 0, the span's first group). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpass_avx2(float *const *o, const int32_t *wp, const float *gs,
+                                                            const int32_t *vp, int head_dim, int d, int zero,
+                                                            const int NH, const int NC) {
+    __m256i acc[4][2];
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NC; c++) acc[i][c] = _mm256_setzero_si256();
+    for (int m = 0; m < CB_Q8_VGROUP / 2; m++) {
+        __m256i v[2];
+        for (int c = 0; c < NC; c++) v[c] = _mm256_loadu_si256((const __m256i *)(const void *)(vp + (size_t)m * head_dim + d + 8 * c));
+        for (int i = 0; i < NH; i++) {
+            const __m256i w = _mm256_set1_epi32(wp[(CB_Q8_VGROUP / 2) * i + m]);
+            for (int c = 0; c < NC; c++) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(v[c], w));
+        }
+    }
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NC; c++) {
+            float *dst = o[i] + d + 8 * c;
+            _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][c]), _mm256_set1_ps(gs[i]),
+                                                  zero ? _mm256_setzero_ps() : _mm256_loadu_ps(dst)));
+        }
+}
+
+/* A group (positions of t t_first.., pairs vp, scales vd) for NH <= 4 heads: weights, then the
+ * columns 16 at a time. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vgroup_avx2(float *const *o, const float *const *sc, int t_first,
+                                                             int lo, int hi, const int32_t *vp, const float *vd,
+                                                             int head_dim, const int NH) {
+    int32_t wp[4 * CB_Q8_VGROUP / 2];
+    float gs[4];
+    for (int i = 0; i < NH; i++) gs[i] = cb_q8_weights(wp + (CB_Q8_VGROUP / 2) * i, sc[i], t_first, lo, hi, vd);
+    const int zero = t_first <= 0;
+    int d = 0;
+    for (; d + 16 <= head_dim; d += 16) cb_q8_vpass_avx2(o, wp, gs, vp, head_dim, d, zero, NH, 2);
+    if (d < head_dim) cb_q8_vpass_avx2(o, wp, gs, vp, head_dim, d, zero, NH, 1);
 }
 
 /* cb_kv_store_q8 with 8 lanes, the same bytes: the max is exact in any order, the division is
@@ -943,7 +1033,7 @@ cb_attn_block_vpass_avx2(float *const *o, const float *const *sc, const char *vb
         __m256 vv[4];
         for (int c = 0; c < NV; c++) vv[c] = cb_kv_load8(v, (size_t)d + 8 * c, KV);
         for (int i = 0; i < NH; i++) {
-            const __m256 p = _mm256_set1_ps(cb_kv_weight(sc[i][t], v, KV));
+            const __m256 p = _mm256_broadcast_ss(sc[i] + t);
             for (int c = 0; c < NV; c++) acc[i][c] = _mm256_fmadd_ps(p, vv[c], acc[i][c]);
         }
         row = row + 1 == ring ? 0 : row + 1;
@@ -1048,6 +1138,17 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
         if (sinks) sc[i][n] = sinks[h0 + i];
         cb_softmax_avx2(sc[i], n + (sinks != NULL));
     }
+    if (KV == CB_KV_Q8) {                              /* q8: groups of CB_Q8_VGROUP aligned positions */
+        int32_t vp[CB_Q8_VGROUP / 2 * CB_KV_Q8_MAX_HEAD_DIM];
+        float vd[CB_Q8_VGROUP], *o[4];
+        for (int i = 0; i < NH; i++) o[i] = out + (size_t)(h0 + i) * head_dim;
+        for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
+            cb_attn_prefetch_rows(vbase, g0 + CB_Q8_VGROUP, g0 + 2 * CB_Q8_VGROUP, ring, rbytes);
+            cb_q8_vpairs_avx2(vp, vd, vbase, g0 % ring, CB_Q8_VGROUP / 2, ring, head_dim);
+            cb_q8_vgroup_avx2(o, (const float *const *)sc, g0 - start, 0, n, vp, vd, head_dim, NH);
+        }
+        return;
+    }
     /* The value rows a block at a time (vblock rows, CB_ATTN_VBLOCK_BYTES): each pass over 16 of
      * the block's columns finds its rows in L1 and prefetches its own 64-byte piece of the rows of
      * the next block, so the next block arrives whole over the passes, a block ahead. Column-first
@@ -1074,7 +1175,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 _mm_prefetch(vbase + (size_t)next * rbytes + col, _MM_HINT_T0);
                 const __m256 v0 = cb_kv_load8(v, d, KV), v1 = two ? cb_kv_load8(v, d + 8, KV) : _mm256_setzero_ps();
                 for (int i = 0; i < NH; i++) {
-                    const __m256 p = _mm256_set1_ps(cb_kv_weight(sc[i][t], v, KV));
+                    const __m256 p = _mm256_broadcast_ss(sc[i] + t);
                     a0[i] = _mm256_fmadd_ps(p, v0, a0[i]);
                     a1[i] = _mm256_fmadd_ps(p, v1, a1[i]);
                 }
@@ -1099,7 +1200,8 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
 #endif
 /* The block kernel's order, for every tier's: per pass (0: scores, 1: values after the softmaxes)
  * the key or value rows a block (ROWS positions) at a time for each query that sees them.
- * PREPARE(pass, b0, b1) runs once per block (positions b0..b1-1) before its queries (the AVX-512
+ * The blocks start at a multiple of ALIGN (q8: of its value groups) at or before the first query's
+ * span. PREPARE(pass, b0, b1) runs once per block (positions b0..b1-1) before its queries (the AVX-512
  * tier converts the block's rows there); SOFTMAX(x, n) is the tier's softmax (cb_softmax's
  * contract, the same bits in every tier that has one); SCORES(j, sc, qh, kbase, t0, t1, row_t0, s0) and
  * VALUES(o, sc, vbase, t0, t1, row_t0, s0) are the tier's passes over one query's rows (j: the
@@ -1107,11 +1209,11 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
  * parameters (head_dim and rbytes, a cache row's bytes, defined). */
 #define CB_ATTN_KBLOCK_ROWS(rbytes) \
     (CB_ATTN_KBLOCK_BYTES / (int)(rbytes) > 8 ? CB_ATTN_KBLOCK_BYTES / (int)(rbytes) : 8)
-#define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES, ROWS, PREPARE, SOFTMAX)                                            \
+#define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES, ROWS, ALIGN, PREPARE, SOFTMAX)                                     \
     const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;                            \
     const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;                            \
     const int rows = (ROWS);                                                                            \
-    const int first = cb_window_start(pos0, window), last = pos0 + nq - 1;                              \
+    const int first = cb_window_start(pos0, window) / (ALIGN) * (ALIGN), last = pos0 + nq - 1;           \
     for (int pass = 0; pass < 2; pass++) {                                                              \
         for (int b0 = first; b0 <= last; b0 += rows) {                                                  \
             const int b1 = last + 1 - b0 > rows ? b0 + rows : last + 1;                                 \
@@ -1144,7 +1246,8 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
                             const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim_,
                             int pos0, int window, int ring, float scale, const float *sinks, int8_t *qc,
-                            cb_q8_query *m, const int NH, const int HD, const int R, const int KV) {
+                            cb_q8_query *m, int32_t *vp, float *vd, const int NH, const int HD, const int R,
+                            const int KV) {
     const int head_dim = HD ? HD : head_dim_;
     const size_t rbytes = cb_kv_row_bytes(head_dim, KV);
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -1155,17 +1258,33 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
                 cb_q8_query_quantize(qc + (size_t)(CB_ATTN_HEADS * j + i) * qlen, &m[CB_ATTN_HEADS * j + i],
                                      q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim, head_dim, scale);
 #define CB_SCORES_AVX2(j, sc, qh, kb, t0, t1, r0, s0)                                                         \
-    if (KV == CB_KV_Q8)                                                                                       \
-        cb_attn_block_scores_q8_avx2(sc, qc + (size_t)CB_ATTN_HEADS * (j) * qlen, m + CB_ATTN_HEADS * (j), kb, t0, t1, r0, ring, head_dim, NH); \
-    else                                                                                                      \
-        cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV)
+    do {                                                                                                      \
+        if (KV == CB_KV_Q8)                                                                                   \
+            cb_attn_block_scores_q8_avx2(sc, qc + (size_t)CB_ATTN_HEADS * (j) * qlen, m + CB_ATTN_HEADS * (j), kb, \
+                                         t0, t1, r0, ring, head_dim, NH);                                     \
+        else                                                                                                  \
+            cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV);             \
+    } while (0)
 #define CB_VALUES_AVX2(o, sc, vb, t0, t1, r0, s0) cb_attn_block_values_avx2(o, sc, vb, t0, t1, r0, ring, head_dim, NH, R, KV)
-#define CB_PREPARE_NONE(pass, b0, b1) (void)0
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2, CB_ATTN_KBLOCK_ROWS(rbytes), CB_PREPARE_NONE,
-                          cb_softmax_avx2)
+    /* q8: the block's groups, each t_first = the t of its first position (block row k_) */
+#define CB_VALUES_Q8_AVX2(o, sc, vb, t0, t1, r0, s0)                                                         \
+    for (int k_ = (s0) / CB_Q8_VGROUP * CB_Q8_VGROUP; k_ < (s0) + (t1) - (t0); k_ += CB_Q8_VGROUP)           \
+        cb_q8_vgroup_avx2(o, sc, (t0) - (s0) + k_, t0, t1, vp + (size_t)(k_ / 2) * head_dim, vd + k_, head_dim, NH)
+#define CB_PREPARE_AVX2(pass, b0, b1)                                                                          \
+    if (KV == CB_KV_Q8 && pass == 1)                                                                          \
+        cb_q8_vpairs_avx2(vp, vd, vbase, (b0) % ring, ((b1) - (b0) + CB_Q8_VGROUP - 1) / CB_Q8_VGROUP * (CB_Q8_VGROUP / 2), \
+                          ring, head_dim)
+    if (KV == CB_KV_Q8) {
+        CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_Q8_AVX2, cb_q8_block_rows(head_dim), CB_Q8_VGROUP,
+                              CB_PREPARE_AVX2, cb_softmax_avx2)
+    } else {
+        CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2, CB_ATTN_KBLOCK_ROWS(rbytes), 1, CB_PREPARE_AVX2,
+                              cb_softmax_avx2)
+    }
 #undef CB_SCORES_AVX2
 #undef CB_VALUES_AVX2
-#undef CB_PREPARE_NONE
+#undef CB_VALUES_Q8_AVX2
+#undef CB_PREPARE_AVX2
 }
 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
@@ -1212,8 +1331,8 @@ CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, cons
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_block_kv_avx2(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache, const void *v_cache,
                         float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0, int window,
-                        int ring, float scale, const float *sinks, int8_t *qc, cb_q8_query *m, const int R,
-                        const int KV) {
+                        int ring, float scale, const float *sinks, int8_t *qc, cb_q8_query *m, int32_t *vp,
+                        float *vd, const int R, const int KV) {
     if (head_dim % 8) {                                 /* as cb_attend_heads_kv_avx2: head by head */
         for (int j = 0; j < nq; j++)
             for (int h = h0; h < h0 + nh; h++)
@@ -1224,7 +1343,7 @@ cb_attend_block_kv_avx2(float *out, int ldo, const float *q, int ldq, int nq, co
         return;
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
-                                                        h0, kvh, head_dim, pos0, window, ring, scale, sinks, qc, m, \
+                                                        h0, kvh, head_dim, pos0, window, ring, scale, sinks, qc, m, vp, vd, \
                                                         k, hd, R, KV)
 #define CB_ATTEND_HD(hd)                  \
     switch (nh) {                         \
@@ -1246,15 +1365,17 @@ CB_TARGET_AVX2 static void cb_attend_block_avx2(float *out, int ldo, const float
                                                 const float *sinks, int kv) {
     if (kv == CB_KV_F16)
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, NULL, NULL, 2, CB_KV_F16);
+                                window, ring, scale, sinks, NULL, NULL, NULL, NULL, 2, CB_KV_F16);
     else if (kv == CB_KV_Q8) {
         int8_t qc[CB_ATTN_QBLOCK * CB_ATTN_HEADS * CB_KV_Q8_MAX_HEAD_DIM];   /* the block's quantized query heads */
         cb_q8_query m[CB_ATTN_QBLOCK * CB_ATTN_HEADS];
+        int32_t vp[CB_Q8_VP_INT32];                                          /* a block's value pairs */
+        float vd[CB_Q8_KBLOCK_BYTES / CB_Q8_QALIGN + CB_Q8_VGROUP];
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, qc, m, 2, CB_KV_Q8);
+                                window, ring, scale, sinks, qc, m, vp, vd, 2, CB_KV_Q8);
     } else
         cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, pos0,
-                                window, ring, scale, sinks, NULL, NULL, 2, CB_KV_F32);
+                                window, ring, scale, sinks, NULL, NULL, NULL, NULL, 2, CB_KV_F32);
 }
 
 /* ---- the interleaved layout (int8/int4, quant.h) ---------------------------------------------

@@ -409,10 +409,8 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load8x2(const char *a, con
                               _mm256_loadu_ps((const float *)(const void *)b + d), 1);
 }
 
-/* 16 cache values at element i of a row (row: its start), as floats (q8: the codes, as cb_kv_load8). */
+/* 16 cache values at element i of a row (row: its start; f32 or f16), as floats. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load16(const char *row, size_t i, const int KV) {
-    if (KV == CB_KV_Q8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(row + CB_KV_Q8_SCALE_BYTES + i))));
     if (KV == CB_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * i)));
     return _mm512_loadu_ps((const float *)(const void *)row + i);
 }
@@ -445,15 +443,6 @@ cb_attn_kblock_pairs_avx512(float *kf, const char *kbase, int b0, int b1, int ro
         row = rb + 1 == ring ? 0 : rb + 1;
     }
     if (2 * pairs < rows) memset(kf + (size_t)2 * pairs * head_dim, 0, sizeof(float) * CB_ATTN_KF_PAD * head_dim);
-}
-
-/* Prefetch the cache rows of positions b0..b1-1 (rbytes each) into L1: the next value block, while
- * this one's queries add theirs (the rows come from L3 or memory once per block and query block). */
-static CB_ALWAYS_INLINE void cb_attn_prefetch_rows(const char *base, int b0, int b1, int ring, size_t rbytes) {
-    for (int t = b0, row = b0 % ring; t < b1; t++) {
-        for (size_t c = 0; c < rbytes; c += 64) _mm_prefetch(base + (size_t)row * rbytes + c, _MM_HINT_T0);
-        row = row + 1 == ring ? 0 : row + 1;
-    }
 }
 
 /* hadd on 512 bits: per 128-bit lane [x0 + x1, x2 + x3, y0 + y1, y2 + y3], _mm256_hadd_ps's pairs. */
@@ -539,7 +528,7 @@ cb_attn_block_vpass_avx512(float *const *o, const float *const *sc, const char *
         __m512 vv[4];
         for (int c = 0; c < NV; c++) vv[c] = cb_kv_load16(v, (size_t)(d + 16 * c), KV);
         for (int i = 0; i < NH; i++) {
-            const __m512 p = _mm512_set1_ps(cb_kv_weight(sc[i][t], v, KV));
+            const __m512 p = _mm512_set1_ps(sc[i][t]);
             for (int c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
         }
         row = row + 1 == ring ? 0 : row + 1;
@@ -595,7 +584,7 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
         cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, 0, NH_A, 4, KV);                   \
         if (NH > 4) cb_attn_block_values_avx512(o + 4, sc + 4, vb, t0, t1, r0, ring, head_dim, 0, NH_B, 4, KV); \
     } while (0)
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512, krows, CB_PREPARE_AVX512, cb_softmax_avx512)
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512, krows, 1, CB_PREPARE_AVX512, cb_softmax_avx512)
 #undef CB_PREPARE_AVX512
 #undef CB_SCORES_AVX512
 #undef CB_VALUES_AVX512
@@ -609,7 +598,7 @@ cb_attend_block_kv_avx512(float *out, int ldo, const float *q, int ldq, int nq, 
         for (int g = 0; g < nh; g += CB_ATTN_HEADS)      /* 4 heads a call */
             cb_attend_block_kv_avx2(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0 + g,
                                     nh - g < CB_ATTN_HEADS ? nh - g : CB_ATTN_HEADS, kvh, head_dim, pos0, window, ring,
-                                    scale, sinks, NULL, NULL, 4, KV);
+                                    scale, sinks, NULL, NULL, NULL, NULL, 4, KV);
         return;
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
@@ -766,18 +755,31 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
 #undef CB_ATTEND_NH
 }
 
-/* ---- q8 attention with AVX512-VNNI (cb_q8_score's bits) ----
+/* ---- q8 attention with AVX512-VNNI (cb_attend_head's q8 bits) ----
  *
- * Key rows are transposed 16 at a time so that one vpdpbusd adds 4 codes of 16 rows at once:
- * kt [groups][16] int32, group g of row r the row's codes 4g..4g+3 XOR 0x80 (vpdpbusd takes them
- * as unsigned, code + 128; the query's bias, -128 x its codes' sum, starts the sum), and the query
- * head's 4 codes of group g broadcast. A score's sum is then complete in its lane: no reduction
- * (decode's f32 scores spend about a third of their operations gathering lanes). The transpose
- * (64 shuffles per 16 x 64 bytes) is paid once per row and serves every query head reading it: 8
- * in decode's units, a prompt block's 8 queries x 8 heads. The float part, the weights and the
- * value pass are the AVX2 tier's operations (cb_q8_score_from_sum, cb_kv_weight), so the bits are
- * that tier's and a prompt's equal decoding it. */
-#define CB_Q8_KT_BYTES 16384            /* a prompt's transposed key block (128 rows at head_dim 128) */
+ * Scores: key rows are transposed 16 at a time so that one vpdpbusd adds 4 codes of 16 rows at
+ * once: kt [groups][16] int32, group g of row r the row's codes 4g..4g+3 XOR 0x80 (vpdpbusd takes
+ * them as unsigned, code + 128; the query's bias, -128 x its codes' sum, starts the sum), and the
+ * query head's 4 codes of group g broadcast. A score's sum is then complete in its lane: no
+ * reduction (decode's f32 scores spend about a third of their operations gathering lanes). The
+ * transpose (64 shuffles per 16 x 64 bytes) is paid once per row and serves every query head
+ * reading it: 8 in decode's units, a prompt block's 8 queries x 8 heads.
+ * Values: a group's rows as int16 pairs (cb_q8_vpairs_avx2's layout), one vpdpwssd adding two
+ * positions x 16 columns for a head — against a widening, a conversion and an FMA per position
+ * and 16 columns in float; a prompt converts each block once for all its queries and heads.
+ * The integer sums are exact and the float steps are the AVX2 tier's (cb_q8_score_from_sum,
+ * cb_q8_weights, o = fma(sum, g, o)), so the bits are that tier's and a prompt's equal decoding it. */
+
+/* acc += vpdpbusd / vpdpwssd (acc, a, b) in place. GCC's intrinsics copied each accumulator to
+ * another register and back around every instruction of these loops (a move per product: a third
+ * of the q8 value pass's instructions in perf annotate); inline assembly ties it to one register. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define CB_DPBUSD512(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#define CB_DPWSSD512(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#else
+#define CB_DPBUSD512(acc, a, b) ((acc) = _mm512_dpbusd_epi32((acc), (a), (b)))
+#define CB_DPWSSD512(acc, a, b) ((acc) = _mm512_dpwssd_epi32((acc), (a), (b)))
+#endif
 
 /* Rows rows[0..valid-1] (q8 cache rows) into kt [cb_q8_qlen(head_dim) / 4][16] and kd [16]:
  * bytes past head_dim and rows past valid are code 0 (they meet the query's zero padding or are
@@ -829,7 +831,7 @@ cb_q8_scores16_avx512vnni(float *const *sc, int t_at, const __mmask16 *keep, con
             int32_t q4;
             memcpy(&q4, qc + (size_t)i * qlen + 4 * g, 4);
             const __m512i qv = _mm512_set1_epi32(q4);
-            for (int v = 0; v < V; v++) acc[v][i] = _mm512_dpbusd_epi32(acc[v][i], k[v], qv);
+            for (int v = 0; v < V; v++) CB_DPBUSD512(acc[v][i], k[v], qv);
         }
     }
     for (int v = 0; v < V; v++) {
@@ -840,18 +842,132 @@ cb_q8_scores16_avx512vnni(float *const *sc, int t_at, const __mmask16 *keep, con
     }
 }
 
+/* cb_q8_vpairs_avx2 on 16 columns a step (a last 8 as there). */
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_q8_vpairs_avx512vnni(int32_t *vp, float *vd, const char *vbase,
+                                                                          int row, int pairs, int ring, int head_dim) {
+    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
+    const __m512i low = _mm512_set1_epi32(0xFFFF);
+    for (int m = 0; m < pairs; m++) {
+        const int rb = row + 1 == ring ? 0 : row + 1;
+        const char *a = vbase + (size_t)row * rbytes + CB_KV_Q8_SCALE_BYTES, *b = vbase + (size_t)rb * rbytes + CB_KV_Q8_SCALE_BYTES;
+        vd[2 * m] = cb_kv_q8_scale(a - CB_KV_Q8_SCALE_BYTES);
+        vd[2 * m + 1] = cb_kv_q8_scale(b - CB_KV_Q8_SCALE_BYTES);
+        int32_t *dst = vp + (size_t)m * head_dim;
+        int d = 0;
+        for (; d + 16 <= head_dim; d += 16) {
+            const __m512i ca = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(a + d)));
+            const __m512i cb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(b + d)));
+            _mm512_storeu_si512(dst + d, _mm512_or_si512(_mm512_and_si512(ca, low), _mm512_slli_epi32(cb, 16)));
+        }
+        if (d < head_dim) {
+            const __m256i ca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(a + d)));
+            const __m256i cb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(b + d)));
+            _mm256_storeu_si256((__m256i *)(void *)(dst + d), _mm256_or_si256(_mm256_and_si256(ca, _mm512_castsi512_si256(low)),
+                                                                         _mm256_slli_epi32(cb, 16)));
+        }
+        row = rb + 1 == ring ? 0 : rb + 1;
+    }
+}
+
+/* cb_q8_weights on 16 lanes, the same bits: the products and the division are IEEE's in both, the
+ * max exact in any order, cvtps_epi32 rounds to nearest even as lrintf. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE float cb_q8_weights_avx512(int32_t *wp, const float *p, int t_first, int lo,
+                                                                   int hi, const float *vd) {
+    __m512 w[2];
+    __mmask16 nan = 0;
+    for (int v = 0; v < 2; v++) {
+        const int t = t_first + 16 * v, a = lo - t, b = hi - t;   /* lanes a..b-1 are in the span */
+        const unsigned up = b >= 16 ? 0xFFFFu : b > 0 ? (1u << b) - 1u : 0u;
+        const __mmask16 in = (__mmask16)(a > 0 ? up & ~((1u << (a < 16 ? a : 16)) - 1u) : up);
+        w[v] = _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + t), _mm512_loadu_ps(vd + 16 * v));
+        nan |= _mm512_cmp_ps_mask(w[v], w[v], _CMP_UNORD_Q);
+    }
+    const float g = cb_q8_group_scale(nan ? 0.0f : _mm512_reduce_max_ps(_mm512_max_ps(w[0], w[1])), nan != 0);
+    if (!(g > 0.0f) || !isfinite(g)) {
+        memset(wp, 0, sizeof(int32_t) * (CB_Q8_VGROUP / 2));
+        return g;
+    }
+    const __m512 vg = _mm512_set1_ps(g);
+    const __m512i top = _mm512_set1_epi32(32767);
+    for (int v = 0; v < 2; v++)
+        _mm256_storeu_si256((__m256i *)(void *)(wp + 8 * v),
+                            _mm512_cvtepi32_epi16(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_div_ps(w[v], vg)), top)));
+    return g;
+}
+
+/* cb_q8_vpass_avx2 with vpdpwssd: NC 16-column vectors from column d for NH <= 4 heads. */
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_q8_vpass_avx512vnni(float *const *o, const int32_t *wp,
+                                                                         const float *gs, const int32_t *vp,
+                                                                         int head_dim, int d, int zero, const int NH,
+                                                                         const int NC) {
+    __m512i acc[4][4];
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NC; c++) acc[i][c] = _mm512_setzero_si512();
+    for (int m = 0; m < CB_Q8_VGROUP / 2; m++) {
+        __m512i v[4];
+        for (int c = 0; c < NC; c++) v[c] = _mm512_loadu_si512(vp + (size_t)m * head_dim + d + 16 * c);
+        for (int i = 0; i < NH; i++) {
+            const __m512i w = _mm512_set1_epi32(wp[(CB_Q8_VGROUP / 2) * i + m]);
+            for (int c = 0; c < NC; c++) CB_DPWSSD512(acc[i][c], v[c], w);
+        }
+    }
+    for (int i = 0; i < NH; i++)
+        for (int c = 0; c < NC; c++) {
+            float *dst = o[i] + d + 16 * c;
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][c]), _mm512_set1_ps(gs[i]),
+                                                  zero ? _mm512_setzero_ps() : _mm512_loadu_ps(dst)));
+        }
+}
+
+/* A group for NH <= 8 heads (cb_q8_vgroup_avx2's arguments): weights, then 4 heads at a time the
+ * columns 64 a pass, then 16, then a last 8 by the AVX2 pass. */
+CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_q8_vgroup_avx512vnni(float *const *o, const float *const *sc,
+                                                                          int t_first, int lo, int hi, const int32_t *vp,
+                                                                          const float *vd, int head_dim, const int NH) {
+    int32_t wp[8 * CB_Q8_VGROUP / 2];
+    float gs[8];
+    for (int i = 0; i < NH; i++) gs[i] = cb_q8_weights_avx512(wp + (CB_Q8_VGROUP / 2) * i, sc[i], t_first, lo, hi, vd);
+    const int zero = t_first <= 0;
+    for (int g = 0; g < NH; g += 4) {
+        const int nh = NH - g < 4 ? NH - g : 4;
+        float *const *og = o + g;
+        const int32_t *wg = wp + (CB_Q8_VGROUP / 2) * g;
+        int d = 0;
+#define CB_Q8_VPASS(k, nc) cb_q8_vpass_avx512vnni(og, wg, gs + g, vp, head_dim, d, zero, k, nc)
+#define CB_Q8_VPASS_NH(nc)                                        \
+        switch (nh) {                                             \
+        case 1: CB_Q8_VPASS(1, nc); break;                        \
+        case 2: CB_Q8_VPASS(2, nc); break;                        \
+        case 3: CB_Q8_VPASS(3, nc); break;                        \
+        default: CB_Q8_VPASS(4, nc); break;                       \
+        }
+        for (; d + 64 <= head_dim; d += 64) CB_Q8_VPASS_NH(4)
+        for (; d + 16 <= head_dim; d += 16) CB_Q8_VPASS_NH(1)
+#undef CB_Q8_VPASS
+#undef CB_Q8_VPASS_NH
+        if (d < head_dim) {
+            switch (nh) {
+            case 1: cb_q8_vpass_avx2(og, wg, gs + g, vp, head_dim, d, zero, 1, 1); break;
+            case 2: cb_q8_vpass_avx2(og, wg, gs + g, vp, head_dim, d, zero, 2, 1); break;
+            case 3: cb_q8_vpass_avx2(og, wg, gs + g, vp, head_dim, d, zero, 3, 1); break;
+            default: cb_q8_vpass_avx2(og, wg, gs + g, vp, head_dim, d, zero, 4, 1); break;
+            }
+        }
+    }
+}
+
 /* Decode (cb_attend_fn) over a q8 cache for NH <= 8 query heads: the key rows 16 at a time,
- * transposed and prefetched a set ahead; the softmax and values as cb_attend_group_avx512's. */
+ * transposed and prefetched a set ahead; the softmax; the value groups (CB_Q8_VGROUP positions
+ * from a multiple of it), each converted once for the NH heads, the next prefetched. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_attend_group_q8_avx512vnni(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
                               int sc_stride, int h0, int kvh, int head_dim, int start, int pos, int ring, float scale,
-                              const float *sinks, const int NH) {
+                              const float *sinks, int32_t *scratch, const int NH) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
     const int n = pos - start + 1, row0 = start % ring, qlen = cb_q8_qlen(head_dim);
     int8_t qc[CB_ATTN_HEADS_WIDE * CB_KV_Q8_MAX_HEAD_DIM];
     cb_q8_query m[CB_ATTN_HEADS_WIDE];
-    int32_t kt[16 * CB_KV_Q8_MAX_HEAD_DIM / 4];
-    float kd[16], *sc[8], *o[8];
+    float kd[CB_Q8_VGROUP], *sc[8], *o[8];
     for (int i = 0; i < NH; i++) {
         cb_q8_query_quantize(qc + (size_t)i * qlen, &m[i], q + (size_t)(h0 + i) * head_dim, head_dim, scale);
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
@@ -869,32 +985,30 @@ cb_attend_group_q8_avx512vnni(float *out, const float *q, const void *k_cache, c
             for (size_t b = 0; b < rbytes; b += 64) _mm_prefetch(kbase + (size_t)ahead * rbytes + b, _MM_HINT_T0);
             row = row + 1 == ring ? 0 : row + 1;
         }
-        cb_q8_transpose16_avx512vnni(kt, kd, rows, valid, head_dim);
+        cb_q8_transpose16_avx512vnni(scratch, kd, rows, valid, head_dim);
         const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
-        cb_q8_scores16_avx512vnni(sc, t, &keep, kt, kd, qc, qlen, m, NH, 1);
+        cb_q8_scores16_avx512vnni(sc, t, &keep, scratch, kd, qc, qlen, m, NH, 1);
     }
     CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
-    const int vblock = CB_ATTN_VBLOCK_BYTES / (int)rbytes > 4 ? CB_ATTN_VBLOCK_BYTES / (int)rbytes : 4;
-    for (int t0 = 0, row_t0 = row0; t0 < n; t0 += vblock) {
-        const int t1 = n - t0 > vblock ? t0 + vblock : n;
-        cb_attn_block_values_avx512(o, (const float *const *)sc, vbase, t0, t1, row_t0, ring, head_dim, vblock, NH,
-                                    NH > 4 ? 2 : 4, CB_KV_Q8);
-        row_t0 = (int)(((int64_t)row_t0 + (t1 - t0)) % ring);
+    for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
+        cb_attn_prefetch_rows(vbase, g0 + CB_Q8_VGROUP, g0 + 2 * CB_Q8_VGROUP, ring, rbytes);
+        cb_q8_vpairs_avx512vnni(scratch, kd, vbase, g0 % ring, CB_Q8_VGROUP / 2, ring, head_dim);
+        cb_q8_vgroup_avx512vnni(o, (const float *const *)sc, g0 - start, 0, n, scratch, kd, head_dim, NH);
     }
 }
 
 /* A prompt's block (cb_attend_block_fn) over a q8 cache for NH <= 8 heads: the block's query heads
- * quantized once, each key block (CB_Q8_KT_BYTES) transposed once for all of them, 32 rows a step
- * (2 x NH accumulators); values as cb_attend_qblock_group_avx512's. Scratch: kt [CB_Q8_KT_BYTES /
- * 4 + 16 x CB_KV_Q8_MAX_HEAD_DIM / 4], kd [rows + 16], qc [CB_ATTN_QBLOCK][8][qlen], m [CB_ATTN_QBLOCK][8]. */
+ * quantized once; blocks of cb_q8_block_rows positions from a multiple of CB_Q8_VGROUP, each key
+ * block transposed once for all the queries (32 rows a step: 2 x NH accumulators), each value
+ * block converted to pairs once. Scratch: kv [CB_Q8_VP_INT32] (the transposed keys, then the
+ * value pairs), kd [cb_q8_block_rows + 16], qc [CB_ATTN_QBLOCK][8][qlen], m [CB_ATTN_QBLOCK][8]. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
                                const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim,
-                               int pos0, int window, int ring, float scale, const float *sinks, int32_t *kt, float *kd,
+                               int pos0, int window, int ring, float scale, const float *sinks, int32_t *kv, float *kd,
                                int8_t *qc, cb_q8_query *m, const int NH) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
-    const int qlen = cb_q8_qlen(head_dim), groups = qlen / 4;
-    const int krows = CB_Q8_KT_BYTES / qlen > 16 ? (CB_Q8_KT_BYTES / qlen) & ~15 : 16;
+    const int qlen = cb_q8_qlen(head_dim), groups = qlen / 4, krows = cb_q8_block_rows(head_dim);
     for (int j = 0; j < nq; j++)
         for (int i = 0; i < NH; i++)
             cb_q8_query_quantize(qc + (size_t)(8 * j + i) * qlen, &m[8 * j + i],
@@ -908,11 +1022,14 @@ cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int
                 rows_[r_] = kbase + (size_t)row_ * rbytes;                                            \
                 row_ = row_ + 1 == ring ? 0 : row_ + 1;                                               \
             }                                                                                         \
-            cb_q8_transpose16_avx512vnni(kt + (size_t)(s_ / 16) * groups * 16, kd + s_, rows_, valid_, head_dim); \
+            cb_q8_transpose16_avx512vnni(kv + (size_t)(s_ / 16) * groups * 16, kd + s_, rows_, valid_, head_dim); \
         }                                                                                             \
         cb_attn_prefetch_rows(kbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, rbytes); \
-    } else                                                                                            \
-        cb_attn_prefetch_rows(vbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, rbytes)
+    } else {                                                                                          \
+        cb_q8_vpairs_avx512vnni(kv, kd, vbase, (b0) % ring,                                           \
+                                ((b1) - (b0) + CB_Q8_VGROUP - 1) / CB_Q8_VGROUP * (CB_Q8_VGROUP / 2), ring, head_dim); \
+        cb_attn_prefetch_rows(vbase, b1, (b1) + krows < last + 1 ? (b1) + krows : last + 1, ring, rbytes); \
+    }
 #define CB_SCORES_Q8(j, sc, qh, kb, t0, t1, r0, s0)                                                   \
     do {                                                                                              \
         const int s1_ = (s0) + (t1) - (t0), t_at_ = (t0) - (s0);                                      \
@@ -926,20 +1043,17 @@ cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int
                 keep_[v_] = (__mmask16)(lo_ > 0 ? up_ & ~((1u << (lo_ < 16 ? lo_ : 16)) - 1u) : up_); \
             }                                                                                         \
             if (s1_ - s_ > 16)                                                                        \
-                cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kt + (size_t)(s_ / 16) * groups * 16, kd + s_, \
+                cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kv + (size_t)(s_ / 16) * groups * 16, kd + s_, \
                                           qj_, qlen, m + 8 * (j), NH, 2);                             \
             else                                                                                      \
-                cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kt + (size_t)(s_ / 16) * groups * 16, kd + s_, \
+                cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kv + (size_t)(s_ / 16) * groups * 16, kd + s_, \
                                           qj_, qlen, m + 8 * (j), NH, 1);                             \
         }                                                                                             \
     } while (0)
-    const int NH_A = NH < 4 ? NH : 4, NH_B = NH > 4 ? NH - 4 : 1;
 #define CB_VALUES_Q8(o, sc, vb, t0, t1, r0, s0)                                                       \
-    do {                                                                                              \
-        cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, 0, NH_A, 4, CB_KV_Q8);     \
-        if (NH > 4) cb_attn_block_values_avx512(o + 4, sc + 4, vb, t0, t1, r0, ring, head_dim, 0, NH_B, 4, CB_KV_Q8); \
-    } while (0)
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_Q8, CB_VALUES_Q8, krows, CB_PREPARE_Q8, cb_softmax_avx512)
+    for (int k_ = (s0) / CB_Q8_VGROUP * CB_Q8_VGROUP; k_ < (s0) + (t1) - (t0); k_ += CB_Q8_VGROUP)    \
+        cb_q8_vgroup_avx512vnni(o, sc, (t0) - (s0) + k_, t0, t1, kv + (size_t)(k_ / 2) * head_dim, kd + k_, head_dim, NH)
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_Q8, CB_VALUES_Q8, krows, CB_Q8_VGROUP, CB_PREPARE_Q8, cb_softmax_avx512)
 #undef CB_PREPARE_Q8
 #undef CB_SCORES_Q8
 #undef CB_VALUES_Q8
@@ -956,8 +1070,9 @@ CB_TARGET_AVX512_VNNI static void cb_attend_heads_avx512vnni(float *out, const f
                                scale, sinks, kv);
         return;
     }
+    int32_t scratch[CB_Q8_VP_INT32];     /* 16 key rows transposed, then a value group's pairs: 64 KB at most */
 #define CB_Q8_NH(k) cb_attend_group_q8_avx512vnni(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
-                                                  start, pos, ring, scale, sinks, k)
+                                                  start, pos, ring, scale, sinks, scratch, k)
     switch (nh) {
     case 1: CB_Q8_NH(1); break;
     case 2: CB_Q8_NH(2); break;
@@ -981,12 +1096,12 @@ CB_TARGET_AVX512_VNNI static void cb_attend_block_avx512vnni(float *out, int ldo
                                window, ring, scale, sinks, kv);
         return;
     }
-    int32_t kt[CB_Q8_KT_BYTES / 4 + 16 * CB_KV_Q8_MAX_HEAD_DIM / 4];   /* 32 KB at most */
-    float kd[CB_Q8_KT_BYTES / 16 + 16];
+    int32_t kv_block[CB_Q8_VP_INT32];    /* a block's transposed keys, then its value pairs: 64 KB at most */
+    float kd[CB_Q8_KBLOCK_BYTES / CB_Q8_QALIGN + CB_Q8_VGROUP];
     int8_t qc[CB_ATTN_QBLOCK * 8 * CB_KV_Q8_MAX_HEAD_DIM];                /* 64 KB at most */
     cb_q8_query m[CB_ATTN_QBLOCK * 8];
 #define CB_Q8_NH(k) cb_attend_qblock_q8_avx512vnni(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, kvh, \
-                                                   head_dim, pos0, window, ring, scale, sinks, kt, kd, qc, m, k)
+                                                   head_dim, pos0, window, ring, scale, sinks, kv_block, kd, qc, m, k)
     switch (nh) {
     case 1: CB_Q8_NH(1); break;
     case 2: CB_Q8_NH(2); break;

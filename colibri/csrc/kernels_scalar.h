@@ -604,10 +604,16 @@ static inline size_t cb_kv_row_bytes(int head_dim, int kv) {
  * — the integer sum exact (|sum| <= 127 x 127 x CB_KV_Q8_MAX_HEAD_DIM < 2^24, so its float too),
  * then two roundings, in this order on every tier — so a score has the same bits however a tier
  * sums the products (vpmaddubsw, vpdpbusd, in rows or transposed), and a prompt equals decoding it.
- * A value row adds w x code to each output column with w = p x d_v (its probability times its
- * scale, one rounding), positions in order. A NaN or infinite query or row gives NaN scores, as
- * with f32. The quantized query head: its codes zero-padded to cb_q8_qlen bytes (a whole number
- * of 64-byte vectors; the padding multiplies whatever the key rows hold there by 0) and: */
+ * The values go in groups of CB_Q8_VGROUP positions aligned to multiples of it (the group of
+ * position P starts at P - P % 32, whatever the query's span): position t of the group weighs
+ * w_t = p_t x d_v (its probability times its row's scale, one rounding; 0 outside the query's
+ * span), the group's weights become int16 codes wq_t = round(w_t / g) with g = max w / 32767, and
+ * each output column adds (float)(sum_t wq_t x code_t) x g, the groups in order — the integer sum
+ * exact (32 x 32767 x 127 < 2^31), so vpmaddwd or vpdpwssd over position pairs give its bits in any
+ * order. (A weight's error is at most g / 2: 1 / 65534 of the group's largest.) A NaN or infinite
+ * query, row or weight gives NaN scores or outputs, as with f32. The quantized query head: its
+ * codes zero-padded to cb_q8_qlen bytes (a whole number of 64-byte vectors; the padding
+ * multiplies whatever the key rows hold there by 0) and: */
 typedef struct {
     int32_t bias;       /* -128 x the sum of the codes: vpdpbusd multiplies key bytes as unsigned
                            (code + 128), so a sum starts here to be the codes' own */
@@ -637,6 +643,24 @@ static inline float cb_kv_q8_scale(const char *row) {
     float d;
     memcpy(&d, row, sizeof d);
     return d;
+}
+
+/* A value group's positions (and so a q8 prompt block's alignment), and its weights' int16 top. */
+#define CB_Q8_VGROUP 32
+#define CB_Q8_WMAX 32767.0f
+
+/* The group's weight scale g from its largest weight and whether a weight was NaN: NaN (outputs
+ * NaN) where any weight or g is not finite. */
+static inline float cb_q8_group_scale(float wmax, int nan) {
+    const float g = wmax / CB_Q8_WMAX;
+    return nan || !isfinite(g) ? NAN : g;
+}
+
+/* A weight's int16 code (0 where g is 0 or NaN; at most 32767 where g is subnormal). */
+static inline int32_t cb_q8_weight_code(float w, float g) {
+    if (!(g > 0.0f) || !isfinite(g)) return 0;
+    const long r = lrintf(w / g);
+    return (int32_t)(r > 32767 ? 32767 : r);
 }
 
 /* The score's float part from the exact integer sum: every tier's. */
@@ -672,13 +696,33 @@ static inline void cb_attend_head(float *out, const float *q, const void *k_cach
     cb_softmax(sc, n + (sinks != NULL));
     float *oh = out + (size_t)h * head_dim;
     memset(oh, 0, sizeof(float) * (size_t)head_dim);
+    if (kv == CB_KV_Q8) {                        /* groups of CB_Q8_VGROUP positions, int16 weights */
+        int32_t isum[CB_KV_Q8_MAX_HEAD_DIM];
+        for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
+            float w[CB_Q8_VGROUP], wmax = 0.0f;
+            int nan = 0;
+            for (int k = 0; k < CB_Q8_VGROUP; k++) {
+                const int p = g0 + k;
+                w[k] = p < start || p > pos ? 0.0f
+                     : sc[p - start] * cb_kv_q8_scale((const char *)v_cache + ((size_t)kvh * ring + p % ring) * rbytes);
+                nan |= isnan(w[k]);
+                wmax = w[k] > wmax ? w[k] : wmax;
+            }
+            const float gs = cb_q8_group_scale(wmax, nan);
+            memset(isum, 0, sizeof(int32_t) * (size_t)head_dim);
+            for (int k = 0; k < CB_Q8_VGROUP; k++) {
+                const int32_t wq = g0 + k < start || g0 + k > pos ? 0 : cb_q8_weight_code(w[k], gs);
+                if (!wq) continue;
+                const int8_t *c = (const int8_t *)(const void *)((const char *)v_cache + ((size_t)kvh * ring + (g0 + k) % ring) * rbytes + CB_KV_Q8_SCALE_BYTES);
+                for (int d = 0; d < head_dim; d++) isum[d] += wq * c[d];
+            }
+            for (int d = 0; d < head_dim; d++) oh[d] += (float)isum[d] * gs;
+        }
+        return;
+    }
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
         const char *vt = (const char *)v_cache + ((size_t)kvh * ring + row) * rbytes;
-        if (kv == CB_KV_Q8) {
-            const float w = sc[t] * cb_kv_q8_scale(vt);
-            const int8_t *c = (const int8_t *)(const void *)(vt + CB_KV_Q8_SCALE_BYTES);
-            for (int d = 0; d < head_dim; d++) oh[d] += w * (float)c[d];
-        } else if (kv == CB_KV_F16)
+        if (kv == CB_KV_F16)
             for (int d = 0; d < head_dim; d++) oh[d] += sc[t] * cb_f16_table[((const uint16_t *)vt)[d]];
         else
             cb_axpy(oh, sc[t], (const float *)vt, head_dim);
