@@ -583,8 +583,8 @@ def _q8_attention(q, k, v, start, pos, sinks):
     """numpy mirror of q8 attention (cb_attend_head): q [n_heads, hd], caches [n_kv, ring, hd]
     float32 holding position p in row p (ring > pos) as the engine would store them. Scores to the
     bit (integer sums of codes, then two float32 roundings); the softmax in float64; the values in
-    groups of 32 positions from multiples of 32, each weight p x its row's scale coded as an int16
-    of the group's largest / 32767, the integer sums times that scale."""
+    groups of 32 positions from multiples of 32, each weight p x its row's scale coded as an int16,
+    round(w x 32767 / the group's largest), the integer sums times largest / 32767."""
     n_heads, hd = q.shape
     n_kv = k.shape[0]
     scale = np.float32(1.0 / np.float64(np.sqrt(np.float32(hd))))
@@ -604,8 +604,11 @@ def _q8_attention(q, k, v, start, pos, sinks):
         w = (p / p.sum())[:pos - start + 1].astype(np.float32) * vd[g]
         for g0 in range(start - start % 32, pos + 1, 32):
             span = slice(max(g0, start) - start, min(g0 + 32, pos + 1) - start)
-            gs = np.float32(w[span].max() / np.float32(32767))
-            wq = np.minimum(np.rint(w[span] / gs), 32767).astype(np.int64) if gs > 0 else np.zeros(len(w[span]), np.int64)
+            wmax = w[span].max()
+            if wmax < np.float32(2.0**-100):             # a group that small adds nothing
+                continue
+            gs, inv = np.float32(wmax / np.float32(32767)), np.float32(np.float32(32767) / wmax)
+            wq = np.minimum(np.rint((w[span] * inv).astype(np.float32)), 32767).astype(np.int64)
             out[h] += (wq[:, None] * vc[g][span]).sum(0).astype(np.float32).astype(np.float64) * np.float64(gs)
     return out
 

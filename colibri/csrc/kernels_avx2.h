@@ -787,13 +787,14 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_row_scores_avx2(float *s, cons
         }
     }
     const float dk = cb_kv_q8_scale(krow);
+    const __m256i z = _mm256_setzero_si256();          /* the 4 heads' sums by one hadd tree */
+    for (int i = NH; i < 4; i++) acc[i] = z;
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+    int32_t sum[4];
+    _mm_storeu_si128((__m128i *)(void *)sum, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
     for (int i = 0; i < NH; i++) {
-        __m128i x = _mm_add_epi32(_mm256_castsi256_si128(acc[i]), _mm256_extracti128_si256(acc[i], 1));
-        x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
-        x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
-        int32_t sum = _mm_cvtsi128_si32(x);
-        for (int e = d; e < head_dim; e++) sum += (int32_t)qc[(size_t)i * qlen + e] * kc[e];
-        s[i] = cb_q8_score_from_sum(sum, dk, m[i].qs);
+        for (int e = d; e < head_dim; e++) sum[i] += (int32_t)qc[(size_t)i * qlen + e] * kc[e];
+        s[i] = cb_q8_score_from_sum(sum[i], dk, m[i].qs);
     }
 }
 
@@ -841,23 +842,41 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float
 }
 
 /* One head's weights for a group: wp [CB_Q8_VGROUP / 2] int16 code pairs (positions 2m, 2m + 1
- * of the group), returning the group's scale (cb_q8_group_scale). p: the head's probabilities by
- * t; t_first: the t of the group's first position (< 0 where the span starts inside it); lo..hi-1:
- * the t of the span's positions (the others weigh 0); vd: the group's row scales. */
-static CB_ALWAYS_INLINE float cb_q8_weights(int32_t *wp, const float *p, int t_first, int lo, int hi, const float *vd) {
-    float w[CB_Q8_VGROUP], wmax = 0.0f;
+ * of the group), returning the group's g (cb_q8_group_scale; the codes round(w x inv) as
+ * cb_q8_weight_code: the products are IEEE's, the max exact in any order, cvtps_epi32 rounds to
+ * nearest even as lrintf). p: the head's probabilities by t; t_first: the t of the group's first
+ * position (< 0 where the span starts inside it); lo..hi-1: the t of the span's positions (the
+ * others weigh 0, their p never read); vd: the group's row scales. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE float cb_q8_weights_avx2(int32_t *wp, const float *p, int t_first, int lo,
+                                                               int hi, const float *vd) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 w[CB_Q8_VGROUP / 8], mx = _mm256_setzero_ps();
     int nan = 0;
-    for (int k = 0; k < CB_Q8_VGROUP; k++) {
-        const int t = t_first + k;
-        w[k] = t >= lo && t < hi ? p[t] * vd[k] : 0.0f;
-        nan |= isnan(w[k]);
-        wmax = w[k] > wmax ? w[k] : wmax;
+    for (int v = 0; v < CB_Q8_VGROUP / 8; v++) {
+        const __m256i t = _mm256_add_epi32(_mm256_set1_epi32(t_first + 8 * v), lane);
+        const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(t, _mm256_set1_epi32(lo - 1)),
+                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), t));
+        const __m256 pv = _mm256_maskload_ps(p + t_first + 8 * v, in);
+        w[v] = _mm256_and_ps(_mm256_mul_ps(pv, _mm256_loadu_ps(vd + 8 * v)), _mm256_castsi256_ps(in));
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(w[v], w[v], _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, w[v]);
     }
-    const float g = cb_q8_group_scale(wmax, nan);
-    for (int m = 0; m < CB_Q8_VGROUP / 2; m++)
-        wp[m] = (int32_t)(((uint32_t)cb_q8_weight_code(w[2 * m], g) & 0xFFFFu) |
-                          ((uint32_t)cb_q8_weight_code(w[2 * m + 1], g) << 16));
-    return g;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0x4E));
+    m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0xB1));
+    const cb_q8_wscale s = cb_q8_group_scale(nan ? 0.0f : _mm_cvtss_f32(m4), nan != 0);
+    if (!(s.inv > 0.0f)) {
+        memset(wp, 0, sizeof(int32_t) * (CB_Q8_VGROUP / 2));
+        return s.g;
+    }
+    const __m256 inv = _mm256_set1_ps(s.inv);
+    const __m256i top = _mm256_set1_epi32(32767);
+    for (int v = 0; v < CB_Q8_VGROUP / 8; v += 2) {    /* 16 codes (0..32767) packed in order */
+        const __m256i a = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[v], inv)), top);
+        const __m256i b = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[v + 1], inv)), top);
+        _mm256_storeu_si256((__m256i *)(void *)(wp + 4 * v), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
+    return s.g;
 }
 
 /* A group's values into o[i] for NH (<= 4) heads, NC 8-column vectors from column d: the integer
@@ -891,7 +910,7 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vgroup_avx2(float *const *o, c
                                                              int head_dim, const int NH) {
     int32_t wp[4 * CB_Q8_VGROUP / 2];
     float gs[4];
-    for (int i = 0; i < NH; i++) gs[i] = cb_q8_weights(wp + (CB_Q8_VGROUP / 2) * i, sc[i], t_first, lo, hi, vd);
+    for (int i = 0; i < NH; i++) gs[i] = cb_q8_weights_avx2(wp + (CB_Q8_VGROUP / 2) * i, sc[i], t_first, lo, hi, vd);
     const int zero = t_first <= 0;
     int d = 0;
     for (; d + 16 <= head_dim; d += 16) cb_q8_vpass_avx2(o, wp, gs, vp, head_dim, d, zero, NH, 2);
@@ -933,6 +952,14 @@ CB_TARGET_AVX2 static void cb_kv_store_q8_avx2(void *dst, const float *src, int 
         const long r = lrintf(src[i] / d);
         c[i] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
     }
+}
+
+/* cb_q8_query_quantize with the 8-lane store (the same bytes). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_query_quantize_avx2(int8_t *codes, cb_q8_query *m, const float *qh,
+                                                                     int head_dim, float scale) {
+    char row[CB_KV_Q8_SCALE_BYTES + CB_KV_Q8_MAX_HEAD_DIM];
+    cb_kv_store_q8_avx2(row, qh, head_dim);
+    cb_q8_query_from_row(codes, m, row, head_dim, scale);
 }
 
 CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, int kv) {
@@ -1089,7 +1116,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
         const int qlen = cb_q8_qlen(head_dim);
         int8_t qc[4 * CB_KV_Q8_MAX_HEAD_DIM];
         cb_q8_query m[4];
-        for (int i = 0; i < NH; i++) cb_q8_query_quantize(qc + (size_t)i * qlen, &m[i], qh[i], head_dim, scale);
+        for (int i = 0; i < NH; i++) cb_q8_query_quantize_avx2(qc + (size_t)i * qlen, &m[i], qh[i], head_dim, scale);
         for (int t = 0, row = row0; t < n; t++) {
             int ahead = row + CB_ATTN_PREFETCH;
             ahead = ahead < ring ? ahead : ahead % ring;
@@ -1255,7 +1282,7 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
     if (KV == CB_KV_Q8)                      /* q8: the block's query heads quantized once, [nq][4][qlen] */
         for (int j = 0; j < nq; j++)
             for (int i = 0; i < NH; i++)
-                cb_q8_query_quantize(qc + (size_t)(CB_ATTN_HEADS * j + i) * qlen, &m[CB_ATTN_HEADS * j + i],
+                cb_q8_query_quantize_avx2(qc + (size_t)(CB_ATTN_HEADS * j + i) * qlen, &m[CB_ATTN_HEADS * j + i],
                                      q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim, head_dim, scale);
 #define CB_SCORES_AVX2(j, sc, qh, kb, t0, t1, r0, s0)                                                         \
     do {                                                                                                      \

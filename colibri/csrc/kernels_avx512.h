@@ -768,7 +768,7 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
  * positions x 16 columns for a head — against a widening, a conversion and an FMA per position
  * and 16 columns in float; a prompt converts each block once for all its queries and heads.
  * The integer sums are exact and the float steps are the AVX2 tier's (cb_q8_score_from_sum,
- * cb_q8_weights, o = fma(sum, g, o)), so the bits are that tier's and a prompt's equal decoding it. */
+ * cb_q8_weights_avx2, o = fma(sum, g, o)), so the bits are that tier's and a prompt's equal decoding it. */
 
 /* acc += vpdpbusd / vpdpwssd (acc, a, b) in place. GCC's intrinsics copied each accumulator to
  * another register and back around every instruction of these loops (a move per product: a third
@@ -815,12 +815,24 @@ cb_q8_transpose16_avx512vnni(int32_t *kt, float *kd, const char *const *rows, in
     for (int i = 0; i < 16; i++) kd[i] = i < valid ? cb_kv_q8_scale(rows[i]) : 0.0f;
 }
 
-/* Scores of V x 16 transposed rows (kt, kd: V consecutive sets of 16) for NH query heads (codes qc
- * [NH][qlen], m [NH]): sc[i][t_at + r] for the rows r of the set whose bit is in keep[v]. */
+/* NH query heads (q: head i at q + i x head_dim) quantized (cb_q8_query_quantize's codes, the
+ * 8-lane store) into qt [cb_q8_qlen / 4][8] int32 — group g's 4 codes of head i at qt[8g + i], so a
+ * step's broadcasts come from one address — and m [NH]. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void cb_q8_queries_avx512(int32_t *qt, cb_q8_query *m, const float *q,
+                                                                  int head_dim, float scale, const int NH) {
+    const int groups = cb_q8_qlen(head_dim) / 4;
+    int32_t codes[CB_KV_Q8_MAX_HEAD_DIM / 4];
+    for (int i = 0; i < NH; i++) {
+        cb_q8_query_quantize_avx2((int8_t *)codes, &m[i], q + (size_t)i * head_dim, head_dim, scale);
+        for (int g = 0; g < groups; g++) qt[8 * g + i] = codes[g];
+    }
+}
+
+/* Scores of V x 16 transposed rows (kt, kd: V consecutive sets of 16) for NH query heads (qt, m as
+ * cb_q8_queries_avx512 makes them): sc[i][t_at + r] for the rows r of the set whose bit is in keep[v]. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_q8_scores16_avx512vnni(float *const *sc, int t_at, const __mmask16 *keep, const int32_t *kt, const float *kd,
-                          const int8_t *qc, int qlen, const cb_q8_query *m, const int NH, const int V) {
-    const int groups = qlen / 4;
+                          const int32_t *qt, int groups, const cb_q8_query *m, const int NH, const int V) {
     __m512i acc[2][8];
     for (int v = 0; v < V; v++)
         for (int i = 0; i < NH; i++) acc[v][i] = _mm512_set1_epi32(m[i].bias);
@@ -828,9 +840,7 @@ cb_q8_scores16_avx512vnni(float *const *sc, int t_at, const __mmask16 *keep, con
         __m512i k[2];
         for (int v = 0; v < V; v++) k[v] = _mm512_loadu_si512(kt + ((size_t)v * groups + g) * 16);
         for (int i = 0; i < NH; i++) {
-            int32_t q4;
-            memcpy(&q4, qc + (size_t)i * qlen + 4 * g, 4);
-            const __m512i qv = _mm512_set1_epi32(q4);
+            const __m512i qv = _mm512_set1_epi32(qt[8 * g + i]);
             for (int v = 0; v < V; v++) CB_DPBUSD512(acc[v][i], k[v], qv);
         }
     }
@@ -869,8 +879,7 @@ CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_q8_vpairs_avx512vnni(int32
     }
 }
 
-/* cb_q8_weights on 16 lanes, the same bits: the products and the division are IEEE's in both, the
- * max exact in any order, cvtps_epi32 rounds to nearest even as lrintf. */
+/* cb_q8_weights_avx2 on 16 lanes, the same bits. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE float cb_q8_weights_avx512(int32_t *wp, const float *p, int t_first, int lo,
                                                                    int hi, const float *vd) {
     __m512 w[2];
@@ -882,17 +891,17 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE float cb_q8_weights_avx512(int32_t *wp,
         w[v] = _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + t), _mm512_loadu_ps(vd + 16 * v));
         nan |= _mm512_cmp_ps_mask(w[v], w[v], _CMP_UNORD_Q);
     }
-    const float g = cb_q8_group_scale(nan ? 0.0f : _mm512_reduce_max_ps(_mm512_max_ps(w[0], w[1])), nan != 0);
-    if (!(g > 0.0f) || !isfinite(g)) {
+    const cb_q8_wscale s = cb_q8_group_scale(nan ? 0.0f : _mm512_reduce_max_ps(_mm512_max_ps(w[0], w[1])), nan != 0);
+    if (!(s.inv > 0.0f)) {
         memset(wp, 0, sizeof(int32_t) * (CB_Q8_VGROUP / 2));
-        return g;
+        return s.g;
     }
-    const __m512 vg = _mm512_set1_ps(g);
+    const __m512 inv = _mm512_set1_ps(s.inv);
     const __m512i top = _mm512_set1_epi32(32767);
     for (int v = 0; v < 2; v++)
         _mm256_storeu_si256((__m256i *)(void *)(wp + 8 * v),
-                            _mm512_cvtepi32_epi16(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_div_ps(w[v], vg)), top)));
-    return g;
+                            _mm512_cvtepi32_epi16(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(w[v], inv)), top)));
+    return s.g;
 }
 
 /* cb_q8_vpass_avx2 with vpdpwssd: NC 16-column vectors from column d for NH <= 4 heads. */
@@ -964,12 +973,12 @@ cb_attend_group_q8_avx512vnni(float *out, const float *q, const void *k_cache, c
                               int sc_stride, int h0, int kvh, int head_dim, int start, int pos, int ring, float scale,
                               const float *sinks, int32_t *scratch, const int NH) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
-    const int n = pos - start + 1, row0 = start % ring, qlen = cb_q8_qlen(head_dim);
-    int8_t qc[CB_ATTN_HEADS_WIDE * CB_KV_Q8_MAX_HEAD_DIM];
+    const int n = pos - start + 1, row0 = start % ring, groups = cb_q8_qlen(head_dim) / 4;
+    int32_t qt[CB_KV_Q8_MAX_HEAD_DIM / 4 * 8];
     cb_q8_query m[CB_ATTN_HEADS_WIDE];
     float kd[CB_Q8_VGROUP], *sc[8], *o[8];
+    cb_q8_queries_avx512(qt, m, q + (size_t)h0 * head_dim, head_dim, scale, NH);
     for (int i = 0; i < NH; i++) {
-        cb_q8_query_quantize(qc + (size_t)i * qlen, &m[i], q + (size_t)(h0 + i) * head_dim, head_dim, scale);
         sc[i] = scores + (size_t)(h0 + i) * sc_stride;
         o[i] = out + (size_t)(h0 + i) * head_dim;
     }
@@ -987,7 +996,7 @@ cb_attend_group_q8_avx512vnni(float *out, const float *q, const void *k_cache, c
         }
         cb_q8_transpose16_avx512vnni(scratch, kd, rows, valid, head_dim);
         const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
-        cb_q8_scores16_avx512vnni(sc, t, &keep, scratch, kd, qc, qlen, m, NH, 1);
+        cb_q8_scores16_avx512vnni(sc, t, &keep, scratch, kd, qt, groups, m, NH, 1);
     }
     CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
     for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
@@ -1001,18 +1010,17 @@ cb_attend_group_q8_avx512vnni(float *out, const float *q, const void *k_cache, c
  * quantized once; blocks of cb_q8_block_rows positions from a multiple of CB_Q8_VGROUP, each key
  * block transposed once for all the queries (32 rows a step: 2 x NH accumulators), each value
  * block converted to pairs once. Scratch: kv [CB_Q8_VP_INT32] (the transposed keys, then the
- * value pairs), kd [cb_q8_block_rows + 16], qc [CB_ATTN_QBLOCK][8][qlen], m [CB_ATTN_QBLOCK][8]. */
+ * value pairs), kd [cb_q8_block_rows + 16], qt [CB_ATTN_QBLOCK][qlen / 4][8], m [CB_ATTN_QBLOCK][8]. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache,
                                const void *v_cache, float *scores, int sc_stride, int h0, int kvh, int head_dim,
                                int pos0, int window, int ring, float scale, const float *sinks, int32_t *kv, float *kd,
-                               int8_t *qc, cb_q8_query *m, const int NH) {
+                               int32_t *qt, cb_q8_query *m, const int NH) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
-    const int qlen = cb_q8_qlen(head_dim), groups = qlen / 4, krows = cb_q8_block_rows(head_dim);
+    const int groups = cb_q8_qlen(head_dim) / 4, krows = cb_q8_block_rows(head_dim);
     for (int j = 0; j < nq; j++)
-        for (int i = 0; i < NH; i++)
-            cb_q8_query_quantize(qc + (size_t)(8 * j + i) * qlen, &m[8 * j + i],
-                                 q + (size_t)j * ldq + (size_t)(h0 + i) * head_dim, head_dim, scale);
+        cb_q8_queries_avx512(qt + (size_t)j * groups * 8, m + 8 * j, q + (size_t)j * ldq + (size_t)h0 * head_dim,
+                             head_dim, scale, NH);
 #define CB_PREPARE_Q8(pass, b0, b1)                                                                   \
     if (pass == 0) {                                                                                  \
         for (int s_ = 0, row_ = (b0) % ring; s_ < (b1) - (b0); s_ += 16) {                            \
@@ -1033,7 +1041,7 @@ cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int
 #define CB_SCORES_Q8(j, sc, qh, kb, t0, t1, r0, s0)                                                   \
     do {                                                                                              \
         const int s1_ = (s0) + (t1) - (t0), t_at_ = (t0) - (s0);                                      \
-        const int8_t *qj_ = qc + (size_t)8 * (j) * qlen;                                              \
+        const int32_t *qj_ = qt + (size_t)(j) * groups * 8;                                           \
         (void)qh;                                                                                     \
         for (int s_ = (s0) & ~15; s_ < s1_; s_ += 32) {                                               \
             __mmask16 keep_[2];                                                                       \
@@ -1044,10 +1052,10 @@ cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int
             }                                                                                         \
             if (s1_ - s_ > 16)                                                                        \
                 cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kv + (size_t)(s_ / 16) * groups * 16, kd + s_, \
-                                          qj_, qlen, m + 8 * (j), NH, 2);                             \
+                                          qj_, groups, m + 8 * (j), NH, 2);                           \
             else                                                                                      \
                 cb_q8_scores16_avx512vnni(sc, t_at_ + s_, keep_, kv + (size_t)(s_ / 16) * groups * 16, kd + s_, \
-                                          qj_, qlen, m + 8 * (j), NH, 1);                             \
+                                          qj_, groups, m + 8 * (j), NH, 1);                           \
         }                                                                                             \
     } while (0)
 #define CB_VALUES_Q8(o, sc, vb, t0, t1, r0, s0)                                                       \
@@ -1098,10 +1106,10 @@ CB_TARGET_AVX512_VNNI static void cb_attend_block_avx512vnni(float *out, int ldo
     }
     int32_t kv_block[CB_Q8_VP_INT32];    /* a block's transposed keys, then its value pairs: 64 KB at most */
     float kd[CB_Q8_KBLOCK_BYTES / CB_Q8_QALIGN + CB_Q8_VGROUP];
-    int8_t qc[CB_ATTN_QBLOCK * 8 * CB_KV_Q8_MAX_HEAD_DIM];                /* 64 KB at most */
+    int32_t qt[CB_ATTN_QBLOCK * 8 * CB_KV_Q8_MAX_HEAD_DIM / 4];           /* the queries' codes: 64 KB at most */
     cb_q8_query m[CB_ATTN_QBLOCK * 8];
 #define CB_Q8_NH(k) cb_attend_qblock_q8_avx512vnni(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, kvh, \
-                                                   head_dim, pos0, window, ring, scale, sinks, kv_block, kd, qc, m, k)
+                                                   head_dim, pos0, window, ring, scale, sinks, kv_block, kd, qt, m, k)
     switch (nh) {
     case 1: CB_Q8_NH(1); break;
     case 2: CB_Q8_NH(2); break;

@@ -607,8 +607,9 @@ static inline size_t cb_kv_row_bytes(int head_dim, int kv) {
  * The values go in groups of CB_Q8_VGROUP positions aligned to multiples of it (the group of
  * position P starts at P - P % 32, whatever the query's span): position t of the group weighs
  * w_t = p_t x d_v (its probability times its row's scale, one rounding; 0 outside the query's
- * span), the group's weights become int16 codes wq_t = round(w_t / g) with g = max w / 32767, and
- * each output column adds (float)(sum_t wq_t x code_t) x g, the groups in order — the integer sum
+ * span), the group's weights become int16 codes wq_t = round(w_t x 32767 / max w), and each
+ * output column adds (float)(sum_t wq_t x code_t) x (max w / 32767) (cb_q8_group_scale), the
+ * groups in order — the integer sum
  * exact (32 x 32767 x 127 < 2^31), so vpmaddwd or vpdpwssd over position pairs give its bits in any
  * order. (A weight's error is at most g / 2: 1 / 65534 of the group's largest.) A NaN or infinite
  * query, row or weight gives NaN scores or outputs, as with f32. The quantized query head: its
@@ -624,18 +625,24 @@ static inline int cb_q8_qlen(int head_dim) { return (head_dim + CB_Q8_QALIGN - 1
 
 static void cb_kv_store_q8(void *dst, const float *src, int n);
 
-/* Quantize query head qh [head_dim] into codes [cb_q8_qlen(head_dim)] and m. */
-static inline void cb_q8_query_quantize(int8_t *codes, cb_q8_query *m, const float *qh, int head_dim, float scale) {
-    char row[CB_KV_Q8_SCALE_BYTES + CB_KV_Q8_MAX_HEAD_DIM];
+/* A query head stored as a q8 row (by the tier's store: the same bytes) into codes
+ * [cb_q8_qlen(head_dim)] and m. */
+static inline void cb_q8_query_from_row(int8_t *codes, cb_q8_query *m, const char *row, int head_dim, float scale) {
     float d;
     int32_t sum = 0;
-    cb_kv_store_q8(row, qh, head_dim);
     memcpy(&d, row, sizeof d);
     memcpy(codes, row + CB_KV_Q8_SCALE_BYTES, (size_t)head_dim);
     memset(codes + head_dim, 0, (size_t)(cb_q8_qlen(head_dim) - head_dim));
     for (int i = 0; i < head_dim; i++) sum += codes[i];
     m->bias = -128 * sum;
     m->qs = d * scale;
+}
+
+/* Quantize query head qh [head_dim] into codes [cb_q8_qlen(head_dim)] and m. */
+static inline void cb_q8_query_quantize(int8_t *codes, cb_q8_query *m, const float *qh, int head_dim, float scale) {
+    char row[CB_KV_Q8_SCALE_BYTES + CB_KV_Q8_MAX_HEAD_DIM];
+    cb_kv_store_q8(row, qh, head_dim);
+    cb_q8_query_from_row(codes, m, row, head_dim, scale);
 }
 
 /* A q8 row's scale (its first 4 bytes). */
@@ -645,21 +652,34 @@ static inline float cb_kv_q8_scale(const char *row) {
     return d;
 }
 
-/* A value group's positions (and so a q8 prompt block's alignment), and its weights' int16 top. */
+/* A value group's positions (and so a q8 prompt block's alignment), its weights' int16 top, and
+ * the largest weight below which a group adds nothing (a weight is a probability times a row's
+ * scale: a whole group under 2^-100 is positions the query does not attend, or values that small). */
 #define CB_Q8_VGROUP 32
 #define CB_Q8_WMAX 32767.0f
+#define CB_Q8_WTINY 0x1p-100f
 
-/* The group's weight scale g from its largest weight and whether a weight was NaN: NaN (outputs
- * NaN) where any weight or g is not finite. */
-static inline float cb_q8_group_scale(float wmax, int nan) {
-    const float g = wmax / CB_Q8_WMAX;
-    return nan || !isfinite(g) ? NAN : g;
+/* A value group's scales from its largest weight and whether a weight was NaN: its outputs add
+ * sum x g, its weights are coded round(w x inv). g NaN and inv 0 (outputs NaN) where a weight is
+ * NaN or infinite; g = inv = 0 where the largest is below CB_Q8_WTINY; else g = wmax / 32767,
+ * inv = 32767 / wmax (finite: wmax >= 2^-100). */
+typedef struct {
+    float g, inv;
+} cb_q8_wscale;
+static inline cb_q8_wscale cb_q8_group_scale(float wmax, int nan) {
+    cb_q8_wscale s = {0.0f, 0.0f};
+    if (nan || !isfinite(wmax)) s.g = NAN;
+    else if (wmax >= CB_Q8_WTINY) {
+        s.g = wmax / CB_Q8_WMAX;
+        s.inv = CB_Q8_WMAX / wmax;
+    }
+    return s;
 }
 
-/* A weight's int16 code (0 where g is 0 or NaN; at most 32767 where g is subnormal). */
-static inline int32_t cb_q8_weight_code(float w, float g) {
-    if (!(g > 0.0f) || !isfinite(g)) return 0;
-    const long r = lrintf(w / g);
+/* A weight's int16 code: round(w x inv) to nearest even, at most 32767 (0 where inv is 0). */
+static inline int32_t cb_q8_weight_code(float w, float inv) {
+    if (!(inv > 0.0f)) return 0;
+    const long r = lrintf(w * inv);
     return (int32_t)(r > 32767 ? 32767 : r);
 }
 
@@ -708,15 +728,15 @@ static inline void cb_attend_head(float *out, const float *q, const void *k_cach
                 nan |= isnan(w[k]);
                 wmax = w[k] > wmax ? w[k] : wmax;
             }
-            const float gs = cb_q8_group_scale(wmax, nan);
+            const cb_q8_wscale ws = cb_q8_group_scale(wmax, nan);
             memset(isum, 0, sizeof(int32_t) * (size_t)head_dim);
             for (int k = 0; k < CB_Q8_VGROUP; k++) {
-                const int32_t wq = g0 + k < start || g0 + k > pos ? 0 : cb_q8_weight_code(w[k], gs);
+                const int32_t wq = g0 + k < start || g0 + k > pos ? 0 : cb_q8_weight_code(w[k], ws.inv);
                 if (!wq) continue;
                 const int8_t *c = (const int8_t *)(const void *)((const char *)v_cache + ((size_t)kvh * ring + (g0 + k) % ring) * rbytes + CB_KV_Q8_SCALE_BYTES);
                 for (int d = 0; d < head_dim; d++) isum[d] += wq * c[d];
             }
-            for (int d = 0; d < head_dim; d++) oh[d] += (float)isum[d] * gs;
+            for (int d = 0; d < head_dim; d++) oh[d] += (float)isum[d] * ws.g;
         }
         return;
     }
