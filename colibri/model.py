@@ -538,6 +538,13 @@ def _check_threads_start(threads: int) -> None:
     number is tried here first, with Python threads of that stack size, and released."""
     if threads <= 1:
         return
+    room, stack = _os.address_space_room()
+    if room is not None and stack and (threads - 1) * stack > room:
+        # decided before trying: a thread whose stack fits but whose first allocation does not
+        # dies inside CPython's start-up and its start() waits forever
+        raise ColibriError(f"cannot start {threads} threads (threads / --threads): their stacks need "
+                           f"{(threads - 1) * stack >> 20} MiB of address space and the limit (ulimit -v) "
+                           f"leaves {room >> 20} MiB (this machine has {_os.compute_cores()} cores)")
     release = threading.Event()
     started = []
     try:

@@ -65,6 +65,24 @@ def test_interface_is_defined_once_in_the_package():
     assert set(_os.INTERFACE) <= set(_os.__all__)
 
 
+@only_linux
+def test_address_space_room_follows_the_rlimit():
+    """Under ulimit -v the room is what the limit leaves (positive, below it); the stack is
+    RLIMIT_STACK's; without a limit the room is unknown. (The engine refuses --threads whose stacks
+    cannot fit before starting any: a thread that dies in CPython's start-up hangs start().)"""
+    import subprocess
+    code = ("import resource; from colibri import _os; "
+            "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1])); "
+            "print(*_os.address_space_room(), resource.getrlimit(resource.RLIMIT_STACK)[0])")
+    room, stack, rlimit_stack = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                        check=True).stdout.split())
+    assert 0 < room < 3 << 30
+    assert stack == (rlimit_stack if rlimit_stack > 0 else 8 << 20)
+    import resource
+    if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+        assert _os.address_space_room()[0] is None
+
+
 @pytest.mark.skipif(ctypes.sizeof(ctypes.c_void_p) != 8, reason="sizes are those of 64-bit Windows")
 def test_windows_structures_have_the_x64_layout():
     w = importlib.import_module("colibri._os._windows")

@@ -63,6 +63,7 @@ INTERFACE = (
     "memory_limit",      # () -> (bytes | None, source)      the cgroup / job object limit on this process
     "memory_usage",      # () -> (current, peak)             of what enforces that limit (None: unknown)
     "available_memory",  # () -> bytes | None                RAM new allocations can get (MemAvailable)
+    "address_space_room",  # () -> (bytes | None, stack | None)  mappable address space left, a thread's stack
 )
 # What a backend module must define: every interface name, plus the frees that pair with
 # map_file/alloc_aligned. Where the forms differ, the backend's is lower-level: map_file(path)
@@ -408,6 +409,13 @@ def available_memory() -> int | None:
     """Bytes of RAM new allocations can get without swapping: Linux /proc/meminfo MemAvailable,
     Windows GlobalMemoryStatusEx ullAvailPhys; None where unknown."""
     return _backend.available_memory()
+
+
+def address_space_room() -> tuple:
+    """(bytes of address space this process may still map, bytes of a new thread's stack), each
+    None where unknown. Linux/POSIX: RLIMIT_AS less what is mapped, and RLIMIT_STACK (the default
+    pthread stack). Windows: (None, None)."""
+    return _backend.address_space_room()
 
 
 def lock(ranges) -> bool:

@@ -292,6 +292,27 @@ def rss_bytes() -> tuple[int, int]:
     return peak, peak
 
 
+def address_space_room() -> tuple:
+    """(bytes of address space this process may still map, bytes of a new thread's stack), each
+    None where unknown: RLIMIT_AS (ulimit -v) less VmSize of /proc/self/status; the stack as glibc
+    sizes it, RLIMIT_STACK (ulimit -s) where finite, else 8 MiB (or threading.stack_size())."""
+    import resource
+    import threading
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    room = None
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+            room = max(soft - int(fields[b"VmSize"].split()[0]) * 1024, 0)
+        except (OSError, KeyError, ValueError):
+            room = None
+    stack = threading.stack_size() or resource.getrlimit(resource.RLIMIT_STACK)[0]
+    if stack == resource.RLIM_INFINITY or stack <= 0:
+        stack = 8 << 20
+    return room, stack
+
+
 def evict_file_cache(fd: int) -> bool:
     fadvise = getattr(os, "posix_fadvise", None)  # Linux/BSD; not macOS
     if fadvise is None:

@@ -400,6 +400,12 @@ def prefetch_chunk(path: str) -> int:
     return 0  # PrefetchVirtualMemory takes whole ranges
 
 
+def address_space_room() -> tuple:
+    """Windows has no address-space rlimit (a job limits committed memory, and a thread's stack
+    commits little of what it reserves): unknown."""
+    return None, None
+
+
 def evict_file_cache(fd: int) -> bool:
     return False  # no per-file page-cache eviction on Windows
 

@@ -807,12 +807,6 @@ static CB_ALWAYS_INLINE void cb_attn_prefetch_rows(const char *base, int b0, int
     }
 }
 
-/* q8 values (cb_attend_head's groups of CB_Q8_VGROUP positions, int16 weights). A group's value
- * rows as int16 pairs: vp [pairs][head_dim] int32, column d of pair m holding the code of the
- * pair's first position in its low half and of its second in the high half (what vpmaddwd and
- * vpdpwssd multiply by a weight pair), vd [2 x pairs] the rows' scales; the rows from cache row
- * `row` on, wrapping (head_dim % 8 == 0). A prompt converts a block's rows once for all its
- * queries and heads. */
 #define CB_Q8_VP_INT32 16384            /* a converted block's int32 (64 KB: 32 rows at head_dim 1024) */
 #define CB_Q8_KBLOCK_BYTES 16384        /* a q8 prompt block's key codes (128 rows at head_dim 128) */
 
@@ -822,6 +816,12 @@ static inline int cb_q8_block_rows(int head_dim) {
     const int r = CB_Q8_KBLOCK_BYTES / cb_q8_qlen(head_dim) / CB_Q8_VGROUP * CB_Q8_VGROUP;
     return r > CB_Q8_VGROUP ? r : CB_Q8_VGROUP;
 }
+/* q8 values (cb_attend_head's groups of CB_Q8_VGROUP positions, int16 weights). A group's value
+ * rows as int16 pairs: vp [pairs][head_dim] int32, column d of pair m holding the code of the
+ * pair's first position in its low half and of its second in the high half (what vpmaddwd and
+ * vpdpwssd multiply by a weight pair), vd [2 x pairs] the rows' scales; the rows from cache row
+ * `row` on, wrapping (head_dim % 8 == 0). A prompt converts a block's rows once for all its
+ * queries and heads. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float *vd, const char *vbase, int row,
                                                              int pairs, int ring, int head_dim) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
