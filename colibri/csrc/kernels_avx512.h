@@ -590,6 +590,20 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
 #undef CB_VALUES_AVX512
 }
 
+/* CALL(k, ...) for k = nh query heads, a constant from 1 to 8 (8: more), so each unit size
+ * compiles with its own register tiles: every AVX-512 attention entry's dispatch. */
+#define CB_SWITCH_HEADS8(nh, CALL, ...)        \
+    switch (nh) {                              \
+    case 1: CALL(1, __VA_ARGS__); break;       \
+    case 2: CALL(2, __VA_ARGS__); break;       \
+    case 3: CALL(3, __VA_ARGS__); break;       \
+    case 4: CALL(4, __VA_ARGS__); break;       \
+    case 5: CALL(5, __VA_ARGS__); break;       \
+    case 6: CALL(6, __VA_ARGS__); break;       \
+    case 7: CALL(7, __VA_ARGS__); break;       \
+    default: CALL(8, __VA_ARGS__); break;      \
+    }
+
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attend_block_kv_avx512(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache, const void *v_cache,
                           float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0, int window,
@@ -603,17 +617,7 @@ cb_attend_block_kv_avx512(float *out, int ldo, const float *q, int ldq, int nq, 
     }
 #define CB_ATTEND_NH(k, hd) cb_attend_qblock_group_avx512(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, \
                                                           h0, kvh, head_dim, pos0, window, ring, scale, sinks, kf, k, hd, KV)
-#define CB_ATTEND_HD(hd)                  \
-    switch (nh) {                         \
-    case 1: CB_ATTEND_NH(1, hd); break;   \
-    case 2: CB_ATTEND_NH(2, hd); break;   \
-    case 3: CB_ATTEND_NH(3, hd); break;   \
-    case 4: CB_ATTEND_NH(4, hd); break;   \
-    case 5: CB_ATTEND_NH(5, hd); break;   \
-    case 6: CB_ATTEND_NH(6, hd); break;   \
-    case 7: CB_ATTEND_NH(7, hd); break;   \
-    default: CB_ATTEND_NH(8, hd); break;  \
-    }
+#define CB_ATTEND_HD(hd) CB_SWITCH_HEADS8(nh, CB_ATTEND_NH, hd)
     if (head_dim == 64) CB_ATTEND_HD(64)
     else if (head_dim == 128) CB_ATTEND_HD(128)
     else CB_ATTEND_HD(0)
@@ -731,17 +735,7 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
     }
 #define CB_ATTEND_NH(k, hd, kvt) cb_attend_group_avx512(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
                                                         start, pos, ring, scale, sinks, k, hd, kvt)
-#define CB_ATTEND_HD(hd, kvt)                                        \
-    switch (nh) {                                                    \
-    case 1: CB_ATTEND_NH(1, hd, kvt); break;                         \
-    case 2: CB_ATTEND_NH(2, hd, kvt); break;                         \
-    case 3: CB_ATTEND_NH(3, hd, kvt); break;                         \
-    case 4: CB_ATTEND_NH(4, hd, kvt); break;                         \
-    case 5: CB_ATTEND_NH(5, hd, kvt); break;                         \
-    case 6: CB_ATTEND_NH(6, hd, kvt); break;                         \
-    case 7: CB_ATTEND_NH(7, hd, kvt); break;                         \
-    default: CB_ATTEND_NH(8, hd, kvt); break;                        \
-    }
+#define CB_ATTEND_HD(hd, kvt) CB_SWITCH_HEADS8(nh, CB_ATTEND_NH, hd, kvt)
     if (kv == CB_KV_F16) {
         if (head_dim == 64) CB_ATTEND_HD(64, CB_KV_F16)
         else if (head_dim == 128) CB_ATTEND_HD(128, CB_KV_F16)
@@ -1079,18 +1073,9 @@ CB_TARGET_AVX512_VNNI static void cb_attend_heads_avx512vnni(float *out, const f
         return;
     }
     int32_t scratch[CB_Q8_VP_INT32];     /* 16 key rows transposed, then a value group's pairs: 64 KB at most */
-#define CB_Q8_NH(k) cb_attend_group_q8_avx512vnni(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
+#define CB_Q8_NH(k, unused) cb_attend_group_q8_avx512vnni(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
                                                   start, pos, ring, scale, sinks, scratch, k)
-    switch (nh) {
-    case 1: CB_Q8_NH(1); break;
-    case 2: CB_Q8_NH(2); break;
-    case 3: CB_Q8_NH(3); break;
-    case 4: CB_Q8_NH(4); break;
-    case 5: CB_Q8_NH(5); break;
-    case 6: CB_Q8_NH(6); break;
-    case 7: CB_Q8_NH(7); break;
-    default: CB_Q8_NH(8); break;
-    }
+    CB_SWITCH_HEADS8(nh, CB_Q8_NH, 0)
 #undef CB_Q8_NH
 }
 
@@ -1108,18 +1093,9 @@ CB_TARGET_AVX512_VNNI static void cb_attend_block_avx512vnni(float *out, int ldo
     float kd[CB_Q8_KBLOCK_BYTES / CB_Q8_QALIGN + CB_Q8_VGROUP];
     int32_t qt[CB_ATTN_QBLOCK * 8 * CB_KV_Q8_MAX_HEAD_DIM / 4];           /* the queries' codes: 64 KB at most */
     cb_q8_query m[CB_ATTN_QBLOCK * 8];
-#define CB_Q8_NH(k) cb_attend_qblock_q8_avx512vnni(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, kvh, \
+#define CB_Q8_NH(k, unused) cb_attend_qblock_q8_avx512vnni(out, ldo, q, ldq, nq, k_cache, v_cache, scores, sc_stride, h0, kvh, \
                                                    head_dim, pos0, window, ring, scale, sinks, kv_block, kd, qt, m, k)
-    switch (nh) {
-    case 1: CB_Q8_NH(1); break;
-    case 2: CB_Q8_NH(2); break;
-    case 3: CB_Q8_NH(3); break;
-    case 4: CB_Q8_NH(4); break;
-    case 5: CB_Q8_NH(5); break;
-    case 6: CB_Q8_NH(6); break;
-    case 7: CB_Q8_NH(7); break;
-    default: CB_Q8_NH(8); break;
-    }
+    CB_SWITCH_HEADS8(nh, CB_Q8_NH, 0)
 #undef CB_Q8_NH
 }
 
