@@ -268,28 +268,6 @@ static int cb_select_isa(int isa) {
     return cb_select_kernels(isa, cb_best_int_step(isa));
 }
 
-/* This thread's scratch of at least `bytes` (64-byte aligned), grown on demand and kept for the
- * thread's life: OpenMP's pool threads keep a few hundred KB each; so does every other thread that
- * ran a prefill (a Python thread's is not freed when it exits). NULL if the allocation fails. */
-#if defined(_MSC_VER)
-#define CB_THREAD_LOCAL __declspec(thread)
-#else
-#define CB_THREAD_LOCAL __thread
-#endif
-static CB_THREAD_LOCAL void *cb_scratch_raw;          /* what malloc returned */
-static CB_THREAD_LOCAL uint8_t *cb_scratch_ptr;       /* aligned into it */
-static CB_THREAD_LOCAL size_t cb_scratch_cap;
-
-static uint8_t *cb_thread_scratch(size_t bytes) {
-    if (cb_scratch_ptr && bytes <= cb_scratch_cap) return cb_scratch_ptr;
-    size_t cap = (bytes + bytes / 2 + 63) / 64 * 64;
-    free(cb_scratch_raw);
-    cb_scratch_raw = malloc(cap + 64);
-    cb_scratch_ptr = cb_scratch_raw ? (uint8_t *)(((uintptr_t)cb_scratch_raw + 63) & ~(uintptr_t)63) : NULL;
-    cb_scratch_cap = cb_scratch_raw ? cap : 0;
-    return cb_scratch_ptr;
-}
-
 /* gate[n] = act(gate[n]) * up[n] (SwiGLU / GeGLU) in place, by the current tier. */
 static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gate, up, n, act); }
 
@@ -374,7 +352,7 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     uint8_t *scratch = NULL;
     if (n >= CB_TPREFILL_MIN_TOKENS && cb_options.prefill_repack && e->tprefill && (j->dtype == CB_INT8 || j->dtype == CB_INT4) &&
         cols >= CB_QBLOCK && u1 > u0)
-        scratch = cb_thread_scratch(cb_tprefill_bytes(step < u1 - u0 ? step : u1 - u0,
+        scratch = cb_thread_scratch(CB_SCRATCH_TPREFILL, cb_tprefill_bytes(step < u1 - u0 ? step : u1 - u0,
                                                       cols / CB_QBLOCK, n));
     for (int c = u0; c < u1; c += step) {
         int o0 = c * unit, o1 = (c + step < u1 ? c + step : u1) * unit;

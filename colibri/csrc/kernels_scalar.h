@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 #include "quant.h"
 
@@ -47,6 +48,35 @@ typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, 
 /* Below this many multiply-adds a matvec/matmul runs on one thread: waking the other threads and
  * waiting for them at the barrier costs more (much more when a core is shared with other work). */
 #define CB_PARALLEL_MIN_WORK (1 << 19)
+
+/* This thread's scratch of at least `bytes` (64-byte aligned) in one of CB_SCRATCH_SLOTS slots,
+ * grown on demand and kept for the thread's life: OpenMP's pool threads keep a few hundred KB each;
+ * so does every other thread that ran a prefill (a Python thread's is not freed when it exits).
+ * NULL if the allocation fails. A slot's buffer moves when it grows: a caller asks again for each
+ * product and never holds it across another call for the same slot. */
+enum {
+    CB_SCRATCH_TPREFILL = 0,    /* the repacked prefill's chunk (dispatch.h, cb_job_transposed) */
+    CB_SCRATCH_ACT_TILES = 1,   /* the 512-bit interleaved tile's packed activations (kernels_vnni.h) */
+    CB_SCRATCH_SLOTS = 2
+};
+#if defined(_MSC_VER)
+#define CB_THREAD_LOCAL __declspec(thread)
+#else
+#define CB_THREAD_LOCAL __thread
+#endif
+static CB_THREAD_LOCAL void *cb_scratch_raw[CB_SCRATCH_SLOTS];       /* what malloc returned */
+static CB_THREAD_LOCAL uint8_t *cb_scratch_ptr[CB_SCRATCH_SLOTS];    /* aligned into it */
+static CB_THREAD_LOCAL size_t cb_scratch_cap[CB_SCRATCH_SLOTS];
+
+static uint8_t *cb_thread_scratch(int slot, size_t bytes) {
+    if (cb_scratch_ptr[slot] && bytes <= cb_scratch_cap[slot]) return cb_scratch_ptr[slot];
+    size_t cap = (bytes + bytes / 2 + 63) / 64 * 64;
+    free(cb_scratch_raw[slot]);
+    cb_scratch_raw[slot] = malloc(cap + 64);
+    cb_scratch_ptr[slot] = cb_scratch_raw[slot] ? (uint8_t *)(((uintptr_t)cb_scratch_raw[slot] + 63) & ~(uintptr_t)63) : NULL;
+    cb_scratch_cap[slot] = cb_scratch_raw[slot] ? cap : 0;
+    return cb_scratch_ptr[slot];
+}
 
 /* ---- half-precision conversion ------------------------------------------------------------ */
 
