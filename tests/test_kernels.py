@@ -301,9 +301,10 @@ def test_attention_softmax_of_non_finite_scores_is_refused(isa):
 @settings(max_examples=200, deadline=None)
 @given(hnp.arrays(np.float32, st.integers(1, 300), elements=st.floats(-200, 200, width=32)))
 def test_the_avx512_softmax_gives_the_avx2_bits(x):
-    """The AVX-512 tier's attention softmax (16-lane exp, the sum still 8 lanes in the AVX2 loop's
-    order) is the AVX2 one bit for bit at every length (16-element steps, an 8-element step, the
-    scalar tail), and refuses a NaN or an infinity wherever it is."""
+    """The AVX-512 tier's attention softmax (16-lane exp, the sum in the AVX2 loop's 8-lane chains
+    and order) is the AVX2 one bit for bit at every length (64-element steps in 8 chains, then
+    16-element steps, an 8-element step, the scalar tail), and refuses a NaN or an infinity
+    wherever it is."""
     before, got = _kernels.isa(), {}
     try:
         for tier in ("avx2", "avx512"):
@@ -582,9 +583,10 @@ def test_a_q8_row_with_nan_or_infinity_reads_back_as_nan(bad):
 def _q8_attention(q, k, v, start, pos, sinks):
     """numpy mirror of q8 attention (cb_attend_head): q [n_heads, hd], caches [n_kv, ring, hd]
     float32 holding position p in row p (ring > pos) as the engine would store them. Scores to the
-    bit (integer sums of codes, then two float32 roundings); the softmax in float64; the values in
-    groups of 32 positions from multiples of 32, each weight p x its row's scale coded as an int16,
-    round(w x 32767 / the group's largest), the integer sums times largest / 32767."""
+    bit (integer sums of codes, then two float32 roundings); the softmax's exponentials in float64;
+    the values in groups of 32 positions from multiples of 32, each weight exp(s - max s) x its
+    row's scale coded as an int16, round(w x 32767 / the group's largest), the integer sums times
+    largest / 32767; the output divided by the exponentials' sum at the end."""
     n_heads, hd = q.shape
     n_kv = k.shape[0]
     scale = np.float32(1.0 / np.float64(np.sqrt(np.float32(hd))))
@@ -601,7 +603,7 @@ def _q8_attention(q, k, v, start, pos, sinks):
         if sinks is not None:
             logits = np.append(logits, np.float64(sinks[h]))
         p = np.exp(logits - logits.max())
-        w = (p / p.sum())[:pos - start + 1].astype(np.float32) * vd[g]
+        w = p[:pos - start + 1].astype(np.float32) * vd[g]
         for g0 in range(start - start % 32, pos + 1, 32):
             span = slice(max(g0, start) - start, min(g0 + 32, pos + 1) - start)
             wmax = w[span].max()
@@ -610,6 +612,7 @@ def _q8_attention(q, k, v, start, pos, sinks):
             gs, inv = np.float32(wmax / np.float32(32767)), np.float32(np.float32(32767) / wmax)
             wq = np.minimum(np.rint((w[span] * inv).astype(np.float32)), 32767).astype(np.int64)
             out[h] += (wq[:, None] * vc[g][span]).sum(0).astype(np.float32).astype(np.float64) * np.float64(gs)
+        out[h] /= p.sum()
     return out
 
 

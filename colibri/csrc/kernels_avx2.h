@@ -713,6 +713,13 @@ CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const cha
 /* The softmax's exps from element i on, x[k] = exp(x[k] - mx), and their sum: 8 lanes a step
  * adding onto s8 (the partial sums of elements before i), then the lanes' sum, then a scalar tail.
  * The AVX-512 tier's softmax runs its 16-lane steps first and ends here, for the same bits. */
+/* The chains of the softmax's sum (8 lanes each) and their fold: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
+#define CB_SOFTMAX_CHAINS 8
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_softmax_fold8(const __m256 *acc) {
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
+                         _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
+}
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE float cb_softmax_exps_avx2(float *x, int i, int n, float mx, __m256 s8) {
     const __m256 vmx = _mm256_set1_ps(mx), underflow = _mm256_set1_ps(CB_LN_SMALLEST_NORMAL);
     for (; i + 8 <= n; i += 8) {
@@ -729,28 +736,58 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE float cb_softmax_exps_avx2(float *x, int 
     return sum;
 }
 
-/* cb_softmax with 8 lanes and cb_exp_avx2 (within 2 ulp of expf), exp below the smallest normal
- * float taken as 0 (expf gives a subnormal: nothing next to the sum, which is >= 1). The
- * attention's; the scalar tier and routing keep cb_softmax. */
-CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
+/* cb_softmax_unnormalized with 8 lanes and cb_exp_avx2 (within 2 ulp of expf), exp below the
+ * smallest normal float taken as 0 (expf gives a subnormal: nothing next to the sum, which is >= 1).
+ * The attention's; the scalar tier and routing keep cb_softmax. */
+CB_TARGET_AVX2 static int cb_softmax_unnormalized_avx2(float *x, int n, float *inv) {
     int i = 0;
-    __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {          /* max drops NaNs: they are looked for apart */
+    *inv = 1.0f;
+    __m256 m8[4], nan8 = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) m8[k] = _mm256_set1_ps(-INFINITY);
+    for (; i + 32 <= n; i += 32)          /* max drops NaNs: they are looked for apart; 4 chains */
+        for (int k = 0; k < 4; k++) {
+            const __m256 v = _mm256_loadu_ps(x + i + 8 * k);
+            m8[k] = _mm256_max_ps(m8[k], v);
+            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+    for (; i + 8 <= n; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i);
-        m8 = _mm256_max_ps(m8, v);
+        m8[0] = _mm256_max_ps(m8[0], v);
         nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
-    float mx = cb_hmax256(m8);
+    float mx = cb_hmax256(_mm256_max_ps(_mm256_max_ps(m8[0], m8[1]), _mm256_max_ps(m8[2], m8[3])));
     if (_mm256_movemask_ps(nan8)) return -1;
     for (; i < n; i++) {
         if (isnan(x[i])) return -1;
         mx = x[i] > mx ? x[i] : mx;
     }
     if (!isfinite(mx)) return -1;
-    const float sum = cb_softmax_exps_avx2(x, 0, n, mx, _mm256_setzero_ps());
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
-    for (; i < n; i++) x[i] *= 1.0f / sum;
+    /* the sum in CB_SOFTMAX_CHAINS chains of 8 lanes over whole 64-element steps (one chain's adds
+     * waited on each other: the exponentials' pass ran at the add's latency), folded as a tree;
+     * then the rest in order (cb_softmax_exps_avx2). The AVX-512 tier adds the same lanes in the
+     * same order. */
+    const __m256 vmx = _mm256_set1_ps(mx), underflow = _mm256_set1_ps(CB_LN_SMALLEST_NORMAL);
+    __m256 acc[CB_SOFTMAX_CHAINS];
+    for (int k = 0; k < CB_SOFTMAX_CHAINS; k++) acc[k] = _mm256_setzero_ps();
+    for (i = 0; i + 8 * CB_SOFTMAX_CHAINS <= n; i += 8 * CB_SOFTMAX_CHAINS)
+        for (int k = 0; k < CB_SOFTMAX_CHAINS; k++) {
+            const __m256 z = _mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * k), vmx);
+            const __m256 e = _mm256_and_ps(cb_exp_avx2(z), _mm256_cmp_ps(z, underflow, _CMP_GE_OQ));
+            _mm256_storeu_ps(x + i + 8 * k, e);
+            acc[k] = _mm256_add_ps(acc[k], e);
+        }
+    *inv = 1.0f / cb_softmax_exps_avx2(x, i, n, mx, cb_softmax_fold8(acc));
+    return 0;
+}
+
+/* cb_softmax_unnormalized's exponentials, then each times 1 / their sum. */
+CB_TARGET_AVX2 static int cb_softmax_avx2(float *x, int n) {
+    float inv;
+    if (cb_softmax_unnormalized_avx2(x, n, &inv)) return -1;
+    int i = 0;
+    for (const __m256 vinv = _mm256_set1_ps(inv); i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
+    for (; i < n; i++) x[i] *= inv;
     return 0;
 }
 
@@ -1091,6 +1128,12 @@ cb_attn_block_values_avx2(float *const *o, const float *const *sc, const char *v
         if (sinks) (sc)[i_][n] = (sinks)[(h0) + i_];        \
         SOFTMAX((sc)[i_], (n) + ((sinks) != NULL));           \
     }
+/* The same for q8 attention: the tier's cb_softmax_unnormalized, 1 / each head's sum in inv[i]. */
+#define CB_ATTN_EXPS_HEADS(EXPS, sc, n, sinks, h0, NH, inv)  \
+    for (int i_ = 0; i_ < (NH); i_++) {                      \
+        if (sinks) (sc)[i_][n] = (sinks)[(h0) + i_];        \
+        EXPS((sc)[i_], (n) + ((sinks) != NULL), &(inv)[i_]);  \
+    }
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_attn_block_softmax_avx2(float *const *sc, int n, const float *sinks,
                                                                      int h0, const int NH) {
     CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx2, sc, n, sinks, h0, NH)
@@ -1161,21 +1204,20 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
         }
         row = row_b + 1 == ring ? 0 : row_b + 1;
     }
-    for (int i = 0; i < NH; i++) {                       /* a sink: one more logit, no value */
-        if (sinks) sc[i][n] = sinks[h0 + i];
-        cb_softmax_avx2(sc[i], n + (sinks != NULL));
-    }
     if (KV == CB_KV_Q8) {                              /* q8: groups of CB_Q8_VGROUP aligned positions */
         int32_t vp[CB_Q8_VGROUP / 2 * CB_KV_Q8_MAX_HEAD_DIM];
-        float vd[CB_Q8_VGROUP], *o[4];
+        float vd[CB_Q8_VGROUP], inv[4], *o[4];
+        CB_ATTN_EXPS_HEADS(cb_softmax_unnormalized_avx2, sc, n, sinks, h0, NH, inv)
         for (int i = 0; i < NH; i++) o[i] = out + (size_t)(h0 + i) * head_dim;
         for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
             cb_attn_prefetch_rows(vbase, g0 + CB_Q8_VGROUP, g0 + 2 * CB_Q8_VGROUP, ring, rbytes);
             cb_q8_vpairs_avx2(vp, vd, vbase, g0 % ring, CB_Q8_VGROUP / 2, ring, head_dim);
             cb_q8_vgroup_avx2(o, (const float *const *)sc, g0 - start, 0, n, vp, vd, head_dim, NH);
         }
+        cb_q8_scale_outputs(o, inv, head_dim, NH);
         return;
     }
+    CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx2, sc, n, sinks, h0, NH)   /* a sink: one more logit, no value */
     /* The value rows a block at a time (vblock rows, CB_ATTN_VBLOCK_BYTES): each pass over 16 of
      * the block's columns finds its rows in L1 and prefetches its own 64-byte piece of the rows of
      * the next block, so the next block arrives whole over the passes, a block ahead. Column-first
@@ -1229,14 +1271,20 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
  * the key or value rows a block (ROWS positions) at a time for each query that sees them.
  * The blocks start at a multiple of ALIGN (q8: of its value groups) at or before the first query's
  * span. PREPARE(pass, b0, b1) runs once per block (positions b0..b1-1) before its queries (the AVX-512
- * tier converts the block's rows there); SOFTMAX(x, n) is the tier's softmax (cb_softmax's
- * contract, the same bits in every tier that has one); SCORES(j, sc, qh, kbase, t0, t1, row_t0, s0) and
+ * tier converts the block's rows there); SOFTMAX_HEADS(j, sc, n) is the tier's softmax of query
+ * j's NH score rows sc[i] over n positions (CB_ATTN_SOFTMAX_HEADS: cb_softmax's contract, the same
+ * bits in every tier that has one; q8: CB_ATTN_EXPS_HEADS, the exponentials and 1 / their sums);
+ * FINISH(j, o) runs on query j's NH finished output heads o[i] (q8: times those 1 / sums); SCORES(j, sc, qh, kbase, t0, t1, row_t0, s0) and
  * VALUES(o, sc, vbase, t0, t1, row_t0, s0) are the tier's passes over one query's rows (j: the
  * query's place in the block; s0: the first row's place in its block); the body runs in a function with cb_attend_qblock_group_avx2's
  * parameters (head_dim and rbytes, a cache row's bytes, defined). */
 #define CB_ATTN_KBLOCK_ROWS(rbytes) \
     (CB_ATTN_KBLOCK_BYTES / (int)(rbytes) > 8 ? CB_ATTN_KBLOCK_BYTES / (int)(rbytes) : 8)
-#define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES, ROWS, ALIGN, PREPARE, SOFTMAX)                                     \
+/* The body's FINISH where there is nothing to finish (f32, f16); q8's (with inv [nq][8] of
+ * CB_ATTN_EXPS_HEADS in scope). */
+#define CB_ATTN_NO_FINISH(j, o) (void)(o)
+#define CB_ATTN_FINISH_Q8(j, o) cb_q8_scale_outputs(o, inv_sum[j], head_dim, NH)
+#define CB_ATTEND_QBLOCK_BODY(SCORES, VALUES, ROWS, ALIGN, PREPARE, SOFTMAX_HEADS, FINISH)                       \
     const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;                            \
     const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;                            \
     const int rows = (ROWS);                                                                            \
@@ -1265,8 +1313,13 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 const int pos = pos0 + j;                                                               \
                 float *sc[8];                                                                           \
                 for (int i = 0; i < NH; i++) sc[i] = scores + ((size_t)j * CB_ATTN_BLOCK_HEADS_MAX + i) * sc_stride; \
-                CB_ATTN_SOFTMAX_HEADS(SOFTMAX, sc, pos - cb_window_start(pos, window) + 1, sinks, h0, NH) \
+                SOFTMAX_HEADS(j, sc, pos - cb_window_start(pos, window) + 1);                            \
             }                                                                                           \
+    }                                                                                                   \
+    for (int j = 0; j < nq; j++) {                                                                      \
+        float *o[8];                                                                                    \
+        for (int i = 0; i < NH; i++) o[i] = out + (size_t)j * ldo + (size_t)(h0 + i) * head_dim;       \
+        FINISH(j, o);                                                                                   \
     }
 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
@@ -1301,13 +1354,18 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
     if (KV == CB_KV_Q8 && pass == 1)                                                                          \
         cb_q8_vpairs_avx2(vp, vd, vbase, (b0) % ring, ((b1) - (b0) + CB_Q8_VGROUP - 1) / CB_Q8_VGROUP * (CB_Q8_VGROUP / 2), \
                           ring, head_dim)
+#define CB_SOFTMAX_AVX2(j, sc, n) CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx2, sc, n, sinks, h0, NH)
+#define CB_EXPS_AVX2(j, sc, n) CB_ATTN_EXPS_HEADS(cb_softmax_unnormalized_avx2, sc, n, sinks, h0, NH, inv_sum[j])
     if (KV == CB_KV_Q8) {
+        float inv_sum[CB_ATTN_QBLOCK][8];         /* [query][head] 1 / its softmax's sum */
         CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_Q8_AVX2, cb_q8_block_rows(head_dim), CB_Q8_VGROUP,
-                              CB_PREPARE_AVX2, cb_softmax_avx2)
+                              CB_PREPARE_AVX2, CB_EXPS_AVX2, CB_ATTN_FINISH_Q8)
     } else {
         CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX2, CB_VALUES_AVX2, CB_ATTN_KBLOCK_ROWS(rbytes), 1, CB_PREPARE_AVX2,
-                              cb_softmax_avx2)
+                              CB_SOFTMAX_AVX2, CB_ATTN_NO_FINISH)
     }
+#undef CB_SOFTMAX_AVX2
+#undef CB_EXPS_AVX2
 #undef CB_SCORES_AVX2
 #undef CB_VALUES_AVX2
 #undef CB_VALUES_Q8_AVX2

@@ -363,38 +363,68 @@ CB_TARGET_AVX512_BF16 static void cb_itile_bf16x_avx512(float *out, int ldo, con
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_exp_avx512(__m512 x)
     CB_EXP_BODY(_mm512, __m512, CB_ROUND_NEAREST512, _mm512_castsi512_ps)
 
-/* cb_softmax_avx2's result bit for bit with 16 lanes at a time: the max is exact in any order, each
- * exp is the same lane arithmetic, and the sum still runs in 8 lanes, a 16-element step adding its
- * low then its high 8 (the AVX2 loop's two steps), with the AVX2 loop's last 8 and scalar tail.
+/* cb_softmax_unnormalized_avx2's result bit for bit with 16 lanes at a time: the max is exact in
+ * any order, each exp is the same lane arithmetic, and the sum runs in the same 8-lane chains (a zmm
+ * holds two), folded alike; after the whole 64-element steps, a 16-element step adds its low then
+ * its high 8 (the AVX2 loop's two steps), with the AVX2 loop's last 8 and scalar tail.
  * (The attention's softmax was a seventh of a long prompt's block kernel.) */
-CB_TARGET_AVX512 static int cb_softmax_avx512(float *x, int n) {
+CB_TARGET_AVX512 static int cb_softmax_unnormalized_avx512(float *x, int n, float *inv) {
     int i = 0;
-    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    *inv = 1.0f;
+    __m512 m16[4];
+    for (int k = 0; k < 4; k++) m16[k] = _mm512_set1_ps(-INFINITY);
     __mmask16 nan16 = 0;
-    for (; i + 16 <= n; i += 16) {          /* max drops NaNs: they are looked for apart */
+    for (; i + 64 <= n; i += 64)            /* max drops NaNs: they are looked for apart; 4 chains */
+        for (int k = 0; k < 4; k++) {
+            const __m512 v = _mm512_loadu_ps(x + i + 16 * k);
+            m16[k] = _mm512_max_ps(m16[k], v);
+            nan16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
+    for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
-        m16 = _mm512_max_ps(m16, v);
+        m16[0] = _mm512_max_ps(m16[0], v);
         nan16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     }
     if (nan16) return -1;
-    float mx = _mm512_reduce_max_ps(m16);
+    float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m16[0], m16[1]), _mm512_max_ps(m16[2], m16[3])));
     for (; i < n; i++) {
         if (isnan(x[i])) return -1;
         mx = x[i] > mx ? x[i] : mx;
     }
     if (!isfinite(mx)) return -1;
     const __m512 vmx = _mm512_set1_ps(mx), underflow = _mm512_set1_ps(CB_LN_SMALLEST_NORMAL);
-    __m256 s8 = _mm256_setzero_ps();
-    for (i = 0; i + 16 <= n; i += 16) {
+    __m512 acc[CB_SOFTMAX_CHAINS / 2];        /* [k]: the AVX2 loop's chains 2k (lanes 0..7) and 2k + 1 */
+    for (int k = 0; k < CB_SOFTMAX_CHAINS / 2; k++) acc[k] = _mm512_setzero_ps();
+    for (i = 0; i + 8 * CB_SOFTMAX_CHAINS <= n; i += 8 * CB_SOFTMAX_CHAINS)
+        for (int k = 0; k < CB_SOFTMAX_CHAINS / 2; k++) {
+            const __m512 z = _mm512_sub_ps(_mm512_loadu_ps(x + i + 16 * k), vmx);
+            const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, underflow, _CMP_GE_OQ), cb_exp_avx512(z));
+            _mm512_storeu_ps(x + i + 16 * k, e);
+            acc[k] = _mm512_add_ps(acc[k], e);
+        }
+    __m256 chains[CB_SOFTMAX_CHAINS];
+    for (int k = 0; k < CB_SOFTMAX_CHAINS / 2; k++) {
+        chains[2 * k] = _mm512_castps512_ps256(acc[k]);
+        chains[2 * k + 1] = _mm512_extractf32x8_ps(acc[k], 1);
+    }
+    __m256 s8 = cb_softmax_fold8(chains);
+    for (; i + 16 <= n; i += 16) {
         const __m512 z = _mm512_sub_ps(_mm512_loadu_ps(x + i), vmx);
         const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, underflow, _CMP_GE_OQ), cb_exp_avx512(z));
         _mm512_storeu_ps(x + i, e);
         s8 = _mm256_add_ps(_mm256_add_ps(s8, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
     }
-    const float sum = cb_softmax_exps_avx2(x, i, n, mx, s8);
-    const __m512 inv = _mm512_set1_ps(1.0f / sum);
-    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
-    for (; i < n; i++) x[i] *= 1.0f / sum;
+    *inv = 1.0f / cb_softmax_exps_avx2(x, i, n, mx, s8);
+    return 0;
+}
+
+CB_TARGET_AVX512 static int cb_softmax_avx512(float *x, int n) {
+    float inv;
+    if (cb_softmax_unnormalized_avx512(x, n, &inv)) return -1;
+    int i = 0;
+    for (const __m512 vinv = _mm512_set1_ps(inv); i + 16 <= n; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv));
+    for (; i < n; i++) x[i] *= inv;
     return 0;
 }
 
@@ -584,7 +614,10 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
         cb_attn_block_values_avx512(o, sc, vb, t0, t1, r0, ring, head_dim, 0, NH_A, 4, KV);                   \
         if (NH > 4) cb_attn_block_values_avx512(o + 4, sc + 4, vb, t0, t1, r0, ring, head_dim, 0, NH_B, 4, KV); \
     } while (0)
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512, krows, 1, CB_PREPARE_AVX512, cb_softmax_avx512)
+#define CB_SOFTMAX_AVX512(j, sc, n) CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_AVX512, CB_VALUES_AVX512, krows, 1, CB_PREPARE_AVX512, CB_SOFTMAX_AVX512,
+                          CB_ATTN_NO_FINISH)
+#undef CB_SOFTMAX_AVX512
 #undef CB_PREPARE_AVX512
 #undef CB_SCORES_AVX512
 #undef CB_VALUES_AVX512
@@ -992,12 +1025,14 @@ cb_attend_group_q8_avx512vnni(float *out, const float *q, const void *k_cache, c
         const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
         cb_q8_scores16_avx512vnni(sc, t, &keep, scratch, kd, qt, groups, m, NH, 1);
     }
-    CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx512, sc, n, sinks, h0, NH)
+    float inv[8];                                      /* 1 / each head's softmax sum */
+    CB_ATTN_EXPS_HEADS(cb_softmax_unnormalized_avx512, sc, n, sinks, h0, NH, inv)
     for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
         cb_attn_prefetch_rows(vbase, g0 + CB_Q8_VGROUP, g0 + 2 * CB_Q8_VGROUP, ring, rbytes);
         cb_q8_vpairs_avx512vnni(scratch, kd, vbase, g0 % ring, CB_Q8_VGROUP / 2, ring, head_dim);
         cb_q8_vgroup_avx512vnni(o, (const float *const *)sc, g0 - start, 0, n, scratch, kd, head_dim, NH);
     }
+    cb_q8_scale_outputs(o, inv, head_dim, NH);
 }
 
 /* A prompt's block (cb_attend_block_fn) over a q8 cache for NH <= 8 heads: the block's query heads
@@ -1055,7 +1090,10 @@ cb_attend_qblock_q8_avx512vnni(float *out, int ldo, const float *q, int ldq, int
 #define CB_VALUES_Q8(o, sc, vb, t0, t1, r0, s0)                                                       \
     for (int k_ = (s0) / CB_Q8_VGROUP * CB_Q8_VGROUP; k_ < (s0) + (t1) - (t0); k_ += CB_Q8_VGROUP)    \
         cb_q8_vgroup_avx512vnni(o, sc, (t0) - (s0) + k_, t0, t1, kv + (size_t)(k_ / 2) * head_dim, kd + k_, head_dim, NH)
-    CB_ATTEND_QBLOCK_BODY(CB_SCORES_Q8, CB_VALUES_Q8, krows, CB_Q8_VGROUP, CB_PREPARE_Q8, cb_softmax_avx512)
+    float inv_sum[CB_ATTN_QBLOCK][8];             /* [query][head] 1 / its softmax's sum */
+#define CB_EXPS_Q8(j, sc, n) CB_ATTN_EXPS_HEADS(cb_softmax_unnormalized_avx512, sc, n, sinks, h0, NH, inv_sum[j])
+    CB_ATTEND_QBLOCK_BODY(CB_SCORES_Q8, CB_VALUES_Q8, krows, CB_Q8_VGROUP, CB_PREPARE_Q8, CB_EXPS_Q8, CB_ATTN_FINISH_Q8)
+#undef CB_EXPS_Q8
 #undef CB_PREPARE_Q8
 #undef CB_SCORES_Q8
 #undef CB_VALUES_Q8

@@ -597,9 +597,13 @@ static inline void cb_softcap(float *x, float cap, int n) {
     for (int i = 0; i < n; i++) x[i] = tanhf(x[i] / cap) * cap;
 }
 
-/* In-place softmax over x[n]; returns 0, or -1 when x holds NaN/inf (nothing is normalised). */
-static int cb_softmax(float *x, int n) {
+/* A softmax's exponentials in place, x[i] = exp(x[i] - max x), and *inv = 1 / their sum; returns
+ * 0, or -1 when x holds NaN/inf (x untouched, *inv = 1). q8 attention weighs its values by these
+ * and multiplies each output by *inv once at the end (cb_attend_head): one pass over the scores
+ * fewer than normalising them. */
+static int cb_softmax_unnormalized(float *x, int n, float *inv) {
     float mx = x[0];
+    *inv = 1.0f;
     for (int i = 0; i < n; i++) {
         if (isnan(x[i])) return -1;               /* a NaN never wins the comparison below */
         mx = x[i] > mx ? x[i] : mx;
@@ -607,9 +611,23 @@ static int cb_softmax(float *x, int n) {
     if (!isfinite(mx)) return -1;
     float sum = 0.0f;
     for (int i = 0; i < n; i++) { x[i] = expf(x[i] - mx); sum += x[i]; }
-    float inv = 1.0f / sum;
+    *inv = 1.0f / sum;
+    return 0;
+}
+
+/* In-place softmax over x[n]; returns 0, or -1 when x holds NaN/inf (nothing is normalised). */
+static int cb_softmax(float *x, int n) {
+    float inv;
+    if (cb_softmax_unnormalized(x, n, &inv)) return -1;
     for (int i = 0; i < n; i++) x[i] *= inv;
     return 0;
+}
+
+/* q8 attention's last step: each of NH output heads o[i] [head_dim] times inv[i] (1 / its softmax's
+ * sum). One multiply an element: every tier's bits. */
+static inline void cb_q8_scale_outputs(float *const *o, const float *inv, int head_dim, int NH) {
+    for (int i = 0; i < NH; i++)
+        for (int d = 0; d < head_dim; d++) o[i][d] *= inv[i];
 }
 
 /* The KV cache's element types (a load option): f32, f16 (half the bytes; values rounded to
@@ -636,10 +654,11 @@ static inline size_t cb_kv_row_bytes(int head_dim, int kv) {
  * sums the products (vpmaddubsw, vpdpbusd, in rows or transposed), and a prompt equals decoding it.
  * The values go in groups of CB_Q8_VGROUP positions aligned to multiples of it (the group of
  * position P starts at P - P % 32, whatever the query's span): position t of the group weighs
- * w_t = p_t x d_v (its probability times its row's scale, one rounding; 0 outside the query's
- * span), the group's weights become int16 codes wq_t = round(w_t x 32767 / max w), and each
- * output column adds (float)(sum_t wq_t x code_t) x (max w / 32767) (cb_q8_group_scale), the
- * groups in order — the integer sum
+ * w_t = e_t x d_v (its softmax exponential exp(s_t - max s), not yet divided by their sum, times
+ * its row's scale, one rounding; 0 outside the query's span), the group's weights become int16
+ * codes wq_t = round(w_t x 32767 / max w), and each output column adds
+ * (float)(sum_t wq_t x code_t) x (max w / 32767) (cb_q8_group_scale), the groups in order, and is
+ * multiplied by 1 / (the exponentials' sum) at the end (cb_softmax_unnormalized) — the integer sum
  * exact (32 x 32767 x 127 < 2^31), so vpmaddwd or vpdpwssd over position pairs give its bits in any
  * order. (A weight's error is at most g / 2: 1 / 65534 of the group's largest.) A NaN or infinite
  * query, row or weight gives NaN scores or outputs, as with f32. The quantized query head: its
@@ -743,7 +762,9 @@ static inline void cb_attend_head(float *out, const float *q, const void *k_cach
         sc[t] = kv == CB_KV_Q8 ? cb_q8_score(qc, qm.qs, kt, head_dim) : dot(kt, qh, NULL, head_dim) * scale;
     }
     if (sinks) sc[n] = sinks[h];
-    cb_softmax(sc, n + (sinks != NULL));
+    float inv = 1.0f;                            /* q8: 1 / the exponentials' sum, applied at the end */
+    if (kv == CB_KV_Q8) cb_softmax_unnormalized(sc, n + (sinks != NULL), &inv);
+    else cb_softmax(sc, n + (sinks != NULL));
     float *oh = out + (size_t)h * head_dim;
     memset(oh, 0, sizeof(float) * (size_t)head_dim);
     if (kv == CB_KV_Q8) {                        /* groups of CB_Q8_VGROUP positions, int16 weights */
@@ -768,6 +789,7 @@ static inline void cb_attend_head(float *out, const float *q, const void *k_cach
             }
             for (int d = 0; d < head_dim; d++) oh[d] += (float)isum[d] * ws.g;
         }
+        cb_q8_scale_outputs(&oh, &inv, head_dim, 1);
         return;
     }
     for (int t = 0, row = row0; t < n; t++, row = row + 1 == ring ? 0 : row + 1) {
