@@ -98,15 +98,7 @@ CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE __m512 cb_join_ps512(__m256 lo, __
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE __m512i cb_bcast4_512(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-/* Vector v of two interleaved groups' codes (at gp and gq) as the unsigned bytes vpdpbusd multiplies,
- * group gp's in lanes 0..7 and gq's in 8..15: cb_inibbles_avx2 on the joined 64 bytes (one join, and
- * the nibble split, int6's high bits and the shuffles once on 512 bits instead of on each half). */
+/* cb_int6_high_avx2 on 512 bits. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE __m512i cb_int6_high_512(__m512i h, int shift) {
     __m512i placed;
     switch (shift) {
@@ -118,6 +110,9 @@ CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE __m512i cb_int6_high_512(__m512i h
     return _mm512_and_si512(placed, _mm512_set1_epi8(0x30));
 }
 
+/* Vector v of two interleaved groups' codes (at gp and gq) as the unsigned bytes vpdpbusd multiplies,
+ * group gp's in lanes 0..7 and gq's in 8..15: cb_inibbles_avx2 on the joined 64 bytes (one join, and
+ * the nibble split, int6's high bits and the shuffles once on 512 bits instead of on each half). */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_inibbles2_512(const char *gp, const char *gq, int dtype, int v,
                                                                    __m512i *lo, __m512i *hi) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
