@@ -167,7 +167,9 @@ def choose_tier(forced: str, available, test):
 
 
 def _select_at_import():
-    """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test."""
+    """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test; then the int
+    step COLIBRI_INT_STEP names, if set (e.g. COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: what an
+    AVX2-only host such as AMD Zen 3 runs, measured on a newer CPU that also has AVX-VNNI)."""
     import os
     import warnings
     name, warning, error = choose_tier(os.environ.get("COLIBRI_ISA", "").strip().lower(), available_isas(),
@@ -177,6 +179,12 @@ def _select_at_import():
     if error:
         raise ValueError(error)
     select_isa(name)
+    step = os.environ.get("COLIBRI_INT_STEP", "").strip().lower()
+    if step:
+        try:
+            set_int_step(step)
+        except ValueError as e:
+            raise ValueError(f"COLIBRI_INT_STEP={step}: {e}") from None
 
 
 try:

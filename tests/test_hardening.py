@@ -94,12 +94,13 @@ def test_reading_instead_of_mapping_gives_the_same_logits(converted):
     np.testing.assert_array_equal(mapped, read)
 
 
-def test_bad_colibri_isa_is_one_clear_line(converted):
-    env = dict(ENV, COLIBRI_ISA="avx9000")
+@pytest.mark.parametrize("variable,value", [("COLIBRI_ISA", "avx9000"), ("COLIBRI_INT_STEP", "vnni9000")])
+def test_bad_kernel_variable_is_one_clear_line(converted, variable, value):
+    env = dict(ENV, **{variable: value})
     r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
                         "--tokens", "1,2"], env=env, capture_output=True, text=True, **as_limit())
     assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "avx9000" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and value in r.stderr and "Traceback" not in r.stderr
 
 
 def test_no_mmap_flag(converted):

@@ -1,6 +1,10 @@
 """The C kernels against numpy (float64 references), property-based over shapes and values."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -492,6 +496,20 @@ def test_a_tier_that_fails_its_self_test_is_not_used():
     assert name is None and error.startswith("COLIBRI_ISA=avx512: ") and "check 7" in error
     assert "not a tier" in _kernels.choose_tier("avx1024", tiers, broken.get)[2]
     assert "does not support it" in _kernels.choose_tier("avx512", ["scalar", "avx2"], broken.get)[2]
+
+
+def test_colibri_int_step_forces_the_step_at_import():
+    """COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 runs what an AVX2-only host runs (no AVX-VNNI) on any
+    CPU with AVX2; an unknown step is an error that names the variable (kept for load to raise)."""
+    if "avx2" not in _kernels.available_isas():
+        pytest.skip("this CPU has no AVX2 tier")
+    probe = "from colibri import _kernels as k; print(k.isa(), k.int_step(), k.ISA_ERROR)"
+    env = dict(os.environ, COLIBRI_ISA="avx2", COLIBRI_INT_STEP="avx2")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert r.stdout.split() == ["avx2", "avx2", "None"]
+    env["COLIBRI_INT_STEP"] = "avx9000-vnni"
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert "COLIBRI_INT_STEP=avx9000-vnni" in r.stdout and "not an int step" in r.stdout
 
 
 # ---- the f16 KV cache (load(kv_cache="f16")) -------------------------------------------------

@@ -10,12 +10,22 @@
 #
 # Build: Release, GGML_NATIVE=ON (the machine's own ISA: AVX-512/VNNI/BF16 where present),
 # CPU only (no CUDA/Metal/Vulkan/BLAS), OpenMP on (llama.cpp's default), LLAMA_CURL=OFF.
+#
+#   ISA=avx2 bash tools/bench/build_llama.sh   # AVX2 + FMA + F16C + BMI2 only, into llama.cpp-build-avx2:
+#                                              # what an AVX2-only host (AMD Zen 3) runs, on a newer one
+#                                              # (compare with Colibri under COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2)
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${BENCH_CACHE:-/work/bench_cache}"
 JOBS="${JOBS:-2}"
 SRC="$CACHE/llama_cpp_python-$VERSION"     # the sdist unpacks here
-BUILD="$CACHE/llama.cpp-build"
+ISA="${ISA:-native}"
+case "$ISA" in
+    native) BUILD="$CACHE/llama.cpp-build"; ISA_FLAGS="-DGGML_NATIVE=ON" ;;
+    avx2)   BUILD="$CACHE/llama.cpp-build-avx2"
+            ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF" ;;
+    *)      echo "[build_llama] ISA=$ISA: choose native or avx2" >&2; exit 2 ;;
+esac
 mkdir -p "$CACHE/sdist"
 
 TARGETS="llama-bench llama-quantize llama-server llama-imatrix llama-perplexity llama-tokenize"
@@ -30,7 +40,7 @@ else
         tar -xzf "$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
     fi
     cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
-        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DCMAKE_BUILD_TYPE=Release $ISA_FLAGS \
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
