@@ -1760,6 +1760,12 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
  * L2); decode takes 4 groups side by side, as the integer formats do. */
 #define CB_IBF16_TOKENS_AVX2 4
 
+/* How far ahead of each of its 4 streams (bytes) the bf16 decode asks for the next line: the
+ * hardware prefetchers alone left it at 0.81 of the read loop's bandwidth on a Zen 4 host; 512
+ * bytes ahead 0.96 (1024: 0.91, 2048: 0.91; BENCHMARKS.md). The integer decode reads a quarter to
+ * half the bytes per multiply and lost 6-20 % with the same prefetch: it has none. */
+#define CB_IBF16_PREFETCH 512
+
 /* out[j * ldo + og * 8 + 0..7] = groups gp + og * gstride, og < G, times tokens j < T (G * T <= 4). */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
@@ -1777,6 +1783,8 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
             xe = _mm256_permute_ps(xv, 0x88);            /* x[k], x[k + 2], ... */
             xo = _mm256_permute_ps(xv, 0xDD);            /* x[k + 1], x[k + 3], ... */
         }
+        if (T == 1)                                      /* decode: each stream's line CB_IBF16_PREFETCH ahead */
+            for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
         for (int g = 0; g < G; g++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + g * gstride));
             const __m256i b = _mm256_loadu_si256((const __m256i *)(gp + g * gstride + 32));

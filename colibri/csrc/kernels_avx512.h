@@ -267,6 +267,8 @@ cb_ibf16_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t
         for (int j = 0; j < T; j++) acc[g][j] = _mm512_setzero_ps();
     for (int k = 0; k < cols; k += 4, gp += 64) {
         __m512 we[4], wo[4];
+        if (T == 1)                                      /* decode: as the AVX2 tier's (CB_IBF16_PREFETCH) */
+            for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
         for (int g = 0; g < G; g++) {
             const __m512i a = _mm512_loadu_si512((const void *)(gp + g * gstride));
             we[g] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
@@ -290,6 +292,8 @@ cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
         for (int j = 0; j < T; j++) acc[g][j] = _mm512_setzero_ps();
     for (int k = 0; k < cols; k += 4, gp += 64) {
         __m512i wv[4];
+        if (T == 1)
+            for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
         for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(gp + g * gstride));
         for (int j = 0; j < T; j++) {
             int64_t x4;

@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("BENCH_CACHE", "/work/bench_cache"))
-LLAMA_BIN = CACHE / "llama.cpp-build" / "bin"
+LLAMA_BIN = Path(os.environ.get("LLAMA_BIN", CACHE / "llama.cpp-build" / "bin"))   # LLAMA_BIN=.../llama.cpp-build-avx2/bin: the AVX2-only build
 PAIRS = (("bf16", "bf16"), ("int8", "q8_0"), ("int4", "q4_0"))
 # gpt-oss in mxfp4 on both sides: Colibri's --quantize mxfp4 keeps the checkpoint's expert blocks
 # and stores the rest bf16; convert_hf_to_gguf.py --outtype bf16 keeps them as MXFP4 and the rest bf16

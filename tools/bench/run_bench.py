@@ -252,6 +252,26 @@ def cpu_name() -> str:
     return platform.processor() or "?"
 
 
+def build_flags(bench) -> str:
+    """What a llama-bench was built for, from its build directory's CMakeCache.txt: GGML_NATIVE=ON,
+    or the instruction sets turned on (an AVX2-only build: tools/bench/build_llama.sh ISA=avx2)."""
+    cache = Path(bench).resolve().parent.parent / "CMakeCache.txt"
+    try:
+        lines = cache.read_text().splitlines()
+    except OSError:
+        return "build flags unknown"
+    entries = {}                                       # NAME:TYPE=VALUE lines
+    for line in lines:
+        if line.startswith("GGML_") and "=" in line:
+            name_type, value = line.split("=", 1)
+            entries[name_type.split(":")[0]] = value
+    if entries.get("GGML_NATIVE", "").upper() in ("ON", "1", "TRUE"):
+        return "GGML_NATIVE=ON"
+    isas = [k[len("GGML_"):] for k, v in entries.items()
+            if v.upper() in ("ON", "1", "TRUE") and k.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2"))]
+    return "GGML_NATIVE=OFF, " + "+".join(sorted(isas))
+
+
 def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
     """rows: {(engine, fmt, threads): [measurement, ...]}; bw: {threads: [GB/s]};
     cold: {(engine, fmt, threads): [TTFT ms after evicting the files]}."""
@@ -264,10 +284,10 @@ def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
     title = "Colibri vs llama.cpp" if llama_meta else "Colibri"
     out = [f"# {name}: {title}, {date}", "",
            f"- Machine: {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}, {platform.system()}",
-           f"- Colibri: git {git_rev()}, kernels {_kernels.isa()} ({Path(colibri.__file__).parent})",
-           (f"- llama.cpp: build {llama_meta['build']}, {llama_meta['backend']}, Release, GGML_NATIVE=ON, "
+           f"- Colibri: git {git_rev()}, kernels {_kernels.isa()}, int step {_kernels.int_step()} ({Path(colibri.__file__).parent})",
+           (f"- llama.cpp: build {llama_meta['build']}, {llama_meta['backend']}, Release, {build_flags(LLAMA_BIN / 'llama-bench')}, "
             f"OpenMP, no BLAS (llama-cpp-python 0.3.36's vendor/llama.cpp)" if llama_meta else "- llama.cpp: not run"),
-           *([f"- ik_llama.cpp: build {ik_meta['build']}, {ik_meta['backend']}, Release, GGML_NATIVE=ON, "
+           *([f"- ik_llama.cpp: build {ik_meta['build']}, {ik_meta['backend']}, Release, {build_flags(a.ik_bench)}, "
               f"OpenMP ({a.ik_bench}); '-rtr': its run-time repacking (-rtr 1)"] if ik_meta else []),
            f"- Work: prompt {a.prompt_len} random token ids, {a.gen} generated tokens; {a.reps} repetitions per row, "
            f"one process each, engines interleaved; figures are median (min–max)",
