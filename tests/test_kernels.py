@@ -499,12 +499,16 @@ def test_a_tier_that_fails_its_self_test_is_not_used():
 
 
 def test_colibri_int_step_forces_the_step_at_import():
-    """COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 runs what an AVX2-only host runs (no AVX-VNNI) on any
-    CPU with AVX2; an unknown step is an error that names the variable (kept for load to raise)."""
+    """COLIBRI_INT_STEP chooses the step after the tier (COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: what
+    an AVX2-only host runs). vnni-emulated is never a tier's default, so the variable must have
+    acted; an unknown step is an error that names the variable (kept for load to raise)."""
     if "avx2" not in _kernels.available_isas():
         pytest.skip("this CPU has no AVX2 tier")
     probe = "from colibri import _kernels as k; print(k.isa(), k.int_step(), k.ISA_ERROR)"
-    env = dict(os.environ, COLIBRI_ISA="avx2", COLIBRI_INT_STEP="avx2")
+    env = dict(os.environ, COLIBRI_ISA="avx2", COLIBRI_INT_STEP="vnni-emulated")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert r.stdout.split() == ["avx2", "vnni-emulated", "None"]
+    env["COLIBRI_INT_STEP"] = "avx2"
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["avx2", "avx2", "None"]
     env["COLIBRI_INT_STEP"] = "avx9000-vnni"

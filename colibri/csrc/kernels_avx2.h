@@ -1782,9 +1782,9 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
             const __m256 xv = _mm256_broadcast_ps((const __m128 *)(acts[0].x + k));
             xe = _mm256_permute_ps(xv, 0x88);            /* x[k], x[k + 2], ... */
             xo = _mm256_permute_ps(xv, 0xDD);            /* x[k + 1], x[k + 3], ... */
+            for (int g = 0; g < G; g++)                  /* each stream's line CB_IBF16_PREFETCH ahead */
+                _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
         }
-        if (T == 1)                                      /* decode: each stream's line CB_IBF16_PREFETCH ahead */
-            for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
         for (int g = 0; g < G; g++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + g * gstride));
             const __m256i b = _mm256_loadu_si256((const __m256i *)(gp + g * gstride + 32));

@@ -265,10 +265,10 @@ def build_flags(bench) -> str:
         if line.startswith("GGML_") and "=" in line:
             name_type, value = line.split("=", 1)
             entries[name_type.split(":")[0]] = value
-    if entries.get("GGML_NATIVE", "").upper() in ("ON", "1", "TRUE"):
+    on = {k for k, v in entries.items() if v.upper() in ("ON", "1", "TRUE", "YES")}
+    if "GGML_NATIVE" in on:
         return "GGML_NATIVE=ON"
-    isas = [k[len("GGML_"):] for k, v in entries.items()
-            if v.upper() in ("ON", "1", "TRUE") and k.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2"))]
+    isas = [k[len("GGML_"):] for k in on if k.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2"))]
     return "GGML_NATIVE=OFF, " + "+".join(sorted(isas))
 
 
