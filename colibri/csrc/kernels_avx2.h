@@ -1686,10 +1686,16 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
             continue;
         } else {
             const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+            /* With 16 ymm registers GCC spilled this loop's sums to the stack (it regroups the
+             * associative adds into one tree, as in cb_igroup_avx2): every sum is materialised in
+             * order (CB_IN_ORDER), and int4 adds the offset's sum after the loop, not before it (4
+             * vectors fewer live across it). Integer sums: the same bits. From the caches, 1 and 2
+             * threads: int4 1.10-1.21x, mxfp4 1.07-1.12x, int6 0.99x (BENCHMARKS.md). */
+            const int partial = dtype == CB_MXFP4 || dtype == CB_INT6;    /* isum takes partial sums */
             __m256i p16[4];
             for (int k = 0; k < G; k++) {
                 p16[k] = _mm256_setzero_si256();
-                isum[k] = _mm256_set1_epi32(-offset * xs[kb]);
+                if (partial) isum[k] = _mm256_set1_epi32(-offset * xs[kb]);
             }
             for (int v = 0; v < 4; v++) {
                 const __m256i xl = CB_BCAST4(x + 4 * v), xh = CB_BCAST4(x + 16 + 4 * v);
@@ -1697,14 +1703,18 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
                     __m256i lo, hi;
                     cb_inibbles_avx2(gp + k * gstride, dtype, v, &lo, &hi);
                     p16[k] = _mm256_add_epi16(p16[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                    CB_IN_ORDER(p16[k]);
                 }
                 if ((dtype == CB_MXFP4 && v == 1) || dtype == CB_INT6)
                     for (int k = 0; k < G; k++) {
                         isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(p16[k], ones));
+                        CB_IN_ORDER(isum[k]);
                         p16[k] = _mm256_setzero_si256();
                     }
             }
-            for (int k = 0; k < G; k++) isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(p16[k], ones));
+            const __m256i off = _mm256_set1_epi32(-offset * xs[kb]);
+            for (int k = 0; k < G; k++)
+                isum[k] = _mm256_add_epi32(partial ? isum[k] : off, _mm256_madd_epi16(p16[k], ones));
         }
         const __m256 dx = _mm256_set1_ps(xd[kb]);
         for (int k = 0; k < G; k++) {
