@@ -8,11 +8,13 @@ the same matrix (the order reversed every other round), so the ratios compare bu
 host state, as tools/bench/ab_attention.py does for attention.
 
     python tools/bench/ab_matvec.py A_TREE B_TREE [C_TREE ...] [--dtype bf16] [--isa avx2]
-                                    [--products] [--mb 512] [--rounds 20]
+                                    [--products] [--mb 512] [--rounds 20] [--cached]
 
 The trees are source trees built in place (`python setup.py build_ext --inplace`). The matrix is
 [rows, 4096] of --dtype in the interleaved layout, --mb megabytes (past the last-level cache);
---products uses bf16 products (vdpbf16ps) where the tier has them.
+--products uses bf16 products (vdpbf16ps) where the tier has them. --cached times instead an
+expert-shaped [3584, 1024] matrix that stays in the caches (the kernels' own ceiling, where the
+arithmetic and not the memory decides), in GB/s of weights, best of 3 each round.
 """
 
 import argparse
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cached", action="store_true", help="a cache-resident [3584, 1024] matrix instead")
     a = ap.parse_args()
     if len(a.trees) < 2:
         raise SystemExit("ab_matvec: give two or more built trees")
@@ -54,6 +57,9 @@ def main() -> None:
     from colibri import quant                                 # the pure-Python packing is the same in every tree
     from colibri.modeldir import to_storage
     rng = np.random.default_rng(0)
+    if a.cached:
+        cached_table(a, builds, rng, quant, to_storage)
+        return
     rows = (a.mb << 20) // (2 * COLS) // 1024 * 1024
     slab = to_storage(rng.standard_normal((1024, COLS)).astype(np.float32), a.dtype)
     w = quant.from_rows(np.ascontiguousarray(np.tile(slab, (rows // 1024, 1))), a.dtype, COLS, "interleaved")
@@ -79,6 +85,28 @@ def main() -> None:
     for i, tree in enumerate(a.trees):
         ratio = statistics.median(s / f for s, f in zip(share[i], share[0]))
         print(f"{str(tree):>40}  of the read loop {statistics.median(share[i]):.3f}  / first build {ratio:.3f}")
+
+
+def cached_table(a, builds, rng, quant, to_storage, rows=3584, cols=1024) -> None:
+    """Each build's decode product on one cache-resident matrix, alternated: GB/s of weights."""
+    stored = to_storage(rng.standard_normal((rows, cols)).astype(np.float32), a.dtype)
+    w = quant.from_rows(stored, a.dtype, cols, "interleaved")
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    reps = max(1, int(2e8 / stored.nbytes))                  # about 0.2 GB of weights a measurement
+    for probes, _ in builds:
+        probes.bench_matmul(w, x, a.dtype, a.threads, reps, "interleaved", a.products)   # warm
+    rate = [[] for _ in builds]
+    for r in range(a.rounds):
+        order = range(len(builds)) if r % 2 == 0 else reversed(range(len(builds)))
+        for i in order:
+            t = min(builds[i][0].bench_matmul(w, x, a.dtype, a.threads, reps, "interleaved", a.products)
+                    for _ in range(3))
+            rate[i].append(stored.nbytes * reps / t / 1e9)
+    print(f"{a.dtype} [{rows}, {cols}] interleaved from the caches, {a.threads} threads, tier "
+          f"{a.isa or 'each build default'}{', bf16 products' if a.products else ''}, {a.rounds} rounds")
+    for i, tree in enumerate(a.trees):
+        ratio = statistics.median(s / f for s, f in zip(rate[i], rate[0]))
+        print(f"{str(tree):>40}  {statistics.median(rate[i]):.1f} GB/s  / first build {ratio:.3f}")
 
 
 if __name__ == "__main__":
