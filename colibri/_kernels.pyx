@@ -254,14 +254,15 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 def act_specs(int rows, int cols, bint bf16_products=False):
     """{name: (shape, dtype)} of the arrays behind `rows` activation quantization scratches
     (cb_act_q8) of up to `cols` values: q int8 [rows, cols], d float32 and s int32 [rows, cols / 32
-    + 1], nl4_off int32 [rows, 2 * (cols / 32 + 1)], and xp float32 [rows, cols], the permuted input of the AVX-512 bf16 tile — left out where
-    no tier this CPU can run reads it (the drivers skip the permutation when xp is NULL); with
+    + 1], nl4_off int32 [rows, 2 * (cols / 32 + 1)], and xp float32 [rows, cols], the reordered input of
+    the AVX-512 rows and AVX2 interleaved bf16 tiles (CB_XP_*) — left out where no tier this CPU can run
+    reads it (the drivers skip the reordering when xp is NULL; untouched, its pages cost nothing); with
     bf16_products, xb uint16 [rows, cols]: the activations rounded to bf16, which make the drivers
     take bf16 products (vdpbf16ps) wherever the tier has them."""
     blocks = cols // 32 + 1
     specs = {"q": ((rows, cols), np.int8), "d": ((rows, blocks), np.float32), "s": ((rows, blocks), np.int32),
              "nl4_off": ((rows, 2 * blocks), np.int32)}
-    if "avx512" in available_isas():
+    if "avx2" in available_isas():
         specs["xp"] = ((rows, cols), np.float32)
     if bf16_products:
         specs["xb"] = ((rows, cols), np.uint16)

@@ -47,7 +47,9 @@ static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, co
  *   CB_ROWS         tile (up to tile_rows rows x CB_TILE_TOKENS tokens) and, where the tile's
  *                   arithmetic for one token is a dot product, `dot`, which decode calls row by row
  *                   (a 4-argument call per row instead of the tile's 11: AVX2 int4 decode 10 % faster);
- *                   permuted_bf16: the tile reads the activation reordered (acts.xp, cb_permute_bf16);
+ *                   xp_order: the tile reads the activation reordered into acts.xp (CB_XP_*: the
+ *                   AVX-512 rows tile cb_permute_bf16's lanes, the AVX2 interleaved bf16 prefill
+ *                   cb_permute_pairs' pairs; a tier uses at most one order);
  *                   tile_bf16x (bf16 only, where the CPU has AVX512_BF16): the tile of bf16
  *                   products, taken instead of `tile` for a model whose acts carry xb (see
  *                   cb_takes_bf16x; its spec is kernels_scalar.h's cb_tile_bf16x_scalar);
@@ -63,7 +65,7 @@ typedef struct {
     cb_tile_fn tile;
     cb_dot_fn dot;
     int tile_rows;
-    int permuted_bf16;
+    int xp_order;               /* CB_XP_NONE, CB_XP_LANES or CB_XP_PAIRS: what acts.xp must hold */
     cb_tile_fn tile_bf16x;      /* bf16 rows only: the tile of bf16 products (acts.xb), or NULL */
     cb_ttile_fn ttile;
     cb_tprefill_fn tprefill;
@@ -154,12 +156,12 @@ static int cb_best_int_step(int isa) {
     return CB_INT_STEP_SCALAR;
 }
 
-static void cb_set_rows(cb_kernel_table *t, int dtype, cb_tile_fn tile, cb_dot_fn dot, int tile_rows, int permuted) {
+static void cb_set_rows(cb_kernel_table *t, int dtype, cb_tile_fn tile, cb_dot_fn dot, int tile_rows, int xp_order) {
     cb_mat_kernels *e = &t->mat[dtype][CB_ROWS];
     e->tile = tile;
     e->dot = dot;
     e->tile_rows = tile_rows;
-    e->permuted_bf16 = permuted;
+    e->xp_order = xp_order;
 }
 
 /* The tiers, side by side: each fills every entry of the table. */
@@ -197,6 +199,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->softmax = cb_softmax_avx2;
     t->round_bf16 = cb_round_bf16_scalar;
     t->mat[CB_BF16][CB_INTERLEAVED].itile = cb_itile_bf16_avx2;
+    t->mat[CB_BF16][CB_INTERLEAVED].xp_order = CB_XP_PAIRS;     /* its prompt tiles' broadcasts */
 }
 
 /* 4-row float tiles (bf16 from the permuted input); 2-row int8/int4 tiles where the CPU has
@@ -204,7 +207,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
 static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     cb_set_rows(t, CB_F32, cb_tile_float_avx512_any, NULL, 4, 0);
     cb_set_rows(t, CB_F16, cb_tile_float_avx512_any, NULL, 4, 0);
-    cb_set_rows(t, CB_BF16, cb_tile_float_avx512_any, NULL, 4, 1);
+    cb_set_rows(t, CB_BF16, cb_tile_float_avx512_any, NULL, 4, CB_XP_LANES);
     if (f->avx512_vnni) {
         cb_set_rows(t, CB_INT8, cb_tile_quant_avx512_any, NULL, 2, 0);
         cb_set_rows(t, CB_INT4, cb_tile_quant_avx512_any, NULL, 2, 0);
@@ -460,20 +463,23 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
         if (!first) continue;
         if (j->acts)                                    /* what the interleaved bf16 kernels widen against */
             for (int t = 0; t < n; t++) j->acts[t].x = j->x + (size_t)t * j->ldx;
-        int quantized = 0, permuted = 0, bf16x = 0;
+        int quantized = 0, xp_order = CB_XP_NONE, bf16x = 0;
         for (int p = i; p < count; p++) {
             if (jobs[p].acts != j->acts) continue;
             quantized |= CB_IS_QUANT(jobs[p].dtype);
             if (cb_takes_bf16x(&jobs[p])) bf16x = 1;
-            else permuted |= cb_kt.mat[jobs[p].dtype][jobs[p].layout].permuted_bf16;
+            else if (cb_kt.mat[jobs[p].dtype][jobs[p].layout].xp_order != CB_XP_NONE)
+                xp_order = cb_kt.mat[jobs[p].dtype][jobs[p].layout].xp_order;   /* one per tier */
         }
         if (quantized)
             for (int t = 0; t < n; t++) cb_kt.quantize(&j->acts[t], j->x + (size_t)t * j->ldx, j->cols);
         if (bf16x)
             for (int t = 0; t < n; t++) cb_kt.round_bf16(j->acts[t].xb, j->x + (size_t)t * j->ldx, j->cols);
 #if CB_X86
-        if (permuted && j->acts[0].xp)              /* the input of the AVX-512 bf16 tile */
+        if (xp_order == CB_XP_LANES && j->acts[0].xp)       /* the input of the AVX-512 bf16 tile */
             for (int t = 0; t < n; t++) cb_permute_bf16(j->acts[t].xp, j->x + (size_t)t * j->ldx, j->cols);
+        if (xp_order == CB_XP_PAIRS && n > 1 && j->acts[0].xp)   /* AVX2 interleaved bf16 prompt tiles */
+            for (int t = 0; t < n; t++) cb_permute_pairs(j->acts[t].xp, j->x + (size_t)t * j->ldx, j->cols);
 #endif
     }
     const int nt = n_threads > 1 && work >= CB_PARALLEL_MIN_WORK ? n_threads : 1;

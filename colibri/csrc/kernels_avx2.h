@@ -1776,12 +1776,29 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
  * half the bytes per multiply and lost 6-20 % with the same prefetch: it has none. */
 #define CB_IBF16_PREFETCH 512
 
-/* out[j * ldo + og * 8 + 0..7] = groups gp + og * gstride, og < G, times tokens j < T (G * T <= 4). */
+/* CB_XP_PAIRS: each 4 inputs as x0 x2 x1 x3, so that the prompt tile's two broadcast patterns
+ * (x0 x2 x0 x2 ..., x1 x3 x1 x3 ...) are 64-bit broadcasts from memory — load-port work — instead
+ * of two in-lane shuffles per token and 4 inputs, which share a pipe with the FMAs. cols % 4 == 0
+ * (the interleaved layout's cols are whole blocks). */
+static void cb_permute_pairs(float *xp, const float *x, int cols) {
+    for (int k = 0; k + 4 <= cols; k += 4) {
+        xp[k] = x[k];
+        xp[k + 1] = x[k + 2];
+        xp[k + 2] = x[k + 1];
+        xp[k + 3] = x[k + 3];
+    }
+}
+
+/* out[j * ldo + og * 8 + 0..7] = groups gp + og * gstride, og < G, times tokens j < T (G * T <= 4).
+ * PAIRS (T > 1): the tokens' acts[j].xp in CB_XP_PAIRS order (the driver writes it for n > 1),
+ * else acts[j].x shuffled: the same values in the same lanes, so the same bits. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
-                   int cols, const int G, const int T) {
+                   int cols, const int G, const int T, const int PAIRS) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 lo[4][CB_IBF16_TOKENS_AVX2], hi[4][CB_IBF16_TOKENS_AVX2];     /* outputs 0-3 and 4-7 */
+    const float *xj[CB_IBF16_TOKENS_AVX2];   /* locals: the loop's stores could alias acts */
+    for (int j = 0; j < T; j++) xj[j] = PAIRS ? acts[j].xp : acts[j].x;
     for (int g = 0; g < G; g++)
         for (int j = 0; j < T; j++) lo[g][j] = hi[g][j] = _mm256_setzero_ps();
     /* registers: 8 accumulators, a group's 4 widened vectors, one token's 2 broadcasts (16 in
@@ -1789,7 +1806,7 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
     for (int k = 0; k < cols; k += 4, gp += 64) {
         __m256 xe = _mm256_setzero_ps(), xo = _mm256_setzero_ps();
         if (T == 1) {                                    /* decode: one token, G groups */
-            const __m256 xv = _mm256_broadcast_ps((const __m128 *)(acts[0].x + k));
+            const __m256 xv = _mm256_broadcast_ps((const __m128 *)(xj[0] + k));
             xe = _mm256_permute_ps(xv, 0x88);            /* x[k], x[k + 2], ... */
             xo = _mm256_permute_ps(xv, 0xDD);            /* x[k + 1], x[k + 3], ... */
             for (int g = 0; g < G; g++)                  /* each stream's line CB_IBF16_PREFETCH ahead */
@@ -1801,8 +1818,11 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
             const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), ao = _mm256_castsi256_ps(_mm256_and_si256(a, high));
             const __m256 be = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), bo = _mm256_castsi256_ps(_mm256_and_si256(b, high));
             for (int j = 0; j < T; j++) {
-                if (T > 1) {
-                    const __m256 xv = _mm256_broadcast_ps((const __m128 *)(acts[j].x + k));
+                if (T > 1 && PAIRS) {
+                    xe = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(const void *)(xj[j] + k)));
+                    xo = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(const void *)(xj[j] + k + 2)));
+                } else if (T > 1) {
+                    const __m256 xv = _mm256_broadcast_ps((const __m128 *)(xj[j] + k));
                     xe = _mm256_permute_ps(xv, 0x88);
                     xo = _mm256_permute_ps(xv, 0xDD);
                 }
@@ -1822,22 +1842,27 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
 CB_TARGET_AVX2 static void cb_itile_bf16_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                               int cols, int g0, int g1, int n) {
     if (n == 1) {
-#define CB_CALL_ID(o, os, gp, gs, G) cb_ibf16_tile_avx2(o, 0, os, gp, gs, acts, cols, G, 1)
+#define CB_CALL_ID(o, os, gp, gs, G) cb_ibf16_tile_avx2(o, 0, os, gp, gs, acts, cols, G, 1, 0)
         CB_IDECODE_LOOP(CB_CALL_ID)
 #undef CB_CALL_ID
         return;
     }
     const size_t row = (size_t)cols * 2 * CB_TGROUP;     /* a group's bytes */
+    const int pairs = acts[0].xp != NULL;                /* CB_XP_PAIRS, written by the driver */
     for (int g = g0; g < g1; g++)
         for (int t = 0; t < n; t += CB_IBF16_TOKENS_AVX2) {
             float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
             const char *gp = w + (size_t)g * row;
+#define CB_IBF16_T(T) \
+    if (pairs) cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, T, 1); \
+    else cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, T, 0);
             switch (n - t) {
-            case 1: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 1); break;
-            case 2: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 2); break;
-            case 3: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 3); break;
-            default: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 4); break;
+            case 1: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 1, 0); break;
+            case 2: CB_IBF16_T(2) break;
+            case 3: CB_IBF16_T(3) break;
+            default: CB_IBF16_T(4) break;
             }
+#undef CB_IBF16_T
         }
 }
 

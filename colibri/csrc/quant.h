@@ -219,12 +219,18 @@ typedef struct {
                        of its last 16: what nl4's codes + 64 take off in each half, ready to
                        broadcast (the prefill's 4-token tiles would recompute them per group) */
     int n;
-    float *xp;      /* [n] or NULL: the float activation reordered for the AVX-512 bf16 tile */
+    float *xp;      /* [n] or NULL: the float activation reordered for a bf16 tile (CB_XP_*) */
     uint16_t *xb;   /* [n] or NULL: the activation rounded to bf16 for bf16 products (vdpbf16ps),
                        set where a model takes them (load(bf16_products=)); see dispatch.h */
     const float *x; /* [n] the float activation itself, which the interleaved bf16 kernels widen
                        against: set by cb_matmul_jobs for each batch (not owned) */
 } cb_act_q8;
+
+/* The orders cb_act_q8.xp can hold (cb_mat_kernels.xp_order says which a kernel reads):
+ * CB_XP_LANES  the AVX-512 rows bf16 tile's (kernels_avx512.h, cb_permute_bf16);
+ * CB_XP_PAIRS  each 4 inputs as x0 x2 x1 x3: the AVX2 interleaved bf16 prompt tile broadcasts a
+ *              64-bit pair (kernels_avx2.h, cb_permute_pairs); written only for n > 1 tokens. */
+enum { CB_XP_NONE = 0, CB_XP_LANES = 1, CB_XP_PAIRS = 2 };
 
 #define CB_ACT_TINY 1e-30f
 
