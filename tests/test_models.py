@@ -243,15 +243,18 @@ def test_an_inner_chunk_without_logits_leaves_the_same_cache(converted, case):
     np.testing.assert_array_equal(last[0], whole[-1])
 
 
-def test_without_an_avx512_tier_no_permuted_input_is_allocated(converted, monkeypatch):
-    """The AVX-512 bf16 tile's permuted input (acts.xp) is allocated only where that tier can run;
-    on a CPU without it the engine's scratch has none and bf16 runs as before on the other tiers."""
+def test_without_a_simd_tier_no_reordered_input_is_allocated(converted, monkeypatch):
+    """The bf16 tiles' reordered input (acts.xp: the AVX-512 rows tile's lanes, the AVX2
+    interleaved prompt tile's pairs) is allocated only where a tier that reads it can run; without
+    it the engine's scratch has none, and the AVX2 prompt tile shuffles the activation instead —
+    the same logits bit for bit (a multi-token forward: the prompt tiles)."""
     before = _kernels.isa()
     ids = reference("mixtral_a")["input_ids"]
+    assert len(ids) > 1
     try:
         _kernels.select_isa("avx2" if "avx2" in _kernels.available_isas() else "scalar")
         expected = colibri.load(converted("mixtral_a", "bf16")).forward(ids)
-        monkeypatch.setattr(_kernels, "available_isas", lambda: ["scalar", "avx2"])
+        monkeypatch.setattr(_kernels, "available_isas", lambda: ["scalar"])
         assert _kernels.act_arrays(4, 64)[_kernels.ACT_ARRAYS.index("xp")] is None
         np.testing.assert_array_equal(colibri.load(converted("mixtral_a", "bf16")).forward(ids), expected)
     finally:
