@@ -293,7 +293,8 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     """As for the repacked prefill: int8 at 127 (255 unsigned in the VNNI steps), int4 nibbles at
     15 (8 maddubs of a block summed in int16: 30480), mxfp4 codes at +-6 (24 after the offset: its
     int16 sums go to int32 every two vectors), activations at +-127, through every int step,
-    prefill and decode, with enough groups (40) for the decode's side-by-side parts."""
+    prefill and decode, with enough groups (40) for the decode's side-by-side parts and the AVX2
+    prompt's two-group tile on packed activations (CB_ITILE2_MIN_GROUPS_AVX2, 32)."""
     rows, cols, n = 320, 64, 12
     w = np.full((rows, cols), 0.7, np.float32)
     if dtype == "int4":

@@ -1638,6 +1638,108 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
     for (int j = 0; j < T; j++) _mm256_storeu_ps(out + (size_t)j * ldo, acc[j]);
 }
 
+/* ---- the prompt's interleaved tile on packed activations: two groups a tile ----------------
+ *
+ * cb_igroup_avx2 above, at 4 tokens, kept its tokens' q/d/s pointers on the stack (reloaded every
+ * block), moved each block's offset (-8 x s) from a general register into a vector, and unpacked a
+ * group's nibbles for 4 tokens only. For a prompt (n > 1) the activations are packed once per call
+ * into cb_act_block4 tiles (one pointer, constant offsets; the offset's int32 ready to broadcast
+ * from memory), and the groups go two at a time (cb_igroup2_avx2: each activation broadcast
+ * feeds both groups' products). Every output's lane does the same exact integer block sums, scaled
+ * and added block by block in the same order as cb_igroup_avx2, so the bits are the same and
+ * prefill still equals decode. From the caches on Zen 3, one thread, against cb_igroup_avx2: int4
+ * [3584, 1024] / [768, 2048] / [1024, 3584] x 32 / 8 / 32 tokens 1.23-1.29x, int8 1.06-1.09x, int6
+ * 1.07-1.14x; mxfp4 0.86-0.98x (its shuffles' registers), so mxfp4 and nl4 (two scales a block)
+ * keep cb_igroup_avx2, as do decode and a thread's odd last group. Packing costs about one group's
+ * products: under CB_ITILE2_MIN_GROUPS_AVX2 groups a call (4 groups: 0.7-0.85x; 16: int4 1.12x,
+ * int8 1.00x, int6 0.93-0.98x; 32: 1.01-1.25x) the tile stays cb_igroup_avx2 (BENCHMARKS.md). */
+#define CB_ITILE_AVX2_TOKENS 4
+#define CB_ITILE2_MIN_GROUPS_AVX2 32
+typedef struct {
+    int32_t q[8][CB_ITILE_AVX2_TOKENS];     /* [unit u][token j]: bytes 4u..4u+3 of token j's block */
+    int32_t bias[CB_ITILE_AVX2_TOKENS];     /* [token j] the int32 sum's start: -offset * s (int8: 0) */
+    float d[CB_ITILE_AVX2_TOKENS];          /* [token j] the block's activation scale */
+} cb_act_block4;
+
+/* Tokens acts[0..T-1], blocks 0..nb-1, into tile[nb] (slots past T are zero). int4, int8, int6. */
+static void cb_pack_act_block4(cb_act_block4 *tile, const cb_act_q8 *acts, int T, int nb, int dtype) {
+    const int32_t offset = dtype == CB_INT8 ? 0 : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+    memset(tile, 0, (size_t)nb * sizeof(cb_act_block4));
+    for (int j = 0; j < T; j++) {
+        const cb_act_q8 *a = &acts[j];
+        for (int kb = 0; kb < nb; kb++) {
+            cb_act_block4 *b = &tile[kb];
+            for (int u = 0; u < 8; u++) memcpy(&b->q[u][j], a->q + (size_t)kb * CB_QBLOCK + 4 * u, 4);
+            b->bias[j] = -offset * a->s[kb];
+            b->d[j] = a->d[kb];
+        }
+    }
+}
+
+/* out[j * ldo + 0..15] (+)= groups g and g + 1 (at gp and gp + gstride, blocks kb0..kb1-1) for T
+ * tokens of the packed tile: cb_igroup_avx2's arithmetic on both groups at once. */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_igroup2_avx2(float *out, int ldo, const char *gp, size_t gstride, int dtype, const cb_act_block4 *tile, int kb0,
+                int kb1, int first, const int T) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const size_t gbytes = cb_group_bytes(dtype);
+    __m256 acc[CB_ITILE_AVX2_TOKENS][2];
+    for (int j = 0; j < T; j++)
+        for (int p = 0; p < 2; p++) acc[j][p] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo + 8 * p);
+    for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
+        const cb_act_block4 *b = &tile[kb];
+        __m256i isum[CB_ITILE_AVX2_TOKENS][2];
+        for (int j = 0; j < T; j++) isum[j][0] = isum[j][1] = _mm256_set1_epi32(b->bias[j]);
+        if (dtype == CB_INT8) {
+            for (int c = 0; c < 8; c++) {
+                __m256i w[2], aw[2];
+                for (int p = 0; p < 2; p++) {
+                    w[p] = _mm256_loadu_si256((const __m256i *)((const cb_igroup_int8 *)(gp + p * gstride))->qs[c]);
+                    aw[p] = _mm256_sign_epi8(w[p], w[p]);
+                }
+                for (int j = 0; j < T; j++) {
+                    const __m256i x = _mm256_set1_epi32(b->q[c][j]);
+                    for (int p = 0; p < 2; p++) {
+                        isum[j][p] = _mm256_add_epi32(isum[j][p], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[p], _mm256_sign_epi8(x, w[p])), ones));
+                        CB_IN_ORDER(isum[j][p]);
+                    }
+                }
+            }
+        } else {
+            __m256i p16[CB_ITILE_AVX2_TOKENS][2];
+            for (int j = 0; j < T; j++) p16[j][0] = p16[j][1] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                __m256i lo[2], hi[2];
+                for (int p = 0; p < 2; p++) cb_inibbles_avx2(gp + p * gstride, dtype, v, &lo[p], &hi[p]);
+                for (int j = 0; j < T; j++) {
+                    const __m256i xl = _mm256_set1_epi32(b->q[v][j]), xh = _mm256_set1_epi32(b->q[4 + v][j]);
+                    for (int p = 0; p < 2; p++) {
+                        p16[j][p] = _mm256_add_epi16(p16[j][p], _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl),
+                                                                                 _mm256_maddubs_epi16(hi[p], xh)));
+                        CB_IN_ORDER(p16[j][p]);
+                    }
+                }
+                if (dtype == CB_INT6)              /* one vector's sums reach 32004 in int16 (cb_igroup_avx2) */
+                    for (int j = 0; j < T; j++)
+                        for (int p = 0; p < 2; p++) {
+                            isum[j][p] = _mm256_add_epi32(isum[j][p], _mm256_madd_epi16(p16[j][p], ones));
+                            p16[j][p] = _mm256_setzero_si256();
+                        }
+            }
+            for (int j = 0; j < T; j++)
+                for (int p = 0; p < 2; p++) isum[j][p] = _mm256_add_epi32(isum[j][p], _mm256_madd_epi16(p16[j][p], ones));
+        }
+        const __m256 dw[2] = {cb_igroup_scales_avx2(gp, dtype), cb_igroup_scales_avx2(gp + gstride, dtype)};
+        for (int j = 0; j < T; j++) {
+            const __m256 dx = _mm256_set1_ps(b->d[j]);
+            for (int p = 0; p < 2; p++)
+                acc[j][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][p]), _mm256_mul_ps(dw[p], dx), acc[j][p]);
+        }
+    }
+    for (int j = 0; j < T; j++)
+        for (int p = 0; p < 2; p++) _mm256_storeu_ps(out + (size_t)j * ldo + 8 * p, acc[j][p]);
+}
+
 /* Decode: G groups at once, streams `gstride` bytes apart (outputs `ostride` floats apart), over
  * all nb blocks: G read streams per thread instead of one (the transposed decode's lesson:
  * CB_TDECODE_ROWS), and one activation broadcast serves G groups. Each group's arithmetic is
@@ -1866,6 +1968,49 @@ CB_TARGET_AVX2 static void cb_itile_bf16_avx2(float *out, int ldo, const char *w
         }
 }
 
+/* A prompt's groups [g0, g1) two at a time on packed activations (cb_igroup2_avx2), in
+ * CB_ITILE_LOOP's order (CB_TPREFILL_KBLOCKS blocks of a pair under every tile of tokens), the
+ * tokens in tiles of at most 4 of even size (6 tokens: 3 + 3); an odd last group by
+ * cb_igroup_avx2. 0 where the thread's scratch cannot be had (nothing written): the caller's tile
+ * runs instead. n > 1; int4, int8 and int6 (cb_pack_act_block4's offsets). */
+CB_TARGET_AVX2 static int cb_itile2_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
+                                         int cols, int g0, int g1, int n) {
+    const int nb = cols / CB_QBLOCK, tiles = (n + CB_ITILE_AVX2_TOKENS - 1) / CB_ITILE_AVX2_TOKENS;
+    cb_act_block4 *packed = (cb_act_block4 *)cb_thread_scratch(CB_SCRATCH_ACT_TILES, (size_t)tiles * nb * sizeof(cb_act_block4));
+    if (!packed) return 0;
+#define CB_TILE_START(i) ((int)((long long)n * (i) / tiles))   /* tile i's first token */
+    for (int i = 0; i < tiles; i++)
+        cb_pack_act_block4(packed + (size_t)i * nb, acts + CB_TILE_START(i), CB_TILE_START(i + 1) - CB_TILE_START(i),
+                           nb, dtype);
+    const size_t gbytes = cb_group_bytes(dtype), gstride = (size_t)nb * gbytes;
+    const int paired = g0 + (g1 - g0) / 2 * 2;
+#define CB_CALL_IG2(dt, T_) cb_igroup2_avx2(o, ldo, gp, gstride, dt, tile, kb0, kb1, kb0 == 0, T_)
+    for (int g = g0; g < paired; g += 2)
+        for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {
+            const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;
+            const char *gp = w + ((size_t)g * nb + kb0) * gbytes;
+            for (int i = 0; i < tiles; i++) {
+                const int t = CB_TILE_START(i), T = CB_TILE_START(i + 1) - t;
+                float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
+                const cb_act_block4 *tile = packed + (size_t)i * nb;
+                if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG2, CB_INT8) }
+                else if (dtype == CB_INT6) { CB_AVX2_T_CASES(CB_CALL_IG2, CB_INT6) }
+                else { CB_AVX2_T_CASES(CB_CALL_IG2, CB_INT4) }
+            }
+        }
+#undef CB_CALL_IG2
+#undef CB_TILE_START
+    if (paired < g1) {                                  /* the odd last group */
+        const int g0 = paired;
+#define CB_CALL_IG(dt, tt) cb_igroup_avx2(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
+        CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
+                      else if (dtype == CB_INT6) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT6) }
+                      else { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT4) })
+#undef CB_CALL_IG
+    }
+    return 1;
+}
+
 /* The table's interleaved entry (cb_kernel_table.itile): groups [g0, g1), all n tokens. */
 CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                          int cols, int g0, int g1, int n) {
@@ -1880,6 +2025,9 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
 #undef CB_CALL_ID
         return;
     }
+    if ((dtype == CB_INT4 || dtype == CB_INT8 || dtype == CB_INT6) && g1 - g0 >= CB_ITILE2_MIN_GROUPS_AVX2 &&
+        cb_itile2_avx2(out, ldo, w, dtype, acts, cols, g0, g1, n))
+        return;
 #define CB_CALL_IG(dt, tt) cb_igroup_avx2(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
                   else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IG, CB_MXFP4) }
