@@ -1607,7 +1607,7 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
                                          _mm256_set1_ps(xd[j][kb]), acc[j]);
             continue;
         } else {
-            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+            const int32_t offset = cb_code_offset(dtype, 0);
             __m256i p16[4];
             for (int j = 0; j < T; j++) {
                 p16[j] = _mm256_setzero_si256();
@@ -1663,7 +1663,7 @@ typedef struct {
 
 /* Tokens acts[0..T-1], blocks 0..nb-1, into tile[nb] (slots past T are zero). int4, int8, int6. */
 static void cb_pack_act_block4(cb_act_block4 *tile, const cb_act_q8 *acts, int T, int nb, int dtype) {
-    const int32_t offset = dtype == CB_INT8 ? 0 : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+    const int32_t offset = cb_code_offset(dtype, 0);
     memset(tile, 0, (size_t)nb * sizeof(cb_act_block4));
     for (int j = 0; j < T; j++) {
         const cb_act_q8 *a = &acts[j];
@@ -1787,7 +1787,7 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb_nl4_scaled_avx2(gp + k * gstride, isum[k], hsum[k])), dx, acc[k]);
             continue;
         } else {
-            const int32_t offset = dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+            const int32_t offset = cb_code_offset(dtype, 0);
             /* With 16 ymm registers GCC spilled this loop's sums to the stack (it regroups the
              * associative adds into one tree, as in cb_igroup_avx2): every sum is materialised in
              * order (CB_IN_ORDER), and int4 adds the offset's sum after the loop, not before it (4
@@ -1970,14 +1970,14 @@ CB_TARGET_AVX2 static void cb_itile_bf16_avx2(float *out, int ldo, const char *w
 
 /* A prompt's groups [g0, g1) two at a time on packed activations (cb_igroup2_avx2), in
  * CB_ITILE_LOOP's order (CB_TPREFILL_KBLOCKS blocks of a pair under every tile of tokens), the
- * tokens in tiles of at most 4 of even size (6 tokens: 3 + 3); an odd last group by
- * cb_igroup_avx2. 0 where the thread's scratch cannot be had (nothing written): the caller's tile
- * runs instead. n > 1; int4, int8 and int6 (cb_pack_act_block4's offsets). */
+ * tokens in tiles of at most 4 of even size (6 tokens: 3 + 3). Returns the first group it left to
+ * the caller's tile: g1, g1 - 1 (an odd last group), or g0 where the thread's scratch cannot be had
+ * (nothing written). n > 1; int4, int8 and int6. */
 CB_TARGET_AVX2 static int cb_itile2_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                          int cols, int g0, int g1, int n) {
     const int nb = cols / CB_QBLOCK, tiles = (n + CB_ITILE_AVX2_TOKENS - 1) / CB_ITILE_AVX2_TOKENS;
     cb_act_block4 *packed = (cb_act_block4 *)cb_thread_scratch(CB_SCRATCH_ACT_TILES, (size_t)tiles * nb * sizeof(cb_act_block4));
-    if (!packed) return 0;
+    if (!packed) return g0;
 #define CB_TILE_START(i) ((int)((long long)n * (i) / tiles))   /* tile i's first token */
     for (int i = 0; i < tiles; i++)
         cb_pack_act_block4(packed + (size_t)i * nb, acts + CB_TILE_START(i), CB_TILE_START(i + 1) - CB_TILE_START(i),
@@ -2000,15 +2000,7 @@ CB_TARGET_AVX2 static int cb_itile2_avx2(float *out, int ldo, const char *w, int
         }
 #undef CB_CALL_IG2
 #undef CB_TILE_START
-    if (paired < g1) {                                  /* the odd last group */
-        const int g0 = paired;
-#define CB_CALL_IG(dt, tt) cb_igroup_avx2(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
-        CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
-                      else if (dtype == CB_INT6) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT6) }
-                      else { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT4) })
-#undef CB_CALL_IG
-    }
-    return 1;
+    return paired;
 }
 
 /* The table's interleaved entry (cb_kernel_table.itile): groups [g0, g1), all n tokens. */
@@ -2025,9 +2017,8 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
 #undef CB_CALL_ID
         return;
     }
-    if ((dtype == CB_INT4 || dtype == CB_INT8 || dtype == CB_INT6) && g1 - g0 >= CB_ITILE2_MIN_GROUPS_AVX2 &&
-        cb_itile2_avx2(out, ldo, w, dtype, acts, cols, g0, g1, n))
-        return;
+    if ((dtype == CB_INT4 || dtype == CB_INT8 || dtype == CB_INT6) && g1 - g0 >= CB_ITILE2_MIN_GROUPS_AVX2)
+        g0 = cb_itile2_avx2(out, ldo, w, dtype, acts, cols, g0, g1, n);    /* the tile below does the rest */
 #define CB_CALL_IG(dt, tt) cb_igroup_avx2(o, ldo, gp, dt, acts + t, kb0, kb1, kb0 == 0, tt)
     CB_ITILE_LOOP(if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG, CB_INT8) }
                   else if (dtype == CB_MXFP4) { CB_AVX2_T_CASES(CB_CALL_IG, CB_MXFP4) }

@@ -21,6 +21,20 @@
 /* Storage dtypes of a weight matrix (colibri._kernels.DTYPE_CODES names them). */
 enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 = 5, CB_NL4 = 6, CB_INT6 = 7, CB_N_DTYPES = 8 };
 
+/* The zero of the unsigned codes the integer steps multiply, which comes off each block's sum
+ * times the activations' sum s: int4 8, mxfp4 12 (cb_mxfp4_u12), int6 32, nl4 64 (cb_nl4_u64);
+ * int8 128 where the step flips its codes to unsigned (flip_int8: the VNNI steps' vpdpbusd), 0
+ * where it multiplies them signed (the AVX2 step's sign trick). */
+static inline int32_t cb_code_offset(int dtype, int flip_int8) {
+    switch (dtype) {
+    case CB_INT8: return flip_int8 ? 128 : 0;
+    case CB_MXFP4: return CB_MXFP4_OFFSET;
+    case CB_INT6: return CB_INT6_OFFSET;
+    case CB_NL4: return CB_NL4_OFFSET;
+    default: return 8;
+    }
+}
+
 /* The formats whose products take quantized activations (cb_act_q8). */
 #define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4 || (dtype) == CB_NL4 || \
                             (dtype) == CB_INT6)

@@ -151,8 +151,7 @@ typedef struct {
 
 /* Tokens t0..t0+T-1 of acts, blocks 0..nb-1, into tile[nb] (slots past T are zero). */
 static void cb_pack_act_block8(cb_act_block8 *tile, const cb_act_q8 *acts, int T, int nb, int dtype) {
-    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET
-                         : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+    const int32_t offset = cb_code_offset(dtype, 1);
     memset(tile, 0, (size_t)nb * sizeof(cb_act_block8));
     for (int j = 0; j < T; j++) {
         const cb_act_q8 *a = &acts[j];

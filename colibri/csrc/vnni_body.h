@@ -125,8 +125,7 @@ CB_VNNI_NAME(cb_igroup)(float *out, int ldo, const char *gp, int dtype, const cb
                         int first, const int T) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET
-                         : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+    const int32_t offset = cb_code_offset(dtype, 1);
     const int8_t *xq[4];
     const float *xd[4];
     const int32_t *xs[4], *xoff[4];
@@ -194,8 +193,7 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
                          int nb, const int G) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
-    const int32_t offset = dtype == CB_INT8 ? 128 : dtype == CB_MXFP4 ? CB_MXFP4_OFFSET : dtype == CB_NL4 ? CB_NL4_OFFSET
-                         : dtype == CB_INT6 ? CB_INT6_OFFSET : 8;
+    const int32_t offset = cb_code_offset(dtype, 1);
     __m256 acc[4];
     for (int k = 0; k < G; k++) acc[k] = _mm256_setzero_ps();
     for (int kb = 0; kb < nb; kb++, gp += gbytes) {
