@@ -34,6 +34,8 @@ from libc.stdint cimport uintptr_t, int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset, memcpy
 from libc.math cimport expf, sqrtf
+cimport cython
+from cython.parallel cimport prange
 
 cimport colibri._kernels as kernels
 cimport colibri._routing as routing
@@ -86,6 +88,13 @@ CACHE_STATS = {"hits": CB_CS_HITS, "misses": CB_CS_MISSES, "prefetches": CB_CS_P
                "drops": CB_CS_DROPS, "advice_failures": CB_CS_FAILURES}
 
 # ---- the blocks of the layer loop, each over n tokens (decode: n = 1) ------------------------
+
+cdef enum:
+    # Tokens from which a block's per-token work between the products (norms, rotary embedding,
+    # cache stores, the experts' weighted sums) is split over the threads, as the products are:
+    # done by one thread it left the other waiting for ~4 % of a 16k prefill (BENCHMARKS.md,
+    # "Inputs prepared by every thread"). Each token's arithmetic is the same either way.
+    PARALLEL_TOKENS_MIN = 16
 
 cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const float *x, int ldx,
                      cb_act_q8 *acts, int n) noexcept nogil:
@@ -283,9 +292,14 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
     job(&jobs[1], s.k, kv_dim, &L.wk, s.xb, d, s.acts, n)
     job(&jobs[2], s.v, kv_dim, &L.wv, s.xb, d, s.acts, n)
     kernels.matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, h.n_threads)
-    for t in range(n):
-        qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
-        kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+    if n >= PARALLEL_TOKENS_MIN and h.n_threads > 1:
+        for t in prange(n, num_threads=h.n_threads, schedule='static'):
+            qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+            kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+    else:
+        for t in range(n):
+            qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+            kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
     kernels.attention(s.att, q_dim, s.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
                  L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
     matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
@@ -392,15 +406,36 @@ cdef inline float shared_gate(const Layer *L, const float *x, int d) noexcept no
     return 1.0 / (1.0 + expf(-g))
 
 
+@cython.cdivision(True)
+cdef inline int share_start(int n, int th, int nt) noexcept nogil:
+    """The first of thread th's items when n are split in nt contiguous shares (th = nt: n)."""
+    return <int>(<int64_t>n * th / nt)
+
+
+cdef void add_wave_rows(const Hyper *h, const Scratch *s, const Slot *slots, int count, float *out, int t0,
+                        int t1) noexcept nogil:
+    """out[t] += weight * the row's output for the wave's rows of tokens t0 <= t < t1, slot by slot
+    (each token's sum in the wave's order, whichever thread adds it)."""
+    cdef int i, r, t, d = h.d_model
+    for i in range(count):
+        for r in range(slots[i].row0, slots[i].row0 + slots[i].m):
+            t = s.rows[r]
+            if t0 <= t < t1:
+                cb_axpy(out + <size_t>t * d, s.row_w[r], s.y + <size_t>r * d, d)
+
+
 cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, int count, int n,
                       float *out) noexcept nogil:
     """Run a wave and add each row's output, times its weight, into out [n, d] (the wave's slots
     in ascending expert index, the shared expert last: each token's summation order)."""
-    cdef int i, r, d = h.d_model
+    cdef int i, th, nt = h.n_threads
     ffn_wave(h, s, slots, count)
+    if n >= PARALLEL_TOKENS_MIN and nt > 1:
+        for th in prange(nt, num_threads=nt, schedule='static'):
+            add_wave_rows(h, s, slots, count, out, share_start(n, th, nt), share_start(n, th + 1, nt))
+    else:
+        add_wave_rows(h, s, slots, count, out, 0, n)
     for i in range(count):
-        for r in range(slots[i].row0, slots[i].row0 + slots[i].m):
-            cb_axpy(out + <size_t>s.rows[r] * d, s.row_w[r], s.y + <size_t>r * d, d)
         if h.stream_prefill and n > 1 and slots[i].f != &L.shared:
             cb_cache_done(s.cache, L.expert0 + <int>(slots[i].f - L.experts))
 
@@ -540,10 +575,12 @@ cdef int feed_forward(const Hyper *h, Layer *L, Scratch *s, int n, int layer) no
 cdef inline void rmsnorm_rows(float *out, const float *x, const float *weight, int n, const Hyper *h) noexcept nogil:
     """out[t] = rmsnorm(x[t]) * weight for the n rows [n, d_model]."""
     cdef int t
-    cdef size_t o
-    for t in range(n):
-        o = <size_t>t * h.d_model
-        cb_rmsnorm(out + o, x + o, weight, h.d_model, h.rms_eps)
+    if n >= PARALLEL_TOKENS_MIN and h.n_threads > 1:
+        for t in prange(n, num_threads=h.n_threads, schedule='static'):
+            cb_rmsnorm(out + <size_t>t * h.d_model, x + <size_t>t * h.d_model, weight, h.d_model, h.rms_eps)
+    else:
+        for t in range(n):
+            cb_rmsnorm(out + <size_t>t * h.d_model, x + <size_t>t * h.d_model, weight, h.d_model, h.rms_eps)
 
 
 cdef inline int logits_status(const Hyper *h, float *logits, int n) noexcept nogil:

@@ -90,6 +90,18 @@ def test_thread_count_does_not_change_results(tmp_path):
         assert list(one.generate(ids, **kw)) == list(two.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_per_token_work_split_over_threads_keeps_the_bits(converted, case):
+    """From 16 tokens a block's per-token work between the products (norms, rotary embedding, cache
+    stores, the experts' weighted sums) is split over the threads: every architecture gives the
+    same logits, bit for bit, on one thread and on two, for a prompt above and below that size."""
+    one = colibri.load(converted(case), threads=1)
+    two = colibri.load(converted(case), threads=2)
+    for length in (40, 9):
+        ids = (np.arange(length) * 7 + 3) % one.config.vocab_size
+        np.testing.assert_array_equal(one.forward(ids), two.forward(ids), err_msg=f"{case}, {length} tokens")
+
+
 def test_sliding_window_is_honoured(converted, tmp_path):
     """mixtral_b has sliding_window 8 < T. Without the window, positions < 8 are unchanged and
     later ones differ from transformers: so the match above really exercises the window."""

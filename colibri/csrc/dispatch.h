@@ -16,6 +16,7 @@
 #include "cpu.h"
 #ifdef _OPENMP
 int omp_get_thread_num(void);    /* OpenMP's own (<omp.h> is not on every toolchain's path: MSVC mode) */
+int omp_get_num_threads(void);
 #endif
 #include "kernels_scalar.h"
 #include "kernels_avx2.h"
@@ -447,13 +448,77 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
     }
 }
 
+/* The calling thread's number in the parallel region it is in (0 outside one, or without OpenMP). */
+static inline int cb_thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* The number of threads of the parallel region the caller is in (1 outside one, or without OpenMP). */
+static inline int cb_team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* A batch's input, prepared for its kernels before any product reads it: the first job of each
+ * distinct acts (jobs with the same input pass the same acts) and what its jobs need of it. */
+typedef struct {
+    const cb_matjob *j;
+    int quantized;      /* some job takes quantized activations (cb_kt.quantize into acts) */
+    int bf16x;          /* some job takes bf16 products (the input rounded to bf16 into acts.xb) */
+    int xp_order;       /* CB_XP_*: the order a float tile reads acts.xp in (one per tier) */
+} cb_input_prep;
+
+/* Inputs of a batch prepared in the parallel region (each thread a share of the rows) from this
+ * many elements in all; below it the calling thread prepares them alone. A prompt's MoE wave
+ * quantizes every expert's gathered rows: one thread doing it left the other waiting for 3 % of a
+ * 16k prefill (perf, BENCHMARKS.md "Inputs prepared by every thread"). */
+#define CB_PREP_PARALLEL_MIN (1 << 15)
+/* Distinct inputs a batch prepares in parallel at most (a MoE wave: up to 2 x 65 jobs); a larger
+ * batch prepares its inputs on the calling thread. */
+#define CB_PREP_MAX 160
+
+/* Row t of input p, as every job of that input needs it (the same bytes whichever thread). */
+static void cb_prepare_row(const cb_input_prep *p, int t) {
+    const cb_matjob *j = p->j;
+    const float *x = j->x + (size_t)t * j->ldx;
+    if (p->quantized) cb_kt.quantize(&j->acts[t], x, j->cols);
+    if (p->bf16x) cb_kt.round_bf16(j->acts[t].xb, x, j->cols);
+#if CB_X86
+    if (p->xp_order == CB_XP_LANES && j->acts[0].xp)          /* the input of the AVX-512 bf16 tile */
+        cb_permute_bf16(j->acts[t].xp, x, j->cols);
+    if (p->xp_order == CB_XP_PAIRS && j->n > 1 && j->acts[0].xp)   /* AVX2 interleaved bf16 prompt tiles */
+        cb_permute_pairs(j->acts[t].xp, x, j->cols);
+#endif
+}
+
+/* Thread th of nt's share of the rows of inputs preps[0..np): the rows numbered in input order, split
+ * in nt contiguous runs. */
+static void cb_prepare_share(const cb_input_prep *preps, int np, long long rows, int th, int nt) {
+    const long long r0 = rows * th / nt, r1 = rows * (th + 1) / nt;
+    long long at = 0;                                   /* the first row of input p */
+    for (int p = 0; p < np && at < r1; at += preps[p].j->n, p++) {
+        const long long a = r0 > at ? r0 - at : 0, b = r1 - at < preps[p].j->n ? r1 - at : preps[p].j->n;
+        for (long long t = a; t < b; t++) cb_prepare_row(&preps[p], (int)t);
+    }
+}
+
 /* Several products in one parallel region: q/k/v of attention, gate/up of every chosen expert,
- * their down projections. Integer formats quantize each input once (per distinct acts) first.
- * Each thread takes its static share of every product in turn with no barrier between them, so
- * the threads meet once per batch instead of once per matrix. Below CB_PARALLEL_MIN_WORK
- * multiply-adds in all, one thread. */
+ * their down projections. Integer formats quantize each input once (per distinct acts) first —
+ * in the region itself, every thread a share of the rows, where there are many
+ * (CB_PREP_PARALLEL_MIN). Each thread then takes its static share of every product in turn with
+ * no barrier between them, so the threads meet once per batch instead of once per matrix (and once
+ * more after a parallel preparation). Below CB_PARALLEL_MIN_WORK multiply-adds in all, one thread. */
 static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
-    long long work = 0;
+    long long work = 0, prep_rows = 0, prep_elems = 0;
+    cb_input_prep preps[CB_PREP_MAX];
+    int np = 0;
     for (int i = 0; i < count; i++) {
         const cb_matjob *j = &jobs[i];
         const int n = j->n;
@@ -463,39 +528,45 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
         if (!first) continue;
         if (j->acts)                                    /* what the interleaved bf16 kernels widen against */
             for (int t = 0; t < n; t++) j->acts[t].x = j->x + (size_t)t * j->ldx;
-        int quantized = 0, xp_order = CB_XP_NONE, bf16x = 0;
+        cb_input_prep prep = {j, 0, 0, CB_XP_NONE};
         for (int p = i; p < count; p++) {
             if (jobs[p].acts != j->acts) continue;
-            quantized |= CB_IS_QUANT(jobs[p].dtype);
-            if (cb_takes_bf16x(&jobs[p])) bf16x = 1;
+            prep.quantized |= CB_IS_QUANT(jobs[p].dtype);
+            if (cb_takes_bf16x(&jobs[p])) prep.bf16x = 1;
             else if (cb_kt.mat[jobs[p].dtype][jobs[p].layout].xp_order != CB_XP_NONE)
-                xp_order = cb_kt.mat[jobs[p].dtype][jobs[p].layout].xp_order;   /* one per tier */
+                prep.xp_order = cb_kt.mat[jobs[p].dtype][jobs[p].layout].xp_order;   /* one per tier */
         }
-        if (quantized)
-            for (int t = 0; t < n; t++) cb_kt.quantize(&j->acts[t], j->x + (size_t)t * j->ldx, j->cols);
-        if (bf16x)
-            for (int t = 0; t < n; t++) cb_kt.round_bf16(j->acts[t].xb, j->x + (size_t)t * j->ldx, j->cols);
-#if CB_X86
-        if (xp_order == CB_XP_LANES && j->acts[0].xp)       /* the input of the AVX-512 bf16 tile */
-            for (int t = 0; t < n; t++) cb_permute_bf16(j->acts[t].xp, j->x + (size_t)t * j->ldx, j->cols);
-        if (xp_order == CB_XP_PAIRS && n > 1 && j->acts[0].xp)   /* AVX2 interleaved bf16 prompt tiles */
-            for (int t = 0; t < n; t++) cb_permute_pairs(j->acts[t].xp, j->x + (size_t)t * j->ldx, j->cols);
-#endif
+        if (!prep.quantized && !prep.bf16x && prep.xp_order == CB_XP_NONE) continue;
+        if (np < CB_PREP_MAX) {
+            preps[np++] = prep;
+            prep_rows += n;
+            prep_elems += (long long)n * j->cols;
+        } else {
+            for (int t = 0; t < n; t++) cb_prepare_row(&prep, t);
+        }
     }
     const int nt = n_threads > 1 && work >= CB_PARALLEL_MIN_WORK ? n_threads : 1;
-    #pragma omp parallel for schedule(static, 1) num_threads(nt) if (nt > 1)
-    for (int th = 0; th < nt; th++)
+    const int prep_in_region = nt > 1 && prep_elems >= CB_PREP_PARALLEL_MIN;
+    if (!prep_in_region) cb_prepare_share(preps, np, prep_rows, 0, 1);
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int th = cb_thread_num(), team = cb_team_size();
+        if (prep_in_region) {
+            cb_prepare_share(preps, np, prep_rows, th, team);
+            #pragma omp barrier
+        }
         for (int i = 0; i < count; i++) {
             const cb_matjob *j = &jobs[i];
             const int n = j->n;
             int r0, r1;
-            if (j->layout == CB_TRANSPOSED) cb_job_transposed(j, n, th, nt, &r0, &r1);
-            else if (j->layout == CB_INTERLEAVED) cb_job_interleaved(j, n, th, nt, &r0, &r1);
-            else cb_job_rows(j, n, th, nt, &r0, &r1);
+            if (j->layout == CB_TRANSPOSED) cb_job_transposed(j, n, th, team, &r0, &r1);
+            else if (j->layout == CB_INTERLEAVED) cb_job_interleaved(j, n, th, team, &r0, &r1);
+            else cb_job_rows(j, n, th, team, &r0, &r1);
             if (j->glu_up)        /* the up rows r0..r1 came from this thread too: same rows, same split */
                 for (int t = 0; t < n; t++)
                     cb_glu(j->out + (size_t)t * j->ldo + r0, j->glu_up + (size_t)t * j->ldo + r0, r1 - r0, j->glu_act);
         }
+    }
 }
 
 /* out[t * ldo + r] = W[r, :] . x[t * ldx + :] for t < n, r < rows: one product (see above). */
@@ -542,14 +613,6 @@ static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int per, int
     *nh = group - c * per < per ? group - c * per : per;
 }
 
-/* The calling thread's number in the parallel region it is in (0 outside one, or without OpenMP). */
-static inline int cb_thread_num(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
 
 /* The rows of n_ctx + 1 floats cb_attention's `scores` must have for n_threads threads: a row per
  * head for one query, a block's rows per thread for several. */

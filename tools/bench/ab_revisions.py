@@ -8,7 +8,8 @@ the medians of prefill and decode tok/s with the ratio B / A. A kernel change is
 way on this shared, noisy machine, not by two runs minutes apart.
 
     python tools/bench/ab_revisions.py REV_A REV_B --model-dir D [--pairs 3] [--threads 2]
-                                        [--prompt-len 128] [--gen 48]
+                                        [--prompt-len 128] [--gen 48] [--repeat 3]
+                                        [--bench-args '--kv-cache q8 --n-ctx 16500']
 REV may be a commit, a branch, or "worktree" (the current checkout as it is, built in place).
 With --model-dir-b, B runs on that directory instead: one revision on two model directories (two
 expert layouts, say): `ab_revisions.py worktree worktree --model-dir D --model-dir-b D2`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -44,8 +46,8 @@ def prepare(rev: str) -> Path:
 
 def run(src: Path, model_dir: str, args) -> dict:
     cmd = [sys.executable, "-m", "colibri", "bench", "--model-dir", model_dir, "--json",
-           "--prompt-len", str(args.prompt_len), "--gen", str(args.gen), "--repeat", "3",
-           "--threads", str(args.threads)]
+           "--prompt-len", str(args.prompt_len), "--gen", str(args.gen), "--repeat", str(args.repeat),
+           "--threads", str(args.threads), *shlex.split(args.bench_args)]
     out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(src)), check=True,
                          capture_output=True, text=True, cwd="/").stdout
     d = json.loads(out)
@@ -62,6 +64,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--repeat", type=int, default=3, help="bench's repetitions in each process (its median counts)")
+    ap.add_argument("--bench-args", default="", help="more arguments for `colibri bench`, as one string "
+                    "(e.g. '--kv-cache q8 --n-ctx 16500')")
     args = ap.parse_args()
     revs = (args.rev_a, args.rev_b)          # the same revision twice measures the noise (A/A)
     src = [prepare(rev) for rev in dict.fromkeys(revs)]
