@@ -13,7 +13,8 @@ For each depth D and repetition, every file is read into the page cache, then in
   ik_llama.cpp (optional; users build it themselves, nothing here builds it) llama-bench `-p D -n 0`
                and `-gp D,32` (decode after a D-token prompt), with `-rtr 1` (its repacked rows, its
                fastest here), flash attention off and on.
---skip leaves out the engines whose names contain any of its comma-separated parts.
+--skip leaves out the engines whose names contain any of its comma-separated parts (a part ending in
+"$" must be the whole name: 'ik_llama.cpp -rtr fa on$' leaves out the f16 cache's row, not the q8_0's).
 The peers keep their default KV cache (f16, as Colibri's --kv-cache f16). The order of the
 engines is reversed every other repetition. Prints one line per measurement and, at the end, the
 median of each (engine, depth) and Colibri's ratio to the best peer; --out writes every run as JSON.
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
             warm([a.model_dir, a.gguf])
             engines = [(f"colibri kv {kv}", None, kv) for kv in ("f32", "f16", "q8")] + \
                       [(name, binary, make) for name, binary, make in peer_runs(a)]
-            engines = [e for e in engines if not any(s in e[0] for s in skip)]
+            engines = [e for e in engines if not any(s[:-1] == e[0] if s.endswith("$") else s in e[0] for s in skip)]
             if rep % 2:
                 engines.reverse()
             for name, binary, what in engines:
