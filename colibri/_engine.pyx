@@ -282,6 +282,14 @@ cdef inline void kv_store(const Hyper *h, Layer *L, const float *k, const float 
         kernels.kv_store(<char *>L.v_cache + row, v + <size_t>j * hd, hd, h.kv)
 
 
+cdef inline void qkv_token(const Hyper *h, Layer *L, Scratch *s, int t, int pos0) noexcept nogil:
+    """Token t of a chunk from position pos0: its q/k/v rows finished (qkv_finish) and its keys and
+    values stored in the cache (kv_store)."""
+    cdef int q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim
+    qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+    kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+
+
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
     """s.xb2 = self-attention of s.xb [n, d] at positions pos0..pos0+n-1 (causal, in order).
     The tokens' keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
@@ -294,12 +302,10 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
     kernels.matmul_jobs(jobs, 3 if L.wv.data != NULL else 2, h.n_threads)
     if n >= PARALLEL_TOKENS_MIN and h.n_threads > 1:
         for t in prange(n, num_threads=h.n_threads, schedule='static'):
-            qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
-            kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+            qkv_token(h, L, s, t, pos0)
     else:
         for t in range(n):
-            qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
-            kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+            qkv_token(h, L, s, t, pos0)
     kernels.attention(s.att, q_dim, s.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
                  L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
     matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)

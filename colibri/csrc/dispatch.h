@@ -613,7 +613,6 @@ static inline void cb_attn_unit(int u, int n_heads, int n_kv_heads, int per, int
     *nh = group - c * per < per ? group - c * per : per;
 }
 
-
 /* The rows of n_ctx + 1 floats cb_attention's `scores` must have for n_threads threads: a row per
  * head for one query, a block's rows per thread for several. */
 static inline int cb_attention_score_rows(int n_heads, int n_threads) {
