@@ -168,6 +168,39 @@ static void cb_pack_act_block8(cb_act_block8 *tile, const cb_act_q8 *acts, int T
     }
 }
 
+/* A tile's share of the next quad's weights to prefetch into L2: `lines` 64-byte lines from p,
+ * 8 a block (from the first block on) until they are done. The next quad of groups is one span of
+ * bytes (the groups are stored one after another), spread evenly over the current quad's tiles
+ * and chunks. Before, each chunk's next lines went to L1 in a burst in the chunk's first tile, and
+ * int8 ran at 0.8 of its cached speed with the weights coming from memory; spread, into L2, at
+ * 0.9 (1.1-1.25 x; int4, mxfp4 and int6 as before or faster; tools/bench/ab_itile.py
+ * --from-memory, BENCHMARKS.md). A count a block that follows the share (a loop of variable
+ * length in the tile) cost int6 10-20 % from the caches: too many live registers. nl4's pair tile
+ * keeps its burst into L1, which it runs faster with (spread it lost 10 % at 8 tokens). */
+#define CB_PREFETCH_LINES_PER_BLOCK 8
+typedef struct {
+    const char *p;
+    int lines;
+} cb_prefetch_run;
+
+static CB_ALWAYS_INLINE void cb_prefetch_step(cb_prefetch_run *r) {
+    if (r->lines > 0) {
+        for (int i = 0; i < CB_PREFETCH_LINES_PER_BLOCK; i++) _mm_prefetch(r->p + 64 * i, _MM_HINT_T1);
+        r->p += 64 * CB_PREFETCH_LINES_PER_BLOCK;
+        r->lines -= CB_PREFETCH_LINES_PER_BLOCK;
+    }
+}
+
+/* Share `call` of `calls` of the `bytes` at base; none where base is NULL. */
+static inline cb_prefetch_run cb_prefetch_share(const char *base, size_t bytes, int call, int calls) {
+    cb_prefetch_run r = {base, 0};
+    if (!base) return r;
+    const size_t total = (bytes + 63) / 64, l0 = total * call / calls, l1 = total * (call + 1) / calls;
+    r.p = base + 64 * l0;
+    r.lines = (int)(l1 - l0);
+    return r;
+}
+
 /* out[j * ldo + 0..15] (+)= groups g and g + 1 (at gp and gp + gstride, blocks kb0..kb1-1) for T
  * tokens of the packed tile: cb_igroup_avx512vnni's arithmetic on both groups at once. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
@@ -244,7 +277,7 @@ cb_igroup2_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int d
 #define CB_ITILE4_CHUNK_BYTES 18432
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_igroup4_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int dtype, const cb_act_block8 *tile,
-                      int kb0, int kb1, int first, int prefetch, const int T) {
+                      int kb0, int kb1, int first, cb_prefetch_run pf, const int T) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
     __m512 acc[CB_ITILE4_TOKENS][2];
@@ -253,9 +286,7 @@ cb_igroup4_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int d
             acc[j][p] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (size_t)j * ldo + 16 * p);
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         const cb_act_block8 *b = &tile[kb];
-        if (prefetch)                                        /* the next quad's block kb, from memory */
-            for (int k = 4; k < 8; k++)
-                for (size_t o = 0; o < gbytes; o += 64) _mm_prefetch(gp + k * gstride + o, _MM_HINT_T0);
+        cb_prefetch_step(&pf);                               /* this tile's share of the next quad */
         __m512i sum[CB_ITILE4_TOKENS][2];
         for (int j = 0; j < T; j++) sum[j][0] = sum[j][1] = _mm512_set1_epi32(b->bias[0][j]);
         if (dtype == CB_INT8) {
@@ -327,7 +358,8 @@ cb_itile_wide_avx512vnni(float *out, int ldo, const char *w, int dtype, const cb
                            nb, dtype);
     const size_t gbytes = cb_group_bytes(dtype), gstride = (size_t)nb * gbytes;
     const int kblocks = dtype == CB_NL4 ? CB_TPREFILL_KBLOCKS : (int)(CB_ITILE4_CHUNK_BYTES / (4 * gbytes));
-#define CB_CALL_IG4(dt, T_) cb_igroup4_avx512vnni(o, ldo, gp, gstride, dt, tile, kb0, kb1, kb0 == 0, t == 0, T_)
+    const int chunks = (nb + kblocks - 1) / kblocks;
+#define CB_CALL_IG4(dt, T_) cb_igroup4_avx512vnni(o, ldo, gp, gstride, dt, tile, kb0, kb1, kb0 == 0, pf, T_)
 #define CB_CALL_IG2(dt, T_) cb_igroup2_avx512vnni(o, ldo, gp, gstride, dt, tile, kb0, kb1, kb0 == 0, t == 0, T_)
 #define CB_T6_CASES(CALL, DT) \
     switch (T) { case 1: CALL(DT, 1); break; case 2: CALL(DT, 2); break; case 3: CALL(DT, 3); break; \
@@ -341,6 +373,11 @@ cb_itile_wide_avx512vnni(float *out, int ldo, const char *w, int dtype, const cb
                 float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
                 const cb_act_block8 *tile = packed + (size_t)i * nb;
                 if (g < quads) {
+                    /* the next groups, up to a quad's worth: a share in each tile of each chunk */
+                    const int ahead = g1 - g - 4 < 4 ? g1 - g - 4 : 4;
+                    const cb_prefetch_run pf = cb_prefetch_share(ahead > 0 ? w + (size_t)(g + 4) * gstride : NULL,
+                                                                 (size_t)ahead * gstride, kb0 / kblocks * tiles + i,
+                                                                 chunks * tiles);
                     if (dtype == CB_INT8) { CB_T6_CASES(CB_CALL_IG4, CB_INT8) }
                     else if (dtype == CB_MXFP4) { CB_T6_CASES(CB_CALL_IG4, CB_MXFP4) }
                     else if (dtype == CB_INT6) { CB_T6_CASES(CB_CALL_IG4, CB_INT6) }

@@ -1,8 +1,14 @@
 #!/usr/bin/env python3
-"""Two source trees' AVX2 interleaved prompt tile (cb_itile_avx2) side by side, in one process.
+"""Two source trees' interleaved prompt tile side by side, in one process.
 
     python tools/bench/ab_itile.py OLD_CSRC NEW_CSRC [--shapes 3584x1024x32,768x2048x8]
-                                   [--dtypes int4,int8,int6,mxfp4] [--reps 30]
+                                   [--dtypes int4,int8,int6,mxfp4] [--reps 30] [--entry avx2]
+                                   [--from-memory]
+
+--entry: the tile compared, avx2 (cb_itile_avx2, the default) or avx512vnni (the AVX512-VNNI
+step's 512-bit entry, cb_itile_wide_avx512vnni: needs AVX512_VNNI). --from-memory: each
+product reads the next of enough copies of the matrix to fill 256 MB, so the weights come from
+memory (as an engine's experts do) instead of the caches.
 
 OLD_CSRC / NEW_CSRC: colibri/csrc directories (e.g. `git archive REV colibri/csrc | tar -x -C
 /tmp/old`). Each tree's dispatch.h is compiled into its own object (gcc -O3, the kernels' own
@@ -22,7 +28,7 @@ from pathlib import Path
 TU = r"""
 #include "dispatch.h"
 void FN(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0, int g1, int n) {
-    cb_itile_avx2(out, ldo, w, dtype, acts, cols, g0, g1, n);
+    ENTRY(out, ldo, w, dtype, acts, cols, g0, g1, n);
 }
 """
 MAIN = r"""
@@ -34,11 +40,13 @@ void itile_new(float *, int, const char *, int, const cb_act_q8 *, int, int, int
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char **argv) {
     const int rows = atoi(argv[1]), cols = atoi(argv[2]), n = atoi(argv[3]), reps = atoi(argv[5]);
+    const int from_memory = atoi(argv[6]);
     const int dtype = !strcmp(argv[4], "int8") ? CB_INT8 : !strcmp(argv[4], "mxfp4") ? CB_MXFP4
                     : !strcmp(argv[4], "int6") ? CB_INT6 : !strcmp(argv[4], "nl4") ? CB_NL4 : CB_INT4;
     const int nb = cols / CB_QBLOCK, ng = rows / CB_TGROUP;
     const size_t gb = cb_group_bytes(dtype), bytes = (size_t)ng * nb * gb;
-    char *w = malloc(bytes);
+    const size_t copies = from_memory ? (((size_t)256 << 20) + bytes - 1) / bytes : 1;
+    char *w = malloc(bytes * copies);
     srand(1);
     for (size_t i = 0; i < bytes; i++) w[i] = (char)rand();
     for (size_t g = 0; g < (size_t)ng * nb; g++)       /* finite scales: f16 (int formats), e8m0 (mxfp4) */
@@ -46,6 +54,7 @@ int main(int argc, char **argv) {
             if (dtype == CB_MXFP4) ((uint8_t *)(w + g * gb))[r] = (uint8_t)(120 + (rand() & 7));
             else ((uint16_t *)(void *)(w + g * gb))[r] = (uint16_t)(0x2000 + (rand() & 0x3ff));
         }
+    for (size_t c = 1; c < copies; c++) memcpy(w + c * bytes, w, bytes);
     cb_act_q8 *acts = calloc((size_t)n, sizeof *acts);
     float *x = malloc(sizeof(float) * (size_t)cols);
     for (int t = 0; t < n; t++) {
@@ -58,9 +67,9 @@ int main(int argc, char **argv) {
     double ta = 1e9, tb = 1e9;
     for (int r = 0; r < 7; r++) {
         double t0 = now();
-        for (int k = 0; k < reps; k++) itile_old(a, rows, w, dtype, acts, cols, 0, ng, n);
+        for (int k = 0; k < reps; k++) itile_old(a, rows, w + (size_t)(k % copies) * bytes, dtype, acts, cols, 0, ng, n);
         double t1 = now();
-        for (int k = 0; k < reps; k++) itile_new(b, rows, w, dtype, acts, cols, 0, ng, n);
+        for (int k = 0; k < reps; k++) itile_new(b, rows, w + (size_t)(k % copies) * bytes, dtype, acts, cols, 0, ng, n);
         double t2 = now();
         ta = t1 - t0 < ta ? t1 - t0 : ta;
         tb = t2 - t1 < tb ? t2 - t1 : tb;
@@ -70,12 +79,15 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
-def build(old: Path, new: Path, work: Path) -> Path:
+ENTRIES = {"avx2": "cb_itile_avx2", "avx512vnni": "cb_itile_wide_avx512vnni"}
+
+
+def build(old: Path, new: Path, work: Path, entry: str = "avx2") -> Path:
     (work / "tu.c").write_text(TU)
     (work / "main.c").write_text(MAIN)
     cc = ["gcc", "-O3", "-fopenmp"]
-    subprocess.run(cc + ["-c", "-I", str(old), "-DFN=itile_old", str(work / "tu.c"), "-o", str(work / "old.o")], check=True)
-    subprocess.run(cc + ["-c", "-I", str(new), "-DFN=itile_new", str(work / "tu.c"), "-o", str(work / "new.o")], check=True)
+    subprocess.run(cc + ["-c", "-I", str(old), "-DFN=itile_old", f"-DENTRY={ENTRIES[entry]}", str(work / "tu.c"), "-o", str(work / "old.o")], check=True)
+    subprocess.run(cc + ["-c", "-I", str(new), "-DFN=itile_new", f"-DENTRY={ENTRIES[entry]}", str(work / "tu.c"), "-o", str(work / "new.o")], check=True)
     exe = work / "ab_itile"
     subprocess.run(cc + ["-I", str(new), str(work / "main.c"), str(work / "old.o"), str(work / "new.o"), "-lm",
                          "-o", str(exe)], check=True)
@@ -89,14 +101,16 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="3584x1024x32,768x2048x8,1024x3584x32")
     ap.add_argument("--dtypes", default="int4,int8,int6,mxfp4")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--entry", choices=sorted(ENTRIES), default="avx2")
+    ap.add_argument("--from-memory", action="store_true")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build(a.old, a.new, Path(tmp))
+        exe = build(a.old, a.new, Path(tmp), a.entry)
         print(f"{'format':>6} {'shape x tokens':>20} {'old GOP/s':>10} {'new GOP/s':>10} {'new / old':>10}  bits")
         for dtype in a.dtypes.split(","):
             for shape in a.shapes.split(","):
                 rows, cols, n = shape.split("x")
-                out = subprocess.run([str(exe), rows, cols, n, dtype, str(a.reps)], capture_output=True,
+                out = subprocess.run([str(exe), rows, cols, n, dtype, str(a.reps), str(int(a.from_memory))], capture_output=True,
                                      text=True, check=True).stdout.split()
                 old, new, same = float(out[0]), float(out[1]), out[2] == "1"
                 print(f"{dtype:>6} {f'[{rows},{cols}] x {n}':>20} {old:10.1f} {new:10.1f} {new / old:10.2f}  "
