@@ -1638,6 +1638,41 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
     for (int j = 0; j < T; j++) _mm256_storeu_ps(out + (size_t)j * ldo, acc[j]);
 }
 
+/* A tile's share of the next groups' weights to prefetch into L2 (the interleaved prompt tiles:
+ * this file's pair tile, kernels_vnni.h's quad tile): `lines` 64-byte lines from p, 8 a block
+ * (from the tile's first block on) until they are done. The next pair (quad) of groups is one
+ * span of bytes (the groups are stored one after another), spread evenly over the current one's
+ * tiles and chunks. Before, the quad tile sent each chunk's next lines to L1 in a burst in the
+ * chunk's first tile and the pair tile had none: with the weights coming from memory int8 ran at
+ * 0.8 of its cached speed in both; spread, into L2, the quad tile's int8 went 1.06-1.21x, the pair
+ * tile's int8/int4/int6 1.05-1.3x, the rest as before (tools/bench/ab_itile.py --from-memory,
+ * BENCHMARKS.md). A count a block that follows the share (a loop of variable length in the
+ * tile) cost int6 10-20 % from the caches: too many live registers. nl4's 512-bit pair tile keeps
+ * its burst into L1, which it runs faster with (spread it lost 10 % at 8 tokens). */
+#define CB_PREFETCH_LINES_PER_BLOCK 8
+typedef struct {
+    const char *p;
+    int lines;
+} cb_prefetch_run;
+
+static CB_ALWAYS_INLINE void cb_prefetch_step(cb_prefetch_run *r) {
+    if (r->lines > 0) {
+        for (int i = 0; i < CB_PREFETCH_LINES_PER_BLOCK; i++) _mm_prefetch(r->p + 64 * i, _MM_HINT_T1);
+        r->p += 64 * CB_PREFETCH_LINES_PER_BLOCK;
+        r->lines -= CB_PREFETCH_LINES_PER_BLOCK;
+    }
+}
+
+/* Share `call` of `calls` of the `bytes` at base; none where base is NULL. */
+static inline cb_prefetch_run cb_prefetch_share(const char *base, size_t bytes, int call, int calls) {
+    cb_prefetch_run r = {base, 0};
+    if (!base) return r;
+    const size_t total = (bytes + 63) / 64, l0 = total * call / calls, l1 = total * (call + 1) / calls;
+    r.p = base + 64 * l0;
+    r.lines = (int)(l1 - l0);
+    return r;
+}
+
 /* ---- the prompt's interleaved tile on packed activations: two groups a tile ----------------
  *
  * cb_igroup_avx2 above, at 4 tokens, kept its tokens' q/d/s pointers on the stack (reloaded every
@@ -1680,7 +1715,7 @@ static void cb_pack_act_block4(cb_act_block4 *tile, const cb_act_q8 *acts, int T
  * tokens of the packed tile: cb_igroup_avx2's arithmetic on both groups at once. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_igroup2_avx2(float *out, int ldo, const char *gp, size_t gstride, int dtype, const cb_act_block4 *tile, int kb0,
-                int kb1, int first, const int T) {
+                int kb1, int first, cb_prefetch_run pf, const int T) {
     const __m256i ones = _mm256_set1_epi16(1);
     const size_t gbytes = cb_group_bytes(dtype);
     __m256 acc[CB_ITILE_AVX2_TOKENS][2];
@@ -1688,6 +1723,7 @@ cb_igroup2_avx2(float *out, int ldo, const char *gp, size_t gstride, int dtype, 
         for (int p = 0; p < 2; p++) acc[j][p] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo + 8 * p);
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         const cb_act_block4 *b = &tile[kb];
+        cb_prefetch_step(&pf);                               /* this tile's share of the next pair */
         __m256i isum[CB_ITILE_AVX2_TOKENS][2];
         for (int j = 0; j < T; j++) isum[j][0] = isum[j][1] = _mm256_set1_epi32(b->bias[j]);
         if (dtype == CB_INT8) {
@@ -1984,7 +2020,8 @@ CB_TARGET_AVX2 static int cb_itile2_avx2(float *out, int ldo, const char *w, int
                            nb, dtype);
     const size_t gbytes = cb_group_bytes(dtype), gstride = (size_t)nb * gbytes;
     const int paired = g0 + (g1 - g0) / 2 * 2;
-#define CB_CALL_IG2(dt, T_) cb_igroup2_avx2(o, ldo, gp, gstride, dt, tile, kb0, kb1, kb0 == 0, T_)
+#define CB_CALL_IG2(dt, T_) cb_igroup2_avx2(o, ldo, gp, gstride, dt, tile, kb0, kb1, kb0 == 0, pf, T_)
+    const int chunks = (nb + CB_TPREFILL_KBLOCKS - 1) / CB_TPREFILL_KBLOCKS;
     for (int g = g0; g < paired; g += 2)
         for (int kb0 = 0; kb0 < nb; kb0 += CB_TPREFILL_KBLOCKS) {
             const int kb1 = kb0 + CB_TPREFILL_KBLOCKS < nb ? kb0 + CB_TPREFILL_KBLOCKS : nb;
@@ -1993,6 +2030,10 @@ CB_TARGET_AVX2 static int cb_itile2_avx2(float *out, int ldo, const char *w, int
                 const int t = CB_TILE_START(i), T = CB_TILE_START(i + 1) - t;
                 float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
                 const cb_act_block4 *tile = packed + (size_t)i * nb;
+                /* the next pair, as far as this call's pairs go: a share in each tile of each chunk */
+                const cb_prefetch_run pf = cb_prefetch_share(g + 2 < paired ? w + (size_t)(g + 2) * gstride : NULL,
+                                                             2 * gstride, kb0 / CB_TPREFILL_KBLOCKS * tiles + i,
+                                                             chunks * tiles);
                 if (dtype == CB_INT8) { CB_AVX2_T_CASES(CB_CALL_IG2, CB_INT8) }
                 else if (dtype == CB_INT6) { CB_AVX2_T_CASES(CB_CALL_IG2, CB_INT6) }
                 else { CB_AVX2_T_CASES(CB_CALL_IG2, CB_INT4) }

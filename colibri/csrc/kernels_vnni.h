@@ -168,39 +168,6 @@ static void cb_pack_act_block8(cb_act_block8 *tile, const cb_act_q8 *acts, int T
     }
 }
 
-/* A tile's share of the next quad's weights to prefetch into L2: `lines` 64-byte lines from p,
- * 8 a block (from the first block on) until they are done. The next quad of groups is one span of
- * bytes (the groups are stored one after another), spread evenly over the current quad's tiles
- * and chunks. Before, each chunk's next lines went to L1 in a burst in the chunk's first tile, and
- * int8 ran at 0.8 of its cached speed with the weights coming from memory; spread, into L2, at
- * 0.9 (1.1-1.25 x; int4, mxfp4 and int6 as before or faster; tools/bench/ab_itile.py
- * --from-memory, BENCHMARKS.md). A count a block that follows the share (a loop of variable
- * length in the tile) cost int6 10-20 % from the caches: too many live registers. nl4's pair tile
- * keeps its burst into L1, which it runs faster with (spread it lost 10 % at 8 tokens). */
-#define CB_PREFETCH_LINES_PER_BLOCK 8
-typedef struct {
-    const char *p;
-    int lines;
-} cb_prefetch_run;
-
-static CB_ALWAYS_INLINE void cb_prefetch_step(cb_prefetch_run *r) {
-    if (r->lines > 0) {
-        for (int i = 0; i < CB_PREFETCH_LINES_PER_BLOCK; i++) _mm_prefetch(r->p + 64 * i, _MM_HINT_T1);
-        r->p += 64 * CB_PREFETCH_LINES_PER_BLOCK;
-        r->lines -= CB_PREFETCH_LINES_PER_BLOCK;
-    }
-}
-
-/* Share `call` of `calls` of the `bytes` at base; none where base is NULL. */
-static inline cb_prefetch_run cb_prefetch_share(const char *base, size_t bytes, int call, int calls) {
-    cb_prefetch_run r = {base, 0};
-    if (!base) return r;
-    const size_t total = (bytes + 63) / 64, l0 = total * call / calls, l1 = total * (call + 1) / calls;
-    r.p = base + 64 * l0;
-    r.lines = (int)(l1 - l0);
-    return r;
-}
-
 /* out[j * ldo + 0..15] (+)= groups g and g + 1 (at gp and gp + gstride, blocks kb0..kb1-1) for T
  * tokens of the packed tile: cb_igroup_avx512vnni's arithmetic on both groups at once. */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
