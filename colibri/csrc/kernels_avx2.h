@@ -1655,13 +1655,15 @@ typedef struct {
     int lines;
 } cb_prefetch_run;
 
-static CB_ALWAYS_INLINE void cb_prefetch_step(cb_prefetch_run *r) {
+static CB_ALWAYS_INLINE void cb_prefetch_lines(cb_prefetch_run *r, const int count) {
     if (r->lines > 0) {
-        for (int i = 0; i < CB_PREFETCH_LINES_PER_BLOCK; i++) _mm_prefetch(r->p + 64 * i, _MM_HINT_T1);
-        r->p += 64 * CB_PREFETCH_LINES_PER_BLOCK;
-        r->lines -= CB_PREFETCH_LINES_PER_BLOCK;
+        for (int i = 0; i < count; i++) _mm_prefetch(r->p + 64 * i, _MM_HINT_T1);
+        r->p += 64 * count;
+        r->lines -= count;
     }
 }
+
+static CB_ALWAYS_INLINE void cb_prefetch_step(cb_prefetch_run *r) { cb_prefetch_lines(r, CB_PREFETCH_LINES_PER_BLOCK); }
 
 /* Share `call` of `calls` of the `bytes` at base; none where base is NULL. */
 static inline cb_prefetch_run cb_prefetch_share(const char *base, size_t bytes, int call, int calls) {
@@ -1914,6 +1916,14 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
  * half the bytes per multiply and lost 6-20 % with the same prefetch: it has none. */
 #define CB_IBF16_PREFETCH 512
 
+/* A prompt's bf16 tiles (this tier's one group at a time, AVX-512's two) prefetch the next groups
+ * into L2 instead, spread over the current ones' tiles of tokens (cb_prefetch_run), this many
+ * lines a step of 4 inputs (64 bytes a group): at most 2 lines a step are the next groups', so a
+ * lone tile still gets all of its share. From memory, one thread (tools/bench/ab_itile.py
+ * --from-memory, BENCHMARKS.md): AVX-512 bf16 products 1.21-1.72x, widened 1.07-1.34x. */
+#define CB_IBF16_PREFETCH_LINES 2
+static const cb_prefetch_run cb_no_prefetch = {NULL, 0};
+
 /* CB_XP_PAIRS: each 4 inputs as x0 x2 x1 x3, so that the prompt tile's two broadcast patterns
  * (x0 x2 x0 x2 ..., x1 x3 x1 x3 ...) are 64-bit broadcasts from memory — load-port work — instead
  * of two in-lane shuffles per token and 4 inputs, which share a pipe with the FMAs. cols % 4 == 0
@@ -1932,7 +1942,7 @@ static void cb_permute_pairs(float *xp, const float *x, int cols) {
  * else acts[j].x shuffled: the same values in the same lanes, so the same bits. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
-                   int cols, const int G, const int T, const int PAIRS) {
+                   int cols, cb_prefetch_run pf, const int G, const int T, const int PAIRS) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 lo[4][CB_IBF16_TOKENS_AVX2], hi[4][CB_IBF16_TOKENS_AVX2];     /* outputs 0-3 and 4-7 */
     const float *xj[CB_IBF16_TOKENS_AVX2];   /* locals: the loop's stores could alias acts */
@@ -1949,7 +1959,8 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
             xo = _mm256_permute_ps(xv, 0xDD);            /* x[k + 1], x[k + 3], ... */
             for (int g = 0; g < G; g++)                  /* each stream's line CB_IBF16_PREFETCH ahead */
                 _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
-        }
+        } else
+            cb_prefetch_lines(&pf, CB_IBF16_PREFETCH_LINES);    /* this tile's share of the next group */
         for (int g = 0; g < G; g++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(gp + g * gstride));
             const __m256i b = _mm256_loadu_si256((const __m256i *)(gp + g * gstride + 32));
@@ -1980,22 +1991,24 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
 CB_TARGET_AVX2 static void cb_itile_bf16_avx2(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                               int cols, int g0, int g1, int n) {
     if (n == 1) {
-#define CB_CALL_ID(o, os, gp, gs, G) cb_ibf16_tile_avx2(o, 0, os, gp, gs, acts, cols, G, 1, 0)
+#define CB_CALL_ID(o, os, gp, gs, G) cb_ibf16_tile_avx2(o, 0, os, gp, gs, acts, cols, cb_no_prefetch, G, 1, 0)
         CB_IDECODE_LOOP(CB_CALL_ID)
 #undef CB_CALL_ID
         return;
     }
     const size_t row = (size_t)cols * 2 * CB_TGROUP;     /* a group's bytes */
     const int pairs = acts[0].xp != NULL;                /* CB_XP_PAIRS, written by the driver */
+    const int tiles = (n + CB_IBF16_TOKENS_AVX2 - 1) / CB_IBF16_TOKENS_AVX2;
     for (int g = g0; g < g1; g++)
         for (int t = 0; t < n; t += CB_IBF16_TOKENS_AVX2) {
             float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;
             const char *gp = w + (size_t)g * row;
+            const cb_prefetch_run pf = cb_prefetch_share(g + 1 < g1 ? gp + row : NULL, row, t / CB_IBF16_TOKENS_AVX2, tiles);
 #define CB_IBF16_T(T) \
-    if (pairs) cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, T, 1); \
-    else cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, T, 0);
+    if (pairs) cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, pf, 1, T, 1); \
+    else cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, pf, 1, T, 0);
             switch (n - t) {
-            case 1: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, 1, 1, 0); break;
+            case 1: cb_ibf16_tile_avx2(o, ldo, 0, gp, 0, acts + t, cols, cb_no_prefetch, 1, 1, 0); break;
             case 2: CB_IBF16_T(2) break;
             case 3: CB_IBF16_T(3) break;
             default: CB_IBF16_T(4) break;

@@ -260,7 +260,7 @@ cb_ibf16_store_avx512(float *out, int ldo, size_t ostride, __m512 acc[4][CB_IBF1
 /* out[j * ldo + g * ostride + 0..7] = group gp + g * gstride (g < G) times tokens j < T, widened. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_ibf16_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
-                     int cols, const int G, const int T) {
+                     int cols, cb_prefetch_run pf, const int G, const int T) {
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 acc[4][CB_IBF16_TOKENS];
     for (int g = 0; g < G; g++)
@@ -269,6 +269,8 @@ cb_ibf16_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t
         __m512 we[4], wo[4];
         if (T == 1)                                      /* decode: as the AVX2 tier's (CB_IBF16_PREFETCH) */
             for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
+        else                                             /* a prompt: this tile's share of the next pair */
+            cb_prefetch_lines(&pf, CB_IBF16_PREFETCH_LINES);
         for (int g = 0; g < G; g++) {
             const __m512i a = _mm512_loadu_si512((const void *)(gp + g * gstride));
             we[g] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
@@ -286,7 +288,7 @@ cb_ibf16_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t
 /* The same tile of bf16 products (acts.xb, vdpbf16ps). */
 CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void
 cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
-                      int cols, const int G, const int T) {
+                      int cols, cb_prefetch_run pf, const int G, const int T) {
     __m512 acc[4][CB_IBF16_TOKENS];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < T; j++) acc[g][j] = _mm512_setzero_ps();
@@ -294,6 +296,8 @@ cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
         __m512i wv[4];
         if (T == 1)
             for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
+        else
+            cb_prefetch_lines(&pf, CB_IBF16_PREFETCH_LINES);
         for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(gp + g * gstride));
         for (int j = 0; j < T; j++) {
             int64_t x4;
@@ -315,19 +319,22 @@ cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
         return;                                                                                         \
     }                                                                                                   \
     const size_t row = (size_t)cols * 2 * CB_TGROUP;                                                    \
+    const int tiles = (n + CB_IBF16_TOKENS - 1) / CB_IBF16_TOKENS;                                      \
     for (int g = g0; g < g1; g += 2)                                                                    \
         for (int t = 0; t < n; t += CB_IBF16_TOKENS) {                                                  \
             float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;                                   \
             const char *gp = w + (size_t)g * row;                                                       \
-            const int T = n - t;                                                                        \
+            const int T = n - t, ahead = g1 - g - 2 < 2 ? g1 - g - 2 : 2;                               \
+            const cb_prefetch_run pf = cb_prefetch_share(ahead > 0 ? gp + 2 * row : NULL, ahead * row,     \
+                                                         t / CB_IBF16_TOKENS, tiles);                   \
             if (g + 1 < g1) { CB_T8_CASES(CB_IBF16_PAIR, 2) }                                           \
             else { CB_T8_CASES(CB_IBF16_PAIR, 1) }                                                      \
         }
 
 CB_TARGET_AVX512 static void cb_itile_bf16_avx512(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                                   int cols, int g0, int g1, int n) {
-#define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16_tile_avx512(o, 0, os, gp, gs, acts, cols, G, 1)
-#define CB_IBF16_PAIR(G, T) cb_ibf16_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, G, T)
+#define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16_tile_avx512(o, 0, os, gp, gs, acts, cols, cb_no_prefetch, G, 1)
+#define CB_IBF16_PAIR(G, T) cb_ibf16_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, pf, G, T)
     CB_IBF16_ENTRY()
 #undef CB_IBF16_PAIR
 #undef CB_IBF16_DECODE
@@ -335,8 +342,8 @@ CB_TARGET_AVX512 static void cb_itile_bf16_avx512(float *out, int ldo, const cha
 
 CB_TARGET_AVX512_BF16 static void cb_itile_bf16x_avx512(float *out, int ldo, const char *w, int dtype,
                                                         const cb_act_q8 *acts, int cols, int g0, int g1, int n) {
-#define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16x_tile_avx512(o, 0, os, gp, gs, acts, cols, G, 1)
-#define CB_IBF16_PAIR(G, T) cb_ibf16x_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, G, T)
+#define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16x_tile_avx512(o, 0, os, gp, gs, acts, cols, cb_no_prefetch, G, 1)
+#define CB_IBF16_PAIR(G, T) cb_ibf16x_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, pf, G, T)
     CB_IBF16_ENTRY()
 #undef CB_IBF16_PAIR
 #undef CB_IBF16_DECODE

@@ -5,8 +5,11 @@
                                    [--dtypes int4,int8,int6,mxfp4] [--reps 30] [--entry avx2]
                                    [--from-memory]
 
---entry: the tile compared, avx2 (cb_itile_avx2, the default) or avx512vnni (the AVX512-VNNI
-step's 512-bit entry, cb_itile_wide_avx512vnni: needs AVX512_VNNI). --from-memory: each
+--entry: the tile compared, avx2 (cb_itile_avx2, the default), avx512vnni (the AVX512-VNNI
+step's 512-bit entry, cb_itile_wide_avx512vnni: needs AVX512_VNNI) or bf16x (the interleaved bf16
+products, cb_itile_bf16x_avx512: needs AVX512_BF16), bf16 (widened, cb_itile_bf16_avx512) or
+bf16-avx2 (cb_itile_bf16_avx2, the activations in CB_XP_PAIRS order as the engine gives them);
+the bf16 entries take --dtypes bf16. --from-memory: each
 product reads the next of enough copies of the matrix to fill 256 MB, so the weights come from
 memory (as an engine's experts do) instead of the caches.
 
@@ -42,14 +45,17 @@ int main(int argc, char **argv) {
     const int rows = atoi(argv[1]), cols = atoi(argv[2]), n = atoi(argv[3]), reps = atoi(argv[5]);
     const int from_memory = atoi(argv[6]);
     const int dtype = !strcmp(argv[4], "int8") ? CB_INT8 : !strcmp(argv[4], "mxfp4") ? CB_MXFP4
-                    : !strcmp(argv[4], "int6") ? CB_INT6 : !strcmp(argv[4], "nl4") ? CB_NL4 : CB_INT4;
+                    : !strcmp(argv[4], "int6") ? CB_INT6 : !strcmp(argv[4], "nl4") ? CB_NL4
+                    : !strcmp(argv[4], "bf16") ? CB_BF16 : CB_INT4;
     const int nb = cols / CB_QBLOCK, ng = rows / CB_TGROUP;
-    const size_t gb = cb_group_bytes(dtype), bytes = (size_t)ng * nb * gb;
+    const size_t gb = dtype == CB_BF16 ? 2 * CB_QBLOCK * CB_TGROUP : cb_group_bytes(dtype), bytes = (size_t)ng * nb * gb;
     const size_t copies = from_memory ? (((size_t)256 << 20) + bytes - 1) / bytes : 1;
     char *w = malloc(bytes * copies);
     srand(1);
     for (size_t i = 0; i < bytes; i++) w[i] = (char)rand();
-    for (size_t g = 0; g < (size_t)ng * nb; g++)       /* finite scales: f16 (int formats), e8m0 (mxfp4) */
+    if (dtype == CB_BF16)                                /* finite bf16 weights: |w| in [2^-8, 2^8) */
+        for (size_t i = 0; i < bytes / 2; i++) ((uint16_t *)(void *)w)[i] = (uint16_t)(0x3B80 + (rand() & 0x80FF) % 0x0800);
+    else for (size_t g = 0; g < (size_t)ng * nb; g++)   /* finite scales: f16 (int formats), e8m0 (mxfp4) */
         for (int r = 0; r < CB_TGROUP; r++) {
             if (dtype == CB_MXFP4) ((uint8_t *)(w + g * gb))[r] = (uint8_t)(120 + (rand() & 7));
             else ((uint16_t *)(void *)(w + g * gb))[r] = (uint16_t)(0x2000 + (rand() & 0x3ff));
@@ -62,6 +68,12 @@ int main(int argc, char **argv) {
         acts[t].q = malloc((size_t)cols); acts[t].d = malloc(4 * (size_t)(nb + 1)); acts[t].s = malloc(4 * (size_t)(nb + 1));
         acts[t].nl4_off = malloc(8 * (size_t)(nb + 1)); acts[t].n = cols;
         cb_quantize_act_avx2(&acts[t], x, cols);
+        float *xt = malloc(sizeof(float) * (size_t)cols);
+        memcpy(xt, x, sizeof(float) * (size_t)cols);
+        acts[t].x = xt;
+        acts[t].xb = malloc(2 * (size_t)cols);
+        for (int i = 0; i < cols; i++) { uint32_t u; memcpy(&u, &xt[i], 4); acts[t].xb[i] = (uint16_t)(u >> 16); }
+        if (XP_PAIRS) { acts[t].xp = malloc(sizeof(float) * (size_t)cols); cb_permute_pairs(acts[t].xp, xt, cols); }
     }
     float *a = calloc((size_t)rows * n, 4), *b = calloc((size_t)rows * n, 4);
     double ta = 1e9, tb = 1e9;
@@ -79,7 +91,8 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
-ENTRIES = {"avx2": "cb_itile_avx2", "avx512vnni": "cb_itile_wide_avx512vnni"}
+ENTRIES = {"avx2": "cb_itile_avx2", "avx512vnni": "cb_itile_wide_avx512vnni", "bf16x": "cb_itile_bf16x_avx512",
+           "bf16": "cb_itile_bf16_avx512", "bf16-avx2": "cb_itile_bf16_avx2"}
 
 
 def build(old: Path, new: Path, work: Path, entry: str = "avx2") -> Path:
@@ -89,7 +102,7 @@ def build(old: Path, new: Path, work: Path, entry: str = "avx2") -> Path:
     subprocess.run(cc + ["-c", "-I", str(old), "-DFN=itile_old", f"-DENTRY={ENTRIES[entry]}", str(work / "tu.c"), "-o", str(work / "old.o")], check=True)
     subprocess.run(cc + ["-c", "-I", str(new), "-DFN=itile_new", f"-DENTRY={ENTRIES[entry]}", str(work / "tu.c"), "-o", str(work / "new.o")], check=True)
     exe = work / "ab_itile"
-    subprocess.run(cc + ["-I", str(new), str(work / "main.c"), str(work / "old.o"), str(work / "new.o"), "-lm",
+    subprocess.run(cc + ["-I", str(new), f"-DXP_PAIRS={int(entry == 'bf16-avx2')}", str(work / "main.c"), str(work / "old.o"), str(work / "new.o"), "-lm",
                          "-o", str(exe)], check=True)
     return exe
 
