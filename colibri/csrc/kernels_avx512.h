@@ -296,7 +296,7 @@ cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
         __m512i wv[4];
         if (T == 1)
             for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
-        else
+        else                                             /* a prompt: this tile's share of the next pair */
             cb_prefetch_lines(&pf, CB_IBF16_PREFETCH_LINES);
         for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(gp + g * gstride));
         for (int j = 0; j < T; j++) {
