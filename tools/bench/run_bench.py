@@ -435,19 +435,34 @@ def main(argv=None) -> int:
                         m = RUNNERS[eng](path, a, t)
                         cold.setdefault((eng, fmt, t), []).append(m["ttft_ms"] + 1000 * m.get("load_s", 0) * (eng != "llama.cpp"))
                         print(f"[{name}]   {eng:<9} {fmt:<5} cold TTFT {cold[(eng, fmt, t)][-1]:7.0f} ms", flush=True)
+        unrunnable = {}
         for rep in range(a.reps):
             for t in thread_counts:
                 bw[t].append(run_bandwidth(bw_exe, t, a.bw_mib))
                 print(f"[{name}] rep {rep + 1}/{a.reps}, {t} threads: bandwidth {bw[t][-1]:.2f} GB/s", flush=True)
                 for pair in pairs:
                     for eng, fmt, path in (pair if rep % 2 == 0 else pair[::-1]):
+                        if (eng, fmt) in unrunnable:
+                            continue
                         if not a.no_prewarm:
                             prewarm(path)
-                        m = RUNNERS[eng](path, a, t)
+                        try:
+                            m = RUNNERS[eng](path, a, t)
+                        except RuntimeError as e:
+                            if eng == "colibri":
+                                raise
+                            # a peer that cannot load this model (ik_llama.cpp has no OLMoE, say):
+                            # left out of this model's table, with its own last line as the reason
+                            unrunnable[(eng, fmt)] = str(e).strip().splitlines()[-1]
+                            print(f"[{name}]   {eng:<9} {fmt:<5} left out: {unrunnable[(eng, fmt)]}", flush=True)
+                            continue
                         rows[(eng, fmt, t)].append(m)
                         print(f"[{name}]   {eng:<9} {fmt:<5} pp {m['pp']:8.1f} tok/s  tg {m['tg']:7.2f} tok/s  "
                               f"TTFT {m['ttft_ms']:7.0f} ms  RSS {m['rss'] / 2**20:6.0f} MiB", flush=True)
+        rows = {key: ms for key, ms in rows.items() if ms}     # without the peers left out
         md = report(name, a, rows, bw, active, cmdline, cold)
+        if unrunnable:
+            md += "".join(f"\nLeft out: {eng} {fmt}: {why}\n" for (eng, fmt), why in unrunnable.items())
         results = Path(a.results_dir)
         results.mkdir(parents=True, exist_ok=True)
         stem = results / f"{datetime.date.today().isoformat()}-{name}"
