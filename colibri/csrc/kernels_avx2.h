@@ -1663,8 +1663,6 @@ static CB_ALWAYS_INLINE void cb_prefetch_lines(cb_prefetch_run *r, const int cou
     }
 }
 
-static CB_ALWAYS_INLINE void cb_prefetch_step(cb_prefetch_run *r) { cb_prefetch_lines(r, CB_PREFETCH_LINES_PER_BLOCK); }
-
 /* Share `call` of `calls` of the `bytes` at base; none where base is NULL. */
 static inline cb_prefetch_run cb_prefetch_share(const char *base, size_t bytes, int call, int calls) {
     cb_prefetch_run r = {base, 0};
@@ -1725,7 +1723,7 @@ cb_igroup2_avx2(float *out, int ldo, const char *gp, size_t gstride, int dtype, 
         for (int p = 0; p < 2; p++) acc[j][p] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo + 8 * p);
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         const cb_act_block4 *b = &tile[kb];
-        cb_prefetch_step(&pf);                               /* this tile's share of the next pair */
+        cb_prefetch_lines(&pf, CB_PREFETCH_LINES_PER_BLOCK);  /* this tile's share of the next pair */
         __m256i isum[CB_ITILE_AVX2_TOKENS][2];
         for (int j = 0; j < T; j++) isum[j][0] = isum[j][1] = _mm256_set1_epi32(b->bias[j]);
         if (dtype == CB_INT8) {

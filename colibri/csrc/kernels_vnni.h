@@ -254,7 +254,7 @@ cb_igroup4_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int d
             acc[j][p] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (size_t)j * ldo + 16 * p);
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         const cb_act_block8 *b = &tile[kb];
-        cb_prefetch_step(&pf);                               /* this tile's share of the next quad */
+        cb_prefetch_lines(&pf, CB_PREFETCH_LINES_PER_BLOCK);  /* this tile's share of the next quad */
         __m512i sum[CB_ITILE4_TOKENS][2];
         for (int j = 0; j < T; j++) sum[j][0] = sum[j][1] = _mm512_set1_epi32(b->bias[0][j]);
         if (dtype == CB_INT8) {
