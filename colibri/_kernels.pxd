@@ -46,7 +46,7 @@ cdef extern from "dispatch.h" nogil:
     int CB_INT_STEP_AVX512VNNI
     ctypedef struct cb_cpu_features:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
-        int avx512_vnni, avx512_bf16, avx_vnni, os_avx, os_avx512
+        int avx512_vnni, avx512_bf16, avx_vnni, amx_tile, amx_int8, amx_bf16, os_avx, os_avx512, os_amx
     ctypedef struct cb_selection:    # what filled the kernel table
         int isa
         int int_step

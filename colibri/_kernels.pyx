@@ -52,7 +52,26 @@ def cpu_features():
     return {"avx2": bool(f.avx2), "fma": bool(f.fma), "f16c": bool(f.f16c), "avx512f": bool(f.avx512f),
             "avx512bw": bool(f.avx512bw), "avx512vl": bool(f.avx512vl), "avx512dq": bool(f.avx512dq),
             "avx512_vnni": bool(f.avx512_vnni), "avx512_bf16": bool(f.avx512_bf16),
-            "avx_vnni": bool(f.avx_vnni), "os_avx": bool(f.os_avx), "os_avx512": bool(f.os_avx512)}
+            "avx_vnni": bool(f.avx_vnni), "amx_tile": bool(f.amx_tile), "amx_int8": bool(f.amx_int8),
+            "amx_bf16": bool(f.amx_bf16), "os_avx": bool(f.os_avx), "os_avx512": bool(f.os_avx512),
+            "os_amx": bool(f.os_amx)}
+
+
+def amx_status(features=None):
+    """One line on AMX here: absent from the CPU, not enabled by the OS (XCR0), refused by it (why),
+    or its tile state granted to this process (asked once, _os.request_tile_data). No tier uses
+    the tiles yet; the line says so. `features`: cpu_features()' dict (tests pass others)."""
+    from colibri import _os
+    f = cpu_features() if features is None else features
+    if not f["amx_tile"]:
+        return "no AMX on this CPU"
+    kinds = "+".join(k for k in ("int8", "bf16") if f[f"amx_{k}"]) or "no products"
+    if not f["os_amx"]:
+        return f"AMX ({kinds}) on this CPU, but the OS does not enable its tile state (XCR0 bits 17-18)"
+    granted, why = _os.request_tile_data()
+    if not granted:
+        return f"AMX ({kinds}) on this CPU, but the OS refused its tile state: {why}"
+    return f"AMX ({kinds}): tile state granted by the OS; no kernels use it yet (the {isa()} tier runs)"
 
 
 def available_isas():

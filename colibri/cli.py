@@ -739,6 +739,7 @@ def cmd_info(args) -> int:
     print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
           f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)")
     print(f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels (decode and prefill)")
+    print(f"amx:          {_kernels.amx_status()}")
     return 0
 
 

@@ -36,7 +36,8 @@ def tier_report() -> str:
     of the best one, and the CPU features they come from: what a log says about its host."""
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
     return (f"colibri tiers tested: {', '.join(_kernels.available_isas())} (default {_kernels.isa()}, int steps "
-            f"{', '.join(_kernels.available_int_steps())}); CPU features: {' '.join(feats) or 'none'}")
+            f"{', '.join(_kernels.available_int_steps())}); CPU features: {' '.join(feats) or 'none'}; "
+            f"{_kernels.amx_status()}")
 
 
 def pytest_report_header(config):

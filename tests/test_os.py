@@ -452,3 +452,140 @@ def test_windows_memory_limit_outside_a_job(monkeypatch):
     w = importlib.import_module("colibri._os._windows")
     monkeypatch.setattr(w, "_lookup", lambda name: (lambda *a: 0) if name == "QueryInformationJobObject" else None)
     assert w.memory_limit() == (None, "")
+
+
+# ---- AMX's tile state: the Linux request (arch_prctl), the report ------------------------------
+
+class FakeArchPrctl:
+    """libc's syscall(2) as _linux.request_tile_data calls it: arch_prctl's ARCH_GET_XCOMP_PERM
+    (the permitted XSAVE components) and ARCH_REQ_XCOMP_PERM (grant `component` or fail with
+    `errno`), recorded in `calls`. `lie`: the request succeeds but grants nothing."""
+
+    def __init__(self, mask=0xE7, errno=0, lie=False):
+        self.mask, self.errno, self.lie, self.calls, self.restype = mask, errno, lie, [], None
+
+    def __call__(self, number, op, arg):
+        from colibri._os import _linux
+        assert number.value == _linux.SYS_ARCH_PRCTL
+        self.calls.append(op.value)
+        if op.value == _linux.ARCH_GET_XCOMP_PERM:
+            arg._obj.value = self.mask
+            return 0
+        assert op.value == _linux.ARCH_REQ_XCOMP_PERM and arg.value == _linux.XFEATURE_XTILEDATA
+        if self.errno:
+            ctypes.set_errno(self.errno)
+            return -1
+        if not self.lie:
+            self.mask |= 1 << arg.value
+        return 0
+
+
+def _fake_libc(monkeypatch, fake):
+    from colibri._os import _linux
+    monkeypatch.setattr(_linux, "_libc", lambda: type("FakeLibc", (), {"syscall": fake})())
+    monkeypatch.setattr(_linux.os, "uname", lambda: os.uname_result(("Linux", "h", "6.8", "#1", "x86_64")))
+    monkeypatch.setattr(_linux.sys, "platform", "linux")
+    return _linux
+
+
+@only_linux
+def test_the_tile_state_is_requested_once_and_checked(monkeypatch):
+    """Not yet permitted: one ARCH_REQ_XCOMP_PERM for component 18 between two reads of the mask,
+    the second showing it; already permitted: no request at all."""
+    fake = FakeArchPrctl()
+    linux = _fake_libc(monkeypatch, fake)
+    linux.request_tile_data()
+    assert fake.calls == [linux.ARCH_GET_XCOMP_PERM, linux.ARCH_REQ_XCOMP_PERM, linux.ARCH_GET_XCOMP_PERM]
+    assert fake.mask >> 18 & 1
+    fake.calls.clear()
+    linux.request_tile_data()
+    assert fake.calls == [linux.ARCH_GET_XCOMP_PERM]
+
+
+@only_linux
+@pytest.mark.parametrize("err, cause", [(95, "no AMX tile state"), (22, "Linux 5.16"), (28, "sigaltstack"),
+                                        (1, os.strerror(1))])
+def test_a_refused_tile_state_names_its_cause(monkeypatch, err, cause):
+    """A refusal is an OSError carrying the errno and one line naming the cause: no AMX (EOPNOTSUPP),
+    a kernel before 5.16 (EINVAL), a small alternate signal stack (ENOSPC), else strerror; the
+    interface turns it into (False, that line), asked once per process."""
+    fake = FakeArchPrctl(errno=err)
+    _fake_libc(monkeypatch, fake)
+    monkeypatch.setattr(_os, "_backend", importlib.import_module("colibri._os._linux"))
+    monkeypatch.setattr(_os, "_TILE_DATA", [])
+    granted, why = _os.request_tile_data()
+    assert not granted and cause in why and "ARCH_REQ_XCOMP_PERM" in why and "\n" not in why
+    assert _os.request_tile_data() == (granted, why) and len(fake.calls) == 2      # not asked again
+
+
+@only_linux
+def test_a_request_that_grants_nothing_is_refused(monkeypatch):
+    linux = _fake_libc(monkeypatch, FakeArchPrctl(lie=True))
+    with pytest.raises(OSError, match="not held"):
+        linux.request_tile_data()
+
+
+@only_linux
+def test_the_tile_state_is_an_x86_64_request(monkeypatch):
+    fake = FakeArchPrctl()
+    linux = _fake_libc(monkeypatch, fake)
+    monkeypatch.setattr(linux.os, "uname", lambda: os.uname_result(("Linux", "h", "6.8", "#1", "aarch64")))
+    with pytest.raises(OSError, match="x86-64 Linux"):
+        linux.request_tile_data()
+    assert fake.calls == []
+
+
+@only_linux
+def test_the_real_request_agrees_with_the_cpu():
+    """On this machine, the kernel's answer itself: granted where the CPU has AMX and XCR0 enables
+    its state (an AMX host), refused with one line otherwise; the report says the same."""
+    from colibri import _kernels
+    f = _kernels.cpu_features()
+    saved = list(_os._TILE_DATA)
+    _os._TILE_DATA.clear()
+    try:
+        granted, why = _os.request_tile_data()
+    finally:
+        _os._TILE_DATA[:] = saved or _os._TILE_DATA
+    if os.uname().machine == "x86_64" and f["amx_tile"] and f["os_amx"]:
+        assert granted, why
+    else:
+        assert not granted and why and "\n" not in why
+    status = _kernels.amx_status()
+    assert ("granted" in status) == (granted and f["amx_tile"] and f["os_amx"])
+
+
+@pytest.mark.parametrize("amx_tile, amx_int8, amx_bf16, os_amx, answer, expect", [
+    (False, False, False, False, None, "no AMX on this CPU"),
+    (True, True, True, False, None, "does not enable its tile state (XCR0"),
+    (True, True, False, True, (True, ""), "AMX (int8): tile state granted"),
+    (True, True, True, True, (False, "why not"), "AMX (int8+bf16) on this CPU, but the OS refused its tile state: why not"),
+])
+def test_the_amx_report(monkeypatch, amx_tile, amx_int8, amx_bf16, os_amx, answer, expect):
+    """_kernels.amx_status: the CPU's bits, XCR0, then the OS's answer — asked only where the first
+    two allow the tiles."""
+    from colibri import _kernels
+    asked = []
+    monkeypatch.setattr(_os, "request_tile_data", lambda: asked.append(1) or answer)
+    f = dict(_kernels.cpu_features(), amx_tile=amx_tile, amx_int8=amx_int8, amx_bf16=amx_bf16, os_amx=os_amx)
+    status = _kernels.amx_status(f)
+    assert expect in status and "\n" not in status
+    assert bool(asked) == (answer is not None)
+
+
+@pytest.mark.skipif(not LINUX or os.uname().machine != "x86_64", reason="/proc/cpuinfo's x86 flags")
+def test_the_amx_bits_are_the_kernels_cpu_flags():
+    """cpu.h's AMX bits (CPUID 7.0 EDX 22, 24, 25) against the flags Linux (5.16+ knows them) lists
+    for this CPU."""
+    from colibri import _kernels
+    if tuple(int(x) for x in os.uname().release.split(".")[:2]) < (5, 16):
+        pytest.skip("this kernel predates AMX's flags")
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    features = _kernels.cpu_features()
+    assert {k: features[k] for k in ("amx_tile", "amx_int8", "amx_bf16")} == \
+        {k: k in flags for k in ("amx_tile", "amx_int8", "amx_bf16")}

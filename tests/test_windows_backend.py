@@ -45,6 +45,7 @@ PAGE = w.page_size()
 C_TYPES = {
     "BOOL": (ctypes.c_int, 4),
     "DWORD": (ctypes.c_uint32, 4),
+    "DWORD64": (ctypes.c_uint64, 8),
     "ULONG": (ctypes.c_uint32, 4),
     "JOBOBJECTINFOCLASS": (ctypes.c_int, 4),             # an enum
     "SIZE_T": (ctypes.c_size_t, 8),
@@ -118,6 +119,8 @@ GOLDEN = {
     "QueryInformationJobObject": (K32, "BOOL", ("HANDLE", "JOBOBJECTINFOCLASS", "LPVOID", "DWORD", "LPDWORD")),
     # sysinfoapi.h: BOOL GlobalMemoryStatusEx(LPMEMORYSTATUSEX lpBuffer)
     "GlobalMemoryStatusEx": (K32, "BOOL", ("LPMEMORYSTATUSEX",)),
+    # winbase.h: DWORD64 GetEnabledXStateFeatures(void)
+    "GetEnabledXStateFeatures": (K32, "DWORD64", ()),
 }
 
 
@@ -243,6 +246,7 @@ class FakeWindows:
         self.locked: set = set()
         self.range_entries: list = []    # the WIN32_MEMORY_RANGE_ENTRY arrays PrefetchVirtualMemory got
         self.quota = list(quota)         # the working-set (minimum, maximum)
+        self.xstate = 0x2E7              # GetEnabledXStateFeatures: x87 .. AVX-512, PKRU; no AMX
         self._next_handle = 0x100
         self._keep = []                  # the callbacks, alive while their pointers are
         self.dlls = {"kernel32": FakeDLL({}), "psapi": FakeDLL({})}
@@ -475,6 +479,9 @@ class FakeWindows:
         status[0].ullAvailPhys = 3 << 30
         return 1
 
+    def GetEnabledXStateFeatures(self):
+        return self.xstate
+
 
 @pytest.fixture
 def fake(monkeypatch):
@@ -641,3 +648,18 @@ def test_the_fake_sees_a_wrong_prototype_the_backend_set(monkeypatch, data_file)
         uint32 = ctypes.c_uint32.__name__
         assert fake.prototype_errors() == [f"MapViewOfFile: declared (c_void_p, {uint32}, {uint32}, {uint32}, {uint32}) "
                                            "-> c_void_p, documented (HANDLE, DWORD, DWORD, DWORD, SIZE_T) -> LPVOID"]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_tile_state_is_windows_own_where_it_enables_it(fake, monkeypatch, amx):
+    """Windows has no per-process request for AMX's tile state: request_tile_data grants it where
+    GetEnabledXStateFeatures lists XSTATE_AMX_TILE_DATA (bit 18, with its config, bit 17) and
+    refuses with one line naming the Windows that does where it does not; asked once per process."""
+    monkeypatch.setattr(_os, "_TILE_DATA", [])
+    if amx:
+        fake.xstate |= 3 << 17
+    granted, why = _os.request_tile_data()
+    assert granted is amx
+    assert why == "" if amx else ("XSTATE_AMX_TILE_DATA" in why and "Windows 11" in why and "\n" not in why)
+    assert _os.request_tile_data() == (granted, why)
+    assert fake.named("GetEnabledXStateFeatures") == [()]

@@ -1,10 +1,13 @@
-"""Residency: the one interface to the operating system's virtual memory.
+"""Residency: the one interface to the operating system's virtual memory (and to the one other
+thing the OS lends per process: AMX's tile state, request_tile_data).
 
 Nothing above this module knows the OS. The backend is picked once, here, by platform:
 
-    linux          _linux.py   libc mmap/madvise/mincore/mlock, /proc/self, getrusage
+    linux          _linux.py   libc mmap/madvise/mincore/mlock, /proc/self, getrusage,
+                               syscall(arch_prctl) for the tile state
     windows        _windows.py kernel32 CreateFileMappingW/MapViewOfFile, PrefetchVirtualMemory,
-                               VirtualLock/VirtualUnlock, QueryWorkingSetEx, GetProcessMemoryInfo
+                               VirtualLock/VirtualUnlock, QueryWorkingSetEx, GetProcessMemoryInfo,
+                               GetEnabledXStateFeatures
     posix-generic  _linux.py   the same libc calls on macOS/BSD; Linux-only parts (/proc) degrade
 
 Every backend module imports on every OS (DLLs and symbols are looked up on first use), so the
@@ -64,6 +67,7 @@ INTERFACE = (
     "memory_usage",      # () -> (current, peak)             of what enforces that limit (None: unknown)
     "available_memory",  # () -> bytes | None                RAM new allocations can get (MemAvailable)
     "address_space_room",  # () -> (bytes | None, stack | None)  mappable address space left, a thread's stack
+    "request_tile_data",   # () -> (granted, why not)         AMX's tile state for this process (once)
 )
 # What a backend module must define: every interface name, plus the frees that pair with
 # map_file/alloc_aligned. Where the forms differ, the backend's is lower-level: map_file(path)
@@ -488,6 +492,25 @@ def read_io_bytes() -> int | None:
     of GetProcessIoCounters count cache hits as reads). Other POSIX: None.
     """
     return _backend.read_io_bytes()
+
+
+_TILE_DATA: list = []      # request_tile_data's answer, once per process
+
+
+def request_tile_data() -> tuple[bool, str]:
+    """Ask the OS, once per process, to let this process's threads use AMX's tile registers (XSAVE
+    component 18, 8 KB of state per thread): (True, "") or (False, why not, in one line). The
+    caller first checks that the CPU has AMX and that XCR0 enables its state (cpu.h os_amx).
+    Linux lends it only on request (arch_prctl ARCH_REQ_XCOMP_PERM, 5.16+); Windows 11 and Server
+    2022 enable it for every process, and this checks that they do (GetEnabledXStateFeatures);
+    other systems: refused."""
+    if not _TILE_DATA:
+        try:
+            _backend.request_tile_data()
+            _TILE_DATA.append((True, ""))
+        except OSError as e:
+            _TILE_DATA.append((False, str(e.strerror if e.strerror and e.errno else e)))
+    return _TILE_DATA[0]
 
 
 def compute_cores() -> int:

@@ -30,6 +30,12 @@ MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)      # Linux only
 MADV_POPULATE_READ = 22                                     # Linux 5.14+: read in and map, synchronously
 POSIX_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 MAP_FAILED = ctypes.c_void_p(-1).value
+# AMX's tile state (Linux 5.16+, x86-64): arch_prctl through syscall(2), which older C libraries
+# do not wrap; the kernel's uapi/asm/prctl.h numbers, and XSAVE component 18 (XTILEDATA)
+SYS_ARCH_PRCTL = 158
+ARCH_GET_XCOMP_PERM = 0x1022
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
 
 _c_off_t = ctypes.c_int64 if sys.platform == "darwin" else ctypes.c_long  # glibc mmap: off_t = long
 
@@ -319,6 +325,45 @@ def evict_file_cache(fd: int) -> bool:
         return False
     fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # OSError on failure: the interface warns
     return True
+
+
+def _tile_data_permitted(syscall) -> bool:
+    """Does this process already hold XTILEDATA's permission (ARCH_GET_XCOMP_PERM)? OSError if the
+    kernel cannot say (before 5.16)."""
+    mask = ctypes.c_uint64(0)
+    if syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_GET_XCOMP_PERM), ctypes.byref(mask)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"arch_prctl(ARCH_GET_XCOMP_PERM) failed: {os.strerror(err)} (Linux 5.16 or later "
+                           "lends AMX's tile state)")
+    return bool(mask.value >> XFEATURE_XTILEDATA & 1)
+
+
+def _tile_data_hint(err: int) -> str:
+    if err in (getattr(os, "EOPNOTSUPP", 95), getattr(os, "ENOTSUP", 95)):
+        return "this CPU or kernel has no AMX tile state to lend"
+    if err == 22:      # EINVAL
+        return "the kernel does not know the tile state (Linux 5.16 or later lends it)"
+    if err == 28:      # ENOSPC
+        return "an alternate signal stack of this process (sigaltstack) is too small for the tile state"
+    return os.strerror(err)
+
+
+def request_tile_data() -> None:
+    """Ask Linux for AMX's tile state (XSAVE component 18), which it lends a process only on request
+    (arch_prctl ARCH_REQ_XCOMP_PERM; the permission then holds for every thread, once per process).
+    A no-op if already held; OSError naming the cause where refused or not x86-64 Linux."""
+    if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "amd64"):
+        raise OSError(f"AMX's tile state is an x86-64 Linux request; this is {sys.platform} {os.uname().machine}")
+    syscall = _libc().syscall
+    syscall.restype = ctypes.c_long
+    if _tile_data_permitted(syscall):
+        return
+    if syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+               ctypes.c_ulong(XFEATURE_XTILEDATA)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) refused: {_tile_data_hint(err)}")
+    if not _tile_data_permitted(syscall):
+        raise OSError("arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) returned success, yet the permission is not held")
 
 
 def read_io_bytes() -> int | None:

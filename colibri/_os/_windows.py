@@ -115,6 +115,8 @@ _PROTOTYPES = {
     "QueryInformationJobObject": (_K32, BOOL, (HANDLE, ctypes.c_int, ctypes.c_void_p, DWORD,
                                                ctypes.POINTER(DWORD))),
     "GlobalMemoryStatusEx": (_K32, BOOL, (ctypes.POINTER(MEMORYSTATUSEX),)),
+    # Windows 7 SP1+: the XSAVE components the OS enables for every process
+    "GetEnabledXStateFeatures": (_K32, ctypes.c_uint64, ()),
 }
 
 
@@ -408,6 +410,20 @@ def address_space_room() -> tuple:
 
 def evict_file_cache(fd: int) -> bool:
     return False  # no per-file page-cache eviction on Windows
+
+
+XSTATE_AMX_TILE_DATA = 18     # winnt.h: the XSAVE component of AMX's tile registers
+
+
+def request_tile_data() -> None:
+    """Windows has no per-process request: where it supports AMX (Windows 11 and Windows Server
+    2022 or later) it enables the tile state for every process, allocating it on a thread's first
+    tile instruction. This checks that it does (GetEnabledXStateFeatures lists XSTATE_AMX_TILE_DATA);
+    OSError naming the cause where not."""
+    mask = _fn("GetEnabledXStateFeatures")()
+    if not (mask >> XSTATE_AMX_TILE_DATA) & 1:
+        raise OSError("this Windows does not enable AMX's tile state (XSTATE_AMX_TILE_DATA); "
+                      "Windows 11 or Windows Server 2022 or later does")
 
 
 def read_io_bytes() -> int | None:

@@ -3,6 +3,10 @@
  * CPUID says what the core implements; XGETBV (XCR0) says whether the OS saves the wider
  * registers on context switches. AVX needs XCR0 bits 1-2 (SSE, AVX state), AVX-512 also bits
  * 5-7 (opmask, ZMM_Hi256, Hi16_ZMM). Checking CPUID alone is the bug ggml's FIXME describes.
+ * AMX (Intel Sapphire Rapids and later) needs bits 17-18 (XTILECFG, XTILEDATA), and on Linux
+ * more: the kernel lends a process the 8 KB tile state only on request (_os.request_tile_data,
+ * arch_prctl), which _kernels.amx_status() makes where the CPU and XCR0 allow it. No tier uses the
+ * tiles yet: they are reported (colibri info, the test suite's tier line) so an AMX host shows it.
  */
 #ifndef COLIBRI_CPU_H
 #define COLIBRI_CPU_H
@@ -15,7 +19,10 @@ typedef struct {
     int avx2, fma, f16c;                               /* the AVX2 tier needs all three */
     int avx512f, avx512bw, avx512vl, avx512dq;         /* the AVX-512 tier needs these */
     int avx512_vnni, avx512_bf16, avx_vnni;            /* used where present */
-    int os_avx, os_avx512;                             /* XCR0 says the OS saves the state */
+    int amx_tile, amx_int8, amx_bf16;                  /* AMX tiles and their int8 / bf16 products: the
+                                                          CPU's bits, usable only with os_amx and the
+                                                          OS's loan (_kernels.amx_status) */
+    int os_avx, os_avx512, os_amx;                     /* XCR0 says the OS saves the state */
 } cb_cpu_features;
 
 /* The instruction sets of each tier's functions (per-function target attributes: one build runs
@@ -79,6 +86,7 @@ static cb_cpu_features cb_detect_cpu(void) {
         uint64_t xcr0 = cb_xgetbv();
         f.os_avx = (xcr0 & 0x6) == 0x6;
         f.os_avx512 = f.os_avx && (xcr0 & 0xE0) == 0xE0;
+        f.os_amx = (xcr0 & 0x60000) == 0x60000;
     }
     if (max_leaf >= 7) {
         cb_cpuid(7, 0, r);
@@ -88,6 +96,9 @@ static cb_cpu_features cb_detect_cpu(void) {
         f.avx512bw = (r[1] >> 30) & 1;
         f.avx512vl = (r[1] >> 31) & 1;
         f.avx512_vnni = (r[2] >> 11) & 1;
+        f.amx_bf16 = (r[3] >> 22) & 1;
+        f.amx_tile = (r[3] >> 24) & 1;
+        f.amx_int8 = (r[3] >> 25) & 1;
         cb_cpuid(7, 1, r);
         f.avx512_bf16 = (r[0] >> 5) & 1;
         f.avx_vnni = (r[0] >> 4) & 1;
