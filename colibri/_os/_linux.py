@@ -10,6 +10,7 @@ interface documents.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -339,11 +340,11 @@ def _tile_data_permitted(syscall) -> bool:
 
 
 def _tile_data_hint(err: int) -> str:
-    if err in (getattr(os, "EOPNOTSUPP", 95), getattr(os, "ENOTSUP", 95)):
+    if err in (errno.EOPNOTSUPP, errno.ENOTSUP):
         return "this CPU or kernel has no AMX tile state to lend"
-    if err == 22:      # EINVAL
+    if err == errno.EINVAL:
         return "the kernel does not know the tile state (Linux 5.16 or later lends it)"
-    if err == 28:      # ENOSPC
+    if err == errno.ENOSPC:
         return "an alternate signal stack of this process (sigaltstack) is too small for the tile state"
     return os.strerror(err)
 
