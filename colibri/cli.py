@@ -453,10 +453,11 @@ def cmd_run(args) -> int:
                   enumerate(m.generate(ids, args.max_new_tokens, on_step=on_step, **kwargs)))
     _loaded_note(args, m)
     _sampling_note(args, m)
+    from .interrupts import signals_deferred
     written = 0                      # --ids: the token ids printed (a text piece may hold several or none)
     try:
         for piece in pieces:
-            with _interrupt_after():
+            with signals_deferred():
                 sys.stdout.write(piece)
                 sys.stdout.flush()
                 written += 1
@@ -472,29 +473,6 @@ def cmd_run(args) -> int:
     if args.stats:
         _print_stats(m)
     return 0
-
-
-class _interrupt_after:
-    """`with _interrupt_after():` a Ctrl-C (SIGINT) inside the block reaches the handler in place
-    (KeyboardInterrupt, _interrupted) when the block ends, not midway: a token is printed and
-    counted together. Outside the main thread (no signal handlers there) the block runs as it is."""
-
-    def __enter__(self):
-        import threading
-        self.pending, self.saved = False, None
-        if threading.current_thread() is threading.main_thread():
-            self.saved = signal.signal(signal.SIGINT, self._record)
-        return self
-
-    def _record(self, signum, frame):
-        self.pending = True
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            signal.signal(signal.SIGINT, self.saved)
-            if self.pending and exc[0] is None:
-                signal.raise_signal(signal.SIGINT)      # the deferred Ctrl-C, to the handler it was meant for
-        return False
 
 
 def cmd_chat(args) -> int:

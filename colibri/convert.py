@@ -52,6 +52,7 @@ from .errors import ColibriError
 from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
+from .interrupts import signals_deferred
 from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, IMPORTANCE_FORMATS, INTERLEAVED_FORMATS, INTERLEAVED_ONLY_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
                        WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, from_storage, storage_nbytes,
                        tensor_file, tensor_role, to_storage)
@@ -1229,30 +1230,6 @@ def _sigterm_cleans_up():
         signal.signal(sig, prev)
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """In the main thread: SIGINT and SIGTERM arriving during the block are delivered after it
-    (the renames that swap a directory in, the removal of a temporary one, must not be cut)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved, got = {}, []
-    for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
-        if sig is None:
-            continue
-        prev = signal.getsignal(sig)
-        if prev is not None and prev != signal.SIG_IGN:
-            saved[sig] = prev
-            signal.signal(sig, lambda signum, frame: got.append(signum))
-    try:
-        yield
-    finally:
-        for sig, prev in saved.items():
-            signal.signal(sig, prev)
-        for sig in dict.fromkeys(got):
-            signal.raise_signal(sig)
-
-
 class _Writer(ModelDirWriter):
     """ModelDirWriter whose write errors (a full disk: ENOSPC; EFBIG, EDQUOT, EIO) become one
     ColibriError naming the file being written; errors reading the input pass unchanged."""
@@ -1321,14 +1298,14 @@ def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | No
     tmp = None
     with _sigterm_cleans_up():
         try:
-            with _signals_deferred():                  # the directory exists <=> tmp names it
+            with signals_deferred():                  # the directory exists <=> tmp names it
                 tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=parent))
             os.chmod(tmp, 0o755)
             write(_Writer(tmp, out))
             _replace_dir(tmp, target)
         except BaseException:
             if tmp is not None:
-                with _signals_deferred():
+                with signals_deferred():
                     shutil.rmtree(tmp, ignore_errors=True)
             raise
 
@@ -1481,7 +1458,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished `tmp` to `out`. An existing `out` (an empty directory, or a Colibri one
     with --force) is first renamed aside and removed only once `tmp` is in its place; if that
     rename fails it is put back. Ctrl-C and SIGTERM wait until the swap is done."""
-    with _signals_deferred():
+    with signals_deferred():
         old = None
         if os.path.lexists(out):
             old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")

@@ -133,20 +133,20 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
 
 
 def test_a_ctrl_c_while_a_token_prints_comes_after_it():
-    """`run` prints and counts each token inside _interrupt_after: a SIGINT that arrives there is
+    """`run` prints and counts each token inside signals_deferred: a SIGINT that arrives there is
     raised when the block ends — the statements after it in the block still run — so the count in
     "Interrupted after N tokens" is what was printed (a SIGINT between a token's sampling and its
     printing once made them differ by one)."""
-    from colibri.cli import _interrupt_after
+    from colibri.interrupts import signals_deferred
     ran, before = [], signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
-        with _interrupt_after():
+        with signals_deferred():
             signal.raise_signal(signal.SIGINT)
             ran.append("printed")
             ran.append("counted")
     assert ran == ["printed", "counted"]
     assert signal.getsignal(signal.SIGINT) is before                 # the handler in place again
-    with _interrupt_after():                                         # no SIGINT: nothing raised
+    with signals_deferred():                                         # no SIGINT: nothing raised
         ran.append("again")
     assert ran[-1] == "again"
 
