@@ -47,7 +47,9 @@ KV_CODES = dict(zip(names.KV_CACHE_TYPES, (CB_KV_F32, CB_KV_F16, CB_KV_Q8)))    
 
 
 def cpu_features():
-    """What this CPU and OS support: {feature name: bool}."""
+    """What this CPU and OS support: {feature name: bool} — the AVX ones where the OS saves their
+    state too (os_avx, os_avx512), AMX's as the CPU has them (os_amx and the OS's loan decide
+    whether they can run: amx_status)."""
     cdef cb_cpu_features f = cb_detect_cpu()
     return {"avx2": bool(f.avx2), "fma": bool(f.fma), "f16c": bool(f.f16c), "avx512f": bool(f.avx512f),
             "avx512bw": bool(f.avx512bw), "avx512vl": bool(f.avx512vl), "avx512dq": bool(f.avx512dq),

@@ -457,7 +457,7 @@ def cmd_run(args) -> int:
     written = 0                      # --ids: the token ids printed (a text piece may hold several or none)
     try:
         for piece in pieces:
-            with signals_deferred():
+            with signals_deferred((signal.SIGINT,)):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
                 written += 1

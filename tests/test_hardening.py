@@ -132,23 +132,83 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
     assert f"Interrupted after {len(generated)} tokens" in err.decode()
 
 
-def test_a_ctrl_c_while_a_token_prints_comes_after_it():
-    """`run` prints and counts each token inside signals_deferred: a SIGINT that arrives there is
-    raised when the block ends — the statements after it in the block still run — so the count in
-    "Interrupted after N tokens" is what was printed (a SIGINT between a token's sampling and its
-    printing once made them differ by one)."""
-    from colibri.interrupts import signals_deferred
-    ran, before = [], signal.getsignal(signal.SIGINT)
+@pytest.fixture
+def sigint_restored():
+    """cli.main installs its own SIGINT handler (it records the Ctrl-C and raises): put back pytest's."""
+    saved = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
+def _run_ids(model_dir, capsys):
+    code = cli.main(["run", "--model-dir", str(model_dir), "--tokens", "1,2,3", "--max-new-tokens", "8",
+                     "--ignore-eos", "--ids", "--threads", "1"])
+    out, err = capsys.readouterr()
+    return code, out.split("\n")[0].split(), err
+
+
+def test_a_ctrl_c_after_a_token_is_sampled_counts_what_was_printed(converted, capsys, monkeypatch, sigint_restored):
+    """A Ctrl-C between a token's sampling (the generation's record holds it) and its printing: the
+    line says the ids printed, not the ids sampled (once 19 for 18)."""
+    real = colibri.Model._generate
+
+    def interrupted_after_sampling(self, *a, **k):
+        for i, t in enumerate(real(self, *a, **k)):
+            if i == 3:
+                assert len(self.last_generation.tokens) == 4       # sampled and recorded, not printed
+                raise KeyboardInterrupt
+            yield t
+    monkeypatch.setattr(colibri.Model, "_generate", interrupted_after_sampling)
+    code, printed, err = _run_ids(converted("mixtral_a"), capsys)
+    assert code == cli.EXIT_INTERRUPTED and len(printed) == 3
+    assert "Interrupted after 3 tokens" in err
+
+
+def test_a_ctrl_c_while_a_token_prints_comes_after_it(converted, capsys, monkeypatch, sigint_restored):
+    """A SIGINT that arrives while a token is being written is raised once it is written and
+    counted (signals_deferred): the line's count is still what was printed."""
+    real_write, writes = sys.stdout.write, []
+
+    def write_then_interrupt(text):
+        writes.append(text)
+        n = real_write(text)
+        if len(writes) == 3:
+            signal.raise_signal(signal.SIGINT)                    # mid-block: before the flush and the count
+        return n
+    monkeypatch.setattr(sys.stdout, "write", write_then_interrupt)
+    code, printed, err = _run_ids(converted("mixtral_a"), capsys)
+    assert code == cli.EXIT_INTERRUPTED and len(printed) == 3
+    assert "Interrupted after 3 tokens" in err
+
+
+def test_deferred_signals_come_after_the_block_and_every_handler_is_put_back(monkeypatch):
+    """signals_deferred: a signal raised inside the block runs its handler when the block ends (the
+    block's statements after it still run); every handler is put back even when putting one back
+    runs a pending handler that raises (CPython's signal.signal runs pending ones first)."""
+    from colibri import interrupts
+    ran, before = [], {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(KeyboardInterrupt):
-        with signals_deferred():
+        with interrupts.signals_deferred():
             signal.raise_signal(signal.SIGINT)
             ran.append("printed")
             ran.append("counted")
     assert ran == ["printed", "counted"]
-    assert signal.getsignal(signal.SIGINT) is before                 # the handler in place again
-    with signals_deferred():                                         # no SIGINT: nothing raised
-        ran.append("again")
-    assert ran[-1] == "again"
+    assert {s: signal.getsignal(s) for s in before} == before
+    real_signal, restores = signal.signal, []
+
+    def a_pending_sigint_during_the_second_restore(sig, handler):
+        restores.append(sig)
+        if len(restores) == 4:               # two installs, then the restores: the second one is hit
+            raise KeyboardInterrupt
+        return real_signal(sig, handler)
+    monkeypatch.setattr(interrupts.signal, "signal", a_pending_sigint_during_the_second_restore)
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.signals_deferred():
+            ran.append("whole")
+    monkeypatch.undo()
+    assert ran[-1] == "whole"
+    assert restores == [signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGTERM]   # retried
+    assert {s: signal.getsignal(s) for s in before} == before       # SIGTERM's too, after the retry
 
 
 @pytest.mark.parametrize("tensor", ["layers.1.experts.0.up", "layers.0.router", "lm_head"])

@@ -121,6 +121,10 @@ GOLDEN = {
     "GlobalMemoryStatusEx": (K32, "BOOL", ("LPMEMORYSTATUSEX",)),
     # winbase.h: DWORD64 GetEnabledXStateFeatures(void)
     "GetEnabledXStateFeatures": (K32, "DWORD64", ()),
+    # processthreadsapi.h: DWORD64 GetThreadEnabledXStateFeatures(void)
+    "GetThreadEnabledXStateFeatures": (K32, "DWORD64", ()),
+    # processthreadsapi.h: BOOL EnableProcessOptionalXStateFeatures(DWORD64 Features)
+    "EnableProcessOptionalXStateFeatures": (K32, "BOOL", ("DWORD64",)),
 }
 
 
@@ -247,6 +251,8 @@ class FakeWindows:
         self.range_entries: list = []    # the WIN32_MEMORY_RANGE_ENTRY arrays PrefetchVirtualMemory got
         self.quota = list(quota)         # the working-set (minimum, maximum)
         self.xstate = 0x2E7              # GetEnabledXStateFeatures: x87 .. AVX-512, PKRU; no AMX
+        self.optional = 0                # of those, the ones a thread has off until its process turns them on
+        self.turned_on = 0               # what EnableProcessOptionalXStateFeatures turned on
         self._next_handle = 0x100
         self._keep = []                  # the callbacks, alive while their pointers are
         self.dlls = {"kernel32": FakeDLL({}), "psapi": FakeDLL({})}
@@ -482,6 +488,15 @@ class FakeWindows:
     def GetEnabledXStateFeatures(self):
         return self.xstate
 
+    def GetThreadEnabledXStateFeatures(self):
+        return self.xstate & ~(self.optional & ~self.turned_on)
+
+    def EnableProcessOptionalXStateFeatures(self, features):
+        if features & ~self.optional:                    # not an optional feature of this system
+            return self.fail(ERROR_INVALID_PARAMETER)
+        self.turned_on |= features
+        return 1
+
 
 @pytest.fixture
 def fake(monkeypatch):
@@ -650,16 +665,32 @@ def test_the_fake_sees_a_wrong_prototype_the_backend_set(monkeypatch, data_file)
                                            "-> c_void_p, documented (HANDLE, DWORD, DWORD, DWORD, SIZE_T) -> LPVOID"]
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_the_tile_state_is_windows_own_where_it_enables_it(fake, monkeypatch, amx):
-    """Windows has no per-process request for AMX's tile state: request_tile_data grants it where
-    GetEnabledXStateFeatures lists XSTATE_AMX_TILE_DATA (bit 18, with its config, bit 17) and
-    refuses with one line naming the Windows that does where it does not; asked once per process."""
-    monkeypatch.setattr(_os, "_TILE_DATA", [])
-    if amx:
-        fake.xstate |= 3 << 17
-    granted, why = _os.request_tile_data()
-    assert granted is amx
-    assert why == "" if amx else ("XSTATE_AMX_TILE_DATA" in why and "Windows 11" in why and "\n" not in why)
-    assert _os.request_tile_data() == (granted, why)
-    assert fake.named("GetEnabledXStateFeatures") == [()]
+AMX_CONFIG, AMX_DATA = 1 << 17, 1 << 18     # winnt.h's XSTATE_MASK_AMX_TILE_CONFIG / _DATA
+
+
+@pytest.mark.parametrize("system, optional, missing, granted, named", [
+    (0, 0, (), False, "Windows 11"),                                      # no AMX in this Windows
+    (AMX_CONFIG, AMX_CONFIG, (), False, "XSTATE_AMX_TILE_DATA"),          # the config alone is not the tiles
+    (AMX_CONFIG | AMX_DATA, AMX_CONFIG | AMX_DATA, (), True, ""),         # Windows 11: turned on, then held
+    (AMX_CONFIG | AMX_DATA, 0, (), True, ""),                             # already on for every thread
+    (AMX_CONFIG | AMX_DATA, AMX_CONFIG | AMX_DATA, ("EnableProcessOptionalXStateFeatures",), False,
+     "EnableProcessOptionalXStateFeatures is missing"),
+])
+def test_the_tile_state_is_turned_on_for_the_process(monkeypatch, system, optional, missing, granted, named):
+    """Windows offers AMX's tile state as an optional XSAVE feature: request_tile_data checks the
+    system has it (GetEnabledXStateFeatures, bit 18), turns it on for the process
+    (EnableProcessOptionalXStateFeatures with bits 17 and 18) only where the thread lacks it, and
+    checks the thread has it then (GetThreadEnabledXStateFeatures); a refusal is one line naming
+    its cause. Asked once per process."""
+    with FakeWindows(missing=missing) as fake:
+        fake.install()
+        monkeypatch.setattr(_os, "_backend", w)
+        monkeypatch.setattr(_os, "_TILE_DATA", [])
+        fake.xstate |= system
+        fake.optional = optional
+        got, why = _os.request_tile_data()
+        assert got is granted and named in why and "\n" not in why and (why == "") == granted
+        assert _os.request_tile_data() == (got, why)
+        calls = fake.named("EnableProcessOptionalXStateFeatures")
+        assert calls == ([(AMX_CONFIG | AMX_DATA,)] if system & AMX_DATA and optional and not missing else [])
+        assert fake.errors == [] and fake.prototype_errors() == []

@@ -7,7 +7,7 @@ Nothing above this module knows the OS. The backend is picked once, here, by pla
                                syscall(arch_prctl) for the tile state
     windows        _windows.py kernel32 CreateFileMappingW/MapViewOfFile, PrefetchVirtualMemory,
                                VirtualLock/VirtualUnlock, QueryWorkingSetEx, GetProcessMemoryInfo,
-                               GetEnabledXStateFeatures
+                               EnableProcessOptionalXStateFeatures for the tile state
     posix-generic  _linux.py   the same libc calls on macOS/BSD; Linux-only parts (/proc) degrade
 
 Every backend module imports on every OS (DLLs and symbols are looked up on first use), so the
@@ -502,14 +502,14 @@ def request_tile_data() -> tuple[bool, str]:
     component 18, 8 KB of state per thread): (True, "") or (False, why not, in one line). The
     caller first checks that the CPU has AMX and that XCR0 enables its state (cpu.h os_amx).
     Linux lends it only on request (arch_prctl ARCH_REQ_XCOMP_PERM, 5.16+); Windows 11 and Server
-    2022 enable it for every process, and this checks that they do (GetEnabledXStateFeatures);
+    2022 offer it as an optional feature the process turns on (EnableProcessOptionalXStateFeatures);
     other systems: refused."""
     if not _TILE_DATA:
         try:
             _backend.request_tile_data()
             _TILE_DATA.append((True, ""))
         except OSError as e:
-            _TILE_DATA.append((False, str(e.strerror if e.strerror and e.errno else e)))
+            _TILE_DATA.append((False, e.strerror or str(e)))
     return _TILE_DATA[0]
 
 

@@ -50,6 +50,7 @@ _PROTOTYPES = {
     "mlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
     "munlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
     "posix_fadvise": (ctypes.c_int, (ctypes.c_int, _c_off_t, _c_off_t, ctypes.c_int)),
+    "syscall": (ctypes.c_long, None),          # variadic: each call passes ctypes-typed arguments
 }
 
 
@@ -353,10 +354,11 @@ def request_tile_data() -> None:
     """Ask Linux for AMX's tile state (XSAVE component 18), which it lends a process only on request
     (arch_prctl ARCH_REQ_XCOMP_PERM; the permission then holds for every thread, once per process).
     A no-op if already held; OSError naming the cause where refused or not x86-64 Linux."""
-    if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "amd64"):
-        raise OSError(f"AMX's tile state is an x86-64 Linux request; this is {sys.platform} {os.uname().machine}")
-    syscall = _libc().syscall
-    syscall.restype = ctypes.c_long
+    machine = os.uname().machine if hasattr(os, "uname") else "?"
+    if not sys.platform.startswith("linux") or machine not in ("x86_64", "amd64") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        raise OSError(f"AMX's tile state is an x86-64 Linux request; this is a {8 * ctypes.sizeof(ctypes.c_void_p)}-bit "
+                      f"process on {sys.platform} {machine}")
+    syscall = _fn("syscall")
     if _tile_data_permitted(syscall):
         return
     if syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),

@@ -16,6 +16,7 @@ import mmap
 import numpy as np
 
 DWORD = ctypes.c_uint32
+DWORD64 = ctypes.c_uint64
 ULONG = ctypes.c_uint32
 BOOL = ctypes.c_int
 HANDLE = ctypes.c_void_p
@@ -37,6 +38,8 @@ MEM_RELEASE = 0x8000
 INVALID_HANDLE_VALUE = ctypes.c_void_p(-1).value
 ERROR_NOT_LOCKED = 158
 ERROR_WORKING_SET_QUOTA = 1453
+XSTATE_AMX_TILE_CONFIG = 17   # winnt.h: the XSAVE components of AMX's tile configuration
+XSTATE_AMX_TILE_DATA = 18     # and of its tile registers
 
 
 class WIN32_MEMORY_RANGE_ENTRY(ctypes.Structure):  # memoryapi.h; 16 bytes on x64
@@ -115,8 +118,11 @@ _PROTOTYPES = {
     "QueryInformationJobObject": (_K32, BOOL, (HANDLE, ctypes.c_int, ctypes.c_void_p, DWORD,
                                                ctypes.POINTER(DWORD))),
     "GlobalMemoryStatusEx": (_K32, BOOL, (ctypes.POINTER(MEMORYSTATUSEX),)),
-    # Windows 7 SP1+: the XSAVE components the OS enables for every process
-    "GetEnabledXStateFeatures": (_K32, ctypes.c_uint64, ()),
+    # Windows 7 SP1+: the XSAVE components the system enables (optional ones included)
+    "GetEnabledXStateFeatures": (_K32, DWORD64, ()),
+    # Windows 11 / Server 2022+: those enabled for the calling thread; a process's optional ones on
+    "GetThreadEnabledXStateFeatures": (_K32, DWORD64, ()),
+    "EnableProcessOptionalXStateFeatures": (_K32, BOOL, (DWORD64,)),
 }
 
 
@@ -412,18 +418,31 @@ def evict_file_cache(fd: int) -> bool:
     return False  # no per-file page-cache eviction on Windows
 
 
-XSTATE_AMX_TILE_DATA = 18     # winnt.h: the XSAVE component of AMX's tile registers
+def _thread_has_tile_data() -> bool:
+    f = _lookup("GetThreadEnabledXStateFeatures")
+    return f is not None and bool(f() >> XSTATE_AMX_TILE_DATA & 1)
 
 
 def request_tile_data() -> None:
-    """Windows has no per-process request: where it supports AMX (Windows 11 and Windows Server
-    2022 or later) it enables the tile state for every process, allocating it on a thread's first
-    tile instruction. This checks that it does (GetEnabledXStateFeatures lists XSTATE_AMX_TILE_DATA);
-    OSError naming the cause where not."""
-    mask = _fn("GetEnabledXStateFeatures")()
-    if not (mask >> XSTATE_AMX_TILE_DATA) & 1:
-        raise OSError("this Windows does not enable AMX's tile state (XSTATE_AMX_TILE_DATA); "
-                      "Windows 11 or Windows Server 2022 or later does")
+    """Windows 11 and Windows Server 2022 offer AMX's tile state as an optional XSAVE feature: the
+    system enables it (GetEnabledXStateFeatures lists XSTATE_AMX_TILE_DATA), yet every thread has
+    it off until its process turns it on (EnableProcessOptionalXStateFeatures with the tile config
+    and data, for all its threads); then GetThreadEnabledXStateFeatures lists it. A no-op where it
+    is on already; OSError naming the cause where the system lacks it or refuses."""
+    if not _fn("GetEnabledXStateFeatures")() >> XSTATE_AMX_TILE_DATA & 1:
+        raise OSError("this Windows does not offer AMX's tile state (XSTATE_AMX_TILE_DATA); Windows 11 or "
+                      "Windows Server 2022 or later does")
+    if _thread_has_tile_data():
+        return
+    enable = _lookup("EnableProcessOptionalXStateFeatures")
+    if enable is None:
+        raise OSError("EnableProcessOptionalXStateFeatures is missing: Windows 11 or Windows Server 2022 or later "
+                      "lends AMX's tile state")
+    if not enable((1 << XSTATE_AMX_TILE_CONFIG) | (1 << XSTATE_AMX_TILE_DATA)):
+        raise _error("EnableProcessOptionalXStateFeatures", _last_error())
+    if not _thread_has_tile_data():
+        raise OSError("EnableProcessOptionalXStateFeatures returned success, yet this thread's XSAVE features "
+                      "lack XSTATE_AMX_TILE_DATA")
 
 
 def read_io_bytes() -> int | None:
