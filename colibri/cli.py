@@ -15,6 +15,7 @@ from pathlib import Path
 from . import _end_startup_guard
 from . import names
 from .errors import ColibriError
+from .interrupts import signals_deferred
 
 LAYOUT_CHOICES = names.LAYOUTS
 
@@ -453,7 +454,6 @@ def cmd_run(args) -> int:
                   enumerate(m.generate(ids, args.max_new_tokens, on_step=on_step, **kwargs)))
     _loaded_note(args, m)
     _sampling_note(args, m)
-    from .interrupts import signals_deferred
     written = 0                      # --ids: the token ids printed (a text piece may hold several or none)
     try:
         for piece in pieces:
@@ -528,9 +528,10 @@ def cmd_chat(args) -> int:
                     if first:
                         _sampling_note(args, m)
                         first = False
-                    reply.append(piece)
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
+                    with signals_deferred((signal.SIGINT,)):    # the history keeps what was shown
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+                        reply.append(piece)
             except KeyboardInterrupt:
                 pieces.close()
                 _info(args, "(reply stopped)")

@@ -348,6 +348,50 @@ def test_numpy_scalars_and_a_tiny_temperature(converted):
     assert tiny == greedy                         # no overflow, no NaN: the top token every time
 
 
+def test_a_ctrl_c_while_a_reply_prints_keeps_what_was_shown(chat_model_dir, monkeypatch, capsys):
+    """A SIGINT as a reply's second piece is about to be written: the piece is written, then the
+    reply stops — and the history's assistant turn is exactly the text shown (no piece kept that
+    the user never saw)."""
+    import io
+    import signal
+    import colibri.cli
+    import colibri.model
+
+    conversations = []
+    real_template = colibri.model.Model.apply_chat_template
+
+    def recording_template(self, messages, *a, **kw):
+        conversations.append([dict(m) for m in messages])
+        return real_template(self, messages, *a, **kw)
+    monkeypatch.setattr(colibri.model.Model, "apply_chat_template", recording_template)
+
+    class Stdin:
+        buffer = io.BytesIO(b"hello world\nthe quick fox\n/exit\n")
+
+        @staticmethod
+        def isatty():
+            return False
+    monkeypatch.setattr(sys, "stdin", Stdin)
+    real_write, shown, turn = sys.stdout.write, [], {"pieces": 0}
+
+    def write(text):
+        if len(conversations) == 1 and text:             # the first reply's pieces
+            turn["pieces"] += 1
+            if turn["pieces"] == 2:
+                signal.raise_signal(signal.SIGINT)         # before the piece is out
+            shown.append(text)
+        return real_write(text)
+    monkeypatch.setattr(sys.stdout, "write", write)
+    saved = signal.getsignal(signal.SIGINT)
+    try:
+        code = colibri.cli.main(["chat", "--model-dir", str(chat_model_dir), "--max-new-tokens", "6"])
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    err = capsys.readouterr().err
+    assert code == 0 and "(reply stopped)" in err and len(conversations) == 2
+    assert conversations[1][-2] == {"role": "assistant", "content": "".join(shown[:2])}
+
+
 def test_ctrl_c_stops_the_reply_not_the_conversation(chat_model_dir, monkeypatch, capsys):
     """KeyboardInterrupt while a reply streams: the reply ends, the conversation goes on (the
     partial reply is kept in the history), /exit leaves with status 0."""
