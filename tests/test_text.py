@@ -348,11 +348,23 @@ def test_numpy_scalars_and_a_tiny_temperature(converted):
     assert tiny == greedy                         # no overflow, no NaN: the top token every time
 
 
+def _two_messages_then_exit(monkeypatch):
+    """chat's stdin (not a terminal): two messages, then /exit."""
+    import io
+
+    class Stdin:
+        buffer = io.BytesIO(b"hello world\nthe quick fox\n/exit\n")
+
+        @staticmethod
+        def isatty():
+            return False
+    monkeypatch.setattr(sys, "stdin", Stdin)
+
+
 def test_a_ctrl_c_while_a_reply_prints_keeps_what_was_shown(chat_model_dir, monkeypatch, capsys):
     """A SIGINT as a reply's second piece is about to be written: the piece is written, then the
     reply stops — and the history's assistant turn is exactly the text shown (no piece kept that
     the user never saw)."""
-    import io
     import signal
     import colibri.cli
     import colibri.model
@@ -365,13 +377,7 @@ def test_a_ctrl_c_while_a_reply_prints_keeps_what_was_shown(chat_model_dir, monk
         return real_template(self, messages, *a, **kw)
     monkeypatch.setattr(colibri.model.Model, "apply_chat_template", recording_template)
 
-    class Stdin:
-        buffer = io.BytesIO(b"hello world\nthe quick fox\n/exit\n")
-
-        @staticmethod
-        def isatty():
-            return False
-    monkeypatch.setattr(sys, "stdin", Stdin)
+    _two_messages_then_exit(monkeypatch)
     real_write, shown, turn = sys.stdout.write, [], {"pieces": 0}
 
     def write(text):
@@ -395,7 +401,6 @@ def test_a_ctrl_c_while_a_reply_prints_keeps_what_was_shown(chat_model_dir, monk
 def test_ctrl_c_stops_the_reply_not_the_conversation(chat_model_dir, monkeypatch, capsys):
     """KeyboardInterrupt while a reply streams: the reply ends, the conversation goes on (the
     partial reply is kept in the history), /exit leaves with status 0."""
-    import io
     import colibri.cli
     import colibri.model
 
@@ -414,13 +419,7 @@ def test_ctrl_c_stops_the_reply_not_the_conversation(chat_model_dir, monkeypatch
 
     monkeypatch.setattr(colibri.model.Model, "stream", interrupted_stream)
 
-    class Stdin:
-        buffer = io.BytesIO(b"hello world\nthe quick fox\n/exit\n")
-
-        @staticmethod
-        def isatty():
-            return False
-    monkeypatch.setattr(sys, "stdin", Stdin)
+    _two_messages_then_exit(monkeypatch)
     code = colibri.cli.main(["chat", "--model-dir", str(chat_model_dir), "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 0 and "(reply stopped)" in err
