@@ -89,6 +89,8 @@ def _model_options(p, demo_default: bool) -> None:
                     help="routing weights from the float softmax (the default)")
     sm.add_argument("--softmax-lut", "--softmax_lut", dest="softmax_lut", action="store_true",
                     help="routing weights from the uint8 softmax lookup table of the original design")
+    # the group's first option (a store_false) would otherwise make its dest default to True: the table
+    p.set_defaults(softmax_lut=False)
     p.add_argument("--no-mmap", action="store_true",
                    help="read the weights into memory instead of mapping the files (network shares)")
     p.add_argument("--memory-limit-mb", "--memory_limit_mb", dest="memory_limit_mb", type=float, default=None,

@@ -297,3 +297,14 @@ def test_the_clis_choice_lists_are_the_kernels_tables():
     from colibri import _kernels, cli
     assert cli.LAYOUT_CHOICES == tuple(_kernels.LAYOUT_CODES)
     assert cli.QUANTIZE_CHOICES == tuple(_kernels.DTYPE_CODES)
+
+
+@pytest.mark.parametrize("command", [["run", "--tokens", "1"], ["chat", "--model-dir", "m"], ["serve", "--model-dir", "m"]])
+def test_routing_weights_are_exact_unless_the_table_is_asked_for(command):
+    """The float softmax is the default of every command that loads a model, as of load() (a
+    mutually exclusive pair of flags on one dest once made the table the silent default)."""
+    from colibri.cli import build_parser
+
+    assert build_parser().parse_args(command).softmax_lut is False
+    assert build_parser().parse_args(command + ["--softmax-lut"]).softmax_lut is True
+    assert build_parser().parse_args(command + ["--exact-softmax"]).softmax_lut is False
