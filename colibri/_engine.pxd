@@ -134,8 +134,10 @@ cdef struct Layer:
     const float *router_scale     # [d_model] (parallel) the router reads rmsnorm(x) * router_scale * d**-0.5
     const float *expert_scale     # [n_experts] or NULL: multiplies each chosen expert's weight
     int kv_ring               # rows of the cache: n_ctx, or window + prefill chunk (sliding layers)
-    void *k_cache             # [n_kv_heads, kv_ring, head_dim] of Hyper.kv elements, position p in row p % kv_ring of each head
-    void *v_cache             # [n_kv_heads, kv_ring, head_dim]
+    void *k_cache             # [n_seq, n_kv_heads, kv_ring, head_dim] of Hyper.kv elements, position p of a
+                              # sequence in row p % kv_ring of each of its heads
+    void *v_cache             # [n_seq, n_kv_heads, kv_ring, head_dim]
+    size_t kv_seq_bytes       # bytes of one sequence's keys (and of its values): n_kv_heads * kv_ring rows
 
 cdef struct Hyper:
     int d_model
@@ -163,6 +165,7 @@ cdef struct Hyper:
     float router_root         # d_model ** -0.5 (the parallel MoE's router input)
     float rms_eps
     int n_ctx
+    int n_seq                 # sequences in the KV cache (Engine.step)
     int n_threads
     int kv                    # the KV cache's element type (_kernels.KV_CODES: f32, f16, q8)
 
@@ -170,6 +173,11 @@ cdef struct Scratch:
     # Every buffer of one engine call: up to `cap` tokens (a prefill chunk; decode is one), rows
     # [cap, ...] with token t in row t. Sized once from the config (Engine.__init__).
     int cap
+    # Whose cache the call's tokens use: a chunk is `seq`'s positions pos0..; a step (tok_seq not
+    # NULL) is one token of each of several sequences, token t sequence tok_seq[t] at tok_pos[t].
+    int seq
+    const int *tok_seq    # [n] or NULL
+    const int *tok_pos    # [n] or NULL
     float *x          # [cap, d_model] the residual streams
     float *xb         # [cap, d_model] normed inputs of a block
     float *xb2        # [cap, d_model] outputs of a block

@@ -270,28 +270,47 @@ cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *
     cb_rope(k, L.n_kv_heads, hd, L.rope_dim, cos_t, sin_t)
 
 
-cdef inline void kv_store(const Hyper *h, Layer *L, const float *k, const float *v, int pos) noexcept nogil:
+cdef inline int token_pos(const Scratch *s, int t, int pos0) noexcept nogil:
+    """The position of token t of a call: pos0 + t in a chunk, its own in a step."""
+    return s.tok_pos[t] if s.tok_seq != NULL else pos0 + t
+
+
+cdef inline int token_seq(const Scratch *s, int t) noexcept nogil:
+    """The sequence whose cache token t of a call uses: the chunk's, or its own in a step."""
+    return s.tok_seq[t] if s.tok_seq != NULL else s.seq
+
+
+cdef inline void *seq_cache(void *cache, const Layer *L, int seq) noexcept nogil:
+    """Sequence seq's part [n_kv_heads, kv_ring, row] of a layer's key or value cache."""
+    return <char *>cache + <size_t>seq * L.kv_seq_bytes
+
+
+cdef inline void kv_store(const Hyper *h, Layer *L, const float *k, const float *v, int pos, int seq) noexcept nogil:
     """Position pos's keys and values [n_kv_heads * head_dim] into row pos % kv_ring of each KV
-    head, as the cache's elements (h.kv: f32 copied, f16 rounded to nearest even, q8 quantized
-    per row)."""
+    head of sequence seq, as the cache's elements (h.kv: f32 copied, f16 rounded to nearest even,
+    q8 quantized per row)."""
     cdef int j, hd = L.head_dim
     cdef size_t row
+    cdef char *kc = <char *>seq_cache(L.k_cache, L, seq)
+    cdef char *vc = <char *>seq_cache(L.v_cache, L, seq)
     for j in range(L.n_kv_heads):
         row = (<size_t>j * L.kv_ring + pos % L.kv_ring) * cb_kv_row_bytes(hd, h.kv)
-        kernels.kv_store(<char *>L.k_cache + row, k + <size_t>j * hd, hd, h.kv)
-        kernels.kv_store(<char *>L.v_cache + row, v + <size_t>j * hd, hd, h.kv)
+        kernels.kv_store(kc + row, k + <size_t>j * hd, hd, h.kv)
+        kernels.kv_store(vc + row, v + <size_t>j * hd, hd, h.kv)
 
 
 cdef inline void qkv_token(const Hyper *h, Layer *L, Scratch *s, int t, int pos0) noexcept nogil:
-    """Token t of a chunk from position pos0: its q/k/v rows finished (qkv_finish) and its keys and
-    values stored in the cache (kv_store)."""
+    """Token t of a call (a chunk from position pos0, or a step): its q/k/v rows finished
+    (qkv_finish) and its keys and values stored in its sequence's cache (kv_store)."""
     cdef int q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim
-    qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
-    kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos0 + t)
+    cdef int pos = token_pos(s, t, pos0)
+    qkv_finish(h, L, s.q + <size_t>t * q_dim, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos)
+    kv_store(h, L, s.k + <size_t>t * kv_dim, s.v + <size_t>t * kv_dim, pos, token_seq(s, t))
 
 
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
-    """s.xb2 = self-attention of s.xb [n, d] at positions pos0..pos0+n-1 (causal, in order).
+    """s.xb2 = self-attention of s.xb [n, d] at positions pos0..pos0+n-1 (causal, in order), or,
+    in a step, each token at its own position over its own sequence's cache (the decode of each).
     The tokens' keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
     a ring of window + chunk rows keeps every key a query of the chunk can see."""
     cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
@@ -306,8 +325,16 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
     else:
         for t in range(n):
             qkv_token(h, L, s, t, pos0)
-    kernels.attention(s.att, q_dim, s.q, q_dim, L.k_cache, L.v_cache, s.scores, h.n_heads, L.n_kv_heads,
-                 L.head_dim, h.n_ctx, n, pos0, L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
+    if s.tok_seq == NULL:
+        kernels.attention(s.att, q_dim, s.q, q_dim, seq_cache(L.k_cache, L, s.seq), seq_cache(L.v_cache, L, s.seq),
+                          s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx, n, pos0, L.sliding_window,
+                          L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
+    else:
+        for t in range(n):
+            kernels.attention(s.att + <size_t>t * q_dim, q_dim, s.q + <size_t>t * q_dim, q_dim,
+                              seq_cache(L.k_cache, L, s.tok_seq[t]), seq_cache(L.v_cache, L, s.tok_seq[t]),
+                              s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx, 1, s.tok_pos[t],
+                              L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
     matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
     if L.bo != NULL:
         for t in range(n):
@@ -320,7 +347,7 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
     it as one KV head, with its query [rope part, wkb_h . nope part] and its value wvb_h . (the
     attention's latent). The same arithmetic for any n, so a prompt equals decoding it."""
     cdef int d = h.d_model, H = h.n_heads, D = L.head_dim, R = L.kv_rank, rope = L.rope_dim
-    cdef int qk = L.qk_head, v = L.v_head, nope = L.qk_head - L.rope_dim, t, i
+    cdef int qk = L.qk_head, v = L.v_head, nope = L.qk_head - L.rope_dim, t, i, pos
     cdef int ql = L.wq_a.rows
     cdef cb_matjob jobs[2]
     cdef cb_matjob *heads = s.head_jobs
@@ -341,12 +368,14 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
         kernels.matmul_jobs(jobs, 2, h.n_threads)
     for t in range(n):                          # the latent normed, the RoPE parts rotated, cached
         row = s.k + <size_t>t * D
+        pos = token_pos(s, t, pos0)
         cb_rmsnorm(row + rope, row + rope, L.kv_a_norm, R, h.rms_eps)
-        cos_t = L.rope_cos + <size_t>(pos0 + t) * (rope // 2)
-        sin_t = L.rope_sin + <size_t>(pos0 + t) * (rope // 2)
+        cos_t = L.rope_cos + <size_t>pos * (rope // 2)
+        sin_t = L.rope_sin + <size_t>pos * (rope // 2)
         cb_rope(row, 1, D, rope, cos_t, sin_t)
         cb_rope(s.mla_q + <size_t>t * H * qk, H, qk, rope, cos_t, sin_t)
-        kernels.kv_store(<char *>L.k_cache + <size_t>((pos0 + t) % L.kv_ring) * cb_kv_row_bytes(D, h.kv), row, D, h.kv)
+        kernels.kv_store(<char *>seq_cache(L.k_cache, L, token_seq(s, t)) + <size_t>(pos % L.kv_ring)
+                         * cb_kv_row_bytes(D, h.kv), row, D, h.kv)
         for i in range(H):                      # each head's query: [its RoPE part, (absorbed below)]
             memcpy(s.q + (<size_t>t * H + i) * D, s.mla_q + (<size_t>t * H + i) * qk, sizeof(float) * rope)
     for i in range(H):                          # latent queries: wkb_h . nope_h
@@ -355,8 +384,15 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
         wh.rows = R
         job(&heads[i], s.q + <size_t>i * D + rope, H * D, &wh, s.mla_q + <size_t>i * qk + rope, H * qk, s.acts, n)
     kernels.matmul_jobs(heads, H, h.n_threads)
-    kernels.attention(s.att, H * D, s.q, H * D, L.k_cache, L.v_cache, s.scores, H, 1, D, h.n_ctx, n, pos0, 0,
-                      L.kv_ring, L.attn_scale, NULL, h.n_threads, h.kv)
+    if s.tok_seq == NULL:
+        kernels.attention(s.att, H * D, s.q, H * D, seq_cache(L.k_cache, L, s.seq), seq_cache(L.v_cache, L, s.seq),
+                          s.scores, H, 1, D, h.n_ctx, n, pos0, 0, L.kv_ring, L.attn_scale, NULL, h.n_threads, h.kv)
+    else:
+        for t in range(n):
+            kernels.attention(s.att + <size_t>t * H * D, H * D, s.q + <size_t>t * H * D, H * D,
+                              seq_cache(L.k_cache, L, s.tok_seq[t]), seq_cache(L.v_cache, L, s.tok_seq[t]),
+                              s.scores, H, 1, D, h.n_ctx, 1, s.tok_pos[t], 0, L.kv_ring, L.attn_scale, NULL,
+                              h.n_threads, h.kv)
     for i in range(H):                          # values: wvb_h . (head h's attention over the latents)
         wh = L.wvb
         wh.data = <const char *>L.wvb.data + <size_t>i * v * cb_row_stride(L.wvb.dtype, R)
@@ -720,11 +756,14 @@ cdef class Engine:
         cdef int top_k = spec.top_k
         cdef int n_ctx = spec.n_ctx
         cdef int cap = spec.prefill_chunk
+        cdef int n_seq = spec.n_seq
         layers = spec.layers
         tensors = spec.tensors
-        if not 1 <= top_k <= MAX_TOP_K or n_experts < 1 or not 1 <= cap <= n_ctx or len(layers) != n_layers:
+        if not 1 <= top_k <= MAX_TOP_K or n_experts < 1 or not 1 <= cap <= n_ctx or len(layers) != n_layers \
+                or not 1 <= n_seq <= cap:
             raise ValueError(f"inconsistent EngineSpec: top_k {top_k}, n_experts {n_experts}, "
-                             f"prefill_chunk {cap}, n_ctx {n_ctx}, {len(layers)} layers of {n_layers}")
+                             f"prefill_chunk {cap}, n_ctx {n_ctx}, {len(layers)} layers of {n_layers}, "
+                             f"n_seq {n_seq} (1 .. prefill_chunk)")
         self.h.d_model = d
         self.h.n_layers = n_layers
         self.h.n_heads = spec.n_heads
@@ -750,6 +789,7 @@ cdef class Engine:
         self.h.router_root = (<float>d) ** -0.5
         self.h.rms_eps = spec.rms_eps
         self.h.n_ctx = n_ctx
+        self.h.n_seq = n_seq
         self.h.n_threads = max(spec.n_threads, 1)
         if spec.kv_cache not in KV_CODES:
             raise ValueError(f"kv_cache {spec.kv_cache!r}: one of {', '.join(KV_CODES)}")
@@ -801,9 +841,9 @@ cdef class Engine:
         for prefix in ("acts", "wave_acts"):
             keep[prefix] = [keep.get(f"{prefix}.{name}") for name in ACT_ARRAYS]
         keep["rope"] = [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers]
-        # KV cache, per layer [n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
-        # what the attention reads), each its own pages: zero pages are only touched (made
-        # resident) as positions are filled. A sliding layer's ring must hold its window plus one
+        # KV cache, per layer [n_seq, n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
+        # what the attention reads; each sequence its own part), each its own pages: zero pages are
+        # only touched (made resident) as positions are filled. A sliding layer's ring must hold its window plus one
         # prefill chunk.
         # A row is a KV head's head_dim elements (_kernels.KV_CODES) at one position; a q8 row is
         # bytes: its f32 scale and head_dim codes (cb_kv_row_bytes).
@@ -814,9 +854,9 @@ cdef class Engine:
             if spec.kv_cache == "q8" and f.head_dim > kernels.CB_KV_Q8_MAX_HEAD_DIM:
                 raise ColibriError(f"kv_cache q8 serves head_dim up to {kernels.CB_KV_Q8_MAX_HEAD_DIM}, "
                                    f"this model's is {f.head_dim}: use f16")
-        keep["k_cache"] = [zeros((f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type) for f in layers]
+        keep["k_cache"] = [zeros((n_seq, f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type) for f in layers]
         # an MLA layer's one array holds the latent rows its attention reads as keys and as values
-        keep["v_cache"] = [k if f.kv_rank else zeros((f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type)
+        keep["v_cache"] = [k if f.kv_rank else zeros((n_seq, f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type)
                            for f, k in zip(layers, keep["k_cache"])]
         keep["predicted"][...] = -1
         for f in layers:
@@ -830,6 +870,9 @@ cdef class Engine:
         self._keep = keep
         cdef Scratch *s = &self.s
         s.cap = cap
+        s.seq = 0
+        s.tok_seq = NULL
+        s.tok_pos = NULL
         s.x = _f32(keep["x"]); s.xb = _f32(keep["xb"]); s.xb2 = _f32(keep["xb2"])
         s.q = _f32(keep["q"]); s.att = _f32(keep["att"])
         s.k = _f32(keep["k"]); s.v = _f32(keep["v"])
@@ -911,6 +954,7 @@ cdef class Engine:
             L.kv_ring = f.kv_ring
             L.k_cache = <void *><uintptr_t>keep["k_cache"][l].ctypes.data
             L.v_cache = <void *><uintptr_t>keep["v_cache"][l].ctypes.data
+            L.kv_seq_bytes = keep["k_cache"][l].nbytes // n_seq
             if (p + "mlp.gate") in tensors:
                 L.dense = _ffn(tensors, p + "mlp.")
             if L.is_moe:
@@ -997,9 +1041,10 @@ cdef class Engine:
         self.expert_counts[...] = 0
         self._keep["predicted"][...] = -1
 
-    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits):
-        """Push tokens[0..T) through the model at positions pos0.., in chunks of at most the
-        prefill chunk (every weight read once per chunk; decode is a chunk of one token).
+    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits, int seq=0):
+        """Push tokens[0..T) of sequence `seq` (0 .. n_seq - 1) through the model at positions
+        pos0.., in chunks of at most the prefill chunk (every weight read once per chunk; decode is
+        a chunk of one token).
 
         all_logits: logits_out is [T, vocab] and receives every position's logits;
         otherwise logits_out is [1, vocab] and receives only the last one (the lm_head is skipped
@@ -1013,12 +1058,16 @@ cdef class Engine:
         cdef float *out = NULL
         if pos0 < 0 or pos0 + T > self.h.n_ctx:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.h.n_ctx}")
+        if not 0 <= seq < self.h.n_seq:
+            raise ValueError(f"sequence {seq} is outside 0..{self.h.n_seq - 1}")
         if not none and (logits_out.shape[1] != self.h.vocab or logits_out.shape[0] < (T if all_logits else 1)):
             raise ValueError("logits_out has the wrong shape")
         for t in range(T):
             if tokens[t] < 0 or tokens[t] >= self.h.vocab:
                 raise ValueError(f"token id {tokens[t]} is outside the vocabulary [0, {self.h.vocab})")
         t = 0
+        self.s.seq = seq
+        self.s.tok_seq = NULL
         with nogil:
             while t < T:
                 n = T - t if T - t < self.s.cap else self.s.cap
@@ -1036,9 +1085,45 @@ cdef class Engine:
             memcpy(self.s.logits, &logits_out[T - 1 if all_logits else 0, 0], sizeof(float) * self.h.vocab)
         return status, min(t, T - 1), self.s.bad_layer
 
+    def step(self, const int[::1] tokens, const int[::1] seqs, const int[::1] positions, float[:, ::1] logits_out):
+        """One token of each of B <= prefill_chunk different sequences in one pass: token b of
+        sequence seqs[b] at position positions[b] (its earlier positions in that sequence's cache),
+        its logits into logits_out[b] ([B, vocab]). Every weight is read once for all B; each
+        token's arithmetic is that of run() on its sequence alone (no kernel's depends on the
+        tokens beside it), so the logits are the same bits. Returns run()'s triple."""
+        cdef int B = tokens.shape[0], b, status
+        if not 1 <= B <= self.s.cap or seqs.shape[0] != B or positions.shape[0] != B:
+            raise ValueError(f"a step takes 1..{self.s.cap} tokens with a sequence and a position each, "
+                             f"got {B}, {seqs.shape[0]}, {positions.shape[0]}")
+        if logits_out.shape[0] < B or logits_out.shape[1] != self.h.vocab:
+            raise ValueError("logits_out has the wrong shape")
+        seen = set()
+        for b in range(B):
+            if tokens[b] < 0 or tokens[b] >= self.h.vocab:
+                raise ValueError(f"token id {tokens[b]} is outside the vocabulary [0, {self.h.vocab})")
+            if not 0 <= seqs[b] < self.h.n_seq or seqs[b] in seen:
+                raise ValueError(f"sequence {seqs[b]}: outside 0..{self.h.n_seq - 1} or twice in one step")
+            seen.add(seqs[b])
+            if not 0 <= positions[b] < self.h.n_ctx:
+                raise ValueError(f"position {positions[b]} exceeds the context of {self.h.n_ctx}")
+        self.s.tok_seq = &seqs[0]
+        self.s.tok_pos = &positions[0]
+        with nogil:
+            status = forward(&self.h, self.layers, &self.embedding, self.final_norm, &self.lm_head,
+                             &self.s, &tokens[0], B, 0, &logits_out[0, 0], WANT_ALL)
+        self.s.tok_seq = NULL
+        self.s.tok_pos = NULL
+        if status == STATUS_OK:
+            memcpy(self.s.logits, &logits_out[B - 1, 0], sizeof(float) * self.h.vocab)
+        return status, 0, self.s.bad_layer
+
     @property
     def n_ctx(self):
         return self.h.n_ctx
+
+    @property
+    def n_seq(self):
+        return self.h.n_seq
 
     def _kv_arrays(self):
         """Every layer's key and value cache arrays, each once (an MLA layer has one for both)."""

@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests that may wait for the engine; beyond: 503 with Retry-After")
     srv.add_argument("--queue-timeout", "--queue_timeout", dest="queue_timeout", type=_number, default=600.0,
                      help="seconds a request may wait for the engine before a 503")
+    srv.add_argument("--parallel", type=_positive_int, default=1,
+                     help="requests generated at once, their tokens decoded together in one pass over the "
+                          "weights (more tokens/s in all, each token later); each has its own --n-ctx of KV "
+                          "cache (default: 1)")
 
     tok = sub.add_parser("tokenizer", help="add or replace the tokenizer, chat template and generation config "
                                            "files of a model directory")
@@ -368,7 +372,7 @@ def _load(args):
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
              mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction,
-             kv_cache=args.kv_cache, bf16_products=args.bf16_products)
+             kv_cache=args.kv_cache, bf16_products=args.bf16_products, parallel=getattr(args, "parallel", 1))
     m.cli_note = note
     return m
 
@@ -567,8 +571,10 @@ def cmd_serve(args) -> int:
         return m
 
     name = args.model_name or Path(args.model_dir).resolve().name
+    if args.parallel > names.MAX_PARALLEL:
+        raise ColibriError(f"--parallel must be in 1..{names.MAX_PARALLEL}, got {args.parallel}")
     serve(load, name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]))
+          queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]), parallel=args.parallel)
     return 0
 
 

@@ -8,7 +8,9 @@ and the scratch arena. Weights are used in place in the mappings, never copied. 
 here does what is not per-layer work: checking inputs, sampling, stop tokens, timings and stats.
 
 One Model has one KV cache, so one generation at a time: a second concurrent call is refused
-with a clear error rather than interleaved into the same cache.
+with a clear error rather than interleaved into the same cache. A Model loaded with `parallel=N`
+holds N sequences side by side in that cache; a colibri.batching.Batch decodes them together,
+one engine step (every weight read once) for a token of each.
 """
 from __future__ import annotations
 
@@ -22,14 +24,14 @@ import time
 import numpy as np
 
 from .errors import ColibriError
-from .names import BF16_PRODUCTS, KV_CACHE_TYPES
+from .names import BF16_PRODUCTS, KV_CACHE_TYPES, MAX_PARALLEL
 from . import _os
 from . import spec
 from .modeldir import MappedModelDir, ModelDir
 from . import residency
 from .residency import EVICTION_POLICIES, PREFETCH_MODES, Residency
 from .sampling import Sampler
-from .streaming import StopStrings, TextStream
+from .streaming import GenerationText, StopStrings
 from .textfiles import TextSide, unlisted
 
 from . import _engine, _kernels
@@ -56,8 +58,9 @@ class Model:
                  exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
                  expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
                  memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
-                 bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None):
-        """capture_inputs: every matrix product adds its inputs' squares per column into
+                 bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None,
+                 parallel: int = 1):
+        """parallel: sequences the KV cache holds side by side (colibri.batching); capture_inputs: every matrix product adds its inputs' squares per column into
         self.input_stats[tensor name] (float64 [cols + 1], the token count last): what
         colibri.calibrate collects; it costs a pass over each input. second_moments (with
         capture_inputs): {tensor: shape} of those matrices -> the names that also add x x^T into
@@ -100,6 +103,11 @@ class Model:
                                           or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         chunk = spec.prefill_chunk(prefill_chunk, n_ctx)   # the engine's tokens per call: the rings are sized for it
+        if isinstance(parallel, bool) or not isinstance(parallel, numbers.Integral) or not 1 <= parallel <= MAX_PARALLEL:
+            raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
+        if parallel > chunk:
+            raise ColibriError(f"parallel {parallel} exceeds the prefill chunk {chunk} (a step's tokens)")
+        self.parallel = parallel = int(parallel)
         self._chunk = chunk
         if not mmap:                # read into memory: nothing can be evicted, so all of it must fit
             residency.check_unmapped(self._dir, limit, self.path)
@@ -107,7 +115,7 @@ class Model:
         try:
             self.residency = Residency(self._maps, cfg, mlock=mlock, warmup=warmup)
             text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
-            build = dict(n_ctx=n_ctx, chunk=chunk, threads=threads, exact_softmax=bool(exact_softmax), kv_cache=kv_cache,
+            build = dict(n_ctx=n_ctx, chunk=chunk, threads=threads, n_seq=parallel, exact_softmax=bool(exact_softmax), kv_cache=kv_cache,
                          bf16_products=self.bf16_products,
                          expert_pages=self.residency.spans,
                          prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
@@ -144,10 +152,10 @@ class Model:
                         # the scratch grows with the prefill chunk: unless the caller chose one, a
                         # smaller chunk may fit the limit (a long prompt then streams its experts
                         # once per chunk)
-                        if prefill_chunk is not None or build["chunk"] <= MIN_PLANNED_CHUNK:
+                        if prefill_chunk is not None or build["chunk"] <= max(MIN_PLANNED_CHUNK, parallel):
                             raise
                         del engine
-                        build["chunk"] = self._chunk = max(MIN_PLANNED_CHUNK, build["chunk"] // 2)
+                        build["chunk"] = self._chunk = max(MIN_PLANNED_CHUNK, parallel, build["chunk"] // 2)
                         engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))
                 if build["chunk"] < chunk:
                     self.residency.plan = dataclasses.replace(self.residency.plan, lowered_chunk=build["chunk"])
@@ -184,9 +192,9 @@ class Model:
         self.stop_token_ids = text.stop_token_ids(cfg.eos_token_id)
         self.unlisted_text_files = unlisted(self._dir.root, self._dir.files)   # present but not in the table
         self.last_generation = None
-        # the KV cache: the ids whose keys and values it holds at positions 0.. (for prefix reuse);
-        # sliding-window rings allow a rewind of at most ring - window positions (None: any)
-        self._kv_tokens = []
+        # the KV cache: per sequence, the ids whose keys and values it holds at positions 0.. (for
+        # prefix reuse); sliding-window rings allow a rewind of at most ring - window positions (None: any)
+        self._kv_tokens = [[] for _ in range(parallel)]
         self._ring_slack = self.engine_spec.ring_slack
         self._busy = threading.Lock()              # one request at a time (refused, not queued)
         self._engine_lock = threading.Lock()       # held while the engine runs; close() takes it
@@ -222,6 +230,16 @@ class Model:
         the rest of the prompt is run. `on_step(model)` is called after each engine step (used by
         --verbose to read the routing decisions).
         """
+        tokens, sampler, eos, record = self._prepare_generation(
+            ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
+            min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logprobs=logprobs)
+        self.last_generation = record
+        return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix))
+
+    def _prepare_generation(self, ids, max_new_tokens, *, temperature, top_k, top_p, seed, stop_at_eos, min_p,
+                            repetition_penalty, presence_penalty, frequency_penalty, logprobs) -> tuple:
+        """generate()'s checks and settings: (prompt int32 [T], Sampler, EOS ids, GenerationRecord)."""
         tokens = self._check_ids(ids, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ColibriError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -234,8 +252,7 @@ class Model:
                           seed=seed, logprobs=logprobs)
         eos = set(self.stop_token_ids) if stop_at_eos else set()
         record = GenerationRecord(prompt_tokens=len(tokens), sampler=sampler, from_generation_config=taken)
-        self.last_generation = record
-        return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix))
+        return tokens, sampler, eos, record
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         """Token ids of `text` (transformers' semantics: BOS/EOS where the tokenizer adds them)."""
@@ -261,21 +278,18 @@ class Model:
         if not all(isinstance(s, str) for s in stops.stops):
             raise ColibriError(f"stop must be a string or a list of strings, got {stop!r}")
         tokens = self.generate(ids, max_new_tokens, **generate_kwargs)
-        return self._events(tokens, TextStream(tok, skip_special_tokens), stops, self.last_generation)
+        record = self.last_generation
+        return self._events(tokens, GenerationText(tok, skip_special_tokens, stops, record), record)
 
     @staticmethod
-    def _events(tokens, text, stops, record):
+    def _events(tokens, text, record):
         try:
             for t in tokens:
-                shown, stopped = stops.feed(text.push(t))
+                shown, stopped = text.push(t)
                 yield shown, record.picks[-1]
                 if stopped:
-                    record.finish_reason, record.stop = "stop", stops.stopped
                     return
-            shown, stopped = stops.feed(text.finish())
-            if stopped:
-                record.finish_reason, record.stop = "stop", stops.stopped
-            shown += stops.finish()
+            shown = text.finish()
             if shown:
                 yield shown, None
         finally:
@@ -454,12 +468,12 @@ class Model:
             engine = self._live()
             engine.reset()
 
-    def _reusable_prefix(self, tokens: np.ndarray) -> int:
-        """How many leading tokens of `tokens` the KV cache already holds at their positions (at
-        most all but the last: its logits are needed). Sliding-window layers keep a ring of
-        window + chunk rows, so the cache is reusable only while the positions the first new
-        token attends to have not been overwritten by later ones."""
-        held = self._kv_tokens
+    def _reusable_prefix(self, tokens: np.ndarray, seq: int = 0) -> int:
+        """How many leading tokens of `tokens` sequence seq's KV cache already holds at their
+        positions (at most all but the last: its logits are needed). Sliding-window layers keep a
+        ring of window + chunk rows, so the cache is reusable only while the positions the first
+        new token attends to have not been overwritten by later ones."""
+        held = self._kv_tokens[seq]
         n = min(len(held), len(tokens) - 1)
         if n <= 0:
             return 0
@@ -469,7 +483,7 @@ class Model:
             return 0
         return common
 
-    def _run(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool) -> None:
+    def _run(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool, seq: int = 0) -> None:
         """Run `tokens` at positions pos.. (logits into `out`), one prefill chunk per engine call:
         the engine splits a prompt at the same chunk boundaries, so the results are the same,
         and Ctrl-C (or close()) takes effect between chunks instead of after the whole prompt."""
@@ -477,19 +491,35 @@ class Model:
             piece = tokens[start:start + self._chunk]
             last = start + len(piece) == len(tokens)
             if not all_logits and not last:
-                self._run_chunk(piece, pos + start, None, False)       # an inner chunk: no lm_head
+                self._run_chunk(piece, pos + start, None, False, seq)       # an inner chunk: no lm_head
             else:
-                self._run_chunk(piece, pos + start, out[start:] if all_logits else out, all_logits)
+                self._run_chunk(piece, pos + start, out[start:] if all_logits else out, all_logits, seq)
 
-    def _run_chunk(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool) -> None:
+    def _run_chunk(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool, seq: int = 0) -> None:
         with self._engine_lock:
             engine = self._live()
-            del self._kv_tokens[pos:]                 # positions >= pos are about to be overwritten
-            status, index, layer = engine.run(tokens, pos, out, all_logits)
+            del self._kv_tokens[seq][pos:]            # positions >= pos are about to be overwritten
+            status, index, layer = engine.run(tokens, pos, out, all_logits, seq)
         if status != _engine.STATUS_OK:
-            raise ColibriError(f"at position {pos + index}: " + _STATUS_MESSAGES[status].format(layer=layer)
-                               + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
-        self._kv_tokens.extend(int(t) for t in tokens)
+            self._damaged(status, pos + index, layer)
+        self._kv_tokens[seq].extend(int(t) for t in tokens)
+
+    def _step(self, tokens: np.ndarray, seqs: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+        """One token of each of several sequences (int32 [B] each: token b of sequence seqs[b] at
+        positions[b]) in one engine pass, their logits into out [B, vocab] (Engine.step)."""
+        with self._engine_lock:
+            engine = self._live()
+            for seq, pos in zip(seqs, positions):
+                del self._kv_tokens[seq][pos:]
+            status, _, layer = engine.step(tokens, seqs, positions, out)
+        if status != _engine.STATUS_OK:
+            self._damaged(status, int(positions[0]), layer)
+        for token, seq in zip(tokens, seqs):
+            self._kv_tokens[seq].append(int(token))
+
+    def _damaged(self, status: int, pos: int, layer: int):
+        raise ColibriError(f"at position {pos}: " + _STATUS_MESSAGES[status].format(layer=layer)
+                           + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
 
     def _generate(self, tokens, max_new_tokens, sampler, eos, on_step, record, reuse):
         with self._exclusive():
@@ -590,7 +620,7 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
          exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
          expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
          memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
-         bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None) -> Model:
+         bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None, parallel: int = 1) -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
@@ -609,8 +639,11 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     "bf16" rounds the activations to bf16 for AVX512_BF16's vdpbf16ps, "auto" is "bf16" where the
     CPU has that instruction); capture_inputs: collect each matrix's input statistics
     (Model.input_stats; colibri.calibrate), and with second_moments ({tensor: shape} -> names)
-    those matrices' whole input second moments (Model.input_grams)."""
+    those matrices' whole input second moments (Model.input_grams); parallel: sequences decoded
+    together (1..MAX_PARALLEL, at most the prefill chunk; colibri.batching.Batch), each with its own
+    n_ctx positions of KV cache (resident only as they are filled)."""
     return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
                  prefill_chunk=prefill_chunk, prefetch=prefetch, expert_cache_mb=expert_cache_mb,
                  mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache,
-                 bf16_products=bf16_products, capture_inputs=capture_inputs, second_moments=second_moments)
+                 bf16_products=bf16_products, capture_inputs=capture_inputs, second_moments=second_moments,
+                 parallel=parallel)

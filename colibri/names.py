@@ -14,3 +14,4 @@ EVICTION_POLICIES = ("lru", "lfu")                          # load(eviction=): C
 # load(bf16_products=): "f32" the exact products, "bf16" the activations rounded to bf16 for
 # AVX512_BF16's vdpbf16ps, "auto" bf16 where the CPU has it (colibri.model)
 BF16_PRODUCTS = ("auto", "bf16", "f32")
+MAX_PARALLEL = 64               # load(parallel=) / serve --parallel: sequences decoded together at most

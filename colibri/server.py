@@ -3,15 +3,20 @@
 Design
 ------
 Starlette (routing, request/response) under uvicorn, prometheus_client for /metrics: the
-optional extra `colibri[serve]`. One Model holds one KV cache, so one generation runs at a time
-(the design): requests wait in a FIFO (Served.acquire hands the engine to the first waiter)
-bounded by `max_queue` — beyond it, and after `queue_timeout` seconds of waiting, the answer is
-503 with Retry-After. The engine runs on one worker thread; the event loop only parses, queues
-and writes. A generation advances one token per hop to that thread, and each request watches
-its connection: a client that disconnects (streamed or not, or while it waits in the queue)
-stops its generation after the token being computed — its generator is closed on the engine
-thread, the next request's work queuing behind that close. Repeated prefixes (multi-turn chat,
-a shared system prompt) reuse the KV cache through Model.generate's prefix reuse.
+optional extra `colibri[serve]`. A Model loaded with `parallel=N` (`--parallel N`, default 1)
+runs N generations at once; further requests wait in a FIFO (Served.acquire hands a free place
+to the first waiter) bounded by `max_queue` — beyond it, and after `queue_timeout` seconds of
+waiting, the answer is 503 with Retry-After. The engine runs on one worker thread; the event
+loop only parses, queues and writes. With N = 1 a generation advances one token per hop to that
+thread (Generation); with N > 1 that thread runs a colibri.batching.Batch (Stepper): each step
+runs the prompts of the requests admitted since the last one and then decodes one token of every
+other running request in one engine pass, every weight read once for all of them — the tokens of
+each are those it gets alone (BatchedGeneration). Each request watches its connection: a client
+that disconnects (streamed or not, or while it waits in the queue) stops its generation after the
+token being computed — its generator is closed (its sequence cancelled) on the engine thread,
+the next request's work queuing behind that. Repeated prefixes (multi-turn chat, a shared system
+prompt) reuse the KV cache through Model.generate's prefix reuse (with N > 1: the place in the
+cache that holds the longest prefix).
 
 Endpoints, in OpenAI's shapes: POST /v1/chat/completions, POST /v1/completions (whole, or
 streamed as `data: {...}` chunks and `data: [DONE]`; `stream_options.include_usage`), GET
@@ -39,6 +44,7 @@ import hmac
 import json
 import logging
 import math
+import queue
 import signal
 import threading
 import time
@@ -219,16 +225,19 @@ def sampling_options(body: dict) -> dict:
 class Served:
     """The model, its worker thread, the FIFO in front of it and the metrics."""
 
-    def __init__(self, load, name: str, api_key: str | None, max_queue: int, queue_timeout: float):
+    def __init__(self, load, name: str, api_key: str | None, max_queue: int, queue_timeout: float,
+                 parallel: int = 1):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.load, self.name, self.api_key = load, name, api_key
         self.max_queue, self.queue_timeout = max_queue, queue_timeout
+        self.parallel = parallel               # generations at once (the Model's load(parallel=))
         self.model = None
+        self.stepper = None                    # the Batch's engine thread (parallel > 1), once loaded
         self.load_error = None
         self.created = int(time.time())
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
-        self.busy = False                      # a request holds the engine
+        self.active = 0                        # requests holding a place (at most `parallel`)
         self.waiters = collections.deque()     # futures of the requests waiting for it, in arrival order
         r = self.registry = CollectorRegistry()
         self.requests = Counter("colibri_requests", "requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
@@ -254,7 +263,10 @@ class Served:
     def start_loading(self) -> None:
         def run():
             try:
-                self.model = self.load()
+                m = self.load()
+                if self.parallel > 1:
+                    self.stepper = Stepper(m)
+                self.model = m
             except Exception as e:          # noqa: BLE001 - reported by /health and each request
                 self.load_error = str(e) or type(e).__name__
                 if not isinstance(e, ColibriError):
@@ -271,11 +283,11 @@ class Served:
     # -- the FIFO in front of the engine: ownership passes from one request to the next --
 
     async def acquire(self, gone: asyncio.Event) -> None:
-        """Wait for the engine, first come first served. 503 when `max_queue` requests already
-        wait or after `queue_timeout` seconds; Disconnected when `gone` is set meanwhile. Every
-        return is paired with one finish() or release()."""
-        if not self.busy:
-            self.busy = True
+        """Wait for a place (one of `parallel`), first come first served. 503 when `max_queue`
+        requests already wait or after `queue_timeout` seconds; Disconnected when `gone` is set
+        meanwhile. Every return is paired with one finish() or release()."""
+        if self.active < self.parallel and not self.waiters:
+            self.active += 1
             return
         if len(self.waiters) >= self.max_queue:
             raise APIError(503, f"the queue is full ({self.max_queue} waiting); retry later", kind="server_error",
@@ -308,14 +320,14 @@ class Served:
                 self.waiters.remove(turn)
 
     def release(self) -> None:
-        """Hand the engine to the first request still waiting, or mark it free."""
+        """Hand a place to the first request still waiting, or free it."""
         while self.waiters:
             turn = self.waiters.popleft()
             if not turn.done():
                 turn.set_result(None)
                 self.queue_depth.set(len(self.waiters))
                 return
-        self.busy = False
+        self.active -= 1
         self.queue_depth.set(0)
 
     def finish(self, g) -> None:
@@ -326,10 +338,13 @@ class Served:
         if g.finished:
             return
         g.finished = True
-        try:
-            self.executor.submit(g.close)
-        except RuntimeError:                # the executor is shut down: the process is exiting
-            pass
+        if isinstance(g, BatchedGeneration):
+            g.close()                       # queued to the Batch's thread before the place is handed on
+        else:
+            try:
+                self.executor.submit(g.close)
+            except RuntimeError:            # the executor is shut down: the process is exiting
+                pass
         self.release()
 
     async def on_engine(self, fn, *args):
@@ -340,7 +355,15 @@ class Served:
         the engine for another token, once the client has gone."""
         if gone.is_set():
             raise Disconnected()
+        if isinstance(g, BatchedGeneration):
+            return await g.next_event(gone)
         return await self.on_engine(g.step)
+
+    def generation(self, m, ids, gen: dict, stops, arrived: float):
+        """The request's Generation: stepped alone, or in the Batch (parallel > 1)."""
+        if self.stepper is not None:
+            return BatchedGeneration(self, m, ids, gen, stops, arrived)
+        return Generation(self, m, ids, gen, stops, arrived)
 
     def observe_memory(self) -> None:
         if self.model is not None:
@@ -444,6 +467,10 @@ class Generation:
         self.last_token_at = None
         self.finished = False
 
+    async def begin(self) -> None:
+        """Start it on the engine thread; Model.stream_tokens' checks raise ColibriError here."""
+        await self.served.on_engine(self.start)
+
     def start(self) -> None:
         """Runs on the engine thread; Model.stream_tokens' checks raise here."""
         self.events = self.m.stream_tokens(self.ids, stop=self.stops, **self.gen)
@@ -484,6 +511,123 @@ class Generation:
         if self.record.reused_tokens:
             s.reuse_hits.inc()
             s.reused.inc(self.record.reused_tokens)
+
+
+class BatchedGeneration(Generation):
+    """One request's sequence in the Stepper's Batch (parallel > 1): the Batch's thread puts its
+    events, (kind, value) pairs, into `inbox` — ("ok", None) once added, ("event", (text, pick))
+    a token, ("end", None), ("error", exception) — and the request's task reads them."""
+
+    def __init__(self, served: Served, m, ids, gen: dict, stops, arrived: float):
+        super().__init__(served, m, ids, gen, stops, arrived)
+        self.loop = asyncio.get_running_loop()
+        self.inbox = asyncio.Queue()
+        self.seq = None                  # its batching.Sequence, set on the Batch's thread
+
+    def deliver(self, kind: str, value=None) -> None:
+        """Runs on the Batch's thread."""
+        self.loop.call_soon_threadsafe(self.inbox.put_nowait, (kind, value))
+
+    async def begin(self) -> None:
+        self.served.stepper.submit("add", self)
+        kind, value = await self.inbox.get()
+        if kind == "error":
+            raise value
+
+    async def next_event(self, gone: asyncio.Event):
+        got = asyncio.ensure_future(self.inbox.get())
+        left = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait((got, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not got.done():
+                got.cancel()
+        if not got.done() or got.cancelled():
+            raise Disconnected()
+        kind, value = got.result()
+        if kind == "error":
+            raise value
+        return value if kind == "event" else None
+
+    def close(self) -> None:
+        """Cancel its sequence (on the Batch's thread, before any later request's add)."""
+        self.served.stepper.submit("cancel", self)
+
+
+class Stepper:
+    """The engine thread of a server with parallel > 1: it owns a colibri.batching.Batch over the
+    Model and steps it while any request runs, handing each token to its request. Jobs ("add",
+    g), ("cancel", g), ("stop", None) arrive in one FIFO, so a place freed by a cancel is free
+    for the add that follows it."""
+
+    def __init__(self, model):
+        from .batching import Batch
+
+        self.batch = Batch(model)
+        self.jobs = queue.SimpleQueue()
+        self.owners = {}                 # id(sequence) -> its BatchedGeneration
+        self.thread = threading.Thread(target=self._run, name="colibri-batch", daemon=True)
+        self.thread.start()
+
+    def submit(self, kind: str, g=None) -> None:
+        self.jobs.put((kind, g))
+
+    def stop(self) -> None:
+        self.submit("stop")
+        self.thread.join()
+
+    def _run(self) -> None:
+        batch = self.batch
+        try:
+            while True:
+                jobs = [self.jobs.get()] if not batch.running else []
+                while True:
+                    try:
+                        jobs.append(self.jobs.get_nowait())
+                    except queue.Empty:
+                        break
+                for kind, g in jobs:
+                    if kind == "stop":
+                        return
+                    if kind == "add":
+                        self._add(g)
+                    elif g.seq is not None:
+                        batch.cancel(g.seq)
+                        self.owners.pop(id(g.seq), None)
+                if batch.running:
+                    self._step()
+        finally:
+            batch.close()
+
+    def _add(self, g: BatchedGeneration) -> None:
+        try:
+            g.seq = self.batch.add(g.ids, stop=g.stops, **g.gen)
+        except Exception as e:          # noqa: BLE001 - the request reports it (ColibriError: 400)
+            g.deliver("error", e)
+            return
+        g.record = g.seq.record
+        self.owners[id(g.seq)] = g
+        g.deliver("ok")
+
+    def _step(self) -> None:
+        try:
+            events = self.batch.step()
+        except Exception as e:          # noqa: BLE001 - every running request ends with it
+            for seq in self.batch.running:
+                self.batch.cancel(seq)
+            for g in self.owners.values():
+                g.deliver("error", e)
+            self.owners.clear()
+            return
+        for seq, _token, pick, text in events:
+            g = self.owners.get(id(seq))
+            if g is None:
+                continue
+            g.deliver("event", (text, pick))
+            if seq.done:
+                g.deliver("end")
+                del self.owners[id(seq)]
 
 
 # ---- the app ------------------------------------------------------------------------------------------
@@ -600,10 +744,10 @@ def create_app(served: Served):
         watch = _Watch(request.receive)
         try:
             await served.acquire(watch.gone)
-            g = Generation(served, m, ids, gen, stops, arrived)
-            try:                             # from here the engine is this request's until finish()
+            g = served.generation(m, ids, gen, stops, arrived)
+            try:                             # from here the place is this request's until finish()
                 try:
-                    await served.on_engine(g.start)
+                    await g.begin()
                 except ColibriError as e:
                     raise APIError(400, str(e)) from None
                 if stream:
@@ -707,6 +851,8 @@ def create_app(served: Served):
         served.start_loading()              # /health says 503 until the model is ready
         yield
         served.executor.shutdown(wait=True)     # the closes of cancelled generations run first
+        if served.stepper is not None:
+            served.stepper.stop()
 
     async def http_error(request: Request, exc: HTTPException):
         # routing's own errors (an unknown path: 404, a wrong method: 405) in OpenAI's shape too
@@ -743,19 +889,20 @@ def _completion_logprobs(m, picks, top: int) -> dict:
 
 
 def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = 16, queue_timeout: float = 600.0, log=print) -> None:
-    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running request
-    GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels it, and returns). `load()` -> Model,
-    called once in the background."""
+          max_queue: int = 16, queue_timeout: float = 600.0, log=print, parallel: int = 1) -> None:
+    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running requests
+    GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels them, and returns). `load()` -> Model
+    (loaded with this `parallel`), called once in the background."""
     _need_stack()
     import uvicorn
 
     if api_key is not None and not api_key.strip():
         raise ColibriError("--api-key is empty: give a key, or leave the option out to serve without one")
-    served = Served(load, name, api_key, max_queue, queue_timeout)
+    served = Served(load, name, api_key, max_queue, queue_timeout, parallel)
     app = create_app(served)
+    at_once = "one generation at a time" if parallel == 1 else f"{parallel} generations at a time, decoded together"
     log(f"[INFO] Serving '{name}' on http://{host}:{port}/v1 (health: /health, metrics: /metrics); "
-        f"one generation at a time, up to {max_queue} waiting")
+        f"{at_once}, up to {max_queue} waiting")
     # uvicorn stops gracefully on SIGTERM and then re-raises the signal under the handler it found:
     # a handler that returns makes that re-raise a no-op, so SIGTERM ends with status 0
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

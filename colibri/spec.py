@@ -65,6 +65,7 @@ class EngineSpec:
     softcap: float           # 0: none
     rms_eps: float
     n_ctx: int
+    n_seq: int               # sequences the KV cache holds side by side (Engine.step decodes one token of each)
     prefill_chunk: int       # tokens per engine call at most, 1 .. n_ctx (the scratch rows)
     n_threads: int
     kv_cache: str            # the KV cache's elements: "f32", "f16" (half the bytes) or "q8" (_kernels.KV_CODES)
@@ -163,7 +164,7 @@ def prefill_chunk(requested, n_ctx: int) -> int:
 def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_softmax: bool, prefetch: str,
           prefetch_chunk_bytes: int, expert_pages: dict, expert_budget: int | None = None, eviction: str = "lru",
           expert_fds: dict | None = None, advice=None, cache_os=None, kv_cache: str = "f32",
-          bf16_products: bool = False) -> EngineSpec:
+          bf16_products: bool = False, n_seq: int = 1) -> EngineSpec:
     """The spec of `cfg` (config.ModelConfig) over the mapped `tensors` (name -> TensorRef) with
     these run options (already validated by the caller, model.Model). advice, cache_os: the OS
     functions for the expert pages (default: colibri._os.engine_advice() and cache_advice(),
@@ -181,7 +182,7 @@ def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_sof
         act=ACT_CODES[cfg.hidden_act], swiglu_alpha=float(cfg.swiglu_alpha), swiglu_limit=float(cfg.swiglu_limit),
         embed_scale=float(cfg.embedding_scale),
         softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,
-        prefill_chunk=chunk, n_threads=threads, kv_cache=kv_cache, bf16_products=bool(bf16_products),
+        n_seq=int(n_seq), prefill_chunk=chunk, n_threads=threads, kv_cache=kv_cache, bf16_products=bool(bf16_products),
         prefetch=_engine.PREFETCH_CODES[prefetch],
         prefetch_chunk_bytes=int(prefetch_chunk_bytes),
         expert_budget=None if expert_budget is None else int(expert_budget), eviction=eviction,

@@ -107,3 +107,29 @@ class StopStrings:
     def finish(self) -> str:
         held, self._held = self._held, ""
         return "" if self.stopped is not None else held
+
+
+class GenerationText:
+    """One generation's text, token by token: push(token) -> (new text, stopped), finish() -> the
+    text held back at its end. A stop string ends it and is written into `record` (a
+    model.GenerationRecord: finish_reason "stop", stop) — Model.stream_tokens and a
+    batching.Batch's sequences share it."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, stops: StopStrings, record):
+        self.text = TextStream(tokenizer, skip_special_tokens)
+        self.stops, self.record = stops, record
+
+    def push(self, token: int) -> tuple:
+        shown, stopped = self.stops.feed(self.text.push(token))
+        if stopped:
+            self._stopped()
+        return shown, stopped
+
+    def finish(self) -> str:
+        shown, stopped = self.stops.feed(self.text.finish())
+        if stopped:
+            self._stopped()
+        return shown + self.stops.finish()
+
+    def _stopped(self) -> None:
+        self.record.finish_reason, self.record.stop = "stop", self.stops.stopped

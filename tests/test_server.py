@@ -452,7 +452,7 @@ def in_process(load, check, **options):
     from colibri.server import Served, create_app
 
     served = Served(load, "tiny", options.pop("api_key", API_KEY), options.pop("max_queue", 2),
-                    options.pop("queue_timeout", 30.0))
+                    options.pop("queue_timeout", 30.0), options.pop("parallel", 1))
     app = create_app(served)
 
     async def main():
@@ -464,6 +464,8 @@ def in_process(load, check, **options):
         return asyncio.run(main())
     finally:
         served.executor.shutdown(wait=True)
+        if served.stepper is not None:
+            served.stepper.stop()
 
 
 async def until_healthy(client, seconds=30):
@@ -567,7 +569,7 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape_and_frees_the_engine(c
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
         assert "secret" not in r.text
         r = await client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200 and served.busy is False, r.text
+        assert r.status_code == 200 and served.active == 0, r.text
     with caplog.at_level(logging.ERROR, logger="colibri.server"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1), check, queue_timeout=5.0)
     logged = [rec for rec in caplog.records if rec.name == "colibri.server"]
@@ -614,3 +616,130 @@ def test_serve_without_the_model_dir_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(tmp_path / "none")],
                        env=ENV, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "none" in r.stderr
+
+
+# ---- --parallel N: requests decoded together ------------------------------------------------------
+
+PARALLEL = 3
+
+
+@pytest.fixture(scope="module")
+def parallel_server(chat_model_dir):
+    s = Server(chat_model_dir, "--api-key", API_KEY, "--model-name", "tiny", "--max-queue", "8",
+               "--parallel", str(PARALLEL), *LONG_CTX)
+    yield s
+    code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
+def _ask_all(server, bodies, path="/v1/completions"):
+    """Every body posted at once from its own thread: [response json] in the bodies' order."""
+    got, errors = [None] * len(bodies), []
+
+    def ask(i):
+        try:
+            if bodies[i].get("stream"):
+                with httpx.stream("POST", server.url + path, json=bodies[i], headers=AUTH, timeout=120) as r:
+                    assert r.status_code == 200
+                    lines = [ln for ln in r.iter_lines() if ln]
+                chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+                got[i] = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "")
+                                 for c in chunks if c["choices"])
+            else:
+                r = post(server, path, bodies[i], timeout=120)
+                assert r.status_code == 200, r.text
+                got[i] = r.json()
+        except Exception as e:           # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    return got
+
+
+def test_parallel_requests_get_what_each_gets_alone(parallel_server, local):
+    """More requests than places, with different prompts, lengths and sampling, some streamed:
+    each answer (text, logprobs, usage, finish reason) is the one generate() gives alone."""
+    prompts = ["hello world", "the quick brown fox", "mixture of experts", "unto the LORD", "a b c", "zebra"]
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 3 + 2 * i, "seed": i, "temperature": 0.5 * (i % 3),
+               "logprobs": 2 if i % 2 else None, "stream": i == 4} for i, p in enumerate(prompts)]
+    got = _ask_all(parallel_server, bodies)
+    for body, answer in zip(bodies, got):
+        ids = local.encode(body["prompt"])
+        want = list(local.generate(ids, max_new_tokens=body["max_tokens"], seed=body["seed"],
+                                   temperature=body["temperature"], logprobs=body["logprobs"]))
+        text = local.tokenizer.decode(want, skip_special_tokens=True)
+        if body["stream"]:
+            assert answer == text
+            continue
+        choice = answer["choices"][0]
+        assert choice["text"] == text and answer["usage"]["completion_tokens"] == len(want)
+        assert choice["finish_reason"] == local.last_generation.finish_reason
+        if body["logprobs"]:
+            assert choice["logprobs"]["token_logprobs"] == [p.logprob for p in local.last_generation.picks]
+
+
+def test_parallel_chat_and_stop_strings(parallel_server, local):
+    ids = local.apply_chat_template(MESSAGES)
+    full = local.tokenizer.decode(list(local.generate(ids, max_new_tokens=12)), skip_special_tokens=True)
+    stop = full[4:6] if len(full) >= 6 else "zz"
+    want = "".join(local.stream(ids, 12, stop=stop))
+    bodies = [{"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "stop": stop, "stream": s} for s in (False, True)]
+    whole, streamed = _ask_all(parallel_server, bodies, "/v1/chat/completions")
+    assert whole["choices"][0]["message"]["content"] == want == streamed
+
+
+def test_a_dropped_parallel_stream_frees_its_place(parallel_server):
+    """PARALLEL streams that hang up after one line: none keeps its place, so PARALLEL more
+    requests all run (with a place held by a dropped stream they would queue behind a generation
+    of LONG tokens, past the timeout)."""
+    def drop():
+        body = {"model": "tiny", "prompt": "the quick", "max_tokens": LONG, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", parallel_server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            for _ in r.iter_lines():
+                break
+    for _ in range(2):
+        threads = [threading.Thread(target=drop) for _ in range(PARALLEL)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        got = _ask_all(parallel_server, [{"model": "tiny", "prompt": "hi", "max_tokens": 2}] * PARALLEL)
+        assert all(g["usage"]["completion_tokens"] == 2 for g in got)
+
+
+def test_a_failing_batch_step_is_a_500_for_its_requests_and_the_next_ones_run(chat_model_dir, monkeypatch, caplog):
+    from colibri import batching
+
+    real_step = batching.Batch.step
+    broken = {"n": 0}
+
+    def step(self):
+        if broken["n"] and any(s.record.tokens for s in self.running):
+            broken["n"] -= 1
+            raise KeyError("secret detail of a step")
+        return real_step(self)
+    monkeypatch.setattr(batching.Batch, "step", step)
+    body = {"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True}
+
+    async def check(served, client):
+        await until_healthy(client)
+        broken["n"] = 1
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 500 and "secret" not in r.text, r.text
+        rs = await asyncio.gather(*[client.post("/v1/chat/completions", json=body) for _ in range(4)])
+        assert all(r.status_code == 200 for r in rs) and served.active == 0
+        r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 10 ** 6})
+        assert r.status_code == 400
+    with caplog.at_level(logging.ERROR, logger="colibri.server"):
+        in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2), check, parallel=2, max_queue=4)
+
+
+@pytest.mark.parametrize("value, message", [("0", "--parallel"), ("65", "--parallel must be in 1..64")])
+def test_a_bad_parallel_is_one_line(chat_model_dir, value, message):
+    r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--parallel", value],
+                       env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

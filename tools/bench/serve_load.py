@@ -15,10 +15,12 @@ Targets alternate within each rate (A, B, A, B ... by rate), on the same machine
     python tools/bench/serve_load.py --target colibri=http://127.0.0.1:8000 \\
         --target llama=http://127.0.0.1:8080 --rates 0.25,0.5,1,2 --requests 24 [--out results.md]
     python tools/bench/serve_load.py --model-dir D --threads 2 --rates 0.5,1   # starts Colibri itself
+    python tools/bench/serve_load.py --model-dir D --parallel 1,4 ...   # two Colibri servers: colibri-p1, -p4
 
 Needs httpx (the test extra). Start llama-server with the same threads and a context that holds a
 request (`-c 512 -np 1`); Colibri with `colibri serve --model-dir D --threads N --max-queue 1000`
-(a saturating rate must queue, not be refused).
+(a saturating rate must queue, not be refused); `--parallel N` gives it N places decoded together,
+as llama-server's `-np N` slots (each then needs `-c` of N requests' context).
 """
 from __future__ import annotations
 
@@ -87,12 +89,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_colibri(model_dir: str, threads: int) -> tuple:
+def start_colibri(model_dir: str, threads: int, parallel: int = 1) -> tuple:
     """A Colibri server on a free loopback port, healthy; (process, url)."""
     import httpx
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--model-dir", model_dir, "--port", str(port),
-                             "--threads", str(threads), "--max-queue", "100000", "--queue-timeout", "100000"],
+                             "--threads", str(threads), "--max-queue", "100000", "--queue-timeout", "100000",
+                             "--parallel", str(parallel), "--n-ctx", "1024"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -121,6 +124,8 @@ def main(argv=None) -> int:
                     help="a running OpenAI-compatible server (repeat for several; they alternate)")
     ap.add_argument("--model-dir", help="start `colibri serve` on this directory as target 'colibri'")
     ap.add_argument("--threads", type=int, default=2, help="threads of the Colibri server started here")
+    ap.add_argument("--parallel", default="1",
+                    help="its places (serve --parallel); a list (1,4) starts one server per value, colibri-pN")
     ap.add_argument("--rates", default="0.25,0.5,1,2", help="arrival rates, requests per second")
     ap.add_argument("--requests", type=int, default=24, help="requests per rate and target")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -134,9 +139,11 @@ def main(argv=None) -> int:
         ap.error("--target takes NAME=URL")
     procs = []
     if a.model_dir:
-        proc, url = start_colibri(a.model_dir, a.threads)
-        procs.append(proc)
-        targets.insert(0, ["colibri", url])
+        parallels = [int(v) for v in a.parallel.split(",")]
+        for k, n in enumerate(parallels):
+            proc, url = start_colibri(a.model_dir, a.threads, n)
+            procs.append(proc)
+            targets.insert(k, ["colibri" if len(parallels) == 1 else f"colibri-p{n}", url])
     if not targets:
         ap.error("give --target NAME=URL or --model-dir D")
     rates = [float(r) for r in a.rates.split(",")]
