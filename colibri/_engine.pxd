@@ -178,6 +178,7 @@ cdef struct Scratch:
     int seq
     const int *tok_seq    # [n] or NULL
     const int *tok_pos    # [n] or NULL
+    const unsigned char *tok_want   # [n] or NULL: a step's tokens whose logits are wanted (WANT_SOME)
     float *x          # [cap, d_model] the residual streams
     float *xb         # [cap, d_model] normed inputs of a block
     float *xb2        # [cap, d_model] outputs of a block

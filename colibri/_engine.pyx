@@ -280,6 +280,15 @@ cdef inline int token_seq(const Scratch *s, int t) noexcept nogil:
     return s.tok_seq[t] if s.tok_seq != NULL else s.seq
 
 
+cdef inline int step_run_end(const Scratch *s, int t, int n) noexcept nogil:
+    """In a step: the end of the run of tokens from t that continue one sequence position by
+    position (a prompt's piece; a decoding sequence's run is its one token)."""
+    cdef int r = t + 1
+    while r < n and s.tok_seq[r] == s.tok_seq[t] and s.tok_pos[r] == s.tok_pos[r - 1] + 1:
+        r += 1
+    return r
+
+
 cdef inline void *seq_cache(void *cache, const Layer *L, int seq) noexcept nogil:
     """Sequence seq's part [n_kv_heads, kv_ring, row] of a layer's key or value cache."""
     return <char *>cache + <size_t>seq * L.kv_seq_bytes
@@ -313,7 +322,7 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
     in a step, each token at its own position over its own sequence's cache (the decode of each).
     The tokens' keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
     a ring of window + chunk rows keeps every key a query of the chunk can see."""
-    cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t
+    cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t, r
     cdef cb_matjob jobs[3]
     job(&jobs[0], s.q, q_dim, &L.wq, s.xb, d, s.acts, n)
     job(&jobs[1], s.k, kv_dim, &L.wk, s.xb, d, s.acts, n)
@@ -330,11 +339,14 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
                           s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx, n, pos0, L.sliding_window,
                           L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
     else:
-        for t in range(n):
+        t = 0
+        while t < n:                            # each run of one sequence's consecutive positions at once
+            r = step_run_end(s, t, n)
             kernels.attention(s.att + <size_t>t * q_dim, q_dim, s.q + <size_t>t * q_dim, q_dim,
                               seq_cache(L.k_cache, L, s.tok_seq[t]), seq_cache(L.v_cache, L, s.tok_seq[t]),
-                              s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx, 1, s.tok_pos[t],
+                              s.scores, h.n_heads, L.n_kv_heads, L.head_dim, h.n_ctx, r - t, s.tok_pos[t],
                               L.sliding_window, L.kv_ring, L.attn_scale, L.sinks, h.n_threads, h.kv)
+            t = r
     matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
     if L.bo != NULL:
         for t in range(n):
@@ -347,7 +359,7 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
     it as one KV head, with its query [rope part, wkb_h . nope part] and its value wvb_h . (the
     attention's latent). The same arithmetic for any n, so a prompt equals decoding it."""
     cdef int d = h.d_model, H = h.n_heads, D = L.head_dim, R = L.kv_rank, rope = L.rope_dim
-    cdef int qk = L.qk_head, v = L.v_head, nope = L.qk_head - L.rope_dim, t, i, pos
+    cdef int qk = L.qk_head, v = L.v_head, nope = L.qk_head - L.rope_dim, t, i, pos, r
     cdef int ql = L.wq_a.rows
     cdef cb_matjob jobs[2]
     cdef cb_matjob *heads = s.head_jobs
@@ -388,11 +400,14 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
         kernels.attention(s.att, H * D, s.q, H * D, seq_cache(L.k_cache, L, s.seq), seq_cache(L.v_cache, L, s.seq),
                           s.scores, H, 1, D, h.n_ctx, n, pos0, 0, L.kv_ring, L.attn_scale, NULL, h.n_threads, h.kv)
     else:
-        for t in range(n):
+        t = 0
+        while t < n:
+            r = step_run_end(s, t, n)
             kernels.attention(s.att + <size_t>t * H * D, H * D, s.q + <size_t>t * H * D, H * D,
                               seq_cache(L.k_cache, L, s.tok_seq[t]), seq_cache(L.v_cache, L, s.tok_seq[t]),
-                              s.scores, H, 1, D, h.n_ctx, 1, s.tok_pos[t], 0, L.kv_ring, L.attn_scale, NULL,
+                              s.scores, H, 1, D, h.n_ctx, r - t, s.tok_pos[t], 0, L.kv_ring, L.attn_scale, NULL,
                               h.n_threads, h.kv)
+            t = r
     for i in range(H):                          # values: wvb_h . (head h's attention over the latents)
         wh = L.wvb
         wh.data = <const char *>L.wvb.data + <size_t>i * v * cb_row_stride(L.wvb.dtype, R)
@@ -636,6 +651,7 @@ cdef enum:
     WANT_NONE = 0             # no logits (an inner chunk of a long prompt)
     WANT_LAST = 1             # the last token's logits [vocab]
     WANT_ALL = 2              # every token's logits [n, vocab]
+    WANT_SOME = 3             # the logits of the tokens s.tok_want marks, in their order [marked, vocab]
 
 PREFILL_CHUNK = 128        # prompt tokens per chunk: bounds the scratch (about 40 KB per
                            # token for a 1024-wide model with 3584-wide experts)
@@ -647,9 +663,9 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
     """The model, layer by layer, over n <= s.cap tokens at positions pos0.. (decode: n = 1):
 
         embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
-              -> final_norm -> lm_head (want: WANT_ALL, WANT_LAST or WANT_NONE)
+              -> final_norm -> lm_head (want: WANT_ALL, WANT_LAST, WANT_NONE or, in a step, WANT_SOME)
     """
-    cdef int d = h.d_model, l, t, status
+    cdef int d = h.d_model, l, t, status, kept
     cdef Layer *L
     for t in range(n):
         kernels.dequant_row(s.x + <size_t>t * d, embedding.data, embedding.dtype, embedding.layout, tokens[t],
@@ -675,6 +691,18 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
         cb_add(s.x, s.xb2, n * d)
         if L.layer_scalar != 1.0:
             cb_scale(s.x, L.layer_scalar, n * d)
+    if want == WANT_SOME:                                           # the marked rows to the front
+        kept = 0
+        for t in range(n):
+            if s.tok_want[t]:
+                if kept != t:
+                    memcpy(s.x + <size_t>kept * d, s.x + <size_t>t * d, sizeof(float) * d)
+                kept += 1
+        if kept == 0:
+            want = WANT_NONE
+        else:
+            n = kept
+            want = WANT_ALL
     if want == WANT_NONE:
         return STATUS_OK if cb_all_finite(s.x, n * d) else STATUS_BAD_HIDDEN
     if want == WANT_ALL:                                            # head
@@ -873,6 +901,7 @@ cdef class Engine:
         s.seq = 0
         s.tok_seq = NULL
         s.tok_pos = NULL
+        s.tok_want = NULL
         s.x = _f32(keep["x"]); s.xb = _f32(keep["xb"]); s.xb2 = _f32(keep["xb2"])
         s.q = _f32(keep["q"]); s.att = _f32(keep["att"])
         s.k = _f32(keep["k"]); s.v = _f32(keep["v"])
@@ -1085,36 +1114,46 @@ cdef class Engine:
             memcpy(self.s.logits, &logits_out[T - 1 if all_logits else 0, 0], sizeof(float) * self.h.vocab)
         return status, min(t, T - 1), self.s.bad_layer
 
-    def step(self, const int[::1] tokens, const int[::1] seqs, const int[::1] positions, float[:, ::1] logits_out):
-        """One token of each of B <= prefill_chunk different sequences in one pass: token b of
-        sequence seqs[b] at position positions[b] (its earlier positions in that sequence's cache),
-        its logits into logits_out[b] ([B, vocab]). Every weight is read once for all B; each
-        token's arithmetic is that of run() on its sequence alone (no kernel's depends on the
-        tokens beside it), so the logits are the same bits. Returns run()'s triple."""
-        cdef int B = tokens.shape[0], b, status
-        if not 1 <= B <= self.s.cap or seqs.shape[0] != B or positions.shape[0] != B:
+    def step(self, const int[::1] tokens, const int[::1] seqs, const int[::1] positions, float[:, ::1] logits_out,
+             const unsigned char[::1] want=None):
+        """B <= prefill_chunk tokens of several sequences in one pass: token b of sequence seqs[b]
+        at position positions[b], a sequence's tokens side by side at consecutive positions (a
+        decoding sequence's one token, a piece of a prompt), its earlier positions in that
+        sequence's cache. Logits into logits_out [B, vocab], or with `want` (uint8 [B]) those of
+        the marked tokens only, in their order ([marked, vocab]; the head skipped for the rest).
+        Every weight is read once for all B; each token's arithmetic is that of run() on its
+        sequence alone (no kernel's depends on the tokens beside it), so the logits are the same
+        bits. Returns run()'s triple."""
+        cdef int B = tokens.shape[0], b, status, rows
+        if not 1 <= B <= self.s.cap or seqs.shape[0] != B or positions.shape[0] != B \
+                or (want is not None and want.shape[0] != B):
             raise ValueError(f"a step takes 1..{self.s.cap} tokens with a sequence and a position each, "
                              f"got {B}, {seqs.shape[0]}, {positions.shape[0]}")
-        if logits_out.shape[0] < B or logits_out.shape[1] != self.h.vocab:
+        rows = B if want is None else sum(1 for b in range(B) if want[b])
+        if logits_out.shape[0] < max(rows, 1) or logits_out.shape[1] != self.h.vocab:
             raise ValueError("logits_out has the wrong shape")
         seen = set()
         for b in range(B):
             if tokens[b] < 0 or tokens[b] >= self.h.vocab:
                 raise ValueError(f"token id {tokens[b]} is outside the vocabulary [0, {self.h.vocab})")
-            if not 0 <= seqs[b] < self.h.n_seq or seqs[b] in seen:
-                raise ValueError(f"sequence {seqs[b]}: outside 0..{self.h.n_seq - 1} or twice in one step")
+            if not 0 <= seqs[b] < self.h.n_seq:
+                raise ValueError(f"sequence {seqs[b]} is outside 0..{self.h.n_seq - 1}")
+            if seqs[b] in seen and not (seqs[b - 1] == seqs[b] and positions[b] == positions[b - 1] + 1):
+                raise ValueError(f"sequence {seqs[b]}'s tokens in a step must be side by side at consecutive positions")
             seen.add(seqs[b])
             if not 0 <= positions[b] < self.h.n_ctx:
                 raise ValueError(f"position {positions[b]} exceeds the context of {self.h.n_ctx}")
         self.s.tok_seq = &seqs[0]
         self.s.tok_pos = &positions[0]
+        self.s.tok_want = NULL if want is None else &want[0]
         with nogil:
             status = forward(&self.h, self.layers, &self.embedding, self.final_norm, &self.lm_head,
-                             &self.s, &tokens[0], B, 0, &logits_out[0, 0], WANT_ALL)
+                             &self.s, &tokens[0], B, 0, &logits_out[0, 0], WANT_ALL if want is None else WANT_SOME)
         self.s.tok_seq = NULL
         self.s.tok_pos = NULL
-        if status == STATUS_OK:
-            memcpy(self.s.logits, &logits_out[B - 1, 0], sizeof(float) * self.h.vocab)
+        self.s.tok_want = NULL
+        if status == STATUS_OK and rows:
+            memcpy(self.s.logits, &logits_out[rows - 1, 0], sizeof(float) * self.h.vocab)
         return status, 0, self.s.bad_layer
 
     @property

@@ -3,19 +3,22 @@
 Design
 ------
 A Model loaded with parallel=N holds N sequences side by side in its KV cache. A Batch owns the
-Model while it is open (generate() is refused meanwhile) and advances its sequences in steps:
+Model while it is open (generate() is refused meanwhile) and advances its sequences in steps,
+each ONE engine pass (Engine.step: every weight read once for all its tokens, the experts any of
+them chose) over at most `step_tokens` tokens:
 
-    step():  the prompts of the sequences added since the last step, each in a free sequence of
-             the cache (a prefill chunk at a time, after the longest prefix that sequence still
-             holds), each then sampling its first token;
-             one token of every other running sequence, all in one engine pass (Engine.step:
-             every weight read once for all of them, the experts any of them chose).
+    one token of every decoding sequence, then
+    pieces of the prompts not yet run, in the order they were added, with the tokens left
+    (at least one: a prompt always advances); a prompt's first piece goes to a free place in
+    the cache after the longest prefix that place still holds (a conversation's next turn).
 
-Each sequence samples with its own Sampler and stops at its own EOS, length or stop string, so
-its tokens are those generate() gives for it alone: no kernel's arithmetic depends on the tokens
-beside it (tests/test_batching.py holds the logits to the same bits). A step returns its events,
-(sequence, token, pick); a finished sequence frees its place in the cache for the next add()
-(whose prompt may share a prefix with what that place holds: a conversation's next turn).
+So a long prompt does not stall the others' tokens: they come every step, and a step costs
+about a pass over `step_tokens` tokens (vLLM's chunked prefill; llama-server runs a whole prompt
+batch at once). A sequence whose prompt completes samples its first token from that step's
+logits (the head runs only for the tokens whose logits are used). Each sequence samples with its
+own Sampler and stops at its own EOS, length or stop string, so its tokens are those generate()
+gives for it alone: no kernel's arithmetic depends on the tokens beside it (tests/test_batching.py
+holds the logits to the same bits). A step returns its events, (sequence, token, pick, text).
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ import numpy as np
 
 from .errors import ColibriError
 from .streaming import GenerationText, StopStrings
+
+DEFAULT_STEP_TOKENS = 32      # tokens a step runs at most: on 2 Zen 4 cores (mixtral-mini int8, 4
+                              # places) 32 gave the decoding sequences' gaps a P99 of 90 ms (64: 130-150,
+                              # 128: 235-255) and the most tokens/s (BENCHMARKS.md, "serve --parallel")
 
 
 class Sequence:
@@ -32,7 +39,8 @@ class Sequence:
     def __init__(self, prompt: np.ndarray, max_new_tokens: int, sampler, eos: set, record, text):
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         self.sampler, self.eos, self.record, self.text = sampler, eos, record, text
-        self.slot = None                 # its sequence in the model's KV cache while it runs
+        self.slot = None                 # its sequence in the model's KV cache, once placed
+        self.fed = 0                     # prompt tokens in its cache
         self.pos = 0                     # the position of `pending`
         self.pending = None              # the sampled token not yet run through the model
         self.done = False
@@ -53,27 +61,33 @@ class Sequence:
 
 class Batch:
     """Generations on one Model decoded together: add() them, call step() until `running` is
-    empty. Use as a context manager (or close()): the Model is held until then."""
+    empty. Use as a context manager (or close()): the Model is held until then. step_tokens:
+    the most tokens a step runs (default DEFAULT_STEP_TOKENS, at most the model's prefill chunk)."""
 
-    def __init__(self, model):
+    def __init__(self, model, step_tokens: int | None = None):
+        if step_tokens is not None and (isinstance(step_tokens, bool) or not isinstance(step_tokens, int)
+                                        or step_tokens < 1):
+            raise ColibriError(f"step_tokens must be a positive integer, got {step_tokens!r}")
         self.model = model
+        self.step_tokens = min(step_tokens or DEFAULT_STEP_TOKENS, model._chunk)
         self._hold = model._exclusive()
         self._hold.__enter__()
         model._begin()
         self._free = list(range(model.parallel))      # places in the KV cache, least recently used first
-        self._new = []                                # added, prompt not run yet
-        self._running = []                            # prompt run, decoding
+        self._waiting = []                            # added, not placed yet
+        self._prefilling = []                         # placed, prompt partly run
+        self._decoding = []                           # prompt run, a token pending
         self._closed = False
 
     @property
     def running(self) -> list:
-        """The sequences not finished yet, in the order they were added."""
-        return self._new + self._running
+        """The sequences not finished yet."""
+        return self._waiting + self._prefilling + self._decoding
 
     @property
     def room(self) -> int:
         """How many more sequences add() takes now."""
-        return len(self._free) - len(self._new)
+        return len(self._free) - len(self._waiting)
 
     def add(self, ids, max_new_tokens: int = 64, *, stop=None, skip_special_tokens: bool = True,
             temperature=None, top_k=None, top_p=None, seed: int = 0, stop_at_eos: bool = True, min_p=None,
@@ -93,52 +107,67 @@ class Batch:
         stops = StopStrings(stop)
         if not all(isinstance(s, str) for s in stops.stops):
             raise ColibriError(f"stop must be a string or a list of strings, got {stop!r}")
-        text = GenerationText(m.tokenizer, skip_special_tokens, stops, record) if m.tokenizer is not None else None
-        if stops.stops and text is None:
+        if stops.stops:
             m._need_tokenizer()
+        text = GenerationText(m.tokenizer, skip_special_tokens, stops, record) if m.tokenizer is not None else None
         seq = Sequence(prompt, int(max_new_tokens), sampler, eos, record, text)
         record.finish_reason = "length"
-        self._new.append(seq)
+        self._waiting.append(seq)
         return seq
 
     def step(self) -> list:
-        """Run the new sequences' prompts and one token of every other running sequence:
-        [(sequence, token, sampling.Pick, text)], the new sequences' first. `text` is what the
-        token adds to the sequence's text (stream_tokens' pieces; "" without a tokenizer), the
-        text held back to the end included in its last token's. A sequence whose token ends it
-        (EOS, its length, a stop string) is finished and its place freed."""
+        """One engine pass: a token of every decoding sequence and pieces of the prompts (see the
+        module's design). [(sequence, token, sampling.Pick, text)]: the decoding sequences' tokens,
+        then the first tokens of the prompts that completed. `text` is what the token adds to the
+        sequence's text (stream_tokens' pieces; "" without a tokenizer), the text held back to
+        the end included in its last token's. A sequence whose token ends it (EOS, its length, a
+        stop string) is finished and its place freed. Nothing to run: []."""
         self._check_open()
         m = self.model
-        events = []
-        new, self._new = self._new, []
-        for seq in new:
-            seq.slot = self._place_for(seq.prompt)
-            common = m._reusable_prefix(seq.prompt, seq.slot)
-            seq.record.reused_tokens = common
-            seq.sampler.reset(seq.prompt)
-            logits = np.empty((1, m.config.vocab_size), np.float32)
-            m._run(seq.prompt[common:], common, logits, all_logits=False, seq=seq.slot)
-            seq.pos = len(seq.prompt)
-            events.append(self._emit(seq, logits[0]))
-        decoding = [s for s in self._running if s not in new]
-        if decoding:
-            tokens = np.array([s.pending for s in decoding], np.int32)
-            slots = np.array([s.slot for s in decoding], np.int32)
-            positions = np.array([s.pos for s in decoding], np.int32)
-            logits = np.empty((len(decoding), m.config.vocab_size), np.float32)
-            m._step(tokens, slots, positions, logits)
-            for i, seq in enumerate(decoding):
+        for seq in self._waiting:                     # every waiting sequence has a place by now
+            self._place(seq)
+        self._prefilling += self._waiting
+        self._waiting = []
+        parts = [(seq, np.array([seq.pending], np.int32), seq.pos, True) for seq in self._decoding]
+        quota = min(max(self.step_tokens - len(parts), 1), m._chunk - len(parts))
+        for seq in self._prefilling:
+            if quota < 1:
+                break
+            k = min(quota, len(seq.prompt) - seq.fed)
+            parts.append((seq, seq.prompt[seq.fed:seq.fed + k], seq.fed, seq.fed + k == len(seq.prompt)))
+            quota -= k
+        if not parts:
+            return []
+        tokens = np.concatenate([p[1] for p in parts]).astype(np.int32)
+        slots = np.concatenate([np.full(len(p[1]), p[0].slot, np.int32) for p in parts])
+        positions = np.concatenate([np.arange(p[2], p[2] + len(p[1]), dtype=np.int32) for p in parts])
+        want = np.concatenate([np.arange(len(p[1])) == len(p[1]) - 1 if p[3] else np.zeros(len(p[1]), bool)
+                               for p in parts]).astype(np.uint8)
+        logits = np.empty((max(int(want.sum()), 1), m.config.vocab_size), np.float32)
+        m._step(tokens, slots, positions, logits, want)
+        events, row = [], 0
+        for seq, piece, start, last in parts:
+            if seq.pending is not None:               # a decoding sequence's token
                 seq.pos += 1
-                events.append(self._emit(seq, logits[i]))
+            else:                                     # a prompt's piece
+                seq.fed = start + len(piece)
+                if not last:
+                    continue
+                self._prefilling.remove(seq)
+                seq.pos = len(seq.prompt)
+            events.append(self._emit(seq, logits[row]))
+            row += 1
         return events
 
     def cancel(self, seq: Sequence) -> None:
         """Stop `seq` now (a client that left); its place is freed. No-op once it is done."""
-        if seq in self._new:
-            self._new.remove(seq)
-            seq.done = True
-        elif not seq.done:
-            self._finish(seq)
+        if seq.done:
+            return
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        elif seq in self._prefilling:
+            self._prefilling.remove(seq)
+        self._finish(seq)
 
     def close(self) -> None:
         """Cancel what still runs and give the Model back. Idempotent."""
@@ -157,6 +186,16 @@ class Batch:
 
     # -- inside --
 
+    def _place(self, seq: Sequence) -> None:
+        """Seq's place: the free one whose cache holds the longest prefix of its prompt (a
+        conversation's next turn), else the least recently used one; the prompt then runs from
+        the end of that prefix."""
+        m = self.model
+        seq.slot = max(self._free, key=lambda slot: (m._reusable_prefix(seq.prompt, slot), -self._free.index(slot)))
+        self._free.remove(seq.slot)
+        seq.fed = seq.record.reused_tokens = m._reusable_prefix(seq.prompt, seq.slot)
+        seq.sampler.reset(seq.prompt)
+
     def _emit(self, seq: Sequence, logits: np.ndarray) -> tuple:
         token, pick = seq._take(logits)
         shown = ""
@@ -168,23 +207,17 @@ class Batch:
                 shown += seq.text.finish()
         if seq.done:
             self._finish(seq)
-        elif seq not in self._running:
-            self._running.append(seq)
+        elif seq not in self._decoding:
+            self._decoding.append(seq)
         return seq, token, pick, shown
 
     def _finish(self, seq: Sequence) -> None:
         seq.done = True
-        if seq in self._running:
-            self._running.remove(seq)
+        seq.pending = None
+        if seq in self._decoding:
+            self._decoding.remove(seq)
         if seq.slot is not None:
             self._free.append(seq.slot)
-
-    def _place_for(self, prompt: np.ndarray) -> int:
-        """The free place whose cache holds the longest prefix of `prompt` (a conversation's next
-        turn), else the least recently used one."""
-        best = max(self._free, key=lambda slot: (self.model._reusable_prefix(prompt, slot), -self._free.index(slot)))
-        self._free.remove(best)
-        return best
 
     def _check_open(self) -> None:
         if self._closed:

@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests generated at once, their tokens decoded together in one pass over the "
                           "weights (more tokens/s in all, each token later); each has its own --n-ctx of KV "
                           "cache (default: 1)")
+    srv.add_argument("--step-tokens", "--step_tokens", dest="step_tokens", type=_positive_int, default=None,
+                     help="with --parallel: tokens one pass runs at most, the running requests' one each and "
+                          "pieces of new prompts; fewer keep the running requests' tokens coming sooner, more "
+                          "finish a prompt sooner (default: 32, at most the prefill chunk)")
 
     tok = sub.add_parser("tokenizer", help="add or replace the tokenizer, chat template and generation config "
                                            "files of a model directory")
@@ -574,7 +578,8 @@ def cmd_serve(args) -> int:
     if args.parallel > names.MAX_PARALLEL:
         raise ColibriError(f"--parallel must be in 1..{names.MAX_PARALLEL}, got {args.parallel}")
     serve(load, name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]), parallel=args.parallel)
+          queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]), parallel=args.parallel,
+          step_tokens=args.step_tokens)
     return 0
 
 

@@ -504,14 +504,16 @@ class Model:
             self._damaged(status, pos + index, layer)
         self._kv_tokens[seq].extend(int(t) for t in tokens)
 
-    def _step(self, tokens: np.ndarray, seqs: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
-        """One token of each of several sequences (int32 [B] each: token b of sequence seqs[b] at
-        positions[b]) in one engine pass, their logits into out [B, vocab] (Engine.step)."""
+    def _step(self, tokens: np.ndarray, seqs: np.ndarray, positions: np.ndarray, out: np.ndarray,
+              want: np.ndarray | None = None) -> None:
+        """Tokens of several sequences in one engine pass (int32 [B] each: token b of sequence
+        seqs[b] at positions[b], a sequence's tokens side by side), the logits of those `want`
+        (uint8 [B]; None: all) into out [wanted, vocab] (Engine.step)."""
         with self._engine_lock:
             engine = self._live()
             for seq, pos in zip(seqs, positions):
                 del self._kv_tokens[seq][pos:]
-            status, _, layer = engine.step(tokens, seqs, positions, out)
+            status, _, layer = engine.step(tokens, seqs, positions, out, want)
         if status != _engine.STATUS_OK:
             self._damaged(status, int(positions[0]), layer)
         for token, seq in zip(tokens, seqs):

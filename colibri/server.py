@@ -9,9 +9,9 @@ to the first waiter) bounded by `max_queue` — beyond it, and after `queue_time
 waiting, the answer is 503 with Retry-After. The engine runs on one worker thread; the event
 loop only parses, queues and writes. With N = 1 a generation advances one token per hop to that
 thread (Generation); with N > 1 that thread runs a colibri.batching.Batch (Stepper): each step
-runs the prompts of the requests admitted since the last one and then decodes one token of every
-other running request in one engine pass, every weight read once for all of them — the tokens of
-each are those it gets alone (BatchedGeneration). Each request watches its connection: a client
+is one engine pass over a token of every decoding request and pieces of the new prompts, up to
+`--step-tokens` in all, every weight read once for all of them — the tokens of each are those it
+gets alone (BatchedGeneration). Each request watches its connection: a client
 that disconnects (streamed or not, or while it waits in the queue) stops its generation after the
 token being computed — its generator is closed (its sequence cancelled) on the engine thread,
 the next request's work queuing behind that. Repeated prefixes (multi-turn chat, a shared system
@@ -226,12 +226,13 @@ class Served:
     """The model, its worker thread, the FIFO in front of it and the metrics."""
 
     def __init__(self, load, name: str, api_key: str | None, max_queue: int, queue_timeout: float,
-                 parallel: int = 1):
+                 parallel: int = 1, step_tokens: int | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.load, self.name, self.api_key = load, name, api_key
         self.max_queue, self.queue_timeout = max_queue, queue_timeout
         self.parallel = parallel               # generations at once (the Model's load(parallel=))
+        self.step_tokens = step_tokens         # the Batch's tokens per step (None: its default)
         self.model = None
         self.stepper = None                    # the Batch's engine thread (parallel > 1), once loaded
         self.load_error = None
@@ -265,7 +266,7 @@ class Served:
             try:
                 m = self.load()
                 if self.parallel > 1:
-                    self.stepper = Stepper(m)
+                    self.stepper = Stepper(m, self.step_tokens)
                 self.model = m
             except Exception as e:          # noqa: BLE001 - reported by /health and each request
                 self.load_error = str(e) or type(e).__name__
@@ -561,10 +562,10 @@ class Stepper:
     g), ("cancel", g), ("stop", None) arrive in one FIFO, so a place freed by a cancel is free
     for the add that follows it."""
 
-    def __init__(self, model):
+    def __init__(self, model, step_tokens: int | None = None):
         from .batching import Batch
 
-        self.batch = Batch(model)
+        self.batch = Batch(model, step_tokens)
         self.jobs = queue.SimpleQueue()
         self.owners = {}                 # id(sequence) -> its BatchedGeneration
         self.thread = threading.Thread(target=self._run, name="colibri-batch", daemon=True)
@@ -889,7 +890,8 @@ def _completion_logprobs(m, picks, top: int) -> dict:
 
 
 def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = 16, queue_timeout: float = 600.0, log=print, parallel: int = 1) -> None:
+          max_queue: int = 16, queue_timeout: float = 600.0, log=print, parallel: int = 1,
+          step_tokens: int | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running requests
     GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels them, and returns). `load()` -> Model
     (loaded with this `parallel`), called once in the background."""
@@ -898,7 +900,7 @@ def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: s
 
     if api_key is not None and not api_key.strip():
         raise ColibriError("--api-key is empty: give a key, or leave the option out to serve without one")
-    served = Served(load, name, api_key, max_queue, queue_timeout, parallel)
+    served = Served(load, name, api_key, max_queue, queue_timeout, parallel, step_tokens)
     app = create_app(served)
     at_once = "one generation at a time" if parallel == 1 else f"{parallel} generations at a time, decoded together"
     log(f"[INFO] Serving '{name}' on http://{host}:{port}/v1 (health: /health, metrics: /metrics); "

@@ -69,12 +69,43 @@ def test_a_step_gives_each_sequence_the_bits_of_decoding_it_alone(converted, cas
             pos[i] += 1
 
 
+@pytest.mark.parametrize("case", ["mixtral_a", "gemma4_a", "gpt_oss_a", "deepseekv3_a"])
+def test_a_step_mixes_prompt_pieces_and_decoding_tokens(converted, case):
+    """A step of one sequence's decoding token, another's prompt piece (consecutive positions,
+    attended as one run) and a third's: with `want` marking the decoding token and each piece's
+    last, the rows are those tokens' logits alone, bit for bit, and the pieces' caches serve
+    the next step as a prompt run alone would."""
+    path = converted(case, "int8")
+    alone_model = colibri.load(path, threads=2, prefill_chunk=8)
+    vocab = alone_model.config.vocab_size
+    seqs = _sequences(case, vocab)
+    want = [_alone(alone_model, s) for s in seqs]
+    m = colibri.load(path, threads=2, parallel=3, prefill_chunk=8)
+    out = np.empty((4, vocab), np.float32)
+    assert m._engine.run(seqs[0][:4], 0, out[:1], False, 1)[0] == 0       # sequence 0 in place 1, 4 tokens
+    pieces = [(1, seqs[0], 4, 1), (0, seqs[1], 0, 5), (2, seqs[2], 0, 2)]  # (place, ids, from, tokens)
+    for round_ in range(2):
+        tokens = np.concatenate([ids[f:f + k] for _, ids, f, k in pieces]).astype(np.int32)
+        places = np.concatenate([np.full(k, p, np.int32) for p, _, _, k in pieces])
+        positions = np.concatenate([np.arange(f, f + k, dtype=np.int32) for _, _, f, k in pieces])
+        mask = np.concatenate([np.arange(k) == k - 1 for *_, k in pieces]).astype(np.uint8)
+        assert m._engine.step(tokens, places, positions, out[:3], mask)[0] == 0
+        for row, (i, (_, ids, f, k)) in enumerate(zip((0, 1, 2), pieces)):
+            np.testing.assert_array_equal(out[row], want[i][f + k - 1], err_msg=f"round {round_}, sequence {i}")
+        pieces = [(p, ids, f + k, 1 if i == 0 else 3) for i, (p, ids, f, k) in enumerate(pieces)]
+
+
 def test_a_step_refuses_what_it_cannot_do(converted):
     m = colibri.load(converted("mixtral_a", "f32"), parallel=2)
     out = np.empty((2, m.config.vocab_size), np.float32)
     i32 = lambda *v: np.array(v, np.int32)      # noqa: E731
-    with pytest.raises(ValueError, match="twice in one step"):
-        m._engine.step(i32(1, 2), i32(0, 0), i32(0, 1), out)
+    side_by_side = "tokens in a step must be side by side at consecutive positions"
+    with pytest.raises(ValueError, match=side_by_side):
+        m._engine.step(i32(1, 2), i32(0, 0), i32(0, 2), out)
+    with pytest.raises(ValueError, match=side_by_side):
+        m._engine.step(i32(1, 2, 3), i32(0, 1, 0), i32(0, 0, 1), np.empty((3, m.config.vocab_size), np.float32))
+    with pytest.raises(ValueError, match="wrong shape"):
+        m._engine.step(i32(1, 2), i32(0, 1), i32(0, 0), out[:1])
     with pytest.raises(ValueError, match="outside 0..1"):
         m._engine.step(i32(1), i32(2), i32(0), out)
     with pytest.raises(ValueError, match="exceeds the context"):
@@ -120,16 +151,18 @@ def _generate_alone(m, ids, n, kw):
     return tokens, m.last_generation
 
 
-def test_a_batch_generates_what_generate_does_alone(pair):
-    """Three prompts with different settings and lengths, added at different steps: each
-    sequence's tokens, log-probabilities and finish reason are generate()'s."""
+@pytest.mark.parametrize("step_tokens", [None, 1, 4])
+def test_a_batch_generates_what_generate_does_alone(pair, step_tokens):
+    """Three prompts with different settings and lengths, added at different steps (with steps
+    of 1 or 4 tokens the prompts run a piece a step, beside the others' tokens): each sequence's
+    tokens, log-probabilities and finish reason are generate()'s."""
     m, alone = pair
     vocab = m.config.vocab_size
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 9, 3)]
     lengths = [12, 4, 8]
     want = [_generate_alone(alone, p, n, kw) for p, n, kw in zip(prompts, lengths, SETTINGS)]
-    with Batch(m) as b:
+    with Batch(m, step_tokens=step_tokens) as b:
         seqs = [b.add(prompts[0], lengths[0], **SETTINGS[0])]
         b.step()
         b.step()
@@ -139,7 +172,8 @@ def test_a_batch_generates_what_generate_does_alone(pair):
             events = b.step()
             assert len({id(e[0]) for e in events}) == len(events)       # one token per sequence a step
             steps += 1
-        assert steps <= max(lengths)
+        if step_tokens is None:
+            assert steps <= max(lengths)
     for seq, (tokens, record) in zip(seqs, want):
         assert seq.done and seq.record.tokens == tokens
         assert [p.logprob for p in seq.record.picks] == [p.logprob for p in record.picks]
@@ -172,6 +206,9 @@ def test_places_are_reused_and_a_next_turn_reuses_its_prefix(pair):
 
 def test_a_batch_holds_the_model_until_closed(pair):
     m, _ = pair
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(colibri.ColibriError, match="step_tokens must be a positive integer"):
+            Batch(m, step_tokens=bad)
     b = Batch(m)
     with pytest.raises(colibri.ColibriError, match="already generating"):
         list(m.generate([1, 2], 1))
@@ -208,17 +245,18 @@ def test_a_batch_stops_at_stop_strings_and_streams_the_same_text(chat_model_dir)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(0, 3), st.booleans()),
-                     min_size=1, max_size=6))
-def test_any_schedule_of_adds_and_cancels_keeps_each_sequence_exact(pair, plan):
+@given(plan=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6), st.integers(0, 3), st.booleans()),
+                     min_size=1, max_size=6),
+       step_tokens=st.integers(1, 8))
+def test_any_schedule_of_adds_and_cancels_keeps_each_sequence_exact(pair, plan, step_tokens):
     """Sequences (prompt length, tokens wanted, steps to wait before adding it, whether it is
-    cancelled halfway) added as room allows: every one not cancelled generates generate()'s
-    tokens, a cancelled one a prefix of them."""
+    cancelled halfway) added as room allows, steps of step_tokens: every one not cancelled
+    generates generate()'s tokens, a cancelled one a prefix of them."""
     m, alone = pair
     vocab = m.config.vocab_size
     rng = np.random.default_rng(len(plan))
     jobs = [(rng.integers(0, vocab, n).tolist(), want, wait, cancel) for n, want, wait, cancel in plan]
-    with Batch(m) as b:
+    with Batch(m, step_tokens=step_tokens) as b:
         todo, started = list(jobs), []
         steps = 0
         while todo or b.running:

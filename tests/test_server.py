@@ -626,7 +626,7 @@ PARALLEL = 3
 @pytest.fixture(scope="module")
 def parallel_server(chat_model_dir):
     s = Server(chat_model_dir, "--api-key", API_KEY, "--model-name", "tiny", "--max-queue", "8",
-               "--parallel", str(PARALLEL), *LONG_CTX)
+               "--parallel", str(PARALLEL), "--step-tokens", "4", *LONG_CTX)     # prompts run in pieces
     yield s
     code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err

@@ -302,8 +302,9 @@ cb_igroup4_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int d
 
 /* The AVX512-VNNI step's interleaved entry (cb_itile_fn): a prompt's groups four at a time
  * (nl4: two at a time) on 512-bit vectors, in the order of CB_ITILE_LOOP, a tile of tokens at a
- * time; a pair left over by the pair tile; decode, and an odd last group, by the 256-bit tile
- * (cb_itile_avx512vnni). The tokens go in tiles of even size (8 tokens: 4 + 4, not 6 + 2). The
+ * time; a pair left over by the pair tile; decode, int8 at two tokens (two sequences decoded
+ * together: from memory 1.2-1.5x on 1024-wide rows, 0.9-1.0x on 3584-wide, tools/bench/ab_itile.py),
+ * and an odd last group, by the 256-bit tile (cb_itile_avx512vnni). The tokens go in tiles of even size (8 tokens: 4 + 4, not 6 + 2). The
  * activations are packed first, every tile at once, into this thread's
  * scratch (cb_act_block8: 352 bytes a block and tile); where that cannot be had, the 256-bit tile
  * runs instead. */
@@ -315,7 +316,7 @@ cb_itile_wide_avx512vnni(float *out, int ldo, const char *w, int dtype, const cb
     const int tt = dtype == CB_NL4 ? CB_ITILE2_TOKENS : CB_ITILE4_TOKENS;    /* tokens a tile */
     const int nb = cols / CB_QBLOCK, tiles = (n + tt - 1) / tt;
 #define CB_TILE_START(i) ((int)((long long)n * (i) / tiles))   /* tile i's first token: tiles of even size */
-    cb_act_block8 *packed = n == 1 || paired == g0 ? NULL
+    cb_act_block8 *packed = n == 1 || (dtype == CB_INT8 && n == 2) || paired == g0 ? NULL
                           : (cb_act_block8 *)cb_thread_scratch(CB_SCRATCH_ACT_TILES, (size_t)tiles * nb * sizeof(cb_act_block8));
     if (!packed) {
         cb_itile_avx512vnni(out, ldo, w, dtype, acts, cols, g0, g1, n);

@@ -89,13 +89,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_colibri(model_dir: str, threads: int, parallel: int = 1) -> tuple:
+def start_colibri(model_dir: str, threads: int, parallel: int = 1, extra=()) -> tuple:
     """A Colibri server on a free loopback port, healthy; (process, url)."""
     import httpx
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--model-dir", model_dir, "--port", str(port),
                              "--threads", str(threads), "--max-queue", "100000", "--queue-timeout", "100000",
-                             "--parallel", str(parallel), "--n-ctx", "1024"],
+                             "--parallel", str(parallel), "--n-ctx", "1024", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of the Colibri server started here")
     ap.add_argument("--parallel", default="1",
                     help="its places (serve --parallel); a list (1,4) starts one server per value, colibri-pN")
+    ap.add_argument("--step-tokens", default="",
+                    help="serve --step-tokens; a list (32,128) starts one server per value (with one --parallel), "
+                         "colibri-sN")
     ap.add_argument("--rates", default="0.25,0.5,1,2", help="arrival rates, requests per second")
     ap.add_argument("--requests", type=int, default=24, help="requests per rate and target")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -140,10 +143,15 @@ def main(argv=None) -> int:
     procs = []
     if a.model_dir:
         parallels = [int(v) for v in a.parallel.split(",")]
-        for k, n in enumerate(parallels):
-            proc, url = start_colibri(a.model_dir, a.threads, n)
+        steps = [int(v) for v in a.step_tokens.split(",")] if a.step_tokens else [None]
+        if len(parallels) > 1 and len(steps) > 1:
+            ap.error("give a list to --parallel or to --step-tokens, not both")
+        configs = [(n, st) for n in parallels for st in steps]
+        for k, (n, st) in enumerate(configs):
+            proc, url = start_colibri(a.model_dir, a.threads, n, () if st is None else ("--step-tokens", str(st)))
             procs.append(proc)
-            targets.insert(k, ["colibri" if len(parallels) == 1 else f"colibri-p{n}", url])
+            name = "colibri" if len(configs) == 1 else f"colibri-p{n}" if len(parallels) > 1 else f"colibri-s{st}"
+            targets.insert(k, [name, url])
     if not targets:
         ap.error("give --target NAME=URL or --model-dir D")
     rates = [float(r) for r in a.rates.split(",")]
