@@ -243,6 +243,7 @@ class Served:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("colibri_requests", "requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
         self.queue_depth = Gauge("colibri_queue_depth", "requests waiting for the engine", registry=r)
+        self.running = Gauge("colibri_running_requests", "requests holding one of the --parallel places", registry=r)
         self.ttft = Histogram("colibri_time_to_first_token_seconds", "request arrival to first token", registry=r,
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram("colibri_inter_token_latency_seconds", "time between tokens of a stream", registry=r,
@@ -289,6 +290,7 @@ class Served:
         meanwhile. Every return is paired with one finish() or release()."""
         if self.active < self.parallel and not self.waiters:
             self.active += 1
+            self.running.set(self.active)
             return
         if len(self.waiters) >= self.max_queue:
             raise APIError(503, f"the queue is full ({self.max_queue} waiting); retry later", kind="server_error",
@@ -329,6 +331,7 @@ class Served:
                 self.queue_depth.set(len(self.waiters))
                 return
         self.active -= 1
+        self.running.set(self.active)
         self.queue_depth.set(0)
 
     def finish(self, g) -> None:
@@ -568,15 +571,21 @@ class Stepper:
         self.batch = Batch(model, step_tokens)
         self.jobs = queue.SimpleQueue()
         self.owners = {}                 # id(sequence) -> its BatchedGeneration
+        self.failed = None               # the exception that ended the thread, if one did
+        self.lock = threading.Lock()     # orders submit() against the thread's end
         self.thread = threading.Thread(target=self._run, name="colibri-batch", daemon=True)
         self.thread.start()
 
     def submit(self, kind: str, g=None) -> None:
-        self.jobs.put((kind, g))
+        with self.lock:
+            if self.failed is None:
+                self.jobs.put((kind, g))
+            elif kind == "add":
+                g.deliver("error", self.failed)      # nothing will step it: fail at once, not hang
 
     def stop(self) -> None:
         self.submit("stop")
-        self.thread.join()
+        self.thread.join()               # (a thread that failed has ended already)
 
     def _run(self) -> None:
         batch = self.batch
@@ -598,8 +607,28 @@ class Stepper:
                         self.owners.pop(id(g.seq), None)
                 if batch.running:
                     self._step()
+        except Exception as e:          # noqa: BLE001 - a bug here must not leave requests waiting forever
+            logger.error("the batch's engine thread failed", exc_info=e)
+            with self.lock:
+                self.failed = e
+            self._fail_all(e)
+            while True:                  # adds queued before the end
+                try:
+                    kind, g = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    g.deliver("error", e)
         finally:
             batch.close()
+
+    def _fail_all(self, e: Exception) -> None:
+        """End every running request with `e` (a 500) and free their places."""
+        for seq in self.batch.running:
+            self.batch.cancel(seq)
+        for g in self.owners.values():
+            g.deliver("error", e)
+        self.owners.clear()
 
     def _add(self, g: BatchedGeneration) -> None:
         try:
@@ -615,11 +644,7 @@ class Stepper:
         try:
             events = self.batch.step()
         except Exception as e:          # noqa: BLE001 - every running request ends with it
-            for seq in self.batch.running:
-                self.batch.cancel(seq)
-            for g in self.owners.values():
-                g.deliver("error", e)
-            self.owners.clear()
+            self._fail_all(e)
             return
         for seq, _token, pick, text in events:
             g = self.owners.get(id(seq))

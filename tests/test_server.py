@@ -264,7 +264,8 @@ def test_metrics_parse_as_prometheus_text(server):
     post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2})
     text = httpx.get(server.url + "/metrics").text
     names = {f.name for f in text_string_to_metric_families(text)}
-    for needed in ("colibri_requests", "colibri_queue_depth", "colibri_time_to_first_token_seconds",
+    for needed in ("colibri_requests", "colibri_queue_depth", "colibri_running_requests",
+                   "colibri_time_to_first_token_seconds",
                    "colibri_generated_tokens", "colibri_prefix_reuse_hits", "colibri_resident_expert_bytes",
                    "colibri_expert_cache_uses", "colibri_storage_read_bytes", "colibri_expert_budget_bytes"):
         assert needed in names, names
@@ -711,6 +712,27 @@ def test_a_dropped_parallel_stream_frees_its_place(parallel_server):
         assert all(g["usage"]["completion_tokens"] == 2 for g in got)
 
 
+def _gauge(server, name) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return next(float(ln.split()[1]) for ln in text.splitlines() if ln.startswith(name + " "))
+
+
+def test_running_requests_are_a_gauge(parallel_server):
+    body = {"model": "tiny", "prompt": "the quick", "max_tokens": LONG, "stream": True, "ignore_eos": True}
+    with contextlib.ExitStack() as stack:
+        lines = []                           # kept: a dropped line iterator closes its stream
+        for _ in range(2):
+            r = stack.enter_context(httpx.stream("POST", parallel_server.url + "/v1/completions", json=body,
+                                                 headers=AUTH, timeout=60))
+            lines.append(r.iter_lines())
+            assert r.status_code == 200, next(lines[-1])
+        assert _gauge(parallel_server, "colibri_running_requests") == 2
+    deadline = time.time() + 30
+    while _gauge(parallel_server, "colibri_running_requests") != 0:
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
 def test_a_failing_batch_step_is_a_500_for_its_requests_and_the_next_ones_run(chat_model_dir, monkeypatch, caplog):
     from colibri import batching
 
@@ -743,3 +765,25 @@ def test_a_bad_parallel_is_one_line(chat_model_dir, value, message):
     r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--parallel", value],
                        env=ENV, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_failed_batch_thread_answers_500_instead_of_hanging(chat_model_dir, monkeypatch, caplog):
+    """A bug in the Batch's engine thread outside a step ends it: the requests it held and every
+    later one get a 500 at once (none waits forever on a thread that is gone)."""
+    from colibri import server as srv
+
+    def broken(self):
+        raise RuntimeError("secret detail of the thread")
+    monkeypatch.setattr(srv.Stepper, "_step", broken)
+    body = {"messages": MESSAGES, "max_tokens": 4}
+
+    async def check(served, client):
+        await until_healthy(client)
+        rs = await asyncio.wait_for(asyncio.gather(*[client.post("/v1/chat/completions", json=body)
+                                                     for _ in range(3)]), 60)
+        assert all(r.status_code == 500 and "secret" not in r.text for r in rs), [r.text for r in rs]
+        r = await asyncio.wait_for(client.post("/v1/chat/completions", json=body), 60)
+        assert r.status_code == 500 and served.active == 0
+    with caplog.at_level(logging.ERROR, logger="colibri.server"):
+        in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2), check, parallel=2, max_queue=4)
+    assert "secret detail of the thread" in caplog.text
