@@ -62,7 +62,8 @@ class Sequence:
 class Batch:
     """Generations on one Model decoded together: add() them, call step() until `running` is
     empty. Use as a context manager (or close()): the Model is held until then. step_tokens:
-    the most tokens a step runs (default DEFAULT_STEP_TOKENS, at most the model's prefill chunk)."""
+    the most tokens a step runs (default DEFAULT_STEP_TOKENS, at most the model's prefill chunk).
+    One thread drives a Batch (the server's Stepper): it is not safe to share between threads."""
 
     def __init__(self, model, step_tokens: int | None = None):
         if step_tokens is not None and (isinstance(step_tokens, bool) or not isinstance(step_tokens, int)
