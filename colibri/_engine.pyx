@@ -320,8 +320,8 @@ cdef inline void qkv_token(const Hyper *h, Layer *L, Scratch *s, int t, int pos0
 cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
     """s.xb2 = self-attention of s.xb [n, d] at positions pos0..pos0+n-1 (causal, in order), or,
     in a step, each token at its own position over its own sequence's cache (the decode of each).
-    The tokens' keys and values go to cache rows (pos0 + t) % kv_ring before any query reads them:
-    a ring of window + chunk rows keeps every key a query of the chunk can see."""
+    The tokens' keys and values go to cache rows position % kv_ring before any query reads them:
+    a ring of window + chunk rows keeps every key a query of the chunk (or a step's run) can see."""
     cdef int d = h.d_model, q_dim = h.n_heads * L.head_dim, kv_dim = L.n_kv_heads * L.head_dim, t, r
     cdef cb_matjob jobs[3]
     job(&jobs[0], s.q, q_dim, &L.wq, s.xb, d, s.acts, n)

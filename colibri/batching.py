@@ -44,6 +44,7 @@ class Sequence:
         self.pos = 0                     # the position of `pending`
         self.pending = None              # the sampled token not yet run through the model
         self.done = False
+        self.error = None                # what ended it, if its sampling or text failed
 
     def _take(self, logits: np.ndarray) -> tuple:
         """Sample the next token from logits [vocab]; (token, pick), `done` set at EOS or length."""
@@ -73,7 +74,11 @@ class Batch:
         self.step_tokens = min(step_tokens or DEFAULT_STEP_TOKENS, model._chunk)
         self._hold = model._exclusive()
         self._hold.__enter__()
-        model._begin()
+        try:
+            model._begin()
+        except BaseException:            # a closed Model: give it back
+            self._hold.__exit__(None, None, None)
+            raise
         self._free = list(range(model.parallel))      # places in the KV cache, least recently used first
         self._waiting = []                            # added, not placed yet
         self._prefilling = []                         # placed, prompt partly run
@@ -122,7 +127,10 @@ class Batch:
         then the first tokens of the prompts that completed. `text` is what the token adds to the
         sequence's text (stream_tokens' pieces; "" without a tokenizer), the text held back to
         the end included in its last token's. A sequence whose token ends it (EOS, its length, a
-        stop string) is finished and its place freed. Nothing to run: []."""
+        stop string) is finished and its place freed. A sequence whose sampling or text fails
+        is finished with `error` set and its event is (sequence, None, None, ""); the others go
+        on. An engine failure raises (the step's sequences stay as they were: cancel them).
+        Nothing to run: []."""
         self._check_open()
         m = self.model
         for seq in self._waiting:                     # every waiting sequence has a place by now
@@ -156,7 +164,12 @@ class Batch:
                     continue
                 self._prefilling.remove(seq)
                 seq.pos = len(seq.prompt)
-            events.append(self._emit(seq, logits[row]))
+            try:
+                events.append(self._emit(seq, logits[row]))
+            except Exception as e:       # noqa: BLE001 - this sequence alone ends, with its error
+                seq.error = e
+                self._finish(seq)
+                events.append((seq, None, None, ""))
             row += 1
         return events
 

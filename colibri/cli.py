@@ -577,6 +577,9 @@ def cmd_serve(args) -> int:
     name = args.model_name or Path(args.model_dir).resolve().name
     if args.parallel > names.MAX_PARALLEL:
         raise ColibriError(f"--parallel must be in 1..{names.MAX_PARALLEL}, got {args.parallel}")
+    if args.step_tokens is not None and args.parallel == 1:
+        raise ColibriError("--step-tokens sets how a --parallel server's passes mix requests: give --parallel N "
+                           "(N > 1) too")
     serve(load, name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
           queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]), parallel=args.parallel,
           step_tokens=args.step_tokens)

@@ -501,7 +501,7 @@ class Model:
             del self._kv_tokens[seq][pos:]            # positions >= pos are about to be overwritten
             status, index, layer = engine.run(tokens, pos, out, all_logits, seq)
         if status != _engine.STATUS_OK:
-            self._damaged(status, pos + index, layer)
+            self._damaged(status, f"at position {pos + index}", layer)
         self._kv_tokens[seq].extend(int(t) for t in tokens)
 
     def _step(self, tokens: np.ndarray, seqs: np.ndarray, positions: np.ndarray, out: np.ndarray,
@@ -515,12 +515,13 @@ class Model:
                 del self._kv_tokens[seq][pos:]
             status, _, layer = engine.step(tokens, seqs, positions, out, want)
         if status != _engine.STATUS_OK:
-            self._damaged(status, int(positions[0]), layer)
+            self._damaged(status, f"in a step of {len(tokens)} tokens (positions {int(positions.min())}.."
+                                  f"{int(positions.max())})", layer)
         for token, seq in zip(tokens, seqs):
             self._kv_tokens[seq].append(int(token))
 
-    def _damaged(self, status: int, pos: int, layer: int):
-        raise ColibriError(f"at position {pos}: " + _STATUS_MESSAGES[status].format(layer=layer)
+    def _damaged(self, status: int, where: str, layer: int):
+        raise ColibriError(f"{where}: " + _STATUS_MESSAGES[status].format(layer=layer)
                            + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
 
     def _generate(self, tokens, max_new_tokens, sampler, eos, on_step, record, reuse):

@@ -6,8 +6,8 @@ Starlette (routing, request/response) under uvicorn, prometheus_client for /metr
 optional extra `colibri[serve]`. A Model loaded with `parallel=N` (`--parallel N`, default 1)
 runs N generations at once; further requests wait in a FIFO (Served.acquire hands a free place
 to the first waiter) bounded by `max_queue` — beyond it, and after `queue_timeout` seconds of
-waiting, the answer is 503 with Retry-After. The engine runs on one worker thread; the event
-loop only parses, queues and writes. With N = 1 a generation advances one token per hop to that
+waiting, the answer is 503 with Retry-After. The engine runs on one thread (a worker, or the
+Batch's Stepper); the event loop only parses, queues and writes. With N = 1 a generation advances one token per hop to that
 thread (Generation); with N > 1 that thread runs a colibri.batching.Batch (Stepper): each step
 is one engine pass over a token of every decoding request and pieces of the new prompts, up to
 `--step-tokens` in all, every weight read once for all of them — the tokens of each are those it
@@ -51,6 +51,7 @@ import time
 import uuid
 
 from .errors import ColibriError
+from .names import MAX_PARALLEL
 from .sampling import REPETITION_PENALTY_RANGE
 
 MAX_STOP_STRINGS = 4                   # OpenAI's limit
@@ -264,13 +265,19 @@ class Served:
 
     def start_loading(self) -> None:
         def run():
+            m = None
             try:
                 m = self.load()
+                if m.parallel < self.parallel:
+                    raise ColibriError(f"the model was loaded with parallel={m.parallel}; the server was asked for "
+                                       f"{self.parallel} places")
                 if self.parallel > 1:
                     self.stepper = Stepper(m, self.step_tokens)
                 self.model = m
             except Exception as e:          # noqa: BLE001 - reported by /health and each request
                 self.load_error = str(e) or type(e).__name__
+                if m is not None:
+                    m.close()
                 if not isinstance(e, ColibriError):
                     logger.error("loading the model failed", exc_info=e)
         threading.Thread(target=run, name="colibri-load", daemon=True).start()
@@ -335,10 +342,10 @@ class Served:
         self.queue_depth.set(0)
 
     def finish(self, g) -> None:
-        """End a generation and hand the engine on, without awaiting (this may run in a
-        cancelled task): its generator is closed on the engine thread after the step in flight,
-        and the next request's work, submitted later to the same FIFO executor, runs after that
-        close. Idempotent."""
+        """End a generation and hand its place on, without awaiting (this may run in a
+        cancelled task): its generator is closed on the engine thread after the step in flight
+        (its sequence cancelled by the Batch's thread), and the next request's work, submitted
+        later to the same FIFO (the executor, the Stepper's jobs), runs after that. Idempotent."""
         if g.finished:
             return
         g.finished = True
@@ -471,7 +478,7 @@ class Generation:
         self.last_token_at = None
         self.finished = False
 
-    async def begin(self) -> None:
+    async def begin(self, gone: asyncio.Event) -> None:
         """Start it on the engine thread; Model.stream_tokens' checks raise ColibriError here."""
         await self.served.on_engine(self.start)
 
@@ -517,6 +524,17 @@ class Generation:
             s.reused.inc(self.record.reused_tokens)
 
 
+def _for_one_request(e: Exception) -> Exception:
+    """A new exception for one request from `e`, which several share (a failed step, the Batch's
+    thread gone): each raise then has its own traceback (re-raising one object grows its
+    traceback by every request's frames). A ColibriError keeps its kind and message (a 500 with
+    the message, as in the serial path); anything else becomes a RuntimeError caused by it."""
+    fresh = ColibriError(str(e)) if isinstance(e, ColibriError) else \
+        RuntimeError(f"{type(e).__name__} in the batch's engine thread")
+    fresh.__cause__ = e
+    return fresh
+
+
 class BatchedGeneration(Generation):
     """One request's sequence in the Stepper's Batch (parallel > 1): the Batch's thread puts its
     events, (kind, value) pairs, into `inbox` — ("ok", None) once added, ("event", (text, pick))
@@ -532,13 +550,20 @@ class BatchedGeneration(Generation):
         """Runs on the Batch's thread."""
         self.loop.call_soon_threadsafe(self.inbox.put_nowait, (kind, value))
 
-    async def begin(self) -> None:
+    async def begin(self, gone: asyncio.Event) -> None:
         self.served.stepper.submit("add", self)
-        kind, value = await self.inbox.get()
+        kind, value = await self._next(gone)
         if kind == "error":
             raise value
 
     async def next_event(self, gone: asyncio.Event):
+        kind, value = await self._next(gone)
+        if kind == "error":
+            raise value
+        return value if kind == "event" else None
+
+    async def _next(self, gone: asyncio.Event) -> tuple:
+        """The next (kind, value) from the Batch's thread; Disconnected once the client has gone."""
         got = asyncio.ensure_future(self.inbox.get())
         left = asyncio.ensure_future(gone.wait())
         try:
@@ -549,10 +574,7 @@ class BatchedGeneration(Generation):
                 got.cancel()
         if not got.done() or got.cancelled():
             raise Disconnected()
-        kind, value = got.result()
-        if kind == "error":
-            raise value
-        return value if kind == "event" else None
+        return got.result()
 
     def close(self) -> None:
         """Cancel its sequence (on the Batch's thread, before any later request's add)."""
@@ -580,25 +602,29 @@ class Stepper:
         with self.lock:
             if self.failed is None:
                 self.jobs.put((kind, g))
-            elif kind == "add":
-                g.deliver("error", self.failed)      # nothing will step it: fail at once, not hang
+            elif kind == "add":                  # nothing will step it: fail at once, not hang
+                g.deliver("error", _for_one_request(self.failed))
 
     def stop(self) -> None:
         self.submit("stop")
-        self.thread.join()               # (a thread that failed has ended already)
+        self.thread.join()               # (a thread that failed has ended already; adds from here on fail at once)
 
     def _run(self) -> None:
         batch = self.batch
+        jobs = []                        # taken from the FIFO, not yet done
         try:
             while True:
-                jobs = [self.jobs.get()] if not batch.running else []
+                if not jobs and not batch.running:
+                    jobs.append(self.jobs.get())
                 while True:
                     try:
                         jobs.append(self.jobs.get_nowait())
                     except queue.Empty:
                         break
-                for kind, g in jobs:
+                while jobs:
+                    kind, g = jobs.pop(0)
                     if kind == "stop":
+                        jobs.insert(0, (kind, g))
                         return
                     if kind == "add":
                         self._add(g)
@@ -612,14 +638,17 @@ class Stepper:
             with self.lock:
                 self.failed = e
             self._fail_all(e)
-            while True:                  # adds queued before the end
-                try:
-                    kind, g = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "add":
-                    g.deliver("error", e)
         finally:
+            with self.lock:              # the adds taken or queued before the end: answered, not left waiting
+                self.failed = self.failed or RuntimeError("the server is stopping")
+                while True:
+                    try:
+                        jobs.append(self.jobs.get_nowait())
+                    except queue.Empty:
+                        break
+            for kind, g in jobs:
+                if kind == "add":
+                    g.deliver("error", _for_one_request(self.failed))
             batch.close()
 
     def _fail_all(self, e: Exception) -> None:
@@ -627,7 +656,7 @@ class Stepper:
         for seq in self.batch.running:
             self.batch.cancel(seq)
         for g in self.owners.values():
-            g.deliver("error", e)
+            g.deliver("error", _for_one_request(e))
         self.owners.clear()
 
     def _add(self, g: BatchedGeneration) -> None:
@@ -646,9 +675,13 @@ class Stepper:
         except Exception as e:          # noqa: BLE001 - every running request ends with it
             self._fail_all(e)
             return
-        for seq, _token, pick, text in events:
+        for seq, token, pick, text in events:
             g = self.owners.get(id(seq))
             if g is None:
+                continue
+            if token is None:            # this sequence alone failed (its sampler): it ends with a 500
+                g.deliver("error", _for_one_request(seq.error))
+                del self.owners[id(seq)]
                 continue
             g.deliver("event", (text, pick))
             if seq.done:
@@ -742,6 +775,9 @@ def create_app(served: Served):
         await response(request.scope, request.receive, send)
 
     async def health(request: Request, send):
+        if served.stepper is not None and served.stepper.failed is not None:     # restart me
+            return await reply(request, send, JSONResponse(
+                {"status": "error", "error": "the batch's engine thread has stopped"}, status_code=500))
         if served.model is not None:
             return await reply(request, send, JSONResponse({"status": "ok"}))
         if served.load_error:
@@ -773,7 +809,7 @@ def create_app(served: Served):
             g = served.generation(m, ids, gen, stops, arrived)
             try:                             # from here the place is this request's until finish()
                 try:
-                    await g.begin()
+                    await g.begin(watch.gone)
                 except ColibriError as e:
                     raise APIError(400, str(e)) from None
                 if stream:
@@ -925,6 +961,8 @@ def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: s
 
     if api_key is not None and not api_key.strip():
         raise ColibriError("--api-key is empty: give a key, or leave the option out to serve without one")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_PARALLEL:
+        raise ColibriError(f"--parallel must be in 1..{MAX_PARALLEL}, got {parallel!r}")
     served = Served(load, name, api_key, max_queue, queue_timeout, parallel, step_tokens)
     app = create_app(served)
     at_once = "one generation at a time" if parallel == 1 else f"{parallel} generations at a time, decoded together"

@@ -272,3 +272,36 @@ def test_any_schedule_of_adds_and_cancels_keeps_each_sequence_exact(pair, plan, 
         tokens, _ = _generate_alone(alone, prompt, want, dict(stop_at_eos=False))
         got = seq.record.tokens
         assert got == tokens if not cancel else got == tokens[:len(got)]
+
+
+def test_a_sequence_whose_sampling_fails_ends_alone(pair, monkeypatch):
+    """One sequence's sampler raising ends that sequence (error set, place freed, its event's
+    token None); the others generate generate()'s tokens."""
+    from colibri import batching
+
+    m, alone = pair
+    real = batching.Sequence._take
+
+    def take(self, logits):
+        if self.max_new_tokens == 7 and len(self.record.tokens) == 2:
+            raise colibri.ColibriError("the sampler failed")
+        return real(self, logits)
+    monkeypatch.setattr(batching.Sequence, "_take", take)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    with Batch(m, step_tokens=3) as b:
+        seqs = [b.add(p, n) for p, n in zip(prompts, (5, 7, 6))]
+        failed = []
+        while b.running:
+            failed += [e[0] for e in b.step() if e[1] is None]
+        assert failed == [seqs[1]] and b.room == 3
+    assert isinstance(seqs[1].error, colibri.ColibriError) and seqs[1].done and len(seqs[1].record.tokens) == 2
+    for seq, p, n in ((seqs[0], prompts[0], 5), (seqs[2], prompts[2], 6)):
+        assert seq.error is None and seq.record.tokens == _generate_alone(alone, p, n, {})[0]
+
+
+def test_a_batch_on_a_closed_model_gives_it_back(converted):
+    m = colibri.load(converted("mixtral_a", "f32"), parallel=2)
+    m.close()
+    with pytest.raises(colibri.ColibriError, match="has been closed"):
+        Batch(m)
+    assert not m._busy.locked()

@@ -784,6 +784,43 @@ def test_a_failed_batch_thread_answers_500_instead_of_hanging(chat_model_dir, mo
         assert all(r.status_code == 500 and "secret" not in r.text for r in rs), [r.text for r in rs]
         r = await asyncio.wait_for(client.post("/v1/chat/completions", json=body), 60)
         assert r.status_code == 500 and served.active == 0
+        r = await client.get("/health")
+        assert r.status_code == 500 and r.json()["status"] == "error"           # an orchestrator restarts it
     with caplog.at_level(logging.ERROR, logger="colibri.server"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2), check, parallel=2, max_queue=4)
     assert "secret detail of the thread" in caplog.text
+
+
+def test_one_requests_failing_sampler_is_its_500_alone(chat_model_dir, monkeypatch):
+    from colibri import batching
+
+    real = batching.Sequence._take
+
+    def take(self, logits):
+        if self.max_new_tokens == 7 and self.record.tokens:
+            raise colibri.ColibriError("the sampler failed")
+        return real(self, logits)
+    monkeypatch.setattr(batching.Sequence, "_take", take)
+
+    async def check(served, client):
+        await until_healthy(client)
+        rs = await asyncio.gather(*[client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": n,
+                                                                              "ignore_eos": True})
+                                    for n in (4, 7, 5)])
+        assert [r.status_code for r in rs] == [200, 500, 200], [r.text for r in rs]
+        assert "the sampler failed" in rs[1].json()["error"]["message"] and served.active == 0
+    in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=3), check, parallel=3, max_queue=4)
+
+
+def test_a_model_with_fewer_places_than_the_server_is_a_load_error(chat_model_dir):
+    async def check(served, client):
+        r = await until_healthy(client)
+        assert r.status_code == 500 and "loaded with parallel=1" in r.json()["error"], r.text
+    in_process(lambda: colibri.load(chat_model_dir, threads=1), check, parallel=2)
+
+
+def test_step_tokens_without_parallel_is_one_line(chat_model_dir):
+    r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--step-tokens", "8"],
+                       env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--step-tokens" in r.stderr and "--parallel" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
