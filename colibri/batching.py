@@ -25,11 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ColibriError
+from .names import DEFAULT_STEP_TOKENS
 from .streaming import GenerationText, StopStrings
-
-DEFAULT_STEP_TOKENS = 32      # tokens a step runs at most: on 2 Zen 4 cores (mixtral-mini int8, 4
-                              # places) 32 gave the decoding sequences' gaps a P99 of 90 ms (64: 130-150,
-                              # 128: 235-255) and the most tokens/s (BENCHMARKS.md, "serve --parallel")
 
 
 class Sequence:

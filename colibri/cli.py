@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--step-tokens", "--step_tokens", dest="step_tokens", type=_positive_int, default=None,
                      help="with --parallel: tokens one pass runs at most, the running requests' one each and "
                           "pieces of new prompts; fewer keep the running requests' tokens coming sooner, more "
-                          "finish a prompt sooner (default: 32, at most the prefill chunk)")
+                          f"finish a prompt sooner (default: {names.DEFAULT_STEP_TOKENS}, at most the prefill chunk)")
 
     tok = sub.add_parser("tokenizer", help="add or replace the tokenizer, chat template and generation config "
                                            "files of a model directory")

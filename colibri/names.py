@@ -15,3 +15,7 @@ EVICTION_POLICIES = ("lru", "lfu")                          # load(eviction=): C
 # AVX512_BF16's vdpbf16ps, "auto" bf16 where the CPU has it (colibri.model)
 BF16_PRODUCTS = ("auto", "bf16", "f32")
 MAX_PARALLEL = 64               # load(parallel=) / serve --parallel: sequences decoded together at most
+# batching.Batch(step_tokens=) / serve --step-tokens: tokens one pass runs at most. On 2 Zen 4 cores
+# (mixtral-mini int8, 4 places) 32 gave the decoding sequences' gaps a P99 of 90 ms (64: 130-150,
+# 128: 235-255) and the most tokens/s (BENCHMARKS.md, "serve --parallel")
+DEFAULT_STEP_TOKENS = 32
