@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import ColibriError
 from .names import DEFAULT_STEP_TOKENS
-from .streaming import GenerationText, StopStrings
+from .streaming import GenerationText
 
 
 class Sequence:
@@ -107,9 +107,7 @@ class Batch:
             ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop_at_eos=stop_at_eos, min_p=min_p, repetition_penalty=repetition_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logprobs=logprobs)
-        stops = StopStrings(stop)
-        if not all(isinstance(s, str) for s in stops.stops):
-            raise ColibriError(f"stop must be a string or a list of strings, got {stop!r}")
+        stops = m._stop_strings(stop)
         if stops.stops:
             m._need_tokenizer()
         text = GenerationText(m.tokenizer, skip_special_tokens, stops, record) if m.tokenizer is not None else None
@@ -201,10 +199,10 @@ class Batch:
         """Seq's place: the free one whose cache holds the longest prefix of its prompt (a
         conversation's next turn), else the least recently used one; the prompt then runs from
         the end of that prefix."""
-        m = self.model
-        seq.slot = max(self._free, key=lambda slot: (m._reusable_prefix(seq.prompt, slot), -self._free.index(slot)))
-        self._free.remove(seq.slot)
-        seq.fed = seq.record.reused_tokens = m._reusable_prefix(seq.prompt, seq.slot)
+        held = [self.model._reusable_prefix(seq.prompt, slot) for slot in self._free]
+        best = max(range(len(held)), key=lambda i: (held[i], -i))
+        seq.slot = self._free.pop(best)
+        seq.fed = seq.record.reused_tokens = held[best]
         seq.sampler.reset(seq.prompt)
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> tuple:

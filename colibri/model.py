@@ -274,12 +274,18 @@ class Model:
         After a stop string the text ends; a last event (held-back text, None) may follow."""
         tok = self._need_tokenizer()
         ids = tok.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else prompt
-        stops = StopStrings(stop)
-        if not all(isinstance(s, str) for s in stops.stops):
-            raise ColibriError(f"stop must be a string or a list of strings, got {stop!r}")
+        stops = self._stop_strings(stop)
         tokens = self.generate(ids, max_new_tokens, **generate_kwargs)
         record = self.last_generation
         return self._events(tokens, GenerationText(tok, skip_special_tokens, stops, record), record)
+
+    @staticmethod
+    def _stop_strings(stop) -> StopStrings:
+        """stream_tokens()' (and a Batch's) `stop`, checked: None, a string or a list of strings."""
+        stops = StopStrings(stop)
+        if not all(isinstance(s, str) for s in stops.stops):
+            raise ColibriError(f"stop must be a string or a list of strings, got {stop!r}")
+        return stops
 
     @staticmethod
     def _events(tokens, text, record):
