@@ -264,6 +264,26 @@ def test_interleaved_gives_the_bits_of_transposed(isa, case, threads):
     _assert_exact_product(want, stored, dtype, x)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["int8", "int4", "int6", "mxfp4"]), st.integers(1, 40), st.sampled_from([1, 7, 8, 9, 17, 40]),
+       st.integers(2, 9), st.integers(0, 2**32 - 1), st.sampled_from([1, 2]))
+def test_few_tokens_give_each_tokens_decode(isa, dtype, groups, blocks, n, seed, threads):
+    """A product of a few tokens (sequences decoded together; the AVX512-VNNI step's few-token tile
+    reads 4 streams a thread and takes the tokens 2 at a time over chunks of 8 blocks) gives each
+    token's decode bit for bit, with every int step of the tier: groups for 4 streams and a
+    remainder, rows of less than one chunk, whole chunks and a tail, token counts on both sides of
+    the tile's limit (2..9)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    x = rng.standard_normal((n, 32 * blocks), dtype=np.float32)
+    il = quant.interleave(quant.quantize(w, dtype), dtype, w.shape[1])
+    for step in _kernels.available_int_steps():
+        with _kernels.int_kernels(step):
+            got = _probes.kernel_matmul(il, x, dtype, threads, "interleaved")
+            decoded = np.stack([_probes.kernel_matvec(il, row, dtype, threads, "interleaved") for row in x])
+        np.testing.assert_array_equal(got, decoded, err_msg=f"{step}, {n} tokens")
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(interleaved_case(), st.sampled_from([1, 2]))
 def test_interleaved_mxfp4_against_rows_and_numpy(isa, case, threads):

@@ -45,29 +45,50 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
                                                                 _mm256_loadu_si256((const __m256i *)s)));
 }
 
+/* The few-token tile (vnni_body.h, cb_ifew): a product of 2 .. CB_IFEW_TOKENS(dtype) tokens takes
+ * it, CB_VNNI_FEW_TS tokens a pass (set per step below: the EVEX step's 32 registers hold 4 streams
+ * x 2 tokens' sums and accumulators; 0 leaves the step without it), CB_IFEW_KBLOCKS blocks of each
+ * stream's row at a time under the passes when there are more. Each stream's line CB_IFEW_PREFETCH
+ * bytes ahead goes to L2. From memory, one thread, against the prompt tiles (Zen 4,
+ * tools/bench/ab_itile.py --from-memory, BENCHMARKS.md): int8 1.05-1.09x at 2 tokens, 1.3-1.6x at
+ * 3-4, 1.1x at 5-6, 1.0x at 8; int4 1.1-1.3x at 2, 0.9-1.1x at 3-4, 0.8-0.9x at 5-8 (its nibbles'
+ * unpacking is shared by 2 tokens here, by up to 6 in the quad tile); nl4 keeps the prompt tiles. */
+#define CB_IFEW_TOKENS(dtype) ((dtype) == CB_INT8 ? 6 : (dtype) == CB_NL4 ? 1 : 2)
+#define CB_IFEW_KBLOCKS 8
+#define CB_IFEW_PREFETCH 2048
+#define CB_IFEW_HINT _MM_HINT_T1
+
 #define CB_VNNI_TARGET CB_TARGET_AVX512_VNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_epi32(a, u, s)
 #define CB_VNNI_NAME(base) base##_avx512vnni
+#define CB_VNNI_FEW_TS 2
 #include "vnni_body.h"
 #undef CB_VNNI_TARGET
 #undef CB_VNNI_DPBUSD
 #undef CB_VNNI_NAME
+#undef CB_VNNI_FEW_TS
 
+/* AVX-VNNI (VEX: 16 registers) keeps its measured tiles until a host with it measures this one. */
 #define CB_VNNI_TARGET CB_TARGET_AVXVNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_avx_epi32(a, u, s)
 #define CB_VNNI_NAME(base) base##_avxvnni
+#define CB_VNNI_FEW_TS 0
 #include "vnni_body.h"
 #undef CB_VNNI_TARGET
 #undef CB_VNNI_DPBUSD
 #undef CB_VNNI_NAME
+#undef CB_VNNI_FEW_TS
 
+/* The emulated step takes the few-token tile as the EVEX step does: its bits are tested everywhere. */
 #define CB_VNNI_TARGET CB_TARGET_AVX2
 #define CB_VNNI_DPBUSD(a, u, s) cb_dpbusd_emulated_avx2(a, u, s)
 #define CB_VNNI_NAME(base) base##_vnni_emulated
+#define CB_VNNI_FEW_TS 2
 #include "vnni_body.h"
 #undef CB_VNNI_TARGET
 #undef CB_VNNI_DPBUSD
 #undef CB_VNNI_NAME
+#undef CB_VNNI_FEW_TS
 
 /* ---- the AVX512-VNNI step's prefill on 512-bit vectors ----------------------------------------
  *
@@ -316,7 +337,7 @@ cb_itile_wide_avx512vnni(float *out, int ldo, const char *w, int dtype, const cb
     const int tt = dtype == CB_NL4 ? CB_ITILE2_TOKENS : CB_ITILE4_TOKENS;    /* tokens a tile */
     const int nb = cols / CB_QBLOCK, tiles = (n + tt - 1) / tt;
 #define CB_TILE_START(i) ((int)((long long)n * (i) / tiles))   /* tile i's first token: tiles of even size */
-    cb_act_block8 *packed = n == 1 || (dtype == CB_INT8 && n == 2) || paired == g0 ? NULL
+    cb_act_block8 *packed = n <= CB_IFEW_TOKENS(dtype) || paired == g0 ? NULL
                           : (cb_act_block8 *)cb_thread_scratch(CB_SCRATCH_ACT_TILES, (size_t)tiles * nb * sizeof(cb_act_block8));
     if (!packed) {
         cb_itile_avx512vnni(out, ldo, w, dtype, acts, cols, g0, g1, n);

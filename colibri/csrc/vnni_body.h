@@ -242,10 +242,116 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
     for (int k = 0; k < G; k++) _mm256_storeu_ps(out + k * ostride, acc[k]);
 }
 
+#if CB_VNNI_FEW_TS
+/* A few tokens (2 .. CB_IFEW_TOKENS(dtype): sequences decoded together, an expert's share of a
+ * short step), the formats whose block sum is one integer (int8, int4, mxfp4, int6): decode's order —
+ * G groups read side by side, `gstride` bytes apart (CB_IDECODE_LOOP's streams, which the
+ * hardware prefetchers follow) — for TS tokens at once. out[j * ldo + k * ostride + 0..7], k < G,
+ * j < TS, over blocks kb0..kb1-1 (gp at kb0); `first`: start from zero, else continue out's sums.
+ * Each token's block sum is cb_igroup's in one chain (integer adds: the same sum) and its scaling
+ * the same fma, so the same bits as the prompt tiles and decode. */
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_ifew)(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, int dtype,
+                      const cb_act_q8 *acts, int kb0, int kb1, int first, const int G, const int TS) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const size_t gbytes = cb_group_bytes(dtype);
+    const int32_t offset = cb_code_offset(dtype, 1);
+    const int8_t *xq[CB_VNNI_FEW_TS];
+    const float *xd[CB_VNNI_FEW_TS];
+    const int32_t *xs[CB_VNNI_FEW_TS];
+    __m256 acc[CB_IDECODE_STREAMS][CB_VNNI_FEW_TS];
+    for (int j = 0; j < TS; j++) {      /* locals: out's stores could alias the activations */
+        xq[j] = acts[j].q;
+        xd[j] = acts[j].d;
+        xs[j] = acts[j].s;
+    }
+    for (int k = 0; k < G; k++)
+        for (int j = 0; j < TS; j++)
+            acc[k][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo + k * ostride);
+    for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
+        __m256i sum[CB_IDECODE_STREAMS][CB_VNNI_FEW_TS];
+        for (int k = 0; k < G; k++)     /* a block's lines (or their neighbours) of each stream, ahead */
+            for (size_t off = 0; off < gbytes; off += 64) _mm_prefetch(gp + k * gstride + CB_IFEW_PREFETCH + off, CB_IFEW_HINT);
+        for (int j = 0; j < TS; j++) {
+            const __m256i start = _mm256_set1_epi32(-offset * xs[j][kb]);
+            for (int k = 0; k < G; k++) sum[k][j] = start;
+        }
+        if (dtype == CB_INT8) {
+            for (int c = 0; c < 8; c++) {
+                __m256i xb[CB_VNNI_FEW_TS];
+                for (int j = 0; j < TS; j++) xb[j] = CB_BCAST4(xq[j] + kb * CB_QBLOCK + 4 * c);
+                for (int k = 0; k < G; k++) {
+                    const cb_igroup_int8 *g = (const cb_igroup_int8 *)(gp + k * gstride);
+                    const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)g->qs[c]), flip);
+                    for (int j = 0; j < TS; j++) sum[k][j] = CB_VNNI_DPBUSD(sum[k][j], u, xb[j]);
+                }
+            }
+        } else {
+            for (int v = 0; v < 4; v++) {
+                __m256i xl[CB_VNNI_FEW_TS], xh[CB_VNNI_FEW_TS];
+                for (int j = 0; j < TS; j++) {
+                    xl[j] = CB_BCAST4(xq[j] + kb * CB_QBLOCK + 4 * v);
+                    xh[j] = CB_BCAST4(xq[j] + kb * CB_QBLOCK + 16 + 4 * v);
+                }
+                for (int k = 0; k < G; k++) {
+                    __m256i lo, hi;
+                    cb_inibbles_avx2(gp + k * gstride, dtype, v, &lo, &hi);
+                    for (int j = 0; j < TS; j++)
+                        sum[k][j] = CB_VNNI_DPBUSD(CB_VNNI_DPBUSD(sum[k][j], lo, xl[j]), hi, xh[j]);
+                }
+            }
+        }
+        for (int k = 0; k < G; k++) {
+            const __m256 dw = cb_igroup_scales_avx2(gp + k * gstride, dtype);
+            for (int j = 0; j < TS; j++)
+                acc[k][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[k][j]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])),
+                                            acc[k][j]);
+        }
+    }
+    for (int k = 0; k < G; k++)
+        for (int j = 0; j < TS; j++) _mm256_storeu_ps(out + (size_t)j * ldo + k * ostride, acc[k][j]);
+}
+
+/* G groups' few-token products: the whole rows in one pass when the tokens fit one pass, else
+ * CB_IFEW_KBLOCKS blocks of each row at a time (in L1) under every pass of CB_VNNI_FEW_TS tokens. */
+CB_VNNI_TARGET static CB_ALWAYS_INLINE void
+CB_VNNI_NAME(cb_ifew_groups)(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, int dtype,
+                             const cb_act_q8 *acts, int nb, int n, const int G) {
+    const size_t gbytes = cb_group_bytes(dtype);
+    const int kblocks = n <= CB_VNNI_FEW_TS ? nb : CB_IFEW_KBLOCKS;
+    for (int kb0 = 0; kb0 < nb; kb0 += kblocks) {
+        const int kb1 = kb0 + kblocks < nb ? kb0 + kblocks : nb;
+        for (int t = 0; t < n; t += CB_VNNI_FEW_TS) {
+            const int T = n - t < CB_VNNI_FEW_TS ? n - t : CB_VNNI_FEW_TS;
+#define CB_CALL_FEW(TS_) CB_VNNI_NAME(cb_ifew)(out + (size_t)t * ldo, ldo, ostride, gp + kb0 * gbytes, gstride, \
+                                               dtype, acts + t, kb0, kb1, kb0 == 0, G, TS_)
+            if (T == 1) CB_CALL_FEW(1);
+#if CB_VNNI_FEW_TS > 2
+            else if (T == 2) CB_CALL_FEW(2);
+#endif
+            else CB_CALL_FEW(CB_VNNI_FEW_TS);
+#undef CB_CALL_FEW
+        }
+    }
+}
+#endif
+
 /* The table's interleaved entry (cb_itile_fn) with this step. */
 CB_VNNI_TARGET static void
 CB_VNNI_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
                        int g1, int n) {
+#if CB_VNNI_FEW_TS
+    if (n > 1 && n <= CB_IFEW_TOKENS(dtype)) {
+#define CB_CALL_FEWG(o, os, gp, gs, G) \
+    if (dtype == CB_INT8) CB_VNNI_NAME(cb_ifew_groups)(o, ldo, os, gp, gs, CB_INT8, acts, nb, n, G); \
+    else if (dtype == CB_MXFP4) CB_VNNI_NAME(cb_ifew_groups)(o, ldo, os, gp, gs, CB_MXFP4, acts, nb, n, G); \
+    else if (dtype == CB_INT6) CB_VNNI_NAME(cb_ifew_groups)(o, ldo, os, gp, gs, CB_INT6, acts, nb, n, G); \
+    else CB_VNNI_NAME(cb_ifew_groups)(o, ldo, os, gp, gs, CB_INT4, acts, nb, n, G);
+        CB_IDECODE_LOOP(CB_CALL_FEWG)
+#undef CB_CALL_FEWG
+        return;
+    }
+#endif
     if (n == 1) {
 #define CB_CALL_IDV(o, os, gp, gs, G) \
     if (dtype == CB_INT8) CB_VNNI_NAME(cb_idecode)(o, os, gp, gs, CB_INT8, acts, nb, G); \
