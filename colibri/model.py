@@ -146,7 +146,7 @@ class Model:
                             limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
                             kv=engine.kv_cache_bytes, scratch=engine.scratch_bytes, runtime=_os.rss_bytes()[0],
                             working_set=self.residency.working_set, n_ctx=n_ctx, path=self.path,
-                            largest_expert=self.residency.largest_expert)
+                            largest_expert=self.residency.largest_expert, n_seq=parallel)
                         break
                     except ColibriError:
                         # the scratch grows with the prefill chunk: unless the caller chose one, a

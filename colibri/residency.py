@@ -78,9 +78,10 @@ class MemoryPlan:
 
 
 def plan(limit: int | None, source: str, *, dense: int, experts: int, kv: int, scratch: int, runtime: int,
-         working_set: int, n_ctx: int, path: str, largest_expert: int = 0) -> MemoryPlan:
+         working_set: int, n_ctx: int, path: str, largest_expert: int = 0, n_seq: int = 1) -> MemoryPlan:
     """The expert budget under `limit` bytes (see the module's design block). Raises ColibriError
-    when the limit is below what the model needs at the least."""
+    when the limit is below what the model needs at the least (n_seq: the sequences the KV cache
+    holds, load(parallel=), which multiply its bytes)."""
     if limit is None:
         return MemoryPlan(None, "", 0, experts, None, 0)
     margin = max(MIN_MARGIN, int(limit * MARGIN_FRACTION), largest_expert)
@@ -89,11 +90,12 @@ def plan(limit: int | None, source: str, *, dense: int, experts: int, kv: int, s
     if fixed + experts <= limit:
         return MemoryPlan(limit, source, fixed, experts, None, minimum)
     if limit < minimum:
+        kv_what, lower = (f"n_ctx {n_ctx} x {n_seq} sequences", "--n-ctx or --parallel") if n_seq > 1 else (f"n_ctx {n_ctx}", "--n-ctx")
         raise ColibriError(
             f"memory limit {limit / MB:.0f} MB ({source}) is below the {minimum / MB:.0f} MB {path} needs at "
-            f"least: dense weights {dense / MB:.0f} MB + KV cache {kv / MB:.0f} MB (n_ctx {n_ctx}) + scratch "
+            f"least: dense weights {dense / MB:.0f} MB + KV cache {kv / MB:.0f} MB ({kv_what}) + scratch "
             f"{scratch / MB:.0f} MB + this process {runtime / MB:.0f} MB + margin {margin / MB:.0f} MB + two "
-            f"layers' experts {working_set / MB:.0f} MB; raise --memory-limit-mb or lower --n-ctx")
+            f"layers' experts {working_set / MB:.0f} MB; raise --memory-limit-mb or lower {lower}")
     return MemoryPlan(limit, source, fixed, experts, limit - fixed, minimum)
 
 

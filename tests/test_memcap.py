@@ -49,6 +49,9 @@ def test_plan_below_the_minimum_is_one_clear_error():
     with pytest.raises(colibri.ColibriError, match=r"memory limit 200 MB .* below .* dense weights 100 MB "
                                                    r".* KV cache 10 MB \(n_ctx 256\).* lower --n-ctx"):
         _plan(200 * MB)
+    # several sequences' caches (load(parallel=)): the line says so and names --parallel
+    with pytest.raises(colibri.ColibriError, match=r"KV cache 40 MB \(n_ctx 256 x 4 sequences\).* lower --n-ctx or --parallel$"):
+        _plan(200 * MB, kv=40 * MB, n_seq=4)
 
 
 @given(limit=st.integers(1, 1 << 40), dense=st.integers(0, 1 << 36), experts=st.integers(1, 1 << 38),
