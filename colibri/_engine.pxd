@@ -153,7 +153,7 @@ cdef struct Hyper:
     int topk_group            # ... of which the best topk_group are chosen from
     float routed_scaling      # its weights' factor
     int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
-    int stream_prefill        # under an expert budget: a prefill runs one expert per wave, the next one read meanwhile
+    int stream_prefill        # under an expert budget: a prompt's call (more tokens than n_seq: streamed()) runs one expert per wave, the next one read meanwhile
     int qk_norm
     float clip_qkv            # 0: no clipping
     int v_norm                # RMSNorm without weight over each value head (Gemma 4)

@@ -481,6 +481,14 @@ cdef void add_wave_rows(const Hyper *h, const Scratch *s, const Slot *slots, int
                 cb_axpy(out + <size_t>t * d, s.row_w[r], s.y + <size_t>r * d, d)
 
 
+cdef inline bint streamed(const Hyper *h, int n) noexcept nogil:
+    """Under an expert budget, does a call of n tokens stream its experts (one a wave, the next
+    read meanwhile, each marked done after its product)? A prompt's: more tokens than sequences.
+    At most one token per sequence (decode, or sequences decoded together) keeps decode's cache
+    policy: its experts are used as decode uses them, the recent ones kept."""
+    return h.stream_prefill and n > h.n_seq
+
+
 cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, int count, int n,
                       float *out) noexcept nogil:
     """Run a wave and add each row's output, times its weight, into out [n, d] (the wave's slots
@@ -493,7 +501,7 @@ cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, i
     else:
         add_wave_rows(h, s, slots, count, out, 0, n)
     for i in range(count):
-        if h.stream_prefill and n > 1 and slots[i].f != &L.shared:
+        if streamed(h, n) and slots[i].f != &L.shared:
             cb_cache_done(s.cache, L.expert0 + <int>(slots[i].f - L.experts))
 
 
@@ -501,7 +509,8 @@ cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int lay
                             const float *router_in) noexcept nogil:
     """Tell the expert cache what this layer will use: decode, the top-k (read by the reader too
     with a prefetch mode) and, with PREFETCH_PREDICT, the next layer's predicted experts; a
-    prefill, every expert some token chose — streamed under a budget (stream_next), else all at once."""
+    call of several tokens, every expert some token chose — streamed under a budget when the call is
+    a prompt's (streamed(), stream_next), else all at once."""
     cdef int k = h.top_k, E = h.n_experts, t, j, e
     cb_cache_layer(s.cache)
     if n == 1:
@@ -513,7 +522,7 @@ cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int lay
     memset(s.expert_m, 0, sizeof(int) * E)
     for t in range(n * k):
         s.expert_m[s.tok_chosen[t]] += 1
-    if h.stream_prefill:                                      # the first expert's read starts now
+    if streamed(h, n):                                        # the first expert's read starts now
         for e in range(E):
             if s.expert_m[e]:
                 cb_cache_prefetch(s.cache, L.expert0 + e)
@@ -566,10 +575,10 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
                     break
         if m == 0:
             continue
-        if count == MAX_SLOTS or row + m > s.wave_rows or (count and h.stream_prefill and n > 1):
+        if count == MAX_SLOTS or row + m > s.wave_rows or (count and streamed(h, n)):
             wave_finish(h, L, s, slots, count, n, out)       # the wave is full (streaming: one expert)
             count = row = 0
-        if e < E and h.stream_prefill and n > 1:
+        if e < E and streamed(h, n):
             stream_next(s, L, e, E)
         if e < E:
             s.counts[layer * E + e] += m

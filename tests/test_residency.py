@@ -63,6 +63,34 @@ def test_budget_keeps_tokens_and_bounds_resident_experts(big_model):
     assert 0 < st["cache_hit_rate"] < 1 and st["over_budget"] == 0
 
 
+def test_sequences_decoded_together_under_a_budget_use_decode_cache_policy(big_model):
+    """Under an expert budget a prompt streams its experts (one a wave, the next one prefetched),
+    but a step of at most one token per sequence (sequences decoded together) is decode: its
+    experts used as decode uses them, nothing prefetched with prefetch="none". Tokens as alone."""
+    from colibri.batching import Batch
+
+    prompts = [list(range(1, 30)), list(range(40, 61))]
+    alone = colibri.load(big_model)
+    want = [list(alone.generate(p, max_new_tokens=12, stop_at_eos=False, reuse_prefix=False)) for p in prompts]
+    budget = 6 * 3 * 256 * 512 * 4 / (1 << 20)                     # room for 6 of the 32 experts
+    m = colibri.load(big_model, expert_cache_mb=budget, prefetch="none", parallel=2)
+    got, prefetches = {0: [], 1: []}, []
+    with Batch(m, step_tokens=64) as b:
+        seqs = [b.add(p, 12, stop_at_eos=False) for p in prompts]
+        while b.running:
+            decoding = all(s.fed for s in seqs)             # both prompts in: a step of two decode tokens
+            before = m.memory_stats()["prefetches"]
+            for seq, token, _, _ in b.step():
+                got[seqs.index(seq)].append(token)
+            prefetches.append((decoding, m.memory_stats()["prefetches"] - before))
+    assert [got[0], got[1]] == want
+    assert any(n > 0 for decoding, n in prefetches if not decoding)      # the prompts streamed
+    assert [n for decoding, n in prefetches if decoding] == [0] * sum(d for d, _ in prefetches)
+    assert sum(d for d, _ in prefetches) >= 10
+    st = m.memory_stats()
+    assert st["peak_resident_expert_bytes"] <= budget * (1 << 20) and st["over_budget"] == 0
+
+
 def test_release_takes_expert_pages_out_of_rss(big_model):
     m = colibri.load(big_model)
     spans = list(m.residency.spans.values())
