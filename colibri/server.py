@@ -273,6 +273,7 @@ class Served:
                                        f"{self.parallel} places")
                 if self.parallel > 1:
                     self.stepper = Stepper(m, self.step_tokens)
+                    _warn_parallel_under_budget(m, self.parallel)
                 self.model = m
             except Exception as e:          # noqa: BLE001 - reported by /health and each request
                 self.load_error = str(e) or type(e).__name__
@@ -522,6 +523,19 @@ class Generation:
         if self.record.reused_tokens:
             s.reuse_hits.inc()
             s.reused.inc(self.record.reused_tokens)
+
+
+def _warn_parallel_under_budget(m, parallel: int) -> None:
+    """Sequences decoded together use the union of their experts each step. Under an expert budget
+    that cannot hold all the experts, the ones it cannot hold are read again from storage step
+    after step: on mixtral-mini int8, 4 sequences gave fewer tokens a second in all than one below
+    ~90 % of the experts (BENCHMARKS.md, "serve --parallel under an expert budget")."""
+    experts = m.residency.expert_bytes
+    if m.expert_budget is not None and m.expert_budget < experts:
+        logger.warning("--parallel %d under an expert budget of %d MB (the experts: %d MB): sequences decoded "
+                       "together use more experts a step than one does, and what the budget cannot hold is read "
+                       "again from storage; if colibri_expert_cache_uses shows misses growing, --parallel 1 may "
+                       "give more tokens a second", parallel, m.expert_budget >> 20, experts >> 20)
 
 
 def _for_one_request(e: Exception) -> Exception:

@@ -819,6 +819,23 @@ def test_a_model_with_fewer_places_than_the_server_is_a_load_error(chat_model_di
     in_process(lambda: colibri.load(chat_model_dir, threads=1), check, parallel=2)
 
 
+def test_parallel_under_an_expert_budget_warns_once(chat_model_dir, caplog):
+    """A budget below the experts' bytes: one warning naming --parallel and the budget; none with
+    a budget that holds every expert."""
+    def check(budget_mb):
+        async def check(served, client):
+            assert (await until_healthy(client)).status_code == 200
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="colibri.server"):
+            in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2, expert_cache_mb=budget_mb),
+                       check, parallel=2)
+        return [r.getMessage() for r in caplog.records if "expert budget" in r.getMessage()]
+    experts_mb = colibri.load(chat_model_dir, threads=1).residency.expert_bytes / (1 << 20)
+    warned = check(experts_mb / 2)
+    assert len(warned) == 1 and "--parallel 2" in warned[0] and "colibri_expert_cache_uses" in warned[0], warned
+    assert check(experts_mb * 2) == []
+
+
 def test_step_tokens_without_parallel_is_one_line(chat_model_dir):
     r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--step-tokens", "8"],
                        env=ENV, capture_output=True, text=True, timeout=60)
