@@ -4,9 +4,11 @@
 For each B, rounds alternate over the B values (the host's bandwidth moves within a minute): B
 random prompts of --prompt tokens are run, then --gen tokens of each are decoded, one engine pass
 per token of all of them; the figure is the decode steps' tokens over their time, the median of
---rounds rounds, and the ratio to B = 1 of the same round.
+--rounds rounds, and the ratio to B = 1 of the same round. --expert-cache-mb runs under an
+expert budget (load(expert_cache_mb=)) and adds the decode steps' expert-cache hit rate.
 
     python tools/bench/batch_decode.py --model-dir D --batches 1,2,4,8 --gen 64 --rounds 3
+                                       [--expert-cache-mb 900]
 """
 from __future__ import annotations
 
@@ -17,17 +19,24 @@ import time
 import numpy as np
 
 
-def one_round(m, B: int, prompt: int, gen: int, rng) -> float:
+def one_round(m, B: int, prompt: int, gen: int, rng) -> tuple:
+    """(decode tokens/s in all, the decode steps' expert-cache hit rate or None without a budget)."""
     from colibri.batching import Batch
 
     with Batch(m, step_tokens=max(B, prompt * B)) as b:     # the prompts in one pass, before timing
         for _ in range(B):
             b.add(rng.integers(3, m.config.vocab_size, prompt).tolist(), gen + 1, stop_at_eos=False)
         b.step()
+        before = m.memory_stats() if m.expert_budget is not None else None
         t, n = time.perf_counter(), 0
         while b.running:
             n += len(b.step())
-        return n / (time.perf_counter() - t)
+        rate = n / (time.perf_counter() - t)
+    if before is None:
+        return rate, None
+    after = m.memory_stats()
+    hits, misses = (after[k] - before[k] for k in ("cache_hits", "cache_misses"))
+    return rate, hits / (hits + misses) if hits + misses else None
 
 
 def main(argv=None) -> int:
@@ -40,22 +49,29 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--expert-cache-mb", type=float, default=None)
     a = ap.parse_args(argv)
     batches = [int(v) for v in a.batches.split(",")]
     m = colibri.load(a.model_dir, threads=a.threads, parallel=max(batches), n_ctx=a.prompt + a.gen + 8,
-                     prefill_chunk=max(max(batches) * a.prompt, max(batches)))
+                     prefill_chunk=max(max(batches) * a.prompt, max(batches)), expert_cache_mb=a.expert_cache_mb)
     rng = np.random.default_rng(0)
     one_round(m, 1, a.prompt, 8, rng)                        # page the weights in
     rates = {B: [] for B in batches}
+    hit_rates = {B: [] for B in batches}
     for _ in range(a.rounds):
         for B in batches:
-            rates[B].append(one_round(m, B, a.prompt, a.gen, rng))
-    print("| B | decode tok/s in all (median; rounds) | per sequence | vs B = 1 (median of the rounds' ratios) |")
-    print("|---:|---|---:|---:|")
+            rate, hit_rate = one_round(m, B, a.prompt, a.gen, rng)
+            rates[B].append(rate)
+            hit_rates[B].append(hit_rate)
+    budget = m.expert_budget is not None
+    print("| B | decode tok/s in all (median; rounds) | per sequence | vs B = 1 (median of the rounds' ratios) |"
+          + (" expert-cache hit rate |" if budget else ""))
+    print("|---:|---|---:|---:|" + ("---:|" if budget else ""))
     for B in batches:
         med = statistics.median(rates[B])
         ratio = statistics.median(r / r1 for r, r1 in zip(rates[B], rates[batches[0]]))
-        print(f"| {B} | {med:.1f} ({', '.join(f'{r:.1f}' for r in rates[B])}) | {med / B:.1f} | {ratio:.2f} |")
+        hit = f" {statistics.median(hit_rates[B]):.3f} |" if budget else ""
+        print(f"| {B} | {med:.1f} ({', '.join(f'{r:.1f}' for r in rates[B])}) | {med / B:.1f} | {ratio:.2f} |{hit}")
     return 0
 
 
