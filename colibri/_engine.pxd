@@ -56,6 +56,7 @@ cdef extern from "expert_cache.h" nogil:
     void cb_cache_use(cb_expert_cache *c, int i, int read)
     void cb_cache_prefetch(cb_expert_cache *c, int i)
     void cb_cache_done(cb_expert_cache *c, int i)
+    int64_t cb_cache_expert_bytes(const cb_expert_cache *c, int i)
     int cb_cache_hold(cb_expert_cache *c, int i)
 
 
@@ -153,7 +154,7 @@ cdef struct Hyper:
     int topk_group            # ... of which the best topk_group are chosen from
     float routed_scaling      # its weights' factor
     int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
-    int stream_prefill        # under an expert budget: a prompt's call (more tokens than n_seq: streamed()) runs one expert per wave, the next one read meanwhile
+    int stream_prefill        # under an expert budget: a prompt's call may stream its experts (expert_cache_step, Scratch.stream_layer)
     int qk_norm
     float clip_qkv            # 0: no clipping
     int v_norm                # RMSNorm without weight over each value head (Gemma 4)
@@ -216,7 +217,8 @@ cdef struct Scratch:
     int *predicted    # [n_layers, top_k] experts predicted for a layer by the previous one's hidden state
     int64_t *prefetch_stats   # [PF_N] prediction counters, see PF_*
     cb_expert_cache *cache    # the expert cache and its reader (NULL: none, nothing is advised)
-    int *expert_m             # [n_experts] tokens of the chunk routed to each expert (a prefill under a budget)
+    int *expert_m             # [n_experts] tokens of the call routed to each expert (several tokens, a cache)
+    int stream_layer          # this layer's experts streamed one a wave (expert_cache_step decides; 0: used together)
     float *router2    # [n_experts] router logits of the next layer (prediction)
     float *pred_w     # [top_k] scratch weights of a prediction
 

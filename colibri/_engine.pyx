@@ -481,14 +481,6 @@ cdef void add_wave_rows(const Hyper *h, const Scratch *s, const Slot *slots, int
                 cb_axpy(out + <size_t>t * d, s.row_w[r], s.y + <size_t>r * d, d)
 
 
-cdef inline bint streamed(const Hyper *h, int n) noexcept nogil:
-    """Under an expert budget, does a call of n tokens stream its experts (one a wave, the next
-    read meanwhile, each marked done after its product)? A prompt's: more tokens than sequences.
-    At most one token per sequence (decode, or sequences decoded together) keeps decode's cache
-    policy: its experts are used as decode uses them, the recent ones kept."""
-    return h.stream_prefill and n > h.n_seq
-
-
 cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, int count, int n,
                       float *out) noexcept nogil:
     """Run a wave and add each row's output, times its weight, into out [n, d] (the wave's slots
@@ -501,17 +493,22 @@ cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, i
     else:
         add_wave_rows(h, s, slots, count, out, 0, n)
     for i in range(count):
-        if streamed(h, n) and slots[i].f != &L.shared:
+        if s.stream_layer and slots[i].f != &L.shared:
             cb_cache_done(s.cache, L.expert0 + <int>(slots[i].f - L.experts))
 
 
 cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int layer,
                             const float *router_in) noexcept nogil:
     """Tell the expert cache what this layer will use: decode, the top-k (read by the reader too
-    with a prefetch mode) and, with PREFETCH_PREDICT, the next layer's predicted experts; a
-    call of several tokens, every expert some token chose — streamed under a budget when the call is
-    a prompt's (streamed(), stream_next), else all at once."""
+    with a prefetch mode) and, with PREDICT, the next layer's predicted experts; a call of several
+    tokens, every expert some token chose — all at once, as decode uses its top-k, or, under a
+    budget, streamed (s.stream_layer: one expert a wave, the next read meanwhile, each marked done
+    after its product) when the call is a prompt's (more tokens than the Model's sequences: at
+    most one per sequence is sequences decoded together) or its experts would take more than half
+    the budget (the plan's working set is two layers' top-k: the cache never evicts the current
+    layer's experts, so a larger set at once would go over it)."""
     cdef int k = h.top_k, E = h.n_experts, t, j, e
+    cdef int64_t layer_bytes = 0
     cb_cache_layer(s.cache)
     if n == 1:
         for j in range(k):
@@ -522,7 +519,12 @@ cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int lay
     memset(s.expert_m, 0, sizeof(int) * E)
     for t in range(n * k):
         s.expert_m[s.tok_chosen[t]] += 1
-    if streamed(h, n):                                        # the first expert's read starts now
+    if h.stream_prefill:
+        for e in range(E):
+            if s.expert_m[e]:
+                layer_bytes += cb_cache_expert_bytes(s.cache, L.expert0 + e)
+        s.stream_layer = n > h.n_seq or 2 * layer_bytes > s.cache.budget
+    if s.stream_layer:                                        # the first expert's read starts now
         for e in range(E):
             if s.expert_m[e]:
                 cb_cache_prefetch(s.cache, L.expert0 + e)
@@ -563,6 +565,7 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
             return STATUS_BAD_ROUTER
     memcpy(s.chosen + layer * k, s.tok_chosen + (n - 1) * k, sizeof(int) * k)     # last token, for --verbose
     memcpy(s.chosen_w + layer * k, s.tok_w + (n - 1) * k, sizeof(float) * k)
+    s.stream_layer = 0
     if s.cache != NULL:
         expert_cache_step(h, L, s, n, layer, router_in)
     memset(out, 0, sizeof(float) * n * d)
@@ -575,10 +578,10 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
                     break
         if m == 0:
             continue
-        if count == MAX_SLOTS or row + m > s.wave_rows or (count and streamed(h, n)):
+        if count == MAX_SLOTS or row + m > s.wave_rows or (count and s.stream_layer):
             wave_finish(h, L, s, slots, count, n, out)       # the wave is full (streaming: one expert)
             count = row = 0
-        if e < E and streamed(h, n):
+        if e < E and s.stream_layer:
             stream_next(s, L, e, E)
         if e < E:
             s.counts[layer * E + e] += m

@@ -273,7 +273,6 @@ class Served:
                                        f"{self.parallel} places")
                 if self.parallel > 1:
                     self.stepper = Stepper(m, self.step_tokens)
-                    _warn_parallel_under_budget(m, self.parallel)
                 self.model = m
             except Exception as e:          # noqa: BLE001 - reported by /health and each request
                 self.load_error = str(e) or type(e).__name__
@@ -281,6 +280,9 @@ class Served:
                     m.close()
                 if not isinstance(e, ColibriError):
                     logger.error("loading the model failed", exc_info=e)
+                return
+            if self.parallel > 1:
+                _warn_parallel_under_budget(m, self.parallel)
         threading.Thread(target=run, name="colibri-load", daemon=True).start()
 
     def ready(self):

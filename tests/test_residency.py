@@ -63,32 +63,51 @@ def test_budget_keeps_tokens_and_bounds_resident_experts(big_model):
     assert 0 < st["cache_hit_rate"] < 1 and st["over_budget"] == 0
 
 
-def test_sequences_decoded_together_under_a_budget_use_decode_cache_policy(big_model):
-    """Under an expert budget a prompt streams its experts (one a wave, the next one prefetched),
-    but a step of at most one token per sequence (sequences decoded together) is decode: its
-    experts used as decode uses them, nothing prefetched with prefetch="none". Tokens as alone."""
+def _decode_together(big_model, prompts, parallel, budget_experts):
+    """(tokens per sequence, [(a step of decode tokens only?, prefetches in the step)], stats)."""
     from colibri.batching import Batch
 
-    prompts = [list(range(1, 30)), list(range(40, 61))]
-    alone = colibri.load(big_model)
-    want = [list(alone.generate(p, max_new_tokens=12, stop_at_eos=False, reuse_prefix=False)) for p in prompts]
-    budget = 6 * 3 * 256 * 512 * 4 / (1 << 20)                     # room for 6 of the 32 experts
-    m = colibri.load(big_model, expert_cache_mb=budget, prefetch="none", parallel=2)
-    got, prefetches = {0: [], 1: []}, []
+    budget = budget_experts * 3 * 256 * 512 * 4 / (1 << 20)       # experts of 1.5 MB
+    m = colibri.load(big_model, expert_cache_mb=budget, prefetch="none", parallel=parallel)
+    got, steps = {i: [] for i in range(len(prompts))}, []
     with Batch(m, step_tokens=64) as b:
         seqs = [b.add(p, 12, stop_at_eos=False) for p in prompts]
         while b.running:
-            decoding = all(s.fed for s in seqs)             # both prompts in: a step of two decode tokens
+            decoding = all(s.fed == len(s.prompt) for s in seqs)
             before = m.memory_stats()["prefetches"]
             for seq, token, _, _ in b.step():
                 got[seqs.index(seq)].append(token)
-            prefetches.append((decoding, m.memory_stats()["prefetches"] - before))
-    assert [got[0], got[1]] == want
-    assert any(n > 0 for decoding, n in prefetches if not decoding)      # the prompts streamed
-    assert [n for decoding, n in prefetches if decoding] == [0] * sum(d for d, _ in prefetches)
-    assert sum(d for d, _ in prefetches) >= 10
+            steps.append((decoding, m.memory_stats()["prefetches"] - before))
     st = m.memory_stats()
+    m.close()
     assert st["peak_resident_expert_bytes"] <= budget * (1 << 20) and st["over_budget"] == 0
+    return [got[i] for i in range(len(prompts))], steps
+
+
+def test_sequences_decoded_together_under_a_budget_use_decode_cache_policy(big_model):
+    """Under an expert budget a prompt streams its experts (one a wave, the next one prefetched),
+    but a step of at most one token per sequence (sequences decoded together) whose experts fit
+    half the budget is decode: its experts used together, the recent kept, nothing prefetched with
+    prefetch="none". Tokens as alone; the budget holds."""
+    prompts = [list(range(1, 30)), list(range(40, 61))]
+    alone = colibri.load(big_model)
+    want = [list(alone.generate(p, max_new_tokens=12, stop_at_eos=False, reuse_prefix=False)) for p in prompts]
+    got, steps = _decode_together(big_model, prompts, 2, 8)        # 2 x top-2: 4 experts, half of 8
+    assert got == want
+    assert any(n > 0 for decoding, n in steps if not decoding)           # the prompts streamed
+    assert [n for decoding, n in steps if decoding] == [0] * sum(d for d, _ in steps)
+    assert sum(d for d, _ in steps) >= 10
+
+
+def test_sequences_decoded_together_whose_experts_outgrow_the_budget_stream(big_model):
+    """Four sequences' steps may choose 8 experts a layer: past half of a 6-expert budget they
+    stream (the cache never evicts the current layer's experts), so the budget still holds."""
+    prompts = [list(range(1 + 7 * i, 20 + 7 * i)) for i in range(4)]
+    alone = colibri.load(big_model)
+    want = [list(alone.generate(p, max_new_tokens=12, stop_at_eos=False, reuse_prefix=False)) for p in prompts]
+    got, steps = _decode_together(big_model, prompts, 4, 6)
+    assert got == want
+    assert any(n > 0 for decoding, n in steps if decoding)          # some decode steps streamed
 
 
 def test_release_takes_expert_pages_out_of_rss(big_model):

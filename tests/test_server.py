@@ -830,7 +830,8 @@ def test_parallel_under_an_expert_budget_warns_once(chat_model_dir, caplog):
             in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2, expert_cache_mb=budget_mb),
                        check, parallel=2)
         return [r.getMessage() for r in caplog.records if "expert budget" in r.getMessage()]
-    experts_mb = colibri.load(chat_model_dir, threads=1).residency.expert_bytes / (1 << 20)
+    with colibri.load(chat_model_dir, threads=1) as m:
+        experts_mb = m.residency.expert_bytes / (1 << 20)
     warned = check(experts_mb / 2)
     assert len(warned) == 1 and "--parallel 2" in warned[0] and "colibri_expert_cache_uses" in warned[0], warned
     assert check(experts_mb * 2) == []

@@ -399,6 +399,9 @@ static void cb_cache_prefetch(cb_expert_cache *c, int i) {
     cb_mutex_unlock(&c->lock);
 }
 
+/* The bytes of expert i's span (what admitting it counts against the budget). */
+static int64_t cb_cache_expert_bytes(const cb_expert_cache *c, int i) { return (int64_t)c->pages[i].NumberOfBytes; }
+
 /* A prefill product of expert i is over: it is the first to go if room is needed (a prompt
  * streams each expert once). */
 static void cb_cache_done(cb_expert_cache *c, int i) {

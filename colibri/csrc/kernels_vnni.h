@@ -50,9 +50,10 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
  * x 2 tokens' sums and accumulators; 0 leaves the step without it), CB_IFEW_KBLOCKS blocks of each
  * stream's row at a time under the passes when there are more. Each stream's line CB_IFEW_PREFETCH
  * bytes ahead goes to L2. From memory, one thread, against the prompt tiles (Zen 4,
- * tools/bench/ab_itile.py --from-memory, BENCHMARKS.md): int8 1.05-1.09x at 2 tokens, 1.3-1.6x at
- * 3-4, 1.1x at 5-6, 1.0x at 8; int4 1.1-1.3x at 2, 0.9-1.1x at 3-4, 0.8-0.9x at 5-8 (its nibbles'
- * unpacking is shared by 2 tokens here, by up to 6 in the quad tile); nl4 keeps the prompt tiles. */
+ * tools/bench/ab_itile.py --from-memory, BENCHMARKS.md "A few-token tile"): int8 1.02-1.13x at 2
+ * tokens, 1.17-1.40x at 3-6, 0.99x at 8; int4, int6, mxfp4 1.05-1.37x at 2, int4 0.8-1.1x at 3-8
+ * (its nibbles' unpacking is shared by 2 tokens here, by up to 6 in the quad tile); nl4 keeps the
+ * prompt tiles. */
 #define CB_IFEW_TOKENS(dtype) ((dtype) == CB_INT8 ? 6 : (dtype) == CB_NL4 ? 1 : 2)
 #define CB_IFEW_KBLOCKS 8
 #define CB_IFEW_PREFETCH 2048
@@ -323,9 +324,8 @@ cb_igroup4_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int d
 
 /* The AVX512-VNNI step's interleaved entry (cb_itile_fn): a prompt's groups four at a time
  * (nl4: two at a time) on 512-bit vectors, in the order of CB_ITILE_LOOP, a tile of tokens at a
- * time; a pair left over by the pair tile; decode, int8 at two tokens (two sequences decoded
- * together: from memory 1.2-1.5x on 1024-wide rows, 0.9-1.0x on 3584-wide, tools/bench/ab_itile.py),
- * and an odd last group, by the 256-bit tile (cb_itile_avx512vnni). The tokens go in tiles of even size (8 tokens: 4 + 4, not 6 + 2). The
+ * time; a pair left over by the pair tile; decode and a few tokens (n <= CB_IFEW_TOKENS(dtype):
+ * its few-token tile), and an odd last group, by the 256-bit tile (cb_itile_avx512vnni). The tokens go in tiles of even size (8 tokens: 4 + 4, not 6 + 2). The
  * activations are packed first, every tile at once, into this thread's
  * scratch (cb_act_block8: 352 bytes a block and tile); where that cannot be had, the 256-bit tile
  * runs instead. */

@@ -3,6 +3,7 @@
  *   CB_VNNI_TARGET          the functions' target attribute
  *   CB_VNNI_DPBUSD(a, u, s) a + in each int32 lane the 4 products of unsigned bytes u, signed bytes s
  *   CB_VNNI_NAME(base)      base with the instruction set's suffix
+ *   CB_VNNI_FEW_TS          tokens a pass of the few-token tile (cb_ifew: 2), or 0 for none
  * No include guard: including it is instantiating it. */
 
 /* out[j * ldo + 0..7] (+)= one group's 8 outputs for T tokens over its blocks kb0..kb1-1, packed
@@ -249,10 +250,11 @@ CB_VNNI_NAME(cb_idecode)(float *out, size_t ostride, const char *gp, size_t gstr
  * hardware prefetchers follow) — for TS tokens at once. out[j * ldo + k * ostride + 0..7], k < G,
  * j < TS, over blocks kb0..kb1-1 (gp at kb0); `first`: start from zero, else continue out's sums.
  * Each token's block sum is cb_igroup's in one chain (integer adds: the same sum) and its scaling
- * the same fma, so the same bits as the prompt tiles and decode. */
+ * the same fma, so the same bits as the prompt tiles and decode. `prefetch`: send each stream's
+ * lines CB_IFEW_PREFETCH ahead to L2 (the first pass over a chunk; the later ones read it from L1). */
 CB_VNNI_TARGET static CB_ALWAYS_INLINE void
 CB_VNNI_NAME(cb_ifew)(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, int dtype,
-                      const cb_act_q8 *acts, int kb0, int kb1, int first, const int G, const int TS) {
+                      const cb_act_q8 *acts, int kb0, int kb1, int first, int prefetch, const int G, const int TS) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const size_t gbytes = cb_group_bytes(dtype);
     const int32_t offset = cb_code_offset(dtype, 1);
@@ -270,8 +272,9 @@ CB_VNNI_NAME(cb_ifew)(float *out, int ldo, size_t ostride, const char *gp, size_
             acc[k][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (size_t)j * ldo + k * ostride);
     for (int kb = kb0; kb < kb1; kb++, gp += gbytes) {
         __m256i sum[CB_IDECODE_STREAMS][CB_VNNI_FEW_TS];
-        for (int k = 0; k < G; k++)     /* a block's lines (or their neighbours) of each stream, ahead */
-            for (size_t off = 0; off < gbytes; off += 64) _mm_prefetch(gp + k * gstride + CB_IFEW_PREFETCH + off, CB_IFEW_HINT);
+        if (prefetch)                   /* a block's lines (or their neighbours) of each stream, ahead */
+            for (int k = 0; k < G; k++)
+                for (size_t off = 0; off < gbytes; off += 64) _mm_prefetch(gp + k * gstride + CB_IFEW_PREFETCH + off, CB_IFEW_HINT);
         for (int j = 0; j < TS; j++) {
             const __m256i start = _mm256_set1_epi32(-offset * xs[j][kb]);
             for (int k = 0; k < G; k++) sum[k][j] = start;
@@ -324,12 +327,12 @@ CB_VNNI_NAME(cb_ifew_groups)(float *out, int ldo, size_t ostride, const char *gp
         for (int t = 0; t < n; t += CB_VNNI_FEW_TS) {
             const int T = n - t < CB_VNNI_FEW_TS ? n - t : CB_VNNI_FEW_TS;
 #define CB_CALL_FEW(TS_) CB_VNNI_NAME(cb_ifew)(out + (size_t)t * ldo, ldo, ostride, gp + kb0 * gbytes, gstride, \
-                                               dtype, acts + t, kb0, kb1, kb0 == 0, G, TS_)
-            if (T == 1) CB_CALL_FEW(1);
-#if CB_VNNI_FEW_TS > 2
-            else if (T == 2) CB_CALL_FEW(2);
+                                               dtype, acts + t, kb0, kb1, kb0 == 0, t == 0, G, TS_)
+#if CB_VNNI_FEW_TS != 2
+#error "cb_ifew_groups dispatches passes of 1 or 2 tokens: a pass of CB_VNNI_FEW_TS tokens needs its cases here"
 #endif
-            else CB_CALL_FEW(CB_VNNI_FEW_TS);
+            if (T == 1) CB_CALL_FEW(1);
+            else CB_CALL_FEW(2);
 #undef CB_CALL_FEW
         }
     }

@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     for B in batches:
         med = statistics.median(rates[B])
         ratio = statistics.median(r / r1 for r, r1 in zip(rates[B], rates[batches[0]]))
-        hit = f" {statistics.median(hit_rates[B]):.3f} |" if budget else ""
+        known = [h for h in hit_rates[B] if h is not None]      # None: a round without a cache use
+        hit = (f" {statistics.median(known):.3f} |" if known else " – |") if budget else ""
         print(f"| {B} | {med:.1f} ({', '.join(f'{r:.1f}' for r in rates[B])}) | {med / B:.1f} | {ratio:.2f} |{hit}")
     return 0
 
