@@ -520,10 +520,12 @@ cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int lay
     for t in range(n * k):
         s.expert_m[s.tok_chosen[t]] += 1
     if h.stream_prefill:
-        for e in range(E):
-            if s.expert_m[e]:
-                layer_bytes += cb_cache_expert_bytes(s.cache, L.expert0 + e)
-        s.stream_layer = n > h.n_seq or 2 * layer_bytes > s.cache.budget
+        s.stream_layer = n > h.n_seq
+        if not s.stream_layer:                                # decode tokens: do their experts fit?
+            for e in range(E):
+                if s.expert_m[e]:
+                    layer_bytes += cb_cache_expert_bytes(s.cache, L.expert0 + e)
+            s.stream_layer = 2 * layer_bytes > s.cache.budget
     if s.stream_layer:                                        # the first expert's read starts now
         for e in range(E):
             if s.expert_m[e]:
