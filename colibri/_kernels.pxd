@@ -43,7 +43,7 @@ cdef extern from "kernels_scalar.h" nogil:
 cdef extern from "dispatch.h" nogil:
     int CB_ISA_SCALAR, CB_ISA_AVX2, CB_ISA_AVX512
     int CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI
-    int CB_INT_STEP_AVX512VNNI
+    int CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX
     ctypedef struct cb_cpu_features:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
         int avx512_vnni, avx512_bf16, avx_vnni, amx_tile, amx_int8, amx_bf16, os_avx, os_avx512, os_amx
@@ -73,7 +73,10 @@ cdef extern from "dispatch.h" nogil:
     cb_selection cb_selected
     int cb_select_isa(int isa)
     int cb_self_test(int isa)
+    int cb_self_test_step(int isa, int step)
     int cb_set_int_step(int step)
+    void cb_set_amx_granted(int granted)
+    int cb_amx_failed_check      # the AMX step's failed self-test check (0: none); the step is off
     int cb_set_prefill_repack(int on)
     int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
     void cb_glu(float *gate, const float *up, int n, int act)

@@ -61,8 +61,9 @@ def cpu_features():
 
 def amx_status(features=None):
     """One line on AMX here: absent from the CPU, not enabled by the OS (XCR0), refused by it (why),
-    or its tile state granted to this process (asked once, _os.request_tile_data). No tier uses
-    the tiles yet; the line says so. `features`: cpu_features()' dict (tests pass others)."""
+    or its tile state granted to this process (asked once, _os.request_tile_data) and whether the
+    amx int step runs (it can fail its self-test, or another step be chosen). `features`:
+    cpu_features()' dict (tests pass others)."""
     from colibri import _os
     f = cpu_features() if features is None else features
     if not f["amx_tile"]:
@@ -73,7 +74,21 @@ def amx_status(features=None):
     granted, why = _os.request_tile_data()
     if not granted:
         return f"AMX ({kinds}) on this CPU, but the OS refused its tile state: {why}"
-    return f"AMX ({kinds}): tile state granted by the OS; no kernels use it yet (the {isa()} tier runs)"
+    if cb_amx_failed_check:
+        return (f"AMX ({kinds}): tile state granted by the OS, but the amx step failed its self-test "
+                f"(check {cb_amx_failed_check}): the {int_step()} step runs")
+    if not f["amx_int8"]:
+        return f"AMX ({kinds}): tile state granted by the OS; no int8 products, so no step uses it"
+    return f"AMX ({kinds}): tile state granted by the OS; int step in use: {int_step()}"
+
+
+def _grant_amx():
+    """Ask the OS for the tile state where the CPU has AMX-INT8 and XCR0 enables it, and tell the
+    kernel table whether it was lent (the amx int step needs it). Once, at import."""
+    from colibri import _os
+    f = cpu_features()
+    if f["amx_tile"] and f["amx_int8"] and f["os_amx"]:
+        cb_set_amx_granted(_os.request_tile_data()[0])
 
 
 def available_isas():
@@ -94,9 +109,13 @@ def select_isa(str name):
 
 # How the transposed int8/int4 kernels (decode tiles, repacked prefill) multiply bytes (dispatch.h,
 # CB_INT_STEP_*): the scalar tier's C, AVX2 maddubs + madd, the VNNI step emulated in AVX2 (tests),
-# AVX-VNNI, AVX512-VNNI. All give the same bits.
+# AVX-VNNI, AVX512-VNNI, and AVX512-VNNI with the interleaved prompts on AMX tiles (kernels_amx.h;
+# emulated in C for tests). All give the same bits.
 INT_STEPS = {"scalar": CB_INT_STEP_SCALAR, "avx2": CB_INT_STEP_AVX2, "vnni-emulated": CB_INT_STEP_VNNI_EMULATED,
-             "avx-vnni": CB_INT_STEP_AVXVNNI, "avx512-vnni": CB_INT_STEP_AVX512VNNI}
+             "avx-vnni": CB_INT_STEP_AVXVNNI, "avx512-vnni": CB_INT_STEP_AVX512VNNI,
+             "amx-emulated": CB_INT_STEP_AMX_EMULATED, "amx": CB_INT_STEP_AMX}
+# The steps that exist to test another's bits on CPUs without it: never a tier's default.
+EMULATED_INT_STEPS = ("vnni-emulated", "amx-emulated")
 
 
 def int_step():
@@ -166,6 +185,18 @@ def self_test(str name):
     return f"the {name} kernels disagree with the scalar spec (self-test check {code})"
 
 
+def self_test_int_step(str step):
+    """The self-test of the current tier with int step `step` (an INT_STEPS name; the AMX steps add
+    a whole tile of tokens in each format they take): None when it passes, else the failing check's
+    message. The selection is restored after."""
+    before = cb_selected.int_step
+    code = cb_self_test_step(cb_selected.isa, INT_STEPS[step])
+    cb_set_int_step(before)
+    if code == 0:
+        return None
+    return f"int step {step} cannot run here" if code < 0 else f"int step {step}: self-test check {code} failed"
+
+
 def choose_tier(forced: str, available, test):
     """(tier, warning or None, error or None): the tier to run. forced (COLIBRI_ISA, "" for none)
     must pass `test` (a failure is an error: the user asked for it); otherwise the fastest of
@@ -193,6 +224,7 @@ def _select_at_import():
     AVX2-only host such as AMD Zen 3 runs, measured on a newer CPU that also has AVX-VNNI)."""
     import os
     import warnings
+    _grant_amx()
     name, warning, error = choose_tier(os.environ.get("COLIBRI_ISA", "").strip().lower(), available_isas(),
                                        self_test)
     if warning:
@@ -200,6 +232,9 @@ def _select_at_import():
     if error:
         raise ValueError(error)
     select_isa(name)
+    if cb_amx_failed_check:
+        warnings.warn(f"colibri: the amx int step failed its self-test (check {cb_amx_failed_check}); "
+                      f"using the {int_step()} step", RuntimeWarning, stacklevel=2)
     step = os.environ.get("COLIBRI_INT_STEP", "").strip().lower()
     if step:
         try:

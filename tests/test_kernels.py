@@ -482,6 +482,18 @@ def test_the_self_test_passes_on_every_tier_and_keeps_it(isa):
     assert _kernels.isa() == isa
 
 
+def test_every_int_step_passes_the_self_test(isa):
+    """Each int step the tier has here passes the import-time self-test (the AMX steps with a
+    whole tile of 16 tokens and one more in int8, int4, int6 and mxfp4, against the AVX512-VNNI
+    step's bits), and the step in use stays selected."""
+    before = _kernels.int_step()
+    for step in _kernels.available_int_steps():
+        assert _kernels.self_test_int_step(step) is None, step
+        assert _kernels.int_step() == before
+    if "amx" not in _kernels.available_int_steps():
+        assert _kernels.self_test_int_step("amx") == "int step amx cannot run here"
+
+
 def test_a_tier_that_fails_its_self_test_is_not_used():
     """choose_tier: the fastest tier that passes, the failures named in one warning; a forced tier
     (COLIBRI_ISA) that fails, is unknown or unavailable is an error naming it."""

@@ -169,13 +169,17 @@ def test_int_steps_available_and_default(isa):
     """Every SIMD tier has the AVX2 step and the VNNI step emulated in AVX2 (for these tests), the
     VNNI steps where the CPU has them, and uses the fastest by default; the scalar tier its own. A
     step the tier or CPU lacks is a clear error and changes nothing."""
+    from colibri import _os
     feats = _kernels.cpu_features()
     expect = ["scalar"]
     if isa != "scalar":
         expect = ["avx2", "vnni-emulated"] + (["avx-vnni"] if feats["avx_vnni"] else [])
-        expect += ["avx512-vnni"] if isa == "avx512" and feats["avx512_vnni"] else []
+        if isa == "avx512" and feats["avx512_vnni"]:
+            expect += ["avx512-vnni", "amx-emulated"]
+            lent = feats["amx_tile"] and feats["amx_int8"] and feats["os_amx"] and _os.request_tile_data()[0]
+            expect += ["amx"] if lent and "self-test" not in _kernels.amx_status() else []
     assert _kernels.available_int_steps() == expect
-    fastest = [k for k in expect if k != "vnni-emulated"][-1]
+    fastest = [k for k in expect if k not in _kernels.EMULATED_INT_STEPS][-1]
     assert _kernels.int_step() == fastest
     for name in [k for k in _kernels.INT_STEPS if k not in expect] + ["vnni"]:
         with pytest.raises(ValueError, match="int step"):
@@ -314,8 +318,9 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     15 (8 maddubs of a block summed in int16: 30480), mxfp4 codes at +-6 (24 after the offset: its
     int16 sums go to int32 every two vectors), activations at +-127, through every int step,
     prefill and decode, with enough groups (40) for the decode's side-by-side parts and the AVX2
-    prompt's two-group tile on packed activations (CB_ITILE2_MIN_GROUPS_AVX2, 32)."""
-    rows, cols, n = 320, 64, 12
+    prompt's two-group tile on packed activations (CB_ITILE2_MIN_GROUPS_AVX2, 32), and 20 tokens
+    for the AMX step's tile of 16 (its signed bytes: int8 -127..127, int4 -8..7, mxfp4 -12..12)."""
+    rows, cols, n = 320, 64, 20
     w = np.full((rows, cols), 0.7, np.float32)
     if dtype == "int4":
         w[:, ::32] = -0.8
@@ -324,7 +329,7 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     il = quant.interleave(stored, dtype, cols)
     expect = _exact(stored, dtype, cols) @ _quantize_act(x[0])
     for step in _kernels.available_int_steps():
-        for n in (12, 1):
+        for n in (20, 12, 1):
             with _kernels.int_kernels(step):
                 got = _probes.kernel_matmul(il, x[:n], dtype, 1, "interleaved")
             np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {n}")

@@ -5,8 +5,9 @@
  * 5-7 (opmask, ZMM_Hi256, Hi16_ZMM). Checking CPUID alone is the bug ggml's FIXME describes.
  * AMX (Intel Sapphire Rapids and later) needs bits 17-18 (XTILECFG, XTILEDATA), and on Linux
  * more: the kernel lends a process the 8 KB tile state only on request (_os.request_tile_data,
- * arch_prctl), which _kernels.amx_status() makes where the CPU and XCR0 allow it. No tier uses the
- * tiles yet: they are reported (colibri info, the test suite's tier line) so an AMX host shows it.
+ * arch_prctl), which _kernels makes at import where the CPU and XCR0 allow it; the AVX-512 tier's
+ * "amx" int step then runs the interleaved prompts on the tiles (kernels_amx.h), and
+ * _kernels.amx_status() reports it (colibri info, the test suite's tier line).
  */
 #ifndef COLIBRI_CPU_H
 #define COLIBRI_CPU_H

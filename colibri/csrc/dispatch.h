@@ -22,6 +22,7 @@ int omp_get_num_threads(void);
 #include "kernels_avx2.h"
 #include "kernels_avx512.h"
 #include "kernels_vnni.h"
+#include "kernels_amx.h"
 
 /* out[t * ldo + o] for outputs [o0, o1) (whole groups) and n tokens of a transposed int8/int4
  * matrix, through `scratch` (cb_tprefill_bytes; `first`: the job's first chunk, which also fills
@@ -57,7 +58,8 @@ static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, co
  *   CB_TRANSPOSED   ttile (groups of CB_TGROUP outputs) and, for int8/int4, tprefill: the repacked
  *                   prefill from CB_TPREFILL_MIN_TOKENS tokens (same bits; the scalar tier's is the
  *                   stored-order tile itself, cb_tprefill_scalar);
- *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4/int6, and bf16 widened to f32), decode and prefill;
+ *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4/int6, and bf16 widened to f32), decode and prefill
+ *                   (the amx int step: whole tiles of 16 tokens on AMX, kernels_amx.h);
  *                   itile_bf16x (bf16 only, where the CPU has AVX512_BF16): its bf16 products, taken
  *                   as tile_bf16x is (spec: kernels_scalar.h's cb_itile_bf16x_scalar);
  * The scalar tier's entries (kernels_scalar.h: cb_tile_scalar, cb_ttile_scalar, cb_itile_scalar)
@@ -103,9 +105,17 @@ static struct { int prefill_repack; } cb_options = {1};
 
 /* How the transposed and interleaved int8/int4 kernels (decode tiles, the repacked prefill, the
  * interleaved tiles) multiply bytes, slowest first: the scalar tier's C, AVX2's maddubs + madd,
- * the VNNI step emulated in AVX2 (tests only), AVX-VNNI, AVX512-VNNI. All give the same bits. */
+ * the VNNI step emulated in AVX2 (tests only), AVX-VNNI, AVX512-VNNI, then AVX512-VNNI with the
+ * interleaved prompts on AMX tiles (its tile ops emulated in C: tests only). All give the same bits. */
 enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI,
-       CB_INT_STEP_AVX512VNNI };
+       CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX };
+
+/* The AMX step (kernels_amx.h: the AVX512-VNNI step with the interleaved prompts on AMX tiles) runs
+ * only once the OS has lent this process the tile state (_kernels asks at import, then sets this)
+ * and until its self-test fails (cb_self_test; the failure's check number is kept here). */
+static int cb_amx_granted;
+static int cb_amx_failed_check;
+static void cb_set_amx_granted(int granted) { cb_amx_granted = granted != 0; }
 
 /* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
  * CPU has no such step. The registry the table is filled from (and the tests choose from). */
@@ -142,6 +152,16 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
         s = evex;
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni;
     }
+#if CB_HAVE_AMX
+    else if (step == CB_INT_STEP_AMX_EMULATED || step == CB_INT_STEP_AMX) {
+        cb_int_kernels amx = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni,
+                              step == CB_INT_STEP_AMX ? cb_itile_amx : cb_itile_amx_emulated};
+        s = amx;
+        ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni &&
+             (step == CB_INT_STEP_AMX_EMULATED ||
+              (cb_cpu.amx_tile && cb_cpu.amx_int8 && cb_cpu.os_amx && cb_amx_granted && !cb_amx_failed_check));
+    }
+#endif
 #endif
     if (!ok) return -1;
     *k = s;
@@ -150,9 +170,10 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
 
 /* The fastest int step tier `isa` has on this CPU (the emulated one is for tests only). */
 static int cb_best_int_step(int isa) {
-    const int steps[] = {CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2, CB_INT_STEP_SCALAR};
+    const int steps[] = {CB_INT_STEP_AMX, CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2,
+                         CB_INT_STEP_SCALAR};
     cb_int_kernels k;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         if (cb_int_step_kernels(steps[i], isa, &k) == 0) return steps[i];
     return CB_INT_STEP_SCALAR;
 }
@@ -808,6 +829,35 @@ static int cb_self_test_step(int isa, int step) {
         }
         for (int t = 0; t < N; t++) acts[t].xb = NULL;
     }
+#if CB_HAVE_AMX
+    if (step == CB_INT_STEP_AMX || step == CB_INT_STEP_AMX_EMULATED) {
+        /* its tiles run from 16 tokens: a whole tile and one token more, each format it takes,
+         * the AVX512-VNNI step's bits */
+        enum { NA = CB_AMX_TOKENS + 1 };
+        static float xa[NA * C], ada[NA * C / CB_QBLOCK], refa[NA * R], gota[NA * R];
+        static int8_t aqa[NA * C];
+        static int32_t asa[NA * C / CB_QBLOCK], aoffa[2 * NA * C / CB_QBLOCK];
+        cb_act_q8 actsa[NA];
+        const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4};
+        for (int t = 0; t < NA; t++) {
+            actsa[t] = acts[0];
+            actsa[t].q = aqa + t * C; actsa[t].d = ada + t * (C / CB_QBLOCK); actsa[t].s = asa + t * (C / CB_QBLOCK);
+            actsa[t].nl4_off = aoffa + t * 2 * (C / CB_QBLOCK); actsa[t].xp = NULL; actsa[t].xb = NULL;
+        }
+        for (int i = 0; i < NA * C; i++) xa[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
+        for (int i = 0; i < 4; i++) {
+            check++;
+            const int dtype = dtypes[i];
+            const size_t bytes = (size_t)(R / CB_TGROUP) * (C / CB_QBLOCK) * cb_group_bytes(dtype);
+            cb_selftest_fill(w, bytes, dtype, CB_INTERLEAVED, R, C, &state);
+            cb_select_kernels(isa, CB_INT_STEP_AVX512VNNI);
+            cb_matmul(refa, R, w, dtype, CB_INTERLEAVED, xa, C, actsa, NA, R, C, 1);
+            cb_select_kernels(isa, step);
+            cb_matmul(gota, R, w, dtype, CB_INTERLEAVED, xa, C, actsa, NA, R, C, 1);
+            if (memcmp(refa, gota, sizeof refa) != 0) return check;
+        }
+    }
+#endif
     for (int i = 0; i < KV * RING * HD; i++) {
         kc[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
         vc[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
@@ -873,11 +923,19 @@ static int cb_self_test_step(int isa, int step) {
     return 0;
 }
 
-/* cb_self_test_step with the int step import would choose for `isa`. */
+/* cb_self_test_step with the int step import would choose for `isa`. Where that is the AMX step
+ * and it fails, the AMX step is turned off (cb_amx_failed_check keeps the check: _kernels warns)
+ * and the tier is tested again with its next step. */
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
-    return cb_self_test_step(isa, cb_best_int_step(isa));
+    const int step = cb_best_int_step(isa);
+    const int code = cb_self_test_step(isa, step);
+    if (code > 0 && step == CB_INT_STEP_AMX) {
+        cb_amx_failed_check = code;
+        return cb_self_test_step(isa, cb_best_int_step(isa));
+    }
+    return code;
 }
 
 #endif /* COLIBRI_DISPATCH_H */

@@ -1,0 +1,211 @@
+/* kernels_amx.h — the AMX int step: a prompt's interleaved int8/int4/int6/mxfp4 products on tiles.
+ *
+ * AMX (Intel Sapphire Rapids and later) multiplies tiles — 2-D registers of up to 16 rows x 64
+ * bytes — in a unit beside the vector ports: TDPBSSD adds to each int32 C[m][n] the products of
+ * row m of A (signed bytes) with column n of B (signed bytes, stored 4 K-bytes a column side by
+ * side: the "VNNI" order of the interleaved layout's vectors, quant.h). One instruction here does
+ * 16 tokens x 16 outputs x 32 inputs, what 128 vpdpbusd on zmm do.
+ *
+ * The formats scale each block of 32 inputs (quant.h), so a tile's K is one block (A 16 x 32
+ * bytes, B 8 rows x 64 bytes, C 16 x 16 int32) and every block's C is stored and scaled in zmm:
+ * acc = fma(float(C), dw * dx, acc), block after block — the exact integer block sums of every
+ * other step, scaled and added in the same order, so the same bits as decode. Per block and
+ * tile: one TDPBSSD (16 cycles of the tile unit on Sapphire Rapids) beside 16 x (cvt, mul, fma) on
+ * the two 512-bit ports (24 cycles): the scaling, not the tile unit, sets the pace, and two tile
+ * sets (C of the next block computed while this one is scaled) overlap them.
+ *
+ * Layouts:
+ *   A  the activations of 16 tokens, one block: [16 tokens][32 bytes], packed once per call
+ *      (cb_amx_act: zero rows past n, their scale 0);
+ *   B  two groups' block as signed bytes, [8 rows c][64 bytes] = group g's vector c (8 outputs x 4
+ *      inputs) then group g + 1's: int8 copied, the 4-bit and 6-bit codes unpacked and their
+ *      offset taken off (int4 - 8, mxfp4's doubled values, int6 - 32), once per chunk of blocks
+ *      and shared by every tile of tokens (cb_amx_wblock, with the two groups' 16 scales);
+ *   C  [16 tokens][16 outputs] int32, stored to a 1 KB buffer the zmm read one token a row.
+ * nl4 (two scales a block), the last n % 16 tokens (decode, a few tokens: the tile unit takes as
+ * long for 1 row as for 16) and an odd last group go to the AVX512-VNNI step.
+ *
+ * The tile ops are instantiated twice (amx_body.h): with the instructions (GCC/clang inline asm:
+ * the assembler knows them; no compiler flag is needed), and emulated in C on a thread's array of
+ * 8 tiles ("amx-emulated": the body's bits tested on any AVX-512 CPU). The real step runs only
+ * where the CPU has AMX-INT8, XCR0 enables the tile state, the OS lent it to the process
+ * (_os.request_tile_data: Linux arch_prctl; Windows 11 / Server 2022 as an optional feature the
+ * process turns on) and the import-time self-test passed (dispatch.h cb_self_test). MSVC has no
+ * inline asm on x64 (it would take its _tile_* intrinsics): no AMX step in a Windows build yet.
+ */
+#ifndef COLIBRI_KERNELS_AMX_H
+#define COLIBRI_KERNELS_AMX_H
+
+#include "kernels_vnni.h"
+
+#if CB_X86 && (defined(__GNUC__) || defined(__clang__))
+#define CB_HAVE_AMX 1
+
+#define CB_AMX_TOKENS 16            /* A's and C's rows: tokens a tile */
+
+#define CB_AMX_KBLOCKS 32           /* blocks of a group pair unpacked at a time: 18 KB of B beside
+                                       a token tile's 18 KB of A, in L1 */
+/* The pair tile's software pipeline (amx_body.h): a block's C is stored CB_AMX_STORE_DELAY steps
+ * after its product is issued and scaled CB_AMX_LOOKAHEAD steps after (STORE_DELAY <= LOOKAHEAD;
+ * C takes STORE_DELAY + 1 tiles beside A and B's four, cbuf LOOKAHEAD - STORE_DELAY + 1 slots). */
+#ifndef CB_AMX_STORE_DELAY
+#define CB_AMX_STORE_DELAY 0
+#endif
+#ifndef CB_AMX_LOOKAHEAD
+#define CB_AMX_LOOKAHEAD 1
+#endif
+#define CB_AMX_CTILES (CB_AMX_STORE_DELAY + 1)
+#define CB_AMX_CBUFS (CB_AMX_LOOKAHEAD - CB_AMX_STORE_DELAY + 1)
+#if CB_AMX_STORE_DELAY > 3 || CB_AMX_STORE_DELAY > CB_AMX_LOOKAHEAD
+#error "CB_AMX_STORE_DELAY: 0 .. 3, at most CB_AMX_LOOKAHEAD"
+#endif
+
+/* ldtilecfg's 64 bytes (palette 1). */
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} cb_amx_config;
+
+/* One block of a group pair, as B (signed bytes) and its 16 output scales. */
+typedef struct {
+    int8_t q[8][64];                /* [row c][group p * 32 + output r * 4 + i]: input 4c + i */
+    float dw[16];                   /* [p * 8 + r] the weight scales */
+} cb_amx_wblock;
+
+/* One block of a tile of tokens, as A and the tokens' activation scales. */
+typedef struct {
+    int8_t q[CB_AMX_TOKENS][CB_QBLOCK];     /* [token][input] */
+    float d[CB_AMX_TOKENS];                 /* [token] 0 for rows past n */
+} cb_amx_act;
+
+/* Tiles 0, 1 and 2, 3: A and B of even and odd blocks; 4 .. 7: C. */
+static void cb_amx_fill_config(cb_amx_config *c) {
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    for (int s = 0; s < 2; s++) {
+        c->rows[2 * s] = CB_AMX_TOKENS;      c->colsb[2 * s] = CB_QBLOCK;    /* A: [16 tokens][32 bytes] */
+        c->rows[2 * s + 1] = CB_QBLOCK / 4;  c->colsb[2 * s + 1] = 64;       /* B: [8][2 groups x 8 x 4] */
+    }
+    for (int t = 4; t < 8; t++) { c->rows[t] = CB_AMX_TOKENS; c->colsb[t] = 64; }   /* C: [16][16] int32 */
+}
+
+/* Tokens t0 .. t0 + T - 1 of acts, blocks 0 .. nb - 1, into tile[nb] (rows past T zero). */
+static void cb_amx_pack_acts(cb_amx_act *tile, const cb_act_q8 *acts, int T, int nb) {
+    memset(tile, 0, (size_t)nb * sizeof(cb_amx_act));
+    for (int j = 0; j < T; j++)
+        for (int kb = 0; kb < nb; kb++) {
+            memcpy(tile[kb].q[j], acts[j].q + (size_t)kb * CB_QBLOCK, CB_QBLOCK);
+            tile[kb].d[j] = acts[j].d[kb];
+        }
+}
+
+/* Groups gp and gq's blocks kb0 .. kb1 - 1 (gp, gq at block kb0) into wb[kb1 - kb0]. */
+CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const char *gp, const char *gq,
+                                                      int dtype, int nblocks) {
+    const size_t gbytes = cb_group_bytes(dtype);
+    const __m512i offset = _mm512_set1_epi8((char)cb_code_offset(dtype, 1));
+    for (int b = 0; b < nblocks; b++, gp += gbytes, gq += gbytes, wb++) {
+        if (dtype == CB_INT8) {
+            const cb_igroup_int8 *g = (const cb_igroup_int8 *)gp, *h = (const cb_igroup_int8 *)gq;
+            for (int c = 0; c < 8; c++)
+                _mm512_storeu_si512(wb->q[c], cb_join_si512(_mm256_loadu_si256((const __m256i *)g->qs[c]),
+                                                            _mm256_loadu_si256((const __m256i *)h->qs[c])));
+        } else {
+            for (int v = 0; v < 4; v++) {
+                __m512i lo, hi;
+                cb_inibbles2_512(gp, gq, dtype, v, &lo, &hi);
+                _mm512_storeu_si512(wb->q[v], _mm512_sub_epi8(lo, offset));
+                _mm512_storeu_si512(wb->q[4 + v], _mm512_sub_epi8(hi, offset));
+            }
+        }
+        _mm512_storeu_ps(wb->dw, cb_join_ps512(cb_igroup_scales_avx2(gp, dtype), cb_igroup_scales_avx2(gq, dtype)));
+    }
+}
+
+/* ---- the tile ops ------------------------------------------------------------------------------
+ * The instructions, as GCC's own intrinsics write them (both assembler dialects), but with a
+ * "memory" clobber on the loads too: the packed A and B are written just before. */
+#define CB_AMX_HW_LOADCFG(cfg) __asm__ volatile("ldtilecfg %0" ::"m"(*(const cb_amx_config *)(cfg)))
+#define CB_AMX_HW_RELEASE() __asm__ volatile("tilerelease" ::)
+#define CB_AMX_HW_LOAD(t, base, stride) \
+    __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}" \
+                     ::"r"((const void *)(base)), "r"((long long)(stride)) : "memory")
+#define CB_AMX_HW_STORE(t, base, stride) \
+    __asm__ volatile("{tilestored\t%%tmm" #t ", (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm" #t "}" \
+                     ::"r"((void *)(base)), "r"((long long)(stride)) : "memory")
+#define CB_AMX_HW_ZERO(t) __asm__ volatile("tilezero\t%%tmm" #t ::)
+#define CB_AMX_HW_DPBSSD(c, a, b) \
+    __asm__ volatile("{tdpbssd\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c "|tdpbssd\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
+
+/* The same ops in C on a thread's 8 emulated tiles (the instruction's definition: rows and colsb
+ * from the config, C[m][n] += sum over k, i of A[m][4k + i] * B[k][4n + i] in int32). */
+typedef struct { uint8_t b[16][64]; } cb_amx_emu_tile;
+static CB_THREAD_LOCAL cb_amx_emu_tile cb_amx_emu_tiles[8];
+static CB_THREAD_LOCAL cb_amx_config cb_amx_emu_cfg;
+
+static void cb_amx_emu_loadcfg(const cb_amx_config *c) {
+    cb_amx_emu_cfg = *c;
+    memset(cb_amx_emu_tiles, 0, sizeof cb_amx_emu_tiles);
+}
+static void cb_amx_emu_load(int t, const void *base, long stride) {
+    memset(&cb_amx_emu_tiles[t], 0, sizeof(cb_amx_emu_tile));
+    for (int r = 0; r < cb_amx_emu_cfg.rows[t]; r++)
+        memcpy(cb_amx_emu_tiles[t].b[r], (const char *)base + r * stride, cb_amx_emu_cfg.colsb[t]);
+}
+static void cb_amx_emu_store(int t, void *base, long stride) {
+    for (int r = 0; r < cb_amx_emu_cfg.rows[t]; r++)
+        memcpy((char *)base + r * stride, cb_amx_emu_tiles[t].b[r], cb_amx_emu_cfg.colsb[t]);
+}
+static void cb_amx_emu_zero(int t) { memset(&cb_amx_emu_tiles[t], 0, sizeof(cb_amx_emu_tile)); }
+static void cb_amx_emu_dpbssd(int c, int a, int b) {
+    const int M = cb_amx_emu_cfg.rows[a], K4 = cb_amx_emu_cfg.rows[b], N = cb_amx_emu_cfg.colsb[b] / 4;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            int32_t acc;
+            memcpy(&acc, &cb_amx_emu_tiles[c].b[m][4 * n], 4);
+            for (int k = 0; k < K4; k++)
+                for (int i = 0; i < 4; i++)
+                    acc += (int32_t)(int8_t)cb_amx_emu_tiles[a].b[m][4 * k + i] *
+                           (int32_t)(int8_t)cb_amx_emu_tiles[b].b[k][4 * n + i];
+            memcpy(&cb_amx_emu_tiles[c].b[m][4 * n], &acc, 4);
+        }
+}
+
+#define CB_AMX_LOADCFG CB_AMX_HW_LOADCFG
+#define CB_AMX_RELEASE CB_AMX_HW_RELEASE
+#define CB_AMX_LOAD CB_AMX_HW_LOAD
+#define CB_AMX_STORE CB_AMX_HW_STORE
+#define CB_AMX_ZERO CB_AMX_HW_ZERO
+#define CB_AMX_DPBSSD CB_AMX_HW_DPBSSD
+#define CB_AMX_NAME(base) base##_amx
+#include "amx_body.h"
+#undef CB_AMX_LOADCFG
+#undef CB_AMX_RELEASE
+#undef CB_AMX_LOAD
+#undef CB_AMX_STORE
+#undef CB_AMX_ZERO
+#undef CB_AMX_DPBSSD
+#undef CB_AMX_NAME
+
+#define CB_AMX_LOADCFG(cfg) cb_amx_emu_loadcfg(cfg)
+#define CB_AMX_RELEASE() ((void)0)
+#define CB_AMX_LOAD(t, base, stride) cb_amx_emu_load(t, base, stride)
+#define CB_AMX_STORE(t, base, stride) cb_amx_emu_store(t, base, stride)
+#define CB_AMX_ZERO(t) cb_amx_emu_zero(t)
+#define CB_AMX_DPBSSD(c, a, b) cb_amx_emu_dpbssd(c, a, b)
+#define CB_AMX_NAME(base) base##_amx_emulated
+#include "amx_body.h"
+#undef CB_AMX_LOADCFG
+#undef CB_AMX_RELEASE
+#undef CB_AMX_LOAD
+#undef CB_AMX_STORE
+#undef CB_AMX_ZERO
+#undef CB_AMX_DPBSSD
+#undef CB_AMX_NAME
+
+#else
+#define CB_HAVE_AMX 0
+#endif /* CB_X86 && GNU C */
+#endif /* COLIBRI_KERNELS_AMX_H */
