@@ -44,6 +44,7 @@ cdef extern from "dispatch.h" nogil:
     int CB_ISA_SCALAR, CB_ISA_AVX2, CB_ISA_AVX512
     int CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI
     int CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX
+    int CB_HAVE_AMX              # 1 where this build has the AMX step (x86-64, GCC or clang)
     ctypedef struct cb_cpu_features:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
         int avx512_vnni, avx512_bf16, avx_vnni, amx_tile, amx_int8, amx_bf16, os_avx, os_avx512, os_amx

@@ -74,6 +74,8 @@ def amx_status(features=None):
     granted, why = _os.request_tile_data()
     if not granted:
         return f"AMX ({kinds}) on this CPU, but the OS refused its tile state: {why}"
+    if not CB_HAVE_AMX:
+        return f"AMX ({kinds}): tile state granted by the OS, but this build has no amx step (MSVC)"
     if cb_amx_failed_check:
         return (f"AMX ({kinds}): tile state granted by the OS, but the amx step failed its self-test "
                 f"(check {cb_amx_failed_check}): the {int_step()} step runs")
@@ -83,11 +85,11 @@ def amx_status(features=None):
 
 
 def _grant_amx():
-    """Ask the OS for the tile state where the CPU has AMX-INT8 and XCR0 enables it, and tell the
-    kernel table whether it was lent (the amx int step needs it). Once, at import."""
+    """Ask the OS for the tile state where this build has the amx step, the CPU AMX-INT8 and XCR0
+    enables it, and tell the kernel table whether it was lent (the step needs it). Once, at import."""
     from colibri import _os
     f = cpu_features()
-    if f["amx_tile"] and f["amx_int8"] and f["os_amx"]:
+    if CB_HAVE_AMX and f["amx_tile"] and f["amx_int8"] and f["os_amx"]:
         cb_set_amx_granted(_os.request_tile_data()[0])
 
 

@@ -288,6 +288,26 @@ def test_few_tokens_give_each_tokens_decode(isa, dtype, groups, blocks, n, seed,
         np.testing.assert_array_equal(got, decoded, err_msg=f"{step}, {n} tokens")
 
 
+@pytest.mark.parametrize("n", [16, 32, 47])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int6", "mxfp4"])
+def test_prompts_of_whole_tiles_and_tails_give_each_tokens_decode(isa, dtype, n):
+    """Prompts of one, two and two-plus-a-tail tiles of 16 tokens (the AMX steps' tiles), 40 blocks
+    (a 32-block chunk and a tail, whose sums continue in out), 41 groups (an odd last group), on 2
+    threads, through every int step of the tier: each token's decode bit for bit, and the default
+    step's product. The emulated AMX step runs wherever the CPU has AVX512-VNNI."""
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((8 * 41, 32 * 40), dtype=np.float32)
+    x = rng.standard_normal((n, 32 * 40), dtype=np.float32)
+    il = quant.interleave(quant.quantize(w, dtype), dtype, w.shape[1])
+    want = _probes.kernel_matmul(il, x, dtype, 2, "interleaved")
+    decoded = np.stack([_probes.kernel_matvec(il, row, dtype, 2, "interleaved") for row in x])
+    np.testing.assert_array_equal(want, decoded)
+    for step in _kernels.available_int_steps():
+        with _kernels.int_kernels(step):
+            got = _probes.kernel_matmul(il, x, dtype, 2, "interleaved")
+        np.testing.assert_array_equal(got, want, err_msg=f"{step}, {n} tokens")
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(interleaved_case(), st.sampled_from([1, 2]))
 def test_interleaved_mxfp4_against_rows_and_numpy(isa, case, threads):
@@ -319,7 +339,8 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     int16 sums go to int32 every two vectors), activations at +-127, through every int step,
     prefill and decode, with enough groups (40) for the decode's side-by-side parts and the AVX2
     prompt's two-group tile on packed activations (CB_ITILE2_MIN_GROUPS_AVX2, 32), and 20 tokens
-    for the AMX step's tile of 16 (its signed bytes: int8 -127..127, int4 -8..7, mxfp4 -12..12)."""
+    for the AMX step's tile of 16 (its signed bytes at their largest: int8 127, int4 7, mxfp4 12,
+    against activations of either sign)."""
     rows, cols, n = 320, 64, 20
     w = np.full((rows, cols), 0.7, np.float32)
     if dtype == "int4":

@@ -3,7 +3,7 @@
  *   CB_AMX_LOADCFG(cfg), CB_AMX_RELEASE(), CB_AMX_LOAD(t, base, stride), CB_AMX_STORE(t, base,
  *   stride), CB_AMX_ZERO(t), CB_AMX_DPBSSD(c, a, b)   the tile ops (t, c, a, b: literal tile numbers)
  *   CB_AMX_NAME(base)                                  base with the way's suffix
- * No include guard: including it is instantiating it. */
+ * No include guard: including it is instantiating it; it #undefs those parameters at its end. */
 
 /* acc[t] += float(C[t]) * (dw * dx[t]) for the 16 tokens of one block's C (c: [16 tokens][16
  * outputs] int32): decode's scaling of a block sum, one token a zmm. */
@@ -15,10 +15,9 @@ CB_AMX_NAME(cb_amx_scale)(__m512 acc[CB_AMX_TOKENS], const int32_t *c, const cb_
                                  _mm512_mul_ps(dw, _mm512_set1_ps(a->d[t])), acc[t]);
 }
 
-/* Block k's tile ops on the set its number picks: A and B alternate between tiles 0, 1 and 2, 3
- * (the next block's loads need not wait for this one's product), C goes round tiles 4 ..
- * 4 + CB_AMX_STORE_DELAY. The tile numbers are literals in every branch (they are part of the
- * instruction). */
+/* Block k's tile ops: A and B alternate between tiles 0, 1 and 2, 3 (the next block's loads need
+ * not wait for this one's product), C goes round tiles 4 .. 3 + CB_AMX_CTILES. The tile numbers
+ * are literals in every branch (they are part of the instruction). */
 #define CB_AMX_SET(a_, b_, c_) do { CB_AMX_LOAD(a_, at[k].q, CB_QBLOCK); CB_AMX_LOAD(b_, wb[k].q, 64); \
                                     CB_AMX_ZERO(c_); CB_AMX_DPBSSD(c_, a_, b_); } while (0)
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
@@ -26,10 +25,8 @@ CB_AMX_NAME(cb_amx_issue)(int k, const cb_amx_wblock *wb, const cb_amx_act *at) 
     switch ((k % CB_AMX_CTILES) * 2 + (k & 1)) {
     case 0: CB_AMX_SET(0, 1, 4); break;
     case 1: CB_AMX_SET(2, 3, 4); break;
-#if CB_AMX_CTILES > 1
     case 2: CB_AMX_SET(0, 1, 5); break;
     case 3: CB_AMX_SET(2, 3, 5); break;
-#endif
 #if CB_AMX_CTILES > 2
     case 4: CB_AMX_SET(0, 1, 6); break;
     case 5: CB_AMX_SET(2, 3, 6); break;
@@ -47,9 +44,7 @@ CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_store)(int
     int32_t *slot = cbuf + 256 * (k % CB_AMX_CBUFS);
     switch (k % CB_AMX_CTILES) {
     case 0: CB_AMX_STORE(4, slot, 64); break;
-#if CB_AMX_CTILES > 1
     case 1: CB_AMX_STORE(5, slot, 64); break;
-#endif
 #if CB_AMX_CTILES > 2
     case 2: CB_AMX_STORE(6, slot, 64); break;
 #endif
@@ -59,18 +54,18 @@ CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_store)(int
     }
 }
 
-/* out[t * ldo + 0..15] (+)= a group pair's blocks (wb[nblk], unpacked) for a tile of tokens (at[nblk],
- * its first T rows real); first: start from zero, else continue the sums in out. cbuf:
+/* out[t * ldo + 0..15] (+)= a group pair's blocks (wb[nblk], unpacked) for a tile of 16 tokens
+ * (at[nblk]); first: start from zero, else continue the sums in out. cbuf:
  * [CB_AMX_CBUFS][16][16] int32, 64-byte aligned, where the tile unit's C goes for the zmm. A
  * software pipeline: at step s block s's product is issued, block s - CB_AMX_STORE_DELAY's C
  * stored and block s - CB_AMX_LOOKAHEAD's scaled, so the tile unit, the store and the scaling of
  * different blocks overlap. */
 CB_TARGET_AVX512_VNNI static void
-CB_AMX_NAME(cb_amx_pair_tile)(float *out, int ldo, int T, const cb_amx_wblock *wb, const cb_amx_act *at, int nblk,
+CB_AMX_NAME(cb_amx_pair_tile)(float *out, int ldo, const cb_amx_wblock *wb, const cb_amx_act *at, int nblk,
                               int first, int32_t *cbuf) {
     __m512 acc[CB_AMX_TOKENS];
     for (int t = 0; t < CB_AMX_TOKENS; t++)
-        acc[t] = first || t >= T ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (size_t)t * ldo);
+        acc[t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (size_t)t * ldo);
     for (int s = 0; s < nblk + CB_AMX_LOOKAHEAD; s++) {
         const int st = s - CB_AMX_STORE_DELAY, sc = s - CB_AMX_LOOKAHEAD;
         if (s < nblk) CB_AMX_NAME(cb_amx_issue)(s, wb, at);
@@ -82,14 +77,18 @@ CB_AMX_NAME(cb_amx_pair_tile)(float *out, int ldo, int T, const cb_amx_wblock *w
         if (CB_AMX_STORE_DELAY == CB_AMX_LOOKAHEAD && sc >= 0)
             CB_AMX_NAME(cb_amx_scale)(acc, cbuf + 256 * (sc % CB_AMX_CBUFS), &wb[sc], &at[sc]);
     }
-    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + (size_t)t * ldo, acc[t]);
+    for (int t = 0; t < CB_AMX_TOKENS; t++) _mm512_storeu_ps(out + (size_t)t * ldo, acc[t]);
 }
 
 /* The AMX step's interleaved entry (cb_itile_fn): group pairs, a chunk of CB_AMX_KBLOCKS blocks
  * unpacked at a time and run over every whole tile of 16 tokens; the activations packed once per
  * call into this thread's scratch (cb_amx_act: 576 bytes a block and tile). The AVX512-VNNI step
- * takes the rest: the last n % 16 tokens (a tile costs the tile unit the same for 1 row or 16),
- * an odd last group (its 256-bit tile), nl4 and bf16, and everything where no scratch is had. */
+ * takes the rest: the last n % 16 tokens, an odd last group (its 256-bit tile), nl4 (two scales a
+ * block), and everything where no scratch is had. The tail goes to VNNI rather than to a tile
+ * padded with zero rows because a tile costs the tile unit as much for 1 row as for 16: measured
+ * on one core, a padded tile of 8 tokens ran 0.61x the VNNI step's 8 tokens, a full one 1.07x its
+ * 16 (BENCHMARKS.md), so VNNI wins a tail of up to ~14 tokens (a second read of this thread's
+ * weights included: those figures read them from L3); n = 24 comes to about 1.05x. */
 CB_TARGET_AVX512_VNNI static void
 CB_AMX_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
                       int g1, int n) {
@@ -98,7 +97,7 @@ CB_AMX_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_ac
     const int kblocks = nb < CB_AMX_KBLOCKS ? nb : CB_AMX_KBLOCKS;
     const size_t act_bytes = (size_t)tiles * nb * sizeof(cb_amx_act), w_bytes = (size_t)kblocks * sizeof(cb_amx_wblock);
     const size_t cbuf_bytes = (size_t)CB_AMX_CBUFS * CB_AMX_TOKENS * 16 * sizeof(int32_t);
-    uint8_t *scratch = tiles == 0 || dtype == CB_NL4 || dtype == CB_BF16 || paired == g0 ? NULL
+    uint8_t *scratch = tiles == 0 || dtype == CB_NL4 || paired == g0 ? NULL
                      : cb_thread_scratch(CB_SCRATCH_ACT_TILES, act_bytes + w_bytes + cbuf_bytes + sizeof(cb_amx_config));
     if (!scratch) {
         cb_itile_wide_avx512vnni(out, ldo, w, dtype, acts, cols, g0, g1, n);
@@ -109,7 +108,7 @@ CB_AMX_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_ac
     int32_t *cbuf = (int32_t *)(scratch + act_bytes + w_bytes);            /* [CB_AMX_CBUFS][16][16] */
     cb_amx_config *cfg = (cb_amx_config *)(scratch + act_bytes + w_bytes + cbuf_bytes);
     for (int i = 0; i < tiles; i++)
-        cb_amx_pack_acts(packed + (size_t)i * nb, acts + (size_t)i * CB_AMX_TOKENS, CB_AMX_TOKENS, nb);
+        cb_amx_pack_acts(packed + (size_t)i * nb, acts + (size_t)i * CB_AMX_TOKENS, nb);
     cb_amx_fill_config(cfg);
     CB_AMX_LOADCFG(cfg);
     const size_t gbytes = cb_group_bytes(dtype), gstride = (size_t)nb * gbytes;
@@ -120,10 +119,18 @@ CB_AMX_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_ac
             cb_amx_pack_weights(wb, gp, gp + gstride, dtype, nblk);
             for (int i = 0; i < tiles; i++)
                 CB_AMX_NAME(cb_amx_pair_tile)(out + (size_t)i * CB_AMX_TOKENS * ldo + (size_t)g * CB_TGROUP, ldo,
-                                              CB_AMX_TOKENS, wb, packed + (size_t)i * nb + kb0, nblk, kb0 == 0, cbuf);
+                                              wb, packed + (size_t)i * nb + kb0, nblk, kb0 == 0, cbuf);
         }
     CB_AMX_RELEASE();
     if (n_tiles < n)
         cb_itile_wide_avx512vnni(out + (size_t)n_tiles * ldo, ldo, w, dtype, acts + n_tiles, cols, g0, paired, n - n_tiles);
     if (paired < g1) cb_itile_avx512vnni(out, ldo, w, dtype, acts, cols, paired, g1, n);
 }
+
+#undef CB_AMX_LOADCFG
+#undef CB_AMX_RELEASE
+#undef CB_AMX_LOAD
+#undef CB_AMX_STORE
+#undef CB_AMX_ZERO
+#undef CB_AMX_DPBSSD
+#undef CB_AMX_NAME

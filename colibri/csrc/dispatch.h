@@ -839,10 +839,10 @@ static int cb_self_test_step(int isa, int step) {
         static int32_t asa[NA * C / CB_QBLOCK], aoffa[2 * NA * C / CB_QBLOCK];
         cb_act_q8 actsa[NA];
         const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4};
+        memset(actsa, 0, sizeof actsa);
         for (int t = 0; t < NA; t++) {
-            actsa[t] = acts[0];
             actsa[t].q = aqa + t * C; actsa[t].d = ada + t * (C / CB_QBLOCK); actsa[t].s = asa + t * (C / CB_QBLOCK);
-            actsa[t].nl4_off = aoffa + t * 2 * (C / CB_QBLOCK); actsa[t].xp = NULL; actsa[t].xb = NULL;
+            actsa[t].nl4_off = aoffa + t * 2 * (C / CB_QBLOCK);
         }
         for (int i = 0; i < NA * C; i++) xa[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
         for (int i = 0; i < 4; i++) {
@@ -924,8 +924,9 @@ static int cb_self_test_step(int isa, int step) {
 }
 
 /* cb_self_test_step with the int step import would choose for `isa`. Where that is the AMX step
- * and it fails, the AMX step is turned off (cb_amx_failed_check keeps the check: _kernels warns)
- * and the tier is tested again with its next step. */
+ * and it fails, the tier is tested again without it: if it then passes, the failure was the AMX
+ * step's, which stays off (cb_amx_failed_check keeps the check: _kernels warns); if not, the
+ * tier's own code fails and the AMX step is left as it was. */
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
@@ -933,7 +934,9 @@ static int cb_self_test(int isa) {
     const int code = cb_self_test_step(isa, step);
     if (code > 0 && step == CB_INT_STEP_AMX) {
         cb_amx_failed_check = code;
-        return cb_self_test_step(isa, cb_best_int_step(isa));
+        const int without = cb_self_test_step(isa, cb_best_int_step(isa));
+        if (without != 0) cb_amx_failed_check = 0;
+        return without;
     }
     return code;
 }

@@ -38,7 +38,7 @@
 
 #include "kernels_vnni.h"
 
-#if CB_X86 && (defined(__GNUC__) || defined(__clang__))
+#if CB_X86 && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))   /* tiles: 64-bit mode only */
 #define CB_HAVE_AMX 1
 
 #define CB_AMX_TOKENS 16            /* A's and C's rows: tokens a tile */
@@ -46,18 +46,21 @@
 #define CB_AMX_KBLOCKS 32           /* blocks of a group pair unpacked at a time: 18 KB of B beside
                                        a token tile's 18 KB of A, in L1 */
 /* The pair tile's software pipeline (amx_body.h): a block's C is stored CB_AMX_STORE_DELAY steps
- * after its product is issued and scaled CB_AMX_LOOKAHEAD steps after (STORE_DELAY <= LOOKAHEAD;
- * C takes STORE_DELAY + 1 tiles beside A and B's four, cbuf LOOKAHEAD - STORE_DELAY + 1 slots). */
+ * after its product is issued and scaled CB_AMX_LOOKAHEAD steps after (STORE_DELAY <= LOOKAHEAD).
+ * C goes round STORE_DELAY + 2 tiles beside A and B's four, so the next block's product never
+ * waits for this one's store (one C tile for all blocks made each product wait for the last
+ * store: the latency the measured second tile set removed); cbuf has LOOKAHEAD - STORE_DELAY + 1
+ * slots. The default (0, 1) is the schedule measured on the AMX host (BENCHMARKS.md). */
 #ifndef CB_AMX_STORE_DELAY
 #define CB_AMX_STORE_DELAY 0
 #endif
 #ifndef CB_AMX_LOOKAHEAD
 #define CB_AMX_LOOKAHEAD 1
 #endif
-#define CB_AMX_CTILES (CB_AMX_STORE_DELAY + 1)
+#define CB_AMX_CTILES (CB_AMX_STORE_DELAY + 2)
 #define CB_AMX_CBUFS (CB_AMX_LOOKAHEAD - CB_AMX_STORE_DELAY + 1)
-#if CB_AMX_STORE_DELAY > 3 || CB_AMX_STORE_DELAY > CB_AMX_LOOKAHEAD
-#error "CB_AMX_STORE_DELAY: 0 .. 3, at most CB_AMX_LOOKAHEAD"
+#if CB_AMX_STORE_DELAY > 2 || CB_AMX_STORE_DELAY > CB_AMX_LOOKAHEAD
+#error "CB_AMX_STORE_DELAY: 0 .. 2, at most CB_AMX_LOOKAHEAD"
 #endif
 
 /* ldtilecfg's 64 bytes (palette 1). */
@@ -77,10 +80,13 @@ typedef struct {
 /* One block of a tile of tokens, as A and the tokens' activation scales. */
 typedef struct {
     int8_t q[CB_AMX_TOKENS][CB_QBLOCK];     /* [token][input] */
-    float d[CB_AMX_TOKENS];                 /* [token] 0 for rows past n */
+    float d[CB_AMX_TOKENS];                 /* [token] */
 } cb_amx_act;
 
-/* Tiles 0, 1 and 2, 3: A and B of even and odd blocks; 4 .. 7: C. */
+/* The scratch (amx_body.h) lays these out back to back: each keeps the next 64-byte aligned. */
+CB_STATIC_ASSERT(sizeof(cb_amx_wblock) % 64 == 0 && sizeof(cb_amx_act) % 64 == 0, "AMX blocks: 64-byte multiples");
+
+/* Tiles 0, 1 and 2, 3: A and B of even and odd blocks; 4 .. 3 + CB_AMX_CTILES: C. */
 static void cb_amx_fill_config(cb_amx_config *c) {
     memset(c, 0, sizeof *c);
     c->palette = 1;
@@ -88,20 +94,19 @@ static void cb_amx_fill_config(cb_amx_config *c) {
         c->rows[2 * s] = CB_AMX_TOKENS;      c->colsb[2 * s] = CB_QBLOCK;    /* A: [16 tokens][32 bytes] */
         c->rows[2 * s + 1] = CB_QBLOCK / 4;  c->colsb[2 * s + 1] = 64;       /* B: [8][2 groups x 8 x 4] */
     }
-    for (int t = 4; t < 8; t++) { c->rows[t] = CB_AMX_TOKENS; c->colsb[t] = 64; }   /* C: [16][16] int32 */
+    for (int t = 4; t < 4 + CB_AMX_CTILES; t++) { c->rows[t] = CB_AMX_TOKENS; c->colsb[t] = 64; }   /* C: [16][16] int32 */
 }
 
-/* Tokens t0 .. t0 + T - 1 of acts, blocks 0 .. nb - 1, into tile[nb] (rows past T zero). */
-static void cb_amx_pack_acts(cb_amx_act *tile, const cb_act_q8 *acts, int T, int nb) {
-    memset(tile, 0, (size_t)nb * sizeof(cb_amx_act));
-    for (int j = 0; j < T; j++)
+/* The CB_AMX_TOKENS tokens of acts, blocks 0 .. nb - 1, into tile[nb]. */
+static void cb_amx_pack_acts(cb_amx_act *tile, const cb_act_q8 *acts, int nb) {
+    for (int j = 0; j < CB_AMX_TOKENS; j++)
         for (int kb = 0; kb < nb; kb++) {
             memcpy(tile[kb].q[j], acts[j].q + (size_t)kb * CB_QBLOCK, CB_QBLOCK);
             tile[kb].d[j] = acts[j].d[kb];
         }
 }
 
-/* Groups gp and gq's blocks kb0 .. kb1 - 1 (gp, gq at block kb0) into wb[kb1 - kb0]. */
+/* nblocks blocks of groups gp and gq (each pointer at the first) into wb[nblocks]. */
 CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const char *gp, const char *gq,
                                                       int dtype, int nblocks) {
     const size_t gbytes = cb_group_bytes(dtype);
@@ -180,14 +185,7 @@ static void cb_amx_emu_dpbssd(int c, int a, int b) {
 #define CB_AMX_ZERO CB_AMX_HW_ZERO
 #define CB_AMX_DPBSSD CB_AMX_HW_DPBSSD
 #define CB_AMX_NAME(base) base##_amx
-#include "amx_body.h"
-#undef CB_AMX_LOADCFG
-#undef CB_AMX_RELEASE
-#undef CB_AMX_LOAD
-#undef CB_AMX_STORE
-#undef CB_AMX_ZERO
-#undef CB_AMX_DPBSSD
-#undef CB_AMX_NAME
+#include "amx_body.h"                  /* (it #undefs its parameters) */
 
 #define CB_AMX_LOADCFG(cfg) cb_amx_emu_loadcfg(cfg)
 #define CB_AMX_RELEASE() ((void)0)
@@ -196,14 +194,7 @@ static void cb_amx_emu_dpbssd(int c, int a, int b) {
 #define CB_AMX_ZERO(t) cb_amx_emu_zero(t)
 #define CB_AMX_DPBSSD(c, a, b) cb_amx_emu_dpbssd(c, a, b)
 #define CB_AMX_NAME(base) base##_amx_emulated
-#include "amx_body.h"
-#undef CB_AMX_LOADCFG
-#undef CB_AMX_RELEASE
-#undef CB_AMX_LOAD
-#undef CB_AMX_STORE
-#undef CB_AMX_ZERO
-#undef CB_AMX_DPBSSD
-#undef CB_AMX_NAME
+#include "amx_body.h"                  /* (it #undefs its parameters) */
 
 #else
 #define CB_HAVE_AMX 0
