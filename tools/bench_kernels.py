@@ -24,7 +24,7 @@ this is the int8 ceiling; int4's unsigned nibbles skip most madds and can pass i
 vpdpbusd does the step in one instruction). For the transposed int8/int4 matrices the other
 variants the tier has are timed too, interleaved: the stored-order tile instead of the repacked
 chunk, and the other int steps (AVX2 beside a VNNI step: _kernels.available_int_steps; the emulated
-VNNI step is left out), also in the matvec table.
+steps, _kernels.EMULATED_INT_STEPS, are left out), also in the matvec table.
 
     python tools/bench_kernels.py [--threads 2] [--mb N] [--repeat 9] [--isa avx512] [--tokens 128]
                                   [--layouts rows,transposed,interleaved]
@@ -335,8 +335,8 @@ def resident_table(args, rng, rows=3584, cols=1024):
 
 
 def other_steps():
-    """The int steps of this tier other than the one in use (the emulated one left out)."""
-    return [k for k in _kernels.available_int_steps() if k not in (_kernels.int_step(), "vnni-emulated")]
+    """The int steps of this tier other than the one in use (the emulated ones left out)."""
+    return [k for k in _kernels.available_int_steps() if k != _kernels.int_step() and k not in _kernels.EMULATED_INT_STEPS]
 
 
 def best_rate(kind, threads, tries=3):
