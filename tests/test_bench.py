@@ -50,3 +50,26 @@ def test_harness_runs_and_writes_the_table(tmp_path):
     text = tables[0].read_text()
     assert "| engine | format |" in text and "colibri" in text and "GB/s" in text
     assert list(tmp_path.glob("*.json"))
+
+
+def test_make_models_writes_the_frozen_shapes_without_transformers(monkeypatch):
+    """The lent device machine has no transformers: make_models.py takes the shape from its frozen
+    config.json (the file transformers wrote, written back verbatim) and lists the same tensors."""
+    monkeypatch.setitem(sys.modules, "transformers", None)        # import transformers -> ImportError
+    monkeypatch.syspath_prepend(str(REPO / "tools" / "bench"))
+    import make_models
+    for name, experts, width in (("mixtral-mini", 8, 3584), ("qwen3-moe-4l", 128, 768), ("olmoe-1b-7b-8l", 64, 1024)):
+        cfg = make_models.config_for(name)
+        text = (REPO / "tools" / "bench" / "configs" / f"{name}.json").read_text()
+        assert cfg.to_json_string(use_diff=True) == text and cfg.num_experts == experts
+        want = make_models.MODELS[name][2]
+        assert all(getattr(cfg, k) == v for k, v in want.items() if k not in ("rope_parameters",)), name
+        tensors = make_models.tensor_list(cfg)
+        layers = want["num_hidden_layers"]
+        gates = [s for n, s, _ in tensors if n.endswith((".w1.weight", ".gate_proj.weight"))]
+        assert len(gates) == layers * experts and set(gates) == {(width, want["hidden_size"])}
+        assert tensors[-1][0] == "lm_head.weight"
+        gen = json.loads(make_models.generation_config_json(cfg))
+        assert gen["_from_model_config"] and gen.get("eos_token_id") == json.loads(text)["eos_token_id"]
+    with pytest.raises(SystemExit, match="needs transformers"):
+        make_models.config_for("gpt-oss-20b-4l")

@@ -24,7 +24,10 @@ Design
 
 Usage:  python tools/bench/make_models.py mixtral-mini [olmoe-1b-7b] [--out /work/bench_cache/hf]
         python tools/bench/make_models.py --self-check
-Needs numpy, sentencepiece and transformers (config classes; torch only for --self-check).
+Needs numpy, sentencepiece and transformers (config classes; torch only for --self-check). Without
+transformers, the shapes with a frozen config.json in tools/bench/configs (mixtral-mini,
+qwen3-moe-4l, olmoe-1b-7b-8l: what transformers 5.25 wrote) are written from it, byte for byte the
+same checkpoint; --no-tokenizer drops the sentencepiece tokenizer (e.g. on the lent device machine).
 """
 from __future__ import annotations
 
@@ -123,6 +126,50 @@ def make_config(cls_name: str, arch: str, kwargs: dict):
     cfg.architectures = [arch]
     cfg.dtype = "bfloat16"
     return cfg
+
+
+# The config.json transformers 5.25 wrote for some of the shapes above, kept so that a machine
+# without transformers (the lent device machine) can still write those checkpoints.
+FROZEN_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+class FrozenConfig:
+    """A config.json read back: its fields as attributes (num_experts and num_local_experts as
+    aliases of each other, as transformers' attribute maps have them); written back verbatim."""
+
+    def __init__(self, path: Path):
+        self.text = path.read_text()
+        self.__dict__.update(json.loads(self.text))
+        for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
+            if a not in self.__dict__ and b in self.__dict__:
+                setattr(self, a, getattr(self, b))
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        return self.text
+
+
+def config_for(name: str):
+    """The model's config: transformers' own class, or without transformers the frozen config.json."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        frozen = FROZEN_CONFIGS / f"{name}.json"
+        if not frozen.is_file():
+            raise SystemExit(f"{name} needs transformers (no frozen config in {FROZEN_CONFIGS})")
+        return FrozenConfig(frozen)
+    return make_config(*MODELS[name])
+
+
+def generation_config_json(cfg) -> str:
+    """What GenerationConfig.from_model_config writes (by hand for a frozen config)."""
+    if not isinstance(cfg, FrozenConfig):
+        from transformers import GenerationConfig
+        return GenerationConfig.from_model_config(cfg).to_json_string()
+    d = {"_from_model_config": True}
+    d.update({k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id") if getattr(cfg, k, None) is not None})
+    d.update({"output_attentions": False, "output_hidden_states": False,
+              "transformers_version": cfg.transformers_version, "use_cache": True})
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
 def gemma4_tensor_list(cfg) -> list:
@@ -324,7 +371,6 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> bytes:
 
 def write_model(cfg, out: Path, seed: int = 0, tokenizer: bool = True) -> None:
     """Write the checkpoint into `out` (via a temporary sibling renamed into place)."""
-    from transformers import GenerationConfig
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -349,7 +395,7 @@ def write_model(cfg, out: Path, seed: int = 0, tokenizer: bool = True) -> None:
         cfg.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (tmp / "config.json").write_text(cfg.to_json_string(use_diff=True))
-    (tmp / "generation_config.json").write_text(GenerationConfig.from_model_config(cfg).to_json_string())
+    (tmp / "generation_config.json").write_text(generation_config_json(cfg))
     if tokenizer:
         (tmp / "tokenizer.model").write_bytes(train_tokenizer(cfg.vocab_size))
     if out.exists():
@@ -401,6 +447,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rewrite an existing checkpoint")
     ap.add_argument("--self-check", action="store_true")
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="no tokenizer.model (needs no sentencepiece; Colibri's bench uses token ids)")
     a = ap.parse_args(argv)
     if a.self_check:
         return self_check()
@@ -412,7 +460,7 @@ def main(argv=None) -> int:
             print(f"[make_models] {out} exists (--force to rewrite)")
             continue
         t0 = time.perf_counter()
-        write_model(make_config(*MODELS[name]), out, seed=a.seed, tokenizer=name not in NO_TOKENIZER)
+        write_model(config_for(name), out, seed=a.seed, tokenizer=name not in NO_TOKENIZER and not a.no_tokenizer)
         print(f"[make_models] wrote {out} in {time.perf_counter() - t0:.0f} s")
     return 0
 

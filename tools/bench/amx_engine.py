@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The engine's prompt speed on two int steps (the AMX step against the AVX512-VNNI one), in one
+call on a lent machine: build, make the model, convert, measure, interleaved.
+
+    python tools/bench/amx_engine.py [--build] [--out DIR] [--model mixtral-mini] [--formats int8,int4]
+                                     [--steps amx,avx512-vnni] [--threads 16,1] [--prompt-len 512]
+                                     [--rounds 3] [--budget-s 420]
+
+Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
+and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
+--inplace`), the checkpoint is written by make_models.py without transformers (its frozen
+config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
+`colibri bench --json` (a prompt of --prompt-len tokens, 8 decoded), each round every format x
+thread count x step once in turn, the step chosen by COLIBRI_INT_STEP. No new run starts after
+--budget-s seconds from the start: what was measured by then is reported. Prints a table of the
+median prefill and decode tok/s per format / threads / step and the first step's ratio to the
+second, and writes every run to OUT/amx_engine.json. On a machine without AMX, --steps
+avx512-vnni,avx2 exercises the same path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(cmd: list, env: dict | None = None, log: Path | None = None) -> str:
+    """Run cmd in the repository root; its stdout (stderr to log, or shown on failure)."""
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if log is not None:
+        log.write_text(p.stdout + p.stderr)
+    if p.returncode != 0:
+        raise SystemExit(f"[amx_engine] {' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    return p.stdout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", action="store_true", help="compile the extensions in place first")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/amx_engine")))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/amx_engine_work"))
+    ap.add_argument("--model", default="mixtral-mini")
+    ap.add_argument("--formats", default="int8,int4")
+    ap.add_argument("--steps", default="amx,avx512-vnni")
+    ap.add_argument("--threads", default=str(os.cpu_count() or 1) + ",1")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    if a.build:
+        run([py, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)], log=a.out / "build.log")
+        print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
+    print("[amx_engine] " + run([py, "-c", "import colibri._kernels as k; "
+                                 "print(k.isa(), k.int_step(), k.available_int_steps(), '|', k.amx_status())"]).strip(),
+          flush=True)
+    hf = a.work / "hf"
+    if not (hf / a.model / "config.json").is_file():
+        run([py, "tools/bench/make_models.py", a.model, "--out", str(hf), "--no-tokenizer"])
+    formats, steps = a.formats.split(","), a.steps.split(",")
+    threads = [int(t) for t in a.threads.split(",")]
+    dirs = {}
+    for fmt in formats:
+        d = a.work / f"{a.model}-{fmt}"
+        if not (d / "config.json").is_file():
+            run([py, "-m", "colibri", "convert", "--hf-dir", str(hf / a.model), "--quantize", fmt, "--output-dir", str(d)])
+        dirs[fmt] = d
+    print(f"[amx_engine] model ready at {time.monotonic() - t0:.0f} s", flush=True)
+    runs = []
+    for r in range(a.rounds):
+        for fmt in formats:
+            for th in threads:
+                for step in steps:
+                    if time.monotonic() - t0 > a.budget_s:
+                        break
+                    out = run([py, "-m", "colibri", "bench", "--model-dir", str(dirs[fmt]), "--prompt-len",
+                               str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json"],
+                              env={"COLIBRI_INT_STEP": step})
+                    res = json.loads(out)
+                    runs.append({"round": r, "format": fmt, "threads": th, "step": step,
+                                 "prefill_tok_s": res["prefill_tok_s"]["median"],
+                                 "decode_tok_s": res["decode_tok_s"]["median"]})
+                    print(f"[amx_engine] round {r} {fmt} {th} threads {step}: prefill "
+                          f"{runs[-1]['prefill_tok_s']:.1f} tok/s, decode {runs[-1]['decode_tok_s']:.1f}", flush=True)
+    (a.out / "amx_engine.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "runs": runs},
+                                                      indent=1))
+    print(f"\n| format | threads | " + " | ".join(f"{s} prefill, decode" for s in steps)
+          + f" | {steps[0]} / {steps[-1]} prefill |")
+    print("|---|---:|" + "---|" * len(steps) + "---:|")
+    for fmt in formats:
+        for th in threads:
+            med = {}
+            for s in steps:
+                rs = [x for x in runs if (x["format"], x["threads"], x["step"]) == (fmt, th, s)]
+                med[s] = ((statistics.median(x["prefill_tok_s"] for x in rs), statistics.median(x["decode_tok_s"] for x in rs))
+                          if rs else None)
+            cells = [f"{m[0]:.1f}, {m[1]:.1f}" if m else "-" for m in med.values()]
+            ratio = f"{med[steps[0]][0] / med[steps[-1]][0]:.2f}" if med[steps[0]] and med[steps[-1]] else "-"
+            print(f"| {fmt} | {th} | " + " | ".join(cells) + f" | {ratio} |")
+    print(f"\n[amx_engine] {len(runs)} runs in {time.monotonic() - t0:.0f} s; every run in {a.out / 'amx_engine.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
