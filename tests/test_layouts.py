@@ -288,6 +288,22 @@ def test_few_tokens_give_each_tokens_decode(isa, dtype, groups, blocks, n, seed,
         np.testing.assert_array_equal(got, decoded, err_msg=f"{step}, {n} tokens")
 
 
+@pytest.mark.parametrize("groups, blocks, threads", [(1, 1, 1), (4, 9, 1), (9, 40, 2), (41, 7, 2)])
+def test_two_int4_tokens_give_each_tokens_decode(isa, groups, blocks, threads):
+    """Two int4 tokens (the AVX2 step reads them in decode's 4 streams, cb_ifew2_int4_avx2): each
+    token's decode bit for bit with every int step, for fewer groups than streams, 4 streams and a
+    remainder, one and two threads."""
+    rng = np.random.default_rng(groups * 100 + blocks)
+    w = rng.standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    x = rng.standard_normal((2, 32 * blocks), dtype=np.float32)
+    il = quant.interleave(quant.quantize(w, "int4"), "int4", w.shape[1])
+    for step in _kernels.available_int_steps():
+        with _kernels.int_kernels(step):
+            got = _probes.kernel_matmul(il, x, "int4", threads, "interleaved")
+            decoded = np.stack([_probes.kernel_matvec(il, row, "int4", threads, "interleaved") for row in x])
+        np.testing.assert_array_equal(got, decoded, err_msg=step)
+
+
 @pytest.mark.parametrize("n", [16, 32, 47])
 @pytest.mark.parametrize("dtype", ["int8", "int4", "int6", "mxfp4"])
 def test_prompts_of_whole_tiles_and_tails_give_each_tokens_decode(isa, dtype, n):

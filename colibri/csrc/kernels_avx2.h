@@ -1867,6 +1867,62 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
 #define CB_IDECODE_STREAMS 4
 #endif
 
+/* Two int4 tokens (sequences decoded together: most experts of a batched step get one or two
+ * tokens) in decode's order: G groups read side by side, `gstride` bytes apart (CB_IDECODE_LOOP's
+ * streams), each stream's lines CB_IFEW_PREFETCH_AVX2 bytes ahead sent to L2, both tokens over
+ * every block as it passes. out[j * ldo + k * ostride + 0..7], k < G, j < 2. Each token's block
+ * sum is cb_idecode_avx2's integer sum and its scaling the same fma in the same order: the same
+ * bits as decode and the prompt tiles. The prompt's pair tile reads a thread's weights as one
+ * stream: from memory, one thread (Zen 4), this tile ran int4 at 2 tokens 1.22-1.24x the pair tile
+ * on Mixtral-8x7B's expert shapes ([14336, 4096], [4096, 14336]) and 1.03-1.05x on Qwen3-30B's
+ * ([768, 2048]) (BENCHMARKS.md "Two int4 tokens on the AVX2 tier"). int6 and mxfp4 (their partial
+ * sums' registers: 0.72-0.96x) and int8 (its 2 tokens already at the decode tile's rate) keep the
+ * prompt tiles, as do 3+ tokens, where the arithmetic, not the reads, is the limit. */
+#define CB_IFEW_PREFETCH_AVX2 2048
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_ifew2_int4_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts, int nb,
+                   const int G) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const size_t gbytes = cb_group_bytes(CB_INT4);
+    const int32_t offset = cb_code_offset(CB_INT4, 0);
+    const int8_t *xq[2] = {acts[0].q, acts[1].q};
+    const float *xd[2] = {acts[0].d, acts[1].d};
+    const int32_t *xs[2] = {acts[0].s, acts[1].s};
+    __m256 acc[CB_IDECODE_STREAMS][2];                 /* [stream k][token j] */
+    for (int k = 0; k < G; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+    for (int kb = 0; kb < nb; kb++, gp += gbytes) {
+        for (int k = 0; k < G; k++)    /* a block's lines (or their neighbours) of each stream, ahead */
+            for (size_t off = 0; off < gbytes; off += 64) _mm_prefetch(gp + k * gstride + CB_IFEW_PREFETCH_AVX2 + off, _MM_HINT_T1);
+        __m256i p16[CB_IDECODE_STREAMS][2];
+        for (int k = 0; k < G; k++) p16[k][0] = p16[k][1] = _mm256_setzero_si256();
+        for (int v = 0; v < 4; v++) {
+            __m256i xl[2], xh[2];
+            for (int j = 0; j < 2; j++) {
+                xl[j] = CB_BCAST4(xq[j] + kb * CB_QBLOCK + 4 * v);
+                xh[j] = CB_BCAST4(xq[j] + kb * CB_QBLOCK + 16 + 4 * v);
+            }
+            for (int k = 0; k < G; k++) {
+                __m256i lo, hi;
+                cb_inibbles_avx2(gp + k * gstride, CB_INT4, v, &lo, &hi);
+                for (int j = 0; j < 2; j++) {
+                    p16[k][j] = _mm256_add_epi16(p16[k][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[j]),
+                                                                             _mm256_maddubs_epi16(hi, xh[j])));
+                    CB_IN_ORDER(p16[k][j]);
+                }
+            }
+        }
+        for (int k = 0; k < G; k++) {
+            const __m256 dw = cb_igroup_scales_avx2(gp + k * gstride, CB_INT4);
+            for (int j = 0; j < 2; j++) {
+                const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(-offset * xs[j][kb]), _mm256_madd_epi16(p16[k][j], ones));
+                acc[k][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(xd[j][kb])), acc[k][j]);
+            }
+        }
+    }
+    for (int k = 0; k < G; k++)
+        for (int j = 0; j < 2; j++) _mm256_storeu_ps(out + (size_t)j * ldo + k * ostride, acc[k][j]);
+}
+
 /* The order of every interleaved prefill tile: group by group, CB_TPREFILL_KBLOCKS blocks (9 KB)
  * at a time under every 4-token tile, so they stay in L1 across the tiles. STEP runs with o (the
  * tile's first output), gp (block kb0 of group g), kb0, kb1, t and T (tokens left). In a function
@@ -2067,6 +2123,12 @@ CB_TARGET_AVX2 static void cb_itile_avx2(float *out, int ldo, const char *w, int
     else cb_idecode_avx2(o, os, gp, gs, CB_INT4, acts, nb, G);
         CB_IDECODE_LOOP(CB_CALL_ID)
 #undef CB_CALL_ID
+        return;
+    }
+    if (n == 2 && dtype == CB_INT4) {
+#define CB_CALL_IF(o, os, gp, gs, G) cb_ifew2_int4_avx2(o, ldo, os, gp, gs, acts, nb, G);
+        CB_IDECODE_LOOP(CB_CALL_IF)
+#undef CB_CALL_IF
         return;
     }
     if ((dtype == CB_INT4 || dtype == CB_INT8 || dtype == CB_INT6) && g1 - g0 >= CB_ITILE2_MIN_GROUPS_AVX2)
