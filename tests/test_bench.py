@@ -54,7 +54,8 @@ def test_harness_runs_and_writes_the_table(tmp_path):
 
 def test_make_models_writes_the_frozen_shapes_without_transformers(monkeypatch):
     """The lent device machine has no transformers: make_models.py takes the shape from its frozen
-    config.json (the file transformers wrote, written back verbatim) and lists the same tensors."""
+    config.json (the files transformers wrote, written back verbatim; compared there with
+    transformers' own output when they were frozen) and lists the tensors of the shape MODELS names."""
     monkeypatch.setitem(sys.modules, "transformers", None)        # import transformers -> ImportError
     monkeypatch.syspath_prepend(str(REPO / "tools" / "bench"))
     import make_models
@@ -69,7 +70,8 @@ def test_make_models_writes_the_frozen_shapes_without_transformers(monkeypatch):
         gates = [s for n, s, _ in tensors if n.endswith((".w1.weight", ".gate_proj.weight"))]
         assert len(gates) == layers * experts and set(gates) == {(width, want["hidden_size"])}
         assert tensors[-1][0] == "lm_head.weight"
-        gen = json.loads(make_models.generation_config_json(cfg))
-        assert gen["_from_model_config"] and gen.get("eos_token_id") == json.loads(text)["eos_token_id"]
+        gen = make_models.generation_config_json(cfg)
+        assert gen == (REPO / "tools" / "bench" / "configs" / f"{name}.generation_config.json").read_text()
+        assert json.loads(gen).get("eos_token_id") == json.loads(text)["eos_token_id"]
     with pytest.raises(SystemExit, match="needs transformers"):
         make_models.config_for("gpt-oss-20b-4l")

@@ -288,11 +288,12 @@ def test_few_tokens_give_each_tokens_decode(isa, dtype, groups, blocks, n, seed,
         np.testing.assert_array_equal(got, decoded, err_msg=f"{step}, {n} tokens")
 
 
-@pytest.mark.parametrize("groups, blocks, threads", [(1, 1, 1), (4, 9, 1), (9, 40, 2), (41, 7, 2)])
+@pytest.mark.parametrize("groups, blocks, threads", [(1, 1, 1), (4, 9, 1), (9, 40, 1), (41, 40, 2), (33, 64, 2)])
 def test_two_int4_tokens_give_each_tokens_decode(isa, groups, blocks, threads):
     """Two int4 tokens (the AVX2 step reads them in decode's 4 streams, cb_ifew2_int4_avx2): each
     token's decode bit for bit with every int step, for fewer groups than streams, 4 streams and a
-    remainder, one and two threads."""
+    remainder, on one thread and on two (41 x 40 and 33 x 64 blocks are past CB_PARALLEL_MIN_WORK's
+    2^19 multiply-adds: each thread's share starts at its own group, with streams and a remainder)."""
     rng = np.random.default_rng(groups * 100 + blocks)
     w = rng.standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
     x = rng.standard_normal((2, 32 * blocks), dtype=np.float32)

@@ -798,7 +798,9 @@ static int cb_self_test_step(int isa, int step) {
             if ((dtype == CB_NL4 || dtype == CB_INT6) && layout != CB_INTERLEAVED) continue;
             const size_t bytes = dtype == CB_NL4 ? cb_nl4_bytes(R, C) : (size_t)R * cb_row_stride(dtype, C);
             cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
-            for (int n = 1; n <= N; n += N - 1) {
+            static const int token_counts[] = {1, 2, N};   /* decode, the few-token tiles' pass, a prompt */
+            for (int in = 0; in < 3; in++) {
+                const int n = token_counts[in];
                 check++;
                 cb_select_kernels(CB_ISA_SCALAR, CB_INT_STEP_SCALAR);
                 cb_matmul(ref, R, w, dtype, layout, x, C, acts, n, R, C, 1);

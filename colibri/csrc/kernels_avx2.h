@@ -1867,18 +1867,27 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
 #define CB_IDECODE_STREAMS 4
 #endif
 
+/* The few-token tiles' prefetch (this file's cb_ifew2_int4_avx2, vnni_body.h's cb_ifew): each read
+ * stream's lines this many bytes ahead, into L2 (BENCHMARKS.md "A few-token tile": 1 KB into L2
+ * 0.91-1.08x, into L1 0.80-1.59x, 2 KB into L2 1.09-1.40x against none; 3-4 KB about as 2 KB). */
+#define CB_IFEW_PREFETCH 2048
+#define CB_IFEW_HINT _MM_HINT_T1
+
 /* Two int4 tokens (sequences decoded together: most experts of a batched step get one or two
- * tokens) in decode's order: G groups read side by side, `gstride` bytes apart (CB_IDECODE_LOOP's
- * streams), each stream's lines CB_IFEW_PREFETCH_AVX2 bytes ahead sent to L2, both tokens over
- * every block as it passes. out[j * ldo + k * ostride + 0..7], k < G, j < 2. Each token's block
- * sum is cb_idecode_avx2's integer sum and its scaling the same fma in the same order: the same
- * bits as decode and the prompt tiles. The prompt's pair tile reads a thread's weights as one
- * stream: from memory, one thread (Zen 4), this tile ran int4 at 2 tokens 1.22-1.24x the pair tile
- * on Mixtral-8x7B's expert shapes ([14336, 4096], [4096, 14336]) and 1.03-1.05x on Qwen3-30B's
- * ([768, 2048]) (BENCHMARKS.md "Two int4 tokens on the AVX2 tier"). int6 and mxfp4 (their partial
- * sums' registers: 0.72-0.96x) and int8 (its 2 tokens already at the decode tile's rate) keep the
- * prompt tiles, as do 3+ tokens, where the arithmetic, not the reads, is the limit. */
-#define CB_IFEW_PREFETCH_AVX2 2048
+ * tokens): vnni_body.h's cb_ifew for one pass of 2 tokens, on maddubs. Decode's order: G groups
+ * read side by side, `gstride` bytes apart (CB_IDECODE_LOOP's streams), each stream's lines
+ * CB_IFEW_PREFETCH ahead, both tokens over every block as it passes. out[j * ldo + k * ostride +
+ * 0..7], k < G, j < 2. Each token's block sum is cb_idecode_avx2's integer sum and its scaling the
+ * same fma in the same order: the same bits as decode and the prompt tiles. At G = 4 the 8 float
+ * sums and 8 int16 sums do not fit the 16 ymm registers with the weights and broadcasts: GCC keeps
+ * some on the stack, touched once a block, which a tile waiting on memory affords. The prompt's
+ * pair tile reads a thread's weights as one stream: from memory, one thread (Zen 4), this tile ran
+ * int4 at 2 tokens 1.22-1.32x the pair tile on Mixtral-8x7B's expert shapes ([14336, 4096],
+ * [4096, 14336]) and on [14336, 1024], 1.03-1.05x on Qwen3-30B's ([768, 2048]) and 0.94-1.04x on
+ * mixtral-mini's [3584, 1024] (BENCHMARKS.md "Two int4 tokens on the AVX2 tier"). int6 and mxfp4
+ * (their partial sums take 8 more registers: 0.72-0.96x) and int8 (its 2 tokens already read at the
+ * decode tile's rate) keep the prompt tiles, as do 3+ tokens, where the arithmetic, not the reads,
+ * is the limit. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ifew2_int4_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts, int nb,
                    const int G) {
@@ -1892,7 +1901,7 @@ cb_ifew2_int4_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
     for (int k = 0; k < G; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
     for (int kb = 0; kb < nb; kb++, gp += gbytes) {
         for (int k = 0; k < G; k++)    /* a block's lines (or their neighbours) of each stream, ahead */
-            for (size_t off = 0; off < gbytes; off += 64) _mm_prefetch(gp + k * gstride + CB_IFEW_PREFETCH_AVX2 + off, _MM_HINT_T1);
+            for (size_t off = 0; off < gbytes; off += 64) _mm_prefetch(gp + k * gstride + CB_IFEW_PREFETCH + off, CB_IFEW_HINT);
         __m256i p16[CB_IDECODE_STREAMS][2];
         for (int k = 0; k < G; k++) p16[k][0] = p16[k][1] = _mm256_setzero_si256();
         for (int v = 0; v < 4; v++) {
@@ -1941,8 +1950,9 @@ cb_ifew2_int4_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
             }                                                                                           \
         }
 
-/* The decode order (n = 1): the groups [g0, g1) in CB_IDECODE_STREAMS equal parts read side by
- * side, the rest one by one. DECODE(o, ostride, gp, gstride, G) multiplies G groups. */
+/* The decode order (decode, and the few-token tiles: cb_ifew2_int4_avx2, vnni_body.h's cb_ifew):
+ * the groups [g0, g1) in CB_IDECODE_STREAMS equal parts read side by side, the rest one by one.
+ * DECODE(o, ostride, gp, gstride, G) multiplies G groups. */
 #define CB_IDECODE_LOOP(DECODE)                                                                         \
     const int nb = cols / CB_QBLOCK;                                                                    \
     const size_t gbytes = cb_group_bytes(dtype), row = (size_t)nb * gbytes;                             \

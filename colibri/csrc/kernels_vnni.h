@@ -48,7 +48,7 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 /* The few-token tile (vnni_body.h, cb_ifew): a product of 2 .. CB_IFEW_TOKENS(dtype) tokens takes
  * it, CB_VNNI_FEW_TS tokens a pass (set per step below: the EVEX step's 32 registers hold 4 streams
  * x 2 tokens' sums and accumulators; 0 leaves the step without it), CB_IFEW_KBLOCKS blocks of each
- * stream's row at a time under the passes when there are more. Each stream's line CB_IFEW_PREFETCH
+ * stream's row at a time under the passes when there are more. Each stream's line CB_IFEW_PREFETCH (kernels_avx2.h)
  * bytes ahead goes to L2. From memory, one thread, against the prompt tiles (Zen 4,
  * tools/bench/ab_itile.py --from-memory, BENCHMARKS.md "A few-token tile"): int8 1.02-1.13x at 2
  * tokens, 1.17-1.40x at 3-6, 0.99x at 8; int4, int6, mxfp4 1.05-1.37x at 2, int4 0.8-1.1x at 3-8
@@ -56,8 +56,6 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
  * prompt tiles. */
 #define CB_IFEW_TOKENS(dtype) ((dtype) == CB_INT8 ? 6 : (dtype) == CB_NL4 ? 1 : 2)
 #define CB_IFEW_KBLOCKS 8
-#define CB_IFEW_PREFETCH 2048
-#define CB_IFEW_HINT _MM_HINT_T1
 
 #define CB_VNNI_TARGET CB_TARGET_AVX512_VNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_epi32(a, u, s)

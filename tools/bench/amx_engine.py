@@ -11,10 +11,12 @@ and nothing can be fetched: --build compiles the extensions in place (`setup.py 
 --inplace`), the checkpoint is written by make_models.py without transformers (its frozen
 config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
 `colibri bench --json` (a prompt of --prompt-len tokens, 8 decoded), each round every format x
-thread count x step once in turn, the step chosen by COLIBRI_INT_STEP. No new run starts after
---budget-s seconds from the start: what was measured by then is reported. Prints a table of the
-median prefill and decode tok/s per format / threads / step and the first step's ratio to the
-second, and writes every run to OUT/amx_engine.json. On a machine without AMX, --steps
+thread count x step once in turn (the steps' order reversed every other round), the step chosen
+by COLIBRI_INT_STEP. The steps are checked against the machine's before anything is made; no new
+run starts after --budget-s seconds from the start, and a run that fails (or outlives the budget)
+is recorded and the others go on. Prints a table of the median prefill and decode tok/s per format
+/ threads / step and the first step's ratio to the last, and rewrites OUT/amx_engine.json after
+every run (so a call killed at its time limit keeps what it measured). On a machine without AMX, --steps
 avx512-vnni,avx2 exercises the same path.
 """
 from __future__ import annotations
@@ -31,14 +33,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(cmd: list, env: dict | None = None, log: Path | None = None) -> str:
-    """Run cmd in the repository root; its stdout (stderr to log, or shown on failure)."""
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+class RunFailed(Exception):
+    pass
+
+
+def run(cmd: list, env: dict | None = None, log: Path | None = None, timeout: float | None = None) -> str:
+    """Run cmd in the repository root; its stdout (its output to log). RunFailed names the command
+    and ends with its stderr's tail when it fails or outlives timeout."""
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"{' '.join(map(str, cmd))} ran past {timeout:.0f} s") from None
     if log is not None:
         log.write_text(p.stdout + p.stderr)
     if p.returncode != 0:
-        raise SystemExit(f"[amx_engine] {' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stderr[-2000:]}")
+        raise RunFailed(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stderr[-2000:]}")
     return p.stdout
+
+
+def cores() -> int:
+    """The CPUs this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        return os.cpu_count() or 1
 
 
 def main(argv=None) -> int:
@@ -49,26 +68,37 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="mixtral-mini")
     ap.add_argument("--formats", default="int8,int4")
     ap.add_argument("--steps", default="amx,avx512-vnni")
-    ap.add_argument("--threads", default=str(os.cpu_count() or 1) + ",1")
+    ap.add_argument("--threads", default=f"{cores()},1")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0)
     a = ap.parse_args(argv)
+    try:
+        return measure(a)
+    except RunFailed as e:
+        print(f"[amx_engine] {e}", file=sys.stderr)
+        return 1
+
+
+def measure(a) -> int:
     t0 = time.monotonic()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     if a.build:
-        run([py, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)], log=a.out / "build.log")
+        run([py, "setup.py", "build_ext", "--inplace", "-j", str(cores())], log=a.out / "build.log")
         print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
-    print("[amx_engine] " + run([py, "-c", "import colibri._kernels as k; "
-                                 "print(k.isa(), k.int_step(), k.available_int_steps(), '|', k.amx_status())"]).strip(),
-          flush=True)
+    formats, steps = a.formats.split(","), a.steps.split(",")
+    threads = list(dict.fromkeys(int(t) for t in a.threads.split(",")))
+    probe = json.loads(run([py, "-c", "import json, colibri._kernels as k; print(json.dumps([k.isa(), k.int_step(), "
+                                      "k.available_int_steps(), k.amx_status()]))"]))
+    print(f"[amx_engine] tier {probe[0]}, int step {probe[1]}, available {probe[2]} | {probe[3]}", flush=True)
+    missing = [s for s in steps if s not in probe[2]]
+    if missing:      # before the model is made: a step the machine refuses would fail every run
+        raise RunFailed(f"--steps {','.join(missing)}: not available here (available: {', '.join(probe[2])})")
     hf = a.work / "hf"
     if not (hf / a.model / "config.json").is_file():
         run([py, "tools/bench/make_models.py", a.model, "--out", str(hf), "--no-tokenizer"])
-    formats, steps = a.formats.split(","), a.steps.split(",")
-    threads = [int(t) for t in a.threads.split(",")]
     dirs = {}
     for fmt in formats:
         d = a.work / f"{a.model}-{fmt}"
@@ -76,24 +106,29 @@ def main(argv=None) -> int:
             run([py, "-m", "colibri", "convert", "--hf-dir", str(hf / a.model), "--quantize", fmt, "--output-dir", str(d)])
         dirs[fmt] = d
     print(f"[amx_engine] model ready at {time.monotonic() - t0:.0f} s", flush=True)
-    runs = []
-    for r in range(a.rounds):
-        for fmt in formats:
-            for th in threads:
-                for step in steps:
-                    if time.monotonic() - t0 > a.budget_s:
-                        break
-                    out = run([py, "-m", "colibri", "bench", "--model-dir", str(dirs[fmt]), "--prompt-len",
-                               str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json"],
-                              env={"COLIBRI_INT_STEP": step})
-                    res = json.loads(out)
-                    runs.append({"round": r, "format": fmt, "threads": th, "step": step,
-                                 "prefill_tok_s": res["prefill_tok_s"]["median"],
-                                 "decode_tok_s": res["decode_tok_s"]["median"]})
-                    print(f"[amx_engine] round {r} {fmt} {th} threads {step}: prefill "
-                          f"{runs[-1]['prefill_tok_s']:.1f} tok/s, decode {runs[-1]['decode_tok_s']:.1f}", flush=True)
-    (a.out / "amx_engine.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "runs": runs},
-                                                      indent=1))
+    runs, failed = [], []
+    plan = [(r, fmt, th, step) for r in range(a.rounds) for fmt in formats for th in threads
+            for step in (steps if r % 2 == 0 else steps[::-1])]         # each round the other step first
+    for r, fmt, th, step in plan:
+        left = a.budget_s - (time.monotonic() - t0)
+        if left <= 0:
+            print(f"[amx_engine] the budget ({a.budget_s:.0f} s) is spent: {len(runs)} runs", flush=True)
+            break
+        try:
+            res = json.loads(run([py, "-m", "colibri", "bench", "--model-dir", str(dirs[fmt]), "--prompt-len",
+                                  str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json"],
+                                 env={"COLIBRI_INT_STEP": step}, timeout=left + 120))
+        except RunFailed as e:               # recorded; the other runs go on
+            failed.append({"round": r, "format": fmt, "threads": th, "step": step, "error": str(e)[-2000:]})
+            print(f"[amx_engine] round {r} {fmt} {th} threads {step}: {e}", flush=True)
+        else:
+            runs.append({"round": r, "format": fmt, "threads": th, "step": step,
+                         "prefill_tok_s": res["prefill_tok_s"]["median"], "decode_tok_s": res["decode_tok_s"]["median"]})
+            print(f"[amx_engine] round {r} {fmt} {th} threads {step}: prefill "
+                  f"{runs[-1]['prefill_tok_s']:.1f} tok/s, decode {runs[-1]['decode_tok_s']:.1f}", flush=True)
+        (a.out / "amx_engine.json").write_text(json.dumps(      # after every run: a killed call keeps them
+            {"args": {k: str(v) for k, v in vars(a).items()}, "machine": probe, "runs": runs, "failed": failed},
+            indent=1))
     print(f"\n| format | threads | " + " | ".join(f"{s} prefill, decode" for s in steps)
           + f" | {steps[0]} / {steps[-1]} prefill |")
     print("|---|---:|" + "---|" * len(steps) + "---:|")
@@ -107,8 +142,9 @@ def main(argv=None) -> int:
             cells = [f"{m[0]:.1f}, {m[1]:.1f}" if m else "-" for m in med.values()]
             ratio = f"{med[steps[0]][0] / med[steps[-1]][0]:.2f}" if med[steps[0]] and med[steps[-1]] else "-"
             print(f"| {fmt} | {th} | " + " | ".join(cells) + f" | {ratio} |")
-    print(f"\n[amx_engine] {len(runs)} runs in {time.monotonic() - t0:.0f} s; every run in {a.out / 'amx_engine.json'}")
-    return 0
+    print(f"\n[amx_engine] {len(runs)} runs ({len(failed)} failed) in {time.monotonic() - t0:.0f} s; every run in "
+          f"{a.out / 'amx_engine.json'}")
+    return 0 if runs and not failed else 1
 
 
 if __name__ == "__main__":

@@ -128,17 +128,20 @@ def make_config(cls_name: str, arch: str, kwargs: dict):
     return cfg
 
 
-# The config.json transformers 5.25 wrote for some of the shapes above, kept so that a machine
-# without transformers (the lent device machine) can still write those checkpoints.
+# The config.json and generation_config.json transformers 5.25 wrote for some of the shapes above
+# (NAME.json, NAME.generation_config.json), kept so that a machine without transformers (the lent
+# device machine) can still write those checkpoints, the same bytes.
 FROZEN_CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 class FrozenConfig:
-    """A config.json read back: its fields as attributes (num_experts and num_local_experts as
-    aliases of each other, as transformers' attribute maps have them); written back verbatim."""
+    """A frozen config.json read back: its fields as attributes (num_experts and num_local_experts
+    as aliases of each other, as transformers' attribute maps have them); both files are written
+    back verbatim."""
 
-    def __init__(self, path: Path):
-        self.text = path.read_text()
+    def __init__(self, name: str):
+        self.text = (FROZEN_CONFIGS / f"{name}.json").read_text()
+        self.generation_text = (FROZEN_CONFIGS / f"{name}.generation_config.json").read_text()
         self.__dict__.update(json.loads(self.text))
         for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
             if a not in self.__dict__ and b in self.__dict__:
@@ -149,27 +152,22 @@ class FrozenConfig:
 
 
 def config_for(name: str):
-    """The model's config: transformers' own class, or without transformers the frozen config.json."""
+    """The model's config: transformers' own class, or without transformers the frozen one."""
     try:
         import transformers  # noqa: F401
     except ImportError:
-        frozen = FROZEN_CONFIGS / f"{name}.json"
-        if not frozen.is_file():
+        if not (FROZEN_CONFIGS / f"{name}.json").is_file():
             raise SystemExit(f"{name} needs transformers (no frozen config in {FROZEN_CONFIGS})")
-        return FrozenConfig(frozen)
+        return FrozenConfig(name)
     return make_config(*MODELS[name])
 
 
 def generation_config_json(cfg) -> str:
-    """What GenerationConfig.from_model_config writes (by hand for a frozen config)."""
-    if not isinstance(cfg, FrozenConfig):
-        from transformers import GenerationConfig
-        return GenerationConfig.from_model_config(cfg).to_json_string()
-    d = {"_from_model_config": True}
-    d.update({k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id") if getattr(cfg, k, None) is not None})
-    d.update({"output_attentions": False, "output_hidden_states": False,
-              "transformers_version": cfg.transformers_version, "use_cache": True})
-    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+    """generation_config.json: GenerationConfig.from_model_config's, or the frozen file."""
+    if isinstance(cfg, FrozenConfig):
+        return cfg.generation_text
+    from transformers import GenerationConfig
+    return GenerationConfig.from_model_config(cfg).to_json_string()
 
 
 def gemma4_tensor_list(cfg) -> list:
