@@ -5,7 +5,12 @@ per-function target attributes and chosen at import). Cython directives are set 
 COLIBRI_DEBUG=1 turns bounds and wraparound checks back on.
 """
 import os
+import platform
+import shlex
+import subprocess
 import sys
+import sysconfig
+import tempfile
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -24,6 +29,29 @@ else:
     link_args = ["-fopenmp"]
 if debug and sys.platform != "win32":
     compile_args = ["-O0", "-g", "-fopenmp", "-Wno-unused-function"]
+
+
+
+def assembler_knows_amx() -> bool:
+    """Whether the C compiler's assembler knows AMX's tile instructions (binutils 2.36+, LLVM 12+):
+    kernels_amx.h writes them as inline asm on x86-64 GCC/clang, which an older assembler would
+    reject, failing the whole build on any CPU. Where it does not, CB_NO_AMX_ASM leaves the AMX
+    step out of the build (amx_status() says so) and everything else is as before."""
+    if sys.platform == "win32" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return True                  # no tile asm is compiled there (kernels_amx.h)
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "amx.c")
+        with open(src, "w") as f:
+            f.write('void colibri_amx_probe(void) { __asm__ volatile("tilerelease"); }\n')
+        try:
+            return subprocess.run(cc + ["-c", src, "-o", os.path.join(d, "amx.o")], capture_output=True).returncode == 0
+        except OSError:
+            return True              # no such compiler: the build itself will say so
+
+
+if sys.platform != "win32" and not assembler_knows_amx():
+    compile_args.append("-DCB_NO_AMX_ASM")
 
 CSRC = os.path.join("colibri", "csrc")
 HEADERS = [os.path.join(CSRC, name) for name in os.listdir(CSRC)]

@@ -59,6 +59,16 @@ def cpu_features():
             "os_amx": bool(f.os_amx)}
 
 
+
+# Whether this build has the AMX steps (x86-64 GCC/clang with an assembler that knows the tile
+# instructions: kernels_amx.h, setup.py's probe); the emulated one comes with them.
+HAVE_AMX = bool(CB_HAVE_AMX)
+
+
+def amx_failed_check():
+    """The import-time self-test check the amx step failed (it is then off), or 0."""
+    return cb_amx_failed_check
+
 def amx_status(features=None):
     """One line on AMX here: absent from the CPU, not enabled by the OS (XCR0), refused by it (why),
     or its tile state granted to this process (asked once, _os.request_tile_data) and whether the
@@ -75,7 +85,8 @@ def amx_status(features=None):
     if not granted:
         return f"AMX ({kinds}) on this CPU, but the OS refused its tile state: {why}"
     if not CB_HAVE_AMX:
-        return f"AMX ({kinds}): tile state granted by the OS, but this build has no amx step (MSVC)"
+        return (f"AMX ({kinds}): tile state granted by the OS, but this build has no amx step (it needs GCC or "
+                f"clang on x86-64 with an assembler that knows the tile instructions)")
     if cb_amx_failed_check:
         return (f"AMX ({kinds}): tile state granted by the OS, but the amx step failed its self-test "
                 f"(check {cb_amx_failed_check}): the {int_step()} step runs")

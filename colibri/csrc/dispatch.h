@@ -168,12 +168,12 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
     return 0;
 }
 
-/* The fastest int step tier `isa` has on this CPU (the emulated one is for tests only). */
+/* The fastest int step tier `isa` has on this CPU (the emulated ones are for tests only). */
 static int cb_best_int_step(int isa) {
     const int steps[] = {CB_INT_STEP_AMX, CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2,
                          CB_INT_STEP_SCALAR};
     cb_int_kernels k;
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < (int)(sizeof steps / sizeof *steps); i++)
         if (cb_int_step_kernels(steps[i], isa, &k) == 0) return steps[i];
     return CB_INT_STEP_SCALAR;
 }
@@ -772,7 +772,9 @@ static int cb_selftest_close(const float *ref, const float *got, int n) {
  * this CPU/OS cannot run them, else the number of the first check that failed. The selection is
  * left at (isa, step). Needs cb_init_tables() first (the scalar spec's f16 table). */
 static int cb_self_test_step(int isa, int step) {
-    enum { R = 16, C = 64, N = 5, HEADS = 4, KV = 2, HD = 16, RING = 9 };
+    /* R: 5 groups of 8 outputs (decode's 4 streams and one more; the pair tiles' two pairs and an
+     * odd group); N: a whole AMX tile of 16 tokens and one more, also a prompt for every other tile */
+    enum { R = 40, C = 64, N = 17, HEADS = 4, KV = 2, HD = 16, RING = 9 };
     static uint8_t w[R * C * 4];                        /* the largest: f32 */
     static float x[N * C], ref[N * R], got[N * R], xp[N * C], ad[N * C / CB_QBLOCK];
     static int8_t aq[N * C];
@@ -798,8 +800,8 @@ static int cb_self_test_step(int isa, int step) {
             if ((dtype == CB_NL4 || dtype == CB_INT6) && layout != CB_INTERLEAVED) continue;
             const size_t bytes = dtype == CB_NL4 ? cb_nl4_bytes(R, C) : (size_t)R * cb_row_stride(dtype, C);
             cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
-            static const int token_counts[] = {1, 2, N};   /* decode, the few-token tiles' pass, a prompt */
-            for (int in = 0; in < 3; in++) {
+            static const int token_counts[] = {1, 2, 5, N};   /* decode, the few-token tiles, prompts */
+            for (int in = 0; in < (int)(sizeof token_counts / sizeof *token_counts); in++) {
                 const int n = token_counts[in];
                 check++;
                 cb_select_kernels(CB_ISA_SCALAR, CB_INT_STEP_SCALAR);
@@ -833,30 +835,20 @@ static int cb_self_test_step(int isa, int step) {
     }
 #if CB_HAVE_AMX
     if (step == CB_INT_STEP_AMX || step == CB_INT_STEP_AMX_EMULATED) {
-        /* its tiles run from 16 tokens: a whole tile and one token more, each format it takes,
+        /* its tiles run from 16 tokens: a whole tile and one token more (N), each format it takes,
          * the AVX512-VNNI step's bits */
-        enum { NA = CB_AMX_TOKENS + 1 };
-        static float xa[NA * C], ada[NA * C / CB_QBLOCK], refa[NA * R], gota[NA * R];
-        static int8_t aqa[NA * C];
-        static int32_t asa[NA * C / CB_QBLOCK], aoffa[2 * NA * C / CB_QBLOCK];
-        cb_act_q8 actsa[NA];
+        _Static_assert(N == CB_AMX_TOKENS + 1, "the AMX check multiplies a whole tile and one token more");
         const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4};
-        memset(actsa, 0, sizeof actsa);
-        for (int t = 0; t < NA; t++) {
-            actsa[t].q = aqa + t * C; actsa[t].d = ada + t * (C / CB_QBLOCK); actsa[t].s = asa + t * (C / CB_QBLOCK);
-            actsa[t].nl4_off = aoffa + t * 2 * (C / CB_QBLOCK);
-        }
-        for (int i = 0; i < NA * C; i++) xa[i] = (float)(cb_selftest_rand(&state) % 2000u) / 1000.0f - 1.0f;
         for (int i = 0; i < 4; i++) {
             check++;
             const int dtype = dtypes[i];
             const size_t bytes = (size_t)(R / CB_TGROUP) * (C / CB_QBLOCK) * cb_group_bytes(dtype);
             cb_selftest_fill(w, bytes, dtype, CB_INTERLEAVED, R, C, &state);
             cb_select_kernels(isa, CB_INT_STEP_AVX512VNNI);
-            cb_matmul(refa, R, w, dtype, CB_INTERLEAVED, xa, C, actsa, NA, R, C, 1);
+            cb_matmul(ref, R, w, dtype, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
             cb_select_kernels(isa, step);
-            cb_matmul(gota, R, w, dtype, CB_INTERLEAVED, xa, C, actsa, NA, R, C, 1);
-            if (memcmp(refa, gota, sizeof refa) != 0) return check;
+            cb_matmul(got, R, w, dtype, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
+            if (memcmp(ref, got, sizeof(float) * N * R) != 0) return check;
         }
     }
 #endif

@@ -38,7 +38,8 @@
 
 #include "kernels_vnni.h"
 
-#if CB_X86 && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))   /* tiles: 64-bit mode only */
+/* tiles: 64-bit mode only; CB_NO_AMX_ASM: setup.py found an assembler without the tile instructions */
+#if CB_X86 && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(CB_NO_AMX_ASM)
 #define CB_HAVE_AMX 1
 
 #define CB_AMX_TOKENS 16            /* A's and C's rows: tokens a tile */
@@ -50,7 +51,9 @@
  * C goes round STORE_DELAY + 2 tiles beside A and B's four, so the next block's product never
  * waits for this one's store (one C tile for all blocks made each product wait for the last
  * store: the latency the measured second tile set removed); cbuf has LOOKAHEAD - STORE_DELAY + 1
- * slots. The default (0, 1) is the schedule measured on the AMX host (BENCHMARKS.md). */
+ * slots. The default (0, 1) is the schedule of the prototype measured on the AMX host (A, B, C on
+ * tiles 0-2 and 3-5, BENCHMARKS.md); this body, with A/B on tiles 0-3 and C on 4-7, has been held to
+ * its bits only by the emulated tiles and the import-time self-test, not yet run on AMX hardware. */
 #ifndef CB_AMX_STORE_DELAY
 #define CB_AMX_STORE_DELAY 0
 #endif

@@ -124,8 +124,8 @@ static int check_bits(cb_itile_fn amx, const char *label) {
                 cases++;
                 if (memcmp(ref, got, sizeof(float) * (size_t)n * ldo) != 0) {
                     fails++;
-                    size_t i = 0;
-                    while (ref[i] == got[i]) i++;
+                    size_t i = 0;      /* the first output whose bits differ (+0 and -0 compare equal) */
+                    while (memcmp(&ref[i], &got[i], sizeof(float)) == 0) i++;
                     printf("bits %s MISMATCH %s rows %d cols %d n %d g0 %d threads %d: first at token %zu output %zu: "
                            "%.9g vs %.9g\n", label, dtype_name(dtypes[d]), rows, cols, n, g0, threads, i / ldo, i % ldo,
                            ref[i], got[i]);
@@ -202,7 +202,6 @@ static void peaks(void) {
     printf("peak tdpbssd 16x16x64: %.1f GOP/s one core (%.2f ns an instruction)\n",
            4.0 * iters * 16 * 16 * 64 * 2 / dt * 1e-9, dt / (4.0 * iters) * 1e9);
     /* the K = 32, N = 16 shape the step uses */
-    for (int t = 0; t < 4; t++) cfg.colsb[t] = 32;
     for (int t = 1; t < 4; t++) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }
     cfg.rows[0] = 16; cfg.colsb[0] = 32;
     CB_AMX_HW_LOADCFG(&cfg);
