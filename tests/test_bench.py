@@ -75,3 +75,32 @@ def test_make_models_writes_the_frozen_shapes_without_transformers(monkeypatch):
         assert json.loads(make_models.generation_config_json(cfg)).get("eos_token_id") == json.loads(text)["eos_token_id"]
     with pytest.raises(SystemExit, match="needs transformers"):
         make_models.config_for("gpt-oss-20b-4l")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc only")
+def test_the_bf16_rounding_probe_finds_the_order_of_the_cpus_products(tmp_path):
+    """tools/bench/amx_bf16_probe.c (run by amx_engine.py on an AMX machine, to learn TDPBF16PS's
+    order of roundings): where the CPU has AVX512_BF16, VDPBF16PS must match exactly the candidates
+    that add the odd product of a pair first — the order of the engine's bf16 products spec
+    (kernels_scalar.h, cb_itile_bf16_lanes) — and the other orders must differ somewhere (the probe
+    tells them apart); elsewhere it says which instructions the CPU lacks."""
+    from colibri import _kernels
+    exe = tmp_path / "probe"
+    subprocess.run(["gcc", "-O2", "-ffp-contract=off", str(REPO / "tools/bench/amx_bf16_probe.c"), "-o", str(exe)],
+                   check=True)
+    r = subprocess.run([str(exe), "32"], capture_output=True, text=True)
+    lines = r.stdout.splitlines()
+    f = _kernels.cpu_features()
+    if not f["avx512_bf16"] or not f["os_avx512"]:
+        assert "vdpbf16ps: this CPU has no AVX512_BF16" in lines
+    else:
+        assert r.returncode in (0, 1), r.stderr
+        assert "vdpbf16ps K=16 matches: seq-odd-first split:(c+o)+e" in lines, r.stdout
+        counts = next(line for line in lines if line.startswith("vdpbf16ps K=16: "))
+        differ = dict(zip(counts.split()[4::2], map(int, counts.split()[5::2])))
+        assert differ["seq-odd-first"] == 0 and min(differ["seq-even-first"], differ["pair-fused"]) > 0, counts
+        assert "vdpbf16ps subnormal input x 2^100: 0 (DAZ)" in lines and "vdpbf16ps 2^-70 x 2^-70: 0 (FTZ)" in lines
+    if not f["amx_bf16"]:
+        assert "tdpbf16ps: this CPU has no AMX-BF16" in lines
+    elif r.returncode == 0:           # the tile state lent: every K reports its matching candidates
+        assert sum(line.startswith("tdpbf16ps K=") and "matches:" in line for line in lines) == 5

@@ -4,7 +4,7 @@ call on a lent machine: build, make the model, convert, measure, interleaved.
 
     python tools/bench/amx_engine.py [--build] [--out DIR] [--model mixtral-mini] [--formats int8,int4]
                                      [--steps amx,avx512-vnni] [--threads 16,1] [--prompt-len 512]
-                                     [--rounds 3] [--budget-s 420]
+                                     [--rounds 3] [--budget-s 420] [--no-probe]
 
 Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
@@ -18,6 +18,10 @@ is recorded and the others go on. Prints a table of the median prefill and decod
 / threads / step and the first step's ratio to the last, and rewrites OUT/amx_engine.json after
 every run (so a call killed at its time limit keeps what it measured). On a machine without AMX, --steps
 avx512-vnni,avx2 exercises the same path.
+
+First (seconds; --no-probe skips it) it builds and runs tools/bench/amx_bf16_probe.c, which finds
+the order of roundings of the machine's TDPBF16PS and VDPBF16PS (what an AMX bf16 prompt tile
+with decode's bits has to follow), into OUT/amx_bf16_probe.txt.
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--no-probe", action="store_true", help="skip the bf16 rounding-order probe")
     a = ap.parse_args(argv)
     try:
         return measure(a)
@@ -80,11 +85,27 @@ def main(argv=None) -> int:
         return 1
 
 
+def bf16_probe(out: Path) -> None:
+    """Build and run amx_bf16_probe.c, its output to out/amx_bf16_probe.txt; a failure is printed
+    and recorded there, and the measurement goes on."""
+    exe = out / "amx_bf16_probe"
+    try:
+        run(["gcc", "-O2", "-ffp-contract=off", "tools/bench/amx_bf16_probe.c", "-o", str(exe)], timeout=120)
+        text = run([str(exe), "256"], timeout=120)
+    except (RunFailed, OSError) as e:
+        text = f"amx_bf16_probe failed: {e}\n"
+    (out / "amx_bf16_probe.txt").write_text(text)
+    exe.unlink(missing_ok=True)
+    print(text, end="", flush=True)
+
+
 def measure(a) -> int:
     t0 = time.monotonic()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
+    if not a.no_probe:
+        bf16_probe(a.out)
     if a.build:
         run([py, "setup.py", "build_ext", "--inplace", "-j", str(cores())], log=a.out / "build.log")
         print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
