@@ -78,6 +78,7 @@ cdef extern from "dispatch.h" nogil:
     int cb_set_int_step(int step)
     void cb_set_amx_granted(int granted)
     int cb_amx_failed_check      # the AMX step's failed self-test check (0: none); the step is off
+    int cb_amx_bf16_failed_check # its bf16 products tile's failed check (0: none); that tile is off
     int cb_set_prefill_repack(int on)
     int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
     void cb_glu(float *gate, const float *up, int n, int act)

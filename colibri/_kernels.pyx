@@ -69,6 +69,12 @@ def amx_failed_check():
     """The import-time self-test check the amx step failed (it is then off), or 0."""
     return cb_amx_failed_check
 
+def amx_bf16_failed_check():
+    """The import-time self-test check the amx step's bf16 products tile failed (that tile is then
+    off: bf16 prompts take vdpbf16ps; the int tiles stay on AMX), or 0."""
+    return cb_amx_bf16_failed_check
+
+
 def amx_status(features=None):
     """One line on AMX here: absent from the CPU, not enabled by the OS (XCR0), refused by it (why),
     or its tile state granted to this process (asked once, _os.request_tile_data) and whether the
@@ -92,7 +98,9 @@ def amx_status(features=None):
                 f"(check {cb_amx_failed_check}): the {int_step()} step runs")
     if not f["amx_int8"]:
         return f"AMX ({kinds}): tile state granted by the OS; no int8 products, so no step uses it"
-    return f"AMX ({kinds}): tile state granted by the OS; int step in use: {int_step()}"
+    bf16 = (f"; its bf16 products tile failed its self-test (check {cb_amx_bf16_failed_check}): bf16 prompts take "
+            f"vdpbf16ps" if cb_amx_bf16_failed_check else "")
+    return f"AMX ({kinds}): tile state granted by the OS; int step in use: {int_step()}{bf16}"
 
 
 def _grant_amx():
@@ -245,6 +253,9 @@ def _select_at_import():
     if error:
         raise ValueError(error)
     select_isa(name)
+    if cb_amx_bf16_failed_check and not cb_amx_failed_check:
+        warnings.warn(f"colibri: the amx step's bf16 products tile failed its self-test (check "
+                      f"{cb_amx_bf16_failed_check}); bf16 prompts take vdpbf16ps", RuntimeWarning, stacklevel=2)
     if cb_amx_failed_check:
         warnings.warn(f"colibri: the amx int step failed its self-test (check {cb_amx_failed_check}); "
                       f"using the {int_step()} step", RuntimeWarning, stacklevel=2)

@@ -378,6 +378,34 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
             assert np.sign(got).min() == sign
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 11), st.sampled_from([1, 2, 3, 17, 33, 40]), st.integers(16, 40), st.sampled_from([1, 2]),
+       st.integers(0, 2**32 - 1))
+def test_the_amx_bf16_products_tile_gives_the_bits_of_decode(isa, groups, blocks, n, threads, seed):
+    """The amx step's bf16 products tile (TDPBF16PS, kernels_amx.h: its tile ops emulated as the
+    Intrinsics Guide defines the instruction; the real one too where the tile state is lent and it
+    passed its self-test) against the AVX512_BF16 step's vdpbf16ps, bit for bit: whole tiles of 16
+    tokens and a tail, group pairs and an odd group, chunks of 64 inputs and a padded half chunk
+    (an odd number of blocks), past one chunk of B (40 blocks); and each token's decode."""
+    if isa != "avx512" or not _kernels.has_bf16_products() or "amx-emulated" not in _kernels.available_int_steps():
+        pytest.skip("the AMX steps' bf16 tile needs the AVX-512 tier with AVX512_BF16 and a build with the amx steps")
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    x = rng.standard_normal((n, 32 * blocks), dtype=np.float32)
+    il = quant.interleave(to_storage(w, "bf16"), "bf16", w.shape[1])
+    with _kernels.int_kernels("avx512-vnni"):
+        want = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
+        decoded = np.stack([_probes.kernel_matmul(il, x[t:t + 1], "bf16", 1, "interleaved", bf16_products=True)[0]
+                            for t in (0, 15, n - 1)])
+    np.testing.assert_array_equal(decoded, want[[0, 15, n - 1]])
+    steps = ["amx-emulated"] + (["amx"] if "amx" in _kernels.available_int_steps() and not _kernels.amx_bf16_failed_check()
+                                else [])
+    for step in steps:
+        with _kernels.int_kernels(step):
+            got = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
+        np.testing.assert_array_equal(got, want, err_msg=step)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
 def test_mxfp4_interleave_round_trip(groups, blocks, seed):
@@ -585,12 +613,14 @@ def test_whole_model_in_every_layout(converted, dtype):
         _kernels.select_isa(before)
 
 
-@pytest.mark.parametrize("layout", ["transposed", "interleaved"])
-@pytest.mark.parametrize("dtype", BLOCK)
+@pytest.mark.parametrize("dtype, layout", [(d, lay) for d in BLOCK for lay in ("transposed", "interleaved")]
+                         + [("bf16", "interleaved")])
 def test_whole_model_the_same_bits_with_every_int_step(isa, converted, dtype, layout):
     """A transposed or interleaved int8/int4 model gives the default int step's logits bit for bit
     with every step of the tier (the VNNI step emulated included): a 20-token prompt (transposed:
-    repacked chunks), 5 tokens (stored-order tiles) and 1 (decode)."""
+    repacked chunks), 5 tokens (stored-order tiles) and 1 (decode). So does an interleaved bf16 one
+    with bf16 products where the tier has them (the amx steps' TDPBF16PS tile takes its prompts'
+    whole tiles of 16 tokens)."""
     ids = np.resize(reference("qwen3moe_a")["input_ids"], 20)
     m = colibri.load(converted("qwen3moe_a", dtype, layout))
     expect = [m.forward(ids[:n]) for n in (20, 5, 1)]

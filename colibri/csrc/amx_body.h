@@ -1,7 +1,8 @@
 /* amx_body.h — the AMX interleaved tile (kernels_amx.h), compiled once per way of doing the tile
  * ops, with:
  *   CB_AMX_LOADCFG(cfg), CB_AMX_RELEASE(), CB_AMX_LOAD(t, base, stride), CB_AMX_STORE(t, base,
- *   stride), CB_AMX_ZERO(t), CB_AMX_DPBSSD(c, a, b)   the tile ops (t, c, a, b: literal tile numbers)
+ *   stride), CB_AMX_ZERO(t), CB_AMX_DPBSSD(c, a, b),
+ *   CB_AMX_DPBF16PS(c, a, b)                           the tile ops (t, c, a, b: literal tile numbers)
  *   CB_AMX_NAME(base)                                  base with the way's suffix
  * No include guard: including it is instantiating it; it #undefs those parameters at its end. */
 
@@ -127,10 +128,103 @@ CB_AMX_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_ac
     if (paired < g1) cb_itile_avx512vnni(out, ldo, w, dtype, acts, cols, paired, g1, n);
 }
 
+/* ---- bf16 products (kernels_amx.h: the layouts, the order) --------------------------------------- */
+
+/* Chunk h's products of one or two token tiles (a0, a1: their A, chunk h; a1 NULL for one) with B
+ * (wb: chunk h's lanes on tiles 2 and 3): C tiles 4, 5 (lanes 0, 1 of the first) and 6, 7. */
+CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void
+CB_AMX_NAME(cb_amx_bf16_chunk)(const cb_amx_bf16_w *wb, const cb_amx_bf16_a *a0, const cb_amx_bf16_a *a1) {
+    CB_AMX_LOAD(2, wb->q[0], 64);
+    CB_AMX_LOAD(3, wb->q[1], 64);
+    CB_AMX_LOAD(0, a0->q[0], 64);
+    CB_AMX_DPBF16PS(4, 0, 2);
+    CB_AMX_LOAD(1, a0->q[1], 64);
+    CB_AMX_DPBF16PS(5, 1, 3);
+    if (a1) {
+        CB_AMX_LOAD(0, a1->q[0], 64);
+        CB_AMX_DPBF16PS(6, 0, 2);
+        CB_AMX_LOAD(1, a1->q[1], 64);
+        CB_AMX_DPBF16PS(7, 1, 3);
+    }
+}
+
+/* The C tiles of one or two token tiles (two: 4 .. 7) from their lane sums in state[tile][lane]
+ * ([16 tokens][16 outputs] f32 each), or zeroed (first), and back to it. */
+CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_bf16_resume)(float (*state)[2][256], int two,
+                                                                                 int first) {
+    if (first) {
+        CB_AMX_ZERO(4); CB_AMX_ZERO(5);
+        if (two) { CB_AMX_ZERO(6); CB_AMX_ZERO(7); }
+        return;
+    }
+    CB_AMX_LOAD(4, state[0][0], 64); CB_AMX_LOAD(5, state[0][1], 64);
+    if (two) { CB_AMX_LOAD(6, state[1][0], 64); CB_AMX_LOAD(7, state[1][1], 64); }
+}
+CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_bf16_suspend)(float (*state)[2][256], int two) {
+    CB_AMX_STORE(4, state[0][0], 64); CB_AMX_STORE(5, state[0][1], 64);
+    if (two) { CB_AMX_STORE(6, state[1][0], 64); CB_AMX_STORE(7, state[1][1], 64); }
+}
+
+/* The AMX step's interleaved bf16 products entry (cb_itile_fn, acts.xb): group pairs, a chunk of
+ * CB_AMX_BF16_CHUNKS x 64 inputs unpacked at a time (B) and run over every whole tile of 16 tokens,
+ * two tiles at a time (each B load feeds both); between chunks a tile's two lanes wait in this
+ * call's state (2 KB a token tile), and after the last they are added into out. The activations
+ * are packed once per call into this thread's scratch (2 KB a chunk and token tile). The
+ * AVX512_BF16 step takes the rest: the last n % 16 tokens, an odd last group, and everything where
+ * no scratch is had. */
+CB_TARGET_AVX512_BF16 static void
+CB_AMX_NAME(cb_itile_bf16x)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
+                            int g1, int n) {
+    const int paired = g0 + (g1 - g0) / 2 * 2;
+    const int tiles = n / CB_AMX_TOKENS, n_tiles = tiles * CB_AMX_TOKENS, chunks = (cols + 63) / 64;
+    const int kchunks = chunks < CB_AMX_BF16_CHUNKS ? chunks : CB_AMX_BF16_CHUNKS;
+    const size_t act_bytes = (size_t)tiles * chunks * sizeof(cb_amx_bf16_a), w_bytes = (size_t)kchunks * sizeof(cb_amx_bf16_w);
+    const size_t state_bytes = (size_t)tiles * 2 * 256 * sizeof(float);
+    uint8_t *scratch = tiles == 0 || paired == g0 ? NULL
+                     : cb_thread_scratch(CB_SCRATCH_ACT_TILES, act_bytes + w_bytes + state_bytes + sizeof(cb_amx_config));
+    if (!scratch) {
+        cb_itile_bf16x_avx512(out, ldo, w, dtype, acts, cols, g0, g1, n);
+        return;
+    }
+    cb_amx_bf16_a *packed = (cb_amx_bf16_a *)scratch;                   /* [tiles][chunks] */
+    cb_amx_bf16_w *wb = (cb_amx_bf16_w *)(scratch + act_bytes);         /* [kchunks] */
+    float (*state)[2][256] = (float (*)[2][256])(void *)(scratch + act_bytes + w_bytes);   /* [tiles][lane] */
+    cb_amx_config *cfg = (cb_amx_config *)(scratch + act_bytes + w_bytes + state_bytes);
+    for (int i = 0; i < tiles; i++)
+        cb_amx_bf16_pack_acts(packed + (size_t)i * chunks, acts + (size_t)i * CB_AMX_TOKENS, cols);
+    cb_amx_bf16_fill_config(cfg);
+    CB_AMX_LOADCFG(cfg);
+    const size_t row = (size_t)cols * 2 * CB_TGROUP;                    /* a group's bytes */
+    for (int g = g0; g < paired; g += 2) {
+        for (int h0 = 0; h0 < chunks; h0 += kchunks) {
+            const int nch = h0 + kchunks < chunks ? kchunks : chunks - h0, last = h0 + nch == chunks;
+            cb_amx_bf16_pack_weights(wb, w + (size_t)g * row, row, cols, h0, nch);
+            for (int i = 0; i < tiles; i += 2) {
+                const int two = i + 1 < tiles;
+                const cb_amx_bf16_a *a0 = packed + (size_t)i * chunks + h0, *a1 = two ? a0 + chunks : NULL;
+                CB_AMX_NAME(cb_amx_bf16_resume)(state + i, two, h0 == 0);
+                for (int h = 0; h < nch; h++) CB_AMX_NAME(cb_amx_bf16_chunk)(wb + h, a0 + h, a1 ? a1 + h : NULL);
+                CB_AMX_NAME(cb_amx_bf16_suspend)(state + i, two);
+                if (!last) continue;
+                for (int k = i; k < i + 1 + two; k++)                  /* out = lane 0 + lane 1 */
+                    for (int t = 0; t < CB_AMX_TOKENS; t++)
+                        _mm512_storeu_ps(out + (size_t)(k * CB_AMX_TOKENS + t) * ldo + (size_t)g * CB_TGROUP,
+                                         _mm512_add_ps(_mm512_loadu_ps(state[k][0] + 16 * t),
+                                                       _mm512_loadu_ps(state[k][1] + 16 * t)));
+            }
+        }
+    }
+    CB_AMX_RELEASE();
+    if (n_tiles < n)
+        cb_itile_bf16x_avx512(out + (size_t)n_tiles * ldo, ldo, w, dtype, acts + n_tiles, cols, g0, paired, n - n_tiles);
+    if (paired < g1) cb_itile_bf16x_avx512(out, ldo, w, dtype, acts, cols, paired, g1, n);
+}
+
 #undef CB_AMX_LOADCFG
 #undef CB_AMX_RELEASE
 #undef CB_AMX_LOAD
 #undef CB_AMX_STORE
 #undef CB_AMX_ZERO
 #undef CB_AMX_DPBSSD
+#undef CB_AMX_DPBF16PS
 #undef CB_AMX_NAME

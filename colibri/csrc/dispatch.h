@@ -61,7 +61,8 @@ static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, co
  *   CB_INTERLEAVED  itile (int8/int4/mxfp4/nl4/int6, and bf16 widened to f32), decode and prefill
  *                   (the amx int step: whole tiles of 16 tokens on AMX, kernels_amx.h);
  *                   itile_bf16x (bf16 only, where the CPU has AVX512_BF16): its bf16 products, taken
- *                   as tile_bf16x is (spec: kernels_scalar.h's cb_itile_bf16x_scalar);
+ *                   as tile_bf16x is (spec: kernels_scalar.h's cb_itile_bf16x_scalar; the amx step's
+ *                   whole tiles of 16 tokens on TDPBF16PS where the CPU has AMX-BF16, kernels_amx.h);
  * The scalar tier's entries (kernels_scalar.h: cb_tile_scalar, cb_ttile_scalar, cb_itile_scalar)
  * are the plain-C spec of every other tier's, which the tests hold them to. */
 typedef struct {
@@ -115,6 +116,9 @@ enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_S
  * and until its self-test fails (cb_self_test; the failure's check number is kept here). */
 static int cb_amx_granted;
 static int cb_amx_failed_check;
+/* Its bf16 products tile (TDPBF16PS) is checked apart: the unit's order of roundings is not known
+ * to be decode's (kernels_amx.h), and where it is not, only that tile stays off. */
+static int cb_amx_bf16_failed_check;
 static void cb_set_amx_granted(int granted) { cb_amx_granted = granted != 0; }
 
 /* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
@@ -123,6 +127,7 @@ typedef struct {
     cb_ttile_fn ttile;          /* the transposed entry (every format: the float ones as the tier's) */
     cb_tprefill_fn tprefill;    /* the transposed repacked prefill (the scalar tier: its spec) */
     cb_itile_fn itile;          /* the interleaved entry */
+    cb_itile_fn itile_bf16x;    /* NULL, or the interleaved bf16 products' entry it replaces (AMX) */
 } cb_int_kernels;
 
 static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
@@ -155,7 +160,10 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
 #if CB_HAVE_AMX
     else if (step == CB_INT_STEP_AMX_EMULATED || step == CB_INT_STEP_AMX) {
         cb_int_kernels amx = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni,
-                              step == CB_INT_STEP_AMX ? cb_itile_amx : cb_itile_amx_emulated};
+                              step == CB_INT_STEP_AMX ? cb_itile_amx : cb_itile_amx_emulated, NULL};
+        if (cb_cpu.avx512_bf16)             /* (its last tokens go to the AVX512_BF16 tile) */
+            amx.itile_bf16x = step == CB_INT_STEP_AMX_EMULATED ? cb_itile_bf16x_amx_emulated
+                            : cb_cpu.amx_bf16 && !cb_amx_bf16_failed_check ? cb_itile_bf16x_amx : NULL;
         s = amx;
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni &&
              (step == CB_INT_STEP_AMX_EMULATED ||
@@ -280,6 +288,7 @@ static int cb_select_kernels(int isa, int step) {
         if (d == CB_MXFP4 || d == CB_NL4 || d == CB_INT6)      /* (no transposed mxfp4/nl4/int6) */
             t.mat[d][CB_INTERLEAVED].itile = k.itile;
     }
+    if (k.itile_bf16x && t.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x) t.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x = k.itile_bf16x;
     cb_kt = t;
     cb_selected.isa = isa;
     cb_selected.int_step = step;
@@ -771,6 +780,7 @@ static int cb_selftest_close(const float *ref, const float *got, int n) {
 /* The kernels of tier `isa` with int step `step` against the scalar spec: 0 if all agree, -1 if
  * this CPU/OS cannot run them, else the number of the first check that failed. The selection is
  * left at (isa, step). Needs cb_init_tables() first (the scalar spec's f16 table). */
+static int cb_selftest_amx_bf16_check;     /* the AMX bf16 tile's check number in the last run, or 0 */
 static int cb_self_test_step(int isa, int step) {
     /* R: 5 groups of 8 outputs (decode's 4 streams and one more; the pair tiles' two pairs and an
      * odd group); N: a whole AMX tile of 16 tokens and one more, also a prompt for every other tile */
@@ -786,6 +796,7 @@ static int cb_self_test_step(int isa, int step) {
     cb_act_q8 acts[N];
     uint32_t state = 12345u;
     int check = 0;
+    cb_selftest_amx_bf16_check = 0;
     if (cb_select_kernels(isa, step) != 0) return -1;
     for (int t = 0; t < N; t++) {
         acts[t].q = aq + t * C; acts[t].d = ad + t * (C / CB_QBLOCK); acts[t].s = as + t * (C / CB_QBLOCK);
@@ -848,6 +859,20 @@ static int cb_self_test_step(int isa, int step) {
             cb_matmul(ref, R, w, dtype, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
             cb_select_kernels(isa, step);
             cb_matmul(got, R, w, dtype, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
+            if (memcmp(ref, got, sizeof(float) * N * R) != 0) return check;
+        }
+        const cb_itile_fn bf16x = cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x;
+        if (bf16x && bf16x != cb_itile_bf16x_avx512) {                                   /* its bf16 products */
+            static uint16_t xb[N * C];
+            check++;
+            cb_selftest_amx_bf16_check = check;
+            cb_selftest_fill(w, (size_t)R * cb_row_stride(CB_BF16, C), CB_BF16, CB_INTERLEAVED, R, C, &state);
+            for (int t = 0; t < N; t++) acts[t].xb = xb + t * C;
+            cb_select_kernels(isa, CB_INT_STEP_AVX512VNNI);
+            cb_matmul(ref, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);      /* rounds x into xb */
+            cb_select_kernels(isa, step);
+            cb_matmul(got, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
+            for (int t = 0; t < N; t++) acts[t].xb = NULL;
             if (memcmp(ref, got, sizeof(float) * N * R) != 0) return check;
         }
     }
@@ -918,14 +943,19 @@ static int cb_self_test_step(int isa, int step) {
 }
 
 /* cb_self_test_step with the int step import would choose for `isa`. Where that is the AMX step
- * and it fails, the tier is tested again without it: if it then passes, the failure was the AMX
- * step's, which stays off (cb_amx_failed_check keeps the check: _kernels warns); if not, the
- * tier's own code fails and the AMX step is left as it was. */
+ * and its bf16 products tile fails, that tile stays off (cb_amx_bf16_failed_check) and the step is
+ * tested again without it. Where the AMX step then fails, the tier is tested again without it: if
+ * it then passes, the failure was the AMX step's, which stays off (cb_amx_failed_check keeps the
+ * check: _kernels warns); if not, the tier's own code fails and the AMX step is left as it was. */
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
     const int step = cb_best_int_step(isa);
-    const int code = cb_self_test_step(isa, step);
+    int code = cb_self_test_step(isa, step);
+    if (code > 0 && step == CB_INT_STEP_AMX && code == cb_selftest_amx_bf16_check) {
+        cb_amx_bf16_failed_check = code;
+        code = cb_self_test_step(isa, step);
+    }
     if (code > 0 && step == CB_INT_STEP_AMX) {
         cb_amx_failed_check = code;
         const int without = cb_self_test_step(isa, cb_best_int_step(isa));

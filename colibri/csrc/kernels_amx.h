@@ -1,4 +1,5 @@
-/* kernels_amx.h — the AMX int step: a prompt's interleaved int8/int4/int6/mxfp4 products on tiles.
+/* kernels_amx.h — the AMX step: a prompt's interleaved int8/int4/int6/mxfp4 products on tiles (TDPBSSD),
+ * and its bf16 products (TDPBF16PS, "bf16 products on tiles" below).
  *
  * AMX (Intel Sapphire Rapids and later) multiplies tiles — 2-D registers of up to 16 rows x 64
  * bytes — in a unit beside the vector ports: TDPBSSD adds to each int32 C[m][n] the products of
@@ -36,7 +37,10 @@
 #ifndef COLIBRI_KERNELS_AMX_H
 #define COLIBRI_KERNELS_AMX_H
 
+#include <float.h>
+
 #include "kernels_vnni.h"
+#include "kernels_avx512.h"      /* the bf16 products tile takes a prompt's last tokens */
 
 /* tiles: 64-bit mode only; CB_NO_AMX_ASM: setup.py found an assembler without the tile instructions */
 #if CB_X86 && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(CB_NO_AMX_ASM)
@@ -132,6 +136,89 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
     }
 }
 
+/* ---- bf16 products on tiles (TDPBF16PS) --------------------------------------------------------
+ * The interleaved bf16 layout with bf16 products (spec: kernels_scalar.h, cb_itile_bf16_lanes):
+ * each output sums in two lanes p — p = 0 inputs 4c, 4c + 1, p = 1 inputs 4c + 2, 4c + 3 of every
+ * unit c of 4 inputs —, a pair's higher input first, each addition rounded, and is lane 0 + lane 1:
+ * vdpbf16ps decode's bits (its 16 lanes are 8 outputs x the two p). On tiles, lane p of a group
+ * pair's 16 outputs and 16 tokens is one C tile, and a TDPBF16PS adds 16 units (64 inputs) to it:
+ *   A_p  [16 tokens][16 units c][2]: the token's pair (x[4c + 2p + 1], x[4c + 2p]), higher first;
+ *   B_p  [16 units c][16 outputs][2]: the weights' same pairs, swapped alike;
+ * so TDPBF16PS as the Intrinsics Guide defines it (pair k after pair k - 1, the even element's
+ * product added first, each addition rounded; DAZ, FTZ) adds exactly lane p's sequence, and C_0 +
+ * C_1 is decode's output. Whether the unit follows that definition is not known here: the SDM's
+ * later text keeps even and odd partial sums within an instruction (tools/bench/amx_bf16_probe.c
+ * asks a CPU). The import self-test compares this tile with the AVX512_BF16 step bit for bit and
+ * turns only this tile off where they differ (dispatch.h, cb_amx_bf16_failed_check). A last chunk
+ * of 8 units (cols % 64 == 32) is padded with zero pairs: + 0 leaves a lane as it was (a lane
+ * starts at +0 and is never -0). Unlike the int formats there is no scale a block, so C stays on
+ * the tile over a whole chunk of CB_AMX_BF16_CHUNKS x 64 inputs: the tile unit, not the vector
+ * ports, sets the pace. */
+#define CB_AMX_BF16_UNITS 16            /* units c (4 inputs) a TDPBF16PS */
+#define CB_AMX_BF16_CHUNKS 16           /* 64-input chunks of B unpacked at a time: 32 KB, in L1 and L2 */
+
+/* One chunk of 64 inputs of a group pair as B, both lanes (2 KB). */
+typedef struct {
+    uint16_t q[2][CB_AMX_BF16_UNITS][32];       /* [lane p][unit c][output n * 2 + j] */
+} cb_amx_bf16_w;
+
+/* One chunk of 64 inputs of a tile of tokens as A, both lanes (2 KB). */
+typedef struct {
+    uint16_t q[2][CB_AMX_TOKENS][32];           /* [lane p][token][unit c * 2 + j] */
+} cb_amx_bf16_a;
+
+/* All 8 tiles 16 rows x 64 bytes: 0, 1 A; 2, 3 B of lanes 0, 1; 4 .. 7 C of two token tiles' lanes. */
+static void cb_amx_bf16_fill_config(cb_amx_config *c) {
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    for (int t = 0; t < 8; t++) { c->rows[t] = 16; c->colsb[t] = 64; }
+}
+
+/* vpermt2w indices of lane p: element 2c + j of a row takes element 4c + 2p + 1 - j (of the 64
+ * bf16 of two registers: one token's 64 inputs for A; group g's unit then group g + 1's for B,
+ * whose 8 outputs x 4 inputs are the same pattern). */
+CB_TARGET_AVX512_BF16 static inline __m512i cb_amx_bf16_lane_index(int p) {
+    uint16_t idx[32];
+    for (int c = 0; c < 16; c++)
+        for (int j = 0; j < 2; j++) idx[2 * c + j] = (uint16_t)(4 * c + 2 * p + 1 - j);
+    return _mm512_loadu_si512((const void *)idx);
+}
+
+/* The 16 tokens acts[0..15]' activations (acts.xb, cols inputs) as A, chunk after chunk:
+ * tile[chunks]. */
+CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_acts(cb_amx_bf16_a *tile, const cb_act_q8 *acts, int cols) {
+    const __m512i i0 = cb_amx_bf16_lane_index(0), i1 = cb_amx_bf16_lane_index(1);
+    for (int h = 0; h * 64 < cols; h++, tile++)
+        for (int t = 0; t < CB_AMX_TOKENS; t++) {
+            const uint16_t *x = acts[t].xb + (size_t)h * 64;
+            const __m512i lo = _mm512_loadu_si512((const void *)x);
+            const __m512i hi = h * 64 + 32 < cols ? _mm512_loadu_si512((const void *)(x + 32)) : _mm512_setzero_si512();
+            _mm512_storeu_si512(tile->q[0][t], _mm512_permutex2var_epi16(lo, i0, hi));
+            _mm512_storeu_si512(tile->q[1][t], _mm512_permutex2var_epi16(lo, i1, hi));
+        }
+}
+
+/* Chunks h0 .. h0 + nchunks - 1 of groups gp and gp + row (their rows: cols x 8 bf16, unit c's
+ * 64 bytes at c * 64) as B: wb[nchunks]. */
+CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_weights(cb_amx_bf16_w *wb, const char *gp, size_t row, int cols,
+                                                           int h0, int nchunks) {
+    const __m512i i0 = cb_amx_bf16_lane_index(0), i1 = cb_amx_bf16_lane_index(1);
+    const int units = cols / 4;
+    for (int h = 0; h < nchunks; h++, wb++)
+        for (int c = 0; c < CB_AMX_BF16_UNITS; c++) {
+            const int u = (h0 + h) * CB_AMX_BF16_UNITS + c;
+            if (u >= units) {                   /* the padded half of a last chunk */
+                _mm512_storeu_si512(wb->q[0][c], _mm512_setzero_si512());
+                _mm512_storeu_si512(wb->q[1][c], _mm512_setzero_si512());
+                continue;
+            }
+            const __m512i g = _mm512_loadu_si512((const void *)(gp + (size_t)u * 64));
+            const __m512i h1 = _mm512_loadu_si512((const void *)(gp + row + (size_t)u * 64));
+            _mm512_storeu_si512(wb->q[0][c], _mm512_permutex2var_epi16(g, i0, h1));
+            _mm512_storeu_si512(wb->q[1][c], _mm512_permutex2var_epi16(g, i1, h1));
+        }
+}
+
 /* ---- the tile ops ------------------------------------------------------------------------------
  * The instructions, as GCC's own intrinsics write them (both assembler dialects), but with a
  * "memory" clobber on the loads too: the packed A and B are written just before. */
@@ -146,6 +233,8 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
 #define CB_AMX_HW_ZERO(t) __asm__ volatile("tilezero\t%%tmm" #t ::)
 #define CB_AMX_HW_DPBSSD(c, a, b) \
     __asm__ volatile("{tdpbssd\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c "|tdpbssd\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
+#define CB_AMX_HW_DPBF16PS(c, a, b) \
+    __asm__ volatile("{tdpbf16ps\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c "|tdpbf16ps\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
 
 /* The same ops in C on a thread's 8 emulated tiles (the instruction's definition: rows and colsb
  * from the config, C[m][n] += sum over k, i of A[m][4k + i] * B[k][4n + i] in int32). */
@@ -181,12 +270,37 @@ static void cb_amx_emu_dpbssd(int c, int a, int b) {
         }
 }
 
+/* TDPBF16PS as the Intrinsics Guide defines it: C[m][n] += A[m][2k] * B[k][2n], then += A[m][2k + 1]
+ * * B[k][2n + 1], k after k, each product exact and each addition rounded to nearest even; inputs
+ * that are subnormal taken as zero (DAZ), subnormal results flushed to zero (FTZ). */
+static float cb_amx_emu_bf16(uint16_t h) {
+    return (h & 0x7F80u) == 0 ? 0.0f * cb_bf16_to_f32(h) : cb_bf16_to_f32(h);     /* DAZ, the sign kept */
+}
+static float cb_amx_emu_ftz(float v) { return fabsf(v) < FLT_MIN ? copysignf(0.0f, v) : v; }
+static void cb_amx_emu_dpbf16ps(int c, int a, int b) {
+    const int M = cb_amx_emu_cfg.rows[a], K2 = cb_amx_emu_cfg.rows[b], N = cb_amx_emu_cfg.colsb[b] / 4;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            float acc;
+            memcpy(&acc, &cb_amx_emu_tiles[c].b[m][4 * n], 4);
+            for (int k = 0; k < K2; k++)
+                for (int i = 0; i < 2; i++) {
+                    uint16_t x, y;
+                    memcpy(&x, &cb_amx_emu_tiles[a].b[m][4 * k + 2 * i], 2);
+                    memcpy(&y, &cb_amx_emu_tiles[b].b[k][4 * n + 2 * i], 2);
+                    acc = cb_amx_emu_ftz(acc + cb_amx_emu_bf16(x) * cb_amx_emu_bf16(y));   /* the product exact */
+                }
+            memcpy(&cb_amx_emu_tiles[c].b[m][4 * n], &acc, 4);
+        }
+}
+
 #define CB_AMX_LOADCFG CB_AMX_HW_LOADCFG
 #define CB_AMX_RELEASE CB_AMX_HW_RELEASE
 #define CB_AMX_LOAD CB_AMX_HW_LOAD
 #define CB_AMX_STORE CB_AMX_HW_STORE
 #define CB_AMX_ZERO CB_AMX_HW_ZERO
 #define CB_AMX_DPBSSD CB_AMX_HW_DPBSSD
+#define CB_AMX_DPBF16PS CB_AMX_HW_DPBF16PS
 #define CB_AMX_NAME(base) base##_amx
 #include "amx_body.h"                  /* (it #undefs its parameters) */
 
@@ -196,6 +310,7 @@ static void cb_amx_emu_dpbssd(int c, int a, int b) {
 #define CB_AMX_STORE(t, base, stride) cb_amx_emu_store(t, base, stride)
 #define CB_AMX_ZERO(t) cb_amx_emu_zero(t)
 #define CB_AMX_DPBSSD(c, a, b) cb_amx_emu_dpbssd(c, a, b)
+#define CB_AMX_DPBF16PS(c, a, b) cb_amx_emu_dpbf16ps(c, a, b)
 #define CB_AMX_NAME(base) base##_amx_emulated
 #include "amx_body.h"                  /* (it #undefs its parameters) */
 

@@ -1,9 +1,10 @@
-/* amx_check.c — the AMX int step's interleaved tile against the AVX512-VNNI step's, on one machine:
- * the same bits, then GOP/s side by side, and the tile unit's and vpdpbusd's peaks.
+/* amx_check.c — the AMX step's interleaved tiles against the AVX512-VNNI step's (int formats) and the
+ * AVX512_BF16 step's (bf16 products), on one machine: the same bits, then GOP/s side by side, and the
+ * tile unit's, vpdpbusd's and vdpbf16ps's peaks.
  *
  *   gcc -O3 -fopenmp -Icolibri/csrc tools/bench/amx_check.c -o /tmp/amx_check -lm
  *   /tmp/amx_check [--emulated] [--threads 1,16] [--tokens 8,16,64,256] [--shape 2048x4096]
- *                  [--dtypes int8,int4] [--reps 5]
+ *                  [--dtypes int8,int4,bf16] [--reps 5]
  *
  * --emulated: the bits of the emulated tile ops only (any AVX512-VNNI CPU; no timing). Without it
  * the CPU needs AMX-INT8 and Linux 5.16+ (the tile state is asked for with arch_prctl, as
@@ -34,12 +35,26 @@ static uint32_t rnd(void) {
 }
 
 static const char *dtype_name(int d) {
-    return d == CB_INT8 ? "int8" : d == CB_INT4 ? "int4" : d == CB_INT6 ? "int6" : d == CB_MXFP4 ? "mxfp4" : "?";
+    return d == CB_INT8 ? "int8" : d == CB_INT4 ? "int4" : d == CB_INT6 ? "int6" : d == CB_MXFP4 ? "mxfp4"
+         : d == CB_BF16 ? "bf16" : "?";
+}
+
+/* The tiles compared for a format: bf16 multiplies bf16 products (acts.xb) against AVX512_BF16's. */
+static cb_itile_fn reference_tile(int dtype) { return dtype == CB_BF16 ? cb_itile_bf16x_avx512 : cb_itile_wide_avx512vnni; }
+static cb_itile_fn amx_tile(int dtype, int emulated) {
+    if (dtype == CB_BF16) return emulated ? cb_itile_bf16x_amx_emulated : cb_itile_bf16x_amx;
+    return emulated ? cb_itile_amx_emulated : cb_itile_amx;
 }
 
 /* A random interleaved matrix [rows, cols]: random codes, scales in a sane range. */
 static char *make_weights(int dtype, int rows, int cols, size_t *bytes) {
     const int nb = cols / CB_QBLOCK, groups = rows / CB_TGROUP;
+    if (dtype == CB_BF16) {           /* random bf16 of random sign, 2^-4 .. 2^3 */
+        *bytes = (size_t)rows * cols * 2;
+        uint16_t *h = aligned_alloc(64, (*bytes + 63) / 64 * 64);
+        for (size_t i = 0; i < *bytes / 2; i++) h[i] = (uint16_t)(((rnd() & 1u) << 15) | ((123u + rnd() % 8u) << 7) | (rnd() & 0x7Fu));
+        return (char *)h;
+    }
     const size_t gbytes = cb_group_bytes(dtype);
     *bytes = (size_t)groups * nb * gbytes;
     char *w = aligned_alloc(64, (*bytes + 63) / 64 * 64);
@@ -69,14 +84,16 @@ static cb_act_q8 *make_acts(int n, int cols) {
         a[t].d = malloc(sizeof(float) * cols / 32);
         a[t].s = malloc(sizeof(int32_t) * cols / 32);
         a[t].nl4_off = malloc(sizeof(int32_t) * cols / 16);
+        a[t].xb = malloc(sizeof(uint16_t) * cols);         /* bf16 products' activations */
         cb_quantize_act_scalar(&a[t], x, cols);
+        cb_round_bf16_scalar(a[t].xb, x, cols);
     }
     free(x);
     return a;
 }
 
 static void free_acts(cb_act_q8 *a, int n) {
-    for (int t = 0; t < n; t++) { free(a[t].q); free(a[t].d); free(a[t].s); free(a[t].nl4_off); }
+    for (int t = 0; t < n; t++) { free(a[t].q); free(a[t].d); free(a[t].s); free(a[t].nl4_off); free(a[t].xb); }
     free(a);
 }
 
@@ -98,13 +115,15 @@ static void product(cb_itile_fn f, float *out, int ldo, const char *w, int dtype
     }
 }
 
-static int check_bits(cb_itile_fn amx, const char *label) {
-    const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4};
+static int check_bits(int emulated, const char *label) {
+    const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4, CB_BF16};
     const int shapes[][3] = {{64, 128, 8}, {64, 128, 16}, {72, 256, 17}, {128, 1056, 33}, {136, 4096, 100},
                              {64, 2048, 64}, {48, 512, 7}, {256, 1024, 250}};
     int fails = 0, cases = 0;
     for (size_t d = 0; d < sizeof dtypes / sizeof *dtypes; d++)
         for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+            if (dtypes[d] == CB_BF16 && !(cb_cpu.avx512_bf16 && (emulated || cb_cpu.amx_bf16))) continue;
+            const cb_itile_fn ref_tile = reference_tile(dtypes[d]), amx = amx_tile(dtypes[d], emulated);
             const int rows = shapes[s][0], cols = shapes[s][1], n = shapes[s][2], ldo = rows + 8;
             size_t bytes;
             char *w = make_weights(dtypes[d], rows, cols, &bytes);
@@ -115,10 +134,10 @@ static int check_bits(cb_itile_fn amx, const char *label) {
                 const int g0 = variant == 1 ? 1 : 0, threads = variant == 2 ? 3 : 1;
                 for (size_t i = 0; i < (size_t)n * ldo; i++) ref[i] = got[i] = -12345.0f;
                 if (threads == 1) {
-                    cb_itile_wide_avx512vnni(ref, ldo, w, dtypes[d], acts, cols, g0, groups, n);
+                    ref_tile(ref, ldo, w, dtypes[d], acts, cols, g0, groups, n);
                     amx(got, ldo, w, dtypes[d], acts, cols, g0, groups, n);
                 } else {
-                    product(cb_itile_wide_avx512vnni, ref, ldo, w, dtypes[d], acts, rows, cols, n, threads);
+                    product(ref_tile, ref, ldo, w, dtypes[d], acts, rows, cols, n, threads);
                     product(amx, got, ldo, w, dtypes[d], acts, rows, cols, n, threads);
                 }
                 cases++;
@@ -134,7 +153,8 @@ static int check_bits(cb_itile_fn amx, const char *label) {
             free(ref); free(got); free(w);
             free_acts(acts, n);
         }
-    printf("bits %s: %d of %d cases the same bits as the AVX512-VNNI tile\n", label, cases - fails, cases);
+    printf("bits %s: %d of %d cases the same bits as the AVX512-VNNI (bf16: AVX512_BF16) tile\n", label, cases - fails,
+           cases);
     return fails;
 }
 
@@ -144,15 +164,17 @@ static int check_bits(cb_itile_fn amx, const char *label) {
 static int check_dispatch(int step, const char *label) {
     cb_set_amx_granted(1);
     int fails = 0;
-    const int code = cb_self_test_step(CB_ISA_AVX512, step);
-    printf("dispatch %s: self-test %s (code %d)\n", label, code == 0 ? "passed" : "FAILED", code);
+    const int code = cb_self_test_step(CB_ISA_AVX512, step);   /* (leaves the table at the step) */
+    printf("dispatch %s: self-test %s (code %d%s)\n", label, code == 0 ? "passed" : "FAILED", code,
+           code > 0 && code == cb_selftest_amx_bf16_check ? ": the bf16 products tile's check" : "");
     fails += code != 0;
-    const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4};
+    const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4, CB_BF16};
     const int shapes[][3] = {{1024, 2048, 40}, {768, 2048, 16}, {2056, 512, 77}};
     const int threads[] = {1, 4, 16};
     int cases = 0, same = 0;
-    for (size_t d = 0; d < 4; d++)
+    for (size_t d = 0; d < 5; d++)
         for (size_t s = 0; s < 3; s++) {
+            if (dtypes[d] == CB_BF16 && !cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x) continue;   /* (the step's table) */
             const int rows = shapes[s][0], cols = shapes[s][1], n = shapes[s][2];
             size_t bytes;
             char *w = make_weights(dtypes[d], rows, cols, &bytes);
@@ -215,6 +237,38 @@ static void peaks(void) {
     CB_AMX_HW_RELEASE();
     printf("peak tdpbssd 16x16x32 (the step's shape): %.1f GOP/s one core (%.2f ns an instruction)\n",
            4.0 * iters * 16 * 16 * 32 * 2 / dt * 1e-9, dt / (4.0 * iters) * 1e9);
+    if (!cb_cpu.amx_bf16) return;
+    /* TDPBF16PS 16 x 16 x 32 bf16 (16 pairs), the bf16 tile's shape: 4 C tiles, small values */
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    for (int i = 0; i < 512; i++) ((uint16_t *)buf)[i] = 0x3C00;   /* 2^-7 */
+    CB_AMX_HW_LOADCFG(&cfg);
+    CB_AMX_HW_LOAD(0, buf, 64); CB_AMX_HW_LOAD(1, buf, 64); CB_AMX_HW_LOAD(2, buf, 64); CB_AMX_HW_LOAD(3, buf, 64);
+    CB_AMX_HW_ZERO(4); CB_AMX_HW_ZERO(5); CB_AMX_HW_ZERO(6); CB_AMX_HW_ZERO(7);
+    t0 = now();
+    for (long i = 0; i < iters; i++) {
+        CB_AMX_HW_DPBF16PS(4, 0, 2); CB_AMX_HW_DPBF16PS(5, 1, 3); CB_AMX_HW_DPBF16PS(6, 0, 2); CB_AMX_HW_DPBF16PS(7, 1, 3);
+    }
+    dt = now() - t0;
+    CB_AMX_HW_RELEASE();
+    printf("peak tdpbf16ps 16x16x32: %.1f GFLOP/s one core (%.2f ns an instruction)\n",
+           4.0 * iters * 16 * 16 * 32 * 2 / dt * 1e-9, dt / (4.0 * iters) * 1e9);
+}
+
+CB_TARGET_AVX512_BF16 static void peak_bf16(void) {
+    if (!cb_cpu.avx512_bf16) return;
+    __m512 acc[12];
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i);
+    const __m512bh a = cb_as_bf16x32(_mm512_set1_epi16(0x3C00)), b = cb_as_bf16x32(_mm512_set1_epi16(0x3C00));
+    const long iters = 20000000;
+    double t0 = now();
+    for (long k = 0; k < iters; k++) {
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]), "+v"(acc[5]));
+    }
+    double dt = now() - t0;
+    float sink = 0;
+    for (int i = 0; i < 12; i++) sink += _mm512_reduce_add_ps(acc[i]);
+    printf("peak vdpbf16ps zmm: %.1f GFLOP/s one core (sink %g)\n", 12.0 * iters * 32 * 2 / dt * 1e-9, (double)sink);
 }
 
 CB_TARGET_AVX512_VNNI static void peak_vnni(void) {
@@ -247,7 +301,7 @@ static int parse_list(const char *s, int *out, int max) {
 int main(int argc, char **argv) {
     int emulated = 0, reps = 5, rows = 2048, cols = 4096;
     int threads[8] = {1}, nthreads = 1, tokens[16] = {8, 16, 32, 64, 128, 512}, ntokens = 6;
-    int dtypes[4] = {CB_INT8, CB_INT4}, ndtypes = 2;
+    int dtypes[5] = {CB_INT8, CB_INT4}, ndtypes = 2;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--emulated")) emulated = 1;
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
@@ -261,6 +315,7 @@ int main(int argc, char **argv) {
             if (strstr(s, "int4")) dtypes[ndtypes++] = CB_INT4;
             if (strstr(s, "int6")) dtypes[ndtypes++] = CB_INT6;
             if (strstr(s, "mxfp4")) dtypes[ndtypes++] = CB_MXFP4;
+            if (strstr(s, "bf16")) dtypes[ndtypes++] = CB_BF16;
         } else {
             fprintf(stderr, "amx_check: unknown argument %s\n", argv[i]);
             return 2;
@@ -270,19 +325,23 @@ int main(int argc, char **argv) {
     printf("pipeline: store delay %d, lookahead %d, %d blocks a chunk\n", CB_AMX_STORE_DELAY, CB_AMX_LOOKAHEAD, CB_AMX_KBLOCKS);
     cb_cpu = cb_detect_cpu();
     if (emulated)
-        return check_bits(cb_itile_amx_emulated, "amx-emulated") + check_dispatch(CB_INT_STEP_AMX_EMULATED, "amx-emulated")
-               ? 1 : 0;
+        return check_bits(1, "amx-emulated") + check_dispatch(CB_INT_STEP_AMX_EMULATED, "amx-emulated") ? 1 : 0;
     unsigned long mask = 0;
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0 || syscall(SYS_arch_prctl, 0x1022, &mask) != 0 || !(mask & (1ul << 18))) {
         fprintf(stderr, "amx_check: the OS did not lend the tile state (arch_prctl XTILEDATA)\n");
         return 1;
     }
-    int fails = check_bits(cb_itile_amx_emulated, "amx-emulated") + check_bits(cb_itile_amx, "amx") +
-                check_dispatch(CB_INT_STEP_AMX, "amx");
+    int fails = check_bits(1, "amx-emulated") + check_bits(0, "amx") + check_dispatch(CB_INT_STEP_AMX, "amx");
     peaks();
     peak_vnni();
+    peak_bf16();
     fflush(stdout);
     for (int d = 0; d < ndtypes; d++) {
+        if (dtypes[d] == CB_BF16 && !(cb_cpu.avx512_bf16 && cb_cpu.amx_bf16)) {
+            printf("prefill bf16: this CPU has no AMX-BF16 or AVX512_BF16\n");
+            continue;
+        }
+        const cb_itile_fn ref_tile = reference_tile(dtypes[d]), amx = amx_tile(dtypes[d], 0);
         size_t bytes;
         char *w = make_weights(dtypes[d], rows, cols, &bytes);
         for (int ti = 0; ti < ntokens; ti++) {
@@ -292,13 +351,13 @@ int main(int argc, char **argv) {
             for (int h = 0; h < nthreads; h++) {
                 double tv[64], ta[64];
                 const int r = reps < 64 ? reps : 64;
-                product(cb_itile_wide_avx512vnni, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
-                product(cb_itile_amx, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
+                product(ref_tile, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
+                product(amx, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
                 for (int k = 0; k < r; k++) {
                     double t0 = now();
-                    product(cb_itile_wide_avx512vnni, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
+                    product(ref_tile, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
                     double t1 = now();
-                    product(cb_itile_amx, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
+                    product(amx, out, rows, w, dtypes[d], acts, rows, cols, n, threads[h]);
                     double t2 = now();
                     tv[k] = t1 - t0;
                     ta[k] = t2 - t1;
@@ -306,7 +365,7 @@ int main(int argc, char **argv) {
                 qsort(tv, r, sizeof(double), cmp_double);
                 qsort(ta, r, sizeof(double), cmp_double);
                 const double ops = 2.0 * rows * (double)cols * n;
-                printf("prefill %s %dx%d tokens %d threads %d: vnni %.1f GOP/s, amx %.1f GOP/s, amx/vnni %.2f\n",
+                printf("prefill %s %dx%d tokens %d threads %d: avx512 %.1f GOP/s, amx %.1f GOP/s, amx/avx512 %.2f\n",
                        dtype_name(dtypes[d]), rows, cols, n, threads[h], ops / tv[r / 2] * 1e-9, ops / ta[r / 2] * 1e-9,
                        tv[r / 2] / ta[r / 2]);
                 fflush(stdout);

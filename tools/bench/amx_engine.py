@@ -2,7 +2,7 @@
 """The engine's prompt speed on two int steps (the AMX step against the AVX512-VNNI one), in one
 call on a lent machine: build, make the model, convert, measure, interleaved.
 
-    python tools/bench/amx_engine.py [--build] [--out DIR] [--model mixtral-mini] [--formats int8,int4]
+    python tools/bench/amx_engine.py [--build] [--out DIR] [--model mixtral-mini] [--formats int8,bf16]
                                      [--steps amx,avx512-vnni] [--threads 16,1] [--prompt-len 512]
                                      [--rounds 3] [--budget-s 420] [--no-probe]
 
@@ -70,7 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/amx_engine")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/amx_engine_work"))
     ap.add_argument("--model", default="mixtral-mini")
-    ap.add_argument("--formats", default="int8,int4")
+    ap.add_argument("--formats", default="int8,bf16",
+                    help="bf16 runs bf16 products (the default where the CPU has AVX512_BF16): on the amx step "
+                         "its TDPBF16PS tile, on the others vdpbf16ps")
     ap.add_argument("--steps", default="amx,avx512-vnni")
     ap.add_argument("--threads", default=f"{cores()},1")
     ap.add_argument("--prompt-len", type=int, default=512)
