@@ -4,7 +4,7 @@ call on a lent machine: build, make the model, convert, measure, interleaved.
 
     python tools/bench/amx_engine.py [--build] [--out DIR] [--model mixtral-mini] [--formats int8,bf16]
                                      [--steps amx,avx512-vnni] [--threads 16,1] [--prompt-len 512]
-                                     [--rounds 3] [--budget-s 420] [--no-probe]
+                                     [--rounds 3] [--budget-s 420] [--no-probe] [--no-kernels]
 
 Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
@@ -21,7 +21,9 @@ avx512-vnni,avx2 exercises the same path.
 
 First (seconds; --no-probe skips it) it builds and runs tools/bench/amx_bf16_probe.c, which finds
 the order of roundings of the machine's TDPBF16PS and VDPBF16PS (what an AMX bf16 prompt tile
-with decode's bits has to follow), into OUT/amx_bf16_probe.txt.
+with decode's bits has to follow), into OUT/amx_bf16_probe.txt; then (about a minute; --no-kernels
+skips it) tools/bench/amx_check.c, the AMX tiles' bits and speed against the AVX-512 steps' at the
+kernel level (int8 and bf16, 16 to 256 tokens, one thread and all), into OUT/amx_check.txt.
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--no-probe", action="store_true", help="skip the bf16 rounding-order probe")
+    ap.add_argument("--no-kernels", action="store_true", help="skip amx_check.c (the tiles' bits and speed)")
     a = ap.parse_args(argv)
     try:
         return measure(a)
@@ -87,16 +90,18 @@ def main(argv=None) -> int:
         return 1
 
 
-def bf16_probe(out: Path) -> None:
-    """Build and run amx_bf16_probe.c, its output to out/amx_bf16_probe.txt; a failure is printed
-    and recorded there, and the measurement goes on."""
-    exe = out / "amx_bf16_probe"
+def standalone(out: Path, name: str, build: list, args: list, timeout: float) -> None:
+    """Build tools/bench/NAME.c with gcc (build: its flags) and run it with args; its output to
+    out/NAME.txt. A failure (or a check it reports failed: exit 1) is printed and recorded there,
+    and the measurement goes on."""
+    exe = out / name
     try:
-        run(["gcc", "-O2", "-ffp-contract=off", "tools/bench/amx_bf16_probe.c", "-o", str(exe)], timeout=120)
-        text = run([str(exe), "256"], timeout=120)
-    except (RunFailed, OSError) as e:
-        text = f"amx_bf16_probe failed: {e}\n"
-    (out / "amx_bf16_probe.txt").write_text(text)
+        run(["gcc", *build, f"tools/bench/{name}.c", "-o", str(exe), "-lm"], timeout=120)
+        p = subprocess.run([str(exe), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        text = p.stdout + p.stderr + (f"{name} exited with {p.returncode}\n" if p.returncode else "")
+    except (RunFailed, OSError, subprocess.TimeoutExpired) as e:
+        text = f"{name} failed: {e}\n"
+    (out / f"{name}.txt").write_text(text)
     exe.unlink(missing_ok=True)
     print(text, end="", flush=True)
 
@@ -107,7 +112,12 @@ def measure(a) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     if not a.no_probe:
-        bf16_probe(a.out)
+        standalone(a.out, "amx_bf16_probe", ["-O2", "-ffp-contract=off"], ["256"], 120)
+    if not a.no_kernels:
+        threads = sorted({1, cores()})
+        standalone(a.out, "amx_check", ["-O3", "-fopenmp", "-Icolibri/csrc"],
+                   ["--dtypes", "int8,bf16", "--tokens", "16,64,256", "--threads", ",".join(map(str, threads)),
+                    "--reps", "5"], 240)
     if a.build:
         run([py, "setup.py", "build_ext", "--inplace", "-j", str(cores())], log=a.out / "build.log")
         print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
