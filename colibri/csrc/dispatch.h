@@ -131,7 +131,7 @@ typedef struct {
 } cb_int_kernels;
 
 static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
-    cb_int_kernels s = {NULL, NULL, NULL};
+    cb_int_kernels s = {NULL, NULL, NULL, NULL};
     int ok = 0;
     if (isa == CB_ISA_SCALAR) {
         s.ttile = cb_ttile_scalar;
@@ -141,19 +141,19 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
     }
 #if CB_X86
     else if (step == CB_INT_STEP_AVX2) {
-        cb_int_kernels avx2 = {cb_ttile_avx2_any, cb_tprefill_quant_avx2, cb_itile_avx2};
+        cb_int_kernels avx2 = {cb_ttile_avx2_any, cb_tprefill_quant_avx2, cb_itile_avx2, NULL};
         s = avx2;
         ok = 1;
     } else if (step == CB_INT_STEP_VNNI_EMULATED) {
-        cb_int_kernels em = {cb_ttile_vnni_emulated, cb_tprefill_quant_vnni_emulated, cb_itile_vnni_emulated};
+        cb_int_kernels em = {cb_ttile_vnni_emulated, cb_tprefill_quant_vnni_emulated, cb_itile_vnni_emulated, NULL};
         s = em;
         ok = 1;
     } else if (step == CB_INT_STEP_AVXVNNI) {
-        cb_int_kernels vex = {cb_ttile_avxvnni, cb_tprefill_quant_avxvnni, cb_itile_avxvnni};
+        cb_int_kernels vex = {cb_ttile_avxvnni, cb_tprefill_quant_avxvnni, cb_itile_avxvnni, NULL};
         s = vex;
         ok = cb_cpu.avx_vnni;
     } else if (step == CB_INT_STEP_AVX512VNNI) {
-        cb_int_kernels evex = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni, cb_itile_wide_avx512vnni};
+        cb_int_kernels evex = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni, cb_itile_wide_avx512vnni, NULL};
         s = evex;
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni;
     }
