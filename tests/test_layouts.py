@@ -379,14 +379,15 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.integers(1, 11), st.sampled_from([1, 2, 3, 17, 33, 40]), st.integers(16, 40), st.sampled_from([1, 2]),
+@given(st.integers(1, 11), st.sampled_from([1, 2, 3, 17, 33, 40]), st.integers(16, 56), st.sampled_from([1, 2]),
        st.integers(0, 2**32 - 1))
 def test_the_amx_bf16_products_tile_gives_the_bits_of_decode(isa, groups, blocks, n, threads, seed):
     """The amx step's bf16 products tile (TDPBF16PS, kernels_amx.h: its tile ops emulated as the
     Intrinsics Guide defines the instruction; the real one too where the tile state is lent and it
     passed its self-test) against the AVX512_BF16 step's vdpbf16ps, bit for bit: whole tiles of 16
-    tokens and a tail, group pairs and an odd group, chunks of 64 inputs and a padded half chunk
-    (an odd number of blocks), past one chunk of B (40 blocks); and each token's decode."""
+    tokens (a pair, and an odd one after it) and a tail, group pairs and an odd group, chunks of 64
+    inputs and a padded half chunk (an odd number of blocks), past one block of B's chunks (40
+    blocks: the lanes wait in the state); and each token's decode."""
     if isa != "avx512" or not _kernels.has_bf16_products() or "amx-emulated" not in _kernels.available_int_steps():
         pytest.skip("the AMX steps' bf16 tile needs the AVX-512 tier with AVX512_BF16 and a build with the amx steps")
     rng = np.random.default_rng(seed)

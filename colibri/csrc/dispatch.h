@@ -777,10 +777,49 @@ static int cb_selftest_close(const float *ref, const float *got, int n) {
     return 1;
 }
 
+/* The checks of the last self-test run that multiplied on the AMX step's bf16 products tile (0:
+ * none): a failure of one of them turns only that tile off (cb_self_test). */
+static int cb_selftest_amx_bf16_checks[2];
+static int cb_selftest_is_amx_bf16_check(int code) {
+    return code > 0 && (code == cb_selftest_amx_bf16_checks[0] || code == cb_selftest_amx_bf16_checks[1]);
+}
+
+/* Is the table's bf16 products tile the AMX step's (hardware or emulated)? */
+static int cb_amx_bf16_installed(void) {
+#if CB_HAVE_AMX
+    const cb_itile_fn f = cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x;
+    return f == cb_itile_bf16x_amx || f == cb_itile_bf16x_amx_emulated;
+#else
+    return 0;
+#endif
+}
+
+#if CB_HAVE_AMX
+/* The AMX bf16 products tile against the AVX512_BF16 step's, bit for bit, on a shape that takes
+ * each of its paths: 3 whole tiles of 16 tokens (a pair and an odd one) and a tail token, a group
+ * pair and an odd group, 1,056 inputs (more than one block of CB_AMX_BF16_CHUNKS chunks, so the
+ * lanes wait in the state between blocks, and a last half chunk padded). 0 if they agree. The
+ * selection is left at (isa, step). */
+static int cb_selftest_amx_bf16(int isa, int step, uint32_t *state) {
+    enum { R = 24, C = 1056, N = 3 * CB_AMX_TOKENS + 1 };
+    static uint16_t w[R * C], xb[N * C];
+    static float x[N * C], ref[N * R], got[N * R];
+    cb_act_q8 acts[N];
+    memset(acts, 0, sizeof acts);
+    for (int t = 0; t < N; t++) acts[t].xb = xb + (size_t)t * C;            /* (bf16 needs only xb) */
+    for (int i = 0; i < N * C; i++) x[i] = (float)(cb_selftest_rand(state) % 2000u) / 1000.0f - 1.0f;
+    cb_selftest_fill((uint8_t *)w, sizeof w, CB_BF16, CB_INTERLEAVED, R, C, state);
+    cb_select_kernels(isa, CB_INT_STEP_AVX512VNNI);
+    cb_matmul(ref, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);    /* rounds x into xb */
+    cb_select_kernels(isa, step);
+    cb_matmul(got, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
+    return memcmp(ref, got, sizeof ref) != 0;
+}
+#endif
+
 /* The kernels of tier `isa` with int step `step` against the scalar spec: 0 if all agree, -1 if
  * this CPU/OS cannot run them, else the number of the first check that failed. The selection is
  * left at (isa, step). Needs cb_init_tables() first (the scalar spec's f16 table). */
-static int cb_selftest_amx_bf16_check;     /* the AMX bf16 tile's check number in the last run, or 0 */
 static int cb_self_test_step(int isa, int step) {
     /* R: 5 groups of 8 outputs (decode's 4 streams and one more; the pair tiles' two pairs and an
      * odd group); N: a whole AMX tile of 16 tokens and one more, also a prompt for every other tile */
@@ -796,7 +835,7 @@ static int cb_self_test_step(int isa, int step) {
     cb_act_q8 acts[N];
     uint32_t state = 12345u;
     int check = 0;
-    cb_selftest_amx_bf16_check = 0;
+    cb_selftest_amx_bf16_checks[0] = cb_selftest_amx_bf16_checks[1] = 0;
     if (cb_select_kernels(isa, step) != 0) return -1;
     for (int t = 0; t < N; t++) {
         acts[t].q = aq + t * C; acts[t].d = ad + t * (C / CB_QBLOCK); acts[t].s = as + t * (C / CB_QBLOCK);
@@ -838,6 +877,7 @@ static int cb_self_test_step(int isa, int step) {
         }
         for (int n = 1; n <= N && cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x; n += N - 1) {   /* interleaved */
             check++;
+            if (n == N && cb_amx_bf16_installed()) cb_selftest_amx_bf16_checks[0] = check;   /* its whole tile */
             cb_matmul(got, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, n, R, C, 1);
             cb_itile_bf16x_scalar(ref, R, (const char *)w, CB_BF16, acts, C, 0, R / CB_TGROUP, n);
             if (!cb_selftest_close(ref, got, n * R)) return check;
@@ -861,19 +901,10 @@ static int cb_self_test_step(int isa, int step) {
             cb_matmul(got, R, w, dtype, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
             if (memcmp(ref, got, sizeof(float) * N * R) != 0) return check;
         }
-        const cb_itile_fn bf16x = cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x;
-        if (bf16x && bf16x != cb_itile_bf16x_avx512) {                                   /* its bf16 products */
-            static uint16_t xb[N * C];
+        if (cb_amx_bf16_installed()) {                   /* its bf16 products: decode's bits */
             check++;
-            cb_selftest_amx_bf16_check = check;
-            cb_selftest_fill(w, (size_t)R * cb_row_stride(CB_BF16, C), CB_BF16, CB_INTERLEAVED, R, C, &state);
-            for (int t = 0; t < N; t++) acts[t].xb = xb + t * C;
-            cb_select_kernels(isa, CB_INT_STEP_AVX512VNNI);
-            cb_matmul(ref, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);      /* rounds x into xb */
-            cb_select_kernels(isa, step);
-            cb_matmul(got, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
-            for (int t = 0; t < N; t++) acts[t].xb = NULL;
-            if (memcmp(ref, got, sizeof(float) * N * R) != 0) return check;
+            cb_selftest_amx_bf16_checks[1] = check;
+            if (cb_selftest_amx_bf16(isa, step, &state) != 0) return check;
         }
     }
 #endif
@@ -952,14 +983,14 @@ static int cb_self_test(int isa) {
     if (isa > cb_best_isa(&cb_cpu)) return -1;
     const int step = cb_best_int_step(isa);
     int code = cb_self_test_step(isa, step);
-    if (code > 0 && step == CB_INT_STEP_AMX && code == cb_selftest_amx_bf16_check) {
+    if (step == CB_INT_STEP_AMX && cb_selftest_is_amx_bf16_check(code)) {
         cb_amx_bf16_failed_check = code;
-        code = cb_self_test_step(isa, step);
+        code = cb_self_test_step(isa, step);        /* (its table now without that tile) */
     }
     if (code > 0 && step == CB_INT_STEP_AMX) {
         cb_amx_failed_check = code;
         const int without = cb_self_test_step(isa, cb_best_int_step(isa));
-        if (without != 0) cb_amx_failed_check = 0;
+        if (without != 0) cb_amx_failed_check = cb_amx_bf16_failed_check = 0;   /* the tier's own fault */
         return without;
     }
     return code;

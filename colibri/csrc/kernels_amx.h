@@ -150,8 +150,9 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
  * later text keeps even and odd partial sums within an instruction (tools/bench/amx_bf16_probe.c
  * asks a CPU). The import self-test compares this tile with the AVX512_BF16 step bit for bit and
  * turns only this tile off where they differ (dispatch.h, cb_amx_bf16_failed_check). A last chunk
- * of 8 units (cols % 64 == 32) is padded with zero pairs: + 0 leaves a lane as it was (a lane
- * starts at +0 and is never -0). Unlike the int formats there is no scale a block, so C stays on
+ * of 8 units (cols % 64 == 32) is padded: A with +0, B with -0, so each padded product is -0 and
+ * adding it leaves a lane exactly as it was, a lane flushed to -0 included. Unlike the int
+ * formats there is no scale a block, so C stays on
  * the tile over a whole chunk of CB_AMX_BF16_CHUNKS x 64 inputs: the tile unit, not the vector
  * ports, sets the pace. */
 #define CB_AMX_BF16_UNITS 16            /* units c (4 inputs) a TDPBF16PS */
@@ -207,9 +208,9 @@ CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_weights(cb_amx_bf16_w *wb, co
     for (int h = 0; h < nchunks; h++, wb++)
         for (int c = 0; c < CB_AMX_BF16_UNITS; c++) {
             const int u = (h0 + h) * CB_AMX_BF16_UNITS + c;
-            if (u >= units) {                   /* the padded half of a last chunk */
-                _mm512_storeu_si512(wb->q[0][c], _mm512_setzero_si512());
-                _mm512_storeu_si512(wb->q[1][c], _mm512_setzero_si512());
+            if (u >= units) {                   /* the padded half of a last chunk: -0 (above) */
+                _mm512_storeu_si512(wb->q[0][c], _mm512_set1_epi16((short)0x8000));
+                _mm512_storeu_si512(wb->q[1][c], _mm512_set1_epi16((short)0x8000));
                 continue;
             }
             const __m512i g = _mm512_loadu_si512((const void *)(gp + (size_t)u * 64));
@@ -288,7 +289,7 @@ static void cb_amx_emu_dpbf16ps(int c, int a, int b) {
                     uint16_t x, y;
                     memcpy(&x, &cb_amx_emu_tiles[a].b[m][4 * k + 2 * i], 2);
                     memcpy(&y, &cb_amx_emu_tiles[b].b[k][4 * n + 2 * i], 2);
-                    acc = cb_amx_emu_ftz(acc + cb_amx_emu_bf16(x) * cb_amx_emu_bf16(y));   /* the product exact */
+                    acc = cb_amx_emu_ftz(fmaf(cb_amx_emu_bf16(x), cb_amx_emu_bf16(y), acc));   /* the product exact */
                 }
             memcpy(&cb_amx_emu_tiles[c].b[m][4 * n], &acc, 4);
         }

@@ -147,15 +147,23 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* XCR0: the state the OS saves (0 where the OS has no XSAVE: nothing beyond SSE) */
+static unsigned long long xcr0(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return 0;      /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
 static int have_amx_bf16(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    return (d >> 22) & 1;                               /* AMX-BF16 */
+    return ((d >> 22) & 1) && (xcr0() & 0x60000) == 0x60000;     /* AMX-BF16, the tile state enabled */
 }
 static int have_avx512_bf16(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
-    return (a >> 5) & 1;                                /* AVX512_BF16 */
+    return ((a >> 5) & 1) && (xcr0() & 0xE6) == 0xE6;            /* AVX512_BF16, the zmm state enabled */
 }
 
 /* out = C0 after one TDPBF16PS over pairs 0 .. K-1 (tiles: 0 = C, 1 = A, 2 = B) */
@@ -245,11 +253,11 @@ int main(int argc, char **argv) {
         for (int K = 1; K <= KMAX; K *= 4) compare("vdpbf16ps", 0, K, trials);
         denormals("vdpbf16ps", 0);
     } else {
-        printf("vdpbf16ps: this CPU has no AVX512_BF16\n");
+        printf("vdpbf16ps: this CPU has no AVX512_BF16\n");      /* (or the OS does not enable AVX-512) */
     }
     unsigned long mask = 0;
     if (!have_amx_bf16()) {
-        printf("tdpbf16ps: this CPU has no AMX-BF16\n");
+        printf("tdpbf16ps: this CPU has no AMX-BF16\n");        /* (or the OS does not enable its tiles) */
         return 0;
     }
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0 ||
