@@ -86,6 +86,7 @@ cdef extern from "dispatch.h" nogil:
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
     void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads)
     int cb_has_bf16_products()
+    int cb_amx_bf16_installed()
     void cb_round_bf16(uint16_t *dst, const float *x, int n)
     int cb_attention_softmax(float *x, int n)
     void cb_quantize_act(cb_act_q8 *a, const float *x, int n)

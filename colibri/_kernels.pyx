@@ -365,6 +365,12 @@ def has_bf16_products():
     return bool(cb_has_bf16_products())
 
 
+def bf16_products_on_amx():
+    """Whether a prompt's bf16 products (interleaved) run on the AMX step's TDPBF16PS tile (or its
+    emulation) with the int step in use, rather than on vdpbf16ps."""
+    return bool(cb_amx_bf16_installed())
+
+
 cdef cb_act_q8 *bind_acts(list arrays) except NULL:
     """A calloc'd cb_act_q8 [rows] (free() it) pointing into the arrays of act_arrays (ACT_ARRAYS
     order), which must outlive it."""

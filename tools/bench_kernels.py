@@ -375,22 +375,32 @@ def prefill_table(args, rng):
                 compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []
             _probes.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
             times, other_times = [], {v[0]: [] for v in compared}
+            # bf16 products: vdpbf16ps, and where the int step in use puts a prompt's interleaved bf16
+            # products on AMX tiles, those too (the AVX512-VNNI step's table: vdpbf16ps)
+            products = {}
             if bf16_products_of(dtype, layout):
-                other_times["bf16 products"] = []
+                on_amx = layout == "interleaved" and _kernels.bf16_products_on_amx()
+                products = {"bf16 products": "avx512-vnni" if on_amx else None}
+                if on_amx:
+                    products["bf16 products on AMX tiles"] = None
+            other_times.update({k: [] for k in products})
             for _ in range(args.repeat):
                 times.append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout))
                 for name, vstep, repack in compared:
                     with _kernels.int_kernels(vstep, repack):
                         other_times[name].append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout))
-                if "bf16 products" in other_times:
-                    other_times["bf16 products"].append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout, True))
+                for name, vstep in products.items():
+                    with _kernels.int_kernels(vstep):
+                        other_times[name].append(_probes.bench_matmul(w, x, dtype, args.threads, reps, layout, True))
             flop = 2.0 * rows * cols * n * reps
             gflops = flop / statistics.median(times) / 1e9
             of_fma = f"{gflops / peak_gf:7.0%}" if peak_gf else "    n/a"
             of_int8 = f"{gflops / ipeak_g:8.0%}" if ipeak_g and dtype in ("int8", "int4") else "       -"
             rest = ", ".join(f"{k} {flop / statistics.median(t) / 1e9:.1f}" for k, t in other_times.items()) or "-"
             if "bf16 products" in other_times and bf16_peak:
-                rest += f" ({flop / statistics.median(other_times['bf16 products']) / 1e9 / bf16_peak:.0%} of vdpbf16ps)"
+                rest += f" ({flop / statistics.median(other_times['bf16 products']) / 1e9 / bf16_peak:.0%} of vdpbf16ps"
+                amx = other_times.get("bf16 products on AMX tiles")
+                rest += f"; on AMX {statistics.median(other_times['bf16 products']) / statistics.median(amx):.2f}x)" if amx else ")"
             print(f"{dtype:>6} {layout:>10} {gflops:8.1f} {of_fma} {of_int8}  {rest}")
 
 if __name__ == "__main__":
