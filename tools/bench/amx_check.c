@@ -205,7 +205,24 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* The tile unit's peak: 4 independent 16x16x64 TDPBSSD a loop; vpdpbusd zmm: 12 chains. */
+/* With cfg loaded and tiles 0-3 from buf (A, tile 0, at a_stride bytes a row), C tiles 4-7 zeroed:
+ * `iters` rounds of BODY (4 tile products of 16 x 16 x K), their rate printed as `label`. */
+#define AMX_PEAK(label, unit, K, a_stride, BODY)                                                          \
+    do {                                                                                                  \
+        CB_AMX_HW_LOADCFG(&cfg);                                                                          \
+        CB_AMX_HW_LOAD(0, buf, a_stride); CB_AMX_HW_LOAD(1, buf, 64);                                     \
+        CB_AMX_HW_LOAD(2, buf, 64); CB_AMX_HW_LOAD(3, buf, 64);                                           \
+        CB_AMX_HW_ZERO(4); CB_AMX_HW_ZERO(5); CB_AMX_HW_ZERO(6); CB_AMX_HW_ZERO(7);                       \
+        const double t0 = now();                                                                          \
+        for (long i = 0; i < iters; i++) { BODY; }                                                        \
+        const double dt = now() - t0;                                                                     \
+        CB_AMX_HW_RELEASE();                                                                              \
+        printf("peak %s: %.1f %s one core (%.2f ns an instruction)\n", label,                            \
+               4.0 * iters * 16 * 16 * (K) * 2 / dt * 1e-9, unit, dt / (4.0 * iters) * 1e9);              \
+    } while (0)
+
+/* The tile unit's peaks, 4 independent products a round: TDPBSSD 16x16x64 and at the int step's
+ * shape (K = 32: one block), TDPBF16PS 16x16x32 (16 pairs: the bf16 tile's shape). */
 static void peaks(void) {
     cb_amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -213,49 +230,20 @@ static void peaks(void) {
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     static int8_t buf[1024] __attribute__((aligned(64)));
     for (int i = 0; i < 1024; i++) buf[i] = (int8_t)(rnd() % 7);
-    CB_AMX_HW_LOADCFG(&cfg);
-    CB_AMX_HW_LOAD(0, buf, 64); CB_AMX_HW_LOAD(1, buf, 64); CB_AMX_HW_LOAD(2, buf, 64); CB_AMX_HW_LOAD(3, buf, 64);
-    CB_AMX_HW_ZERO(4); CB_AMX_HW_ZERO(5); CB_AMX_HW_ZERO(6); CB_AMX_HW_ZERO(7);
     const long iters = 2000000;
-    double t0 = now();
-    for (long i = 0; i < iters; i++) {
-        CB_AMX_HW_DPBSSD(4, 0, 1); CB_AMX_HW_DPBSSD(5, 0, 2); CB_AMX_HW_DPBSSD(6, 1, 3); CB_AMX_HW_DPBSSD(7, 2, 3);
-    }
-    double dt = now() - t0;
-    CB_AMX_HW_STORE(4, buf, 64);
-    CB_AMX_HW_RELEASE();
-    printf("peak tdpbssd 16x16x64: %.1f GOP/s one core (%.2f ns an instruction)\n",
-           4.0 * iters * 16 * 16 * 64 * 2 / dt * 1e-9, dt / (4.0 * iters) * 1e9);
-    /* the K = 32, N = 16 shape the step uses */
-    for (int t = 1; t < 4; t++) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }
+    AMX_PEAK("tdpbssd 16x16x64", "GOP/s", 64, 64,
+             CB_AMX_HW_DPBSSD(4, 0, 1); CB_AMX_HW_DPBSSD(5, 0, 2); CB_AMX_HW_DPBSSD(6, 1, 3); CB_AMX_HW_DPBSSD(7, 2, 3));
+    for (int t = 1; t < 4; t++) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }      /* A 16 x 32 bytes, B 8 x 64 */
     cfg.rows[0] = 16; cfg.colsb[0] = 32;
-    CB_AMX_HW_LOADCFG(&cfg);
-    CB_AMX_HW_LOAD(0, buf, 32); CB_AMX_HW_LOAD(1, buf, 64); CB_AMX_HW_LOAD(2, buf, 64); CB_AMX_HW_LOAD(3, buf, 64);
-    CB_AMX_HW_ZERO(4); CB_AMX_HW_ZERO(5); CB_AMX_HW_ZERO(6); CB_AMX_HW_ZERO(7);
-    t0 = now();
-    for (long i = 0; i < iters; i++) {
-        CB_AMX_HW_DPBSSD(4, 0, 1); CB_AMX_HW_DPBSSD(5, 0, 2); CB_AMX_HW_DPBSSD(6, 0, 3); CB_AMX_HW_DPBSSD(7, 0, 1);
-    }
-    dt = now() - t0;
-    CB_AMX_HW_RELEASE();
-    printf("peak tdpbssd 16x16x32 (the step's shape): %.1f GOP/s one core (%.2f ns an instruction)\n",
-           4.0 * iters * 16 * 16 * 32 * 2 / dt * 1e-9, dt / (4.0 * iters) * 1e9);
+    AMX_PEAK("tdpbssd 16x16x32 (the step's shape)", "GOP/s", 32, 32,
+             CB_AMX_HW_DPBSSD(4, 0, 1); CB_AMX_HW_DPBSSD(5, 0, 2); CB_AMX_HW_DPBSSD(6, 0, 3); CB_AMX_HW_DPBSSD(7, 0, 1));
     if (!cb_cpu.amx_bf16) return;
-    /* TDPBF16PS 16 x 16 x 32 bf16 (16 pairs), the bf16 tile's shape: 4 C tiles, small values */
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    for (int i = 0; i < 512; i++) ((uint16_t *)buf)[i] = 0x3C00;   /* 2^-7 */
-    CB_AMX_HW_LOADCFG(&cfg);
-    CB_AMX_HW_LOAD(0, buf, 64); CB_AMX_HW_LOAD(1, buf, 64); CB_AMX_HW_LOAD(2, buf, 64); CB_AMX_HW_LOAD(3, buf, 64);
-    CB_AMX_HW_ZERO(4); CB_AMX_HW_ZERO(5); CB_AMX_HW_ZERO(6); CB_AMX_HW_ZERO(7);
-    t0 = now();
-    for (long i = 0; i < iters; i++) {
-        CB_AMX_HW_DPBF16PS(4, 0, 2); CB_AMX_HW_DPBF16PS(5, 1, 3); CB_AMX_HW_DPBF16PS(6, 0, 2); CB_AMX_HW_DPBF16PS(7, 1, 3);
-    }
-    dt = now() - t0;
-    CB_AMX_HW_RELEASE();
-    printf("peak tdpbf16ps 16x16x32: %.1f GFLOP/s one core (%.2f ns an instruction)\n",
-           4.0 * iters * 16 * 16 * 32 * 2 / dt * 1e-9, dt / (4.0 * iters) * 1e9);
+    for (int i = 0; i < 512; i++) ((uint16_t *)buf)[i] = 0x3C00;   /* 2^-7: small sums */
+    AMX_PEAK("tdpbf16ps 16x16x32", "GFLOP/s", 32, 64,
+             CB_AMX_HW_DPBF16PS(4, 0, 2); CB_AMX_HW_DPBF16PS(5, 1, 3); CB_AMX_HW_DPBF16PS(6, 0, 2); CB_AMX_HW_DPBF16PS(7, 1, 3));
 }
+#undef AMX_PEAK
 
 CB_TARGET_AVX512_BF16 static void peak_bf16(void) {
     if (!cb_cpu.avx512_bf16) return;
