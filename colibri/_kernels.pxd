@@ -76,6 +76,10 @@ cdef extern from "dispatch.h" nogil:
     int cb_self_test(int isa)
     int cb_self_test_step(int isa, int step)
     int cb_set_int_step(int step)
+    int CB_BF16_SEQ, CB_BF16_SPLIT_SUM, CB_BF16_SPLIT_EVEN, CB_BF16_SPLIT_ODD   # orders of bf16 products
+    int cb_bf16_order            # the order in use (kernels_scalar.h); the import self-test sets it
+    int cb_set_bf16_order(int order)
+    int cb_search_bf16_order_emulated(int isa, int unit)
     void cb_set_amx_granted(int granted)
     int cb_amx_failed_check      # the AMX step's failed self-test check (0: none); the step is off
     int cb_amx_bf16_failed_check # its bf16 products tile's failed check (0: none); that tile is off

@@ -99,7 +99,9 @@ def amx_status(features=None):
     if not f["amx_int8"]:
         return f"AMX ({kinds}): tile state granted by the OS; no int8 products, so no step uses it"
     bf16 = (f"; its bf16 products tile failed its self-test (check {cb_amx_bf16_failed_check}): bf16 prompts take "
-            f"vdpbf16ps" if cb_amx_bf16_failed_check else "")
+            f"vdpbf16ps" if cb_amx_bf16_failed_check else
+            f"; bf16 products in the tile unit's order ({bf16_order()}), decode too" if cb_bf16_order != CB_BF16_SEQ
+            else "")
     return f"AMX ({kinds}): tile state granted by the OS; int step in use: {int_step()}{bf16}"
 
 
@@ -161,6 +163,43 @@ def set_int_step(str name):
     if cb_set_int_step(INT_STEPS[name]) != 0:
         raise ValueError(f"int step {name} cannot run on tier {isa()} of this CPU; "
                          f"available: {', '.join(available_int_steps())}")
+
+
+# The orders of roundings of the interleaved bf16 products (kernels_scalar.h, cb_bf16_order):
+# vdpbf16ps's sequence, or one of the split orders an AMX unit's TDPBF16PS may follow (the even and
+# odd products of each 64 inputs summed apart, then joined to the lane: lane + (even + odd),
+# (lane + even) + odd, (lane + odd) + even). The import self-test keeps "seq" unless the AMX tile
+# passes only in a split order; decode and every bf16 products tile then follow it.
+BF16_ORDERS = {"seq": CB_BF16_SEQ, "split-sum": CB_BF16_SPLIT_SUM, "split-even": CB_BF16_SPLIT_EVEN,
+               "split-odd": CB_BF16_SPLIT_ODD}
+
+
+def bf16_order():
+    """The order of the interleaved bf16 products in use (a BF16_ORDERS name)."""
+    return {v: k for k, v in BF16_ORDERS.items()}[cb_bf16_order]
+
+
+def set_bf16_order(str name):
+    """Use order `name` for the interleaved bf16 products from now on (tests run the split orders'
+    kernels on any AVX512_BF16 CPU; the engine keeps what the import self-test chose). ValueError if
+    it is not one."""
+    if name not in BF16_ORDERS:
+        raise ValueError(f"{name!r} is not an order of bf16 products; choose one of {', '.join(BF16_ORDERS)}")
+    cb_set_bf16_order(BF16_ORDERS[name])
+
+
+def search_bf16_order_emulated(str unit):
+    """Play an AMX unit whose TDPBF16PS adds in order `unit` (a BF16_ORDERS name: the emulated tile
+    fixed to it) and run import's search for the order of bf16 products on the amx-emulated step of
+    the tier in use (dispatch.h, cb_self_test_bf16_orders): the order it keeps, None where none
+    passes. Everything it changes is restored. ValueError where the tier has no amx-emulated step
+    with a bf16 tile, or a check outside that tile fails."""
+    found = cb_search_bf16_order_emulated(cb_selected.isa, BF16_ORDERS[unit])
+    if found == -3:
+        raise ValueError(f"tier {isa()} has no amx-emulated step with a bf16 products tile here")
+    if found == -2:
+        raise ValueError("the amx-emulated step failed a self-test check outside its bf16 products tile")
+    return None if found == -1 else {v: k for k, v in BF16_ORDERS.items()}[found]
 
 
 def set_prefill_repack(bint on):
@@ -242,7 +281,8 @@ def choose_tier(forced: str, available, test):
 def _select_at_import():
     """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test; then the int
     step COLIBRI_INT_STEP names, if set (e.g. COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: what an
-    AVX2-only host such as AMD Zen 3 runs, measured on a newer CPU that also has AVX-VNNI)."""
+    AVX2-only host such as AMD Zen 3 runs, measured on a newer CPU that also has AVX-VNNI), and the
+    order of bf16 products COLIBRI_BF16_ORDER names (BF16_ORDERS), if set."""
     import os
     import warnings
     _grant_amx()
@@ -265,6 +305,12 @@ def _select_at_import():
             set_int_step(step)
         except ValueError as e:
             raise ValueError(f"COLIBRI_INT_STEP={step}: {e}") from None
+    order = os.environ.get("COLIBRI_BF16_ORDER", "").strip().lower()
+    if order:                     # (benchmarks: a split order's decode on a CPU whose unit has none)
+        try:
+            set_bf16_order(order)
+        except ValueError as e:
+            raise ValueError(f"COLIBRI_BF16_ORDER={order}: {e}") from None
 
 
 try:

@@ -94,7 +94,8 @@ def test_reading_instead_of_mapping_gives_the_same_logits(converted):
     np.testing.assert_array_equal(mapped, read)
 
 
-@pytest.mark.parametrize("variable,value", [("COLIBRI_ISA", "avx9000"), ("COLIBRI_INT_STEP", "vnni9000")])
+@pytest.mark.parametrize("variable,value", [("COLIBRI_ISA", "avx9000"), ("COLIBRI_INT_STEP", "vnni9000"),
+                                            ("COLIBRI_BF16_ORDER", "split9000")])
 def test_bad_kernel_variable_is_one_clear_line(converted, variable, value):
     env = dict(ENV, **{variable: value})
     r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),

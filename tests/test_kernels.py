@@ -528,6 +528,20 @@ def test_colibri_int_step_forces_the_step_at_import():
     assert "COLIBRI_INT_STEP=avx9000-vnni" in r.stdout and "not an int step" in r.stdout
 
 
+def test_colibri_bf16_order_sets_the_order_at_import():
+    """COLIBRI_BF16_ORDER sets the order of the interleaved bf16 products after the tier (the split
+    orders' decode measured on a CPU whose AMX unit, if any, has none); unset, import keeps
+    vdpbf16ps's order on a CPU without AMX-BF16."""
+    probe = "from colibri import _kernels as k; print(k.bf16_order(), k.ISA_ERROR)"
+    env = dict(os.environ, COLIBRI_BF16_ORDER="split-odd")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert r.stdout.split() == ["split-odd", "None"]
+    env.pop("COLIBRI_BF16_ORDER")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    if not _kernels.cpu_features()["amx_bf16"]:
+        assert r.stdout.split() == ["seq", "None"]
+
+
 # ---- the f16 KV cache (load(kv_cache="f16")) -------------------------------------------------
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -407,6 +407,83 @@ def test_the_amx_bf16_products_tile_gives_the_bits_of_decode(isa, groups, blocks
         np.testing.assert_array_equal(got, want, err_msg=step)
 
 
+def _bf16_products_lanes(w, x, order):
+    """The interleaved bf16 products spec (kernels_scalar.h, cb_itile_bf16_lanes) in numpy float32:
+    w [rows, cols] and x [n, cols] bf16 values; each output's lane p takes inputs 4c + 2p, + 1 of
+    every vector c — "seq" (vdpbf16ps): the higher input's product, then the lower's, each addition
+    rounded; a split order: over each 64 inputs from input 0, even = the higher inputs' products
+    and odd = the lower's summed apart from zero, then joined to the lane as the order says. Every
+    product of two bf16 values is exact in float32, so each float32 addition here is one rounding,
+    as the kernels' FMAs."""
+    lanes = np.zeros((2, x.shape[0], w.shape[0]), np.float32)
+
+    def product(i):
+        return x[:, i, None] * w[None, :, i]
+
+    units = x.shape[1] // 4
+    for c0 in range(0, units, 16 if order != "seq" else units):
+        for p in range(2):
+            if order == "seq":
+                for c in range(units):
+                    lanes[p] = lanes[p] + product(4 * c + 2 * p + 1)
+                    lanes[p] = lanes[p] + product(4 * c + 2 * p)
+                continue
+            even = np.zeros_like(lanes[p])
+            odd = np.zeros_like(lanes[p])
+            for c in range(c0, min(c0 + 16, units)):
+                even = even + product(4 * c + 2 * p + 1)
+                odd = odd + product(4 * c + 2 * p)
+            lanes[p] = {"split-sum": lambda: lanes[p] + (even + odd),
+                        "split-even": lambda: (lanes[p] + even) + odd,
+                        "split-odd": lambda: (lanes[p] + odd) + even}[order]()
+    return lanes[0] + lanes[1]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(sorted(_kernels.BF16_ORDERS)), st.integers(1, 11), st.sampled_from([1, 2, 3, 33, 40]),
+       st.integers(1, 40), st.sampled_from([1, 2]), st.integers(0, 2**32 - 1))
+def test_bf16_products_in_each_order_are_the_spec(isa, order, groups, blocks, n, threads, seed):
+    """Interleaved bf16 products in each order of roundings (vdpbf16ps's sequence, and the split
+    orders an AMX unit may follow: _kernels.BF16_ORDERS) against a numpy float32 spec of that order,
+    bit for bit, on every int step (the amx-emulated step's TDPBF16PS tiles following the order):
+    prompts of 1..40 tokens (the AMX tiles, their tails, the 4- and 8-token vector tiles) and each
+    token's decode; 64-input spans whole and a half last one (an odd number of blocks)."""
+    if isa != "avx512" or not _kernels.has_bf16_products():
+        pytest.skip("bf16 products need the AVX-512 tier with AVX512_BF16")
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((8 * groups, 32 * blocks), dtype=np.float32)
+    x = rng.standard_normal((n, 32 * blocks), dtype=np.float32)
+    stored = to_storage(w, "bf16")
+    il = quant.interleave(stored, "bf16", w.shape[1])
+    want = _bf16_products_lanes(from_storage(stored, "bf16").astype(np.float32), _bf16_values(_bf16_bits(x)), order)
+    before = _kernels.bf16_order()
+    try:
+        _kernels.set_bf16_order(order)
+        for step in _kernels.available_int_steps():
+            with _kernels.int_kernels(step):
+                got = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
+                decoded = np.stack([_probes.kernel_matmul(il, x[t:t + 1], "bf16", 1, "interleaved",
+                                                          bf16_products=True)[0] for t in (0, n - 1)])
+            np.testing.assert_array_equal(got, want, err_msg=f"{order}, {step}")
+            np.testing.assert_array_equal(decoded, want[[0, n - 1]], err_msg=f"{order}, {step}, decode")
+    finally:
+        _kernels.set_bf16_order(before)
+
+
+@pytest.mark.parametrize("unit", sorted(_kernels.BF16_ORDERS))
+def test_the_self_test_finds_the_amx_units_order_of_bf16_products(unit):
+    """Import's search on an AMX host whose TDPBF16PS fails the vdpbf16ps order (dispatch.h,
+    cb_self_test_bf16_orders), played by the emulated tile fixed to each order: it keeps exactly
+    that order (every other fails the self-test's bit checks), and leaves the order in use as it
+    was."""
+    if _kernels.isa() != "avx512" or not _kernels.has_bf16_products() \
+            or "amx-emulated" not in _kernels.available_int_steps():
+        pytest.skip("the AMX steps' bf16 tile needs the AVX-512 tier with AVX512_BF16 and a build with the amx steps")
+    before = _kernels.bf16_order(), _kernels.int_step()
+    assert _kernels.search_bf16_order_emulated(unit) == unit
+    assert (_kernels.bf16_order(), _kernels.int_step()) == before
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
 def test_mxfp4_interleave_round_trip(groups, blocks, seed):
@@ -629,6 +706,30 @@ def test_whole_model_the_same_bits_with_every_int_step(isa, converted, dtype, la
         with _kernels.int_kernels(step):
             for n, want in zip((20, 5, 1), expect):
                 np.testing.assert_array_equal(m.forward(ids[:n]), want, err_msg=f"{step}, {n} tokens")
+
+
+def test_whole_model_bf16_products_in_a_split_order(isa, converted):
+    """An interleaved bf16 model with bf16 products in a split order (what an AMX unit that sums
+    TDPBF16PS's even and odd products apart makes the engine use): every int step gives the default
+    step's logits bit for bit at 20, 5 and 1 tokens (the amx-emulated step's tiles too), and they
+    stay within the bf16 products' error of the vdpbf16ps order's."""
+    if isa != "avx512" or not _kernels.has_bf16_products():
+        pytest.skip("bf16 products need the AVX-512 tier with AVX512_BF16")
+    ids = np.resize(reference("qwen3moe_a")["input_ids"], 20)
+    m = colibri.load(converted("qwen3moe_a", "bf16", "interleaved"))
+    seq = m.forward(ids)
+    before = _kernels.bf16_order()
+    try:
+        _kernels.set_bf16_order("split-even")
+        expect = [m.forward(ids[:n]) for n in (20, 5, 1)]
+        for step in _kernels.available_int_steps():
+            with _kernels.int_kernels(step):
+                for n, want in zip((20, 5, 1), expect):
+                    np.testing.assert_array_equal(m.forward(ids[:n]), want, err_msg=f"{step}, {n} tokens")
+    finally:
+        _kernels.set_bf16_order(before)
+    assert not np.array_equal(expect[0], seq)           # the order reached the kernels
+    assert np.abs(expect[0] - seq).max() <= MODEL_RTOL["bf16"] * np.abs(seq).max()
 
 
 @settings(max_examples=60, deadline=None)

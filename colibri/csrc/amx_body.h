@@ -183,7 +183,7 @@ CB_AMX_NAME(cb_itile_bf16x)(float *out, int ldo, const char *w, int dtype, const
     uint8_t *scratch = tiles == 0 || paired == g0 ? NULL
                      : cb_thread_scratch(CB_SCRATCH_ACT_TILES, act_bytes + w_bytes + state_bytes + sizeof(cb_amx_config));
     if (!scratch) {
-        cb_itile_bf16x_avx512(out, ldo, w, dtype, acts, cols, g0, g1, n);
+        cb_itile_bf16x_ordered_avx512(out, ldo, w, dtype, acts, cols, g0, g1, n);
         return;
     }
     cb_amx_bf16_a *packed = (cb_amx_bf16_a *)scratch;                   /* [tiles][chunks] */
@@ -216,8 +216,8 @@ CB_AMX_NAME(cb_itile_bf16x)(float *out, int ldo, const char *w, int dtype, const
     }
     CB_AMX_RELEASE();
     if (n_tiles < n)
-        cb_itile_bf16x_avx512(out + (size_t)n_tiles * ldo, ldo, w, dtype, acts + n_tiles, cols, g0, paired, n - n_tiles);
-    if (paired < g1) cb_itile_bf16x_avx512(out, ldo, w, dtype, acts, cols, paired, g1, n);
+        cb_itile_bf16x_ordered_avx512(out + (size_t)n_tiles * ldo, ldo, w, dtype, acts + n_tiles, cols, g0, paired, n - n_tiles);
+    if (paired < g1) cb_itile_bf16x_ordered_avx512(out, ldo, w, dtype, acts, cols, paired, g1, n);
 }
 
 #undef CB_AMX_LOADCFG

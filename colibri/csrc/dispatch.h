@@ -248,7 +248,8 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     cb_set_rows(t, CB_MXFP4, cb_tile_quant_avx2_any, cb_dot_mxfp4_avx2, 1, 0);   /* AVX2's: memory-bound */
     if (f->avx512_bf16) {
         t->mat[CB_BF16][CB_ROWS].tile_bf16x = cb_tile_bf16x_avx512_any;   /* 4 rows, as the widened tile */
-        t->mat[CB_BF16][CB_INTERLEAVED].itile_bf16x = cb_itile_bf16x_avx512;
+        t->mat[CB_BF16][CB_INTERLEAVED].itile_bf16x =          /* the order in use (kernels_scalar.h) */
+            cb_bf16_order == CB_BF16_SEQ ? cb_itile_bf16x_avx512 : cb_itile_bf16s_avx512;
         t->round_bf16 = cb_round_bf16_avx512;
     } else {
         t->round_bf16 = cb_round_bf16_scalar;
@@ -308,6 +309,15 @@ static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gat
 /* Re-fill the table for the selected tier with int step `step` (tests and benchmarks compare the
  * steps; cb_select_isa picks the fastest). -1, changing nothing, if the tier or CPU has no such step. */
 static int cb_set_int_step(int step) { return cb_select_kernels(cb_selected.isa, step); }
+
+/* Use order `order` (CB_BF16_*, kernels_scalar.h) for the interleaved bf16 products from now on,
+ * the table refilled; -1 (nothing changed) if it is not one. The import self-test sets it where
+ * the AMX unit follows a split order; tests set it to run those paths on any AVX512_BF16 CPU. */
+static int cb_set_bf16_order(int order) {
+    if (order < 0 || order >= CB_BF16_ORDERS) return -1;
+    cb_bf16_order = order;
+    return cb_select_kernels(cb_selected.isa, cb_selected.int_step);
+}
 
 /* Turn the repacked prefill of the transposed int8/int4 matrices off (0: the stored-order tiles,
  * which tests and benchmarks compare it with) or back on (1). Returns whether it is now in use. */
@@ -973,9 +983,47 @@ static int cb_self_test_step(int isa, int step) {
     return 0;
 }
 
+/* Where tier `isa` with AMX step `step` failed its self-test (`code`) in the AMX bf16 tile's check
+ * with vdpbf16ps's order: the split orders in turn (kernels_scalar.h: the unit may sum a TDPBF16PS's
+ * even and odd products apart), the first in which the whole self-test passes kept (0 returned:
+ * decode and every bf16 products tile now add in it); where none does, the order back to
+ * vdpbf16ps's and `code` returned. The selection is left at (isa, step). */
+static int cb_self_test_bf16_orders(int isa, int step, int code) {
+    for (int order = CB_BF16_SPLIT_SUM; order < CB_BF16_ORDERS; order++) {
+        cb_bf16_order = order;
+        if (cb_self_test_step(isa, step) == 0) return 0;
+    }
+    cb_bf16_order = CB_BF16_SEQ;
+    cb_select_kernels(isa, step);
+    return code;
+}
+
+/* For the tests: play an AMX unit whose TDPBF16PS adds in order `unit` (the emulated tile fixed to
+ * it) and search as import does on a real one, with the amx-emulated step of tier `isa`: the order
+ * kept (CB_BF16_*), -1 where none passes, -2 where a check outside the bf16 tile fails, -3 where
+ * the build or tier has no amx-emulated step. The order, the emulation and the int step restored. */
+static int cb_search_bf16_order_emulated(int isa, int unit) {
+    const int before_step = cb_selected.int_step, before_order = cb_bf16_order;
+    cb_int_kernels k;
+    if (cb_int_step_kernels(CB_INT_STEP_AMX_EMULATED, isa, &k) != 0 || !k.itile_bf16x) return -3;
+    cb_amx_emu_unit_order = unit;
+    cb_bf16_order = CB_BF16_SEQ;
+    const int code = cb_self_test_step(isa, CB_INT_STEP_AMX_EMULATED);
+    int found = code == 0 ? CB_BF16_SEQ : -2;
+    if (cb_selftest_is_amx_bf16_check(code))
+        found = cb_self_test_bf16_orders(isa, CB_INT_STEP_AMX_EMULATED, code) == 0 ? cb_bf16_order : -1;
+    cb_amx_emu_unit_order = -1;
+    cb_bf16_order = before_order;
+    cb_select_kernels(isa, before_step);
+    return found;
+}
+
 /* cb_self_test_step with the int step import would choose for `isa`. Where that is the AMX step
- * and its bf16 products tile fails, that tile stays off (cb_amx_bf16_failed_check) and the step is
- * tested again without it. Where the AMX step then fails, the tier is tested again without it: if
+ * and its bf16 products tile fails, the step is tested in each split order of bf16 products
+ * (cb_bf16_order: the unit may sum a TDPBF16PS's even and odd products apart, as the SDM says) and
+ * the first that passes is kept — decode and the other bf16 tiles then add in that order; where
+ * none passes, the order stays vdpbf16ps's, that tile stays off (cb_amx_bf16_failed_check) and the
+ * step is tested again without it. Where the AMX step then fails, the tier is tested again without it: if
  * it then passes, the failure was the AMX step's, which stays off (cb_amx_failed_check keeps the
  * check: _kernels warns); if not, the tier's own code fails and the AMX step is left as it was. */
 static int cb_self_test(int isa) {
@@ -984,8 +1032,11 @@ static int cb_self_test(int isa) {
     const int step = cb_best_int_step(isa);
     int code = cb_self_test_step(isa, step);
     if (step == CB_INT_STEP_AMX && cb_selftest_is_amx_bf16_check(code)) {
-        cb_amx_bf16_failed_check = code;
-        code = cb_self_test_step(isa, step);        /* (its table now without that tile) */
+        code = cb_self_test_bf16_orders(isa, step, code);
+        if (code != 0) {
+            cb_amx_bf16_failed_check = code;
+            code = cb_self_test_step(isa, step);    /* (its table now without that tile) */
+        }
     }
     if (code > 0 && step == CB_INT_STEP_AMX) {
         cb_amx_failed_check = code;

@@ -148,8 +148,11 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
  * product added first, each addition rounded; DAZ, FTZ) adds exactly lane p's sequence, and C_0 +
  * C_1 is decode's output. Whether the unit follows that definition is not known here: the SDM's
  * later text keeps even and odd partial sums within an instruction (tools/bench/amx_bf16_probe.c
- * asks a CPU). The import self-test compares this tile with the AVX512_BF16 step bit for bit and
- * turns only this tile off where they differ (dispatch.h, cb_amx_bf16_failed_check). A last chunk
+ * asks a CPU). The import self-test compares this tile with the AVX512_BF16 step bit for bit;
+ * where they differ it tries the split orders (kernels_scalar.h, cb_bf16_order: each lane's even
+ * and odd sums over each TDPBF16PS's 64 inputs, joined at its end), in which decode and the other
+ * tiles then add with widened FMAs (kernels_avx512.h, cb_itile_bf16s_avx512), and where none
+ * matches turns only this tile off (dispatch.h, cb_amx_bf16_failed_check). A last chunk
  * of 8 units (cols % 64 == 32) is padded: A with +0, B with -0, so each padded product is -0 and
  * adding it leaves a lane exactly as it was, a lane flushed to -0 included. Unlike the int
  * formats there is no scale a block, so C stays on
@@ -273,7 +276,11 @@ static void cb_amx_emu_dpbssd(int c, int a, int b) {
 
 /* TDPBF16PS as the Intrinsics Guide defines it: C[m][n] += A[m][2k] * B[k][2n], then += A[m][2k + 1]
  * * B[k][2n + 1], k after k, each product exact and each addition rounded to nearest even; inputs
- * that are subnormal taken as zero (DAZ), subnormal results flushed to zero (FTZ). */
+ * that are subnormal taken as zero (DAZ), subnormal results flushed to zero (FTZ). Where the order
+ * in use is a split one (cb_bf16_order, kernels_scalar.h), as the SDM defines it: the even and
+ * odd products summed apart from zero over the instruction's k, then joined to C[m][n] as the
+ * order says — so the tests can run the split paths as an AMX unit that follows it would (and
+ * play a unit that follows another: cb_amx_emu_unit_order). */
 static float cb_amx_emu_bf16(uint16_t h) {
     return (h & 0x7F80u) == 0 ? 0.0f * cb_bf16_to_f32(h) : cb_bf16_to_f32(h);     /* DAZ, the sign kept */
 }
@@ -282,15 +289,23 @@ static void cb_amx_emu_dpbf16ps(int c, int a, int b) {
     const int M = cb_amx_emu_cfg.rows[a], K2 = cb_amx_emu_cfg.rows[b], N = cb_amx_emu_cfg.colsb[b] / 4;
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {
-            float acc;
+            const int order = cb_amx_emu_unit_order >= 0 ? cb_amx_emu_unit_order : cb_bf16_order;
+            float acc, sums[2] = {0.0f, 0.0f};         /* a split order's even and odd sums */
             memcpy(&acc, &cb_amx_emu_tiles[c].b[m][4 * n], 4);
             for (int k = 0; k < K2; k++)
                 for (int i = 0; i < 2; i++) {
                     uint16_t x, y;
                     memcpy(&x, &cb_amx_emu_tiles[a].b[m][4 * k + 2 * i], 2);
                     memcpy(&y, &cb_amx_emu_tiles[b].b[k][4 * n + 2 * i], 2);
-                    acc = cb_amx_emu_ftz(fmaf(cb_amx_emu_bf16(x), cb_amx_emu_bf16(y), acc));   /* the product exact */
+                    float *to = order == CB_BF16_SEQ ? &acc : &sums[i];
+                    *to = cb_amx_emu_ftz(fmaf(cb_amx_emu_bf16(x), cb_amx_emu_bf16(y), *to));   /* the product exact */
                 }
+            switch (order) {
+            case CB_BF16_SEQ: break;
+            case CB_BF16_SPLIT_SUM: acc = cb_amx_emu_ftz(acc + cb_amx_emu_ftz(sums[0] + sums[1])); break;
+            case CB_BF16_SPLIT_EVEN: acc = cb_amx_emu_ftz(cb_amx_emu_ftz(acc + sums[0]) + sums[1]); break;
+            default: acc = cb_amx_emu_ftz(cb_amx_emu_ftz(acc + sums[1]) + sums[0]); break;
+            }
             memcpy(&cb_amx_emu_tiles[c].b[m][4 * n], &acc, 4);
         }
 }

@@ -257,25 +257,33 @@ cb_ibf16_store_avx512(float *out, int ldo, size_t ostride, __m512 acc[4][CB_IBF1
     }
 }
 
+/* One step (4 inputs) of groups gp + g * gstride (g < G) widened: lo[g] the lower input's weight of
+ * each lane pair, hi[g] the higher's, as f32; with the step's prefetch (decode: as the AVX2 tier's,
+ * CB_IBF16_PREFETCH ahead; a prompt: this tile's share of the next pair). */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void cb_ibf16_widen_step(const char *gp, size_t gstride, cb_prefetch_run *pf,
+                                                                 const int G, const int T, __m512 lo[4], __m512 hi[4]) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    if (T == 1)
+        for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
+    else
+        cb_prefetch_lines(pf, CB_IBF16_PREFETCH_LINES);
+    for (int g = 0; g < G; g++) {
+        const __m512i a = _mm512_loadu_si512((const void *)(gp + g * gstride));
+        lo[g] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+        hi[g] = _mm512_castsi512_ps(_mm512_and_si512(a, high));
+    }
+}
+
 /* out[j * ldo + g * ostride + 0..7] = group gp + g * gstride (g < G) times tokens j < T, widened. */
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_ibf16_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
                      int cols, cb_prefetch_run pf, const int G, const int T) {
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 acc[4][CB_IBF16_TOKENS];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < T; j++) acc[g][j] = _mm512_setzero_ps();
     for (int k = 0; k < cols; k += 4, gp += 64) {
         __m512 we[4], wo[4];
-        if (T == 1)                                      /* decode: as the AVX2 tier's (CB_IBF16_PREFETCH) */
-            for (int g = 0; g < G; g++) _mm_prefetch(gp + g * gstride + CB_IBF16_PREFETCH, _MM_HINT_T0);
-        else                                             /* a prompt: this tile's share of the next pair */
-            cb_prefetch_lines(&pf, CB_IBF16_PREFETCH_LINES);
-        for (int g = 0; g < G; g++) {
-            const __m512i a = _mm512_loadu_si512((const void *)(gp + g * gstride));
-            we[g] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
-            wo[g] = _mm512_castsi512_ps(_mm512_and_si512(a, high));
-        }
+        cb_ibf16_widen_step(gp, gstride, &pf, G, T, we, wo);
         for (int j = 0; j < T; j++) {
             const __m512 xv = _mm512_broadcast_f32x4(_mm_loadu_ps(acts[j].x + k));
             const __m512 xe = _mm512_permute_ps(xv, 0x88), xo = _mm512_permute_ps(xv, 0xDD);
@@ -309,33 +317,33 @@ cb_ibf16x_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
     cb_ibf16_store_avx512(out, ldo, ostride, acc, G, T);
 }
 
-/* The order of both entries below: decode (n = 1) 4 groups side by side (CB_IDECODE_LOOP's split),
- * a prompt 2 groups x 8 tokens a tile, an odd last group alone. In a function with cb_itile_fn's
- * parameters and CB_IBF16_DECODE(o, ostride, gp, gstride, G) and CB_IBF16_PAIR(G, T) (G groups
- * of a tile, T tokens, both constant) defined. */
-#define CB_IBF16_ENTRY()                                                                                \
+/* The order of the entries below: decode (n = 1) 4 groups side by side (CB_IDECODE_LOOP's split),
+ * a prompt 2 groups x TOKENS tokens a tile (T_CASES: one case a token count), an odd last group
+ * alone. In a function with cb_itile_fn's parameters and CB_IBF16_DECODE(o, ostride, gp, gstride,
+ * G) and CB_IBF16_PAIR(G, T) (G groups of a tile, T tokens, both constant) defined. */
+#define CB_IBF16_ENTRY(TOKENS, T_CASES)                                                                 \
     if (n == 1) {                                                                                       \
         CB_IDECODE_LOOP(CB_IBF16_DECODE)                                                                \
         return;                                                                                         \
     }                                                                                                   \
     const size_t row = (size_t)cols * 2 * CB_TGROUP;                                                    \
-    const int tiles = (n + CB_IBF16_TOKENS - 1) / CB_IBF16_TOKENS;                                      \
+    const int tiles = (n + (TOKENS) - 1) / (TOKENS);                                                    \
     for (int g = g0; g < g1; g += 2)                                                                    \
-        for (int t = 0; t < n; t += CB_IBF16_TOKENS) {                                                  \
+        for (int t = 0; t < n; t += (TOKENS)) {                                                         \
             float *o = out + (size_t)t * ldo + (size_t)g * CB_TGROUP;                                   \
             const char *gp = w + (size_t)g * row;                                                       \
             const int T = n - t, ahead = g1 - g - 2 < 2 ? g1 - g - 2 : 2;                               \
             const cb_prefetch_run pf = cb_prefetch_share(ahead > 0 ? gp + 2 * row : NULL, ahead * row,     \
-                                                         t / CB_IBF16_TOKENS, tiles);                   \
-            if (g + 1 < g1) { CB_T8_CASES(CB_IBF16_PAIR, 2) }                                           \
-            else { CB_T8_CASES(CB_IBF16_PAIR, 1) }                                                      \
+                                                         t / (TOKENS), tiles);                          \
+            if (g + 1 < g1) { T_CASES(CB_IBF16_PAIR, 2) }                                               \
+            else { T_CASES(CB_IBF16_PAIR, 1) }                                                          \
         }
 
 CB_TARGET_AVX512 static void cb_itile_bf16_avx512(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts,
                                                   int cols, int g0, int g1, int n) {
 #define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16_tile_avx512(o, 0, os, gp, gs, acts, cols, cb_no_prefetch, G, 1)
 #define CB_IBF16_PAIR(G, T) cb_ibf16_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, pf, G, T)
-    CB_IBF16_ENTRY()
+    CB_IBF16_ENTRY(CB_IBF16_TOKENS, CB_T8_CASES)
 #undef CB_IBF16_PAIR
 #undef CB_IBF16_DECODE
 }
@@ -344,11 +352,82 @@ CB_TARGET_AVX512_BF16 static void cb_itile_bf16x_avx512(float *out, int ldo, con
                                                         const cb_act_q8 *acts, int cols, int g0, int g1, int n) {
 #define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16x_tile_avx512(o, 0, os, gp, gs, acts, cols, cb_no_prefetch, G, 1)
 #define CB_IBF16_PAIR(G, T) cb_ibf16x_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, pf, G, T)
-    CB_IBF16_ENTRY()
+    CB_IBF16_ENTRY(CB_IBF16_TOKENS, CB_T8_CASES)
+#undef CB_IBF16_PAIR
+#undef CB_IBF16_DECODE
+}
+
+/* ---- bf16 products in a split order (cb_bf16_order, kernels_scalar.h) ---------------------------
+ * Where the AMX unit sums TDPBF16PS's even and odd elements apart, decode and every prompt tile
+ * follow it, widened: the weights' pair of a lane split by a shift and a mask as in the widened
+ * tile, the rounded activations (acts.xb, 4 broadcast as one 64-bit value) likewise, one FMA into
+ * the lane's even sum (inputs 4c + 2p + 1) and one into its odd sum (4c + 2p), and every 64 inputs
+ * the two joined to the lane in the order's way — the scalar spec's operations lane for lane. Two
+ * FMAs and two shifts or masks where vdpbf16ps takes one instruction: decode stays bound by the
+ * weights' bytes; a prompt's tokens take these only past the AMX tiles (the last n % 16, an odd
+ * group). Three sums a lane, so a prompt's tile is 2 groups x up to 4 tokens (24 accumulators). */
+#define CB_IBF16S_TOKENS 4
+
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_bf16_join_avx512(__m512 lane, __m512 even, __m512 odd, int order) {
+    switch (order) {
+    case CB_BF16_SPLIT_SUM: return _mm512_add_ps(lane, _mm512_add_ps(even, odd));
+    case CB_BF16_SPLIT_EVEN: return _mm512_add_ps(_mm512_add_ps(lane, even), odd);
+    default: return _mm512_add_ps(_mm512_add_ps(lane, odd), even);
+    }
+}
+
+/* out[j * ldo + g * ostride + 0..7] = group gp + g * gstride (g < G) times tokens j < T, bf16
+ * products in split order `order`. */
+CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
+cb_ibf16s_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
+                      int cols, cb_prefetch_run pf, const int G, const int T, const int order) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 acc[4][CB_IBF16_TOKENS], even[4][CB_IBF16S_TOKENS], odd[4][CB_IBF16S_TOKENS];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < T; j++) acc[g][j] = even[g][j] = odd[g][j] = _mm512_setzero_ps();
+    for (int k = 0; k < cols; k += 4, gp += 64) {
+        __m512 wlo[4], whi[4];
+        cb_ibf16_widen_step(gp, gstride, &pf, G, T, wlo, whi);
+        for (int j = 0; j < T; j++) {
+            int64_t x4;
+            memcpy(&x4, acts[j].xb + k, sizeof x4);
+            const __m512i xv = _mm512_set1_epi64(x4);
+            const __m512 xlo = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));
+            const __m512 xhi = _mm512_castsi512_ps(_mm512_and_si512(xv, high));
+            for (int g = 0; g < G; g++) {
+                even[g][j] = _mm512_fmadd_ps(whi[g], xhi, even[g][j]);
+                odd[g][j] = _mm512_fmadd_ps(wlo[g], xlo, odd[g][j]);
+            }
+        }
+        if ((k + 4) % CB_BF16_SPLIT_INPUTS == 0 || k + 4 >= cols)
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < T; j++) {
+                    acc[g][j] = cb_bf16_join_avx512(acc[g][j], even[g][j], odd[g][j], order);
+                    even[g][j] = odd[g][j] = _mm512_setzero_ps();
+                }
+    }
+    cb_ibf16_store_avx512(out, ldo, ostride, acc, G, T);
+}
+
+/* The interleaved bf16 products entry in the split order cb_bf16_order: decode 4 groups side by
+ * side (CB_IDECODE_LOOP's split), a prompt 2 groups x 4 tokens a tile, an odd last group alone. */
+CB_TARGET_AVX512 static void cb_itile_bf16s_avx512(float *out, int ldo, const char *w, int dtype,
+                                                   const cb_act_q8 *acts, int cols, int g0, int g1, int n) {
+    const int order = cb_bf16_order;
+#define CB_IBF16_DECODE(o, os, gp, gs, G) cb_ibf16s_tile_avx512(o, 0, os, gp, gs, acts, cols, cb_no_prefetch, G, 1, order)
+#define CB_IBF16_PAIR(G, T) cb_ibf16s_tile_avx512(o, ldo, (G) > 1 ? CB_TGROUP : 0, gp, (G) > 1 ? row : 0, acts + t, cols, pf, G, T, order)
+    CB_IBF16_ENTRY(CB_IBF16S_TOKENS, CB_AVX2_T_CASES)
 #undef CB_IBF16_PAIR
 #undef CB_IBF16_DECODE
 }
 #undef CB_IBF16_ENTRY
+
+/* The interleaved bf16 products entry of the order in use: vdpbf16ps's sequence, or a split one. */
+CB_TARGET_AVX512_BF16 static void cb_itile_bf16x_ordered_avx512(float *out, int ldo, const char *w, int dtype,
+                                                               const cb_act_q8 *acts, int cols, int g0, int g1, int n) {
+    if (cb_bf16_order == CB_BF16_SEQ) cb_itile_bf16x_avx512(out, ldo, w, dtype, acts, cols, g0, g1, n);
+    else cb_itile_bf16s_avx512(out, ldo, w, dtype, acts, cols, g0, g1, n);
+}
 
 /* ---- a prompt's block of queries (cb_attend_block_fn) on 512-bit vectors -------------------------
  *

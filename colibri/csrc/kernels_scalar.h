@@ -478,7 +478,37 @@ typedef void (*cb_itile_fn)(float *out, int ldo, const char *w, int dtype, const
  * AVX2 and AVX-512 kernels do lane for lane, so every tier gives these bits. bf16 products take
  * the activation rounded to bf16 (acts.xb) and vdpbf16ps's order, the higher input of a pair
  * first (Intel's definition; exact products, so fma is that sum): the spec of the AVX512_BF16
- * kernel, which the tests hold to a tolerance only (flushing of subnormals is the CPU's). */
+ * kernel, which the tests hold to a tolerance only (flushing of subnormals is the CPU's).
+ *
+ * The order of bf16 products' roundings (cb_bf16_order). vdpbf16ps's, above, is CB_BF16_SEQ, the
+ * order everywhere unless an AMX unit's TDPBF16PS follows another: Intel documents TDPBF16PS both
+ * as that sequence (the Intrinsics Guide) and as two partial sums kept apart within an instruction
+ * (the SDM: even and odd elements of its pairs, each from zero, joined to the accumulator at the
+ * instruction's end). The AMX bf16 tile (kernels_amx.h) feeds a TDPBF16PS 16 vectors c (64
+ * inputs) of lane p with each pair swapped, so its even element is input 4c + 2p + 1 and its odd
+ * 4c + 2p. In a split order each lane p therefore sums, over each 64 inputs of the row from input
+ * 0 (a last 32 alone), even = sum of the w x products of inputs 4c + 2p + 1 and odd = of inputs
+ * 4c + 2p, each from zero, each addition rounded, and the lane takes them as the order says
+ * (cb_bf16_join). Decode and every prompt tile then follow it (the AVX-512 widened split kernels,
+ * kernels_avx512.h), so a prompt keeps decode's bits on such a unit. The import self-test chooses
+ * the order (dispatch.h, cb_self_test); tests set it (_kernels.set_bf16_order). */
+enum { CB_BF16_SEQ, CB_BF16_SPLIT_SUM, CB_BF16_SPLIT_EVEN, CB_BF16_SPLIT_ODD, CB_BF16_ORDERS };
+#define CB_BF16_SPLIT_INPUTS 64         /* the inputs of one TDPBF16PS of a lane: 16 vectors of 4 */
+static int cb_bf16_order = CB_BF16_SEQ;
+/* The order the emulated AMX unit adds in (kernels_amx.h): -1 follows cb_bf16_order; tests fix
+ * one to play a unit that follows it, for the self-test's search (_kernels.search_bf16_order_emulated). */
+static int cb_amx_emu_unit_order = -1;
+
+/* A split order's join of a 64-input span's even and odd partial sums into lane. */
+static inline float cb_bf16_join(float lane, float even, float odd, int order) {
+    switch (order) {
+    case CB_BF16_SPLIT_SUM: return lane + (even + odd);
+    case CB_BF16_SPLIT_EVEN: return (lane + even) + odd;
+    default: return (lane + odd) + even;
+    }
+}
+
+/* products: 0 widened (acts.x, exact), else bf16 products (acts.xb) in order cb_bf16_order. */
 static void cb_itile_bf16_lanes(float *out, int ldo, const char *w, const cb_act_q8 *acts, int cols, int g0,
                                 int g1, int n, int products) {
     const int units = cols / 4;                          /* vectors of 4 inputs, over all blocks */
@@ -488,6 +518,20 @@ static void cb_itile_bf16_lanes(float *out, int ldo, const char *w, const cb_act
         for (int r = 0; r < CB_TGROUP; r++)
             for (int t = 0; t < n; t++) {
                 float lane[2] = {0.0f, 0.0f};
+                if (products && cb_bf16_order != CB_BF16_SEQ) {
+                    for (int c0 = 0; c0 < units; c0 += CB_BF16_SPLIT_INPUTS / 4)
+                        for (int p = 0; p < 2; p++) {
+                            float even = 0.0f, odd = 0.0f;
+                            for (int c = c0; c < units && c < c0 + CB_BF16_SPLIT_INPUTS / 4; c++) {
+                                const int i = 4 * c + 2 * p;
+                                even = fmaf(cb_bf16_to_f32(vec[c][r][2 * p + 1]), cb_bf16_to_f32(acts[t].xb[i + 1]), even);
+                                odd = fmaf(cb_bf16_to_f32(vec[c][r][2 * p]), cb_bf16_to_f32(acts[t].xb[i]), odd);
+                            }
+                            lane[p] = cb_bf16_join(lane[p], even, odd, cb_bf16_order);
+                        }
+                    out[(size_t)t * ldo + g * CB_TGROUP + r] = lane[0] + lane[1];
+                    continue;
+                }
                 for (int c = 0; c < units; c++)
                     for (int p = 0; p < 2; p++) {
                         const int i = 4 * c + 2 * p;

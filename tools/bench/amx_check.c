@@ -6,12 +6,16 @@
  *   /tmp/amx_check [--emulated] [--threads 1,16] [--tokens 8,16,64,256] [--shape 2048x4096]
  *                  [--dtypes int8,int4,bf16] [--reps 5]
  *
- * --emulated: the bits of the emulated tile ops only (any AVX512-VNNI CPU; no timing). Without it
+ * --emulated: the bits of the emulated tile ops only (any AVX512-VNNI CPU; no timing); with
+ * --emulated-unit ORDER the emulated TDPBF16PS adds in that order of roundings (seq, split-sum,
+ * split-even, split-odd: kernels_scalar.h), to play a unit that is not vdpbf16ps's. Without it
  * the CPU needs AMX-INT8 and Linux 5.16+ (the tile state is asked for with arch_prctl, as
  * colibri._os does). Outputs: "bits" lines (the AMX tile's outputs equal the VNNI tile's bit for
  * bit over formats, shapes, token counts, group ranges and threads), "peak" lines (the tile unit's
  * TDPBSSD and zmm vpdpbusd on one core, GOP/s), and one "prefill" line per format, token count and
- * thread count: the median of --reps products of each tile, interleaved, and their ratio. Build
+ * thread count: the median of --reps products of each tile, interleaved, and their ratio. Where the
+ * bf16 tile misses vdpbf16ps's bits, each split order is tried ("bf16 order" lines: the one whose
+ * bits the unit gives is kept for the dispatch check, as import's self-test does). Build
  * with -DCB_AMX_STORE_DELAY=D -DCB_AMX_LOOKAHEAD=L (kernels_amx.h) for another pipeline.
  */
 #define _GNU_SOURCE
@@ -39,8 +43,16 @@ static const char *dtype_name(int d) {
          : d == CB_BF16 ? "bf16" : "?";
 }
 
-/* The tiles compared for a format: bf16 multiplies bf16 products (acts.xb) against AVX512_BF16's. */
-static cb_itile_fn reference_tile(int dtype) { return dtype == CB_BF16 ? cb_itile_bf16x_avx512 : cb_itile_wide_avx512vnni; }
+static const char *const order_names[CB_BF16_ORDERS] = {"seq", "split-sum", "split-even", "split-odd"};
+
+/* The tiles compared for a format: bf16 multiplies bf16 products (acts.xb) against AVX512_BF16's
+ * in the order in use (cb_bf16_order; timed against vdpbf16ps's, the AVX-512 prompt tile). */
+static cb_itile_fn reference_tile(int dtype) {
+    return dtype == CB_BF16 ? cb_itile_bf16x_ordered_avx512 : cb_itile_wide_avx512vnni;
+}
+static cb_itile_fn timed_reference_tile(int dtype) {
+    return dtype == CB_BF16 ? cb_itile_bf16x_avx512 : cb_itile_wide_avx512vnni;
+}
 static cb_itile_fn amx_tile(int dtype, int emulated) {
     if (dtype == CB_BF16) return emulated ? cb_itile_bf16x_amx_emulated : cb_itile_bf16x_amx;
     return emulated ? cb_itile_amx_emulated : cb_itile_amx;
@@ -115,7 +127,9 @@ static void product(cb_itile_fn f, float *out, int ldo, const char *w, int dtype
     }
 }
 
-static int check_bits(int emulated, const char *label) {
+/* The bits of the AMX tiles against the AVX-512 steps' — the int formats' (only = -1) or bf16's
+ * (only = CB_BF16) —: the cases that differ. */
+static int check_bits(int emulated, const char *label, int only) {
     const int dtypes[] = {CB_INT8, CB_INT4, CB_INT6, CB_MXFP4, CB_BF16};
     const int shapes[][3] = {{64, 128, 8}, {64, 128, 16}, {72, 256, 17}, {128, 1056, 33}, {136, 4096, 100},
                              {64, 2048, 64}, {48, 512, 7}, {256, 1024, 250}};
@@ -123,6 +137,7 @@ static int check_bits(int emulated, const char *label) {
     for (size_t d = 0; d < sizeof dtypes / sizeof *dtypes; d++)
         for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
             if (dtypes[d] == CB_BF16 && !(cb_cpu.avx512_bf16 && (emulated || cb_cpu.amx_bf16))) continue;
+            if ((only == CB_BF16) != (dtypes[d] == CB_BF16)) continue;
             const cb_itile_fn ref_tile = reference_tile(dtypes[d]), amx = amx_tile(dtypes[d], emulated);
             const int rows = shapes[s][0], cols = shapes[s][1], n = shapes[s][2], ldo = rows + 8;
             size_t bytes;
@@ -153,9 +168,25 @@ static int check_bits(int emulated, const char *label) {
             free(ref); free(got); free(w);
             free_acts(acts, n);
         }
-    printf("bits %s: %d of %d cases the same bits as the AVX512-VNNI (bf16: AVX512_BF16) tile\n", label, cases - fails,
-           cases);
+    printf("bits %s: %d of %d cases the same bits as the AVX512-VNNI (bf16: AVX512_BF16, order %s) tile\n", label,
+           cases - fails, cases, order_names[cb_bf16_order]);
     return fails;
+}
+
+/* Where the bf16 tile misses vdpbf16ps's bits: the split orders in turn, the first whose bits it
+ * gives kept in cb_bf16_order (as import's self-test does); the order's name, or NULL (back to seq). */
+static const char *find_bf16_order(int emulated, const char *label) {
+    if (check_bits(emulated, label, CB_BF16) == 0) return order_names[CB_BF16_SEQ];
+    for (int order = CB_BF16_SPLIT_SUM; order < CB_BF16_ORDERS; order++) {
+        cb_bf16_order = order;
+        if (check_bits(emulated, label, CB_BF16) == 0) {
+            printf("bf16 order %s: %s (the unit sums TDPBF16PS's even and odd products apart)\n", label, order_names[order]);
+            return order_names[order];
+        }
+    }
+    cb_bf16_order = CB_BF16_SEQ;
+    printf("bf16 order %s: none of the orders (the bf16 tile stays off)\n", label);
+    return NULL;
 }
 
 /* The step through the kernel table: dispatch.h's self-test with the AMX step (hardware or
@@ -290,11 +321,17 @@ static int parse_list(const char *s, int *out, int max) {
 }
 
 int main(int argc, char **argv) {
-    int emulated = 0, reps = 5, rows = 2048, cols = 4096;
+    int emulated = 0, reps = 5, rows = 2048, cols = 4096, unit = -1;
     int threads[8] = {1}, nthreads = 1, tokens[16] = {8, 16, 32, 64, 128, 512}, ntokens = 6;
     int dtypes[5] = {CB_INT8, CB_INT4}, ndtypes = 2;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--emulated")) emulated = 1;
+        else if (!strcmp(argv[i], "--emulated-unit") && i + 1 < argc) {
+            const char *name = argv[++i];
+            for (int o = 0; o < CB_BF16_ORDERS; o++)
+                if (!strcmp(name, order_names[o])) unit = o;
+            if (unit < 0) { fprintf(stderr, "amx_check: unknown order %s\n", name); return 2; }
+        }
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) nthreads = parse_list(argv[++i], threads, 8);
         else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) ntokens = parse_list(argv[++i], tokens, 16);
@@ -315,14 +352,20 @@ int main(int argc, char **argv) {
     cb_init_tables();
     printf("pipeline: store delay %d, lookahead %d, %d blocks a chunk\n", CB_AMX_STORE_DELAY, CB_AMX_LOOKAHEAD, CB_AMX_KBLOCKS);
     cb_cpu = cb_detect_cpu();
-    if (emulated)
-        return check_bits(1, "amx-emulated") + check_dispatch(CB_INT_STEP_AMX_EMULATED, "amx-emulated") ? 1 : 0;
+    if (emulated) {
+        cb_amx_emu_unit_order = unit;
+        const int fails = check_bits(1, "amx-emulated", -1) + !find_bf16_order(1, "amx-emulated");
+        return fails + check_dispatch(CB_INT_STEP_AMX_EMULATED, "amx-emulated") ? 1 : 0;
+    }
     unsigned long mask = 0;
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0 || syscall(SYS_arch_prctl, 0x1022, &mask) != 0 || !(mask & (1ul << 18))) {
         fprintf(stderr, "amx_check: the OS did not lend the tile state (arch_prctl XTILEDATA)\n");
         return 1;
     }
-    int fails = check_bits(1, "amx-emulated") + check_bits(0, "amx") + check_dispatch(CB_INT_STEP_AMX, "amx");
+    int fails = check_bits(1, "amx-emulated", -1) + !find_bf16_order(1, "amx-emulated");
+    cb_bf16_order = CB_BF16_SEQ;
+    fails += check_bits(0, "amx", -1) + !find_bf16_order(0, "amx");     /* (the unit's order kept) */
+    fails += check_dispatch(CB_INT_STEP_AMX, "amx");
     peaks();
     peak_vnni();
     peak_bf16();
@@ -332,7 +375,7 @@ int main(int argc, char **argv) {
             printf("prefill bf16: this CPU has no AMX-BF16 or AVX512_BF16\n");
             continue;
         }
-        const cb_itile_fn ref_tile = reference_tile(dtypes[d]), amx = amx_tile(dtypes[d], 0);
+        const cb_itile_fn ref_tile = timed_reference_tile(dtypes[d]), amx = amx_tile(dtypes[d], 0);
         size_t bytes;
         char *w = make_weights(dtypes[d], rows, cols, &bytes);
         for (int ti = 0; ti < ntokens; ti++) {
