@@ -470,6 +470,38 @@ def test_bf16_products_in_each_order_are_the_spec(isa, order, groups, blocks, n,
         _kernels.set_bf16_order(before)
 
 
+@pytest.mark.parametrize("order", sorted(_kernels.BF16_ORDERS))
+def test_bf16_products_flush_subnormals_alike_in_every_order(order):
+    """Subnormals in bf16 products: the AMX tile (its emulation: DAZ, FTZ, as TDPBF16PS) and each
+    token's decode (vdpbf16ps, or a split order's widened FMAs under MXCSR's DAZ and FTZ) give the
+    same bits where inputs are subnormal and where products and sums underflow: weights and
+    activations with subnormal elements, and a token and a group whose products all underflow."""
+    if _kernels.isa() != "avx512" or not _kernels.has_bf16_products() \
+            or "amx-emulated" not in _kernels.available_int_steps():
+        pytest.skip("the AMX steps' bf16 tile needs the AVX-512 tier with AVX512_BF16 and a build with the amx steps")
+    rng = np.random.default_rng(7)
+    rows, cols, n = 24, 1056, 33
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    for a in (w, x):                                    # a tenth of the elements subnormal
+        pick = rng.random(a.shape) < 0.1
+        a[pick] = rng.uniform(-1, 1, pick.sum()).astype(np.float32) * np.float32(2.0**-127)
+    w[8:16] *= np.float32(2.0**-66)                     # group 1 x token 0: every product below 2^-126
+    x[0] *= np.float32(2.0**-66)
+    il = quant.interleave(to_storage(w, "bf16"), "bf16", cols)
+    before = _kernels.bf16_order()
+    try:
+        _kernels.set_bf16_order(order)
+        with _kernels.int_kernels("amx-emulated"):
+            got = _probes.kernel_matmul(il, x, "bf16", 2, "interleaved", bf16_products=True)
+        decoded = np.stack([_probes.kernel_matmul(il, x[t:t + 1], "bf16", 1, "interleaved", bf16_products=True)[0]
+                            for t in range(n)])
+    finally:
+        _kernels.set_bf16_order(before)
+    np.testing.assert_array_equal(got, decoded)
+    assert np.all(got[0, 8:16] == 0)                    # (the underflowing products flushed)
+
+
 @pytest.mark.parametrize("unit", sorted(_kernels.BF16_ORDERS))
 def test_the_self_test_finds_the_amx_units_order_of_bf16_products(unit):
     """Import's search on an AMX host whose TDPBF16PS fails the vdpbf16ps order (dispatch.h,

@@ -377,7 +377,11 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_bf16_join_avx512(__m512 lane,
 }
 
 /* out[j * ldo + g * ostride + 0..7] = group gp + g * gstride (g < G) times tokens j < T, bf16
- * products in split order `order`. */
+ * products in split order `order`; subnormals flushed as the bf16 instructions flush them (DAZ: a
+ * subnormal input taken as zero, FTZ: a subnormal result) through MXCSR's bits while the lanes
+ * sum, so the widened FMAs give TDPBF16PS's bits on every input; the lanes' last addition, as the
+ * AMX tile's (amx_body.h), under the caller's MXCSR. */
+#define CB_MXCSR_DAZ_FTZ 0x8040u
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_ibf16s_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts,
                       int cols, cb_prefetch_run pf, const int G, const int T, const int order) {
@@ -385,6 +389,8 @@ cb_ibf16s_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
     __m512 acc[4][CB_IBF16_TOKENS], even[4][CB_IBF16S_TOKENS], odd[4][CB_IBF16S_TOKENS];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < T; j++) acc[g][j] = even[g][j] = odd[g][j] = _mm512_setzero_ps();
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | CB_MXCSR_DAZ_FTZ);
     for (int k = 0; k < cols; k += 4, gp += 64) {
         __m512 wlo[4], whi[4];
         cb_ibf16_widen_step(gp, gstride, &pf, G, T, wlo, whi);
@@ -406,6 +412,7 @@ cb_ibf16s_tile_avx512(float *out, int ldo, size_t ostride, const char *gp, size_
                     even[g][j] = odd[g][j] = _mm512_setzero_ps();
                 }
     }
+    _mm_setcsr(csr);
     cb_ibf16_store_avx512(out, ldo, ostride, acc, G, T);
 }
 
