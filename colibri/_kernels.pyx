@@ -60,8 +60,9 @@ def cpu_features():
 
 
 
-# Whether this build has the AMX steps (x86-64 GCC/clang with an assembler that knows the tile
-# instructions: kernels_amx.h, setup.py's probe); the emulated one comes with them.
+# Whether this build has the AMX steps (x86-64: GCC/clang with an assembler that knows the tile
+# instructions — kernels_amx.h, setup.py's probe — or MSVC, through the _tile_* intrinsics); the
+# emulated one comes with them.
 HAVE_AMX = bool(CB_HAVE_AMX)
 
 
@@ -91,8 +92,8 @@ def amx_status(features=None):
     if not granted:
         return f"AMX ({kinds}) on this CPU, but the OS refused its tile state: {why}"
     if not CB_HAVE_AMX:
-        return (f"AMX ({kinds}): tile state granted by the OS, but this build has no amx step (it needs GCC or "
-                f"clang on x86-64 with an assembler that knows the tile instructions)")
+        return (f"AMX ({kinds}): tile state granted by the OS, but this build has no amx step (it needs a 64-bit "
+                f"build: GCC or clang with an assembler that knows the tile instructions, or MSVC)")
     if cb_amx_failed_check:
         return (f"AMX ({kinds}): tile state granted by the OS, but the amx step failed its self-test "
                 f"(check {cb_amx_failed_check}): the {int_step()} step runs")

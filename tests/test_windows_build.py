@@ -35,7 +35,8 @@ MINGW_INCLUDE = Path("/usr/x86_64-w64-mingw32/include")
 # freestanding only so that clang's intrin.h and MinGW's setjmp.h do not both declare _setjmp.
 MSVC_FLAGS = ["--target=x86_64-pc-windows-msvc", "-fsyntax-only", "-fms-compatibility", "-std=c11",
               "-ffreestanding", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-              "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mavxvnni", "-Wall", "-Werror", "-Werror=gnu",
+              "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mavxvnni", "-mamx-tile", "-mamx-int8",
+              "-mamx-bf16", "-Wall", "-Werror", "-Werror=gnu",
               "-Werror=vla", "-Wno-unused-function", "-include", str(ROOT / "tests" / "win" / "msvc_prelude.h"),
               "-idirafter", str(MINGW_INCLUDE), f"-I{CSRC}"]
 
@@ -123,6 +124,40 @@ def test_every_header_parses_as_msvc_c11(tmp_path):
     includes = "".join(f'#include "{h}"\n' for h in compiled_headers())
     r = _msvc_parse(tmp_path, includes + "int main(void) { return 0; }\n")
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+@needs_msvc_mode
+def test_the_msvc_build_has_the_amx_steps(tmp_path):
+    """cl.exe has no inline assembly on x86-64: there the AMX steps take immintrin.h's _tile_*
+    intrinsics (kernels_amx.h), so an MSVC build has them too (and the emulated one the tests use)."""
+    r = _msvc_parse(tmp_path, '#include "dispatch.h"\n#if !CB_HAVE_AMX || defined(CB_AMX_ASM)\n'
+                              '#error "no AMX step through the intrinsics"\n#endif\nint main(void) { return 0; }\n')
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+GCC = shutil.which("gcc")
+
+
+@pytest.mark.skipif(GCC is None or not shutil.which("objdump"), reason="no gcc or objdump")
+def test_the_amx_intrinsics_give_the_tile_instructions(tmp_path):
+    """The intrinsics branch of the tile ops (MSVC's), built by GCC with CB_AMX_INTRINSICS: it
+    compiles, emits the same kinds of tile instructions as the inline-asm branch, and the AMX
+    kernels' emulated bits still hold (tools/bench/amx_check.c --emulated; the tile ops themselves
+    run only on an AMX CPU)."""
+    exe = {}
+    for branch, extra in (("asm", []), ("intrinsics", ["-DCB_AMX_INTRINSICS", "-mamx-tile", "-mamx-int8", "-mamx-bf16"])):
+        exe[branch] = tmp_path / f"amx_check_{branch}"
+        r = subprocess.run([GCC, "-O2", "-fopenmp", *extra, f"-I{CSRC}", str(ROOT / "tools" / "bench" / "amx_check.c"),
+                            "-o", str(exe[branch]), "-lm"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+    kinds = {}
+    for branch, path in exe.items():
+        dump = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+        kinds[branch] = set(re.findall(r"\b(ldtilecfg|tilerelease|tileloadd|tilestored|tilezero|tdpbssd|tdpbf16ps)\b", dump))
+    assert kinds["intrinsics"] == kinds["asm"] == {"ldtilecfg", "tilerelease", "tileloadd", "tilestored", "tilezero",
+                                                   "tdpbssd", "tdpbf16ps"}
+    run = subprocess.run([str(exe["intrinsics"]), "--emulated"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:]
 
 
 @needs_msvc_mode

@@ -42,9 +42,20 @@
 #include "kernels_vnni.h"
 #include "kernels_avx512.h"      /* the bf16 products tile takes a prompt's last tokens */
 
-/* tiles: 64-bit mode only; CB_NO_AMX_ASM: setup.py found an assembler without the tile instructions */
+/* tiles: 64-bit mode only. GCC and clang write the tile instructions as inline asm (CB_NO_AMX_ASM:
+ * setup.py found an assembler without them); MSVC, which has no inline asm on x86-64, takes the
+ * _tile_* intrinsics of immintrin.h (its tile numbers constants, as here), as does a GCC or clang
+ * build with CB_AMX_INTRINSICS and -mamx-tile -mamx-int8 -mamx-bf16 (the tests compile that). */
 #if CB_X86 && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(CB_NO_AMX_ASM)
 #define CB_HAVE_AMX 1
+#ifndef CB_AMX_INTRINSICS
+#define CB_AMX_ASM 1
+#endif
+#elif CB_X86 && defined(_MSC_VER) && defined(_M_X64) && !defined(CB_NO_AMX_INTRINSICS)
+#define CB_HAVE_AMX 1
+#endif
+
+#if CB_HAVE_AMX
 
 #define CB_AMX_TOKENS 16            /* A's and C's rows: tokens a tile */
 
@@ -226,6 +237,7 @@ CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_weights(cb_amx_bf16_w *wb, co
 /* ---- the tile ops ------------------------------------------------------------------------------
  * The instructions, as GCC's own intrinsics write them (both assembler dialects), but with a
  * "memory" clobber on the loads too: the packed A and B are written just before. */
+#if CB_AMX_ASM
 #define CB_AMX_HW_LOADCFG(cfg) __asm__ volatile("ldtilecfg %0" ::"m"(*(const cb_amx_config *)(cfg)))
 #define CB_AMX_HW_RELEASE() __asm__ volatile("tilerelease" ::)
 #define CB_AMX_HW_LOAD(t, base, stride) \
@@ -239,6 +251,15 @@ CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_weights(cb_amx_bf16_w *wb, co
     __asm__ volatile("{tdpbssd\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c "|tdpbssd\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
 #define CB_AMX_HW_DPBF16PS(c, a, b) \
     __asm__ volatile("{tdpbf16ps\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c "|tdpbf16ps\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
+#else                                   /* the intrinsics: C = tile c, A = tile a, B = tile b alike */
+#define CB_AMX_HW_LOADCFG(cfg) _tile_loadconfig((const void *)(cfg))
+#define CB_AMX_HW_RELEASE() _tile_release()
+#define CB_AMX_HW_LOAD(t, base, stride) _tile_loadd(t, (const void *)(base), (size_t)(stride))
+#define CB_AMX_HW_STORE(t, base, stride) _tile_stored(t, (void *)(base), (size_t)(stride))
+#define CB_AMX_HW_ZERO(t) _tile_zero(t)
+#define CB_AMX_HW_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define CB_AMX_HW_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
 
 /* The same ops in C on a thread's 8 emulated tiles (the instruction's definition: rows and colsb
  * from the config, C[m][n] += sum over k, i of A[m][4k + i] * B[k][4n + i] in int32). */
@@ -332,5 +353,5 @@ static void cb_amx_emu_dpbf16ps(int c, int a, int b) {
 
 #else
 #define CB_HAVE_AMX 0
-#endif /* CB_X86 && GNU C */
+#endif /* CB_HAVE_AMX */
 #endif /* COLIBRI_KERNELS_AMX_H */
