@@ -50,8 +50,27 @@ def assembler_knows_amx() -> bool:
             return True              # no such compiler: the build itself will say so
 
 
+def msvc_knows_amx_intrinsics() -> bool:
+    """Whether MSVC's immintrin.h has the _tile_* intrinsics (kernels_amx.h takes them there: cl.exe
+    has no inline assembly on x86-64). Where it does not (an older Visual Studio), CB_NO_AMX_INTRINSICS
+    leaves the AMX step out of the build, as CB_NO_AMX_ASM does elsewhere."""
+    from setuptools._distutils import ccompiler, errors
+    compiler = ccompiler.new_compiler()
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "amx.c")
+        with open(src, "w") as f:
+            f.write("#include <immintrin.h>\nvoid colibri_amx_probe(void) { _tile_release(); }\n")
+        try:
+            compiler.compile([src], output_dir=d)
+            return True
+        except (errors.CompileError, errors.DistutilsError, OSError):
+            return False
+
+
 if sys.platform != "win32" and not assembler_knows_amx():
     compile_args.append("-DCB_NO_AMX_ASM")
+if sys.platform == "win32" and platform.machine().lower() in ("x86_64", "amd64") and not msvc_knows_amx_intrinsics():
+    compile_args.append("/DCB_NO_AMX_INTRINSICS")
 
 CSRC = os.path.join("colibri", "csrc")
 HEADERS = [os.path.join(CSRC, name) for name in os.listdir(CSRC)]

@@ -44,7 +44,8 @@
 
 /* tiles: 64-bit mode only. GCC and clang write the tile instructions as inline asm (CB_NO_AMX_ASM:
  * setup.py found an assembler without them); MSVC, which has no inline asm on x86-64, takes the
- * _tile_* intrinsics of immintrin.h (its tile numbers constants, as here), as does a GCC or clang
+ * _tile_* intrinsics of immintrin.h (its tile numbers constants, as here; CB_NO_AMX_INTRINSICS:
+ * setup.py found a Visual Studio without them), as does a GCC or clang
  * build with CB_AMX_INTRINSICS and -mamx-tile -mamx-int8 -mamx-bf16 (the tests compile that). */
 #if CB_X86 && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(CB_NO_AMX_ASM)
 #define CB_HAVE_AMX 1
