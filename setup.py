@@ -60,8 +60,8 @@ def msvc_knows_amx_intrinsics() -> bool:
         src = os.path.join(d, "amx.c")
         with open(src, "w") as f:
             f.write("#include <immintrin.h>\nvoid colibri_amx_probe(void) { _tile_release(); }\n")
-        try:
-            compiler.compile([src], output_dir=d)
+        try:                         # (C4013, an undeclared function, is only a warning in C: made an error)
+            compiler.compile([src], output_dir=d, extra_postargs=["/we4013"])
             return True
         except (errors.CompileError, errors.DistutilsError, OSError):
             return False

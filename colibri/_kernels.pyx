@@ -99,10 +99,16 @@ def amx_status(features=None):
                 f"(check {cb_amx_failed_check}): the {int_step()} step runs")
     if not f["amx_int8"]:
         return f"AMX ({kinds}): tile state granted by the OS; no int8 products, so no step uses it"
-    bf16 = (f"; its bf16 products tile failed its self-test (check {cb_amx_bf16_failed_check}): bf16 prompts take "
-            f"vdpbf16ps" if cb_amx_bf16_failed_check else
-            f"; bf16 products in the tile unit's order ({bf16_order()}), decode too" if cb_bf16_order != CB_BF16_SEQ
-            else "")
+    if cb_amx_bf16_failed_check:
+        bf16 = (f"; its bf16 products tile failed its self-test (check {cb_amx_bf16_failed_check}) in every order: "
+                f"bf16 prompts take vdpbf16ps")
+    elif cb_amx_bf16_unit_order >= 0 and cb_amx_bf16_unit_order != cb_bf16_order:
+        bf16 = (f"; bf16 products in order {bf16_order()}, not the tile unit's "
+                f"({_BF16_ORDER_NAMES[cb_amx_bf16_unit_order]}): bf16 prompts off its tiles")
+    elif cb_amx_bf16_unit_order > 0:
+        bf16 = f"; bf16 products in the tile unit's order ({bf16_order()}), decode too"
+    else:
+        bf16 = ""
     return f"AMX ({kinds}): tile state granted by the OS; int step in use: {int_step()}{bf16}"
 
 
@@ -173,17 +179,19 @@ def set_int_step(str name):
 # passes only in a split order; decode and every bf16 products tile then follow it.
 BF16_ORDERS = {"seq": CB_BF16_SEQ, "split-sum": CB_BF16_SPLIT_SUM, "split-even": CB_BF16_SPLIT_EVEN,
                "split-odd": CB_BF16_SPLIT_ODD}
+_BF16_ORDER_NAMES = {code: name for name, code in BF16_ORDERS.items()}
 
 
 def bf16_order():
     """The order of the interleaved bf16 products in use (a BF16_ORDERS name)."""
-    return {v: k for k, v in BF16_ORDERS.items()}[cb_bf16_order]
+    return _BF16_ORDER_NAMES[cb_bf16_order]
 
 
 def set_bf16_order(str name):
     """Use order `name` for the interleaved bf16 products from now on (tests run the split orders'
-    kernels on any AVX512_BF16 CPU; the engine keeps what the import self-test chose). ValueError if
-    it is not one."""
+    kernels on any AVX512_BF16 CPU; the engine keeps what the import self-test chose; on an AMX host
+    an order other than its unit's takes bf16 prompts off its tiles, keeping prompt = decode).
+    ValueError if it is not one."""
     if name not in BF16_ORDERS:
         raise ValueError(f"{name!r} is not an order of bf16 products; choose one of {', '.join(BF16_ORDERS)}")
     cb_set_bf16_order(BF16_ORDERS[name])
@@ -195,12 +203,14 @@ def search_bf16_order_emulated(str unit):
     the tier in use (dispatch.h, cb_self_test_bf16_orders): the order it keeps, None where none
     passes. Everything it changes is restored. ValueError where the tier has no amx-emulated step
     with a bf16 tile, or a check outside that tile fails."""
+    if unit not in BF16_ORDERS:
+        raise ValueError(f"{unit!r} is not an order of bf16 products; choose one of {', '.join(BF16_ORDERS)}")
     found = cb_search_bf16_order_emulated(cb_selected.isa, BF16_ORDERS[unit])
     if found == -3:
         raise ValueError(f"tier {isa()} has no amx-emulated step with a bf16 products tile here")
     if found == -2:
         raise ValueError("the amx-emulated step failed a self-test check outside its bf16 products tile")
-    return None if found == -1 else {v: k for k, v in BF16_ORDERS.items()}[found]
+    return None if found == -1 else _BF16_ORDER_NAMES[found]
 
 
 def set_prefill_repack(bint on):

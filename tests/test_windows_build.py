@@ -141,21 +141,23 @@ GCC = shutil.which("gcc")
 @pytest.mark.skipif(GCC is None or not shutil.which("objdump"), reason="no gcc or objdump")
 def test_the_amx_intrinsics_give_the_tile_instructions(tmp_path):
     """The intrinsics branch of the tile ops (MSVC's), built by GCC with CB_AMX_INTRINSICS: it
-    compiles, emits the same kinds of tile instructions as the inline-asm branch, and the AMX
-    kernels' emulated bits still hold (tools/bench/amx_check.c --emulated; the tile ops themselves
-    run only on an AMX CPU)."""
+    compiles, emits the same tile instructions as the inline-asm branch — each product and zeroing
+    on the same tiles in the same operand order —, and the AMX kernels' emulated bits still hold
+    (tools/bench/amx_check.c --emulated; the tile ops themselves run only on an AMX CPU)."""
     exe = {}
     for branch, extra in (("asm", []), ("intrinsics", ["-DCB_AMX_INTRINSICS", "-mamx-tile", "-mamx-int8", "-mamx-bf16"])):
         exe[branch] = tmp_path / f"amx_check_{branch}"
         r = subprocess.run([GCC, "-O2", "-fopenmp", *extra, f"-I{CSRC}", str(ROOT / "tools" / "bench" / "amx_check.c"),
                             "-o", str(exe[branch]), "-lm"], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
-    kinds = {}
+    kinds, products = {}, {}
     for branch, path in exe.items():
         dump = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
         kinds[branch] = set(re.findall(r"\b(ldtilecfg|tilerelease|tileloadd|tilestored|tilezero|tdpbssd|tdpbf16ps)\b", dump))
+        products[branch] = set(re.findall(r"\b((?:tdpbssd|tdpbf16ps|tilezero)\s+[%\w,]+)", dump))
     assert kinds["intrinsics"] == kinds["asm"] == {"ldtilecfg", "tilerelease", "tileloadd", "tilestored", "tilezero",
                                                    "tdpbssd", "tdpbf16ps"}
+    assert products["intrinsics"] == products["asm"] and len(products["asm"]) >= 8
     run = subprocess.run([str(exe["intrinsics"]), "--emulated"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:]
 

@@ -117,8 +117,12 @@ enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_S
 static int cb_amx_granted;
 static int cb_amx_failed_check;
 /* Its bf16 products tile (TDPBF16PS) is checked apart: the unit's order of roundings is not known
- * to be decode's (kernels_amx.h), and where it is not, only that tile stays off. */
+ * to be decode's (kernels_amx.h). Import's self-test finds the order it gives decode's bits in
+ * (cb_self_test_bf16_orders) and keeps it here; where no order does, only that tile stays off. The
+ * hardware tile is installed only while the order in use is the unit's (-1: not yet known), so an
+ * order set afterwards (_kernels.set_bf16_order) moves bf16 prompts to the AVX-512 tiles instead. */
 static int cb_amx_bf16_failed_check;
+static int cb_amx_bf16_unit_order = -1;
 static void cb_set_amx_granted(int granted) { cb_amx_granted = granted != 0; }
 
 /* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
@@ -163,7 +167,9 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
                               step == CB_INT_STEP_AMX ? cb_itile_amx : cb_itile_amx_emulated, NULL};
         if (cb_cpu.avx512_bf16)             /* (its last tokens go to the AVX512_BF16 tile) */
             amx.itile_bf16x = step == CB_INT_STEP_AMX_EMULATED ? cb_itile_bf16x_amx_emulated
-                            : cb_cpu.amx_bf16 && !cb_amx_bf16_failed_check ? cb_itile_bf16x_amx : NULL;
+                            : cb_cpu.amx_bf16 && !cb_amx_bf16_failed_check &&
+                              (cb_amx_bf16_unit_order < 0 || cb_amx_bf16_unit_order == cb_bf16_order)
+                                  ? cb_itile_bf16x_amx : NULL;
         s = amx;
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni &&
              (step == CB_INT_STEP_AMX_EMULATED ||
@@ -1003,7 +1009,7 @@ static int cb_self_test_bf16_orders(int isa, int step, int code) {
  * kept (CB_BF16_*), -1 where none passes, -2 where a check outside the bf16 tile fails, -3 where
  * the build or tier has no amx-emulated step. The order, the emulation and the int step restored. */
 static int cb_search_bf16_order_emulated(int isa, int unit) {
-    const int before_step = cb_selected.int_step, before_order = cb_bf16_order;
+    const int before_step = cb_selected.int_step, before_order = cb_bf16_order, before_unit = cb_amx_emu_unit_order;
     cb_int_kernels k;
     if (cb_int_step_kernels(CB_INT_STEP_AMX_EMULATED, isa, &k) != 0 || !k.itile_bf16x) return -3;
     cb_amx_emu_unit_order = unit;
@@ -1012,23 +1018,25 @@ static int cb_search_bf16_order_emulated(int isa, int unit) {
     int found = code == 0 ? CB_BF16_SEQ : -2;
     if (cb_selftest_is_amx_bf16_check(code))
         found = cb_self_test_bf16_orders(isa, CB_INT_STEP_AMX_EMULATED, code) == 0 ? cb_bf16_order : -1;
-    cb_amx_emu_unit_order = -1;
+    cb_amx_emu_unit_order = before_unit;
     cb_bf16_order = before_order;
     cb_select_kernels(isa, before_step);
     return found;
 }
 
-/* cb_self_test_step with the int step import would choose for `isa`. Where that is the AMX step
- * and its bf16 products tile fails, the step is tested in each split order of bf16 products
- * (cb_bf16_order: the unit may sum a TDPBF16PS's even and odd products apart, as the SDM says) and
- * the first that passes is kept — decode and the other bf16 tiles then add in that order; where
- * none passes, the order stays vdpbf16ps's, that tile stays off (cb_amx_bf16_failed_check) and the
- * step is tested again without it. Where the AMX step then fails, the tier is tested again without it: if
+/* cb_self_test_step with the int step import would choose for `isa`, in vdpbf16ps's order of bf16
+ * products. Where that is the AMX step and its bf16 products tile fails, the step is tested in each
+ * split order (cb_bf16_order: the unit may sum a TDPBF16PS's even and odd products apart, as the
+ * SDM says) and the first that passes is kept as the unit's (cb_amx_bf16_unit_order) — decode and
+ * the other bf16 tiles then add in that order; where none passes, the order stays vdpbf16ps's,
+ * that tile stays off (cb_amx_bf16_failed_check) and the step is tested again without it. Where the AMX step then fails, the tier is tested again without it: if
  * it then passes, the failure was the AMX step's, which stays off (cb_amx_failed_check keeps the
  * check: _kernels warns); if not, the tier's own code fails and the AMX step is left as it was. */
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
+    cb_bf16_order = CB_BF16_SEQ;                    /* the unit's order found again from vdpbf16ps's */
+    cb_amx_bf16_unit_order = -1;
     const int step = cb_best_int_step(isa);
     int code = cb_self_test_step(isa, step);
     if (step == CB_INT_STEP_AMX && cb_selftest_is_amx_bf16_check(code)) {
@@ -1038,6 +1046,7 @@ static int cb_self_test(int isa) {
             code = cb_self_test_step(isa, step);    /* (its table now without that tile) */
         }
     }
+    if (code == 0 && step == CB_INT_STEP_AMX && cb_amx_bf16_installed()) cb_amx_bf16_unit_order = cb_bf16_order;
     if (code > 0 && step == CB_INT_STEP_AMX) {
         cb_amx_failed_check = code;
         const int without = cb_self_test_step(isa, cb_best_int_step(isa));

@@ -27,12 +27,12 @@
  * long for 1 row as for 16) and an odd last group go to the AVX512-VNNI step.
  *
  * The tile ops are instantiated twice (amx_body.h): with the instructions (GCC/clang inline asm:
- * the assembler knows them; no compiler flag is needed), and emulated in C on a thread's array of
+ * the assembler knows them, no compiler flag is needed; MSVC the _tile_* intrinsics), and emulated
+ * in C on a thread's array of
  * 8 tiles ("amx-emulated": the body's bits tested on any AVX-512 CPU). The real step runs only
  * where the CPU has AMX-INT8, XCR0 enables the tile state, the OS lent it to the process
  * (_os.request_tile_data: Linux arch_prctl; Windows 11 / Server 2022 as an optional feature the
- * process turns on) and the import-time self-test passed (dispatch.h cb_self_test). MSVC has no
- * inline asm on x64 (it would take its _tile_* intrinsics): no AMX step in a Windows build yet.
+ * process turns on) and the import-time self-test passed (dispatch.h cb_self_test).
  */
 #ifndef COLIBRI_KERNELS_AMX_H
 #define COLIBRI_KERNELS_AMX_H
@@ -171,6 +171,7 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
  * the tile over a whole chunk of CB_AMX_BF16_CHUNKS x 64 inputs: the tile unit, not the vector
  * ports, sets the pace. */
 #define CB_AMX_BF16_UNITS 16            /* units c (4 inputs) a TDPBF16PS */
+CB_STATIC_ASSERT(CB_AMX_BF16_UNITS * 4 == CB_BF16_SPLIT_INPUTS, "a split order's span is one TDPBF16PS's inputs");
 #define CB_AMX_BF16_CHUNKS 16           /* 64-input chunks of B unpacked at a time: 32 KB, in L1 and L2 */
 
 /* One chunk of 64 inputs of a group pair as B, both lanes (2 KB). */
@@ -237,7 +238,9 @@ CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_weights(cb_amx_bf16_w *wb, co
 
 /* ---- the tile ops ------------------------------------------------------------------------------
  * The instructions, as GCC's own intrinsics write them (both assembler dialects), but with a
- * "memory" clobber on the loads too: the packed A and B are written just before. */
+ * "memory" clobber on the loads too: the packed A and B are written just before. The intrinsics
+ * branch (MSVC, whose intrinsics the compiler takes as touching memory; GCC or clang with
+ * CB_AMX_INTRINSICS, given the same clobber by an empty asm before each load) is otherwise alike. */
 #if CB_AMX_ASM
 #define CB_AMX_HW_LOADCFG(cfg) __asm__ volatile("ldtilecfg %0" ::"m"(*(const cb_amx_config *)(cfg)))
 #define CB_AMX_HW_RELEASE() __asm__ volatile("tilerelease" ::)
@@ -253,9 +256,15 @@ CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_weights(cb_amx_bf16_w *wb, co
 #define CB_AMX_HW_DPBF16PS(c, a, b) \
     __asm__ volatile("{tdpbf16ps\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c "|tdpbf16ps\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
 #else                                   /* the intrinsics: C = tile c, A = tile a, B = tile b alike */
-#define CB_AMX_HW_LOADCFG(cfg) _tile_loadconfig((const void *)(cfg))
+#if defined(__GNUC__) || defined(__clang__)
+#define CB_AMX_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+#else
+#define CB_AMX_MEMORY_BARRIER() ((void)0)
+#endif
+#define CB_AMX_HW_LOADCFG(cfg) do { CB_AMX_MEMORY_BARRIER(); _tile_loadconfig((const void *)(cfg)); } while (0)
 #define CB_AMX_HW_RELEASE() _tile_release()
-#define CB_AMX_HW_LOAD(t, base, stride) _tile_loadd(t, (const void *)(base), (size_t)(stride))
+#define CB_AMX_HW_LOAD(t, base, stride) \
+    do { CB_AMX_MEMORY_BARRIER(); _tile_loadd(t, (const void *)(base), (size_t)(stride)); } while (0)
 #define CB_AMX_HW_STORE(t, base, stride) _tile_stored(t, (void *)(base), (size_t)(stride))
 #define CB_AMX_HW_ZERO(t) _tile_zero(t)
 #define CB_AMX_HW_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
