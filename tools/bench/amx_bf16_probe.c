@@ -21,8 +21,10 @@
  * candidates sum in double, exactly at these magnitudes), no subnormals; then one check each of
  * DAZ (a subnormal input taken as zero) and FTZ (a subnormal result flushed). Output: per
  * instruction, K (pairs an instruction) and candidate, how many outputs differ; "matches" names the
- * candidates that never differ. Needs x86-64 Linux; the tile part AMX-BF16 and Linux 5.16+ (the tile
- * state is asked for with arch_prctl, as colibri._os does), the vector part AVX512_BF16.
+ * candidates that never differ, and for TDPBF16PS at K = 16 the engine's order of bf16 products that
+ * follows (what its import self-test will choose). Needs x86-64 Linux; the tile part AMX-BF16 and
+ * Linux 5.16+ (the tile state is asked for with arch_prctl, as colibri._os does), the vector part
+ * AVX512_BF16.
  */
 #define _GNU_SOURCE
 #include <cpuid.h>
@@ -131,10 +133,14 @@ static float all_fused(float c, int m, int n, int k0, int k1) {
 }
 #undef P
 
-static const struct { const char *name; candidate_fn fn; } candidates[] = {
-    {"seq-even-first", seq_even_first}, {"seq-odd-first", seq_odd_first},
-    {"split:c+(e+o)", split_sum_then_c}, {"split:(c+e)+o", split_c_even_odd}, {"split:(c+o)+e", split_c_odd_even},
-    {"pair-rounded", pair_rounded}, {"pair-fused", pair_fused}, {"all-fused", all_fused},
+/* colibri: the engine's order of bf16 products (kernels_scalar.h, cb_bf16_order) in which its AMX
+ * tile gives decode's bits where TDPBF16PS follows the candidate (the tile swaps each pair, so the
+ * instruction's even element is the pair's higher input), or NULL: the tile stays off there. */
+static const struct { const char *name; candidate_fn fn; const char *colibri; } candidates[] = {
+    {"seq-even-first", seq_even_first, "seq"}, {"seq-odd-first", seq_odd_first, NULL},
+    {"split:c+(e+o)", split_sum_then_c, "split-sum"}, {"split:(c+e)+o", split_c_even_odd, "split-even"},
+    {"split:(c+o)+e", split_c_odd_even, "split-odd"},
+    {"pair-rounded", pair_rounded, NULL}, {"pair-fused", pair_fused, NULL}, {"all-fused", all_fused, NULL},
 };
 enum { NCAND = sizeof candidates / sizeof *candidates };
 
@@ -229,6 +235,12 @@ static void compare(const char *what, int tile, int K, int trials) {
     for (int c = 0; c < NCAND; c++)
         if (differ[c] == 0) { printf(" %s", candidates[c].name); any = 1; }
     printf("%s\n", any ? "" : " none of the candidates");
+    if (!tile || K != KMAX) return;
+    const char *order = NULL;          /* the engine's tile: one TDPBF16PS of KMAX pairs a lane */
+    for (int c = 0; c < NCAND && !order; c++)
+        if (differ[c] == 0) order = candidates[c].colibri;
+    printf("%s K=%d: colibri's bf16 order %s\n", what, K,
+           order ? order : "none (its AMX bf16 tile stays off: bf16 prompts take vdpbf16ps)");
 }
 
 /* DAZ: a subnormal input times 2^100 (0 if taken as zero); FTZ: 2^-70 x 2^-70 (0 if flushed). */
