@@ -762,6 +762,11 @@ def cmd_info(args) -> int:
     print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
           f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)")
     print(f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels (decode and prefill)")
+    if _kernels.has_bf16_products():
+        order = _kernels.bf16_order()
+        print("bf16:         bf16 products on vdpbf16ps (order seq)" if order == "seq" else
+              f"bf16:         bf16 products in order {order}: widened FMAs, each lane's even and odd sums apart "
+              f"every 64 inputs (an AMX unit's order, or COLIBRI_BF16_ORDER)")
     print(f"amx:          {_kernels.amx_status()}")
     return 0
 

@@ -186,6 +186,12 @@ def test_info(mixtral, converted):
     assert "layers:       2 (2 MoE, 0 dense)" in p.stdout
     assert "tokenizer:    tokenizer.model (" in p.stdout
     assert f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels" in p.stdout
+    if _kernels.has_bf16_products():          # (on an AMX-BF16 host the unit's order, found at import)
+        order = _kernels.bf16_order()
+        assert ("bf16:         bf16 products on vdpbf16ps (order seq)" if order == "seq" else
+                f"bf16:         bf16 products in order {order}: widened FMAs") in p.stdout
+    else:
+        assert "bf16:  " not in p.stdout
     q = colibri("info", "--model-dir", converted("qwen3moe_a", "f32"))
     assert q.returncode == 0, q.stderr
     assert "architecture: qwen3_moe (from Qwen3MoeForCausalLM)" in q.stdout
