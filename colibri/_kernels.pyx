@@ -187,25 +187,27 @@ def bf16_order():
     return _BF16_ORDER_NAMES[cb_bf16_order]
 
 
+def _bf16_order_code(str name):
+    if name not in BF16_ORDERS:
+        raise ValueError(f"{name!r} is not an order of bf16 products; choose one of {', '.join(BF16_ORDERS)}")
+    return BF16_ORDERS[name]
+
+
 def set_bf16_order(str name):
     """Use order `name` for the interleaved bf16 products from now on (tests run the split orders'
     kernels on any AVX512_BF16 CPU; the engine keeps what the import self-test chose; on an AMX host
     an order other than its unit's takes bf16 prompts off its tiles, keeping prompt = decode).
     ValueError if it is not one."""
-    if name not in BF16_ORDERS:
-        raise ValueError(f"{name!r} is not an order of bf16 products; choose one of {', '.join(BF16_ORDERS)}")
-    cb_set_bf16_order(BF16_ORDERS[name])
+    cb_set_bf16_order(_bf16_order_code(name))
 
 
 def search_bf16_order_emulated(str unit):
     """Play an AMX unit whose TDPBF16PS adds in order `unit` (a BF16_ORDERS name: the emulated tile
     fixed to it) and run import's search for the order of bf16 products on the amx-emulated step of
-    the tier in use (dispatch.h, cb_self_test_bf16_orders): the order it keeps, None where none
+    the tier in use (dispatch.h, cb_self_test_step_bf16_orders): the order it keeps, None where none
     passes. Everything it changes is restored. ValueError where the tier has no amx-emulated step
     with a bf16 tile, or a check outside that tile fails."""
-    if unit not in BF16_ORDERS:
-        raise ValueError(f"{unit!r} is not an order of bf16 products; choose one of {', '.join(BF16_ORDERS)}")
-    found = cb_search_bf16_order_emulated(cb_selected.isa, BF16_ORDERS[unit])
+    found = cb_search_bf16_order_emulated(cb_selected.isa, _bf16_order_code(unit))
     if found == -3:
         raise ValueError(f"tier {isa()} has no amx-emulated step with a bf16 products tile here")
     if found == -2:

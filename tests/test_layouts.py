@@ -505,7 +505,7 @@ def test_bf16_products_flush_subnormals_alike_in_every_order(order):
 @pytest.mark.parametrize("unit", sorted(_kernels.BF16_ORDERS))
 def test_the_self_test_finds_the_amx_units_order_of_bf16_products(unit):
     """Import's search on an AMX host whose TDPBF16PS fails the vdpbf16ps order (dispatch.h,
-    cb_self_test_bf16_orders), played by the emulated tile fixed to each order: it keeps exactly
+    cb_self_test_step_bf16_orders), played by the emulated tile fixed to each order: it keeps exactly
     that order (every other fails the self-test's bit checks), and leaves the order in use as it
     was."""
     if _kernels.isa() != "avx512" or not _kernels.has_bf16_products() \

@@ -118,7 +118,7 @@ static int cb_amx_granted;
 static int cb_amx_failed_check;
 /* Its bf16 products tile (TDPBF16PS) is checked apart: the unit's order of roundings is not known
  * to be decode's (kernels_amx.h). Import's self-test finds the order it gives decode's bits in
- * (cb_self_test_bf16_orders) and keeps it here; where no order does, only that tile stays off. The
+ * (cb_self_test_step_bf16_orders) and keeps it here; where no order does, only that tile stays off. The
  * hardware tile is installed only while the order in use is the unit's (-1: not yet known), so an
  * order set afterwards (_kernels.set_bf16_order) moves bf16 prompts to the AVX-512 tiles instead. */
 static int cb_amx_bf16_failed_check;
@@ -989,12 +989,17 @@ static int cb_self_test_step(int isa, int step) {
     return 0;
 }
 
-/* Where tier `isa` with AMX step `step` failed its self-test (`code`) in the AMX bf16 tile's check
- * with vdpbf16ps's order: the split orders in turn (kernels_scalar.h: the unit may sum a TDPBF16PS's
- * even and odd products apart), the first in which the whole self-test passes kept (0 returned:
- * decode and every bf16 products tile now add in it); where none does, the order back to
- * vdpbf16ps's and `code` returned. The selection is left at (isa, step). */
-static int cb_self_test_bf16_orders(int isa, int step, int code) {
+/* cb_self_test_step of tier `isa` with int step `step` in vdpbf16ps's order of bf16 products and,
+ * where it fails in the AMX bf16 tile's checks, in each split order in turn (kernels_scalar.h: the
+ * unit may sum a TDPBF16PS's even and odd products apart): the first order in which the whole
+ * self-test passes is kept (0 returned: decode and every bf16 products tile now add in it). Where
+ * none does, the order is back to vdpbf16ps's and the first run's check returned, *bf16_tile
+ * telling whether it was the AMX bf16 tile's. The selection is left at (isa, step). */
+static int cb_self_test_step_bf16_orders(int isa, int step, int *bf16_tile) {
+    cb_bf16_order = CB_BF16_SEQ;
+    const int code = cb_self_test_step(isa, step);
+    *bf16_tile = cb_selftest_is_amx_bf16_check(code);
+    if (!*bf16_tile) return code;
     for (int order = CB_BF16_SPLIT_SUM; order < CB_BF16_ORDERS; order++) {
         cb_bf16_order = order;
         if (cb_self_test_step(isa, step) == 0) return 0;
@@ -1013,11 +1018,9 @@ static int cb_search_bf16_order_emulated(int isa, int unit) {
     cb_int_kernels k;
     if (cb_int_step_kernels(CB_INT_STEP_AMX_EMULATED, isa, &k) != 0 || !k.itile_bf16x) return -3;
     cb_amx_emu_unit_order = unit;
-    cb_bf16_order = CB_BF16_SEQ;
-    const int code = cb_self_test_step(isa, CB_INT_STEP_AMX_EMULATED);
-    int found = code == 0 ? CB_BF16_SEQ : -2;
-    if (cb_selftest_is_amx_bf16_check(code))
-        found = cb_self_test_bf16_orders(isa, CB_INT_STEP_AMX_EMULATED, code) == 0 ? cb_bf16_order : -1;
+    int bf16_tile;
+    const int found = cb_self_test_step_bf16_orders(isa, CB_INT_STEP_AMX_EMULATED, &bf16_tile) == 0 ? cb_bf16_order
+                    : bf16_tile ? -1 : -2;
     cb_amx_emu_unit_order = before_unit;
     cb_bf16_order = before_order;
     cb_select_kernels(isa, before_step);
@@ -1035,16 +1038,13 @@ static int cb_search_bf16_order_emulated(int isa, int unit) {
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
-    cb_bf16_order = CB_BF16_SEQ;                    /* the unit's order found again from vdpbf16ps's */
-    cb_amx_bf16_unit_order = -1;
+    cb_amx_bf16_unit_order = -1;                    /* (found again) */
     const int step = cb_best_int_step(isa);
-    int code = cb_self_test_step(isa, step);
-    if (step == CB_INT_STEP_AMX && cb_selftest_is_amx_bf16_check(code)) {
-        code = cb_self_test_bf16_orders(isa, step, code);
-        if (code != 0) {
-            cb_amx_bf16_failed_check = code;
-            code = cb_self_test_step(isa, step);    /* (its table now without that tile) */
-        }
+    int bf16_tile;
+    int code = cb_self_test_step_bf16_orders(isa, step, &bf16_tile);
+    if (step == CB_INT_STEP_AMX && bf16_tile) {
+        cb_amx_bf16_failed_check = code;
+        code = cb_self_test_step(isa, step);        /* (its table now without that tile) */
     }
     if (code == 0 && step == CB_INT_STEP_AMX && cb_amx_bf16_installed()) cb_amx_bf16_unit_order = cb_bf16_order;
     if (code > 0 && step == CB_INT_STEP_AMX) {
