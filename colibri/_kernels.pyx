@@ -66,10 +66,6 @@ def cpu_features():
 HAVE_AMX = bool(CB_HAVE_AMX)
 
 
-def amx_failed_check():
-    """The import-time self-test check the amx step failed (it is then off), or 0."""
-    return cb_amx_failed_check
-
 def amx_bf16_failed_check():
     """The import-time self-test check the amx step's bf16 products tile failed (that tile is then
     off: bf16 prompts take vdpbf16ps; the int tiles stay on AMX), or 0."""
@@ -94,9 +90,9 @@ def amx_status(features=None):
     if not CB_HAVE_AMX:
         return (f"AMX ({kinds}): tile state granted by the OS, but this build has no amx step (it needs a 64-bit "
                 f"build: GCC or clang with an assembler that knows the tile instructions, or MSVC)")
-    if cb_amx_failed_check:
+    if "amx" in failed_int_steps():
         return (f"AMX ({kinds}): tile state granted by the OS, but the amx step failed its self-test "
-                f"(check {cb_amx_failed_check}): the {int_step()} step runs")
+                f"(check {failed_int_steps()['amx']}): the {int_step()} step runs")
     if not f["amx_int8"]:
         return f"AMX ({kinds}): tile state granted by the OS; no int8 products, so no step uses it"
     if cb_amx_bf16_failed_check:
@@ -159,6 +155,25 @@ def available_int_steps():
     names = [name for name, step in INT_STEPS.items() if cb_set_int_step(step) == 0]
     cb_set_int_step(before)
     return names
+
+
+def failed_int_steps():
+    """{INT_STEPS name: self-test check}: the steps the last self-test of a tier turned off (each
+    failed where a slower step of the tier passed: dispatch.h, cb_self_test); empty where none."""
+    return {name: cb_int_step_failed_check[step] for name, step in INT_STEPS.items()
+            if cb_int_step_failed_check[step]}
+
+
+def set_faulty_int_steps(names=()):
+    """For the tests: make the interleaved kernels of the int steps `names` miscompute from now on
+    (none: every step as it is), so the self-test's fallback can be run on a CPU whose steps all
+    agree. The table is refilled with the step in use."""
+    cdef unsigned mask = 0
+    for name in names:
+        if name not in INT_STEPS:
+            raise ValueError(f"{name!r} is not an int step; choose one of {', '.join(INT_STEPS)}")
+        mask |= 1u << INT_STEPS[name]
+    cb_set_faulty_int_steps(mask)
 
 
 def set_int_step(str name):
@@ -291,6 +306,18 @@ def choose_tier(forced: str, available, test):
     return "scalar", None, None
 
 
+def int_step_warnings():
+    """The lines import warns with after the tier's self-test: each int step it turned off, and the
+    AMX bf16 products tile where only that tile was."""
+    failed = failed_int_steps()
+    lines = [f"colibri: the {name} int step failed its self-test (check {check}); using the {int_step()} step"
+             for name, check in failed.items()]
+    if cb_amx_bf16_failed_check and "amx" not in failed:
+        lines.append(f"colibri: the amx step's bf16 products tile failed its self-test (check "
+                     f"{cb_amx_bf16_failed_check}); bf16 prompts take vdpbf16ps")
+    return lines
+
+
 def _select_at_import():
     """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test; then the int
     step COLIBRI_INT_STEP names, if set (e.g. COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: what an
@@ -306,12 +333,8 @@ def _select_at_import():
     if error:
         raise ValueError(error)
     select_isa(name)
-    if cb_amx_bf16_failed_check and not cb_amx_failed_check:
-        warnings.warn(f"colibri: the amx step's bf16 products tile failed its self-test (check "
-                      f"{cb_amx_bf16_failed_check}); bf16 prompts take vdpbf16ps", RuntimeWarning, stacklevel=2)
-    if cb_amx_failed_check:
-        warnings.warn(f"colibri: the amx int step failed its self-test (check {cb_amx_failed_check}); "
-                      f"using the {int_step()} step", RuntimeWarning, stacklevel=2)
+    for line in int_step_warnings():
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     step = os.environ.get("COLIBRI_INT_STEP", "").strip().lower()
     if step:
         try:

@@ -761,7 +761,9 @@ def cmd_info(args) -> int:
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
     print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
           f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)")
-    print(f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels (decode and prefill)")
+    off = "".join(f"; {name} off: it failed the self-test's check {check}"
+                  for name, check in _kernels.failed_int_steps().items())
+    print(f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels (decode and prefill){off}")
     if _kernels.has_bf16_products():
         order = _kernels.bf16_order()
         print("bf16:         bf16 products on vdpbf16ps (order seq)" if order == "seq" else

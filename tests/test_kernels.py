@@ -494,6 +494,41 @@ def test_every_int_step_passes_the_self_test(isa):
         assert _kernels.self_test_int_step("amx") == "int step amx cannot run here"
 
 
+def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
+    """The tier's self-test as import runs it, with int steps made to miscompute: where the fastest
+    step fails and a slower one passes, the step is turned off (named, with its check, in import's
+    warning) and the tier kept with the slower step — an AVX-512 CPU whose VNNI misbehaves keeps its
+    AVX-512 attention and bf16 kernels; where the tier's slowest step fails too, the tier's own code
+    is at fault: the self-test fails and no step is left off. A later self-test starts afresh."""
+    steps = [s for s in _kernels.available_int_steps() if s not in _kernels.EMULATED_INT_STEPS]
+    if len(steps) < 2:
+        pytest.skip(f"tier {isa} has one int step here ({steps[0]})")
+    try:
+        for k in range(1, len(steps)):                 # the fastest k steps fail
+            faulty = steps[-k:]
+            _kernels.set_faulty_int_steps(faulty)
+            assert _kernels.self_test(isa) is None, faulty
+            assert _kernels.isa() == isa and _kernels.int_step() == steps[-k - 1]
+            failed = _kernels.failed_int_steps()
+            assert sorted(failed) == sorted(faulty) and all(check > 0 for check in failed.values())
+            assert not set(faulty) & set(_kernels.available_int_steps())
+            warnings = _kernels.int_step_warnings()
+            for name in faulty:
+                assert (f"colibri: the {name} int step failed its self-test (check {failed[name]}); "
+                        f"using the {steps[-k - 1]} step") in warnings
+        _kernels.set_faulty_int_steps(steps)           # every step: the tier's fault
+        message = _kernels.self_test(isa)
+        assert message is not None and "disagree with the scalar spec" in message
+        assert _kernels.failed_int_steps() == {}
+        _kernels.set_faulty_int_steps([steps[0]])      # only the slowest: the fastest runs
+        assert _kernels.self_test(isa) is None and _kernels.int_step() == steps[-1]
+        assert _kernels.failed_int_steps() == {} and _kernels.int_step_warnings() == []
+    finally:
+        _kernels.set_faulty_int_steps()
+        assert _kernels.self_test(isa) is None
+    assert _kernels.failed_int_steps() == {} and _kernels.int_step() == steps[-1]
+
+
 def test_a_tier_that_fails_its_self_test_is_not_used():
     """choose_tier: the fastest tier that passes, the failures named in one warning; a forced tier
     (COLIBRI_ISA) that fails, is unknown or unavailable is an error naming it."""

@@ -109,13 +109,23 @@ static struct { int prefill_repack; } cb_options = {1};
  * the VNNI step emulated in AVX2 (tests only), AVX-VNNI, AVX512-VNNI, then AVX512-VNNI with the
  * interleaved prompts on AMX tiles (its tile ops emulated in C: tests only). All give the same bits. */
 enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI,
-       CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX };
+       CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX, CB_INT_STEPS };
+
+/* An int step that failed import's self-test on a tier whose kernels passed with a slower step
+ * (cb_self_test) is off from then on: the number of the check it failed, 0 for a step in use.
+ * The slowest step of a tier is never off: where it fails too, the tier's own code is at fault. */
+static int cb_int_step_failed_check[CB_INT_STEPS];
+
+/* For the tests: the int steps (bit CB_INT_STEP_*) whose interleaved kernel is made to miscompute,
+ * to hold the self-test's fallback to account on a CPU whose steps all agree
+ * (cb_set_faulty_int_steps); the table in use then wraps its step's kernel, kept here. */
+static unsigned cb_faulty_int_steps;
+static cb_itile_fn cb_faulty_itile_of;
 
 /* The AMX step (kernels_amx.h: the AVX512-VNNI step with the interleaved prompts on AMX tiles) runs
  * only once the OS has lent this process the tile state (_kernels asks at import, then sets this)
- * and until its self-test fails (cb_self_test; the failure's check number is kept here). */
+ * and until its self-test fails (cb_int_step_failed_check). */
 static int cb_amx_granted;
-static int cb_amx_failed_check;
 /* Its bf16 products tile (TDPBF16PS) is checked apart: the unit's order of roundings is not known
  * to be decode's (kernels_amx.h). Import's self-test finds the order it gives decode's bits in
  * (cb_self_test_step_bf16_orders) and keeps it here; where no order does, only that tile stays off. The
@@ -124,6 +134,15 @@ static int cb_amx_failed_check;
 static int cb_amx_bf16_failed_check;
 static int cb_amx_bf16_unit_order = -1;
 static void cb_set_amx_granted(int granted) { cb_amx_granted = granted != 0; }
+
+/* A faulty step's interleaved kernel (cb_faulty_int_steps): its kernel's products with the first
+ * output of each call changed (one token, one group: what a wrong instruction on some inputs would
+ * do). */
+static void cb_itile_faulty(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
+                            int g1, int n) {
+    cb_faulty_itile_of(out, ldo, w, dtype, acts, cols, g0, g1, n);
+    if (g0 < g1 && n > 0) out[(size_t)g0 * CB_TGROUP] = 2.0f * out[(size_t)g0 * CB_TGROUP] + 1.0f;
+}
 
 /* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
  * CPU has no such step. The registry the table is filled from (and the tests choose from). */
@@ -173,11 +192,11 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
         s = amx;
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni &&
              (step == CB_INT_STEP_AMX_EMULATED ||
-              (cb_cpu.amx_tile && cb_cpu.amx_int8 && cb_cpu.os_amx && cb_amx_granted && !cb_amx_failed_check));
+              (cb_cpu.amx_tile && cb_cpu.amx_int8 && cb_cpu.os_amx && cb_amx_granted));
     }
 #endif
 #endif
-    if (!ok) return -1;
+    if (!ok || cb_int_step_failed_check[step]) return -1;
     *k = s;
     return 0;
 }
@@ -296,6 +315,11 @@ static int cb_select_kernels(int isa, int step) {
             t.mat[d][CB_INTERLEAVED].itile = k.itile;
     }
     if (k.itile_bf16x && t.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x) t.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x = k.itile_bf16x;
+    if (cb_faulty_int_steps >> step & 1u) {             /* (tests) */
+        cb_faulty_itile_of = k.itile;
+        for (int d = 0; d < CB_N_DTYPES; d++)
+            if (t.mat[d][CB_INTERLEAVED].itile == k.itile) t.mat[d][CB_INTERLEAVED].itile = cb_itile_faulty;
+    }
     cb_kt = t;
     cb_selected.isa = isa;
     cb_selected.int_step = step;
@@ -1027,33 +1051,50 @@ static int cb_search_bf16_order_emulated(int isa, int unit) {
     return found;
 }
 
-/* cb_self_test_step with the int step import would choose for `isa`, in vdpbf16ps's order of bf16
- * products. Where that is the AMX step and its bf16 products tile fails, the step is tested in each
- * split order (cb_bf16_order: the unit may sum a TDPBF16PS's even and odd products apart, as the
- * SDM says) and the first that passes is kept as the unit's (cb_amx_bf16_unit_order) — decode and
- * the other bf16 tiles then add in that order; where none passes, the order stays vdpbf16ps's,
- * that tile stays off (cb_amx_bf16_failed_check) and the step is tested again without it. Where the AMX step then fails, the tier is tested again without it: if
- * it then passes, the failure was the AMX step's, which stays off (cb_amx_failed_check keeps the
- * check: _kernels warns); if not, the tier's own code fails and the AMX step is left as it was. */
+/* The self-test of tier `isa` as import runs it: with the fastest int step the tier has here, in
+ * vdpbf16ps's order of bf16 products; where that step fails and a slower one passes, the failure
+ * was the step's, which stays off (cb_int_step_failed_check keeps its check: _kernels warns) and
+ * the tier runs the slower one; where the tier's slowest step fails too, the tier's own code is at
+ * fault: every step is left on and that step's failure returned (the caller tries another tier).
+ * The AMX step's bf16 products tile first gets its own search: where it fails, the step is tested
+ * in each split order (cb_bf16_order: the unit may sum a TDPBF16PS's even and odd products apart,
+ * as the SDM says) and the first that passes is kept as the unit's (cb_amx_bf16_unit_order) —
+ * decode and the other bf16 tiles then add in that order; where none passes, the order stays
+ * vdpbf16ps's, that tile stays off (cb_amx_bf16_failed_check) and the step is tested again
+ * without it. Every run starts afresh: no step or tile off. */
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
+    memset(cb_int_step_failed_check, 0, sizeof cb_int_step_failed_check);
+    cb_amx_bf16_failed_check = 0;
     cb_amx_bf16_unit_order = -1;                    /* (found again) */
-    const int step = cb_best_int_step(isa);
-    int bf16_tile;
-    int code = cb_self_test_step_bf16_orders(isa, step, &bf16_tile);
-    if (step == CB_INT_STEP_AMX && bf16_tile) {
-        cb_amx_bf16_failed_check = code;
-        code = cb_self_test_step(isa, step);        /* (its table now without that tile) */
+    for (;;) {
+        const int step = cb_best_int_step(isa);
+        int bf16_tile;
+        int code = cb_self_test_step_bf16_orders(isa, step, &bf16_tile);
+        if (step == CB_INT_STEP_AMX && bf16_tile) {
+            cb_amx_bf16_failed_check = code;
+            code = cb_self_test_step(isa, step);    /* (its table now without that tile) */
+        }
+        if (code == 0) {
+            if (step == CB_INT_STEP_AMX && cb_amx_bf16_installed()) cb_amx_bf16_unit_order = cb_bf16_order;
+            return 0;
+        }
+        cb_int_step_failed_check[step] = code;
+        if (code < 0 || cb_best_int_step(isa) == step || cb_select_kernels(isa, cb_best_int_step(isa)) != 0) {
+            memset(cb_int_step_failed_check, 0, sizeof cb_int_step_failed_check);   /* the tier's own fault */
+            cb_amx_bf16_failed_check = 0;
+            cb_select_kernels(isa, cb_best_int_step(isa));
+            return code;
+        }
     }
-    if (code == 0 && step == CB_INT_STEP_AMX && cb_amx_bf16_installed()) cb_amx_bf16_unit_order = cb_bf16_order;
-    if (code > 0 && step == CB_INT_STEP_AMX) {
-        cb_amx_failed_check = code;
-        const int without = cb_self_test_step(isa, cb_best_int_step(isa));
-        if (without != 0) cb_amx_failed_check = cb_amx_bf16_failed_check = 0;   /* the tier's own fault */
-        return without;
-    }
-    return code;
+}
+
+/* For the tests: make the interleaved kernel of each int step in `steps` (bit CB_INT_STEP_*)
+ * miscompute, and no other's (0: none); the table is refilled with the step in use. */
+static void cb_set_faulty_int_steps(unsigned steps) {
+    cb_faulty_int_steps = steps;
+    cb_select_kernels(cb_selected.isa, cb_selected.int_step);
 }
 
 #endif /* COLIBRI_DISPATCH_H */
