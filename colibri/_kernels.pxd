@@ -76,7 +76,8 @@ cdef extern from "dispatch.h" nogil:
     int cb_self_test(int isa)
     int cb_self_test_step(int isa, int step)
     int cb_set_int_step(int step)
-    int CB_BF16_SEQ, CB_BF16_SPLIT_SUM, CB_BF16_SPLIT_EVEN, CB_BF16_SPLIT_ODD   # orders of bf16 products
+    int CB_BF16_SEQ, CB_BF16_ORDERS   # orders of bf16 products: CB_BF16_SEQ .. CB_BF16_ORDERS - 1
+    const char *cb_bf16_order_names[]   # [CB_BF16_ORDERS] their names
     int cb_bf16_order            # the order in use (kernels_scalar.h); the import self-test sets it
     int cb_amx_bf16_unit_order   # the AMX unit's order its self-test found (-1: not known)
     int cb_set_bf16_order(int order)

@@ -192,8 +192,7 @@ def set_int_step(str name):
 # odd products of each 64 inputs summed apart, then joined to the lane: lane + (even + odd),
 # (lane + even) + odd, (lane + odd) + even). The import self-test keeps "seq" unless the AMX tile
 # passes only in a split order; decode and every bf16 products tile then follow it.
-BF16_ORDERS = {"seq": CB_BF16_SEQ, "split-sum": CB_BF16_SPLIT_SUM, "split-even": CB_BF16_SPLIT_EVEN,
-               "split-odd": CB_BF16_SPLIT_ODD}
+BF16_ORDERS = {cb_bf16_order_names[order].decode(): order for order in range(CB_BF16_SEQ, CB_BF16_ORDERS)}
 _BF16_ORDER_NAMES = {code: name for name, code in BF16_ORDERS.items()}
 
 

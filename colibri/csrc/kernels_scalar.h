@@ -493,6 +493,8 @@ typedef void (*cb_itile_fn)(float *out, int ldo, const char *w, int dtype, const
  * kernels_avx512.h), so a prompt keeps decode's bits on such a unit. The import self-test chooses
  * the order (dispatch.h, cb_self_test); tests set it (_kernels.set_bf16_order). */
 enum { CB_BF16_SEQ, CB_BF16_SPLIT_SUM, CB_BF16_SPLIT_EVEN, CB_BF16_SPLIT_ODD, CB_BF16_ORDERS };
+/* Their names (COLIBRI_BF16_ORDER, _kernels.BF16_ORDERS, the tools' reports). */
+static const char *const cb_bf16_order_names[CB_BF16_ORDERS] = {"seq", "split-sum", "split-even", "split-odd"};
 #define CB_BF16_SPLIT_INPUTS 64         /* the inputs of one TDPBF16PS of a lane: 16 vectors of 4 */
 static int cb_bf16_order = CB_BF16_SEQ;
 /* The order the emulated AMX unit adds in (kernels_amx.h): -1 follows cb_bf16_order; tests fix

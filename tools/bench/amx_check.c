@@ -43,8 +43,6 @@ static const char *dtype_name(int d) {
          : d == CB_BF16 ? "bf16" : "?";
 }
 
-static const char *const order_names[CB_BF16_ORDERS] = {"seq", "split-sum", "split-even", "split-odd"};
-
 /* The tiles compared for a format: bf16 multiplies bf16 products (acts.xb) against AVX512_BF16's
  * in the order in use (cb_bf16_order; timed against vdpbf16ps's, the AVX-512 prompt tile). */
 static cb_itile_fn reference_tile(int dtype) {
@@ -169,19 +167,19 @@ static int check_bits(int emulated, const char *label, int only) {
             free_acts(acts, n);
         }
     printf("bits %s: %d of %d cases the same bits as the AVX512-VNNI (bf16: AVX512_BF16, order %s) tile\n", label,
-           cases - fails, cases, order_names[cb_bf16_order]);
+           cases - fails, cases, cb_bf16_order_names[cb_bf16_order]);
     return fails;
 }
 
 /* Where the bf16 tile misses vdpbf16ps's bits: the split orders in turn, the first whose bits it
  * gives kept in cb_bf16_order (as import's self-test does); the order's name, or NULL (back to seq). */
 static const char *find_bf16_order(int emulated, const char *label) {
-    if (check_bits(emulated, label, CB_BF16) == 0) return order_names[CB_BF16_SEQ];
+    if (check_bits(emulated, label, CB_BF16) == 0) return cb_bf16_order_names[CB_BF16_SEQ];
     for (int order = CB_BF16_SPLIT_SUM; order < CB_BF16_ORDERS; order++) {
         cb_bf16_order = order;
         if (check_bits(emulated, label, CB_BF16) == 0) {
-            printf("bf16 order %s: %s (the unit sums TDPBF16PS's even and odd products apart)\n", label, order_names[order]);
-            return order_names[order];
+            printf("bf16 order %s: %s (the unit sums TDPBF16PS's even and odd products apart)\n", label, cb_bf16_order_names[order]);
+            return cb_bf16_order_names[order];
         }
     }
     cb_bf16_order = CB_BF16_SEQ;
@@ -329,7 +327,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--emulated-unit") && i + 1 < argc) {
             const char *name = argv[++i];
             for (int o = 0; o < CB_BF16_ORDERS; o++)
-                if (!strcmp(name, order_names[o])) unit = o;
+                if (!strcmp(name, cb_bf16_order_names[o])) unit = o;
             if (unit < 0) { fprintf(stderr, "amx_check: unknown order %s\n", name); return 2; }
         }
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
