@@ -529,6 +529,37 @@ def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
     assert _kernels.failed_int_steps() == {} and _kernels.int_step() == steps[-1]
 
 
+def test_a_lower_tiers_self_test_keeps_what_a_higher_one_found():
+    """A tier's self-test tests its own steps afresh and leaves alone what an earlier one found of
+    the steps it does not have, and the order of bf16 products: the AVX2 tier's test does not turn
+    the AVX-512 tier's failed VNNI step (or an AMX unit's order) back to their defaults."""
+    if "avx512" not in _kernels.available_isas():
+        pytest.skip("no AVX-512 tier here")
+    before = _kernels.isa()
+    try:
+        _kernels.select_isa("avx512")
+        if "avx512-vnni" not in _kernels.available_int_steps():
+            pytest.skip("no AVX512-VNNI step here")
+        _kernels.set_faulty_int_steps(["avx512-vnni"])
+        assert _kernels.self_test("avx512") is None and _kernels.int_step() == "avx2"
+        _kernels.set_faulty_int_steps()       # the fault gone: only the self-test's mark keeps it off
+        orders = _kernels.has_bf16_products()
+        if orders:
+            _kernels.set_bf16_order("split-odd")
+        assert _kernels.self_test("avx2") is None and _kernels.isa() == "avx2"
+        assert list(_kernels.failed_int_steps()) == ["avx512-vnni"]
+        _kernels.select_isa("avx512")
+        assert _kernels.int_step() == "avx2"
+        assert not orders or _kernels.bf16_order() == "split-odd"
+        assert _kernels.self_test("avx512") is None            # its own steps afresh
+        assert _kernels.failed_int_steps() == {} and _kernels.int_step() == "avx512-vnni"
+    finally:
+        _kernels.set_faulty_int_steps()
+        _kernels.set_bf16_order("seq")
+        assert _kernels.self_test("avx512") is None
+        _kernels.select_isa(before)
+
+
 def test_a_tier_that_fails_its_self_test_is_not_used():
     """choose_tier: the fastest tier that passes, the failures named in one warning; a forced tier
     (COLIBRI_ISA) that fails, is unknown or unavailable is an error naming it."""

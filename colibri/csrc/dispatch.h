@@ -1055,39 +1055,54 @@ static int cb_search_bf16_order_emulated(int isa, int unit) {
  * vdpbf16ps's order of bf16 products; where that step fails and a slower one passes, the failure
  * was the step's, which stays off (cb_int_step_failed_check keeps its check: _kernels warns) and
  * the tier runs the slower one; where the tier's slowest step fails too, the tier's own code is at
- * fault: every step is left on and that step's failure returned (the caller tries another tier).
+ * fault: its steps are left on and that step's failure returned (the caller tries another tier).
  * The AMX step's bf16 products tile first gets its own search: where it fails, the step is tested
  * in each split order (cb_bf16_order: the unit may sum a TDPBF16PS's even and odd products apart,
  * as the SDM says) and the first that passes is kept as the unit's (cb_amx_bf16_unit_order) —
  * decode and the other bf16 tiles then add in that order; where none passes, the order stays
  * vdpbf16ps's, that tile stays off (cb_amx_bf16_failed_check) and the step is tested again
- * without it. Every run starts afresh: no step or tile off. */
+ * without it. The tier's steps are tested afresh; what an earlier run found of steps the tier
+ * does not have (the AMX step and its unit's order, for the AVX2 tier) is kept, the order with it. */
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
+    int kept[CB_INT_STEPS];                         /* the marks of steps this tier does not have */
+    cb_int_kernels k;
+    memcpy(kept, cb_int_step_failed_check, sizeof kept);
     memset(cb_int_step_failed_check, 0, sizeof cb_int_step_failed_check);
-    cb_amx_bf16_failed_check = 0;
-    cb_amx_bf16_unit_order = -1;                    /* (found again) */
+    for (int s = 0; s < CB_INT_STEPS; s++)
+        if (cb_int_step_kernels(s, isa, &k) == 0) kept[s] = 0;
+    const int amx_here = cb_int_step_kernels(CB_INT_STEP_AMX, isa, &k) == 0;
+    const int order_before = cb_bf16_order;
+    if (amx_here) {                                 /* (found again) */
+        cb_amx_bf16_failed_check = 0;
+        cb_amx_bf16_unit_order = -1;
+    }
+    int code;
     for (;;) {
         const int step = cb_best_int_step(isa);
         int bf16_tile;
-        int code = cb_self_test_step_bf16_orders(isa, step, &bf16_tile);
+        code = cb_self_test_step_bf16_orders(isa, step, &bf16_tile);
         if (step == CB_INT_STEP_AMX && bf16_tile) {
             cb_amx_bf16_failed_check = code;
             code = cb_self_test_step(isa, step);    /* (its table now without that tile) */
         }
         if (code == 0) {
             if (step == CB_INT_STEP_AMX && cb_amx_bf16_installed()) cb_amx_bf16_unit_order = cb_bf16_order;
-            return 0;
+            break;
         }
         cb_int_step_failed_check[step] = code;
         if (code < 0 || cb_best_int_step(isa) == step || cb_select_kernels(isa, cb_best_int_step(isa)) != 0) {
             memset(cb_int_step_failed_check, 0, sizeof cb_int_step_failed_check);   /* the tier's own fault */
-            cb_amx_bf16_failed_check = 0;
-            cb_select_kernels(isa, cb_best_int_step(isa));
-            return code;
+            if (amx_here) cb_amx_bf16_failed_check = 0;
+            break;
         }
     }
+    for (int s = 0; s < CB_INT_STEPS; s++)
+        if (kept[s]) cb_int_step_failed_check[s] = kept[s];
+    if (!amx_here) cb_bf16_order = order_before;
+    cb_select_kernels(isa, cb_best_int_step(isa));
+    return code;
 }
 
 /* For the tests: make the interleaved kernel of each int step in `steps` (bit CB_INT_STEP_*)
