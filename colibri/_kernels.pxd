@@ -83,8 +83,7 @@ cdef extern from "dispatch.h" nogil:
     int cb_set_bf16_order(int order)
     int cb_search_bf16_order_emulated(int isa, int unit)
     void cb_set_amx_granted(int granted)
-    int CB_INT_STEPS             # the int steps (CB_INT_STEP_*), fastest last
-    int *cb_int_step_failed_check  # [CB_INT_STEPS]: the self-test check a step failed (0: none); it is off
+    int *cb_int_step_failed_check  # [CB_INT_STEP_*]: the self-test check a step failed (0: none); it is off
     void cb_set_faulty_int_steps(unsigned steps)   # tests: these steps' (bit CB_INT_STEP_*) interleaved kernels miscompute
     int cb_amx_bf16_failed_check # its bf16 products tile's failed check (0: none); that tile is off
     int cb_set_prefill_repack(int on)

@@ -90,9 +90,10 @@ def amx_status(features=None):
     if not CB_HAVE_AMX:
         return (f"AMX ({kinds}): tile state granted by the OS, but this build has no amx step (it needs a 64-bit "
                 f"build: GCC or clang with an assembler that knows the tile instructions, or MSVC)")
-    if "amx" in failed_int_steps():
+    amx_check = failed_int_steps().get("amx")
+    if amx_check:
         return (f"AMX ({kinds}): tile state granted by the OS, but the amx step failed its self-test "
-                f"(check {failed_int_steps()['amx']}): the {int_step()} step runs")
+                f"(check {amx_check}): the {int_step()} step runs")
     if not f["amx_int8"]:
         return f"AMX ({kinds}): tile state granted by the OS; no int8 products, so no step uses it"
     if cb_amx_bf16_failed_check:
@@ -158,8 +159,8 @@ def available_int_steps():
 
 
 def failed_int_steps():
-    """{INT_STEPS name: self-test check}: the steps the last self-test of a tier turned off (each
-    failed where a slower step of the tier passed: dispatch.h, cb_self_test); empty where none."""
+    """{INT_STEPS name: self-test check}: the steps the tiers' self-tests turned off (each failed
+    where a slower step of its tier passed: dispatch.h, cb_self_test); empty where none."""
     return {name: cb_int_step_failed_check[step] for name, step in INT_STEPS.items()
             if cb_int_step_failed_check[step]}
 
@@ -169,9 +170,12 @@ def set_faulty_int_steps(names=()):
     (none: every step as it is), so the self-test's fallback can be run on a CPU whose steps all
     agree. The table is refilled with the step in use."""
     cdef unsigned mask = 0
+    if isinstance(names, str):
+        raise ValueError(f"set_faulty_int_steps takes a list of int steps, got the string {names!r}")
     for name in names:
-        if name not in INT_STEPS:
-            raise ValueError(f"{name!r} is not an int step; choose one of {', '.join(INT_STEPS)}")
+        if name not in INT_STEPS or name == "scalar":    # (the scalar step is every check's spec)
+            raise ValueError(f"{name!r} is not an int step that can be made faulty; choose of "
+                             f"{', '.join(k for k in INT_STEPS if k != 'scalar')}")
         mask |= 1u << INT_STEPS[name]
     cb_set_faulty_int_steps(mask)
 
@@ -183,8 +187,10 @@ def set_int_step(str name):
     if name not in INT_STEPS:
         raise ValueError(f"{name!r} is not an int step; choose one of {', '.join(INT_STEPS)}")
     if cb_set_int_step(INT_STEPS[name]) != 0:
-        raise ValueError(f"int step {name} cannot run on tier {isa()} of this CPU; "
-                         f"available: {', '.join(available_int_steps())}")
+        off = failed_int_steps().get(name)
+        raise ValueError((f"int step {name} is off: it failed the import self-test (check {off})" if off else
+                          f"int step {name} cannot run on tier {isa()} of this CPU")
+                         + f"; available: {', '.join(available_int_steps())}")
 
 
 # The orders of roundings of the interleaved bf16 products (kernels_scalar.h, cb_bf16_order):

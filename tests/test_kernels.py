@@ -496,13 +496,14 @@ def test_every_int_step_passes_the_self_test(isa):
 
 def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
     """The tier's self-test as import runs it, with int steps made to miscompute: where the fastest
-    step fails and a slower one passes, the step is turned off (named, with its check, in import's
-    warning) and the tier kept with the slower step — an AVX-512 CPU whose VNNI misbehaves keeps its
-    AVX-512 attention and bf16 kernels; where the tier's slowest step fails too, the tier's own code
-    is at fault: the self-test fails and no step is left off. A later self-test starts afresh."""
+    steps fail and a slower one passes, they are turned off (each named, with its check, in
+    import's warnings; set_int_step names the check too) and the tier kept with the slower step;
+    where the tier's slowest step fails too, the tier's own code is at fault: the self-test fails
+    and no step is left off. A later self-test starts afresh."""
     steps = [s for s in _kernels.available_int_steps() if s not in _kernels.EMULATED_INT_STEPS]
     if len(steps) < 2:
         pytest.skip(f"tier {isa} has one int step here ({steps[0]})")
+    int_step_lines = lambda: [line for line in _kernels.int_step_warnings() if " int step " in line]
     try:
         for k in range(1, len(steps)):                 # the fastest k steps fail
             faulty = steps[-k:]
@@ -512,51 +513,59 @@ def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
             failed = _kernels.failed_int_steps()
             assert sorted(failed) == sorted(faulty) and all(check > 0 for check in failed.values())
             assert not set(faulty) & set(_kernels.available_int_steps())
-            warnings = _kernels.int_step_warnings()
             for name in faulty:
                 assert (f"colibri: the {name} int step failed its self-test (check {failed[name]}); "
-                        f"using the {steps[-k - 1]} step") in warnings
+                        f"using the {steps[-k - 1]} step") in int_step_lines()
+            with pytest.raises(ValueError, match=f"int step {faulty[0]} is off: it failed the import self-test "
+                                                 f"\\(check {failed[faulty[0]]}\\)"):
+                _kernels.set_int_step(faulty[0])
         _kernels.set_faulty_int_steps(steps)           # every step: the tier's fault
         message = _kernels.self_test(isa)
         assert message is not None and "disagree with the scalar spec" in message
         assert _kernels.failed_int_steps() == {}
         _kernels.set_faulty_int_steps([steps[0]])      # only the slowest: the fastest runs
         assert _kernels.self_test(isa) is None and _kernels.int_step() == steps[-1]
-        assert _kernels.failed_int_steps() == {} and _kernels.int_step_warnings() == []
+        assert _kernels.failed_int_steps() == {} and int_step_lines() == []
     finally:
-        _kernels.set_faulty_int_steps()
+        _kernels.set_faulty_int_steps([])
         assert _kernels.self_test(isa) is None
     assert _kernels.failed_int_steps() == {} and _kernels.int_step() == steps[-1]
+    with pytest.raises(ValueError, match="list of int steps"):
+        _kernels.set_faulty_int_steps(steps[-1])
+    with pytest.raises(ValueError, match="can be made faulty"):
+        _kernels.set_faulty_int_steps(["scalar"])
 
 
 def test_a_lower_tiers_self_test_keeps_what_a_higher_one_found():
     """A tier's self-test tests its own steps afresh and leaves alone what an earlier one found of
     the steps it does not have, and the order of bf16 products: the AVX2 tier's test does not turn
-    the AVX-512 tier's failed VNNI step (or an AMX unit's order) back to their defaults."""
+    the AVX-512 tier's failed VNNI step back on (nor the AMX step that takes it as its reference)."""
     if "avx512" not in _kernels.available_isas():
         pytest.skip("no AVX-512 tier here")
-    before = _kernels.isa()
+    before, order_before = _kernels.isa(), _kernels.bf16_order()
     try:
         _kernels.select_isa("avx512")
-        if "avx512-vnni" not in _kernels.available_int_steps():
+        steps = [s for s in _kernels.available_int_steps() if s not in _kernels.EMULATED_INT_STEPS]
+        if "avx512-vnni" not in steps:
             pytest.skip("no AVX512-VNNI step here")
-        _kernels.set_faulty_int_steps(["avx512-vnni"])
-        assert _kernels.self_test("avx512") is None and _kernels.int_step() == "avx2"
-        _kernels.set_faulty_int_steps()       # the fault gone: only the self-test's mark keeps it off
-        orders = _kernels.has_bf16_products()
-        if orders:
-            _kernels.set_bf16_order("split-odd")
+        at = steps.index("avx512-vnni")
+        faulty, fallback = steps[at:], steps[at - 1]
+        _kernels.set_faulty_int_steps(faulty)
+        assert _kernels.self_test("avx512") is None and _kernels.int_step() == fallback
+        _kernels.set_faulty_int_steps([])      # the fault gone: only the self-test's marks keep them off
+        _kernels.set_bf16_order("split-odd")
         assert _kernels.self_test("avx2") is None and _kernels.isa() == "avx2"
-        assert list(_kernels.failed_int_steps()) == ["avx512-vnni"]
+        assert sorted(_kernels.failed_int_steps()) == sorted(faulty)
         _kernels.select_isa("avx512")
-        assert _kernels.int_step() == "avx2"
-        assert not orders or _kernels.bf16_order() == "split-odd"
+        assert _kernels.int_step() == fallback and _kernels.bf16_order() == "split-odd"
+        _kernels.set_bf16_order("seq")
         assert _kernels.self_test("avx512") is None            # its own steps afresh
-        assert _kernels.failed_int_steps() == {} and _kernels.int_step() == "avx512-vnni"
+        assert _kernels.failed_int_steps() == {} and _kernels.int_step() == steps[-1]
     finally:
-        _kernels.set_faulty_int_steps()
+        _kernels.set_faulty_int_steps([])
         _kernels.set_bf16_order("seq")
         assert _kernels.self_test("avx512") is None
+        _kernels.set_bf16_order(order_before)
         _kernels.select_isa(before)
 
 

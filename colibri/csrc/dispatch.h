@@ -112,8 +112,9 @@ enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_S
        CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX, CB_INT_STEPS };
 
 /* An int step that failed import's self-test on a tier whose kernels passed with a slower step
- * (cb_self_test) is off from then on: the number of the check it failed, 0 for a step in use.
- * The slowest step of a tier is never off: where it fails too, the tier's own code is at fault. */
+ * (cb_self_test) is off from then on: the number of the check it failed (0: not turned off). The
+ * slowest step of a tier is never off: where it fails too, the tier's own code is at fault. With
+ * the AVX512-VNNI step off, the AVX-512 tier's other kernels leave vpdpbusd too (cb_select_kernels). */
 static int cb_int_step_failed_check[CB_INT_STEPS];
 
 /* For the tests: the int steps (bit CB_INT_STEP_*) whose interleaved kernel is made to miscompute,
@@ -141,11 +142,12 @@ static void cb_set_amx_granted(int granted) { cb_amx_granted = granted != 0; }
 static void cb_itile_faulty(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
                             int g1, int n) {
     cb_faulty_itile_of(out, ldo, w, dtype, acts, cols, g0, g1, n);
-    if (g0 < g1 && n > 0) out[(size_t)g0 * CB_TGROUP] = 2.0f * out[(size_t)g0 * CB_TGROUP] + 1.0f;
+    if (g0 < g1 && n > 0) out[(size_t)g0 * CB_TGROUP] = nanf("");
 }
 
 /* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
- * CPU has no such step. The registry the table is filled from (and the tests choose from). */
+ * CPU has no such step, or (unless `any`) the self-test turned it off (cb_int_step_failed_check).
+ * The registry the table is filled from (and the tests choose from). */
 typedef struct {
     cb_ttile_fn ttile;          /* the transposed entry (every format: the float ones as the tier's) */
     cb_tprefill_fn tprefill;    /* the transposed repacked prefill (the scalar tier: its spec) */
@@ -153,7 +155,7 @@ typedef struct {
     cb_itile_fn itile_bf16x;    /* NULL, or the interleaved bf16 products' entry it replaces (AMX) */
 } cb_int_kernels;
 
-static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
+static int cb_int_step_kernels_of(int step, int isa, cb_int_kernels *k, int any) {
     cb_int_kernels s = {NULL, NULL, NULL, NULL};
     int ok = 0;
     if (isa == CB_ISA_SCALAR) {
@@ -196,12 +198,14 @@ static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) {
     }
 #endif
 #endif
-    if (!ok || cb_int_step_failed_check[step]) return -1;
+    if (!ok || (!any && cb_int_step_failed_check[step])) return -1;
     *k = s;
     return 0;
 }
+static int cb_int_step_kernels(int step, int isa, cb_int_kernels *k) { return cb_int_step_kernels_of(step, isa, k, 0); }
 
-/* The fastest int step tier `isa` has on this CPU (the emulated ones are for tests only). */
+/* The fastest int step tier `isa` has on this CPU and has not turned off (the emulated ones are
+ * for tests only). */
 static int cb_best_int_step(int isa) {
     const int steps[] = {CB_INT_STEP_AMX, CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AVXVNNI, CB_INT_STEP_AVX2,
                          CB_INT_STEP_SCALAR};
@@ -292,15 +296,18 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
 #endif
 
 /* Fill cb_kt for tier `isa` with the group kernels of int step `step`; -1 (cb_kt unchanged) if
- * this CPU/OS cannot run them. */
-static int cb_select_kernels(int isa, int step) {
+ * this CPU/OS cannot run them or (unless `any`: the self-test's references) the self-test turned
+ * the step off. */
+static int cb_select_kernels_of(int isa, int step, int any) {
     cb_kernel_table t;
     cb_int_kernels k;
     cb_cpu = cb_detect_cpu();
-    if (isa > cb_best_isa(&cb_cpu) || cb_int_step_kernels(step, isa, &k) != 0) return -1;
+    if (isa > cb_best_isa(&cb_cpu) || cb_int_step_kernels_of(step, isa, &k, any) != 0) return -1;
     memset(&t, 0, sizeof t);
 #if CB_X86
-    if (isa >= CB_ISA_AVX512) cb_fill_avx512(&t, &cb_cpu);
+    cb_cpu_features trusted = cb_cpu;        /* vpdpbusd's other users follow its step's self-test */
+    if (cb_int_step_failed_check[CB_INT_STEP_AVX512VNNI]) trusted.avx512_vnni = 0;
+    if (isa >= CB_ISA_AVX512) cb_fill_avx512(&t, &trusted);
     else if (isa == CB_ISA_AVX2) cb_fill_avx2(&t);
     else
 #endif
@@ -325,6 +332,7 @@ static int cb_select_kernels(int isa, int step) {
     cb_selected.int_step = step;
     return 0;
 }
+static int cb_select_kernels(int isa, int step) { return cb_select_kernels_of(isa, step, 0); }
 
 /* Fill cb_kt for `isa` with the fastest int step it has here; -1 if this CPU/OS cannot run it. */
 static int cb_select_isa(int isa) {
@@ -337,7 +345,8 @@ static int cb_select_isa(int isa) {
 static void cb_glu(float *gate, const float *up, int n, int act) { cb_kt.glu(gate, up, n, act); }
 
 /* Re-fill the table for the selected tier with int step `step` (tests and benchmarks compare the
- * steps; cb_select_isa picks the fastest). -1, changing nothing, if the tier or CPU has no such step. */
+ * steps; cb_select_isa picks the fastest). -1, changing nothing, if the tier or CPU has no such
+ * step or the self-test turned it off. */
 static int cb_set_int_step(int step) { return cb_select_kernels(cb_selected.isa, step); }
 
 /* Use order `order` (CB_BF16_*, kernels_scalar.h) for the interleaved bf16 products from now on,
@@ -849,7 +858,7 @@ static int cb_selftest_amx_bf16(int isa, int step, uint32_t *state) {
     for (int t = 0; t < N; t++) acts[t].xb = xb + (size_t)t * C;            /* (bf16 needs only xb) */
     for (int i = 0; i < N * C; i++) x[i] = (float)(cb_selftest_rand(state) % 2000u) / 1000.0f - 1.0f;
     cb_selftest_fill((uint8_t *)w, sizeof w, CB_BF16, CB_INTERLEAVED, R, C, state);
-    cb_select_kernels(isa, CB_INT_STEP_AVX512VNNI);
+    cb_select_kernels_of(isa, CB_INT_STEP_AVX512VNNI, 1);                      /* (even if it is off) */
     cb_matmul(ref, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);    /* rounds x into xb */
     cb_select_kernels(isa, step);
     cb_matmul(got, R, w, CB_BF16, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
@@ -935,7 +944,7 @@ static int cb_self_test_step(int isa, int step) {
             const int dtype = dtypes[i];
             const size_t bytes = (size_t)(R / CB_TGROUP) * (C / CB_QBLOCK) * cb_group_bytes(dtype);
             cb_selftest_fill(w, bytes, dtype, CB_INTERLEAVED, R, C, &state);
-            cb_select_kernels(isa, CB_INT_STEP_AVX512VNNI);
+            cb_select_kernels_of(isa, CB_INT_STEP_AVX512VNNI, 1);             /* (even if it is off) */
             cb_matmul(ref, R, w, dtype, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
             cb_select_kernels(isa, step);
             cb_matmul(got, R, w, dtype, CB_INTERLEAVED, x, C, acts, N, R, C, 1);
@@ -1061,8 +1070,9 @@ static int cb_search_bf16_order_emulated(int isa, int unit) {
  * as the SDM says) and the first that passes is kept as the unit's (cb_amx_bf16_unit_order) —
  * decode and the other bf16 tiles then add in that order; where none passes, the order stays
  * vdpbf16ps's, that tile stays off (cb_amx_bf16_failed_check) and the step is tested again
- * without it. The tier's steps are tested afresh; what an earlier run found of steps the tier
- * does not have (the AMX step and its unit's order, for the AVX2 tier) is kept, the order with it. */
+ * without it. A tier without the AMX step is tested in the order in use, which it keeps. The
+ * tier's steps are tested afresh; what an earlier run found of steps the tier does not have (the
+ * AVX512-VNNI and AMX steps and the unit's order, for the AVX2 tier) is kept. */
 static int cb_self_test(int isa) {
     cb_cpu = cb_detect_cpu();
     if (isa > cb_best_isa(&cb_cpu)) return -1;
@@ -1073,7 +1083,6 @@ static int cb_self_test(int isa) {
     for (int s = 0; s < CB_INT_STEPS; s++)
         if (cb_int_step_kernels(s, isa, &k) == 0) kept[s] = 0;
     const int amx_here = cb_int_step_kernels(CB_INT_STEP_AMX, isa, &k) == 0;
-    const int order_before = cb_bf16_order;
     if (amx_here) {                                 /* (found again) */
         cb_amx_bf16_failed_check = 0;
         cb_amx_bf16_unit_order = -1;
@@ -1081,8 +1090,8 @@ static int cb_self_test(int isa) {
     int code;
     for (;;) {
         const int step = cb_best_int_step(isa);
-        int bf16_tile;
-        code = cb_self_test_step_bf16_orders(isa, step, &bf16_tile);
+        int bf16_tile = 0;
+        code = amx_here ? cb_self_test_step_bf16_orders(isa, step, &bf16_tile) : cb_self_test_step(isa, step);
         if (step == CB_INT_STEP_AMX && bf16_tile) {
             cb_amx_bf16_failed_check = code;
             code = cb_self_test_step(isa, step);    /* (its table now without that tile) */
@@ -1092,7 +1101,7 @@ static int cb_self_test(int isa) {
             break;
         }
         cb_int_step_failed_check[step] = code;
-        if (code < 0 || cb_best_int_step(isa) == step || cb_select_kernels(isa, cb_best_int_step(isa)) != 0) {
+        if (code < 0 || cb_int_step_kernels(cb_best_int_step(isa), isa, &k) != 0) {   /* no slower step left */
             memset(cb_int_step_failed_check, 0, sizeof cb_int_step_failed_check);   /* the tier's own fault */
             if (amx_here) cb_amx_bf16_failed_check = 0;
             break;
@@ -1100,7 +1109,6 @@ static int cb_self_test(int isa) {
     }
     for (int s = 0; s < CB_INT_STEPS; s++)
         if (kept[s]) cb_int_step_failed_check[s] = kept[s];
-    if (!amx_here) cb_bf16_order = order_before;
     cb_select_kernels(isa, cb_best_int_step(isa));
     return code;
 }
