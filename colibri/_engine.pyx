@@ -667,8 +667,7 @@ cdef enum:
     WANT_ALL = 2              # every token's logits [n, vocab]
     WANT_SOME = 3             # the logits of the tokens s.tok_want marks, in their order [marked, vocab]
 
-PREFILL_CHUNK = 128        # prompt tokens per chunk: bounds the scratch (about 40 KB per
-                           # token for a 1024-wide model with 3584-wide experts)
+PREFILL_CHUNK = names.DEFAULT_PREFILL_CHUNK    # prompt tokens per chunk by default (names.py)
 
 
 cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,

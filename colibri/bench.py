@@ -87,8 +87,8 @@ def summarize(values: list) -> dict:
 def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, threads=None, n_ctx=None,
           **load_options) -> dict:
     """Run the benchmark; return the result as a JSON-ready dict. load_options: colibri.load's
-    memory_limit_mb, expert_cache_mb, prefetch, eviction, kv_cache, bf16_products."""
-    from . import _os
+    memory_limit_mb, expert_cache_mb, prefetch, eviction, kv_cache, bf16_products, prefill_chunk."""
+    from . import _kernels, _os
     from .model import DEFAULT_MAX_CONTEXT, load
     from .modeldir import ModelDir
 
@@ -126,7 +126,8 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
         return {
             "engine": "colibri", "model_dir": str(model_dir), "architecture": c.architecture,
             "weight_dtype": model.weight_dtype, "kv_cache": load_options.get("kv_cache", "f32"),
-            "bf16_products": model.bf16_products, "threads": model.threads,
+            "bf16_products": model.bf16_products, "threads": model.threads, "prefill_chunk": model.prefill_chunk,
+            "isa": _kernels.isa(), "int_step": _kernels.int_step(),
             "prompt_len": prompt_len, "gen": gen, "repeat": repeat,
             "load_seconds": load_s, "peak_rss_bytes": peak_rss_bytes(), "memory": memory,
             **{key: summarize([r[key] for r in runs]) for key, *_ in METRICS},
@@ -164,6 +165,6 @@ def run_bench(args) -> int:
     r = bench(args.model_dir, prompt_len=args.prompt_len, gen=args.gen, repeat=args.repeat, threads=args.threads,
               n_ctx=args.n_ctx, memory_limit_mb=args.memory_limit_mb, expert_cache_mb=args.expert_cache_mb,
               prefetch=args.prefetch, eviction=args.eviction, kv_cache=args.kv_cache,
-              bf16_products=args.bf16_products)
+              bf16_products=args.bf16_products, prefill_chunk=args.prefill_chunk)
     print(json.dumps(r) if args.json else format_table(r))
     return 0

@@ -30,6 +30,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+# load(prefill_chunk=)'s option in run, chat, serve and bench
+PREFILL_CHUNK_HELP = (f"prompt tokens run together (default {names.DEFAULT_PREFILL_CHUNK}): each expert then "
+                      f"multiplies its share of them in one pass over its weights; the prefill scratch grows with it")
+
+
 def _positive_int(text):
     try:
         v = int(text)
@@ -112,6 +117,8 @@ def _model_options(p, demo_default: bool) -> None:
                    default="auto",
                    help="bf16 weights: bf16 rounds the activations to bf16 for AVX512_BF16's vdpbf16ps (as "
                         "llama.cpp), f32 multiplies exactly in f32 (default: auto, bf16 where the CPU has it)")
+    p.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=_positive_int, default=None,
+                   help=PREFILL_CHUNK_HELP)
     p.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
     p.add_argument("--warmup", action="store_true", help="read every expert once at load")
     p.add_argument("--quiet", action="store_true", help="no [INFO] lines: the generated text only")
@@ -281,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="as for run")
     bench.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=names.BF16_PRODUCTS,
                        default="auto", help="as for run")
+    bench.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=_positive_int, default=None,
+                       help=PREFILL_CHUNK_HELP)
     return p
 
 
@@ -376,7 +385,8 @@ def _load(args):
     m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
              mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction,
-             kv_cache=args.kv_cache, bf16_products=args.bf16_products, parallel=getattr(args, "parallel", 1))
+             kv_cache=args.kv_cache, bf16_products=args.bf16_products, parallel=getattr(args, "parallel", 1),
+             prefill_chunk=args.prefill_chunk)
     m.cli_note = note
     return m
 

@@ -375,6 +375,12 @@ class Model:
                 "dense_locked": bool(self.residency.locked), "expert_bytes_in_memory": self.residency.in_memory()}
 
     @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens the engine runs together (load's prefill_chunk, or its default; lowered by
+        the memory plan where a cap asks for it)."""
+        return self._chunk
+
+    @property
     def routing(self) -> tuple:
         """(experts int32 [n_layers, top_k], weights float32 [n_layers, top_k]) of the last step.
 
@@ -636,7 +642,7 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     mmap=False reads the weights into memory instead of mapping the files (network shares);
     exact_softmax=False takes the routing weights from the uint8 softmax lookup table of the
     original design instead of expf (see BENCHMARKS.md for why exact is the default);
-    prefill_chunk: prompt tokens processed together (default 128; bounds the prefill scratch);
+    prefill_chunk: prompt tokens processed together (default names.DEFAULT_PREFILL_CHUNK, 128; bounds the prefill scratch);
     prefetch "none" | "routed" | "predict" (default: "routed" under an expert budget, else "none"),
     memory_limit_mb (default: the cgroup's / job's limit, else the available RAM), expert_cache_mb,
     eviction "lru" | "lfu", mlock, warmup: see colibri.residency;

@@ -14,6 +14,9 @@ EVICTION_POLICIES = ("lru", "lfu")                          # load(eviction=): C
 # load(bf16_products=): "f32" the exact products, "bf16" the activations rounded to bf16 for
 # AVX512_BF16's vdpbf16ps, "auto" bf16 where the CPU has it (colibri.model)
 BF16_PRODUCTS = ("auto", "bf16", "f32")
+# load(prefill_chunk=) / --prefill-chunk: prompt tokens the engine runs together by default; bounds
+# the prefill scratch (about 40 KB a token for a 1024-wide model with 3584-wide experts)
+DEFAULT_PREFILL_CHUNK = 128
 MAX_PARALLEL = 64               # load(parallel=) / serve --parallel: sequences decoded together at most
 # batching.Batch(step_tokens=) / serve --step-tokens: tokens one pass runs at most. On 2 Zen 4 cores
 # (mixtral-mini int8, 4 places) 32 gave the decoding sequences' gaps a P99 of 90 ms (64: 130-150,

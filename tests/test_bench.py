@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import colibri
+from colibri import _kernels
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
@@ -19,10 +20,13 @@ ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
 
 def test_colibri_bench_json(converted):
     r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", str(converted("mixtral_a", "int8")),
-                        "--prompt-len", "16", "--gen", "8", "--repeat", "2", "--threads", "1", "--json"],
+                        "--prompt-len", "16", "--gen", "8", "--repeat", "2", "--threads", "1", "--json",
+                        "--prefill-chunk", "5"],
                        env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    # what ran: the chunk asked for, the kernel tier and int step the import chose
+    assert (out["prefill_chunk"], out["isa"], out["int_step"]) == (5, _kernels.isa(), _kernels.int_step())
     for key in ("prefill_tok_s", "decode_tok_s", "ttft_ms"):
         assert out[key]["min"] <= out[key]["median"] <= out[key]["max"] and out[key]["median"] > 0
     assert out["peak_rss_bytes"] > 0 and out["load_seconds"] > 0

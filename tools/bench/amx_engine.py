@@ -5,6 +5,7 @@ call on a lent machine: build, make the model, convert, measure, interleaved.
     python tools/bench/amx_engine.py [--build] [--out DIR] [--model mixtral-mini] [--formats int8,bf16]
                                      [--steps amx,avx512-vnni] [--threads 16,1] [--prompt-len 512]
                                      [--rounds 3] [--budget-s 420] [--no-probe] [--no-kernels]
+                                     [--chunks 128,512]
 
 Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
@@ -12,7 +13,8 @@ and nothing can be fetched: --build compiles the extensions in place (`setup.py 
 config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
 `colibri bench --json` (a prompt of --prompt-len tokens, 8 decoded), each round every format x
 thread count x step once in turn (the steps' order reversed every other round), the step chosen
-by COLIBRI_INT_STEP. The steps are checked against the machine's before anything is made; no new
+by COLIBRI_INT_STEP; with --chunks, each prefill chunk (bench --prefill-chunk: the AMX tiles take
+an expert's tokens 16 at a time, so its share of a chunk matters) in turn too. The steps are checked against the machine's before anything is made; no new
 run starts after --budget-s seconds from the start, and a run that fails (or outlives the budget)
 is recorded and the others go on. Prints a table of the median prefill and decode tok/s per format
 / threads / step and the first step's ratio to the last, and rewrites OUT/amx_engine.json after
@@ -82,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--no-probe", action="store_true", help="skip the bf16 rounding-order probe")
     ap.add_argument("--no-kernels", action="store_true", help="skip amx_check.c (the tiles' bits and speed)")
+    ap.add_argument("--chunks", default="128,512", help="prefill chunks to run each of (\"\": the engine's default only)")
     a = ap.parse_args(argv)
     try:
         return measure(a)
@@ -123,6 +126,7 @@ def measure(a) -> int:
         print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
     formats, steps = a.formats.split(","), a.steps.split(",")
     threads = list(dict.fromkeys(int(t) for t in a.threads.split(",")))
+    chunks = list(dict.fromkeys(int(c) for c in a.chunks.split(",") if c)) or [None]
     probe = json.loads(run([py, "-c", "import json, colibri._kernels as k; print(json.dumps([k.isa(), k.int_step(), "
                                       "k.available_int_steps(), k.amx_status()]))"]))
     print(f"[amx_engine] tier {probe[0]}, int step {probe[1]}, available {probe[2]} | {probe[3]}", flush=True)
@@ -140,41 +144,43 @@ def measure(a) -> int:
         dirs[fmt] = d
     print(f"[amx_engine] model ready at {time.monotonic() - t0:.0f} s", flush=True)
     runs, failed = [], []
-    plan = [(r, fmt, th, step) for r in range(a.rounds) for fmt in formats for th in threads
+    plan = [(r, fmt, th, chunk, step) for r in range(a.rounds) for fmt in formats for th in threads for chunk in chunks
             for step in (steps if r % 2 == 0 else steps[::-1])]         # each round the other step first
-    for r, fmt, th, step in plan:
+    for r, fmt, th, chunk, step in plan:
+        what = f"round {r} {fmt} {th} threads{'' if chunk is None else f' chunk {chunk}'} {step}"
         left = a.budget_s - (time.monotonic() - t0)
         if left <= 0:
             print(f"[amx_engine] the budget ({a.budget_s:.0f} s) is spent: {len(runs)} runs", flush=True)
             break
         try:
             res = json.loads(run([py, "-m", "colibri", "bench", "--model-dir", str(dirs[fmt]), "--prompt-len",
-                                  str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json"],
+                                  str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json",
+                                  *([] if chunk is None else ["--prefill-chunk", str(chunk)])],
                                  env={"COLIBRI_INT_STEP": step}, timeout=left + 120))
         except RunFailed as e:               # recorded; the other runs go on
-            failed.append({"round": r, "format": fmt, "threads": th, "step": step, "error": str(e)[-2000:]})
-            print(f"[amx_engine] round {r} {fmt} {th} threads {step}: {e}", flush=True)
+            failed.append({"round": r, "format": fmt, "threads": th, "chunk": chunk, "step": step, "error": str(e)[-2000:]})
+            print(f"[amx_engine] {what}: {e}", flush=True)
         else:
-            runs.append({"round": r, "format": fmt, "threads": th, "step": step,
+            runs.append({"round": r, "format": fmt, "threads": th, "chunk": res["prefill_chunk"], "step": step,
                          "prefill_tok_s": res["prefill_tok_s"]["median"], "decode_tok_s": res["decode_tok_s"]["median"]})
-            print(f"[amx_engine] round {r} {fmt} {th} threads {step}: prefill "
-                  f"{runs[-1]['prefill_tok_s']:.1f} tok/s, decode {runs[-1]['decode_tok_s']:.1f}", flush=True)
+            print(f"[amx_engine] {what}: prefill {runs[-1]['prefill_tok_s']:.1f} tok/s, decode "
+                  f"{runs[-1]['decode_tok_s']:.1f}", flush=True)
         (a.out / "amx_engine.json").write_text(json.dumps(      # after every run: a killed call keeps them
             {"args": {k: str(v) for k, v in vars(a).items()}, "machine": probe, "runs": runs, "failed": failed},
             indent=1))
-    print(f"\n| format | threads | " + " | ".join(f"{s} prefill, decode" for s in steps)
+    print(f"\n| format | threads | chunk | " + " | ".join(f"{s} prefill, decode" for s in steps)
           + f" | {steps[0]} / {steps[-1]} prefill |")
-    print("|---|---:|" + "---|" * len(steps) + "---:|")
+    print("|---|---:|---:|" + "---|" * len(steps) + "---:|")
     for fmt in formats:
-        for th in threads:
+        for th, chunk in sorted({(x["threads"], x["chunk"]) for x in runs if x["format"] == fmt}):
             med = {}
             for s in steps:
-                rs = [x for x in runs if (x["format"], x["threads"], x["step"]) == (fmt, th, s)]
+                rs = [x for x in runs if (x["format"], x["threads"], x["chunk"], x["step"]) == (fmt, th, chunk, s)]
                 med[s] = ((statistics.median(x["prefill_tok_s"] for x in rs), statistics.median(x["decode_tok_s"] for x in rs))
                           if rs else None)
             cells = [f"{m[0]:.1f}, {m[1]:.1f}" if m else "-" for m in med.values()]
             ratio = f"{med[steps[0]][0] / med[steps[-1]][0]:.2f}" if med[steps[0]] and med[steps[-1]] else "-"
-            print(f"| {fmt} | {th} | " + " | ".join(cells) + f" | {ratio} |")
+            print(f"| {fmt} | {th} | {chunk} | " + " | ".join(cells) + f" | {ratio} |")
     print(f"\n[amx_engine] {len(runs)} runs ({len(failed)} failed) in {time.monotonic() - t0:.0f} s; every run in "
           f"{a.out / 'amx_engine.json'}")
     return 0 if runs and not failed else 1
