@@ -2,14 +2,16 @@
 """The engine's prompt speed on two int steps (the AMX step against the AVX512-VNNI one), in one
 call on a lent machine: build, make the model, convert, measure, interleaved.
 
-    python tools/bench/amx_engine.py [--build] [--out DIR] [--model mixtral-mini] [--formats int8,bf16]
+    python tools/bench/amx_engine.py [--build | --build-if-needed] [--out DIR] [--model mixtral-mini] [--formats int8,bf16]
                                      [--steps amx,avx512-vnni] [--threads 16,1] [--prompt-len 512]
                                      [--rounds 3] [--budget-s 420] [--no-probe] [--no-kernels]
                                      [--chunks 128,512]
 
 Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
---inplace`), the checkpoint is written by make_models.py without transformers (its frozen
+--inplace`, about 4 minutes of a 16-core Xeon); --build-if-needed only where they do not import (the
+extensions built here are portable, no -march=native: carried to the machine beside the tree, the
+run call's `carry`, they save those minutes), the checkpoint is written by make_models.py without transformers (its frozen
 config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
 `colibri bench --json` (a prompt of --prompt-len tokens, 8 decoded), each round every format x
 thread count x step once in turn (the steps' order reversed every other round), the step chosen
@@ -71,6 +73,8 @@ def cores() -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", action="store_true", help="compile the extensions in place first")
+    ap.add_argument("--build-if-needed", action="store_true",
+                    help="compile them only where they do not import (e.g. not carried, or another Python)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/amx_engine")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/amx_engine_work"))
     ap.add_argument("--model", default="mixtral-mini")
@@ -121,7 +125,14 @@ def measure(a) -> int:
         standalone(a.out, "amx_check", ["-O3", "-fopenmp", "-Icolibri/csrc"],
                    ["--dtypes", "int8,bf16", "--tokens", "16,64,256", "--threads", ",".join(map(str, threads)),
                     "--reps", "5"], 240)
-    if a.build:
+    need_build = a.build
+    if a.build_if_needed and not need_build:
+        try:
+            run([py, "-c", "import colibri._kernels, colibri._engine, colibri._probes, colibri._routing"], timeout=120)
+        except RunFailed as e:
+            print(f"[amx_engine] the extensions do not import here, building them: {str(e)[-300:]}", flush=True)
+            need_build = True
+    if need_build:
         run([py, "setup.py", "build_ext", "--inplace", "-j", str(cores())], log=a.out / "build.log")
         print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
     formats, steps = a.formats.split(","), a.steps.split(",")
