@@ -31,8 +31,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 # load(prefill_chunk=)'s option in run, chat, serve and bench
-PREFILL_CHUNK_HELP = (f"prompt tokens run together (default {names.DEFAULT_PREFILL_CHUNK}): each expert then "
-                      f"multiplies its share of them in one pass over its weights; the prefill scratch grows with it")
+PREFILL_CHUNK_HELP = (f"prompt tokens run together (default {names.DEFAULT_PREFILL_CHUNK}, lowered to fit a memory "
+                      f"limit; a value given here is kept): each expert then multiplies its share of them in one "
+                      f"pass over its weights; the prefill scratch grows with it")
 
 
 def _positive_int(text):
@@ -590,6 +591,9 @@ def cmd_serve(args) -> int:
     if args.step_tokens is not None and args.parallel == 1:
         raise ColibriError("--step-tokens sets how a --parallel server's passes mix requests: give --parallel N "
                            "(N > 1) too")
+    if args.prefill_chunk is not None and args.parallel > args.prefill_chunk:
+        raise ColibriError(f"--parallel {args.parallel} exceeds --prefill-chunk {args.prefill_chunk} (a pass's tokens "
+                           f"hold one of each sequence decoded together)")
     serve(load, name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
           queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]), parallel=args.parallel,
           step_tokens=args.step_tokens)

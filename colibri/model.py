@@ -87,7 +87,6 @@ class Model:
                                f"(the model's max_position_embeddings), got {n_ctx!r}")
         self.threads = threads
         self.n_ctx = n_ctx = int(n_ctx)
-        prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         if prefetch is not None and prefetch not in PREFETCH_MODES:
             raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
         if prefetch not in (None, "none") and not mmap:
@@ -102,6 +101,7 @@ class Model:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
                                           or prefill_chunk < 1):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         chunk = spec.prefill_chunk(prefill_chunk, n_ctx)   # the engine's tokens per call: the rings are sized for it
         if isinstance(parallel, bool) or not isinstance(parallel, numbers.Integral) or not 1 <= parallel <= MAX_PARALLEL:
             raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
@@ -148,10 +148,13 @@ class Model:
                             working_set=self.residency.working_set, n_ctx=n_ctx, path=self.path,
                             largest_expert=self.residency.largest_expert, n_seq=parallel)
                         break
-                    except ColibriError:
+                    except ColibriError as e:
                         # the scratch grows with the prefill chunk: unless the caller chose one, a
                         # smaller chunk may fit the limit (a long prompt then streams its experts
                         # once per chunk)
+                        if prefill_chunk is not None and build["chunk"] > max(MIN_PLANNED_CHUNK, parallel):
+                            raise ColibriError(f"{e} (or a smaller prefill chunk than the {prefill_chunk} asked for: "
+                                               f"its scratch grows with it)") from None
                         if prefill_chunk is not None or build["chunk"] <= max(MIN_PLANNED_CHUNK, parallel):
                             raise
                         del engine
@@ -376,8 +379,8 @@ class Model:
 
     @property
     def prefill_chunk(self) -> int:
-        """Prompt tokens the engine runs together (load's prefill_chunk, or its default; lowered by
-        the memory plan where a cap asks for it)."""
+        """Prompt tokens the engine runs together: load's prefill_chunk as given, or its default
+        (names.DEFAULT_PREFILL_CHUNK), which the memory plan lowers where a cap asks for it."""
         return self._chunk
 
     @property

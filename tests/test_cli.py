@@ -52,17 +52,25 @@ def test_run_tokens_greedy_matches_reference(mixtral, ref):
     assert m and m.group(1) == str(len(ref["input_ids"])) and m.group(5) == "12", lines[-1]
 
 
-@pytest.mark.parametrize("chunk", ["1", "3", "64"])
+@pytest.mark.parametrize("chunk", ["1", "3", "16"])
 def test_run_prefill_chunk_splits_the_prompt_alike(mixtral, ref, chunk):
     """--prefill-chunk: the prompt run in pieces of that many tokens gives the same greedy ids (a
-    token's logits do not depend on how the prompt was split); a chunk that is not a positive
-    integer is one clear line."""
+    token's logits do not depend on how the prompt was split)."""
+    assert len(ref["input_ids"]) > int(chunk)
     p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 6,
                 "--ignore-eos", "--ids", "--quiet", "--prefill-chunk", chunk)
     assert p.returncode == 0, p.stderr
     assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"][:6].tolist()
+
+
+def test_a_bad_prefill_chunk_is_one_line(mixtral):
+    """A chunk that is not a positive integer, or (serve) smaller than --parallel, is one clear line
+    and exit 2, before anything loads."""
     bad = colibri("run", "--model-dir", mixtral, "--tokens", "1 2", "--prefill-chunk", "0")
     assert bad.returncode == 2 and "--prefill-chunk" in bad.stderr and "Traceback" not in bad.stderr
+    bad = colibri("serve", "--model-dir", mixtral, "--parallel", "4", "--prefill-chunk", "2", "--port", "0")
+    assert bad.returncode == 2 and "--parallel 4 exceeds --prefill-chunk 2" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_run_quiet_prints_only_the_output(mixtral, ref):

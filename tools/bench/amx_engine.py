@@ -9,9 +9,10 @@ call on a lent machine: build, make the model, convert, measure, interleaved.
 
 Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
---inplace`, about 4 minutes of a 16-core Xeon); --build-if-needed only where they do not import (the
-extensions built here are portable, no -march=native: carried to the machine beside the tree, the
-run call's `carry`, they save those minutes), the checkpoint is written by make_models.py without transformers (its frozen
+--inplace`, about 4 minutes of a 16-core Xeon); --build-if-needed only where the extensions in place
+were not built from these sources or do not import. The extensions are portable (no -march=native):
+built here, stamped (`--stamp`: colibri/.build_sources, the sources' hash) and carried to the machine
+with the stamp (the run call's `carry`), they save those minutes; the checkpoint is written by make_models.py without transformers (its frozen
 config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
 `colibri bench --json` (a prompt of --prompt-len tokens, 8 decoded), each round every format x
 thread count x step once in turn (the steps' order reversed every other round), the step chosen
@@ -32,6 +33,7 @@ kernel level (int8 and bf16, 16 to 256 tokens, one thread and all), into OUT/amx
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -41,6 +43,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# What the extensions are built from, and where the hash of those files is kept next to a build
+# (git ignores it): --build-if-needed rebuilds unless the stamp is these sources'.
+BUILD_SOURCES = ("setup.py", "colibri/*.pyx", "colibri/*.pxd", "colibri/csrc/*.h")
+STAMP = ROOT / "colibri" / ".build_sources"
+
+
+def sources_hash() -> str:
+    h = hashlib.sha256()
+    for pattern in BUILD_SOURCES:
+        for path in sorted(ROOT.glob(pattern)):
+            h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 class RunFailed(Exception):
@@ -74,7 +88,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", action="store_true", help="compile the extensions in place first")
     ap.add_argument("--build-if-needed", action="store_true",
-                    help="compile them only where they do not import (e.g. not carried, or another Python)")
+                    help="compile them unless the stamp says they were built from these sources and they import")
+    ap.add_argument("--stamp", action="store_true",
+                    help="only write the stamp for the extensions in place (just built from this tree) and stop")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/amx_engine")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/amx_engine_work"))
     ap.add_argument("--model", default="mixtral-mini")
@@ -91,6 +107,12 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="128,512", help="prefill chunks to run each of (\"\": the engine's default only)")
     a = ap.parse_args(argv)
     try:
+        if a.stamp:
+            run([sys.executable, "-c", "import colibri._kernels, colibri._engine, colibri._probes, colibri._routing"],
+                timeout=120)
+            STAMP.write_text(sources_hash() + "\n")
+            print(f"[amx_engine] {STAMP}: {STAMP.read_text().strip()}")
+            return 0
         return measure(a)
     except RunFailed as e:
         print(f"[amx_engine] {e}", file=sys.stderr)
@@ -127,13 +149,19 @@ def measure(a) -> int:
                     "--reps", "5"], 240)
     need_build = a.build
     if a.build_if_needed and not need_build:
+        stamped = STAMP.is_file() and STAMP.read_text().strip() == sources_hash()
         try:
+            if not stamped:
+                raise RunFailed(f"{STAMP} is missing or names other sources")
             run([py, "-c", "import colibri._kernels, colibri._engine, colibri._probes, colibri._routing"], timeout=120)
         except RunFailed as e:
-            print(f"[amx_engine] the extensions do not import here, building them: {str(e)[-300:]}", flush=True)
+            print(f"[amx_engine] building the extensions: {str(e)[-300:]}", flush=True)
             need_build = True
+        else:
+            print("[amx_engine] the extensions in place were built from these sources: no build", flush=True)
     if need_build:
         run([py, "setup.py", "build_ext", "--inplace", "-j", str(cores())], log=a.out / "build.log")
+        STAMP.write_text(sources_hash() + "\n")
         print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
     formats, steps = a.formats.split(","), a.steps.split(",")
     threads = list(dict.fromkeys(int(t) for t in a.threads.split(",")))

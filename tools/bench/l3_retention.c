@@ -39,14 +39,18 @@ static long long read_all(const char *buf, size_t bytes, int mode, size_t dist) 
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s HOT_MB STREAM_MB MODE DIST REPS\n", argv[0]);
+    if (argc != 6 || atoi(argv[5]) < 2) {
+        fprintf(stderr, "usage: %s HOT_MB STREAM_MB MODE DIST REPS (REPS >= 2: the first is discarded)\n", argv[0]);
         return 2;
     }
     const size_t hot_bytes = (size_t)atoi(argv[1]) << 20, stream_bytes = (size_t)atoi(argv[2]) << 20;
     const int mode = atoi(argv[3]), reps = atoi(argv[5]);
     const size_t dist = (size_t)atoi(argv[4]);
-    char *hot = aligned_alloc(4096, hot_bytes), *stream = aligned_alloc(4096, stream_bytes + dist + 256);
+    char *hot = aligned_alloc(4096, hot_bytes), *stream = aligned_alloc(4096, (stream_bytes + dist + 4096) / 4096 * 4096);
+    if (!hot || !stream) {
+        fprintf(stderr, "%s: cannot allocate %zu + %zu bytes\n", argv[0], hot_bytes, stream_bytes + dist);
+        return 1;
+    }
     memset(hot, 1, hot_bytes);
     memset(stream, 2, stream_bytes + dist + 256);
     double t_hot = 0, t_stream = 0;

@@ -27,9 +27,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
+    if a.gen < 3 or a.reps < 1:
+        ap.error("--gen must be at least 3 (the first token carries the prompt) and --reps at least 1")
     import colibri
 
     model = colibri.load(a.model_dir, threads=a.threads)
+    # positions below count the decoded tokens after the first generated one, from 0
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, a.prompt_len).tolist()
     gaps = []                                           # [rep][decoded token] seconds
     for _ in range(a.reps):
@@ -39,6 +42,7 @@ def main(argv=None) -> int:
             times.append(now - last)
             last = now
         gaps.append(times[1:])
+    model.close()
     g = np.array(gaps)
     ratio = g / np.median(g, axis=1, keepdims=True)     # [rep][token]: each repetition against its median
     med = np.median(ratio, axis=0)
