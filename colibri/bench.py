@@ -140,7 +140,8 @@ def format_table(r: dict) -> str:
 
     lines = [f"colibri bench: {r['model_dir']} ({r['architecture']}, {r['weight_dtype']}), "
              f"{r['threads']} threads, prompt {r['prompt_len']} tokens, {r['gen']} generated, "
-             f"{r['repeat']} repetitions after 1 warm-up",
+             f"{r['repeat']} repetitions after 1 warm-up; kernels {r['isa']} (int step {r['int_step']}), "
+             f"prefill chunk {r['prefill_chunk']}",
              f"{'':<22}{'median':>12}  {'min – max':<22}"]
     for key, label, unit, f in METRICS:
         s = r[key]

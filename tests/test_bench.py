@@ -41,6 +41,7 @@ def test_colibri_bench_table_and_errors(converted):
     r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", str(converted("mixtral_a")),
                         "--prompt-len", "8", "--gen", "4", "--repeat", "1"], env=ENV, capture_output=True, text=True)
     assert r.returncode == 0 and "decode" in r.stdout and "prefill" in r.stdout
+    assert f"kernels {IMPORT_CHOICE[0]} (int step {IMPORT_CHOICE[1]}), prefill chunk 128" in r.stdout, r.stdout
     r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", "/nonexistent"],
                        env=ENV, capture_output=True, text=True)
     assert r.returncode == 2 and "/nonexistent" in r.stderr and "Traceback" not in r.stderr

@@ -106,6 +106,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", action="store_true", help="skip amx_check.c (the tiles' bits and speed)")
     ap.add_argument("--chunks", default="128,512", help="prefill chunks to run each of (\"\": the engine's default only)")
     a = ap.parse_args(argv)
+    try:                               # (checked before the minutes a lent machine spends building)
+        a.chunk_list = list(dict.fromkeys(int(c) for c in a.chunks.split(",") if c)) or [None]
+        if any(c is not None and c < 1 for c in a.chunk_list):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--chunks {a.chunks!r}: give positive integers separated by commas")
     try:
         if a.stamp:
             run([sys.executable, "-c", "import colibri._kernels, colibri._engine, colibri._probes, colibri._routing"],
@@ -165,7 +171,7 @@ def measure(a) -> int:
         print(f"[amx_engine] built in {time.monotonic() - t0:.0f} s", flush=True)
     formats, steps = a.formats.split(","), a.steps.split(",")
     threads = list(dict.fromkeys(int(t) for t in a.threads.split(",")))
-    chunks = list(dict.fromkeys(int(c) for c in a.chunks.split(",") if c)) or [None]
+    chunks = a.chunk_list
     probe = json.loads(run([py, "-c", "import json, colibri._kernels as k; print(json.dumps([k.isa(), k.int_step(), "
                                       "k.available_int_steps(), k.amx_status()]))"]))
     print(f"[amx_engine] tier {probe[0]}, int step {probe[1]}, available {probe[2]} | {probe[3]}", flush=True)
