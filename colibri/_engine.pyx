@@ -667,8 +667,6 @@ cdef enum:
     WANT_ALL = 2              # every token's logits [n, vocab]
     WANT_SOME = 3             # the logits of the tokens s.tok_want marks, in their order [marked, vocab]
 
-PREFILL_CHUNK = names.DEFAULT_PREFILL_CHUNK    # prompt tokens per chunk by default (names.py)
-
 
 cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
                  const Mat *lm_head, Scratch *s, const int *tokens, int n, int pos0,

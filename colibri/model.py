@@ -152,13 +152,14 @@ class Model:
                         # the scratch grows with the prefill chunk: unless the caller chose one, a
                         # smaller chunk may fit the limit (a long prompt then streams its experts
                         # once per chunk)
-                        if prefill_chunk is not None and build["chunk"] > max(MIN_PLANNED_CHUNK, parallel):
+                        floor = max(MIN_PLANNED_CHUNK, parallel)
+                        if build["chunk"] <= floor:
+                            raise
+                        if prefill_chunk is not None:
                             raise ColibriError(f"{e} (or a smaller prefill chunk than the {prefill_chunk} asked for: "
                                                f"its scratch grows with it)") from None
-                        if prefill_chunk is not None or build["chunk"] <= max(MIN_PLANNED_CHUNK, parallel):
-                            raise
                         del engine
-                        build["chunk"] = self._chunk = max(MIN_PLANNED_CHUNK, parallel, build["chunk"] // 2)
+                        build["chunk"] = self._chunk = max(floor, build["chunk"] // 2)
                         engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))
                 if build["chunk"] < chunk:
                     self.residency.plan = dataclasses.replace(self.residency.plan, lowered_chunk=build["chunk"])

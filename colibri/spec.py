@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _engine, _os
+from . import _engine, _os, names
 from ._kernels import ACT_CODES
 from .errors import ColibriError
 from .modeldir import TensorRef  # noqa: F401  (the tensors' type)
@@ -157,8 +157,8 @@ def layer_specs(cfg, n_ctx: int, chunk: int) -> tuple:
 
 
 def prefill_chunk(requested, n_ctx: int) -> int:
-    """The engine's tokens per call: the request (default _engine.PREFILL_CHUNK), at most n_ctx."""
-    return max(1, min(requested or _engine.PREFILL_CHUNK, n_ctx))
+    """The engine's tokens per call: the request (default names.DEFAULT_PREFILL_CHUNK), at most n_ctx."""
+    return max(1, min(requested or names.DEFAULT_PREFILL_CHUNK, n_ctx))
 
 
 def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_softmax: bool, prefetch: str,
