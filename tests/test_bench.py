@@ -112,3 +112,45 @@ def test_the_bf16_rounding_probe_finds_the_order_of_the_cpus_products(tmp_path):
         assert "tdpbf16ps: this CPU has no AMX-BF16" in lines
     elif r.returncode == 0:           # the tile state lent: every K reports its matching candidates
         assert sum(line.startswith("tdpbf16ps K=") and "matches:" in line for line in lines) == 5
+
+
+def _amx_engine():
+    """tools/bench/amx_engine.py as a module (its variants and their flags)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("amx_engine", REPO / "tools" / "bench" / "amx_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="amx_check.c is compiled with gcc")
+def test_every_amx_kernel_variant_compiles_and_the_knobs_keep_the_bits(tmp_path):
+    """amx_engine.py times compile-time variants of the AMX tiles (kernels_amx.h's knobs: the int
+    tile's pipeline and chunk, the bf16 tile's group pairs a pass and chunk) on a lent AMX machine.
+    Each must be a build kernels_amx.h accepts (a schedule it refuses is refused); and a build with
+    every knob away from its default — a 1-step store delay with a 2-step lookahead, 5 blocks a
+    chunk, one bf16 group pair a pass, 3 chunks — gives the AVX-512 steps' bits through the emulated
+    tile ops (amx_check --emulated: the tiles' shapes and the kernel table's products)."""
+    variants = _amx_engine().KERNEL_VARIANTS
+    assert "default" in variants and variants["default"][0] == []
+    syntax = ["gcc", "-fsyntax-only", "-fopenmp", f"-I{REPO / 'colibri' / 'csrc'}", str(REPO / "tools/bench/amx_check.c")]
+    for name, (flags, formats) in variants.items():
+        r = subprocess.run(syntax + flags, capture_output=True, text=True)
+        assert r.returncode == 0, f"{name}: {r.stderr[-1500:]}"
+        assert set(formats.split(",")) <= {"int8", "int4", "int6", "mxfp4", "bf16"}, name
+    refused = subprocess.run(syntax + ["-DCB_AMX_STORE_DELAY=2", "-DCB_AMX_LOOKAHEAD=1"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "CB_AMX_STORE_DELAY" in refused.stderr
+    if "amx-emulated" not in _kernels.available_int_steps():
+        pytest.skip("the emulated AMX step needs AVX512-VNNI")
+    exe = tmp_path / "amx_check"
+    knobs = ["-DCB_AMX_STORE_DELAY=1", "-DCB_AMX_LOOKAHEAD=2", "-DCB_AMX_KBLOCKS=5", "-DCB_AMX_BF16_PAIRS=1",
+             "-DCB_AMX_BF16_CHUNKS=3"]
+    subprocess.run(["gcc", "-O1", "-fopenmp", *knobs, f"-I{REPO / 'colibri' / 'csrc'}",
+                    str(REPO / "tools/bench/amx_check.c"), "-o", str(exe), "-lm"], check=True)
+    r = subprocess.run([str(exe), "--emulated"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "store delay 1, lookahead 2, 5 blocks a chunk; bf16: 1 group pair a pass, 3 chunks" in r.stdout
+    bits = [line.split(": ")[1].split(" cases")[0].split(" of ") for line in r.stdout.splitlines()
+            if line.startswith("bits amx-emulated:")]
+    assert len(bits) == 2 and all(same == total and int(total) > 0 for same, total in bits), r.stdout
+    assert "dispatch amx-emulated: self-test passed (code 0)" in r.stdout

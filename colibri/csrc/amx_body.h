@@ -130,56 +130,66 @@ CB_AMX_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_ac
 
 /* ---- bf16 products (kernels_amx.h: the layouts, the order) --------------------------------------- */
 
-/* Chunk h's products of one or two token tiles (a0, a1: their A, chunk h; a1 NULL for one) with B
- * (wb: chunk h's lanes on tiles 2 and 3): C tiles 4, 5 (lanes 0, 1 of the first) and 6, 7. */
+/* Lane p of chunk h for one or two token tiles (a0, a1: their A, chunk h; a1 NULL for one) and one
+ * or two group pairs (w0, w1: their B, chunk h; w1 NULL for one): C tiles 4 (a0 x w0), 5 (a0 x w1),
+ * 6 (a1 x w0), 7 (a1 x w1). Two of each: 4 tile loads for 4 products (the 2 x 2 blocking). */
 CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void
-CB_AMX_NAME(cb_amx_bf16_chunk)(const cb_amx_bf16_w *wb, const cb_amx_bf16_a *a0, const cb_amx_bf16_a *a1) {
-    CB_AMX_LOAD(2, wb->q[0], 64);
-    CB_AMX_LOAD(3, wb->q[1], 64);
-    CB_AMX_LOAD(0, a0->q[0], 64);
+CB_AMX_NAME(cb_amx_bf16_lane_chunk)(int p, const cb_amx_bf16_w *w0, const cb_amx_bf16_w *w1, const cb_amx_bf16_a *a0,
+                                    const cb_amx_bf16_a *a1) {
+    CB_AMX_LOAD(2, w0->q[p], 64);
+    CB_AMX_LOAD(0, a0->q[p], 64);
     CB_AMX_DPBF16PS(4, 0, 2);
-    CB_AMX_LOAD(1, a0->q[1], 64);
-    CB_AMX_DPBF16PS(5, 1, 3);
+    if (w1) {
+        CB_AMX_LOAD(3, w1->q[p], 64);
+        CB_AMX_DPBF16PS(5, 0, 3);
+    }
     if (a1) {
-        CB_AMX_LOAD(0, a1->q[0], 64);
-        CB_AMX_DPBF16PS(6, 0, 2);
-        CB_AMX_LOAD(1, a1->q[1], 64);
-        CB_AMX_DPBF16PS(7, 1, 3);
+        CB_AMX_LOAD(1, a1->q[p], 64);
+        CB_AMX_DPBF16PS(6, 1, 2);
+        if (w1) CB_AMX_DPBF16PS(7, 1, 3);
     }
 }
 
-/* The C tiles of one or two token tiles (two: 4 .. 7) from their lane sums in state[tile][lane]
- * ([16 tokens][16 outputs] f32 each), or zeroed (first), and back to it. */
-CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_bf16_resume)(float (*state)[2][256], int two,
-                                                                                 int first) {
+/* Lane p's C tiles of a pass (tile 4 + 2 * token tile + pair, those present: two token tiles, two
+ * pairs) from their sums in c[4] ([16 tokens][16 outputs] f32 each; NULL where absent), or
+ * zeroed (first), and back to it. */
+CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_bf16_resume)(float *const c[4], int first) {
     if (first) {
-        CB_AMX_ZERO(4); CB_AMX_ZERO(5);
-        if (two) { CB_AMX_ZERO(6); CB_AMX_ZERO(7); }
+        CB_AMX_ZERO(4);
+        if (c[1]) CB_AMX_ZERO(5);
+        if (c[2]) CB_AMX_ZERO(6);
+        if (c[3]) CB_AMX_ZERO(7);
         return;
     }
-    CB_AMX_LOAD(4, state[0][0], 64); CB_AMX_LOAD(5, state[0][1], 64);
-    if (two) { CB_AMX_LOAD(6, state[1][0], 64); CB_AMX_LOAD(7, state[1][1], 64); }
+    CB_AMX_LOAD(4, c[0], 64);
+    if (c[1]) CB_AMX_LOAD(5, c[1], 64);
+    if (c[2]) CB_AMX_LOAD(6, c[2], 64);
+    if (c[3]) CB_AMX_LOAD(7, c[3], 64);
 }
-CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_bf16_suspend)(float (*state)[2][256], int two) {
-    CB_AMX_STORE(4, state[0][0], 64); CB_AMX_STORE(5, state[0][1], 64);
-    if (two) { CB_AMX_STORE(6, state[1][0], 64); CB_AMX_STORE(7, state[1][1], 64); }
+CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_bf16_suspend)(float *const c[4]) {
+    CB_AMX_STORE(4, c[0], 64);
+    if (c[1]) CB_AMX_STORE(5, c[1], 64);
+    if (c[2]) CB_AMX_STORE(6, c[2], 64);
+    if (c[3]) CB_AMX_STORE(7, c[3], 64);
 }
 
-/* The AMX step's interleaved bf16 products entry (cb_itile_fn, acts.xb): group pairs, a chunk of
- * CB_AMX_BF16_CHUNKS x 64 inputs unpacked at a time (B) and run over every whole tile of 16 tokens,
- * two tiles at a time (each B load feeds both); between chunks a tile's two lanes wait in this
- * call's state (2 KB a token tile), and after the last they are added into out. The activations
- * are packed once per call into this thread's scratch (2 KB a chunk and token tile). The
- * AVX512_BF16 step takes the rest: the last n % 16 tokens, an odd last group, and everything where
- * no scratch is had. */
+/* The AMX step's interleaved bf16 products entry (cb_itile_fn, acts.xb): CB_AMX_BF16_PAIRS group
+ * pairs at a time (their B a chunk of CB_AMX_BF16_CHUNKS x 64 inputs unpacked at a time) over every
+ * whole tile of 16 tokens, two token tiles at a time, one lane and then the other: each A and each
+ * B load feeds two products. Between chunks a C tile's sums wait in this call's state ([token
+ * tile][pair][lane]: 1 KB each), and after the last, out = lane 0 + lane 1. The activations are
+ * packed once per call into this thread's scratch (2 KB a chunk and token tile). The AVX512_BF16
+ * step takes the rest: the last n % 16 tokens, an odd last group, and everything where no scratch
+ * is had. */
 CB_TARGET_AVX512_BF16 static void
 CB_AMX_NAME(cb_itile_bf16x)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
                             int g1, int n) {
     const int paired = g0 + (g1 - g0) / 2 * 2;
     const int tiles = n / CB_AMX_TOKENS, n_tiles = tiles * CB_AMX_TOKENS, chunks = (cols + 63) / 64;
     const int kchunks = chunks < CB_AMX_BF16_CHUNKS ? chunks : CB_AMX_BF16_CHUNKS;
-    const size_t act_bytes = (size_t)tiles * chunks * sizeof(cb_amx_bf16_a), w_bytes = (size_t)kchunks * sizeof(cb_amx_bf16_w);
-    const size_t state_bytes = (size_t)tiles * 2 * 256 * sizeof(float);
+    const size_t act_bytes = (size_t)tiles * chunks * sizeof(cb_amx_bf16_a);
+    const size_t w_bytes = (size_t)CB_AMX_BF16_PAIRS * kchunks * sizeof(cb_amx_bf16_w);
+    const size_t state_bytes = (size_t)tiles * CB_AMX_BF16_PAIRS * 2 * 256 * sizeof(float);
     uint8_t *scratch = tiles == 0 || paired == g0 ? NULL
                      : cb_thread_scratch(CB_SCRATCH_ACT_TILES, act_bytes + w_bytes + state_bytes + sizeof(cb_amx_config));
     if (!scratch) {
@@ -187,30 +197,41 @@ CB_AMX_NAME(cb_itile_bf16x)(float *out, int ldo, const char *w, int dtype, const
         return;
     }
     cb_amx_bf16_a *packed = (cb_amx_bf16_a *)scratch;                   /* [tiles][chunks] */
-    cb_amx_bf16_w *wb = (cb_amx_bf16_w *)(scratch + act_bytes);         /* [kchunks] */
-    float (*state)[2][256] = (float (*)[2][256])(void *)(scratch + act_bytes + w_bytes);   /* [tiles][lane] */
+    cb_amx_bf16_w *wb = (cb_amx_bf16_w *)(scratch + act_bytes);         /* [CB_AMX_BF16_PAIRS][kchunks] */
+    float (*state)[CB_AMX_BF16_PAIRS][2][256] =                         /* [tiles][pair][lane] */
+        (float (*)[CB_AMX_BF16_PAIRS][2][256])(void *)(scratch + act_bytes + w_bytes);
     cb_amx_config *cfg = (cb_amx_config *)(scratch + act_bytes + w_bytes + state_bytes);
     for (int i = 0; i < tiles; i++)
         cb_amx_bf16_pack_acts(packed + (size_t)i * chunks, acts + (size_t)i * CB_AMX_TOKENS, cols);
     cb_amx_bf16_fill_config(cfg);
     CB_AMX_LOADCFG(cfg);
     const size_t row = (size_t)cols * 2 * CB_TGROUP;                    /* a group's bytes */
-    for (int g = g0; g < paired; g += 2) {
+    for (int g = g0; g < paired; g += 2 * CB_AMX_BF16_PAIRS) {
+        const int pairs = (paired - g) / 2 < CB_AMX_BF16_PAIRS ? (paired - g) / 2 : CB_AMX_BF16_PAIRS;
         for (int h0 = 0; h0 < chunks; h0 += kchunks) {
             const int nch = h0 + kchunks < chunks ? kchunks : chunks - h0, last = h0 + nch == chunks;
-            cb_amx_bf16_pack_weights(wb, w + (size_t)g * row, row, cols, h0, nch);
+            for (int j = 0; j < pairs; j++)
+                cb_amx_bf16_pack_weights(wb + (size_t)j * kchunks, w + (size_t)(g + 2 * j) * row, row, cols, h0, nch);
+            const cb_amx_bf16_w *w0 = wb, *w1 = pairs > 1 ? wb + kchunks : NULL;
             for (int i = 0; i < tiles; i += 2) {
                 const int two = i + 1 < tiles;
                 const cb_amx_bf16_a *a0 = packed + (size_t)i * chunks + h0, *a1 = two ? a0 + chunks : NULL;
-                CB_AMX_NAME(cb_amx_bf16_resume)(state + i, two, h0 == 0);
-                for (int h = 0; h < nch; h++) CB_AMX_NAME(cb_amx_bf16_chunk)(wb + h, a0 + h, a1 ? a1 + h : NULL);
-                CB_AMX_NAME(cb_amx_bf16_suspend)(state + i, two);
+                for (int p = 0; p < 2; p++) {
+                    enum { second = CB_AMX_BF16_PAIRS - 1 };    /* the second pair's index, used where w1 is */
+                    float *const c[4] = {state[i][0][p], w1 ? state[i][second][p] : NULL,
+                                         two ? state[i + 1][0][p] : NULL, two && w1 ? state[i + 1][second][p] : NULL};
+                    CB_AMX_NAME(cb_amx_bf16_resume)(c, h0 == 0);
+                    for (int h = 0; h < nch; h++)
+                        CB_AMX_NAME(cb_amx_bf16_lane_chunk)(p, w0 + h, w1 ? w1 + h : NULL, a0 + h, a1 ? a1 + h : NULL);
+                    CB_AMX_NAME(cb_amx_bf16_suspend)(c);
+                }
                 if (!last) continue;
                 for (int k = i; k < i + 1 + two; k++)                  /* out = lane 0 + lane 1 */
-                    for (int t = 0; t < CB_AMX_TOKENS; t++)
-                        _mm512_storeu_ps(out + (size_t)(k * CB_AMX_TOKENS + t) * ldo + (size_t)g * CB_TGROUP,
-                                         _mm512_add_ps(_mm512_loadu_ps(state[k][0] + 16 * t),
-                                                       _mm512_loadu_ps(state[k][1] + 16 * t)));
+                    for (int j = 0; j < pairs; j++)
+                        for (int t = 0; t < CB_AMX_TOKENS; t++)
+                            _mm512_storeu_ps(out + (size_t)(k * CB_AMX_TOKENS + t) * ldo + (size_t)(g + 2 * j) * CB_TGROUP,
+                                             _mm512_add_ps(_mm512_loadu_ps(state[k][j][0] + 16 * t),
+                                                           _mm512_loadu_ps(state[k][j][1] + 16 * t)));
             }
         }
     }

@@ -60,8 +60,10 @@
 
 #define CB_AMX_TOKENS 16            /* A's and C's rows: tokens a tile */
 
+#ifndef CB_AMX_KBLOCKS
 #define CB_AMX_KBLOCKS 32           /* blocks of a group pair unpacked at a time: 18 KB of B beside
                                        a token tile's 18 KB of A, in L1 */
+#endif
 /* The pair tile's software pipeline (amx_body.h): a block's C is stored CB_AMX_STORE_DELAY steps
  * after its product is issued and scaled CB_AMX_LOOKAHEAD steps after (STORE_DELAY <= LOOKAHEAD).
  * C goes round STORE_DELAY + 2 tiles beside A and B's four, so the next block's product never
@@ -172,7 +174,19 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
  * ports, sets the pace. */
 #define CB_AMX_BF16_UNITS 16            /* units c (4 inputs) a TDPBF16PS */
 CB_STATIC_ASSERT(CB_AMX_BF16_UNITS * 4 == CB_BF16_SPLIT_INPUTS, "a split order's span is one TDPBF16PS's inputs");
-#define CB_AMX_BF16_CHUNKS 16           /* 64-input chunks of B unpacked at a time: 32 KB, in L1 and L2 */
+#ifndef CB_AMX_BF16_CHUNKS
+#define CB_AMX_BF16_CHUNKS 16           /* 64-input chunks of B unpacked at a time: 32 KB a group pair */
+#endif
+/* Group pairs a pass: with two, each lane's products go 2 token tiles x 2 pairs (4 tile loads for 4
+ * TDPBF16PS, the blocking Intel's optimization manual gives for AMX); with one, 2 token tiles x 1
+ * pair (6 loads for 4). Neither is measured on AMX hardware yet: tools/bench/amx_engine.py's
+ * variants time both (amx_check.c built with -DCB_AMX_BF16_PAIRS=1). */
+#ifndef CB_AMX_BF16_PAIRS
+#define CB_AMX_BF16_PAIRS 2
+#endif
+#if CB_AMX_BF16_PAIRS < 1 || CB_AMX_BF16_PAIRS > 2 || CB_AMX_BF16_CHUNKS < 1
+#error "CB_AMX_BF16_PAIRS: 1 or 2; CB_AMX_BF16_CHUNKS: at least 1"
+#endif
 
 /* One chunk of 64 inputs of a group pair as B, both lanes (2 KB). */
 typedef struct {
@@ -184,7 +198,7 @@ typedef struct {
     uint16_t q[2][CB_AMX_TOKENS][32];           /* [lane p][token][unit c * 2 + j] */
 } cb_amx_bf16_a;
 
-/* All 8 tiles 16 rows x 64 bytes: 0, 1 A; 2, 3 B of lanes 0, 1; 4 .. 7 C of two token tiles' lanes. */
+/* All 8 tiles 16 rows x 64 bytes: 0, 1 A of two token tiles; 2, 3 B of two group pairs; 4 .. 7 C (amx_body.h). */
 static void cb_amx_bf16_fill_config(cb_amx_config *c) {
     memset(c, 0, sizeof *c);
     c->palette = 1;

@@ -3,8 +3,10 @@
  * tile unit's, vpdpbusd's and vdpbf16ps's peaks.
  *
  *   gcc -O3 -fopenmp -Icolibri/csrc tools/bench/amx_check.c -o /tmp/amx_check -lm
- *   /tmp/amx_check [--emulated] [--threads 1,16] [--tokens 8,16,64,256] [--shape 2048x4096]
+ *   /tmp/amx_check [--emulated | --hardware-only] [--threads 1,16] [--tokens 8,16,64,256] [--shape 2048x4096]
  *                  [--dtypes int8,int4,bf16] [--reps 5]
+ *
+ * --hardware-only: on an AMX CPU, skip the emulated tile ops' bits (checked on any AVX512-VNNI CPU).
  *
  * --emulated: the bits of the emulated tile ops only (any AVX512-VNNI CPU; no timing); with
  * --emulated-unit ORDER the emulated TDPBF16PS adds in that order of roundings (seq, split-sum,
@@ -16,7 +18,9 @@
  * thread count: the median of --reps products of each tile, interleaved, and their ratio. Where the
  * bf16 tile misses vdpbf16ps's bits, each split order is tried ("bf16 order" lines: the one whose
  * bits the unit gives is kept for the dispatch check, as import's self-test does). Build
- * with -DCB_AMX_STORE_DELAY=D -DCB_AMX_LOOKAHEAD=L (kernels_amx.h) for another pipeline.
+ * with -DCB_AMX_STORE_DELAY=D -DCB_AMX_LOOKAHEAD=L (the int tile's pipeline), -DCB_AMX_KBLOCKS=K,
+ * -DCB_AMX_BF16_PAIRS=P or -DCB_AMX_BF16_CHUNKS=C (the bf16 tile's blocking; kernels_amx.h) for
+ * another variant: tools/bench/amx_engine.py --variants builds and times several.
  */
 #define _GNU_SOURCE
 #include <omp.h>
@@ -319,11 +323,12 @@ static int parse_list(const char *s, int *out, int max) {
 }
 
 int main(int argc, char **argv) {
-    int emulated = 0, reps = 5, rows = 2048, cols = 4096, unit = -1;
+    int emulated = 0, hardware_only = 0, reps = 5, rows = 2048, cols = 4096, unit = -1;
     int threads[8] = {1}, nthreads = 1, tokens[16] = {8, 16, 32, 64, 128, 512}, ntokens = 6;
     int dtypes[5] = {CB_INT8, CB_INT4}, ndtypes = 2;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--emulated")) emulated = 1;
+        else if (!strcmp(argv[i], "--hardware-only")) hardware_only = 1;
         else if (!strcmp(argv[i], "--emulated-unit") && i + 1 < argc) {
             const char *name = argv[++i];
             for (int o = 0; o < CB_BF16_ORDERS; o++)
@@ -348,7 +353,9 @@ int main(int argc, char **argv) {
         }
     }
     cb_init_tables();
-    printf("pipeline: store delay %d, lookahead %d, %d blocks a chunk\n", CB_AMX_STORE_DELAY, CB_AMX_LOOKAHEAD, CB_AMX_KBLOCKS);
+    printf("pipeline: store delay %d, lookahead %d, %d blocks a chunk; bf16: %d group pair%s a pass, %d chunks\n",
+           CB_AMX_STORE_DELAY, CB_AMX_LOOKAHEAD, CB_AMX_KBLOCKS, CB_AMX_BF16_PAIRS, CB_AMX_BF16_PAIRS > 1 ? "s" : "",
+           CB_AMX_BF16_CHUNKS);
     cb_cpu = cb_detect_cpu();
     if (emulated) {
         cb_amx_emu_unit_order = unit;
@@ -360,7 +367,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "amx_check: the OS did not lend the tile state (arch_prctl XTILEDATA)\n");
         return 1;
     }
-    int fails = check_bits(1, "amx-emulated", -1) + !find_bf16_order(1, "amx-emulated");
+    int fails = hardware_only ? 0 : check_bits(1, "amx-emulated", -1) + !find_bf16_order(1, "amx-emulated");
     cb_bf16_order = CB_BF16_SEQ;
     fails += check_bits(0, "amx", -1) + !find_bf16_order(0, "amx");     /* (the unit's order kept) */
     fails += check_dispatch(CB_INT_STEP_AMX, "amx");

@@ -5,7 +5,7 @@ call on a lent machine: build, make the model, convert, measure, interleaved.
     python tools/bench/amx_engine.py [--build | --build-if-needed] [--out DIR] [--model mixtral-mini] [--formats int8,bf16]
                                      [--steps amx,avx512-vnni] [--threads 16,1] [--prompt-len 512]
                                      [--rounds 3] [--budget-s 420] [--no-probe] [--no-kernels]
-                                     [--chunks 128,512]
+                                     [--chunks 128,512] [--variants default,bf16-pairs1,...]
 
 Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
@@ -26,9 +26,15 @@ avx512-vnni,avx2 exercises the same path.
 
 First (seconds; --no-probe skips it) it builds and runs tools/bench/amx_bf16_probe.c, which finds
 the order of roundings of the machine's TDPBF16PS and VDPBF16PS (what an AMX bf16 prompt tile
-with decode's bits has to follow), into OUT/amx_bf16_probe.txt; then (about a minute; --no-kernels
-skips it) tools/bench/amx_check.c, the AMX tiles' bits and speed against the AVX-512 steps' at the
-kernel level (int8 and bf16, 16 to 256 tokens, one thread and all), into OUT/amx_check.txt.
+with decode's bits has to follow), into OUT/amx_bf16_probe.txt; then (--no-kernels skips it)
+tools/bench/amx_check.c, the AMX tiles' bits and speed against the AVX-512 steps' at the kernel
+level (16 to 256 tokens, one thread and all), once per --variants build of it: the committed tiles
+("default", int8 and bf16) and the compile-time variants of their schedules (KERNEL_VARIANTS: the
+int tile's pipeline and chunk, the bf16 tile's blocking), each timed in the formats it changes,
+into OUT/amx_check-NAME.txt, with a table of the AMX tile's GOP/s and its ratio to the AVX-512 tile
+per variant (OUT/amx_variants.json): which schedule to commit. The builds (about a minute each,
+in parallel) are kept in build/amx_check/ under their sources' hash; --stamp makes them here too,
+so a run that carries that folder only times them.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,6 +62,96 @@ def sources_hash() -> str:
         for path in sorted(ROOT.glob(pattern)):
             h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
+
+
+# amx_check.c builds to time against each other (kernels_amx.h's compile-time knobs): name -> (gcc -D
+# flags, the formats whose tile they change). "default" is the committed build.
+KERNEL_VARIANTS = {
+    "default": ([], "int8,bf16"),
+    "int-store1-ahead1": (["-DCB_AMX_STORE_DELAY=1", "-DCB_AMX_LOOKAHEAD=1"], "int8"),
+    "int-store1-ahead2": (["-DCB_AMX_STORE_DELAY=1", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
+    "int-store2-ahead2": (["-DCB_AMX_STORE_DELAY=2", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
+    "int-store0-ahead2": (["-DCB_AMX_STORE_DELAY=0", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
+    "int-kblocks8": (["-DCB_AMX_KBLOCKS=8"], "int8"),
+    "bf16-pairs1": (["-DCB_AMX_BF16_PAIRS=1"], "bf16"),
+    "bf16-chunks8": (["-DCB_AMX_BF16_CHUNKS=8"], "bf16"),
+}
+AMX_CHECK_FLAGS = ["-O3", "-fopenmp", "-Icolibri/csrc"]
+VARIANT_DIR = ROOT / "build" / "amx_check"
+
+
+def variant_binary(name: str) -> Path:
+    """Where variant NAME's amx_check build is kept: named by the hash of what it is built from."""
+    h = hashlib.sha256(" ".join(AMX_CHECK_FLAGS + KERNEL_VARIANTS[name][0]).encode())
+    for path in sorted([ROOT / "tools/bench/amx_check.c", *(ROOT / "colibri/csrc").glob("*.h")]):
+        h.update(path.read_bytes())
+    return VARIANT_DIR / f"amx_check-{name}-{h.hexdigest()[:16]}"
+
+
+def build_variants(names: list, timeout: float = 600) -> dict:
+    """Build the variants not already kept, in parallel: {name: binary or the error line}."""
+    VARIANT_DIR.mkdir(parents=True, exist_ok=True)
+    built, procs = {}, {}
+    for name in names:
+        exe = variant_binary(name)
+        if exe.is_file():
+            built[name] = exe
+            continue
+        tmp = exe.with_suffix(".tmp")
+        procs[name] = (exe, tmp, subprocess.Popen(
+            ["gcc", *AMX_CHECK_FLAGS, *KERNEL_VARIANTS[name][0], "tools/bench/amx_check.c", "-o", str(tmp), "-lm"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    for name, (exe, tmp, p) in procs.items():
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            built[name] = f"gcc ran past {timeout:.0f} s"
+            continue
+        if p.returncode == 0:
+            tmp.replace(exe)                 # (whole or not at all: a killed build leaves no binary)
+            built[name] = exe
+        else:
+            tmp.unlink(missing_ok=True)
+            built[name] = f"gcc failed ({p.returncode}): {out.strip()[-500:]}"
+    return built
+
+
+def kernel_variants(a) -> None:
+    """amx_check once per variant of --variants (built first, all at once), each in the formats it
+    changes, one after another; OUT/amx_check-NAME.txt each, and the prefill lines as a table."""
+    threads = ",".join(map(str, sorted({1, cores()})))
+    built = build_variants(a.variant_list)
+    rows = {}                                # (format, tokens, threads) -> {variant: (amx GOP/s, amx/avx512)}
+    for name in a.variant_list:
+        exe = built[name]
+        if isinstance(exe, str):
+            text = f"amx_check {name}: {exe}\n"
+        else:
+            try:
+                p = subprocess.run([str(exe), *([] if name == "default" else ["--hardware-only"]),
+                                    "--dtypes", KERNEL_VARIANTS[name][1], "--tokens", "16,64,256",
+                                    "--threads", threads, "--reps", "5"], cwd=ROOT, capture_output=True, text=True,
+                                   timeout=240)
+                text = p.stdout + p.stderr + (f"amx_check {name} exited with {p.returncode}\n" if p.returncode else "")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                text = f"amx_check {name} failed: {e}\n"
+        (a.out / f"amx_check-{name}.txt").write_text(text)
+        print(f"[amx_engine] amx_check {name}:\n{text}", end="", flush=True)
+        for m in re.finditer(r"^prefill (\S+) \S+ tokens (\d+) threads (\d+): avx512 [\d.]+ GOP/s, amx ([\d.]+) GOP/s, "
+                             r"amx/avx512 ([\d.]+)$", text, re.M):
+            rows.setdefault((m[1], int(m[2]), int(m[3])), {})[name] = (float(m[4]), float(m[5]))
+    (a.out / "amx_variants.json").write_text(json.dumps(
+        [{"format": f, "tokens": n, "threads": t, "variants": v} for (f, n, t), v in sorted(rows.items())], indent=1))
+    if rows:
+        names = [n for n in a.variant_list if any(n in v for v in rows.values())]
+        print("\n| format | tokens | threads | " + " | ".join(f"{n}: amx GOP/s (/ avx512)" for n in names) + " |")
+        print("|---|---:|---:|" + "---|" * len(names))
+        for (f, n, t), v in sorted(rows.items()):
+            cells = [f"{v[x][0]:.1f} ({v[x][1]:.2f})" if x in v else "-" for x in names]
+            print(f"| {f} | {n} | {t} | " + " | ".join(cells) + " |", flush=True)
 
 
 class RunFailed(Exception):
@@ -105,7 +202,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-probe", action="store_true", help="skip the bf16 rounding-order probe")
     ap.add_argument("--no-kernels", action="store_true", help="skip amx_check.c (the tiles' bits and speed)")
     ap.add_argument("--chunks", default="128,512", help="prefill chunks to run each of (\"\": the engine's default only)")
+    ap.add_argument("--variants", default=",".join(KERNEL_VARIANTS),
+                    help=f"amx_check builds to time (of {', '.join(KERNEL_VARIANTS)})")
     a = ap.parse_args(argv)
+    a.variant_list = list(dict.fromkeys(v for v in a.variants.split(",") if v))
+    unknown = [v for v in a.variant_list if v not in KERNEL_VARIANTS]
+    if unknown:
+        ap.error(f"--variants {','.join(unknown)}: not a variant (the variants: {', '.join(KERNEL_VARIANTS)})")
     try:                               # (checked before the minutes a lent machine spends building)
         a.chunk_list = list(dict.fromkeys(int(c) for c in a.chunks.split(",") if c)) or [None]
         if any(c is not None and c < 1 for c in a.chunk_list):
@@ -118,7 +221,12 @@ def main(argv=None) -> int:
                 timeout=120)
             STAMP.write_text(sources_hash() + "\n")
             print(f"[amx_engine] {STAMP}: {STAMP.read_text().strip()}")
-            return 0
+            failed = {n: e for n, e in build_variants(a.variant_list).items() if isinstance(e, str)}
+            for name, error in failed.items():
+                print(f"[amx_engine] amx_check {name}: {error}", file=sys.stderr)
+            print(f"[amx_engine] amx_check builds in {VARIANT_DIR} (carry it): "
+                  f"{', '.join(n for n in a.variant_list if n not in failed)}")
+            return 1 if failed else 0
         return measure(a)
     except RunFailed as e:
         print(f"[amx_engine] {e}", file=sys.stderr)
@@ -149,10 +257,7 @@ def measure(a) -> int:
     if not a.no_probe:
         standalone(a.out, "amx_bf16_probe", ["-O2", "-ffp-contract=off"], ["256"], 120)
     if not a.no_kernels:
-        threads = sorted({1, cores()})
-        standalone(a.out, "amx_check", ["-O3", "-fopenmp", "-Icolibri/csrc"],
-                   ["--dtypes", "int8,bf16", "--tokens", "16,64,256", "--threads", ",".join(map(str, threads)),
-                    "--reps", "5"], 240)
+        kernel_variants(a)
     need_build = a.build
     if a.build_if_needed and not need_build:
         stamped = STAMP.is_file() and STAMP.read_text().strip() == sources_hash()
