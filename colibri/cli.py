@@ -30,12 +30,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-# load(prefill_chunk=)'s option in run, chat, serve and bench
-PREFILL_CHUNK_HELP = (f"prompt tokens run together (default {names.DEFAULT_PREFILL_CHUNK}, lowered to fit a memory "
-                      f"limit; a value given here is kept): each expert then multiplies its share of them in one "
-                      f"pass over its weights; the prefill scratch grows with it")
-
-
 def _positive_int(text):
     try:
         v = int(text)
@@ -82,23 +76,9 @@ def _number(text):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-def _model_options(p, demo_default: bool) -> None:
-    """The load options `run` and `chat` share."""
-    p.add_argument("--model-dir", "--model_dir", dest="model_dir", required=not demo_default,
-                   help="a converted model directory" + (" (default: the bundled demo model)" if demo_default else ""))
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="default: the physical cores this process may use")
-    p.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
-                   help="context length (default: the model's, up to 4096)")
-    sm = p.add_mutually_exclusive_group()
-    sm.add_argument("--exact-softmax", "--exact_softmax", dest="softmax_lut", action="store_false",
-                    help="routing weights from the float softmax (the default)")
-    sm.add_argument("--softmax-lut", "--softmax_lut", dest="softmax_lut", action="store_true",
-                    help="routing weights from the uint8 softmax lookup table of the original design")
-    # the group's first option (a store_false) would otherwise make its dest default to True: the table
-    p.set_defaults(softmax_lut=False)
-    p.add_argument("--no-mmap", action="store_true",
-                   help="read the weights into memory instead of mapping the files (network shares)")
+def _engine_options(p) -> None:
+    """The engine's load options `run`, `chat`, `serve` and `bench` share: memory, the KV cache, the
+    kernels' arithmetic and the prefill chunk."""
     p.add_argument("--memory-limit-mb", "--memory_limit_mb", dest="memory_limit_mb", type=float, default=None,
                    help="stay under this many MB, page cache of the model's files included (default: the "
                         "cgroup's or job's limit, else the available RAM); a model larger than it keeps "
@@ -119,7 +99,29 @@ def _model_options(p, demo_default: bool) -> None:
                    help="bf16 weights: bf16 rounds the activations to bf16 for AVX512_BF16's vdpbf16ps (as "
                         "llama.cpp), f32 multiplies exactly in f32 (default: auto, bf16 where the CPU has it)")
     p.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=_positive_int, default=None,
-                   help=PREFILL_CHUNK_HELP)
+                   help=f"prompt tokens run together (default {names.DEFAULT_PREFILL_CHUNK}, lowered to fit a memory "
+                        "limit; a value given here is kept): each expert then multiplies its share of them in one "
+                        "pass over its weights; the prefill scratch grows with it")
+
+
+def _model_options(p, demo_default: bool) -> None:
+    """The load options `run` and `chat` share."""
+    p.add_argument("--model-dir", "--model_dir", dest="model_dir", required=not demo_default,
+                   help="a converted model directory" + (" (default: the bundled demo model)" if demo_default else ""))
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="default: the physical cores this process may use")
+    p.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
+                   help="context length (default: the model's, up to 4096)")
+    sm = p.add_mutually_exclusive_group()
+    sm.add_argument("--exact-softmax", "--exact_softmax", dest="softmax_lut", action="store_false",
+                    help="routing weights from the float softmax (the default)")
+    sm.add_argument("--softmax-lut", "--softmax_lut", dest="softmax_lut", action="store_true",
+                    help="routing weights from the uint8 softmax lookup table of the original design")
+    # the group's first option (a store_false) would otherwise make its dest default to True: the table
+    p.set_defaults(softmax_lut=False)
+    p.add_argument("--no-mmap", action="store_true",
+                   help="read the weights into memory instead of mapping the files (network shares)")
+    _engine_options(p)
     p.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
     p.add_argument("--warmup", action="store_true", help="read every expert once at load")
     p.add_argument("--quiet", action="store_true", help="no [INFO] lines: the generated text only")
@@ -280,17 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
                        help="context length (default: prompt + gen, at least the model's up to 4096)")
-    bench.add_argument("--memory-limit-mb", "--memory_limit_mb", dest="memory_limit_mb", type=float, default=None,
-                       help="as for run")
-    bench.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None)
-    bench.add_argument("--prefetch", choices=names.PREFETCH_MODES, default=None)
-    bench.add_argument("--eviction", choices=names.EVICTION_POLICIES, default=None)
-    bench.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=names.KV_CACHE_TYPES, default="f32",
-                       help="as for run")
-    bench.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=names.BF16_PRODUCTS,
-                       default="auto", help="as for run")
-    bench.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=_positive_int, default=None,
-                       help=PREFILL_CHUNK_HELP)
+    _engine_options(bench)
     return p
 
 
