@@ -12,8 +12,17 @@ and nothing can be fetched: --build compiles the extensions in place (`setup.py 
 --inplace`, about 4 minutes of a 16-core Xeon); --build-if-needed only where the extensions in place
 were not built from these sources or do not import. The extensions are portable (no -march=native):
 built here, stamped (`--stamp`: colibri/.build_sources, the sources' hash) and carried to the machine
-with the stamp (the run call's `carry`), they save those minutes; the checkpoint is written by make_models.py without transformers (its frozen
-config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
+with the stamp (the run call's `carry`), they save those minutes. The machine's python3 is 3.12
+(the lent machines' image, with numpy, Cython, setuptools, jinja2 and tokenizers), so what it imports
+is a cpython-312 build, made here beside ours by a 3.12 interpreter:
+
+    python3.12 -m venv /tmp/v312 && /tmp/v312/bin/pip install numpy cython setuptools sentencepiece tokenizers jinja2
+    /tmp/v312/bin/python setup.py build_ext --inplace && python tools/bench/amx_engine.py --stamp
+
+and the run carries colibri/_{kernels,engine,probes,routing}.cpython-312-x86_64-linux-gnu.so,
+colibri/.build_sources and build/amx_check, with `python3 tools/bench/amx_engine.py --build-if-needed
+--out $OUT` (checked on this Debian 12, glibc 2.36, with pyenv's 3.12.1: no build, the same runs).
+The checkpoint is written by make_models.py without transformers (its frozen config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
 `colibri bench --json` (a prompt of --prompt-len tokens, 8 decoded), each round every format x
 thread count x step once in turn (the steps' order reversed every other round), the step chosen
 by COLIBRI_INT_STEP; with --chunks, each prefill chunk (bench --prefill-chunk: the AMX tiles take
