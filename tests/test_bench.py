@@ -138,8 +138,10 @@ def test_every_amx_kernel_variant_compiles_and_the_knobs_keep_the_bits(tmp_path)
         r = subprocess.run(syntax + flags, capture_output=True, text=True)
         assert r.returncode == 0, f"{name}: {r.stderr[-1500:]}"
         assert set(formats.split(",")) <= {"int8", "int4", "int6", "mxfp4", "bf16"}, name
-    refused = subprocess.run(syntax + ["-DCB_AMX_STORE_DELAY=2", "-DCB_AMX_LOOKAHEAD=1"], capture_output=True, text=True)
-    assert refused.returncode != 0 and "CB_AMX_STORE_DELAY" in refused.stderr
+    for knobs, named in ((["-DCB_AMX_STORE_DELAY=2", "-DCB_AMX_LOOKAHEAD=1"], "CB_AMX_STORE_DELAY"),
+                         (["-DCB_AMX_BF16_PAIRS=3"], "CB_AMX_BF16_PAIRS"), (["-DCB_AMX_KBLOCKS=0"], "CB_AMX_KBLOCKS")):
+        refused = subprocess.run(syntax + knobs, capture_output=True, text=True)
+        assert refused.returncode != 0 and named in refused.stderr, knobs
     if "amx-emulated" not in _kernels.available_int_steps():
         pytest.skip("the emulated AMX step needs AVX512-VNNI")
     exe = tmp_path / "amx_check"
@@ -152,5 +154,7 @@ def test_every_amx_kernel_variant_compiles_and_the_knobs_keep_the_bits(tmp_path)
     assert "store delay 1, lookahead 2, 5 blocks a chunk; bf16: 1 group pair a pass, 3 chunks" in r.stdout
     bits = [line.split(": ")[1].split(" cases")[0].split(" of ") for line in r.stdout.splitlines()
             if line.startswith("bits amx-emulated:")]
-    assert len(bits) == 2 and all(same == total and int(total) > 0 for same, total in bits), r.stdout
+    # the int formats' cases, then bf16's (none where the CPU has no AVX512_BF16 to compare with)
+    assert len(bits) == 2 and all(same == total for same, total in bits), r.stdout
+    assert int(bits[0][1]) > 0 and (int(bits[1][1]) > 0) == bool(_kernels.cpu_features()["avx512_bf16"]), r.stdout
     assert "dispatch amx-emulated: self-test passed (code 0)" in r.stdout

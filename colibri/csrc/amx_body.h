@@ -175,8 +175,8 @@ CB_TARGET_AVX512_BF16 static CB_ALWAYS_INLINE void CB_AMX_NAME(cb_amx_bf16_suspe
 
 /* The AMX step's interleaved bf16 products entry (cb_itile_fn, acts.xb): CB_AMX_BF16_PAIRS group
  * pairs at a time (their B a chunk of CB_AMX_BF16_CHUNKS x 64 inputs unpacked at a time) over every
- * whole tile of 16 tokens, two token tiles at a time, one lane and then the other: each A and each
- * B load feeds two products. Between chunks a C tile's sums wait in this call's state ([token
+ * whole tile of 16 tokens, two token tiles at a time, one lane and then the other: with two pairs
+ * and two token tiles each A and each B load feeds two products. Between chunks a C tile's sums wait in this call's state ([token
  * tile][pair][lane]: 1 KB each), and after the last, out = lane 0 + lane 1. The activations are
  * packed once per call into this thread's scratch (2 KB a chunk and token tile). The AVX512_BF16
  * step takes the rest: the last n % 16 tokens, an odd last group, and everything where no scratch

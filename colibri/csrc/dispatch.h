@@ -846,11 +846,12 @@ static int cb_amx_bf16_installed(void) {
 #if CB_HAVE_AMX
 /* The AMX bf16 products tile against the AVX512_BF16 step's, bit for bit, on a shape that takes
  * each of its paths: 3 whole tiles of 16 tokens (a pair and an odd one) and a tail token, 7 groups
- * (a pass of CB_AMX_BF16_PAIRS group pairs, a pass of one, an odd group), 1,056 inputs (more than one block of CB_AMX_BF16_CHUNKS chunks, so the
- * lanes wait in the state between blocks, and a last half chunk padded). 0 if they agree. The
- * selection is left at (isa, step). */
+ * (a pass of CB_AMX_BF16_PAIRS group pairs, a pass of one, an odd group), and a half chunk of
+ * inputs more than one range of CB_AMX_BF16_CHUNKS chunks (1,056 at 16: the lanes wait in the
+ * state between ranges, and the last chunk is padded). 0 if they agree. The selection is left at
+ * (isa, step). */
 static int cb_selftest_amx_bf16(int isa, int step, uint32_t *state) {
-    enum { R = 7 * CB_TGROUP, C = 1056, N = 3 * CB_AMX_TOKENS + 1 };
+    enum { R = 7 * CB_TGROUP, C = 64 * CB_AMX_BF16_CHUNKS + 32, N = 3 * CB_AMX_TOKENS + 1 };
     static uint16_t w[R * C], xb[N * C];
     static float x[N * C], ref[N * R], got[N * R];
     cb_act_q8 acts[N];

@@ -64,6 +64,9 @@
 #define CB_AMX_KBLOCKS 32           /* blocks of a group pair unpacked at a time: 18 KB of B beside
                                        a token tile's 18 KB of A, in L1 */
 #endif
+#if CB_AMX_KBLOCKS < 1
+#error "CB_AMX_KBLOCKS: at least 1"
+#endif
 /* The pair tile's software pipeline (amx_body.h): a block's C is stored CB_AMX_STORE_DELAY steps
  * after its product is issued and scaled CB_AMX_LOOKAHEAD steps after (STORE_DELAY <= LOOKAHEAD).
  * C goes round STORE_DELAY + 2 tiles beside A and B's four, so the next block's product never
@@ -175,7 +178,9 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
 #define CB_AMX_BF16_UNITS 16            /* units c (4 inputs) a TDPBF16PS */
 CB_STATIC_ASSERT(CB_AMX_BF16_UNITS * 4 == CB_BF16_SPLIT_INPUTS, "a split order's span is one TDPBF16PS's inputs");
 #ifndef CB_AMX_BF16_CHUNKS
-#define CB_AMX_BF16_CHUNKS 16           /* 64-input chunks of B unpacked at a time: 32 KB a group pair */
+#define CB_AMX_BF16_CHUNKS 16           /* 64-input chunks of B unpacked at a time: 32 KB a group pair (two
+                                           pairs' 64 KB pass Sapphire Rapids' 48 KB L1: amx_engine.py's
+                                           bf16-chunks8 variant times 8) */
 #endif
 /* Group pairs a pass: with two, each lane's products go 2 token tiles x 2 pairs (4 tile loads for 4
  * TDPBF16PS, the blocking Intel's optimization manual gives for AMX); with one, 2 token tiles x 1

@@ -71,7 +71,7 @@ typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, 
 enum {
     CB_SCRATCH_TPREFILL = 0,    /* the repacked prefill's chunk (dispatch.h, cb_job_transposed) */
     CB_SCRATCH_ACT_TILES = 1,   /* the interleaved prompt tiles' packed activations (kernels_avx2.h, kernels_vnni.h;
-                                   amx_body.h: also its unpacked weights, C buffers and tile config) */
+                                   amx_body.h: also its unpacked weights, C buffers or bf16 lane sums, and tile config) */
     CB_SCRATCH_SLOTS = 2
 };
 #if defined(_MSC_VER)

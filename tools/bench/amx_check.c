@@ -352,6 +352,10 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
+    if (emulated && hardware_only) {
+        fprintf(stderr, "amx_check: --hardware-only is for a run on AMX hardware, not with --emulated\n");
+        return 2;
+    }
     cb_init_tables();
     printf("pipeline: store delay %d, lookahead %d, %d blocks a chunk; bf16: %d group pair%s a pass, %d chunks\n",
            CB_AMX_STORE_DELAY, CB_AMX_LOOKAHEAD, CB_AMX_KBLOCKS, CB_AMX_BF16_PAIRS, CB_AMX_BF16_PAIRS > 1 ? "s" : "",

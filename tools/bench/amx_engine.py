@@ -11,39 +11,46 @@ Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where dev
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
 --inplace`, about 4 minutes of a 16-core Xeon); --build-if-needed only where the extensions in place
 were not built from these sources or do not import. The extensions are portable (no -march=native):
-built here, stamped (`--stamp`: colibri/.build_sources, the sources' hash) and carried to the machine
-with the stamp (the run call's `carry`), they save those minutes. The machine's python3 is 3.12
-(the lent machines' image, with numpy, Cython, setuptools, jinja2 and tokenizers), so what it imports
-is a cpython-312 build, made here beside ours by a 3.12 interpreter:
+built here, stamped (`--stamp`: colibri/.build_sources, the sources' hash) and carried to the
+machine with the stamp (the run call's `carry`), they save those minutes. The machine's python3 is
+3.12 (the lent machines' image, with numpy, Cython, setuptools, jinja2 and tokenizers), so what it
+imports is a cpython-312 build, made here beside ours by a 3.12 interpreter, stripped of its debug
+information (a run call carries 64 MiB with the tracked files, which take about 45):
 
     python3.12 -m venv /tmp/v312 && /tmp/v312/bin/pip install numpy cython setuptools sentencepiece tokenizers jinja2
-    /tmp/v312/bin/python setup.py build_ext --inplace && python tools/bench/amx_engine.py --stamp
+    /tmp/v312/bin/python setup.py build_ext --inplace && strip --strip-debug colibri/*.cpython-312-*.so
+    /tmp/v312/bin/python tools/bench/amx_engine.py --stamp
 
-and the run carries colibri/_{kernels,engine,probes,routing}.cpython-312-x86_64-linux-gnu.so,
-colibri/.build_sources and build/amx_check, with `python3 tools/bench/amx_engine.py --build-if-needed
---out $OUT` (checked on this Debian 12, glibc 2.36, with pyenv's 3.12.1: no build, the same runs).
-The checkpoint is written by make_models.py without transformers (its frozen config.json, no tokenizer) and converted with `colibri convert`, all under --work. Then rounds of
-`colibri bench --json` (a prompt of --prompt-len tokens, 8 decoded), each round every format x
-thread count x step once in turn (the steps' order reversed every other round), the step chosen
-by COLIBRI_INT_STEP; with --chunks, each prefill chunk (bench --prefill-chunk: the AMX tiles take
-an expert's tokens 16 at a time, so its share of a chunk matters) in turn too. The steps are checked against the machine's before anything is made; no new
-run starts after --budget-s seconds from the start, and a run that fails (or outlives the budget)
-is recorded and the others go on. Prints a table of the median prefill and decode tok/s per format
-/ threads / step and the first step's ratio to the last, and rewrites OUT/amx_engine.json after
-every run (so a call killed at its time limit keeps what it measured). On a machine without AMX, --steps
-avx512-vnni,avx2 exercises the same path.
+and the run carries colibri/_{kernels,engine,probes,routing}.cpython-312-x86_64-linux-gnu.so (3.3
+MB), colibri/.build_sources and build/amx_check.tar.xz (below), with `python3
+tools/bench/amx_engine.py --build-if-needed --out $OUT` (checked on this Debian 12, glibc 2.36, with
+pyenv's 3.12.1: no build, the same runs).
 
 First (seconds; --no-probe skips it) it builds and runs tools/bench/amx_bf16_probe.c, which finds
 the order of roundings of the machine's TDPBF16PS and VDPBF16PS (what an AMX bf16 prompt tile
-with decode's bits has to follow), into OUT/amx_bf16_probe.txt; then (--no-kernels skips it)
+with decode's bits has to follow), into OUT/amx_bf16_probe.txt. Then (--no-kernels skips it)
 tools/bench/amx_check.c, the AMX tiles' bits and speed against the AVX-512 steps' at the kernel
 level (16 to 256 tokens, one thread and all), once per --variants build of it: the committed tiles
 ("default", int8 and bf16) and the compile-time variants of their schedules (KERNEL_VARIANTS: the
 int tile's pipeline and chunk, the bf16 tile's blocking), each timed in the formats it changes,
 into OUT/amx_check-NAME.txt, with a table of the AMX tile's GOP/s and its ratio to the AVX-512 tile
-per variant (OUT/amx_variants.json): which schedule to commit. The builds (about a minute each,
-in parallel) are kept in build/amx_check/ under their sources' hash; --stamp makes them here too,
-so a run that carries that folder only times them.
+per variant (OUT/amx_variants.json; a variant whose checks fail is listed apart): which schedule
+to commit. The builds (about a minute each, in parallel) are kept in build/amx_check/ under their
+sources' hash; --stamp makes them here and packs them into build/amx_check.tar.xz (0.6 MB), which a
+run unpacks instead of building. The kernels get a third of --budget-s.
+
+Then the checkpoint is written by make_models.py without transformers (its frozen config.json, no
+tokenizer) and converted with `colibri convert`, all under --work, and rounds of `colibri bench
+--json` (a prompt of --prompt-len tokens, 8 decoded) run, each round every format x thread count x
+step once in turn (the steps' order reversed every other round), the step chosen by
+COLIBRI_INT_STEP; with --chunks, each prefill chunk (bench --prefill-chunk: the AMX tiles take an
+expert's tokens 16 at a time, so its share of a chunk matters) in turn too. The steps are checked
+against the machine's before anything is made; no new run starts after --budget-s seconds from the
+start, and a run that fails (or outlives the budget) is recorded and the others go on. Prints a
+table of the median prefill and decode tok/s per format / threads / step and the first step's
+ratio to the last, and rewrites OUT/amx_engine.json after every run (so a call killed at its time
+limit keeps what it measured). On a machine without AMX, --steps avx512-vnni,avx2 exercises the
+same path.
 """
 from __future__ import annotations
 
@@ -52,9 +59,11 @@ import hashlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -87,6 +96,9 @@ KERNEL_VARIANTS = {
 }
 AMX_CHECK_FLAGS = ["-O3", "-fopenmp", "-Icolibri/csrc"]
 VARIANT_DIR = ROOT / "build" / "amx_check"
+# The builds of the current sources in one archive (xz: 0.6 MB for 14 MB of binaries that differ
+# little), what a run call carries; unpacked into VARIANT_DIR where a build is missing.
+VARIANT_ARCHIVE = ROOT / "build" / "amx_check.tar.xz"
 
 
 def variant_binary(name: str) -> Path:
@@ -97,9 +109,28 @@ def variant_binary(name: str) -> Path:
     return VARIANT_DIR / f"amx_check-{name}-{h.hexdigest()[:16]}"
 
 
-def build_variants(names: list, timeout: float = 600) -> dict:
-    """Build the variants not already kept, in parallel: {name: binary or the error line}."""
+def unpack_variants(names: list) -> None:
+    """The carried archive's builds of these sources into VARIANT_DIR (only those: the file names
+    carry the sources' hash, so a stale archive gives nothing)."""
+    if not VARIANT_ARCHIVE.is_file():
+        return
+    wanted = {variant_binary(n).name: variant_binary(n) for n in names}
+    with tarfile.open(VARIANT_ARCHIVE, "r:xz") as tar:
+        for member in tar.getmembers():
+            exe = wanted.get(member.name)
+            if exe is None or exe.is_file() or not member.isfile():
+                continue
+            tmp = exe.with_suffix(".tmp")
+            tmp.write_bytes(tar.extractfile(member).read())
+            tmp.chmod(0o755)
+            tmp.replace(exe)
+
+
+def build_variants(names: list, deadline: float) -> dict:
+    """Build the variants not already kept (or carried), in parallel, until the monotonic deadline:
+    {name: binary, or the line that says why there is none}."""
     VARIANT_DIR.mkdir(parents=True, exist_ok=True)
+    unpack_variants(names)
     built, procs = {}, {}
     for name in names:
         exe = variant_binary(name)
@@ -107,18 +138,19 @@ def build_variants(names: list, timeout: float = 600) -> dict:
             built[name] = exe
             continue
         tmp = exe.with_suffix(".tmp")
-        procs[name] = (exe, tmp, subprocess.Popen(
-            ["gcc", *AMX_CHECK_FLAGS, *KERNEL_VARIANTS[name][0], "tools/bench/amx_check.c", "-o", str(tmp), "-lm"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
+        try:               # (its own process group: a timeout ends cc1 and as too, not only gcc)
+            procs[name] = (exe, tmp, subprocess.Popen(
+                ["gcc", *AMX_CHECK_FLAGS, *KERNEL_VARIANTS[name][0], "tools/bench/amx_check.c", "-o", str(tmp), "-lm"],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        except OSError as e:
+            built[name] = f"gcc could not start: {e}"
     for name, (exe, tmp, p) in procs.items():
         try:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
-            built[name] = f"gcc ran past {timeout:.0f} s"
-            continue
+            out, p.returncode = "gcc ran past the budget", -1
         if p.returncode == 0:
             tmp.replace(exe)                 # (whole or not at all: a killed build leaves no binary)
             built[name] = exe
@@ -128,32 +160,58 @@ def build_variants(names: list, timeout: float = 600) -> dict:
     return built
 
 
-def kernel_variants(a) -> None:
+def stamp_variants(names: list) -> dict:
+    """--stamp: build the variants, drop the builds of other sources, and archive the current ones
+    for the run call to carry. {name: error} for those that failed."""
+    built = build_variants(names, time.monotonic() + 1800)
+    current = {b.name for b in built.values() if isinstance(b, Path)}
+    for old in VARIANT_DIR.glob("amx_check-*"):
+        if old.name not in current:
+            old.unlink()
+    with tarfile.open(VARIANT_ARCHIVE.with_suffix(".tmp"), "w:xz") as tar:
+        for name in sorted(current):
+            tar.add(VARIANT_DIR / name, arcname=name)
+    VARIANT_ARCHIVE.with_suffix(".tmp").replace(VARIANT_ARCHIVE)
+    return {n: b for n, b in built.items() if isinstance(b, str)}
+
+
+def kernel_variants(a, deadline: float) -> None:
     """amx_check once per variant of --variants (built first, all at once), each in the formats it
-    changes, one after another; OUT/amx_check-NAME.txt each, and the prefill lines as a table."""
+    changes, one after another, none started after the deadline; OUT/amx_check-NAME.txt each, and
+    the prefill lines as a table. A variant whose checks failed (a bits line, an exit status) is
+    listed apart, not as a candidate."""
     threads = ",".join(map(str, sorted({1, cores()})))
-    built = build_variants(a.variant_list)
-    rows = {}                                # (format, tokens, threads) -> {variant: (amx GOP/s, amx/avx512)}
+    built = build_variants(a.variant_list, deadline)
+    rows, failed = {}, {}                    # (format, tokens, threads) -> {variant: (amx GOP/s, amx/avx512)}
     for name in a.variant_list:
-        exe = built[name]
+        exe, left = built[name], deadline - time.monotonic()
         if isinstance(exe, str):
-            text = f"amx_check {name}: {exe}\n"
+            text, failed[name] = f"amx_check {name}: {exe}\n", exe
+        elif left <= 0:
+            text, failed[name] = f"amx_check {name}: not run (the budget is spent)\n", "not run"
         else:
             try:
                 p = subprocess.run([str(exe), *([] if name == "default" else ["--hardware-only"]),
                                     "--dtypes", KERNEL_VARIANTS[name][1], "--tokens", "16,64,256",
                                     "--threads", threads, "--reps", "5"], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=240)
+                                   timeout=min(240.0, left))
                 text = p.stdout + p.stderr + (f"amx_check {name} exited with {p.returncode}\n" if p.returncode else "")
+                if p.returncode:             # why: its error line, else its first failed check
+                    why = [ln for ln in p.stderr.splitlines() if ln.strip()] or \
+                          [ln for ln in p.stdout.splitlines() if re.search(r"MISMATCH|FAILED|none of the orders", ln)]
+                    failed[name] = f"exit {p.returncode}: {why[0] if why else 'see amx_check-' + name + '.txt'}"
             except (OSError, subprocess.TimeoutExpired) as e:
-                text = f"amx_check {name} failed: {e}\n"
+                text, failed[name] = f"amx_check {name} failed: {e}\n", str(e)
         (a.out / f"amx_check-{name}.txt").write_text(text)
         print(f"[amx_engine] amx_check {name}:\n{text}", end="", flush=True)
+        if name in failed:
+            continue
         for m in re.finditer(r"^prefill (\S+) \S+ tokens (\d+) threads (\d+): avx512 [\d.]+ GOP/s, amx ([\d.]+) GOP/s, "
                              r"amx/avx512 ([\d.]+)$", text, re.M):
             rows.setdefault((m[1], int(m[2]), int(m[3])), {})[name] = (float(m[4]), float(m[5]))
     (a.out / "amx_variants.json").write_text(json.dumps(
-        [{"format": f, "tokens": n, "threads": t, "variants": v} for (f, n, t), v in sorted(rows.items())], indent=1))
+        {"rows": [{"format": f, "tokens": n, "threads": t, "variants": v} for (f, n, t), v in sorted(rows.items())],
+         "failed": failed}, indent=1))
     if rows:
         names = [n for n in a.variant_list if any(n in v for v in rows.values())]
         print("\n| format | tokens | threads | " + " | ".join(f"{n}: amx GOP/s (/ avx512)" for n in names) + " |")
@@ -161,6 +219,8 @@ def kernel_variants(a) -> None:
         for (f, n, t), v in sorted(rows.items()):
             cells = [f"{v[x][0]:.1f} ({v[x][1]:.2f})" if x in v else "-" for x in names]
             print(f"| {f} | {n} | {t} | " + " | ".join(cells) + " |", flush=True)
+    for name, why in failed.items():
+        print(f"[amx_engine] variant {name} left out: {why}", flush=True)
 
 
 class RunFailed(Exception):
@@ -230,10 +290,12 @@ def main(argv=None) -> int:
                 timeout=120)
             STAMP.write_text(sources_hash() + "\n")
             print(f"[amx_engine] {STAMP}: {STAMP.read_text().strip()}")
-            failed = {n: e for n, e in build_variants(a.variant_list).items() if isinstance(e, str)}
+            if a.no_kernels:
+                return 0
+            failed = stamp_variants(a.variant_list)
             for name, error in failed.items():
                 print(f"[amx_engine] amx_check {name}: {error}", file=sys.stderr)
-            print(f"[amx_engine] amx_check builds in {VARIANT_DIR} (carry it): "
+            print(f"[amx_engine] amx_check builds in {VARIANT_ARCHIVE} (carry it): "
                   f"{', '.join(n for n in a.variant_list if n not in failed)}")
             return 1 if failed else 0
         return measure(a)
@@ -265,8 +327,8 @@ def measure(a) -> int:
     py = sys.executable
     if not a.no_probe:
         standalone(a.out, "amx_bf16_probe", ["-O2", "-ffp-contract=off"], ["256"], 120)
-    if not a.no_kernels:
-        kernel_variants(a)
+    if not a.no_kernels:     # (their share of the budget: a third; the engine's runs need the rest)
+        kernel_variants(a, t0 + a.budget_s / 3)
     need_build = a.build
     if a.build_if_needed and not need_build:
         stamped = STAMP.is_file() and STAMP.read_text().strip() == sources_hash()
