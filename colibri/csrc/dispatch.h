@@ -847,7 +847,7 @@ static int cb_amx_bf16_installed(void) {
 /* The AMX bf16 products tile against the AVX512_BF16 step's, bit for bit, on a shape that takes
  * each of its paths: 3 whole tiles of 16 tokens (a pair and an odd one) and a tail token, 7 groups
  * (a pass of CB_AMX_BF16_PAIRS group pairs, a pass of one, an odd group), and a half chunk of
- * inputs more than one range of CB_AMX_BF16_CHUNKS chunks (1,056 at 16: the lanes wait in the
+ * inputs more than one range of CB_AMX_BF16_CHUNKS chunks (544 at 8: the lanes wait in the
  * state between ranges, and the last chunk is padded). 0 if they agree. The selection is left at
  * (isa, step). */
 static int cb_selftest_amx_bf16(int isa, int step, uint32_t *state) {

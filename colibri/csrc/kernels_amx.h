@@ -172,20 +172,20 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
  * matches turns only this tile off (dispatch.h, cb_amx_bf16_failed_check). A last chunk
  * of 8 units (cols % 64 == 32) is padded: A with +0, B with -0, so each padded product is -0 and
  * adding it leaves a lane exactly as it was, a lane flushed to -0 included. Unlike the int
- * formats there is no scale a block, so C stays on
- * the tile over a whole chunk of CB_AMX_BF16_CHUNKS x 64 inputs: the tile unit, not the vector
- * ports, sets the pace. */
+ * formats there is no scale a block, so C stays on the tile over a whole range of
+ * CB_AMX_BF16_CHUNKS chunks of 64 inputs: the tile unit, not the vector ports, sets the pace. */
 #define CB_AMX_BF16_UNITS 16            /* units c (4 inputs) a TDPBF16PS */
 CB_STATIC_ASSERT(CB_AMX_BF16_UNITS * 4 == CB_BF16_SPLIT_INPUTS, "a split order's span is one TDPBF16PS's inputs");
 #ifndef CB_AMX_BF16_CHUNKS
-#define CB_AMX_BF16_CHUNKS 16           /* 64-input chunks of B unpacked at a time: 32 KB a group pair (two
-                                           pairs' 64 KB pass Sapphire Rapids' 48 KB L1: amx_engine.py's
-                                           bf16-chunks8 variant times 8) */
+#define CB_AMX_BF16_CHUNKS 8            /* 64-input chunks of B unpacked at a time: 16 KB a group pair, so
+                                           two pairs' B stay in Sapphire Rapids' 48 KB L1 beside A */
 #endif
 /* Group pairs a pass: with two, each lane's products go 2 token tiles x 2 pairs (4 tile loads for 4
  * TDPBF16PS, the blocking Intel's optimization manual gives for AMX); with one, 2 token tiles x 1
- * pair (6 loads for 4). Neither is measured on AMX hardware yet: tools/bench/amx_engine.py's
- * variants time both (amx_check.c built with -DCB_AMX_BF16_PAIRS=1). */
+ * pair (6 loads for 4). Between ranges of chunks each C tile goes to memory and back (2 more tile
+ * moves for 8 chunks' 8 products). None of this is measured on AMX hardware yet:
+ * tools/bench/amx_engine.py's variants time the first tile (one pair, 16 chunks: bf16-pairs1) and
+ * two pairs of 16 chunks (64 KB of B: bf16-chunks16) against this one. */
 #ifndef CB_AMX_BF16_PAIRS
 #define CB_AMX_BF16_PAIRS 2
 #endif

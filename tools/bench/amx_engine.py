@@ -91,8 +91,8 @@ KERNEL_VARIANTS = {
     "int-store2-ahead2": (["-DCB_AMX_STORE_DELAY=2", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
     "int-store0-ahead2": (["-DCB_AMX_STORE_DELAY=0", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
     "int-kblocks8": (["-DCB_AMX_KBLOCKS=8"], "int8"),
-    "bf16-pairs1": (["-DCB_AMX_BF16_PAIRS=1"], "bf16"),
-    "bf16-chunks8": (["-DCB_AMX_BF16_CHUNKS=8"], "bf16"),
+    "bf16-pairs1": (["-DCB_AMX_BF16_PAIRS=1", "-DCB_AMX_BF16_CHUNKS=16"], "bf16"),
+    "bf16-chunks16": (["-DCB_AMX_BF16_CHUNKS=16"], "bf16"),
 }
 AMX_CHECK_FLAGS = ["-O3", "-fopenmp", "-Icolibri/csrc"]
 VARIANT_DIR = ROOT / "build" / "amx_check"
