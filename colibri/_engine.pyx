@@ -1191,6 +1191,23 @@ cdef class Engine:
         """Bytes of the KV cache arrays as allocated (keys and values of every layer)."""
         return sum(a.nbytes for a in self._kv_arrays())
 
+    def kv_bytes_read(self, int pos):
+        """Bytes of the KV cache that one sequence's token at position `pos` reads: every layer's
+        key and value rows (an MLA layer's one latent array) at the positions its attention sees,
+        pos + 1 of them or a sliding layer's window."""
+        cdef int l, seen
+        total = 0
+        for l in range(self.h.n_layers):
+            k, v = self._keep["k_cache"][l], self._keep["v_cache"][l]
+            per_position = k.nbytes // (k.shape[0] * k.shape[2])     # [n_seq, kv heads, ring, row]
+            if v is not k:
+                per_position += v.nbytes // (v.shape[0] * v.shape[2])
+            seen = pos + 1
+            if self.layers[l].sliding_window > 0 and self.layers[l].sliding_window < seen:
+                seen = self.layers[l].sliding_window
+            total += per_position * seen
+        return total
+
 
 cdef inline float *_f32(a):
     return <float *><uintptr_t>a.ctypes.data

@@ -2,7 +2,8 @@
 
 Design
 ------
-Only the public API is used: `load`, `Model.generate(..., stop_at_eos=False, reuse_prefix=False)` and `Model.stats`.
+Only the public API is used: `load`, `Model.generate(..., stop_at_eos=False, reuse_prefix=False)`, `Model.stats`,
+`Model.decode_bytes` and `Model.memory_stats`.
 The prompt is `prompt_len` token ids drawn uniformly from the vocabulary with a fixed seed, so
 every run and every engine sees the same work; decoding is greedy and never stops early.
 
@@ -14,6 +15,12 @@ One repetition = one `generate` of `gen` tokens in a fresh context:
   P50/P99         of the wall time between consecutive yielded tokens (decode step + sample)
   P99 / P50       their ratio: how smooth decoding is (the original design's "no spikes"; 1.15 or
                   less is the target)
+  decode read     decode tok/s x the bytes a decoded token reads (Model.decode_bytes: the weights,
+                  routed experts k / E of theirs, and the KV cache rows, averaged over the run's
+                  positions), GB/s: decode is memory-bound, so this is the figure to set against
+                  the machine's bandwidth. With read_bandwidth, a plain read by the same threads of
+                  a buffer past the last-level cache (max(512 MB, 4 x LLC)), median of 5 passes,
+                  before and after the repetitions (hosts' bandwidth moves), says how close it is.
 One warm-up repetition runs first and is discarded; each figure is reported as the median and
 min–max over the `repeat` measured repetitions. Load time is the one `colibri.load` call (with a
 cold page cache it is mostly disk reading). Peak RSS is the process's high-water mark
@@ -43,7 +50,52 @@ METRICS = (  # key, label, unit, format
     ("decode_p50_ms", "decode latency P50", "ms/token", "{:.2f}"),
     ("decode_p99_ms", "decode latency P99", "ms/token", "{:.2f}"),
     ("decode_p99_over_p50", "decode P99 / P50", "", "{:.2f}"),
+    ("decode_read_gb_s", "decode memory read", "GB/s", "{:.1f}"),
 )
+READ_LOOP_MIN_BYTES = 512 << 20     # the read loop's buffer: at least this, and 4 x the last-level cache
+READ_LOOP_PASSES = 5
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache the OS reports (Linux sysfs: cpu0's highest index), or None."""
+    from pathlib import Path
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            pass
+    return max(sizes) if sizes else None
+
+
+def read_bandwidth_apart(threads: int) -> float:
+    """read_bandwidth in a child process, so that its buffer stays out of this one's peak RSS."""
+    import subprocess
+
+    code = f"from colibri.bench import read_bandwidth; print(read_bandwidth({int(threads)}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ColibriError(f"the read-bandwidth loop failed: {last}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of `threads` threads reading a buffer past the last-level cache once (median of
+    READ_LOOP_PASSES passes after a warm one that pages it in)."""
+    from . import _probes
+
+    nbytes = max(READ_LOOP_MIN_BYTES, 4 * (last_level_cache_bytes() or 0))
+    buf = np.ones(nbytes // 8, np.uint64)
+    _probes.bench_read(buf, threads)
+    times = []
+    for _ in range(READ_LOOP_PASSES):
+        t0 = time.perf_counter()
+        _probes.bench_read(buf, threads)
+        times.append(time.perf_counter() - t0)
+    return nbytes / float(np.median(times)) / 1e9
 
 
 def peak_rss_bytes():
@@ -55,8 +107,9 @@ def peak_rss_bytes():
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024
 
 
-def one_repetition(model, prompt, gen: int) -> dict:
-    """Generate `gen` tokens after `prompt`, timing each yielded token."""
+def one_repetition(model, prompt, gen: int, decode_bytes: float) -> dict:
+    """Generate `gen` tokens after `prompt`, timing each yielded token; decode_bytes: what a decoded
+    token reads on average (for the decode read rate)."""
     gaps = []
     last = time.perf_counter()
     for _ in model.generate(prompt, max_new_tokens=gen, stop_at_eos=False, reuse_prefix=False):
@@ -65,9 +118,11 @@ def one_repetition(model, prompt, gen: int) -> dict:
         last = now
     s = model.stats
     decode = [g * 1000 for g in gaps[1:]]
+    decode_tok_s = s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] > 0 else None
     return {
         "prefill_tok_s": s["prefill_tokens"] / s["prefill_seconds"] if s["prefill_seconds"] > 0 else None,
-        "decode_tok_s": s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] > 0 else None,
+        "decode_tok_s": decode_tok_s,
+        "decode_read_gb_s": None if decode_tok_s is None else decode_tok_s * decode_bytes / 1e9,
         "ttft_ms": gaps[0] * 1000,
         "decode_p50_ms": float(np.percentile(decode, 50)) if decode else None,
         "decode_p99_ms": float(np.percentile(decode, 99)) if decode else None,
@@ -85,9 +140,10 @@ def summarize(values: list) -> dict:
 
 
 def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, threads=None, n_ctx=None,
-          **load_options) -> dict:
-    """Run the benchmark; return the result as a JSON-ready dict. load_options: colibri.load's
-    memory_limit_mb, expert_cache_mb, prefetch, eviction, kv_cache, bf16_products, prefill_chunk."""
+          read_bandwidth_too: bool = False, **load_options) -> dict:
+    """Run the benchmark; return the result as a JSON-ready dict. read_bandwidth_too: time the read
+    loop before and after the repetitions. load_options: colibri.load's memory_limit_mb,
+    expert_cache_mb, prefetch, eviction, kv_cache, bf16_products, prefill_chunk."""
     from . import _kernels, _os
     from .model import DEFAULT_MAX_CONTEXT, load
     from .modeldir import ModelDir
@@ -103,10 +159,18 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
     load_s = time.perf_counter() - t0
     with model:
         prompt = np.random.default_rng(PROMPT_SEED).integers(0, model.config.vocab_size, prompt_len)
-        one_repetition(model, prompt, gen)                                  # warm-up, discarded
+        # the decode passes run the tokens at positions prompt_len .. prompt_len + gen - 2
+        per_position = [model.decode_bytes(p) for p in range(prompt_len, prompt_len + gen - 1)] or [
+            model.decode_bytes(prompt_len)]
+        decode_bytes = {part: float(np.mean([b[part] for b in per_position])) for part in ("weights", "kv_cache")}
+        per_token = sum(decode_bytes.values())
+        one_repetition(model, prompt, gen, per_token)                       # warm-up, discarded
+        read_loop = [read_bandwidth_apart(model.threads)] if read_bandwidth_too else []
         before = model.memory_stats()
-        runs = [one_repetition(model, prompt, gen) for _ in range(repeat)]
+        runs = [one_repetition(model, prompt, gen, per_token) for _ in range(repeat)]
         after = model.memory_stats()
+        if read_bandwidth_too:
+            read_loop.append(read_bandwidth_apart(model.threads))
         c = model.config
         tokens = repeat * (prompt_len + gen)
         read = (None if after["bytes_read_from_storage"] is None
@@ -130,6 +194,7 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
             "isa": _kernels.isa(), "int_step": _kernels.int_step(),
             "prompt_len": prompt_len, "gen": gen, "repeat": repeat,
             "load_seconds": load_s, "peak_rss_bytes": peak_rss_bytes(), "memory": memory,
+            "decode_bytes": decode_bytes, "read_loop_gb_s": read_loop or None,
             **{key: summarize([r[key] for r in runs]) for key, *_ in METRICS},
         }
 
@@ -147,6 +212,15 @@ def format_table(r: dict) -> str:
         s = r[key]
         span = "" if s["min"] is None else f"{fmt(f, s['min'])} – {fmt(f, s['max'])}"
         lines.append(f"{label:<22}{fmt(f, s['median']):>12}  {span:<22}{unit}")
+    b = r["decode_bytes"]
+    parts = f"weights {b['weights'] / 1e6:.1f}, KV {b['kv_cache'] / 1e6:.1f}"
+    lines.append(f"{'read a decoded token':<22}{sum(b.values()) / 1e6:>12.1f}  {parts:<22}MB")
+    loop, rate = r["read_loop_gb_s"], r["decode_read_gb_s"]["median"]
+    if loop:
+        lines.append(f"{'read loop':<22}{float(np.median(loop)):>12.1f}  "
+                     f"{' then '.join(f'{v:.1f}' for v in loop):<22}GB/s")
+        if rate:
+            lines.append(f"{'decode / read loop':<22}{100 * rate / float(np.median(loop)):>12.0f}  {'':<22}%")
     lines.append(f"{'load':<22}{r['load_seconds'] * 1000:>12.0f}  {'':<22}ms")
     rss = r["peak_rss_bytes"]
     lines.append(f"{'peak RSS':<22}{'n/a' if rss is None else f'{rss / 2**20:.0f}':>12}  {'':<22}MiB")
@@ -166,6 +240,7 @@ def run_bench(args) -> int:
     r = bench(args.model_dir, prompt_len=args.prompt_len, gen=args.gen, repeat=args.repeat, threads=args.threads,
               n_ctx=args.n_ctx, memory_limit_mb=args.memory_limit_mb, expert_cache_mb=args.expert_cache_mb,
               prefetch=args.prefetch, eviction=args.eviction, kv_cache=args.kv_cache,
-              bf16_products=args.bf16_products, prefill_chunk=args.prefill_chunk)
+              bf16_products=args.bf16_products, prefill_chunk=args.prefill_chunk,
+              read_bandwidth_too=args.read_bandwidth)
     print(json.dumps(r) if args.json else format_table(r))
     return 0

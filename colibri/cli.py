@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
                        help="context length (default: prompt + gen, at least the model's up to 4096)")
+    bench.add_argument("--read-bandwidth", "--read_bandwidth", dest="read_bandwidth", action="store_true",
+                       help="also time a plain read of a buffer past the last-level cache (512 MB or more) by the "
+                            "same threads, before and after the runs, and report decode's memory read against it")
     _engine_options(bench)
     return p
 

@@ -334,6 +334,14 @@ class Model:
         ids = self.apply_chat_template(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
         return self.complete(ids, max_new_tokens, stream=stream, **kwargs)
 
+    def decode_bytes(self, position: int) -> dict:
+        """{"weights", "kv_cache"}: the bytes one sequence's decoded token at `position` reads —
+        every weight once (a routed expert's k of num_experts: on average; one row of an untied
+        embedding table), and the KV cache's rows its attention sees. Decode is memory-bound, so
+        tokens a second x their sum is the read rate to set against the machine's bandwidth."""
+        return {"weights": sum(self._dir.bytes_per_token().values()),
+                "kv_cache": self._live().kv_bytes_read(int(position))}
+
     def memory_stats(self) -> dict:
         """Residency counters: experts used per layer, the memory limit and the expert budget,
         the expert cache's hits, misses, prefetches and evictions (cumulative since load), bytes

@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import colibri
 from colibri import _kernels
@@ -35,13 +37,63 @@ def test_colibri_bench_json(converted):
     assert out["peak_rss_bytes"] > 0 and out["load_seconds"] > 0
     for p50, p99, ratio in zip(*(out[k]["values"] for k in ("decode_p50_ms", "decode_p99_ms", "decode_p99_over_p50"))):
         assert ratio >= 1 and abs(ratio - p99 / p50) <= 1e-9 * ratio       # the smoothness figure
+    # decode's memory read: tokens a second x the bytes a decoded token reads, averaged over the
+    # decode passes' positions 16..22 (the f32 cache's rows grow by one position a token)
+    m = colibri.load(converted("mixtral_a", "int8"), threads=1)
+    per_position = [m.decode_bytes(p) for p in range(16, 16 + 8 - 1)]
+    assert out["decode_bytes"]["weights"] == per_position[0]["weights"]
+    assert out["decode_bytes"]["kv_cache"] == pytest.approx(np.mean([b["kv_cache"] for b in per_position]), rel=1e-12)
+    per_token = sum(out["decode_bytes"].values())
+    for tok_s, gb_s in zip(out["decode_tok_s"]["values"], out["decode_read_gb_s"]["values"]):
+        assert gb_s == pytest.approx(tok_s * per_token / 1e9, rel=1e-12)
+    assert out["read_loop_gb_s"] is None                                   # not asked for
+
+
+@pytest.mark.parametrize("kv_cache, element", [("f32", 4), ("f16", 2)])
+@settings(max_examples=25, deadline=None)
+@given(position=st.integers(0, 200))
+def test_a_decoded_token_reads_every_weight_and_the_kv_rows_its_attention_sees(converted, kv_cache, element,
+                                                                            position):
+    """Gemma 4's sliding layers read at most their window, its full layers every earlier position;
+    the weights are ModelDir.bytes_per_token's (a routed expert's k / E of theirs)."""
+    from colibri.modeldir import ModelDir
+
+    path = converted("gemma4_a")
+    m = _loaded(path, kv_cache)
+    c = m.config
+    seen = [min(position + 1, c.layer_window(i) or position + 1) for i in range(c.num_hidden_layers)]
+    expected_kv = sum(2 * element * seen[i] * c.layer_kv_heads_of(i) * c.layer_head_dim(i)
+                      for i in range(c.num_hidden_layers))
+    got = m.decode_bytes(position)
+    assert got == {"weights": sum(ModelDir(path).bytes_per_token().values()), "kv_cache": expected_kv}
+    assert any(c.layer_window(i) and position + 1 > c.layer_window(i) for i in range(c.num_hidden_layers)) \
+        == (expected_kv < sum(2 * element * (position + 1) * c.layer_kv_heads_of(i) * c.layer_head_dim(i)
+                              for i in range(c.num_hidden_layers)))
+
+
+_LOADED = {}
+
+
+def _loaded(path, kv_cache):
+    """One model per (directory, cache) for the examples above (hypothesis reruns the test body)."""
+    key = (str(path), kv_cache)
+    if key not in _LOADED:
+        _LOADED[key] = colibri.load(path, threads=1, n_ctx=256, kv_cache=kv_cache)
+    return _LOADED[key]
 
 
 def test_colibri_bench_table_and_errors(converted):
     r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", str(converted("mixtral_a")),
-                        "--prompt-len", "8", "--gen", "4", "--repeat", "1"], env=ENV, capture_output=True, text=True)
+                        "--prompt-len", "8", "--gen", "4", "--repeat", "1", "--read-bandwidth"],
+                       env=ENV, capture_output=True, text=True)
     assert r.returncode == 0 and "decode" in r.stdout and "prefill" in r.stdout
     assert f"kernels {IMPORT_CHOICE[0]} (int step {IMPORT_CHOICE[1]}), prefill chunk 128" in r.stdout, r.stdout
+    rows = {line[:22].strip(): line[22:].split() for line in r.stdout.splitlines()}
+    assert rows["read loop"][2] == "then" and rows["read loop"][4] == "GB/s", r.stdout     # before, after the runs
+    before, after = float(rows["read loop"][1]), float(rows["read loop"][3])
+    assert before > 0 and after > 0 and float(rows["read loop"][0]) == pytest.approx((before + after) / 2, abs=0.06)
+    assert float(rows["decode / read loop"][0]) == pytest.approx(
+        100 * float(rows["decode memory read"][0]) / float(rows["read loop"][0]), rel=0.05, abs=1)
     r = subprocess.run([sys.executable, "-m", "colibri", "bench", "--model-dir", "/nonexistent"],
                        env=ENV, capture_output=True, text=True)
     assert r.returncode == 2 and "/nonexistent" in r.stderr and "Traceback" not in r.stderr

@@ -61,21 +61,8 @@ import time
 import numpy as np
 
 from colibri import _kernels, _probes, quant
+from colibri.bench import last_level_cache_bytes
 from colibri.modeldir import to_storage
-
-
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache the OS reports (Linux sysfs: cpu0's highest index), or None."""
-    from pathlib import Path
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            sizes.append(int(text.rstrip("KMG")) * mult)
-        except ValueError:
-            pass
-    return max(sizes) if sizes else None
 
 
 def timed(fn) -> float:
