@@ -2,8 +2,9 @@
 
 Design
 ------
-Only the public API is used: `load`, `Model.generate(..., stop_at_eos=False, reuse_prefix=False)`, `Model.stats`,
-`Model.decode_bytes` and `Model.memory_stats`.
+The model is driven through its public API only: `load`, `Model.generate(..., stop_at_eos=False,
+reuse_prefix=False)`, `Model.stats`, `Model.decode_bytes` and `Model.memory_stats` (the read loop
+below is `_probes.bench_read`, in a child process).
 The prompt is `prompt_len` token ids drawn uniformly from the vocabulary with a fixed seed, so
 every run and every engine sees the same work; decoding is greedy and never stops early.
 
@@ -19,8 +20,10 @@ One repetition = one `generate` of `gen` tokens in a fresh context:
                   routed experts k / E of theirs, and the KV cache rows, averaged over the run's
                   positions), GB/s: decode is memory-bound, so this is the figure to set against
                   the machine's bandwidth. With read_bandwidth, a plain read by the same threads of
-                  a buffer past the last-level cache (max(512 MB, 4 x LLC)), median of 5 passes,
-                  before and after the repetitions (hosts' bandwidth moves), says how close it is.
+                  a buffer past the last-level cache (512 MiB, 4 x LLC where that is more), median
+                  of 5 passes, before the load and after the repetitions (hosts' bandwidth moves),
+                  says how close it is. The loop runs in a child process, so its buffer is not in
+                  the peak RSS; it is in a cgroup's peak, which is then not reported.
 One warm-up repetition runs first and is discarded; each figure is reported as the median and
 min–max over the `repeat` measured repetitions. Load time is the one `colibri.load` call (with a
 cold page cache it is mostly disk reading). Peak RSS is the process's high-water mark
@@ -53,6 +56,7 @@ METRICS = (  # key, label, unit, format
     ("decode_read_gb_s", "decode memory read", "GB/s", "{:.1f}"),
 )
 READ_LOOP_MIN_BYTES = 512 << 20     # the read loop's buffer: at least this, and 4 x the last-level cache
+DECODE_BYTES_WIDTH = 22             # the table's middle column
 READ_LOOP_PASSES = 5
 
 
@@ -61,33 +65,42 @@ def last_level_cache_bytes() -> int | None:
     from pathlib import Path
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         try:
+            text = f.read_text().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
             sizes.append(int(text.rstrip("KMG")) * mult)
-        except ValueError:
+        except (OSError, ValueError):          # an unreadable or odd entry: that size unknown
             pass
     return max(sizes) if sizes else None
 
 
-def read_bandwidth_apart(threads: int) -> float:
-    """read_bandwidth in a child process, so that its buffer stays out of this one's peak RSS."""
+def read_bandwidth_apart(threads: int, nbytes: int | None = None) -> float:
+    """read_bandwidth in a child process (this interpreter, this package), so that its buffer
+    stays out of this one's peak RSS."""
     import subprocess
+    from pathlib import Path
 
-    code = f"from colibri.bench import read_bandwidth; print(read_bandwidth({int(threads)}))"
+    root = str(Path(__file__).resolve().parent.parent)          # where this colibri is imported from
+    code = (f"import sys; sys.path.insert(0, {root!r}); from colibri.bench import read_bandwidth; "
+            f"print(read_bandwidth({int(threads)}, {nbytes!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise ColibriError(f"the read-bandwidth loop failed: {last}")
-    return float(done.stdout.strip().splitlines()[-1])
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        why = (f"killed by signal {-done.returncode} (out of memory?)" if done.returncode < 0
+               else (done.stderr.strip().splitlines() or [f"exit status {done.returncode}, no message"])[-1])
+        raise ColibriError(f"the read-bandwidth loop (--read-bandwidth) failed: {why}")
+    return float(lines[-1])
 
 
-def read_bandwidth(threads: int) -> float:
-    """GB/s of `threads` threads reading a buffer past the last-level cache once (median of
-    READ_LOOP_PASSES passes after a warm one that pages it in)."""
+def read_bandwidth(threads: int, nbytes: int | None = None) -> float:
+    """GB/s of `threads` threads reading a buffer (nbytes; default past the last-level cache:
+    READ_LOOP_MIN_BYTES, 4 x the LLC where that is more) once, the median of READ_LOOP_PASSES
+    passes after a warm one that pages it in."""
     from . import _probes
 
-    nbytes = max(READ_LOOP_MIN_BYTES, 4 * (last_level_cache_bytes() or 0))
+    if nbytes is None:
+        nbytes = max(READ_LOOP_MIN_BYTES, 4 * (last_level_cache_bytes() or 0))
+    nbytes = max(64, nbytes // 64 * 64)
     buf = np.ones(nbytes // 8, np.uint64)
     _probes.bench_read(buf, threads)
     times = []
@@ -153,6 +166,9 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
     if need > max_pos:
         raise ColibriError(f"--prompt-len {prompt_len} + --gen {gen} exceeds the model's "
                            f"max_position_embeddings {max_pos}")
+    read_loop = []              # before the load: its buffer would push the model out of the caches
+    if read_bandwidth_too:
+        read_loop.append(read_bandwidth_apart(_os.compute_cores() if threads is None else threads))
     t0 = time.perf_counter()
     model = load(model_dir, threads=threads, n_ctx=n_ctx or max(need, min(max_pos, DEFAULT_MAX_CONTEXT)),
                  **load_options)
@@ -160,12 +176,11 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
     with model:
         prompt = np.random.default_rng(PROMPT_SEED).integers(0, model.config.vocab_size, prompt_len)
         # the decode passes run the tokens at positions prompt_len .. prompt_len + gen - 2
-        per_position = [model.decode_bytes(p) for p in range(prompt_len, prompt_len + gen - 1)] or [
-            model.decode_bytes(prompt_len)]
+        per_position = [model.decode_bytes(p) for p in range(prompt_len, min(prompt_len + gen - 1, model.n_ctx))] \
+            or [model.decode_bytes(min(prompt_len, model.n_ctx - 1))]
         decode_bytes = {part: float(np.mean([b[part] for b in per_position])) for part in ("weights", "kv_cache")}
         per_token = sum(decode_bytes.values())
         one_repetition(model, prompt, gen, per_token)                       # warm-up, discarded
-        read_loop = [read_bandwidth_apart(model.threads)] if read_bandwidth_too else []
         before = model.memory_stats()
         runs = [one_repetition(model, prompt, gen, per_token) for _ in range(repeat)]
         after = model.memory_stats()
@@ -185,7 +200,7 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
             "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / prefetches if prefetches else None,
             "evictions": after["experts_released"] - before["experts_released"],
             "major_page_faults": after["major_page_faults"] - before["major_page_faults"],
-            "cgroup_peak_bytes": _os.memory_usage()[1],
+            "cgroup_peak_bytes": None if read_bandwidth_too else _os.memory_usage()[1],   # the loop's buffer is in it
         }
         return {
             "engine": "colibri", "model_dir": str(model_dir), "architecture": c.architecture,
@@ -194,7 +209,7 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
             "isa": _kernels.isa(), "int_step": _kernels.int_step(),
             "prompt_len": prompt_len, "gen": gen, "repeat": repeat,
             "load_seconds": load_s, "peak_rss_bytes": peak_rss_bytes(), "memory": memory,
-            "decode_bytes": decode_bytes, "read_loop_gb_s": read_loop or None,
+            "decode_bytes": decode_bytes, "read_loop_gb_s": read_loop if read_bandwidth_too else None,
             **{key: summarize([r[key] for r in runs]) for key, *_ in METRICS},
         }
 
@@ -213,8 +228,8 @@ def format_table(r: dict) -> str:
         span = "" if s["min"] is None else f"{fmt(f, s['min'])} – {fmt(f, s['max'])}"
         lines.append(f"{label:<22}{fmt(f, s['median']):>12}  {span:<22}{unit}")
     b = r["decode_bytes"]
-    parts = f"weights {b['weights'] / 1e6:.1f}, KV {b['kv_cache'] / 1e6:.1f}"
-    lines.append(f"{'read a decoded token':<22}{sum(b.values()) / 1e6:>12.1f}  {parts:<22}MB")
+    parts = f"weights {b['weights'] / 1e6:.1f}, KV {b['kv_cache'] / 1e6:.1f} "
+    lines.append(f"{'decode reads a token':<22}{sum(b.values()) / 1e6:>12.1f}  {parts:<{DECODE_BYTES_WIDTH}}MB")
     loop, rate = r["read_loop_gb_s"], r["decode_read_gb_s"]["median"]
     if loop:
         lines.append(f"{'read loop':<22}{float(np.median(loop)):>12.1f}  "

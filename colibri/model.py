@@ -87,6 +87,7 @@ class Model:
                                f"(the model's max_position_embeddings), got {n_ctx!r}")
         self.threads = threads
         self.n_ctx = n_ctx = int(n_ctx)
+        self._weight_bytes_per_token = None     # decode_bytes' weights, counted on first use
         if prefetch is not None and prefetch not in PREFETCH_MODES:
             raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
         if prefetch not in (None, "none") and not mmap:
@@ -335,12 +336,18 @@ class Model:
         return self.complete(ids, max_new_tokens, stream=stream, **kwargs)
 
     def decode_bytes(self, position: int) -> dict:
-        """{"weights", "kv_cache"}: the bytes one sequence's decoded token at `position` reads —
-        every weight once (a routed expert's k of num_experts: on average; one row of an untied
-        embedding table), and the KV cache's rows its attention sees. Decode is memory-bound, so
-        tokens a second x their sum is the read rate to set against the machine's bandwidth."""
-        return {"weights": sum(self._dir.bytes_per_token().values()),
-                "kv_cache": self._live().kv_bytes_read(int(position))}
+        """{"weights", "kv_cache"}: the bytes one sequence's decoded token at `position` (0 ..
+        n_ctx - 1) reads alone — every weight once (a routed expert's k of num_experts: on
+        average; one row of an untied embedding table), and the KV cache's rows its attention
+        sees. Decode is memory-bound, so tokens a second x their sum is the read rate to set
+        against the machine's bandwidth. (A batched step, Batch or serve --parallel, reads the
+        weights once for all its sequences and each sequence's own rows.)"""
+        if isinstance(position, bool) or not isinstance(position, numbers.Integral) or not 0 <= position < self.n_ctx:
+            raise ColibriError(f"position must be in 0..{self.n_ctx - 1} (the context), got {position!r}")
+        engine = self._live()
+        if self._weight_bytes_per_token is None:
+            self._weight_bytes_per_token = float(sum(self._dir.bytes_per_token().values()))
+        return {"weights": self._weight_bytes_per_token, "kv_cache": engine.kv_bytes_read(int(position))}
 
     def memory_stats(self) -> dict:
         """Residency counters: experts used per layer, the memory limit and the expert budget,
