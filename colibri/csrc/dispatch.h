@@ -593,15 +593,18 @@ static void cb_prepare_share(const cb_input_prep *preps, int np, long long rows,
  * in the region itself, every thread a share of the rows, where there are many
  * (CB_PREP_PARALLEL_MIN). Each thread then takes its static share of every product in turn with
  * no barrier between them, so the threads meet once per batch instead of once per matrix (and once
- * more after a parallel preparation). Below CB_PARALLEL_MIN_WORK multiply-adds in all, one thread. */
+ * more after a parallel preparation). Below CB_PARALLEL_MIN_WORK multiply-adds and
+ * CB_PARALLEL_MIN_BYTES of weights in all, one thread. */
 static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
-    long long work = 0, prep_rows = 0, prep_elems = 0;
+    long long work = 0, bytes = 0, prep_rows = 0, prep_elems = 0;
     cb_input_prep preps[CB_PREP_MAX];
     int np = 0;
     for (int i = 0; i < count; i++) {
         const cb_matjob *j = &jobs[i];
         const int n = j->n;
         work += (long long)j->rows * j->cols * n;
+        bytes += j->dtype == CB_NL4 ? (long long)cb_nl4_bytes(j->rows, j->cols)
+                                    : (long long)j->rows * (long long)cb_row_stride(j->dtype, j->cols);
         int first = 1;                                  /* the first job of this input? */
         for (int p = 0; p < i; p++) first &= jobs[p].acts != j->acts;
         if (!first) continue;
@@ -624,7 +627,7 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
             for (int t = 0; t < n; t++) cb_prepare_row(&prep, t);
         }
     }
-    const int nt = n_threads > 1 && work >= CB_PARALLEL_MIN_WORK ? n_threads : 1;
+    const int nt = n_threads > 1 && (work >= CB_PARALLEL_MIN_WORK || bytes >= CB_PARALLEL_MIN_BYTES) ? n_threads : 1;
     const int prep_in_region = nt > 1 && prep_elems >= CB_PREP_PARALLEL_MIN;
     if (!prep_in_region) cb_prepare_share(preps, np, prep_rows, 0, 1);
     #pragma omp parallel num_threads(nt) if (nt > 1)

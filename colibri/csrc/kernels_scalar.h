@@ -60,8 +60,18 @@ static inline size_t cb_row_stride(int dtype, int cols) {
 typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, int cols);
 
 /* Below this many multiply-adds a matvec/matmul runs on one thread: waking the other threads and
- * waiting for them at the barrier costs more (much more when a core is shared with other work). */
+ * waiting for them at the barrier costs more (much more when a core is shared with other work)... */
+#ifndef CB_PARALLEL_MIN_WORK
 #define CB_PARALLEL_MIN_WORK (1 << 19)
+#endif
+/* ...unless its weights are this many bytes or more: a decode matvec is a read, and a small one in
+ * f32 or bf16 has few multiply-adds for its bytes. A MoE router (Qwen3-MoE's [128, 2048] f32: 1 MB,
+ * 262,144 multiply-adds; OLMoE's [64, 2048]) read from memory took one thread 32-39 us, two 25-26 us
+ * (Zen 4, tools/bench/small_matvec.c; 17-20 -> 12-13 us for OLMoE's): once per layer and token.
+ * A many-core server, each of whose cores reads a small part of its bandwidth, gains more. */
+#ifndef CB_PARALLEL_MIN_BYTES
+#define CB_PARALLEL_MIN_BYTES (1 << 18)
+#endif
 
 /* This thread's scratch of at least `bytes` (64-byte aligned) in one of CB_SCRATCH_SLOTS slots,
  * grown on demand and kept for the thread's life: OpenMP's pool threads keep a few hundred KB each;
