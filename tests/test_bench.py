@@ -205,13 +205,18 @@ def test_the_bf16_rounding_probe_finds_the_order_of_the_cpus_products(tmp_path):
         assert sum(line.startswith("tdpbf16ps K=") and "matches:" in line for line in lines) == 5
 
 
-def _amx_engine():
-    """tools/bench/amx_engine.py as a module (its variants and their flags)."""
+def _tool(name):
+    """tools/bench/NAME.py as a module."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("amx_engine", REPO / "tools" / "bench" / "amx_engine.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _amx_engine():
+    """tools/bench/amx_engine.py as a module (its variants and their flags, its peers' runs)."""
+    return _tool("amx_engine")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="amx_check.c is compiled with gcc")
@@ -249,3 +254,66 @@ def test_every_amx_kernel_variant_compiles_and_the_knobs_keep_the_bits(tmp_path)
     assert len(bits) == 2 and all(same == total for same, total in bits), r.stdout
     assert int(bits[0][1]) > 0 and (int(bits[1][1]) > 0) == bool(_kernels.cpu_features()["avx512_bf16"]), r.stdout
     assert "dispatch amx-emulated: self-test passed (code 0)" in r.stdout
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_0"])
+def test_write_gguf_writes_the_tensors_llama_cpps_tools_write(tmp_path, kind):
+    """tools/bench/write_gguf.py (the peers' GGUFs on the lent machine, which has no torch) against
+    the files llama.cpp's convert_hf_to_gguf.py and llama-quantize made from the same checkpoint
+    (tests/fixtures/gguf/mixtral_a-*): names, merged experts, the q/k rows permuted per head, types,
+    ggml's rounding, the f16 fallback of rows that are not whole blocks, and the model's metadata.
+    The Q4_0 fixture was made with llama-quantize's default recipe, which keeps the output head in
+    Q8_0 (write_gguf follows --pure): there every tensor the fixture holds in Q4_0, F16 or F32 is
+    compared."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'colibri[gguf]')")
+    write_gguf = _tool("write_gguf")
+    out = tmp_path / f"{kind}.gguf"
+    write_gguf.write(REPO / "tests/fixtures/mixtral_a/hf", out, kind)
+    ref = REPO / f"tests/fixtures/gguf/mixtral_a-{kind.upper()}.gguf"
+    if kind != "q4_0":
+        assert write_gguf.check(out, ref) == 0
+        assert write_gguf.check(out, REPO / "tests/fixtures/gguf/mixtral_a-F32.gguf" if kind == "q8_0" else
+                                REPO / "tests/fixtures/gguf/mixtral_a-Q8_0.gguf") == 1       # a difference is seen
+        return
+    ours = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    compared = 0
+    for t in gguf.GGUFReader(str(ref)).tensors:
+        if t.tensor_type.name == "Q8_0":
+            assert t.name == "output.weight" and ours[t.name].tensor_type.name == "Q4_0"
+            continue
+        assert ours[t.name].tensor_type == t.tensor_type and list(ours[t.name].shape) == list(t.shape), t.name
+        assert np.array_equal(np.asarray(ours[t.name].data).view(np.uint8), np.asarray(t.data).view(np.uint8)), t.name
+        compared += t.tensor_type.name == "Q4_0"
+    assert compared == 2 * 6 + 1               # attention and gate/up experts of both layers, the embedding
+
+
+def test_amx_engine_runs_a_peers_llama_bench_and_sets_the_engine_against_the_best(tmp_path, capsys):
+    """amx_engine.py --llama-bench / --ik-bench: one run of a peer is llama-bench's JSON read for its
+    prompt and decode tests (a stand-in llama-bench here, which also shows the libraries beside it
+    are on LD_LIBRARY_PATH and the flags it got); a run without them, or whose JSON lacks them, fails
+    with the command named; the table sets the engine's best chunk against the best peer."""
+    amx = _amx_engine()
+    bench = tmp_path / "bin" / "llama-bench"
+    bench.parent.mkdir()
+    bench.write_text("#!/bin/sh\n"
+                     "case \"$LD_LIBRARY_PATH\" in \"$(dirname \"$0\")\"*) ;; *) echo no libs >&2; exit 3;; esac\n"
+                     "case \"$*\" in *-rtr*) pp=300.5;; *) pp=150.25;; esac\n"
+                     "echo \"[{\\\"n_prompt\\\": 512, \\\"n_gen\\\": 0, \\\"avg_ts\\\": $pp},"
+                     " {\\\"n_prompt\\\": 0, \\\"n_gen\\\": 8, \\\"avg_ts\\\": 40.0}]\"\n")
+    bench.chmod(0o755)
+    assert amx.run_peer(bench, tmp_path / "m.gguf", 512, 16, [], timeout=60) == (150.25, 40.0)
+    assert amx.run_peer(bench, tmp_path / "m.gguf", 512, 16, ["-rtr", "1"], timeout=60) == (300.5, 40.0)
+    empty = tmp_path / "bin" / "empty-bench"
+    empty.write_text("#!/bin/sh\necho '[]'\n")
+    empty.chmod(0o755)
+    with pytest.raises(amx.RunFailed, match="no prefill and decode test"):
+        amx.run_peer(empty, tmp_path / "m.gguf", 512, 16, [], timeout=60)
+    runs = [{"format": "int8", "threads": 16, "engine": "colibri", "chunk": c, "step": "amx", "prefill_tok_s": pp,
+             "decode_tok_s": 50.0} for c, pp in ((128, 900.0), (512, 1200.0), (512, 1000.0))]
+    runs += [{"format": "int8", "threads": 16, "engine": e, "chunk": None, "step": None, "prefill_tok_s": pp,
+              "decode_tok_s": 40.0} for e, pp in (("llama.cpp", 150.0), ("ik_llama.cpp -rtr", 300.0),
+                                                 ("ik_llama.cpp -rtr", 500.0))]
+    amx.peer_table(runs, ["int8"], ["amx", "avx512-vnni"])
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| int8 |")]
+    # the engine's chunk 512 (median 1100) against ik -rtr's median 400: 2.75x; decode 50 / 40
+    assert row == ["| int8 | 16 | 1100.0, 50.0 | 150.0, 40.0 | 400.0, 40.0 | 2.75, 1.25 |"]

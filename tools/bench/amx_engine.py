@@ -51,6 +51,28 @@ table of the median prefill and decode tok/s per format / threads / step and the
 ratio to the last, and rewrites OUT/amx_engine.json after every run (so a call killed at its time
 limit keeps what it measured). On a machine without AMX, --steps avx512-vnni,avx2 exercises the
 same path.
+
+The peers, in the same rounds (--llama-bench, --ik-bench: the issue's "≥ 2x the best peer" on an
+AMX host). The machine has no torch and no llama.cpp sources, so write_gguf.py writes the
+checkpoint's GGUFs there (int8 -> q8_0, int4 -> q4_0, bf16 -> bf16: the tensors llama.cpp's
+converter and `llama-quantize --pure` write, checked bit for bit here; a stand-in vocabulary), in
+the background while the engine's conversions run; --gguf-path puts a copy of the gguf package
+(with PyYAML, which it imports) on its PYTHONPATH. Binaries built here are carried: llama.cpp's from
+`ISA=avx512 tools/bench/build_llama.sh` (AVX-512 with VNNI and BF16, no AMX: llama.cpp's AMX path
+dies with SIGILL on these VMs), ik_llama.cpp's as its user builds it (shared libraries beside its
+llama-bench are found there). Each runs `llama-bench -p PROMPT_LEN -n 8 -r 2 -t T -o json` (ik as
+it comes and with -rtr 1) at --peer-threads (all cores), and a second table gives their prefill and decode with the
+engine's best step's ratio to the best peer. What the run call carries for them (one more carry
+path, build/peers.tar.xz, ~7 MB: stripped binaries and the packages, xz):
+
+    build/peers/llama.cpp/llama-bench                   (ISA=avx512 tools/bench/build_llama.sh)
+    build/peers/ik_llama.cpp/{llama-bench,libllama.so,libggml.so}   (the user's own AVX-512 build)
+    build/peers/pylib/{gguf,yaml}                       (site-packages' gguf and PyYAML's .py files)
+
+and the call: `mkdir -p build/peers && tar -xJf build/peers.tar.xz -C build/peers &&
+PYTHONUNBUFFERED=1 python3 tools/bench/amx_engine.py --build-if-needed --out $OUT --llama-bench
+build/peers/llama.cpp/llama-bench --ik-bench build/peers/ik_llama.cpp/llama-bench --gguf-path
+build/peers/pylib`.
 """
 from __future__ import annotations
 
@@ -99,6 +121,8 @@ VARIANT_DIR = ROOT / "build" / "amx_check"
 # The builds of the current sources in one archive (xz: 0.6 MB for 14 MB of binaries that differ
 # little), what a run call carries; unpacked into VARIANT_DIR where a build is missing.
 VARIANT_ARCHIVE = ROOT / "build" / "amx_check.tar.xz"
+# the engine's format -> the GGUF type with the same blocks (write_gguf.py --type)
+PEER_TYPES = {"int8": "q8_0", "int4": "q4_0", "bf16": "bf16"}
 
 
 def variant_binary(name: str) -> Path:
@@ -273,7 +297,25 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="128,512", help="prefill chunks to run each of (\"\": the engine's default only)")
     ap.add_argument("--variants", default=",".join(KERNEL_VARIANTS),
                     help=f"amx_check builds to time (of {', '.join(KERNEL_VARIANTS)})")
+    ap.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench, run beside the engine")
+    ap.add_argument("--ik-bench", type=Path, help="ik_llama.cpp's llama-bench (build it yourself), run as it comes and "
+                                                  "with -rtr 1")
+    ap.add_argument("--gguf-path", type=Path, help="a directory with the gguf package (and PyYAML) for write_gguf.py")
+    ap.add_argument("--peer-threads", default=str(cores()), help="the peers' thread counts")
     a = ap.parse_args(argv)
+    a.llama_bench, a.ik_bench, a.gguf_path = (p and p.resolve() for p in (a.llama_bench, a.ik_bench, a.gguf_path))
+    a.peers = {name: (bench, extra) for name, bench, extra in (("llama.cpp", a.llama_bench, []),
+                                                               ("ik_llama.cpp", a.ik_bench, []),
+                                                               ("ik_llama.cpp -rtr", a.ik_bench, ["-rtr", "1"])) if bench}
+    for name, (bench, _) in a.peers.items():
+        if not (bench.is_file() and os.access(bench, os.X_OK)):
+            ap.error(f"{bench}: {name}'s llama-bench is not an executable file")
+    try:
+        a.peer_thread_list = list(dict.fromkeys(int(t) for t in a.peer_threads.split(",") if t))
+        if not a.peer_thread_list or min(a.peer_thread_list) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--peer-threads {a.peer_threads!r}: give positive integers separated by commas")
     a.variant_list = list(dict.fromkeys(v for v in a.variants.split(",") if v))
     unknown = [v for v in a.variant_list if v not in KERNEL_VARIANTS]
     if unknown:
@@ -320,6 +362,85 @@ def standalone(out: Path, name: str, build: list, args: list, timeout: float) ->
     print(text, end="", flush=True)
 
 
+def start_ggufs(a, hf_dir: Path, formats: list) -> dict:
+    """write_gguf.py for each format the peers run (when they are given and the GGUF is not there yet),
+    in the background: {format: (path, its process or None)}."""
+    if not a.peers:
+        return {}
+    env = dict(os.environ)
+    if a.gguf_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(a.gguf_path), env.get("PYTHONPATH")) if p)
+    started = {}
+    for fmt in formats:
+        if fmt not in PEER_TYPES:
+            print(f"[amx_engine] the peers have no GGUF type for {fmt}: engine only", flush=True)
+            continue
+        path = a.work / f"{a.model}-{PEER_TYPES[fmt]}.gguf"
+        proc = None if path.is_file() else subprocess.Popen(
+            [sys.executable, "tools/bench/write_gguf.py", str(hf_dir), str(path), "--type", PEER_TYPES[fmt]], cwd=ROOT,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started[fmt] = (path, proc)
+    return started
+
+
+def finish_ggufs(started: dict, deadline: float) -> dict:
+    """{format: GGUF path} of those written; a failure is printed, and its format runs without peers."""
+    done = {}
+    for fmt, (path, proc) in started.items():
+        if proc is not None:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, proc.returncode = proc.communicate()[0], -1
+            if proc.returncode != 0:
+                print(f"[amx_engine] write_gguf {fmt} failed ({proc.returncode}); {fmt} runs without the peers:\n"
+                      f"{(out or '').strip()[-1500:]}", flush=True)
+                continue
+        done[fmt] = path
+    return done
+
+
+def run_peer(bench: Path, gguf: Path, prompt_len: int, threads: int, extra: list, timeout: float) -> tuple:
+    """(prefill, decode) tok/s of one llama-bench run: a prompt of prompt_len tokens and 8 decoded, 2
+    repetitions. Shared libraries beside the binary are found there (ik_llama.cpp's libllama, libggml)."""
+    env = {"LD_LIBRARY_PATH": os.pathsep.join(p for p in (str(bench.parent), os.environ.get("LD_LIBRARY_PATH")) if p)}
+    out = run([str(bench), "-m", str(gguf), "-p", str(prompt_len), "-n", "8", "-r", "2", "-t", str(threads),
+               "-o", "json", *extra], env=env, timeout=timeout)
+    try:
+        tests = json.loads(out)
+        pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
+        tg = next(t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0)
+        return float(pp["avg_ts"]), float(tg["avg_ts"])
+    except (ValueError, KeyError, TypeError, StopIteration):
+        raise RunFailed(f"{bench}: no prefill and decode test in its JSON output: {out[-500:]!r}") from None
+
+
+def peer_table(runs: list, formats: list, steps: list) -> None:
+    """The peers' medians beside the engine's first step's (its best chunk) at the same thread counts."""
+    peers = list(dict.fromkeys(x["engine"] for x in runs if x["engine"] != "colibri"))
+    if not peers:
+        return
+    med = lambda rs, key: statistics.median(x[key] for x in rs) if rs else None   # noqa: E731
+    print(f"\n| format | threads | colibri {steps[0]} prefill, decode | "
+          + " | ".join(f"{p} prefill, decode" for p in peers) + " | colibri / best peer prefill, decode |")
+    print("|---|---:|---|" + "---|" * len(peers) + "---|")
+    for fmt in formats:
+        for th in sorted({x["threads"] for x in runs if x["format"] == fmt and x["engine"] != "colibri"}):
+            ours = [x for x in runs if (x["format"], x["threads"], x["engine"], x["step"]) == (fmt, th, "colibri", steps[0])]
+            by_chunk = {}
+            for x in ours:
+                by_chunk.setdefault(x["chunk"], []).append(x)
+            best = max(by_chunk.values(), key=lambda rs: med(rs, "prefill_tok_s"), default=[])
+            cols = {p: [x for x in runs if (x["format"], x["threads"], x["engine"]) == (fmt, th, p)] for p in peers}
+            cell = lambda rs: f"{med(rs, 'prefill_tok_s'):.1f}, {med(rs, 'decode_tok_s'):.1f}" if rs else "-"   # noqa: E731
+            pp = [med(rs, "prefill_tok_s") for rs in cols.values() if rs]
+            tg = [med(rs, "decode_tok_s") for rs in cols.values() if rs]
+            ratio = (f"{med(best, 'prefill_tok_s') / max(pp):.2f}, {med(best, 'decode_tok_s') / max(tg):.2f}"
+                     if best and pp else "-")
+            print(f"| {fmt} | {th} | {cell(best)} | " + " | ".join(cell(rs) for rs in cols.values()) + f" | {ratio} |")
+
+
 def measure(a) -> int:
     t0 = time.monotonic()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -357,38 +478,53 @@ def measure(a) -> int:
     hf = a.work / "hf"
     if not (hf / a.model / "config.json").is_file():
         run([py, "tools/bench/make_models.py", a.model, "--out", str(hf), "--no-tokenizer"])
+    ggufs = start_ggufs(a, hf / a.model, formats)
     dirs = {}
     for fmt in formats:
         d = a.work / f"{a.model}-{fmt}"
         if not (d / "config.json").is_file():
             run([py, "-m", "colibri", "convert", "--hf-dir", str(hf / a.model), "--quantize", fmt, "--output-dir", str(d)])
         dirs[fmt] = d
+    peer_files = finish_ggufs(ggufs, t0 + a.budget_s)
     print(f"[amx_engine] model ready at {time.monotonic() - t0:.0f} s", flush=True)
     runs, failed = [], []
-    plan = [(r, fmt, th, chunk, step) for r in range(a.rounds) for fmt in formats for th in threads for chunk in chunks
-            for step in (steps if r % 2 == 0 else steps[::-1])]         # each round the other step first
-    for r, fmt, th, chunk, step in plan:
-        what = f"round {r} {fmt} {th} threads{'' if chunk is None else f' chunk {chunk}'} {step}"
+    plan = []
+    for r in range(a.rounds):
+        for fmt in formats:
+            for th in threads:
+                engines = [("colibri", chunk, step) for chunk in chunks for step in steps]
+                if th in a.peer_thread_list and fmt in peer_files:
+                    engines += [(peer, None, None) for peer in a.peers]
+                plan += [(r, fmt, th) + e for e in (engines if r % 2 == 0 else engines[::-1])]   # the other first
+    for r, fmt, th, engine, chunk, step in plan:
+        what = f"round {r} {fmt} {th} threads{'' if chunk is None else f' chunk {chunk}'} {step or engine}"
         left = a.budget_s - (time.monotonic() - t0)
         if left <= 0:
             print(f"[amx_engine] the budget ({a.budget_s:.0f} s) is spent: {len(runs)} runs", flush=True)
             break
         try:
-            res = json.loads(run([py, "-m", "colibri", "bench", "--model-dir", str(dirs[fmt]), "--prompt-len",
-                                  str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json",
-                                  *([] if chunk is None else ["--prefill-chunk", str(chunk)])],
-                                 env={"COLIBRI_INT_STEP": step}, timeout=left + 120))
+            if engine == "colibri":
+                res = json.loads(run([py, "-m", "colibri", "bench", "--model-dir", str(dirs[fmt]), "--prompt-len",
+                                      str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json",
+                                      *([] if chunk is None else ["--prefill-chunk", str(chunk)])],
+                                     env={"COLIBRI_INT_STEP": step}, timeout=left + 120))
+                speeds, chunk = (res["prefill_tok_s"]["median"], res["decode_tok_s"]["median"]), res["prefill_chunk"]
+            else:
+                bench, extra = a.peers[engine]
+                speeds = run_peer(bench, peer_files[fmt], a.prompt_len, th, extra, timeout=left + 120)
         except RunFailed as e:               # recorded; the other runs go on
-            failed.append({"round": r, "format": fmt, "threads": th, "chunk": chunk, "step": step, "error": str(e)[-2000:]})
+            failed.append({"round": r, "format": fmt, "threads": th, "engine": engine, "chunk": chunk, "step": step,
+                           "error": str(e)[-2000:]})
             print(f"[amx_engine] {what}: {e}", flush=True)
         else:
-            runs.append({"round": r, "format": fmt, "threads": th, "chunk": res["prefill_chunk"], "step": step,
-                         "prefill_tok_s": res["prefill_tok_s"]["median"], "decode_tok_s": res["decode_tok_s"]["median"]})
-            print(f"[amx_engine] {what}: prefill {runs[-1]['prefill_tok_s']:.1f} tok/s, decode "
-                  f"{runs[-1]['decode_tok_s']:.1f}", flush=True)
+            runs.append({"round": r, "format": fmt, "threads": th, "engine": engine, "chunk": chunk, "step": step,
+                         "prefill_tok_s": speeds[0], "decode_tok_s": speeds[1]})
+            print(f"[amx_engine] {what}: prefill {speeds[0]:.1f} tok/s, decode {speeds[1]:.1f}", flush=True)
         (a.out / "amx_engine.json").write_text(json.dumps(      # after every run: a killed call keeps them
             {"args": {k: str(v) for k, v in vars(a).items()}, "machine": probe, "runs": runs, "failed": failed},
             indent=1))
+    peer_table(runs, formats, steps)
+    runs = [x for x in runs if x["engine"] == "colibri"]
     print(f"\n| format | threads | chunk | " + " | ".join(f"{s} prefill, decode" for s in steps)
           + f" | {steps[0]} / {steps[-1]} prefill |")
     print("|---|---:|---:|" + "---|" * len(steps) + "---:|")
@@ -402,7 +538,7 @@ def measure(a) -> int:
             cells = [f"{m[0]:.1f}, {m[1]:.1f}" if m else "-" for m in med.values()]
             ratio = f"{med[steps[0]][0] / med[steps[-1]][0]:.2f}" if med[steps[0]] and med[steps[-1]] else "-"
             print(f"| {fmt} | {th} | {chunk} | " + " | ".join(cells) + f" | {ratio} |")
-    print(f"\n[amx_engine] {len(runs)} runs ({len(failed)} failed) in {time.monotonic() - t0:.0f} s; every run in "
+    print(f"\n[amx_engine] {len(runs)} engine runs ({len(failed)} failed) in {time.monotonic() - t0:.0f} s; every run in "
           f"{a.out / 'amx_engine.json'}")
     return 0 if runs and not failed else 1
 

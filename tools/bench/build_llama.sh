@@ -14,6 +14,11 @@
 #   ISA=avx2 bash tools/bench/build_llama.sh   # AVX2 + FMA + F16C + BMI2 only, into llama.cpp-build-avx2:
 #                                              # what an AVX2-only host (AMD Zen 3) runs, on a newer one
 #                                              # (compare with Colibri under COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2)
+#   ISA=avx512 bash tools/bench/build_llama.sh # llama-bench only, into llama.cpp-build-avx512: AVX-512 (F, BW,
+#                                              # DQ, VL, CD) with VNNI and BF16, no AVX-VNNI and no AMX (its AMX
+#                                              # path dies with SIGILL on the lent VMs): a portable build that runs
+#                                              # on Zen 4 and Sapphire Rapids alike, carried to the lent AMX machine
+#                                              # (amx_engine.py --peers)
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${BENCH_CACHE:-/work/bench_cache}"
@@ -24,13 +29,17 @@ case "$ISA" in
     native) BUILD="$CACHE/llama.cpp-build"; ISA_FLAGS="-DGGML_NATIVE=ON" ;;
     avx2)   BUILD="$CACHE/llama.cpp-build-avx2"
             ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF" ;;
-    *)      echo "[build_llama] ISA=$ISA: choose native or avx2" >&2; exit 2 ;;
+    avx512) BUILD="$CACHE/llama.cpp-build-avx512"
+            ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+    *)      echo "[build_llama] ISA=$ISA: choose native, avx2 or avx512" >&2; exit 2 ;;
 esac
 mkdir -p "$CACHE/sdist"
 
 TARGETS="llama-bench llama-quantize llama-server llama-imatrix llama-perplexity llama-tokenize"
-if [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-quantize" ] && [ -x "$BUILD/bin/llama-server" ] &&
-   [ -x "$BUILD/bin/llama-imatrix" ] && [ -x "$BUILD/bin/llama-perplexity" ] && [ -x "$BUILD/bin/llama-tokenize" ]; then
+[ "$ISA" = avx512 ] && TARGETS="llama-bench"
+built=1
+for t in $TARGETS; do [ -x "$BUILD/bin/$t" ] || built=0; done
+if [ "$built" = 1 ]; then
     echo "[build_llama] already built: $BUILD/bin"
 else
     if [ ! -d "$SRC/vendor/llama.cpp" ]; then
@@ -54,5 +63,5 @@ if ! python -c "import gguf" 2>/dev/null; then
     python -m pip install --no-deps "$SRC/vendor/llama.cpp/gguf-py"
 fi
 echo "[build_llama] llama-bench:    $BUILD/bin/llama-bench"
-echo "[build_llama] llama-quantize: $BUILD/bin/llama-quantize"
+[ -x "$BUILD/bin/llama-quantize" ] && echo "[build_llama] llama-quantize: $BUILD/bin/llama-quantize"
 echo "[build_llama] converter:      $SRC/vendor/llama.cpp/convert_hf_to_gguf.py"
