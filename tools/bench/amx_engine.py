@@ -69,10 +69,11 @@ path, build/peers.tar.xz, ~7 MB: stripped binaries and the packages, xz):
     build/peers/ik_llama.cpp/{llama-bench,libllama.so,libggml.so}   (the user's own AVX-512 build)
     build/peers/pylib/{gguf,yaml}                       (site-packages' gguf and PyYAML's .py files)
 
-and the call: `mkdir -p build/peers && tar -xJf build/peers.tar.xz -C build/peers &&
-PYTHONUNBUFFERED=1 python3 tools/bench/amx_engine.py --build-if-needed --out $OUT --llama-bench
-build/peers/llama.cpp/llama-bench --ik-bench build/peers/ik_llama.cpp/llama-bench --gguf-path
-build/peers/pylib`.
+and the call (timeout_s about 560; all cores only, so that the budget holds two or three rounds
+of every engine rather than one with the slow one-thread runs): `mkdir -p build/peers && tar -xJf
+build/peers.tar.xz -C build/peers && PYTHONUNBUFFERED=1 python3 tools/bench/amx_engine.py
+--build-if-needed --out $OUT --threads $(nproc) --llama-bench build/peers/llama.cpp/llama-bench
+--ik-bench build/peers/ik_llama.cpp/llama-bench --gguf-path build/peers/pylib`.
 """
 from __future__ import annotations
 
