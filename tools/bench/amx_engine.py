@@ -61,8 +61,9 @@ the background while the engine's conversions run; --gguf-path puts a copy of th
 `ISA=avx512 tools/bench/build_llama.sh` (AVX-512 with VNNI and BF16, no AMX: llama.cpp's AMX path
 dies with SIGILL on these VMs), ik_llama.cpp's as its user builds it (shared libraries beside its
 llama-bench are found there). Each runs `llama-bench -p PROMPT_LEN -n 8 -r 2 -t T -o json` (ik as
-it comes and with -rtr 1) at --peer-threads (all cores), and a second table gives their prefill and decode with the
-engine's best step's ratio to the best peer. What the run call carries for them (one more carry
+it comes and with -rtr 1) at --peer-threads (all cores; each one of --threads), and a second table gives their
+prefill and decode with the ratio of the engine's first step (its best chunk) to the best peer. A
+GGUF that could not be written is a failure in the JSON, and its format runs without the peers. What the run call carries for them (one more carry
 path, build/peers.tar.xz, ~7 MB: stripped binaries and the packages, xz):
 
     build/peers/llama.cpp/llama-bench                   (ISA=avx512 tools/bench/build_llama.sh)
@@ -317,6 +318,13 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--peer-threads {a.peer_threads!r}: give positive integers separated by commas")
+    try:
+        engine_threads = {int(t) for t in a.threads.split(",") if t}
+    except ValueError:
+        ap.error(f"--threads {a.threads!r}: give positive integers separated by commas")
+    missing = [t for t in a.peer_thread_list if t not in engine_threads]
+    if a.peers and missing:        # (the peers run in the engine's rounds, at its thread counts)
+        ap.error(f"--peer-threads {','.join(map(str, missing))}: not among --threads {a.threads}")
     a.variant_list = list(dict.fromkeys(v for v in a.variants.split(",") if v))
     unknown = [v for v in a.variant_list if v not in KERNEL_VARIANTS]
     if unknown:
@@ -384,22 +392,32 @@ def start_ggufs(a, hf_dir: Path, formats: list) -> dict:
     return started
 
 
-def finish_ggufs(started: dict, deadline: float) -> dict:
-    """{format: GGUF path} of those written; a failure is printed, and its format runs without peers."""
-    done = {}
+def finish_ggufs(started: dict, deadline: float) -> tuple:
+    """({format: GGUF path} of those written, [failure records]): a GGUF not written by the monotonic
+    deadline counts as failed (its writer killed), and its format runs without the peers."""
+    done, failed = {}, []
     for fmt, (path, proc) in started.items():
         if proc is not None:
             try:
                 out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                out, proc.returncode = proc.communicate()[0], -1
+                out, proc.returncode = proc.communicate()[0] + "\nwrite_gguf ran past its time", -1
             if proc.returncode != 0:
-                print(f"[amx_engine] write_gguf {fmt} failed ({proc.returncode}); {fmt} runs without the peers:\n"
-                      f"{(out or '').strip()[-1500:]}", flush=True)
+                error = f"write_gguf {fmt} failed ({proc.returncode}): {(out or '').strip()[-1500:]}"
+                failed.append({"format": fmt, "engine": "write_gguf", "error": error})
+                print(f"[amx_engine] {error}\n[amx_engine] {fmt} runs without the peers", flush=True)
                 continue
         done[fmt] = path
-    return done
+    return done, failed
+
+
+def stop_ggufs(started: dict) -> None:
+    """Kill the writers still running (the measurement ended before their files were waited for)."""
+    for _, proc in started.values():
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def run_peer(bench: Path, gguf: Path, prompt_len: int, threads: int, extra: list, timeout: float) -> tuple:
@@ -480,15 +498,26 @@ def measure(a) -> int:
     if not (hf / a.model / "config.json").is_file():
         run([py, "tools/bench/make_models.py", a.model, "--out", str(hf), "--no-tokenizer"])
     ggufs = start_ggufs(a, hf / a.model, formats)
-    dirs = {}
-    for fmt in formats:
-        d = a.work / f"{a.model}-{fmt}"
-        if not (d / "config.json").is_file():
-            run([py, "-m", "colibri", "convert", "--hf-dir", str(hf / a.model), "--quantize", fmt, "--output-dir", str(d)])
-        dirs[fmt] = d
-    peer_files = finish_ggufs(ggufs, t0 + a.budget_s)
+    try:
+        dirs = {}
+        for fmt in formats:
+            d = a.work / f"{a.model}-{fmt}"
+            if not (d / "config.json").is_file():
+                run([py, "-m", "colibri", "convert", "--hf-dir", str(hf / a.model), "--quantize", fmt, "--output-dir",
+                     str(d)])
+            dirs[fmt] = d
+        # (the files take ~30 s; a writer that hangs must not eat the engine's own runs)
+        peer_files, failed = finish_ggufs(ggufs, min(t0 + a.budget_s / 2, time.monotonic() + 180))
+    finally:
+        stop_ggufs(ggufs)
     print(f"[amx_engine] model ready at {time.monotonic() - t0:.0f} s", flush=True)
-    runs, failed = [], []
+    runs = []
+
+    def save() -> None:
+        (a.out / "amx_engine.json").write_text(json.dumps(
+            {"args": {k: str(v) for k, v in vars(a).items()}, "machine": probe, "runs": runs, "failed": failed},
+            indent=1))
+
     plan = []
     for r in range(a.rounds):
         for fmt in formats:
@@ -521,9 +550,8 @@ def measure(a) -> int:
             runs.append({"round": r, "format": fmt, "threads": th, "engine": engine, "chunk": chunk, "step": step,
                          "prefill_tok_s": speeds[0], "decode_tok_s": speeds[1]})
             print(f"[amx_engine] {what}: prefill {speeds[0]:.1f} tok/s, decode {speeds[1]:.1f}", flush=True)
-        (a.out / "amx_engine.json").write_text(json.dumps(      # after every run: a killed call keeps them
-            {"args": {k: str(v) for k, v in vars(a).items()}, "machine": probe, "runs": runs, "failed": failed},
-            indent=1))
+        save()                               # after every run: a killed call keeps them
+    save()
     peer_table(runs, formats, steps)
     runs = [x for x in runs if x["engine"] == "colibri"]
     print(f"\n| format | threads | chunk | " + " | ".join(f"{s} prefill, decode" for s in steps)

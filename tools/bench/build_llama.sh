@@ -15,10 +15,10 @@
 #                                              # what an AVX2-only host (AMD Zen 3) runs, on a newer one
 #                                              # (compare with Colibri under COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2)
 #   ISA=avx512 bash tools/bench/build_llama.sh # llama-bench only, into llama.cpp-build-avx512: AVX-512 (F, BW,
-#                                              # DQ, VL, CD) with VNNI and BF16, no AVX-VNNI and no AMX (its AMX
-#                                              # path dies with SIGILL on the lent VMs): a portable build that runs
-#                                              # on Zen 4 and Sapphire Rapids alike, carried to the lent AMX machine
-#                                              # (amx_engine.py --peers)
+#                                              # DQ, VL, CD) with VNNI, VBMI and BF16, no AVX-VNNI and no AMX (its
+#                                              # AMX path dies with SIGILL on the lent VMs): a portable build that
+#                                              # runs on Zen 4 and Sapphire Rapids alike, carried to the lent AMX
+#                                              # machine (amx_engine.py --llama-bench)
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${BENCH_CACHE:-/work/bench_cache}"

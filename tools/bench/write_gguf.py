@@ -4,9 +4,9 @@
     python tools/bench/write_gguf.py HF_DIR OUT.gguf [--type bf16|q8_0|q4_0] [--check REF.gguf]
 
 For a machine that has neither torch nor llama.cpp's sources (the lent AMX machine: amx_engine.py
---peers measures the peers there on GGUFs this writes). The tensors are what
+--llama-bench / --ik-bench measure the peers there on GGUFs this writes). The tensors are what
 convert_hf_to_gguf.py (--outtype bf16) and then `llama-quantize --pure` write for the same
-checkpoint, bit for bit:
+checkpoint, bit for bit (the tensors; not their order in the file):
 - llama.cpp's names for its `llama` architecture with merged experts (`blk.N.ffn_gate_exps`:
   [experts, ff, hidden] from the per-expert w1, w2 -> `ffn_down_exps`, w3 -> `ffn_up_exps`);
 - the q and k projections' rows permuted per head ([heads, 2, head_dim / 2] -> [heads, head_dim /
@@ -49,7 +49,8 @@ def permute_heads(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def tensors(ckpt: HFCheckpoint):
-    """(gguf name, f32 values, quantizable) in the converter's order, one at a time."""
+    """(gguf name, f32 values, quantizable), one at a time (a tied checkpoint has no output head:
+    llama.cpp then reads token_embd, as the converter leaves it)."""
     cfg = ckpt.config
     heads, kv_heads, experts = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_local_experts"]
     yield "token_embd.weight", ckpt.f32("model.embed_tokens.weight"), True
@@ -66,7 +67,8 @@ def tensors(ckpt: HFCheckpoint):
         yield b + "attn_q.weight", permute_heads(ckpt.f32(p + "self_attn.q_proj.weight"), heads), True
         yield b + "attn_v.weight", ckpt.f32(p + "self_attn.v_proj.weight"), True
     yield "output_norm.weight", ckpt.f32("model.norm.weight"), False
-    yield "output.weight", ckpt.f32("lm_head.weight"), True
+    if not cfg.get("tie_word_embeddings"):
+        yield "output.weight", ckpt.f32("lm_head.weight"), True
 
 
 def stand_in_vocab(n: int) -> tuple:
@@ -149,12 +151,12 @@ def check(out: Path, ref: Path) -> int:
             print(f"write_gguf --check: {name}: the bytes differ")
             return 1
     skip = ("general.name", "general.basename", "general.size_label", "GGUF.", "tokenizer.")
-    for key, f in b.fields.items():
+    for key in sorted(set(a.fields) | set(b.fields)):
         if key.startswith(skip):
             continue
-        if key not in a.fields or a.fields[key].contents() != f.contents():
-            print(f"write_gguf --check: metadata {key}: {a.fields[key].contents() if key in a.fields else 'missing'} "
-                  f"against {f.contents()}")
+        ours, theirs = (r.fields[key].contents() if key in r.fields else "missing" for r in (a, b))
+        if ours != theirs:
+            print(f"write_gguf --check: metadata {key}: {ours} against {theirs}")
             return 1
     print(f"write_gguf --check: {len(ta)} tensors and the metadata equal {ref}'s")
     return 0
