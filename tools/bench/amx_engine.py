@@ -110,7 +110,7 @@ def sources_hash() -> str:
 # flags, the formats whose tile they change). "default" is the committed build.
 KERNEL_VARIANTS = {
     "default": ([], "int8,bf16"),
-    "int-store1-ahead1": (["-DCB_AMX_STORE_DELAY=1", "-DCB_AMX_LOOKAHEAD=1"], "int8"),
+    "int-store0-ahead4": (["-DCB_AMX_STORE_DELAY=0", "-DCB_AMX_LOOKAHEAD=4"], "int8"),
     "int-store1-ahead2": (["-DCB_AMX_STORE_DELAY=1", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
     "int-store2-ahead2": (["-DCB_AMX_STORE_DELAY=2", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
     "int-store0-ahead2": (["-DCB_AMX_STORE_DELAY=0", "-DCB_AMX_LOOKAHEAD=2"], "int8"),
