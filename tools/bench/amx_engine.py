@@ -71,10 +71,12 @@ path, build/peers.tar.xz, ~7 MB: stripped binaries and the packages, xz):
     build/peers/pylib/{gguf,yaml}                       (site-packages' gguf and PyYAML's .py files)
 
 and the call (timeout_s about 560; all cores only, so that the budget holds two or three rounds
-of every engine rather than one with the slow one-thread runs): `mkdir -p build/peers && tar -xJf
-build/peers.tar.xz -C build/peers && PYTHONUNBUFFERED=1 python3 tools/bench/amx_engine.py
---build-if-needed --out $OUT --threads $(nproc) --llama-bench build/peers/llama.cpp/llama-bench
---ik-bench build/peers/ik_llama.cpp/llama-bench --gguf-path build/peers/pylib`.
+of every engine rather than one with the slow one-thread runs; the archive unpacked by Python, not
+by a tar that may lack xz): `python3 -c "import tarfile;
+tarfile.open('build/peers.tar.xz').extractall('build/peers', filter='data')" && PYTHONUNBUFFERED=1
+python3 tools/bench/amx_engine.py --build-if-needed --out $OUT --threads $(nproc) --llama-bench
+build/peers/llama.cpp/llama-bench --ik-bench build/peers/ik_llama.cpp/llama-bench --gguf-path
+build/peers/pylib`.
 """
 from __future__ import annotations
 
