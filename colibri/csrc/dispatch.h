@@ -603,8 +603,7 @@ static void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads) {
         const cb_matjob *j = &jobs[i];
         const int n = j->n;
         work += (long long)j->rows * j->cols * n;
-        bytes += j->dtype == CB_NL4 ? (long long)cb_nl4_bytes(j->rows, j->cols)
-                                    : (long long)j->rows * (long long)cb_row_stride(j->dtype, j->cols);
+        bytes += (long long)cb_matrix_bytes(j->dtype, j->rows, j->cols);
         int first = 1;                                  /* the first job of this input? */
         for (int p = 0; p < i; p++) first &= jobs[p].acts != j->acts;
         if (!first) continue;
@@ -901,7 +900,7 @@ static int cb_self_test_step(int isa, int step) {
             if ((layout == CB_TRANSPOSED && dtype == CB_MXFP4) || (layout == CB_INTERLEAVED && !quant && dtype != CB_BF16))
                 continue;
             if ((dtype == CB_NL4 || dtype == CB_INT6) && layout != CB_INTERLEAVED) continue;
-            const size_t bytes = dtype == CB_NL4 ? cb_nl4_bytes(R, C) : (size_t)R * cb_row_stride(dtype, C);
+            const size_t bytes = cb_matrix_bytes(dtype, R, C);
             cb_selftest_fill(w, bytes, dtype, layout, R, C, &state);
             static const int token_counts[] = {1, 2, 5, N};   /* decode, the few-token tiles, prompts */
             for (int in = 0; in < (int)(sizeof token_counts / sizeof *token_counts); in++) {

@@ -61,14 +61,13 @@ typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, 
 
 /* Below this many multiply-adds a matvec/matmul runs on one thread: waking the other threads and
  * waiting for them at the barrier costs more (much more when a core is shared with other work)... */
-#ifndef CB_PARALLEL_MIN_WORK
 #define CB_PARALLEL_MIN_WORK (1 << 19)
-#endif
 /* ...unless its weights are this many bytes or more: a decode matvec is a read, and a small one in
  * f32 or bf16 has few multiply-adds for its bytes. A MoE router (Qwen3-MoE's [128, 2048] f32: 1 MB,
- * 262,144 multiply-adds; OLMoE's [64, 2048]) read from memory took one thread 32-39 us, two 25-26 us
- * (Zen 4, tools/bench/small_matvec.c; 17-20 -> 12-13 us for OLMoE's): once per layer and token.
- * A many-core server, each of whose cores reads a small part of its bandwidth, gains more. */
+ * 262,144 multiply-adds; OLMoE's [64, 2048]) read from memory took one thread 37-45 us, two 31-33 us
+ * (Zen 4, tools/bench/small_matvec.c, BENCHMARKS.md; 17-22 -> 14-15.5 us for OLMoE's): once per
+ * layer and token. A many-core server, each of whose cores reads a small part of its bandwidth,
+ * gains more. (#ifndef: small_matvec.c builds without it.) */
 #ifndef CB_PARALLEL_MIN_BYTES
 #define CB_PARALLEL_MIN_BYTES (1 << 18)
 #endif
@@ -257,6 +256,12 @@ static inline size_t cb_group_bytes(int dtype) {
 /* An interleaved nl4 matrix [rows, cols]: its groups, then its f32 row scales [rows] (quant.h). */
 static inline size_t cb_nl4_bytes(int rows, int cols) {
     return (size_t)(rows / CB_TGROUP) * (cols / CB_QBLOCK) * sizeof(cb_igroup_nl4) + (size_t)rows * sizeof(float);
+}
+
+/* Bytes of a [rows, cols] matrix in dtype's storage (nl4's whole interleaved matrix, else rows x
+ * cb_row_stride). */
+static inline size_t cb_matrix_bytes(int dtype, int rows, int cols) {
+    return dtype == CB_NL4 ? cb_nl4_bytes(rows, cols) : (size_t)rows * cb_row_stride(dtype, cols);
 }
 
 static inline const float *cb_nl4_row_scales(const void *w, int rows, int cols) {
