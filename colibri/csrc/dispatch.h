@@ -251,7 +251,7 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
-    t->attend_heads = CB_ATTN_HEADS;
+    t->attend_heads = CB_ATTN_HEADS_WIDE;             /* q8: a KV head's 8 heads at once; f32, f16: 4 a call */
     t->attend_block = cb_attend_block_avx2;
     t->attend_block_heads = CB_ATTN_HEADS;
     t->kv_store = cb_kv_store_avx2;
@@ -721,7 +721,11 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const voi
     (void)parallel;
     if (n == 1) {
         cb_attend_fn attend = cb_kt.attend;
-        const int per = cb_kt.attend_heads, units = cb_attn_units(n_heads, n_kv_heads, per);
+        int per = cb_kt.attend_heads;
+        /* fewer wide units than threads (e.g. 4 KV heads of 8 on 16 threads): units of 4 heads, so
+         * more threads have one (their rows are then read once per 4 heads) */
+        if (parallel && per > CB_ATTN_HEADS && cb_attn_units(n_heads, n_kv_heads, per) < n_threads) per = CB_ATTN_HEADS;
+        const int units = cb_attn_units(n_heads, n_kv_heads, per);
         #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
         for (int u = 0; u < units; u++) {
             int h0, nh, kvh;

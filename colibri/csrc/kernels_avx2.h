@@ -804,34 +804,87 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_
     return _mm256_loadu_ps((const float *)row + i);
 }
 
-/* q8 scores (cb_q8_score's bits) of one key row for NH <= 4 query heads: codes qc [NH][qlen]
- * (cb_q8_query_quantize), m [NH]. The integer sums by vpmaddubsw of |k| and q signed by k (products
- * and pair sums stay within int16: codes are within +-127), then vpmaddwd with ones, 32 codes a
- * step; a last head_dim % 32 in C. */
-CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_row_scores_avx2(float *s, const int8_t *qc, int qlen,
-                                                                 const cb_q8_query *m, const char *krow,
-                                                                 int head_dim, const int NH) {
-    const int8_t *kc = (const int8_t *)(const void *)(krow + CB_KV_Q8_SCALE_BYTES);
+/* q8 scores (cb_q8_score's bits) of two key rows ka, kb (kb == ka for a lone last row) for NH <= 4
+ * query heads, into sc[i][t] and, where `pair`, sc[i][t + 1]: codes qc [NH][qlen]
+ * (cb_q8_query_quantize), m [NH], qs8 [m[0..3].qs, m[0..3].qs] (cb_q8_qs8). The integer sums by
+ * vpmaddubsw of |k| and q signed by k (products and pair sums stay within int16: codes are within
+ * +-127), then vpmaddwd with ones, 32 codes a step; a last head_dim % 32 in C. One hadd tree
+ * gathers both rows' sums for the 4 heads into 8 lanes, whose float part is cb_q8_score_from_sum's
+ * two multiplies on 8 lanes at once. (A row at a time, each row ended in its own tree and 4 scalar
+ * conversions, and GCC hoisted the 16 query vectors out of the rows' loop and spilled the products:
+ * decode's q8 attention ran at ~40 cycles a head and position, the scores half of it.) */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_rows2_scores_avx2(float *const *sc, int t, int pair,
+                                                                   const int8_t *qc, int qlen, const cb_q8_query *m,
+                                                                   __m256 qs8, const char *ka, const char *kb,
+                                                                   int head_dim, const int NH) {
+    const int8_t *ca = (const int8_t *)(const void *)(ka + CB_KV_Q8_SCALE_BYTES);
+    const int8_t *cb = (const int8_t *)(const void *)(kb + CB_KV_Q8_SCALE_BYTES);
+    __asm__("" : "+r"(qc));                            /* the query codes loaded each step (from L1) */
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[4];
-    for (int i = 0; i < NH; i++) acc[i] = _mm256_setzero_si256();
+    __m256i acc_a[4], acc_b[4];
+    for (int i = 0; i < 4; i++) acc_a[i] = acc_b[i] = _mm256_setzero_si256();
     int d = 0;
     for (; d + 32 <= head_dim; d += 32) {
-        const __m256i k = _mm256_loadu_si256((const __m256i *)(const void *)(kc + d)), ka = _mm256_abs_epi8(k);
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(ca + d));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(cb + d));
+        const __m256i aa = _mm256_abs_epi8(a), ab = _mm256_abs_epi8(b);
         for (int i = 0; i < NH; i++) {
             const __m256i qv = _mm256_loadu_si256((const __m256i *)(const void *)(qc + (size_t)i * qlen + d));
-            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ka, _mm256_sign_epi8(qv, k)), ones));
+            acc_a[i] = _mm256_add_epi32(acc_a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aa, _mm256_sign_epi8(qv, a)), ones));
+            acc_b[i] = _mm256_add_epi32(acc_b[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(qv, b)), ones));
+            CB_IN_ORDER(acc_a[i]);                     /* (GCC summed the unrolled steps' products as a */
+            CB_IN_ORDER(acc_b[i]);                     /*  tree, spilling them all) */
         }
     }
-    const float dk = cb_kv_q8_scale(krow);
-    const __m256i z = _mm256_setzero_si256();          /* the 4 heads' sums by one hadd tree */
-    for (int i = NH; i < 4; i++) acc[i] = z;
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
-    int32_t sum[4];
-    _mm_storeu_si128((__m128i *)(void *)sum, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-    for (int i = 0; i < NH; i++) {
-        for (int e = d; e < head_dim; e++) sum[i] += (int32_t)qc[(size_t)i * qlen + e] * kc[e];
-        s[i] = cb_q8_score_from_sum(sum[i], dk, m[i].qs);
+    const __m256i ha = _mm256_hadd_epi32(_mm256_hadd_epi32(acc_a[0], acc_a[1]), _mm256_hadd_epi32(acc_a[2], acc_a[3]));
+    const __m256i hb = _mm256_hadd_epi32(_mm256_hadd_epi32(acc_b[0], acc_b[1]), _mm256_hadd_epi32(acc_b[2], acc_b[3]));
+    __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(ha, hb, 0x20),    /* [row a: heads 0-3, */
+                                    _mm256_permute2x128_si256(ha, hb, 0x31));   /*  row b: heads 0-3] */
+    if (d < head_dim) {
+        int32_t s[8];
+        _mm256_storeu_si256((__m256i *)(void *)s, sums);
+        for (int i = 0; i < NH; i++)
+            for (int e = d; e < head_dim; e++) {
+                s[i] += (int32_t)qc[(size_t)i * qlen + e] * ca[e];
+                s[4 + i] += (int32_t)qc[(size_t)i * qlen + e] * cb[e];
+            }
+        sums = _mm256_loadu_si256((const __m256i *)(const void *)s);
+    }
+    const __m256 dk = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(cb_kv_q8_scale(ka))),
+                                           _mm_set1_ps(cb_kv_q8_scale(kb)), 1);
+    float r[8];
+    _mm256_storeu_ps(r, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), dk), qs8));
+    for (int i = 0; i < NH; i++) sc[i][t] = r[i];
+    if (pair)
+        for (int i = 0; i < NH; i++) sc[i][t + 1] = r[4 + i];
+}
+
+/* The qs8 of cb_q8_rows2_scores_avx2 for heads m[0..NH-1] (the lanes of heads past NH: 0). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_q8_qs8(const cb_q8_query *m, int NH) {
+    float qs[8] = {0};
+    for (int i = 0; i < NH && i < 4; i++) qs[i] = qs[4 + i] = m[i].qs;
+    return _mm256_loadu_ps(qs);
+}
+
+/* q8 scores of positions t0..t1-1 (t counts from the span's first position; row_t0 is t0's cache
+ * row) for NH <= 4 heads, two rows a step; `ahead` > 0: each step prefetches the rows that many
+ * positions on into L1 (the first pass over a block of rows; later heads find them there). */
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_q8_span_scores_avx2(float *const *sc, const int8_t *qc, int qlen, const cb_q8_query *m, const char *kbase,
+                       int t0, int t1, int row_t0, int ring, int head_dim, int ahead, const int NH) {
+    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
+    const __m256 qs8 = cb_q8_qs8(m, NH);
+    for (int t = t0, row = row_t0; t < t1; t += 2) {
+        const int pair = t + 1 < t1, row_b = row + 1 == ring ? 0 : row + 1;
+        if (ahead)
+            for (int r = 0; r < 2; r++) {
+                int p = row + ahead + r;
+                if (p >= ring) p %= ring;
+                for (size_t b = 0; b < rbytes; b += 64) _mm_prefetch(kbase + (size_t)p * rbytes + b, _MM_HINT_T0);
+            }
+        cb_q8_rows2_scores_avx2(sc, t, pair, qc, qlen, m, qs8, kbase + (size_t)row * rbytes,
+                                kbase + (size_t)(pair ? row_b : row) * rbytes, head_dim, NH);
+        row = row_b + 1 == ring ? 0 : row_b + 1;
     }
 }
 
@@ -868,7 +921,15 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float
         const char *a = vbase + (size_t)row * rbytes, *b = vbase + (size_t)rb * rbytes;
         vd[2 * m] = cb_kv_q8_scale(a);
         vd[2 * m + 1] = cb_kv_q8_scale(b);
-        for (int d = 0; d < head_dim; d += 8) {
+        int d = 0;
+        for (; d + 16 <= head_dim; d += 16) {      /* 16 columns: the codes as int16, interleaved a, b */
+            const __m256i a16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(a + CB_KV_Q8_SCALE_BYTES + d)));
+            const __m256i b16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(b + CB_KV_Q8_SCALE_BYTES + d)));
+            const __m256i lo = _mm256_unpacklo_epi16(a16, b16), hi = _mm256_unpackhi_epi16(a16, b16);  /* d 0-3, 8-11 | 4-7, 12-15 */
+            _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d), _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+        if (d < head_dim) {                         /* a last 8 */
             const __m256i ca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(a + CB_KV_Q8_SCALE_BYTES + d)));
             const __m256i cb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(b + CB_KV_Q8_SCALE_BYTES + d)));
             _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d),
@@ -929,7 +990,10 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpass_avx2(float *const *o, co
         for (int c = 0; c < NC; c++) v[c] = _mm256_loadu_si256((const __m256i *)(const void *)(vp + (size_t)m * head_dim + d + 8 * c));
         for (int i = 0; i < NH; i++) {
             const __m256i w = _mm256_set1_epi32(wp[(CB_Q8_VGROUP / 2) * i + m]);
-            for (int c = 0; c < NC; c++) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(v[c], w));
+            for (int c = 0; c < NC; c++) {
+                acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(v[c], w));
+                CB_IN_ORDER(acc[i][c]);                /* in registers: GCC kept two on the stack, and */
+            }                                          /* the loop waited on their store-to-load */
         }
     }
     for (int i = 0; i < NH; i++)
@@ -1032,18 +1096,11 @@ CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, 
 
 /* Scores of positions t0..t1-1 of one query's span (t counts from the span's first position;
  * row_t0 is t0's cache row): sc[i][t] = qh[i] . k_t * scale for the NH heads. */
-/* q8 (cb_q8_score): query codes qc [NH][qlen] and m [NH], a row at a time. */
+/* q8 (cb_q8_score): query codes qc [NH][qlen] and m [NH], two rows a step. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attn_block_scores_q8_avx2(float *const *sc, const int8_t *qc, const cb_q8_query *m, const char *kbase, int t0,
                              int t1, int row_t0, int ring, int head_dim, const int NH) {
-    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
-    const int qlen = cb_q8_qlen(head_dim);
-    for (int t = t0, row = row_t0; t < t1; t++) {
-        float s[4];
-        cb_q8_row_scores_avx2(s, qc, qlen, m, kbase + (size_t)row * rbytes, head_dim, NH);
-        for (int i = 0; i < NH; i++) sc[i][t] = s[i];
-        row = row + 1 == ring ? 0 : row + 1;
-    }
+    cb_q8_span_scores_avx2(sc, qc, cb_q8_qlen(head_dim), m, kbase, t0, t1, row_t0, ring, head_dim, 0, NH);
 }
 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
@@ -1155,21 +1212,6 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
     const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;
     const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;
     const __m256 vscale = _mm256_set1_ps(scale);
-    if (KV == CB_KV_Q8) {                              /* q8: integer sums of codes (cb_q8_score) */
-        const int qlen = cb_q8_qlen(head_dim);
-        int8_t qc[4 * CB_KV_Q8_MAX_HEAD_DIM];
-        cb_q8_query m[4];
-        for (int i = 0; i < NH; i++) cb_q8_query_quantize_avx2(qc + (size_t)i * qlen, &m[i], qh[i], head_dim, scale);
-        for (int t = 0, row = row0; t < n; t++) {
-            int ahead = row + CB_ATTN_PREFETCH;
-            ahead = ahead < ring ? ahead : ahead % ring;
-            for (size_t b = 0; b < rbytes; b += 64) _mm_prefetch(kbase + (size_t)ahead * rbytes + b, _MM_HINT_T0);
-            float s[4];
-            cb_q8_row_scores_avx2(s, qc, qlen, m, kbase + (size_t)row * rbytes, head_dim, NH);
-            for (int i = 0; i < NH; i++) sc[i][t] = s[i];
-            row = row + 1 == ring ? 0 : row + 1;
-        }
-    } else
     /* Scores two key rows at a time: each q load serves both rows and 2 x NH independent FMA chains
      * hide the FMA latency (one row's NH chains of head_dim / 8 did not: 7 FLOP a cycle of 32).
      * Each row's sums are gathered as before — hadd pairs, then the two 128-bit halves — so a
@@ -1203,19 +1245,6 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
                 for (int i = g; i < NH && i < g + 4; i++) sc[i][t + 1] = r[4 + i - g];
         }
         row = row_b + 1 == ring ? 0 : row_b + 1;
-    }
-    if (KV == CB_KV_Q8) {                              /* q8: groups of CB_Q8_VGROUP aligned positions */
-        int32_t vp[CB_Q8_VGROUP / 2 * CB_KV_Q8_MAX_HEAD_DIM];
-        float vd[CB_Q8_VGROUP], inv[4], *o[4];
-        CB_ATTN_EXPS_HEADS(cb_softmax_unnormalized_avx2, sc, n, sinks, h0, NH, inv)
-        for (int i = 0; i < NH; i++) o[i] = out + (size_t)(h0 + i) * head_dim;
-        for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
-            cb_attn_prefetch_rows(vbase, g0 + CB_Q8_VGROUP, g0 + 2 * CB_Q8_VGROUP, ring, rbytes);
-            cb_q8_vpairs_avx2(vp, vd, vbase, g0 % ring, CB_Q8_VGROUP / 2, ring, head_dim);
-            cb_q8_vgroup_avx2(o, (const float *const *)sc, g0 - start, 0, n, vp, vd, head_dim, NH);
-        }
-        cb_q8_scale_outputs(o, inv, head_dim, NH);
-        return;
     }
     CB_ATTN_SOFTMAX_HEADS(cb_softmax_avx2, sc, n, sinks, h0, NH)   /* a sink: one more logit, no value */
     /* The value rows a block at a time (vblock rows, CB_ATTN_VBLOCK_BYTES): each pass over 16 of
@@ -1372,6 +1401,70 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
 #undef CB_PREPARE_AVX2
 }
 
+/* One query's q8 attention (cb_attend_fn) for NH <= CB_ATTN_HEADS_WIDE query heads of a KV head:
+ * integer sums of codes (cb_q8_score), the softmax's exponentials (cb_softmax_unnormalized), the
+ * values in groups of CB_Q8_VGROUP aligned positions (cb_q8_vgroup_avx2), each output times 1 /
+ * its sum. A block of CB_Q8_DECODE_KROWS key rows is scored 4 heads at a time, the first 4
+ * prefetching the rows ahead and the next 4 finding the block in L1, and a group's value rows are
+ * turned into int16 pairs once for all the heads (4 heads a call, one unit of Qwen3-MoE's or
+ * gpt-oss's 8 heads a KV head, converted the value rows twice). Every score and output is the
+ * same sequence of operations whatever NH, so the bits are the prompt's and the other tiers'. */
+#define CB_ATTN_HEADS_WIDE 8
+#define CB_Q8_DECODE_KROWS 64
+
+CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
+cb_attend_q8_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores, int sc_stride,
+                  int h0, int kvh, int head_dim_, int start, int pos, int ring, float scale, const float *sinks,
+                  const int NH, const int HD) {
+    const int head_dim = HD ? HD : head_dim_;          /* a constant where HD is: the loops unroll */
+    const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
+    const int n = pos - start + 1, qlen = cb_q8_qlen(head_dim);
+    const int NA = NH < 4 ? NH : 4, NB = NH - NA;      /* the heads of the first and second 4 */
+    const char *kbase = (const char *)k_cache + (size_t)kvh * ring * rbytes;
+    const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;
+    int8_t qc[CB_ATTN_HEADS_WIDE * CB_KV_Q8_MAX_HEAD_DIM];
+    cb_q8_query m[CB_ATTN_HEADS_WIDE];
+    float *sc[CB_ATTN_HEADS_WIDE], *o[CB_ATTN_HEADS_WIDE], inv[CB_ATTN_HEADS_WIDE];
+    for (int i = 0; i < NH; i++) {
+        sc[i] = scores + (size_t)(h0 + i) * sc_stride;
+        o[i] = out + (size_t)(h0 + i) * head_dim;
+        cb_q8_query_quantize_avx2(qc + (size_t)i * qlen, &m[i], q + (size_t)(h0 + i) * head_dim, head_dim, scale);
+    }
+    for (int t0 = 0, row_t0 = start % ring; t0 < n; t0 += CB_Q8_DECODE_KROWS) {
+        const int t1 = n - t0 > CB_Q8_DECODE_KROWS ? t0 + CB_Q8_DECODE_KROWS : n;
+        cb_q8_span_scores_avx2(sc, qc, qlen, m, kbase, t0, t1, row_t0, ring, head_dim, CB_ATTN_PREFETCH, NA);
+        if (NB)
+            cb_q8_span_scores_avx2(sc + 4, qc + (size_t)4 * qlen, qlen, m + 4, kbase, t0, t1, row_t0, ring, head_dim,
+                                   0, NB);
+        row_t0 = (int)(((int64_t)row_t0 + (t1 - t0)) % ring);
+    }
+    CB_ATTN_EXPS_HEADS(cb_softmax_unnormalized_avx2, sc, n, sinks, h0, NH, inv)
+    int32_t vp[CB_Q8_VGROUP / 2 * CB_KV_Q8_MAX_HEAD_DIM];
+    float vd[CB_Q8_VGROUP];
+    for (int g0 = start - start % CB_Q8_VGROUP; g0 <= pos; g0 += CB_Q8_VGROUP) {
+        cb_attn_prefetch_rows(vbase, g0 + CB_Q8_VGROUP, g0 + 2 * CB_Q8_VGROUP, ring, rbytes);
+        cb_q8_vpairs_avx2(vp, vd, vbase, g0 % ring, CB_Q8_VGROUP / 2, ring, head_dim);
+        cb_q8_vgroup_avx2(o, (const float *const *)sc, g0 - start, 0, n, vp, vd, head_dim, NA);
+        if (NB) cb_q8_vgroup_avx2(o + 4, (const float *const *)sc + 4, g0 - start, 0, n, vp, vd, head_dim, NB);
+    }
+    cb_q8_scale_outputs(o, inv, head_dim, NH);
+}
+
+/* CALL(k, ...) for k = nh query heads, a constant from 1 to 8 (8: more), so each unit size
+ * compiles with its own register tiles: the AVX2 tier's q8 decode and every AVX-512 attention
+ * entry's dispatch. */
+#define CB_SWITCH_HEADS8(nh, CALL, ...)        \
+    switch (nh) {                              \
+    case 1: CALL(1, __VA_ARGS__); break;       \
+    case 2: CALL(2, __VA_ARGS__); break;       \
+    case 3: CALL(3, __VA_ARGS__); break;       \
+    case 4: CALL(4, __VA_ARGS__); break;       \
+    case 5: CALL(5, __VA_ARGS__); break;       \
+    case 6: CALL(6, __VA_ARGS__); break;       \
+    case 7: CALL(7, __VA_ARGS__); break;       \
+    default: CALL(8, __VA_ARGS__); break;      \
+    }
+
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_heads_kv_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
                         int sc_stride, int h0, int nh, int kvh, int head_dim, int start, int pos, int ring,
@@ -1382,20 +1475,32 @@ cb_attend_heads_kv_avx2(float *out, const float *q, const void *k_cache, const v
                            start, pos, ring, scale, sinks, KV == CB_KV_F16 ? cb_dot_f16_avx2 : cb_dot_f32_avx2, KV);
         return;
     }
-#define CB_ATTEND_NH(k, hd) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, \
+    if (KV == CB_KV_Q8) {                              /* up to CB_ATTN_HEADS_WIDE heads at once */
+#define CB_ATTEND_Q8(k, hd) cb_attend_q8_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, start, \
+                                              pos, ring, scale, sinks, k, hd)
+        if (head_dim == 64) CB_SWITCH_HEADS8(nh, CB_ATTEND_Q8, 64)
+        else if (head_dim == 128) CB_SWITCH_HEADS8(nh, CB_ATTEND_Q8, 128)
+        else CB_SWITCH_HEADS8(nh, CB_ATTEND_Q8, 0)
+#undef CB_ATTEND_Q8
+        return;
+    }
+    for (int g = 0; g < nh; g += CB_ATTN_HEADS) {      /* f32, f16: 4 heads a call */
+        const int hg = h0 + g, ng = nh - g < CB_ATTN_HEADS ? nh - g : CB_ATTN_HEADS;
+#define CB_ATTEND_NH(k, hd) cb_attend_group_avx2(out, q, k_cache, v_cache, scores, sc_stride, hg, kvh, \
                                                  head_dim, start, pos, ring, scale, sinks, k, hd, KV)
 #define CB_ATTEND_HD(hd)                  \
-    switch (nh) {                         \
+    switch (ng) {                         \
     case 1: CB_ATTEND_NH(1, hd); break;   \
     case 2: CB_ATTEND_NH(2, hd); break;   \
     case 3: CB_ATTEND_NH(3, hd); break;   \
     default: CB_ATTEND_NH(4, hd); break;  \
     }
-    if (head_dim == 64) CB_ATTEND_HD(64)
-    else if (head_dim == 128) CB_ATTEND_HD(128)
-    else CB_ATTEND_HD(0)
+        if (head_dim == 64) CB_ATTEND_HD(64)
+        else if (head_dim == 128) CB_ATTEND_HD(128)
+        else CB_ATTEND_HD(0)
 #undef CB_ATTEND_HD
 #undef CB_ATTEND_NH
+    }
 }
 
 CB_TARGET_AVX2 static void cb_attend_heads_avx2(float *out, const float *q, const void *k_cache, const void *v_cache,

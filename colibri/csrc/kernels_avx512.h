@@ -720,20 +720,6 @@ cb_attend_qblock_group_avx512(float *out, int ldo, const float *q, int ldq, int 
 #undef CB_VALUES_AVX512
 }
 
-/* CALL(k, ...) for k = nh query heads, a constant from 1 to 8 (8: more), so each unit size
- * compiles with its own register tiles: every AVX-512 attention entry's dispatch. */
-#define CB_SWITCH_HEADS8(nh, CALL, ...)        \
-    switch (nh) {                              \
-    case 1: CALL(1, __VA_ARGS__); break;       \
-    case 2: CALL(2, __VA_ARGS__); break;       \
-    case 3: CALL(3, __VA_ARGS__); break;       \
-    case 4: CALL(4, __VA_ARGS__); break;       \
-    case 5: CALL(5, __VA_ARGS__); break;       \
-    case 6: CALL(6, __VA_ARGS__); break;       \
-    case 7: CALL(7, __VA_ARGS__); break;       \
-    default: CALL(8, __VA_ARGS__); break;      \
-    }
-
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attend_block_kv_avx512(float *out, int ldo, const float *q, int ldq, int nq, const void *k_cache, const void *v_cache,
                           float *scores, int sc_stride, int h0, int nh, int kvh, int head_dim, int pos0, int window,
@@ -781,8 +767,6 @@ CB_TARGET_AVX512 static void cb_attend_block_avx512(float *out, int ldo, const f
  * in the AVX2 kernel's blocks of rows, each prefetching its piece of the next block. Every score
  * and output is the AVX2 tier's sequence of operations (cb_attend_group_avx2), so the bits are
  * that tier's and the prompt's. */
-#define CB_ATTN_HEADS_WIDE 8
-
 CB_TARGET_AVX512 static CB_ALWAYS_INLINE void
 cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores,
                        int sc_stride, int h0, int kvh, int head_dim_, int start, int pos, int ring,
@@ -857,10 +841,8 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
                                                     int start, int pos, int ring, float scale, const float *sinks,
                                                     int kv) {
     if (head_dim % 8 || kv == CB_KV_Q8) {       /* q8 without AVX512-VNNI: the AVX2 tier's integer sums */
-        for (int g = 0; g < nh; g += CB_ATTN_HEADS)
-            cb_attend_heads_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0 + g,
-                                 nh - g < CB_ATTN_HEADS ? nh - g : CB_ATTN_HEADS, kvh, head_dim, start, pos, ring,
-                                 scale, sinks, kv);
+        cb_attend_heads_avx2(out, q, k_cache, v_cache, scores, sc_stride, h0, nh, kvh, head_dim, start, pos, ring,
+                             scale, sinks, kv);
         return;
     }
 #define CB_ATTEND_NH(k, hd, kvt) cb_attend_group_avx512(out, q, k_cache, v_cache, scores, sc_stride, h0, kvh, head_dim, \
