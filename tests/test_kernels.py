@@ -740,7 +740,8 @@ def _q8_attention(q, k, v, start, pos, sinks):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from([8, 12, 16, 24, 64, 128, 136, 200]), st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8)]),
+@given(st.sampled_from([8, 12, 16, 24, 64, 128, 136, 200]),
+       st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8), (8, 1), (16, 2), (7, 1), (18, 2)]),
        st.integers(1, 70), st.integers(0, 2**31 - 1), st.booleans())
 def test_attention_over_a_q8_cache_works_on_the_codes(isa, head_dim, heads, positions, seed, sinks):
     """q8 attention: the query head quantized as a row is stored, each score the exact integer sum

@@ -84,7 +84,8 @@ typedef struct {
     void (*quantize)(cb_act_q8 *a, const float *x, int n);       /* activations for int8/int4 */
     void (*glu)(float *gate, const float *up, int n, int act);   /* the FFN activation (cb_glu) */
     cb_attend_fn attend;            /* one query's attention for a KV head's query heads */
-    int attend_heads;               /* the most query heads attend takes at once */
+    int attend_heads;               /* the most query heads attend takes at once (f32, f16 caches) */
+    int attend_heads_q8;            /* ... over a q8 cache */
     cb_attend_block_fn attend_block;    /* a prompt's block of queries, each exactly as attend */
     int attend_block_heads;         /* the most query heads attend_block takes at once */
     cb_kv_store_fn kv_store;        /* a key or value row into the cache, in its element type */
@@ -229,7 +230,7 @@ static void cb_fill_scalar(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_scalar;
     t->glu = cb_glu_scalar;
     t->attend = cb_attend_heads_scalar;
-    t->attend_heads = CB_ATTN_HEADS;
+    t->attend_heads = t->attend_heads_q8 = CB_ATTN_HEADS;
     t->attend_block = cb_attend_block_scalar;
     t->attend_block_heads = CB_ATTN_HEADS;
     t->kv_store = cb_kv_store_scalar;
@@ -251,7 +252,8 @@ static void cb_fill_avx2(cb_kernel_table *t) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = cb_attend_heads_avx2;
-    t->attend_heads = CB_ATTN_HEADS_WIDE;             /* q8: a KV head's 8 heads at once; f32, f16: 4 a call */
+    t->attend_heads = CB_ATTN_HEADS;
+    t->attend_heads_q8 = CB_ATTN_HEADS_WIDE;           /* a KV head's 8 heads at once (cb_attend_q8_avx2) */
     t->attend_block = cb_attend_block_avx2;
     t->attend_block_heads = CB_ATTN_HEADS;
     t->kv_store = cb_kv_store_avx2;
@@ -286,7 +288,7 @@ static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     t->quantize = cb_quantize_act_avx2;
     t->glu = cb_glu_avx2;
     t->attend = f->avx512_vnni ? cb_attend_heads_avx512vnni : cb_attend_heads_avx512;   /* q8: vpdpbusd */
-    t->attend_heads = CB_ATTN_HEADS_WIDE;
+    t->attend_heads = t->attend_heads_q8 = CB_ATTN_HEADS_WIDE;
     t->attend_block = f->avx512_vnni ? cb_attend_block_avx512vnni : cb_attend_block_avx512;
     t->attend_block_heads = CB_ATTN_HEADS_WIDE;
     t->kv_store = cb_kv_store_avx2;
@@ -680,7 +682,7 @@ static int cb_has_bf16_products(void) { return cb_kt.mat[CB_BF16][CB_ROWS].tile_
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
 /* The attention's units of work: the query heads of each KV head, up to `per` at a time (decode:
- * the tier's cb_kt.attend_heads; a prompt's blocks: cb_kt.attend_block_heads), so a key or value row read once
+ * the tier's cb_kt.attend_heads or attend_heads_q8; a prompt's blocks: cb_kt.attend_block_heads), so a key or value row read once
  * serves that many heads. Unit u covers heads *h0 .. *h0 + *nh - 1 of KV head *kvh. */
 static inline int cb_attn_units(int n_heads, int n_kv_heads, int per) {
     const int group = n_heads / n_kv_heads;
@@ -721,10 +723,12 @@ static void cb_attention(float *out, int ldo, const float *q, int ldq, const voi
     (void)parallel;
     if (n == 1) {
         cb_attend_fn attend = cb_kt.attend;
-        int per = cb_kt.attend_heads;
-        /* fewer wide units than threads (e.g. 4 KV heads of 8 on 16 threads): units of 4 heads, so
-         * more threads have one (their rows are then read once per 4 heads) */
-        if (parallel && per > CB_ATTN_HEADS && cb_attn_units(n_heads, n_kv_heads, per) < n_threads) per = CB_ATTN_HEADS;
+        int per = kv == CB_KV_Q8 ? cb_kt.attend_heads_q8 : cb_kt.attend_heads;
+        /* fewer wide units than threads, and units of 4 heads would give each thread one at most
+         * (4 KV heads of 8 on 8-16 threads): those, so more threads work (each reading its rows) */
+        if (parallel && per > CB_ATTN_HEADS && cb_attn_units(n_heads, n_kv_heads, per) < n_threads
+            && cb_attn_units(n_heads, n_kv_heads, CB_ATTN_HEADS) <= n_threads)
+            per = CB_ATTN_HEADS;
         const int units = cb_attn_units(n_heads, n_kv_heads, per);
         #pragma omp parallel for schedule(static) num_threads(n_threads) if (parallel)
         for (int u = 0; u < units; u++) {

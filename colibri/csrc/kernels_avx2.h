@@ -537,10 +537,15 @@ CB_TARGET_AVX2 static void cb_ttile_avx2_any(float *out, int ldo, const char *w,
 /* A register the compiler must materialise here: GCC otherwise regroups the chain of integer adds
  * of a block (they are associative) into one tree at its end, keeping all 32 products of 4 tokens
  * live and spilling them to the stack (measured: the kernel at 60 % of its speed). */
+/* CB_NO_HOIST(p): the pointer p as the compiler cannot follow it, so loads through it stay where
+ * they are written (GCC hoisted a row loop's 16 invariant query vectors into 16 registers and
+ * spilled the rest of the loop). Neither is needed for the bits, only for the speed. */
 #if defined(__GNUC__)
 #define CB_IN_ORDER(v) __asm__("" : "+x"(v))
+#define CB_NO_HOIST(p) __asm__("" : "+r"(p))
 #else
 #define CB_IN_ORDER(v) ((void)0)
+#define CB_NO_HOIST(p) ((void)0)
 #endif
 
 /* r[c] = dword c of each of r[0..7]: the 8 x 8 transpose of 32-bit elements. */
@@ -703,8 +708,8 @@ CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const cha
 
 /* ---- attention ------------------------------------------------------------------------------
  *
- * cb_attend_fn for up to 4 query heads of one KV head (head_dim a multiple of 8; otherwise head by
- * head with the AVX2 dot): each key row is loaded once for the NH heads (key rows two at a time:
+ * cb_attend_fn for up to 4 query heads of one KV head over an f32 or f16 cache (head_dim a multiple
+ * of 8; otherwise head by head with the AVX2 dot; q8 caches: cb_attend_q8_avx2, up to 8 heads): each key row is loaded once for the NH heads (key rows two at a time:
  * 2 x NH FMA chains, each row's sums gathered by one hadd tree into NH scores), and each value row
  * once per 16 output columns of the NH heads (2 x NH accumulators; per position one broadcast
  * weight per head), in blocks of rows that stay in L1 across those passes. Loops are unrolled for
@@ -806,7 +811,7 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_
 
 /* q8 scores (cb_q8_score's bits) of two key rows ka, kb (kb == ka for a lone last row) for NH <= 4
  * query heads, into sc[i][t] and, where `pair`, sc[i][t + 1]: codes qc [NH][qlen]
- * (cb_q8_query_quantize), m [NH], qs8 [m[0..3].qs, m[0..3].qs] (cb_q8_qs8). The integer sums by
+ * (cb_q8_query_quantize), qs8 [m[0..3].qs, m[0..3].qs] of their cb_q8_query m (cb_q8_qs8). The integer sums by
  * vpmaddubsw of |k| and q signed by k (products and pair sums stay within int16: codes are within
  * +-127), then vpmaddwd with ones, 32 codes a step; a last head_dim % 32 in C. One hadd tree
  * gathers both rows' sums for the 4 heads into 8 lanes, whose float part is cb_q8_score_from_sum's
@@ -814,12 +819,11 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_
  * conversions, and GCC hoisted the 16 query vectors out of the rows' loop and spilled the products:
  * decode's q8 attention ran at ~40 cycles a head and position, the scores half of it.) */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_rows2_scores_avx2(float *const *sc, int t, int pair,
-                                                                   const int8_t *qc, int qlen, const cb_q8_query *m,
-                                                                   __m256 qs8, const char *ka, const char *kb,
+                                                                   const int8_t *qc, int qlen, __m256 qs8, const char *ka, const char *kb,
                                                                    int head_dim, const int NH) {
     const int8_t *ca = (const int8_t *)(const void *)(ka + CB_KV_Q8_SCALE_BYTES);
     const int8_t *cb = (const int8_t *)(const void *)(kb + CB_KV_Q8_SCALE_BYTES);
-    __asm__("" : "+r"(qc));                            /* the query codes loaded each step (from L1) */
+    CB_NO_HOIST(qc);                                   /* the query codes loaded each step (from L1) */
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc_a[4], acc_b[4];
     for (int i = 0; i < 4; i++) acc_a[i] = acc_b[i] = _mm256_setzero_si256();
@@ -882,7 +886,7 @@ cb_q8_span_scores_avx2(float *const *sc, const int8_t *qc, int qlen, const cb_q8
                 if (p >= ring) p %= ring;
                 for (size_t b = 0; b < rbytes; b += 64) _mm_prefetch(kbase + (size_t)p * rbytes + b, _MM_HINT_T0);
             }
-        cb_q8_rows2_scores_avx2(sc, t, pair, qc, qlen, m, qs8, kbase + (size_t)row * rbytes,
+        cb_q8_rows2_scores_avx2(sc, t, pair, qc, qlen, qs8, kbase + (size_t)row * rbytes,
                                 kbase + (size_t)(pair ? row_b : row) * rbytes, head_dim, NH);
         row = row_b + 1 == ring ? 0 : row_b + 1;
     }
@@ -1401,6 +1405,14 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
 #undef CB_PREPARE_AVX2
 }
 
+/* The query heads a unit of decode's attention takes over a q8 cache on this tier and over any
+ * cache on the AVX-512 tier (cb_kernel_table.attend_heads_q8, .attend_heads): a KV head of
+ * Qwen3-MoE or gpt-oss. */
+#define CB_ATTN_HEADS_WIDE 8
+/* Key rows a block of decode's q8 scores: 8.4 KB at head_dim 128, so the second 4 heads find the
+ * block in L1 (up to head_dim ~480). */
+#define CB_Q8_DECODE_KROWS 64
+
 /* One query's q8 attention (cb_attend_fn) for NH <= CB_ATTN_HEADS_WIDE query heads of a KV head:
  * integer sums of codes (cb_q8_score), the softmax's exponentials (cb_softmax_unnormalized), the
  * values in groups of CB_Q8_VGROUP aligned positions (cb_q8_vgroup_avx2), each output times 1 /
@@ -1409,9 +1421,6 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
  * turned into int16 pairs once for all the heads (4 heads a call, one unit of Qwen3-MoE's or
  * gpt-oss's 8 heads a KV head, converted the value rows twice). Every score and output is the
  * same sequence of operations whatever NH, so the bits are the prompt's and the other tiers'. */
-#define CB_ATTN_HEADS_WIDE 8
-#define CB_Q8_DECODE_KROWS 64
-
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_q8_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores, int sc_stride,
                   int h0, int kvh, int head_dim_, int start, int pos, int ring, float scale, const float *sinks,

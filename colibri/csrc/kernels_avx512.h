@@ -958,7 +958,7 @@ cb_q8_scores16_avx512vnni(float *const *sc, int t_at, const __mmask16 *keep, con
     }
 }
 
-/* cb_q8_vpairs_avx2 on 16 columns a step (a last 8 as there). */
+/* cb_q8_vpairs_avx2 on 512-bit vectors, 16 columns a step (a last 8 as there). */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_q8_vpairs_avx512vnni(int32_t *vp, float *vd, const char *vbase,
                                                                           int row, int pairs, int ring, int head_dim) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);

@@ -941,10 +941,12 @@ typedef void (*cb_attend_fn)(float *out, const float *q, const void *k_cache, co
                              int ring, float scale, const float *sinks, int kv);
 typedef void (*cb_kv_store_fn)(void *dst, const float *src, int n, int kv);
 
-/* The attention's query heads per unit of work on the tiers without a wider kernel: decode's
- * (cb_attend_fn's nh, cb_kernel_table.attend_heads) and a prompt block's (cb_attend_block_fn's nh,
- * cb_kernel_table.attend_block_heads). A prompt block's scores have CB_ATTN_BLOCK_HEADS_MAX rows a
- * query whatever the tier takes (the AVX-512 tier: 8, a KV head of Qwen3-MoE or gpt-oss at once). */
+/* The attention's query heads per unit of work where a tier has no wider kernel: decode's
+ * (cb_attend_fn's nh, cb_kernel_table.attend_heads / attend_heads_q8) and a prompt block's
+ * (cb_attend_block_fn's nh, cb_kernel_table.attend_block_heads). The wider kernels take 8
+ * (CB_ATTN_HEADS_WIDE, a KV head of Qwen3-MoE or gpt-oss at once: the AVX-512 tier's, and the AVX2
+ * tier's decode over a q8 cache). A prompt block's scores have CB_ATTN_BLOCK_HEADS_MAX rows a
+ * query whatever the tier takes. */
 #define CB_ATTN_HEADS 4
 #define CB_ATTN_BLOCK_HEADS_MAX 8
 
