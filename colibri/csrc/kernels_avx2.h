@@ -1100,13 +1100,6 @@ CB_TARGET_AVX2 static void cb_kv_store_avx2(void *dst, const float *src, int n, 
 
 /* Scores of positions t0..t1-1 of one query's span (t counts from the span's first position;
  * row_t0 is t0's cache row): sc[i][t] = qh[i] . k_t * scale for the NH heads. */
-/* q8 (cb_q8_score): query codes qc [NH][qlen] and m [NH], two rows a step. */
-CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
-cb_attn_block_scores_q8_avx2(float *const *sc, const int8_t *qc, const cb_q8_query *m, const char *kbase, int t0,
-                             int t1, int row_t0, int ring, int head_dim, const int NH) {
-    cb_q8_span_scores_avx2(sc, qc, cb_q8_qlen(head_dim), m, kbase, t0, t1, row_t0, ring, head_dim, 0, NH);
-}
-
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attn_block_scores_avx2(float *const *sc, const float *const *qh, const char *kbase, int t0, int t1, int row_t0,
                           int ring, int head_dim, __m256 vscale, const int NH, const int R, const int KV) {
@@ -1373,8 +1366,8 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
 #define CB_SCORES_AVX2(j, sc, qh, kb, t0, t1, r0, s0)                                                         \
     do {                                                                                                      \
         if (KV == CB_KV_Q8)                                                                                   \
-            cb_attn_block_scores_q8_avx2(sc, qc + (size_t)CB_ATTN_HEADS * (j) * qlen, m + CB_ATTN_HEADS * (j), kb, \
-                                         t0, t1, r0, ring, head_dim, NH);                                     \
+            cb_q8_span_scores_avx2(sc, qc + (size_t)CB_ATTN_HEADS * (j) * qlen, qlen, m + CB_ATTN_HEADS * (j), kb, \
+                                   t0, t1, r0, ring, head_dim, 0, NH);  /* q8: two rows a step, no prefetch */ \
         else                                                                                                  \
             cb_attn_block_scores_avx2(sc, qh, kb, t0, t1, r0, ring, head_dim, vscale, NH, R, KV);             \
     } while (0)
