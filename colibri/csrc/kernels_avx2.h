@@ -911,11 +911,15 @@ static inline int cb_q8_block_rows(int head_dim) {
     return r > CB_Q8_VGROUP ? r : CB_Q8_VGROUP;
 }
 /* q8 values (cb_attend_head's groups of CB_Q8_VGROUP positions, int16 weights). A group's value
- * rows as int16 pairs: vp [pairs][head_dim] int32, column d of pair m holding the code of the
- * pair's first position in its low half and of its second in the high half (what vpmaddwd and
- * vpdpwssd multiply by a weight pair), vd [2 x pairs] the rows' scales; the rows from cache row
- * `row` on, wrapping (head_dim % 8 == 0). A prompt converts a block's rows once for all its
- * queries and heads. */
+ * rows as int16 pairs: vp [pairs][head_dim] int32, each int32 holding a column's code of the
+ * pair's first position in its low half and of its second in the high half (what vpmaddwd
+ * multiplies by a weight pair), vd [2 x pairs] the rows' scales; the rows from cache row `row` on,
+ * wrapping (head_dim % 8 == 0). A prompt converts a block's rows once for all its queries and
+ * heads. Each 16 columns d.. are stored as the in-lane unpacks leave them, columns d + 0-3, 8-11
+ * then d + 4-7, 12-15, and cb_q8_vpass_avx2 puts its sums back in order (two lane swaps a head
+ * and group there, where putting the pairs in order took two per pair for all heads: on Zen 3
+ * and Skylake the conversion's loop was bound by the shuffle ports, llvm-mca 14: 40 -> 33 and
+ * 49 -> 33 cycles a pair of rows at head_dim 128). A last 8 columns are in order. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float *vd, const char *vbase, int row,
                                                              int pairs, int ring, int head_dim) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
@@ -929,9 +933,8 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float
         for (; d + 16 <= head_dim; d += 16) {      /* 16 columns: the codes as int16, interleaved a, b */
             const __m256i a16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(a + CB_KV_Q8_SCALE_BYTES + d)));
             const __m256i b16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(b + CB_KV_Q8_SCALE_BYTES + d)));
-            const __m256i lo = _mm256_unpacklo_epi16(a16, b16), hi = _mm256_unpackhi_epi16(a16, b16);  /* d 0-3, 8-11 | 4-7, 12-15 */
-            _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d), _mm256_permute2x128_si256(lo, hi, 0x20));
-            _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+            _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d), _mm256_unpacklo_epi16(a16, b16));
+            _mm256_storeu_si256((__m256i *)(void *)(vp + (size_t)m * head_dim + d + 8), _mm256_unpackhi_epi16(a16, b16));
         }
         if (d < head_dim) {                         /* a last 8 */
             const __m256i ca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(a + CB_KV_Q8_SCALE_BYTES + d)));
@@ -982,7 +985,9 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE float cb_q8_weights_avx2(int32_t *wp, con
 }
 
 /* A group's values into o[i] for NH (<= 4) heads, NC 8-column vectors from column d: the integer
- * sums by vpmaddwd over the pairs, then o = fma(sum, g, o) (zero: o from 0, the span's first group). */
+ * sums by vpmaddwd over the pairs, then o = fma(sum, g, o) (zero: o from 0, the span's first group).
+ * NC == 2 reads 16 columns as cb_q8_vpairs_avx2 stores them (lanes swapped back at the end); NC ==
+ * 1 reads 8 in order (its last 8, and the AVX-512 tier's). */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpass_avx2(float *const *o, const int32_t *wp, const float *gs,
                                                             const int32_t *vp, int head_dim, int d, int zero,
                                                             const int NH, const int NC) {
@@ -1000,12 +1005,18 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpass_avx2(float *const *o, co
             }                                          /* the loop waited on their store-to-load */
         }
     }
-    for (int i = 0; i < NH; i++)
+    for (int i = 0; i < NH; i++) {
+        if (NC == 2) {                                 /* columns 0-3, 8-11 | 4-7, 12-15 back in order */
+            const __m256i a = acc[i][0], b = acc[i][1];
+            acc[i][0] = _mm256_permute2x128_si256(a, b, 0x20);
+            acc[i][1] = _mm256_permute2x128_si256(a, b, 0x31);
+        }
         for (int c = 0; c < NC; c++) {
             float *dst = o[i] + d + 8 * c;
             _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][c]), _mm256_set1_ps(gs[i]),
                                                   zero ? _mm256_setzero_ps() : _mm256_loadu_ps(dst)));
         }
+    }
 }
 
 /* A group (positions of t t_first.., pairs vp, scales vd) for NH <= 4 heads: weights, then the

@@ -870,7 +870,7 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
  * reduction (decode's f32 scores spend about a third of their operations gathering lanes). The
  * transpose (64 shuffles per 16 x 64 bytes) is paid once per row and serves every query head
  * reading it: 8 in decode's units, a prompt block's 8 queries x 8 heads.
- * Values: a group's rows as int16 pairs (cb_q8_vpairs_avx2's layout), one vpdpwssd adding two
+ * Values: a group's rows as int16 pairs (as cb_q8_vpairs_avx2's, columns in order), one vpdpwssd adding two
  * positions x 16 columns for a head — against a widening, a conversion and an FMA per position
  * and 16 columns in float; a prompt converts each block once for all its queries and heads.
  * The integer sums are exact and the float steps are the AVX2 tier's (cb_q8_score_from_sum,
@@ -958,7 +958,7 @@ cb_q8_scores16_avx512vnni(float *const *sc, int t_at, const __mmask16 *keep, con
     }
 }
 
-/* cb_q8_vpairs_avx2 on 512-bit vectors, 16 columns a step (a last 8 as there). */
+/* cb_q8_vpairs_avx2's pairs on 512-bit vectors, 16 columns a step, in order (a last 8 as there). */
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_q8_vpairs_avx512vnni(int32_t *vp, float *vd, const char *vbase,
                                                                           int row, int pairs, int ring, int head_dim) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
