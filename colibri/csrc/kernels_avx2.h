@@ -918,7 +918,7 @@ static inline int cb_q8_block_rows(int head_dim) {
  * heads. Each 16 columns d.. are stored as the in-lane unpacks leave them, columns d + 0-3, 8-11
  * then d + 4-7, 12-15, and cb_q8_vpass_avx2 puts its sums back in order (two lane swaps a head
  * and group there, where putting the pairs in order took two per pair for all heads: on Zen 3
- * and Skylake the conversion's loop was bound by the shuffle ports, llvm-mca 14: 40 -> 33 and
+ * and Skylake the conversion's loop was bound by the shuffle ports, llvm-mca 14: 40 -> 32 and
  * 49 -> 33 cycles a pair of rows at head_dim 128). A last 8 columns are in order. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float *vd, const char *vbase, int row,
                                                              int pairs, int ring, int head_dim) {
