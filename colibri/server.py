@@ -19,20 +19,28 @@ prompt) reuse the KV cache through Model.generate's prefix reuse (with N > 1: th
 cache that holds the longest prefix).
 
 Endpoints, in OpenAI's shapes: POST /v1/chat/completions, POST /v1/completions (whole, or
-streamed as `data: {...}` chunks and `data: [DONE]`; `stream_options.include_usage`), GET
-/v1/models, GET /health (503 while the model loads, 200 when ready), GET /metrics (Prometheus
-text). Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not
-JSON or a parameter of the wrong type or range (as OpenAI), 401 for a wrong or missing key
-(compared in constant time), 404 for another model's name, 413 for a body over MAX_BODY_BYTES
-(by Content-Length before reading, else as soon as the streamed body passes it), 422 for a
-well-formed request the model cannot process (the chat template refuses or fails on the
-conversation, the model has no chat template, prompt token ids outside the vocabulary), 503
-(loading, queue full, queue timeout) with Retry-After, and 500 for anything unexpected — logged
-with its traceback on the server, never sent to the client.
-Parameters: messages / prompt, max_tokens (max_completion_tokens), temperature, top_p, top_k,
-min_p, repetition_penalty, presence_penalty, frequency_penalty, stop, seed, logprobs /
-top_logprobs, n = 1, stream, chat_template_kwargs, ignore_eos. Unset sampling values take the checkpoint's
-generation_config.json defaults (as `run` does), then greedy.
+streamed as `data: {...}` chunks and `data: [DONE]`; `stream_options.include_usage`; SSE comment
+lines while a long prompt runs), GET /v1/models and /v1/models/{id}, POST /tokenize and
+/detokenize (llama-server's shapes, vLLM's accepted), GET /health (503 while the model loads and
+warms up, 200 when ready), GET /metrics (Prometheus text). Errors are `{"error": {"message",
+"type", "param", "code"}}`: 400 for a body that is not JSON, a parameter of the wrong type or
+range, an unknown field or one Colibri does not implement (openai_request.py: no field is
+silently ignored), 401 for a wrong or missing key (compared in constant time), 404 for another
+model's name, 413 for a body over MAX_BODY_BYTES (by Content-Length before reading, else as soon
+as the streamed body passes it), 422 for a well-formed request the model cannot process (the chat
+template refuses, fails or outlasts PREPARE_SECONDS on the conversation, the model has no chat
+template, prompt token ids outside the vocabulary), 503 (loading, queue full, queue timeout)
+with Retry-After, and 500 for anything unexpected — logged with its traceback on the server,
+never sent to the client.
+
+A chat reply goes through the reply parser of the model's format (chat.ChatTemplate.reply_stream,
+colibri/replies.py): `reasoning_content`, `content` and `tool_calls`, whole and as deltas, and
+finish_reason "tool_calls". `tool_choice` required / named constrains the reply to a call in the
+family's syntax, auto constrains a call once its opener appears, and `response_format` to JSON
+(colibri/constraint.py, llguidance). A request without a seed gets a fresh one, reported in the
+X-Colibri-Seed header and the body's `seed`. Unset sampling values take the checkpoint's
+generation_config.json defaults (as `run` does), then greedy. Rendering templates and tokenizing
+run on worker threads (PREP_WORKERS), never on the event loop.
 """
 from __future__ import annotations
 
@@ -40,7 +48,9 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
+import importlib.util
 import json
 import logging
 import math
@@ -50,6 +60,8 @@ import threading
 import time
 import uuid
 
+from . import openai_request
+from .apierror import RETRY_AFTER_SECONDS, APIError, Disconnected
 from .errors import ColibriError
 from .names import MAX_PARALLEL
 from .sampling import REPETITION_PENALTY_RANGE
@@ -57,8 +69,13 @@ from .sampling import REPETITION_PENALTY_RANGE
 MAX_STOP_STRINGS = 4                   # OpenAI's limit
 MAX_BODY_BYTES = 16 << 20              # a request body larger than this is refused (413)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16    # OpenAI's legacy completions default
-RETRY_AFTER_SECONDS = 1
 GRACEFUL_SHUTDOWN_SECONDS = 30         # SIGTERM: the running request's time to finish before it is cancelled
+MAX_CHOICES = 8                        # n: generations of one request, run one after another
+KEEPALIVE_SECONDS = 10                 # a stream with no event for this long gets an SSE comment line
+SEED_HEADER = "X-Colibri-Seed"         # the seed a request ran with (its own, or the fresh one drawn for it)
+PREPARE_SECONDS = 30                   # rendering the template and tokenizing a request: its bound
+WARM_UP_TOKENS = 16                    # the warm-up's prompt: one prefill chunk, then a decoded token
+PREP_WORKERS = 4                       # threads that prepare requests (a looping template holds one)
 # apply_chat_template's own keywords: chat_template_kwargs cannot set them (the request's fields do)
 RESERVED_TEMPLATE_KEYWORDS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents",
                                         "continue_final_message"})
@@ -73,25 +90,6 @@ def _need_stack():
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise ColibriError(f"serve needs the server extra ({e.name} is missing): pip install \"colibri[serve]\"") from None
-
-
-class APIError(Exception):
-    """An OpenAI-shaped error response."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = dict(headers or {})
-        if status == 503:
-            self.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-class Disconnected(Exception):
-    """The client went away: nothing more is sent to it."""
 
 
 # ---- request bodies --------------------------------------------------------------------------------
@@ -124,17 +122,36 @@ def _stop_list(body: dict) -> list:
     return [s for s in stops if s]
 
 
-def _text_of(content):
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text_of(content, where: str):
     """A message's content for a text-only model: a string, or the text parts joined."""
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts ({'type': 'text', 'text': ...}) are supported",
+            if not isinstance(part, dict) or part.get("type") not in ("text", "refusal") or \
+                    not isinstance(part.get(part.get("type")), str):
+                raise APIError(400, f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported",
                                param="messages")
-            parts.append(part["text"])
+            parts.append(part[part["type"]])
         return "".join(parts)
     return content
+
+
+def _tool_calls_of(calls, where: str) -> list:
+    """An assistant turn's tool_calls, checked for OpenAI's shape; `arguments` is passed on as
+    sent (a JSON string or an object): the chat template's own normalisation turns it into
+    what the template expects."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where}.tool_calls must be a list", param="messages")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise APIError(400, f"{where}.tool_calls[{j}] must be {{'id', 'type': 'function', 'function': "
+                                f"{{'name', 'arguments'}}}}", param="messages")
+    return calls
 
 
 def _messages(body: dict) -> list:
@@ -144,24 +161,29 @@ def _messages(body: dict) -> list:
         raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
     out = []
     for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+            raise APIError(400, f"{where} must be an object with a string 'role'", param="messages")
+        if msg["role"] not in ROLES:
+            raise APIError(400, f"{where}['role'] must be one of {', '.join(ROLES)}, got {msg['role'][:40]!r}",
+                           param="messages")
         content = msg.get("content")
-        if content is None and not msg.get("tool_calls"):
-            raise APIError(400, f"messages[{i}] has no 'content'", param="messages")
+        calls = msg.get("tool_calls")
+        if calls is not None and msg["role"] != "assistant":
+            raise APIError(400, f"{where}: only assistant messages carry tool_calls", param="messages")
+        if content is None and not calls:
+            raise APIError(400, f"{where} has no 'content'", param="messages")
         if content is not None and not isinstance(content, (str, list)):
-            raise APIError(400, f"messages[{i}]['content'] must be a string or a list of text parts, got "
+            raise APIError(400, f"{where}['content'] must be a string or a list of text parts, got "
                                 f"{json.dumps(content)[:80]}", param="messages")
-        out.append({**msg, "content": _text_of(content)})
+        turn = {**msg, "content": _text_of(content, where)}
+        if calls is not None:
+            turn["tool_calls"] = _tool_calls_of(calls, where)
+        out.append(turn)
     return out
 
 
-def _chat_prompt(m, body: dict) -> list:
-    """The token ids of a chat request's conversation; the template's refusal is a 422."""
-    msgs = _messages(body)
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise APIError(400, "'tools' must be a list of objects (JSON schemas)", param="tools")
+def _template_kwargs(body: dict) -> dict:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
@@ -169,6 +191,31 @@ def _chat_prompt(m, body: dict) -> list:
     if reserved:
         raise APIError(400, f"'chat_template_kwargs' cannot set '{reserved[0]}' (a field of the request or of the "
                             f"server)", param="chat_template_kwargs")
+    return dict(kwargs)
+
+
+def _template_reacts(m, name: str, values: tuple) -> bool:
+    """Whether the model's chat template renders a one-turn conversation differently for these
+    values of keyword `name` (cached on the template: rendering is the only reliable test of what a
+    template reads)."""
+    template = m.chat_template
+    cache = template.__dict__.setdefault("_colibri_reacts", {})
+    if name not in cache:
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            texts = {template.render(probe, add_generation_prompt=True, **{name: v}) for v in values}
+        except ColibriError:
+            texts = set()
+        cache[name] = len(texts) > 1
+    return cache[name]
+
+
+def _chat_prompt(m, body: dict, tools, kwargs: dict) -> list:
+    """The token ids of a chat request's conversation; the template's refusal is a 422."""
+    msgs = _messages(body)
+    if m.chat_template is None:
+        raise APIError(422, f"the model has no chat template; use /v1/completions, or add one with: python -m colibri "
+                            f"tokenizer --model-dir DIR --from HF_DIR", param="messages", code="chat_template_error")
     try:
         return m.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, **kwargs)
     except ColibriError as e:
@@ -200,8 +247,8 @@ def _completion_prompt(m, body: dict) -> list:
 
 
 def sampling_options(body: dict) -> dict:
-    """The Model.generate keywords a request asks for."""
-    out = dict(
+    """The Model.generate keywords a request asks for (the seed: the request's, or a fresh one)."""
+    return dict(
         temperature=_field(body, "temperature", _NUMBER, None, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
         top_p=_field(body, "top_p", _NUMBER, None, lambda v: 0 < v <= 1, "a number in (0, 1]"),
         top_k=_field(body, "top_k", int, None, lambda v: v >= 0, "an integer >= 0"),
@@ -212,13 +259,9 @@ def sampling_options(body: dict) -> dict:
                                   f"a number in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}]"),
         presence_penalty=_field(body, "presence_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         frequency_penalty=_field(body, "frequency_penalty", _NUMBER, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
-        seed=_field(body, "seed", int, 0, lambda v: v >= 0, "a non-negative integer"),
+        seed=openai_request.seed_of(body),
         stop_at_eos=not _field(body, "ignore_eos", bool, False, what="true or false"),   # vLLM's, llama-server's
     )
-    n = _field(body, "n", int, 1, lambda v: v >= 1, "a positive integer")
-    if n != 1:
-        raise APIError(400, "only n = 1 is supported (one generation per request)", param="n")
-    return out
 
 
 # ---- the served model ----------------------------------------------------------------------------------
@@ -239,6 +282,7 @@ class Served:
         self.load_error = None
         self.created = int(time.time())
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
+        self.prep_slots = asyncio.Semaphore(PREP_WORKERS)     # requests being prepared off the event loop
         self.active = 0                        # requests holding a place (at most `parallel`)
         self.waiters = collections.deque()     # futures of the requests waiting for it, in arrival order
         r = self.registry = CollectorRegistry()
@@ -271,6 +315,7 @@ class Served:
                 if m.parallel < self.parallel:
                     raise ColibriError(f"the model was loaded with parallel={m.parallel}; the server was asked for "
                                        f"{self.parallel} places")
+                _warm_up(m)
                 if self.parallel > 1:
                     self.stepper = Stepper(m, self.step_tokens)
                 self.model = m
@@ -361,8 +406,41 @@ class Served:
                 pass
         self.release()
 
+    async def prepare(self, body, chat: bool) -> Job:
+        """_prepare off the event loop, bounded by PREPARE_SECONDS (see off_loop)."""
+        return await self.off_loop(_prepare, self, body, chat)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on a daemon thread of its own, at most PREP_WORKERS at once, answered within
+        PREPARE_SECONDS: a chat template or tokenizer that loops costs that thread (left behind,
+        and killed with the process), never the event loop (/health, the other requests, SIGTERM)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(result, error) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def work() -> None:
+            try:
+                result, error = _contained(fn, *args), None
+            except Exception as e:          # noqa: BLE001 - handed to the request's task
+                result, error = None, e
+            with contextlib.suppress(RuntimeError):          # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(settle, result, error)
+
+        async with self.prep_slots:
+            threading.Thread(target=work, name="colibri-prepare", daemon=True).start()
+            try:
+                return await asyncio.wait_for(asyncio.shield(done), PREPARE_SECONDS)
+            except asyncio.TimeoutError:
+                logger.warning("a request's preparation (chat template, tokenizer) outlasted %s s; its thread is "
+                               "left running", PREPARE_SECONDS)
+                raise APIError(422, f"the request's chat template and tokenizing did not finish within "
+                                    f"{PREPARE_SECONDS} s", code="prepare_timeout") from None
+
     async def on_engine(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, _contained, fn, *args)
 
     async def next_event(self, g, gone: asyncio.Event):
         """The next (text, pick) event of `g`, or None at its end; Disconnected, without asking
@@ -414,11 +492,28 @@ class _Watch:
 
 # ---- one generation ----------------------------------------------------------------------------------
 
-def _prepare(served: Served, body, chat: bool):
-    """(model, prompt ids, generate keywords, stop strings, logprobs n or None, stream, include_usage)."""
+@dataclasses.dataclass
+class Job:
+    """A request, checked and turned into engine work (made off the event loop: rendering a
+    template and tokenizing are the request's own code and time)."""
+    m: object                          # the Model
+    ids: list                          # the prompt's token ids
+    gen: dict                          # Model.generate keywords (sampling, constraint, max_new_tokens, ...)
+    stops: list                        # stop strings
+    logprobs: int | None               # top logprobs per token, None: off
+    stream: bool
+    include_usage: bool
+    n: int                             # choices, each its own generation
+    chat: bool
+    reply: dict | None = None          # chat: how to parse the reply (reply_stream keywords)
+
+
+def _prepare(served: Served, body, chat: bool) -> Job:
+    """The request's Job, or an APIError naming the field at fault."""
     m = served.ready()
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    openai_request.check_fields(body, chat)
     name = _field(body, "model", str, None, what="a string")
     if name is not None and name != served.name:
         raise APIError(404, f"the model '{str(name)[:100]}' does not exist; this server serves '{served.name}'",
@@ -429,9 +524,33 @@ def _prepare(served: Served, body, chat: bool):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
     include_usage = bool(opts.get("include_usage", False))
     gen = sampling_options(body)
+    bias = openai_request.logit_bias_of(body, m.config.vocab_size)
+    if bias:
+        gen["logit_bias"] = bias
     stops = _stop_list(body)
+    n = _field(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
+    reply = None
     if chat:
-        ids = _chat_prompt(m, body)
+        tools, choice, parallel = openai_request.tools_of(body)
+        constraint = openai_request.response_constraint(body)
+        if constraint and choice != "none":
+            raise APIError(400, "'response_format' cannot be combined with tool calls: set tool_choice 'none' or "
+                                "leave out 'tools'", param="response_format")
+        kwargs = _template_kwargs(body)
+        for key, value in openai_request.reasoning_keywords(
+                body, lambda key, values: m.chat_template is not None and _template_reacts(m, key, values)).items():
+            kwargs.setdefault(key, value)          # chat_template_kwargs, the more specific, wins
+        ids = _chat_prompt(m, body, tools, kwargs)
+        template = m.chat_template
+        parse_tools = tools if choice != "none" else None
+        reply = {"tools": parse_tools, "enable_thinking": kwargs.get("enable_thinking"), "parallel_tool_calls": parallel}
+        if choice != "none":
+            grammar = _tool_grammar(template, tools, choice, parallel)
+            if grammar is not None:
+                constraint = {"grammar": grammar}
+        gen.update(constraint)
+        # the reply parser reads the family's markers, which are special tokens in most vocabularies
+        gen["skip_special_tokens"] = _plain_replies(template)
         want = _field(body, "max_completion_tokens", int, None, lambda v: v >= 1, "a positive integer")
         want = _field(body, "max_tokens", int, want, lambda v: v >= 1, "a positive integer")
         if body.get("logprobs") not in (None, False, True):
@@ -441,7 +560,11 @@ def _prepare(served: Served, body, chat: bool):
     else:
         ids = _completion_prompt(m, body)
         if body.get("echo"):
-            raise APIError(400, "'echo' is not supported", param="echo")
+            raise APIError(400, "'echo' is not supported", param="echo", code="unsupported_parameter")
+        best_of = _field(body, "best_of", int, None, lambda v: v >= 1, "a positive integer")
+        if best_of is not None and best_of != n:
+            raise APIError(400, "'best_of' other than n is not supported (no ranking of candidates)", param="best_of",
+                           code="unsupported_parameter")
         want = _field(body, "max_tokens", int, COMPLETIONS_DEFAULT_MAX_TOKENS, lambda v: v >= 1, "a positive integer")
         logprobs = _field(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
     room = m.n_ctx - len(ids)
@@ -453,9 +576,81 @@ def _prepare(served: Served, body, chat: bool):
     elif want > room:
         raise APIError(400, f"max_tokens {want} + the prompt's {len(ids)} tokens exceed the context of {m.n_ctx}",
                        param="max_tokens", code="context_length_exceeded")
-    return m, ids, dict(gen, max_new_tokens=want, logprobs=logprobs), stops, logprobs, stream, include_usage
+    return Job(m, ids, dict(gen, max_new_tokens=want, logprobs=logprobs), stops, logprobs, stream, include_usage, n,
+               chat, reply)
 
 
+def _plain_replies(template) -> bool:
+    """True when the template's replies carry no reasoning or tool markers to parse."""
+    fmt = getattr(template, "reply_format", None)
+    return fmt is None or getattr(fmt, "name", "plain") == "plain"
+
+
+def _tool_grammar(template, tools, choice, parallel: bool):
+    """The constraint on a reply for tool_choice (required / named: a call in the family's syntax;
+    auto: free text, the call constrained once its opener appears), or None where the family
+    has no known call syntax (auto) — for required / named that is a 400."""
+    build = getattr(template, "tool_call_grammar", None)
+    if choice == "auto" and importlib.util.find_spec("llguidance") is None:
+        return None                     # auto works without the constraint: the reply is still parsed
+    grammar = build(tools, choice, parallel_tool_calls=parallel) if build is not None else None
+    if grammar is None and choice != "auto":
+        raise APIError(400, "this model's chat template has no known tool-call syntax: tool_choice "
+                            f"{json.dumps(choice)} cannot be enforced (use 'auto')", param="tool_choice",
+                       code="unsupported_parameter")
+    return grammar
+
+
+def _check_unicode(doc) -> None:
+    """400 for a string that is not Unicode text: JSON's escapes can spell a lone surrogate
+    ("\\ud800"), which no tokenizer, template or UTF-8 response can take."""
+    stack = [(doc, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            values = [value]
+        elif isinstance(value, dict):
+            values = list(value)
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            values = []
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        else:
+            continue
+        for text in values:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                name = where or "the body"
+                raise APIError(400, f"{name[:80]} holds a string that is not valid Unicode (a lone surrogate)",
+                               param=where.split(".")[0].split("[")[0] or None) from None
+
+
+def _contained(fn, *args, **kwargs):
+    """fn(*args), with what native libraries raise outside Exception (the Rust `tokenizers`'
+    PanicException derives from BaseException) turned into an ordinary error: a 500 for this
+    request, never a dead worker or server."""
+    try:
+        return fn(*args, **kwargs)
+    except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:          # noqa: BLE001 - see above
+        raise RuntimeError(f"{type(e).__name__}: {e}") from None
+
+
+def _message(parsed: dict | None, text: str) -> dict:
+    """The assistant message of a whole reply: the parser's (content, reasoning_content,
+    tool_calls), or the text as content."""
+    if parsed is None:
+        return {"role": "assistant", "content": text}
+    out = {"role": "assistant", "content": parsed.get("content")}
+    if parsed.get("reasoning_content"):
+        out["reasoning_content"] = parsed["reasoning_content"]
+    if parsed.get("tool_calls"):
+        out["tool_calls"] = parsed["tool_calls"]
+    elif out["content"] is None:
+        out["content"] = ""
+    return out
 
 
 def _token_text(m, token: int) -> str:
@@ -525,6 +720,15 @@ class Generation:
         if self.record.reused_tokens:
             s.reuse_hits.inc()
             s.reused.inc(self.record.reused_tokens)
+
+
+def _warm_up(m) -> None:
+    """One short prompt and a decoded token before /health says ready: the first request would
+    otherwise pay for the first touches of the weights, the thread pool's start and the
+    kernels' first calls (as llama-server warms up before it listens)."""
+    ids = [(i * 7919) % m.config.vocab_size for i in range(1, WARM_UP_TOKENS + 1)]
+    for _ in m.generate(ids, max_new_tokens=2, reuse_prefix=False, stop_at_eos=False):
+        pass
 
 
 def _warn_parallel_under_budget(m, parallel: int) -> None:
@@ -677,7 +881,7 @@ class Stepper:
 
     def _add(self, g: BatchedGeneration) -> None:
         try:
-            g.seq = self.batch.add(g.ids, stop=g.stops, **g.gen)
+            g.seq = _contained(self.batch.add, g.ids, stop=g.stops, **g.gen)
         except Exception as e:          # noqa: BLE001 - the request reports it (ColibriError: 400)
             g.deliver("error", e)
             return
@@ -687,7 +891,7 @@ class Stepper:
 
     def _step(self) -> None:
         try:
-            events = self.batch.step()
+            events = _contained(self.batch.step)
         except Exception as e:          # noqa: BLE001 - every running request ends with it
             self._fail_all(e)
             return
@@ -783,9 +987,11 @@ def create_app(served: Served):
         except ClientDisconnect:
             raise Disconnected() from None
         try:
-            return json.loads(b"".join(parts))
+            doc = json.loads(b"".join(parts))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
             raise APIError(400, f"the request body is not valid JSON ({str(e)[:100]})") from None
+        _check_unicode(doc)
+        return doc
 
     async def reply(request: Request, send, response) -> None:
         await response(request.scope, request.receive, send)
@@ -807,6 +1013,27 @@ def create_app(served: Served):
         await reply(request, send, JSONResponse({"object": "list", "data": [
             {"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}]}))
 
+    async def model_by_id(request: Request, send):
+        check_key(request)
+        wanted = request.path_params["model_id"]
+        if wanted != served.name:
+            raise APIError(404, f"the model '{wanted[:100]}' does not exist; this server serves '{served.name}'",
+                           param="model", code="model_not_found", kind="not_found_error")
+        await reply(request, send, JSONResponse(
+            {"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}))
+
+    def text_tool(fn):
+        """A route answering fn(model, body) -> doc, run off the event loop: /tokenize (llama-server's
+        {"content", "add_special", "with_pieces"}, vLLM's {"prompt", "add_special_tokens"} or
+        {"messages", "add_generation_prompt"} -> {"tokens", "count", "max_model_len"}) and
+        /detokenize ({"tokens"} -> {"content"}, and vLLM's "prompt")."""
+        async def route(request: Request, send):
+            check_key(request)
+            body = await read_body(request)
+            doc = await served.off_loop(fn, served.ready(), body)
+            await reply(request, send, JSONResponse(doc))
+        return route
+
     async def metrics(request: Request, send):
         served.observe_memory()
         await reply(request, send, Response(generate_latest(served.registry), media_type=CONTENT_TYPE_LATEST))
@@ -816,100 +1043,180 @@ def create_app(served: Served):
         endpoint = "chat" if chat else "completions"
         check_key(request)
         body = await read_body(request)
-        m, ids, gen, stops, logprobs, stream, include_usage = _prepare(served, body, chat)
+        job = await served.prepare(body, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        obj = "chat.completion" if chat else "text_completion"
         watch = _Watch(request.receive)
         try:
-            await served.acquire(watch.gone)
-            g = served.generation(m, ids, gen, stops, arrived)
-            try:                             # from here the place is this request's until finish()
-                try:
-                    await g.begin(watch.gone)
-                except ColibriError as e:
-                    raise APIError(400, str(e)) from None
-                if stream:
-                    return await streamed(g, send, watch.gone, rid, obj, chat, logprobs, include_usage, endpoint)
-                doc = await whole(g, watch.gone, rid, obj, chat, logprobs)
-            finally:
-                served.finish(g)
-                g.account()
+            if job.stream:
+                return await streamed(job, send, watch.gone, rid, endpoint, arrived)
+            doc = await whole(job, watch.gone, rid, arrived)
         finally:
             watch.stop()
-        await reply(request, send, JSONResponse(doc))
+        await reply(request, send, JSONResponse(doc, headers={SEED_HEADER: str(job.gen["seed"])}))
         served.requests.labels(endpoint, "200").inc()
 
-    async def whole(g: Generation, gone, rid, obj, chat, logprobs) -> dict:
-        text, picks = [], []
-        try:
-            while (ev := await served.next_event(g, gone)) is not None:
+    async def run_choice(job: Job, index: int, gone, arrived: float, on_event, wait=None):
+        """Generation `index` of the job (its seed: the job's + index) on a place of the engine:
+        `await on_event(piece, pick)` for each event; returns the Generation, finished. `wait`
+        (streams) replaces the plain wait for the next event (to send keep-alives meanwhile)."""
+        gen = dict(job.gen, seed=(job.gen["seed"] + index) % (1 << 63))
+        await served.acquire(gone)
+        g = served.generation(job.m, job.ids, gen, job.stops, arrived)
+        try:                             # from here the place is this request's until finish()
+            try:
+                await g.begin(gone)
+            except ColibriError as e:
+                raise APIError(400, str(e)) from None
+            while (ev := await (wait or served.next_event)(g, gone)) is not None:
                 piece, pick = ev
-                text.append(piece)
                 if pick is not None:
                     g.note_token()
-                    picks.append(pick)
-        except ColibriError as e:
-            raise APIError(500, str(e), kind="server_error") from None
-        content = "".join(text)
-        choice = {"index": 0, "finish_reason": g.record.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-            choice["logprobs"] = None if logprobs is None else {"content": [_chat_logprob(g.m, p, logprobs) for p in picks]}
-        else:
-            choice["text"] = content
-            choice["logprobs"] = None if logprobs is None else _completion_logprobs(g.m, picks, logprobs)
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": served.name,
-                "choices": [choice], "usage": g.usage()}
+                await on_event(piece, pick)
+        finally:
+            served.finish(g)
+            g.account()
+        return g
 
-    async def streamed(g: Generation, send, gone, rid, obj, chat, logprobs, include_usage, endpoint) -> None:
-        """Server-sent events, one per token; the client's disconnect ends the loop before the
-        engine is asked for another token (the caller's finally then frees the engine)."""
+    def reply_parser(job: Job):
+        """The reply stream of a chat job's model format, or None (text is content as it is)."""
+        if not job.chat or job.gen.get("skip_special_tokens", True):
+            return None
+        return job.m.chat_template.reply_stream(**job.reply)
+
+    def usage(job: Job, runs: list) -> dict:
+        done = sum(len(g.record.tokens) for g in runs if g.record is not None)
+        cached = runs[0].record.reused_tokens if runs and runs[0].record is not None else 0
+        return {"prompt_tokens": len(job.ids), "completion_tokens": done, "total_tokens": len(job.ids) + done,
+                "prompt_tokens_details": {"cached_tokens": int(cached or 0)}}
+
+    def finish_reason(g, parser) -> str:
+        reason = g.record.finish_reason if g.record is not None else "stop"
+        if parser is not None and parser.has_tool_calls and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    async def whole(job: Job, gone, rid, arrived: float) -> dict:
+        choices, runs = [], []
+        for index in range(job.n):
+            text, picks = [], []
+            parser = reply_parser(job)
+
+            async def on_event(piece, pick):
+                text.append(piece)
+                if parser is not None and piece:
+                    parser.push(piece)
+                if pick is not None:
+                    picks.append(pick)
+            try:
+                g = await run_choice(job, index, gone, arrived, on_event)
+                if parser is not None:
+                    parser.finish()
+            except ColibriError as e:
+                raise APIError(500, str(e), kind="server_error") from None
+            runs.append(g)
+            choice = {"index": index, "finish_reason": finish_reason(g, parser)}
+            if job.chat:
+                choice["message"] = _message(parser.message if parser is not None else None, "".join(text))
+                choice["logprobs"] = None if job.logprobs is None else \
+                    {"content": [_chat_logprob(job.m, p, job.logprobs) for p in picks]}
+            else:
+                choice["text"] = "".join(text)
+                choice["logprobs"] = None if job.logprobs is None else _completion_logprobs(job.m, picks, job.logprobs)
+            choices.append(choice)
+        return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
+                "model": served.name, "choices": choices, "usage": usage(job, runs), "seed": job.gen["seed"]}
+
+    async def streamed(job: Job, send, gone, rid, endpoint, arrived: float) -> None:
+        """Server-sent events, one or more per token; the client's disconnect ends the loop before
+        the engine is asked for another token (run_choice's finally then frees the engine).
+        While no event comes (a long prompt), a comment line every KEEPALIVE_SECONDS keeps
+        proxies and clients from timing the connection out."""
         created = int(time.time())
+        chat = job.chat
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
+        started = False
+
+        async def start() -> None:
+            """The headers go out with the first event: until then (the queue, the checks of the
+            first generation) an error is still a plain HTTP error response."""
+            nonlocal started
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                        (b"cache-control", b"no-cache"),
+                                        (SEED_HEADER.encode(), str(job.gen["seed"]).encode())]})
+
         async def emit(doc) -> None:
+            await start()
             text = "data: [DONE]\n\n" if doc is None else f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
             await send({"type": "http.response.body", "body": text.encode("utf-8"), "more_body": True})
 
-        def event(choice, usage=None):
+        def event(choice, usage_doc=None):
             doc = {"id": rid, "object": chunk_obj, "created": created, "model": served.name,
                    "choices": [choice] if choice is not None else []}
-            if include_usage:
-                doc["usage"] = usage
+            if job.include_usage:
+                doc["usage"] = usage_doc
             return doc
 
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache")]})
-        outcome = "200"
+        async def wait(g, gone):
+            step = asyncio.ensure_future(served.next_event(g, gone))
+            while True:
+                done, _ = await asyncio.wait((step,), timeout=KEEPALIVE_SECONDS)
+                if done:
+                    return step.result()
+                await start()
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+
+        outcome, runs = "200", []
         try:
-            if chat:
-                await emit(event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}))
-            while (ev := await served.next_event(g, gone)) is not None:
-                piece, pick = ev
-                if pick is not None:
-                    g.note_token()
-                if not piece and (logprobs is None or pick is None):
-                    continue
-                lp = None
-                if logprobs is not None and pick is not None:
-                    lp = {"content": [_chat_logprob(g.m, pick, logprobs)]} if chat else \
-                        _completion_logprobs(g.m, [pick], logprobs)
-                choice = ({"index": 0, "delta": {"content": piece}, "logprobs": lp, "finish_reason": None} if chat
-                          else {"index": 0, "text": piece, "logprobs": lp, "finish_reason": None})
-                await emit(event(choice))
-            last = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": g.record.finish_reason} if chat
-                    else {"index": 0, "text": "", "logprobs": None, "finish_reason": g.record.finish_reason})
-            await emit(event(last))
-            if include_usage:
-                await emit(event(None, g.usage()))
+            for index in range(job.n):
+                parser = reply_parser(job)
+                opened = []              # the choice's first chunk (its role) is out
+
+                async def open_choice(index=index, opened=opened):
+                    if chat and not opened:
+                        opened.append(True)
+                        await emit(event({"index": index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}))
+
+                async def on_event(piece, pick, index=index, parser=parser, open_choice=open_choice):
+                    await open_choice()
+                    lp = None
+                    if job.logprobs is not None and pick is not None:
+                        lp = {"content": [_chat_logprob(job.m, pick, job.logprobs)]} if chat else \
+                            _completion_logprobs(job.m, [pick], job.logprobs)
+                    if not chat:
+                        if piece or lp is not None:
+                            await emit(event({"index": index, "text": piece, "logprobs": lp, "finish_reason": None}))
+                        return
+                    deltas = (parser.push(piece) if piece else []) if parser is not None else \
+                        ([{"content": piece}] if piece else [])
+                    if not deltas and lp is not None:
+                        deltas = [{}]
+                    for delta in deltas:
+                        await emit(event({"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}))
+                        lp = None
+                g = await run_choice(job, index, gone, arrived, on_event, wait)
+                runs.append(g)
+                await open_choice()
+                if parser is not None:
+                    for delta in parser.finish():
+                        await emit(event({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
+                reason = finish_reason(g, parser)
+                await emit(event({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason} if chat
+                                 else {"index": index, "text": "", "logprobs": None, "finish_reason": reason}))
+            if job.include_usage:
+                await emit(event(None, usage(job, runs)))
         except Disconnected:
             raise
         except Exception as e:           # noqa: BLE001 - the headers are out: the error is the last event
+            if not started:
+                raise                    # still a plain HTTP error (the Endpoint answers it)
             outcome = "500"
-            if isinstance(e, ColibriError):
-                err = APIError(500, str(e), kind="server_error")
+            if isinstance(e, (ColibriError, APIError)):
+                err = e if isinstance(e, APIError) else APIError(500, str(e), kind="server_error")
             else:
                 logger.error("%s failed mid-stream", endpoint, exc_info=e)
                 err = _internal(e)
@@ -944,11 +1251,68 @@ def create_app(served: Served):
     app = Starlette(routes=[
         Route("/health", Endpoint("health", health), methods=["GET"]),
         Route("/v1/models", Endpoint("models", models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", Endpoint("models", model_by_id), methods=["GET"]),
+        Route("/tokenize", Endpoint("tokenize", text_tool(_tokenize)), methods=["POST"]),
+        Route("/detokenize", Endpoint("detokenize", text_tool(_detokenize)), methods=["POST"]),
         Route("/metrics", Endpoint("metrics", metrics), methods=["GET"]),
         Route("/v1/chat/completions", Endpoint("chat", chat_completions), methods=["POST"]),
         Route("/v1/completions", Endpoint("completions", completions), methods=["POST"]),
     ], lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
     return app
+
+
+TOKENIZE_FIELDS = frozenset({"content", "prompt", "messages", "add_special", "add_special_tokens", "with_pieces",
+                             "add_generation_prompt", "model", "tools", "chat_template_kwargs"})
+
+
+def _tokenize(m, body) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - TOKENIZE_FIELDS)
+    if unknown:
+        raise APIError(400, f"unknown field '{unknown[0][:64]}'", param=unknown[0][:64], code="unknown_parameter")
+    given = [k for k in ("content", "prompt", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise APIError(400, "give exactly one of 'content' (text), 'prompt' (text) or 'messages' (a conversation)")
+    with_pieces = _field(body, "with_pieces", bool, False, what="true or false")
+    if given[0] == "messages":
+        tools = openai_request.tools_of({"tools": body.get("tools")})[0]
+        add = _field(body, "add_generation_prompt", bool, True, what="true or false")
+        if m.chat_template is None:
+            raise APIError(422, "the model has no chat template", param="messages", code="chat_template_error")
+        try:
+            ids = m.apply_chat_template(_messages(body), add_generation_prompt=add, tools=tools, **_template_kwargs(body))
+        except ColibriError as e:
+            raise APIError(422, str(e), param="messages", code="chat_template_error") from None
+    else:
+        text = body[given[0]]
+        if not isinstance(text, str):
+            raise APIError(400, f"'{given[0]}' must be a string", param=given[0])
+        # llama-server adds no special tokens unless asked; vLLM adds them unless told not to
+        add = _field(body, "add_special", bool, given[0] == "prompt", what="true or false")
+        add = _field(body, "add_special_tokens", bool, add, what="true or false")
+        try:
+            ids = m.encode(text, add_special_tokens=add)
+        except ColibriError as e:
+            raise APIError(400, str(e), param=given[0]) from None
+    tokens = [{"id": t, "piece": _token_text(m, t)} for t in ids] if with_pieces else list(ids)
+    return {"tokens": tokens, "count": len(ids), "max_model_len": m.n_ctx}
+
+
+def _detokenize(m, body) -> dict:
+    if not isinstance(body, dict) or set(body) - {"tokens", "model"}:
+        raise APIError(400, "the body must be {'tokens': [token ids]}", param="tokens")
+    ids = body.get("tokens")
+    vocab = m.config.vocab_size
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {str(bad)[:30]} is outside the model's vocabulary [0, {vocab})", param="tokens")
+    if m.tokenizer is None:
+        raise APIError(422, "the model has no tokenizer", param="tokens")
+    text = m.tokenizer.decode(ids)
+    return {"content": text, "prompt": text}
 
 
 def _internal(e: Exception) -> APIError:
