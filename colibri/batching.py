@@ -16,9 +16,9 @@ So a long prompt does not stall the others' tokens: they come every step, and a 
 about a pass over `step_tokens` tokens (vLLM's chunked prefill; llama-server runs a whole prompt
 batch at once). A sequence whose prompt completes samples its first token from that step's
 logits (the head runs only for the tokens whose logits are used). Each sequence samples with its
-own Sampler and stops at its own EOS, length or stop string, so its tokens are those generate()
-gives for it alone: no kernel's arithmetic depends on the tokens beside it (tests/test_batching.py
-holds the logits to the same bits). A step returns its events, (sequence, token, pick, text).
+own Sampler (and constraint: json_schema, grammar, ...) and stops at its own EOS, length or
+stop string, so its tokens are those generate() gives for it alone: no kernel's arithmetic
+depends on the tokens beside it (tests/test_batching.py holds the logits to the same bits). A step returns its events, (sequence, token, pick, text).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Sequence:
         pick = self.sampler.pick(logits)
         self.record.tokens.append(pick.token)
         self.record.picks.append(pick)
-        if pick.token in self.eos:
+        if pick.token in self.eos or self.sampler.finished:      # finished: its constraint's EOS
             self.record.finish_reason = "stop"
             self.done = True
         elif len(self.record.tokens) >= self.max_new_tokens:
@@ -93,10 +93,12 @@ class Batch:
         return len(self._free) - len(self._waiting)
 
     def add(self, ids, max_new_tokens: int = 64, *, stop=None, skip_special_tokens: bool = True,
-            temperature=None, top_k=None, top_p=None, seed: int = 0, stop_at_eos: bool = True, min_p=None,
+            temperature=None, top_k=None, top_p=None, seed: int | None = 0, stop_at_eos: bool = True, min_p=None,
             repetition_penalty=None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-            logprobs=None) -> Sequence:
-        """A new sequence for prompt `ids` (token ids), with generate()'s settings and checks and
+            logprobs=None, json_schema=None, grammar=None, regex=None, json_object: bool = False,
+            logit_bias=None) -> Sequence:
+        """A new sequence for prompt `ids` (token ids), with generate()'s settings and checks
+        (seed=None and at most one of json_schema / json_object / grammar / regex included) and
         stream_tokens()' stop strings; it starts at the next step(). ColibriError when all
         `model.parallel` places are taken (see `room`)."""
         self._check_open()
@@ -106,7 +108,8 @@ class Batch:
         prompt, sampler, eos, record = m._prepare_generation(
             ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop_at_eos=stop_at_eos, min_p=min_p, repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logprobs=logprobs)
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logprobs=logprobs,
+            json_schema=json_schema, grammar=grammar, regex=regex, json_object=json_object, logit_bias=logit_bias)
         stops = m._stop_strings(stop)
         if stops.stops:
             m._need_tokenizer()

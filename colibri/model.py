@@ -11,6 +11,9 @@ One Model has one KV cache, so one generation at a time: a second concurrent cal
 with a clear error rather than interleaved into the same cache. A Model loaded with `parallel=N`
 holds N sequences side by side in that cache; a colibri.batching.Batch decodes them together,
 one engine step (every weight read once) for a token of each.
+
+Constrained decoding (generate(json_schema= | json_object= | grammar= | regex=), colibri.constraint)
+masks the logits of each pick; its vocabulary is built once per Model, at the first such call.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 
 import numpy as np
 
+from . import constraint as _constraint
 from .errors import ColibriError
 from .names import BF16_PRODUCTS, KV_CACHE_TYPES, MAX_PARALLEL
 from . import _os
@@ -197,6 +201,8 @@ class Model:
         self.stop_token_ids = text.stop_token_ids(cfg.eos_token_id)
         self.unlisted_text_files = unlisted(self._dir.root, self._dir.files)   # present but not in the table
         self.last_generation = None
+        self._constraint_vocab = None              # constraint.Vocabulary, built at the first constrained call
+        self._constraint_vocab_lock = threading.Lock()
         # the KV cache: per sequence, the ids whose keys and values it holds at positions 0.. (for
         # prefix reuse); sliding-window rings allow a rewind of at most ring - window positions (None: any)
         self._kv_tokens = [[] for _ in range(parallel)]
@@ -220,30 +226,42 @@ class Model:
         return out
 
     def generate(self, ids, max_new_tokens: int = 64, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, on_step=None,
+                 top_p: float | None = None, seed: int | None = 0, stop_at_eos: bool = True, on_step=None,
                  min_p: float | None = None, repetition_penalty: float | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
-                 reuse_prefix: bool = True):
+                 reuse_prefix: bool = True, *, json_schema=None, grammar: str | None = None, regex: str | None = None,
+                 json_object: bool = False, logit_bias: dict | None = None):
         """Yield up to `max_new_tokens` new token ids after the prompt `ids`.
 
         Sampling settings left None take the checkpoint's generation_config.json defaults, then
         greedy (colibri.generation); `self.last_generation` says which were used and, with
         `logprobs` (0..20), holds each token's log-probability and the top alternatives.
-        Stops early at the model's EOS token(s) (config.json's and generation_config.json's)
-        unless stop_at_eos is False (the EOS token itself is yielded). With reuse_prefix the KV
-        cache keeps what it holds of the longest common prefix with the previous call and only
-        the rest of the prompt is run. `on_step(model)` is called after each engine step (used by
-        --verbose to read the routing decisions).
+        seed=None draws a random seed, kept in `self.last_generation.sampler.seed` (passing it
+        back gives the same tokens). Stops early at the model's EOS token(s) (config.json's and
+        generation_config.json's) unless stop_at_eos is False (the EOS token itself is yielded).
+        With reuse_prefix the KV cache keeps what it holds of the longest common prefix with the
+        previous call and only the rest of the prompt is run. `on_step(model)` is called after
+        each engine step (used by --verbose to read the routing decisions).
+
+        At most one constraint (colibri.constraint; needs `pip install llguidance` and a
+        tokenizer): json_schema (a dict or its JSON text), json_object=True (any JSON object),
+        grammar (a Lark grammar, llguidance's dialect) or regex. Each token is picked among those
+        the constraint allows; once it is complete only the EOS tokens are, and the EOS that
+        follows ends the generation even with stop_at_eos=False. A schema or grammar llguidance
+        refuses is a ColibriError here, before any token. logit_bias {token id: bias in
+        [-100, 100]} is added to those logits before sampling (OpenAI's logit_bias).
         """
         tokens, sampler, eos, record = self._prepare_generation(
             ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
             min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logprobs=logprobs)
+            frequency_penalty=frequency_penalty, logprobs=logprobs, json_schema=json_schema, grammar=grammar,
+            regex=regex, json_object=json_object, logit_bias=logit_bias)
         self.last_generation = record
         return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix))
 
     def _prepare_generation(self, ids, max_new_tokens, *, temperature, top_k, top_p, seed, stop_at_eos, min_p,
-                            repetition_penalty, presence_penalty, frequency_penalty, logprobs) -> tuple:
+                            repetition_penalty, presence_penalty, frequency_penalty, logprobs, json_schema=None,
+                            grammar=None, regex=None, json_object=False, logit_bias=None) -> tuple:
         """generate()'s checks and settings: (prompt int32 [T], Sampler, EOS ids, GenerationRecord)."""
         tokens = self._check_ids(ids, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -254,10 +272,25 @@ class Model:
         settings, taken = self.generation_defaults.resolve(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
         sampler = Sampler(**settings, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                          seed=seed, logprobs=logprobs)
+                          seed=seed, logprobs=logprobs, logit_bias=logit_bias)
+        # the sampling settings are checked first (cheap); then the constraint is compiled and attached
+        sampler.constraint = self._constraint(json_schema=json_schema, json_object=json_object, grammar=grammar,
+                                              regex=regex)
         eos = set(self.stop_token_ids) if stop_at_eos else set()
         record = GenerationRecord(prompt_tokens=len(tokens), sampler=sampler, from_generation_config=taken)
         return tokens, sampler, eos, record
+
+    def _constraint(self, **given):
+        """A constraint.Constraint for generate()'s json_schema / json_object / grammar / regex, or
+        None when none is given; the vocabulary is built once per Model."""
+        spec = _constraint.requested(**given)
+        if spec is None:
+            return None
+        with self._constraint_vocab_lock:
+            if self._constraint_vocab is None:
+                self._constraint_vocab = _constraint.Vocabulary(self._need_tokenizer(), self.config.vocab_size,
+                                                                self.stop_token_ids)
+        return _constraint.Constraint(self._constraint_vocab, **spec)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         """Token ids of `text` (transformers' semantics: BOS/EOS where the tokenizer adds them)."""
@@ -268,7 +301,8 @@ class Model:
         """An iterator of the generated text in pieces that never split a character; their
         concatenation is the decode of the generated ids (cut before the first of the `stop`
         strings, if any). `prompt`: text, or a list of token ids. Other keywords as for
-        generate(); its checks run here, before the first piece is asked for."""
+        generate() (json_schema, grammar, regex, json_object, seed=None included); its checks
+        run here, before the first piece is asked for."""
         events = self.stream_tokens(prompt, max_new_tokens, stop=stop, skip_special_tokens=skip_special_tokens,
                                     add_special_tokens=add_special_tokens, **generate_kwargs)
         return (text for text, _ in events if text)
@@ -308,7 +342,9 @@ class Model:
 
     def complete(self, text, max_new_tokens: int = 64, stream: bool = False, **kwargs):
         """The continuation of `text` (a str, or token ids) as text; with stream=True an iterator
-        of text pieces (see stream())."""
+        of text pieces (see stream()). Keywords as for generate(): e.g. json_schema=SCHEMA gives
+        text that json.loads and the schema accept (unless max_new_tokens cuts it short:
+        `last_generation.finish_reason` is then "length")."""
         pieces = self.stream(text, max_new_tokens, **kwargs)
         return pieces if stream else "".join(pieces)
 
@@ -331,7 +367,8 @@ class Model:
              **kwargs):
         """The assistant's reply to a conversation (a str; with stream=True an iterator of text
         pieces). The conversation's tokens that the KV cache already holds (the earlier turns)
-        are not run again."""
+        are not run again. Keywords as for generate() (json_schema, grammar, regex, json_object,
+        seed, ...)."""
         ids = self.apply_chat_template(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
         return self.complete(ids, max_new_tokens, stream=stream, **kwargs)
 
@@ -580,10 +617,11 @@ class Model:
                 token = pick.token
                 record.tokens.append(token)
                 record.picks.append(pick)
-                if token in eos:
+                ended = token in eos or sampler.finished       # finished: the constraint's EOS
+                if ended:
                     record.finish_reason = "stop"
                 yield token
-                if token in eos or i == max_new_tokens - 1:
+                if ended or i == max_new_tokens - 1:
                     break
                 step[0] = token
                 t = time.perf_counter()

@@ -9,10 +9,11 @@ here sorts the whole vocabulary when it can be avoided.
     p = s.pick(logits)               # Pick(token, logprob, top); records the token in the history
     token = s(logits)                # the same, token id only
 
-Sampler(temperature, top_k, top_p, seed) positionally, as before; min_p, the penalties and
-logprobs are keyword-only. describe() is one line of the non-default settings ("greedy" ...).
+Sampler(temperature, top_k, top_p, seed) positionally, as before; min_p, the penalties,
+logprobs and constraint are keyword-only. describe() is one line of the non-default settings
+("greedy" ...).
 
-Order of operations (as transformers' generate does)
+Order of operations (as transformers' generate does; 2b is Colibri's)
     1. repetition_penalty (transformers' RepetitionPenaltyLogitsProcessor): for every distinct
        token id in prompt + generated so far, a logit > 0 is divided by the penalty, a logit <= 0
        multiplied by it. 1 = off; any finite value > 0.
@@ -20,6 +21,14 @@ Order of operations (as transformers' generate does)
        as vLLM does): logit[j] -= presence * (count[j] > 0) + frequency * count[j]. Each in
        [-2, 2]; 0 = off. The amount is computed in float64 and the result stored in the logits'
        dtype (float32 from the engine). Steps 1-2 touch only the ids in the history.
+    2a. logit_bias ({token id: bias in [-100, 100]}, OpenAI's): added to those logits (in the
+       penalised copy), after the penalties.
+    2b. constraint (colibri.constraint.Constraint; None = off): every token its grammar does not
+       allow next becomes -inf (in a scratch copy: the caller's logits are never written), so
+       greedy is the argmax over the allowed tokens and sampling draws from the distribution
+       renormalised over them; the chosen token is then consumed by the constraint. Only the
+       stop tokens are allowed once the grammar is complete; `finished` turns true when one of
+       them is chosen. A position where the grammar allows no token is a ColibriError.
     3. temperature: z = (logit - max logit) / temperature, in float64. Temperature 0 is greedy:
        the argmax of the penalised logits, lowest id on ties; steps 3-7 are skipped, the random
        generator is not advanced.
@@ -47,12 +56,14 @@ temporaries live in scratch arrays kept by the Sampler (a fresh 2 MB array per t
 faults, ~2 ms at 262,144), so one Sampler serves one generation at a time, not several threads.
 
 Logprobs (logprobs = n in 0..20; None = off): the natural log of p(token) under the model's own
-distribution, log_softmax of the raw logits (before penalties, temperature and truncation, as
-vLLM and OpenAI report), in float64; `top` lists the n most likely tokens of that distribution,
-most likely first, ties by lower id.
+distribution, log_softmax of the raw logits (before penalties, the constraint, temperature and
+truncation, as vLLM and OpenAI report), in float64; `top` lists the n most likely tokens of that
+distribution, most likely first, ties by lower id.
 
 Reproducible: one numpy default_rng(seed) per Sampler; the same seed, settings and sequence of
-logits give the same tokens. reset() clears the penalty history only, not the generator.
+logits give the same tokens. seed=None draws a fresh seed from the OS (secrets, 63 bits) and
+keeps it in `sampler.seed`, so a random generation can be reported and replayed. reset() clears
+the penalty history and restarts the constraint, not the generator.
 
 Errors: every bad setting (NaN, inf, bool, wrong type, out of range) raises ColibriError naming
 the parameter, the allowed range and the value received; logits containing NaN or +inf (also
@@ -61,6 +72,7 @@ after penalties), or only -inf, are an error too, never a silent pick.
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +80,8 @@ import numpy as np
 from .errors import ColibriError
 
 MAX_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0              # OpenAI's range for a logit bias: [-100, 100]
+SEED_BITS = 63                        # seed=None: a random seed that fits a signed 64-bit integer
 REPETITION_PENALTY_RANGE = (1e-30, 1e30)   # float32 logits divided or multiplied by it stay finite, non-zero
 _GROWTH = (64, 512, 4096)             # top_p candidate set sizes; then x8 until the vocabulary
 _DRAW_BLOCK = 1024                    # the inverse CDF in two levels beyond this many weights
@@ -154,14 +168,30 @@ def _check_max(value, index_of, what):
         raise ColibriError(f"{what} are all -inf; no token can be chosen")
 
 
+def _check_bias(logit_bias) -> tuple:
+    """(ids int64 [n], biases float64 [n]) of {token id: bias}; None or {} is no bias."""
+    if logit_bias is None:
+        return np.empty(0, np.int64), np.empty(0, np.float64)
+    if not isinstance(logit_bias, dict):
+        raise ColibriError(f"logit_bias must be a dict {{token id: bias}}, got {type(logit_bias).__name__}")
+    for token, bias in logit_bias.items():
+        if not _is_int(token) or token < 0:
+            raise ColibriError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+        if not _is_real(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ColibriError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                               f"got {bias!r} for id {token}")
+    ids = np.fromiter((int(t) for t in logit_bias), np.int64, len(logit_bias))
+    return ids, np.fromiter((float(b) for b in logit_bias.values()), np.float64, len(logit_bias))
+
+
 class Sampler:
     """Greedy or seeded sampling with penalties, top_k / top_p / min_p and logprobs; see the
     module docstring for the exact semantics."""
 
     def __init__(self, temperature=0.0, top_k=0, top_p=1.0, seed=0, *, min_p=0.0, repetition_penalty=1.0,
-                 presence_penalty=0.0, frequency_penalty=0.0, logprobs=None):
+                 presence_penalty=0.0, frequency_penalty=0.0, logprobs=None, constraint=None, logit_bias=None):
         # seed stays the 4th positional parameter (the original Sampler(temperature, top_k,
-        # top_p, seed)); the newer settings are keyword-only
+        # top_p, seed)); the newer settings are keyword-only. seed None: a random one.
         self.temperature = _real("temperature", temperature, lambda v: v >= 0, "a finite number >= 0 (0: greedy)")
         if not _is_int(top_k) or top_k < 0:
             raise ColibriError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")
@@ -177,12 +207,18 @@ class Sampler:
                                       "a number in [-2, 2] (0: off)")
         self.frequency_penalty = _real("frequency_penalty", frequency_penalty, lambda v: -2 <= v <= 2,
                                        "a number in [-2, 2] (0: off)")
+        if seed is None:
+            seed = secrets.randbits(SEED_BITS)
         if not _is_int(seed) or seed < 0:
-            raise ColibriError(f"seed must be an integer >= 0, got {seed!r}")
+            raise ColibriError(f"seed must be an integer >= 0 or None (random), got {seed!r}")
         self.seed = int(seed)
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ColibriError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
         self.logprobs = None if logprobs is None else int(logprobs)
+        if constraint is not None and not all(hasattr(constraint, a) for a in ("apply", "consume", "reset")):
+            raise ColibriError(f"constraint must be a colibri.constraint.Constraint, got {type(constraint).__name__}")
+        self.constraint = constraint
+        self._bias_ids, self._bias = _check_bias(logit_bias)     # [n] token ids, [n] float64 biases
         self.rng = np.random.default_rng(self.seed)
         self._scratch = {}
         self._repeat = self.repetition_penalty != 1.0
@@ -192,7 +228,8 @@ class Sampler:
     # ---- history -------------------------------------------------------------------------
     def reset(self, prompt_ids) -> None:
         """Start of a generation: the penalty history becomes the prompt (repetition_penalty
-        counts it; presence/frequency count generated tokens only). The generator is kept."""
+        counts it; presence/frequency count generated tokens only). The constraint starts
+        again. The generator is kept."""
         ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else np.asarray(list(prompt_ids))
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ColibriError(f"prompt_ids must be a flat sequence of integer token ids, got "
@@ -214,6 +251,14 @@ class Sampler:
         self._gen_counts = np.zeros(64, np.float64)
         self._gen_n = 0
         self._gen_slot = {}
+        if self.constraint is not None:
+            self.constraint.reset()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the constraint has ended the output (a stop token after a complete grammar):
+        the generation ends there, whatever stop_at_eos says. False without a constraint."""
+        return self.constraint is not None and self.constraint.finished
 
     def _record(self, token: int) -> None:
         self._max_id = max(self._max_id, token)
@@ -269,8 +314,11 @@ class Sampler:
         return np.exp(out, out=out)
 
     def _penalize(self, a: np.ndarray) -> np.ndarray:
-        if not ((self._repeat and self._seen_n) or (self._count and self._gen_n)):
+        if not ((self._repeat and self._seen_n) or (self._count and self._gen_n) or self._bias.size):
             return a
+        if self._bias.size and int(self._bias_ids.max()) >= a.size:
+            raise ColibriError(f"logit_bias names token id {int(self._bias_ids.max())}, outside the vocabulary: "
+                               f"the logits have {a.size} entries")
         if self._max_id >= a.size:
             raise ColibriError(f"token id {self._max_id} in the penalty history is outside the vocabulary: "
                                f"the logits have {a.size} entries")
@@ -289,6 +337,8 @@ class Sampler:
         if self._count and self._gen_n:
             ids = self._gen_ids[:self._gen_n]
             a[ids] = a[ids] - (self.presence_penalty + self.frequency_penalty * self._gen_counts[:self._gen_n])
+        if self._bias.size:
+            a[self._bias_ids] = a[self._bias_ids] + self._bias
 
     def _weights(self, x: np.ndarray, what: str):
         """Steps 3-6 for temperature > 0: (ids ascending or None for every id, weights e)."""
@@ -343,8 +393,8 @@ class Sampler:
 
     def distribution(self, logits) -> tuple[np.ndarray, np.ndarray]:
         """(ids ascending, probabilities summing to 1): the tokens pick() can return for these
-        logits with the current history, and their chances. Greedy: ([argmax], [1.0]). Changes
-        nothing (no history, no random draw)."""
+        logits with the current history and constraint, and their chances. Greedy: ([argmax],
+        [1.0]). Changes nothing (no history, no random draw, the constraint not advanced)."""
         raw = self._as_logits(logits)
         x, chosen = self._choose(raw)
         if self.temperature == 0.0:
@@ -360,6 +410,9 @@ class Sampler:
         """(penalised logits, ids or None, weights) for temperature > 0, or (x, token) greedy."""
         x = self._penalize(raw)
         what = "logits" if x is raw else "logits after the penalties"
+        if self.constraint is not None:
+            x = self.constraint.apply(x, self._buffer("constrained", raw.size, raw.dtype))
+            what = f"{what} allowed by the {self.constraint.kind} constraint"
         try:
             if self.temperature == 0.0:
                 return x, self._greedy(x, what)
@@ -381,6 +434,8 @@ class Sampler:
             ids, e = chosen
             j = _draw(e, self.rng.random())
             token = j if ids is None else int(ids[j])
+        if self.constraint is not None:
+            self.constraint.consume(token)        # the next mask is computed meanwhile
         if self._repeat or self._count:
             self._record(token)
         if self.logprobs is None:
@@ -418,6 +473,10 @@ class Sampler:
             parts.append(f"seed {self.seed}")
         if self.logprobs is not None:
             parts.append(f"logprobs {self.logprobs}")
+        if self._bias.size:
+            parts.append(f"logit_bias on {self._bias.size} ids")
+        if self.constraint is not None:
+            parts.append(self.constraint.kind)
         return ", ".join(parts)
 
     def __repr__(self) -> str:

@@ -413,3 +413,33 @@ def test_bad_histories_are_errors():
     s.reset([0])
     with pytest.raises(ColibriError, match=r"after the penalties contain \+inf"):
         s.pick(np.array([1e10, 0.0], np.float32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=40),
+       st.dictionaries(st.integers(0, 39), st.floats(-100, 100), max_size=6),
+       st.floats(0.1, 2.0), st.integers(0, 2 ** 31))
+def test_logit_bias_adds_to_exactly_those_logits(x, bias, t, seed):
+    """The distribution with a bias is the plain sampler's over the logits with the bias added."""
+    logits = np.asarray(x, np.float32)
+    bias = {k: v for k, v in bias.items() if k < logits.size}
+    biased = logits.astype(np.float64)
+    for k, v in bias.items():
+        biased[k] += v
+    ids, p = Sampler(t, seed=seed, logit_bias=bias).distribution(logits)
+    ref_ids, ref_p = Sampler(t, seed=seed).distribution(biased.astype(np.float32))
+    assert np.array_equal(ids, ref_ids) and np.allclose(p, ref_p, rtol=1e-5, atol=1e-9)
+    if bias:
+        top = max(bias, key=lambda k: (biased[k], -k))
+        assert Sampler(0.0, logit_bias={top: 100.0}).pick(logits).token == top
+
+
+@pytest.mark.parametrize("bias, message", [
+    ([1], "must be a dict"), ({-1: 1.0}, "token ids >= 0"), ({"3": 1.0}, "token ids >= 0"),
+    ({1: 101.0}, r"\[-100, 100\]"), ({1: float("nan")}, r"\[-100, 100\]"), ({1: True}, r"\[-100, 100\]"),
+])
+def test_bad_logit_bias_is_one_clear_error(bias, message):
+    with pytest.raises(ColibriError, match=message):
+        Sampler(logit_bias=bias)
+    with pytest.raises(ColibriError, match="outside the vocabulary"):
+        Sampler(logit_bias={10: 1.0}).pick(np.zeros(4, np.float32))
