@@ -10,7 +10,10 @@ namespace that refuses underscore names. It renders with `messages`, `tools`, `d
 `add_generation_prompt`, the tokenizer's special tokens (`bos_token`, `eos_token`, ...) and every
 other keyword the caller passes (`enable_thinking`, ...), keys whose value is None dropped from
 each message. The rendered text is tokenized with add_special_tokens=False (the template writes
-BOS itself). All of that is reproduced here; `continue_final_message` too.
+BOS itself). All of that is reproduced here; `continue_final_message` too. Beyond transformers,
+what OpenAI-style clients send (tool-call arguments as JSON strings, `content: null` beside tool
+calls, the `developer` role, reasoning under another field name) is handed to each template in the
+shape it renders, found by probing it once, as llama.cpp does (see _TemplateProbe).
 
 Where the template comes from, first found wins (transformers' order): chat_template.jinja,
 chat_template.json's "chat_template", tokenizer_config.json's "chat_template" (a string, or a
@@ -18,8 +21,11 @@ list of named templates: "tool_use" when tools are given, else "default").
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 from .errors import ColibriError
@@ -102,6 +108,10 @@ def check_messages(messages) -> list:
         if content is not None and not isinstance(content, (str, list)):
             raise ColibriError(f"messages[{i}]['content'] must be a string or a list of parts, "
                                f"got {type(content).__name__}")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ColibriError(f"messages[{i}]['tool_calls'] must be a list of tool calls (objects), "
+                               f"got {_short(calls)}")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -109,6 +119,217 @@ def check_messages(messages) -> list:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- what a template makes of the conversations clients send ----------------------------------------
+# OpenAI-style clients send shapes many chat templates were not written for: tool-call arguments as a
+# JSON string (templates that `tojson` them encode them twice, GLM-4.6 refuses them), `content: null`
+# beside tool_calls (dropped, as transformers drops None; Qwen3 then fails on the missing content),
+# the `developer` role, reasoning under another name than the template reads. As llama.cpp does
+# (minja's capabilities probe), each compiled template is asked once, by rendering small
+# conversations, what it does with each shape; render() then hands it the shapes it handles.
+
+_PROBE_USER = {"role": "user", "content": "Probe question"}
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe_tool", "description": "A probe tool",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "A place"}},
+                   "required": ["location"]}}}]
+_PROBE_ARGUMENTS = {"argument_needle": "needle value"}   # names the tool schema above does not use
+_PROBE_CALL_ID = "probecall"                  # 9 letters and digits: the only ids Mistral's templates accept
+_OPENAI_CALL_ID = "call_probe_1"
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")   # Qwen3, GLM; gpt-oss; Gemma 4 (and vLLM)
+_MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _probe_call(arguments, call_id: str = _PROBE_CALL_ID, **fields) -> dict:
+    return {"role": "assistant", **fields, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}]}
+
+
+def _shows_arguments(text) -> bool:
+    """The probe's arguments are in the text, neither encoded twice (\\"key\\") nor as a Python dict ('key')."""
+    return (text is not None and "argument_needle" in text and "needle value" in text
+            and '\\"argument_needle' not in text and "'argument_needle'" not in text)
+
+
+class _TemplateProbe:
+    """What one compiled template does with each shape a client may send; each answer is found on first
+    need (by rendering small conversations) and kept."""
+
+    def __init__(self, template, special_tokens: dict):
+        self._template = template
+        self._special_tokens = special_tokens
+
+    def _render(self, messages, tools=None):
+        """The text, or None where the template refuses or fails: a probe never raises."""
+        try:
+            return self._template.render(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=False, **self._special_tokens)
+        except Exception:
+            return None
+
+    def _renders_call(self, call_id: str = _PROBE_CALL_ID, **fields) -> bool:
+        arguments = _arguments_as(dict(_PROBE_ARGUMENTS), self.arguments_form)
+        return _shows_arguments(self._render([_PROBE_USER, _probe_call(arguments, call_id, **fields)], _PROBE_TOOLS))
+
+    @cached_property
+    def arguments_form(self):
+        """"object" where the template renders an object's keys, else "string" where it renders a JSON
+        string as it is, else None: it renders no tool calls."""
+        as_object = self._render([_PROBE_USER, _probe_call(dict(_PROBE_ARGUMENTS), content="")], _PROBE_TOOLS)
+        if _shows_arguments(as_object):
+            return "object"
+        as_string = self._render([_PROBE_USER, _probe_call(json.dumps(_PROBE_ARGUMENTS), content="")], _PROBE_TOOLS)
+        return "string" if _shows_arguments(as_string) else None
+
+    @cached_property
+    def needs_content(self) -> bool:
+        """A message without content fails where one with content "" renders (Qwen: `message.content + ...`)."""
+        if (self._render([_PROBE_USER, {"role": "assistant"}]) is None
+                and self._render([_PROBE_USER, {"role": "assistant", "content": ""}]) is not None):
+            return True
+        return self.arguments_form is not None and not self._renders_call() and self._renders_call(content="")
+
+    @cached_property
+    def needs_short_call_ids(self) -> bool:
+        """Tool-call ids must be 9 letters or digits (Mistral's templates refuse OpenAI's `call_...`)."""
+        return (self.arguments_form is not None and self._renders_call(content="")
+                and not self._renders_call(_OPENAI_CALL_ID, content=""))
+
+    @cached_property
+    def knows_developer(self) -> bool:
+        """The template treats `developer` otherwise than a role it has never heard of (gpt-oss, Gemma 4)."""
+        instructions = "Probe instructions"
+        as_developer = self._render([{"role": "developer", "content": instructions}, _PROBE_USER])
+        if as_developer is None or instructions not in as_developer:
+            return False
+        as_unknown = self._render([{"role": "probe_role", "content": instructions}, _PROBE_USER])
+        return as_unknown is None or as_unknown.replace("probe_role", "developer") != as_developer
+
+    @cached_property
+    def renders_tool_role(self) -> bool:
+        """A `tool` message after a tool call shows its content."""
+        result = "Probe result"
+        if self.arguments_form is not None:
+            call = _probe_call(_arguments_as(dict(_PROBE_ARGUMENTS), self.arguments_form), content="")
+        else:
+            call = {"role": "assistant", "content": "Probe call"}
+        text = self._render([_PROBE_USER, call, {"role": "tool", "tool_call_id": _PROBE_CALL_ID, "content": result}],
+                            _PROBE_TOOLS)
+        return text is not None and result in text
+
+    @cached_property
+    def reasoning_names(self) -> tuple:
+        """Which of an assistant turn's reasoning fields the template renders."""
+        def renders(name) -> bool:
+            reasoning = "Probe reasoning"
+            texts = [self._render([_PROBE_USER, {"role": "assistant", "content": "Probe answer", name: reasoning}])]
+            if self.arguments_form is not None:
+                arguments = _arguments_as(dict(_PROBE_ARGUMENTS), self.arguments_form)
+                texts.append(self._render([_PROBE_USER, _probe_call(arguments, content="", **{name: reasoning})],
+                                          _PROBE_TOOLS))
+            return any(text is not None and reasoning in text for text in texts)
+
+        if renders("probe_field"):             # it prints whole messages: every field shows, none is read
+            return ()
+        return tuple(name for name in _REASONING_NAMES if renders(name))
+
+
+def _arguments_as(arguments, form):
+    """Tool-call arguments in the form the template renders: a JSON object string parsed ("object"),
+    an object encoded ("string"); anything else (a string that is not a JSON object) as it came."""
+    if form == "object" and isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    if form == "string" and isinstance(arguments, (dict, list)):
+        try:
+            return json.dumps(arguments, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):      # not JSON data (from Python): left to the template
+            return arguments
+    return arguments
+
+
+def _short_call_id(call_id):
+    """A tool-call id as Mistral's templates demand (9 letters or digits): kept if it is one, else a
+    digest, the same for the call and its result so that they still match."""
+    if isinstance(call_id, str) and _MISTRAL_CALL_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(str(call_id).encode("utf-8", "surrogatepass")).hexdigest()[:9]
+
+
+def _fit_call(call: dict, form, short_ids: bool) -> dict:
+    call = dict(call)
+    if short_ids and "id" in call:
+        call["id"] = _short_call_id(call["id"])
+    function = call.get("function")
+    if isinstance(function, dict) and "arguments" in function:
+        call["function"] = {**function, "arguments": _arguments_as(function["arguments"], form)}
+    elif "arguments" in call:                  # {"name", "arguments"} without the "function" wrapper
+        call["arguments"] = _arguments_as(call["arguments"], form)
+    return call
+
+
+def _call_as_text(message: dict) -> str:
+    """Tool calls written into the content, as JSON, for a template that renders none (minja's polyfill)."""
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function") if isinstance(call.get("function"), dict) else call
+        entry = {"name": function.get("name"), "arguments": _arguments_as(function.get("arguments"), "object")}
+        if "id" in call:
+            entry["id"] = call["id"]
+        calls.append(entry)
+    shown = {"content": message["content"]} if message.get("content") else {}
+    return json.dumps({**shown, "tool_calls": calls}, ensure_ascii=False, default=str)
+
+
+def _fit_to_template(chat: list, probe: _TemplateProbe) -> list:
+    """The conversation (from check_messages) in the shapes this template renders."""
+    names_of_calls = {}                        # tool-call id -> function name, for results sent without a name
+    out = []
+    for m in chat:
+        m = dict(m)
+        # OpenAI's newer name for the system role: a template that does not know it gets `system`.
+        if m["role"] == "developer" and not probe.knows_developer:
+            m["role"] = "system"
+        if m.get("tool_calls"):
+            for call in m["tool_calls"]:
+                function = call.get("function") if isinstance(call.get("function"), dict) else call
+                if isinstance(call.get("id"), str):
+                    names_of_calls[call["id"]] = function.get("name")
+            # Arguments come as a JSON string (every SDK) or an object: the template gets the form it renders.
+            if probe.arguments_form is not None:
+                short_ids = probe.needs_short_call_ids
+                m["tool_calls"] = [_fit_call(c, probe.arguments_form, short_ids) for c in m["tool_calls"]]
+            else:                              # a template without tool calls still shows them, as text
+                m["content"] = _call_as_text(m)
+                del m["tool_calls"]
+        if m["role"] == "tool":
+            call_id = m.get("tool_call_id")
+            if "tool_call_id" in m and probe.arguments_form is not None and probe.needs_short_call_ids:
+                m["tool_call_id"] = _short_call_id(call_id)
+            # A template without the tool role shows the result as a user turn (minja's polyfill).
+            if not probe.renders_tool_role:
+                name = m.get("name", names_of_calls.get(call_id) if isinstance(call_id, str) else None)
+                result = {"tool": name} if name is not None else {}
+                result["content"] = m.get("content")
+                if "tool_call_id" in m:
+                    result["tool_call_id"] = m["tool_call_id"]
+                m = {"role": "user",
+                     "content": json.dumps({"tool_response": result}, ensure_ascii=False, default=str)}
+        # `content: null` (beside tool_calls) was dropped; a template that reads it anyway gets "".
+        if "content" not in m and probe.needs_content:
+            m["content"] = ""
+        # Reasoning sent under one name reaches a template that reads another (gpt-oss reads `thinking`).
+        if m["role"] == "assistant":
+            reasoning = next((m[n] for n in _REASONING_NAMES if isinstance(m.get(n), str)), None)
+            if reasoning is not None:
+                for name in probe.reasoning_names:
+                    m.setdefault(name, reasoning)
+        out.append(m)
+    return out
 
 
 class ChatTemplate:
@@ -134,6 +355,8 @@ class ChatTemplate:
             except jinja2.exceptions.TemplateSyntaxError as e:
                 raise ColibriError(f"{where}: the chat template{'' if name == 'default' else f' {name!r}'} "
                                    f"does not parse (line {e.lineno}: {e.message})") from None
+        # id(compiled template) -> what it makes of the shapes clients send, probed on first need
+        self._probes = {id(t): _TemplateProbe(t, self.special_tokens) for t in self._compiled.values()}
 
     def _pick(self, tools):
         if tools and "tool_use" in self._compiled:
@@ -153,10 +376,14 @@ class ChatTemplate:
             if not chat or not isinstance(chat[-1].get("content"), str):
                 raise ColibriError("continue_final_message needs a last message with text content")
             final = chat[-1]["content"]
-            chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ColibriError("tools must be a list of JSON schemas (objects)")
         template = self._pick(tools)
+        chat = _fit_to_template(chat, self._probes[id(template)])
+        if continue_final_message:
+            if chat[-1].get("content") != final:   # its tool calls were written into it
+                raise ColibriError(f"the chat template ({self.where}) cannot continue this final message")
+            chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
         try:
             text = template.render(messages=chat, tools=tools, documents=documents,
                                    add_generation_prompt=bool(add_generation_prompt),
@@ -174,6 +401,46 @@ class ChatTemplate:
             at = text.rindex(tag)
             text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         return text
+
+    # -- the reply side (colibri/replies.py): generated text -> an assistant message
+
+    @property
+    def replies(self):
+        """This template's reply parser and tool-call grammars (its format detected once)."""
+        from .replies import TemplateReplies
+
+        found = self.__dict__.get("_reply_side")
+        if found is None:
+            found = self.__dict__["_reply_side"] = TemplateReplies(self)
+        return found
+
+    @property
+    def reply_format(self):
+        """The colibri.replies.ReplyFormat of this template's family (the plain format if unknown)."""
+        return self.replies.format
+
+    def parse_reply(self, text: str, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True,
+                    prompt: str | None = None) -> dict:
+        """A whole reply (decoded with its special tokens) -> {"role", "content", "reasoning_content",
+        "tool_calls"}. enable_thinking / prompt: how the prompt was rendered (the prompt's own text,
+        where given, says whether the reply starts inside reasoning)."""
+        return self.replies.parse(text, tools, enable_thinking=enable_thinking,
+                                  parallel_tool_calls=parallel_tool_calls, prompt=prompt)
+
+    def reply_stream(self, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True,
+                     prompt: str | None = None):
+        """A colibri.replies.ReplyStream: push(piece) -> deltas, finish() -> deltas, .message."""
+        return self.replies.stream(tools, enable_thinking=enable_thinking,
+                                   parallel_tool_calls=parallel_tool_calls, prompt=prompt)
+
+    def tool_call_grammar(self, tools, mode, parallel_tool_calls: bool = True, *, added_tokens=None,
+                          enable_thinking=None, prompt: str | None = None) -> str | None:
+        """An llguidance Lark grammar for a reply calling `tools` (mode "required", "auto" or a named
+        function), or None where the family has no known call syntax. added_tokens: the
+        vocabulary's added tokens (text -> id) so that markers are written as the tokens they are;
+        enable_thinking / prompt as for parse_reply (whether the reply must first close reasoning)."""
+        return self.replies.grammar(tools, mode, parallel_tool_calls, added_tokens,
+                                    enable_thinking=enable_thinking, prompt=prompt)
 
 
 def find_template(root: Path, files, special_tokens: dict | None = None) -> ChatTemplate | None:

@@ -107,6 +107,12 @@ class Tokenizer:
         ids = (self.token_to_id(f"<0x{b:02X}>") for b in range(256))
         return frozenset(int(i) for i in ids if i is not None)
 
+    @functools.cached_property
+    def added_tokens(self) -> dict:
+        """{text: id} of the tokens matched whole in text (added tokens, special pieces): the
+        markers a reply parser or grammar must treat as one token each."""
+        return {}
+
     def describe(self) -> str:
         """One line for `info`: kind, size, BOS/EOS behaviour."""
         adds = [n for n, on in (("BOS", self.add_bos_token), ("EOS", self.add_eos_token)) if on]
@@ -193,6 +199,10 @@ class HFTokenizer(Tokenizer):
     def token_to_id(self, token: str):
         return self._tok.token_to_id(token)
 
+    @functools.cached_property
+    def added_tokens(self) -> dict:
+        return {t.content: int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.content}
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A tokenizer.model through sentencepiece, with transformers' LlamaTokenizer semantics."""
@@ -274,6 +284,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     def token_to_id(self, token: str):
         return self._piece_ids.get(token)
+
+    @functools.cached_property
+    def added_tokens(self) -> dict:
+        return {self._pieces[i]: i for i in sorted(self.special_ids) if self._pieces[i]}
 
 
 def _special_tokens(cfg: dict, special_tokens_map: dict | None) -> dict:

@@ -282,3 +282,19 @@ def chat_model_dir(chat_hf):
     out = chat_hf.parent / "model"
     convert(chat_hf, out, log=lambda *a: None)
     return out
+
+
+def render_on_the_fixture_day(monkeypatch, spec: dict) -> None:
+    """A chat fixture rendered on a given day (gpt-oss's strftime_now writes today's date): the
+    template's clock reads spec["rendered_on"], where set."""
+    if "rendered_on" not in spec:
+        return
+    import datetime
+    import colibri.chat
+    day = datetime.date.fromisoformat(spec["rendered_on"])
+
+    class RenderDay(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(day.year, day.month, day.day)
+    monkeypatch.setattr(colibri.chat, "datetime", RenderDay)

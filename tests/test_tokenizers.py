@@ -11,7 +11,6 @@ checked through both backends.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import lzma
 import shutil
@@ -20,10 +19,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import colibri.chat
 from colibri.chat import ChatTemplate
 from colibri.streaming import TextStream
 from colibri.tokenizer import TOKENIZER_JSON, TOKENIZER_MODEL, load_tokenizer
+from conftest import render_on_the_fixture_day
 
 TEXT = Path(__file__).parent / "fixtures" / "text"
 VOCABS = sorted(p.name for p in (TEXT / "vocab").iterdir() if (p / "cases.json").is_file()) \
@@ -156,14 +155,7 @@ def test_streamed_pieces_of_random_ids_concatenate_to_decode(tmp_root, vocab, ba
 @pytest.mark.parametrize("name", CHATS)
 def test_chat_template_gives_transformers_ids(tmp_root, name, monkeypatch):
     spec = json.loads((TEXT / "chat" / f"{name}.json").read_text(encoding="utf-8"))
-    if "rendered_on" in spec:                   # strftime_now (gpt-oss's "Current date") as on that day
-        day = datetime.date.fromisoformat(spec["rendered_on"])
-
-        class RenderDay(datetime.datetime):
-            @classmethod
-            def now(cls, tz=None):
-                return cls(day.year, day.month, day.day)
-        monkeypatch.setattr(colibri.chat, "datetime", RenderDay)
+    render_on_the_fixture_day(monkeypatch, spec)
     source = (TEXT / "chat" / spec["template_file"]).read_text(encoding="utf-8")
     tok = tokenizer(spec["vocab"], backends_of(spec["vocab"])[0], tmp_root)
     template = ChatTemplate(source, spec["template_file"], tok.special_tokens_map)
