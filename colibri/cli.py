@@ -1,5 +1,9 @@
 """`python -m colibri`: run, convert, info, verify, eval, bench.
 
+Every command that reads a model takes the bundled demo model when --model-dir is not given
+(DEMO_COMMANDS); those that write into a model directory (`tokenizer`, and `relayout`'s input
+beside its output) need it, so nothing is ever written into the installed package.
+
 Every mistake a user can make ends as one line on stderr and exit status 2 (1 for a failed
 `verify`, 130 for Ctrl-C); never a traceback. The spellings of the original C engine
 (`--model_dir`, `--max_new_tokens`, `--hf_dir`, `--output_dir`) are accepted as aliases.
@@ -7,6 +11,7 @@ Every mistake a user can make ends as one line on stderr and exit status 2 (1 fo
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -20,6 +25,8 @@ from .interrupts import signals_deferred
 LAYOUT_CHOICES = names.LAYOUTS
 
 DEMO_DIR = Path(__file__).parent / "data" / "demo"
+DEMO_COMMANDS = ("run", "chat", "serve", "info", "verify", "bench", "eval", "calibrate")   # --model-dir optional
+DEMO_HELP = " (default: the bundled demo model)"
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -104,10 +111,15 @@ def _engine_options(p) -> None:
                         "pass over its weights; the prefill scratch grows with it")
 
 
-def _model_options(p, demo_default: bool) -> None:
-    """The load options `run` and `chat` share."""
-    p.add_argument("--model-dir", "--model_dir", dest="model_dir", required=not demo_default,
-                   help="a converted model directory" + (" (default: the bundled demo model)" if demo_default else ""))
+def _model_dir_option(p, help: str = "a converted model directory") -> None:
+    """--model-dir of a command that only reads the model: the bundled demo when not given
+    (_demo_default, before the command runs)."""
+    p.add_argument("--model-dir", "--model_dir", dest="model_dir", default=None, help=help + DEMO_HELP)
+
+
+def _model_options(p) -> None:
+    """The load options `run`, `chat` and `serve` share."""
+    _model_dir_option(p)
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="default: the physical cores this process may use")
     p.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
@@ -142,7 +154,9 @@ def _generation_options(p, default_max: int) -> None:
                    type=_number, default=None, help="transformers' repetition_penalty (1 = off)")
     p.add_argument("--presence-penalty", "--presence_penalty", dest="presence_penalty", type=_number, default=0.0)
     p.add_argument("--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=_number, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampler's random seed: the same seed, settings and prompt give the same text "
+                        "(default: a fresh seed each run, shown in the [INFO] Sampling line)")
     p.add_argument("--stop", action="append", default=None,
                    help="a stop string (repeatable): the text ends before it")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
@@ -153,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="generate from a prompt or from token ids")
-    _model_options(run, demo_default=True)
+    _model_options(run)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text prompt ('-': read it from stdin; needs a tokenizer in the model directory)")
     src.add_argument("--prompt-file", "--prompt_file", dest="prompt_file", help="read the prompt from a UTF-8 file")
@@ -162,17 +176,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="apply the model's chat template to the prompt (one user turn) before generating")
     run.add_argument("--system", help="with --chat: a system message before the prompt")
     _generation_options(run, default_max=64)
+    constrain = run.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", "--json_schema", dest="json_schema", metavar="FILE",
+                           help="the output is JSON that follows this JSON Schema (a UTF-8 JSON file; needs "
+                                "llguidance)")
+    constrain.add_argument("--grammar", metavar="FILE",
+                           help="the output follows this Lark grammar (a UTF-8 file in llguidance's syntax: "
+                                "https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)")
     run.add_argument("--ids", action="store_true", help="print generated token ids instead of text")
     run.add_argument("--verbose", action="store_true",
                      help="print every layer's routing decision and each expert file's first use (stderr)")
 
     chat = sub.add_parser("chat", help="an interactive conversation (/exit to leave, /reset to start again)")
-    _model_options(chat, demo_default=False)
+    _model_options(chat)
     chat.add_argument("--system", help="a system message at the start of the conversation")
     _generation_options(chat, default_max=512)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra: pip install \"colibri[serve]\")")
-    _model_options(srv, demo_default=False)
+    _model_options(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", "--api_key", dest="api_key", default=None,
@@ -244,12 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--force", action="store_true", help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)")
 
     info = sub.add_parser("info", help="describe a model directory")
-    info.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    _model_dir_option(info)
 
     ver = sub.add_parser("verify", help="check every file of a model directory against its sha256")
-    ver.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    _model_dir_option(ver)
     ev = sub.add_parser("eval", help="perplexity of a text; KL divergence against a reference directory")
-    ev.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    _model_dir_option(ev)
     ev.add_argument("--text", required=True, help="a UTF-8 text file")
     ev.add_argument("--ctx", type=_positive_int, default=256, help="tokens per chunk (default 256)")
     ev.add_argument("--reference-dir", "--reference_dir", dest="reference_dir",
@@ -258,8 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true")
 
     cal = sub.add_parser("calibrate", help="activation statistics of a text, for convert --importance")
-    cal.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True,
-                     help="a conversion of the checkpoint (f32, bf16 or int8 is best)")
+    _model_dir_option(cal, help="a conversion of the checkpoint (f32, bf16 or int8 is best)")
     cal.add_argument("--text", required=True, help="a UTF-8 text file, representative of the use")
     cal.add_argument("--output", required=True, help="the importance file to write (.npz)")
     cal.add_argument("--ctx", type=_positive_int, default=512, help="tokens per chunk (default 512)")
@@ -274,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "fits 4 GB, the head first")
 
     bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
-    bench.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    _model_dir_option(bench)
     bench.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=_positive_int, default=128)
     bench.add_argument("--gen", type=_positive_int, default=64, help="tokens to decode per repetition")
     bench.add_argument("--repeat", type=_positive_int, default=5)
@@ -295,6 +315,7 @@ def main(argv=None) -> int:
         _end_startup_guard()              # Ctrl-C is a KeyboardInterrupt from here on (colibri/__init__.py)
         _note_interrupts()
         args = build_parser().parse_args(argv)
+        _demo_default(args)
         return {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
                 "relayout": cmd_relayout, "info": cmd_info, "verify": cmd_verify, "bench": cmd_bench,
                 "eval": cmd_eval, "calibrate": cmd_calibrate}[args.command](args)
@@ -368,22 +389,26 @@ def _info(args, text: str) -> None:
         print(f"[INFO] {text}", file=sys.stderr, flush=True)
 
 
-def _load(args):
-    from .model import load
-
-    model_dir = args.model_dir
-    note = "model"
-    if model_dir is None:
+def _demo_default(args) -> None:
+    """A command of DEMO_COMMANDS given no --model-dir reads the bundled demo model; args.model_note
+    says which ("the bundled demo model" or "model", for the Loaded line)."""
+    args.model_note = "model"
+    if args.command in DEMO_COMMANDS and args.model_dir is None:
         if not (DEMO_DIR / "config.json").is_file():
             raise ColibriError("no --model-dir given and this installation has no bundled demo model; "
                                "pass --model-dir D (make one with: python -m colibri convert)")
-        model_dir, note = str(DEMO_DIR), "the bundled demo model"
-    m = load(model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
+        args.model_dir, args.model_note = str(DEMO_DIR), "the bundled demo model"
+
+
+def _load(args):
+    from .model import load
+
+    m = load(args.model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
              exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
              mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction,
              kv_cache=args.kv_cache, bf16_products=args.bf16_products, parallel=getattr(args, "parallel", 1),
              prefill_chunk=args.prefill_chunk)
-    m.cli_note = note
+    m.cli_note = args.model_note
     return m
 
 
@@ -400,6 +425,37 @@ def _generation_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, seed=args.seed, stop_at_eos=not args.ignore_eos)
+
+
+def _read_option_file(option: str, name: str) -> str:
+    """The text of a file an option names (UTF-8), or one line naming the option and the file."""
+    path = Path(name)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ColibriError(f"{option} {path}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ColibriError(f"{option} {path} is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 4]!r})") from None
+
+
+def _constraint_kwargs(args) -> dict:
+    """run's --json-schema FILE (the parsed JSON) / --grammar FILE (its text), as generate()'s keywords."""
+    if args.json_schema is not None:
+        text = _read_option_file("--json-schema", args.json_schema)
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+            raise ColibriError(f"--json-schema {args.json_schema} is not JSON{where}") from None
+        if not isinstance(schema, dict):
+            raise ColibriError(f"--json-schema {args.json_schema}: expected a JSON object (a JSON Schema), "
+                               f"got {type(schema).__name__}")
+        return {"json_schema": schema}
+    if args.grammar is not None:
+        return {"grammar": _read_option_file("--grammar", args.grammar)}
+    return {}
 
 
 def _read_prompt(args) -> str | None:
@@ -439,6 +495,11 @@ def _sampling_note(args, m) -> None:
     note = g.sampler.describe()
     if taken:
         note += f" ({', '.join(taken)} from {Path(m.generation_defaults.source).name}; flags override)"
+    if args.seed is None and g.sampler.temperature != 0.0:       # greedy needs no seed
+        seed = g.sampler.seed
+        if f"seed {seed}" not in note:
+            note += f", seed {seed}"
+        note += f" (drawn for this run; --seed {seed} repeats it)"
     _info(args, f"Sampling: {note}")
 
 
@@ -446,6 +507,7 @@ def cmd_run(args) -> int:
     if args.system is not None and not args.chat:
         raise ColibriError("--system needs --chat")
     text = _read_prompt(args)
+    constraint = _constraint_kwargs(args)
     m = _load(args)
     if text is not None and m.tokenizer is None:
         raise ColibriError(f"{m.path} has no tokenizer (tokenizer.json or tokenizer.model): pass the prompt as "
@@ -462,7 +524,7 @@ def cmd_run(args) -> int:
     if args.stop and not as_text:
         raise ColibriError("--stop needs text output (a tokenizer, and no --ids)")
     on_step = _verbose_printer(m) if args.verbose else None
-    kwargs = _generation_kwargs(args)
+    kwargs = {**_generation_kwargs(args), **constraint}
     if as_text:
         pieces = m.stream(ids, args.max_new_tokens, stop=args.stop, on_step=on_step, **kwargs)
     else:

@@ -335,3 +335,120 @@ def test_routing_weights_are_exact_unless_the_table_is_asked_for(command):
     assert build_parser().parse_args(command).softmax_lut is False
     assert build_parser().parse_args(command + ["--softmax-lut"]).softmax_lut is True
     assert build_parser().parse_args(command + ["--exact-softmax"]).softmax_lut is False
+
+
+# ---- the bundled demo as every reading command's default ----------------------------------------
+
+def test_commands_that_read_a_model_default_to_the_demo():
+    """Every command that only reads a model takes the bundled demo without --model-dir, and says so
+    in its help; those that write into a model directory still need one (never the package)."""
+    from colibri.cli import DEMO_COMMANDS, DEMO_HELP, build_parser
+
+    parser = build_parser()
+    need = {"run": ["--tokens", "1"], "eval": ["--text", "t"], "calibrate": ["--text", "t", "--output", "o"]}
+    for command in DEMO_COMMANDS:
+        assert parser.parse_args([command, *need.get(command, [])]).model_dir is None
+        sub = parser._subparsers._group_actions[0].choices[command]
+        assert DEMO_HELP.strip(" ()") in " ".join(sub.format_help().split()), command
+    assert set(DEMO_COMMANDS) == {"run", "chat", "serve", "info", "verify", "bench", "eval", "calibrate"}
+    one_line_error(colibri("tokenizer", "--from", DEMO_DIR), "--model-dir")
+    one_line_error(colibri("relayout", "--output-dir", "nowhere"), "--model-dir")
+
+
+def test_info_and_verify_without_model_dir_describe_the_demo():
+    info = colibri("info")
+    assert info.returncode == 0, info.stderr
+    assert f"model:        {DEMO_DIR}" in info.stdout
+    assert "chat:         template from chat_template.jinja" in info.stdout
+    assert "[WARN]" not in info.stderr
+    ver = colibri("verify")
+    assert ver.returncode == 0, ver.stderr
+    n = len(json.loads(DEMO_CONFIG.read_text())["files"])
+    assert f"[INFO] OK: {n} files match their sha256 in {DEMO_CONFIG}" in ver.stdout
+
+
+# ---- seeds: a fresh one per run unless --seed -----------------------------------------------------
+
+SEED_NOTE = re.compile(r"\[INFO\] Sampling: temperature 1, seed (\d+) \(drawn for this run; --seed (\d+) repeats it\)")
+DEMO_PROMPT = "And the LORD said unto Moses"
+
+
+def _sampled(*args):
+    p = colibri("run", "--prompt", DEMO_PROMPT, "--temperature", "1", "--max-new-tokens", 16, "--ignore-eos", *args)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_run_without_seed_draws_one_and_reports_it():
+    """No --seed: each run samples with a fresh seed, named in the Sampling line; given back as
+    --seed it gives the same text again. (Needs Model.generate(seed=None): a random seed, kept in
+    last_generation.sampler.seed.)"""
+    first, second = _sampled(), _sampled()
+    seeds = []
+    for p in (first, second):
+        m = SEED_NOTE.search(p.stderr)
+        assert m and m.group(1) == m.group(2), p.stderr
+        seeds.append(m.group(1))
+    assert seeds[0] != seeds[1]
+    again = _sampled("--seed", seeds[0])
+    assert again.stdout == first.stdout
+    assert f"[INFO] Sampling: temperature 1, seed {seeds[0]}\n" in again.stderr and "drawn" not in again.stderr
+
+
+def test_run_with_seed_is_deterministic_and_greedy_names_no_seed():
+    a, b = _sampled("--seed", 7), _sampled("--seed", 7)
+    assert a.stdout == b.stdout
+    assert "[INFO] Sampling: temperature 1, seed 7\n" in a.stderr
+    g = colibri("run", "--prompt", DEMO_PROMPT, "--max-new-tokens", 4)
+    assert g.returncode == 0, g.stderr
+    assert "[INFO] Sampling: greedy\n" in g.stderr and "seed" not in g.stderr
+
+
+# ---- run --json-schema / --grammar -------------------------------------------------------------
+
+def test_json_schema_and_grammar_files_errors_are_one_line(tmp_path):
+    """A constraint file that is missing, not UTF-8, not JSON or not a JSON object is one line that
+    names the option and the file, exit 2, before the model loads."""
+    run = ("run", "--prompt", DEMO_PROMPT)
+    missing = tmp_path / "missing.json"
+    one_line_error(colibri(*run, "--json-schema", missing), "--json-schema", missing)
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b'{"type": "\xff"}')
+    one_line_error(colibri(*run, "--json-schema", binary), "--json-schema", binary, "UTF-8")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"type": ')
+    one_line_error(colibri(*run, "--json-schema", broken), "--json-schema", broken, "not JSON", "line 1")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    one_line_error(colibri(*run, "--json-schema", listed), "--json-schema", listed, "JSON object")
+    one_line_error(colibri(*run, "--grammar", tmp_path / "missing.lark"), "--grammar", tmp_path / "missing.lark")
+    one_line_error(colibri(*run, "--grammar", tmp_path), "--grammar", tmp_path)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    one_line_error(colibri(*run, "--json-schema", schema, "--grammar", schema), "--grammar", "--json-schema")
+
+
+def test_run_grammar_constrains_the_demos_output(tmp_path):
+    """--grammar FILE reaches the model's generate(grammar=<text>): the output is one of the
+    grammar's strings."""
+    pytest.importorskip("llguidance")
+    grammar = tmp_path / "answer.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    p = colibri("run", "--prompt", DEMO_PROMPT, "--grammar", grammar, "--max-new-tokens", 8)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() in ("yes", "no"), p.stdout
+
+
+def test_constraint_files_become_generate_keywords(tmp_path):
+    """--json-schema FILE is passed as json_schema=<the parsed JSON>, --grammar FILE as grammar=<its text>."""
+    from colibri.cli import _constraint_kwargs, build_parser
+
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}}}', encoding="utf-8")
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "amen"\n', encoding="utf-8")
+    parse = build_parser().parse_args
+    assert _constraint_kwargs(parse(["run", "--prompt", "x", "--json-schema", str(schema)])) == {
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}}}}
+    assert _constraint_kwargs(parse(["run", "--prompt", "x", "--grammar", str(grammar)])) == {"grammar": 'start: "amen"\n'}
+    assert _constraint_kwargs(parse(["run", "--prompt", "x"])) == {}

@@ -113,3 +113,76 @@ def test_eval_against_itself(tmp_path):
                         "--reference-dir", str(DEMO_DIR), "--ctx", "128"], env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "mean 0.000000" in r.stdout and "100.00 %" in r.stdout
+
+
+# ---- the demo chats ----------------------------------------------------------------------------
+
+COMMON = {"the", "and", "of", "unto", "LORD", "to", "that", "in", "shall", "I", "he", "said", "is", "thou", "me"}
+
+
+def _english(text: str, at_least: int = 3) -> bool:
+    words = [w.strip(",.;:?!") for w in text.split()]
+    return len(words) >= 8 and sum(w in COMMON for w in words) >= at_least
+
+
+def test_demo_template_is_train_demos():
+    """tools/train_demo.py writes the template into the checkpoint it saves (so a rebuild keeps it):
+    the bundled file is that text, and the file table lists it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_demo", Path(__file__).parent.parent / "tools" / "train_demo.py")
+    train_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_demo)
+    assert (DEMO_DIR / "chat_template.jinja").read_text(encoding="utf-8") == train_demo.CHAT_TEMPLATE
+    assert "chat_template.jinja" in colibri.modeldir.ModelDir(DEMO_DIR).files
+
+
+def test_demo_template_frames_a_conversation_as_its_text(demo):
+    """Every role renders (developer as a passage, tool as a plain line, list content by its text
+    parts) and the generation prompt is the Bible's "And he answered and said,"."""
+    messages = [{"role": "system", "content": "In the beginning God created the heaven and the earth"},
+                {"role": "developer", "content": "Speak plainly."},
+                {"role": "user", "content": "Who made the sea"},
+                {"role": "assistant", "content": "The LORD made it."},
+                {"role": "tool", "content": "a result"},
+                {"role": "user", "content": [{"type": "text", "text": "And the dry land?"}, {"type": "image"}]}]
+    text = demo.apply_chat_template(messages, tokenize=False)
+    assert text == ("<s>In the beginning God created the heaven and the earth.\n"
+                    "Speak plainly.\n"
+                    "And one came and asked him, saying, Who made the sea.\n"
+                    "And he answered and said, The LORD made it.\n"
+                    "a result.\n"
+                    "And he asked him again, saying, And the dry land?\n"
+                    "And he answered and said,")
+    assert demo.apply_chat_template(messages, tokenize=False, add_generation_prompt=False) == \
+        text[:-len("\nAnd he answered and said,")]
+    ids = demo.apply_chat_template(messages[2:3])
+    assert ids[0] == 1 and 3 not in ids            # BOS, then pieces it knows (3: <unk>, tools/train_demo.py)
+    assert demo.tokenizer.decode(ids, skip_special_tokens=True) == \
+        "And one came and asked him, saying, Who made the sea. And he answered and said,"
+
+
+def test_demo_replies_are_its_text(demo):
+    reply = demo.chat([{"role": "user", "content": "Who made the heaven and the earth?"}], max_new_tokens=32)
+    assert _english(reply), reply
+
+
+def test_chat_on_the_demo_without_model_dir(tmp_path):
+    """`python -m colibri chat` with no --model-dir, two turns piped in: two replies of English."""
+    r = subprocess.run([sys.executable, "-m", "colibri", "chat", "--max-new-tokens", "24"], env=ENV, cwd=tmp_path,
+                       input="Who made the heaven and the earth?\nWhat shall I do?\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "error" not in r.stderr and "Traceback" not in r.stderr
+    assert "Loaded the bundled demo model" in r.stderr
+    replies = r.stdout.splitlines()
+    assert len(replies) == 2 and all(_english(t, 2) for t in replies), r.stdout
+
+
+def test_run_chat_on_the_demo(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--chat", "--system",
+                        "In the beginning God created the heaven and the earth.", "--prompt",
+                        "Who made the heaven and the earth?", "--max-new-tokens", "24"],
+                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert _english(r.stdout, 2), r.stdout

@@ -248,13 +248,14 @@ def test_run_chat_and_prompt_sources(chat_model_dir, tmp_path):
     assert c.returncode == 0 and c.stdout.decode() == b.stdout
 
 
-def test_bad_prompt_bytes_and_templates_are_one_line_errors(chat_model_dir, tmp_path):
+def test_bad_prompt_bytes_and_templates_are_one_line_errors(chat_model_dir, converted, tmp_path):
     f = tmp_path / "bad.txt"
     f.write_bytes(b"caf\xe9 latin-1")
     one_line_error(limited("run", "--model-dir", chat_model_dir, "--prompt-file", f), "bad.txt", "UTF-8")
     one_line_error(limited("run", "--model-dir", chat_model_dir, "--prompt", "caf\udce9"), "UTF-8")
     one_line_error(limited("run", "--model-dir", chat_model_dir, "--system", "x", "--prompt", "hi"), "--chat")
-    one_line_error(limited("run", "--chat", "--prompt", "hi"), "chat template")          # the demo has none
+    no_template = converted("mixtral_a", "f32")           # a checkpoint without a chat template
+    one_line_error(limited("run", "--model-dir", no_template, "--chat", "--prompt", "hi"), "chat template")
 
 
 def test_chat_command_holds_a_conversation(chat_model_dir):

@@ -64,9 +64,18 @@ Evaluation
     predicted tokens). The same measure on the first 80 chunks of the training stream is reported
     as train_eval_perplexity, to show the train/held-out gap.
 
+Chat template
+    The model knows only its training text, so its chat template (CHAT_TEMPLATE below, written as
+    hf/chat_template.jinja, which `convert` carries into the model directory) renders a conversation
+    as that text would tell one: the system message a passage, each user turn "And one came and
+    asked him, saying, ..." ("And he asked him again, saying, ..." after the first), each reply
+    "And he answered and said, ...", and the generation prompt that last phrase. The reply is then
+    what the Bible would say next: plausible text, where any chat markup the model never saw would
+    give garbage. The template's own comment has the details.
+
 Outputs (OUT defaults to /work/demo_build)
     hf/                    save_pretrained, float32 safetensors, config.json, generation_config.json,
-                           plus tokenizer.model
+                           plus tokenizer.model and chat_template.jinja
     tokenizer.model        the same sentencepiece model
     heldout.txt            held-out chapters, one per line
     train_report.json      corpus, hyperparameters, step count, wall times, losses, perplexities
@@ -87,6 +96,12 @@ Outputs (OUT defaults to /work/demo_build)
                            (generate, do_sample=False, EOS disabled: exactly 16 new tokens; checked
                            against a plain argmax loop over full forwards)
       greedy_ids_bf16      int64 [3, 16]: the same for the bf16-rounded model
+
+Packaging
+    The bundled demo (int8, rows layout) is made from OUT/hf by `convert`; the model directory's
+    file table then lists tokenizer.model and chat_template.jinja beside the weights, and
+    `python -m colibri verify` checks them all:
+      python -m colibri convert --hf-dir OUT/hf --output-dir colibri/data/demo --quantize int8 --expert-layout rows --layout rows --force
 
 Usage
     python tools/train_demo.py                        # full run, ~35-41 min on one core
@@ -148,6 +163,61 @@ MODEL_CONFIG = dict(
     tie_word_embeddings=True, rope_theta=10000.0, router_aux_loss_coef=0.01, output_router_logits=True,
     bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
 )
+
+# the demo's chat template, as colibri/data/demo/chat_template.jinja holds it (tests/test_demo.py
+# checks that the two agree): see "Chat template" above and the template's own comment
+CHAT_TEMPLATE = """\
+{#- The chat template of Colibri's demo model (tools/train_demo.py writes this file).
+
+The model knows one text: the King James Bible, a chapter a document ([BOS] verses [EOS]): no
+newlines, digits or quotation marks, no "User:"/"Assistant:" markers, no chat turns of any kind.
+It can only continue that text. So a conversation is rendered as the Bible tells one, with the
+separators between speakers it learned ("asked him, saying, ..." / "And he answered and said, ..."):
+
+  <s>{system message, as the passage the story starts from}
+  And one came and asked him, saying, {the user's words}
+  And he answered and said, {the reply}
+  And he asked him again, saying, {the next user's words}
+  And he answered and said,               <- add_generation_prompt: the model goes on from here
+
+A turn's words get a full stop when they end without punctuation, so the next phrase starts a
+sentence. Developer messages are passages like the system's; tool results and any other role are
+plain text lines. The line breaks are for the reader: the tokenizer turns a newline into a space,
+as in the training text. The reply is the text that follows, in the Bible's voice: plausible words, not an
+assistant's answer.
+-#}
+{%- macro text_of(content) -%}
+{%- if content is string -%}
+{{ content }}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content -%}
+{%- if part is mapping and part.type == 'text' -%}{{ part.text }} {% endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro sentence(content) -%}
+{%- set text = text_of(content) | trim -%}
+{{ text }}{% if text and text[-1] not in '.?!:;,' %}.{% endif %}
+{%- endmacro -%}
+{%- set ns = namespace(asked=false) -%}
+{{ bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{{ 'And he asked him again, saying, ' if ns.asked else 'And one came and asked him, saying, ' }}{{ sentence(message.content) }}
+{%- set ns.asked = true %}
+{%- elif message.role == 'assistant' %}
+And he answered and said, {{ sentence(message.content) }}
+{%- else %}
+{{ sentence(message.content) }}
+{%- endif %}
+{%- if not loop.last or add_generation_prompt %}
+
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+And he answered and said,
+{%- endif %}
+"""
 
 _REF_RE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+)$")
 
@@ -432,6 +502,7 @@ def main(argv=None):
         shutil.rmtree(hf)
     model.save_pretrained(hf)
     shutil.copy(out / "tokenizer.model", hf / "tokenizer.model")
+    (hf / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     ref = write_reference(hf, held_doc_tokens, out / "demo_reference.npz")
     total_seconds = time.perf_counter() - t_start
     report = dict(
