@@ -22,6 +22,7 @@ import re
 import secrets
 
 from .apierror import APIError
+from .sampling import LOGIT_BIAS_LIMIT, SEED_BITS
 
 # OpenAI's own fields that Colibri implements, by endpoint
 CHAT_IMPLEMENTED = frozenset({
@@ -57,8 +58,6 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # harmony (gpt-oss) knows low, medium and high: the others map to the nearest
 HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
-LOGIT_BIAS_RANGE = (-100.0, 100.0)       # OpenAI's
-SEED_BITS = 31                           # a seed a client can send back (OpenAI's seed is an int64)
 
 
 def check_fields(body: dict, chat: bool) -> None:
@@ -224,7 +223,7 @@ def logit_bias_of(body: dict, vocab_size: int) -> dict | None:
             raise APIError(400, f"'logit_bias' key {str(key)[:30]!r} is not a token id in [0, {vocab_size})",
                            param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]:
+                not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
             raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {json.dumps(value)[:30]}",
                            param="logit_bias")
         out[token] = float(value)

@@ -64,7 +64,7 @@ from . import openai_request
 from .apierror import RETRY_AFTER_SECONDS, APIError, Disconnected
 from .errors import ColibriError
 from .names import MAX_PARALLEL
-from .sampling import REPETITION_PENALTY_RANGE
+from .sampling import REPETITION_PENALTY_RANGE, SEED_BITS
 
 MAX_STOP_STRINGS = 4                   # OpenAI's limit
 MAX_BODY_BYTES = 16 << 20              # a request body larger than this is refused (413)
@@ -210,14 +210,16 @@ def _template_reacts(m, name: str, values: tuple) -> bool:
     return cache[name]
 
 
-def _chat_prompt(m, body: dict, tools, kwargs: dict) -> list:
-    """The token ids of a chat request's conversation; the template's refusal is a 422."""
+def _chat_prompt(m, body: dict, tools, kwargs: dict) -> tuple:
+    """(the prompt's text, its token ids) of a chat request's conversation; the template's
+    refusal is a 422."""
     msgs = _messages(body)
     if m.chat_template is None:
         raise APIError(422, f"the model has no chat template; use /v1/completions, or add one with: python -m colibri "
                             f"tokenizer --model-dir DIR --from HF_DIR", param="messages", code="chat_template_error")
     try:
-        return m.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, **kwargs)
+        text = m.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, tokenize=False, **kwargs)
+        return text, m.encode(text, add_special_tokens=False)
     except ColibriError as e:
         raise APIError(422, str(e), param="messages", code="chat_template_error") from None
 
@@ -540,12 +542,13 @@ def _prepare(served: Served, body, chat: bool) -> Job:
         for key, value in openai_request.reasoning_keywords(
                 body, lambda key, values: m.chat_template is not None and _template_reacts(m, key, values)).items():
             kwargs.setdefault(key, value)          # chat_template_kwargs, the more specific, wins
-        ids = _chat_prompt(m, body, tools, kwargs)
+        prompt, ids = _chat_prompt(m, body, tools, kwargs)
         template = m.chat_template
-        parse_tools = tools if choice != "none" else None
-        reply = {"tools": parse_tools, "enable_thinking": kwargs.get("enable_thinking"), "parallel_tool_calls": parallel}
+        thinking = kwargs.get("enable_thinking")
+        reply = {"tools": tools if choice != "none" else None, "enable_thinking": thinking,
+                 "parallel_tool_calls": parallel, "prompt": prompt}
         if choice != "none":
-            grammar = _tool_grammar(template, tools, choice, parallel)
+            grammar = _tool_grammar(m, tools, choice, parallel, thinking, prompt)
             if grammar is not None:
                 constraint = {"grammar": grammar}
         gen.update(constraint)
@@ -586,14 +589,15 @@ def _plain_replies(template) -> bool:
     return fmt is None or getattr(fmt, "name", "plain") == "plain"
 
 
-def _tool_grammar(template, tools, choice, parallel: bool):
+def _tool_grammar(m, tools, choice, parallel: bool, thinking, prompt: str):
     """The constraint on a reply for tool_choice (required / named: a call in the family's syntax;
     auto: free text, the call constrained once its opener appears), or None where the family
     has no known call syntax (auto) — for required / named that is a 400."""
-    build = getattr(template, "tool_call_grammar", None)
     if choice == "auto" and importlib.util.find_spec("llguidance") is None:
         return None                     # auto works without the constraint: the reply is still parsed
-    grammar = build(tools, choice, parallel_tool_calls=parallel) if build is not None else None
+    grammar = m.chat_template.tool_call_grammar(tools, choice, parallel_tool_calls=parallel,
+                                                added_tokens=m.tokenizer.added_tokens, enable_thinking=thinking,
+                                                prompt=prompt)
     if grammar is None and choice != "auto":
         raise APIError(400, "this model's chat template has no known tool-call syntax: tool_choice "
                             f"{json.dumps(choice)} cannot be enforced (use 'auto')", param="tool_choice",
@@ -1059,7 +1063,7 @@ def create_app(served: Served):
         """Generation `index` of the job (its seed: the job's + index) on a place of the engine:
         `await on_event(piece, pick)` for each event; returns the Generation, finished. `wait`
         (streams) replaces the plain wait for the next event (to send keep-alives meanwhile)."""
-        gen = dict(job.gen, seed=(job.gen["seed"] + index) % (1 << 63))
+        gen = dict(job.gen, seed=(job.gen["seed"] + index) % (1 << SEED_BITS))
         await served.acquire(gone)
         g = served.generation(job.m, job.ids, gen, job.stops, arrived)
         try:                             # from here the place is this request's until finish()
