@@ -38,9 +38,10 @@ returns; the engine then runs the forward of the token just chosen (Cython witho
 the mask and its bias are computed, and `apply` at the next pick waits for them. The first mask
 is computed the same way during the prompt's prefill. With background=False (or BACKGROUND =
 False) the mask is computed inline at the pick: the same masks in the same order, so the same
-tokens. What stays on the critical path is apply, consume and the hand-over (~0.2-0.3 ms a token
-at 150k ids); where the engine's threads take every core, the worker's time still slows the
-forward (tools/bench_constraint.py measures both).
+tokens. What stays on the critical path is apply, consume and the hand-over. Model uses the
+worker only where the engine's threads leave a logical CPU free: where they take every one, the
+worker would preempt an engine thread and the whole parallel step would wait for it, so the mask
+is computed inline (tools/bench_constraint.py measures both).
 
 Hostile input: the schema / grammar text is bounded (MAX_SPEC_CHARS), compiled under
 llguidance's limits (LIMITS: grammar size, lexer states, fuel per step, which also bound the time

@@ -290,7 +290,10 @@ class Model:
             if self._constraint_vocab is None:
                 self._constraint_vocab = _constraint.Vocabulary(self._need_tokenizer(), self.config.vocab_size,
                                                                 self.stop_token_ids)
-        return _constraint.Constraint(self._constraint_vocab, **spec)
+        # the next mask on a worker thread overlaps the forward only where a core is free for it:
+        # where the engine's threads take every core, the worker would stall one of them
+        spare_core = self.threads < _logical_cpus()
+        return _constraint.Constraint(self._constraint_vocab, **spec, background=None if spare_core else False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         """Token ids of `text` (transformers' semantics: BOS/EOS where the tokenizer adds them)."""
@@ -631,6 +634,14 @@ class Model:
                 pos += 1
                 if on_step:
                     on_step(self)
+
+
+def _logical_cpus() -> int:
+    """The logical CPUs this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _check_threads_start(threads: int) -> None:
