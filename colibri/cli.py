@@ -626,7 +626,7 @@ def cmd_chat(args) -> int:
 
 def cmd_serve(args) -> int:
     from .modeldir import ModelDir
-    from .server import _need_stack, serve
+    from .serve.app import _need_stack, serve
 
     _need_stack()
     if not 0 <= args.port <= 65535:

@@ -16,11 +16,12 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import FIXTURES, write_safetensors
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette")
+pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -311,10 +312,10 @@ def test_fields_meaningless_here_are_accepted(agent):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0]"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1": 500}}, "logit_bias"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
@@ -370,3 +371,52 @@ def test_a_looping_template_times_out_and_the_server_keeps_answering(agent_dir, 
         assert done.status_code == 200
         code, err = s.stop()
         assert "Traceback" not in err
+
+
+# ---- the schema -------------------------------------------------------------------------------------
+
+def test_every_field_the_openai_sdk_sends_is_classified():
+    """A field the SDK knows is implemented, accepted as meaningless or refused, never unknown:
+    the SDK's own parameter lists against the protocol's models."""
+    openai = pytest.importorskip("openai")
+    from colibri.serve import protocol
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat_params
+    assert openai
+    for sdk, ours in ((chat_params.CompletionCreateParamsBase, protocol.ChatCompletionRequest),
+                      (completion.CompletionCreateParamsBase, protocol.CompletionRequest)):
+        missing = set(sdk.__annotations__) - set(ours.model_fields)
+        assert not missing, f"{ours.__name__} does not classify {sorted(missing)}"
+
+
+def test_openapi_documents_every_route_and_body(agent):
+    doc = httpx.get(agent.url + "/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/health"} <= \
+        set(doc["paths"])
+    schemas = doc["components"]["schemas"]
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    chat_schema = schemas[body["$ref"].rsplit("/", 1)[1]]
+    assert {"messages", "tools", "tool_choice", "response_format", "logit_bias", "seed"} <= set(chat_schema["properties"])
+    assert chat_schema.get("additionalProperties") is False
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 10 ** 6) | st.floats() |
+                           st.text(max_size=8), lambda inner: st.lists(inner, max_size=3) |
+                           st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+CHAT_FIELDS = ["temperature", "top_p", "n", "stop", "seed", "logit_bias", "logprobs", "top_logprobs", "tools",
+               "tool_choice", "response_format", "reasoning_effort", "user", "stream_options", "top_k", "audio",
+               "max_completion_tokens", "parallel_tool_calls", "chat_template_kwargs", "frequency_penalty"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(CHAT_FIELDS) | st.text(max_size=6), JSON_VALUES, max_size=4))
+def test_any_body_is_answered_in_openai_shape_never_a_500(agent, extra):
+    """Whatever a client puts in the fields, the answer is a 200 or an OpenAI-shaped 4xx."""
+    body = {"model": "agent", "messages": ASK, **extra, "max_tokens": 2, "stream": False}
+    raw = json.dumps(body).encode()          # Python's JSON: NaN and Infinity too, as some clients send
+    r = httpx.post(agent.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code in (200, 400, 404, 422), r.text
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert err["message"] and err["type"]

@@ -25,7 +25,7 @@ import colibri
 from conftest import ENV
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette")
+pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
@@ -42,7 +42,7 @@ def free_port() -> int:
 LONG_CTX = ("--n-ctx", "32768")       # room for generations that run far longer than any bound below
 LONG = 30000                          # max_tokens of a generation a test interrupts (seconds of work)
 # `python -m colibri` with a module constant changed first (a server that cancels sooner on SIGTERM)
-PATCHED_MAIN = ("import sys, colibri.server as s; s.{}; from colibri.cli import main; "
+PATCHED_MAIN = ("import sys, colibri.serve.limits as s; s.{}; from colibri.cli import main; "
                 "sys.exit(main(sys.argv[1:]))")
 
 
@@ -244,7 +244,7 @@ def test_prompt_ids_outside_the_vocabulary_are_422(server):
 
 
 def test_a_body_over_the_limit_is_413_by_its_content_length_before_it_is_read(server):
-    from colibri.server import MAX_BODY_BYTES
+    from colibri.serve.limits import MAX_BODY_BYTES
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n")
     with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
@@ -450,7 +450,7 @@ def test_sigterm_cancels_a_stream_that_outlasts_the_grace_and_exits_0(chat_model
 def in_process(load, check, **options):
     """`await check(served, client)` against create_app(Served(load, ...)) through httpx's ASGI
     transport (no lifespan: the load starts here, in the background, as the lifespan starts it)."""
-    from colibri.server import Served, create_app
+    from colibri.serve import Served, create_app
 
     served = Served(load, "tiny", options.pop("api_key", API_KEY), options.pop("max_queue", 2),
                     options.pop("queue_timeout", 30.0), options.pop("parallel", 1))
@@ -533,7 +533,7 @@ def test_a_conversation_the_template_refuses_is_422(chat_model_dir):
 
 
 def test_an_unexpected_exception_is_a_500_in_openai_shape_and_frees_the_engine(chat_model_dir, monkeypatch, caplog):
-    from colibri import server as srv
+    from colibri.serve import engine as srv
 
     real_start, real_step = srv.Generation.start, srv.Generation.step
     broken = {"start": 0, "step": 0}
@@ -571,16 +571,16 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape_and_frees_the_engine(c
         assert "secret" not in r.text
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and served.active == 0, r.text
-    with caplog.at_level(logging.ERROR, logger="colibri.server"):
+    with caplog.at_level(logging.ERROR, logger="colibri.serve"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1), check, queue_timeout=5.0)
-    logged = [rec for rec in caplog.records if rec.name == "colibri.server"]
+    logged = [rec for rec in caplog.records if rec.name == "colibri.serve"]
     assert len(logged) == 3 and all(rec.exc_info for rec in logged)       # the tracebacks stay on the server
     assert "secret detail of the start" in caplog.text
 
 
 def test_a_chunked_body_over_the_limit_is_413_and_read_no_further(monkeypatch):
-    from colibri import server as srv
-    monkeypatch.setattr(srv, "MAX_BODY_BYTES", 1000)
+    from colibri.serve import limits
+    monkeypatch.setattr(limits, "MAX_BODY_BYTES", 1000)
     sent = []
 
     async def endless():                      # 100 times the limit, were it all read
@@ -597,7 +597,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_read_no_further(monkeypatch):
     assert 1000 < sum(sent) <= 1100           # it stopped at the first piece past the limit
 
 
-@pytest.mark.parametrize("module", ["starlette", "uvicorn", "prometheus_client"])
+@pytest.mark.parametrize("module", ["fastapi", "uvicorn", "prometheus_client"])
 def test_serve_without_the_extra_says_how_to_install_it(chat_model_dir, monkeypatch, capsys, module):
     from colibri import cli
     monkeypatch.setitem(sys.modules, module, None)        # `import module` fails as if not installed
@@ -756,7 +756,7 @@ def test_a_failing_batch_step_is_a_500_for_its_requests_and_the_next_ones_run(ch
         assert all(r.status_code == 200 for r in rs) and served.active == 0
         r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 10 ** 6})
         assert r.status_code == 400
-    with caplog.at_level(logging.ERROR, logger="colibri.server"):
+    with caplog.at_level(logging.ERROR, logger="colibri.serve"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2), check, parallel=2, max_queue=4)
 
 
@@ -770,7 +770,7 @@ def test_a_bad_parallel_is_one_line(chat_model_dir, value, message):
 def test_a_failed_batch_thread_answers_500_instead_of_hanging(chat_model_dir, monkeypatch, caplog):
     """A bug in the Batch's engine thread outside a step ends it: the requests it held and every
     later one get a 500 at once (none waits forever on a thread that is gone)."""
-    from colibri import server as srv
+    from colibri.serve import engine as srv
 
     def broken(self):
         raise RuntimeError("secret detail of the thread")
@@ -786,7 +786,7 @@ def test_a_failed_batch_thread_answers_500_instead_of_hanging(chat_model_dir, mo
         assert r.status_code == 500 and served.active == 0
         r = await client.get("/health")
         assert r.status_code == 500 and r.json()["status"] == "error"           # an orchestrator restarts it
-    with caplog.at_level(logging.ERROR, logger="colibri.server"):
+    with caplog.at_level(logging.ERROR, logger="colibri.serve"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2), check, parallel=2, max_queue=4)
     assert "secret detail of the thread" in caplog.text
 
@@ -826,7 +826,7 @@ def test_parallel_under_an_expert_budget_warns_once(chat_model_dir, caplog):
         async def check(served, client):
             assert (await until_healthy(client)).status_code == 200
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="colibri.server"):
+        with caplog.at_level(logging.WARNING, logger="colibri.serve"):
             in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2, expert_cache_mb=budget_mb),
                        check, parallel=2)
         return [r.getMessage() for r in caplog.records if "expert budget" in r.getMessage()]

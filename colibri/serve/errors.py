@@ -1,7 +1,7 @@
-"""The server's error: an HTTP status and a body in the API's own shape (OpenAI's by default)."""
+"""The server's errors: an HTTP status and a body in OpenAI's shape; a client gone."""
 from __future__ import annotations
 
-RETRY_AFTER_SECONDS = 1
+from . import limits
 
 
 class APIError(Exception):
@@ -16,7 +16,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = dict(headers or {})
         if status == 503:
-            self.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
+            self.headers.setdefault("Retry-After", str(limits.RETRY_AFTER_SECONDS))
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -24,3 +24,9 @@ class APIError(Exception):
 
 class Disconnected(Exception):
     """The client went away: nothing more is sent to it."""
+
+
+def internal_error(e: Exception) -> APIError:
+    """What a client sees of an unexpected exception: its type only (the log has the traceback)."""
+    return APIError(500, f"internal server error ({type(e).__name__}); the server's log has the details",
+                    kind="server_error", code="internal_error")

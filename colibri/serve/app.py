@@ -1,0 +1,539 @@
+"""The HTTP app: routes, authentication, bodies, whole and streamed answers; `serve()` runs it.
+
+Design
+------
+FastAPI (its routers and the schema at /openapi.json, from serve/protocol.py's models) under
+uvicorn, prometheus_client for /metrics: the optional extra `colibri[serve]`. Each route is an
+Endpoint: an ASGI handler that sends its own response, so that a stream's headers go out only
+once its first generation has started (a 503 stays a 503) and a client's disconnect is seen
+between tokens. Endpoints, in OpenAI's shapes: POST /v1/chat/completions, POST /v1/completions
+(whole, or streamed as `data: {...}` chunks and `data: [DONE]`; `stream_options.include_usage`;
+SSE comment lines while a long prompt runs), GET /v1/models and /v1/models/{id}, POST /tokenize
+and /detokenize (llama-server's shapes, vLLM's accepted), GET /health (503 while the model loads
+and warms up, 200 when ready), GET /metrics (Prometheus text).
+
+Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not JSON, a
+field of the wrong type or range, an unknown field or one Colibri does not implement (no field
+is silently ignored), 401 for a wrong or missing key (compared in constant time), 404 for another
+model's name, 413 for a body over limits.MAX_BODY_BYTES (by Content-Length before reading, else
+as soon as the streamed body passes it), 422 for a well-formed request the model cannot process
+(the chat template refuses, fails or outlasts limits.PREPARE_SECONDS, the model has no chat
+template, prompt token ids outside the vocabulary), 503 (loading, queue full, queue timeout) with
+Retry-After, and 500 for anything unexpected — logged with its traceback on the server, never
+sent to the client.
+
+A chat reply goes through the reply parser of the model's format (chat.ChatTemplate.reply_stream,
+colibri/replies.py): `reasoning_content`, `content` and `tool_calls`, whole and as deltas, and
+finish_reason "tool_calls" (serve/openai.py turns the request into that work).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+
+from .. import __version__
+from ..errors import ColibriError
+from ..names import MAX_PARALLEL
+from ..sampling import SEED_BITS
+from . import limits, openai, protocol
+from .engine import Served, _Watch
+from .errors import APIError, Disconnected, internal_error
+from .openai import Job
+
+logger = logging.getLogger("colibri.serve")
+
+
+# the request bodies documented at /openapi.json (each validates its route's body)
+BODIES = (protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.TokenizeRequest,
+          protocol.DetokenizeRequest)
+
+
+def _need_stack():
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ColibriError(f"serve needs the server extra ({e.name} is missing): pip install \"colibri[serve]\"") from None
+
+
+def create_app(served: Served):
+    from fastapi import FastAPI
+    from fastapi.openapi.utils import get_openapi
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from pydantic.json_schema import models_json_schema
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response
+
+    def error_response(e: APIError, endpoint: str):
+        served.requests.labels(endpoint, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+
+    class Endpoint:
+        """One route as an ASGI app around `handler(request, send)`, which sends its own
+        response. An APIError is answered in OpenAI's shape; any other exception is logged here
+        with its traceback and answered with a 500 in the same shape (never the traceback);
+        a client that went away gets nothing more. Whatever it held is released by the
+        handler's own finally blocks."""
+
+        def __init__(self, endpoint: str, handler):
+            self.endpoint, self.handler = endpoint, handler
+
+        async def __call__(self, scope, receive, send):
+            started = False
+
+            async def tracked(message):
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            try:
+                await self.handler(Request(scope, receive), tracked)
+            except Disconnected:
+                served.requests.labels(self.endpoint, "disconnected").inc()
+            except asyncio.CancelledError:
+                # the ASGI server cancels what outlasts its graceful shutdown: the handler's
+                # finally blocks have freed the engine; ending here, not re-raising, keeps a
+                # traceback out of the log (uvicorn then closes the connection)
+                served.requests.labels(self.endpoint, "cancelled").inc()
+                logger.warning("%s %s cancelled (the server is stopping)", scope.get("method"), scope.get("path"))
+            except APIError as e:
+                if not started:
+                    await error_response(e, self.endpoint)(scope, receive, send)
+            except Exception as e:       # noqa: BLE001 - the catch-all: a 500, the traceback in the log
+                logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
+                if not started:
+                    await error_response(internal_error(e), self.endpoint)(scope, receive, send)
+
+    def check_key(request: Request) -> None:
+        if served.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        # headers arrive decoded as latin-1: back to the bytes the client sent; the comparison
+        # takes the same time wherever the bytes differ
+        same = hmac.compare_digest(token.strip().encode("latin-1"), served.api_key.encode("utf-8"))
+        if not (same and scheme.lower() == "bearer"):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error",
+                           code="invalid_api_key")
+
+    async def read_body(request: Request):
+        limit = limits.MAX_BODY_BYTES
+        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                             headers={"Connection": "close"})
+        length = request.headers.get("content-length", "").strip()
+        if length.isdigit() and int(length) > limit:
+            raise too_large                  # refused before a byte of the body is read
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_large          # a chunked (or lying) body: read no further
+                parts.append(part)
+        except ClientDisconnect:
+            raise Disconnected() from None
+        try:
+            doc = json.loads(b"".join(parts))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({str(e)[:100]})") from None
+        _check_unicode(doc)
+        return doc
+
+    async def reply(request: Request, send, response) -> None:
+        await response(request.scope, request.receive, send)
+
+    async def health(request: Request, send):
+        if served.stepper is not None and served.stepper.failed is not None:     # restart me
+            return await reply(request, send, JSONResponse(
+                {"status": "error", "error": "the batch's engine thread has stopped"}, status_code=500))
+        if served.model is not None:
+            return await reply(request, send, JSONResponse({"status": "ok"}))
+        if served.load_error:
+            return await reply(request, send, JSONResponse({"status": "error", "error": served.load_error},
+                                                           status_code=500))
+        await reply(request, send, JSONResponse({"status": "loading"}, status_code=503,
+                                                headers={"Retry-After": str(limits.RETRY_AFTER_SECONDS)}))
+
+    async def models(request: Request, send):
+        check_key(request)
+        await reply(request, send, JSONResponse({"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}]}))
+
+    async def model_by_id(request: Request, send):
+        check_key(request)
+        wanted = request.path_params["model_id"]
+        if wanted != served.name:
+            raise APIError(404, f"the model '{wanted[:100]}' does not exist; this server serves '{served.name}'",
+                           param="model", code="model_not_found", kind="not_found_error")
+        await reply(request, send, JSONResponse(
+            {"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}))
+
+    def text_tool(fn):
+        """A route answering fn(served, body) -> doc, run off the event loop: /tokenize (llama-server's
+        {"content", "add_special", "with_pieces"}, vLLM's {"prompt", "add_special_tokens"} or
+        {"messages", "add_generation_prompt"} -> {"tokens", "count", "max_model_len"}) and
+        /detokenize ({"tokens"} -> {"content"}, and vLLM's "prompt")."""
+        async def route(request: Request, send):
+            check_key(request)
+            body = await read_body(request)
+            doc = await served.off_loop(fn, served, body)
+            await reply(request, send, JSONResponse(doc))
+        return route
+
+    async def metrics(request: Request, send):
+        served.observe_memory()
+        await reply(request, send, Response(generate_latest(served.registry), media_type=CONTENT_TYPE_LATEST))
+
+    async def completion(request: Request, send, chat: bool):
+        arrived = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        check_key(request)
+        body = await read_body(request)
+        job = await served.off_loop(openai.prepare, served, body, chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        watch = _Watch(request.receive)
+        try:
+            if job.stream:
+                return await streamed(job, send, watch.gone, rid, endpoint, arrived)
+            doc = await whole(job, watch.gone, rid, arrived)
+        finally:
+            watch.stop()
+        await reply(request, send, JSONResponse(doc, headers={limits.SEED_HEADER: str(job.gen["seed"])}))
+        served.requests.labels(endpoint, "200").inc()
+
+    async def run_choice(job: Job, index: int, gone, arrived: float, on_event, wait=None):
+        """Generation `index` of the job (its seed: the job's + index) on a place of the engine:
+        `await on_event(piece, pick)` for each event; returns the Generation, finished. `wait`
+        (streams) replaces the plain wait for the next event (to send keep-alives meanwhile)."""
+        gen = dict(job.gen, seed=(job.gen["seed"] + index) % (1 << SEED_BITS))
+        await served.acquire(gone)
+        g = served.generation(job.m, job.ids, gen, job.stops, arrived)
+        try:                             # from here the place is this request's until finish()
+            try:
+                await g.begin(gone)
+            except ColibriError as e:
+                raise APIError(400, str(e)) from None
+            while (ev := await (wait or served.next_event)(g, gone)) is not None:
+                piece, pick = ev
+                if pick is not None:
+                    g.note_token()
+                await on_event(piece, pick)
+        finally:
+            served.finish(g)
+            g.account()
+        return g
+
+    def reply_parser(job: Job):
+        """The reply stream of a chat job's model format, or None (text is content as it is)."""
+        if not job.chat or job.gen.get("skip_special_tokens", True):
+            return None
+        return job.m.chat_template.reply_stream(**job.reply)
+
+    def usage(job: Job, runs: list) -> dict:
+        done = sum(len(g.record.tokens) for g in runs if g.record is not None)
+        cached = runs[0].record.reused_tokens if runs and runs[0].record is not None else 0
+        return {"prompt_tokens": len(job.ids), "completion_tokens": done, "total_tokens": len(job.ids) + done,
+                "prompt_tokens_details": {"cached_tokens": int(cached or 0)}}
+
+    def finish_reason(g, parser) -> str:
+        reason = g.record.finish_reason if g.record is not None else "stop"
+        if parser is not None and parser.has_tool_calls and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    async def whole(job: Job, gone, rid, arrived: float) -> dict:
+        choices, runs = [], []
+        for index in range(job.n):
+            text, picks = [], []
+            parser = reply_parser(job)
+
+            async def on_event(piece, pick):
+                text.append(piece)
+                if parser is not None and piece:
+                    parser.push(piece)
+                if pick is not None:
+                    picks.append(pick)
+            try:
+                g = await run_choice(job, index, gone, arrived, on_event)
+                if parser is not None:
+                    parser.finish()
+            except ColibriError as e:
+                raise APIError(500, str(e), kind="server_error") from None
+            runs.append(g)
+            choice = {"index": index, "finish_reason": finish_reason(g, parser)}
+            if job.chat:
+                choice["message"] = _message(parser.message if parser is not None else None, "".join(text))
+                choice["logprobs"] = None if job.logprobs is None else \
+                    {"content": [_chat_logprob(job.m, p, job.logprobs) for p in picks]}
+            else:
+                choice["text"] = "".join(text)
+                choice["logprobs"] = None if job.logprobs is None else _completion_logprobs(job.m, picks, job.logprobs)
+            choices.append(choice)
+        return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
+                "model": served.name, "choices": choices, "usage": usage(job, runs), "seed": job.gen["seed"]}
+
+    async def streamed(job: Job, send, gone, rid, endpoint, arrived: float) -> None:
+        """Server-sent events, one or more per token; the client's disconnect ends the loop before
+        the engine is asked for another token (run_choice's finally then frees the engine).
+        While no event comes (a long prompt), a comment line every limits.KEEPALIVE_SECONDS keeps
+        proxies and clients from timing the connection out."""
+        created = int(time.time())
+        chat = job.chat
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        started = False
+
+        async def start() -> None:
+            """The headers go out with the first event: until then (the queue, the checks of the
+            first generation) an error is still a plain HTTP error response."""
+            nonlocal started
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                        (b"cache-control", b"no-cache"),
+                                        (limits.SEED_HEADER.encode(), str(job.gen["seed"]).encode())]})
+
+        async def emit(doc) -> None:
+            await start()
+            text = "data: [DONE]\n\n" if doc is None else f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
+            await send({"type": "http.response.body", "body": text.encode("utf-8"), "more_body": True})
+
+        def event(choice, usage_doc=None):
+            doc = {"id": rid, "object": chunk_obj, "created": created, "model": served.name,
+                   "choices": [choice] if choice is not None else []}
+            if job.include_usage:
+                doc["usage"] = usage_doc
+            return doc
+
+        async def wait(g, gone):
+            step = asyncio.ensure_future(served.next_event(g, gone))
+            while True:
+                done, _ = await asyncio.wait((step,), timeout=limits.KEEPALIVE_SECONDS)
+                if done:
+                    return step.result()
+                await start()
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+
+        outcome, runs = "200", []
+        try:
+            for index in range(job.n):
+                parser = reply_parser(job)
+                opened = []              # the choice's first chunk (its role) is out
+
+                async def open_choice(index=index, opened=opened):
+                    if chat and not opened:
+                        opened.append(True)
+                        await emit(event({"index": index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}))
+
+                async def on_event(piece, pick, index=index, parser=parser, open_choice=open_choice):
+                    await open_choice()
+                    lp = None
+                    if job.logprobs is not None and pick is not None:
+                        lp = {"content": [_chat_logprob(job.m, pick, job.logprobs)]} if chat else \
+                            _completion_logprobs(job.m, [pick], job.logprobs)
+                    if not chat:
+                        if piece or lp is not None:
+                            await emit(event({"index": index, "text": piece, "logprobs": lp, "finish_reason": None}))
+                        return
+                    deltas = (parser.push(piece) if piece else []) if parser is not None else \
+                        ([{"content": piece}] if piece else [])
+                    if not deltas and lp is not None:
+                        deltas = [{}]
+                    for delta in deltas:
+                        await emit(event({"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}))
+                        lp = None
+                g = await run_choice(job, index, gone, arrived, on_event, wait)
+                runs.append(g)
+                await open_choice()
+                if parser is not None:
+                    for delta in parser.finish():
+                        await emit(event({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
+                reason = finish_reason(g, parser)
+                await emit(event({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason} if chat
+                                 else {"index": index, "text": "", "logprobs": None, "finish_reason": reason}))
+            if job.include_usage:
+                await emit(event(None, usage(job, runs)))
+        except Disconnected:
+            raise
+        except Exception as e:           # noqa: BLE001 - the headers are out: the error is the last event
+            if not started:
+                raise                    # still a plain HTTP error (the Endpoint answers it)
+            outcome = "500"
+            if isinstance(e, (ColibriError, APIError)):
+                err = e if isinstance(e, APIError) else APIError(500, str(e), kind="server_error")
+            else:
+                logger.error("%s failed mid-stream", endpoint, exc_info=e)
+                err = internal_error(e)
+            await emit(err.body())
+        await emit(None)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        served.requests.labels(endpoint, outcome).inc()
+
+    async def chat_completions(request: Request, send):
+        await completion(request, send, chat=True)
+
+    async def completions(request: Request, send):
+        await completion(request, send, chat=False)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        served.start_loading()              # /health says 503 until the model is ready
+        yield
+        served.executor.shutdown(wait=True)     # the closes of cancelled generations run first
+        if served.stepper is not None:
+            served.stepper.stop()
+
+    async def http_error(request: Request, exc: HTTPException):
+        # routing's own errors (an unknown path: 404, a wrong method: 405) in OpenAI's shape too
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                     kind=kind).body(), status_code=exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception):
+        return JSONResponse(internal_error(exc).body(), status_code=500)      # uvicorn logs the traceback
+
+    class Sent(Response):
+        """What a route returns to FastAPI: its Endpoint, which sends the response itself."""
+
+        def __init__(self, endpoint):
+            self.endpoint, self.background = endpoint, None
+
+        async def __call__(self, scope, receive, send):
+            await self.endpoint(scope, receive, send)
+
+    app = FastAPI(title="Colibri", version=__version__, lifespan=lifespan, redoc_url=None,
+                  description="OpenAI-compatible serving of a Mixture-of-Experts model on CPUs (docs/SERVING.md).")
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+
+    def route(path: str, method: str, name: str, handler, summary: str, body=None) -> None:
+        endpoint = Endpoint(name, handler)
+
+        async def answer(request):
+            return Sent(endpoint)
+        answer.__annotations__ = {"request": Request}      # FastAPI injects it (the name is local here)
+        schema = {"$ref": f"#/components/schemas/{body.__name__}"} if body is not None else None
+        extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}} if body else None
+        app.add_api_route(path, answer, methods=[method], name=f"{name} {method} {path}", summary=summary,
+                          openapi_extra=extra)
+
+    route("/health", "GET", "health", health, "200 once the model is loaded and warmed up, else 503")
+    route("/v1/models", "GET", "models", models, "the served model")
+    route("/v1/models/{model_id:path}", "GET", "models", model_by_id, "the served model by its name")
+    route("/tokenize", "POST", "tokenize", text_tool(openai.tokenize), "text or a conversation -> token ids",
+          protocol.TokenizeRequest)
+    route("/detokenize", "POST", "detokenize", text_tool(openai.detokenize), "token ids -> text",
+          protocol.DetokenizeRequest)
+    route("/metrics", "GET", "metrics", metrics, "Prometheus text")
+    route("/v1/chat/completions", "POST", "chat", chat_completions, "a chat reply (OpenAI's chat completions)",
+          protocol.ChatCompletionRequest)
+    route("/v1/completions", "POST", "completions", completions, "a text completion (OpenAI's completions)",
+          protocol.CompletionRequest)
+
+    def openapi() -> dict:
+        """FastAPI's document of the routes, with the request bodies' schemas as components."""
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}")
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi
+    return app
+
+
+def _check_unicode(doc) -> None:
+    """400 for a string that is not Unicode text: JSON's escapes can spell a lone surrogate
+    ("\\ud800"), which no tokenizer, template or UTF-8 response can take."""
+    stack = [(doc, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            values = [value]
+        elif isinstance(value, dict):
+            values = list(value)
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            values = []
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        else:
+            continue
+        for text in values:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                name = where or "the body"
+                raise APIError(400, f"{name[:80]} holds a string that is not valid Unicode (a lone surrogate)",
+                               param=where.split(".")[0].split("[")[0] or None) from None
+
+
+def _message(parsed: dict | None, text: str) -> dict:
+    """The assistant message of a whole reply: the parser's (content, reasoning_content,
+    tool_calls), or the text as content."""
+    if parsed is None:
+        return {"role": "assistant", "content": text}
+    out = {"role": "assistant", "content": parsed.get("content")}
+    if parsed.get("reasoning_content"):
+        out["reasoning_content"] = parsed["reasoning_content"]
+    if parsed.get("tool_calls"):
+        out["tool_calls"] = parsed["tool_calls"]
+    elif out["content"] is None:
+        out["content"] = ""
+    return out
+
+
+def _token_text(m, token: int) -> str:
+    return m.tokenizer.decode([token])
+
+
+def _chat_logprob(m, pick, top: int) -> dict:
+    text = _token_text(m, pick.token)
+    return {"token": text, "logprob": pick.logprob, "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": (t := _token_text(m, i)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                             for i, lp in pick.top[:top]]}
+
+
+def _completion_logprobs(m, picks, top: int) -> dict:
+    tokens = [_token_text(m, p.token) for p in picks]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [p.logprob for p in picks],
+            "top_logprobs": [{_token_text(m, i): lp for i, lp in p.top[:top]} for p in picks], "text_offset": offsets}
+
+
+def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_queue: int = 16, queue_timeout: float = 600.0, log=print, parallel: int = 1,
+          step_tokens: int | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running requests
+    limits.GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels them, and returns). `load()` -> Model
+    (loaded with this `parallel`), called once in the background."""
+    _need_stack()
+    import uvicorn
+
+    if api_key is not None and not api_key.strip():
+        raise ColibriError("--api-key is empty: give a key, or leave the option out to serve without one")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_PARALLEL:
+        raise ColibriError(f"--parallel must be in 1..{MAX_PARALLEL}, got {parallel!r}")
+    served = Served(load, name, api_key, max_queue, queue_timeout, parallel, step_tokens)
+    app = create_app(served)
+    at_once = "one generation at a time" if parallel == 1 else f"{parallel} generations at a time, decoded together"
+    log(f"[INFO] Serving '{name}' on http://{host}:{port}/v1 (health: /health, metrics: /metrics); "
+        f"{at_once}, up to {max_queue} waiting")
+    # uvicorn stops gracefully on SIGTERM and then re-raises the signal under the handler it found:
+    # a handler that returns makes that re-raise a no-op, so SIGTERM ends with status 0
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=limits.GRACEFUL_SHUTDOWN_SECONDS)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
