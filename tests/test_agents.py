@@ -185,6 +185,24 @@ def test_the_openai_client_runs_a_tool_loop(agent):
     assert second.choices[0].message.tool_calls is None
 
 
+def test_the_openai_client_streams_tool_calls(agent):
+    """The SDK's own accumulation of streamed deltas gives the whole reply's calls."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=agent.url + "/v1", api_key="none")
+    body = dict(model="agent", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200,
+                temperature=0.9, seed=21)
+    whole = client.chat.completions.create(**body).choices[0]
+    with client.chat.completions.stream(**body) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls"
+    # the same seed, the same calls (each run draws its own call ids)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert all(c.id and c.type == "function" for c in streamed.message.tool_calls)
+
+
 def test_tool_choice_none_leaves_calls_unparsed_and_unforced(agent):
     r = chat(agent, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
