@@ -32,7 +32,23 @@ EXIT_VERIFY_FAILED = 1
 EXIT_INTERRUPTED = 130
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """An option's help ends with its default, from the parser itself (so the text cannot drift),
+    unless the help already says what the default is (a default of None means "decided later")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS) or \
+                isinstance(action.default, bool) or action.default == []:
+            return text
+        return f"{text} (default: {action.default})".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _ShowDefaults)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):           # one line, not usage + message
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
@@ -96,7 +112,7 @@ def _engine_options(p) -> None:
     p.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None,
                    help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)")
     p.add_argument("--eviction", choices=names.EVICTION_POLICIES, default=None,
-                   help="which expert leaves first under a budget (default: lru)")
+                   help=f"which expert leaves first under a budget (default: {names.DEFAULT_EVICTION})")
     p.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=names.KV_CACHE_TYPES, default="f32",
                    help="the KV cache's elements: f16 halves its bytes (long contexts; keys and values rounded "
                         "to f16 as they are stored, attention in f32); q8 takes about a quarter (int8 codes and "
@@ -144,16 +160,20 @@ def _generation_options(p, default_max: int) -> None:
     """The sampling and stopping options `run` and `chat` share. Unset sampling values take the
     checkpoint's generation_config.json defaults, then greedy."""
     p.add_argument("--max-new-tokens", "--max_new_tokens", "-n", dest="max_new_tokens", type=_positive_int,
-                   default=default_max)
+                   default=default_max, help="the most tokens a reply may have")
     p.add_argument("--temperature", type=_number, default=None,
                    help="0 = greedy (default: generation_config.json's, else 0)")
     p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=None, help="0 = off")
-    p.add_argument("--top-p", "--top_p", dest="top_p", type=_number, default=None)
-    p.add_argument("--min-p", "--min_p", dest="min_p", type=_number, default=None)
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=_number, default=None,
+                   help="1 = off (default: generation_config.json's, else 1)")
+    p.add_argument("--min-p", "--min_p", dest="min_p", type=_number, default=None,
+                   help="0 = off (default: generation_config.json's, else 0)")
     p.add_argument("--repetition-penalty", "--repetition_penalty", "--repeat-penalty", dest="repetition_penalty",
                    type=_number, default=None, help="transformers' repetition_penalty (1 = off)")
-    p.add_argument("--presence-penalty", "--presence_penalty", dest="presence_penalty", type=_number, default=0.0)
-    p.add_argument("--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=_number, default=0.0)
+    p.add_argument("--presence-penalty", "--presence_penalty", dest="presence_penalty", type=_number, default=0.0,
+                   help="subtracted from the logit of every token already generated, in [-2, 2]")
+    p.add_argument("--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=_number, default=0.0,
+                   help="subtracted once per earlier occurrence of the token, in [-2, 2]")
     p.add_argument("--seed", type=int, default=None,
                    help="the sampler's random seed: the same seed, settings and prompt give the same text "
                         "(default: a fresh seed each run, shown in the [INFO] Sampling line)")
@@ -195,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra: pip install \"colibri[serve]\")")
     _model_options(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     srv.add_argument("--api-key", "--api_key", dest="api_key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 requests")
     srv.add_argument("--model-name", "--model_name", dest="model_name", default=None,
@@ -215,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = sub.add_parser("tokenizer", help="add or replace the tokenizer, chat template and generation config "
                                            "files of a model directory")
-    tok.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
+    tok.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True,
+                     help="the model directory to write the text files into")
     tok.add_argument("--from", dest="source", required=True,
                      help="a directory holding tokenizer.json / tokenizer.model / tokenizer_config.json / "
                           "chat_template.jinja / generation_config.json ... (e.g. the HF checkpoint)")
@@ -227,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Gemma 4; needs the "
                                        "gguf package: pip install 'colibri[gguf]'); its Q8_0/Q4_0/MXFP4 blocks are kept as "
                                        "int8/int4/mxfp4, its tokenizer and chat template are made into the directory's files")
-    conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
+    conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True,
+                      help="the model directory to write (it must not exist, unless --force)")
     conv.add_argument("--quantize", type=_quantize_choice, default=None,
                       help="storage of the weight matrices: f32, f16, bf16, int8, int4, nl4 (4-bit, a non-linear "
                            "codebook with a scale per 16 weights: less error than int4 in the same bytes) or int6 "
@@ -257,8 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--force", action="store_true", help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)")
 
     rel = sub.add_parser("relayout", help="rewrite a model directory's weights in other layouts (no HF checkpoint)")
-    rel.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True)
-    rel.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
+    rel.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True, help="the model directory to read")
+    rel.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True,
+                     help="the model directory to write")
     rel.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
                      default=None, help="as for convert (default: the faster for the format)")
     rel.add_argument("--layout", choices=LAYOUT_CHOICES, default=None, help="as for convert")
@@ -275,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ctx", type=_positive_int, default=256, help="tokens per chunk (default 256)")
     ev.add_argument("--reference-dir", "--reference_dir", dest="reference_dir",
                     help="the same model in another format: report KL divergence, top-1 agreement, RMS delta p")
-    ev.add_argument("--threads", type=_positive_int, default=None)
-    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--threads", type=_positive_int, default=None, help="default: the physical cores this process may use")
+    ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
 
     cal = sub.add_parser("calibrate", help="activation statistics of a text, for convert --importance")
     _model_dir_option(cal, help="a conversion of the checkpoint (f32, bf16 or int8 is best)")
@@ -285,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--ctx", type=_positive_int, default=512, help="tokens per chunk (default 512)")
     cal.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=_positive_int, default=None,
                      help="use at most this many tokens of the text")
-    cal.add_argument("--threads", type=_positive_int, default=None)
+    cal.add_argument("--threads", type=_positive_int, default=None, help="default: the physical cores this process may use")
     cal.add_argument("--second-moments", "--second_moments", dest="second_moments", default="auto",
                      choices=("auto", "diag", "dense", "all"),
                      help="which matrices also collect their input's whole second moment, with which convert "
@@ -295,9 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
     _model_dir_option(bench)
-    bench.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=_positive_int, default=128)
+    bench.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=_positive_int, default=128,
+                       help="prompt tokens per repetition")
     bench.add_argument("--gen", type=_positive_int, default=64, help="tokens to decode per repetition")
-    bench.add_argument("--repeat", type=_positive_int, default=5)
+    bench.add_argument("--repeat", type=_positive_int, default=5, help="how many times the prompt and the decode are timed")
     bench.add_argument("--threads", type=_positive_int, default=None, help="default: all cores")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,

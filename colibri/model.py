@@ -28,7 +28,7 @@ import numpy as np
 
 from . import constraint as _constraint
 from .errors import ColibriError
-from .names import BF16_PRODUCTS, KV_CACHE_TYPES, MAX_PARALLEL
+from .names import BF16_PRODUCTS, DEFAULT_EVICTION, KV_CACHE_TYPES, MAX_PARALLEL
 from . import _os
 from . import spec
 from .modeldir import MappedModelDir, ModelDir
@@ -178,7 +178,7 @@ class Model:
                     self.residency.open_files()
                 del engine
                 engine = _engine.Engine(spec.build(cfg, tensors, prefetch=prefetch, expert_budget=budget,
-                                                   eviction=eviction or residency.DEFAULT_EVICTION,
+                                                   eviction=eviction or DEFAULT_EVICTION,
                                                    expert_fds=self.residency.fds, **build))
                 if budget is not None:
                     self._hold_warm_experts(engine)

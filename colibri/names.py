@@ -11,6 +11,7 @@ LAYOUTS = ("rows", "transposed", "interleaved")             # CB_ROWS, CB_TRANSP
 KV_CACHE_TYPES = ("f32", "f16", "q8")                       # load(kv_cache=): CB_KV_F32, CB_KV_F16, CB_KV_Q8
 PREFETCH_MODES = ("none", "routed", "predict")              # load(prefetch=): the layer loop's PREFETCH_*
 EVICTION_POLICIES = ("lru", "lfu")                          # load(eviction=): CB_EVICT_LRU, CB_EVICT_LFU
+DEFAULT_EVICTION = "lfu"                                    # chosen by tools/bench/routing_cache.py on trained routing
 # load(bf16_products=): "f32" the exact products, "bf16" the activations rounded to bf16 for
 # AVX512_BF16's vdpbf16ps, "auto" bf16 where the CPU has it (colibri.model)
 BF16_PRODUCTS = ("auto", "bf16", "f32")

@@ -43,7 +43,6 @@ from .modeldir import tensor_file
 
 PREFETCH_MODES = PREFETCH_CODES     # name -> the layer loop's code (defined once, in _engine.pyx)
 EVICTION_POLICIES = tuple(EVICTION_CODES)
-DEFAULT_EVICTION = "lfu"            # chosen by tools/bench/routing_cache.py on trained routing (BENCHMARKS.md)
 
 MAX_BUDGET_MB = 1e12         # a budget beyond any machine's memory is a typo (or inf)
 MIN_MARGIN = 32 << 20        # bytes the plan keeps free under the limit at least ...

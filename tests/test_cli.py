@@ -452,3 +452,41 @@ def test_constraint_files_become_generate_keywords(tmp_path):
         "json_schema": {"type": "object", "properties": {"name": {"type": "string"}}}}
     assert _constraint_kwargs(parse(["run", "--prompt", "x", "--grammar", str(grammar)])) == {"grammar": 'start: "amen"\n'}
     assert _constraint_kwargs(parse(["run", "--prompt", "x"])) == {}
+
+
+def test_every_option_has_help_that_states_its_default():
+    """--help cannot drift from the code: an option with a default shows the parser's own value
+    (or says in words what it is), and no option goes without a help text."""
+    import argparse
+    from colibri import cli
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in commands.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, f"{name} {action.option_strings[0]} has no help"
+            shown = formatter._get_help_string(action)
+            default = action.default
+            if default is None or isinstance(default, bool) or default == []:
+                continue
+            assert f"(default: {default})" in shown or "default" in action.help, (name, action.option_strings[0], shown)
+    eviction = next(a for a in commands["run"]._actions if "--eviction" in a.option_strings)
+    from colibri.names import DEFAULT_EVICTION
+    assert f"default: {DEFAULT_EVICTION}" in eviction.help
+
+
+def test_a_directory_named_colibri_in_the_way_is_one_line(tmp_path):
+    """`python -m colibri` where the current directory holds a `colibri/` that is not the package
+    (a clone's root): one line naming it, status 2 — where the package is an editable install (a
+    regular install on sys.path wins over the directory, and there is nothing to report)."""
+    import os
+    (tmp_path / "colibri").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-m", "colibri", "info"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    if p.returncode == 0:
+        pytest.skip("the installed colibri is a regular package: the directory does not shadow it")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert str(tmp_path / "colibri") in p.stderr and len(p.stderr.strip().splitlines()) == 1
