@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import LAYOUT_CODES, NL4_OFFSET, NL4_SCALE_BIAS, NL4_SUB_MAX, QBLOCK, TGROUP, quantize_nl4    # the C definitions (csrc/quant.h, kernels_scalar.h)
+# the C definitions (csrc/quant.h, kernels_scalar.h); NL4_OFFSET and NL4_SUB_MAX also as quant.X (the tests)
+from ._kernels import (LAYOUT_CODES, NL4_OFFSET, NL4_SCALE_BIAS, NL4_SUB_MAX, QBLOCK, TGROUP,  # noqa: F401
+                       quantize_nl4)
 
 BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 import colibri

@@ -21,7 +21,6 @@ from hypothesis.extra import numpy as hnp
 
 import colibri
 from colibri import quant
-from colibri.errors import ColibriError
 from colibri.modeldir import MappedModelDir, ModelDir
 from conftest import FIXTURES, colibri as run_cli, kl_mean, one_line_error, reference
 

@@ -23,7 +23,7 @@ from colibri.cli import DEMO_DIR
 from colibri.generation import GenerationDefaults
 from colibri.streaming import StopStrings, TextStream
 from colibri.tokenizer import SentencePieceTokenizer
-from conftest import CHATML, FIXTURES, SMALL_VOCAB, SPECIALS
+from conftest import CHATML, FIXTURES, SMALL_VOCAB
 from conftest import AS_LIMIT, colibri as run_cli, one_line_error
 
 

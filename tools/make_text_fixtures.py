@@ -90,7 +90,6 @@ import re
 import shutil
 import sys
 import tempfile
-import unicodedata
 import zlib
 from pathlib import Path
 

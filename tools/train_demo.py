@@ -127,7 +127,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import shutil

@@ -556,7 +556,7 @@ def measure(a) -> int:
     save()
     peer_table(runs, formats, steps)
     runs = [x for x in runs if x["engine"] == "colibri"]
-    print(f"\n| format | threads | chunk | " + " | ".join(f"{s} prefill, decode" for s in steps)
+    print("\n| format | threads | chunk | " + " | ".join(f"{s} prefill, decode" for s in steps)
           + f" | {steps[0]} / {steps[-1]} prefill |")
     print("|---|---:|---:|" + "---|" * len(steps) + "---:|")
     for fmt in formats:

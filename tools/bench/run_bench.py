@@ -291,7 +291,7 @@ def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
               f"OpenMP ({a.ik_bench}); '-rtr': its run-time repacking (-rtr 1)"] if ik_meta else []),
            f"- Work: prompt {a.prompt_len} random token ids, {a.gen} generated tokens; {a.reps} repetitions per row, "
            f"one process each, engines interleaved; figures are median (min–max)",
-           f"- Read bandwidth (readbw.c, 1 GiB, best of 5 passes per measurement): "
+           "- Read bandwidth (readbw.c, 1 GiB, best of 5 passes per measurement): "
            + "; ".join(f"{t} threads: {cell(v, '{:.2f}')} GB/s" for t, v in sorted(bw.items())),
            "- Weights read per decoded token (all but the embedding table; experts × top-k/experts): "
            + "; ".join(f"{fmt} {c / 1e6:.1f} MB" + (f" (GGUF {g / 1e6:.1f} MB)" if g else "")

@@ -1,0 +1,21 @@
+"""The code passes the linter configured in pyproject.toml ([tool.ruff]): pyflakes' checks (unused
+imports, undefined names) and pycodestyle's errors, on the package, the tests and the tools."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_ruff_finds_nothing():
+    pytest.importorskip("ruff")
+    ruff = shutil.which("ruff") or None
+    cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
+    p = subprocess.run([*cmd, "check", "--no-cache", "colibri", "tests", "tools"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
