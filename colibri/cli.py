@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system message at the start of the conversation")
     _generation_options(chat, default_max=512)
 
-    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra: pip install \"colibri[serve]\")")
+    srv = sub.add_parser("serve", help=f"an OpenAI-compatible HTTP server (needs the extra: pip install \"{names.DISTRIBUTION}[serve]\")")
     _model_options(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", help="a Hugging Face checkpoint directory")
     source.add_argument("--gguf", help="a llama.cpp GGUF model file (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3/Kimi K2, "
                                        "Gemma 4; needs the "
-                                       "gguf package: pip install 'colibri[gguf]'); its Q8_0/Q4_0/MXFP4 blocks are kept as "
+                                       f"gguf package: pip install '{names.DISTRIBUTION}[gguf]'); its Q8_0/Q4_0/MXFP4 blocks are kept as "
                                        "int8/int4/mxfp4, its tokenizer and chat template are made into the directory's files")
     conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True,
                       help="the model directory to write (it must not exist, unless --force)")

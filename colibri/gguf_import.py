@@ -6,7 +6,7 @@ Design
 `shape`, `f32`, `root`): a config.json built from the GGUF metadata and transformers' tensor
 names, so that convert's registry (`hf_model_config`) and tensor plan (`plan_tensors`) do the
 rest unchanged, with the same checks. Reading is llama.cpp's own reader (the `gguf` package,
-an extra: `pip install colibri[gguf]`), behind a header check of ours: magic, version, counts
+an extra: `pip install colibri-moe[gguf]`), behind a header check of ours: magic, version, counts
 that fit the file, and any failure of the reader on a damaged file ends as one ColibriError
 naming the file.
 
@@ -49,6 +49,7 @@ from . import _os, quant
 from .config import shown
 from .errors import ColibriError
 from .hfcheckpoint import to_f32
+from .names import DISTRIBUTION
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -133,7 +134,7 @@ def _gguf():
     try:
         import gguf
     except ImportError:
-        raise ColibriError("reading GGUF files needs the gguf package: pip install 'colibri[gguf]' "
+        raise ColibriError(f"reading GGUF files needs the gguf package: pip install '{DISTRIBUTION}[gguf]' "
                            "(or pip install gguf)") from None
     return gguf
 

@@ -6,6 +6,7 @@ to the C side's codes build their tables from them, in the C enums' order: _kern
 LAYOUT_CODES, KV_CODES; _engine.PREFETCH_CODES, EVICTION_CODES.
 """
 
+DISTRIBUTION = "colibri-moe"        # the name on PyPI (`colibri` there is another project); `import colibri`
 FORMATS = ("f32", "f16", "bf16", "int8", "int4", "mxfp4", "nl4", "int6")    # csrc/kernels_scalar.h CB_F32 .. CB_INT6
 LAYOUTS = ("rows", "transposed", "interleaved")             # CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
 KV_CACHE_TYPES = ("f32", "f16", "q8")                       # load(kv_cache=): CB_KV_F32, CB_KV_F16, CB_KV_Q8

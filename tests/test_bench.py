@@ -266,7 +266,7 @@ def test_write_gguf_writes_the_tensors_llama_cpps_tools_write(tmp_path, kind):
     The Q4_0 fixture was made with llama-quantize's default recipe, which keeps the output head in
     Q8_0 (write_gguf follows --pure): there every tensor the fixture holds in Q4_0, F16 or F32 is
     compared."""
-    gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'colibri[gguf]')")
+    gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'colibri-moe[gguf]')")
     write_gguf = _tool("write_gguf")
     out = tmp_path / f"{kind}.gguf"
     write_gguf.write(REPO / "tests/fixtures/mixtral_a/hf", out, kind)
@@ -321,7 +321,7 @@ def test_amx_engine_runs_a_peers_llama_bench_and_sets_the_engine_against_the_bes
 def test_write_gguf_check_sees_each_kind_of_difference(tmp_path, monkeypatch):
     """write_gguf --check fails on a type, on bytes of the same type and shape (the q/k rows left
     unpermuted), and on the model's metadata (another rms_norm_eps)."""
-    pytest.importorskip("gguf", reason="the gguf package (pip install 'colibri[gguf]')")
+    pytest.importorskip("gguf", reason="the gguf package (pip install 'colibri-moe[gguf]')")
     write_gguf = _tool("write_gguf")
     hf, ref = REPO / "tests/fixtures/mixtral_a/hf", REPO / "tests/fixtures/gguf/mixtral_a-Q8_0.gguf"
     write_gguf.write(hf, tmp_path / "f32.gguf", "f32")

@@ -30,7 +30,7 @@ from colibri.convert import convert
 from colibri.errors import ColibriError
 from colibri.modeldir import MappedModelDir, ModelDir
 
-gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'colibri[gguf]')")
+gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'colibri-moe[gguf]')")
 from colibri.gguf_import import GGUFCheckpoint, _unpermuted_rows  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"

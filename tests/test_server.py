@@ -603,7 +603,7 @@ def test_serve_without_the_extra_says_how_to_install_it(chat_model_dir, monkeypa
     monkeypatch.setitem(sys.modules, module, None)        # `import module` fails as if not installed
     assert cli.main(["serve", "--model-dir", str(chat_model_dir)]) == 2
     err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and 'pip install "colibri[serve]"' in err and module in err, err
+    assert len(err.splitlines()) == 1 and 'pip install "colibri-moe[serve]"' in err and module in err, err
 
 
 def test_an_empty_api_key_is_refused(chat_model_dir, capsys):

@@ -3,7 +3,7 @@
 Design
 ------
 FastAPI (its routers and the schema at /openapi.json, from serve/protocol.py's models) under
-uvicorn, prometheus_client for /metrics: the optional extra `colibri[serve]`. Each route is an
+uvicorn, prometheus_client for /metrics: the optional extra `colibri-moe[serve]`. Each route is an
 Endpoint: an ASGI handler that sends its own response, so that a stream's headers go out only
 once its first generation has started (a 503 stays a 503) and a client's disconnect is seen
 between tokens. Endpoints, in OpenAI's shapes: POST /v1/chat/completions, POST /v1/completions
@@ -39,7 +39,7 @@ import uuid
 
 from .. import __version__
 from ..errors import ColibriError
-from ..names import MAX_PARALLEL
+from ..names import DISTRIBUTION, MAX_PARALLEL
 from ..sampling import SEED_BITS
 from . import limits, openai, protocol
 from .engine import Served, _Watch
@@ -60,7 +60,7 @@ def _need_stack():
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise ColibriError(f"serve needs the server extra ({e.name} is missing): pip install \"colibri[serve]\"") from None
+        raise ColibriError(f"serve needs the server extra ({e.name} is missing): pip install \"{DISTRIBUTION}[serve]\"") from None
 
 
 def create_app(served: Served):

@@ -7,7 +7,7 @@
 # Defaults: nginx on 8080, replicas on 8001 and 8002; THREADS (default 1) threads per replica
 # (give each replica its own cores: taskset or cgroups); WORKDIR (default a new temporary
 # directory) holds the nginx configuration, its pid and logs, and each replica's log.
-# Needs nginx (Debian: apt-get install nginx-light) and colibri[serve].
+# Needs nginx (Debian: apt-get install nginx-light) and colibri-moe[serve].
 set -euo pipefail
 
 MODEL_DIR=${1:?usage: start.sh MODEL_DIR [LISTEN_PORT] [REPLICA_PORT_1] [REPLICA_PORT_2]}
