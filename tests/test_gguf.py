@@ -483,5 +483,5 @@ def test_a_gguf_given_as_a_model_directory_says_how_to_convert_it():
 
 def test_without_the_gguf_package_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)          # import gguf now raises ImportError
-    with pytest.raises(ColibriError, match=r"pip install 'colibri\[gguf\]'"):
+    with pytest.raises(ColibriError, match=r"pip install 'colibri-moe\[gguf\]'"):
         GGUFCheckpoint(GGUF_DIR / "olmoe_a-F16.gguf")
