@@ -18,7 +18,8 @@ batch at once). A sequence whose prompt completes samples its first token from t
 logits (the head runs only for the tokens whose logits are used). Each sequence samples with its
 own Sampler (and constraint: json_schema, grammar, ...) and stops at its own EOS, length or
 stop string, so its tokens are those generate() gives for it alone: no kernel's arithmetic
-depends on the tokens beside it (tests/test_batching.py holds the logits to the same bits). A step returns its events, (sequence, token, pick, text).
+depends on the tokens beside it (tests/test_batching.py holds the logits to the same bits). A
+step returns its events, (sequence, token, pick, text).
 """
 from __future__ import annotations
 

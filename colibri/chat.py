@@ -442,6 +442,20 @@ class ChatTemplate:
         return self.replies.grammar(tools, mode, parallel_tool_calls, added_tokens,
                                     enable_thinking=enable_thinking, prompt=prompt)
 
+    def reacts_to(self, keyword: str, values: tuple) -> bool:
+        """Whether the template renders a one-turn conversation's generation prompt differently
+        for these values of `keyword` (enable_thinking, reasoning_effort): rendering is the only
+        reliable test of what a template reads. Cached per keyword."""
+        cache = self.__dict__.setdefault("_reacts", {})
+        if keyword not in cache:
+            probe = [{"role": "user", "content": "Probe question"}]
+            try:
+                texts = {self.render(probe, add_generation_prompt=True, **{keyword: v}) for v in values}
+            except ColibriError:
+                texts = set()
+            cache[keyword] = len(texts) > 1
+        return cache[keyword]
+
 
 def find_template(root: Path, files, special_tokens: dict | None = None) -> ChatTemplate | None:
     """The chat template of a model directory (from the files its table lists), or None."""

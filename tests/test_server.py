@@ -173,6 +173,8 @@ def test_openai_client(server, local):
     # a penalty that would overflow the logits (a 500 mid-generation) is refused up front
     ({"model": "tiny", "messages": MESSAGES, "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
     ({"model": "tiny", "messages": MESSAGES, "tools": "not a list"}, 400, "tools"),
+    # a template with no reasoning setting cannot honour reasoning_effort: refused, not ignored
+    ({"model": "tiny", "messages": MESSAGES, "reasoning_effort": "low"}, 400, "reasoning_effort"),
     # a template keyword that is the request's own field is refused, not passed twice (a TypeError, a 500)
     ({"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     ({"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs"),

@@ -56,7 +56,7 @@ class Served:
         self.load_error = None
         self.created = int(time.time())
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
-        self.prep_slots = asyncio.Semaphore(limits.PREP_WORKERS)     # requests being prepared off the event loop
+        self.prep_slots = None           # asyncio.Semaphore(PREP_WORKERS), made on the serving loop at first use
         self.active = 0                        # requests holding a place (at most `parallel`)
         self.waiters = collections.deque()     # futures of the requests waiting for it, in arrival order
         r = self.registry = CollectorRegistry()
@@ -199,6 +199,8 @@ class Served:
             with contextlib.suppress(RuntimeError):          # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle, result, error)
 
+        if self.prep_slots is None:
+            self.prep_slots = asyncio.Semaphore(limits.PREP_WORKERS)
         async with self.prep_slots:
             threading.Thread(target=work, name="colibri-prepare", daemon=True).start()
             try:

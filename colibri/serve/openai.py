@@ -173,33 +173,16 @@ def template_kwargs(kwargs) -> dict:
     return dict(kwargs or {})
 
 
-def template_reacts(m, name: str, values: tuple) -> bool:
-    """Whether the model's chat template renders a one-turn conversation differently for these
-    values of keyword `name` (cached on the template: rendering is the only reliable test of what
-    a template reads)."""
-    template = m.chat_template
-    if template is None:
-        return False
-    cache = template.__dict__.setdefault("_colibri_reacts", {})
-    if name not in cache:
-        probe = [{"role": "user", "content": "hi"}]
-        try:
-            texts = {template.render(probe, add_generation_prompt=True, **{name: v}) for v in values}
-        except ColibriError:
-            texts = set()
-        cache[name] = len(texts) > 1
-    return cache[name]
-
-
 def reasoning_keywords(effort, m) -> dict:
     """The template keywords for `reasoning_effort`: a template with `reasoning_effort` gets it
     (harmony's three levels); one with `enable_thinking` gets False for "none"/"minimal", else
     True; one with neither cannot honour the field: a 400."""
     if effort is None:
         return {}
-    if template_reacts(m, "reasoning_effort", ("low", "high")):
+    template = m.chat_template
+    if template is not None and template.reacts_to("reasoning_effort", ("low", "high")):
         return {"reasoning_effort": HARMONY_EFFORT[effort]}
-    if template_reacts(m, "enable_thinking", (False, True)):
+    if template is not None and template.reacts_to("enable_thinking", (False, True)):
         return {"enable_thinking": effort not in ("none", "minimal")}
     raise APIError(400, "this model's chat template has no reasoning setting: 'reasoning_effort' cannot be honoured "
                         "(leave it out)", param="reasoning_effort", code="unsupported_parameter")
