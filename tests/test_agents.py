@@ -204,9 +204,20 @@ def test_the_openai_client_streams_tool_calls(agent):
 
 
 def test_tool_choice_none_leaves_calls_unparsed_and_unforced(agent):
-    r = chat(agent, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0)
-    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert "tool_calls" not in r.json()["choices"][0]["message"]
+    """The call opener forced by logit_bias: with tool_choice none it stays text (no constraint
+    completes it, no parser takes it); with auto the same opener starts a call the grammar
+    completes and the parser returns."""
+    opener = httpx.post(agent.url + "/tokenize", json={"content": "<tool_call>"}).json()["tokens"]
+    assert len(opener) == 1
+    body = dict(messages=ASK, tools=[WEATHER], max_tokens=3, temperature=0, logit_bias={str(opener[0]): 100})
+    none = chat(agent, tool_choice="none", **body).json()["choices"][0]
+    assert none["finish_reason"] == "length" and "tool_calls" not in none["message"]
+    assert none["message"]["content"].startswith("<tool_call>")
+    # (the random model, the opener favoured, calls again and again until max_tokens: the first is whole)
+    auto = chat(agent, tool_choice="auto", **{**body, "max_tokens": 120, "logit_bias": {str(opener[0]): 20}}).json()
+    call = auto["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema_of(WEATHER))
 
 
 # ---- structured outputs -----------------------------------------------------------------------------
