@@ -5,7 +5,7 @@
 # calls them through this module's entry points at the end of this file, never directly. The
 # stateless ones (element-wise arithmetic, sizes) may be called from anywhere.
 
-from libc.stdint cimport uint8_t, int8_t, uint16_t, int32_t
+from libc.stdint cimport uint8_t, int8_t, uint16_t, int32_t, uint32_t, int64_t
 
 cdef extern from "kernels_scalar.h" nogil:
     # storage formats and layouts of a matrix (colibri._kernels.DTYPE_CODES / LAYOUT_CODES)
@@ -161,3 +161,7 @@ cdef extern from "quantize_nl4.h" nogil:
     float cb_nl4_row_scale(float amax)
     void cb_nl4_search_halves(uint8_t *sc, uint8_t *codes, const float *x, const float *w, const float *s,
                               int rows, int n_threads)
+
+cdef extern from "token_mask.h" nogil:
+    # stateless: logits [n], a grammar's bitmask [ceil(n / 32)] -> out [n] (-inf where the bit is clear)
+    void cb_mask_logits(const float *logits, const uint32_t *bits, float *out, int64_t n)

@@ -11,7 +11,7 @@ _kernels.pxd, so selecting a tier changes every kernel at once and nothing else.
 of the formats, layouts and activations are defined here once, from the C enums.
 """
 
-from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t
+from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t, uint32_t, int64_t
 from libc.stdlib cimport calloc
 
 import os
@@ -530,3 +530,18 @@ def nl4_search_halves(x, w, s, int n_threads=0):
         with nogil:
             cb_nl4_search_halves(&scv[0], &cv[0, 0], &xv[0, 0], &wv[0], &sv[0], rows, n_threads)
     return sc, codes
+
+
+def mask_logits(const float[::1] logits, const uint32_t[::1] bits, float[::1] out):
+    """logits float32 [n], a grammar's bitmask uint32 [ceil(n / 32)] (bit i & 31 of word i >> 5:
+    token i allowed) -> writes out float32 [n]: the logit where allowed, -inf elsewhere
+    (token_mask.h)."""
+    cdef int64_t n = logits.shape[0]
+    if out.shape[0] != n or bits.shape[0] != (n + 31) // 32:
+        raise ValueError(f"mask_logits needs logits [n], bits [ceil(n / 32)], out [n]; got {n}, "
+                         f"{bits.shape[0]}, {out.shape[0]}")
+    if n and &out[0] == &logits[0]:
+        raise ValueError("mask_logits: out must not be logits")
+    if n:
+        with nogil:
+            cb_mask_logits(&logits[0], &bits[0], &out[0], n)

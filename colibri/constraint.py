@@ -23,25 +23,28 @@ vocabulary may come next (a bitmask) and advances by the token chosen. This modu
                    dialect: https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md),
                    regex.
 
-Per token (Sampler.pick): `apply(logits)` writes logits + bias into a scratch array, the bias
-being 0 where the grammar allows the token and -inf elsewhere (one vectorised pass, ~20 us at
-150k ids; the model's array is never written), the sampler picks from that, `consume(token)`
-advances the matcher. When the grammar is complete only the stop tokens are allowed, so the
-model ends the output itself; consuming one of them marks the constraint `finished`, which ends
-the generation even with stop_at_eos=False. A position where no token is allowed (the grammar
-needs bytes this vocabulary cannot spell), or a matcher that fails (a step over its limits), is a
-ColibriError, never a hang or an unconstrained token.
+Per token (Sampler.pick): the sampler first picks from the logits as they are and asks
+`allows(token)`: the mask's bit where the mask is known, else llguidance's check of that one
+token (validate_tokens, ~2 us); a model mostly picks what the grammar allows, and then no mask is
+computed or applied at that position. Otherwise `apply(logits)` writes the logits into a scratch
+array with every forbidden id at -inf (token_mask.h: one branch-free pass over llguidance's
+bitmask; the model's array is never written) and the sampler picks again from that (exact:
+Sampler._unmasked_pick). `consume(token)` advances the matcher. When the grammar is complete
+only the stop tokens are allowed, so the model ends the output itself; consuming one of them
+marks the constraint `finished`, which ends the generation even with stop_at_eos=False. A
+position where no token is allowed (the grammar needs bytes this vocabulary cannot spell), or a
+matcher that fails (a step over its limits), is a ColibriError, never a hang or an
+unconstrained token.
 
 Off the critical path: computing a mask (~0.1-1 ms at 150k pieces, more for a rich grammar) is
-llguidance's Rust code without the GIL, so `consume` hands the next mask to a worker thread and
-returns; the engine then runs the forward of the token just chosen (Cython without the GIL) while
-the mask and its bias are computed, and `apply` at the next pick waits for them. The first mask
-is computed the same way during the prompt's prefill. With background=False (or BACKGROUND =
-False) the mask is computed inline at the pick: the same masks in the same order, so the same
-tokens. What stays on the critical path is apply, consume and the hand-over. Model uses the
-worker only where the engine's threads leave a logical CPU free: where they take every one, the
-worker would preempt an engine thread and the whole parallel step would wait for it, so the mask
-is computed inline (tools/bench_constraint.py measures both).
+llguidance's Rust code without the GIL, so with background=True `consume` hands the next mask
+to a worker thread and returns; the engine then runs the forward of the token just chosen
+(Cython without the GIL) while the mask is computed, and the next pick waits for it. The first
+mask is computed the same way during the prompt's prefill. With background=False (or BACKGROUND
+= False) a mask is computed inline, only where the first pick was refused: the same decisions
+in both modes, so the same tokens. Model uses the worker only where the engine's threads leave
+a logical CPU free: where they take every one, the worker would preempt an engine thread and
+the whole parallel step would wait for it (tools/bench_constraint.py measures both).
 
 Hostile input: the schema / grammar text is bounded (MAX_SPEC_CHARS), compiled under
 llguidance's limits (LIMITS: grammar size, lexer states, fuel per step, which also bound the time
@@ -63,6 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._kernels import mask_logits
 from .errors import ColibriError
 
 KINDS = ("json_schema", "json_object", "grammar", "regex")
@@ -323,10 +327,11 @@ class Constraint:
         self.n_vocab = vocabulary.n_vocab
         self.background = BACKGROUND if background is None else bool(background)
         self._matcher = _compile(vocabulary, self.kind, value)
-        self._bits = np.zeros(vocabulary.words, np.int32)     # [ceil(vocab / 32)] bit i: token i allowed
-        self._bias = np.zeros(self.n_vocab, np.float32)        # [vocab] 0 allowed, -inf not (the worker's)
-        self._allowed = None                                   # bool [vocab] at this position, once known
-        self._future = None                                    # the worker computing it
+        self._bits = np.zeros(vocabulary.words, np.uint32)    # [ceil(vocab / 32)] bit i & 31 of word i >> 5:
+        self._known = False                                    # token i allowed; computed for this position
+        self._allowed = None                                   # bool [vocab] unpacked from it, on request
+        self._validated = None                                 # a token validate_tokens allowed here, unmasked
+        self._future = None                                    # the worker computing the mask
         self._tokens = []                                      # ids consumed so far
         self.finished = False                                  # a stop token ended the output
         self._start()
@@ -334,8 +339,8 @@ class Constraint:
     # -- the mask --
 
     def _compute(self):
-        """The mask of the current position: bool [vocab] (and self._bias), or an error message.
-        Runs on a worker (or inline) and is then the only code touching the matcher and the bias."""
+        """The mask of the current position into self._bits: None, or an error message. Runs on
+        a worker (or inline) and is then the only code touching the matcher and the bits."""
         m = self._matcher
         m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)       # without the GIL
         if m.is_error():
@@ -345,15 +350,9 @@ class Constraint:
             if _NO_TOKEN in m.get_error():                          # bytes it must write have no token
                 return self._no_token("")
             return f"the {self.kind} constraint failed after {len(self._tokens)} tokens: {error}"
-        allowed = np.unpackbits(self._bits.view(np.uint8), count=self.n_vocab, bitorder="little")   # [vocab] 0 / 1
-        if not allowed.any():
+        if not self._bits.any():
             return self._no_token("")
-        bias = self._bias                        # -1 / x + 1: 0 -> -inf, 1 -> 0 (+0.0), branch-free
-        np.copyto(bias, allowed, casting="unsafe")
-        with np.errstate(divide="ignore"):
-            np.divide(-1.0, bias, out=bias)
-        np.add(bias, 1.0, out=bias)
-        return allowed.view(np.bool_)
+        return None
 
     def _no_token(self, why: str) -> str:
         return (f"the {self.kind} constraint allows no token of this vocabulary after {len(self._tokens)} tokens "
@@ -361,42 +360,78 @@ class Constraint:
                 f"be satisfied{why}")
 
     def _start(self) -> None:
+        self._known = False
         self._allowed = None
+        self._validated = None
         self._future = _pool().submit(self._compute) if self.background else None
 
     def _result(self):
-        """Wait for the mask being computed (or compute it now): bool [vocab] or an error message."""
+        """Wait for the mask being computed (or compute it now): None or an error message."""
         future, self._future = self._future, None
         return future.result() if future is not None else self._compute()
+
+    def _mask(self) -> np.ndarray:
+        """uint32 [ceil(vocab / 32)]: the bitmask of this position, computed (or waited for)."""
+        if not self._known:
+            if self.finished:
+                raise ColibriError(f"the {self.kind} constraint has ended (a stop token was consumed)")
+            error = self._result()
+            if error is not None:
+                raise ColibriError(error)
+            self._known = True
+        return self._bits
+
+    def _bit(self, token: int) -> bool:
+        return 0 <= token < self.n_vocab and bool((int(self._bits[token >> 5]) >> (token & 31)) & 1)
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the grammar allows next (only the stop tokens once it is
         complete). ColibriError when none is, or when the matcher failed."""
         if self._allowed is None:
-            if self.finished:
-                raise ColibriError(f"the {self.kind} constraint has ended (a stop token was consumed)")
-            result = self._result()
-            if isinstance(result, str):
-                raise ColibriError(result)
-            self._allowed = result
+            bits = self._mask()
+            self._allowed = np.unpackbits(bits.view(np.uint8), count=self.n_vocab, bitorder="little").view(np.bool_)
         return self._allowed
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next: the mask's bit where it is computed or being
+        computed (the worker's); else llguidance's check of that one token, without a mask
+        (~2 us against ~0.1-1 ms), remembered so that consume(token) needs none either."""
+        token = int(token)
+        if self._known or self._future is not None or self.finished:
+            self._mask()
+            return self._bit(token)
+        if not 0 <= token < self.n_vocab:
+            return False
+        if self._validated == token:
+            return True
+        if token in self.vocab.stop_ids:         # validate_tokens never takes one; the mask, when complete
+            ok = self._matcher.is_accepting()
+        else:
+            ok = self._matcher.validate_tokens([token]) == 1
+        ok = ok and not self._matcher.is_error()
+        if ok:
+            self._validated = token
+        return ok
 
     def apply(self, logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """logits [vocab] -> out [vocab] (a new array when None; never `logits` itself): the
-        logits where the grammar allows the token (x + 0: the same values), -inf elsewhere."""
-        self.allowed()
+        logits where the grammar allows the token (the same values), -inf elsewhere."""
+        bits = self._mask()
         if logits.shape != (self.n_vocab,):
             raise ColibriError(f"logits have shape {logits.shape}; the constraint's vocabulary has {self.n_vocab} ids")
-        if out is None or out is logits:
+        if out is None or out is logits or out.dtype != logits.dtype or out.shape != logits.shape:
             out = np.empty_like(logits)
-        return np.add(logits, self._bias, out=out)
+        if logits.dtype == np.float32 and logits.flags.c_contiguous:
+            mask_logits(logits, bits, out)
+            return out
+        np.copyto(out, logits)                   # float64 (or strided) logits: the rare path
+        out[~self.allowed()] = -np.inf
+        return out
 
     def consume(self, token: int) -> None:
         """Advance by the chosen token and start computing the next mask (on the worker)."""
         token = int(token)
-        if self._allowed is None:
-            self.allowed()                       # wait for the worker: the matcher is ours again
-        if not (0 <= token < self.n_vocab and self._allowed[token]):
+        if not (self._validated == token or self.allows(token)):
             raise ColibriError(f"token {token} is not allowed by the {self.kind} constraint here "
                                f"(output so far: {self.text()[-80:]!r})")
         if not self._matcher.consume_token(token):      # a mask llguidance could not keep (it happens
@@ -406,7 +441,9 @@ class Constraint:
         self._tokens.append(token)
         if token in self.vocab.stop_ids and self._matcher.is_stopped():
             self.finished = True
+            self._known = False
             self._allowed = None
+            self._validated = None
         else:
             self._start()
 

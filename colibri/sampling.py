@@ -406,9 +406,32 @@ class Sampler:
         ids, e = ids[pos], e[pos]
         return ids.astype(np.int64), e / e.sum()
 
-    def _choose(self, raw: np.ndarray):
-        """(penalised logits, ids or None, weights) for temperature > 0, or (x, token) greedy."""
-        x = self._penalize(raw)
+    def _unmasked_pick(self, x: np.ndarray) -> int | None:
+        """The token from the penalised logits x without the constraint's mask, when the
+        constraint allows it; else None (the caller masks and picks again). Exact: greedy, the
+        argmax is the masked argmax whenever it is allowed; sampled with no truncation (top_k,
+        top_p, min_p off), a rejected draw is followed by a draw from the masked distribution,
+        so token x comes out with p(x) + (1 - A) p(x) / A = p(x) / A, A the allowed mass --
+        the masked distribution. Truncated sampling depends on the mask (top_k among the allowed
+        tokens): not here."""
+        if self.temperature == 0.0:
+            token = int(np.argmax(x))
+            if not math.isfinite(float(x[token])):
+                return None                        # the masked path reports it (or masks it out)
+        elif self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0:
+            lmax = float(x.max())
+            if not math.isfinite(lmax):
+                return None
+            with np.errstate(over="ignore"):
+                token = _draw(self._exp(x, lmax, self.temperature), self.rng.random())
+        else:
+            return None
+        return token if self.constraint.allows(token) else None
+
+    def _choose(self, raw: np.ndarray, x: np.ndarray | None = None):
+        """(penalised logits, ids or None, weights) for temperature > 0, or (x, token) greedy.
+        x: the penalised logits when already computed."""
+        x = self._penalize(raw) if x is None else x
         what = "logits" if x is raw else "logits after the penalties"
         if self.constraint is not None:
             x = self.constraint.apply(x, self._buffer("constrained", raw.size, raw.dtype))
@@ -427,13 +450,18 @@ class Sampler:
     def pick(self, logits) -> Pick:
         """logits float32 [vocab] -> Pick(token, logprob, top); records the token in the history."""
         raw = self._as_logits(logits)
-        x, chosen = self._choose(raw)
-        if self.temperature == 0.0:
-            token = chosen
-        else:
-            ids, e = chosen
-            j = _draw(e, self.rng.random())
-            token = j if ids is None else int(ids[j])
+        token = None
+        if self.constraint is not None:            # most tokens a model picks, the grammar allows:
+            x = self._penalize(raw)                # then no mask is computed or applied
+            token = self._unmasked_pick(x)
+        if token is None:
+            x, chosen = self._choose(raw, x if self.constraint is not None else None)
+            if self.temperature == 0.0:
+                token = chosen
+            else:
+                ids, e = chosen
+                j = _draw(e, self.rng.random())
+                token = j if ids is None else int(ids[j])
         if self.constraint is not None:
             self.constraint.consume(token)        # the next mask is computed meanwhile
         if self._repeat or self._count:

@@ -28,6 +28,7 @@ import llguidance  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri import constraint as C  # noqa: E402
+from colibri._kernels import mask_logits  # noqa: E402
 from colibri.batching import Batch  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
 from colibri.sampling import Sampler  # noqa: E402
@@ -128,7 +129,8 @@ def _run(m, **kw):
 # ---- JSON schemas drawn by hypothesis ---------------------------------------------------------------
 
 NAMES = st.sampled_from(["a", "id", "name", "tags", "x_1", "ok", "Z"])
-PATTERNS = [r"^[a-z]{1,4}$", r"^[0-9]{2}-[A-Z]$", r"^(yes|no)$", r"^x+$"]
+PATTERNS = [r"^[a-z]{1,4}$", r"^[0-9]{2}-[A-Z]$", r"^(yes|no)$", r"^x{1,12}$"]     # bounded: a random model
+# may write an unbounded run (x+) until max_new_tokens, greedy or sampled
 LEAVES = st.one_of(
     st.tuples(st.integers(-1000, 1000), st.integers(0, 2000)).map(
         lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
@@ -311,8 +313,10 @@ def test_masked_pick_is_the_pick_over_the_allowed_tokens(qwen3_vocab, temperatur
         ids = np.flatnonzero(allowed)
         if temperature == 0.0:
             assert pick.token == ids[np.argmax(logits[ids])]
-        else:
-            assert pick.token == plain(np.where(allowed, logits, -np.inf).astype(np.float32))
+        else:                        # a draw over every id first; where refused, over the allowed
+            first = plain(logits)
+            assert pick.token == (first if allowed[first] else
+                                  plain(np.where(allowed, logits, -np.inf).astype(np.float32)))
         log_p = logits.astype(np.float64) - logits.max()
         log_p -= np.log(np.exp(log_p).sum())
         assert pick.logprob == pytest.approx(log_p[pick.token], abs=1e-9)
@@ -321,6 +325,95 @@ def test_masked_pick_is_the_pick_over_the_allowed_tokens(qwen3_vocab, temperatur
         steps += 1
         assert steps < 500
     jsonschema.validate(json.loads(qwen3_vocab.decode(s.constraint._tokens[:-1])), SCHEMA)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 700), seed=st.integers(0, 2**32 - 1), density=st.sampled_from([0.0, 0.03, 0.5, 1.0]))
+def test_mask_logits_keeps_allowed_values_bit_for_bit(n, seed, density):
+    """token_mask.h: out[i] = logits[i] (every bit, NaN and -0.0 too) where bit i is set, -inf
+    elsewhere; the bits past n are ignored."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal(n).astype(np.float32)
+    logits[rng.random(n) < 0.05] = np.nan
+    logits[rng.random(n) < 0.05] = -0.0
+    allowed = rng.random(n) < density
+    packed = np.packbits(np.concatenate([allowed, rng.random(32 * ((n + 31) // 32) - n) < 0.5]), bitorder="little")
+    out = np.empty_like(logits)
+    mask_logits(logits, packed.view(np.uint32), out)
+    want = np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+def test_mask_logits_refuses_mismatched_shapes():
+    logits = np.zeros(40, np.float32)
+    with pytest.raises(ValueError, match="ceil"):
+        mask_logits(logits, np.zeros(1, np.uint32), np.empty(40, np.float32))
+    with pytest.raises(ValueError, match="must not be logits"):
+        mask_logits(logits, np.zeros(2, np.uint32), logits)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_one_token_check_agrees_with_the_mask(qwen3_vocab, seed):
+    """allows(token) without a mask (llguidance's validate_tokens) says what the mask's bit says:
+    along a document, for the document's token, stop tokens, specials, padding ids and random
+    ones -- so picking without the mask never lets through what the mask forbids."""
+    doc = {"name": "Ada", "age": 36, "tags": ["red", "blue"], "home": {"zip": "01815"}}
+    ids = qwen3_vocab.ll.tokenize_str(json.dumps(doc)) + [qwen3_vocab.stop_ids[0]]
+    rng = np.random.default_rng(seed)
+    probe = C.Constraint(qwen3_vocab, json_schema=SCHEMA, background=False)
+    check = C.Constraint(qwen3_vocab, json_schema=SCHEMA, background=False)
+    specials = [151643, 151644, 151645, 151657, QWEN3_VOCAB - 1, QWEN3_VOCAB - 300]
+    for token in ids:
+        allowed = check.allowed()
+        for t in [token, *specials, *rng.integers(0, QWEN3_VOCAB, 8).tolist()]:
+            assert probe.allows(t) == allowed[t], (t, probe.text())
+            assert probe._known is False               # no mask was computed for the answer
+        probe.consume(token)
+        check.consume(token)
+    assert probe.finished and check.finished
+
+
+def test_an_allowed_pick_computes_no_mask(qwen3_vocab, monkeypatch):
+    """Greedy logits that favour the grammar's own continuation: every token is picked without
+    a mask; a logit vector that favours a forbidden token gets one."""
+    doc = json.dumps({"name": "Ada", "age": 36, "tags": ["red"], "home": None})
+    ids = qwen3_vocab.ll.tokenize_str(doc) + [qwen3_vocab.stop_ids[0]]
+    masks = []
+    compute = C.Constraint._compute
+    monkeypatch.setattr(C.Constraint, "_compute", lambda self: masks.append(1) or compute(self))
+    s = Sampler(temperature=0.0, constraint=C.Constraint(qwen3_vocab, json_schema=SCHEMA, background=False))
+    for token in ids:
+        logits = np.zeros(QWEN3_VOCAB, np.float32)
+        logits[token] = 5.0
+        assert s(logits) == token
+    assert s.finished and not masks
+    s.reset(())
+    logits = np.zeros(QWEN3_VOCAB, np.float32)
+    logits[qwen3_vocab.ll.tokenize_str("hello")[0]] = 9.0          # an object must start with "{"
+    assert qwen3_vocab.decode([s(logits)]).lstrip().startswith("{") and len(masks) == 1
+
+
+def test_sampling_without_the_mask_first_keeps_the_masked_distribution(models):
+    """Untruncated sampling draws over every id and masks only a refused draw: the tokens still
+    come with the masked softmax's probabilities (distribution()), here where the grammar's
+    tokens hold about half the mass."""
+    m = models["bytelevel"]
+    c = C.Constraint(m._constraint(regex="x").vocab, regex=r"[0-9]+", background=False)
+    allowed = c.allowed().copy()
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal(allowed.size) * 1.5).astype(np.float32)
+    logits[allowed] += np.float32(np.log((~allowed).sum() / allowed.sum()))      # A ~ 0.5
+    s = Sampler(temperature=1.0, seed=4, constraint=c)
+    ids, p = s.distribution(logits)
+    n = 20_000
+    counts = np.zeros(allowed.size)
+    for _ in range(n):
+        s.reset(())
+        counts[s(logits)] += 1
+    assert counts[~allowed].sum() == 0
+    f = counts[ids] / n
+    assert np.all(np.abs(f - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
 
 
 def test_background_and_inline_masks_give_the_same_tokens(models, monkeypatch):

@@ -2,12 +2,14 @@
 """What constrained decoding (colibri.constraint) costs: the mask per token, and decode tok/s.
 
 Part 1, the mask at Qwen3's vocabulary (tests/fixtures/text/vocab/qwen3/tokenizer.json.xz,
-151,665 ids, padded to --vocab 151,936): a Constraint is walked along a document its grammar
-accepts (the document tokenized by the Qwen3 tokenizer), several times, and each token's steps
-are timed on their own: `mask` (llguidance's bitmask and its unpacking: what the worker thread
-computes while the engine runs), `apply` (the float32 [vocab] copy with the forbidden ids at
--inf: on the critical path) and `consume` (advancing the matcher: on the critical path). Median
-and p99 over every token of every walk.
+151,665 ids, padded to --vocab 151,936): a Constraint (mask inline) is walked along a document
+its grammar accepts (the document tokenized by the Qwen3 tokenizer), several times, each token's
+steps timed on their own. Two walks: in one the pick is the document's token, which the grammar
+allows (a trained model's usual case): `allows` (llguidance's check of that one token) and
+`consume` (advancing the matcher) are the whole cost. In the other the pick is refused first (a
+random-weight model's usual case): `allows`, then `mask` (llguidance's bitmask: what the worker
+thread computes while the engine runs, where one does), `apply` (the float32 [vocab] copy with
+the forbidden ids at -inf) and `consume`. Median and p99 over every token of every walk.
 
 Part 2, decode on a converted model (--model-dir; by default the random-weight Qwen3-MoE-4l int4
 with the Qwen3 tokenizer, 151,936 ids, made so:
@@ -18,7 +20,7 @@ with the Qwen3 tokenizer, 151,936 ids, made so:
     python -m colibri convert --hf-dir $H --output-dir /work/bench_cache/colibri/qwen3-moe-4l-int4 --quantize int4
 ): the same
 prompt decoded greedily without a constraint, with the JSON schema (the mask on the worker
-thread, as generate() does) and with the mask computed inline (background off), interleaved,
+thread) and with the mask computed inline (background off), interleaved,
 --reps rounds, for each --threads count. A run's ms/token is the median of the gaps between its
 consecutive tokens (a pick and a forward each: the prefill is left out; the median, not the
 mean, because a shared host's other work lands in a few gaps); the medians over the rounds per
@@ -129,31 +131,66 @@ def bench_masks(n_vocab: int, walks: int) -> dict:
         t0 = time.perf_counter()
         c = C.Constraint(vocab, background=False, **kw)
         compile_s = time.perf_counter() - t0
-        mask, apply, consume, allowed = [], [], [], []
+        # walk A, a model whose pick the grammar allows (a trained one, mostly): allows + consume
+        # walk B, a pick the grammar refuses (a random-weight model, mostly): allows, the mask,
+        # apply, then consume -- the mask timed alone: the worker's job when one runs it
+        check, mask, apply, consume, allowed_path, refused_path, allowed = [], [], [], [], [], [], []
+        refused_token = vocab.n_vocab - 1                  # a padding id: never allowed
         for _ in range(walks):
             c.reset()
             for token in ids:
                 t0 = time.perf_counter()
-                a = c.allowed()                    # inline: the worker's job, timed alone
+                ok = c.allows(token)
                 t1 = time.perf_counter()
-                c.apply(logits, buf)
-                t2 = time.perf_counter()
                 c.consume(token)
-                t3 = time.perf_counter()
-                mask.append(t1 - t0)
-                apply.append(t2 - t1)
-                consume.append(t3 - t2)
-                allowed.append(int(a.sum()))
+                t2 = time.perf_counter()
+                assert ok, (name, token)
+                check.append(t1 - t0)
+                allowed_path.append(t2 - t0)
             assert c.finished, name
-        critical = np.asarray(apply) + np.asarray(consume)
+            c.reset()
+            for token in ids:
+                t0 = time.perf_counter()
+                ok = c.allows(refused_token)
+                t1 = time.perf_counter()
+                c._mask()
+                t2 = time.perf_counter()
+                c.apply(logits, buf)
+                t3 = time.perf_counter()
+                c.consume(token)
+                t4 = time.perf_counter()
+                assert not ok
+                mask.append(t2 - t1)
+                apply.append(t3 - t2)
+                consume.append(t4 - t3)
+                refused_path.append(t4 - t0)
+                allowed.append(int(c.allowed().sum()) if c._known else 0)
+            assert c.finished, name
         out["cases"][name] = {"tokens": len(ids), "compile_ms": round(compile_s * 1e3, 2),
-                              "mask": stats(mask), "apply": stats(apply), "consume": stats(consume),
-                              "critical_path (apply + consume)": stats(critical),
+                              "allows (one token)": stats(check), "mask": stats(mask), "apply": stats(apply),
+                              "consume": stats(consume),
+                              "critical_path, pick allowed (allows + consume)": stats(allowed_path),
+                              "critical_path, pick refused (allows + mask + apply + consume)": stats(refused_path),
                               "allowed_tokens_median": int(np.median(allowed))}
-        print(f"  {name:16s} {len(ids):4d} tokens  compile {compile_s * 1e3:7.1f} ms  mask {stats(mask)['median_us']:7.1f} "
-              f"/ {stats(mask)['p99_us']:7.1f} us  apply {stats(apply)['median_us']:6.1f} / {stats(apply)['p99_us']:6.1f}"
-              f"  consume {stats(consume)['median_us']:6.1f} / {stats(consume)['p99_us']:6.1f}  (median / p99)", flush=True)
+        print(f"  {name:16s} {len(ids):4d} tokens  compile {compile_s * 1e3:6.1f} ms  allows {stats(check)['median_us']:5.1f}"
+              f"  mask {stats(mask)['median_us']:6.1f} / {stats(mask)['p99_us']:6.1f} us  apply "
+              f"{stats(apply)['median_us']:5.1f} / {stats(apply)['p99_us']:5.1f}  consume "
+              f"{stats(consume)['median_us']:5.1f} / {stats(consume)['p99_us']:5.1f}  (median / p99); critical path: "
+              f"pick allowed {stats(allowed_path)['median_us']:5.1f}, refused {stats(refused_path)['median_us']:6.1f} us",
+              flush=True)
     return out
+
+
+MASKS = [0]                       # masks computed (bench instrumentation of Constraint._compute)
+_compute = C.Constraint._compute
+
+
+def _counted_compute(self):
+    MASKS[0] += 1
+    return _compute(self)
+
+
+C.Constraint._compute = _counted_compute
 
 
 def timed_run(m, prompt, gen, **kw) -> tuple:
@@ -180,22 +217,29 @@ def bench_decode(model_dir: Path, reps: int, gen: int, threads) -> dict:
     runs = {k: [] for k in variants}
     outside = {k: [] for k in variants}
     counts = {k: [] for k in variants}
+    masks = {k: [] for k in variants}
     for rep in range(reps):
         for name, kw in variants.items():
             C.BACKGROUND = "inline" not in name
+            MASKS[0] = 0
             ms, out, n = timed_run(m, prompt, gen, **kw)
             runs[name].append(ms)
             outside[name].append(out)
             counts[name].append(n)
+            masks[name].append(MASKS[0])
         print(f"  round {rep + 1}: " + "  ".join(f"{k} {v[-1]:.2f} ms ({outside[k][-1]:.3f} outside the forward, "
-                                               f"{counts[k][-1]} tok)" for k, v in runs.items()), flush=True)
+                                               f"{counts[k][-1]} tok, {masks[k][-1]} masks)" for k, v in runs.items()),
+              flush=True)
     C.BACKGROUND = True
     med = {k: statistics.median(v) for k, v in runs.items()}
     med_out = {k: statistics.median(v) for k, v in outside.items()}
     res = {"model_dir": str(model_dir), "model": repr(m), "vocab": m.config.vocab_size, "threads": m.threads,
            "prompt_tokens": len(prompt), "max_new_tokens": gen, "reps": reps,
            "ms_per_token": {k: [round(x, 3) for x in v] for k, v in runs.items()},
-           "tokens": counts, "median_ms_per_token": {k: round(v, 3) for k, v in med.items()},
+           "tokens": counts,
+           # positions where the model's pick was refused and the mask computed (with the
+           # worker: every position, computed ahead)
+           "masks_computed": masks, "median_ms_per_token": {k: round(v, 3) for k, v in med.items()},
            "median_tok_per_s": {k: round(1e3 / v, 2) for k, v in med.items()},
            "overhead_json_schema": round(med["json_schema"] / med["plain"] - 1, 4),
            "overhead_json_schema_inline": round(med["json_schema, mask inline"] / med["plain"] - 1, 4),
