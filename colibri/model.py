@@ -53,7 +53,7 @@ _STATUS_MESSAGES = {
 # load(bf16_products=) (names.BF16_PRODUCTS): how bf16 matrices multiply. "f32": the weights
 # widened to f32, the activations as they are (exact: the products of transformers in float32);
 # "bf16": the activations rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps (f32 sums, as
-# llama.cpp and ik_llama.cpp do; BENCHMARKS.md, "bf16 products"); "auto": bf16 where the CPU has it.
+# llama.cpp and ik_llama.cpp do); "auto": bf16 where the CPU has it.
 
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
@@ -709,15 +709,15 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
     mmap=False reads the weights into memory instead of mapping the files (network shares);
     exact_softmax=False takes the routing weights from the uint8 softmax lookup table of the
-    original design instead of expf (see BENCHMARKS.md for why exact is the default);
+    original design instead of expf (exact is the default: the table's weights differ from transformers');
     prefill_chunk: prompt tokens processed together (default names.DEFAULT_PREFILL_CHUNK, 128; bounds the prefill scratch);
     prefetch "none" | "routed" | "predict" (default: "routed" under an expert budget, else "none"),
     memory_limit_mb (default: the cgroup's / job's limit, else the available RAM), expert_cache_mb,
     eviction "lru" | "lfu", mlock, warmup: see colibri.residency;
     kv_cache "f32" | "f16" | "q8": the KV cache's elements (f16: half its bytes; keys and values
-    rounded to f16 as they are stored, attention computed in f32 -- BENCHMARKS.md, "f16 KV cache";
+    rounded to f16 as they are stored, attention computed in f32;
     q8: (head_dim + 4) / (4 head_dim) of f32's bytes, each KV head's row at a position int8 codes
-    and one f32 scale, read back as code x scale -- BENCHMARKS.md, "q8 KV cache");
+    and one f32 scale, read back as code x scale);
     bf16_products "auto" | "bf16" | "f32": how bf16 weights multiply (BF16_PRODUCTS: "f32" is exact,
     "bf16" rounds the activations to bf16 for AVX512_BF16's vdpbf16ps, "auto" is "bf16" where the
     CPU has that instruction); capture_inputs: collect each matrix's input statistics

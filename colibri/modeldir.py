@@ -1,7 +1,7 @@
 """The on-disk model directory, format version 1: reading, validating, mapping, writing.
 
 A model directory is plain headerless binary files plus `config.json`, the blueprint of their
-bytes (docs/FORMAT.md is the full description):
+bytes (docs/format.md is the full description):
 
     config.json                  format, byte order, model hyperparameters, tensor table, file table
     embedding.bin, lm_head.bin, final_norm.bin

@@ -20,7 +20,7 @@ BF16_PRODUCTS = ("auto", "bf16", "f32")
 # the prefill scratch (about 40 KB a token for a 1024-wide model with 3584-wide experts)
 DEFAULT_PREFILL_CHUNK = 128
 MAX_PARALLEL = 64               # load(parallel=) / serve --parallel: sequences decoded together at most
-# batching.Batch(step_tokens=) / serve --step-tokens: tokens one pass runs at most. On 2 Zen 4 cores
-# (mixtral-mini int8, 4 places) 32 gave the decoding sequences' gaps a P99 of 90 ms (64: 130-150,
-# 128: 235-255) and the most tokens/s (BENCHMARKS.md, "serve --parallel")
+# batching.Batch(step_tokens=) / serve --step-tokens: tokens one pass runs at most. A prompt's
+# chunk shares each pass with the decoding sequences, so a smaller step bounds their gaps (P99) and
+# a larger one amortises the weights' reads; 32 keeps both (docs/performance.md, serving)
 DEFAULT_STEP_TOKENS = 32

@@ -82,8 +82,7 @@ FLOAT16_FORMATS = ("f16", "bf16")      # 2-byte float storage (modeldir.to_stora
 
 
 def default_layout(dtype: str) -> str:
-    """The faster layout of a weight matrix stored as `dtype` (BENCHMARKS.md, "Expert layout",
-    "Interleaved" and "Interleaved bf16"): interleaved for int8/int4 (8 outputs per activation
+    """The faster layout of a weight matrix stored as `dtype`: interleaved for int8/int4 (8 outputs per activation
     load, in their own lanes: no horizontal sums, no repacking; decode and prefill faster than
     transposed, which was faster than rows), nl4 (its only layout) and bf16 (the same lanes: the
     prompt's products 4x those of rows widened, 9x with bf16 products; decode from the caches 4x),

@@ -155,7 +155,7 @@ def test_harness_runs_and_writes_the_table(tmp_path):
 def test_make_models_writes_the_frozen_shapes_without_transformers(monkeypatch):
     """The lent device machine has no transformers: make_models.py takes the shape from its frozen
     config.json (the files transformers wrote, written back verbatim: md5-compared with the
-    transformers-written checkpoints when they were frozen, BENCHMARKS.md) and lists the tensors of
+    transformers-written checkpoints when they were frozen) and lists the tensors of
     the shape MODELS names — a frozen file and MODELS that drift apart fail here."""
     monkeypatch.setitem(sys.modules, "transformers", None)        # import transformers -> ImportError
     monkeypatch.syspath_prepend(str(REPO / "tools" / "bench"))

@@ -6,7 +6,7 @@ Converts one Hugging Face checkpoint into each variant (f32, bf16, f16, int8, in
 as the reference; bf16 both ways (exact f32 products, and bf16 products: the activations rounded
 to bf16, where the CPU has vdpbf16ps); also the routing lookup table (exact_softmax=False)
 against expf on f32.
-Prints a markdown table (for BENCHMARKS.md).
+Prints a markdown table.
 
     python tools/quality_table.py --hf-dir /work/demo_build/hf --text /work/demo_build/heldout.txt [--ctx 256]
     python tools/quality_table.py --hf-dir ... --text ... --roles     # int4 with other roles at int8

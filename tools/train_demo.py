@@ -107,7 +107,7 @@ Usage
     python tools/train_demo.py                        # full run, ~35-41 min on one core
     python tools/train_demo.py --steps 20 --out /tmp/x  # smoke test
     python tools/train_demo.py --out /work/demo2_build --seed 4321 --tokenizer bpe --expert-ffn 512 --steps 800
-                                                      # the second model of BENCHMARKS "nl4 against llama.cpp"
+                                                      # the second model of the nl4-against-llama.cpp comparison
 
 Results (full run, 2026-11-29, from OUT/train_report.json)
     1250 steps in 2429 s of training (1.94 s/step: slower than the 1.64 s measured, because other

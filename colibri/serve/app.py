@@ -411,7 +411,7 @@ def create_app(served: Served):
             await self.endpoint(scope, receive, send)
 
     app = FastAPI(title="Colibri", version=__version__, lifespan=lifespan, redoc_url=None,
-                  description="OpenAI-compatible serving of a Mixture-of-Experts model on CPUs (docs/SERVING.md).")
+                  description="OpenAI-compatible serving of a Mixture-of-Experts model on CPUs (docs/serve.md).")
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
 

@@ -498,8 +498,7 @@ def _warm_up(m) -> None:
 def _warn_parallel_under_budget(m, parallel: int) -> None:
     """Sequences decoded together use the union of their experts each step. Under an expert budget
     that cannot hold all the experts, the ones it cannot hold are read again from storage step
-    after step: on mixtral-mini int8, 4 sequences gave fewer tokens a second in all than one below
-    ~90 % of the experts (BENCHMARKS.md, "serve --parallel under an expert budget")."""
+    after step, so several sequences can give fewer tokens a second in all than one."""
     experts = m.residency.expert_bytes
     if m.expert_budget is not None and m.expert_budget < experts:
         logger.warning("--parallel %d under an expert budget of %d MB (the experts: %d MB): sequences decoded "

@@ -61,7 +61,7 @@ def validated(model_class, body):
         where = "".join(f"[{p}]" if p.isdigit() else (f".{p}" if i else p) for i, p in enumerate(loc))
         kind = err["type"]
         if kind == "extra_forbidden":
-            raise APIError(400, f"unknown field '{where[:80]}' (docs/SERVING.md lists the fields this server accepts)",
+            raise APIError(400, f"unknown field '{where[:80]}' (docs/serve.md lists the fields this server accepts)",
                            param=where[:80], code="unknown_parameter") from None
         if kind == "unsupported_parameter":
             raise APIError(400, err["msg"], param=where, code="unsupported_parameter") from None

@@ -7,7 +7,7 @@ call on a lent machine: build, make the model, convert, measure, interleaved.
                                      [--rounds 3] [--budget-s 420] [--no-probe] [--no-kernels]
                                      [--chunks 128,512] [--variants default,bf16-pairs1,...]
 
-Made for the lent AMX machine (see BENCHMARKS.md, "The AMX int step"), where device time is short
+Made for the lent AMX machine, where device time is short
 and nothing can be fetched: --build compiles the extensions in place (`setup.py build_ext
 --inplace`, about 4 minutes of a 16-core Xeon); --build-if-needed only where the extensions in place
 were not built from these sources or do not import. The extensions are portable (no -march=native):

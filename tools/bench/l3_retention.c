@@ -9,7 +9,7 @@
  * MODE: 0 plain loads; 1 prefetchnta DIST bytes ahead of the stream's loads; 2 prefetcht0 DIST
  * ahead; 4 plain loads and clflushopt of the stream's lines DIST bytes behind (evicted before they
  * can be victims in L3). STREAM_MB 1: the hot buffer alone (the cache's own rate). The first
- * repetition is discarded. BENCHMARKS.md, "Decode's dense weights in L3". */
+ * repetition is discarded. */
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
