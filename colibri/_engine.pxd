@@ -1,5 +1,6 @@
 # The layer loop's data, as C sees it: the per-layer tables of pointers into the mapped weights,
-# the hyperparameters, the scratch arena. Built once by _engine.Engine from the model directory.
+# the hyperparameters, the scratch arena. Built once by _engine.Engine from an EngineSpec
+# (colibri.spec).
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 from colibri._kernels cimport cb_act_q8, cb_matjob
@@ -22,7 +23,7 @@ cdef extern from "gram.h" nogil:
     void cb_gram_add(double *g, const float *x, int ldx, int n, int cols, float *xt)
 
 cdef extern from "expert_cache.h" nogil:
-    # which experts hold memory under a byte budget, and the reader thread that reads and drops
+    # which experts hold memory under a byte budget, and the reader threads that read and drop
     # them (csrc/expert_cache.h explains the design)
     int CB_EVICT_LRU, CB_EVICT_LFU
     int CB_CS_HITS, CB_CS_MISSES, CB_CS_PREFETCHES, CB_CS_PREFETCH_HITS, CB_CS_EVICTIONS, CB_CS_WASTED
@@ -61,17 +62,19 @@ cdef extern from "expert_cache.h" nogil:
 
 
 cdef struct Mat:
-    const void *data      # [rows, cols] row-major (layout rows) or transposed (kernels_scalar.h), `dtype` elements
-    int dtype
-    int layout            # CB_ROWS / CB_TRANSPOSED (kernels_scalar.h)
+    const void *data      # [rows, cols] of `dtype` in `layout` (kernels_scalar.h, quant.h)
+    int dtype             # CB_F32 .. CB_INT6 (_kernels.DTYPE_CODES)
+    int layout            # CB_ROWS / CB_TRANSPOSED / CB_INTERLEAVED (_kernels.LAYOUT_CODES)
     int rows
     int cols
-    double *input_stats   # [cols + 1] or NULL: the sum of each input column's squares over the
-                          # tokens multiplied, then their count (colibri.calibrate: Model(capture_inputs=True))
-    double *input_gram    # [cols, cols] or NULL: the sums of x[c] x[c'] (c <= c', the upper triangle) over the
-                          # same tokens (calibrate --second-moments: Model(capture_second_moments=))
+    # [cols + 1] or NULL: the sum of each input column's squares over the tokens multiplied, then
+    # their count (colibri.calibrate: Model(capture_inputs=True))
+    double *input_stats
+    # [cols, cols] or NULL: the sums of x[c] x[c'] (c <= c', the upper triangle) over the same
+    # tokens (calibrate --second-moments: Model(second_moments=))
+    double *input_gram
 
-cdef struct FFN:          # SwiGLU: down(silu(gate x) * up x)
+cdef struct FFN:          # down(act(gate x) * up x), act: Hyper.act (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU)
     Mat gate              # [d_ff, d_model]
     Mat up                # [d_ff, d_model]
     Mat down              # [d_model, d_ff]
@@ -135,8 +138,9 @@ cdef struct Layer:
     const float *router_scale     # [d_model] (parallel) the router reads rmsnorm(x) * router_scale * d**-0.5
     const float *expert_scale     # [n_experts] or NULL: multiplies each chosen expert's weight
     int kv_ring               # rows of the cache: n_ctx, or window + prefill chunk (sliding layers)
-    void *k_cache             # [n_seq, n_kv_heads, kv_ring, head_dim] of Hyper.kv elements, position p of a
-                              # sequence in row p % kv_ring of each of its heads
+    # [n_seq, n_kv_heads, kv_ring, head_dim] of Hyper.kv elements (a q8 row: cb_kv_row_bytes), position
+    # p of a sequence in row p % kv_ring of each of its heads
+    void *k_cache
     void *v_cache             # [n_seq, n_kv_heads, kv_ring, head_dim]
     size_t kv_seq_bytes       # bytes of one sequence's keys (and of its values): n_kv_heads * kv_ring rows
 
@@ -154,7 +158,9 @@ cdef struct Hyper:
     int topk_group            # ... of which the best topk_group are chosen from
     float routed_scaling      # its weights' factor
     int prefetch              # PREFETCH_NONE / _ROUTED / _PREDICT
-    int stream_prefill        # under an expert budget: a prompt's call may stream its experts (expert_cache_step, Scratch.stream_layer)
+    # under an expert budget: a prompt's call may stream its experts (expert_cache_step,
+    # Scratch.stream_layer)
+    int stream_prefill
     int qk_norm
     float clip_qkv            # 0: no clipping
     int v_norm                # RMSNorm without weight over each value head (Gemma 4)
@@ -187,7 +193,9 @@ cdef struct Scratch:
     float *att        # [cap, n_heads * max head_dim] attention outputs before wo
     float *k          # [cap, max kv_dim] keys of the tokens, before they go to the cache rows
     float *v          # [cap, max kv_dim] their values
-    float *scores     # [n_heads, n_ctx + 1] (the positions, and an attention sink)
+    # [rows, n_ctx + 1] (the positions, and an attention sink): a row per head where cap is 1,
+    # else cb_attention_score_rows(n_heads, n_threads) rows (a block of queries per thread)
+    float *scores
     float *rx         # [cap, d_model] router inputs (parallel MoE)
     float *xe         # [cap, d_model] expert inputs (parallel MoE)
     float *xm         # [cap, d_model] expert outputs (parallel MoE)
@@ -195,7 +203,7 @@ cdef struct Scratch:
     float *mla_q      # [cap, n_heads * qk_head] MLA: the heads' queries before the absorption
     float *mla_o      # [cap, n_heads * v_head] MLA: the heads' values
     cb_matjob *head_jobs  # [n_heads] MLA: one product per head
-    cb_act_q8 *acts   # [cap] activation quantization of the block inputs (q: [max_cols], d: [max_cols / 32])
+    cb_act_q8 *acts   # [cap] activation quantization of the block inputs (_kernels.act_specs, max_cols)
     float *router     # [cap, n_experts] router logits, then probabilities
     int *tok_chosen   # [cap, top_k] each token's experts in this layer
     float *tok_w      # [cap, top_k] their weights
@@ -225,4 +233,4 @@ cdef struct Scratch:
 
 # a started expert cache over numpy arrays the caller keeps alive (_engine.pyx explains the shapes)
 cdef cb_expert_cache *cache_new(pages, fds, resident, fresh, last_use, freq, stats, long long budget, str policy,
-                               advice, cache_os, size_t chunk) except NULL
+                                advice, cache_os, size_t chunk) except NULL

@@ -27,10 +27,11 @@ router through _routing, the element-wise ones directly (_kernels.pxd says which
 non-zero status (non-finite router logits or logits: a damaged model) is turned into an exception
 by the Python layer. Under a memory budget (or a prefetch mode) the MoE block tells the expert
 cache (csrc/expert_cache.h) which experts it uses and expects; a prefill under a budget then runs
-one expert per wave, the next one's read queued before the current one's product. The structs (Mat, FFN, Layer, Hyper, Scratch) are declared in _engine.pxd.
+one expert per wave, the next one's read queued before the current one's product. The structs
+(Mat, FFN, Layer, Hyper, Scratch) are declared in _engine.pxd.
 """
 
-from libc.stdint cimport uintptr_t, int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport uintptr_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset, memcpy
 from libc.math cimport expf, sqrtf
@@ -39,9 +40,9 @@ from cython.parallel cimport prange
 
 cimport colibri._kernels as kernels
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16, CB_ROWS, CB_TRANSPOSED,
-                               CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_rmsnorm, cb_add, cb_axpy, cb_clip,
-                               cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite, cb_row_stride,
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16,
+                               CB_TRANSPOSED, CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_rmsnorm, cb_add, cb_axpy,
+                               cb_clip, cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite, cb_row_stride,
                                cb_kv_row_bytes)
 
 import numpy as np
@@ -59,11 +60,12 @@ cpdef enum:
     STATUS_BAD_LOGITS = 2
     STATUS_BAD_HIDDEN = 3
 
-# expert prefetching through the expert cache's reader (PREFETCH_CODES names them)
+# expert prefetching through the expert cache's readers (PREFETCH_CODES names them)
 cpdef enum:
     PREFETCH_NONE = 0         # experts are read by the loop's page faults
-    PREFETCH_ROUTED = 1       # a chosen expert that is not resident is also read by the reader, in one request
-    PREFETCH_PREDICT = 2      # ... and the next layer's likely experts (its router on this hidden state) one layer early
+    PREFETCH_ROUTED = 1       # a chosen expert that is not resident is also read by the readers, in one request
+    # ... and the next layer's likely experts (its router on this hidden state) one layer early
+    PREFETCH_PREDICT = 2
 
 # prediction counters, Engine.prefetch_stats[PF_*]
 cpdef enum:
@@ -79,7 +81,8 @@ cpdef enum:
 
 PREFETCH_CODES = dict(zip(names.PREFETCH_MODES, (PREFETCH_NONE, PREFETCH_ROUTED, PREFETCH_PREDICT)))
 QK_NORM_CODES = {"none": QK_NORM_NONE, "per_head": QK_NORM_PER_HEAD, "whole": QK_NORM_WHOLE}
-ADVICE_CODES = {"none": CB_ADVICE_NONE, "madvise": CB_ADVICE_MADVISE, "win32": CB_ADVICE_WIN32}   # _os.EngineAdvice kinds
+# _os.EngineAdvice kinds
+ADVICE_CODES = {"none": CB_ADVICE_NONE, "madvise": CB_ADVICE_MADVISE, "win32": CB_ADVICE_WIN32}
 EVICTION_CODES = dict(zip(names.EVICTION_POLICIES, (CB_EVICT_LRU, CB_EVICT_LFU)))      # the expert cache's policies
 # the expert cache's counters, Engine.cache_stats[CACHE_STATS[name]] (csrc/expert_cache.h)
 CACHE_STATS = {"hits": CB_CS_HITS, "misses": CB_CS_MISSES, "prefetches": CB_CS_PREFETCHES,
@@ -92,8 +95,8 @@ CACHE_STATS = {"hits": CB_CS_HITS, "misses": CB_CS_MISSES, "prefetches": CB_CS_P
 cdef enum:
     # Tokens from which a block's per-token work between the products (norms, rotary embedding,
     # cache stores, the experts' weighted sums) is split over the threads, as the products are:
-    # done by one thread it left the other waiting for ~4 % of a 16k prefill (BENCHMARKS.md,
-    # "Inputs prepared by every thread"). Each token's arithmetic is the same either way.
+    # done by one thread it would leave the others waiting at every block of a long prefill.
+    # Each token's arithmetic is the same either way.
     PARALLEL_TOKENS_MIN = 16
 
 cdef inline void job(cb_matjob *j, float *out, int ldo, const Mat *m, const float *x, int ldx,
@@ -676,15 +679,15 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
         embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
               -> final_norm -> lm_head (want: WANT_ALL, WANT_LAST, WANT_NONE or, in a step, WANT_SOME)
     """
-    cdef int d = h.d_model, l, t, status, kept
+    cdef int d = h.d_model, layer, t, status, kept
     cdef Layer *L
     for t in range(n):
         kernels.dequant_row(s.x + <size_t>t * d, embedding.data, embedding.dtype, embedding.layout, tokens[t],
-                       embedding.rows, d)
+                            embedding.rows, d)
         if h.embed_scale != 1.0:
             cb_scale(s.x + <size_t>t * d, h.embed_scale, d)
-    for l in range(h.n_layers):
-        L = &layers[l]
+    for layer in range(h.n_layers):
+        L = &layers[layer]
         rmsnorm_rows(s.xb, s.x, L.attn_norm, n, h)                 # attention block
         if L.mla:
             attention_mla(h, L, s, n, pos0)
@@ -694,7 +697,7 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
             rmsnorm_rows(s.xb2, s.xb2, L.post_attn_norm, n, h)
         cb_add(s.x, s.xb2, n * d)
         rmsnorm_rows(s.xb, s.x, L.ffn_norm, n, h)                  # feed-forward block
-        status = feed_forward(h, L, s, n, l)
+        status = feed_forward(h, L, s, n, layer)
         if status != STATUS_OK:
             return status
         if L.post_ffn_norm != NULL:
@@ -726,7 +729,7 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
 
 
 cdef cb_expert_cache *cache_new(pages, fds, resident, fresh, last_use, freq, stats, long long budget, str policy,
-                               advice, cache_os, size_t chunk) except NULL:
+                                advice, cache_os, size_t chunk) except NULL:
     """A started expert cache (csrc/expert_cache.h) over numpy arrays the caller keeps alive:
     pages uint64 [n, 2] (start, length), fds int32 [n], resident / fresh uint8 [n], last_use int64
     [n], freq float32 [n], stats int64 [CB_CS_N]; advice an _os.EngineAdvice, cache_os an
@@ -888,7 +891,10 @@ cdef class Engine:
         # bytes: its f32 scale and head_dim codes (cb_kv_row_bytes).
         kv_type = {"f32": f32, "f16": np.float16, "q8": np.uint8}[spec.kv_cache]
         kv_code = self.h.kv
-        kv_row = lambda f: (f.head_dim if spec.kv_cache != "q8" else cb_kv_row_bytes(f.head_dim, kv_code),)
+
+        def kv_row(f):
+            return (f.head_dim if spec.kv_cache != "q8" else cb_kv_row_bytes(f.head_dim, kv_code),)
+
         for f in layers:
             if spec.kv_cache == "q8" and f.head_dim > kernels.CB_KV_Q8_MAX_HEAD_DIM:
                 raise ColibriError(f"kv_cache q8 serves head_dim up to {kernels.CB_KV_Q8_MAX_HEAD_DIM}, "
@@ -913,12 +919,20 @@ cdef class Engine:
         s.tok_seq = NULL
         s.tok_pos = NULL
         s.tok_want = NULL
-        s.x = _f32(keep["x"]); s.xb = _f32(keep["xb"]); s.xb2 = _f32(keep["xb2"])
-        s.q = _f32(keep["q"]); s.att = _f32(keep["att"])
-        s.k = _f32(keep["k"]); s.v = _f32(keep["v"])
+        s.x = _f32(keep["x"])
+        s.xb = _f32(keep["xb"])
+        s.xb2 = _f32(keep["xb2"])
+        s.q = _f32(keep["q"])
+        s.att = _f32(keep["att"])
+        s.k = _f32(keep["k"])
+        s.v = _f32(keep["v"])
         s.scores = _f32(keep["scores"])
-        s.rx = _f32(keep["rx"]); s.xe = _f32(keep["xe"]); s.xm = _f32(keep["xm"])
-        s.mla_qa = _f32(keep["mla_qa"]); s.mla_q = _f32(keep["mla_q"]); s.mla_o = _f32(keep["mla_o"])
+        s.rx = _f32(keep["rx"])
+        s.xe = _f32(keep["xe"])
+        s.xm = _f32(keep["xm"])
+        s.mla_qa = _f32(keep["mla_qa"])
+        s.mla_q = _f32(keep["mla_q"])
+        s.mla_o = _f32(keep["mla_o"])
         s.head_jobs = <cb_matjob *>calloc(max(self.h.n_heads, 1), sizeof(cb_matjob))
         if s.head_jobs == NULL:
             raise MemoryError("cannot allocate the attention's product table")
@@ -927,8 +941,10 @@ cdef class Engine:
         s.tok_w = _f32(keep["tok_w"])
         s.wave_rows = wave
         s.max_ff = max_ff
-        s.g = _f32(keep["g"]); s.y = _f32(keep["y"])
-        s.hb = _f32(keep["hb"]); s.hb2 = _f32(keep["hb2"])
+        s.g = _f32(keep["g"])
+        s.y = _f32(keep["y"])
+        s.hb = _f32(keep["hb"])
+        s.hb2 = _f32(keep["hb2"])
         s.rows = <int *><uintptr_t>keep["rows"].ctypes.data
         s.row_w = _f32(keep["row_w"])
         s.acts = kernels.bind_acts(keep["acts"])
@@ -939,7 +955,8 @@ cdef class Engine:
         s.counts = <int64_t *><uintptr_t>keep["counts"].ctypes.data
         s.predicted = <int *><uintptr_t>keep["predicted"].ctypes.data
         s.prefetch_stats = <int64_t *><uintptr_t>keep["prefetch_stats"].ctypes.data
-        s.router2 = _f32(keep["router2"]); s.pred_w = _f32(keep["pred_w"])
+        s.router2 = _f32(keep["router2"])
+        s.pred_w = _f32(keep["pred_w"])
         s.expert_m = <int *><uintptr_t>keep["expert_m"].ctypes.data
         for (pl, pe), (start, length) in spec.expert_pages.items():
             keep["expert_pages"][pl * n_experts + pe] = (start, length)
@@ -962,16 +979,17 @@ cdef class Engine:
         if self.layers == NULL or self.experts == NULL:
             raise MemoryError("cannot allocate the layer table")
         cdef Layer *L
-        cdef int l, e
-        for l in range(n_layers):
-            L = &self.layers[l]
-            p = f"layers.{l}."
-            f = layers[l]
+        cdef int layer, e
+        for layer in range(n_layers):
+            L = &self.layers[layer]
+            p = f"layers.{layer}."
+            f = layers[layer]
             L.head_dim = f.head_dim
             L.n_kv_heads = f.n_kv_heads
             L.attn_scale = f.attn_scale or 1.0 / sqrtf(<float>L.head_dim)
             L.rope_dim = f.rope_dim
-            L.rope_cos = _f32(keep["rope"][l][0]); L.rope_sin = _f32(keep["rope"][l][1])
+            L.rope_cos = _f32(keep["rope"][layer][0])
+            L.rope_sin = _f32(keep["rope"][layer][1])
             L.attn_norm = _vec(tensors, p + "attn_norm")
             L.ffn_norm = _vec(tensors, p + "ffn_norm")
             L.post_attn_norm = _vec(tensors, p + "post_attn_norm")
@@ -982,19 +1000,23 @@ cdef class Engine:
             if L.mla:
                 _mla_layer(L, f, tensors, p, self.h.n_heads)
             else:
-                L.wq = _mat(tensors[p + "wq"]); L.wk = _mat(tensors[p + "wk"])
+                L.wq = _mat(tensors[p + "wq"])
+                L.wk = _mat(tensors[p + "wk"])
             if (p + "wv") in tensors:
                 L.wv = _mat(tensors[p + "wv"])          # else data stays NULL: v is the k projection
-            L.bq = _vec(tensors, p + "bq"); L.bk = _vec(tensors, p + "bk")
-            L.bv = _vec(tensors, p + "bv"); L.bo = _vec(tensors, p + "bo")
+            L.bq = _vec(tensors, p + "bq")
+            L.bk = _vec(tensors, p + "bk")
+            L.bv = _vec(tensors, p + "bv")
+            L.bo = _vec(tensors, p + "bo")
             L.sinks = _vec(tensors, p + "sinks")
-            L.q_norm = _vec(tensors, p + "q_norm"); L.k_norm = _vec(tensors, p + "k_norm")
+            L.q_norm = _vec(tensors, p + "q_norm")
+            L.k_norm = _vec(tensors, p + "k_norm")
             L.sliding_window = f.sliding_window
             L.is_moe = f.moe
             L.kv_ring = f.kv_ring
-            L.k_cache = <void *><uintptr_t>keep["k_cache"][l].ctypes.data
-            L.v_cache = <void *><uintptr_t>keep["v_cache"][l].ctypes.data
-            L.kv_seq_bytes = keep["k_cache"][l].nbytes // n_seq
+            L.k_cache = <void *><uintptr_t>keep["k_cache"][layer].ctypes.data
+            L.v_cache = <void *><uintptr_t>keep["v_cache"][layer].ctypes.data
+            L.kv_seq_bytes = keep["k_cache"][layer].nbytes // n_seq
             if (p + "mlp.gate") in tensors:
                 L.dense = _ffn(tensors, p + "mlp.")
             if L.is_moe:
@@ -1003,8 +1025,8 @@ cdef class Engine:
                 L.router_logit_bias = _vec(tensors, p + "router_logit_bias")
                 if L.router.dtype != CB_F32:
                     raise ValueError(f"tensor {p}router must be f32")
-                L.experts = self.experts + l * n_experts
-                L.expert0 = l * n_experts
+                L.experts = self.experts + layer * n_experts
+                L.expert0 = layer * n_experts
                 for e in range(n_experts):
                     L.experts[e] = _ffn(tensors, f"{p}experts.{e}.")
                 L.has_shared = 1 if (p + "shared.gate") in tensors else 0
@@ -1020,10 +1042,10 @@ cdef class Engine:
                     L.post_moe_norm = _vec(tensors, p + "post_moe_norm")
                     if L.dense.gate.data == NULL or L.post_mlp_norm == NULL or L.pre_moe_norm == NULL \
                             or L.post_moe_norm == NULL:
-                        raise ValueError(f"layer {l}: the parallel MoE block needs mlp.*, post_mlp_norm, "
+                        raise ValueError(f"layer {layer}: the parallel MoE block needs mlp.*, post_mlp_norm, "
                                          f"pre_moe_norm and post_moe_norm")
             elif L.dense.gate.data == NULL:
-                raise ValueError(f"layer {l}: dense layer without mlp.gate")
+                raise ValueError(f"layer {layer}: dense layer without mlp.gate")
 
     cdef _start_cache(self, spec, dict keep):
         """The expert cache over every expert's span, and its reader threads (csrc/expert_cache.h)."""
@@ -1195,16 +1217,16 @@ cdef class Engine:
         """Bytes of the KV cache that one sequence's token at position `pos` reads: every layer's
         key and value rows (an MLA layer's one latent array) at the positions its attention sees,
         pos + 1 of them or a sliding layer's window."""
-        cdef int l, seen
+        cdef int layer, seen
         total = 0
-        for l in range(self.h.n_layers):
-            k, v = self._keep["k_cache"][l], self._keep["v_cache"][l]
+        for layer in range(self.h.n_layers):
+            k, v = self._keep["k_cache"][layer], self._keep["v_cache"][layer]
             per_position = k.nbytes // (k.shape[0] * k.shape[2])     # [n_seq, kv heads, ring, row]
             if v is not k:
                 per_position += v.nbytes // (v.shape[0] * v.shape[2])
             seen = pos + 1
-            if self.layers[l].sliding_window > 0 and self.layers[l].sliding_window < seen:
-                seen = self.layers[l].sliding_window
+            if self.layers[layer].sliding_window > 0 and self.layers[layer].sliding_window < seen:
+                seen = self.layers[layer].sliding_window
             total += per_position * seen
         return total
 
@@ -1235,15 +1257,16 @@ cdef Mat _mat(t):
     m.cols = shape[1]
     m.input_stats = NULL
     if t.input_stats is not None:
-        if t.input_stats.dtype != np.float64 or t.input_stats.shape != (shape[1] + 1,) or not t.input_stats.flags.c_contiguous:
+        if (t.input_stats.dtype != np.float64 or t.input_stats.shape != (shape[1] + 1,)
+                or not t.input_stats.flags.c_contiguous):
             raise ValueError(f"input_stats of a [{shape[0]}, {shape[1]}] matrix must be float64 [{shape[1] + 1}]")
         m.input_stats = <double *><uintptr_t>t.input_stats.ctypes.data
     m.input_gram = NULL
     if t.input_gram is not None:
         if (m.input_stats == NULL or t.input_gram.dtype != np.float64 or t.input_gram.shape != (shape[1], shape[1])
                 or not t.input_gram.flags.c_contiguous):
-            raise ValueError(f"input_gram of a [{shape[0]}, {shape[1]}] matrix must be float64 [{shape[1]}, {shape[1]}], "
-                             "beside input_stats")
+            raise ValueError(f"input_gram of a [{shape[0]}, {shape[1]}] matrix must be float64 "
+                             f"[{shape[1]}, {shape[1]}], beside input_stats")
         m.input_gram = <double *><uintptr_t>t.input_gram.ctypes.data
     return m
 
@@ -1293,5 +1316,3 @@ cdef FFN _ffn(dict tensors, str prefix):
     f.up_b = _vec(tensors, prefix + "up_bias")
     f.down_b = _vec(tensors, prefix + "down_bias")
     return f
-
-

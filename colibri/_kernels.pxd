@@ -13,13 +13,13 @@ cdef extern from "kernels_scalar.h" nogil:
     int CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED
     # the FFN gate's activation (colibri._kernels.ACT_CODES)
     int CB_ACT_SILU, CB_ACT_GELU_TANH, CB_ACT_SWIGLU_CLAMPED
-    ctypedef struct cb_act_q8:   # one activation vector quantized per block of 32 for int8/int4 weights
+    ctypedef struct cb_act_q8:   # one activation vector quantized per block of 32 for the integer formats
         signed char *q     # [n]
         float *d           # [n / 32]
         int32_t *s         # [n / 32] the sum of each block's q
         int32_t *nl4_off   # [2 * n / 32] -64 x the sums of each block's first and last 16 q
         int n
-        float *xp          # [n] or NULL: the activation reordered for the bf16 tile
+        float *xp          # [n] or NULL: the activation reordered for a bf16 tile (CB_XP_*)
         uint16_t *xb       # [n] or NULL: the activation rounded to bf16 (bf16 products)
 
     # stateless
@@ -84,8 +84,9 @@ cdef extern from "dispatch.h" nogil:
     int cb_search_bf16_order_emulated(int isa, int unit)
     void cb_set_amx_granted(int granted)
     int *cb_int_step_failed_check  # [CB_INT_STEP_*]: the self-test check a step failed (0: none); it is off
-    void cb_set_faulty_int_steps(unsigned steps)   # tests: these steps' (bit CB_INT_STEP_*) interleaved kernels miscompute
-    int cb_amx_bf16_failed_check # its bf16 products tile's failed check (0: none); that tile is off
+    # tests: the interleaved kernels of these steps (bit CB_INT_STEP_*) miscompute
+    void cb_set_faulty_int_steps(unsigned steps)
+    int cb_amx_bf16_failed_check  # its bf16 products tile's failed check (0: none); that tile is off
     int cb_set_prefill_repack(int on)
     int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
     void cb_glu(float *gate, const float *up, int n, int act)

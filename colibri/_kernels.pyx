@@ -27,7 +27,8 @@ LAYOUT_CODES = dict(zip(names.LAYOUTS, (CB_ROWS, CB_TRANSPOSED, CB_INTERLEAVED))
 # config.json's hidden_act, normalised; swiglu_clamped: gpt-oss's experts (swiglu_alpha, swiglu_limit)
 ACT_CODES = {"silu": CB_ACT_SILU, "gelu_tanh": CB_ACT_GELU_TANH, "swiglu_clamped": CB_ACT_SWIGLU_CLAMPED}
 # stored as blocks of 32 with a scale, multiplied against quantized activations
-BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6))
+BLOCK_FORMATS = tuple(name for name, code in DTYPE_CODES.items()
+                      if code in (CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6))
 # ... of which these also have the transposed layout (groups of 8 outputs), and these the interleaved one
 GROUP_FORMATS = tuple(name for name, code in DTYPE_CODES.items() if code in (CB_INT8, CB_INT4))
 INTERLEAVED_FORMATS = BLOCK_FORMATS + ("bf16",)      # bf16: cb_igroup_bf16, groups of 8 outputs x 4 inputs
@@ -57,7 +58,6 @@ def cpu_features():
             "avx_vnni": bool(f.avx_vnni), "amx_tile": bool(f.amx_tile), "amx_int8": bool(f.amx_int8),
             "amx_bf16": bool(f.amx_bf16), "os_avx": bool(f.os_avx), "os_avx512": bool(f.os_avx512),
             "os_amx": bool(f.os_amx)}
-
 
 
 # Whether this build has the AMX steps (x86-64: GCC/clang with an assembler that knows the tile
@@ -153,9 +153,9 @@ def int_step():
 def available_int_steps():
     """The INT_STEPS the current tier can run on this CPU, slowest first."""
     before = cb_selected.int_step
-    names = [name for name, step in INT_STEPS.items() if cb_set_int_step(step) == 0]
+    steps = [name for name, step in INT_STEPS.items() if cb_set_int_step(step) == 0]
     cb_set_int_step(before)
-    return names
+    return steps
 
 
 def failed_int_steps():
@@ -165,7 +165,7 @@ def failed_int_steps():
             if cb_int_step_failed_check[step]}
 
 
-def set_faulty_int_steps(names=()):
+def set_faulty_int_steps(names=()):  # no-cython-lint: `names` (shadowing colibri.names) is the keyword callers use
     """For the tests: make the interleaved kernels of the int steps `names` miscompute from now on
     (none: every step as it is), so the self-test's fallback can be run on a CPU whose steps all
     agree. The table is refilled with the step in use."""
@@ -268,7 +268,8 @@ def isa():
 
 def self_test(str name):
     """Run the known-answer self-test of tier `name` against the scalar spec (dispatch.h,
-    cb_self_test: every format and layout through the drivers, attention, GLU; a few ms). Returns None when it passes (the tier stays selected) or a message naming the
+    cb_self_test: every format and layout through the drivers, attention, GLU; small enough to run
+    at import). Returns None when it passes (the tier stays selected) or a message naming the
     failing check (the tier stays selected too: the caller picks another)."""
     code = cb_self_test(ISA_NAMES[name])
     if code == 0:
@@ -325,8 +326,8 @@ def int_step_warnings():
 
 def _select_at_import():
     """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test; then the int
-    step COLIBRI_INT_STEP names, if set (e.g. COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: what an
-    AVX2-only host such as AMD Zen 3 runs, measured on a newer CPU that also has AVX-VNNI), and the
+    step COLIBRI_INT_STEP names, if set (e.g. COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: the kernels
+    an AVX2-only CPU runs, on a newer CPU that also has AVX-VNNI), and the
     order of bf16 products COLIBRI_BF16_ORDER names (BF16_ORDERS), if set."""
     import os
     import warnings

@@ -4,7 +4,7 @@
 Thin wrappers that call one kernel of the tier in use (through _kernels' entry points, so
 `_kernels.select_isa` switches them too) on numpy arrays, `bench_*` loops that time a kernel with
 no Python between repetitions (tools/bench_kernels.py, tools/bench_routing.py), and the machine's
-attainable read bandwidth and FMA / int8 rates for the rooflines.
+attainable read bandwidth and peak FMA, int8, bf16 and VNNI rates for the rooflines.
 """
 
 from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t, uint64_t
@@ -14,14 +14,16 @@ from libc.math cimport sqrtf
 cimport colibri._kernels as kernels
 from colibri._kernels cimport cb_attention_score_rows, cb_kv_row_bytes
 cimport colibri._routing as routing
-from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16, cb_block_mxfp4, cb_igroup_int8,
-                               cb_igroup_int4, cb_igroup_mxfp4, cb_igroup_int6, cb_f16_to_f32_exact, cb_row_stride,
-                               cb_rmsnorm, cb_block_int8, cb_block_int4, cb_group_int8, cb_group_int4)
+from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16,
+                               cb_block_mxfp4, cb_igroup_int8, cb_igroup_int4, cb_igroup_mxfp4, cb_igroup_int6,
+                               cb_f16_to_f32_exact, cb_row_stride, cb_rmsnorm, cb_block_int8, cb_block_int4,
+                               cb_group_int8, cb_group_int4)
 from colibri._routing cimport CB_MAX_TOP_K
 
 import numpy as np
 
-from colibri._kernels import ACT_CODES, DTYPE_CODES, KV_CODES, LAYOUT_CODES, act_arrays, available_isas, cpu_features, isa
+from colibri._kernels import (ACT_CODES, DTYPE_CODES, KV_CODES, LAYOUT_CODES, act_arrays, available_isas,
+                              cpu_features, isa)
 
 
 def kernel_f16_to_f32(uint16_t h):
@@ -97,7 +99,7 @@ def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, s
     bf16_products as in kernel_matmul."""
     import time
     w = np.ascontiguousarray(w)
-    cdef int n = x.shape[0], cols = x.shape[1], r, t
+    cdef int n = x.shape[0], cols = x.shape[1], _rep
     cdef int rows = _stored_rows(w, cols, dtype, layout)
     cdef int code = DTYPE_CODES[dtype]
     cdef int lay = LAYOUT_CODES[layout]
@@ -110,7 +112,7 @@ def bench_matmul(w, const float[:, ::1] x, str dtype, int n_threads, int reps, s
     cdef const void *wp = <const void *><uintptr_t>w.ctypes.data
     t0 = time.perf_counter()
     with nogil:
-        for r in range(reps):
+        for _rep in range(reps):
             kernels.matmul(&o[0, 0], rows, wp, code, lay, &x[0, 0], cols, acts, n, rows, cols, n_threads)
     seconds = time.perf_counter() - t0
     free(acts)
@@ -130,7 +132,7 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
                          "0 <= pos < ring, reps >= 1")
     ka, va = _kv_cache(k_layers, kv), _kv_cache(v_layers, kv)
     cdef int n_layers = ka.shape[0], n_kv = ka.shape[1], ring = ka.shape[2], head_dim = q.shape[1]
-    cdef int n_heads = q.shape[0], r, layer
+    cdef int n_heads = q.shape[0], _rep, layer
     out = np.zeros((n_heads, head_dim), np.float32)
     scores = np.zeros((n_heads, pos + 2), np.float32)         # [n_heads, n_ctx + 1]
     cdef float[:, ::1] o = out, sc = scores
@@ -141,10 +143,11 @@ def bench_attention(const float[:, ::1] q, k_layers, v_layers, int pos, int n_th
     cdef float scale = 1.0 / sqrtf(head_dim)
     t0 = time.perf_counter()
     with nogil:
-        for r in range(reps):
+        for _rep in range(reps):
             for layer in range(n_layers):
-                kernels.attention(&o[0, 0], 0, &q[0, 0], 0, kp + layer * layer_bytes, vp + layer * layer_bytes, &sc[0, 0],
-                                  n_heads, n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, NULL, n_threads, code)
+                kernels.attention(&o[0, 0], 0, &q[0, 0], 0, kp + layer * layer_bytes, vp + layer * layer_bytes,
+                                  &sc[0, 0], n_heads, n_kv, head_dim, pos + 1, 1, pos, 0, ring, scale, NULL,
+                                  n_threads, code)
     return time.perf_counter() - t0
 
 
@@ -164,7 +167,7 @@ def bench_attention_prompt(q, k_cache, v_cache, int pos0, int n_threads, int rep
                          "pos0 + n <= ring, reps >= 1")
     ka, va = _kv_cache(ka, kv), _kv_cache(va, kv)
     cdef int n = qa.shape[0], n_heads = qa.shape[1], head_dim = qa.shape[2], n_kv = ka.shape[0], ring = ka.shape[1]
-    cdef int n_ctx = ring, r, t, ld = n_heads * head_dim
+    cdef int n_ctx = ring, _rep, t, ld = n_heads * head_dim
     out = np.zeros((n, n_heads, head_dim), np.float32)
     scores = np.zeros((cb_attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
     cdef float *o = <float *><uintptr_t>out.ctypes.data
@@ -177,7 +180,7 @@ def bench_attention_prompt(q, k_cache, v_cache, int pos0, int n_threads, int rep
     cdef bint one = one_at_a_time
     t0 = time.perf_counter()
     with nogil:
-        for r in range(reps):
+        for _rep in range(reps):
             if one:
                 for t in range(n):
                     kernels.attention(o + <size_t>t * ld, ld, qp + <size_t>t * ld, ld, kp, vp, sc, n_heads, n_kv,
@@ -194,7 +197,7 @@ def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layo
     kernel_matvec. bf16_products: the activations also rounded to bf16 (acts.xb), which a bf16
     rows matrix then multiplies by vdpbf16ps where the tier has it (_kernels.has_bf16_products)."""
     w = np.ascontiguousarray(w)
-    cdef int n = x.shape[0], cols = x.shape[1], t
+    cdef int n = x.shape[0], cols = x.shape[1]
     cdef int rows = _stored_rows(w, cols, dtype, layout)
     cdef int code = DTYPE_CODES[dtype]
     cdef int lay = LAYOUT_CODES[layout]
@@ -209,8 +212,6 @@ def kernel_matmul(w, const float[:, ::1] x, str dtype, int n_threads=1, str layo
         kernels.matmul(&o[0, 0], rows, wp, code, lay, &x[0, 0], cols, acts, n, rows, cols, n_threads)
     free(acts)
     return out
-
-
 
 
 def kernel_round_bf16(const float[::1] x):
@@ -344,8 +345,10 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
         if np.shape(k_cache) != (ring, n_kv_heads * head_dim) or np.shape(v_cache) != np.shape(k_cache):
             raise ValueError("kernel_attention: q [n_heads, head_dim], caches [ring, n_kv_heads * head_dim]")
         # the engine's cache order: [n_kv_heads, ring, head_dim]
-        ka = np.ascontiguousarray(np.asarray(k_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
-        va = np.ascontiguousarray(np.asarray(v_cache, np.float32).reshape(ring, n_kv_heads, head_dim).transpose(1, 0, 2))
+        ka = np.ascontiguousarray(np.asarray(k_cache, np.float32).reshape(ring, n_kv_heads, head_dim)
+                                  .transpose(1, 0, 2))
+        va = np.ascontiguousarray(np.asarray(v_cache, np.float32).reshape(ring, n_kv_heads, head_dim)
+                                  .transpose(1, 0, 2))
     if not 0 <= start <= pos or pos - start + 1 > ring:
         raise ValueError("kernel_attention: positions start..pos must fit the ring")
     cdef int n_ctx = pos - start + 1
@@ -365,8 +368,8 @@ def kernel_attention(q, k_cache, v_cache, int n_kv_heads, int start, int pos, in
     cdef int code = KV_CODES[kv]
     with nogil:
         kernels.attention(&o[0, 0], 0, &qv[0, 0], 0, kp, vp, &sc[0, 0], n_heads, n_kv_heads, head_dim,
-                     n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), sink_ptr,
-                     n_threads, code)
+                          n_ctx, 1, pos, pos - start + 1 if start > 0 else 0, ring, 1.0 / sqrtf(head_dim), sink_ptr,
+                          n_threads, code)
     return out
 
 
@@ -463,7 +466,7 @@ def kernel_dequant_row(w, int row, int cols, str dtype, str layout="rows"):
     out = np.zeros(cols, np.float32)
     cdef float[::1] o = out
     kernels.dequant_row(&o[0], <const void *><uintptr_t>w.ctypes.data, DTYPE_CODES[dtype], LAYOUT_CODES[layout], row,
-                   rows, cols)
+                        rows, cols)
     return out
 
 
@@ -596,7 +599,6 @@ def bench_read(buf, int n_threads):
     with nogil:
         r = cb_read_bytes(&v[0], n, n_threads)
     return r
-
 
 
 from colibri._engine cimport (cb_expert_cache, cache_new, cb_cache_stop, cb_cache_drain,

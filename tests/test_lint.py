@@ -1,4 +1,4 @@
-"""The code passes the linter configured in pyproject.toml ([tool.ruff]): pyflakes' checks (unused
+"""The code passes the linters configured in pyproject.toml ([tool.ruff], [tool.cython-lint]): pyflakes' checks (unused
 imports, undefined names) and pycodestyle's errors, on the package, the tests and the tools."""
 from __future__ import annotations
 
@@ -18,4 +18,14 @@ def test_ruff_finds_nothing():
     cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
     p = subprocess.run([*cmd, "check", "--no-cache", "colibri", "tests", "tools"], cwd=REPO, capture_output=True,
                        text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_cython_lint_finds_nothing():
+    """The Cython modules and their .pxd contracts pass cython-lint ([tool.cython-lint])."""
+    pytest.importorskip("cython_lint")
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "colibri").glob("*.p[xy][xd]"))
+    assert len(files) >= 8, files
+    p = subprocess.run([sys.executable, "-m", "cython_lint.cython_lint", *files], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr

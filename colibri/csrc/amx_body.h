@@ -86,10 +86,9 @@ CB_AMX_NAME(cb_amx_pair_tile)(float *out, int ldo, const cb_amx_wblock *wb, cons
  * call into this thread's scratch (cb_amx_act: 576 bytes a block and tile). The AVX512-VNNI step
  * takes the rest: the last n % 16 tokens, an odd last group (its 256-bit tile), nl4 (two scales a
  * block), and everything where no scratch is had. The tail goes to VNNI rather than to a tile
- * padded with zero rows because a tile costs the tile unit as much for 1 row as for 16: measured
- * on one core, a padded tile of 8 tokens ran 0.61x the VNNI step's 8 tokens, a full one 1.07x its
- * 16 (BENCHMARKS.md), so VNNI wins a tail of up to ~14 tokens (a second read of this thread's
- * weights included: those figures read them from L3); n = 24 comes to about 1.05x. */
+ * padded with zero rows because a tile costs the tile unit as much for 1 row as for 16, while the
+ * VNNI step's cost follows its tokens: a padded tile does a whole tile's work for the tail's few
+ * tokens, and only a full tile gains on VNNI (and not by enough to pay for a padded one). */
 CB_TARGET_AVX512_VNNI static void
 CB_AMX_NAME(cb_itile)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
                       int g1, int n) {

@@ -48,7 +48,7 @@ static void cb_tprefill_scalar(float *out, int ldo, const char *w, int dtype, co
  * below (cb_job_rows, cb_job_transposed, cb_job_interleaved) reads its own fields:
  *   CB_ROWS         tile (up to tile_rows rows x CB_TILE_TOKENS tokens) and, where the tile's
  *                   arithmetic for one token is a dot product, `dot`, which decode calls row by row
- *                   (a 4-argument call per row instead of the tile's 11: AVX2 int4 decode 10 % faster);
+ *                   (a 4-argument call per row instead of the tile's 11: less call overhead per row);
  *                   xp_order: the tile reads the activation reordered into acts.xp (CB_XP_*: the
  *                   AVX-512 rows tile cb_permute_bf16's lanes, the AVX2 interleaved bf16 prefill
  *                   cb_permute_pairs' pairs; a tier uses at most one order);
@@ -264,7 +264,8 @@ static void cb_fill_avx2(cb_kernel_table *t) {
 }
 
 /* 4-row float tiles (bf16 from the permuted input); 2-row int8/int4 tiles where the CPU has
- * AVX512-VNNI, else AVX2's; the rest (mxfp4 too) as AVX2 (no wider kernel measured faster) */
+ * AVX512-VNNI, else AVX2's; the rest (mxfp4 too) as AVX2 (memory-bound: wider vectors gain
+ * nothing there) */
 static void cb_fill_avx512(cb_kernel_table *t, const cb_cpu_features *f) {
     cb_set_rows(t, CB_F32, cb_tile_float_avx512_any, NULL, 4, 0);
     cb_set_rows(t, CB_F16, cb_tile_float_avx512_any, NULL, 4, 0);
@@ -387,8 +388,7 @@ static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u
 #define CB_TCHUNK_BYTES (128 * 1024)
 
 /* From this many tokens a transposed int8/int4 product repacks each chunk (its tprefill): the
- * repack costs about what 4 tokens' products save (BENCHMARKS.md, "The repacked prefill's
- * threshold"). */
+ * repack costs about what 4 tokens' products save, so it pays only well above 4 tokens. */
 #define CB_TPREFILL_MIN_TOKENS 8
 #define CB_TDECODE_OUTPUTS 4096
 
@@ -426,7 +426,7 @@ static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0
     int chunk_units = (int)(CB_TCHUNK_BYTES / (bytes_per_unit ? bytes_per_unit : 1));
     if (chunk_units < 1) chunk_units = 1;
     /* float formats: a chunk's slice of an input row is contiguous; below 256 outputs (512 B of
-     * bf16) the reads are too short and every row a new page (measured 5x slower at 64) */
+     * bf16) the reads are too short and every row a new page */
     if (j->dtype != CB_INT8 && j->dtype != CB_INT4 && chunk_units < 256 / unit) chunk_units = 256 / unit;
     const int step = n == 1 ? CB_TDECODE_OUTPUTS / unit : chunk_units, max_t = CB_TILE_TOKENS;
     const cb_mat_kernels *e = &cb_kt.mat[j->dtype][CB_TRANSPOSED];
@@ -500,8 +500,8 @@ static void cb_job_rows(const cb_matjob *j, int n, int th, int nt, int *r0, int 
     const int bf16x = cb_takes_bf16x(j);
     cb_tile_fn tile = bf16x ? e->tile_bf16x : e->tile;
     if (!(n == 1 && e->dot) || bf16x) {
-        /* decode: one row per tile (one weight stream per thread) measured fastest for every
-         * format: 2 or 4 rows at once cut int8 from 26 to 10-24 GB/s, bf16 from 23 to 16-19 */
+        /* decode: one row per tile, so one weight stream per thread: for the rows layout 2 or 4
+         * rows at once read slower, in every format */
         const int TR = n == 1 ? 1 : e->tile_rows;
         const int groups = (rows + TR - 1) / TR;
         const int g0 = (int)((long long)groups * th / nt), g1 = (int)((long long)groups * (th + 1) / nt);
@@ -558,8 +558,8 @@ typedef struct {
 
 /* Inputs of a batch prepared in the parallel region (each thread a share of the rows) from this
  * many elements in all; below it the calling thread prepares them alone. A prompt's MoE wave
- * quantizes every expert's gathered rows: one thread doing it left the other waiting for 3 % of a
- * 16k prefill (perf, BENCHMARKS.md "Inputs prepared by every thread"). */
+ * quantizes every expert's gathered rows: one thread doing it alone would leave the others
+ * waiting. */
 #define CB_PREP_PARALLEL_MIN (1 << 15)
 /* Distinct inputs a batch prepares in parallel at most (a MoE wave: up to 2 x 65 jobs); a larger
  * batch prepares its inputs on the calling thread. */
@@ -677,8 +677,8 @@ static int cb_has_bf16_products(void) { return cb_kt.mat[CB_BF16][CB_ROWS].tile_
  * chunk). Query head h reads KV head h / (n_heads / n_kv_heads), as transformers' repeat_kv does.
  * Scores are q.k * scale, by the tier's cb_kt.attend for the query heads of one KV head at a time
  * (prefill and decode both come here, so they still agree bit for bit). Those units are split
- * over threads from CB_ATTN_PARALLEL_MIN multiply-adds (a serial attention was a tenth of a
- * 2-thread decode step at 180 positions). */
+ * over threads from CB_ATTN_PARALLEL_MIN multiply-adds (from a few hundred positions a serial
+ * attention would be a sizeable share of a decode step). */
 #define CB_ATTN_PARALLEL_MIN (1 << 15)
 
 /* The attention's units of work: the query heads of each KV head, up to `per` at a time (decode:
@@ -774,8 +774,8 @@ static void cb_quantize_act(cb_act_q8 *a, const float *x, int n) { cb_kt.quantiz
  * and on the tier under test from the same deterministic inputs (weights of
  * random bytes whose scales are set to valid values). Results must agree within float32
  * summation-order error (CB_SELFTEST_RTOL of the largest reference value). About 30 small
- * products: about 2 ms at import, most of it the tier switches' CPU detection (cpuid traps to the
- * hypervisor in a VM). Returns 0 with tier `isa` selected, or 1 + the index of the
+ * products, kept small because import runs them; most of the time is the tier switches' CPU
+ * detection (cpuid traps to the hypervisor in a VM). Returns 0 with tier `isa` selected, or 1 + the index of the
  * first failing check with the table left on tier `isa` (the caller picks another); -1 if the CPU
  * cannot run `isa` at all. */
 #define CB_SELFTEST_RTOL 1e-3f

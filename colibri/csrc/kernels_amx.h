@@ -11,9 +11,9 @@
  * bytes, B 8 rows x 64 bytes, C 16 x 16 int32) and every block's C is stored and scaled in zmm:
  * acc = fma(float(C), dw * dx, acc), block after block — the exact integer block sums of every
  * other step, scaled and added in the same order, so the same bits as decode. Per block and
- * tile: one TDPBSSD (16 cycles of the tile unit on Sapphire Rapids) beside 16 x (cvt, mul, fma) on
- * the two 512-bit ports (24 cycles): the scaling, not the tile unit, sets the pace, and two tile
- * sets (C of the next block computed while this one is scaled) overlap them.
+ * tile: one TDPBSSD beside 16 x (cvt, mul, fma) on the two 512-bit ports, which take longer than
+ * the tile unit's product: the scaling, not the tile unit, sets the pace, and two tile sets (C of
+ * the next block computed while this one is scaled) overlap them.
  *
  * Layouts:
  *   A  the activations of 16 tokens, one block: [16 tokens][32 bytes], packed once per call
@@ -70,11 +70,10 @@
 /* The pair tile's software pipeline (amx_body.h): a block's C is stored CB_AMX_STORE_DELAY steps
  * after its product is issued and scaled CB_AMX_LOOKAHEAD steps after (STORE_DELAY <= LOOKAHEAD).
  * C goes round STORE_DELAY + 2 tiles beside A and B's four, so the next block's product never
- * waits for this one's store (one C tile for all blocks made each product wait for the last
- * store: the latency the measured second tile set removed); cbuf has LOOKAHEAD - STORE_DELAY + 1
- * slots. The default (0, 1) is the schedule of the prototype measured on the AMX host (A, B, C on
- * tiles 0-2 and 3-5, BENCHMARKS.md); this body, with A/B on tiles 0-3 and C on 4-7, has been held to
- * its bits only by the emulated tiles and the import-time self-test, not yet run on AMX hardware. */
+ * waits for this one's store (one C tile for all blocks would make each product wait for the last
+ * store); cbuf has LOOKAHEAD - STORE_DELAY + 1 slots. The default (0, 1) stores a block's C right
+ * after its product and scales it a step later. The emulated tiles hold this body to its bits on
+ * any AVX-512 CPU, and the import-time self-test holds the hardware tiles to them. */
 #ifndef CB_AMX_STORE_DELAY
 #define CB_AMX_STORE_DELAY 0
 #endif
@@ -183,9 +182,9 @@ CB_STATIC_ASSERT(CB_AMX_BF16_UNITS * 4 == CB_BF16_SPLIT_INPUTS, "a split order's
 /* Group pairs a pass: with two, each lane's products go 2 token tiles x 2 pairs (4 tile loads for 4
  * TDPBF16PS, the blocking Intel's optimization manual gives for AMX); with one, 2 token tiles x 1
  * pair (6 loads for 4). Between ranges of chunks each C tile goes to memory and back (2 more tile
- * moves for 8 chunks' 8 products). None of this is measured on AMX hardware yet:
- * tools/bench/amx_engine.py's variants time the first tile (one pair, 16 chunks: bf16-pairs1) and
- * two pairs of 16 chunks (64 KB of B: bf16-chunks16) against this one. */
+ * moves for 8 chunks' 8 products). tools/bench/amx_engine.py's variants (one pair, 16 chunks:
+ * bf16-pairs1; two pairs of 16 chunks, 64 KB of B: bf16-chunks16) are the alternatives to time
+ * this one against. */
 #ifndef CB_AMX_BF16_PAIRS
 #define CB_AMX_BF16_PAIRS 2
 #endif

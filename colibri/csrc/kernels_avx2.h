@@ -89,7 +89,8 @@ CB_TARGET_AVX2 static float cb_dot_bf16_avx2(const void *row, const float *x, co
 
 /* cb_quantize_act_scalar with 8 lanes: the same float operations (amax, d = amax / 127, x * (1/d))
  * and the same rounding (cvtps_epi32 and lrintf both round to nearest even in the default mode),
- * so the same bytes. Per element a libm lrintf call made it a tenth of a small expert's matvec. */
+ * so the same bytes. Vectorised because every integer product quantizes its input first, and an
+ * lrintf call per element would make it a sizeable share of a small expert's matvec. */
 CB_TARGET_AVX2 static void cb_quantize_act_avx2(cb_act_q8 *a, const float *x, int n) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < n / CB_QBLOCK; b++) {
@@ -135,8 +136,7 @@ CB_TARGET_AVX2 static inline __m256i cb_dot_i8x32_avx2(__m256i w, __m256i x) {
 }
 
 /* int4 block -> 32 signed bytes in [-8, 7], element order 0..31: the 16 bytes go to both halves
- * of a ymm, the upper half shifted right by 4 (elements 16..31 are the high nibbles). (An xmm
- * shift + insert measured no faster on Zen 2.) */
+ * of a ymm, the upper half shifted right by 4 (elements 16..31 are the high nibbles). */
 CB_TARGET_AVX2 static inline __m256i cb_unpack_int4_avx2(const uint8_t *qs) {
     __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     v = _mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0));
@@ -181,8 +181,8 @@ CB_TARGET_AVX2 static inline __m256 cb_qblock_fma_avx2(__m256 acc, __m256i wq, f
 /* Integer tile: out[j * ldo] = row . token j for T in 1..4 tokens of one weight row, the blocks
  * accumulated in order into one accumulator per token. The weight block is loaded (and for int4
  * unpacked) once for the T tokens: the prefill gain. T = 1 is the decode dot product, so prefill
- * and decode agree bit for bit. (Two accumulators per token, even and odd blocks, measured 5 %
- * slower in int8 decode on Zen 2: tools/bench/ab_revisions.py.) */
+ * and decode agree bit for bit. One accumulator, not two (even and odd blocks): decode is bound
+ * by the weights' reads, not by the accumulator's latency, so a second chain only adds work. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_tile_quant_avx2(float *out, int ldo, const char *row, int dtype, const cb_act_q8 *acts, int cols, const int T) {
     __m256 acc[4];
@@ -218,7 +218,7 @@ CB_TARGET_AVX2 static float cb_dot_mxfp4_avx2(const void *row, const float *x, c
 }
 
 /* The table's tile entries (rows R = 1): the format and T in 1..4 select a body specialised at
- * compile time (a format test per block cost int8 decode about 4 %). Callers never pass T > 4
+ * compile time (no format test per block in the inner loop). Callers never pass T > 4
  * (cb_job_rows and cb_job_transposed tile by CB_TILE_TOKENS = 4): T > 4 would run as 4. */
 #define CB_AVX2_T_CASES(CALL, DT) \
     switch (T) { case 1: CALL(DT, 1); break; case 2: CALL(DT, 2); break; \
@@ -258,7 +258,7 @@ CB_TARGET_AVX2 static void cb_tile_float_avx2_any(float *out, int ldo, const cha
  * a degree-6 polynomial, 2^n through the exponent bits. About 1 ulp against expf. SiLU is then
  * x / (1 + e^-x), and the tanh GELU x * sigmoid(2u) = x / (1 + e^-2u), u = sqrt(2/pi)(x + 0.044715 x^3)
  * (0.5 (1 + tanh u) = sigmoid(2u)): 8 lanes at a time instead of one libm call per element (the
- * GLU was 4-6 % of a prefill). */
+ * GLU runs over every expert's intermediate activations). */
 #define CB_LN_SMALLEST_NORMAL -87.3365448f   /* ln(FLT_MIN): an exp below it is taken as 0 */
 
 /* The exp's operations on a vector of W (_mm256 or _mm512) lanes, written once: the AVX-512 tier's
@@ -346,8 +346,8 @@ cb_ttile_float_pass_avx2(float *out, int ldo, const char *w, size_t stride, int 
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ttile_float_avx2(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
                     int rows, int cols, int o0, int o1, const int T) {
-    /* 4 input rows per pass over the outputs (a store per row made the weight loads wait on
-     * 4K-aliased stores: 2x slower), the last cols % 4 one at a time */
+    /* 4 input rows per pass over the outputs (a store per row would make the weight loads wait on
+     * 4K-aliased stores), the last cols % 4 one at a time */
     const size_t stride = cb_row_stride(dtype, rows);
     for (int j = 0; j < T; j++) memset(out + (size_t)j * ldo + o0, 0, sizeof(float) * (size_t)(o1 - o0));
     int i = 0;
@@ -463,9 +463,8 @@ cb_tq_group_avx2(float *y, int ldo, const char *grp, int dtype, const cb_tq_bloc
 }
 
 /* Decode (T = 1) takes CB_TDECODE_ROWS block rows per pass over the outputs: that many read
- * streams per thread instead of one (two against one: int8 1.08-1.16x, int4 1.25x in the model;
- * four against two: int8 1.05-1.17x, int4 1.02x); every output still adds block kb before kb + 1,
- * so the bits do not change. */
+ * streams per thread instead of one, so more of the weights' reads are in flight at once (decode
+ * is bound by them); every output still adds block kb before kb + 1, so the bits do not change. */
 #ifndef CB_TDECODE_ROWS
 #define CB_TDECODE_ROWS 4
 #endif
@@ -536,7 +535,7 @@ CB_TARGET_AVX2 static void cb_ttile_avx2_any(float *out, int ldo, const char *w,
 
 /* A register the compiler must materialise here: GCC otherwise regroups the chain of integer adds
  * of a block (they are associative) into one tree at its end, keeping all 32 products of 4 tokens
- * live and spilling them to the stack (measured: the kernel at 60 % of its speed). */
+ * live and spilling them to the stack. */
 /* CB_NO_HOIST(p): the pointer p as the compiler cannot follow it, so loads through it stay where
  * they are written (GCC hoisted a row loop's 16 invariant query vectors into 16 registers and
  * spilled the rest of the loop). Neither is needed for the bits, only for the speed. */
@@ -713,8 +712,8 @@ CB_TARGET_AVX2 static void cb_tprefill_quant_avx2(float *out, int ldo, const cha
  * 2 x NH FMA chains, each row's sums gathered by one hadd tree into NH scores), and each value row
  * once per 16 output columns of the NH heads (2 x NH accumulators; per position one broadcast
  * weight per head), in blocks of rows that stay in L1 across those passes. Loops are unrolled for
- * head_dim 64 and 128. The per-head loop read every key and value row once per head, through a
- * function pointer per dot product: at 576 positions the attention took a third of a decode step. */
+ * head_dim 64 and 128. A loop per head would read every key and value row once per head, through a
+ * function pointer per dot product: the attention of a long context would then dominate decode. */
 /* The softmax's exps from element i on, x[k] = exp(x[k] - mx), and their sum: 8 lanes a step
  * adding onto s8 (the partial sums of elements before i), then the lanes' sum, then a scalar tail.
  * The AVX-512 tier's softmax runs its 16-lane steps first and ends here, for the same bits. */
@@ -768,7 +767,7 @@ CB_TARGET_AVX2 static int cb_softmax_unnormalized_avx2(float *x, int n, float *i
     }
     if (!isfinite(mx)) return -1;
     /* the sum in CB_SOFTMAX_CHAINS chains of 8 lanes over whole 64-element steps (one chain's adds
-     * waited on each other: the exponentials' pass ran at the add's latency), folded as a tree;
+     * would wait on each other: the exponentials' pass would run at the add's latency), folded as a tree;
      * then the rest in order (cb_softmax_exps_avx2). The AVX-512 tier adds the same lanes in the
      * same order. */
     const __m256 vmx = _mm256_set1_ps(mx), underflow = _mm256_set1_ps(CB_LN_SMALLEST_NORMAL);
@@ -815,9 +814,9 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256 cb_kv_load8(const void *row, size_
  * vpmaddubsw of |k| and q signed by k (products and pair sums stay within int16: codes are within
  * +-127), then vpmaddwd with ones, 32 codes a step; a last head_dim % 32 in C. One hadd tree
  * gathers both rows' sums for the 4 heads into 8 lanes, whose float part is cb_q8_score_from_sum's
- * two multiplies on 8 lanes at once. (A row at a time, each row ended in its own tree and 4 scalar
- * conversions, and GCC hoisted the 16 query vectors out of the rows' loop and spilled the products:
- * decode's q8 attention ran at ~40 cycles a head and position, the scores half of it.) */
+ * two multiplies on 8 lanes at once. (Two rows share one tree and its conversions, where a row at a
+ * time would end each row in its own tree and 4 scalar conversions; the query codes are loaded each
+ * step so GCC does not hoist the 16 query vectors out of the rows' loop and spill the products.) */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_rows2_scores_avx2(float *const *sc, int t, int pair,
                                                                    const int8_t *qc, int qlen, __m256 qs8, const char *ka, const char *kb,
                                                                    int head_dim, const int NH) {
@@ -917,9 +916,8 @@ static inline int cb_q8_block_rows(int head_dim) {
  * wrapping (head_dim % 8 == 0). A prompt converts a block's rows once for all its queries and
  * heads. Each 16 columns d.. are stored as the in-lane unpacks leave them, columns d + 0-3, 8-11
  * then d + 4-7, 12-15, and cb_q8_vpass_avx2 puts its sums back in order (two lane swaps a head
- * and group there, where putting the pairs in order took two per pair for all heads: on Zen 3
- * and Skylake the conversion's loop was bound by the shuffle ports, llvm-mca 14: 40 -> 32 and
- * 49 -> 33 cycles a pair of rows at head_dim 128). A last 8 columns are in order. */
+ * and group there, where putting the pairs in order here would take two per pair for all heads:
+ * the conversion's loop is bound by the shuffle ports). A last 8 columns are in order. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vpairs_avx2(int32_t *vp, float *vd, const char *vbase, int row,
                                                              int pairs, int ring, int head_dim) {
     const size_t rbytes = cb_kv_row_bytes(head_dim, CB_KV_Q8);
@@ -1035,7 +1033,8 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE void cb_q8_vgroup_avx2(float *const *o, c
 
 /* cb_kv_store_q8 with 8 lanes, the same bytes: the max is exact in any order, the division is
  * IEEE's in both, and cvtps_epi32 rounds to nearest even as lrintf does; a row with NaN or
- * infinity, or all zeros, takes the scalar code. (The scalar store was a tenth of a 16k prefill.) */
+ * infinity, or all zeros, takes the scalar code. (Every prompt token stores a row per KV head and
+ * layer: the store is vectorised for long prefills.) */
 CB_TARGET_AVX2 static void cb_kv_store_q8_avx2(void *dst, const float *src, int n) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 m8 = _mm256_setzero_ps();
@@ -1148,8 +1147,8 @@ cb_attn_block_scores_avx2(float *const *sc, const float *const *qh, const char *
 }
 
 /* Values of positions t0..t1-1 of one query's span into o[i] (from zero at t = 0, else onto what
- * o holds): NV 8-column vectors from column d, every row. (A pass whose vector count was not a
- * constant kept its accumulators on the stack.) */
+ * o holds): NV 8-column vectors from column d, every row. (NV is a compile-time constant so the
+ * accumulators stay in registers: a variable count keeps them on the stack.) */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attn_block_vpass_avx2(float *const *o, const float *const *sc, const char *vbase, int t0, int t1, int row_t0,
                          int ring, int head_dim, int d, const int NH, const int NV, const int KV) {
@@ -1221,7 +1220,7 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
     const char *vbase = (const char *)v_cache + (size_t)kvh * ring * rbytes;
     const __m256 vscale = _mm256_set1_ps(scale);
     /* Scores two key rows at a time: each q load serves both rows and 2 x NH independent FMA chains
-     * hide the FMA latency (one row's NH chains of head_dim / 8 did not: 7 FLOP a cycle of 32).
+     * hide the FMA latency (one row's NH chains alone are too few to cover it).
      * Each row's sums are gathered as before — hadd pairs, then the two 128-bit halves — so a
      * score does not depend on its row's partner (or on being the odd one out at the end). */
     for (int t = 0, row = row0; t < n; t += 2) {
@@ -1258,9 +1257,9 @@ cb_attend_group_avx2(float *out, const float *q, const void *k_cache, const void
     /* The value rows a block at a time (vblock rows, CB_ATTN_VBLOCK_BYTES): each pass over 16 of
      * the block's columns finds its rows in L1 and prefetches its own 64-byte piece of the rows of
      * the next block, so the next block arrives whole over the passes, a block ahead. Column-first
-     * over all positions read each row's pieces in separate sweeps of memory 256 bytes apart: at
-     * 1000 positions the decode's attention ran at 8 GB/s, stalled on those loads; blocks of 2 KB
-     * run at the read bandwidth (16 KB blocks: 0.8 of it; tools/bench_kernels.py --attention).
+     * over all positions would read each row's pieces in separate sweeps of memory 256 bytes apart
+     * and stall on those loads; a small block (it and its prefetched successor stay in L1) keeps
+     * the passes at the read bandwidth.
      * Each output still adds its positions in order (the sums wait in out between blocks), so
      * the block size does not change a bit. */
     const int vblock = CB_ATTN_VBLOCK_BYTES / (int)rbytes > 4 ? CB_ATTN_VBLOCK_BYTES / (int)rbytes : 4;
@@ -1422,8 +1421,8 @@ cb_attend_qblock_group_avx2(float *out, int ldo, const float *q, int ldq, int nq
  * values in groups of CB_Q8_VGROUP aligned positions (cb_q8_vgroup_avx2), each output times 1 /
  * its sum. A block of CB_Q8_DECODE_KROWS key rows is scored 4 heads at a time, the first 4
  * prefetching the rows ahead and the next 4 finding the block in L1, and a group's value rows are
- * turned into int16 pairs once for all the heads (4 heads a call, one unit of Qwen3-MoE's or
- * gpt-oss's 8 heads a KV head, converted the value rows twice). Every score and output is the
+ * turned into int16 pairs once for all the heads (at 4 heads a call, the 8 heads of a KV head of
+ * Qwen3-MoE or gpt-oss would convert the value rows twice). Every score and output is the
  * same sequence of operations whatever NH, so the bits are the prompt's and the other tiers'. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_attend_q8_avx2(float *out, const float *q, const void *k_cache, const void *v_cache, float *scores, int sc_stride,
@@ -1666,8 +1665,8 @@ CB_TARGET_AVX2 static CB_ALWAYS_INLINE __m256i cb_nl4_scaled_avx2(const char *gp
     return _mm256_add_epi32(_mm256_mullo_epi32(lo_sum, lo), _mm256_mullo_epi32(hi_sum, hi));
 }
 
-/* 4 activation bytes in every int32 lane, from memory: vbroadcastss is a load, no shuffle
- * (measured 1.2-1.4x over a set1 of the 4 bytes in the decode tile). */
+/* 4 activation bytes in every int32 lane, from memory: vbroadcastss is a load, no shuffle (a set1
+ * of the 4 bytes takes shuffle-port work the decode tile's products need). */
 #define CB_BCAST4(p) _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(p)))
 
 /* out[j * ldo + 0..7] = one interleaved group's 8 outputs for T tokens (acts[j]), over its blocks
@@ -1760,13 +1759,11 @@ cb_igroup_avx2(float *out, int ldo, const char *gp, int dtype, const cb_act_q8 *
  * this file's pair tile, kernels_vnni.h's quad tile): `lines` 64-byte lines from p, 8 a block
  * (from the tile's first block on) until they are done. The next pair (quad) of groups is one
  * span of bytes (the groups are stored one after another), spread evenly over the current one's
- * tiles and chunks. Before, the quad tile sent each chunk's next lines to L1 in a burst in the
- * chunk's first tile and the pair tile had none: with the weights coming from memory int8 ran at
- * 0.8 of its cached speed in both; spread, into L2, the quad tile's int8 went 1.06-1.21x, the pair
- * tile's int8/int4/int6 1.05-1.3x, the rest as before (tools/bench/ab_itile.py --from-memory,
- * BENCHMARKS.md). A count a block that follows the share (a loop of variable length in the
- * tile) cost int6 10-20 % from the caches: too many live registers. nl4's 512-bit pair tile keeps
- * its burst into L1, which it runs faster with (spread it lost 10 % at 8 tokens). */
+ * tiles and chunks: with the weights coming from memory, the next groups arrive while the current
+ * ones are multiplied, and spread thin, into L2, the requests neither come in a burst nor push the
+ * current chunk out of L1. The count a block is fixed, not one that follows the share (a loop of
+ * variable length in the tile takes registers the tile's sums need). nl4's 512-bit pair tile keeps
+ * its burst into L1 instead (kernels_vnni.h), which that tile runs faster with. */
 #define CB_PREFETCH_LINES_PER_BLOCK 8
 typedef struct {
     const char *p;
@@ -1800,12 +1797,10 @@ static inline cb_prefetch_run cb_prefetch_share(const char *base, size_t bytes, 
  * from memory), and the groups go two at a time (cb_igroup2_avx2: each activation broadcast
  * feeds both groups' products). Every output's lane does the same exact integer block sums, scaled
  * and added block by block in the same order as cb_igroup_avx2, so the bits are the same and
- * prefill still equals decode. From the caches on Zen 3, one thread, against cb_igroup_avx2: int4
- * [3584, 1024] / [768, 2048] / [1024, 3584] x 32 / 8 / 32 tokens 1.23-1.29x, int8 1.06-1.09x, int6
- * 1.07-1.14x; mxfp4 0.86-0.98x (its shuffles' registers), so mxfp4 and nl4 (two scales a block)
- * keep cb_igroup_avx2, as do decode and a thread's odd last group. Packing costs about one group's
- * products: under CB_ITILE2_MIN_GROUPS_AVX2 groups a call (4 groups: 0.7-0.85x; 16: int4 1.12x,
- * int8 1.00x, int6 0.93-0.98x; 32: 1.01-1.25x) the tile stays cb_igroup_avx2 (BENCHMARKS.md). */
+ * prefill still equals decode. mxfp4 (its shuffles take the registers a second group needs) and
+ * nl4 (two scales a block) keep cb_igroup_avx2, as do decode and a thread's odd last group.
+ * Packing costs about one group's products, so a call of fewer than CB_ITILE2_MIN_GROUPS_AVX2
+ * groups, which would not earn it back, stays on cb_igroup_avx2. */
 #define CB_ITILE_AVX2_TOKENS 4
 #define CB_ITILE2_MIN_GROUPS_AVX2 32
 typedef struct {
@@ -1945,8 +1940,7 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
             /* With 16 ymm registers GCC spilled this loop's sums to the stack (it regroups the
              * associative adds into one tree, as in cb_igroup_avx2): every sum is materialised in
              * order (CB_IN_ORDER), and int4 adds the offset's sum after the loop, not before it (4
-             * vectors fewer live across it). Integer sums: the same bits. From the caches, 1 and 2
-             * threads: int4 1.10-1.21x, mxfp4 1.07-1.12x, int6 0.99x (BENCHMARKS.md). */
+             * vectors fewer live across it). Integer sums: the same bits. */
             const int partial = dtype == CB_MXFP4 || dtype == CB_INT6;    /* isum takes partial sums */
             __m256i p16[4];
             for (int k = 0; k < G; k++) {
@@ -1986,8 +1980,9 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
 #endif
 
 /* The few-token tiles' prefetch (this file's cb_ifew2_int4_avx2, vnni_body.h's cb_ifew): each read
- * stream's lines this many bytes ahead, into L2 (BENCHMARKS.md "A few-token tile": 1 KB into L2
- * 0.91-1.08x, into L1 0.80-1.59x, 2 KB into L2 1.09-1.40x against none; 3-4 KB about as 2 KB). */
+ * stream's lines this many bytes ahead, into L2: nearer does not cover the memory's latency at a
+ * few tokens' arithmetic a block, much further gains nothing, and into L1 the gain depends on the
+ * shape and can turn into a loss. */
 #define CB_IFEW_PREFETCH 2048
 #define CB_IFEW_HINT _MM_HINT_T1
 
@@ -1999,13 +1994,11 @@ cb_idecode_avx2(float *out, size_t ostride, const char *gp, size_t gstride, int 
  * same fma in the same order: the same bits as decode and the prompt tiles. At G = 4 the 8 float
  * sums and 8 int16 sums do not fit the 16 ymm registers with the weights and broadcasts: GCC keeps
  * some on the stack, touched once a block, which a tile waiting on memory affords. The prompt's
- * pair tile reads a thread's weights as one stream: from memory, one thread (Zen 4), this tile ran
- * int4 at 2 tokens 1.22-1.32x the pair tile on Mixtral-8x7B's expert shapes ([14336, 4096],
- * [4096, 14336]) and on [14336, 1024], 1.03-1.05x on Qwen3-30B's ([768, 2048]) and 0.94-1.04x on
- * mixtral-mini's [3584, 1024] (BENCHMARKS.md "Two int4 tokens on the AVX2 tier"). int6 and mxfp4
- * (their partial sums take 8 more registers: 0.72-0.96x) and int8 (its 2 tokens already read at the
- * decode tile's rate) keep the prompt tiles, as do 3+ tokens, where the arithmetic, not the reads,
- * is the limit. */
+ * pair tile reads a thread's weights as one stream; at 2 tokens the reads, not the arithmetic, are
+ * the limit, and G streams read faster than one (as decode's do). int6 and mxfp4 (their partial
+ * sums take 8 more registers: slower here) and int8 (its 2 tokens already read at the decode
+ * tile's rate) keep the prompt tiles, as do 3+ tokens, where the arithmetic, not the reads, is the
+ * limit. */
 CB_TARGET_AVX2 static CB_ALWAYS_INLINE void
 cb_ifew2_int4_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t gstride, const cb_act_q8 *acts, int nb,
                    const int G) {
@@ -2093,16 +2086,15 @@ cb_ifew2_int4_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
 #define CB_IBF16_TOKENS_AVX2 4
 
 /* How far ahead of each of its 4 streams (bytes) the bf16 decode asks for the next line: the
- * hardware prefetchers alone left it at 0.81 of the read loop's bandwidth on a Zen 4 host; 512
- * bytes ahead 0.96 (1024: 0.91, 2048: 0.91; BENCHMARKS.md). The integer decode reads a quarter to
- * half the bytes per multiply and lost 6-20 % with the same prefetch: it has none. */
+ * hardware prefetchers alone do not keep the bf16 decode at the read bandwidth; a few lines ahead
+ * is enough, and further ahead is slower again. The integer decode reads a quarter to half the
+ * bytes per multiply and is slowed by the same prefetch: it has none. */
 #define CB_IBF16_PREFETCH 512
 
 /* A prompt's bf16 tiles (this tier's one group at a time, AVX-512's two) prefetch the next groups
  * into L2 instead, spread over the current ones' tiles of tokens (cb_prefetch_run), this many
  * lines a step of 4 inputs (64 bytes a group): at most 2 lines a step are the next groups', so a
- * lone tile still gets all of its share. From memory, one thread (tools/bench/ab_itile.py
- * --from-memory, BENCHMARKS.md): AVX-512 bf16 products 1.21-1.72x, widened 1.07-1.34x. */
+ * lone tile still gets all of its share. */
 #define CB_IBF16_PREFETCH_LINES 2
 static const cb_prefetch_run cb_no_prefetch = {NULL, 0};
 
@@ -2132,7 +2124,7 @@ cb_ibf16_tile_avx2(float *out, int ldo, size_t ostride, const char *gp, size_t g
     for (int g = 0; g < G; g++)
         for (int j = 0; j < T; j++) lo[g][j] = hi[g][j] = _mm256_setzero_ps();
     /* registers: 8 accumulators, a group's 4 widened vectors, one token's 2 broadcasts (16 in
-     * all; holding every token's broadcasts at once spilled: 98 -> 110 GFLOP/s at first) */
+     * all; holding every token's broadcasts at once would spill) */
     for (int k = 0; k < cols; k += 4, gp += 64) {
         __m256 xe = _mm256_setzero_ps(), xo = _mm256_setzero_ps();
         if (T == 1) {                                    /* decode: one token, G groups */

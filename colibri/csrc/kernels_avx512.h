@@ -136,7 +136,7 @@ cb_tile_quant_avx512(float *out, int ldo, const char *w, size_t stride, int dtyp
  * vdpbf16ps multiplies 32 bf16 weights by 32 bf16 activations and adds each pair's two products
  * into one of 16 f32 lanes: one instruction per 32 weights and token, where the widened path above
  * takes two unpacks and two FMAs. The activation is rounded to bf16 once per product (round_bf16,
- * into acts.xb): that rounding is the whole accuracy cost (BENCHMARKS.md, "bf16 products"), the
+ * into acts.xb): that rounding is the whole accuracy cost, the
  * products of two bf16 values being exact in f32. One accumulator per (row, token), filled in the
  * same order for any tile shape, so decode and prefill agree bit for bit. */
 CB_TARGET_AVX512_BF16 static inline __m512bh cb_as_bf16x32(__m512i v) {
@@ -444,16 +444,15 @@ CB_TARGET_AVX512_BF16 static void cb_itile_bf16x_ordered_avx512(float *out, int 
  * of key row r in lanes 0..7 and of row r + 1 in lanes 8..15 of one vector. A key block (16 KB of
  * f32) is converted once into such row pairs for all the block's queries; a step takes 8 rows for
  * 3-4 heads or 16 for 1-2 (16 accumulators), and its scores are gathered by transposing adds in the
- * hadd tree's order and stored a head's 8 or 16 rows at once (the first version split each pair
- * back into 256-bit halves, one hadd tree and 8 scalar stores per pair: at 4,096 positions its
- * scores took more operations than their FMAs). A value pass takes 16 columns a vector (4 vectors
- * x 4 heads), each lane adding its positions in order (converting the block's f16 values once, as
- * the keys, measured slower: vcvtph2ps from memory is cheap there, and the copy is not). A unit is
- * up to 8 query heads of a KV head (cb_kernel_table.attend_block_heads), taken 4 at a time by the
- * score and value passes, so Qwen3-MoE's group of 8 converts and reads a key or value block from
- * L3 once, not twice (an 8,192-token prefill 1.10x). Where the
- * 512-bit FMA runs at the 256-bit instruction rate (Zen 5, Intel's two 512-bit ports) half the
- * instructions do the same work. */
+ * hadd tree's order and stored a head's 8 or 16 rows at once (splitting each pair back into
+ * 256-bit halves, one hadd tree and 8 scalar stores per pair, would take more operations than the
+ * scores' FMAs). A value pass takes 16 columns a vector (4 vectors x 4 heads), each lane adding its
+ * positions in order (the block's f16 values are not converted once as the keys are: vcvtph2ps
+ * from memory is cheap there, and the copy is not). A unit is up to 8 query heads of a KV head
+ * (cb_kernel_table.attend_block_heads), taken 4 at a time by the score and value passes, so
+ * Qwen3-MoE's group of 8 converts and reads a key or value block from L3 once, not twice. Where
+ * the 512-bit FMA runs at the 256-bit instruction rate (cores with two full-width 512-bit FMA
+ * units) half the instructions do the same work. */
 
 /* cb_exp_avx2 on 16 lanes: the same operations lane by lane (CB_EXP_BODY), so the same bits. */
 #define CB_ROUND_NEAREST512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -463,8 +462,7 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_exp_avx512(__m512 x)
 /* cb_softmax_unnormalized_avx2's result bit for bit with 16 lanes at a time: the max is exact in
  * any order, each exp is the same lane arithmetic, and the sum runs in the same 8-lane chains (a zmm
  * holds two), folded alike; after the whole 64-element steps, a 16-element step adds its low then
- * its high 8 (the AVX2 loop's two steps), with the AVX2 loop's last 8 and scalar tail.
- * (The attention's softmax was a seventh of a long prompt's block kernel.) */
+ * its high 8 (the AVX2 loop's two steps), with the AVX2 loop's last 8 and scalar tail. */
 CB_TARGET_AVX512 static int cb_softmax_unnormalized_avx512(float *x, int n, float *inv) {
     int i = 0;
     *inv = 1.0f;
@@ -545,8 +543,8 @@ CB_TARGET_AVX512 static CB_ALWAYS_INLINE __m512 cb_kv_load16(const char *row, si
 /* The key block, converted once for all the block's queries: cache rows of positions b0..b1-1 to
  * f32 in pairs, kf [pairs][head_dim / 8][16]: pair p's vector c holds elements 8c..8c+7 of position
  * b0 + 2p in lanes 0..7 and of b0 + 2p + 1 in lanes 8..15 (an odd block's last row repeats), so a
- * score step loads a row pair with one plain load, however many queries and heads read it (each
- * had converted f16 and joined two halves itself, once per query and step). The 16 rows after a
+ * score step loads a row pair with one plain load, however many queries and heads read it (not
+ * each converting f16 and joining two halves itself, once per query and step). The 16 rows after a
  * partial block are zeroed: a step of 16 rows may read that far and its extra lanes are never
  * stored (zeros, not stale bits: no denormal stalls). */
 #define CB_ATTN_KF_FLOATS 4096          /* a key block's f32 pairs: 16 KB, L1-resident with its queries */
@@ -808,9 +806,8 @@ cb_attend_group_avx512(float *out, const float *q, const void *k_cache, const vo
         }
         /* 4 heads' 4 rows a vector, gathered by the prompt kernel's transposing adds (the hadd
          * tree's order: the AVX2 bits): heads g, g + 1 as "8 rows" of cb_rows8_halves, g + 2, g + 3
-         * the other 8, so lanes 4i..4i+3 are head g + i's rows t..t+3, stored 4 at a time (the
-         * first version's 256-bit hadd trees and 8 scalar stores per row pair took about twice
-         * the operations) */
+         * the other 8, so lanes 4i..4i+3 are head g + i's rows t..t+3, stored 4 at a time (half
+         * the operations of 256-bit hadd trees and 8 scalar stores per row pair) */
         const __mmask8 keep = (__mmask8)((1u << (n - t < 4 ? n - t : 4)) - 1u);
         const __m512 z = _mm512_setzero_ps();
         for (int g = 0; g < NH; g += 4) {
@@ -876,9 +873,9 @@ CB_TARGET_AVX512 static void cb_attend_heads_avx512(float *out, const float *q, 
  * The integer sums are exact and the float steps are the AVX2 tier's (cb_q8_score_from_sum,
  * cb_q8_weights_avx2, o = fma(sum, g, o)), so the bits are that tier's and a prompt's equal decoding it. */
 
-/* acc += vpdpbusd / vpdpwssd (acc, a, b) in place. GCC's intrinsics copied each accumulator to
- * another register and back around every instruction of these loops (a move per product: a third
- * of the q8 value pass's instructions in perf annotate); inline assembly ties it to one register. */
+/* acc += vpdpbusd / vpdpwssd (acc, a, b) in place. GCC's intrinsics copy each accumulator to
+ * another register and back around every instruction of these loops (a move per product, a large
+ * share of the q8 value pass's instructions); inline assembly ties it to one register. */
 #if defined(__GNUC__) && !defined(__clang__)
 #define CB_DPBUSD512(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 #define CB_DPWSSD512(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))

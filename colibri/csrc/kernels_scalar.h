@@ -64,10 +64,10 @@ typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, 
 #define CB_PARALLEL_MIN_WORK (1 << 19)
 /* ...unless its weights are this many bytes or more: a decode matvec is a read, and a small one in
  * f32 or bf16 has few multiply-adds for its bytes. A MoE router (Qwen3-MoE's [128, 2048] f32: 1 MB,
- * 262,144 multiply-adds; OLMoE's [64, 2048]) read from memory took one thread 37-45 us, two 31-33 us
- * (Zen 4, tools/bench/small_matvec.c, BENCHMARKS.md; 17-22 -> 14-15.5 us for OLMoE's): once per
- * layer and token. A many-core server, each of whose cores reads a small part of its bandwidth,
- * gains more. (#ifndef: small_matvec.c builds without it.) */
+ * 262,144 multiply-adds; OLMoE's [64, 2048]), read from memory once per layer and token, is read
+ * faster by two threads than by one, as one core alone does not reach the memory's bandwidth; a
+ * many-core server, each of whose cores reads a small part of its bandwidth, gains more.
+ * (#ifndef: tools/bench/small_matvec.c builds without it.) */
 #ifndef CB_PARALLEL_MIN_BYTES
 #define CB_PARALLEL_MIN_BYTES (1 << 18)
 #endif

@@ -49,11 +49,10 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
  * it, CB_VNNI_FEW_TS tokens a pass (set per step below: the EVEX step's 32 registers hold 4 streams
  * x 2 tokens' sums and accumulators; 0 leaves the step without it), CB_IFEW_KBLOCKS blocks of each
  * stream's row at a time under the passes when there are more. Each stream's line CB_IFEW_PREFETCH (kernels_avx2.h)
- * bytes ahead goes to L2. From memory, one thread, against the prompt tiles (Zen 4,
- * tools/bench/ab_itile.py --from-memory, BENCHMARKS.md "A few-token tile"): int8 1.02-1.13x at 2
- * tokens, 1.17-1.40x at 3-6, 0.99x at 8; int4, int6, mxfp4 1.05-1.37x at 2, int4 0.8-1.1x at 3-8
- * (its nibbles' unpacking is shared by 2 tokens here, by up to 6 in the quad tile); nl4 keeps the
- * prompt tiles. */
+ * bytes ahead goes to L2. At a few tokens the weights' reads, not the products, are the limit, and
+ * decode's side-by-side streams read faster than the prompt tiles' one: int8 takes this tile up to
+ * 6 tokens; int4, int6 and mxfp4 only at 2, since their unpacking of the codes is shared by 2
+ * tokens here but by up to 6 in the quad tile; nl4 keeps the prompt tiles. */
 #define CB_IFEW_TOKENS(dtype) ((dtype) == CB_INT8 ? 6 : (dtype) == CB_NL4 ? 1 : 2)
 #define CB_IFEW_KBLOCKS 8
 
@@ -67,7 +66,8 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 #undef CB_VNNI_NAME
 #undef CB_VNNI_FEW_TS
 
-/* AVX-VNNI (VEX: 16 registers) keeps its measured tiles until a host with it measures this one. */
+/* AVX-VNNI (VEX: 16 registers) has no few-token tile: its 4 streams x 2 tokens of sums and
+ * accumulators are sized for the EVEX step's 32 registers; a few tokens take the prompt tiles. */
 #define CB_VNNI_TARGET CB_TARGET_AVXVNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_avx_epi32(a, u, s)
 #define CB_VNNI_NAME(base) base##_avxvnni
@@ -92,8 +92,8 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 /* ---- the AVX512-VNNI step's prefill on 512-bit vectors ----------------------------------------
  *
  * The interleaved prefill tile above works on 256-bit vectors: one group's 8 outputs. Where
- * vpdpbusd runs on 512 bits at the 256-bit instruction rate (Zen 5: 6.8-7.8 G a second per core on
- * zmm as on ymm, BENCHMARKS.md; Intel's two 512-bit ports) a zmm holding two neighbouring groups — their
+ * vpdpbusd runs on 512 bits at the 256-bit instruction rate (cores with full-width 512-bit units)
+ * a zmm holding two neighbouring groups — their
  * 16 outputs, group g in lanes 0..7, g + 1 in lanes 8..15 — does twice the work per instruction.
  * Each vector of a group's codes is unpacked by the 256-bit helpers and the two groups' halves
  * joined (amortised over up to 8 tokens: 32 registers hold 16 sum chains and 8 accumulators); 4
@@ -106,8 +106,7 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
  * vpdpbusd: two loads a cycle feed at most two) and the activations' per-token pointers. So the
  * activations are packed once per call into cb_act_block8 tiles (one pointer, constant offsets),
  * and all formats but nl4 go four groups at a time (cb_igroup4_avx512vnni: two zmm of outputs,
- * each broadcast feeding both): at 32 tokens an expert, from the caches on Zen 5, int4 went from
- * about 1,000 to 1,350-1,400 GOP/s and int8 from 1,000 to 1,150-1,230 (BENCHMARKS.md). */
+ * each broadcast feeding both), which halves the broadcasts per product. */
 #define CB_ITILE2_TOKENS 8
 
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE __m512i cb_join_si512(__m256i lo, __m256i hi) {
@@ -160,8 +159,8 @@ CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void cb_inibbles2_512(const char *
 
 /* The activations of one tile of up to 8 tokens, packed once per call for the 512-bit tile: per
  * block, the 4-byte units of every token side by side, so that one pointer and constant offsets
- * reach every broadcast (a vpdpbusd's {1to16} memory operand) — 8 tokens' q/d/s pointers did not
- * fit in the general registers beside the tile's and were reloaded from the stack every block. */
+ * reach every broadcast (a vpdpbusd's {1to16} memory operand) — 8 tokens' q/d/s pointers do not
+ * fit in the general registers beside the tile's and would be reloaded from the stack every block. */
 typedef struct {
     int32_t q[8][CB_ITILE2_TOKENS];     /* [unit u][token j]: bytes 4u..4u+3 of token j's block */
     int32_t bias[2][CB_ITILE2_TOKENS];  /* [half][token j]: the sums' starting values (the codes'
@@ -253,15 +252,15 @@ cb_igroup2_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int d
 
 /* out[j * ldo + 0..31] (+)= groups g .. g + 3 (at gp + k * gstride, blocks kb0..kb1-1) for T <=
  * CB_ITILE4_TOKENS tokens of the packed tile: two zmm of outputs, so each activation broadcast feeds
- * two vpdpbusd (the pair tile's broadcasts were one a vpdpbusd: the load ports, not the products,
+ * two vpdpbusd (the pair tile's broadcasts are one a vpdpbusd: the load ports, not the products,
  * set its pace), and one chain per token and zmm (the nibble halves add into the same int32 sum:
  * integer sums, so the same bits as the pair tile's two chains). Not nl4, whose halves have their
  * own scales. */
 #define CB_ITILE4_TOKENS 6
 /* The blocks of a quad that go over every tile before the next: 18 KB of weights (int4 32 blocks,
- * int8 16), which stay in L1 across the tiles (int8 at 32 blocks, 35 KB, lost 8 % from memory at 8
- * tokens on a 48 KB L1, when the next quad's blocks were prefetched into L1 beside them; they go to
- * L2 now, cb_prefetch_run). On a 32 KB L1 (Zen 4), 6, 9 and 12 KB ran as fast as 18. */
+ * int8 16), which stay in L1 across the tiles beside the tile's activations, on a 32 KB L1 too;
+ * the next quad's blocks are prefetched into L2, not beside them (cb_prefetch_run). Twice as many
+ * (int8 at 32 blocks: 35 KB) would not stay. */
 #define CB_ITILE4_CHUNK_BYTES 18432
 CB_TARGET_AVX512_VNNI static CB_ALWAYS_INLINE void
 cb_igroup4_avx512vnni(float *out, int ldo, const char *gp, size_t gstride, int dtype, const cb_act_block8 *tile,

@@ -73,9 +73,9 @@ CB_TARGET_AVX512 static double cb_peak_fma_avx512(long long iters, int n_threads
 /* The AVX2 int8 dot-product ceiling without VNNI: 32 byte products through maddubs, pairs to int32
  * through madd, one add — the multiplies of the kernels' int8 step (which adds a sign), which
  * share two pipes (tools/bench/int_steps.c). Each chain's sum is its next input's bytes, so
- * nothing hoists; 10 chains with 12 vectors live: 162 GOP/s a Zen 3 core, what the kernels' step
- * reaches in assembly (161; 8 chains 157, 12 chains spill: 122). The loop this replaces gave each
- * chain its own input, 23 vectors live in 16 registers, and read 125. 2 operations per product. */
+ * nothing hoists; 10 chains with 12 vectors live fit the 16 registers and cover the step's
+ * latency, which is what the kernels' step itself reaches (fewer chains leave the pipes idle, more
+ * spill, and an input of its own per chain would need 23 vectors live). 2 operations per product. */
 CB_TARGET_AVX2 static double cb_peak_int8_avx2(long long iters, int n_threads) {
     double total = 0.0;
     #pragma omp parallel num_threads(n_threads) reduction(+:total)
@@ -93,8 +93,9 @@ CB_TARGET_AVX2 static double cb_peak_int8_avx2(long long iters, int n_threads) {
 }
 
 /* vdpbf16ps: 32 bf16 products and their sums into 16 f32 lanes, 64 float operations each. 24
- * chains: with the 10 of the FMA loop Zen 5 ran it at 0.6 a cycle, half what the interleaved bf16
- * tile (16 accumulators) then measured, the instruction's latency being longer than an FMA's. */
+ * chains: the instruction's latency is longer than an FMA's, so the FMA loop's 10 chains would
+ * not cover it and the probe would read below what the interleaved bf16 tile (16 accumulators)
+ * reaches. */
 CB_TARGET_AVX512_BF16 static double cb_peak_bf16_avx512(long long iters, int n_threads) {
     double total = 0.0;
     #pragma omp parallel num_threads(n_threads) reduction(+:total)

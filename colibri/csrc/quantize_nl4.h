@@ -7,7 +7,8 @@
  * candidate's codes refitted by weighted least squares and rounded to a multiple of s, its
  * error measured with that rounded scale (as llama.cpp's IQ4_NL search, with the scale's own
  * rounding in the error), then the chosen scale's two neighbours on the grid. The headroom
- * leaves the refitted scales room above the extreme's (1.15 measured best of 1.0-1.3 on the demo).
+ * leaves the refitted scales room above the extreme's (a least-squares refit can want a
+ * larger scale than the extreme alone gives).
  * w_c: the importance of column c (colibri.calibrate: the mean square of that input), or x_c^2.
  * The nearest code of a value comes from a table at half-unit steps: every midpoint between two
  * codebook values is a multiple of 1/2, so the table is exact but at the midpoints themselves.
@@ -93,7 +94,7 @@ static int cb_nl4_half(const float *x, const float *w, float s, uint8_t *q) {
                 memcpy(q, cand, 16);
             }
         }
-    const int chosen = best_sub;                    /* its neighbours on the scale grid (0.7 % on the demo) */
+    const int chosen = best_sub;                    /* its neighbours on the scale grid */
     for (int step = -1; chosen != 0 && step <= 1; step += 2) {
         const int sub = chosen + step;
         if (sub == 0 || sub < -CB_NL4_SUB_MAX || sub > CB_NL4_SUB_MAX) continue;
