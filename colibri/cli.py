@@ -1,12 +1,16 @@
-"""`python -m colibri`: run, convert, info, verify, eval, bench.
+"""`python -m colibri`: run, chat, serve, tokenizer, convert, relayout, info, verify, eval,
+calibrate, bench.
 
-Every command that reads a model takes the bundled demo model when --model-dir is not given
-(DEMO_COMMANDS); those that write into a model directory (`tokenizer`, and `relayout`'s input
-beside its output) need it, so nothing is ever written into the installed package.
+Every command that only reads a model (DEMO_COMMANDS: run, chat, serve, info, verify, eval,
+calibrate, bench) takes the bundled demo model when --model-dir is not given; `tokenizer`, which
+writes into the model directory, and `relayout`, which writes its --output-dir from it, need it,
+so nothing is ever written into the installed package. `convert` reads a checkpoint (--hf-dir or
+--gguf), not a model directory.
 
 Every mistake a user can make ends as one line on stderr and exit status 2 (1 for a failed
-`verify`, 130 for Ctrl-C); never a traceback. The spellings of the original C engine
-(`--model_dir`, `--max_new_tokens`, `--hf_dir`, `--output_dir`) are accepted as aliases.
+`verify`, 130 for Ctrl-C); never a traceback. Multi-word options also take the underscore
+spelling of the original C engine (`--model_dir`, `--max_new_tokens`, `--hf_dir`, `--output_dir`,
+...) as an alias.
 """
 from __future__ import annotations
 
@@ -738,7 +742,7 @@ def cmd_convert(args) -> int:
 
     convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
             expert_layout=args.expert_layout, layout=args.layout, gguf=args.gguf, roles=dict(args.role),
-            importance=args.importance)
+            importance=args.importance, progress=True)
     return 0
 
 
@@ -763,10 +767,20 @@ def cmd_calibrate(args) -> int:
     out = Path(args.output)
     if not out.parent.is_dir():
         raise ColibriError(f"--output {out}: its directory does not exist")
+    from contextlib import ExitStack
+
+    from .progress import progress
+
     t0 = time.perf_counter()
-    result = calibrate(args.model_dir, text, ctx=args.ctx, max_tokens=args.max_tokens, threads=args.threads,
-                       progress=lambda i, n: _err(f"[INFO] chunk {i}/{n}") if i == n or i % 10 == 0 else None,
-                       second_moments=args.second_moments, log=_err)
+    with ExitStack() as stack:
+        bar = []        # opened as the first chunk ends (the model's load lines come before it), from there on
+
+        def chunk_done(i, n):
+            if not bar:
+                bar.append(stack.enter_context(progress(n, "calibrate", unit="chunk", initial=i)))
+            bar[0].at(i)
+        result = calibrate(args.model_dir, text, ctx=args.ctx, max_tokens=args.max_tokens, threads=args.threads,
+                           progress=chunk_done, second_moments=args.second_moments, log=_err)
     save(result, out)
     reached = sum(1 for _, count in result["tensors"].values() if count)
     _err(f"[INFO] {result['meta']['tokens']} tokens, {reached} of {len(result['tensors'])} matrices reached "
@@ -869,17 +883,18 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    import itertools
+
     from .modeldir import ModelDir
+    from .progress import progress
 
     md = ModelDir(args.model_dir)
-
-    def progress(i, n, rel):
-        if sys.stderr.isatty():
-            print(f"\r[{i + 1}/{n}] {rel[:60]:<60}", end="", file=sys.stderr, flush=True)
-
-    bad = md.verify(progress)
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
+    names = sorted(md.files)                           # the order verify hashes them in
+    before = [0, *itertools.accumulate(md.files[rel]["size"] for rel in names)]   # bytes before each file
+    with progress(before[-1], "verify", unit="B") as bar:
+        # verify's callback names each file as it begins: the ones before it are hashed
+        bad = md.verify(lambda i, n, rel: bar.at(before[i]), files=names)
+        bar.at(before[-1])
     for rel, problem in bad:
         print(f"BAD {md.root / rel}: {problem}", file=sys.stderr)
     if bad:

@@ -13,6 +13,8 @@ Design
    [E, 2*I, D] with gate rows first, `experts.down_proj` [E, D, I]); both are sliced lazily.
 4. Output is written tensor by tensor into a temporary sibling directory, renamed into place only
    when complete: an interrupted conversion leaves nothing half-written.
+   With progress=True (the command line) the bytes stored so far, their rate and the time left
+   are shown on stderr as each tensor is converted (colibri.progress).
 
 Matrices (embedding, lm_head, attention, experts, dense MLPs) are stored in the chosen
 `--quantize` dtype; the router, the shared-expert gate, norms and biases stay f32. With int8 or
@@ -53,6 +55,7 @@ from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
 from .interrupts import signals_deferred
+from .progress import progress as progress_bar
 from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, IMPORTANCE_FORMATS, INTERLEAVED_FORMATS, INTERLEAVED_ONLY_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
                        WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, from_storage, storage_nbytes,
                        tensor_file, tensor_role, to_storage)
@@ -862,12 +865,15 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
 
 def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False, log=print,
             ln_quant: str | None = None, expert_layout: str | None = None,
-            layout: str | None = None, gguf=None, roles: dict | None = None, importance=None) -> ModelConfig:
+            layout: str | None = None, gguf=None, roles: dict | None = None, importance=None,
+            progress: bool = False) -> ModelConfig:
     """Convert a HF checkpoint directory (hf_dir) or a GGUF file (gguf; gguf_import.py) into a
     Colibri model directory; returns its config. quantize: the weight format (default f32 for a
     checkpoint, the closest to the file's for a GGUF); roles: {role: format} for the matrices of
     some roles (modeldir.ROLES: e.g. attention and the output head at int8 beside int4 experts);
-    importance: a `calibrate` file, whose statistics choose the int8/int4 scales (quant.py)."""
+    importance: a `calibrate` file, whose statistics choose the int8/int4 scales (quant.py);
+    progress: show the bytes written, with their rate and the time left, on stderr (colibri.progress;
+    the command line's; off by default, whatever `log` is)."""
     roles = check_roles(roles)
     weights_of = None
     if importance is not None:
@@ -909,7 +915,8 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
         if gguf is not None:
             ckpt.write_text_files(text_dir, cfg.vocab_size)
         return _convert_planned(ckpt, arch, cfg, plan, expected, Path(output_dir), text_dir, quantize, force, log,
-                                ln_quant, expert_layout, layout, {source_flag: source}, roles, weights_of, kept)
+                                ln_quant, expert_layout, layout, {source_flag: source}, roles, weights_of, kept,
+                                progress)
 
 
 def _size(n: float) -> str:
@@ -956,10 +963,12 @@ def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | N
 
 
 def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, force, log, ln_quant,
-                     expert_layout, layout, inputs, roles, weights_of=None, kept=None) -> ModelConfig:
+                     expert_layout, layout, inputs, roles, weights_of=None, kept=None,
+                     progress=False) -> ModelConfig:
     """convert's writing half: the planned tensors in their formats and layouts, the text files
     of `text_dir`, then what the conversion did, in the log. kept: {tensor: format} of a GGUF's
-    finer tensors (GGUFCheckpoint.kept_formats), below --role, above `quantize`."""
+    finer tensors (GGUFCheckpoint.kept_formats), below --role, above `quantize`. progress: the
+    tensors' stored bytes counted on stderr as each is read, converted and handed to the writer."""
 
     kept = kept or {}
     dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name, roles, cfg.tie_word_embeddings, kept.get(name))
@@ -994,12 +1003,18 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
                                                                      math.prod(v.shape)))
         return v
 
+    def stored(name, bar):
+        item = _stored(name, values(name), expected[name][0], dtypes[name], layouts[name],
+                       "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None,
+                       importance.get(name))
+        bar.update(storage_nbytes(dtypes[name], expected[name][0]))
+        return item
+
     def write(writer):
-        for rel, names in _files_of(expected):
-            writer.write_file(rel, (_stored(name, values(name), expected[name][0], dtypes[name], layouts[name],
-                                            "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None,
-                                            importance.get(name))
-                                    for name in names))
+        total = sum(storage_nbytes(dtypes[n], expected[n][0]) for n in expected)
+        with progress_bar(total, "convert", unit="B", enabled=progress) as bar:
+            for rel, names in _files_of(expected):
+                writer.write_file(rel, (stored(name, bar) for name in names))
         for name in copied:
             writer.add_file(name, text_dir / name)
         source = ({"gguf_architecture": ckpt.arch, "gguf_name": ckpt.root.name} if from_gguf

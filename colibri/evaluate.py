@@ -16,12 +16,14 @@ chunks run through both, and per scored position:
     delta p = p(correct token) - p_ref(correct token)        (RMS reported)
 
 These are the statistics `llama-perplexity --kl-divergence` reports, so figures compare.
+
+The command (`run_eval`) prints its results on stdout and the chunks done, with their rate and the
+time left, on stderr (colibri.progress); evaluate() itself only calls its `progress` callback.
 """
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,21 +106,23 @@ def read_text(path) -> str:
 
 
 def run_eval(args) -> int:
+    from contextlib import ExitStack
+
     from .model import load
+    from .progress import progress
 
     text = read_text(args.text)
     model = load(args.model_dir, threads=args.threads)
     reference = load(args.reference_dir, threads=args.threads) if args.reference_dir else None
 
-    def progress(i, n):
-        if sys.stderr.isatty():
-            width = 30
-            done = width * i // max(n, 1)
-            print(f"\r[eval] [{'#' * done}{'.' * (width - done)}] {i}/{n} chunks", end="", file=sys.stderr, flush=True)
-            if i == n:
-                print(file=sys.stderr)
+    with ExitStack() as stack:
+        bar = []            # on stderr (colibri.progress), opened when the chunks are known
 
-    r = evaluate(model, text, ctx=args.ctx, reference=reference, progress=progress)
+        def chunk(i, n):
+            if not bar:
+                bar.append(stack.enter_context(progress(n, "eval", unit="chunk")))
+            bar[0].at(i)
+        r = evaluate(model, text, ctx=args.ctx, reference=reference, progress=chunk)
     if args.json:
         print(json.dumps(r))
         return 0
