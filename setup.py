@@ -79,35 +79,44 @@ if sys.platform == "win32" and platform.machine().lower() in ("x86_64", "amd64")
 
 CSRC = os.path.join("colibri", "csrc")
 HEADERS = [os.path.join(CSRC, name) for name in os.listdir(CSRC)]
+PXDS = [os.path.join("colibri", p) for p in os.listdir("colibri") if p.endswith(".pxd")]
 # the kernel table (_kernels) and its entry points; the router; the layer loop; the test and
 # benchmark probes. Each .pyx has its contract with the others and with csrc/ in a .pxd.
 MODULES = ["_kernels", "_routing", "_engine", "_probes"]
-extensions = [
-    Extension(
-        f"colibri.{name}",
-        sources=[os.path.join("colibri", f"{name}.pyx")],
-        include_dirs=[CSRC],
-        depends=HEADERS + [os.path.join("colibri", p) for p in os.listdir("colibri") if p.endswith(".pxd")],
-        extra_compile_args=compile_args,
-        extra_link_args=link_args,
-    )
-    for name in MODULES
-]
+FLAGS = json.dumps({"compile": compile_args, "link": link_args, "debug": debug, "python": sys.version})
 
 
+def in_place(name: str) -> str:
+    """Where an in-place build (an editable install) puts module `name`'s binary."""
+    return os.path.join("colibri", name + sysconfig.get_config_var("EXT_SUFFIX"))
 
-def _newer_than(paths, target) -> bool:
-    """Whether any of paths was modified after target."""
-    mtime = os.path.getmtime(target)
-    return any(os.path.getmtime(p) > mtime for p in paths if os.path.exists(p))
+
+def up_to_date(name: str) -> bool:
+    """Whether module `name`'s in-place binary was built from its .pyx, the .pxd contracts and the
+    headers as they are now, with these flags and this Python (its stamp): then it is taken as it
+    is, and the module is neither translated by Cython nor compiled again. pip builds an editable
+    install in a fresh temporary directory with a fresh Cython each time (whose own .pxd files are
+    newer than any translation), so without this the README's second command (`pip install -e
+    ".[test]"`) recompiled every module though nothing had changed; a wheel built from a built tree
+    reuses them the same way."""
+    binary, stamp = in_place(name), in_place(name) + ".flags"
+    if not (os.path.exists(binary) and os.path.exists(stamp)):
+        return False
+    with open(stamp) as f:
+        if f.read() != FLAGS:
+            return False
+    built = os.path.getmtime(binary)
+    return all(os.path.getmtime(p) <= built for p in [os.path.join("colibri", f"{name}.pyx"), *HEADERS, *PXDS])
+
+
+def extension(name: str) -> Extension:
+    return Extension(f"colibri.{name}", sources=[os.path.join("colibri", f"{name}.pyx")], include_dirs=[CSRC],
+                     depends=HEADERS + PXDS, extra_compile_args=compile_args, extra_link_args=link_args)
 
 
 class BuildExt(build_ext):
-    """The modules compiled side by side (one per CPU), and a module left alone where its in-place
-    copy (colibri/*.so or *.pyd, what an editable install imports) is newer than its C source,
-    headers and .pxd contracts and was built with the same flags (a stamp beside it): pip builds
-    an editable install in a fresh temporary directory each time, so without this the README's
-    second command (`pip install -e ".[test]"`) recompiled every module though nothing changed."""
+    """The modules compiled side by side (one per CPU); an up_to_date() one copied, not built. An
+    in-place build stamps each binary it makes with the flags (FLAGS)."""
 
     def finalize_options(self):
         super().finalize_options()
@@ -118,34 +127,26 @@ class BuildExt(build_ext):
         self._into_source = bool(self.inplace or getattr(self, "editable_mode", False))
         super().run()
 
-    def _in_place(self, ext) -> str:
-        package = ext.name.split(".")[:-1]
-        return os.path.join(*package, os.path.basename(self.get_ext_fullpath(ext.name)))
-
-    def _flags(self, ext) -> str:
-        return json.dumps({"compile": ext.extra_compile_args, "link": ext.extra_link_args,
-                           "debug": debug, "python": sys.version})
-
     def build_extension(self, ext):
-        target, in_place = self.get_ext_fullpath(ext.name), self._in_place(ext)
-        stamp = in_place + ".flags"
-        if (self._into_source and not self.force and os.path.exists(in_place) and os.path.exists(stamp)
-                and open(stamp).read() == self._flags(ext) and not _newer_than(ext.sources + ext.depends, in_place)):
-            if os.path.abspath(target) != os.path.abspath(in_place):
+        name = ext.name.rpartition(".")[2]
+        target = self.get_ext_fullpath(ext.name)
+        if not self.force and name in CURRENT:
+            if os.path.abspath(target) != os.path.abspath(in_place(name)):
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-                shutil.copy2(in_place, target)
-            print(f"colibri: {ext.name} is up to date ({in_place})")
+                shutil.copy2(in_place(name), target)
+            print(f"colibri: {ext.name} is up to date ({in_place(name)})")
             return
         super().build_extension(ext)
         if self._into_source:
-            with open(stamp, "w") as f:
-                f.write(self._flags(ext))
+            with open(in_place(name) + ".flags", "w") as f:
+                f.write(FLAGS)
 
 
+CURRENT = {name for name in MODULES if up_to_date(name)}
 setup(
     cmdclass={"build_ext": BuildExt},
-    ext_modules=cythonize(
-        extensions,
+    ext_modules=[extension(name) for name in MODULES if name in CURRENT] + cythonize(
+        [extension(name) for name in MODULES if name not in CURRENT],
         compiler_directives={
             "language_level": 3,
             "boundscheck": debug,
