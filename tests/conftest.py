@@ -298,3 +298,20 @@ def render_on_the_fixture_day(monkeypatch, spec: dict) -> None:
         def now(cls, tz=None):
             return cls(day.year, day.month, day.day)
     monkeypatch.setattr(colibri.chat, "datetime", RenderDay)
+
+
+def sse_events(url: str, body: dict, headers=None, timeout: float = 120) -> list:
+    """POST body to url and read its server-sent events: the data documents in order, each
+    checked to name its own `event:` line's type (Anthropic's and the Responses API's streams)."""
+    import httpx
+    events, name = [], None
+    with httpx.stream("POST", url, json=body, headers=headers or {}, timeout=timeout) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                doc = json.loads(line[6:])
+                assert doc["type"] == name
+                events.append(doc)
+    return events

@@ -25,11 +25,21 @@ sent to the client.
 A chat reply goes through the reply parser of the model's format (chat.ChatTemplate.reply_stream,
 colibri/replies.py): `reasoning_content`, `content` and `tool_calls`, whole and as deltas, and
 finish_reason "tool_calls" (serve/openai.py turns the request into that work).
+
+Anthropic's Messages (POST /v1/messages, /v1/messages/count_tokens; serve/anthropic.py) and
+OpenAI's Responses (POST /v1/responses; serve/responses.py) are translations onto chat
+completions: each turns its request into a chat-completions body prepared by openai.prepare (the
+same Job), and the same loop (run_parsed: the engine's events through the reply parser) feeds
+every API's formatter, whole (document) or streamed (typed `event:` lines, `translated_stream`).
+So a request and seed give the same tokens through all three. Errors on /v1/messages are in
+Anthropic's shape ({"type": "error", "error": {"type", "message"}}); the key is accepted as
+`x-api-key` too.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -41,7 +51,7 @@ from .. import __version__
 from ..errors import ColibriError
 from ..names import DISTRIBUTION, MAX_PARALLEL
 from ..sampling import SEED_BITS
-from . import limits, openai, protocol
+from . import anthropic, limits, openai, protocol, responses
 from .engine import Served, _Watch
 from .errors import APIError, Disconnected, internal_error
 from .openai import Job
@@ -51,7 +61,19 @@ logger = logging.getLogger("colibri.serve")
 
 # the request bodies documented at /openapi.json (each validates its route's body)
 BODIES = (protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.TokenizeRequest,
-          protocol.DetokenizeRequest)
+          protocol.DetokenizeRequest, anthropic.MessagesRequest, anthropic.CountTokensRequest,
+          responses.ResponsesRequest)
+
+
+@dataclasses.dataclass
+class Run:
+    """One finished generation of a job: its Generation, reply parser (or None), text, picks and
+    the parser's last deltas."""
+    g: object
+    parser: object
+    text: str
+    picks: list
+    tail: list
 
 
 def _need_stack():
@@ -72,9 +94,9 @@ def create_app(served: Served):
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response
 
-    def error_response(e: APIError, endpoint: str):
+    def error_response(e: APIError, endpoint: str, shape=APIError.body):
         served.requests.labels(endpoint, str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+        return JSONResponse(shape(e), status_code=e.status, headers=e.headers or None)
 
     class Endpoint:
         """One route as an ASGI app around `handler(request, send)`, which sends its own
@@ -83,8 +105,8 @@ def create_app(served: Served):
         a client that went away gets nothing more. Whatever it held is released by the
         handler's own finally blocks."""
 
-        def __init__(self, endpoint: str, handler):
-            self.endpoint, self.handler = endpoint, handler
+        def __init__(self, endpoint: str, handler, shape=APIError.body):
+            self.endpoint, self.handler, self.shape = endpoint, handler, shape      # shape(APIError) -> body
 
         async def __call__(self, scope, receive, send):
             started = False
@@ -106,22 +128,24 @@ def create_app(served: Served):
                 logger.warning("%s %s cancelled (the server is stopping)", scope.get("method"), scope.get("path"))
             except APIError as e:
                 if not started:
-                    await error_response(e, self.endpoint)(scope, receive, send)
+                    await error_response(e, self.endpoint, self.shape)(scope, receive, send)
             except Exception as e:       # noqa: BLE001 - the catch-all: a 500, the traceback in the log
                 logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
                 if not started:
-                    await error_response(internal_error(e), self.endpoint)(scope, receive, send)
+                    await error_response(internal_error(e), self.endpoint, self.shape)(scope, receive, send)
 
     def check_key(request: Request) -> None:
         if served.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        if "x-api-key" in request.headers and "authorization" not in request.headers:
+            scheme, token = "bearer", request.headers["x-api-key"]      # Anthropic's header
         # headers arrive decoded as latin-1: back to the bytes the client sent; the comparison
         # takes the same time wherever the bytes differ
         same = hmac.compare_digest(token.strip().encode("latin-1"), served.api_key.encode("utf-8"))
         if not (same and scheme.lower() == "bearer"):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error",
-                           code="invalid_api_key")
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                           kind="authentication_error", code="invalid_api_key")
 
     async def read_body(request: Request):
         limit = limits.MAX_BODY_BYTES
@@ -248,36 +272,107 @@ def create_app(served: Served):
             return "tool_calls"
         return reason
 
+    async def run_parsed(job: Job, index: int, gone, arrived: float, on_deltas=None, wait=None) -> Run:
+        """Generation `index` of the job through its reply parser: `await on_deltas(deltas, piece,
+        pick)` for each event (the parser's deltas, or the piece as content where there is no
+        parser); the parser's last deltas are the Run's `tail`, not passed to on_deltas. The one
+        loop over a job that every API's answer, whole or streamed, is made from."""
+        parser = reply_parser(job)
+        text, picks = [], []
+
+        async def on_event(piece, pick):
+            text.append(piece)
+            if pick is not None:
+                picks.append(pick)
+            if parser is not None:
+                deltas = parser.push(piece) if piece else []
+            else:
+                deltas = [{"content": piece}] if piece else []
+            if on_deltas is not None:
+                await on_deltas(deltas, piece, pick)
+        g = await run_choice(job, index, gone, arrived, on_event, wait)
+        tail = parser.finish() if parser is not None else []
+        return Run(g, parser, "".join(text), picks, tail)
+
+    def outcome(job: Job, run: Run) -> openai.Outcome:
+        """A chat Run as the other APIs' formatters read it."""
+        u = usage(job, [run.g])
+        return openai.Outcome(_message(run.parser.message if run.parser is not None else None, run.text),
+                              finish_reason(run.g, run.parser), run.g.record.stop if run.g.record is not None else None,
+                              u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])
+
     async def whole(job: Job, gone, rid, arrived: float) -> dict:
         choices, runs = [], []
         for index in range(job.n):
-            text, picks = [], []
-            parser = reply_parser(job)
-
-            async def on_event(piece, pick):
-                text.append(piece)
-                if parser is not None and piece:
-                    parser.push(piece)
-                if pick is not None:
-                    picks.append(pick)
-            try:
-                g = await run_choice(job, index, gone, arrived, on_event)
-                if parser is not None:
-                    parser.finish()
-            except ColibriError as e:
-                raise APIError(500, str(e), kind="server_error") from None
+            run = await whole_run(job, index, gone, arrived)
+            g, parser, text, picks = run.g, run.parser, run.text, run.picks
             runs.append(g)
             choice = {"index": index, "finish_reason": finish_reason(g, parser)}
             if job.chat:
-                choice["message"] = _message(parser.message if parser is not None else None, "".join(text))
+                choice["message"] = _message(parser.message if parser is not None else None, text)
                 choice["logprobs"] = None if job.logprobs is None else \
                     {"content": [_chat_logprob(job.m, p, job.logprobs) for p in picks]}
             else:
-                choice["text"] = "".join(text)
+                choice["text"] = text
                 choice["logprobs"] = None if job.logprobs is None else _completion_logprobs(job.m, picks, job.logprobs)
             choices.append(choice)
         return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
                 "model": served.name, "choices": choices, "usage": usage(job, runs), "seed": job.gen["seed"]}
+
+    async def whole_run(job: Job, index: int, gone, arrived: float) -> Run:
+        try:
+            return await run_parsed(job, index, gone, arrived)
+        except ColibriError as e:
+            raise APIError(500, str(e), kind="server_error") from None
+
+    class EventStream:
+        """A response of server-sent events. The headers go out with the first write: until then
+        (the queue, the checks of the first generation) an error is still a plain HTTP error
+        response."""
+
+        def __init__(self, send, job: Job):
+            self.send, self.job, self.started = send, job, False
+
+        async def start(self) -> None:
+            if not self.started:
+                self.started = True
+                await self.send({"type": "http.response.start", "status": 200,
+                                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                             (b"cache-control", b"no-cache"),
+                                             (limits.SEED_HEADER.encode(), str(self.job.gen["seed"]).encode())]})
+
+        async def write(self, text: str) -> None:
+            await self.start()
+            await self.send({"type": "http.response.body", "body": text.encode("utf-8"), "more_body": True})
+
+        async def events(self, events) -> None:
+            """Typed events: `event: NAME` and `data: {...}` lines."""
+            for name, doc in events:
+                await self.write(f"event: {name}\ndata: {json.dumps(doc, ensure_ascii=False)}\n\n")
+
+        async def close(self) -> None:
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def waiting(on_idle):
+        """A `wait` for run_choice that calls `await on_idle(g)` every limits.KEEPALIVE_SECONDS
+        while no event comes (a long prompt), to keep proxies and clients from timing out."""
+        async def wait(g, gone):
+            step = asyncio.ensure_future(served.next_event(g, gone))
+            while True:
+                done, _ = await asyncio.wait((step,), timeout=limits.KEEPALIVE_SECONDS)
+                if done:
+                    return step.result()
+                await on_idle(g)
+        return wait
+
+    def stream_error(e: Exception, endpoint: str) -> APIError:
+        """An error once the headers are out, as the stream's last event."""
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, ColibriError):
+            return APIError(500, str(e), kind="server_error")
+        logger.error("%s failed mid-stream", endpoint, exc_info=e)
+        return internal_error(e)
 
     async def streamed(job: Job, send, gone, rid, endpoint, arrived: float) -> None:
         """Server-sent events, one or more per token; the client's disconnect ends the loop before
@@ -287,24 +382,10 @@ def create_app(served: Served):
         created = int(time.time())
         chat = job.chat
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-
-        started = False
-
-        async def start() -> None:
-            """The headers go out with the first event: until then (the queue, the checks of the
-            first generation) an error is still a plain HTTP error response."""
-            nonlocal started
-            if not started:
-                started = True
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                        (b"cache-control", b"no-cache"),
-                                        (limits.SEED_HEADER.encode(), str(job.gen["seed"]).encode())]})
+        out = EventStream(send, job)
 
         async def emit(doc) -> None:
-            await start()
-            text = "data: [DONE]\n\n" if doc is None else f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
-            await send({"type": "http.response.body", "body": text.encode("utf-8"), "more_body": True})
+            await out.write("data: [DONE]\n\n" if doc is None else f"data: {json.dumps(doc, ensure_ascii=False)}\n\n")
 
         def event(choice, usage_doc=None):
             doc = {"id": rid, "object": chunk_obj, "created": created, "model": served.name,
@@ -313,19 +394,12 @@ def create_app(served: Served):
                 doc["usage"] = usage_doc
             return doc
 
-        async def wait(g, gone):
-            step = asyncio.ensure_future(served.next_event(g, gone))
-            while True:
-                done, _ = await asyncio.wait((step,), timeout=limits.KEEPALIVE_SECONDS)
-                if done:
-                    return step.result()
-                await start()
-                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+        async def keep_alive(g):
+            await out.write(": keep-alive\n\n")
 
-        outcome, runs = "200", []
+        outcome_, runs = "200", []
         try:
             for index in range(job.n):
-                parser = reply_parser(job)
                 opened = []              # the choice's first chunk (its role) is out
 
                 async def open_choice(index=index, opened=opened):
@@ -334,7 +408,7 @@ def create_app(served: Served):
                         await emit(event({"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}))
 
-                async def on_event(piece, pick, index=index, parser=parser, open_choice=open_choice):
+                async def on_deltas(deltas, piece, pick, index=index, open_choice=open_choice):
                     await open_choice()
                     lp = None
                     if job.logprobs is not None and pick is not None:
@@ -344,20 +418,17 @@ def create_app(served: Served):
                         if piece or lp is not None:
                             await emit(event({"index": index, "text": piece, "logprobs": lp, "finish_reason": None}))
                         return
-                    deltas = (parser.push(piece) if piece else []) if parser is not None else \
-                        ([{"content": piece}] if piece else [])
                     if not deltas and lp is not None:
                         deltas = [{}]
                     for delta in deltas:
                         await emit(event({"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}))
                         lp = None
-                g = await run_choice(job, index, gone, arrived, on_event, wait)
-                runs.append(g)
+                run = await run_parsed(job, index, gone, arrived, on_deltas, waiting(keep_alive))
+                runs.append(run.g)
                 await open_choice()
-                if parser is not None:
-                    for delta in parser.finish():
-                        await emit(event({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
-                reason = finish_reason(g, parser)
+                for delta in run.tail:
+                    await emit(event({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
+                reason = finish_reason(run.g, run.parser)
                 await emit(event({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason} if chat
                                  else {"index": index, "text": "", "logprobs": None, "finish_reason": reason}))
             if job.include_usage:
@@ -365,18 +436,84 @@ def create_app(served: Served):
         except Disconnected:
             raise
         except Exception as e:           # noqa: BLE001 - the headers are out: the error is the last event
-            if not started:
+            if not out.started:
                 raise                    # still a plain HTTP error (the Endpoint answers it)
-            outcome = "500"
-            if isinstance(e, (ColibriError, APIError)):
-                err = e if isinstance(e, APIError) else APIError(500, str(e), kind="server_error")
-            else:
-                logger.error("%s failed mid-stream", endpoint, exc_info=e)
-                err = internal_error(e)
-            await emit(err.body())
+            outcome_ = "500"
+            await emit(stream_error(e, endpoint).body())
         await emit(None)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        served.requests.labels(endpoint, outcome).inc()
+        await out.close()
+        served.requests.labels(endpoint, outcome_).inc()
+
+    # ---- the translated APIs (Anthropic's Messages, OpenAI's Responses) ----------------------------
+
+    def translated(api, endpoint: str):
+        """A route for an API translated onto chat completions: `api` (serve/anthropic.py,
+        serve/responses.py) has prepare(served, body) -> Job, new_id(), document(outcome, rid,
+        model, job) -> the whole answer, and Stream(rid, model, job) -> its typed events."""
+        async def route(request: Request, send):
+            arrived = time.perf_counter()
+            check_key(request)
+            body = await read_body(request)
+            job = await served.off_loop(api.prepare, served, body)
+            rid = api.new_id()
+            watch = _Watch(request.receive)
+            try:
+                if job.stream:
+                    return await translated_stream(api, job, send, watch.gone, rid, endpoint, arrived)
+                run = await whole_run(job, 0, watch.gone, arrived)
+            finally:
+                watch.stop()
+            doc = api.document(outcome(job, run), rid, served.name, job)
+            await reply(request, send, JSONResponse(doc, headers={limits.SEED_HEADER: str(job.gen["seed"])}))
+            served.requests.labels(endpoint, "200").inc()
+        return route
+
+    async def translated_stream(api, job: Job, send, gone, rid, endpoint: str, arrived: float) -> None:
+        """The API's typed events from the same run: its start once the generation has begun (or
+        at the first keep-alive), its events for the parser's deltas, its end; an error after the
+        headers is its error event."""
+        out = EventStream(send, job)
+        stream = api.Stream(rid, served.name, job)
+        begun = []
+
+        async def begin(g) -> None:
+            if not begun:
+                begun.append(True)
+                record = g.record
+                cached = int(record.reused_tokens or 0) if record is not None else 0
+                await out.events(stream.start(openai.Outcome({}, "", None, len(job.ids), cached, 0)))
+
+        async def on_idle(g) -> None:
+            await begin(g)
+            pings = stream.ping()
+            await (out.events(pings) if pings else out.write(": keep-alive\n\n"))
+
+        current = []                     # the generation (run_choice passes it to each wait)
+
+        async def wait(g, gone):
+            current[:] = [g]
+            return await keep_alive(g, gone)
+        keep_alive = waiting(on_idle)
+
+        async def on_deltas(deltas, piece, pick):
+            await begin(current[0])
+            await out.events(stream.deltas(deltas))
+
+        outcome_ = "200"
+        try:
+            run = await run_parsed(job, 0, gone, arrived, on_deltas, wait)
+            await begin(run.g)
+            await out.events(stream.deltas(run.tail))
+            await out.events(stream.end(outcome(job, run)))
+        except Disconnected:
+            raise
+        except Exception as e:           # noqa: BLE001 - the headers are out: the error is the last event
+            if not out.started:
+                raise
+            outcome_ = "500"
+            await out.events(stream.error(stream_error(e, endpoint)))
+        await out.close()
+        served.requests.labels(endpoint, outcome_).inc()
 
     async def chat_completions(request: Request, send):
         await completion(request, send, chat=True)
@@ -415,8 +552,8 @@ def create_app(served: Served):
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
 
-    def route(path: str, method: str, name: str, handler, summary: str, body=None) -> None:
-        endpoint = Endpoint(name, handler)
+    def route(path: str, method: str, name: str, handler, summary: str, body=None, shape=APIError.body) -> None:
+        endpoint = Endpoint(name, handler, shape)
 
         async def answer(request):
             return Sent(endpoint)
@@ -438,6 +575,13 @@ def create_app(served: Served):
           protocol.ChatCompletionRequest)
     route("/v1/completions", "POST", "completions", completions, "a text completion (OpenAI's completions)",
           protocol.CompletionRequest)
+    route("/v1/messages", "POST", "messages", translated(anthropic, "messages"),
+          "a reply (Anthropic's Messages API)", anthropic.MessagesRequest, anthropic.error_body)
+    route("/v1/responses", "POST", "responses", translated(responses, "responses"),
+          "a reply (OpenAI's Responses API, stateless)", responses.ResponsesRequest)
+    route("/v1/messages/count_tokens", "POST", "count_tokens", text_tool(anthropic.count_tokens),
+          "a Messages request's prompt tokens (Anthropic's count_tokens)", anthropic.CountTokensRequest,
+          anthropic.error_body)
 
     def openapi() -> dict:
         """FastAPI's document of the routes, with the request bodies' schemas as components."""

@@ -47,6 +47,20 @@ class Job:
     n: int                             # choices, each its own generation
     chat: bool
     reply: dict | None = None          # chat: how to parse the reply (ChatTemplate.reply_stream keywords)
+    echo: dict | None = None           # a translated API's request fields that its answer repeats
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A finished chat generation as every API's formatter reads it: the parsed assistant message
+    (content, reasoning_content, tool_calls), chat completions' finish_reason, the stop string
+    that ended it (or None) and the token counts."""
+    message: dict
+    finish_reason: str
+    stop: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
 
 
 def validated(model_class, body):
@@ -68,6 +82,18 @@ def validated(model_class, body):
         message = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"'{where}' {message[:1].lower() + message[1:]}" if where else message,
                        param=loc[0] if loc else None) from None
+
+
+def renamed_fields(names: dict, fn, *args):
+    """fn(*args), an APIError it raises naming another API's field (names: chat completions' name
+    -> that API's) in its param and message: for the APIs translated onto chat completions."""
+    try:
+        return fn(*args)
+    except APIError as e:
+        if e.param in names and names[e.param] != e.param:
+            e.message = e.message.replace(f"'{e.param}'", f"'{names[e.param]}'")
+            e.param = names[e.param]
+        raise
 
 
 def prepare(served, body, chat: bool) -> Job:
