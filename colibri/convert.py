@@ -26,7 +26,9 @@ Layouts: `--expert-layout` stores the routed experts' matrices `rows` ([out, in]
 for int8/int4/mxfp4/bf16, `interleaved` (output-major groups of 8 outputs, 4 inputs at a time:
 quant.interleave); `--layout` the other weight matrices (attention, dense MLPs, shared expert,
 lm_head, and a tied embedding, which is also the output head; an untied embedding is only looked
-up and stays rows). Either defaults to the faster layout of the format (quant.default_layout). An
+up and stays rows). Which layouts a format has is the table of colibri.formats (nl4/int6: interleaved
+only), which both flags are checked against (check_layout_flags). Either defaults to the faster
+layout of the format (quant.default_layout). An
 int8/int4/bf16 matrix whose rows are not a multiple of 8 stays `rows` (bf16: also one whose inputs
 are not a multiple of 32), and so does an f32/f16 matrix asked to be interleaved (a toy matrix
 kept in f16); `--quantize` f32/f16 with `interleaved` is an error.
@@ -56,7 +58,8 @@ from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
 from .interrupts import signals_deferred
 from .progress import progress as progress_bar
-from .modeldir import (BLOCK_FORMATS, GROUP_FORMATS, IMPORTANCE_FORMATS, INTERLEAVED_FORMATS, INTERLEAVED_ONLY_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
+from .formats import FORMATS, check_layout, layouts_of
+from .modeldir import (BLOCK_FORMATS, IMPORTANCE_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
                        WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, from_storage, storage_nbytes,
                        tensor_file, tensor_role, to_storage)
 from . import quant
@@ -895,14 +898,7 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
     else:
         ckpt = HFCheckpoint(hf_dir)
         quantize = quantize or "f32"
-    for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
-        if value == "transposed" and quantize == "mxfp4" and flag == "--expert-layout":
-            raise ColibriError(f"{flag} {value}: mxfp4 experts have no transposed layout; choose rows or interleaved")
-        if value in ("rows", "transposed") and quantize in INTERLEAVED_ONLY_FORMATS:
-            raise ColibriError(f"{flag} {value}: {quantize} is stored interleaved only; leave the flag out or choose interleaved")
-        if value == "interleaved" and quantize not in INTERLEAVED_FORMATS:
-            raise ColibriError(f"{flag} interleaved is for {'/'.join(INTERLEAVED_FORMATS)} weights, not --quantize "
-                               f"{quantize}; choose rows or transposed")
+    check_layout_flags(quantize, expert_layout, layout)
     arch, cfg = hf_model_config(ckpt)
     sources = {}
     plan = plan_tensors(ckpt, cfg, arch, log, sources)
@@ -1032,7 +1028,8 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
     if fallback:
         log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
     kept = sum(1 for n, (shape, _) in expected.items()
-               if layouts[n] == "rows" and dtypes[n] in GROUP_FORMATS and shape[0] % TGROUP
+               if layouts[n] == "rows" and dtypes[n] in BLOCK_FORMATS and "transposed" in layouts_of(dtypes[n])
+               and shape[0] % TGROUP
                and (n != "embedding" or cfg.tie_word_embeddings))
     if kept:
         log(f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
@@ -1061,10 +1058,11 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     out = Path(output_dir)
     _check_output(out, force, {"--model-dir": src.root})
     cfg, expected = src.config, src.config.expected_tensors()
-    only = sorted({t["dtype"] for t in src.tensors.values()} & set(INTERLEAVED_ONLY_FORMATS))
-    if only and {expert_layout, layout} & {"rows", "transposed"}:
-        raise ColibriError(f"{src.root} holds {'/'.join(only)} matrices, which are stored interleaved only: its other matrices "
-                           f"can change layout, so leave out --expert-layout/--layout rows or transposed")
+    for dtype in sorted({t["dtype"] for t in src.tensors.values()}):
+        if len(layouts_of(dtype)) == 1 and dtype in FORMATS:    # nl4/int6: no other layout to fall back to
+            for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
+                if value is not None:
+                    check_layout(dtype, value, f"{flag} ({src.root} holds {dtype} matrices)")
     layouts = {n: _layout_for(n, shape, kind, src.tensors[n]["dtype"], expert_layout, layout, cfg.tie_word_embeddings)
                for n, (shape, kind) in expected.items()}
     in_tensor_files = {t["file"] for t in src.tensors.values()}
@@ -1106,6 +1104,15 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
                     and not _EXPERT_MATRIX.fullmatch(n) and (n != "embedding" or cfg.tie_word_embeddings)})
     log(f"[INFO] Wrote {out}: experts {' and '.join(expert_layouts)}, other matrices {' and '.join(other) or 'rows'}")
     return cfg
+
+
+def check_layout_flags(quantize: str, expert_layout: str | None, layout: str | None) -> None:
+    """convert's --expert-layout and --layout against the table of formats (formats.check_layout): the
+    routed experts' format is `quantize`, the other matrices' too, but for --quantize mxfp4's (MXFP4_DENSE_DTYPE)."""
+    for flag, value, fmt in (("--expert-layout", expert_layout, quantize),
+                             ("--layout", layout, MXFP4_DENSE_DTYPE if quantize == "mxfp4" else quantize)):
+        if value is not None:
+            check_layout(fmt, value, f"{flag} (--quantize {quantize})")
 
 
 def _check_layouts(expert_layout, layout) -> None:
@@ -1356,7 +1363,7 @@ def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=F
         fmt = MXFP4_DENSE_DTYPE
     if fmt in BLOCK_FORMATS and shape[-1] % QBLOCK:
         return FALLBACK_DTYPE
-    if fmt in INTERLEAVED_ONLY_FORMATS and (len(shape) != 2 or shape[0] % TGROUP):   # whole groups of rows
+    if "rows" not in layouts_of(fmt) and (len(shape) != 2 or shape[0] % TGROUP):   # nl4/int6: whole groups of rows
         return INTERLEAVED_ONLY_FALLBACK[fmt]
     return fmt
 
@@ -1364,19 +1371,15 @@ def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=F
 def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=False):
     """The layout of one tensor (module docstring): the routed experts' matrices take
     --expert-layout, other weight matrices --layout (the embedding only when tied: then it is the
-    output head), by default the faster one for their format; int8/int4 ones only with a multiple
-    of 8 rows; everything else rows."""
-    if kind != "matrix" or (name == "embedding" and not tied):
-        return "rows" if dtype not in INTERLEAVED_ONLY_FORMATS else "interleaved"
-    if dtype in INTERLEAVED_ONLY_FORMATS:   # its only layout (_dtype_for gave whole groups of rows)
-        return "interleaved"
+    output head), by default the faster one for their format; one the format lacks (colibri.formats:
+    a toy matrix kept in f16 asked interleaved, mxfp4 transposed), or a grouped one without whole groups
+    of 8 rows, gives rows; nl4/int6 have only interleaved; everything else rows."""
+    allowed = layouts_of(dtype)
+    if kind != "matrix" or (name == "embedding" and not tied) or len(allowed) == 1:
+        return "rows" if "rows" in allowed else allowed[0]     # nl4/int6: _dtype_for gave whole groups of rows
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)
-    if wanted == "interleaved" and dtype not in INTERLEAVED_FORMATS:    # e.g. a toy matrix kept in f16
-        return "rows"
-    if wanted == "transposed" and dtype in BLOCK_FORMATS and dtype not in GROUP_FORMATS:     # mxfp4
-        return "rows"
-    if wanted != "rows" and (dtype in BLOCK_FORMATS or wanted == "interleaved") and shape[0] % TGROUP:
+    if wanted not in allowed or (FORMATS[dtype].grouped(wanted) and shape[0] % TGROUP):
         return "rows"
     if wanted == "interleaved" and shape[-1] % QBLOCK:                  # interleaved bf16: whole 32-input blocks
         return "rows"

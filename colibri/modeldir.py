@@ -28,9 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from . import _os, quant
-from ._kernels import BLOCK_FORMATS, DTYPE_CODES, GROUP_FORMATS, INTERLEAVED_FORMATS, INTERLEAVED_ONLY_FORMATS
+from ._kernels import BLOCK_FORMATS, DTYPE_CODES
 from .config import ModelConfig, read_json, shown
 from .errors import ColibriError
+from .formats import FORMATS, check_layout
 
 FORMAT_NAME = "colibri"
 FORMAT_VERSION = 1
@@ -38,27 +39,34 @@ ALIGNMENT = 64                       # every tensor starts on a 64-byte boundary
 CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 64 << 20          # a config.json larger than this is refused
 MAX_OTHER_FILES = 256                # files in the table beyond one per tensor (text files)
-# storage dtype -> numpy dtype of the stored elements (bf16 is kept as its raw 16 bits; the
-# block formats int8/int4/mxfp4 are stored as bytes, [rows, cols / 32 * block bytes])
-STORAGE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
-                  "int8": np.dtype("u1"), "int4": np.dtype("u1"), "mxfp4": np.dtype("u1"), "nl4": np.dtype("u1"),
-                  "int6": np.dtype("u1"),
-                  "int16": np.dtype("<i2")}
+# storage dtype -> numpy dtype of the stored elements: the formats' (colibri.formats: bf16 is kept as its
+# raw 16 bits; the block formats are stored as bytes, [rows, cols / 32 * block bytes]), and int16 norm weights
+STORAGE_DTYPES = {**{name: fmt.element for name, fmt in FORMATS.items()}, "int16": np.dtype("<i2")}
 NORM_DTYPES = ("f32", "int16")
 ABSORBED_DTYPES = ("f32", "f16")     # MLA's absorbed up-projections (config.expected_tensors "absorbed")       # int16 norm weights carry a float "scale": w = scale * q
 WEIGHT_DTYPES = tuple(DTYPE_CODES)       # the kernels' storage formats (colibri._kernels)
 
 
 def storage_nbytes(dtype: str, shape) -> int:
-    """Bytes of a tensor of logical `shape` stored as `dtype`."""
-    if dtype == "nl4":                        # interleaved, its only stored layout: groups + row scales
-        return quant.nl4_bytes(math.prod(shape[:-1]), shape[-1])
-    if dtype in BLOCK_FORMATS:
-        rows = math.prod(shape[:-1])          # exact integers: np.prod wraps around past 2**63
-        return rows * quant.row_bytes(dtype, shape[-1])
+    """Bytes of a tensor of logical `shape` stored as `dtype`: its format's (formats.Format.nbytes)."""
+    if dtype in FORMATS:
+        return FORMATS[dtype].nbytes(shape)
     return math.prod(shape) * STORAGE_DTYPES[dtype].itemsize
+
+
 LAYOUTS = quant.LAYOUTS        # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4);
-                               # interleaved: int8/int4/bf16 groups of 8 outputs, 4 inputs at a time (quant.py)
+                               # interleaved: groups of 8 outputs, 4 inputs at a time (quant.py);
+                               # which a format has: colibri.formats
+
+
+def check_stored_layout(dtype: str, layout: str, shape, kind: str, ctx: str) -> None:
+    """A tensor table entry's layout against its format (formats.check_layout), its kind (only weight
+    matrices leave rows) and its rows (a grouped layout holds whole groups of quant.TGROUP)."""
+    if layout != "rows" and (kind != "matrix" or len(shape) != 2):
+        raise ColibriError(f"{ctx}: only weight matrices can be stored {layout}")
+    check_layout(dtype, layout, ctx)
+    if dtype in FORMATS and FORMATS[dtype].grouped(layout) and shape[0] % quant.TGROUP:
+        raise ColibriError(f"{ctx}: {layout} {dtype} needs a multiple of {quant.TGROUP} rows, got {list(shape)}")
 
 
 def tensor_file(name: str) -> str:
@@ -260,18 +268,7 @@ class ModelDir:
             layout = t.get("layout", "rows")
             if type(layout) is not str or layout not in LAYOUTS:
                 raise ColibriError(f"{ctx}: unsupported layout {shown(layout)} (supported: {', '.join(LAYOUTS)})")
-            if layout != "rows":
-                if kind != "matrix" or len(shape) != 2:
-                    raise ColibriError(f"{ctx}: only weight matrices can be stored {layout}")
-                if layout == "transposed" and t["dtype"] in BLOCK_FORMATS and t["dtype"] not in GROUP_FORMATS:
-                    raise ColibriError(f"{ctx}: {t['dtype']} has no transposed layout (rows or interleaved)")
-                if layout == "interleaved" and t["dtype"] not in INTERLEAVED_FORMATS:
-                    raise ColibriError(f"{ctx}: the interleaved layout is for {'/'.join(INTERLEAVED_FORMATS)}, not {t['dtype']}")
-                if (t["dtype"] in BLOCK_FORMATS or layout == "interleaved") and shape[0] % quant.TGROUP:
-                    raise ColibriError(f"{ctx}: {layout} {t['dtype']} needs a multiple of {quant.TGROUP} rows, "
-                                       f"got {list(shape)}")
-            if t["dtype"] in INTERLEAVED_ONLY_FORMATS and layout != "interleaved":
-                raise ColibriError(f"{ctx}: {t['dtype']} is stored interleaved only, not {layout}")
+            check_stored_layout(t["dtype"], layout, shape, kind, ctx)
             if (t["dtype"] in BLOCK_FORMATS or layout == "interleaved") and (len(shape) != 2 or shape[1] % quant.QBLOCK):
                 raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
             nbytes = storage_nbytes(t["dtype"], shape)

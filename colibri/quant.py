@@ -20,9 +20,9 @@
 A row of `cols` weights is cols / 32 consecutive blocks (cols must be a multiple of 32). The
 `transposed` layout stores the same blocks input-major in groups of 8 outputs (their 8 scales
 first, then their 8 blocks' weights; csrc/quant.h): `transpose` / `untranspose` convert. The
-`interleaved` layout (int8/int4 only) stores them output-major in groups of 8 outputs, a group's
+`interleaved` layout stores them output-major in groups of 8 outputs, a group's
 weights 4 inputs at a time (csrc/quant.h, cb_igroup_int8/int4): `interleave` / `deinterleave`;
-`from_rows` / `to_rows` convert to and from any layout. The
+`from_rows` / `to_rows` convert to and from any layout the format has (colibri.formats). The
 scale is rounded to f16 first (away from zero, so the largest weight never clips) and the
 weights are quantized against the rounded scale, so dequantization reproduces exactly what the
 kernels compute with. int8 errs by at most half a step (d / 2); int4, whose levels run from -8d
@@ -35,6 +35,7 @@ import numpy as np
 # the C definitions (csrc/quant.h, kernels_scalar.h); NL4_OFFSET and NL4_SUB_MAX also as quant.X (the tests)
 from ._kernels import (LAYOUT_CODES, NL4_OFFSET, NL4_SCALE_BIAS, NL4_SUB_MAX, QBLOCK, TGROUP,  # noqa: F401
                        quantize_nl4)
+from .formats import FORMATS, check_layout
 
 BLOCK_DTYPES = {
     "int8": np.dtype([("d", "<u2"), ("qs", "i1", (QBLOCK,))]),
@@ -86,8 +87,9 @@ def default_layout(dtype: str) -> str:
     load, in their own lanes: no horizontal sums, no repacking; decode and prefill faster than
     transposed, which was faster than rows), nl4 (its only layout) and bf16 (the same lanes: the
     prompt's products 4x those of rows widened, 9x with bf16 products; decode from the caches 4x),
-    rows for f32/f16 (the axpy's stores make the transposed float kernels slower)."""
-    return "interleaved" if dtype in IGROUP_DTYPES or dtype in ("nl4", "bf16") else "rows"
+    rows for f32/f16 (the axpy's stores make the transposed float kernels slower): interleaved where the
+    format has it (colibri.formats), else rows."""
+    return FORMATS[dtype].default_layout if dtype in FORMATS else "rows"
 
 
 def row_bytes(dtype: str, cols: int) -> int:
@@ -419,10 +421,9 @@ def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     f32/f16/bf16 (any numpy dtype): [rows, cols] -> [cols, rows]. int8/int4: uint8 [rows,
     row_bytes] of blocks -> uint8 [cols / 32, rows / 8 * group bytes], group (kb, g) holding the
     scales and weights of block kb of outputs 8g .. 8g+7 (rows must be a multiple of 8)."""
+    check_layout(dtype, "transposed", "quant.transpose")
     if dtype not in BLOCK_DTYPES:
         return np.ascontiguousarray(np.asarray(stored).T)
-    if dtype not in GROUP_DTYPES:
-        raise ValueError(f"{dtype} has no transposed layout (rows or interleaved)")
     rows = stored.shape[0]
     if rows % TGROUP:
         raise ValueError(f"the transposed {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
@@ -456,12 +457,11 @@ def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     cols / 32 * group bytes], group (g, kb) holding block kb of outputs 8g .. 8g+7 (rows must be a
     multiple of 8). A block's bytes go 4 at a time: both formats keep a unit of 4 bytes whole
     (bf16: 4 values, 8 bytes; cols a multiple of 32)."""
+    check_layout(dtype, "interleaved", "quant.interleave")
     if dtype == "nl4":
         return _interleave_nl4(stored, cols)
     if dtype == "bf16":
         return _interleave_bf16(stored, cols)
-    if dtype not in IGROUP_DTYPES:
-        raise ValueError(f"the interleaved layout is for int8/int4/mxfp4/nl4, not {dtype}")
     rows = stored.shape[0]
     if rows % TGROUP:
         raise ValueError(f"the interleaved {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
@@ -506,7 +506,9 @@ def deinterleave(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.nda
 
 
 def from_rows(stored: np.ndarray, dtype: str, cols: int, layout: str) -> np.ndarray:
-    """A matrix stored in the rows layout -> the same matrix in `layout`."""
+    """A matrix stored in the rows layout (nl4/int6: their rows form) -> the same matrix in `layout`,
+    one of the format's (colibri.formats)."""
+    check_layout(dtype, layout, "quant.from_rows")
     if layout == "transposed":
         return transpose(stored, dtype, cols)
     if layout == "interleaved":
@@ -515,7 +517,9 @@ def from_rows(stored: np.ndarray, dtype: str, cols: int, layout: str) -> np.ndar
 
 
 def to_rows(stored: np.ndarray, dtype: str, rows: int, cols: int, layout: str) -> np.ndarray:
-    """A matrix stored in `layout` -> the same matrix in the rows layout."""
+    """A matrix stored in `layout`, one of the format's (colibri.formats) -> the same matrix in the rows
+    layout (nl4/int6: their rows form)."""
+    check_layout(dtype, layout, "quant.to_rows")
     if layout == "transposed":
         return untranspose(stored, dtype, rows, cols)
     if layout == "interleaved":

@@ -137,7 +137,7 @@ def test_info_names_the_features(converted):
 def test_mxfp4_transposed_is_refused_and_rows_is_the_same_model(converted, tmp_path):
     r = run_cli(*convert_args(FIXTURES / "gpt_oss_b" / "hf", tmp_path / "o", "--quantize", "mxfp4",
                              "--expert-layout", "transposed"))
-    one_line_error(r, "mxfp4 experts have no transposed layout")
+    one_line_error(r, "--expert-layout (--quantize mxfp4): mxfp4 has no transposed layout, only rows or interleaved")
     assert not (tmp_path / "o").exists()
     from colibri.convert import convert
     convert(FIXTURES / "gpt_oss_b" / "hf", tmp_path / "rows", quantize="mxfp4", expert_layout="rows",

@@ -493,7 +493,7 @@ def test_modeldir_refuses_a_transposed_vector(converted, tmp_path):
     for name, layout, problem in (("layers.0.attn_norm", "transposed", "only weight matrices"),
                                   ("layers.0.router", "transposed", "only weight matrices"),
                                   ("layers.0.router", "interleaved", "only weight matrices"),
-                                  ("embedding", "interleaved", "interleaved layout is for int8/int4")):
+                                  ("embedding", "interleaved", "embedding: f32 has no interleaved layout, only rows or transposed")):
         d = tmp_path / f"{name}-{layout}"
         if name == "embedding":              # an f32 matrix marked interleaved
             shutil.copytree(converted("mixtral_a", "f32"), d)
