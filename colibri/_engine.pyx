@@ -757,6 +757,88 @@ cdef cb_expert_cache *cache_new(pages, fds, resident, fresh, last_use, freq, sta
     return c
 
 
+def _scratch_layout(spec):
+    """The engine's scratch arena for `spec` (colibri.spec.EngineSpec): ({name: (shape, dtype)},
+    the MoE wave's rows, the widest expert): rows [prefill_chunk] for the block inputs, [wave] for
+    the MoE wave, plus the per-layer tables. Engine.__init__ allocates it; planned_bytes sizes it."""
+    layers = spec.layers
+    cdef int d = spec.d_model
+    cdef int cap = spec.prefill_chunk
+    cdef int n_heads = spec.n_heads
+    cdef int n_layers = spec.n_layers
+    cdef int n_experts = spec.n_experts
+    cdef int top_k = spec.top_k
+    cdef int n_ctx = spec.n_ctx
+    cdef int q_dim = n_heads * max(f.head_dim for f in layers)
+    cdef int kv_dim = max(f.n_kv_heads * f.head_dim for f in layers)
+    max_ff = max([1] + [f.d_ff for f in layers])
+    # MLA: the low-rank query, the heads' queries and values (1 where no layer has them)
+    q_lora = max([1] + [f.q_lora for f in layers])
+    mla_q = max([1] + [n_heads * f.qk_head for f in layers])
+    mla_o = max([1] + [n_heads * f.v_head for f in layers])
+    max_cols = max(d, q_dim, max_ff, q_lora, mla_o)
+    wave = max(cap, MAX_SLOTS)
+    f32 = np.float32
+    specs = {
+        "x": ((cap, d), f32), "xb": ((cap, d), f32), "xb2": ((cap, d), f32),
+        "q": ((cap, q_dim), f32), "att": ((cap, q_dim), f32),
+        "k": ((cap, kv_dim), f32), "v": ((cap, kv_dim), f32),
+        # the attention's scores: a row per head (decode), or per thread a block of queries'
+        "scores": ((kernels.cb_attention_score_rows(n_heads, max(spec.n_threads, 1)) if cap > 1
+                    else n_heads, n_ctx + 1), f32),
+        "rx": ((cap, d), f32), "xe": ((cap, d), f32), "xm": ((cap, d), f32),
+        "mla_qa": ((cap, q_lora), f32), "mla_q": ((cap, mla_q), f32), "mla_o": ((cap, mla_o), f32),
+        "router": ((cap, n_experts), f32),
+        "tok_chosen": ((cap, top_k), np.int32), "tok_w": ((cap, top_k), f32),
+        "g": ((wave, d), f32), "y": ((wave, d), f32),
+        "hb": ((wave, max_ff), f32), "hb2": ((wave, max_ff), f32),
+        "rows": (wave, np.int32), "row_w": (wave, f32),
+        "logits": (spec.vocab, f32),
+        "chosen": ((n_layers, top_k), np.int32), "chosen_w": ((n_layers, top_k), f32),
+        "counts": ((n_layers, n_experts), np.int64), "predicted": ((n_layers, top_k), np.int32),
+        "prefetch_stats": (PF_N, np.int64),
+        "router2": (n_experts, f32), "pred_w": (top_k, f32), "expert_m": (n_experts, np.int32),
+        # the expert cache, index layer * n_experts + e
+        "expert_pages": ((n_layers * n_experts, 2), np.uint64),     # (start, length) of its mapped file
+        "cache_resident": (n_layers * n_experts, np.uint8), "cache_fresh": (n_layers * n_experts, np.uint8),
+        "cache_last_use": (n_layers * n_experts, np.int64), "cache_freq": (n_layers * n_experts, f32),
+        "cache_stats": (CB_CS_N, np.int64),
+    }
+    # activation quantization of the block inputs [cap] and of the wave rows [wave]
+    for prefix, rows in (("acts", cap), ("wave_acts", wave)):
+        specs.update({f"{prefix}.{k}": v for k, v in act_specs(rows, max_cols, spec.bf16_products).items()})
+    return specs, wave, max_ff
+
+
+def _kv_layout(spec):
+    """(element dtype, [shape per layer]) of the KV cache for `spec`: per layer [n_seq,
+    n_kv_heads, kv_ring, row] keys, and values of the same shape (an MLA layer's one latent array
+    serves both). A row is a KV head's head_dim elements at one position; a q8 row is bytes: its
+    f32 scale and head_dim codes (cb_kv_row_bytes)."""
+    if spec.kv_cache not in KV_CODES:
+        raise ValueError(f"kv_cache {spec.kv_cache!r}: one of {', '.join(KV_CODES)}")
+    kv_code = KV_CODES[spec.kv_cache]
+    shapes = []
+    for f in spec.layers:
+        if spec.kv_cache == "q8" and f.head_dim > kernels.CB_KV_Q8_MAX_HEAD_DIM:
+            raise ColibriError(f"kv_cache q8 serves head_dim up to {kernels.CB_KV_Q8_MAX_HEAD_DIM}, "
+                               f"this model's is {f.head_dim}: use f16")
+        row = f.head_dim if spec.kv_cache != "q8" else cb_kv_row_bytes(f.head_dim, kv_code)
+        shapes.append((spec.n_seq, f.n_kv_heads, f.kv_ring, row))
+    return {"f32": np.float32, "f16": np.float16, "q8": np.uint8}[spec.kv_cache], shapes
+
+
+def planned_bytes(spec) -> tuple:
+    """(KV cache bytes, scratch bytes) that an Engine built from `spec` allocates, computed
+    without building it (the memory plan's inputs): the same layouts Engine.__init__ allocates."""
+    def nbytes(shape, dtype):
+        return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    specs = _scratch_layout(spec)[0]
+    kv_type, shapes = _kv_layout(spec)
+    kv = sum(nbytes(shape, kv_type) * (1 if f.kv_rank else 2) for f, shape in zip(spec.layers, shapes))
+    return kv, sum(nbytes(shape, dtype) for shape, dtype in specs.values())
+
+
 cdef class Engine:
     """Owns the per-layer pointer table, the KV cache and the scratch arena of one model.
 
@@ -833,76 +915,25 @@ cdef class Engine:
         self.h.n_ctx = n_ctx
         self.h.n_seq = n_seq
         self.h.n_threads = max(spec.n_threads, 1)
-        if spec.kv_cache not in KV_CODES:
-            raise ValueError(f"kv_cache {spec.kv_cache!r}: one of {', '.join(KV_CODES)}")
+        kv_type, kv_shapes = _kv_layout(spec)       # (checks the KV cache's type)
         self.h.kv = KV_CODES[spec.kv_cache]
 
-        cdef int q_dim = self.h.n_heads * max(f.head_dim for f in layers)
-        cdef int kv_dim = max(f.n_kv_heads * f.head_dim for f in layers)
-        max_ff = max([1] + [f.d_ff for f in layers])
-        # MLA: the low-rank query, the heads' queries and values (1 where no layer has them)
-        q_lora = max([1] + [f.q_lora for f in layers])
-        mla_q = max([1] + [self.h.n_heads * f.qk_head for f in layers])
-        mla_o = max([1] + [self.h.n_heads * f.v_head for f in layers])
-        max_cols = max(d, q_dim, max_ff, q_lora, mla_o)
-        wave = max(cap, MAX_SLOTS)
-        f32 = np.float32
-        # the scratch arena, one region from colibri._os: rows [cap] for the block inputs, [wave]
-        # for the MoE wave, plus the per-layer tables
-        specs = {
-            "x": ((cap, d), f32), "xb": ((cap, d), f32), "xb2": ((cap, d), f32),
-            "q": ((cap, q_dim), f32), "att": ((cap, q_dim), f32),
-            "k": ((cap, kv_dim), f32), "v": ((cap, kv_dim), f32),
-            # the attention's scores: a row per head (decode), or per thread a block of queries'
-            "scores": ((kernels.cb_attention_score_rows(self.h.n_heads, self.h.n_threads) if cap > 1
-                        else self.h.n_heads, n_ctx + 1), f32),
-            "rx": ((cap, d), f32), "xe": ((cap, d), f32), "xm": ((cap, d), f32),
-            "mla_qa": ((cap, q_lora), f32), "mla_q": ((cap, mla_q), f32), "mla_o": ((cap, mla_o), f32),
-            "router": ((cap, n_experts), f32),
-            "tok_chosen": ((cap, top_k), np.int32), "tok_w": ((cap, top_k), f32),
-            "g": ((wave, d), f32), "y": ((wave, d), f32),
-            "hb": ((wave, max_ff), f32), "hb2": ((wave, max_ff), f32),
-            "rows": (wave, np.int32), "row_w": (wave, f32),
-            "logits": (self.h.vocab, f32),
-            "chosen": ((n_layers, top_k), np.int32), "chosen_w": ((n_layers, top_k), f32),
-            "counts": ((n_layers, n_experts), np.int64), "predicted": ((n_layers, top_k), np.int32),
-            "prefetch_stats": (PF_N, np.int64),
-            "router2": (n_experts, f32), "pred_w": (top_k, f32), "expert_m": (n_experts, np.int32),
-            # the expert cache, index layer * n_experts + e
-            "expert_pages": ((n_layers * n_experts, 2), np.uint64),     # (start, length) of its mapped file
-            "cache_resident": (n_layers * n_experts, np.uint8), "cache_fresh": (n_layers * n_experts, np.uint8),
-            "cache_last_use": (n_layers * n_experts, np.int64), "cache_freq": (n_layers * n_experts, f32),
-            "cache_stats": (CB_CS_N, np.int64),
-        }
-        # activation quantization of the block inputs [cap] and of the wave rows [wave]
-        for prefix, rows in (("acts", cap), ("wave_acts", wave)):
-            specs.update({f"{prefix}.{k}": v for k, v in act_specs(rows, max_cols, spec.bf16_products).items()})
+        specs, wave, max_ff = _scratch_layout(spec)
         keep = arena(specs)
         self.spec = spec
         self.scratch_bytes = sum(a.nbytes for a in keep.values())
         for prefix in ("acts", "wave_acts"):
             keep[prefix] = [keep.get(f"{prefix}.{name}") for name in ACT_ARRAYS]
-        keep["rope"] = [(np.ascontiguousarray(f.rope_cos, f32), np.ascontiguousarray(f.rope_sin, f32)) for f in layers]
-        # KV cache, per layer [n_seq, n_kv_heads, kv_ring, head_dim] (a KV head's positions together,
-        # what the attention reads; each sequence its own part), each its own pages: zero pages are
-        # only touched (made resident) as positions are filled. A sliding layer's ring must hold its window plus one
+        keep["rope"] = [(np.ascontiguousarray(f.rope_cos, np.float32), np.ascontiguousarray(f.rope_sin, np.float32))
+                        for f in layers]
+        # KV cache (_kv_layout): a KV head's positions together, what the attention reads; each
+        # sequence its own part; each layer its own pages: zero pages are only touched (made
+        # resident) as positions are filled. A sliding layer's ring must hold its window plus one
         # prefill chunk.
-        # A row is a KV head's head_dim elements (_kernels.KV_CODES) at one position; a q8 row is
-        # bytes: its f32 scale and head_dim codes (cb_kv_row_bytes).
-        kv_type = {"f32": f32, "f16": np.float16, "q8": np.uint8}[spec.kv_cache]
-        kv_code = self.h.kv
-
-        def kv_row(f):
-            return (f.head_dim if spec.kv_cache != "q8" else cb_kv_row_bytes(f.head_dim, kv_code),)
-
-        for f in layers:
-            if spec.kv_cache == "q8" and f.head_dim > kernels.CB_KV_Q8_MAX_HEAD_DIM:
-                raise ColibriError(f"kv_cache q8 serves head_dim up to {kernels.CB_KV_Q8_MAX_HEAD_DIM}, "
-                                   f"this model's is {f.head_dim}: use f16")
-        keep["k_cache"] = [zeros((n_seq, f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type) for f in layers]
+        keep["k_cache"] = [zeros(shape, kv_type) for shape in kv_shapes]
         # an MLA layer's one array holds the latent rows its attention reads as keys and as values
-        keep["v_cache"] = [k if f.kv_rank else zeros((n_seq, f.n_kv_heads, f.kv_ring) + kv_row(f), kv_type)
-                           for f, k in zip(layers, keep["k_cache"])]
+        keep["v_cache"] = [k if f.kv_rank else zeros(shape, kv_type)
+                           for f, k, shape in zip(layers, keep["k_cache"], kv_shapes)]
         keep["predicted"][...] = -1
         for f in layers:
             if not (f.kv_ring == n_ctx or (f.sliding_window > 0 and f.kv_ring >= f.sliding_window + cap)):

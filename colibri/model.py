@@ -139,17 +139,18 @@ class Model:
                         self.input_grams[name] = np.zeros((shape[1], shape[1]), np.float64)
                     tensors[name] = dataclasses.replace(tensors[name], input_stats=self.input_stats[name],
                                                         input_gram=self.input_grams.get(name))
-            engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))
-            # the memory plan: only mapped experts can be evicted
+            # the memory plan (only mapped experts can be evicted), from the bytes the engine would
+            # allocate; then the engine, built once
             if mmap and self.residency.spans:
                 source = "memory_limit_mb" if limit is not None else ""
                 if limit is None:
                     limit, source = residency.os_limit()
                 while True:
+                    kv_bytes, scratch_bytes = _engine.planned_bytes(spec.build(cfg, tensors, prefetch="none", **build))
                     try:
                         self.residency.plan = residency.plan(
                             limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
-                            kv=engine.kv_cache_bytes, scratch=engine.scratch_bytes, runtime=_os.rss_bytes()[0],
+                            kv=kv_bytes, scratch=scratch_bytes, runtime=_os.rss_bytes()[0],
                             working_set=self.residency.working_set, n_ctx=n_ctx, path=self.path,
                             largest_expert=self.residency.largest_expert, n_seq=parallel)
                         break
@@ -163,9 +164,7 @@ class Model:
                         if prefill_chunk is not None:
                             raise ColibriError(f"{e} (or a smaller prefill chunk than the {prefill_chunk} asked for: "
                                                f"its scratch grows with it)") from None
-                        del engine
                         build["chunk"] = self._chunk = max(floor, build["chunk"] // 2)
-                        engine = _engine.Engine(spec.build(cfg, tensors, prefetch="none", **build))
                 if build["chunk"] < chunk:
                     self.residency.plan = dataclasses.replace(self.residency.plan, lowered_chunk=build["chunk"])
             budget = self.residency.plan.budget
@@ -173,15 +172,13 @@ class Model:
                 budget = cache_budget if budget is None else min(budget, cache_budget)
             if prefetch is None:           # under a budget the readers fetch a missing expert in parallel pieces
                 prefetch = "routed" if budget is not None else "none"
-            if budget is not None or prefetch != "none":
-                if budget is not None:
-                    self.residency.open_files()
-                del engine
-                engine = _engine.Engine(spec.build(cfg, tensors, prefetch=prefetch, expert_budget=budget,
-                                                   eviction=eviction or DEFAULT_EVICTION,
-                                                   expert_fds=self.residency.fds, **build))
-                if budget is not None:
-                    self._hold_warm_experts(engine)
+            if budget is not None:
+                self.residency.open_files()
+            engine = _engine.Engine(spec.build(cfg, tensors, prefetch=prefetch, expert_budget=budget,
+                                               eviction=eviction or DEFAULT_EVICTION,
+                                               expert_fds=self.residency.fds, **build))
+            if budget is not None:
+                self._hold_warm_experts(engine)
         except BaseException:
             getattr(self, "residency", None) and self.residency.close()
             self._maps.close()

@@ -488,3 +488,20 @@ def test_new_families_under_a_memory_limit_give_the_same_tokens(converted, monke
     st = m.memory_stats()
     assert st["experts_released"] > 0 and st["peak_resident_expert_bytes"] <= m.expert_budget
     m.close(), free.close()
+
+
+@pytest.mark.parametrize("case, options", [
+    ("mixtral_a", {}), ("qwen3moe_a", {"kv_cache": "q8", "parallel": 3}), ("deepseekv3_a", {"kv_cache": "f16"}),
+    ("gemma4_a", {"prefill_chunk": 16}), ("gpt_oss_a", {"n_ctx": 96}), ("olmoe_a", {"threads": 1}),
+])
+def test_the_plan_sizes_the_engine_without_building_it(converted, case, options):
+    """The memory plan takes the KV cache's and the scratch's bytes from _engine.planned_bytes
+    (the engine is built once, after the plan): they are what the built engine allocated, for MLA,
+    sliding-window rings, every KV cache type, several sequences and prefill chunks."""
+    from colibri import _engine
+    m = colibri.load(converted(case), **options)
+    try:
+        assert _engine.planned_bytes(m.engine_spec) == (m._engine.kv_cache_bytes, m._engine.scratch_bytes)
+        assert m.kv_cache_bytes > 0 and m._engine.scratch_bytes > 0
+    finally:
+        m.close()
