@@ -55,6 +55,61 @@ _STATUS_MESSAGES = {
 # "bf16": the activations rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps (f32 sums, as
 # llama.cpp and ik_llama.cpp do); "auto": bf16 where the CPU has it.
 
+@dataclasses.dataclass(frozen=True)
+class _LoadOptions:
+    """load()'s options, each checked once against the model's config (one clear error naming the
+    value at fault) and normalised: what the memory plan and the engine's spec are made from."""
+    threads: int
+    n_ctx: int
+    prefill_chunk: int | None          # as the caller asked (None: the default)
+    chunk: int                         # the engine's tokens per call (the rings are sized for it)
+    parallel: int
+    prefetch: str | None
+    kv_cache: str
+    bf16_products: bool
+    eviction: str | None
+    cache_budget: int | None           # expert_cache_mb in bytes
+    limit: int | None                  # memory_limit_mb in bytes
+
+    @classmethod
+    def checked(cls, cfg, *, threads, n_ctx, mmap, prefill_chunk, prefetch, expert_cache_mb, memory_limit_mb,
+                eviction, kv_cache, bf16_products, parallel) -> "_LoadOptions":
+        if threads is None:
+            threads = _os.compute_cores()
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
+            raise ColibriError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
+        threads = int(threads)
+        _check_threads_start(threads)
+        if n_ctx is None:
+            n_ctx = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or not 1 <= n_ctx <= cfg.max_position_embeddings:
+            raise ColibriError(f"n_ctx must be in 1..{cfg.max_position_embeddings} "
+                               f"(the model's max_position_embeddings), got {n_ctx!r}")
+        n_ctx = int(n_ctx)
+        if prefetch is not None and prefetch not in PREFETCH_MODES:
+            raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
+        if prefetch not in (None, "none") and not mmap:
+            raise ColibriError("prefetch needs mapped weights (mmap=True)")
+        if kv_cache not in KV_CACHE_TYPES:
+            raise ColibriError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
+        bf16 = _bf16_products(bf16_products)
+        if eviction is not None and eviction not in EVICTION_POLICIES:
+            raise ColibriError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
+        cache_budget = residency._megabytes(expert_cache_mb, "expert_cache_mb")
+        limit = residency._megabytes(memory_limit_mb, "memory_limit_mb")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
+                                          or prefill_chunk < 1):
+            raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
+        chunk = spec.prefill_chunk(prefill_chunk, n_ctx)
+        if isinstance(parallel, bool) or not isinstance(parallel, numbers.Integral) or not 1 <= parallel <= MAX_PARALLEL:
+            raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
+        if parallel > chunk:
+            raise ColibriError(f"parallel {parallel} exceeds the prefill chunk {chunk} (a step's tokens)")
+        return cls(threads, n_ctx, prefill_chunk, chunk, int(parallel), prefetch, kv_cache, bf16, eviction,
+                   cache_budget, limit)
+
+
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
@@ -74,108 +129,41 @@ class Model:
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
         self.path = os.fspath(path)
-        self._dir = ModelDir(path)
-        self.config = self._dir.config
+        self._dir = ModelDir(path)                   # 1. the directory and its config, validated once
+        self.config = cfg = self._dir.config
         self.weight_dtype = self._dir.weight_dtype
-        cfg = self.config
-        if threads is None:
-            threads = _os.compute_cores()
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
-            raise ColibriError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
-        threads = int(threads)
-        _check_threads_start(threads)
-        if n_ctx is None:
-            n_ctx = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or not 1 <= n_ctx <= cfg.max_position_embeddings:
-            raise ColibriError(f"n_ctx must be in 1..{cfg.max_position_embeddings} "
-                               f"(the model's max_position_embeddings), got {n_ctx!r}")
-        self.threads = threads
-        self.n_ctx = n_ctx = int(n_ctx)
+        o = _LoadOptions.checked(cfg, threads=threads, n_ctx=n_ctx, mmap=mmap, prefill_chunk=prefill_chunk,
+                                 prefetch=prefetch, expert_cache_mb=expert_cache_mb,
+                                 memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache,
+                                 bf16_products=bf16_products, parallel=parallel)
+        self.threads, self.n_ctx, self.parallel = o.threads, o.n_ctx, o.parallel
+        self.bf16_products = o.bf16_products
+        self._chunk = o.chunk
         self._weight_bytes_per_token = None     # decode_bytes' weights, counted on first use
-        if prefetch is not None and prefetch not in PREFETCH_MODES:
-            raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
-        if prefetch not in (None, "none") and not mmap:
-            raise ColibriError("prefetch needs mapped weights (mmap=True)")
-        if kv_cache not in KV_CACHE_TYPES:
-            raise ColibriError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
-        self.bf16_products = _bf16_products(bf16_products)
-        if eviction is not None and eviction not in EVICTION_POLICIES:
-            raise ColibriError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
-        cache_budget = residency._megabytes(expert_cache_mb, "expert_cache_mb")
-        limit = residency._megabytes(memory_limit_mb, "memory_limit_mb")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
-                                          or prefill_chunk < 1):
-            raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
-        prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
-        chunk = spec.prefill_chunk(prefill_chunk, n_ctx)   # the engine's tokens per call: the rings are sized for it
-        if isinstance(parallel, bool) or not isinstance(parallel, numbers.Integral) or not 1 <= parallel <= MAX_PARALLEL:
-            raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
-        if parallel > chunk:
-            raise ColibriError(f"parallel {parallel} exceeds the prefill chunk {chunk} (a step's tokens)")
-        self.parallel = parallel = int(parallel)
-        self._chunk = chunk
         if not mmap:                # read into memory: nothing can be evicted, so all of it must fit
-            residency.check_unmapped(self._dir, limit, self.path)
-        self._maps = MappedModelDir(self._dir, use_mmap=mmap)
+            residency.check_unmapped(self._dir, o.limit, self.path)
+        self._maps = MappedModelDir(self._dir, use_mmap=mmap)        # 2. the mappings
         try:
             self.residency = Residency(self._maps, cfg, mlock=mlock, warmup=warmup)
             text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
-            build = dict(n_ctx=n_ctx, chunk=chunk, threads=threads, n_seq=parallel, exact_softmax=bool(exact_softmax), kv_cache=kv_cache,
-                         bf16_products=self.bf16_products,
+            build = dict(n_ctx=o.n_ctx, chunk=o.chunk, threads=o.threads, n_seq=o.parallel,
+                         exact_softmax=bool(exact_softmax), kv_cache=o.kv_cache, bf16_products=o.bf16_products,
                          expert_pages=self.residency.spans,
                          prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
                                                if self.residency.spans else 0))
-            tensors = self._maps.tensor_refs()
-            self.input_stats = {}
-            self.input_grams = {}
-            if capture_inputs:
-                # every matrix a product reads: the embedding only where it is also the head
-                read = {name: t.shape for name, t in tensors.items()
-                        if len(t.shape) == 2 and (name != "embedding" or "lm_head" not in tensors)}
-                full = second_moments(read) if second_moments is not None else ()
-                for name, shape in read.items():
-                    self.input_stats[name] = np.zeros(shape[1] + 1, np.float64)
-                    if name in full:
-                        self.input_grams[name] = np.zeros((shape[1], shape[1]), np.float64)
-                    tensors[name] = dataclasses.replace(tensors[name], input_stats=self.input_stats[name],
-                                                        input_gram=self.input_grams.get(name))
-            # the memory plan (only mapped experts can be evicted), from the bytes the engine would
-            # allocate; then the engine, built once
-            if mmap and self.residency.spans:
-                source = "memory_limit_mb" if limit is not None else ""
-                if limit is None:
-                    limit, source = residency.os_limit()
-                while True:
-                    kv_bytes, scratch_bytes = _engine.planned_bytes(spec.build(cfg, tensors, prefetch="none", **build))
-                    try:
-                        self.residency.plan = residency.plan(
-                            limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
-                            kv=kv_bytes, scratch=scratch_bytes, runtime=_os.rss_bytes()[0],
-                            working_set=self.residency.working_set, n_ctx=n_ctx, path=self.path,
-                            largest_expert=self.residency.largest_expert, n_seq=parallel)
-                        break
-                    except ColibriError as e:
-                        # the scratch grows with the prefill chunk: unless the caller chose one, a
-                        # smaller chunk may fit the limit (a long prompt then streams its experts
-                        # once per chunk)
-                        floor = max(MIN_PLANNED_CHUNK, parallel)
-                        if build["chunk"] <= floor:
-                            raise
-                        if prefill_chunk is not None:
-                            raise ColibriError(f"{e} (or a smaller prefill chunk than the {prefill_chunk} asked for: "
-                                               f"its scratch grows with it)") from None
-                        build["chunk"] = self._chunk = max(floor, build["chunk"] // 2)
-                if build["chunk"] < chunk:
-                    self.residency.plan = dataclasses.replace(self.residency.plan, lowered_chunk=build["chunk"])
+            tensors = self._capture_inputs(self._maps.tensor_refs(), capture_inputs, second_moments)
+            if mmap and self.residency.spans:       # 3. the memory plan: only mapped experts can be evicted
+                self._plan_memory(o, tensors, build)
             budget = self.residency.plan.budget
-            if cache_budget is not None and mmap:
-                budget = cache_budget if budget is None else min(budget, cache_budget)
+            if o.cache_budget is not None and mmap:
+                budget = o.cache_budget if budget is None else min(budget, o.cache_budget)
+            prefetch = o.prefetch
             if prefetch is None:           # under a budget the readers fetch a missing expert in parallel pieces
                 prefetch = "routed" if budget is not None else "none"
             if budget is not None:
                 self.residency.open_files()
-            engine = _engine.Engine(spec.build(cfg, tensors, prefetch=prefetch, expert_budget=budget,
-                                               eviction=eviction or DEFAULT_EVICTION,
+            engine = _engine.Engine(spec.build(cfg, tensors, prefetch=prefetch, expert_budget=budget,   # 4. built once
+                                               eviction=o.eviction or DEFAULT_EVICTION,
                                                expert_fds=self.residency.fds, **build))
             if budget is not None:
                 self._hold_warm_experts(engine)
@@ -187,9 +175,9 @@ class Model:
         self.expert_budget = budget             # bytes of experts the cache admits at most, or None
         self.engine_spec = engine.spec          # what the engine was built from (colibri.spec.EngineSpec)
         self._engine = engine
-        # float32 keys + values as allocated: sliding-window layers keep window + one prefill chunk;
+        # keys + values as allocated: sliding-window layers keep window + one prefill chunk; made
         # resident as positions are written, in base pages (with transparent huge pages, the first
-        # position of each KV head's region made 2 MB resident: 840 -> 779 MiB peak, mixtral-mini int4)
+        # position of each KV head's region would make a whole huge page resident)
         self.kv_cache_bytes = self._engine.kv_cache_bytes
         _os.small_pages(self._engine.kv_cache_ranges())
         self.tokenizer = text.tokenizer                   # Tokenizer or None (raw ids only)
@@ -202,12 +190,60 @@ class Model:
         self._constraint_vocab_lock = threading.Lock()
         # the KV cache: per sequence, the ids whose keys and values it holds at positions 0.. (for
         # prefix reuse); sliding-window rings allow a rewind of at most ring - window positions (None: any)
-        self._kv_tokens = [[] for _ in range(parallel)]
+        self._kv_tokens = [[] for _ in range(self.parallel)]
         self._ring_slack = self.engine_spec.ring_slack
         self._busy = threading.Lock()              # one request at a time (refused, not queued)
         self._engine_lock = threading.Lock()       # held while the engine runs; close() takes it
         self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,
                       "decode_tokens": 0, "decode_seconds": 0.0, "reused_tokens": 0}
+
+    def _capture_inputs(self, tensors: dict, capture: bool, second_moments) -> dict:
+        """The tensors as the engine takes them; with `capture`, every matrix a product reads
+        (the embedding only where it is also the head) gets its input statistics' arrays
+        (self.input_stats, self.input_grams: see __init__)."""
+        self.input_stats = {}
+        self.input_grams = {}
+        if not capture:
+            return tensors
+        read = {name: t.shape for name, t in tensors.items()
+                if len(t.shape) == 2 and (name != "embedding" or "lm_head" not in tensors)}
+        full = second_moments(read) if second_moments is not None else ()
+        for name, shape in read.items():
+            self.input_stats[name] = np.zeros(shape[1] + 1, np.float64)
+            if name in full:
+                self.input_grams[name] = np.zeros((shape[1], shape[1]), np.float64)
+            tensors[name] = dataclasses.replace(tensors[name], input_stats=self.input_stats[name],
+                                                input_gram=self.input_grams.get(name))
+        return tensors
+
+    def _plan_memory(self, o: "_LoadOptions", tensors: dict, build: dict) -> None:
+        """self.residency.plan for the limit (the caller's, else the OS's), from the bytes the
+        engine would allocate (_engine.planned_bytes). The scratch grows with the prefill chunk:
+        unless the caller chose one, a smaller chunk may fit the limit (a long prompt then streams
+        its experts once per chunk), so the default is halved while it does not (build["chunk"],
+        self._chunk)."""
+        limit, source = o.limit, "memory_limit_mb"
+        if limit is None:
+            limit, source = residency.os_limit()
+        while True:
+            kv_bytes, scratch_bytes = _engine.planned_bytes(spec.build(self.config, tensors, prefetch="none", **build))
+            try:
+                self.residency.plan = residency.plan(
+                    limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
+                    kv=kv_bytes, scratch=scratch_bytes, runtime=_os.rss_bytes()[0],
+                    working_set=self.residency.working_set, n_ctx=o.n_ctx, path=self.path,
+                    largest_expert=self.residency.largest_expert, n_seq=o.parallel)
+                break
+            except ColibriError as e:
+                floor = max(MIN_PLANNED_CHUNK, o.parallel)
+                if build["chunk"] <= floor:
+                    raise
+                if o.prefill_chunk is not None:
+                    raise ColibriError(f"{e} (or a smaller prefill chunk than the {o.prefill_chunk} asked for: "
+                                       f"its scratch grows with it)") from None
+                build["chunk"] = self._chunk = max(floor, build["chunk"] // 2)
+        if build["chunk"] < o.chunk:
+            self.residency.plan = dataclasses.replace(self.residency.plan, lowered_chunk=build["chunk"])
 
     # -- the public API --------------------------------------------------------------------------
 
