@@ -152,3 +152,22 @@ if given is not None:
 else:                                                # pragma: no cover
     def test_newest_of_any_order():
         pytest.skip("hypothesis not installed")
+
+
+def test_decode_against_the_read_roofline(tmp_path):
+    """The roofline section reads read_roofline.c's summary (the best way against the plain loop)
+    and bench's decode read rate against its loop, as ratios of the medians, with provenance."""
+    meta = {"command": "python x", "date": "2026-12-07T10:00:00", "host": {"cpu": "EPYC", "cores": 2},
+            "git_commit": "abc1234"}
+    (tmp_path / "2026-12-07-read-roofline-x.json").write_text(json.dumps({**meta, "summary": [
+        {"memory": "anon-2m", "threads": 2, "way": "plain", "median_gbs": 30.0, "best_gbs": 31.0},
+        {"memory": "anon-2m", "threads": 2, "way": "pf256", "median_gbs": 33.0, "best_gbs": 34.0},
+        {"memory": "anon-2m", "threads": 2, "way": "streams2", "median_gbs": 20.0, "best_gbs": 21.0}]}))
+    (tmp_path / "2026-12-07-decode-vs-loop-x.json").write_text(json.dumps({**meta, "model": "toy", "runs": {
+        "threads 2": {"int4": [{"decode_tok_s": 100.0, "decode_read_gb_s": 24.0, "read_loop_gb_s": [29.0, 31.0]},
+                               {"decode_tok_s": 110.0, "decode_read_gb_s": 26.0, "read_loop_gb_s": [30.0, 30.0]}]}}}))
+    text = report.render(tmp_path)
+    section = text.split("## Decode against the memory's read rate")[1].split("\n## ")[0]
+    assert "| anon-2m | 2 | 30.0 | 33.0 (pf256) | 1.10 |" in section
+    assert "| int4 | 2 | 105.0 (100.0–110.0) | 25.0 (24.0–26.0) | 30.0 (30.0–30.0) | 0.83 |" in section
+    assert section.count("commit: abc1234") == 2 and "Other results" not in section

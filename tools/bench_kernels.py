@@ -60,7 +60,7 @@ import time
 
 import numpy as np
 
-from colibri import _kernels, _probes, quant
+from colibri import _kernels, _probes, formats, quant
 from colibri.bench import last_level_cache_bytes
 from colibri.modeldir import to_storage
 
@@ -288,13 +288,8 @@ def bf16_products_of(dtype, layout):
 
 
 def layouts_of(args, dtype):
-    """The --layouts a format has (interleaved: the block formats and bf16; transposed: not mxfp4;
-    nl4 and int6: interleaved only)."""
-    if dtype in _kernels.INTERLEAVED_ONLY_FORMATS:
-        return [lay for lay in args.layouts.split(",") if lay == "interleaved"]
-    return [lay for lay in args.layouts.split(",")
-            if (lay != "interleaved" or dtype in _kernels.INTERLEAVED_FORMATS)
-            and (lay != "transposed" or dtype not in quant.BLOCK_DTYPES or dtype in quant.GROUP_DTYPES)]
+    """The --layouts a format has (colibri.formats, the table every layer asks)."""
+    return [lay for lay in args.layouts.split(",") if lay in formats.layouts_of(dtype)]
 
 
 def resident_table(args, rng, rows=3584, cols=1024):

@@ -129,6 +129,13 @@ def shape_of(data) -> str | None:
             return "run_bench"
         if isinstance(data.get("mask"), dict) and isinstance(data.get("decode"), list):
             return "constraint"
+        if isinstance(data.get("summary"), list) and all(
+                isinstance(r, dict) and {"memory", "threads", "way", "median_gbs"} <= r.keys() for r in data["summary"]):
+            return "read_roofline"
+        if isinstance(data.get("runs"), dict) and all(
+                isinstance(v, dict) and all(isinstance(x, list) for x in v.values()) for v in data["runs"].values()) \
+                and any("decode_read_gb_s" in r for v in data["runs"].values() for x in v.values() for r in x):
+            return "decode_roofline"
         if data and all(isinstance(v, list) and re.fullmatch(r"\S+ \S+", k) for k, v in data.items()) \
                 and any(isinstance(r, dict) and ("decode_tok_s" in r or "error" in r)
                         for v in data.values() for r in v):
@@ -557,6 +564,52 @@ def section_constraint(results: list[Result]) -> list[str]:
     return out
 
 
+def section_roofline(results: list[Result]) -> list[str]:
+    out = ["## Decode against the memory's read rate", "",
+           "A decoded token reads every active weight once, so decode is held to the rate the machine can "
+           "read memory at. First the read roofline: threads streaming a buffer far past the last-level "
+           "cache, the plain loop `python -m colibri bench --read-bandwidth` times and the best of the other "
+           "ways of reading (wide loads, several streams per thread, software prefetch), per kind of memory "
+           "(GB/s, medians). Then decode's own read rate (tokens/s x the bytes a token reads) against the "
+           "plain loop timed just before and after it.", ""]
+    roof = [r for r in results if r.shape == "read_roofline"]
+    dec = [r for r in results if r.shape == "decode_roofline"]
+    if not roof and not dec:
+        return out + ["No measurement yet: run `tools/bench/read_roofline.c` (its header says how) and "
+                      "`python -m colibri bench --read-bandwidth --json`.", ""]
+    for files in newest_by(roof, lambda r: ("roof",)).values():
+        for r in files:
+            cells = {}
+            for row in r.data["summary"]:
+                cells.setdefault((row["memory"], row["threads"]), {})[row["way"]] = row["median_gbs"]
+            rows = []
+            for (memory, threads), ways in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+                best = max((w for w in ways if w != "plain"), key=lambda w: ways[w], default=None)
+                rows.append([memory, str(threads), num(ways.get("plain"), 1),
+                             f"{num(ways[best], 1)} ({best})" if best else "–",
+                             ratio(ways[best], ways["plain"]) if best and ways.get("plain") else "–"])
+            out += table(["memory", "threads", "plain loop GB/s", "best other way GB/s", "best ÷ plain"],
+                         rows, "lrrrr")
+            if r.data.get("note"):
+                out += ["", r.data["note"]]
+            out += [""] + provenance([r]) + [""]
+    for files in newest_by(dec, lambda r: ("dec",)).values():
+        for r in files:
+            rows = []
+            for threads, formats in sorted(r.data["runs"].items()):
+                for fmt, runs in sorted(formats.items()):
+                    read = [x["decode_read_gb_s"] for x in runs]
+                    loop = [statistics.median(x["read_loop_gb_s"]) for x in runs if x.get("read_loop_gb_s")]
+                    tok = [x["decode_tok_s"] for x in runs if "decode_tok_s" in x]
+                    rows.append([fmt, threads.removeprefix("threads "), med(tok, 1), med(read, 1), med(loop, 1),
+                                 ratio(statistics.median(read), statistics.median(loop)) if loop else "–"])
+            out += [f"Model: {r.data.get('model', NOT_RECORDED)}.", ""]
+            out += table(["format", "threads", "decode tok/s", "decode reads GB/s", "read loop GB/s",
+                          "decode ÷ loop"], rows, "llrrrr")
+            out += [""] + provenance([r]) + [""]
+    return out
+
+
 def section_other(results: list[Result]) -> list[str]:
     other = [r for r in results if r.shape is None]
     older = [r for r in results if r.shape is not None]
@@ -598,7 +651,7 @@ How each benchmark is built and run: `tools/bench/README.md`.
 def render(results_dir: Path = RESULTS) -> str:
     results = load(results_dir)
     lines = [INTRO]
-    for section in (section_peers, section_long_context, section_memcap, section_serving,
+    for section in (section_peers, section_roofline, section_long_context, section_memcap, section_serving,
                     section_quality, section_constraint, section_other):
         lines += section(results)
     text = "\n".join(lines)
