@@ -274,9 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
                       help="store norm weights as int16 with a float scale (default: f32)")
     conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
-                      default=None, help="storage order of the experts' matrices: rows [out, in], transposed [in, out] or, "
-                                         "for int8/int4/mxfp4/bf16, interleaved (groups of 8 outputs, 4 inputs at a time) "
-                                         "(default: the faster for the format, quant.default_layout)")
+                      default=None, help="storage order of the experts' matrices: rows [out, in], transposed [in, out] or "
+                                         "interleaved (groups of 8 outputs, 4 inputs at a time); each format has some of "
+                                         "them (docs/format.md: nl4 and int6 only interleaved, mxfp4 no transposed, f32 "
+                                         "and f16 no interleaved) (default: the faster for the format)")
     conv.add_argument("--layout", choices=LAYOUT_CHOICES, default=None,
                       help="the same for the other weight matrices (attention, dense MLPs, lm_head, a tied "
                            "embedding); an untied embedding is always rows")

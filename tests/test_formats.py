@@ -93,3 +93,13 @@ def test_quant_packs_exactly_the_tables_pairs_in_its_bytes(fmt, layout):
     packed = quant.from_rows(stored, fmt, SHAPE[1], layout)
     assert packed.nbytes == FORMATS[fmt].nbytes(SHAPE) == storage_nbytes(fmt, SHAPE)
     np.testing.assert_array_equal(quant.to_rows(packed, fmt, *SHAPE, layout), stored)
+
+
+def test_the_format_page_lists_the_table():
+    """docs/format.md's table of layouts per format is the table's own (no drift)."""
+    import re
+    from pathlib import Path
+    page = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(\w+)` \| ((?:`\w+`(?:, )?)+) \|$", page, re.M))
+    listed = {name: tuple(re.findall(r"`(\w+)`", layouts)) for name, layouts in rows.items() if name in FORMATS}
+    assert listed == {name: fmt.layouts for name, fmt in FORMATS.items()}
