@@ -43,8 +43,8 @@ from .protocol import TOOL_NAME_PATTERN, Bool, Integer, Number, Text
 MAX_STOP_SEQUENCES = 64
 # Anthropic's error types by HTTP status
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 # chat-completions' names of the fields, as this API calls them (in errors)
 FIELD_NAMES = {"messages": "messages", "max_tokens": "max_tokens", "reasoning_effort": "thinking",
                "response_format": "output_config.format",

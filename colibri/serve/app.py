@@ -530,10 +530,12 @@ def create_app(served: Served):
             served.stepper.stop()
 
     async def http_error(request: Request, exc: HTTPException):
-        # routing's own errors (an unknown path: 404, a wrong method: 405) in OpenAI's shape too
+        # routing's own errors (an unknown path: 404, a wrong method: 405) in OpenAI's shape too,
+        # in Anthropic's under /v1/messages
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                     kind=kind).body(), status_code=exc.status_code, headers=exc.headers)
+        e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind)
+        shape = anthropic.error_body if request.url.path.startswith("/v1/messages") else APIError.body
+        return JSONResponse(shape(e), status_code=exc.status_code, headers=exc.headers)
 
     async def server_error(request: Request, exc: Exception):
         return JSONResponse(internal_error(exc).body(), status_code=500)      # uvicorn logs the traceback

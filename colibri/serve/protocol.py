@@ -70,12 +70,14 @@ def _json_string(v):
     return v
 
 
+# the Field before the validator: so /openapi.json documents the range as JSON Schema's minimum and
+# maximum (after a BeforeValidator it came out as pydantic's own "ge"/"le" keys, which say nothing)
 def Number(**range_):                  # noqa: N802 - a type
-    return Annotated[float, BeforeValidator(_json_number), Field(allow_inf_nan=False, **range_)]
+    return Annotated[float, Field(allow_inf_nan=False, **range_), BeforeValidator(_json_number)]
 
 
 def Integer(**range_):                 # noqa: N802 - a type
-    return Annotated[int, BeforeValidator(_json_integer), Field(**range_)]
+    return Annotated[int, Field(**range_), BeforeValidator(_json_integer)]
 
 
 Bool = Annotated[bool, BeforeValidator(_json_bool)]
@@ -240,7 +242,7 @@ class ChatCompletionRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[Text, Annotated[list[Integer(ge=0)], Field(min_length=1)], list[Text], list[list[int]]]
+    prompt: Union[Text, Annotated[list[Integer(ge=0)], Field(min_length=1)], list[Text], list[list[Integer()]]]
     max_tokens: Optional[Integer(ge=1)] = Field(None, description=f"default {COMPLETIONS_DEFAULT_MAX_TOKENS}")
     logprobs: Optional[Integer(ge=0, le=MAX_LOGPROBS)] = None
     echo: Optional[Bool] = None
