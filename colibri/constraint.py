@@ -431,7 +431,7 @@ class Constraint:
     def consume(self, token: int) -> None:
         """Advance by the chosen token and start computing the next mask (on the worker)."""
         token = int(token)
-        if not (self._validated == token or self.allows(token)):
+        if not self.allows(token):              # (a token allows() validated needs no mask)
             raise ColibriError(f"token {token} is not allowed by the {self.kind} constraint here "
                                f"(output so far: {self.text()[-80:]!r})")
         if not self._matcher.consume_token(token):      # a mask llguidance could not keep (it happens
