@@ -16,10 +16,11 @@ stretch, and only when this import is `python -m colibri` locating its main modu
 handler that prints the line and exits; cli.main() gives SIGINT its previous handler back
 (_end_startup_guard) first thing inside its try.
 """
+
 import os
 import sys
 
-_INTERRUPTED_LINE = "\n[INFO] Interrupted"           # as cli.main prints it
+_INTERRUPTED_LINE = "\n[INFO] Interrupted"  # as cli.main prints it
 _previous_sigint = None
 
 
@@ -49,9 +50,11 @@ def _signal_module():
     holds), else signal."""
     try:
         import _signal
+
         return _signal
     except ImportError:  # pragma: no cover - an interpreter without the built-in
         import signal
+
         return signal
 
 
@@ -67,7 +70,7 @@ def _end_startup_guard() -> None:
 
 if _located_by_python_m():
     _sig = _signal_module()
-    if _sig.getsignal(_sig.SIGINT) is _sig.default_int_handler:     # not where SIGINT is ignored
+    if _sig.getsignal(_sig.SIGINT) is _sig.default_int_handler:  # not where SIGINT is ignored
         _previous_sigint = _sig.signal(_sig.SIGINT, _interrupted_at_startup)
     del _sig
 
@@ -80,14 +83,15 @@ __version__ = "0.1.0"
 __all__ = ["load", "Model", "ModelConfig", "ColibriError", "__version__"]
 
 _LAZY = {"load": ".model", "Model": ".model", "ModelConfig": ".config"}
-_COMPILED = ("_engine", "_kernels", "_routing")      # setup.py's Cython extensions
+_COMPILED = ("_engine", "_kernels", "_routing")  # setup.py's Cython extensions
 
 _missing = [name for name in _COMPILED if _find_spec(f"{__name__}.{name}") is None]
 if _missing:  # pragma: no cover - depends on the build
     raise ImportError(
         "Colibri's compiled modules are not built. Install the package with `pip install .` (or, in a "
         "source tree, `pip install -e .`: it compiles the Cython extensions; needs a C compiler). "
-        f"(missing: {', '.join(f'{__name__}.{n}' for n in _missing)})")
+        f"(missing: {', '.join(f'{__name__}.{n}' for n in _missing)})"
+    )
 
 
 def __getattr__(name):
@@ -96,7 +100,7 @@ def __getattr__(name):
         globals()[name] = value
         return value
     if not name.startswith("__") and _find_spec(f"{__name__}.{name}") is not None:
-        return _import_module(f".{name}", __name__)         # `import colibri; colibri.modeldir.ModelDir`
+        return _import_module(f".{name}", __name__)  # `import colibri; colibri.modeldir.ModelDir`
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

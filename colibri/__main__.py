@@ -4,6 +4,7 @@ The package's __init__ guards SIGINT from its first line when `python -m colibri
 cli.main() ends that guard inside its own KeyboardInterrupt handling. The except below covers
 a start that did not go through `python -m` (runpy.run_module, a frozen launcher).
 """
+
 import sys
 
 # A directory named `colibri` in the current directory that is not the package (a clone's root,
@@ -12,8 +13,11 @@ import sys
 _package = sys.modules.get(__package__ or "colibri")
 if _package is not None and getattr(_package, "__file__", None) is None:
     _where = ", ".join(str(p) for p in getattr(_package, "__path__", []))
-    print(f"error: 'colibri' resolves to the directory {_where}, which is not the installed package (it shadows "
-          f"it); run python -m colibri from another directory, or rename that directory", file=sys.stderr)
+    print(
+        f"error: 'colibri' resolves to the directory {_where}, which is not the installed package (it shadows "
+        f"it); run python -m colibri from another directory, or rename that directory",
+        file=sys.stderr,
+    )
     raise SystemExit(2)
 
 try:

@@ -21,6 +21,7 @@ stop string, so its tokens are those generate() gives for it alone: no kernel's 
 depends on the tokens beside it (tests/test_batching.py holds the logits to the same bits). A
 step returns its events, (sequence, token, pick, text).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,19 +38,19 @@ class Sequence:
     def __init__(self, prompt: np.ndarray, max_new_tokens: int, sampler, eos: set, record, text):
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         self.sampler, self.eos, self.record, self.text = sampler, eos, record, text
-        self.slot = None                 # its sequence in the model's KV cache, once placed
-        self.fed = 0                     # prompt tokens in its cache
-        self.pos = 0                     # the position of `pending`
-        self.pending = None              # the sampled token not yet run through the model
+        self.slot = None  # its sequence in the model's KV cache, once placed
+        self.fed = 0  # prompt tokens in its cache
+        self.pos = 0  # the position of `pending`
+        self.pending = None  # the sampled token not yet run through the model
         self.done = False
-        self.error = None                # what ended it, if its sampling or text failed
+        self.error = None  # what ended it, if its sampling or text failed
 
     def _take(self, logits: np.ndarray) -> tuple:
         """Sample the next token from logits [vocab]; (token, pick), `done` set at EOS or length."""
         pick = self.sampler.pick(logits)
         self.record.tokens.append(pick.token)
         self.record.picks.append(pick)
-        if pick.token in self.eos or self.sampler.finished:      # finished: its constraint's EOS
+        if pick.token in self.eos or self.sampler.finished:  # finished: its constraint's EOS
             self.record.finish_reason = "stop"
             self.done = True
         elif len(self.record.tokens) >= self.max_new_tokens:
@@ -65,8 +66,9 @@ class Batch:
     One thread drives a Batch (the server's Stepper): it is not safe to share between threads."""
 
     def __init__(self, model, step_tokens: int | None = None):
-        if step_tokens is not None and (isinstance(step_tokens, bool) or not isinstance(step_tokens, int)
-                                        or step_tokens < 1):
+        if step_tokens is not None and (
+            isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1
+        ):
             raise ColibriError(f"step_tokens must be a positive integer, got {step_tokens!r}")
         self.model = model
         self.step_tokens = min(step_tokens or DEFAULT_STEP_TOKENS, model._chunk)
@@ -74,13 +76,13 @@ class Batch:
         self._hold.__enter__()
         try:
             model._begin()
-        except BaseException:            # a closed Model: give it back
+        except BaseException:  # a closed Model: give it back
             self._hold.__exit__(None, None, None)
             raise
-        self._free = list(range(model.parallel))      # places in the KV cache, least recently used first
-        self._waiting = []                            # added, not placed yet
-        self._prefilling = []                         # placed, prompt partly run
-        self._decoding = []                           # prompt run, a token pending
+        self._free = list(range(model.parallel))  # places in the KV cache, least recently used first
+        self._waiting = []  # added, not placed yet
+        self._prefilling = []  # placed, prompt partly run
+        self._decoding = []  # prompt run, a token pending
         self._closed = False
 
     @property
@@ -93,11 +95,29 @@ class Batch:
         """How many more sequences add() takes now."""
         return len(self._free) - len(self._waiting)
 
-    def add(self, ids, max_new_tokens: int = 64, *, stop=None, skip_special_tokens: bool = True,
-            temperature=None, top_k=None, top_p=None, seed: int | None = 0, stop_at_eos: bool = True, min_p=None,
-            repetition_penalty=None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-            logprobs=None, json_schema=None, grammar=None, regex=None, json_object: bool = False,
-            logit_bias=None) -> Sequence:
+    def add(
+        self,
+        ids,
+        max_new_tokens: int = 64,
+        *,
+        stop=None,
+        skip_special_tokens: bool = True,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+        seed: int | None = 0,
+        stop_at_eos: bool = True,
+        min_p=None,
+        repetition_penalty=None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs=None,
+        json_schema=None,
+        grammar=None,
+        regex=None,
+        json_object: bool = False,
+        logit_bias=None,
+    ) -> Sequence:
         """A new sequence for prompt `ids` (token ids), with generate()'s settings and checks
         (seed=None and at most one of json_schema / json_object / grammar / regex included) and
         stream_tokens()' stop strings; it starts at the next step(). ColibriError when all
@@ -107,10 +127,24 @@ class Batch:
         if self.room < 1:
             raise ColibriError(f"all {m.parallel} sequences of this model are running (load it with a larger parallel)")
         prompt, sampler, eos, record = m._prepare_generation(
-            ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop_at_eos=stop_at_eos, min_p=min_p, repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logprobs=logprobs,
-            json_schema=json_schema, grammar=grammar, regex=regex, json_object=json_object, logit_bias=logit_bias)
+            ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_at_eos=stop_at_eos,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logprobs=logprobs,
+            json_schema=json_schema,
+            grammar=grammar,
+            regex=regex,
+            json_object=json_object,
+            logit_bias=logit_bias,
+        )
         stops = m._stop_strings(stop)
         if stops.stops:
             m._need_tokenizer()
@@ -132,7 +166,7 @@ class Batch:
         Nothing to run: []."""
         self._check_open()
         m = self.model
-        for seq in self._waiting:                     # every waiting sequence has a place by now
+        for seq in self._waiting:  # every waiting sequence has a place by now
             self._place(seq)
         self._prefilling += self._waiting
         self._waiting = []
@@ -142,22 +176,23 @@ class Batch:
             if quota < 1:
                 break
             k = min(quota, len(seq.prompt) - seq.fed)
-            parts.append((seq, seq.prompt[seq.fed:seq.fed + k], seq.fed, seq.fed + k == len(seq.prompt)))
+            parts.append((seq, seq.prompt[seq.fed : seq.fed + k], seq.fed, seq.fed + k == len(seq.prompt)))
             quota -= k
         if not parts:
             return []
         tokens = np.concatenate([p[1] for p in parts]).astype(np.int32)
         slots = np.concatenate([np.full(len(p[1]), p[0].slot, np.int32) for p in parts])
         positions = np.concatenate([np.arange(p[2], p[2] + len(p[1]), dtype=np.int32) for p in parts])
-        want = np.concatenate([np.arange(len(p[1])) == len(p[1]) - 1 if p[3] else np.zeros(len(p[1]), bool)
-                               for p in parts]).astype(np.uint8)
+        want = np.concatenate(
+            [np.arange(len(p[1])) == len(p[1]) - 1 if p[3] else np.zeros(len(p[1]), bool) for p in parts]
+        ).astype(np.uint8)
         logits = np.empty((max(int(want.sum()), 1), m.config.vocab_size), np.float32)
         m._step(tokens, slots, positions, logits, want)
         events, row = [], 0
         for seq, piece, start, last in parts:
-            if seq.pending is not None:               # a decoding sequence's token
+            if seq.pending is not None:  # a decoding sequence's token
                 seq.pos += 1
-            else:                                     # a prompt's piece
+            else:  # a prompt's piece
                 seq.fed = start + len(piece)
                 if not last:
                     continue
@@ -165,7 +200,7 @@ class Batch:
                 seq.pos = len(seq.prompt)
             try:
                 events.append(self._emit(seq, logits[row]))
-            except Exception as e:       # noqa: BLE001 - this sequence alone ends, with its error
+            except Exception as e:  # noqa: BLE001 - this sequence alone ends, with its error
                 seq.error = e
                 self._finish(seq)
                 events.append((seq, None, None, ""))

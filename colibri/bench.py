@@ -35,6 +35,7 @@ eviction) `memory` reports what the expert cache did over the measured repetitio
 from storage per token (prompt and generated), its hit rate, prefetch hit rate and evictions,
 and the enforcing cgroup's peak usage (page cache included) where the OS says.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,21 +56,22 @@ METRICS = (  # key, label, unit, format
     ("decode_p99_over_p50", "decode P99 / P50", "", "{:.2f}"),
     ("decode_read_gb_s", "decode memory read", "GB/s", "{:.1f}"),
 )
-READ_LOOP_MIN_BYTES = 512 << 20     # the read loop's buffer: at least this, and 4 x the last-level cache
-DECODE_BYTES_WIDTH = 22             # the table's middle column
+READ_LOOP_MIN_BYTES = 512 << 20  # the read loop's buffer: at least this, and 4 x the last-level cache
+DECODE_BYTES_WIDTH = 22  # the table's middle column
 READ_LOOP_PASSES = 5
 
 
 def last_level_cache_bytes() -> int | None:
     """The largest CPU cache the OS reports (Linux sysfs: cpu0's highest index), or None."""
     from pathlib import Path
+
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
             text = f.read_text().strip()
             mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
             sizes.append(int(text.rstrip("KMG")) * mult)
-        except (OSError, ValueError):          # an unreadable or odd entry: that size unknown
+        except (OSError, ValueError):  # an unreadable or odd entry: that size unknown
             pass
     return max(sizes) if sizes else None
 
@@ -80,14 +82,19 @@ def read_bandwidth_apart(threads: int, nbytes: int | None = None) -> float:
     import subprocess
     from pathlib import Path
 
-    root = str(Path(__file__).resolve().parent.parent)          # where this colibri is imported from
-    code = (f"import sys; sys.path.insert(0, {root!r}); from colibri.bench import read_bandwidth; "
-            f"print(read_bandwidth({int(threads)}, {nbytes!r}))")
+    root = str(Path(__file__).resolve().parent.parent)  # where this colibri is imported from
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); from colibri.bench import read_bandwidth; "
+        f"print(read_bandwidth({int(threads)}, {nbytes!r}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        why = (f"killed by signal {-done.returncode} (out of memory?)" if done.returncode < 0
-               else (done.stderr.strip().splitlines() or [f"exit status {done.returncode}, no message"])[-1])
+        why = (
+            f"killed by signal {-done.returncode} (out of memory?)"
+            if done.returncode < 0
+            else (done.stderr.strip().splitlines() or [f"exit status {done.returncode}, no message"])[-1]
+        )
         raise ColibriError(f"the read-bandwidth loop (--read-bandwidth) failed: {why}")
     return float(lines[-1])
 
@@ -114,7 +121,7 @@ def read_bandwidth(threads: int, nbytes: int | None = None) -> float:
 def peak_rss_bytes():
     try:
         import resource
-    except ImportError:          # Windows
+    except ImportError:  # Windows
         return None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024
@@ -139,8 +146,11 @@ def one_repetition(model, prompt, gen: int, decode_bytes: float) -> dict:
         "ttft_ms": gaps[0] * 1000,
         "decode_p50_ms": float(np.percentile(decode, 50)) if decode else None,
         "decode_p99_ms": float(np.percentile(decode, 99)) if decode else None,
-        "decode_p99_over_p50": (float(np.percentile(decode, 99) / np.percentile(decode, 50))
-                                if decode and np.percentile(decode, 50) > 0 else None),
+        "decode_p99_over_p50": (
+            float(np.percentile(decode, 99) / np.percentile(decode, 50))
+            if decode and np.percentile(decode, 50) > 0
+            else None
+        ),
     }
 
 
@@ -152,8 +162,16 @@ def summarize(values: list) -> dict:
     return {"median": float(np.median(vals)), "min": min(vals), "max": max(vals), "values": values}
 
 
-def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, threads=None, n_ctx=None,
-          read_bandwidth_too: bool = False, **load_options) -> dict:
+def bench(
+    model_dir,
+    prompt_len: int = 128,
+    gen: int = 64,
+    repeat: int = 5,
+    threads=None,
+    n_ctx=None,
+    read_bandwidth_too: bool = False,
+    **load_options,
+) -> dict:
     """Run the benchmark; return the result as a JSON-ready dict. read_bandwidth_too: time the read
     loop before and after the repetitions. load_options: colibri.load's memory_limit_mb,
     expert_cache_mb, prefetch, eviction, kv_cache, bf16_products, prefill_chunk."""
@@ -161,26 +179,29 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
     from .model import DEFAULT_MAX_CONTEXT, load
     from .modeldir import ModelDir
 
-    max_pos = ModelDir(model_dir).config.max_position_embeddings        # validates the directory
+    max_pos = ModelDir(model_dir).config.max_position_embeddings  # validates the directory
     need = prompt_len + gen
     if need > max_pos:
-        raise ColibriError(f"--prompt-len {prompt_len} + --gen {gen} exceeds the model's "
-                           f"max_position_embeddings {max_pos}")
-    read_loop = []              # before the load: its buffer would push the model out of the caches
+        raise ColibriError(
+            f"--prompt-len {prompt_len} + --gen {gen} exceeds the model's max_position_embeddings {max_pos}"
+        )
+    read_loop = []  # before the load: its buffer would push the model out of the caches
     if read_bandwidth_too:
         read_loop.append(read_bandwidth_apart(_os.compute_cores() if threads is None else threads))
     t0 = time.perf_counter()
-    model = load(model_dir, threads=threads, n_ctx=n_ctx or max(need, min(max_pos, DEFAULT_MAX_CONTEXT)),
-                 **load_options)
+    model = load(
+        model_dir, threads=threads, n_ctx=n_ctx or max(need, min(max_pos, DEFAULT_MAX_CONTEXT)), **load_options
+    )
     load_s = time.perf_counter() - t0
     with model:
         prompt = np.random.default_rng(PROMPT_SEED).integers(0, model.config.vocab_size, prompt_len)
         # the decode passes run the tokens at positions prompt_len .. prompt_len + gen - 2
-        per_position = [model.decode_bytes(p) for p in range(prompt_len, min(prompt_len + gen - 1, model.n_ctx))] \
-            or [model.decode_bytes(min(prompt_len, model.n_ctx - 1))]
+        per_position = [model.decode_bytes(p) for p in range(prompt_len, min(prompt_len + gen - 1, model.n_ctx))] or [
+            model.decode_bytes(min(prompt_len, model.n_ctx - 1))
+        ]
         decode_bytes = {part: float(np.mean([b[part] for b in per_position])) for part in ("weights", "kv_cache")}
         per_token = sum(decode_bytes.values())
-        one_repetition(model, prompt, gen, per_token)                       # warm-up, discarded
+        one_repetition(model, prompt, gen, per_token)  # warm-up, discarded
         before = model.memory_stats()
         runs = [one_repetition(model, prompt, gen, per_token) for _ in range(repeat)]
         after = model.memory_stats()
@@ -188,28 +209,46 @@ def bench(model_dir, prompt_len: int = 128, gen: int = 64, repeat: int = 5, thre
             read_loop.append(read_bandwidth_apart(model.threads))
         c = model.config
         tokens = repeat * (prompt_len + gen)
-        read = (None if after["bytes_read_from_storage"] is None
-                else after["bytes_read_from_storage"] - before["bytes_read_from_storage"])
+        read = (
+            None
+            if after["bytes_read_from_storage"] is None
+            else after["bytes_read_from_storage"] - before["bytes_read_from_storage"]
+        )
         uses = (after["cache_hits"] + after["cache_misses"]) - (before["cache_hits"] + before["cache_misses"])
         prefetches = after["prefetches"] - before["prefetches"]
         memory = {
-            "memory_limit_bytes": after["memory_limit_bytes"], "memory_limit_source": after["memory_limit_source"],
-            "expert_budget_bytes": after["expert_budget_bytes"], "prefetch": model.prefetch,
+            "memory_limit_bytes": after["memory_limit_bytes"],
+            "memory_limit_source": after["memory_limit_source"],
+            "expert_budget_bytes": after["expert_budget_bytes"],
+            "prefetch": model.prefetch,
             "bytes_read_per_token": None if read is None else read / tokens,
             "cache_hit_rate": (after["cache_hits"] - before["cache_hits"]) / uses if uses else None,
-            "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / prefetches if prefetches else None,
+            "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / prefetches
+            if prefetches
+            else None,
             "evictions": after["experts_released"] - before["experts_released"],
             "major_page_faults": after["major_page_faults"] - before["major_page_faults"],
-            "cgroup_peak_bytes": None if read_bandwidth_too else _os.memory_usage()[1],   # the loop's buffer is in it
+            "cgroup_peak_bytes": None if read_bandwidth_too else _os.memory_usage()[1],  # the loop's buffer is in it
         }
         return {
-            "engine": "colibri", "model_dir": str(model_dir), "architecture": c.architecture,
-            "weight_dtype": model.weight_dtype, "kv_cache": load_options.get("kv_cache", "f32"),
-            "bf16_products": model.bf16_products, "threads": model.threads, "prefill_chunk": model.prefill_chunk,
-            "isa": _kernels.isa(), "int_step": _kernels.int_step(),
-            "prompt_len": prompt_len, "gen": gen, "repeat": repeat,
-            "load_seconds": load_s, "peak_rss_bytes": peak_rss_bytes(), "memory": memory,
-            "decode_bytes": decode_bytes, "read_loop_gb_s": read_loop if read_bandwidth_too else None,
+            "engine": "colibri",
+            "model_dir": str(model_dir),
+            "architecture": c.architecture,
+            "weight_dtype": model.weight_dtype,
+            "kv_cache": load_options.get("kv_cache", "f32"),
+            "bf16_products": model.bf16_products,
+            "threads": model.threads,
+            "prefill_chunk": model.prefill_chunk,
+            "isa": _kernels.isa(),
+            "int_step": _kernels.int_step(),
+            "prompt_len": prompt_len,
+            "gen": gen,
+            "repeat": repeat,
+            "load_seconds": load_s,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "memory": memory,
+            "decode_bytes": decode_bytes,
+            "read_loop_gb_s": read_loop if read_bandwidth_too else None,
             **{key: summarize([r[key] for r in runs]) for key, *_ in METRICS},
         }
 
@@ -218,11 +257,13 @@ def format_table(r: dict) -> str:
     def fmt(fmtstr, v):
         return "n/a" if v is None else fmtstr.format(v)
 
-    lines = [f"colibri bench: {r['model_dir']} ({r['architecture']}, {r['weight_dtype']}), "
-             f"{r['threads']} threads, prompt {r['prompt_len']} tokens, {r['gen']} generated, "
-             f"{r['repeat']} repetitions after 1 warm-up; kernels {r['isa']} (int step {r['int_step']}), "
-             f"prefill chunk {r['prefill_chunk']}",
-             f"{'':<22}{'median':>12}  {'min – max':<22}"]
+    lines = [
+        f"colibri bench: {r['model_dir']} ({r['architecture']}, {r['weight_dtype']}), "
+        f"{r['threads']} threads, prompt {r['prompt_len']} tokens, {r['gen']} generated, "
+        f"{r['repeat']} repetitions after 1 warm-up; kernels {r['isa']} (int step {r['int_step']}), "
+        f"prefill chunk {r['prefill_chunk']}",
+        f"{'':<22}{'median':>12}  {'min – max':<22}",
+    ]
     for key, label, unit, f in METRICS:
         s = r[key]
         span = "" if s["min"] is None else f"{fmt(f, s['min'])} – {fmt(f, s['max'])}"
@@ -232,8 +273,9 @@ def format_table(r: dict) -> str:
     lines.append(f"{'decode reads a token':<22}{sum(b.values()) / 1e6:>12.1f}  {parts:<{DECODE_BYTES_WIDTH}}MB")
     loop, rate = r["read_loop_gb_s"], r["decode_read_gb_s"]["median"]
     if loop:
-        lines.append(f"{'read loop':<22}{float(np.median(loop)):>12.1f}  "
-                     f"{' then '.join(f'{v:.1f}' for v in loop):<22}GB/s")
+        lines.append(
+            f"{'read loop':<22}{float(np.median(loop)):>12.1f}  {' then '.join(f'{v:.1f}' for v in loop):<22}GB/s"
+        )
         if rate:
             lines.append(f"{'decode / read loop':<22}{100 * rate / float(np.median(loop)):>12.0f}  {'':<22}%")
     lines.append(f"{'load':<22}{r['load_seconds'] * 1000:>12.0f}  {'':<22}ms")
@@ -252,10 +294,21 @@ def format_table(r: dict) -> str:
 
 
 def run_bench(args) -> int:
-    r = bench(args.model_dir, prompt_len=args.prompt_len, gen=args.gen, repeat=args.repeat, threads=args.threads,
-              n_ctx=args.n_ctx, memory_limit_mb=args.memory_limit_mb, expert_cache_mb=args.expert_cache_mb,
-              prefetch=args.prefetch, eviction=args.eviction, kv_cache=args.kv_cache,
-              bf16_products=args.bf16_products, prefill_chunk=args.prefill_chunk,
-              read_bandwidth_too=args.read_bandwidth)
+    r = bench(
+        args.model_dir,
+        prompt_len=args.prompt_len,
+        gen=args.gen,
+        repeat=args.repeat,
+        threads=args.threads,
+        n_ctx=args.n_ctx,
+        memory_limit_mb=args.memory_limit_mb,
+        expert_cache_mb=args.expert_cache_mb,
+        prefetch=args.prefetch,
+        eviction=args.eviction,
+        kv_cache=args.kv_cache,
+        bf16_products=args.bf16_products,
+        prefill_chunk=args.prefill_chunk,
+        read_bandwidth_too=args.read_bandwidth,
+    )
     print(json.dumps(r) if args.json else format_table(r))
     return 0

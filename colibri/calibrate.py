@@ -33,6 +33,7 @@ an input several matrices multiply: input_owner) and "meta" (JSON: the
 model directory, its architecture, tokens, ctx, second_moments). Tensor names are Colibri's, the
 names `convert` writes for the same architecture, whatever the format of the calibrated directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,9 +45,9 @@ import numpy as np
 from .errors import ColibriError
 
 FORMAT = "colibri-importance-1"
-MIN_TOKENS = 16           # fewer tokens than this give no statistics worth the name
+MIN_TOKENS = 16  # fewer tokens than this give no statistics worth the name
 SECOND_MOMENTS = ("auto", "diag", "dense", "all")
-SECOND_MOMENT_BUDGET_MB = 4096      # "auto": the most float64 accumulators it collects before "diag"
+SECOND_MOMENT_BUDGET_MB = 4096  # "auto": the most float64 accumulators it collects before "diag"
 
 
 def is_routed_expert(name: str) -> bool:
@@ -64,7 +65,7 @@ def input_owner(name: str) -> str:
     """The tensor whose second moment stands for `name`'s (itself, or its layer's wq / its FFN's gate)."""
     for suffix, owner in SAME_INPUT:
         if name.endswith(suffix):
-            return name[:-len(suffix)] + owner
+            return name[: -len(suffix)] + owner
     return name
 
 
@@ -77,31 +78,45 @@ def second_moment_names(shapes: dict, mode: str, log=None) -> tuple:
         raise ColibriError(f"--second-moments must be one of {', '.join(SECOND_MOMENTS)}, got {mode!r}")
     if mode == "diag":
         return frozenset(), mode
-    owners = [n for n in shapes if (mode == "all" or not is_routed_expert(n))
-              and (input_owner(n) == n or input_owner(n) not in shapes)]
+    owners = [
+        n
+        for n in shapes
+        if (mode == "all" or not is_routed_expert(n)) and (input_owner(n) == n or input_owner(n) not in shapes)
+    ]
     if mode != "auto":
         return frozenset(owners), mode
     owners.sort(key=lambda n: (n not in HEAD_NAMES, shapes[n][1], n))
     chosen, mb = [], 0.0
     for n in owners:
-        size = shapes[n][1] ** 2 * 8 / 2 ** 20
+        size = shapes[n][1] ** 2 * 8 / 2**20
         if mb + size > SECOND_MOMENT_BUDGET_MB:
             break
         chosen.append(n)
         mb += size
     if len(chosen) < len(owners) and log:
-        log(f"[INFO] whole second moments for {len(chosen)} of the {len(owners)} inputs outside the experts "
+        log(
+            f"[INFO] whole second moments for {len(chosen)} of the {len(owners)} inputs outside the experts "
             f"({mb:.0f} MB of sums; the rest would pass {SECOND_MOMENT_BUDGET_MB} MB and keep their mean squares: "
-            "--second-moments dense collects them all)")
+            "--second-moments dense collects them all)"
+        )
     return frozenset(chosen), "dense" if chosen else "diag"
 
 
-def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = None, threads: int | None = None,
-              progress=None, second_moments: str = "auto", log=None) -> dict:
+def calibrate(
+    model_dir,
+    text: str,
+    ctx: int = 512,
+    max_tokens: int | None = None,
+    threads: int | None = None,
+    progress=None,
+    second_moments: str = "auto",
+    log=None,
+) -> dict:
     """{"tensors": {tensor name: (mean_sq float32 [cols], tokens seen)}, "grams": {tensor name: mean
     of x x^T float32 [cols, cols]}, "meta": {...}} over `text` run through `model_dir`."""
     from .evaluate import MIN_CTX, chunks_of
     from .model import load
+
     if second_moments not in SECOND_MOMENTS:
         raise ColibriError(f"--second-moments must be one of {', '.join(SECOND_MOMENTS)}, got {second_moments!r}")
     resolved = [second_moments]
@@ -109,11 +124,14 @@ def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = Non
     def choose(shapes):
         names, resolved[0] = second_moment_names(shapes, second_moments, log)
         return names
+
     model = load(model_dir, threads=threads, capture_inputs=True, second_moments=choose)
     try:
         if model.tokenizer is None:
-            raise ColibriError(f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): calibrate needs "
-                               "one to tokenize the text")
+            raise ColibriError(
+                f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): calibrate needs "
+                "one to tokenize the text"
+            )
         if not isinstance(ctx, int) or isinstance(ctx, bool) or not MIN_CTX <= ctx <= model.n_ctx:
             raise ColibriError(f"--ctx must be in {MIN_CTX}..{model.n_ctx}, got {ctx!r}")
         ids = model.tokenizer.encode(text, add_special_tokens=False)
@@ -128,9 +146,17 @@ def calibrate(model_dir, text: str, ctx: int = 512, max_tokens: int | None = Non
             model.forward(chunk)
             if progress:
                 progress(i + 1, len(chunks))
-        return {"tensors": summarize(model.input_stats), "grams": summarize_grams(model.input_grams, model.input_stats),
-                "meta": {"model_dir": str(model.path), "architecture": model.config.architecture,
-                         "tokens": sum(len(c) for c in chunks), "ctx": ctx, "second_moments": resolved[0]}}
+        return {
+            "tensors": summarize(model.input_stats),
+            "grams": summarize_grams(model.input_grams, model.input_stats),
+            "meta": {
+                "model_dir": str(model.path),
+                "architecture": model.config.architecture,
+                "tokens": sum(len(c) for c in chunks),
+                "ctx": ctx,
+                "second_moments": resolved[0],
+            },
+        }
     finally:
         model.close()
 
@@ -192,21 +218,30 @@ def load_importance(path) -> dict:
             for key in sorted(files):
                 if not key.startswith("mean_sq/"):
                     continue
-                name = key[len("mean_sq/"):]
+                name = key[len("mean_sq/") :]
                 v, count = z[key], z.get(f"count/{name}")
                 if count is None or v.ndim != 1 or v.dtype != np.float32 or not np.isfinite(v).all() or (v < 0).any():
-                    raise ColibriError(f"{path}: the statistics of {name} are damaged (need float32 [cols], finite, "
-                                       ">= 0, and its count)")
+                    raise ColibriError(
+                        f"{path}: the statistics of {name} are damaged (need float32 [cols], finite, "
+                        ">= 0, and its count)"
+                    )
                 if int(count) <= 0:
                     continue
                 out[name] = v
                 owner = input_owner(name)
                 if f"gram/{owner}" in files:
                     g = z[f"gram/{owner}"]
-                    if (g.dtype != np.float32 or g.shape != (v.size, v.size) or not np.isfinite(g).all()
-                            or (np.diagonal(g) < 0).any() or not np.array_equal(g, g.T)):
-                        raise ColibriError(f"{path}: the second moment of {name} is damaged (need float32 "
-                                           f"[{v.size}, {v.size}], finite, symmetric, a diagonal >= 0)")
+                    if (
+                        g.dtype != np.float32
+                        or g.shape != (v.size, v.size)
+                        or not np.isfinite(g).all()
+                        or (np.diagonal(g) < 0).any()
+                        or not np.array_equal(g, g.T)
+                    ):
+                        raise ColibriError(
+                            f"{path}: the second moment of {name} is damaged (need float32 "
+                            f"[{v.size}, {v.size}], finite, symmetric, a diagonal >= 0)"
+                        )
                     out[name] = g
             return out
     except ColibriError:

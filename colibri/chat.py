@@ -19,6 +19,7 @@ Where the template comes from, first found wins (transformers' order): chat_temp
 chat_template.json's "chat_template", tokenizer_config.json's "chat_template" (a string, or a
 list of named templates: "tool_use" when tools are given, else "default").
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,6 +46,7 @@ def _environment():
 
     class GenerationTag(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks assistant spans with it)."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -88,11 +90,13 @@ def _environment():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
-                       namespace=Namespace)
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=Namespace
+    )
     return env
 
 
@@ -102,16 +106,23 @@ def check_messages(messages) -> list:
         raise ColibriError(f"messages must be a list of messages ({ROLES_HINT}), got {type(messages).__name__}")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m and "tool_calls" not in m:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or "content" not in m
+            and "tool_calls" not in m
+        ):
             raise ColibriError(f"messages[{i}] is {_short(m)}: {ROLES_HINT}")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise ColibriError(f"messages[{i}]['content'] must be a string or a list of parts, "
-                               f"got {type(content).__name__}")
+            raise ColibriError(
+                f"messages[{i}]['content'] must be a string or a list of parts, got {type(content).__name__}"
+            )
         calls = m.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-            raise ColibriError(f"messages[{i}]['tool_calls'] must be a list of tool calls (objects), "
-                               f"got {_short(calls)}")
+            raise ColibriError(
+                f"messages[{i}]['tool_calls'] must be a list of tool calls (objects), got {_short(calls)}"
+            )
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -130,26 +141,44 @@ def _short(value) -> str:
 # conversations, what it does with each shape; render() then hands it the shapes it handles.
 
 _PROBE_USER = {"role": "user", "content": "Probe question"}
-_PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "probe_tool", "description": "A probe tool",
-    "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "A place"}},
-                   "required": ["location"]}}}]
-_PROBE_ARGUMENTS = {"argument_needle": "needle value"}   # names the tool schema above does not use
-_PROBE_CALL_ID = "probecall"                  # 9 letters and digits: the only ids Mistral's templates accept
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe_tool",
+            "description": "A probe tool",
+            "parameters": {
+                "type": "object",
+                "properties": {"location": {"type": "string", "description": "A place"}},
+                "required": ["location"],
+            },
+        },
+    }
+]
+_PROBE_ARGUMENTS = {"argument_needle": "needle value"}  # names the tool schema above does not use
+_PROBE_CALL_ID = "probecall"  # 9 letters and digits: the only ids Mistral's templates accept
 _OPENAI_CALL_ID = "call_probe_1"
-_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")   # Qwen3, GLM; gpt-oss; Gemma 4 (and vLLM)
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")  # Qwen3, GLM; gpt-oss; Gemma 4 (and vLLM)
 _MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 def _probe_call(arguments, call_id: str = _PROBE_CALL_ID, **fields) -> dict:
-    return {"role": "assistant", **fields, "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        **fields,
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}],
+    }
 
 
 def _shows_arguments(text) -> bool:
     """The probe's arguments are in the text, neither encoded twice (\\"key\\") nor as a Python dict ('key')."""
-    return (text is not None and "argument_needle" in text and "needle value" in text
-            and '\\"argument_needle' not in text and "'argument_needle'" not in text)
+    return (
+        text is not None
+        and "argument_needle" in text
+        and "needle value" in text
+        and '\\"argument_needle' not in text
+        and "'argument_needle'" not in text
+    )
 
 
 class _TemplateProbe:
@@ -163,8 +192,9 @@ class _TemplateProbe:
     def _render(self, messages, tools=None):
         """The text, or None where the template refuses or fails: a probe never raises."""
         try:
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=False, **self._special_tokens)
+            return self._template.render(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=False, **self._special_tokens
+            )
         except Exception:
             return None
 
@@ -174,7 +204,7 @@ class _TemplateProbe:
 
     @cached_property
     def arguments_form(self):
-        """"object" where the template renders an object's keys, else "string" where it renders a JSON
+        """ "object" where the template renders an object's keys, else "string" where it renders a JSON
         string as it is, else None: it renders no tool calls."""
         as_object = self._render([_PROBE_USER, _probe_call(dict(_PROBE_ARGUMENTS), content="")], _PROBE_TOOLS)
         if _shows_arguments(as_object):
@@ -185,16 +215,21 @@ class _TemplateProbe:
     @cached_property
     def needs_content(self) -> bool:
         """A message without content fails where one with content "" renders (Qwen: `message.content + ...`)."""
-        if (self._render([_PROBE_USER, {"role": "assistant"}]) is None
-                and self._render([_PROBE_USER, {"role": "assistant", "content": ""}]) is not None):
+        if (
+            self._render([_PROBE_USER, {"role": "assistant"}]) is None
+            and self._render([_PROBE_USER, {"role": "assistant", "content": ""}]) is not None
+        ):
             return True
         return self.arguments_form is not None and not self._renders_call() and self._renders_call(content="")
 
     @cached_property
     def needs_short_call_ids(self) -> bool:
         """Tool-call ids must be 9 letters or digits (Mistral's templates refuse OpenAI's `call_...`)."""
-        return (self.arguments_form is not None and self._renders_call(content="")
-                and not self._renders_call(_OPENAI_CALL_ID, content=""))
+        return (
+            self.arguments_form is not None
+            and self._renders_call(content="")
+            and not self._renders_call(_OPENAI_CALL_ID, content="")
+        )
 
     @cached_property
     def knows_developer(self) -> bool:
@@ -214,23 +249,26 @@ class _TemplateProbe:
             call = _probe_call(_arguments_as(dict(_PROBE_ARGUMENTS), self.arguments_form), content="")
         else:
             call = {"role": "assistant", "content": "Probe call"}
-        text = self._render([_PROBE_USER, call, {"role": "tool", "tool_call_id": _PROBE_CALL_ID, "content": result}],
-                            _PROBE_TOOLS)
+        text = self._render(
+            [_PROBE_USER, call, {"role": "tool", "tool_call_id": _PROBE_CALL_ID, "content": result}], _PROBE_TOOLS
+        )
         return text is not None and result in text
 
     @cached_property
     def reasoning_names(self) -> tuple:
         """Which of an assistant turn's reasoning fields the template renders."""
+
         def renders(name) -> bool:
             reasoning = "Probe reasoning"
             texts = [self._render([_PROBE_USER, {"role": "assistant", "content": "Probe answer", name: reasoning}])]
             if self.arguments_form is not None:
                 arguments = _arguments_as(dict(_PROBE_ARGUMENTS), self.arguments_form)
-                texts.append(self._render([_PROBE_USER, _probe_call(arguments, content="", **{name: reasoning})],
-                                          _PROBE_TOOLS))
+                texts.append(
+                    self._render([_PROBE_USER, _probe_call(arguments, content="", **{name: reasoning})], _PROBE_TOOLS)
+                )
             return any(text is not None and reasoning in text for text in texts)
 
-        if renders("probe_field"):             # it prints whole messages: every field shows, none is read
+        if renders("probe_field"):  # it prints whole messages: every field shows, none is read
             return ()
         return tuple(name for name in _REASONING_NAMES if renders(name))
 
@@ -247,7 +285,7 @@ def _arguments_as(arguments, form):
     if form == "string" and isinstance(arguments, (dict, list)):
         try:
             return json.dumps(arguments, ensure_ascii=False)
-        except (TypeError, ValueError, RecursionError):      # not JSON data (from Python): left to the template
+        except (TypeError, ValueError, RecursionError):  # not JSON data (from Python): left to the template
             return arguments
     return arguments
 
@@ -267,7 +305,7 @@ def _fit_call(call: dict, form, short_ids: bool) -> dict:
     function = call.get("function")
     if isinstance(function, dict) and "arguments" in function:
         call["function"] = {**function, "arguments": _arguments_as(function["arguments"], form)}
-    elif "arguments" in call:                  # {"name", "arguments"} without the "function" wrapper
+    elif "arguments" in call:  # {"name", "arguments"} without the "function" wrapper
         call["arguments"] = _arguments_as(call["arguments"], form)
     return call
 
@@ -287,7 +325,7 @@ def _call_as_text(message: dict) -> str:
 
 def _fit_to_template(chat: list, probe: _TemplateProbe) -> list:
     """The conversation (from check_messages) in the shapes this template renders."""
-    names_of_calls = {}                        # tool-call id -> function name, for results sent without a name
+    names_of_calls = {}  # tool-call id -> function name, for results sent without a name
     out = []
     for m in chat:
         m = dict(m)
@@ -303,7 +341,7 @@ def _fit_to_template(chat: list, probe: _TemplateProbe) -> list:
             if probe.arguments_form is not None:
                 short_ids = probe.needs_short_call_ids
                 m["tool_calls"] = [_fit_call(c, probe.arguments_form, short_ids) for c in m["tool_calls"]]
-            else:                              # a template without tool calls still shows them, as text
+            else:  # a template without tool calls still shows them, as text
                 m["content"] = _call_as_text(m)
                 del m["tool_calls"]
         if m["role"] == "tool":
@@ -317,8 +355,7 @@ def _fit_to_template(chat: list, probe: _TemplateProbe) -> list:
                 result["content"] = m.get("content")
                 if "tool_call_id" in m:
                     result["tool_call_id"] = m["tool_call_id"]
-                m = {"role": "user",
-                     "content": json.dumps({"tool_response": result}, ensure_ascii=False, default=str)}
+                m = {"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False, default=str)}
         # `content: null` (beside tool_calls) was dropped; a template that reads it anyway gets "".
         if "content" not in m and probe.needs_content:
             m["content"] = ""
@@ -338,7 +375,7 @@ class ChatTemplate:
     def __init__(self, source, where: str, special_tokens: dict | None = None):
         import jinja2
 
-        self.where = where                        # the file it came from, for messages
+        self.where = where  # the file it came from, for messages
         self.special_tokens = dict(special_tokens or {})
         if isinstance(source, str):
             named = {"default": source}
@@ -353,8 +390,10 @@ class ChatTemplate:
             try:
                 self._compiled[name] = env.from_string(text)
             except jinja2.exceptions.TemplateSyntaxError as e:
-                raise ColibriError(f"{where}: the chat template{'' if name == 'default' else f' {name!r}'} "
-                                   f"does not parse (line {e.lineno}: {e.message})") from None
+                raise ColibriError(
+                    f"{where}: the chat template{'' if name == 'default' else f' {name!r}'} "
+                    f"does not parse (line {e.lineno}: {e.message})"
+                ) from None
         # id(compiled template) -> what it makes of the shapes clients send, probed on first need
         self._probes = {id(t): _TemplateProbe(t, self.special_tokens) for t in self._compiled.values()}
 
@@ -365,8 +404,15 @@ class ChatTemplate:
             return self._compiled["default"]
         raise ColibriError(f"{self.where}: several chat templates ({', '.join(self.names)}) and none named 'default'")
 
-    def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
-               continue_final_message: bool = False, **kwargs) -> str:
+    def render(
+        self,
+        messages,
+        add_generation_prompt: bool = True,
+        tools=None,
+        documents=None,
+        continue_final_message: bool = False,
+        **kwargs,
+    ) -> str:
         import jinja2
 
         chat = check_messages(messages)
@@ -381,25 +427,31 @@ class ChatTemplate:
         template = self._pick(tools)
         chat = _fit_to_template(chat, self._probes[id(template)])
         if continue_final_message:
-            if chat[-1].get("content") != final:   # its tool calls were written into it
+            if chat[-1].get("content") != final:  # its tool calls were written into it
                 raise ColibriError(f"the chat template ({self.where}) cannot continue this final message")
             chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
         try:
-            text = template.render(messages=chat, tools=tools, documents=documents,
-                                   add_generation_prompt=bool(add_generation_prompt),
-                                   **{**self.special_tokens, **kwargs})
+            text = template.render(
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=bool(add_generation_prompt),
+                **{**self.special_tokens, **kwargs},
+            )
         except jinja2.exceptions.TemplateError as e:
             raise ColibriError(f"the chat template ({self.where}) refused the conversation: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
-            raise ColibriError(f"the chat template ({self.where}) failed on this conversation: "
-                               f"{type(e).__name__}: {e}") from None
+            raise ColibriError(
+                f"the chat template ({self.where}) failed on this conversation: {type(e).__name__}: {e}"
+            ) from None
         if continue_final_message:
             tag = _CONTINUE_TAG.strip()
             if final.strip() not in text or tag not in text:
-                raise ColibriError(f"the chat template ({self.where}) dropped part of the final message; "
-                                   f"it cannot be continued")
+                raise ColibriError(
+                    f"the chat template ({self.where}) dropped part of the final message; it cannot be continued"
+                )
             at = text.rindex(tag)
-            text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+            text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         return text
 
     # -- the reply side (colibri/replies.py): generated text -> an assistant message
@@ -419,28 +471,47 @@ class ChatTemplate:
         """The colibri.replies.ReplyFormat of this template's family (the plain format if unknown)."""
         return self.replies.format
 
-    def parse_reply(self, text: str, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True,
-                    prompt: str | None = None) -> dict:
+    def parse_reply(
+        self,
+        text: str,
+        tools=None,
+        *,
+        enable_thinking=None,
+        parallel_tool_calls: bool = True,
+        prompt: str | None = None,
+    ) -> dict:
         """A whole reply (decoded with its special tokens) -> {"role", "content", "reasoning_content",
         "tool_calls"}. enable_thinking / prompt: how the prompt was rendered (the prompt's own text,
         where given, says whether the reply starts inside reasoning)."""
-        return self.replies.parse(text, tools, enable_thinking=enable_thinking,
-                                  parallel_tool_calls=parallel_tool_calls, prompt=prompt)
+        return self.replies.parse(
+            text, tools, enable_thinking=enable_thinking, parallel_tool_calls=parallel_tool_calls, prompt=prompt
+        )
 
-    def reply_stream(self, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True,
-                     prompt: str | None = None):
+    def reply_stream(
+        self, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True, prompt: str | None = None
+    ):
         """A colibri.replies.ReplyStream: push(piece) -> deltas, finish() -> deltas, .message."""
-        return self.replies.stream(tools, enable_thinking=enable_thinking,
-                                   parallel_tool_calls=parallel_tool_calls, prompt=prompt)
+        return self.replies.stream(
+            tools, enable_thinking=enable_thinking, parallel_tool_calls=parallel_tool_calls, prompt=prompt
+        )
 
-    def tool_call_grammar(self, tools, mode, parallel_tool_calls: bool = True, *, added_tokens=None,
-                          enable_thinking=None, prompt: str | None = None) -> str | None:
+    def tool_call_grammar(
+        self,
+        tools,
+        mode,
+        parallel_tool_calls: bool = True,
+        *,
+        added_tokens=None,
+        enable_thinking=None,
+        prompt: str | None = None,
+    ) -> str | None:
         """An llguidance Lark grammar for a reply calling `tools` (mode "required", "auto" or a named
         function), or None where the family has no known call syntax. added_tokens: the
         vocabulary's added tokens (text -> id) so that markers are written as the tokens they are;
         enable_thinking / prompt as for parse_reply (whether the reply must first close reasoning)."""
-        return self.replies.grammar(tools, mode, parallel_tool_calls, added_tokens,
-                                    enable_thinking=enable_thinking, prompt=prompt)
+        return self.replies.grammar(
+            tools, mode, parallel_tool_calls, added_tokens, enable_thinking=enable_thinking, prompt=prompt
+        )
 
     def reacts_to(self, keyword: str, values: tuple) -> bool:
         """Whether the template renders a one-turn conversation's generation prompt differently
@@ -475,11 +546,12 @@ def find_template(root: Path, files, special_tokens: dict | None = None) -> Chat
         source = doc.get("chat_template") if isinstance(doc, dict) else None
         if source is None:
             continue
-        if isinstance(source, list):          # [{"name": ..., "template": ...}, ...]
+        if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
             try:
                 source = {t["name"]: t["template"] for t in source}
             except (TypeError, KeyError):
-                raise ColibriError(f"{path}: 'chat_template' must be a string or a list of "
-                                   f"{{'name', 'template'}} objects") from None
+                raise ColibriError(
+                    f"{path}: 'chat_template' must be a string or a list of {{'name', 'template'}} objects"
+                ) from None
         return ChatTemplate(source, str(path), special_tokens)
     return None

@@ -12,6 +12,7 @@ Every mistake a user can make ends as one line on stderr and exit status 2 (1 fo
 spelling of the original C engine (`--model_dir`, `--max_new_tokens`, `--hf_dir`, `--output_dir`,
 ...) as an alias.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ from .interrupts import signals_deferred
 LAYOUT_CHOICES = names.LAYOUTS
 
 DEMO_DIR = Path(__file__).parent / "data" / "demo"
-DEMO_COMMANDS = ("run", "chat", "serve", "info", "verify", "bench", "eval", "calibrate")   # --model-dir optional
+DEMO_COMMANDS = ("run", "chat", "serve", "info", "verify", "bench", "eval", "calibrate")  # --model-dir optional
 DEMO_HELP = " (default: the bundled demo model)"
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
@@ -42,8 +43,13 @@ class _ShowDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS) or \
-                isinstance(action.default, bool) or action.default == []:
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.default in (None, argparse.SUPPRESS)
+            or isinstance(action.default, bool)
+            or action.default == []
+        ):
             return text
         return f"{text} (default: {action.default})".lstrip()
 
@@ -53,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _ShowDefaults)
         super().__init__(*args, **kwargs)
 
-    def error(self, message):           # one line, not usage + message
+    def error(self, message):  # one line, not usage + message
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
@@ -78,14 +84,15 @@ def _token_list(text):
 
 
 QUANTIZE_CHOICES = names.FORMATS
-QUANTIZE_ALIASES = {"fp32": "f32", "fp16": "f16", "4bit": "int4", "8bit": "int8"}   # the original C engine's
+QUANTIZE_ALIASES = {"fp32": "f32", "fp16": "f16", "4bit": "int4", "8bit": "int8"}  # the original C engine's
 
 
 def _quantize_choice(text):
     value = QUANTIZE_ALIASES.get(text, text)
     if value not in QUANTIZE_CHOICES:
-        raise argparse.ArgumentTypeError(f"choose one of {', '.join(QUANTIZE_CHOICES)} "
-                                         f"(or {', '.join(QUANTIZE_ALIASES)}), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"choose one of {', '.join(QUANTIZE_CHOICES)} (or {', '.join(QUANTIZE_ALIASES)}), got {text!r}"
+        )
     return value
 
 
@@ -106,29 +113,66 @@ def _number(text):
 def _engine_options(p) -> None:
     """The engine's load options `run`, `chat`, `serve` and `bench` share: memory, the KV cache, the
     kernels' arithmetic and the prefill chunk."""
-    p.add_argument("--memory-limit-mb", "--memory_limit_mb", dest="memory_limit_mb", type=float, default=None,
-                   help="stay under this many MB, page cache of the model's files included (default: the "
-                        "cgroup's or job's limit, else the available RAM); a model larger than it keeps "
-                        "the experts in use and drops the rest")
-    p.add_argument("--prefetch", choices=names.PREFETCH_MODES, default=None,
-                   help="routed: readers fetch a missing chosen expert in parallel pieces; predict: also the "
-                        "next layer's predicted experts (default: routed under an expert budget, else none)")
-    p.add_argument("--expert-cache-mb", "--expert_cache_mb", dest="expert_cache_mb", type=float, default=None,
-                   help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)")
-    p.add_argument("--eviction", choices=names.EVICTION_POLICIES, default=None,
-                   help=f"which expert leaves first under a budget (default: {names.DEFAULT_EVICTION})")
-    p.add_argument("--kv-cache", "--kv_cache", dest="kv_cache", choices=names.KV_CACHE_TYPES, default="f32",
-                   help="the KV cache's elements: f16 halves its bytes (long contexts; keys and values rounded "
-                        "to f16 as they are stored, attention in f32); q8 takes about a quarter (int8 codes and "
-                        "one f32 scale per KV head and position) (default: f32)")
-    p.add_argument("--bf16-products", "--bf16_products", dest="bf16_products", choices=names.BF16_PRODUCTS,
-                   default="auto",
-                   help="bf16 weights: bf16 rounds the activations to bf16 for AVX512_BF16's vdpbf16ps (as "
-                        "llama.cpp), f32 multiplies exactly in f32 (default: auto, bf16 where the CPU has it)")
-    p.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=_positive_int, default=None,
-                   help=f"prompt tokens run together (default {names.DEFAULT_PREFILL_CHUNK}, lowered to fit a memory "
-                        "limit; a value given here is kept): each expert then multiplies its share of them in one "
-                        "pass over its weights; the prefill scratch grows with it")
+    p.add_argument(
+        "--memory-limit-mb",
+        "--memory_limit_mb",
+        dest="memory_limit_mb",
+        type=float,
+        default=None,
+        help="stay under this many MB, page cache of the model's files included (default: the "
+        "cgroup's or job's limit, else the available RAM); a model larger than it keeps "
+        "the experts in use and drops the rest",
+    )
+    p.add_argument(
+        "--prefetch",
+        choices=names.PREFETCH_MODES,
+        default=None,
+        help="routed: readers fetch a missing chosen expert in parallel pieces; predict: also the "
+        "next layer's predicted experts (default: routed under an expert budget, else none)",
+    )
+    p.add_argument(
+        "--expert-cache-mb",
+        "--expert_cache_mb",
+        dest="expert_cache_mb",
+        type=float,
+        default=None,
+        help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)",
+    )
+    p.add_argument(
+        "--eviction",
+        choices=names.EVICTION_POLICIES,
+        default=None,
+        help=f"which expert leaves first under a budget (default: {names.DEFAULT_EVICTION})",
+    )
+    p.add_argument(
+        "--kv-cache",
+        "--kv_cache",
+        dest="kv_cache",
+        choices=names.KV_CACHE_TYPES,
+        default="f32",
+        help="the KV cache's elements: f16 halves its bytes (long contexts; keys and values rounded "
+        "to f16 as they are stored, attention in f32); q8 takes about a quarter (int8 codes and "
+        "one f32 scale per KV head and position) (default: f32)",
+    )
+    p.add_argument(
+        "--bf16-products",
+        "--bf16_products",
+        dest="bf16_products",
+        choices=names.BF16_PRODUCTS,
+        default="auto",
+        help="bf16 weights: bf16 rounds the activations to bf16 for AVX512_BF16's vdpbf16ps (as "
+        "llama.cpp), f32 multiplies exactly in f32 (default: auto, bf16 where the CPU has it)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        "--prefill_chunk",
+        dest="prefill_chunk",
+        type=_positive_int,
+        default=None,
+        help=f"prompt tokens run together (default {names.DEFAULT_PREFILL_CHUNK}, lowered to fit a memory "
+        "limit; a value given here is kept): each expert then multiplies its share of them in one "
+        "pass over its weights; the prefill scratch grows with it",
+    )
 
 
 def _model_dir_option(p, help: str = "a converted model directory") -> None:
@@ -140,19 +184,39 @@ def _model_dir_option(p, help: str = "a converted model directory") -> None:
 def _model_options(p) -> None:
     """The load options `run`, `chat` and `serve` share."""
     _model_dir_option(p)
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="default: the physical cores this process may use")
-    p.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
-                   help="context length (default: the model's, up to 4096)")
+    p.add_argument(
+        "--threads", type=_positive_int, default=None, help="default: the physical cores this process may use"
+    )
+    p.add_argument(
+        "--n-ctx",
+        "--n_ctx",
+        dest="n_ctx",
+        type=_positive_int,
+        default=None,
+        help="context length (default: the model's, up to 4096)",
+    )
     sm = p.add_mutually_exclusive_group()
-    sm.add_argument("--exact-softmax", "--exact_softmax", dest="softmax_lut", action="store_false",
-                    help="routing weights from the float softmax (the default)")
-    sm.add_argument("--softmax-lut", "--softmax_lut", dest="softmax_lut", action="store_true",
-                    help="routing weights from the uint8 softmax lookup table of the original design")
+    sm.add_argument(
+        "--exact-softmax",
+        "--exact_softmax",
+        dest="softmax_lut",
+        action="store_false",
+        help="routing weights from the float softmax (the default)",
+    )
+    sm.add_argument(
+        "--softmax-lut",
+        "--softmax_lut",
+        dest="softmax_lut",
+        action="store_true",
+        help="routing weights from the uint8 softmax lookup table of the original design",
+    )
     # the group's first option (a store_false) would otherwise make its dest default to True: the table
     p.set_defaults(softmax_lut=False)
-    p.add_argument("--no-mmap", action="store_true",
-                   help="read the weights into memory instead of mapping the files (network shares)")
+    p.add_argument(
+        "--no-mmap",
+        action="store_true",
+        help="read the weights into memory instead of mapping the files (network shares)",
+    )
     _engine_options(p)
     p.add_argument("--mlock", action="store_true", help="pin the dense weights in RAM")
     p.add_argument("--warmup", action="store_true", help="read every expert once at load")
@@ -163,26 +227,68 @@ def _model_options(p) -> None:
 def _generation_options(p, default_max: int) -> None:
     """The sampling and stopping options `run` and `chat` share. Unset sampling values take the
     checkpoint's generation_config.json defaults, then greedy."""
-    p.add_argument("--max-new-tokens", "--max_new_tokens", "-n", dest="max_new_tokens", type=_positive_int,
-                   default=default_max, help="the most tokens a reply may have")
-    p.add_argument("--temperature", type=_number, default=None,
-                   help="0 = greedy (default: generation_config.json's, else 0)")
+    p.add_argument(
+        "--max-new-tokens",
+        "--max_new_tokens",
+        "-n",
+        dest="max_new_tokens",
+        type=_positive_int,
+        default=default_max,
+        help="the most tokens a reply may have",
+    )
+    p.add_argument(
+        "--temperature", type=_number, default=None, help="0 = greedy (default: generation_config.json's, else 0)"
+    )
     p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=None, help="0 = off")
-    p.add_argument("--top-p", "--top_p", dest="top_p", type=_number, default=None,
-                   help="1 = off (default: generation_config.json's, else 1)")
-    p.add_argument("--min-p", "--min_p", dest="min_p", type=_number, default=None,
-                   help="0 = off (default: generation_config.json's, else 0)")
-    p.add_argument("--repetition-penalty", "--repetition_penalty", "--repeat-penalty", dest="repetition_penalty",
-                   type=_number, default=None, help="transformers' repetition_penalty (1 = off)")
-    p.add_argument("--presence-penalty", "--presence_penalty", dest="presence_penalty", type=_number, default=0.0,
-                   help="subtracted from the logit of every token already generated, in [-2, 2]")
-    p.add_argument("--frequency-penalty", "--frequency_penalty", dest="frequency_penalty", type=_number, default=0.0,
-                   help="subtracted once per earlier occurrence of the token, in [-2, 2]")
-    p.add_argument("--seed", type=int, default=None,
-                   help="the sampler's random seed: the same seed, settings and prompt give the same text "
-                        "(default: a fresh seed each run, shown in the [INFO] Sampling line)")
-    p.add_argument("--stop", action="append", default=None,
-                   help="a stop string (repeatable): the text ends before it")
+    p.add_argument(
+        "--top-p",
+        "--top_p",
+        dest="top_p",
+        type=_number,
+        default=None,
+        help="1 = off (default: generation_config.json's, else 1)",
+    )
+    p.add_argument(
+        "--min-p",
+        "--min_p",
+        dest="min_p",
+        type=_number,
+        default=None,
+        help="0 = off (default: generation_config.json's, else 0)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        "--repetition_penalty",
+        "--repeat-penalty",
+        dest="repetition_penalty",
+        type=_number,
+        default=None,
+        help="transformers' repetition_penalty (1 = off)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        "--presence_penalty",
+        dest="presence_penalty",
+        type=_number,
+        default=0.0,
+        help="subtracted from the logit of every token already generated, in [-2, 2]",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        "--frequency_penalty",
+        dest="frequency_penalty",
+        type=_number,
+        default=0.0,
+        help="subtracted once per earlier occurrence of the token, in [-2, 2]",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the sampler's random seed: the same seed, settings and prompt give the same text "
+        "(default: a fresh seed each run, shown in the [INFO] Sampling line)",
+    )
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable): the text ends before it")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
 
 
@@ -196,101 +302,213 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="text prompt ('-': read it from stdin; needs a tokenizer in the model directory)")
     src.add_argument("--prompt-file", "--prompt_file", dest="prompt_file", help="read the prompt from a UTF-8 file")
     src.add_argument("--tokens", type=_token_list, help="prompt as comma-separated token ids, e.g. 1,15,27")
-    run.add_argument("--chat", action="store_true",
-                     help="apply the model's chat template to the prompt (one user turn) before generating")
+    run.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template to the prompt (one user turn) before generating",
+    )
     run.add_argument("--system", help="with --chat: a system message before the prompt")
     _generation_options(run, default_max=64)
     constrain = run.add_mutually_exclusive_group()
-    constrain.add_argument("--json-schema", "--json_schema", dest="json_schema", metavar="FILE",
-                           help="the output is JSON that follows this JSON Schema (a UTF-8 JSON file; needs "
-                                "llguidance)")
-    constrain.add_argument("--grammar", metavar="FILE",
-                           help="the output follows this Lark grammar (a UTF-8 file in llguidance's syntax: "
-                                "https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)")
+    constrain.add_argument(
+        "--json-schema",
+        "--json_schema",
+        dest="json_schema",
+        metavar="FILE",
+        help="the output is JSON that follows this JSON Schema (a UTF-8 JSON file; needs llguidance)",
+    )
+    constrain.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the output follows this Lark grammar (a UTF-8 file in llguidance's syntax: "
+        "https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)",
+    )
     run.add_argument("--ids", action="store_true", help="print generated token ids instead of text")
-    run.add_argument("--verbose", action="store_true",
-                     help="print every layer's routing decision and each expert file's first use (stderr)")
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every layer's routing decision and each expert file's first use (stderr)",
+    )
 
     chat = sub.add_parser("chat", help="an interactive conversation (/exit to leave, /reset to start again)")
     _model_options(chat)
     chat.add_argument("--system", help="a system message at the start of the conversation")
     _generation_options(chat, default_max=512)
 
-    srv = sub.add_parser("serve", help=f"an OpenAI-compatible HTTP server (needs the extra: pip install \"{names.DISTRIBUTION}[serve]\")")
+    srv = sub.add_parser(
+        "serve", help=f'an OpenAI-compatible HTTP server (needs the extra: pip install "{names.DISTRIBUTION}[serve]")'
+    )
     _model_options(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    srv.add_argument("--api-key", "--api_key", dest="api_key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1 requests")
-    srv.add_argument("--model-name", "--model_name", dest="model_name", default=None,
-                     help="the model id clients pass (default: the directory's name)")
-    srv.add_argument("--max-queue", "--max_queue", dest="max_queue", type=_positive_int, default=16,
-                     help="requests that may wait for the engine; beyond: 503 with Retry-After")
-    srv.add_argument("--queue-timeout", "--queue_timeout", dest="queue_timeout", type=_number, default=600.0,
-                     help="seconds a request may wait for the engine before a 503")
-    srv.add_argument("--parallel", type=_positive_int, default=1,
-                     help="requests generated at once, their tokens decoded together in one pass over the "
-                          "weights (more tokens/s in all, each token later); each has its own --n-ctx of KV "
-                          "cache (default: 1)")
-    srv.add_argument("--step-tokens", "--step_tokens", dest="step_tokens", type=_positive_int, default=None,
-                     help="with --parallel: tokens one pass runs at most, the running requests' one each and "
-                          "pieces of new prompts; fewer keep the running requests' tokens coming sooner, more "
-                          f"finish a prompt sooner (default: {names.DEFAULT_STEP_TOKENS}, at most the prefill chunk)")
+    srv.add_argument(
+        "--api-key",
+        "--api_key",
+        dest="api_key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 requests",
+    )
+    srv.add_argument(
+        "--model-name",
+        "--model_name",
+        dest="model_name",
+        default=None,
+        help="the model id clients pass (default: the directory's name)",
+    )
+    srv.add_argument(
+        "--max-queue",
+        "--max_queue",
+        dest="max_queue",
+        type=_positive_int,
+        default=16,
+        help="requests that may wait for the engine; beyond: 503 with Retry-After",
+    )
+    srv.add_argument(
+        "--queue-timeout",
+        "--queue_timeout",
+        dest="queue_timeout",
+        type=_number,
+        default=600.0,
+        help="seconds a request may wait for the engine before a 503",
+    )
+    srv.add_argument(
+        "--parallel",
+        type=_positive_int,
+        default=1,
+        help="requests generated at once, their tokens decoded together in one pass over the "
+        "weights (more tokens/s in all, each token later); each has its own --n-ctx of KV "
+        "cache (default: 1)",
+    )
+    srv.add_argument(
+        "--step-tokens",
+        "--step_tokens",
+        dest="step_tokens",
+        type=_positive_int,
+        default=None,
+        help="with --parallel: tokens one pass runs at most, the running requests' one each and "
+        "pieces of new prompts; fewer keep the running requests' tokens coming sooner, more "
+        f"finish a prompt sooner (default: {names.DEFAULT_STEP_TOKENS}, at most the prefill chunk)",
+    )
 
-    tok = sub.add_parser("tokenizer", help="add or replace the tokenizer, chat template and generation config "
-                                           "files of a model directory")
-    tok.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True,
-                     help="the model directory to write the text files into")
-    tok.add_argument("--from", dest="source", required=True,
-                     help="a directory holding tokenizer.json / tokenizer.model / tokenizer_config.json / "
-                          "chat_template.jinja / generation_config.json ... (e.g. the HF checkpoint)")
+    tok = sub.add_parser(
+        "tokenizer", help="add or replace the tokenizer, chat template and generation config files of a model directory"
+    )
+    tok.add_argument(
+        "--model-dir",
+        "--model_dir",
+        dest="model_dir",
+        required=True,
+        help="the model directory to write the text files into",
+    )
+    tok.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        help="a directory holding tokenizer.json / tokenizer.model / tokenizer_config.json / "
+        "chat_template.jinja / generation_config.json ... (e.g. the HF checkpoint)",
+    )
 
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint or a GGUF file into a Colibri model directory")
+    conv = sub.add_parser(
+        "convert", help="convert a Hugging Face checkpoint or a GGUF file into a Colibri model directory"
+    )
     source = conv.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", help="a Hugging Face checkpoint directory")
-    source.add_argument("--gguf", help="a llama.cpp GGUF model file (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3/Kimi K2, "
-                                       "Gemma 4; needs the "
-                                       f"gguf package: pip install '{names.DISTRIBUTION}[gguf]'); its Q8_0/Q4_0/MXFP4 blocks are kept as "
-                                       "int8/int4/mxfp4, its tokenizer and chat template are made into the directory's files")
-    conv.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True,
-                      help="the model directory to write (it must not exist, unless --force)")
-    conv.add_argument("--quantize", type=_quantize_choice, default=None,
-                      help="storage of the weight matrices: f32, f16, bf16, int8, int4, nl4 (4-bit, a non-linear "
-                           "codebook with a scale per 16 weights: less error than int4 in the same bytes) or int6 "
-                           "(6.5 bits a weight: e.g. --role head=int6 beside 4-bit experts), or mxfp4 (the routed experts in mxfp4 -- kept as they are "
-                           "from a gpt-oss mxfp4 checkpoint --, the other matrices in bf16); norms, biases and "
-                           "routers stay f32; the original engine's fp16 and 4bit are accepted (default: f32 for --hf-dir; for --gguf the format closest to the "
-                           "file's: int8 for Q8_0, int4 for Q4_0 and the 4-bit K/IQ types, f16/bf16/f32 as they are)")
-    conv.add_argument("--role", action="append", default=[], metavar="ROLE=FORMAT", type=_role_choice,
-                      help="store the matrices of one role in another format than --quantize (repeatable): "
-                           "roles experts, shared (shared experts), dense (dense layers' MLPs), attention, head "
-                           "(the output head, or the tied embedding), embedding (an untied one); e.g. --quantize "
-                           "nl4 --role attention=int6 --role head=int6. The log gives the bytes a decoded token "
-                           "reads, by role")
-    conv.add_argument("--importance", default=None, metavar="FILE",
-                      help="a file made by `calibrate` (the same checkpoint, any format): int8/int4/nl4/int6 scales "
-                           "(and nl4's codes) are chosen to minimise the rounding error weighted by each input's "
-                           "mean square")
-    conv.add_argument("--ln-quant", "--ln_quant", dest="ln_quant", choices=("int16",), default=None,
-                      help="store norm weights as int16 with a float scale (default: f32)")
-    conv.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
-                      default=None, help="storage order of the experts' matrices: rows [out, in], transposed [in, out] or "
-                                         "interleaved (groups of 8 outputs, 4 inputs at a time); each format has some of "
-                                         "them (docs/format.md: nl4 and int6 only interleaved, mxfp4 no transposed, f32 "
-                                         "and f16 no interleaved) (default: the faster for the format)")
-    conv.add_argument("--layout", choices=LAYOUT_CHOICES, default=None,
-                      help="the same for the other weight matrices (attention, dense MLPs, lm_head, a tied "
-                           "embedding); an untied embedding is always rows")
-    conv.add_argument("--force", action="store_true", help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)")
+    source.add_argument(
+        "--gguf",
+        help="a llama.cpp GGUF model file (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3/Kimi K2, "
+        "Gemma 4; needs the "
+        f"gguf package: pip install '{names.DISTRIBUTION}[gguf]'); its Q8_0/Q4_0/MXFP4 blocks are kept as "
+        "int8/int4/mxfp4, its tokenizer and chat template are made into the directory's files",
+    )
+    conv.add_argument(
+        "--output-dir",
+        "--output_dir",
+        dest="output_dir",
+        required=True,
+        help="the model directory to write (it must not exist, unless --force)",
+    )
+    conv.add_argument(
+        "--quantize",
+        type=_quantize_choice,
+        default=None,
+        help="storage of the weight matrices: f32, f16, bf16, int8, int4, nl4 (4-bit, a non-linear "
+        "codebook with a scale per 16 weights: less error than int4 in the same bytes) or int6 "
+        "(6.5 bits a weight: e.g. --role head=int6 beside 4-bit experts), or mxfp4 (the routed experts in mxfp4 -- kept as they are "
+        "from a gpt-oss mxfp4 checkpoint --, the other matrices in bf16); norms, biases and "
+        "routers stay f32; the original engine's fp16 and 4bit are accepted (default: f32 for --hf-dir; for --gguf the format closest to the "
+        "file's: int8 for Q8_0, int4 for Q4_0 and the 4-bit K/IQ types, f16/bf16/f32 as they are)",
+    )
+    conv.add_argument(
+        "--role",
+        action="append",
+        default=[],
+        metavar="ROLE=FORMAT",
+        type=_role_choice,
+        help="store the matrices of one role in another format than --quantize (repeatable): "
+        "roles experts, shared (shared experts), dense (dense layers' MLPs), attention, head "
+        "(the output head, or the tied embedding), embedding (an untied one); e.g. --quantize "
+        "nl4 --role attention=int6 --role head=int6. The log gives the bytes a decoded token "
+        "reads, by role",
+    )
+    conv.add_argument(
+        "--importance",
+        default=None,
+        metavar="FILE",
+        help="a file made by `calibrate` (the same checkpoint, any format): int8/int4/nl4/int6 scales "
+        "(and nl4's codes) are chosen to minimise the rounding error weighted by each input's "
+        "mean square",
+    )
+    conv.add_argument(
+        "--ln-quant",
+        "--ln_quant",
+        dest="ln_quant",
+        choices=("int16",),
+        default=None,
+        help="store norm weights as int16 with a float scale (default: f32)",
+    )
+    conv.add_argument(
+        "--expert-layout",
+        "--expert_layout",
+        dest="expert_layout",
+        choices=LAYOUT_CHOICES,
+        default=None,
+        help="storage order of the experts' matrices: rows [out, in], transposed [in, out] or "
+        "interleaved (groups of 8 outputs, 4 inputs at a time); each format has some of "
+        "them (docs/format.md: nl4 and int6 only interleaved, mxfp4 no transposed, f32 "
+        "and f16 no interleaved) (default: the faster for the format)",
+    )
+    conv.add_argument(
+        "--layout",
+        choices=LAYOUT_CHOICES,
+        default=None,
+        help="the same for the other weight matrices (attention, dense MLPs, lm_head, a tied "
+        "embedding); an untied embedding is always rows",
+    )
+    conv.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)",
+    )
 
     rel = sub.add_parser("relayout", help="rewrite a model directory's weights in other layouts (no HF checkpoint)")
     rel.add_argument("--model-dir", "--model_dir", dest="model_dir", required=True, help="the model directory to read")
-    rel.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True,
-                     help="the model directory to write")
-    rel.add_argument("--expert-layout", "--expert_layout", dest="expert_layout", choices=LAYOUT_CHOICES,
-                     default=None, help="as for convert (default: the faster for the format)")
+    rel.add_argument(
+        "--output-dir", "--output_dir", dest="output_dir", required=True, help="the model directory to write"
+    )
+    rel.add_argument(
+        "--expert-layout",
+        "--expert_layout",
+        dest="expert_layout",
+        choices=LAYOUT_CHOICES,
+        default=None,
+        help="as for convert (default: the faster for the format)",
+    )
     rel.add_argument("--layout", choices=LAYOUT_CHOICES, default=None, help="as for convert")
-    rel.add_argument("--force", action="store_true", help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)")
+    rel.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing Colibri model directory (never another directory, the input, or through a symlink)",
+    )
 
     info = sub.add_parser("info", help="describe a model directory")
     _model_dir_option(info)
@@ -301,9 +519,15 @@ def build_parser() -> argparse.ArgumentParser:
     _model_dir_option(ev)
     ev.add_argument("--text", required=True, help="a UTF-8 text file")
     ev.add_argument("--ctx", type=_positive_int, default=256, help="tokens per chunk (default 256)")
-    ev.add_argument("--reference-dir", "--reference_dir", dest="reference_dir",
-                    help="the same model in another format: report KL divergence, top-1 agreement, RMS delta p")
-    ev.add_argument("--threads", type=_positive_int, default=None, help="default: the physical cores this process may use")
+    ev.add_argument(
+        "--reference-dir",
+        "--reference_dir",
+        dest="reference_dir",
+        help="the same model in another format: report KL divergence, top-1 agreement, RMS delta p",
+    )
+    ev.add_argument(
+        "--threads", type=_positive_int, default=None, help="default: the physical cores this process may use"
+    )
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
 
     cal = sub.add_parser("calibrate", help="activation statistics of a text, for convert --importance")
@@ -311,29 +535,61 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--text", required=True, help="a UTF-8 text file, representative of the use")
     cal.add_argument("--output", required=True, help="the importance file to write (.npz)")
     cal.add_argument("--ctx", type=_positive_int, default=512, help="tokens per chunk (default 512)")
-    cal.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=_positive_int, default=None,
-                     help="use at most this many tokens of the text")
-    cal.add_argument("--threads", type=_positive_int, default=None, help="default: the physical cores this process may use")
-    cal.add_argument("--second-moments", "--second_moments", dest="second_moments", default="auto",
-                     choices=("auto", "diag", "dense", "all"),
-                     help="which matrices also collect their input's whole second moment, with which convert "
-                          "compensates each rounding error (GPTQ): dense = all but the routed experts, all = "
-                          "the experts too (small models), diag = none; auto (default): dense as far as it "
-                          "fits 4 GB, the head first")
+    cal.add_argument(
+        "--max-tokens",
+        "--max_tokens",
+        dest="max_tokens",
+        type=_positive_int,
+        default=None,
+        help="use at most this many tokens of the text",
+    )
+    cal.add_argument(
+        "--threads", type=_positive_int, default=None, help="default: the physical cores this process may use"
+    )
+    cal.add_argument(
+        "--second-moments",
+        "--second_moments",
+        dest="second_moments",
+        default="auto",
+        choices=("auto", "diag", "dense", "all"),
+        help="which matrices also collect their input's whole second moment, with which convert "
+        "compensates each rounding error (GPTQ): dense = all but the routed experts, all = "
+        "the experts too (small models), diag = none; auto (default): dense as far as it "
+        "fits 4 GB, the head first",
+    )
 
     bench = sub.add_parser("bench", help="measure load time, prefill and decode speed, latency, peak RSS")
     _model_dir_option(bench)
-    bench.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=_positive_int, default=128,
-                       help="prompt tokens per repetition")
+    bench.add_argument(
+        "--prompt-len",
+        "--prompt_len",
+        dest="prompt_len",
+        type=_positive_int,
+        default=128,
+        help="prompt tokens per repetition",
+    )
     bench.add_argument("--gen", type=_positive_int, default=64, help="tokens to decode per repetition")
-    bench.add_argument("--repeat", type=_positive_int, default=5, help="how many times the prompt and the decode are timed")
+    bench.add_argument(
+        "--repeat", type=_positive_int, default=5, help="how many times the prompt and the decode are timed"
+    )
     bench.add_argument("--threads", type=_positive_int, default=None, help="default: all cores")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    bench.add_argument("--n-ctx", "--n_ctx", dest="n_ctx", type=_positive_int, default=None,
-                       help="context length (default: prompt + gen, at least the model's up to 4096)")
-    bench.add_argument("--read-bandwidth", "--read_bandwidth", dest="read_bandwidth", action="store_true",
-                       help="also time a plain read of a buffer past the last-level cache (512 MB or more) by the "
-                            "same threads, before and after the runs, and report decode's memory read against it")
+    bench.add_argument(
+        "--n-ctx",
+        "--n_ctx",
+        dest="n_ctx",
+        type=_positive_int,
+        default=None,
+        help="context length (default: prompt + gen, at least the model's up to 4096)",
+    )
+    bench.add_argument(
+        "--read-bandwidth",
+        "--read_bandwidth",
+        dest="read_bandwidth",
+        action="store_true",
+        help="also time a plain read of a buffer past the last-level cache (512 MB or more) by the "
+        "same threads, before and after the runs, and report decode's memory read against it",
+    )
     _engine_options(bench)
     return p
 
@@ -341,13 +597,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = None
     try:
-        _end_startup_guard()              # Ctrl-C is a KeyboardInterrupt from here on (colibri/__init__.py)
+        _end_startup_guard()  # Ctrl-C is a KeyboardInterrupt from here on (colibri/__init__.py)
         _note_interrupts()
         args = build_parser().parse_args(argv)
         _demo_default(args)
-        return {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "tokenizer": cmd_tokenizer, "convert": cmd_convert,
-                "relayout": cmd_relayout, "info": cmd_info, "verify": cmd_verify, "bench": cmd_bench,
-                "eval": cmd_eval, "calibrate": cmd_calibrate}[args.command](args)
+        return {
+            "run": cmd_run,
+            "chat": cmd_chat,
+            "serve": cmd_serve,
+            "tokenizer": cmd_tokenizer,
+            "convert": cmd_convert,
+            "relayout": cmd_relayout,
+            "info": cmd_info,
+            "verify": cmd_verify,
+            "bench": cmd_bench,
+            "eval": cmd_eval,
+            "calibrate": cmd_calibrate,
+        }[args.command](args)
     except ColibriError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -368,26 +634,34 @@ def main(argv=None) -> int:
     except (MemoryError, OverflowError, RecursionError, ValueError) as e:
         # an input so large or deep that a step failed before its own check: still one line
         # (isinstance, not the exact type: numpy's "Unable to allocate" is a MemoryError subclass)
-        what = ("out of memory" if isinstance(e, MemoryError) else
-                "input nested too deeply" if isinstance(e, RecursionError) else type(e).__name__)
+        what = (
+            "out of memory"
+            if isinstance(e, MemoryError)
+            else "input nested too deeply"
+            if isinstance(e, RecursionError)
+            else type(e).__name__
+        )
         command = args.command if args is not None else "the command line"
-        print(f"error: {what}: {' '.join(str(e).split())[:300] or 'no details'} (while running {command}; check "
-              f"the sizes in the model's config.json and the flags)", file=sys.stderr)
+        print(
+            f"error: {what}: {' '.join(str(e).split())[:300] or 'no details'} (while running {command}; check "
+            f"the sizes in the model's config.json and the flags)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
 
 
-_interrupted = False        # a SIGINT has arrived (an import that C code runs may swallow its KeyboardInterrupt)
+_interrupted = False  # a SIGINT has arrived (an import that C code runs may swallow its KeyboardInterrupt)
 
 
 def _interrupt(signum, frame):
     global _interrupted
     _interrupted = True
-    signal.default_int_handler(signum, frame)         # raises KeyboardInterrupt
+    signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
 
 
 def _note_interrupts() -> None:
     """SIGINT keeps raising KeyboardInterrupt, and also records that it came (_interrupted)."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:      # not where it is ignored
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored
         signal.signal(signal.SIGINT, _interrupt)
 
 
@@ -404,8 +678,10 @@ def _caused_by(e: BaseException, kind: type) -> bool:
 
 def _describe(m) -> str:
     c = m.config
-    return (f"{c.architecture}, {c.num_hidden_layers} layers, {c.num_experts} experts, "
-            f"top-{c.num_experts_per_tok}, {m.weight_dtype}")
+    return (
+        f"{c.architecture}, {c.num_hidden_layers} layers, {c.num_experts} experts, "
+        f"top-{c.num_experts_per_tok}, {m.weight_dtype}"
+    )
 
 
 def _err(text: str) -> None:
@@ -424,36 +700,63 @@ def _demo_default(args) -> None:
     args.model_note = "model"
     if args.command in DEMO_COMMANDS and args.model_dir is None:
         if not (DEMO_DIR / "config.json").is_file():
-            raise ColibriError("no --model-dir given and this installation has no bundled demo model; "
-                               "pass --model-dir D (make one with: python -m colibri convert)")
+            raise ColibriError(
+                "no --model-dir given and this installation has no bundled demo model; "
+                "pass --model-dir D (make one with: python -m colibri convert)"
+            )
         args.model_dir, args.model_note = str(DEMO_DIR), "the bundled demo model"
 
 
 def _load(args):
     from .model import load
 
-    m = load(args.model_dir, threads=args.threads, n_ctx=args.n_ctx, mmap=not args.no_mmap,
-             exact_softmax=not args.softmax_lut, prefetch=args.prefetch, expert_cache_mb=args.expert_cache_mb,
-             mlock=args.mlock, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb, eviction=args.eviction,
-             kv_cache=args.kv_cache, bf16_products=args.bf16_products, parallel=getattr(args, "parallel", 1),
-             prefill_chunk=args.prefill_chunk)
+    m = load(
+        args.model_dir,
+        threads=args.threads,
+        n_ctx=args.n_ctx,
+        mmap=not args.no_mmap,
+        exact_softmax=not args.softmax_lut,
+        prefetch=args.prefetch,
+        expert_cache_mb=args.expert_cache_mb,
+        mlock=args.mlock,
+        warmup=args.warmup,
+        memory_limit_mb=args.memory_limit_mb,
+        eviction=args.eviction,
+        kv_cache=args.kv_cache,
+        bf16_products=args.bf16_products,
+        parallel=getattr(args, "parallel", 1),
+        prefill_chunk=args.prefill_chunk,
+    )
     m.cli_note = args.model_note
     return m
 
 
 def _loaded_note(args, m) -> None:
     """Printed once the request has passed its checks (an error stays the only line on stderr)."""
-    _info(args, f"Loaded {m.cli_note} from {m.path} ({_describe(m)}) in {m.stats['load_seconds'] * 1000:.0f} ms, "
-                f"{m.threads} threads")
+    _info(
+        args,
+        f"Loaded {m.cli_note} from {m.path} ({_describe(m)}) in {m.stats['load_seconds'] * 1000:.0f} ms, "
+        f"{m.threads} threads",
+    )
     for name in m.unlisted_text_files:
-        _err(f"[WARN] {m.path}/{name} is not in config.json's file table and is ignored; add it with: "
-             f"python -m colibri tokenizer --model-dir {m.path} --from DIR_WITH_{name}")
+        _err(
+            f"[WARN] {m.path}/{name} is not in config.json's file table and is ignored; add it with: "
+            f"python -m colibri tokenizer --model-dir {m.path} --from DIR_WITH_{name}"
+        )
 
 
 def _generation_kwargs(args) -> dict:
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty, seed=args.seed, stop_at_eos=not args.ignore_eos)
+    return dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop_at_eos=not args.ignore_eos,
+    )
 
 
 def _read_option_file(option: str, name: str) -> str:
@@ -466,7 +769,9 @@ def _read_option_file(option: str, name: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ColibriError(f"{option} {path} is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 4]!r})") from None
+        raise ColibriError(
+            f"{option} {path} is not valid UTF-8 (byte {e.start}: {data[e.start : e.start + 4]!r})"
+        ) from None
 
 
 def _constraint_kwargs(args) -> dict:
@@ -479,8 +784,9 @@ def _constraint_kwargs(args) -> dict:
             where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
             raise ColibriError(f"--json-schema {args.json_schema} is not JSON{where}") from None
         if not isinstance(schema, dict):
-            raise ColibriError(f"--json-schema {args.json_schema}: expected a JSON object (a JSON Schema), "
-                               f"got {type(schema).__name__}")
+            raise ColibriError(
+                f"--json-schema {args.json_schema}: expected a JSON object (a JSON Schema), got {type(schema).__name__}"
+            )
         return {"json_schema": schema}
     if args.grammar is not None:
         return {"grammar": _read_option_file("--grammar", args.grammar)}
@@ -505,17 +811,19 @@ def _read_prompt(args) -> str | None:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ColibriError(f"{where} is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 4]!r})") from None
+        raise ColibriError(f"{where} is not valid UTF-8 (byte {e.start}: {data[e.start : e.start + 4]!r})") from None
 
 
 def _speed_line(m) -> str:
     st = m.stats
-    rate = lambda n, t: f"{n / t:.1f} tok/s" if t > 0 and n else "-"       # noqa: E731
+    rate = lambda n, t: f"{n / t:.1f} tok/s" if t > 0 and n else "-"  # noqa: E731
     reused = f", {st['reused_tokens']} reused from the cache" if st.get("reused_tokens") else ""
-    return (f"Prompt: {st['prefill_tokens']} tokens in {st['prefill_seconds'] * 1000:.0f} ms "
-            f"({rate(st['prefill_tokens'], st['prefill_seconds'])}){reused}; generated "
-            f"{len(m.last_generation.tokens)} tokens in {st['decode_seconds'] * 1000:.0f} ms "
-            f"({rate(st['decode_tokens'], st['decode_seconds'])})")
+    return (
+        f"Prompt: {st['prefill_tokens']} tokens in {st['prefill_seconds'] * 1000:.0f} ms "
+        f"({rate(st['prefill_tokens'], st['prefill_seconds'])}){reused}; generated "
+        f"{len(m.last_generation.tokens)} tokens in {st['decode_seconds'] * 1000:.0f} ms "
+        f"({rate(st['decode_tokens'], st['decode_seconds'])})"
+    )
 
 
 def _sampling_note(args, m) -> None:
@@ -524,7 +832,7 @@ def _sampling_note(args, m) -> None:
     note = g.sampler.describe()
     if taken:
         note += f" ({', '.join(taken)} from {Path(m.generation_defaults.source).name}; flags override)"
-    if args.seed is None and g.sampler.temperature != 0.0:       # greedy needs no seed
+    if args.seed is None and g.sampler.temperature != 0.0:  # greedy needs no seed
         seed = g.sampler.seed
         if f"seed {seed}" not in note:
             note += f", seed {seed}"
@@ -539,13 +847,16 @@ def cmd_run(args) -> int:
     constraint = _constraint_kwargs(args)
     m = _load(args)
     if text is not None and m.tokenizer is None:
-        raise ColibriError(f"{m.path} has no tokenizer (tokenizer.json or tokenizer.model): pass the prompt as "
-                           f"--tokens 1,2,3, or add one with: python -m colibri tokenizer --model-dir {m.path} --from HF_DIR")
+        raise ColibriError(
+            f"{m.path} has no tokenizer (tokenizer.json or tokenizer.model): pass the prompt as "
+            f"--tokens 1,2,3, or add one with: python -m colibri tokenizer --model-dir {m.path} --from HF_DIR"
+        )
     if args.chat:
         if text is None:
             raise ColibriError("--chat needs a text prompt (--prompt or --prompt-file)")
-        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
-                   [{"role": "user", "content": text}]
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+            {"role": "user", "content": text}
+        ]
         ids = m.apply_chat_template(messages, add_generation_prompt=True)
     else:
         ids = m.encode(text) if text is not None else args.tokens
@@ -557,11 +868,13 @@ def cmd_run(args) -> int:
     if as_text:
         pieces = m.stream(ids, args.max_new_tokens, stop=args.stop, on_step=on_step, **kwargs)
     else:
-        pieces = (("" if i == 0 else " ") + str(t) for i, t in
-                  enumerate(m.generate(ids, args.max_new_tokens, on_step=on_step, **kwargs)))
+        pieces = (
+            ("" if i == 0 else " ") + str(t)
+            for i, t in enumerate(m.generate(ids, args.max_new_tokens, on_step=on_step, **kwargs))
+        )
     _loaded_note(args, m)
     _sampling_note(args, m)
-    written = 0                      # --ids: the token ids printed (a text piece may hold several or none)
+    written = 0  # --ids: the token ids printed (a text piece may hold several or none)
     try:
         for piece in pieces:
             with signals_deferred((signal.SIGINT,)):
@@ -586,14 +899,15 @@ def cmd_chat(args) -> int:
     m = _load(args)
     if m.tokenizer is None or m.chat_template is None:
         what = "tokenizer" if m.tokenizer is None else "chat template"
-        raise ColibriError(f"{m.path} has no {what}: chat needs one (add it with: python -m colibri tokenizer "
-                           f"--model-dir {m.path} --from HF_DIR)")
+        raise ColibriError(
+            f"{m.path} has no {what}: chat needs one (add it with: python -m colibri tokenizer "
+            f"--model-dir {m.path} --from HF_DIR)"
+        )
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     history = list(system)
     kwargs = _generation_kwargs(args)
     _loaded_note(args, m)
-    _info(args, "Chat: type a message and Enter; /reset starts again, /exit (or Ctrl-D) leaves, "
-                "Ctrl-C stops a reply")
+    _info(args, "Chat: type a message and Enter; /reset starts again, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply")
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -625,8 +939,11 @@ def cmd_chat(args) -> int:
             room = m.n_ctx - len(ids)
             if room < 1:
                 history.pop()
-                print(f"error: the conversation ({len(ids)} tokens) fills the context of {m.n_ctx}; /reset to "
-                      f"start again (or --n-ctx)", file=sys.stderr)
+                print(
+                    f"error: the conversation ({len(ids)} tokens) fills the context of {m.n_ctx}; /reset to "
+                    f"start again (or --n-ctx)",
+                    file=sys.stderr,
+                )
                 continue
             pieces = m.stream(ids, min(args.max_new_tokens, room), stop=args.stop, **kwargs)
             first = True
@@ -635,7 +952,7 @@ def cmd_chat(args) -> int:
                     if first:
                         _sampling_note(args, m)
                         first = False
-                    with signals_deferred((signal.SIGINT,)):    # the history keeps what was shown
+                    with signals_deferred((signal.SIGINT,)):  # the history keeps what was shown
                         sys.stdout.write(piece)
                         sys.stdout.flush()
                         reply.append(piece)
@@ -662,7 +979,7 @@ def cmd_serve(args) -> int:
         raise ColibriError(f"--port must be in 0..65535, got {args.port}")
     if not args.queue_timeout > 0:
         raise ColibriError(f"--queue-timeout must be a positive number of seconds, got {args.queue_timeout}")
-    ModelDir(args.model_dir)                          # a bad directory fails now, not in the background
+    ModelDir(args.model_dir)  # a bad directory fails now, not in the background
 
     def load():
         m = _load(args)
@@ -675,14 +992,26 @@ def cmd_serve(args) -> int:
     if args.parallel > names.MAX_PARALLEL:
         raise ColibriError(f"--parallel must be in 1..{names.MAX_PARALLEL}, got {args.parallel}")
     if args.step_tokens is not None and args.parallel == 1:
-        raise ColibriError("--step-tokens sets how a --parallel server's passes mix requests: give --parallel N "
-                           "(N > 1) too")
+        raise ColibriError(
+            "--step-tokens sets how a --parallel server's passes mix requests: give --parallel N (N > 1) too"
+        )
     if args.prefill_chunk is not None and args.parallel > args.prefill_chunk:
-        raise ColibriError(f"--parallel {args.parallel} exceeds --prefill-chunk {args.prefill_chunk} (a pass's tokens "
-                           f"hold one of each sequence decoded together)")
-    serve(load, name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          queue_timeout=args.queue_timeout, log=lambda line: _info(args, line[len("[INFO] "):]), parallel=args.parallel,
-          step_tokens=args.step_tokens)
+        raise ColibriError(
+            f"--parallel {args.parallel} exceeds --prefill-chunk {args.prefill_chunk} (a pass's tokens "
+            f"hold one of each sequence decoded together)"
+        )
+    serve(
+        load,
+        name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout,
+        log=lambda line: _info(args, line[len("[INFO] ") :]),
+        parallel=args.parallel,
+        step_tokens=args.step_tokens,
+    )
     return 0
 
 
@@ -695,27 +1024,40 @@ def cmd_tokenizer(args) -> int:
 
 def _print_stats(m) -> None:
     st = m.memory_stats()
-    mb = lambda b: "-" if b is None else f"{b / 1e6:.1f} MB"      # noqa: E731
+    mb = lambda b: "-" if b is None else f"{b / 1e6:.1f} MB"  # noqa: E731
     hit = st["prediction_hit_rate"]
     per = st["prefetched_per_used_byte"]
     _err(f"[STATS] experts used per layer: {' '.join(map(str, st['experts_used_per_layer']))}")
     _err(f"[STATS] {m.residency.plan.describe()}")
-    _err(f"[STATS] resident experts: {mb(st['resident_expert_bytes'])} (peak {mb(st['peak_resident_expert_bytes'])}, "
-          f"budget {mb(st['expert_budget_bytes'])}, released {st['experts_released']}); "
-          f"in memory by the OS's count: {mb(st['expert_bytes_in_memory'])}")
+    _err(
+        f"[STATS] resident experts: {mb(st['resident_expert_bytes'])} (peak {mb(st['peak_resident_expert_bytes'])}, "
+        f"budget {mb(st['expert_budget_bytes'])}, released {st['experts_released']}); "
+        f"in memory by the OS's count: {mb(st['expert_bytes_in_memory'])}"
+    )
     rate = st["cache_hit_rate"]
     if rate is not None:
-        _err(f"[STATS] expert cache: hit rate {100 * rate:.1f} % ({st['cache_hits']} hits, {st['cache_misses']} "
-             f"misses), {st['prefetches']} prefetched ({st['prefetch_hits']} used), {st['experts_dropped']} dropped")
+        _err(
+            f"[STATS] expert cache: hit rate {100 * rate:.1f} % ({st['cache_hits']} hits, {st['cache_misses']} "
+            f"misses), {st['prefetches']} prefetched ({st['prefetch_hits']} used), {st['experts_dropped']} dropped"
+        )
     if st["bytes_read_from_storage"] is not None:
-        _err(f"[STATS] read from storage since load: {mb(st['bytes_read_from_storage'])}"
-             + ("" if st["cgroup_peak_bytes"] is None else f"; cgroup usage {mb(st['cgroup_usage_bytes'])}, "
-                                                          f"peak {mb(st['cgroup_peak_bytes'])}"))
-    _err(f"[STATS] prefetch: {st['prefetch_calls']} calls, {mb(st['prefetch_bytes'])}"
-          f"{'' if per is None else f', {per:.2f} bytes per byte used'}"
-          f"{'' if hit is None else f', prediction hit rate {100 * hit:.1f} %'}")
-    _err(f"[STATS] page faults: {st['minor_page_faults']} minor, {st['major_page_faults']} major; "
-          f"RSS {mb(st['rss_bytes'])}, peak {mb(st['peak_rss_bytes'])}")
+        _err(
+            f"[STATS] read from storage since load: {mb(st['bytes_read_from_storage'])}"
+            + (
+                ""
+                if st["cgroup_peak_bytes"] is None
+                else f"; cgroup usage {mb(st['cgroup_usage_bytes'])}, peak {mb(st['cgroup_peak_bytes'])}"
+            )
+        )
+    _err(
+        f"[STATS] prefetch: {st['prefetch_calls']} calls, {mb(st['prefetch_bytes'])}"
+        f"{'' if per is None else f', {per:.2f} bytes per byte used'}"
+        f"{'' if hit is None else f', prediction hit rate {100 * hit:.1f} %'}"
+    )
+    _err(
+        f"[STATS] page faults: {st['minor_page_faults']} minor, {st['major_page_faults']} major; "
+        f"RSS {mb(st['rss_bytes'])}, peak {mb(st['peak_rss_bytes'])}"
+    )
 
 
 def _verbose_printer(m):
@@ -735,15 +1077,26 @@ def _verbose_printer(m):
                     touched.add((layer, int(e)))
                     print(f"[INFO] First use of layers/{layer:02d}/expert_{int(e):03d}.bin", file=sys.stderr)
         step[0] += 1
+
     return on_step
 
 
 def cmd_convert(args) -> int:
     from .convert import convert
 
-    convert(args.hf_dir, args.output_dir, quantize=args.quantize, force=args.force, ln_quant=args.ln_quant,
-            expert_layout=args.expert_layout, layout=args.layout, gguf=args.gguf, roles=dict(args.role),
-            importance=args.importance, progress=True)
+    convert(
+        args.hf_dir,
+        args.output_dir,
+        quantize=args.quantize,
+        force=args.force,
+        ln_quant=args.ln_quant,
+        expert_layout=args.expert_layout,
+        layout=args.layout,
+        gguf=args.gguf,
+        roles=dict(args.role),
+        importance=args.importance,
+        progress=True,
+    )
     return 0
 
 
@@ -774,19 +1127,30 @@ def cmd_calibrate(args) -> int:
 
     t0 = time.perf_counter()
     with ExitStack() as stack:
-        bar = []        # opened as the first chunk ends (the model's load lines come before it), from there on
+        bar = []  # opened as the first chunk ends (the model's load lines come before it), from there on
 
         def chunk_done(i, n):
             if not bar:
                 bar.append(stack.enter_context(progress(n, "calibrate", unit="chunk", initial=i)))
             bar[0].at(i)
-        result = calibrate(args.model_dir, text, ctx=args.ctx, max_tokens=args.max_tokens, threads=args.threads,
-                           progress=chunk_done, second_moments=args.second_moments, log=_err)
+
+        result = calibrate(
+            args.model_dir,
+            text,
+            ctx=args.ctx,
+            max_tokens=args.max_tokens,
+            threads=args.threads,
+            progress=chunk_done,
+            second_moments=args.second_moments,
+            log=_err,
+        )
     save(result, out)
     reached = sum(1 for _, count in result["tensors"].values() if count)
-    _err(f"[INFO] {result['meta']['tokens']} tokens, {reached} of {len(result['tensors'])} matrices reached "
-         f"({len(result['grams'])} with their whole second moment), "
-         f"{time.perf_counter() - t0:.1f} s -> {out}; use it with: convert ... --importance {out}")
+    _err(
+        f"[INFO] {result['meta']['tokens']} tokens, {reached} of {len(result['tensors'])} matrices reached "
+        f"({len(result['grams'])} with their whole second moment), "
+        f"{time.perf_counter() - t0:.1f} s -> {out}; use it with: convert ... --importance {out}"
+    )
     return 0
 
 
@@ -807,53 +1171,89 @@ def cmd_info(args) -> int:
     active = sum(per_token.values())
     print(f"model:        {md.root}")
     print(f"architecture: {c.architecture} (from {md.raw.get('source', {}).get('hf_architecture', '?')})")
-    print(f"layers:       {c.num_hidden_layers} ({moe} MoE, {c.num_hidden_layers - moe} dense"
-          + (f"; every MoE block has a dense MLP ({c.intermediate_size}) beside it)" if c.moe_block == "parallel" else ")"))
-    print(f"experts:      {c.num_experts}, top-{c.num_experts_per_tok}"
-          + (f", shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""))
-    print(f"dimensions:   hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads} kv, "
-          f"head_dim {c.head_dim}, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
+    print(
+        f"layers:       {c.num_hidden_layers} ({moe} MoE, {c.num_hidden_layers - moe} dense"
+        + (
+            f"; every MoE block has a dense MLP ({c.intermediate_size}) beside it)"
+            if c.moe_block == "parallel"
+            else ")"
+        )
+    )
+    print(
+        f"experts:      {c.num_experts}, top-{c.num_experts_per_tok}"
+        + (f", shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else "")
+    )
+    print(
+        f"dimensions:   hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads} kv, "
+        f"head_dim {c.head_dim}, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}"
+    )
     formats = {}
     for n, t in md.tensors.items():
         role = tensor_role(n)
         if role in ROLES:
             formats.setdefault(role, set()).add(t["dtype"])
-    print(f"weights:      {md.weight_dtype}, {len(md.files)} files, {total / 1e6:.1f} MB "
-          f"({active / 1e6:.1f} MB read per decoded token: "
-          + ", ".join(f"{r} {per_token[r] / 1e6:.1f} in {'/'.join(sorted(formats[r]))}"
-                      for r in ROLES if r in formats and per_token.get(r, 0) >= 0.05e6) + ")")
+    print(
+        f"weights:      {md.weight_dtype}, {len(md.files)} files, {total / 1e6:.1f} MB "
+        f"({active / 1e6:.1f} MB read per decoded token: "
+        + ", ".join(
+            f"{r} {per_token[r] / 1e6:.1f} in {'/'.join(sorted(formats[r]))}"
+            for r in ROLES
+            if r in formats and per_token.get(r, 0) >= 0.05e6
+        )
+        + ")"
+    )
+
     def layouts(names):
         return " and ".join(sorted({md.tensors[n].get("layout", "rows") for n in names})) or "rows"
+
     experts = {n for n in md.tensors if ".experts." in n}
-    others = [n for n, t in md.tensors.items() if n not in experts and len(t["shape"]) == 2
-              and (n != "embedding" or c.tie_word_embeddings) and not n.endswith("router")]
+    others = [
+        n
+        for n, t in md.tensors.items()
+        if n not in experts
+        and len(t["shape"]) == 2
+        and (n != "embedding" or c.tie_word_embeddings)
+        and not n.endswith("router")
+    ]
     print(f"layout:       experts {layouts(experts)}, other matrices {layouts(others)}")
     print(f"context:      {c.max_position_embeddings} positions, rope theta {c.rope_theta:g}")
     sliding = sum(t == "sliding_attention" for t in c.layer_types)
     if sliding or c.layer_head_dims or c.layer_kv_heads:
         full = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
         geo = sorted({(c.layer_head_dim(i), c.layer_kv_heads_of(i), c.layer_rope(i)) for i in full})
-        print(f"attention:    {sliding} sliding-window layers (window {c.sliding_window}), {len(full)} full"
-              + "".join(f"; full: head_dim {hd}, {kv} kv heads, rope theta {th:g}"
-                        + (f" on {fr:g} of the pairs" if fr != 1.0 else "") for hd, kv, (th, fr) in geo))
-    features = [f"attention sinks ({c.num_attention_heads} logits a layer)" if c.attention_sinks else "",
-                "router bias" if c.router_logit_bias else "",
-                "expert biases" if c.expert_bias else "",
-                f"clamped SwiGLU (alpha {c.swiglu_alpha:g}, limit {c.swiglu_limit:g})"
-                if c.hidden_act == "swiglu_clamped" else "",
-                f"YaRN x{c.yarn_factor:g} over {c.yarn_original_max_position_embeddings} positions" if c.yarn_factor else "",
-                f"sigmoid router, {c.n_group} groups (best {c.topk_group})" if c.router_score == "sigmoid" else ""]
+        print(
+            f"attention:    {sliding} sliding-window layers (window {c.sliding_window}), {len(full)} full"
+            + "".join(
+                f"; full: head_dim {hd}, {kv} kv heads, rope theta {th:g}"
+                + (f" on {fr:g} of the pairs" if fr != 1.0 else "")
+                for hd, kv, (th, fr) in geo
+            )
+        )
+    features = [
+        f"attention sinks ({c.num_attention_heads} logits a layer)" if c.attention_sinks else "",
+        "router bias" if c.router_logit_bias else "",
+        "expert biases" if c.expert_bias else "",
+        f"clamped SwiGLU (alpha {c.swiglu_alpha:g}, limit {c.swiglu_limit:g})"
+        if c.hidden_act == "swiglu_clamped"
+        else "",
+        f"YaRN x{c.yarn_factor:g} over {c.yarn_original_max_position_embeddings} positions" if c.yarn_factor else "",
+        f"sigmoid router, {c.n_group} groups (best {c.topk_group})" if c.router_score == "sigmoid" else "",
+    ]
     if any(features):
         print(f"features:     {', '.join(f for f in features if f)}")
     if c.mla:
-        print(f"attention:    multi-head latent: a latent of {c.kv_lora_rank} + a shared RoPE key of {c.rotary_dim} "
-              f"a token are cached; {c.num_attention_heads} heads of {c.qk_nope_head_dim} + {c.rotary_dim} (query) "
-              f"and {c.v_head_dim} (value), absorbed"
-              + (f"; low-rank query {c.q_lora_rank}" if c.q_lora_rank else ""))
-    kv_bytes = sum((1 if c.mla else 2) * c.layer_kv_heads_of(i) * c.layer_head_dim(i) * 4
-                   for i in range(c.num_hidden_layers))
-    print(f"KV cache:     {kv_bytes} bytes a token (float32 keys and values"
-          + (f"; sliding layers hold at most {c.sliding_window} + a prefill chunk)" if sliding else ")"))
+        print(
+            f"attention:    multi-head latent: a latent of {c.kv_lora_rank} + a shared RoPE key of {c.rotary_dim} "
+            f"a token are cached; {c.num_attention_heads} heads of {c.qk_nope_head_dim} + {c.rotary_dim} (query) "
+            f"and {c.v_head_dim} (value), absorbed" + (f"; low-rank query {c.q_lora_rank}" if c.q_lora_rank else "")
+        )
+    kv_bytes = sum(
+        (1 if c.mla else 2) * c.layer_kv_heads_of(i) * c.layer_head_dim(i) * 4 for i in range(c.num_hidden_layers)
+    )
+    print(
+        f"KV cache:     {kv_bytes} bytes a token (float32 keys and values"
+        + (f"; sliding layers hold at most {c.sliding_window} + a prefill chunk)" if sliding else ")")
+    )
     from .textfiles import TextSide, unlisted
 
     text = TextSide.load(md.root, md.files, c.vocab_size)
@@ -862,23 +1262,37 @@ def cmd_info(args) -> int:
     stops = text.stop_token_ids(c.eos_token_id)
     names = [f"{i} {text.tokenizer.decode([i])!r}" if text.tokenizer else str(i) for i in stops]
     print(f"stop tokens:  {', '.join(names) or 'none'}")
-    print(f"sampling:     {text.generation.describe()}"
-          + (f" (from {Path(text.generation.source).name})" if text.generation.source else ""))
+    print(
+        f"sampling:     {text.generation.describe()}"
+        + (f" (from {Path(text.generation.source).name})" if text.generation.source else "")
+    )
     for name in unlisted(md.root, md.files):
-        print(f"[WARN] {md.root / name} is not in config.json's file table and is ignored; add it with: "
-              f"python -m colibri tokenizer --model-dir {md.root} --from DIR", file=sys.stderr)
+        print(
+            f"[WARN] {md.root / name} is not in config.json's file table and is ignored; add it with: "
+            f"python -m colibri tokenizer --model-dir {md.root} --from DIR",
+            file=sys.stderr,
+        )
     from . import _kernels
+
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
-    print(f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
-          f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)")
-    off = "".join(f"; {name} off: it failed the self-test's check {check}"
-                  for name, check in _kernels.failed_int_steps().items())
-    print(f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels (decode and prefill){off}")
+    print(
+        f"kernels:      {_kernels.isa()} (available: {', '.join(_kernels.available_isas())}; "
+        f"CPU: {' '.join(feats) or 'no SIMD extensions'}; force one with COLIBRI_ISA)"
+    )
+    off = "".join(
+        f"; {name} off: it failed the self-test's check {check}" for name, check in _kernels.failed_int_steps().items()
+    )
+    print(
+        f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels (decode and prefill){off}"
+    )
     if _kernels.has_bf16_products():
         order = _kernels.bf16_order()
-        print("bf16:         bf16 products on vdpbf16ps (order seq)" if order == "seq" else
-              f"bf16:         bf16 products in order {order}: widened FMAs, each lane's even and odd sums apart "
-              f"every 64 inputs (an AMX unit's order, or COLIBRI_BF16_ORDER)")
+        print(
+            "bf16:         bf16 products on vdpbf16ps (order seq)"
+            if order == "seq"
+            else f"bf16:         bf16 products in order {order}: widened FMAs, each lane's even and odd sums apart "
+            f"every 64 inputs (an AMX unit's order, or COLIBRI_BF16_ORDER)"
+        )
     print(f"amx:          {_kernels.amx_status()}")
     return 0
 
@@ -890,8 +1304,8 @@ def cmd_verify(args) -> int:
     from .progress import progress
 
     md = ModelDir(args.model_dir)
-    names = sorted(md.files)                           # the order verify hashes them in
-    before = [0, *itertools.accumulate(md.files[rel]["size"] for rel in names)]   # bytes before each file
+    names = sorted(md.files)  # the order verify hashes them in
+    before = [0, *itertools.accumulate(md.files[rel]["size"] for rel in names)]  # bytes before each file
     with progress(before[-1], "verify", unit="B") as bar:
         # verify's callback names each file as it begins: the ones before it are hashed
         bad = md.verify(lambda i, n, rel: bar.at(before[i]), files=names)
@@ -899,8 +1313,10 @@ def cmd_verify(args) -> int:
     for rel, problem in bad:
         print(f"BAD {md.root / rel}: {problem}", file=sys.stderr)
     if bad:
-        print(f"error: {len(bad)} of {len(md.files)} files failed verification; re-copy or re-convert the model",
-              file=sys.stderr)
+        print(
+            f"error: {len(bad)} of {len(md.files)} files failed verification; re-copy or re-convert the model",
+            file=sys.stderr,
+        )
         return EXIT_VERIFY_FAILED
     print(f"[INFO] OK: {len(md.files)} files match their sha256 in {md.root / 'config.json'}")
     return 0

@@ -71,6 +71,7 @@ YaRN RoPE (rope_type "yarn": long-context Qwen3, gpt-oss, DeepSeek-V3), off by d
   yarn_attention_factor   cos and sin are multiplied by it (resolved by the converter from
                     attention_factor, or mscale / mscale_all_dim, or 0.1 ln(factor) + 1)
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,8 @@ from .errors import ColibriError
 
 ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gemma4", "glm4_moe", "gpt_oss", "deepseek_v3")
 ROUTER_SCORES = ("softmax", "sigmoid")
-QK_NORM_MODES = QK_NORM_CODES        # name -> the layer loop's code (defined once, in _engine.pyx)
-HIDDEN_ACTS = ACT_CODES              # name -> the kernels' code (defined once, in _kernels.pyx)
+QK_NORM_MODES = QK_NORM_CODES  # name -> the layer loop's code (defined once, in _engine.pyx)
+HIDDEN_ACTS = ACT_CODES  # name -> the kernels' code (defined once, in _kernels.pyx)
 MOE_BLOCKS = ("replace", "parallel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -95,27 +96,27 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # positions; Qwen3-Next 48 layers of 512 experts; Llama 3 405B 126 layers, hidden 16384, 128
 # heads, FFN 53248; Gemma 3/4 vocab 262144, head_dim 512; Llama 4 Scout 10M positions), so they
 # refuse only a config.json that is damaged or hostile, in microseconds instead of minutes.
-MAX_LAYERS = 4096                    # 32x Llama 3 405B's 126
-MAX_EXPERTS = 1 << 16                # per layer; 128x the largest (512)
-MAX_EXPERT_INSTANCES = 1 << 17       # MoE layers x experts: one file + 3 tensors each; 5x Qwen3-Next's
-                                     # 24576 (at ~650 bytes of table per expert, a directory's config.json
-                                     # meets its 64 MB limit first, near 100000)
-MAX_VOCAB = 1 << 22                  # 16x Gemma's 262144
-MAX_HIDDEN = 1 << 17                 # 8x Llama 3 405B's 16384
-MAX_HEADS = 1 << 12                  # attention or key/value heads; 32x the largest (128)
-MAX_HEAD_DIM = 1 << 12               # 8x Gemma 4's 512 (the RoPE tables are n_ctx x head_dim)
-MAX_FFN = 1 << 18                    # any intermediate size; 5x Llama 3 405B's 53248
-MAX_POSITIONS = 1 << 30              # max_position_embeddings (and sliding_window); 100x Llama 4 Scout's
-MAX_Q_DIM = 1 << 17                  # heads x head_dim; 5x the largest (128 x 192)
-MAX_ROPE_TABLE = 1 << 30             # max_position_embeddings x the RoPE tables' width (the rotated
-                                     # values of every distinct table, rope_table_widths): the cos and
-                                     # sin tables hold that many float32 at n_ctx = max_position_embeddings
-                                     # (4 GiB at the bound, and n_ctx never exceeds it); 5x Gemma 4's
-                                     # 262144 x (256 + 512)
-MAX_EMBEDDING = 1 << 34              # vocab x hidden; 8x Llama 3 405B's 128256 x 16384
-MAX_EXPERT_WEIGHTS = 1 << 37         # experts x moe_intermediate x hidden of one layer; 24x Kimi K2's
-                                     # 384 x 2048 x 7168
-MAX_STOP_IDS = 1 << 16               # eos_token_id entries (a handful in practice)
+MAX_LAYERS = 4096  # 32x Llama 3 405B's 126
+MAX_EXPERTS = 1 << 16  # per layer; 128x the largest (512)
+MAX_EXPERT_INSTANCES = 1 << 17  # MoE layers x experts: one file + 3 tensors each; 5x Qwen3-Next's
+# 24576 (at ~650 bytes of table per expert, a directory's config.json
+# meets its 64 MB limit first, near 100000)
+MAX_VOCAB = 1 << 22  # 16x Gemma's 262144
+MAX_HIDDEN = 1 << 17  # 8x Llama 3 405B's 16384
+MAX_HEADS = 1 << 12  # attention or key/value heads; 32x the largest (128)
+MAX_HEAD_DIM = 1 << 12  # 8x Gemma 4's 512 (the RoPE tables are n_ctx x head_dim)
+MAX_FFN = 1 << 18  # any intermediate size; 5x Llama 3 405B's 53248
+MAX_POSITIONS = 1 << 30  # max_position_embeddings (and sliding_window); 100x Llama 4 Scout's
+MAX_Q_DIM = 1 << 17  # heads x head_dim; 5x the largest (128 x 192)
+MAX_ROPE_TABLE = 1 << 30  # max_position_embeddings x the RoPE tables' width (the rotated
+# values of every distinct table, rope_table_widths): the cos and
+# sin tables hold that many float32 at n_ctx = max_position_embeddings
+# (4 GiB at the bound, and n_ctx never exceeds it); 5x Gemma 4's
+# 262144 x (256 + 512)
+MAX_EMBEDDING = 1 << 34  # vocab x hidden; 8x Llama 3 405B's 128256 x 16384
+MAX_EXPERT_WEIGHTS = 1 << 37  # experts x moe_intermediate x hidden of one layer; 24x Kimi K2's
+# 384 x 2048 x 7168
+MAX_STOP_IDS = 1 << 16  # eos_token_id entries (a handful in practice)
 
 _SHOW = reprlib.Repr()
 _SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 3, 6, 4, 40, 40, 40
@@ -128,7 +129,7 @@ def shown(value, limit: int = 100) -> str:
         text = _SHOW.repr(value)
     except (RecursionError, ValueError, MemoryError):
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_json(path: Path, what: str, max_bytes: int):
@@ -153,7 +154,7 @@ def parse_json(raw: bytes, where, what: str):
         raise ColibriError(f"{where}: {what} is nested too deeply to be parsed") from None
     except json.JSONDecodeError as e:
         raise ColibriError(f"{where}: {what} is not valid JSON ({e})") from None
-    except ValueError as e:                      # e.g. an integer of more than 4300 digits
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise ColibriError(f"{where}: {what} is not usable JSON ({str(e)[:120]})") from None
     except MemoryError:
         raise ColibriError(f"{where}: {what} is too large to be parsed") from None
@@ -169,43 +170,111 @@ def _is(v, kind) -> bool:
     return isinstance(v, kind)
 
 
-_KIND_NAMES = {None: "null", int: "an integer", float: "a number", bool: "true/false", str: "a string",
-               list: "a list"}
+_KIND_NAMES = {None: "null", int: "an integer", float: "a number", bool: "true/false", str: "a string", list: "a list"}
 # the JSON type of every field, checked before any value is used
 _FIELD_TYPES = {
-    "architecture": (str,), "hidden_act": (str,), "qk_norm": (str,),
-    "vocab_size": (int,), "hidden_size": (int,), "num_hidden_layers": (int,), "num_attention_heads": (int,),
-    "num_key_value_heads": (int,), "head_dim": (int,), "max_position_embeddings": (int,),
-    "num_experts": (int,), "num_experts_per_tok": (int,), "moe_intermediate_size": (int,),
-    "intermediate_size": (int,), "shared_expert_intermediate_size": (int,),
-    "rms_norm_eps": (float,), "rope_theta": (float,), "clip_qkv": (float, None),
-    "norm_topk_prob": (bool,), "tie_word_embeddings": (bool,), "attention_bias": (bool,),
-    "attention_out_bias": (bool,), "sliding_window": (int, None), "bos_token_id": (int, None),
-    "layer_types": (list,), "moe_layers": (list,), "eos_token_id": (list,),
-    "layer_head_dims": (list,), "layer_kv_heads": (list,), "layer_rope_theta": (list,),
-    "layer_rope_fraction": (list,), "attention_scale": (float, None), "v_norm": (bool,),
-    "attention_k_eq_v": (bool,), "embedding_scale": (float,), "final_logit_softcapping": (float, None),
-    "sandwich_norms": (bool,), "moe_block": (str,), "layer_scalar": (bool,),
-    "router_score": (str,), "n_group": (int,), "topk_group": (int,), "routed_scaling_factor": (float,),
-    "router_bias": (bool,), "shared_expert_gated": (bool,), "rotary_dim": (int,),
-    "yarn_factor": (float,), "yarn_original_max_position_embeddings": (int,), "yarn_beta_fast": (float,),
-    "yarn_beta_slow": (float,), "yarn_truncate": (bool,), "yarn_attention_factor": (float,),
-    "attention_sinks": (bool,), "router_logit_bias": (bool,), "expert_bias": (bool,), "swiglu_alpha": (float,),
-    "swiglu_limit": (float,), "kv_lora_rank": (int,), "q_lora_rank": (int,), "qk_nope_head_dim": (int,),
+    "architecture": (str,),
+    "hidden_act": (str,),
+    "qk_norm": (str,),
+    "vocab_size": (int,),
+    "hidden_size": (int,),
+    "num_hidden_layers": (int,),
+    "num_attention_heads": (int,),
+    "num_key_value_heads": (int,),
+    "head_dim": (int,),
+    "max_position_embeddings": (int,),
+    "num_experts": (int,),
+    "num_experts_per_tok": (int,),
+    "moe_intermediate_size": (int,),
+    "intermediate_size": (int,),
+    "shared_expert_intermediate_size": (int,),
+    "rms_norm_eps": (float,),
+    "rope_theta": (float,),
+    "clip_qkv": (float, None),
+    "norm_topk_prob": (bool,),
+    "tie_word_embeddings": (bool,),
+    "attention_bias": (bool,),
+    "attention_out_bias": (bool,),
+    "sliding_window": (int, None),
+    "bos_token_id": (int, None),
+    "layer_types": (list,),
+    "moe_layers": (list,),
+    "eos_token_id": (list,),
+    "layer_head_dims": (list,),
+    "layer_kv_heads": (list,),
+    "layer_rope_theta": (list,),
+    "layer_rope_fraction": (list,),
+    "attention_scale": (float, None),
+    "v_norm": (bool,),
+    "attention_k_eq_v": (bool,),
+    "embedding_scale": (float,),
+    "final_logit_softcapping": (float, None),
+    "sandwich_norms": (bool,),
+    "moe_block": (str,),
+    "layer_scalar": (bool,),
+    "router_score": (str,),
+    "n_group": (int,),
+    "topk_group": (int,),
+    "routed_scaling_factor": (float,),
+    "router_bias": (bool,),
+    "shared_expert_gated": (bool,),
+    "rotary_dim": (int,),
+    "yarn_factor": (float,),
+    "yarn_original_max_position_embeddings": (int,),
+    "yarn_beta_fast": (float,),
+    "yarn_beta_slow": (float,),
+    "yarn_truncate": (bool,),
+    "yarn_attention_factor": (float,),
+    "attention_sinks": (bool,),
+    "router_logit_bias": (bool,),
+    "expert_bias": (bool,),
+    "swiglu_alpha": (float,),
+    "swiglu_limit": (float,),
+    "kv_lora_rank": (int,),
+    "q_lora_rank": (int,),
+    "qk_nope_head_dim": (int,),
     "v_head_dim": (int,),
 }
 
 
 # fields added for Gemma 4 (after format version 1 was first written): optional, with defaults that
 # mean the behaviour of every earlier model
-EXTENSION_FIELDS = ("layer_head_dims", "layer_kv_heads", "layer_rope_theta", "layer_rope_fraction",
-                    "attention_scale", "v_norm", "attention_k_eq_v", "embedding_scale",
-                    "final_logit_softcapping", "sandwich_norms", "moe_block", "layer_scalar",
-                    "router_score", "n_group", "topk_group", "routed_scaling_factor", "router_bias",
-                    "shared_expert_gated", "rotary_dim", "yarn_factor", "yarn_original_max_position_embeddings",
-                    "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "yarn_attention_factor",
-                    "attention_sinks", "router_logit_bias", "expert_bias", "swiglu_alpha", "swiglu_limit",
-                    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
+EXTENSION_FIELDS = (
+    "layer_head_dims",
+    "layer_kv_heads",
+    "layer_rope_theta",
+    "layer_rope_fraction",
+    "attention_scale",
+    "v_norm",
+    "attention_k_eq_v",
+    "embedding_scale",
+    "final_logit_softcapping",
+    "sandwich_norms",
+    "moe_block",
+    "layer_scalar",
+    "router_score",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "router_bias",
+    "shared_expert_gated",
+    "rotary_dim",
+    "yarn_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_truncate",
+    "yarn_attention_factor",
+    "attention_sinks",
+    "router_logit_bias",
+    "expert_bias",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+)
 
 
 @dataclass
@@ -223,7 +292,7 @@ class ModelConfig:
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
-    intermediate_size: int = 0              # dense layers' MLP width (0: no dense layers)
+    intermediate_size: int = 0  # dense layers' MLP width (0: no dense layers)
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
@@ -281,8 +350,9 @@ class ModelConfig:
         if unknown:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ColibriError(f"{source}: unknown model field(s) {', '.join(shown(u, 40) for u in unknown[:5])}{more}")
-        missing = [f.name for f in fields(cls) if f.name not in d
-                   and f.default is MISSING and f.default_factory is MISSING]
+        missing = [
+            f.name for f in fields(cls) if f.name not in d and f.default is MISSING and f.default_factory is MISSING
+        ]
         if missing:
             raise ColibriError(f"{source}: incomplete model section, missing {', '.join(missing)}")
         cfg = cls(**d)
@@ -306,6 +376,7 @@ class ModelConfig:
     def validate(self, source: str = "config.json") -> None:
         """Types first, then each number's range, then the per-layer lists, then the products of
         dimensions (the MAX_* bounds): nothing here costs more than a pass over the layers."""
+
         def fail(msg):
             raise ColibriError(f"{source}: {msg}")
 
@@ -321,23 +392,35 @@ class ModelConfig:
 
         if self.architecture not in ARCHITECTURES:
             fail(f"unknown architecture {shown(self.architecture)}; supported: {', '.join(ARCHITECTURES)}")
-        for name, upper in (("vocab_size", MAX_VOCAB), ("hidden_size", MAX_HIDDEN),
-                            ("num_hidden_layers", MAX_LAYERS), ("num_attention_heads", MAX_HEADS),
-                            ("num_key_value_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM),
-                            ("max_position_embeddings", MAX_POSITIONS), ("num_experts", MAX_EXPERTS),
-                            ("num_experts_per_tok", MAX_EXPERTS), ("moe_intermediate_size", MAX_FFN)):
+        for name, upper in (
+            ("vocab_size", MAX_VOCAB),
+            ("hidden_size", MAX_HIDDEN),
+            ("num_hidden_layers", MAX_LAYERS),
+            ("num_attention_heads", MAX_HEADS),
+            ("num_key_value_heads", MAX_HEADS),
+            ("head_dim", MAX_HEAD_DIM),
+            ("max_position_embeddings", MAX_POSITIONS),
+            ("num_experts", MAX_EXPERTS),
+            ("num_experts_per_tok", MAX_EXPERTS),
+            ("moe_intermediate_size", MAX_FFN),
+        ):
             bounded(name, 1, upper)
         for name in ("intermediate_size", "shared_expert_intermediate_size"):
             bounded(name, 0, MAX_FFN)
         if self.num_experts_per_tok > self.num_experts:
             fail(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
         if self.num_attention_heads % self.num_key_value_heads:
-            fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                 f"num_key_value_heads ({self.num_key_value_heads})")
+            fail(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         n = self.num_hidden_layers
-        for name, kind, lower, upper in (("layer_head_dims", int, 1, MAX_HEAD_DIM), ("layer_kv_heads", int, 1, MAX_HEADS),
-                                          ("layer_rope_theta", float, 1.0, 1e12),
-                                          ("layer_rope_fraction", float, 0.0, 1.0)):
+        for name, kind, lower, upper in (
+            ("layer_head_dims", int, 1, MAX_HEAD_DIM),
+            ("layer_kv_heads", int, 1, MAX_HEADS),
+            ("layer_rope_theta", float, 1.0, 1e12),
+            ("layer_rope_fraction", float, 0.0, 1.0),
+        ):
             v = getattr(self, name)
             if v and (len(v) != n or not all(_is(x, kind) and lower <= x <= upper for x in v)):
                 fail(f"{name} must be empty or list {n} numbers in [{lower:g}, {upper:g}], got {shown(v)}")
@@ -350,12 +433,14 @@ class ModelConfig:
             if hd % 2:
                 fail(f"head_dim of layer {layer} must be even for rotary embeddings, got {hd}")
             if self.num_attention_heads % kvh:
-                fail(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of the "
-                     f"{kvh} key/value heads of layer {layer}")
+                fail(
+                    f"num_attention_heads ({self.num_attention_heads}) is not a multiple of the "
+                    f"{kvh} key/value heads of layer {layer}"
+                )
 
         for name, lower, upper in (("rms_norm_eps", 1e-12, 1.0), ("rope_theta", 1.0, 1e12)):
             v = getattr(self, name)
-            if not lower <= v <= upper:       # also false for NaN (before the RoPE tables are counted)
+            if not lower <= v <= upper:  # also false for NaN (before the RoPE tables are counted)
                 fail(f"{name} must be a number in [{lower:g}, {upper:g}], got {shown(v)}")
 
         # products of dimensions: what one table, loop or allocation is sized by
@@ -364,20 +449,39 @@ class ModelConfig:
         moe = sum(self.moe_layers)
         widths = self.rope_table_widths()
         width_name = "rotary_dim" if self.rotary_dim else "layer_head_dims" if self.layer_head_dims else "head_dim"
-        width = (f"{width_name} {' + '.join(map(str, widths))}" if len(widths) <= 4 else
-                 f"{width_name} summing to {sum(widths)} over {len(widths)} tables")
+        width = (
+            f"{width_name} {' + '.join(map(str, widths))}"
+            if len(widths) <= 4
+            else f"{width_name} summing to {sum(widths)} over {len(widths)} tables"
+        )
         for what, value, limit in (
-                (f"MoE layers ({moe} of num_hidden_layers) x num_experts ({self.num_experts})",
-                 moe * self.num_experts, MAX_EXPERT_INSTANCES),
-                (f"num_attention_heads ({self.num_attention_heads}) x {which} ({head_dim})",
-                 self.num_attention_heads * head_dim, MAX_Q_DIM),
-                (f"max_position_embeddings ({self.max_position_embeddings}) x the RoPE tables' width ({width})",
-                 self.max_position_embeddings * sum(widths), MAX_ROPE_TABLE),
-                (f"vocab_size ({self.vocab_size}) x hidden_size ({self.hidden_size})",
-                 self.vocab_size * self.hidden_size, MAX_EMBEDDING),
-                (f"num_experts ({self.num_experts}) x moe_intermediate_size ({self.moe_intermediate_size}) x "
-                 f"hidden_size ({self.hidden_size})",
-                 self.num_experts * self.moe_intermediate_size * self.hidden_size, MAX_EXPERT_WEIGHTS)):
+            (
+                f"MoE layers ({moe} of num_hidden_layers) x num_experts ({self.num_experts})",
+                moe * self.num_experts,
+                MAX_EXPERT_INSTANCES,
+            ),
+            (
+                f"num_attention_heads ({self.num_attention_heads}) x {which} ({head_dim})",
+                self.num_attention_heads * head_dim,
+                MAX_Q_DIM,
+            ),
+            (
+                f"max_position_embeddings ({self.max_position_embeddings}) x the RoPE tables' width ({width})",
+                self.max_position_embeddings * sum(widths),
+                MAX_ROPE_TABLE,
+            ),
+            (
+                f"vocab_size ({self.vocab_size}) x hidden_size ({self.hidden_size})",
+                self.vocab_size * self.hidden_size,
+                MAX_EMBEDDING,
+            ),
+            (
+                f"num_experts ({self.num_experts}) x moe_intermediate_size ({self.moe_intermediate_size}) x "
+                f"hidden_size ({self.hidden_size})",
+                self.num_experts * self.moe_intermediate_size * self.hidden_size,
+                MAX_EXPERT_WEIGHTS,
+            ),
+        ):
             if value > limit:
                 fail(f"{what} = {value} exceeds {limit} (far beyond any real model: a damaged config.json?)")
 
@@ -389,15 +493,17 @@ class ModelConfig:
             fail(f"embedding_scale must be a positive number, got {shown(self.embedding_scale)}")
         if self.router_score not in ROUTER_SCORES:
             fail(f"router_score must be one of {', '.join(ROUTER_SCORES)}, got {shown(self.router_score)}")
-        bounded("n_group", 1, min(self.num_experts, 64))          # routing.h holds 64 group scores
+        bounded("n_group", 1, min(self.num_experts, 64))  # routing.h holds 64 group scores
         bounded("topk_group", 1, self.n_group)
         if self.num_experts % self.n_group:
             fail(f"num_experts ({self.num_experts}) is not a multiple of n_group ({self.n_group})")
         if self.n_group > 1 and (self.router_score != "sigmoid" or self.num_experts // self.n_group < 2):
             fail("n_group > 1 needs router_score 'sigmoid' and at least 2 experts per group")
         if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
-            fail(f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} experts cannot hold "
-                 f"num_experts_per_tok ({self.num_experts_per_tok})")
+            fail(
+                f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} experts cannot hold "
+                f"num_experts_per_tok ({self.num_experts_per_tok})"
+            )
         if not 0 < self.routed_scaling_factor < 1e6:
             fail(f"routed_scaling_factor must be a positive number, got {shown(self.routed_scaling_factor)}")
         if self.router_bias and self.router_score != "sigmoid":
@@ -405,24 +511,41 @@ class ModelConfig:
         if self.rotary_dim:
             smallest = min(self.layer_head_dims or [self.head_dim])
             if not 2 <= self.rotary_dim <= smallest or self.rotary_dim % 2 or self.layer_rope_fraction:
-                fail(f"rotary_dim must be 0 or an even number up to head_dim ({smallest}), and not with "
-                     f"layer_rope_fraction; got {shown(self.rotary_dim)}")
+                fail(
+                    f"rotary_dim must be 0 or an even number up to head_dim ({smallest}), and not with "
+                    f"layer_rope_fraction; got {shown(self.rotary_dim)}"
+                )
         for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor"):
             if not 0 < getattr(self, name) < 1e6:
                 fail(f"{name} must be a positive number, got {shown(getattr(self, name))}")
-        if self.yarn_factor and (not 1.0 <= self.yarn_factor <= 1e4 or self.layer_rope_fraction or self.layer_rope_theta):
+        if self.yarn_factor and (
+            not 1.0 <= self.yarn_factor <= 1e4 or self.layer_rope_fraction or self.layer_rope_theta
+        ):
             fail(f"yarn_factor must be 0 or in [1, 1e4], and not with per-layer RoPE; got {shown(self.yarn_factor)}")
         bounded("yarn_original_max_position_embeddings", 1 if self.yarn_factor else 0, MAX_POSITIONS)
         for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             bounded(name, 0, MAX_HIDDEN)
         if self.kv_lora_rank:
-            if (self.head_dim != self.kv_lora_rank + self.rotary_dim or self.num_key_value_heads != 1
-                    or self.qk_nope_head_dim < 1 or self.v_head_dim < 1 or self.layer_head_dims or self.layer_kv_heads
-                    or self.qk_norm != "none" or self.attention_bias or self.attention_out_bias or self.v_norm
-                    or self.attention_k_eq_v or "sliding_attention" in self.layer_types or self.attention_sinks):
-                fail("multi-head latent attention (kv_lora_rank > 0) needs head_dim = kv_lora_rank + rotary_dim, one "
-                     "key/value head, qk_nope_head_dim and v_head_dim > 0, and none of per-layer geometry, q/k norms, "
-                     "biases, v_norm, attention_k_eq_v, sliding windows, sinks")
+            if (
+                self.head_dim != self.kv_lora_rank + self.rotary_dim
+                or self.num_key_value_heads != 1
+                or self.qk_nope_head_dim < 1
+                or self.v_head_dim < 1
+                or self.layer_head_dims
+                or self.layer_kv_heads
+                or self.qk_norm != "none"
+                or self.attention_bias
+                or self.attention_out_bias
+                or self.v_norm
+                or self.attention_k_eq_v
+                or "sliding_attention" in self.layer_types
+                or self.attention_sinks
+            ):
+                fail(
+                    "multi-head latent attention (kv_lora_rank > 0) needs head_dim = kv_lora_rank + rotary_dim, one "
+                    "key/value head, qk_nope_head_dim and v_head_dim > 0, and none of per-layer geometry, q/k norms, "
+                    "biases, v_norm, attention_k_eq_v, sliding windows, sinks"
+                )
             if self.attention_scale is None:
                 fail("multi-head latent attention needs attention_scale (qk_head_dim^-0.5 times YaRN's mscale^2)")
         elif self.q_lora_rank or self.qk_nope_head_dim or self.v_head_dim:
@@ -489,9 +612,14 @@ class ModelConfig:
         """The YaRN parameters spec.rope_tables takes, or None for plain RoPE."""
         if not self.yarn_factor:
             return None
-        return {"factor": self.yarn_factor, "original_max_position_embeddings": self.yarn_original_max_position_embeddings,
-                "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow, "truncate": self.yarn_truncate,
-                "attention_factor": self.yarn_attention_factor}
+        return {
+            "factor": self.yarn_factor,
+            "original_max_position_embeddings": self.yarn_original_max_position_embeddings,
+            "beta_fast": self.yarn_beta_fast,
+            "beta_slow": self.yarn_beta_slow,
+            "truncate": self.yarn_truncate,
+            "attention_factor": self.yarn_attention_factor,
+        }
 
     def layer_rope(self, layer: int) -> tuple:
         """(base, fraction of the head's rotary pairs that rotate) of a layer."""

@@ -55,6 +55,7 @@ or random model can then spend its whole budget on spaces. The default here is b
 llama.cpp's JSON grammars (WHITESPACE: a few spaces, or a newline and an indentation); a schema
 may set its own with llguidance's top-level "x-guidance" key (e.g. {"whitespace_flexible": true}).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -70,19 +71,19 @@ from ._kernels import mask_logits
 from .errors import ColibriError
 
 KINDS = ("json_schema", "json_object", "grammar", "regex")
-MAX_SPEC_CHARS = 1 << 20          # a schema / grammar / regex longer than this is refused
-COMPILE_SECONDS = 10.0            # the caller waits at most this long for a compilation
-WHITESPACE = r"[ \t]{0,4}|\r?\n[ \t]{0,32}"       # between JSON tokens (llama.cpp: " " | "\n"{1,2} [ \t]{0,20})
-LIMITS = dict(                    # llguidance.LLParserLimits; its defaults but fewer lexer states (1-2 kB each)
-    max_grammar_size=500_000,     # symbols in the grammar's productions
+MAX_SPEC_CHARS = 1 << 20  # a schema / grammar / regex longer than this is refused
+COMPILE_SECONDS = 10.0  # the caller waits at most this long for a compilation
+WHITESPACE = r"[ \t]{0,4}|\r?\n[ \t]{0,32}"  # between JSON tokens (llama.cpp: " " | "\n"{1,2} [ \t]{0,20})
+LIMITS = dict(  # llguidance.LLParserLimits; its defaults but fewer lexer states (1-2 kB each)
+    max_grammar_size=500_000,  # symbols in the grammar's productions
     initial_lexer_fuel=1_000_000,  # building the lexer (~50k / ms)
-    step_lexer_fuel=200_000,      # the lexer's work per mask (~14k / ms)
-    step_max_items=50_000,        # Earley items per mask (~20k / ms)
+    step_lexer_fuel=200_000,  # the lexer's work per mask (~14k / ms)
+    step_max_items=50_000,  # Earley items per mask (~20k / ms)
     max_lexer_states=100_000,
-    verbose_errors=False,         # errors without the parser state and the grammar: one line
+    verbose_errors=False,  # errors without the parser state and the grammar: one line
 )
-MASK_WORKERS = 4                  # threads computing masks (one per constrained sequence at a time)
-BACKGROUND = True                 # default of Constraint(background=None)
+MASK_WORKERS = 4  # threads computing masks (one per constrained sequence at a time)
+BACKGROUND = True  # default of Constraint(background=None)
 _NO_TOKEN = "colibri: no token writes byte"
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _INSTALL = "constrained decoding (json_schema, json_object, grammar, regex) needs llguidance: pip install llguidance"
@@ -117,13 +118,21 @@ def requested(json_schema=None, json_object=False, grammar=None, regex=None) -> 
     when none was. ColibriError for more than one, or a value of the wrong type or size."""
     if not isinstance(json_object, (bool, np.bool_)):
         raise ColibriError(f"json_object must be True or False, got {json_object!r}")
-    given = {k: v for k, v in (("json_schema", json_schema), ("json_object", json_object or None),
-                               ("grammar", grammar), ("regex", regex)) if v is not None}
+    given = {
+        k: v
+        for k, v in (
+            ("json_schema", json_schema),
+            ("json_object", json_object or None),
+            ("grammar", grammar),
+            ("regex", regex),
+        )
+        if v is not None
+    }
     if not given:
         return None
     if len(given) > 1:
         raise ColibriError(f"give at most one of json_schema, json_object, grammar, regex; got {', '.join(given)}")
-    (kind, value), = given.items()
+    ((kind, value),) = given.items()
     if kind == "json_object":
         return {kind: True}
     if kind == "json_schema":
@@ -135,8 +144,9 @@ def requested(json_schema=None, json_object=False, grammar=None, regex=None) -> 
             except ValueError as e:
                 raise ColibriError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ColibriError(f"json_schema must be a JSON object (a dict or its JSON text), "
-                               f"got {type(value).__name__}")
+            raise ColibriError(
+                f"json_schema must be a JSON object (a dict or its JSON text), got {type(value).__name__}"
+            )
         try:
             text = json.dumps(value)
         except (TypeError, ValueError, RecursionError) as e:
@@ -153,6 +163,7 @@ def requested(json_schema=None, json_object=False, grammar=None, regex=None) -> 
 
 # ---- the vocabulary ------------------------------------------------------------------------------
 
+
 class _PieceTokens:
     """Sentencepiece-style pieces in the shape llguidance.TokenizerWrapper reads: `tokens` (the
     bytes of each id: "▁" a space, <0xNN> that byte, a special piece its name), `eos_token_id`,
@@ -163,7 +174,7 @@ class _PieceTokens:
 
     def __init__(self, pieces, byte, special, stop_ids, bos_id, encode, n_vocab):
         special = set(special)
-        tokens = []                                          # [n_vocab] bytes
+        tokens = []  # [n_vocab] bytes
         for i, piece in enumerate(pieces):
             if piece is None:
                 tokens.append(b"")
@@ -182,7 +193,7 @@ class _PieceTokens:
         self._encode = encode
         self._longest = max(map(len, tokens), default=1)
         self._by_bytes = {}
-        for i in sorted(range(len(tokens)), key=lambda i: (byte[i], i)):   # a piece before a byte
+        for i in sorted(range(len(tokens)), key=lambda i: (byte[i], i)):  # a piece before a byte
             if i not in special and tokens[i]:
                 self._by_bytes.setdefault(tokens[i], i)
 
@@ -191,16 +202,30 @@ class _PieceTokens:
         sp = tok.sp
         n = sp.GetPieceSize()
         special = set(tok.special_ids) | {i for i in range(n) if sp.IsUnused(i)}
-        return cls([sp.IdToPiece(i) for i in range(n)], [sp.IsByte(i) for i in range(n)], special, stop_ids,
-                   tok.bos_token_id, sp.EncodeAsIds, n_vocab)
+        return cls(
+            [sp.IdToPiece(i) for i in range(n)],
+            [sp.IsByte(i) for i in range(n)],
+            special,
+            stop_ids,
+            tok.bos_token_id,
+            sp.EncodeAsIds,
+            n_vocab,
+        )
 
     @classmethod
     def of_metaspace_json(cls, tok, stop_ids, n_vocab):
         inner = tok._tok
         pieces = [inner.id_to_token(i) for i in range(tok.vocab_size)]
         byte = [p is not None and _BYTE_PIECE.fullmatch(p) is not None for p in pieces]
-        return cls(pieces, byte, tok.special_ids, stop_ids, tok.bos_token_id,
-                   lambda text: inner.encode(text, add_special_tokens=False).ids, n_vocab)
+        return cls(
+            pieces,
+            byte,
+            tok.special_ids,
+            stop_ids,
+            tok.bos_token_id,
+            lambda text: inner.encode(text, add_special_tokens=False).ids,
+            n_vocab,
+        )
 
     def __call__(self, text) -> list:
         data = text if isinstance(text, bytes) else str(text).encode("utf-8")
@@ -208,17 +233,17 @@ class _PieceTokens:
             ids = [int(i) for i in self._encode(data.decode("utf-8"))]
             if b"".join(self.tokens[i] for i in ids) == data:
                 return ids
-        except Exception:                # noqa: BLE001 - a partial character, an id past the pieces
+        except Exception:  # noqa: BLE001 - a partial character, an id past the pieces
             pass
-        ids, at = [], 0                  # a dummy prefix space, or a partial character: longest pieces
+        ids, at = [], 0  # a dummy prefix space, or a partial character: longest pieces
         while at < len(data):
             for n in range(min(self._longest, len(data) - at), 0, -1):
-                i = self._by_bytes.get(data[at:at + n])
+                i = self._by_bytes.get(data[at : at + n])
                 if i is not None:
                     ids.append(i)
                     at += n
                     break
-            else:                        # llguidance turns this into an error state (_compute reports it)
+            else:  # llguidance turns this into an error state (_compute reports it)
                 raise ValueError(f"{_NO_TOKEN} {data[at]:#04x}")
         return ids
 
@@ -230,11 +255,13 @@ class Vocabulary:
         llg = _llguidance()
         if tokenizer is None:
             raise ColibriError("constrained decoding needs the model's tokenizer (tokenizer.json or tokenizer.model)")
-        self.n_vocab = int(n_vocab)                                  # the model's vocab_size (logits)
+        self.n_vocab = int(n_vocab)  # the model's vocab_size (logits)
         self.stop_ids = tuple(dict.fromkeys(int(i) for i in stop_ids if 0 <= int(i) < self.n_vocab))
         if not self.stop_ids:
-            raise ColibriError("constrained decoding needs a stop token (eos_token_id in config.json, "
-                               "generation_config.json or the tokenizer's eos_token): this model has none")
+            raise ColibriError(
+                "constrained decoding needs a stop token (eos_token_id in config.json, "
+                "generation_config.json or the tokenizer's eos_token): this model has none"
+            )
         if tokenizer.kind == "tokenizer.json":
             source = _tokenizer_json(tokenizer)
             if _metaspace_decoder(source) and getattr(tokenizer, "_tok", None) is not None:
@@ -245,12 +272,13 @@ class Vocabulary:
             raise ColibriError(f"constrained decoding reads tokenizer.json or tokenizer.model, not {tokenizer.kind}")
         try:
             self.ll = llg.LLTokenizer(source, n_vocab=self.n_vocab, eos_token=list(self.stop_ids))
-        except Exception as e:        # noqa: BLE001 - llguidance raises plain exceptions for what it cannot read
+        except Exception as e:  # noqa: BLE001 - llguidance raises plain exceptions for what it cannot read
             raise ColibriError(f"{tokenizer.path}: llguidance cannot read this tokenizer ({_first_line(e)})") from None
         if self.ll.vocab_size != self.n_vocab:
-            raise ColibriError(f"{tokenizer.path}: llguidance sees {self.ll.vocab_size} token ids, the model has "
-                               f"{self.n_vocab}")
-        self.words = (self.n_vocab + 31) // 32                      # int32 words of a bitmask
+            raise ColibriError(
+                f"{tokenizer.path}: llguidance sees {self.ll.vocab_size} token ids, the model has {self.n_vocab}"
+            )
+        self.words = (self.n_vocab + 31) // 32  # int32 words of a bitmask
 
     def decode(self, ids) -> str:
         return self.ll.decode_str([int(i) for i in ids])
@@ -281,6 +309,7 @@ def _tokenizer_json(tok) -> str:
 
 # ---- one generation's constraint ----------------------------------------------------------------
 
+
 def _compile(vocab: Vocabulary, kind: str, value):
     """An llguidance.LLMatcher for the constraint, or a one-line ColibriError naming what is wrong."""
     llg = _llguidance()
@@ -296,7 +325,7 @@ def _compile(vocab: Vocabulary, kind: str, value):
             else:
                 text = llg.LLMatcher.grammar_from_regex(value)
             box["matcher"] = llg.LLMatcher(vocab.ll, text, log_level=0, limits=llg.LLParserLimits(**LIMITS))
-        except Exception as e:       # noqa: BLE001 - reported below, on the caller's thread
+        except Exception as e:  # noqa: BLE001 - reported below, on the caller's thread
             box["error"] = e
 
     worker = threading.Thread(target=work, name="colibri-grammar", daemon=True)
@@ -317,23 +346,31 @@ class Constraint:
     token; reset() starts again (Sampler.reset). Not shared between threads: only its own worker
     touches the matcher, while a mask is being computed."""
 
-    def __init__(self, vocabulary: Vocabulary, *, json_schema=None, json_object=False, grammar=None, regex=None,
-                 background: bool | None = None):
+    def __init__(
+        self,
+        vocabulary: Vocabulary,
+        *,
+        json_schema=None,
+        json_object=False,
+        grammar=None,
+        regex=None,
+        background: bool | None = None,
+    ):
         spec = requested(json_schema=json_schema, json_object=json_object, grammar=grammar, regex=regex)
         if spec is None:
             raise ColibriError("give one of json_schema, json_object, grammar, regex")
-        (self.kind, value), = spec.items()
+        ((self.kind, value),) = spec.items()
         self.vocab = vocabulary
         self.n_vocab = vocabulary.n_vocab
         self.background = BACKGROUND if background is None else bool(background)
         self._matcher = _compile(vocabulary, self.kind, value)
-        self._bits = np.zeros(vocabulary.words, np.uint32)    # [ceil(vocab / 32)] bit i & 31 of word i >> 5:
-        self._known = False                                    # token i allowed; computed for this position
-        self._allowed = None                                   # bool [vocab] unpacked from it, on request
-        self._validated = None                                 # a token validate_tokens allowed here, unmasked
-        self._future = None                                    # the worker computing the mask
-        self._tokens = []                                      # ids consumed so far
-        self.finished = False                                  # a stop token ended the output
+        self._bits = np.zeros(vocabulary.words, np.uint32)  # [ceil(vocab / 32)] bit i & 31 of word i >> 5:
+        self._known = False  # token i allowed; computed for this position
+        self._allowed = None  # bool [vocab] unpacked from it, on request
+        self._validated = None  # a token validate_tokens allowed here, unmasked
+        self._future = None  # the worker computing the mask
+        self._tokens = []  # ids consumed so far
+        self.finished = False  # a stop token ended the output
         self._start()
 
     # -- the mask --
@@ -342,12 +379,12 @@ class Constraint:
         """The mask of the current position into self._bits: None, or an error message. Runs on
         a worker (or inline) and is then the only code touching the matcher and the bits."""
         m = self._matcher
-        m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)       # without the GIL
+        m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)  # without the GIL
         if m.is_error():
             error = _first_line(m.get_error())
-            if error in ("NoExtension", "NoExtensionBias"):        # no token continues the output
+            if error in ("NoExtension", "NoExtensionBias"):  # no token continues the output
                 return self._no_token(f" (llguidance: {error})")
-            if _NO_TOKEN in m.get_error():                          # bytes it must write have no token
+            if _NO_TOKEN in m.get_error():  # bytes it must write have no token
                 return self._no_token("")
             return f"the {self.kind} constraint failed after {len(self._tokens)} tokens: {error}"
         if not self._bits.any():
@@ -355,9 +392,11 @@ class Constraint:
         return None
 
     def _no_token(self, why: str) -> str:
-        return (f"the {self.kind} constraint allows no token of this vocabulary after {len(self._tokens)} tokens "
-                f"(output so far: {self.text()[-80:]!r}): it needs text this tokenizer cannot write, or it cannot "
-                f"be satisfied{why}")
+        return (
+            f"the {self.kind} constraint allows no token of this vocabulary after {len(self._tokens)} tokens "
+            f"(output so far: {self.text()[-80:]!r}): it needs text this tokenizer cannot write, or it cannot "
+            f"be satisfied{why}"
+        )
 
     def _start(self) -> None:
         self._known = False
@@ -404,7 +443,7 @@ class Constraint:
             return False
         if self._validated == token:
             return True
-        if token in self.vocab.stop_ids:         # validate_tokens never takes one; the mask, when complete
+        if token in self.vocab.stop_ids:  # validate_tokens never takes one; the mask, when complete
             ok = self._matcher.is_accepting()
         else:
             ok = self._matcher.validate_tokens([token]) == 1
@@ -424,20 +463,23 @@ class Constraint:
         if logits.dtype == np.float32 and logits.flags.c_contiguous:
             mask_logits(logits, bits, out)
             return out
-        np.copyto(out, logits)                   # float64 (or strided) logits: the rare path
+        np.copyto(out, logits)  # float64 (or strided) logits: the rare path
         out[~self.allowed()] = -np.inf
         return out
 
     def consume(self, token: int) -> None:
         """Advance by the chosen token and start computing the next mask (on the worker)."""
         token = int(token)
-        if not self.allows(token):              # (a token allows() validated needs no mask)
-            raise ColibriError(f"token {token} is not allowed by the {self.kind} constraint here "
-                               f"(output so far: {self.text()[-80:]!r})")
-        if not self._matcher.consume_token(token):      # a mask llguidance could not keep (it happens
-            raise ColibriError(                          # where the grammar needs bytes no token has)
+        if not self.allows(token):  # (a token allows() validated needs no mask)
+            raise ColibriError(
+                f"token {token} is not allowed by the {self.kind} constraint here "
+                f"(output so far: {self.text()[-80:]!r})"
+            )
+        if not self._matcher.consume_token(token):  # a mask llguidance could not keep (it happens
+            raise ColibriError(  # where the grammar needs bytes no token has)
                 f"the {self.kind} constraint cannot continue after {len(self._tokens)} tokens (output so far: "
-                f"{self.text()[-80:]!r}); llguidance refused token {token}: {_first_line(self._matcher.get_error())}")
+                f"{self.text()[-80:]!r}); llguidance refused token {token}: {_first_line(self._matcher.get_error())}"
+            )
         self._tokens.append(token)
         if token in self.vocab.stop_ids and self._matcher.is_stopped():
             self.finished = True
@@ -451,11 +493,11 @@ class Constraint:
         """Back to the start of the grammar (a new generation); the first mask is computed on
         the worker meanwhile."""
         if not self._tokens and not self.finished:
-            return                               # nothing consumed: the first mask stands
+            return  # nothing consumed: the first mask stands
         if self._future is not None:
             try:
-                self._result()                   # the matcher must be idle (an error is moot now)
-            except Exception:                    # noqa: BLE001
+                self._result()  # the matcher must be idle (an error is moot now)
+            except Exception:  # noqa: BLE001
                 pass
         self._matcher.reset()
         self._tokens = []

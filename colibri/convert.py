@@ -33,6 +33,7 @@ int8/int4/bf16 matrix whose rows are not a multiple of 8 stays `rows` (bf16: als
 are not a multiple of 32), and so does an f32/f16 matrix asked to be interleaved (a toy matrix
 kept in f16); `--quantize` f32/f16 with `interleaved` is an error.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import (MAX_EXPERTS, MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS,
-                     MAX_VOCAB, ModelConfig, shown)
+from .config import (
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    ModelConfig,
+    shown,
+)
 from .errors import ColibriError
 from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
@@ -59,9 +70,23 @@ from . import _os, textfiles
 from .interrupts import signals_deferred
 from .progress import progress as progress_bar
 from .formats import FORMATS, check_layout, layouts_of
-from .modeldir import (BLOCK_FORMATS, IMPORTANCE_FORMATS, CONFIG_NAME, FORMAT_NAME, MAX_CONFIG_BYTES, ROLES,
-                       WEIGHT_DTYPES, MappedModelDir, ModelDir, ModelDirWriter, from_storage, storage_nbytes,
-                       tensor_file, tensor_role, to_storage)
+from .modeldir import (
+    BLOCK_FORMATS,
+    IMPORTANCE_FORMATS,
+    CONFIG_NAME,
+    FORMAT_NAME,
+    MAX_CONFIG_BYTES,
+    ROLES,
+    WEIGHT_DTYPES,
+    MappedModelDir,
+    ModelDir,
+    ModelDirWriter,
+    from_storage,
+    storage_nbytes,
+    tensor_file,
+    tensor_role,
+    to_storage,
+)
 from . import quant
 from .quant import LAYOUTS, QBLOCK, TGROUP, default_layout, from_rows
 
@@ -87,7 +112,7 @@ class _HF:
 
     def __init__(self, d: dict, where: str, arch: str = "", prefix: str = "", top: dict | None = None):
         self.d, self.where, self.arch, self.prefix = d, where, arch, prefix
-        self.top = top or {}          # fields inherited from the top level (named without the prefix)
+        self.top = top or {}  # fields inherited from the top level (named without the prefix)
 
     def name(self, key) -> str:
         return key if key in self.top else self.prefix + key
@@ -99,8 +124,9 @@ class _HF:
         v = self.d.get(key)
         if v is None:
             if default is _REQUIRED:
-                raise ColibriError(f"{self.where}: missing field {self.name(key)!r}"
-                                   + (f" for {self.arch}" if self.arch else ""))
+                raise ColibriError(
+                    f"{self.where}: missing field {self.name(key)!r}" + (f" for {self.arch}" if self.arch else "")
+                )
             return default
         return v
 
@@ -218,17 +244,23 @@ def _common(hf: _HF, own_attention: bool = True) -> dict:
         if rope_type == "yarn" or scaling_type == "yarn":
             yarn = _yarn(hf, rope if rope_type == "yarn" else scaling)
         elif rope_type != "default" or scaling_type not in (None, "default"):
-            raise ColibriError(f"{hf.where}: RoPE type {shown(rope_type if rope_type != 'default' else scaling.d)} "
-                               f"is not supported (the default rotary embedding and YaRN are)")
+            raise ColibriError(
+                f"{hf.where}: RoPE type {shown(rope_type if rope_type != 'default' else scaling.d)} "
+                f"is not supported (the default rotary embedding and YaRN are)"
+            )
         theta = rope.num("rope_theta", None)
         head_dim = hf.dim("head_dim", 0, hi=MAX_HEAD_DIM, lo=0) or hidden // heads
         factor = rope.num("partial_rotary_factor", None)
         factor = hf.num("partial_rotary_factor", 1.0) if factor is None else factor
         if not 0 < factor <= 1:
             raise ColibriError(f"{hf.where}: partial_rotary_factor must be in (0, 1], got {shown(factor)}")
-        out.update(num_key_value_heads=hf.dim("num_key_value_heads", 0, hi=MAX_HEADS, lo=0) or heads,
-                   head_dim=head_dim, rotary_dim=0 if factor == 1 else int(head_dim * factor),
-                   rope_theta=hf.num("rope_theta", 10000.0) if theta is None else theta, **yarn)
+        out.update(
+            num_key_value_heads=hf.dim("num_key_value_heads", 0, hi=MAX_HEADS, lo=0) or heads,
+            head_dim=head_dim,
+            rotary_dim=0 if factor == 1 else int(head_dim * factor),
+            rope_theta=hf.num("rope_theta", 10000.0) if theta is None else theta,
+            **yarn,
+        )
     return out
 
 
@@ -247,12 +279,17 @@ def _yarn(hf: _HF, p: _HF) -> dict:
     attention = p.num("attention_factor", None)
     mscale, mscale_all = p.num("mscale", None), p.num("mscale_all_dim", None)
     if attention is None:
-        attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
-                     else get_mscale(factor))
-    return dict(yarn_factor=float(factor), yarn_original_max_position_embeddings=original,
-                yarn_beta_fast=float(p.num("beta_fast", None) or 32.0),
-                yarn_beta_slow=float(p.num("beta_slow", None) or 1.0),
-                yarn_truncate=p.bool("truncate", True), yarn_attention_factor=float(attention))
+        attention = (
+            get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all else get_mscale(factor)
+        )
+    return dict(
+        yarn_factor=float(factor),
+        yarn_original_max_position_embeddings=original,
+        yarn_beta_fast=float(p.num("beta_fast", None) or 32.0),
+        yarn_beta_slow=float(p.num("beta_slow", None) or 1.0),
+        yarn_truncate=p.bool("truncate", True),
+        yarn_attention_factor=float(attention),
+    )
 
 
 def _experts(hf: _HF, *keys) -> int:
@@ -279,11 +316,16 @@ def _uniform_window(n: int, window):
 
 def _mixtral(hf: _HF) -> dict:
     n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
-    return dict(_common(hf), architecture="mixtral", num_experts=_experts(hf, "num_local_experts"),
-                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
-                moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
-                norm_topk_prob=True, moe_layers=[True] * n,
-                **_uniform_window(n, hf.dim("sliding_window", 0, hi=MAX_POSITIONS, lo=0)))
+    return dict(
+        _common(hf),
+        architecture="mixtral",
+        num_experts=_experts(hf, "num_local_experts"),
+        num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+        moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
+        norm_topk_prob=True,
+        moe_layers=[True] * n,
+        **_uniform_window(n, hf.dim("sliding_window", 0, hi=MAX_POSITIONS, lo=0)),
+    )
 
 
 def _qwen3_moe(hf: _HF) -> dict:
@@ -291,24 +333,39 @@ def _qwen3_moe(hf: _HF) -> dict:
     window = hf.dim("sliding_window", 0, hi=MAX_POSITIONS, lo=0) if hf.bool("use_sliding_window", False) else None
     bias = hf.bool("attention_bias", False)
     experts = _experts(hf, "num_experts", "num_local_experts")
-    return dict(_common(hf), architecture="qwen3_moe", num_experts=experts,
-                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
-                moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
-                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
-                norm_topk_prob=hf.bool("norm_topk_prob", False),
-                qk_norm="per_head", attention_bias=bias, attention_out_bias=bias,
-                moe_layers=_sparse_layers(hf, experts), **_uniform_window(n, window))
+    return dict(
+        _common(hf),
+        architecture="qwen3_moe",
+        num_experts=experts,
+        num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+        moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
+        intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+        norm_topk_prob=hf.bool("norm_topk_prob", False),
+        qk_norm="per_head",
+        attention_bias=bias,
+        attention_out_bias=bias,
+        moe_layers=_sparse_layers(hf, experts),
+        **_uniform_window(n, window),
+    )
 
 
 def _olmoe(hf: _HF) -> dict:
     n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
     bias = hf.bool("attention_bias", False)
-    return dict(_common(hf), architecture="olmoe", num_experts=_experts(hf, "num_experts"),
-                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
-                moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
-                norm_topk_prob=hf.bool("norm_topk_prob", False), qk_norm="whole",
-                clip_qkv=hf.num("clip_qkv", None), attention_bias=bias, attention_out_bias=bias,
-                moe_layers=[True] * n, **_uniform_window(n, None))
+    return dict(
+        _common(hf),
+        architecture="olmoe",
+        num_experts=_experts(hf, "num_experts"),
+        num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+        moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
+        norm_topk_prob=hf.bool("norm_topk_prob", False),
+        qk_norm="whole",
+        clip_qkv=hf.num("clip_qkv", None),
+        attention_bias=bias,
+        attention_out_bias=bias,
+        moe_layers=[True] * n,
+        **_uniform_window(n, None),
+    )
 
 
 def _qwen2_moe(hf: _HF) -> dict:
@@ -316,15 +373,20 @@ def _qwen2_moe(hf: _HF) -> dict:
     types = hf.list("layer_types", n=n, kind=str, default=None) or ["full_attention"] * n
     sliding = "sliding_attention" in types
     experts = _experts(hf, "num_experts")
-    return dict(_common(hf), architecture="qwen2_moe", num_experts=experts,
-                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
-                moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
-                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
-                shared_expert_intermediate_size=hf.dim("shared_expert_intermediate_size", 0, hi=MAX_FFN, lo=0),
-                norm_topk_prob=hf.bool("norm_topk_prob", False),
-                attention_bias=hf.bool("qkv_bias", hf.bool("attention_bias", True)),
-                moe_layers=_sparse_layers(hf, experts), layer_types=list(types),
-                sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if sliding else None)
+    return dict(
+        _common(hf),
+        architecture="qwen2_moe",
+        num_experts=experts,
+        num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+        moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
+        intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+        shared_expert_intermediate_size=hf.dim("shared_expert_intermediate_size", 0, hi=MAX_FFN, lo=0),
+        norm_topk_prob=hf.bool("norm_topk_prob", False),
+        attention_bias=hf.bool("qkv_bias", hf.bool("attention_bias", True)),
+        moe_layers=_sparse_layers(hf, experts),
+        layer_types=list(types),
+        sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if sliding else None,
+    )
 
 
 def _glm4_moe(hf: _HF) -> dict:
@@ -336,22 +398,38 @@ def _glm4_moe(hf: _HF) -> dict:
     experts = _experts(hf, "n_routed_experts")
     dense = hf.int("first_k_dense_replace", 0, hi=n)
     ff = hf.dim("moe_intermediate_size", hi=MAX_FFN)
-    return dict(_common(hf), architecture="glm4_moe", num_experts=experts,
-                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS), moe_intermediate_size=ff,
-                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
-                shared_expert_intermediate_size=ff * hf.int("n_shared_experts", 0, hi=MAX_EXPERTS),
-                shared_expert_gated=False, norm_topk_prob=hf.bool("norm_topk_prob", True),
-                attention_bias=hf.bool("attention_bias", False),
-                qk_norm="per_head" if hf.bool("use_qk_norm", False) else "none",
-                router_score="sigmoid", router_bias=True, n_group=hf.dim("n_group", 1, hi=MAX_EXPERTS),
-                topk_group=hf.dim("topk_group", 1, hi=MAX_EXPERTS),
-                routed_scaling_factor=hf.num("routed_scaling_factor", 1.0),
-                moe_layers=[i >= dense for i in range(n)], **_uniform_window(n, 0))
+    return dict(
+        _common(hf),
+        architecture="glm4_moe",
+        num_experts=experts,
+        num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+        moe_intermediate_size=ff,
+        intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+        shared_expert_intermediate_size=ff * hf.int("n_shared_experts", 0, hi=MAX_EXPERTS),
+        shared_expert_gated=False,
+        norm_topk_prob=hf.bool("norm_topk_prob", True),
+        attention_bias=hf.bool("attention_bias", False),
+        qk_norm="per_head" if hf.bool("use_qk_norm", False) else "none",
+        router_score="sigmoid",
+        router_bias=True,
+        n_group=hf.dim("n_group", 1, hi=MAX_EXPERTS),
+        topk_group=hf.dim("topk_group", 1, hi=MAX_EXPERTS),
+        routed_scaling_factor=hf.num("routed_scaling_factor", 1.0),
+        moe_layers=[i >= dense for i in range(n)],
+        **_uniform_window(n, 0),
+    )
 
 
 # transformers' GptOssConfig defaults where a config.json says nothing of RoPE
-_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 150000.0,
+}
 
 
 def _gpt_oss(hf: _HF) -> dict:
@@ -361,24 +439,42 @@ def _gpt_oss(hf: _HF) -> dict:
     (quantization_config.quant_method "mxfp4": *_blocks / *_scales) or as floats."""
     n = hf.dim("num_hidden_layers", hi=MAX_LAYERS)
     if hf.d.get("rope_parameters") is None and hf.d.get("rope_scaling") is None:
-        hf = _HF(dict(hf.d, rope_parameters={**_GPT_OSS_ROPE, "rope_theta": hf.num("rope_theta", 150000.0)}),
-                 hf.where, hf.arch, hf.prefix)
+        hf = _HF(
+            dict(hf.d, rope_parameters={**_GPT_OSS_ROPE, "rope_theta": hf.num("rope_theta", 150000.0)}),
+            hf.where,
+            hf.arch,
+            hf.prefix,
+        )
     quant = hf.sub(hf.obj("quantization_config", {}), "quantization_config.")
     method = quant.str("quant_method", None)
     if method not in (None, "mxfp4"):
-        raise ColibriError(f"{hf.where}: quantization_config.quant_method {shown(method)} is not supported for "
-                           f"gpt-oss (mxfp4 is, and unquantized checkpoints)")
+        raise ColibriError(
+            f"{hf.where}: quantization_config.quant_method {shown(method)} is not supported for "
+            f"gpt-oss (mxfp4 is, and unquantized checkpoints)"
+        )
     default_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     types = hf.list("layer_types", n=n, kind=str, default=None) or default_types
     bias = hf.bool("attention_bias", True)
     top_k = hf.dim("num_experts_per_tok", 0, hi=MAX_EXPERTS, lo=0) or hf.dim("experts_per_token", hi=MAX_EXPERTS)
-    return dict(_common(hf), architecture="gpt_oss", num_experts=_experts(hf, "num_local_experts"),
-                num_experts_per_tok=top_k, moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
-                norm_topk_prob=True, attention_bias=bias, attention_out_bias=bias, attention_sinks=True,
-                router_logit_bias=True, expert_bias=True, hidden_act="swiglu_clamped",
-                swiglu_alpha=hf.num("swiglu_alpha", 1.702), swiglu_limit=hf.num("swiglu_limit", 7.0),
-                moe_layers=[True] * n, layer_types=list(types),
-                sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if "sliding_attention" in types else None)
+    return dict(
+        _common(hf),
+        architecture="gpt_oss",
+        num_experts=_experts(hf, "num_local_experts"),
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
+        norm_topk_prob=True,
+        attention_bias=bias,
+        attention_out_bias=bias,
+        attention_sinks=True,
+        router_logit_bias=True,
+        expert_bias=True,
+        hidden_act="swiglu_clamped",
+        swiglu_alpha=hf.num("swiglu_alpha", 1.702),
+        swiglu_limit=hf.num("swiglu_limit", 7.0),
+        moe_layers=[True] * n,
+        layer_types=list(types),
+        sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if "sliding_attention" in types else None,
+    )
 
 
 def _deepseek_v3(hf: _HF) -> dict:
@@ -402,44 +498,66 @@ def _deepseek_v3(hf: _HF) -> dict:
     rope_params = hf.obj("rope_parameters", None) or hf.obj("rope_scaling", None) or {}
     kind = rope_params.get("rope_type", rope_params.get("type", "default"))
     all_dim = rope_params.get("mscale_all_dim") if kind != "default" else None
-    if all_dim:                        # transformers' yarn_apply_mscale: the softmax scale times mscale^2
+    if all_dim:  # transformers' yarn_apply_mscale: the softmax scale times mscale^2
         factor = common.get("yarn_factor") or 1.0
         m = 0.1 * float(all_dim) * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale *= m * m
     common.update(head_dim=rank + rope, num_key_value_heads=1, rotary_dim=rope)
-    return dict(common, architecture="deepseek_v3", num_experts=experts,
-                num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS), moe_intermediate_size=ff,
-                intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
-                shared_expert_intermediate_size=ff * hf.int("n_shared_experts", 0, hi=MAX_EXPERTS),
-                shared_expert_gated=False, norm_topk_prob=hf.bool("norm_topk_prob", True),
-                router_score="sigmoid", router_bias=True, n_group=hf.dim("n_group", 1, hi=MAX_EXPERTS),
-                topk_group=hf.dim("topk_group", 1, hi=MAX_EXPERTS),
-                routed_scaling_factor=hf.num("routed_scaling_factor", 1.0),
-                kv_lora_rank=rank, q_lora_rank=hf.dim("q_lora_rank", 0, hi=MAX_HIDDEN, lo=0),
-                qk_nope_head_dim=nope, v_head_dim=v, attention_scale=scale,
-                moe_layers=[i >= hf.int("first_k_dense_replace", 0, hi=n) for i in range(n)], **_uniform_window(n, 0))
+    return dict(
+        common,
+        architecture="deepseek_v3",
+        num_experts=experts,
+        num_experts_per_tok=hf.dim("num_experts_per_tok", hi=MAX_EXPERTS),
+        moe_intermediate_size=ff,
+        intermediate_size=hf.dim("intermediate_size", 0, hi=MAX_FFN, lo=0),
+        shared_expert_intermediate_size=ff * hf.int("n_shared_experts", 0, hi=MAX_EXPERTS),
+        shared_expert_gated=False,
+        norm_topk_prob=hf.bool("norm_topk_prob", True),
+        router_score="sigmoid",
+        router_bias=True,
+        n_group=hf.dim("n_group", 1, hi=MAX_EXPERTS),
+        topk_group=hf.dim("topk_group", 1, hi=MAX_EXPERTS),
+        routed_scaling_factor=hf.num("routed_scaling_factor", 1.0),
+        kv_lora_rank=rank,
+        q_lora_rank=hf.dim("q_lora_rank", 0, hi=MAX_HIDDEN, lo=0),
+        qk_nope_head_dim=nope,
+        v_head_dim=v,
+        attention_scale=scale,
+        moe_layers=[i >= hf.int("first_k_dense_replace", 0, hi=n) for i in range(n)],
+        **_uniform_window(n, 0),
+    )
 
 
 def _gemma4_text(hf: _HF) -> dict:
     """Gemma 4's text decoder with its MoE block (Gemma4TextConfig, enable_moe_block=True)."""
+
     def refuse(msg):
         raise ColibriError(f"Gemma 4: {msg}")
+
     if not hf.bool("enable_moe_block", False):
         refuse("enable_moe_block is false: this is a dense Gemma 4, and Colibri runs MoE models")
     if hf.int("hidden_size_per_layer_input", 0):
-        refuse(f"per-layer input embeddings (hidden_size_per_layer_input={hf.d['hidden_size_per_layer_input']}) "
-               f"are not supported")
+        refuse(
+            f"per-layer input embeddings (hidden_size_per_layer_input={hf.d['hidden_size_per_layer_input']}) "
+            f"are not supported"
+        )
     if hf.int("num_kv_shared_layers", 0):
-        refuse(f"num_kv_shared_layers={hf.d['num_kv_shared_layers']} (layers sharing another layer's KV) is not supported")
+        refuse(
+            f"num_kv_shared_layers={hf.d['num_kv_shared_layers']} (layers sharing another layer's KV) is not supported"
+        )
     if hf.d.get("use_bidirectional_attention") is not None:
-        refuse(f"use_bidirectional_attention={shown(hf.d['use_bidirectional_attention'])} is not supported (causal only)")
+        refuse(
+            f"use_bidirectional_attention={shown(hf.d['use_bidirectional_attention'])} is not supported (causal only)"
+        )
     act = hf.str("hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         refuse(f"hidden_activation {shown(act)} is not supported (gelu_pytorch_tanh)")
     n, d = hf.dim("num_hidden_layers", hi=MAX_LAYERS), hf.dim("hidden_size", hi=MAX_HIDDEN)
-    types = list(hf.list("layer_types", n=n, kind=str, default=None)
-                 or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
-    types[-1] = "full_attention"                 # as Gemma4TextConfig forces it
+    types = list(
+        hf.list("layer_types", n=n, kind=str, default=None)
+        or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    )
+    types[-1] = "full_attention"  # as Gemma4TextConfig forces it
     # per-layer head_dim / key-value heads: per_layer_config as saved, else what the config derives
     # from global_head_dim and num_global_key_value_heads for its full-attention layers
     head_dim = hf.dim("head_dim", 256, hi=MAX_HEAD_DIM)
@@ -453,8 +571,10 @@ def _gemma4_text(hf: _HF) -> dict:
             if not isinstance(v, dict):
                 hf.fail(f"per_layer_config[{k!r}]", f"must be a JSON object, got {shown(v)}")
             sub = hf.sub(v, f"per_layer_config.{k}.")
-            overrides[int(k)] = {"head_dim": sub.dim("head_dim", head_dim, hi=MAX_HEAD_DIM),
-                                 "num_key_value_heads": sub.dim("num_key_value_heads", kv_heads, hi=MAX_HEADS)}
+            overrides[int(k)] = {
+                "head_dim": sub.dim("head_dim", head_dim, hi=MAX_HEAD_DIM),
+                "num_key_value_heads": sub.dim("num_key_value_heads", kv_heads, hi=MAX_HEADS),
+            }
     else:
         ov = {"head_dim": hf.dim("global_head_dim", 512, hi=MAX_HEAD_DIM)}
         if hf.bool("attention_k_eq_v", False) and hf.d.get("num_global_key_value_heads") is not None:
@@ -464,7 +584,8 @@ def _gemma4_text(hf: _HF) -> dict:
     kv = [overrides.get(i, {}).get("num_key_value_heads", kv_heads) for i in range(n)]
     rope = hf.obj("rope_parameters", None) or {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    }
     thetas, fractions = [], []
     params = {}
     for t in sorted(set(types)):
@@ -473,41 +594,57 @@ def _gemma4_text(hf: _HF) -> dict:
         kind = sub.str("rope_type", "default")
         if kind not in ("default", "proportional") or sub.num("factor", 1.0) != 1.0:
             refuse(f"RoPE {shown(p)} of {t} layers is not supported (default, or proportional without scaling)")
-        params[t] = (sub.num("rope_theta", 10_000.0),
-                     sub.num("partial_rotary_factor", 1.0) if kind == "proportional" else 1.0)
+        params[t] = (
+            sub.num("rope_theta", 10_000.0),
+            sub.num("partial_rotary_factor", 1.0) if kind == "proportional" else 1.0,
+        )
     for t in types:
         thetas.append(params[t][0])
         fractions.append(params[t][1])
     common = _common(hf, own_attention=False)
     cap = hf.num("final_logit_softcapping", None)
-    return dict(common, architecture="gemma4", hidden_act="gelu_tanh", rope_theta=thetas[-1],
-                num_experts=_experts(hf, "num_experts"),
-                num_experts_per_tok=hf.dim("top_k_experts", hi=MAX_EXPERTS),
-                moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
-                intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
-                norm_topk_prob=True, qk_norm="per_head", v_norm=True, attention_scale=1.0,
-                attention_bias=hf.bool("attention_bias", False),
-                attention_out_bias=hf.bool("attention_bias", False),
-                attention_k_eq_v=hf.bool("attention_k_eq_v", False),
-                tie_word_embeddings=hf.bool("tie_word_embeddings", True),
-                embedding_scale=float(np.float32(d ** 0.5)),
-                final_logit_softcapping=cap if cap else None,
-                sandwich_norms=True, moe_block="parallel", layer_scalar=True, moe_layers=[True] * n,
-                layer_types=types,
-                sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if "sliding_attention" in types else None,
-                layer_head_dims=head_dims if len(set(head_dims)) > 1 else [],
-                layer_kv_heads=kv if len(set(kv)) > 1 else [],
-                head_dim=head_dims[-1] if len(set(head_dims)) == 1 else head_dim,
-                num_key_value_heads=kv[-1] if len(set(kv)) == 1 else kv_heads,
-                layer_rope_theta=thetas if len(set(thetas)) > 1 else [],
-                layer_rope_fraction=fractions if any(f != 1.0 for f in fractions) else [])
+    return dict(
+        common,
+        architecture="gemma4",
+        hidden_act="gelu_tanh",
+        rope_theta=thetas[-1],
+        num_experts=_experts(hf, "num_experts"),
+        num_experts_per_tok=hf.dim("top_k_experts", hi=MAX_EXPERTS),
+        moe_intermediate_size=hf.dim("moe_intermediate_size", hi=MAX_FFN),
+        intermediate_size=hf.dim("intermediate_size", hi=MAX_FFN),
+        norm_topk_prob=True,
+        qk_norm="per_head",
+        v_norm=True,
+        attention_scale=1.0,
+        attention_bias=hf.bool("attention_bias", False),
+        attention_out_bias=hf.bool("attention_bias", False),
+        attention_k_eq_v=hf.bool("attention_k_eq_v", False),
+        tie_word_embeddings=hf.bool("tie_word_embeddings", True),
+        embedding_scale=float(np.float32(d**0.5)),
+        final_logit_softcapping=cap if cap else None,
+        sandwich_norms=True,
+        moe_block="parallel",
+        layer_scalar=True,
+        moe_layers=[True] * n,
+        layer_types=types,
+        sliding_window=hf.dim("sliding_window", hi=MAX_POSITIONS) if "sliding_attention" in types else None,
+        layer_head_dims=head_dims if len(set(head_dims)) > 1 else [],
+        layer_kv_heads=kv if len(set(kv)) > 1 else [],
+        head_dim=head_dims[-1] if len(set(head_dims)) == 1 else head_dim,
+        num_key_value_heads=kv[-1] if len(set(kv)) == 1 else kv_heads,
+        layer_rope_theta=thetas if len(set(thetas)) > 1 else [],
+        layer_rope_fraction=fractions if any(f != 1.0 for f in fractions) else [],
+    )
 
 
 def _gemma4_multimodal(hf: _HF) -> dict:
     """Gemma4ForConditionalGeneration: the text model of text_config; the towers are ignored."""
     text = hf.obj("text_config", _REQUIRED)
-    inherited = {k: hf.d[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
-                 if hf.d.get(k) is not None and text.get(k) is None}   # the hub's configs keep these at the top
+    inherited = {
+        k: hf.d[k]
+        for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
+        if hf.d.get(k) is not None and text.get(k) is None
+    }  # the hub's configs keep these at the top
     return _gemma4_text(_HF(dict(text, **inherited), hf.where, hf.arch, "text_config.", top=inherited))
 
 
@@ -548,8 +685,10 @@ _RULES = [
     (_L + r"self_attn\.([qkvo])_proj\.bias", lambda m: f"layers.{m[1]}.b{m[2]}"),
     (_L + r"self_attn\.([qk])_norm\.weight", lambda m: f"layers.{m[1]}.{m[2]}_norm"),
     (_L + _MOE + r"gate\.weight", lambda m: f"layers.{m[1]}.router"),
-    (_L + _MOE + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight",
-     lambda m: f"layers.{m[1]}.experts.{int(m[2])}.{_EXPERT_PART[m[3]]}"),
+    (
+        _L + _MOE + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight",
+        lambda m: f"layers.{m[1]}.experts.{int(m[2])}.{_EXPERT_PART[m[3]]}",
+    ),
     (_L + "(?:" + _MOE + r")?experts\.gate_up_proj", "stacked_gate_up"),
     (_L + "(?:" + _MOE + r")?experts\.down_proj", "stacked_down"),
     (_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.shared.{m[2]}"),
@@ -578,7 +717,10 @@ _GPT_OSS_RULES = [
     (_L + r"mlp\.router\.bias", lambda m: f"layers.{m[1]}.router_logit_bias"),
     (_L + r"mlp\.experts\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)", "gpt_oss_experts"),
     # one expert's biases, by name (a GGUF's merged tensors cut per expert: gguf_import.py)
-    (_L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.bias", lambda m: f"layers.{m[1]}.experts.{int(m[2])}.{m[3]}_bias"),
+    (
+        _L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.bias",
+        lambda m: f"layers.{m[1]}.experts.{int(m[2])}.{m[3]}_bias",
+    ),
 ]
 # DeepSeek-V3 first: its attention is rewritten into the latent form (mla_tensors)
 _DEEPSEEK_RULES = [
@@ -593,7 +735,9 @@ _GPT_OSS_RULES = [(re.compile(p), h) for p, h in _GPT_OSS_RULES] + _RULES
 _RULES_BY_ARCH = {"gemma4": _GEMMA4_RULES, "gpt_oss": _GPT_OSS_RULES, "deepseek_v3": _DEEPSEEK_RULES}
 
 
-def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None, sources: dict | None = None) -> dict:
+def plan_tensors(
+    ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=None, sources: dict | None = None
+) -> dict:
     """our tensor name -> getter returning its float32 values; checks names and shapes (from the
     safetensors headers, before a byte of weights is read). sources, if given, receives our name
     -> the checkpoint tensor read as it, for the tensors read whole. Work and memory are linear in the
@@ -601,7 +745,7 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
     expert the config does not have is refused, not planned; stacked experts are expanded only
     once their shape is the config's."""
     plan = {}
-    source = {}            # our name -> HF name (for the shape check)
+    source = {}  # our name -> HF name (for the shape check)
     unconsumed = []
     towers = 0
     text_prefix = _TEXT_PREFIX.get(hf_arch)
@@ -617,7 +761,7 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
                 towers += 1
                 continue
             if hf_name.startswith(text_prefix):
-                name_in = "model." + hf_name[len(text_prefix):]
+                name_in = "model." + hf_name[len(text_prefix) :]
         if _IGNORED.fullmatch(name_in):
             continue
         layer = _LAYER_NUMBER.match(name_in)
@@ -629,10 +773,15 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
             if m is None:
                 continue
             numbers = [g for g in m.groups() if g is not None and g.isdigit()]
-            if numbers and (len(numbers[0]) > 6 or int(numbers[0]) >= cfg.num_hidden_layers
-                            or any(len(g) > 6 or int(g) >= cfg.num_experts for g in numbers[1:])):
-                raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} names a layer or an expert that config.json "
-                                   f"does not have ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)")
+            if numbers and (
+                len(numbers[0]) > 6
+                or int(numbers[0]) >= cfg.num_hidden_layers
+                or any(len(g) > 6 or int(g) >= cfg.num_experts for g in numbers[1:])
+            ):
+                raise ColibriError(
+                    f"{ckpt.root}: tensor {_cut(hf_name)} names a layer or an expert that config.json "
+                    f"does not have ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)"
+                )
             if handler == "mla":
                 _plan_mla(ckpt, cfg, hf_name, int(m[1]), m[2], plan)
             elif handler == "gpt_oss_experts":
@@ -642,10 +791,15 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
                 E, ff, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
                 want = (E, 2 * ff, d) if handler == "stacked_gate_up" else (E, d, ff)
                 if tuple(shape) != want:
-                    raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(shape)}; config.json "
-                                       f"implies {list(want)} (num_experts, "
-                                       + ("2 x moe_intermediate_size, hidden_size)" if handler == "stacked_gate_up"
-                                          else "hidden_size, moe_intermediate_size)"))
+                    raise ColibriError(
+                        f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(shape)}; config.json "
+                        f"implies {list(want)} (num_experts, "
+                        + (
+                            "2 x moe_intermediate_size, hidden_size)"
+                            if handler == "stacked_gate_up"
+                            else "hidden_size, moe_intermediate_size)"
+                        )
+                    )
                 for e in range(E):
                     base = f"layers.{m[1]}.experts.{e}."
                     if handler == "stacked_gate_up":
@@ -656,46 +810,58 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
             else:
                 name = handler(m)
                 if name == "lm_head" and cfg.tie_word_embeddings:
-                    break                                      # tied: the embedding serves as head
+                    break  # tied: the embedding serves as head
                 if name in plan:
                     raise ColibriError(f"{_cut(hf_name)}: tensor {_cut(name)} is given twice in the checkpoint")
                 source[name] = hf_name
                 if name.endswith(("shared_gate", "layer_scalar")):
-                    plan[name] = (lambda n=hf_name: ckpt.f32(n).reshape(-1))
+                    plan[name] = lambda n=hf_name: ckpt.f32(n).reshape(-1)
                 else:
-                    plan[name] = (lambda n=hf_name: ckpt.f32(n))
+                    plan[name] = lambda n=hf_name: ckpt.f32(n)
             break
         else:
             unconsumed.append(hf_name)
     if skipped_mtp and log is not None:
-        log(f"[INFO] {hf_arch}: ignoring {skipped_mtp} tensors of the multi-token-prediction layer(s) "
-            f"{mtp.start}..{mtp.stop - 1} (transformers does not run them either)")
+        log(
+            f"[INFO] {hf_arch}: ignoring {skipped_mtp} tensors of the multi-token-prediction layer(s) "
+            f"{mtp.start}..{mtp.stop - 1} (transformers does not run them either)"
+        )
     if towers and log is not None:
         log(f"[INFO] {hf_arch}: converting the text model; ignoring {towers} tensors of the vision/audio towers")
     if unconsumed:
         more = f" and {len(unconsumed) - 8} more" if len(unconsumed) > 8 else ""
-        raise ColibriError(f"{ckpt.root}: tensor(s) not understood for {cfg.architecture}: "
-                           f"{', '.join(map(_cut, unconsumed[:8]))}{more}")
+        raise ColibriError(
+            f"{ckpt.root}: tensor(s) not understood for {cfg.architecture}: "
+            f"{', '.join(map(_cut, unconsumed[:8]))}{more}"
+        )
     least = cfg.expert_tensor_count()
-    if len(plan) < least:           # before the expected table is built: it may be large
-        raise ColibriError(f"{ckpt.root}: the checkpoint has {len(plan)} tensors for the model, but config.json's "
-                           f"{sum(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts need {least} expert "
-                           f"matrices alone (does config.json match the weights?)")
+    if len(plan) < least:  # before the expected table is built: it may be large
+        raise ColibriError(
+            f"{ckpt.root}: the checkpoint has {len(plan)} tensors for the model, but config.json's "
+            f"{sum(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts need {least} expert "
+            f"matrices alone (does config.json match the weights?)"
+        )
     expected = cfg.expected_tensors()
     missing = [n for n in expected if n not in plan]
     if missing:
-        raise ColibriError(f"{ckpt.root}: checkpoint lacks tensors for {', '.join(missing[:8])}"
-                           f"{' ...' if len(missing) > 8 else ''} (does config.json match the weights?)")
+        raise ColibriError(
+            f"{ckpt.root}: checkpoint lacks tensors for {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''} (does config.json match the weights?)"
+        )
     extra = [n for n in plan if n not in expected]
     if extra:
-        raise ColibriError(f"{ckpt.root}: tensors {', '.join(map(_cut, extra[:8]))} do not fit the config "
-                           f"(e.g. biases where config.json says there are none)")
+        raise ColibriError(
+            f"{ckpt.root}: tensors {', '.join(map(_cut, extra[:8]))} do not fit the config "
+            f"(e.g. biases where config.json says there are none)"
+        )
     for name, hf_name in source.items():
         shape, want = tuple(ckpt.shape(hf_name)), expected[name][0]
-        flat = name.endswith(("shared_gate", "layer_scalar"))          # [1, d] / [] read as [d] / [1]
+        flat = name.endswith(("shared_gate", "layer_scalar"))  # [1, d] / [] read as [d] / [1]
         if (math.prod(shape) != math.prod(want)) if flat else shape != want:
-            raise ColibriError(f"tensor {name}: expected shape {list(want)} from config.json, checkpoint has "
-                               f"{list(shape)} ({_cut(hf_name)})")
+            raise ColibriError(
+                f"tensor {name}: expected shape {list(want)} from config.json, checkpoint has "
+                f"{list(shape)} ({_cut(hf_name)})"
+            )
     if sources is not None:
         sources.update(source)
     return plan
@@ -703,31 +869,49 @@ def plan_tensors(ckpt: HFCheckpoint, cfg: ModelConfig, hf_arch: str = "", log=No
 
 def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> None:
     """DeepSeek-V3's attention projections -> the latent form (config.py, kv_lora_rank):
-      q_proj / q_b_proj [H * (nope + rope), in] -> wq / wq_b, each head's rows reordered to
-          [rope, nope], the rope rows de-interleaved where rope_interleave (pairs (2i, 2i + 1) become
-          (i, i + rope / 2), the pairs cb_rope rotates: the dot products are unchanged)
-      kv_a_proj_with_mqa [R + rope, d] -> wkv_a [rope, R] rows (rope rows reordered alike)
-      kv_b_proj [H * (nope + v), R] -> wkb [H * R, nope] (each head's key rows, transposed: the
-          latent query is wkb_h . q_nope_h) and wvb [H * v, R] (each head's value rows)"""
-    H, R, rope, nope, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.rotary_dim, cfg.qk_nope_head_dim,
-                           cfg.v_head_dim)
+    q_proj / q_b_proj [H * (nope + rope), in] -> wq / wq_b, each head's rows reordered to
+        [rope, nope], the rope rows de-interleaved where rope_interleave (pairs (2i, 2i + 1) become
+        (i, i + rope / 2), the pairs cb_rope rotates: the dot products are unchanged)
+    kv_a_proj_with_mqa [R + rope, d] -> wkv_a [rope, R] rows (rope rows reordered alike)
+    kv_b_proj [H * (nope + v), R] -> wkb [H * R, nope] (each head's key rows, transposed: the
+        latent query is wkb_h . q_nope_h) and wvb [H * v, R] (each head's value rows)"""
+    H, R, rope, nope, v = (
+        cfg.num_attention_heads,
+        cfg.kv_lora_rank,
+        cfg.rotary_dim,
+        cfg.qk_nope_head_dim,
+        cfg.v_head_dim,
+    )
     interleaved = ckpt.config.get("rope_interleave", True) is not False
     perm = np.r_[0:rope:2, 1:rope:2] if interleaved else np.arange(rope)
     p = f"layers.{layer}."
-    fanin = {"q_proj": cfg.hidden_size, "q_a_proj": cfg.hidden_size, "q_b_proj": cfg.q_lora_rank,
-             "kv_a_proj_with_mqa": cfg.hidden_size, "kv_b_proj": R}[proj]
-    rows = {"q_proj": H * (nope + rope), "q_a_proj": cfg.q_lora_rank, "q_b_proj": H * (nope + rope),
-            "kv_a_proj_with_mqa": R + rope, "kv_b_proj": H * (nope + v)}[proj]
+    fanin = {
+        "q_proj": cfg.hidden_size,
+        "q_a_proj": cfg.hidden_size,
+        "q_b_proj": cfg.q_lora_rank,
+        "kv_a_proj_with_mqa": cfg.hidden_size,
+        "kv_b_proj": R,
+    }[proj]
+    rows = {
+        "q_proj": H * (nope + rope),
+        "q_a_proj": cfg.q_lora_rank,
+        "q_b_proj": H * (nope + rope),
+        "kv_a_proj_with_mqa": R + rope,
+        "kv_b_proj": H * (nope + v),
+    }[proj]
     if proj.startswith("q_") and (proj != "q_proj") != bool(cfg.q_lora_rank):
-        raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} does not fit config.json's q_lora_rank "
-                           f"({cfg.q_lora_rank or 'null'})")
+        raise ColibriError(
+            f"{ckpt.root}: tensor {_cut(hf_name)} does not fit config.json's q_lora_rank ({cfg.q_lora_rank or 'null'})"
+        )
     if tuple(ckpt.shape(hf_name)) != (rows, fanin):
-        raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(ckpt.shape(hf_name))}; config.json "
-                           f"implies {[rows, fanin]}")
+        raise ColibriError(
+            f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(ckpt.shape(hf_name))}; config.json "
+            f"implies {[rows, fanin]}"
+        )
 
     # whole rows move: a matrix in its stored form (a GGUF's Q8_0, quant.StoredMatrix) stays as it is
     head = np.r_[nope + perm, 0:nope]
-    query_rows = (np.arange(H)[:, None] * (nope + rope) + head).reshape(-1)   # per head [rope (reordered), nope]
+    query_rows = (np.arange(H)[:, None] * (nope + rope) + head).reshape(-1)  # per head [rope (reordered), nope]
     kv_a_rows = np.r_[R + perm, 0:R]
 
     def kv_b(w, part):
@@ -736,7 +920,7 @@ def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> Non
             return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)).reshape(H * R, nope)
         return np.ascontiguousarray(w[:, nope:]).reshape(H * v, R)
 
-    if proj == "kv_b_proj":             # one read of kv_b_proj serves both halves
+    if proj == "kv_b_proj":  # one read of kv_b_proj serves both halves
         read = _read_once(lambda: ckpt.f32(hf_name), 2)
         targets = {"wkb": lambda: kv_b(read(), "wkb"), "wvb": lambda: kv_b(read(), "wvb")}
     else:
@@ -767,18 +951,23 @@ def _plan_gpt_oss_experts(ckpt, cfg, hf_name: str, layer: int, proj: str, part: 
     E, ff, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     gate_up = proj == "gate_up_proj"
     out_dim, in_dim = (2 * ff, d) if gate_up else (d, ff)
-    want = {"": (E, in_dim, out_dim), "_bias": (E, out_dim), "_blocks": (E, out_dim, in_dim // QBLOCK, QBLOCK // 2),
-            "_scales": (E, out_dim, in_dim // QBLOCK)}[part]
+    want = {
+        "": (E, in_dim, out_dim),
+        "_bias": (E, out_dim),
+        "_blocks": (E, out_dim, in_dim // QBLOCK, QBLOCK // 2),
+        "_scales": (E, out_dim, in_dim // QBLOCK),
+    }[part]
     shape = tuple(ckpt.shape(hf_name))
     if shape != want or (part in ("_blocks", "_scales") and in_dim % QBLOCK):
-        raise ColibriError(f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(shape)}; config.json implies "
-                           f"{list(want)}")
+        raise ColibriError(
+            f"{ckpt.root}: tensor {_cut(hf_name)} has shape {list(shape)}; config.json implies {list(want)}"
+        )
     if part == "_scales":
-        if hf_name[:-len("_scales")] + "_blocks" not in ckpt.names():
+        if hf_name[: -len("_scales")] + "_blocks" not in ckpt.names():
             raise ColibriError(f"{ckpt.root}: {_cut(hf_name)} has no {_cut(hf_name[:-7])}_blocks beside it")
         return
     if part == "_blocks":
-        scales = hf_name[:-len("_blocks")] + "_scales"
+        scales = hf_name[: -len("_blocks")] + "_scales"
         if scales not in ckpt.names():
             raise ColibriError(f"{ckpt.root}: {_cut(hf_name)} has no {_cut(scales)} beside it")
     for e in range(E):
@@ -786,7 +975,7 @@ def _plan_gpt_oss_experts(ckpt, cfg, hf_name: str, layer: int, proj: str, part: 
         names = [base + "gate", base + "up"] if gate_up else [base + "down"]
         if part == "_bias":
             names = [n + "_bias" for n in names]
-        read = _read_once(_gpt_oss_reader(ckpt, hf_name, part, e), len(names))    # gate and up: one read
+        read = _read_once(_gpt_oss_reader(ckpt, hf_name, part, e), len(names))  # gate and up: one read
         for i, name in enumerate(names):
             if name in plan:
                 raise ColibriError(f"{_cut(hf_name)}: tensor {name} is given twice in the checkpoint")
@@ -803,48 +992,55 @@ def _read_once(read, uses: int):
             state["value"] = read()
         value = state["value"]
         state["left"] -= 1
-        if state["left"] == 0:                  # the last use: drop it (a later call reads again)
+        if state["left"] == 0:  # the last use: drop it (a later call reads again)
             del state["value"]
             state["left"] = uses
         return value
+
     return get
 
 
 def _gpt_oss_reader(ckpt, hf_name, part, expert):
     """Expert `expert` of a gpt-oss stacked tensor: float32 [in, out] (biases [out]), or the
     (blocks, scales) bytes of an mxfp4 one ([out, in / 32, 16], [out, in / 32])."""
+
     def read():
         if part == "_blocks":
             blocks, _ = ckpt.raw(hf_name)
-            scales, _ = ckpt.raw(hf_name[:-len("_blocks")] + "_scales")
+            scales, _ = ckpt.raw(hf_name[: -len("_blocks")] + "_scales")
             return blocks[expert], scales[expert]
         arr, kind = ckpt.raw(hf_name)
-        return to_f32(arr[expert], kind)                    # a contiguous piece of the mapping
+        return to_f32(arr[expert], kind)  # a contiguous piece of the mapping
+
     return read
 
 
 def _gpt_oss_getter(read, part, rows):
     """Our tensor from the expert's stacked values: its rows (gate the even, up the odd)."""
+
     def get():
         values = read()
         if part == "_blocks":
-            return quant.StoredMatrix(quant.from_mx(values[0][rows], values[1][rows]), "mxfp4",
-                                     values[1].shape[-1] * QBLOCK)
+            return quant.StoredMatrix(
+                quant.from_mx(values[0][rows], values[1][rows]), "mxfp4", values[1].shape[-1] * QBLOCK
+            )
         if part == "_bias":
             return np.ascontiguousarray(values[rows])
-        return np.ascontiguousarray(values[:, rows].T)      # [in, out] -> [out, in]
+        return np.ascontiguousarray(values[:, rows].T)  # [in, out] -> [out, in]
+
     return get
 
 
 def _cut(name: str, limit: int = 120) -> str:
     """A tensor name from a checkpoint's header for a message (a name may be megabytes long)."""
-    return name if len(name) <= limit else name[:limit - 3] + "..."
+    return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
 def _slice_getter(ckpt, hf_name, expert, row0, row1):
     def get():
         arr, kind = ckpt.raw(hf_name)
         return to_f32(arr[expert] if row0 is None else arr[expert, row0:row1], kind)
+
     return get
 
 
@@ -859,17 +1055,29 @@ def hf_model_config(ckpt: HFCheckpoint) -> tuple:
         raise ColibriError(f"{where}: architectures must be a list of class names, got {shown(archs)}")
     supported = [a for a in archs if a in ARCHITECTURES]
     if not supported:
-        raise ColibriError(f"{where}: architecture {shown(archs) if archs else 'unknown'} is not supported; "
-                           f"supported: {', '.join(ARCHITECTURES)}")
+        raise ColibriError(
+            f"{where}: architecture {shown(archs) if archs else 'unknown'} is not supported; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
     arch = supported[0]
     fields = ARCHITECTURES[arch](_HF(ckpt.config, where, arch))
     return arch, ModelConfig.from_dict(fields, where)
 
 
-def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False, log=print,
-            ln_quant: str | None = None, expert_layout: str | None = None,
-            layout: str | None = None, gguf=None, roles: dict | None = None, importance=None,
-            progress: bool = False) -> ModelConfig:
+def convert(
+    hf_dir,
+    output_dir,
+    quantize: str | None = None,
+    force: bool = False,
+    log=print,
+    ln_quant: str | None = None,
+    expert_layout: str | None = None,
+    layout: str | None = None,
+    gguf=None,
+    roles: dict | None = None,
+    importance=None,
+    progress: bool = False,
+) -> ModelConfig:
     """Convert a HF checkpoint directory (hf_dir) or a GGUF file (gguf; gguf_import.py) into a
     Colibri model directory; returns its config. quantize: the weight format (default f32 for a
     checkpoint, the closest to the file's for a GGUF); roles: {role: format} for the matrices of
@@ -881,6 +1089,7 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
     weights_of = None
     if importance is not None:
         from .calibrate import load_importance
+
         weights_of = (importance, load_importance(importance))
     if (hf_dir is None) == (gguf is None):
         raise ColibriError("convert reads one source: --hf-dir DIR (a Hugging Face checkpoint) or --gguf FILE")
@@ -890,8 +1099,8 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
     if quantize is not None and quantize not in WEIGHT_DTYPES:
         raise ColibriError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
     source_flag, source = ("--gguf", gguf) if gguf is not None else ("--hf-dir", hf_dir)
-    _check_output(Path(output_dir), force, {source_flag: source})         # before any work
-    by_type = gguf is not None and quantize is None    # no --quantize: a GGUF's finer tensors keep their precision
+    _check_output(Path(output_dir), force, {source_flag: source})  # before any work
+    by_type = gguf is not None and quantize is None  # no --quantize: a GGUF's finer tensors keep their precision
     if gguf is not None:
         ckpt = GGUFCheckpoint(gguf)
         quantize = quantize or ckpt.default_format()
@@ -910,9 +1119,26 @@ def convert(hf_dir, output_dir, quantize: str | None = None, force: bool = False
         text_dir = Path(hf_dir) if gguf is None else Path(staged)
         if gguf is not None:
             ckpt.write_text_files(text_dir, cfg.vocab_size)
-        return _convert_planned(ckpt, arch, cfg, plan, expected, Path(output_dir), text_dir, quantize, force, log,
-                                ln_quant, expert_layout, layout, {source_flag: source}, roles, weights_of, kept,
-                                progress)
+        return _convert_planned(
+            ckpt,
+            arch,
+            cfg,
+            plan,
+            expected,
+            Path(output_dir),
+            text_dir,
+            quantize,
+            force,
+            log,
+            ln_quant,
+            expert_layout,
+            layout,
+            {source_flag: source},
+            roles,
+            weights_of,
+            kept,
+            progress,
+        )
 
 
 def _size(n: float) -> str:
@@ -926,7 +1152,9 @@ def check_roles(roles) -> dict:
         if role not in ROLES:
             raise ColibriError(f"--role {role}={fmt}: unknown role {role!r}; roles are {', '.join(ROLES)}")
         if fmt not in WEIGHT_DTYPES:
-            raise ColibriError(f"--role {role}={fmt}: {fmt!r} is not a format; choose one of {', '.join(WEIGHT_DTYPES)}")
+            raise ColibriError(
+                f"--role {role}={fmt}: {fmt!r} is not a format; choose one of {', '.join(WEIGHT_DTYPES)}"
+            )
     return roles
 
 
@@ -944,65 +1172,109 @@ def _importance_for(weights_of, expected: dict, dtypes: dict, log, note: str | N
             continue
         cols = expected[n][0][1]
         if v.shape not in ((cols,), (cols, cols)):
-            raise ColibriError(f"{path}: the statistics of {n} have {v.shape[-1]} columns, the matrix {cols}: "
-                               "calibrated on another model")
+            raise ColibriError(
+                f"{path}: the statistics of {n} have {v.shape[-1]} columns, the matrix {cols}: "
+                "calibrated on another model"
+            )
         out[n] = v
     if wanted and not out:
-        raise ColibriError(f"{path}: none of its tensors is an int8/int4 matrix of this model: calibrated on another "
-                           "model (run calibrate on a conversion of this checkpoint)")
+        raise ColibriError(
+            f"{path}: none of its tensors is an int8/int4 matrix of this model: calibrated on another "
+            "model (run calibrate on a conversion of this checkpoint)"
+        )
     full = sum(1 for v in out.values() if v.ndim == 2)
-    log(f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4/nl4/int6 matrices (the others, which no "
+    log(
+        f"[INFO] importance from {path}: {len(out)} of {len(wanted)} int8/int4/nl4/int6 matrices (the others, which no "
         "calibration token reached, round to nearest)"
         + (f"; {full} with their inputs' whole second moment, rounding errors compensated (GPTQ)" if full else "")
-        + (note or ""))
+        + (note or "")
+    )
     return out
 
 
-def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, force, log, ln_quant,
-                     expert_layout, layout, inputs, roles, weights_of=None, kept=None,
-                     progress=False) -> ModelConfig:
+def _convert_planned(
+    ckpt,
+    arch,
+    cfg,
+    plan,
+    expected,
+    out,
+    text_dir,
+    quantize,
+    force,
+    log,
+    ln_quant,
+    expert_layout,
+    layout,
+    inputs,
+    roles,
+    weights_of=None,
+    kept=None,
+    progress=False,
+) -> ModelConfig:
     """convert's writing half: the planned tensors in their formats and layouts, the text files
     of `text_dir`, then what the conversion did, in the log. kept: {tensor: format} of a GGUF's
     finer tensors (GGUFCheckpoint.kept_formats), below --role, above `quantize`. progress: the
     tensors' stored bytes counted on stderr as each is read, converted and handed to the writer."""
 
     kept = kept or {}
-    dtypes = {name: _dtype_for(shape, kind, quantize, ln_quant, name, roles, cfg.tie_word_embeddings, kept.get(name))
-              for name, (shape, kind) in expected.items()}
+    dtypes = {
+        name: _dtype_for(shape, kind, quantize, ln_quant, name, roles, cfg.tie_word_embeddings, kept.get(name))
+        for name, (shape, kind) in expected.items()
+    }
     if kept:
         counts = {}
         for name, fmt in kept.items():
             if dtypes.get(name) == fmt:
                 counts[fmt] = counts.get(fmt, 0) + 1
         if counts:
-            log("[INFO] kept at the GGUF's finer precision (no --quantize): "
+            log(
+                "[INFO] kept at the GGUF's finer precision (no --quantize): "
                 + ", ".join(f"{n} matrices in {fmt}" for fmt, n in sorted(counts.items()))
-                + f", the rest in {quantize} (--quantize FORMAT stores every matrix in one format)")
-    layouts = {name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
-               for name, (shape, kind) in expected.items()}
-    weights = [sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)     # + alignment padding
-               for _, names in _files_of(expected)]
+                + f", the rest in {quantize} (--quantize FORMAT stores every matrix in one format)"
+            )
+    layouts = {
+        name: _layout_for(name, shape, kind, dtypes[name], expert_layout, layout, cfg.tie_word_embeddings)
+        for name, (shape, kind) in expected.items()
+    }
+    weights = [
+        sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)  # + alignment padding
+        for _, names in _files_of(expected)
+    ]
     text = [(text_dir / n).stat().st_size for n in textfiles.present(text_dir)]
     need = _space_needed(weights + text, len(expected), out.resolve().parent)
 
-    copied = textfiles.validate(text_dir, cfg.vocab_size)     # before a byte is written
-    importance = _importance_for(weights_of, expected, dtypes, log,
-                                 "; a GGUF's Q8_0/Q4_0 blocks carried byte for byte keep their own scales"
-                                 if isinstance(ckpt, GGUFCheckpoint) else None)
+    copied = textfiles.validate(text_dir, cfg.vocab_size)  # before a byte is written
+    importance = _importance_for(
+        weights_of,
+        expected,
+        dtypes,
+        log,
+        "; a GGUF's Q8_0/Q4_0 blocks carried byte for byte keep their own scales"
+        if isinstance(ckpt, GGUFCheckpoint)
+        else None,
+    )
     from_gguf = isinstance(ckpt, GGUFCheckpoint)
-    requantized = {}             # GGUF type -> [(relative RMS error, elements)] (gguf_import.py)
+    requantized = {}  # GGUF type -> [(relative RMS error, elements)] (gguf_import.py)
 
     def values(name):
         v = plan[name]()
         if from_gguf and dtypes[name] != "f32" and ckpt.requantized(ckpt.last_read_type, dtypes[name]):
-            requantized.setdefault(ckpt.last_read_type, []).append((requantization_error(v, dtypes[name]),
-                                                                     math.prod(v.shape)))
+            requantized.setdefault(ckpt.last_read_type, []).append(
+                (requantization_error(v, dtypes[name]), math.prod(v.shape))
+            )
         return v
 
     def stored(name, bar):
-        item = _stored(name, values(name), expected[name][0], dtypes[name], layouts[name],
-                       "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None,
-                       importance.get(name))
+        item = _stored(
+            name,
+            values(name),
+            expected[name][0],
+            dtypes[name],
+            layouts[name],
+            "bf16" if quantize == "bf16" and expected[name][1] == "absorbed" else None,
+            importance.get(name),
+        )
         bar.update(storage_nbytes(dtypes[name], expected[name][0]))
         return item
 
@@ -1013,43 +1285,75 @@ def _convert_planned(ckpt, arch, cfg, plan, expected, out, text_dir, quantize, f
                 writer.write_file(rel, (stored(name, bar) for name in names))
         for name in copied:
             writer.add_file(name, text_dir / name)
-        source = ({"gguf_architecture": ckpt.arch, "gguf_name": ckpt.root.name} if from_gguf
-                  else {"hf_dir_name": ckpt.root.resolve().name})
-        writer.finish(cfg, quantize, {"hf_architecture": arch, "converter": "colibri convert", **source},
-                      ln_bits=16 if ln_quant else 32)
+        source = (
+            {"gguf_architecture": ckpt.arch, "gguf_name": ckpt.root.name}
+            if from_gguf
+            else {"hf_dir_name": ckpt.root.resolve().name}
+        )
+        writer.finish(
+            cfg,
+            quantize,
+            {"hf_architecture": arch, "converter": "colibri convert", **source},
+            ln_bits=16 if ln_quant else 32,
+        )
+
     _write_model_dir(out, force, need, write, inputs)
     if requantized:
-        errors = ", ".join(f"{t} {math.sqrt(sum(e * e * n for e, n in v) / sum(n for _, n in v)):.4f} "
-                           f"({len(v)} tensors)" for t, v in sorted(requantized.items()))
-        log(f"[INFO] GGUF-quantized tensors not in a Colibri format of their own were dequantized and stored in "
-            f"{quantize}; relative RMS error against the GGUF's own values (first rows of each tensor): {errors}")
-    fallback = sum(1 for n, (shape, kind) in expected.items()
-                   if kind == "matrix" and dtypes[n] == FALLBACK_DTYPE != quantize and shape[-1] % QBLOCK)
+        errors = ", ".join(
+            f"{t} {math.sqrt(sum(e * e * n for e, n in v) / sum(n for _, n in v)):.4f} ({len(v)} tensors)"
+            for t, v in sorted(requantized.items())
+        )
+        log(
+            f"[INFO] GGUF-quantized tensors not in a Colibri format of their own were dequantized and stored in "
+            f"{quantize}; relative RMS error against the GGUF's own values (first rows of each tensor): {errors}"
+        )
+    fallback = sum(
+        1
+        for n, (shape, kind) in expected.items()
+        if kind == "matrix" and dtypes[n] == FALLBACK_DTYPE != quantize and shape[-1] % QBLOCK
+    )
     if fallback:
-        log(f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}")
-    kept = sum(1 for n, (shape, _) in expected.items()
-               if layouts[n] == "rows" and dtypes[n] in BLOCK_FORMATS and "transposed" in layouts_of(dtypes[n])
-               and shape[0] % TGROUP
-               and (n != "embedding" or cfg.tie_word_embeddings))
+        log(
+            f"[INFO] {fallback} matrices have a column count that is not a multiple of {QBLOCK}: stored in {FALLBACK_DTYPE}"
+        )
+    kept = sum(
+        1
+        for n, (shape, _) in expected.items()
+        if layouts[n] == "rows"
+        and dtypes[n] in BLOCK_FORMATS
+        and "transposed" in layouts_of(dtypes[n])
+        and shape[0] % TGROUP
+        and (n != "embedding" or cfg.tie_word_embeddings)
+    )
     if kept:
-        log(f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout")
+        log(
+            f"[INFO] {kept} int matrices have a row count that is not a multiple of {TGROUP}: stored in the rows layout"
+        )
     per_token = ModelDir(out).bytes_per_token()
     total = sum(per_token.values())
     shown_roles = [r for r in (*ROLES, "router", "other") if per_token.get(r, 0) > 0.001 * total]
-    log(f"[INFO] Bytes read per decoded token: {_size(total)} ("
+    log(
+        f"[INFO] Bytes read per decoded token: {_size(total)} ("
         + ", ".join(f"{r} {_size(per_token[r])}" + (f" in {roles[r]}" if r in roles else "") for r in shown_roles)
-        + ")")
+        + ")"
+    )
     expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
-    log(f"[INFO] Converted {f'{ckpt.root.name} ({ckpt.arch}, as {arch})' if from_gguf else arch} "
+    log(
+        f"[INFO] Converted {f'{ckpt.root.name} ({ckpt.arch}, as {arch})' if from_gguf else arch} "
         f"({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
         f"top-{cfg.num_experts_per_tok}) to {out} in {quantize}, experts {' and '.join(expert_layouts)}"
-        + (f"; {'made from its metadata' if from_gguf else 'copied'} {', '.join(copied)}" if copied else
-           " (no tokenizer.json or tokenizer.model: raw token ids only)"))
+        + (
+            f"; {'made from its metadata' if from_gguf else 'copied'} {', '.join(copied)}"
+            if copied
+            else " (no tokenizer.json or tokenizer.model: raw token ids only)"
+        )
+    )
     return cfg
 
 
-def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: str | None = None,
-             force: bool = False, log=print) -> ModelConfig:
+def relayout(
+    model_dir, output_dir, expert_layout: str | None = None, layout: str | None = None, force: bool = False, log=print
+) -> ModelConfig:
     """The weights of a Colibri model directory in other layouts, as a new directory (the same
     numbers: no HF checkpoint needed, e.g. for a directory converted before the transposed layout
     became the default). Layout flags and defaults as in `convert`; other fields are kept."""
@@ -1059,15 +1363,17 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     _check_output(out, force, {"--model-dir": src.root})
     cfg, expected = src.config, src.config.expected_tensors()
     for dtype in sorted({t["dtype"] for t in src.tensors.values()}):
-        if len(layouts_of(dtype)) == 1 and dtype in FORMATS:    # nl4/int6: no other layout to fall back to
+        if len(layouts_of(dtype)) == 1 and dtype in FORMATS:  # nl4/int6: no other layout to fall back to
             for flag, value in (("--expert-layout", expert_layout), ("--layout", layout)):
                 if value is not None:
                     check_layout(dtype, value, f"{flag} ({src.root} holds {dtype} matrices)")
-    layouts = {n: _layout_for(n, shape, kind, src.tensors[n]["dtype"], expert_layout, layout, cfg.tie_word_embeddings)
-               for n, (shape, kind) in expected.items()}
+    layouts = {
+        n: _layout_for(n, shape, kind, src.tensors[n]["dtype"], expert_layout, layout, cfg.tie_word_embeddings)
+        for n, (shape, kind) in expected.items()
+    }
     in_tensor_files = {t["file"] for t in src.tensors.values()}
     sizes = {rel: entry["size"] for rel, entry in src.files.items()}
-    for t in src.tensors.values():                 # a tensor file: its tensors, each with its padding
+    for t in src.tensors.values():  # a tensor file: its tensors, each with its padding
         sizes[t["file"]] = 0
     for t in src.tensors.values():
         sizes[t["file"]] += t["nbytes"] + 63
@@ -1075,7 +1381,7 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
     maps = MappedModelDir(src)
 
     def items(names):
-        for rel in sorted({src.tensors[n]["file"] for n in names}):     # no damaged weights copied under a new checksum
+        for rel in sorted({src.tensors[n]["file"] for n in names}):  # no damaged weights copied under a new checksum
             bad = src.verify(files=[rel])
             if bad:
                 raise ColibriError(f"{src.root / rel}: {bad[0][1]} (re-copy the model directory)")
@@ -1086,22 +1392,32 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
             if layouts[n] != "rows":
                 stored, extra["layout"] = from_rows(stored, t["dtype"], t["shape"][1], layouts[n]), layouts[n]
             yield n, stored, t["dtype"], tuple(t["shape"]), extra
-            _os.release([(maps.address(n), t["nbytes"])])     # keep the RSS at one tensor
+            _os.release([(maps.address(n), t["nbytes"])])  # keep the RSS at one tensor
 
     def write(writer):
         for rel, names in _files_of(expected):
             writer.write_file(rel, items(names))
-        for rel in sorted(set(src.files) - in_tensor_files):              # the text files
+        for rel in sorted(set(src.files) - in_tensor_files):  # the text files
             writer.add_file(rel, src.root / rel)
-        writer.finish(cfg, src.weight_dtype, {**src.raw.get("source", {}), "relayout": "colibri relayout"},
-                      ln_bits=src.raw.get("ln_gamma_quant_bits", 32))
+        writer.finish(
+            cfg,
+            src.weight_dtype,
+            {**src.raw.get("source", {}), "relayout": "colibri relayout"},
+            ln_bits=src.raw.get("ln_gamma_quant_bits", 32),
+        )
+
     try:
         _write_model_dir(out, force, need, write, {"--model-dir": src.root})
     finally:
         maps.close()
     expert_layouts = sorted({layouts[n] for n in expected if _EXPERT_MATRIX.fullmatch(n)}) or ["rows"]
-    other = sorted({layouts[n] for n, (_, kind) in expected.items() if kind == "matrix"
-                    and not _EXPERT_MATRIX.fullmatch(n) and (n != "embedding" or cfg.tie_word_embeddings)})
+    other = sorted(
+        {
+            layouts[n]
+            for n, (_, kind) in expected.items()
+            if kind == "matrix" and not _EXPERT_MATRIX.fullmatch(n) and (n != "embedding" or cfg.tie_word_embeddings)
+        }
+    )
     log(f"[INFO] Wrote {out}: experts {' and '.join(expert_layouts)}, other matrices {' and '.join(other) or 'rows'}")
     return cfg
 
@@ -1109,8 +1425,10 @@ def relayout(model_dir, output_dir, expert_layout: str | None = None, layout: st
 def check_layout_flags(quantize: str, expert_layout: str | None, layout: str | None) -> None:
     """convert's --expert-layout and --layout against the table of formats (formats.check_layout): the
     routed experts' format is `quantize`, the other matrices' too, but for --quantize mxfp4's (MXFP4_DENSE_DTYPE)."""
-    for flag, value, fmt in (("--expert-layout", expert_layout, quantize),
-                             ("--layout", layout, MXFP4_DENSE_DTYPE if quantize == "mxfp4" else quantize)):
+    for flag, value, fmt in (
+        ("--expert-layout", expert_layout, quantize),
+        ("--layout", layout, MXFP4_DENSE_DTYPE if quantize == "mxfp4" else quantize),
+    ):
         if value is not None:
             check_layout(fmt, value, f"{flag} (--quantize {quantize})")
 
@@ -1135,8 +1453,10 @@ def _check_output(out: Path, force: bool, inputs: dict) -> None:
     out = Path(out)
     if os.path.islink(out):
         target = os.readlink(out)
-        raise ColibriError(f"--output-dir {out} is a symbolic link to {target}; Colibri does not replace a "
-                           f"directory through a link: pass the target itself (--output-dir {out.resolve()})")
+        raise ColibriError(
+            f"--output-dir {out} is a symbolic link to {target}; Colibri does not replace a "
+            f"directory through a link: pass the target itself (--output-dir {out.resolve()})"
+        )
     resolved = out.resolve()
     if resolved.parent == resolved:
         raise ColibriError(f"--output-dir {out} is the root of a file system; choose a directory for the model")
@@ -1147,11 +1467,12 @@ def _check_output(out: Path, force: bool, inputs: dict) -> None:
             what = "the model directory" if flag == "--model-dir" else "the checkpoint directory"
             raise ColibriError(f"--output-dir {out} is {what} itself ({flag} {src}); choose another directory")
         if relation == "contains":
-            raise ColibriError(f"--output-dir {out} contains the input {flag} {src}: replacing it would delete "
-                               f"the input; choose a directory outside it")
+            raise ColibriError(
+                f"--output-dir {out} contains the input {flag} {src}: replacing it would delete "
+                f"the input; choose a directory outside it"
+            )
         if relation == "inside":
-            raise ColibriError(f"--output-dir {out} is inside the input {flag} {src}; choose a directory "
-                               f"outside it")
+            raise ColibriError(f"--output-dir {out} is inside the input {flag} {src}; choose a directory outside it")
     if not os.path.lexists(out):
         return
     if not out.is_dir():
@@ -1161,24 +1482,29 @@ def _check_output(out: Path, force: bool, inputs: dict) -> None:
         return
     kind = _colibri_or_what(out, len(entries))
     if kind is not None:
-        raise ColibriError(f"output directory {out} is not empty and is not a Colibri model directory "
-                           f"(it holds {kind}); --force replaces only a Colibri model directory: choose a new "
-                           f"or empty directory")
+        raise ColibriError(
+            f"output directory {out} is not empty and is not a Colibri model directory "
+            f"(it holds {kind}); --force replaces only a Colibri model directory: choose a new "
+            f"or empty directory"
+        )
     if not force:
-        raise ColibriError(f"output directory {out} exists and is not empty: it holds a Colibri model "
-                           f"(use --force to replace it)")
+        raise ColibriError(
+            f"output directory {out} exists and is not empty: it holds a Colibri model (use --force to replace it)"
+        )
 
 
 def _overlap(out: Path, src: Path) -> str | None:
     """How two resolved directories relate: "same", "contains" (out is an ancestor of src),
     "inside" (out is under src) or None. Compared by file identity where the paths exist (case-
     insensitive file systems, bind mounts), else by name."""
+
     def ident(p):
         try:
             st = os.stat(p)
         except OSError:
             return None
         return st.st_dev, st.st_ino
+
     out_id, src_id = ident(out), ident(src)
     if out == src or (out_id is not None and out_id == src_id):
         return "same"
@@ -1232,22 +1558,23 @@ def _sigterm_cleans_up():
     sig = getattr(signal, "SIGTERM", None)
     main = threading.current_thread() is threading.main_thread()
     prev = signal.getsignal(sig) if sig is not None and main else None
-    if prev is None or prev == signal.SIG_IGN:         # not ours to change: unknown (C), ignored, or a thread
+    if prev is None or prev == signal.SIG_IGN:  # not ours to change: unknown (C), ignored, or a thread
         yield
         return
     fired = []
 
     def handler(signum, frame):
-        if not fired:                                  # a second SIGTERM must not interrupt the cleanup
+        if not fired:  # a second SIGTERM must not interrupt the cleanup
             fired.append(signum)
             raise _Terminated()
+
     signal.signal(sig, handler)
     try:
         yield
     except _Terminated:
         signal.signal(sig, prev)
-        signal.raise_signal(sig)                       # the previous handler's turn
-        raise KeyboardInterrupt from None              # it returned: stop as Ctrl-C does
+        signal.raise_signal(sig)  # the previous handler's turn
+        raise KeyboardInterrupt from None  # it returned: stop as Ctrl-C does
     finally:
         signal.signal(sig, prev)
 
@@ -1292,8 +1619,10 @@ class _Writer(ModelDirWriter):
         except OSError as e:
             if e is self._source_error or (source is not None and e.filename == str(source)):
                 raise
-            raise ColibriError(f"{e.strerror or e} while writing {self.root / rel}; the temporary directory "
-                               f"was removed and {self.out} is untouched") from e
+            raise ColibriError(
+                f"{e.strerror or e} while writing {self.root / rel}; the temporary directory "
+                f"was removed and {self.out} is untouched"
+            ) from e
 
 
 def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | None = None) -> None:
@@ -1308,19 +1637,20 @@ def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | No
     directory and leaves a previous `out` as it was; whatever succeeds leaves no temporary behind."""
     out = Path(out)
     _check_output(out, force, inputs or {})
-    target = out.resolve()                             # not a link (checked): its parent's real path
+    target = out.resolve()  # not a link (checked): its parent's real path
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    if _remove_stale_temporaries(parent, target.name):     # a previous output was put back: judge it
+    if _remove_stale_temporaries(parent, target.name):  # a previous output was put back: judge it
         _check_output(out, force, inputs or {})
     free = shutil.disk_usage(parent).free
     if need > free:
-        raise ColibriError(f"not enough disk space in {parent} for {out}: need {need / 1e6:.1f} MB, "
-                           f"have {free / 1e6:.1f} MB")
+        raise ColibriError(
+            f"not enough disk space in {parent} for {out}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB"
+        )
     tmp = None
     with _sigterm_cleans_up():
         try:
-            with signals_deferred():                  # the directory exists <=> tmp names it
+            with signals_deferred():  # the directory exists <=> tmp names it
                 tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=parent))
             os.chmod(tmp, 0o755)
             write(_Writer(tmp, out))
@@ -1339,8 +1669,16 @@ _FINITE_LIMIT = {"f16": 65504.0, "int8": 65504.0 * 127, "int4": 65504.0 * 8}
 # MLA's absorbed up-projections (config.py, kind "absorbed") are multiplied per head, each with
 # its own input, so without quantized (or, for bf16, permuted) activations: f32 or f16. A bf16
 # model keeps them bf16-rounded in f32 (the same numbers as its bf16 weights), a quantized one f16.
-ABSORBED_DTYPE = {"f32": "f32", "bf16": "f32", "f16": "f16", "int8": "f16", "int4": "f16", "mxfp4": "f16", "nl4": "f16",
-                  "int6": "f16"}
+ABSORBED_DTYPE = {
+    "f32": "f32",
+    "bf16": "f32",
+    "f16": "f16",
+    "int8": "f16",
+    "int4": "f16",
+    "mxfp4": "f16",
+    "nl4": "f16",
+    "int6": "f16",
+}
 
 # --quantize mxfp4: the routed experts in mxfp4, every other matrix in this (gpt-oss's checkpoints
 # keep attention, router, embedding and head in bf16 beside their mxfp4 experts)
@@ -1354,7 +1692,7 @@ def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=F
     role_format = (roles or {}).get("head" if role == "embedding" and tied else role)
     if kind == "norm":
         return "int16" if ln_quant else "f32"
-    if kind == "absorbed":           # MLA's per-head products: a float format every tier multiplies unquantized
+    if kind == "absorbed":  # MLA's per-head products: a float format every tier multiplies unquantized
         return ABSORBED_DTYPE[role_format or quantize]
     if kind != "matrix":
         return "f32"
@@ -1363,7 +1701,7 @@ def _dtype_for(shape, kind, quantize, ln_quant=None, name="", roles=None, tied=F
         fmt = MXFP4_DENSE_DTYPE
     if fmt in BLOCK_FORMATS and shape[-1] % QBLOCK:
         return FALLBACK_DTYPE
-    if "rows" not in layouts_of(fmt) and (len(shape) != 2 or shape[0] % TGROUP):   # nl4/int6: whole groups of rows
+    if "rows" not in layouts_of(fmt) and (len(shape) != 2 or shape[0] % TGROUP):  # nl4/int6: whole groups of rows
         return INTERLEAVED_ONLY_FALLBACK[fmt]
     return fmt
 
@@ -1376,12 +1714,12 @@ def _layout_for(name, shape, kind, dtype, expert_layout=None, layout=None, tied=
     of 8 rows, gives rows; nl4/int6 have only interleaved; everything else rows."""
     allowed = layouts_of(dtype)
     if kind != "matrix" or (name == "embedding" and not tied) or len(allowed) == 1:
-        return "rows" if "rows" in allowed else allowed[0]     # nl4/int6: _dtype_for gave whole groups of rows
+        return "rows" if "rows" in allowed else allowed[0]  # nl4/int6: _dtype_for gave whole groups of rows
     wanted = expert_layout if _EXPERT_MATRIX.fullmatch(name) else layout
     wanted = wanted or default_layout(dtype)
     if wanted not in allowed or (FORMATS[dtype].grouped(wanted) and shape[0] % TGROUP):
         return "rows"
-    if wanted == "interleaved" and shape[-1] % QBLOCK:                  # interleaved bf16: whole 32-input blocks
+    if wanted == "interleaved" and shape[-1] % QBLOCK:  # interleaved bf16: whole 32-input blocks
         return "rows"
     return wanted
 
@@ -1394,26 +1732,31 @@ def _stored(name, values, shape, dtype, layout="rows", kind_rounding=None, impor
     the int8/int4 scale search's column weights (quant.quantize)."""
     if isinstance(values, quant.StoredMatrix):
         if tuple(values.shape) != shape:
-            raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
-                               f"checkpoint has {list(values.shape)}")
+            raise ColibriError(
+                f"tensor {name}: expected shape {list(shape)} from config.json, checkpoint has {list(values.shape)}"
+            )
         if values.not_finite():
-            raise ColibriError(f"tensor {name}: the checkpoint's {values.dtype} values or block scales hold NaN or "
-                               f"infinity")
+            raise ColibriError(
+                f"tensor {name}: the checkpoint's {values.dtype} values or block scales hold NaN or infinity"
+            )
         if dtype == values.dtype and (layout == "rows" or dtype in BLOCK_FORMATS):
             if layout != "rows":
                 return name, from_rows(values.stored(), dtype, shape[1], layout), dtype, shape, {"layout": layout}
             return name, values.stored(), dtype, shape, {}
         values = values.f32()
     if tuple(values.shape) != shape:
-        raise ColibriError(f"tensor {name}: expected shape {list(shape)} from config.json, "
-                           f"checkpoint has {list(values.shape)}")
+        raise ColibriError(
+            f"tensor {name}: expected shape {list(shape)} from config.json, checkpoint has {list(values.shape)}"
+        )
     if not np.isfinite(values).all():
         raise ColibriError(f"tensor {name}: the checkpoint holds NaN or infinite values")
     limit = _FINITE_LIMIT.get(dtype)
     if limit is not None and values.size and np.abs(values).max() > limit:
-        raise ColibriError(f"tensor {name}: values up to {np.abs(values).max():.3g} do not fit {dtype} "
-                           f"(limit {limit:g}); convert with --quantize bf16 or f32")
-    if dtype == "int16":              # norm weights: w = scale * q, q in [-32767, 32767]
+        raise ColibriError(
+            f"tensor {name}: values up to {np.abs(values).max():.3g} do not fit {dtype} "
+            f"(limit {limit:g}); convert with --quantize bf16 or f32"
+        )
+    if dtype == "int16":  # norm weights: w = scale * q, q in [-32767, 32767]
         amax = float(np.abs(values).max()) if values.size else 0.0
         scale = amax / 32767.0 if amax > 0 else 1.0
         q = np.clip(np.rint(values.astype(np.float64) / scale), -32767, 32767).astype("<i2")
@@ -1435,7 +1778,7 @@ def _remove_stale_temporaries(parent: Path, name: str) -> bool:
     for kind in ("tmp", "old"):
         for p in sorted(parent.glob(f".{glob.escape(name)}.{kind}-*")):
             try:
-                pid = int(p.name[len(name) + 6:].split("-")[0])
+                pid = int(p.name[len(name) + 6 :].split("-")[0])
             except ValueError:
                 continue
             if not _pid_alive(pid):
@@ -1461,7 +1804,7 @@ def _remove(p: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid() or os.name == "nt":     # on Windows os.kill(pid, 0) sends CTRL_C_EVENT
+    if pid == os.getpid() or os.name == "nt":  # on Windows os.kill(pid, 0) sends CTRL_C_EVENT
         return True
     try:
         os.kill(pid, 0)

@@ -20,6 +20,7 @@ These are the statistics `llama-perplexity --kl-divergence` reports, so figures 
 The command (`run_eval`) prints its results on stdout and the chunks done, with their rate and the
 time left, on stderr (colibri.progress); evaluate() itself only calls its `progress` callback.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,7 +45,7 @@ def chunks_of(ids: list, ctx: int, bos: int | None) -> list:
     """Non-overlapping chunks of ctx tokens; BOS replaces each chunk's first token."""
     out = []
     for start in range(0, len(ids) - 1, ctx):
-        chunk = list(ids[start:start + ctx])
+        chunk = list(ids[start : start + ctx])
         if len(chunk) < MIN_CTX:
             break
         if bos is not None:
@@ -56,12 +57,16 @@ def chunks_of(ids: list, ctx: int, bos: int | None) -> list:
 def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) -> dict:
     """Perplexity of `text` under `model` (and divergence from `reference`, a second Model)."""
     if model.tokenizer is None:
-        raise ColibriError(f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): eval needs one to tokenize the text")
+        raise ColibriError(
+            f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): eval needs one to tokenize the text"
+        )
     if not isinstance(ctx, int) or not MIN_CTX <= ctx <= model.n_ctx:
         raise ColibriError(f"--ctx must be in {MIN_CTX}..{model.n_ctx}, got {ctx!r}")
     if reference is not None and reference.config.vocab_size != model.config.vocab_size:
-        raise ColibriError(f"reference {reference.path} has vocab_size {reference.config.vocab_size}, "
-                           f"the model {model.config.vocab_size}: not the same model")
+        raise ColibriError(
+            f"reference {reference.path} has vocab_size {reference.config.vocab_size}, "
+            f"the model {model.config.vocab_size}: not the same model"
+        )
     ids = model.tokenizer.encode(text, add_special_tokens=False)
     chunks = chunks_of(ids, ctx, model.config.bos_token_id)
     if not chunks:
@@ -71,7 +76,7 @@ def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) ->
         if progress:
             progress(i, len(chunks))
         target = np.asarray(chunk[1:])
-        lp = log_softmax(model.forward(chunk))[:-1]                  # [T-1, vocab], predicts chunk[1:]
+        lp = log_softmax(model.forward(chunk))[:-1]  # [T-1, vocab], predicts chunk[1:]
         rows = np.arange(len(target))
         nll.append(-lp[rows, target])
         if reference is not None:
@@ -83,14 +88,27 @@ def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) ->
     if progress:
         progress(len(chunks), len(chunks))
     nll = np.concatenate(nll)
-    result = {"model": str(model.path), "tokens": len(ids), "chunks": len(chunks), "ctx": ctx,
-              "scored": int(nll.size), "perplexity": float(math.exp(nll.mean())),
-              "nll_mean": float(nll.mean())}
+    result = {
+        "model": str(model.path),
+        "tokens": len(ids),
+        "chunks": len(chunks),
+        "ctx": ctx,
+        "scored": int(nll.size),
+        "perplexity": float(math.exp(nll.mean())),
+        "nll_mean": float(nll.mean()),
+    }
     if reference is not None:
         kl, top1, dp = np.concatenate(kl), np.concatenate(top1), np.concatenate(dp)
-        result.update({"reference": str(reference.path), "kl_mean": float(kl.mean()),
-                       "kl_median": float(np.median(kl)), "kl_p99": float(np.percentile(kl, 99)),
-                       "top1_agreement": float(top1.mean()), "rms_delta_p": float(np.sqrt((dp ** 2).mean()))})
+        result.update(
+            {
+                "reference": str(reference.path),
+                "kl_mean": float(kl.mean()),
+                "kl_median": float(np.median(kl)),
+                "kl_p99": float(np.percentile(kl, 99)),
+                "top1_agreement": float(top1.mean()),
+                "rms_delta_p": float(np.sqrt((dp**2).mean())),
+            }
+        )
     return result
 
 
@@ -116,12 +134,13 @@ def run_eval(args) -> int:
     reference = load(args.reference_dir, threads=args.threads) if args.reference_dir else None
 
     with ExitStack() as stack:
-        bar = []            # on stderr (colibri.progress), opened when the chunks are known
+        bar = []  # on stderr (colibri.progress), opened when the chunks are known
 
         def chunk(i, n):
             if not bar:
                 bar.append(stack.enter_context(progress(n, "eval", unit="chunk")))
             bar[0].at(i)
+
         r = evaluate(model, text, ctx=args.ctx, reference=reference, progress=chunk)
     if args.json:
         print(json.dumps(r))

@@ -14,6 +14,7 @@ authority on which kernels exist): the block formats have a kernel per layout of
     mxfp4           rows, interleaved                 (block)
     nl4, int6       interleaved                       (block)
 """
+
 from __future__ import annotations
 
 import math
@@ -32,11 +33,12 @@ _FLOAT_ELEMENTS = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dt
 @dataclass(frozen=True)
 class Format:
     """One storage format of weight matrices."""
-    name: str                   # names.FORMATS
-    code: int                   # _kernels.DTYPE_CODES: the C enum the kernels dispatch on
-    layouts: tuple              # the names.LAYOUTS it may be stored in (in that order): those with kernels
-    block: bool                 # blocks of QBLOCK weights with a scale, multiplied against quantized activations
-    element: np.dtype           # numpy dtype of the stored elements (block formats: bytes)
+
+    name: str  # names.FORMATS
+    code: int  # _kernels.DTYPE_CODES: the C enum the kernels dispatch on
+    layouts: tuple  # the names.LAYOUTS it may be stored in (in that order): those with kernels
+    block: bool  # blocks of QBLOCK weights with a scale, multiplied against quantized activations
+    element: np.dtype  # numpy dtype of the stored elements (block formats: bytes)
 
     @property
     def default_layout(self) -> str:
@@ -52,30 +54,34 @@ class Format:
         """Bytes of one row of `cols` weights in the rows layout (nl4: its rows form, quant.row_bytes)."""
         if not self.block:
             return cols * self.element.itemsize
-        from . import quant        # the blocks' byte layouts (quant.py's structured dtypes); quant asks this table
+        from . import quant  # the blocks' byte layouts (quant.py's structured dtypes); quant asks this table
+
         return quant.row_bytes(self.name, cols)
 
     def nbytes(self, shape) -> int:
         """Bytes of a tensor of logical `shape` as stored (the same in each of its layouts: they permute
         the bytes; nl4, stored interleaved only, has its groups and row scales: quant.nl4_bytes)."""
-        rows = math.prod(shape[:-1])          # exact integers: np.prod wraps around past 2**63
+        rows = math.prod(shape[:-1])  # exact integers: np.prod wraps around past 2**63
         if self.name == "nl4":
             from . import quant
+
             return quant.nl4_bytes(rows, shape[-1])
         return rows * self.row_bytes(shape[-1])
 
 
 def _layouts(name: str) -> tuple:
-    allowed = {"rows": name not in INTERLEAVED_ONLY_FORMATS,
-               "transposed": name not in INTERLEAVED_ONLY_FORMATS and (name not in BLOCK_FORMATS
-                                                                       or name in GROUP_FORMATS),
-               "interleaved": name in INTERLEAVED_FORMATS}
+    allowed = {
+        "rows": name not in INTERLEAVED_ONLY_FORMATS,
+        "transposed": name not in INTERLEAVED_ONLY_FORMATS and (name not in BLOCK_FORMATS or name in GROUP_FORMATS),
+        "interleaved": name in INTERLEAVED_FORMATS,
+    }
     return tuple(layout for layout in names.LAYOUTS if allowed[layout])
 
 
-FORMATS = {name: Format(name, code, _layouts(name), name in BLOCK_FORMATS,
-                        _FLOAT_ELEMENTS.get(name, np.dtype("u1")))
-           for name, code in DTYPE_CODES.items()}
+FORMATS = {
+    name: Format(name, code, _layouts(name), name in BLOCK_FORMATS, _FLOAT_ELEMENTS.get(name, np.dtype("u1")))
+    for name, code in DTYPE_CODES.items()
+}
 
 
 def layouts_of(dtype: str) -> tuple:

@@ -9,6 +9,7 @@ a list: any of them ends the generation) and, when `do_sample` is true, its `tem
 value the caller passes wins, then the checkpoint's, then Colibri's own default (greedy, no
 penalty). `resolve()` also says which values came from the file, so `run`/`chat` can print them.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,9 @@ class GenerationDefaults:
     """The parsed generation_config.json (or nothing: `GenerationDefaults.empty()`)."""
 
     def __init__(self, eos_token_id=(), sampling=None, source: str | None = None):
-        self.eos_token_id = tuple(eos_token_id)      # stop tokens the file lists
-        self.sampling = dict(sampling or {})         # field -> value the file sets
-        self.source = source                         # the file, for messages; None: no file
+        self.eos_token_id = tuple(eos_token_id)  # stop tokens the file lists
+        self.sampling = dict(sampling or {})  # field -> value the file sets
+        self.source = source  # the file, for messages; None: no file
 
     @classmethod
     def empty(cls) -> "GenerationDefaults":
@@ -47,7 +48,9 @@ class GenerationDefaults:
         eos = doc.get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
         if not isinstance(eos, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
-            raise ColibriError(f"{path}: eos_token_id must be an integer or a list of integers, got {doc['eos_token_id']!r}")
+            raise ColibriError(
+                f"{path}: eos_token_id must be an integer or a list of integers, got {doc['eos_token_id']!r}"
+            )
         bad = [t for t in eos if not 0 <= t < vocab_size]
         if bad:
             raise ColibriError(f"{path}: eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -36,6 +36,7 @@ The text side (tokenizer.json, tokenizer_config.json, the chat template, generat
 is made from the tokenizer metadata by `gguf_vocab.tokenizer_files`; `write_text_files` puts them
 where convert validates and copies them.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,17 +54,23 @@ from .names import DISTRIBUTION
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
-MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8   # name length, name, n_dims, one dim, type, offset
-MIN_KV_BYTES = 8 + 1 + 4 + 1                      # key length, key, value type, a one-byte value
+MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one dim, type, offset
+MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, key, value type, a one-byte value
 
 # general.architecture -> the transformers class its config is built as
-ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 "deepseek2": "DeepseekV3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "MixtralForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+}
 # llama.cpp's MoE graph per architecture: renormalize the top-k weights? (build_moe_ffn's norm_w)
 NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
-GATING_SOFTMAX, GATING_SIGMOID = 1, 2          # {arch}.expert_gating_func (llama_expert_gating_func_type)
-_KV_B = "kv_b"                                 # DeepSeek's kv_b_proj, put back together from attn_k_b / attn_v_b
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # {arch}.expert_gating_func (llama_expert_gating_func_type)
+_KV_B = "kv_b"  # DeepSeek's kv_b_proj, put back together from attn_k_b / attn_v_b
 # gpt-oss in llama.cpp (llama-graph.cpp, ggml_swiglu_oai): constants, not metadata; YaRN without
 # truncation (the published config's rope_parameters.truncate)
 GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
@@ -73,69 +80,95 @@ CARRIED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "int8", "Q4_0": "
 # blocks are int4's, carried; the files of other 4-bit-or-less types (Q4_1, Q2_K..Q4_K_M, IQ4_NL,
 # IQ4_XS) are requantized, into nl4, whose error from the file's values is below int4's (the
 # Q4_K_M fixture: 0.067 against 0.104); 5- and 6-bit files into int8
-FILE_TYPE_FORMAT = {0: "f32", 1: "f16", 32: "bf16", 7: "int8", 2: "int4", 3: "nl4", 8: "int8", 9: "int8",
-                    10: "nl4", 11: "nl4", 12: "nl4", 13: "nl4", 14: "nl4", 15: "nl4", 16: "int8",
-                    17: "int8", 18: "int8", 25: "nl4", 30: "nl4", 38: "mxfp4"}
+FILE_TYPE_FORMAT = {
+    0: "f32",
+    1: "f16",
+    32: "bf16",
+    7: "int8",
+    2: "int4",
+    3: "nl4",
+    8: "int8",
+    9: "int8",
+    10: "nl4",
+    11: "nl4",
+    12: "nl4",
+    13: "nl4",
+    14: "nl4",
+    15: "nl4",
+    16: "int8",
+    17: "int8",
+    18: "int8",
+    25: "nl4",
+    30: "nl4",
+    38: "mxfp4",
+}
 DEFAULT_FORMAT = "int8"
 # a tensor whose GGUF type holds more than the file's 4 bits -> the Colibri format that keeps it,
 # where convert is given no --quantize (a Q4_K_M file keeps its output, attn_v and half its
 # ffn_down in Q6_K: they stay 6-bit, int6, instead of falling to the file's int4; Q8_0 is carried)
 KEPT_PRECISION = {"Q8_0": "int8", "Q6_K": "int6", "Q5_K": "int6", "Q5_0": "int6", "Q5_1": "int6"}
-ERROR_SAMPLE_ROWS = 256          # rows of each requantized tensor the reported error is measured on
+ERROR_SAMPLE_ROWS = 256  # rows of each requantized tensor the reported error is measured on
 
 _L = r"blk\.(\d+)\."
 _EXPERTS = "experts"
-_GATE_UP = "gate_up"            # Gemma 4's merged [E, 2 * ff, d]: gate the first half of each expert's rows
+_GATE_UP = "gate_up"  # Gemma 4's merged [E, 2 * ff, d]: gate the first half of each expert's rows
 # Gemma 4 first: llama.cpp's names of its sandwich norms, router and layer scalar
-_GEMMA4_NAMES = [(re.compile(p), t) for p, t in [
-    (_L + r"ffn_norm\.weight", "model.layers.{0}.pre_feedforward_layernorm.weight"),
-    (_L + r"post_ffw_norm\.weight", "model.layers.{0}.post_feedforward_layernorm.weight"),
-    (_L + r"post_ffw_norm_(1|2)\.weight", "model.layers.{0}.post_feedforward_layernorm_{1}.weight"),
-    (_L + r"pre_ffw_norm_2\.weight", "model.layers.{0}.pre_feedforward_layernorm_2.weight"),
-    (_L + r"layer_output_scale\.weight", "model.layers.{0}.layer_scalar"),
-    (_L + r"ffn_gate_inp\.weight", "model.layers.{0}.router.proj.weight"),
-    (_L + r"ffn_gate_inp\.scale", "model.layers.{0}.router.scale"),
-    (_L + r"ffn_down_exps\.scale", "model.layers.{0}.router.per_expert_scale"),
-    (_L + r"ffn_gate_up_exps\.weight", _GATE_UP),
-    (r"rope_freqs\.weight", None),        # proportional RoPE's frequency factors: in the config instead
-]]
+_GEMMA4_NAMES = [
+    (re.compile(p), t)
+    for p, t in [
+        (_L + r"ffn_norm\.weight", "model.layers.{0}.pre_feedforward_layernorm.weight"),
+        (_L + r"post_ffw_norm\.weight", "model.layers.{0}.post_feedforward_layernorm.weight"),
+        (_L + r"post_ffw_norm_(1|2)\.weight", "model.layers.{0}.post_feedforward_layernorm_{1}.weight"),
+        (_L + r"pre_ffw_norm_2\.weight", "model.layers.{0}.pre_feedforward_layernorm_2.weight"),
+        (_L + r"layer_output_scale\.weight", "model.layers.{0}.layer_scalar"),
+        (_L + r"ffn_gate_inp\.weight", "model.layers.{0}.router.proj.weight"),
+        (_L + r"ffn_gate_inp\.scale", "model.layers.{0}.router.scale"),
+        (_L + r"ffn_down_exps\.scale", "model.layers.{0}.router.per_expert_scale"),
+        (_L + r"ffn_gate_up_exps\.weight", _GATE_UP),
+        (r"rope_freqs\.weight", None),  # proportional RoPE's frequency factors: in the config instead
+    ]
+]
 # GGUF tensor name -> transformers' (a template with the match's groups), or _EXPERTS (merged)
-_NAMES = [(re.compile(p), t) for p, t in [
-    (r"token_embd\.weight", "model.embed_tokens.weight"),
-    (r"output_norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (_L + r"attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
-    (_L + r"ffn_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
-    (_L + r"attn_(q|k|v)\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}"),
-    (_L + r"attn_output\.(weight|bias)", "model.layers.{0}.self_attn.o_proj.{1}"),
-    (_L + r"attn_(q|k)_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight"),
-    (_L + r"ffn_gate_inp\.(weight|bias)", "model.layers.{0}.mlp.gate.{1}"),
-    (_L + r"post_attention_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
-    (_L + r"attn_sinks\.weight", "model.layers.{0}.self_attn.sinks"),
-    # DeepSeek-V3's latent attention (llama.cpp's deepseek2)
-    (_L + r"attn_q_a\.weight", "model.layers.{0}.self_attn.q_a_proj.weight"),
-    (_L + r"attn_q_b\.weight", "model.layers.{0}.self_attn.q_b_proj.weight"),
-    (_L + r"attn_q_a_norm\.weight", "model.layers.{0}.self_attn.q_a_layernorm.weight"),
-    (_L + r"attn_kv_a_mqa\.weight", "model.layers.{0}.self_attn.kv_a_proj_with_mqa.weight"),
-    (_L + r"attn_kv_a_norm\.weight", "model.layers.{0}.self_attn.kv_a_layernorm.weight"),
-    (_L + r"attn_kv_b\.weight", "model.layers.{0}.self_attn.kv_b_proj.weight"),
-    (_L + r"attn_(k|v)_b\.weight", _KV_B),
-    (_L + r"exp_probs_b\.bias", "model.layers.{0}.mlp.gate.e_score_correction_bias"),
-    (_L + r"ffn_gate_inp_shexp\.weight", "model.layers.{0}.mlp.shared_expert_gate.weight"),
-    (_L + r"ffn_(gate|up|down)_shexp\.weight", "model.layers.{0}.mlp.shared_expert.{1}_proj.weight"),
-    (_L + r"nextn\..*", None),              # DeepSeek's multi-token-prediction head: not run
-    (_L + r"ffn_(gate|up|down)_exps\.(weight|bias)", _EXPERTS),
-    (_L + r"ffn_(gate|up|down)\.(\d+)\.weight", "model.layers.{0}.mlp.experts.{2}.{1}_proj.weight"),
-    (_L + r"ffn_(gate|up|down)\.weight", "model.layers.{0}.mlp.{1}_proj.weight"),
-]]
+_NAMES = [
+    (re.compile(p), t)
+    for p, t in [
+        (r"token_embd\.weight", "model.embed_tokens.weight"),
+        (r"output_norm\.weight", "model.norm.weight"),
+        (r"output\.weight", "lm_head.weight"),
+        (_L + r"attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
+        (_L + r"ffn_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+        (_L + r"attn_(q|k|v)\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}"),
+        (_L + r"attn_output\.(weight|bias)", "model.layers.{0}.self_attn.o_proj.{1}"),
+        (_L + r"attn_(q|k)_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight"),
+        (_L + r"ffn_gate_inp\.(weight|bias)", "model.layers.{0}.mlp.gate.{1}"),
+        (_L + r"post_attention_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+        (_L + r"attn_sinks\.weight", "model.layers.{0}.self_attn.sinks"),
+        # DeepSeek-V3's latent attention (llama.cpp's deepseek2)
+        (_L + r"attn_q_a\.weight", "model.layers.{0}.self_attn.q_a_proj.weight"),
+        (_L + r"attn_q_b\.weight", "model.layers.{0}.self_attn.q_b_proj.weight"),
+        (_L + r"attn_q_a_norm\.weight", "model.layers.{0}.self_attn.q_a_layernorm.weight"),
+        (_L + r"attn_kv_a_mqa\.weight", "model.layers.{0}.self_attn.kv_a_proj_with_mqa.weight"),
+        (_L + r"attn_kv_a_norm\.weight", "model.layers.{0}.self_attn.kv_a_layernorm.weight"),
+        (_L + r"attn_kv_b\.weight", "model.layers.{0}.self_attn.kv_b_proj.weight"),
+        (_L + r"attn_(k|v)_b\.weight", _KV_B),
+        (_L + r"exp_probs_b\.bias", "model.layers.{0}.mlp.gate.e_score_correction_bias"),
+        (_L + r"ffn_gate_inp_shexp\.weight", "model.layers.{0}.mlp.shared_expert_gate.weight"),
+        (_L + r"ffn_(gate|up|down)_shexp\.weight", "model.layers.{0}.mlp.shared_expert.{1}_proj.weight"),
+        (_L + r"nextn\..*", None),  # DeepSeek's multi-token-prediction head: not run
+        (_L + r"ffn_(gate|up|down)_exps\.(weight|bias)", _EXPERTS),
+        (_L + r"ffn_(gate|up|down)\.(\d+)\.weight", "model.layers.{0}.mlp.experts.{2}.{1}_proj.weight"),
+        (_L + r"ffn_(gate|up|down)\.weight", "model.layers.{0}.mlp.{1}_proj.weight"),
+    ]
+]
 
 
 def _gguf():
     try:
         import gguf
     except ImportError:
-        raise ColibriError(f"reading GGUF files needs the gguf package: pip install '{DISTRIBUTION}[gguf]' "
-                           "(or pip install gguf)") from None
+        raise ColibriError(
+            f"reading GGUF files needs the gguf package: pip install '{DISTRIBUTION}[gguf]' (or pip install gguf)"
+        ) from None
     return gguf
 
 
@@ -154,8 +187,10 @@ def check_header(path: Path) -> tuple:
     if version not in GGUF_VERSIONS:
         raise ColibriError(f"{path}: GGUF version {version} is not supported (versions {GGUF_VERSIONS})")
     if n_tensors > (size - 24) // MIN_TENSOR_INFO_BYTES or n_kv > (size - 24) // MIN_KV_BYTES:
-        raise ColibriError(f"{path}: the header counts {n_tensors} tensors and {n_kv} metadata entries, more than "
-                           f"a file of {size} bytes can hold (truncated or damaged)")
+        raise ColibriError(
+            f"{path}: the header counts {n_tensors} tensors and {n_kv} metadata entries, more than "
+            f"a file of {size} bytes can hold (truncated or damaged)"
+        )
     return version, n_tensors, n_kv
 
 
@@ -171,27 +206,33 @@ class GGUFCheckpoint:
         gguf = _gguf()
         try:
             reader = gguf.GGUFReader(self.root, "r")
-            self.meta = {name: field.contents() for name, field in reader.fields.items()
-                         if not name.startswith("GGUF.")}
+            self.meta = {
+                name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")
+            }
             tensors = {t.name: t for t in reader.tensors}
         except ColibriError:
             raise
-        except Exception as e:   # noqa: BLE001 - a third-party parser on a damaged file: one line
-            raise ColibriError(f"{self.root}: not a readable GGUF file ({type(e).__name__}: "
-                               f"{str(e)[:200] or 'no details'})") from None
+        except Exception as e:  # noqa: BLE001 - a third-party parser on a damaged file: one line
+            raise ColibriError(
+                f"{self.root}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200] or 'no details'})"
+            ) from None
         self._reader = reader
         self.last_read_type = None
         self.arch = self._meta_str("general.architecture")
         if self.arch not in ARCHITECTURES:
-            raise ColibriError(f"{self.root}: architecture {shown(self.arch)} is not supported for GGUF import; "
-                               f"supported: {', '.join(ARCHITECTURES)} (llama with experts: Mixtral)")
-        self._tensors = {}        # our HF name -> (GGUF tensor, expert index or None, row order or None)
-        self._kv_b = {}           # layer -> {"k": attn_k_b, "v": attn_v_b}
+            raise ColibriError(
+                f"{self.root}: architecture {shown(self.arch)} is not supported for GGUF import; "
+                f"supported: {', '.join(ARCHITECTURES)} (llama with experts: Mixtral)"
+            )
+        self._tensors = {}  # our HF name -> (GGUF tensor, expert index or None, row order or None)
+        self._kv_b = {}  # layer -> {"k": attn_k_b, "v": attn_v_b}
         self._map_names(tensors)
         for layer, parts in self._kv_b.items():
             if set(parts) != {"k", "v"}:
-                raise ColibriError(f"{self.root}: blk.{layer} has attn_{'k' if 'k' in parts else 'v'}_b without "
-                                   f"attn_{'v' if 'k' in parts else 'k'}_b")
+                raise ColibriError(
+                    f"{self.root}: blk.{layer} has attn_{'k' if 'k' in parts else 'v'}_b without "
+                    f"attn_{'v' if 'k' in parts else 'k'}_b"
+                )
         self.config = self._hf_config(tensors)
 
     # -- metadata --
@@ -207,8 +248,9 @@ class GGUFCheckpoint:
         if v is default:
             return v
         if type(v) not in kind:
-            raise ColibriError(f"{self.root}: metadata {full} must be {'a number' if float in kind else 'an integer'}, "
-                               f"got {shown(v)}")
+            raise ColibriError(
+                f"{self.root}: metadata {full} must be {'a number' if float in kind else 'an integer'}, got {shown(v)}"
+            )
         return v
 
     def _kv_heads(self, heads):
@@ -217,23 +259,29 @@ class GGUFCheckpoint:
         if type(kv) is list and kv and all(type(k) is int for k in kv):
             return kv[0]
         if type(kv) is not int:
-            raise ColibriError(f"{self.root}: metadata {self.arch}.attention.head_count_kv must be an integer or a "
-                               f"list of them, got {shown(kv)}")
+            raise ColibriError(
+                f"{self.root}: metadata {self.arch}.attention.head_count_kv must be an integer or a "
+                f"list of them, got {shown(kv)}"
+            )
         return kv
 
     def _hf_config(self, tensors) -> dict:
         heads = self._arch_key("attention.head_count")
         blocks = self._arch_key("block_count")
         if heads is None or blocks is None or self._arch_key("embedding_length") is None:
-            raise ColibriError(f"{self.root}: metadata lacks {self.arch}.block_count / embedding_length / "
-                               f"attention.head_count (not a model file: a vocabulary-only GGUF?)")
+            raise ColibriError(
+                f"{self.root}: metadata lacks {self.arch}.block_count / embedding_length / "
+                f"attention.head_count (not a model file: a vocabulary-only GGUF?)"
+            )
         embedding = tensors.get("token_embd.weight")
         if embedding is None:
             raise ColibriError(f"{self.root}: no token_embd.weight tensor")
         experts = self._arch_key("expert_count", 0)
         if not experts:
-            raise ColibriError(f"{self.root}: {self.arch}.expert_count is absent or 0: a dense model; Colibri runs "
-                               f"mixture-of-experts models")
+            raise ColibriError(
+                f"{self.root}: {self.arch}.expert_count is absent or 0: a dense model; Colibri runs "
+                f"mixture-of-experts models"
+            )
         num = (int, float)
         cfg = {
             "architectures": [ARCHITECTURES[self.arch]],
@@ -247,7 +295,7 @@ class GGUFCheckpoint:
             "vocab_size": int(embedding.shape[1]) if len(embedding.shape) == 2 else 0,
             "tie_word_embeddings": "output.weight" not in tensors,
             "num_experts_per_tok": self._arch_key("expert_used_count"),
-            "norm_topk_prob": NORM_TOPK.get(self.arch),          # deepseek2: from its metadata
+            "norm_topk_prob": NORM_TOPK.get(self.arch),  # deepseek2: from its metadata
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
         }
@@ -263,10 +311,13 @@ class GGUFCheckpoint:
             cfg["rope_scaling"] = {"rope_type": scaling, "factor": self._arch_key("rope.scaling.factor", None, num)}
             if scaling == "yarn":
                 cfg["rope_scaling"]["original_max_position_embeddings"] = self._arch_key(
-                    "rope.scaling.original_context_length")
+                    "rope.scaling.original_context_length"
+                )
         ffn = self._arch_key("feed_forward_length", 0)
         expert_ffn = self._arch_key("expert_feed_forward_length", 0) or ffn
-        dense = [i for i in range(blocks if type(blocks) is int else 0) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+        dense = [
+            i for i in range(blocks if type(blocks) is int else 0) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
+        ]
         if self.arch == "deepseek2":
             self._deepseek(cfg, tensors, heads, experts, ffn, expert_ffn, rotary)
         elif self.arch == "gemma4":
@@ -275,24 +326,38 @@ class GGUFCheckpoint:
             cfg.update(num_local_experts=experts, intermediate_size=expert_ffn)
         elif self.arch == "gpt-oss":
             cfg.pop("rope_scaling", None)
-            cfg.update(num_local_experts=experts, intermediate_size=expert_ffn, attention_bias=True,
-                       sliding_window=self._arch_key("attention.sliding_window"),
-                       layer_types=self._layer_types(blocks), **GPT_OSS_SWIGLU,
-                       rope_parameters={"rope_type": "yarn", "rope_theta": cfg.pop("rope_theta"), "truncate": False,
-                                        "factor": self._arch_key("rope.scaling.factor", 32.0, num),
-                                        "original_max_position_embeddings":
-                                            self._arch_key("rope.scaling.original_context_length", 4096),
-                                        "beta_fast": self._arch_key("rope.scaling.yarn_beta_fast", 32.0, num),
-                                        "beta_slow": self._arch_key("rope.scaling.yarn_beta_slow", 1.0, num)})
+            cfg.update(
+                num_local_experts=experts,
+                intermediate_size=expert_ffn,
+                attention_bias=True,
+                sliding_window=self._arch_key("attention.sliding_window"),
+                layer_types=self._layer_types(blocks),
+                **GPT_OSS_SWIGLU,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": cfg.pop("rope_theta"),
+                    "truncate": False,
+                    "factor": self._arch_key("rope.scaling.factor", 32.0, num),
+                    "original_max_position_embeddings": self._arch_key("rope.scaling.original_context_length", 4096),
+                    "beta_fast": self._arch_key("rope.scaling.yarn_beta_fast", 32.0, num),
+                    "beta_slow": self._arch_key("rope.scaling.yarn_beta_slow", 1.0, num),
+                },
+            )
         elif self.arch == "olmoe":
-            cfg.update(num_experts=experts, intermediate_size=expert_ffn,
-                       clip_qkv=self._arch_key("attention.clamp_kqv", None, num))
-        else:   # qwen2moe, qwen3moe
-            cfg.update(num_experts=experts, moe_intermediate_size=expert_ffn, intermediate_size=ffn,
-                       mlp_only_layers=dense)
+            cfg.update(
+                num_experts=experts,
+                intermediate_size=expert_ffn,
+                clip_qkv=self._arch_key("attention.clamp_kqv", None, num),
+            )
+        else:  # qwen2moe, qwen3moe
+            cfg.update(
+                num_experts=experts, moe_intermediate_size=expert_ffn, intermediate_size=ffn, mlp_only_layers=dense
+            )
             if self.arch == "qwen2moe":
-                cfg.update(shared_expert_intermediate_size=self._arch_key("expert_shared_feed_forward_length", 0),
-                           qkv_bias="blk.0.attn_q.bias" in tensors)
+                cfg.update(
+                    shared_expert_intermediate_size=self._arch_key("expert_shared_feed_forward_length", 0),
+                    qkv_bias="blk.0.attn_q.bias" in tensors,
+                )
             else:
                 cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
         return {k: v for k, v in cfg.items() if v is not None}
@@ -307,33 +372,49 @@ class GGUFCheckpoint:
         gating = self._arch_key("expert_gating_func")
         has_bias = any(n.endswith("exp_probs_b.bias") for n in tensors)
         if gating == GATING_SOFTMAX or (gating is None and not has_bias):
-            raise ColibriError(f"{self.root}: softmax expert gating (DeepSeek-V2 / V2.5) is not supported; "
-                               f"DeepSeek-V3's sigmoid router with its correction bias is")
+            raise ColibriError(
+                f"{self.root}: softmax expert gating (DeepSeek-V2 / V2.5) is not supported; "
+                f"DeepSeek-V3's sigmoid router with its correction bias is"
+            )
         if gating not in (None, GATING_SIGMOID):
             raise ColibriError(f"{self.root}: metadata {self.arch}.expert_gating_func {shown(gating)} is not supported")
         key = self._arch_key("attention.key_length_mla") or self._arch_key("attention.key_length")
         value = self._arch_key("attention.value_length_mla") or self._arch_key("attention.value_length")
         if key is None or value is None or rope is None:
-            raise ColibriError(f"{self.root}: metadata lacks {self.arch}.attention.key_length(_mla) / value_length(_mla) "
-                               f"/ rope.dimension_count")
+            raise ColibriError(
+                f"{self.root}: metadata lacks {self.arch}.attention.key_length(_mla) / value_length(_mla) "
+                f"/ rope.dimension_count"
+            )
         for k in ("head_dim", "partial_rotary_factor"):
             cfg.pop(k, None)
         nextn = self._arch_key("nextn_predict_layers", 0)
-        cfg.update(num_hidden_layers=cfg["num_hidden_layers"] - nextn, num_nextn_predict_layers=nextn,
-                   num_key_value_heads=heads, n_routed_experts=experts, moe_intermediate_size=expert_ffn,
-                   intermediate_size=ffn, n_shared_experts=self._arch_key("expert_shared_count", 0),
-                   routed_scaling_factor=self._arch_key("expert_weights_scale", 1.0, num),
-                   norm_topk_prob=self.meta.get(f"{self.arch}.expert_weights_norm", False) is True,
-                   n_group=self._arch_key("expert_group_count", 1), topk_group=self._arch_key("expert_group_used_count", 1),
-                   first_k_dense_replace=self._arch_key("leading_dense_block_count", 0),
-                   q_lora_rank=self._arch_key("attention.q_lora_rank", 0) or None,
-                   kv_lora_rank=self._arch_key("attention.kv_lora_rank"), qk_rope_head_dim=rope,
-                   qk_nope_head_dim=key - rope, v_head_dim=value, rope_interleave=True)
+        cfg.update(
+            num_hidden_layers=cfg["num_hidden_layers"] - nextn,
+            num_nextn_predict_layers=nextn,
+            num_key_value_heads=heads,
+            n_routed_experts=experts,
+            moe_intermediate_size=expert_ffn,
+            intermediate_size=ffn,
+            n_shared_experts=self._arch_key("expert_shared_count", 0),
+            routed_scaling_factor=self._arch_key("expert_weights_scale", 1.0, num),
+            norm_topk_prob=self.meta.get(f"{self.arch}.expert_weights_norm", False) is True,
+            n_group=self._arch_key("expert_group_count", 1),
+            topk_group=self._arch_key("expert_group_used_count", 1),
+            first_k_dense_replace=self._arch_key("leading_dense_block_count", 0),
+            q_lora_rank=self._arch_key("attention.q_lora_rank", 0) or None,
+            kv_lora_rank=self._arch_key("attention.kv_lora_rank"),
+            qk_rope_head_dim=rope,
+            qk_nope_head_dim=key - rope,
+            v_head_dim=value,
+            rope_interleave=True,
+        )
         scaling = cfg.get("rope_scaling")
         if scaling is not None and scaling.get("rope_type") == "yarn":
             multiplier = self._arch_key("rope.scaling.yarn_log_multiplier", None, num)
-            scaling.update(beta_fast=self._arch_key("rope.scaling.yarn_beta_fast", 32.0, num),
-                           beta_slow=self._arch_key("rope.scaling.yarn_beta_slow", 1.0, num))
+            scaling.update(
+                beta_fast=self._arch_key("rope.scaling.yarn_beta_fast", 32.0, num),
+                beta_slow=self._arch_key("rope.scaling.yarn_beta_slow", 1.0, num),
+            )
             if multiplier:
                 scaling.update(mscale=round(multiplier / 0.1, 6), mscale_all_dim=round(multiplier / 0.1, 6))
 
@@ -351,9 +432,11 @@ class GGUFCheckpoint:
         if swa_dim is None or any(type(k) is not int for k in kv):
             raise ColibriError(f"{self.root}: metadata lacks {self.arch}.attention.key_length_swa / head_count_kv")
         base = next((i for i, t in enumerate(types) if t == "sliding_attention"), 0)
-        per_layer = {str(i): {"head_dim": full_dim if t == "full_attention" else swa_dim, "num_key_value_heads": kv[i]}
-                     for i, t in enumerate(types) if (full_dim if t == "full_attention" else swa_dim, kv[i]) !=
-                     (swa_dim, kv[base])}
+        per_layer = {
+            str(i): {"head_dim": full_dim if t == "full_attention" else swa_dim, "num_key_value_heads": kv[i]}
+            for i, t in enumerate(types)
+            if (full_dim if t == "full_attention" else swa_dim, kv[i]) != (swa_dim, kv[base])
+        }
         freqs = tensors.get("rope_freqs.weight")
         rotary = self._arch_key("rope.dimension_count") or full_dim
         if freqs is not None:
@@ -364,18 +447,33 @@ class GGUFCheckpoint:
         for k in ("head_dim", "partial_rotary_factor", "rope_scaling", "num_experts_per_tok", "norm_topk_prob"):
             cfg.pop(k, None)
         full_v = [f"blk.{i}.attn_v.weight" in tensors for i, t in enumerate(types) if t == "full_attention"]
-        cfg.update(head_dim=swa_dim, num_key_value_heads=kv[base], per_layer_config=per_layer, layer_types=types,
-                   sliding_window=self._arch_key("attention.sliding_window"), enable_moe_block=True,
-                   num_experts=experts, top_k_experts=self._arch_key("expert_used_count"),
-                   moe_intermediate_size=expert_ffn, intermediate_size=ffn,
-                   attention_k_eq_v=bool(full_v) and not any(full_v),
-                   final_logit_softcapping=self._arch_key("final_logit_softcapping", None, (int, float)),
-                   hidden_size_per_layer_input=self._arch_key("embedding_length_per_layer_input", 0),
-                   num_kv_shared_layers=self._arch_key("attention.shared_kv_layers", 0),
-                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": self._arch_key(
-                                        "rope.freq_base_swa", 10000.0, (int, float))},
-                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": fraction,
-                                                       "rope_theta": cfg.pop("rope_theta")}})
+        cfg.update(
+            head_dim=swa_dim,
+            num_key_value_heads=kv[base],
+            per_layer_config=per_layer,
+            layer_types=types,
+            sliding_window=self._arch_key("attention.sliding_window"),
+            enable_moe_block=True,
+            num_experts=experts,
+            top_k_experts=self._arch_key("expert_used_count"),
+            moe_intermediate_size=expert_ffn,
+            intermediate_size=ffn,
+            attention_k_eq_v=bool(full_v) and not any(full_v),
+            final_logit_softcapping=self._arch_key("final_logit_softcapping", None, (int, float)),
+            hidden_size_per_layer_input=self._arch_key("embedding_length_per_layer_input", 0),
+            num_kv_shared_layers=self._arch_key("attention.shared_kv_layers", 0),
+            rope_parameters={
+                "sliding_attention": {
+                    "rope_type": "default",
+                    "rope_theta": self._arch_key("rope.freq_base_swa", 10000.0, (int, float)),
+                },
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": fraction,
+                    "rope_theta": cfg.pop("rope_theta"),
+                },
+            },
+        )
 
     def _layer_types(self, blocks) -> list:
         """Sliding or full attention per layer, as llama.cpp's load_swa_pattern reads them: the
@@ -388,8 +486,10 @@ class GGUFCheckpoint:
         elif type(pattern) is int and pattern >= 1:
             sliding = [i % pattern < pattern - 1 for i in range(n)]
         else:
-            raise ColibriError(f"{self.root}: metadata {self.arch}.attention.sliding_window_pattern must be a period "
-                               f"or {n} booleans, got {shown(pattern)}")
+            raise ColibriError(
+                f"{self.root}: metadata {self.arch}.attention.sliding_window_pattern must be a period "
+                f"or {n} booleans, got {shown(pattern)}"
+            )
         return ["sliding_attention" if s else "full_attention" for s in sliding]
 
     # -- tensors --
@@ -409,20 +509,24 @@ class GGUFCheckpoint:
                     self._tensors[f"model.layers.{m[1]}.self_attn.kv_b_proj.weight"] = (None, int(m[1]), _KV_B)
                     break
                 if template is _GATE_UP:
-                    shape = tuple(reversed([int(d) for d in t.shape]))        # [E, 2 * ff, d]
+                    shape = tuple(reversed([int(d) for d in t.shape]))  # [E, 2 * ff, d]
                     if len(shape) != 3 or shape[1] % 2:
-                        raise ColibriError(f"{self.root}: tensor {name} has shape {list(shape)}; merged gate/up "
-                                           f"experts are [experts, 2 x ff, in]")
+                        raise ColibriError(
+                            f"{self.root}: tensor {name} has shape {list(shape)}; merged gate/up "
+                            f"experts are [experts, 2 x ff, in]"
+                        )
                     ff = shape[1] // 2
                     for e in range(shape[0]):
                         for part, rows in (("gate", np.arange(ff)), ("up", np.arange(ff, 2 * ff))):
                             self._tensors[f"model.layers.{m[1]}.mlp.experts.{e}.{part}_proj.weight"] = (t, e, rows)
                     break
                 if template is _EXPERTS:
-                    shape = tuple(reversed([int(d) for d in t.shape]))        # [E, out, in] / [E, out]
+                    shape = tuple(reversed([int(d) for d in t.shape]))  # [E, out, in] / [E, out]
                     if len(shape) != (3 if m[3] == "weight" else 2):
-                        raise ColibriError(f"{self.root}: tensor {name} has shape {list(shape)}; merged experts are "
-                                           f"[experts, out, in] (biases [experts, out])")
+                        raise ColibriError(
+                            f"{self.root}: tensor {name} has shape {list(shape)}; merged experts are "
+                            f"[experts, out, in] (biases [experts, out])"
+                        )
                     for e in range(shape[0]):
                         self._tensors[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj.{m[3]}"] = (t, e, None)
                 else:
@@ -430,23 +534,29 @@ class GGUFCheckpoint:
                     if self.arch == "gpt-oss":
                         hf = hf.replace(".mlp.gate.", ".mlp.router.")
                     order = None
-                    if self.arch == "llama" and m.groups()[1:2] in (("q",), ("k",)) and "attn_" in name \
-                            and not name.endswith("_norm.weight"):
+                    if (
+                        self.arch == "llama"
+                        and m.groups()[1:2] in (("q",), ("k",))
+                        and "attn_" in name
+                        and not name.endswith("_norm.weight")
+                    ):
                         order = _unpermuted_rows(int(t.shape[-1]), heads if m[2] == "q" else kv_heads, self.root, name)
                     self._tensors[hf] = (t, None, order)
                 break
             else:
-                raise ColibriError(f"{self.root}: tensor {shown(name, 120)} is not understood for GGUF "
-                                   f"architecture {self.arch}")
+                raise ColibriError(
+                    f"{self.root}: tensor {shown(name, 120)} is not understood for GGUF architecture {self.arch}"
+                )
 
     def names(self) -> list:
         return sorted(self._tensors)
 
     def shape(self, name: str) -> tuple:
         t, expert, order = self._tensors[name]
-        if order is _KV_B:                      # [H * (nope + v), R]
-            k, v = (tuple(reversed([int(d) for d in p.shape])) for p in (self._kv_b[expert]["k"],
-                                                                          self._kv_b[expert]["v"]))
+        if order is _KV_B:  # [H * (nope + v), R]
+            k, v = (
+                tuple(reversed([int(d) for d in p.shape])) for p in (self._kv_b[expert]["k"], self._kv_b[expert]["v"])
+            )
             return (k[0] * (k[2] + v[1]), k[1]) if len(k) == len(v) == 3 else k + v
         shape = tuple(reversed([int(d) for d in t.shape]))
         shape = shape[1:] if expert is not None else shape
@@ -464,8 +574,10 @@ class GGUFCheckpoint:
         k = k.f32() if isinstance(k, quant.StoredMatrix) else k
         v = v.f32() if isinstance(v, quant.StoredMatrix) else v
         if k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[2]:
-            raise ColibriError(f"{self.root}: blk.{layer}.attn_k_b {list(k.shape)} and attn_v_b {list(v.shape)} do not "
-                               f"fit together ([heads, rank, nope] and [heads, v, rank])")
+            raise ColibriError(
+                f"{self.root}: blk.{layer}.attn_k_b {list(k.shape)} and attn_v_b {list(v.shape)} do not "
+                f"fit together ([heads, rank, nope] and [heads, v, rank])"
+            )
         H, R = k.shape[:2]
         return np.concatenate([k.transpose(0, 2, 1), v], axis=1).reshape(-1, R)
 
@@ -475,7 +587,7 @@ class GGUFCheckpoint:
         if order is _KV_B:
             self.last_read_type = self.gguf_type(name)
             return self._kv_b_proj(expert)
-        self.last_read_type = t.tensor_type.name        # for convert's requantization report
+        self.last_read_type = t.tensor_type.name  # for convert's requantization report
         return self._read(t, expert, order)
 
     def _read(self, t, expert, order=None):
@@ -483,11 +595,11 @@ class GGUFCheckpoint:
         permutation of them; None: all, as stored)."""
         kind = t.tensor_type.name
         data = t.data if expert is None else t.data[expert]
-        shape = tuple(reversed([int(d) for d in t.shape]))[1 if expert is not None else 0:]
+        shape = tuple(reversed([int(d) for d in t.shape]))[1 if expert is not None else 0 :]
         try:
             if kind in ("Q8_0", "Q4_0", "MXFP4") and len(shape) == 2:
                 fmt = CARRIED[kind]
-                rows = _copied(data).reshape(shape[0], -1)                    # [rows, row bytes]
+                rows = _copied(data).reshape(shape[0], -1)  # [rows, row bytes]
                 if kind == "MXFP4":
                     rows = _mxfp4_from_ggml(rows)
                 return quant.StoredMatrix(rows if order is None else rows[order], fmt, shape[1])
@@ -505,9 +617,10 @@ class GGUFCheckpoint:
             values = values.reshape(shape)
         except ColibriError:
             raise
-        except Exception as e:   # noqa: BLE001 - gguf's dequantizer on an unknown or damaged type
-            raise ColibriError(f"{self.root}: tensor {t.name} ({kind}) cannot be read: {type(e).__name__}: "
-                               f"{str(e)[:200]}") from None
+        except Exception as e:  # noqa: BLE001 - gguf's dequantizer on an unknown or damaged type
+            raise ColibriError(
+                f"{self.root}: tensor {t.name} ({kind}) cannot be read: {type(e).__name__}: {str(e)[:200]}"
+            ) from None
         return values if order is None else values[order]
 
     # -- what convert needs besides --
@@ -538,19 +651,28 @@ class GGUFCheckpoint:
         tokenizer_meta = {k: v for k, v in self.meta.items() if k.startswith("tokenizer.")}
         tokenizer_meta["general.architecture"] = self.arch
         if "tokenizer.ggml.model" not in tokenizer_meta:
-            return []                                         # no vocabulary: raw token ids
+            return []  # no vocabulary: raw token ids
         from .gguf_vocab import tokenizer_files
+
         files = tokenizer_files(tokenizer_meta, str(self.root))
+
         def token(key):
             v = self.meta.get(f"tokenizer.ggml.{key}")
             return v if type(v) is int and 0 <= v < vocab_size else None
+
         # generation stops where llama.cpp's does: at end of text, and at the end of a turn or a
         # message where the file names those tokens (eot / eom: a chat model's <|im_end|>, <|eot_id|>)
-        stops = list(dict.fromkeys(t for t in map(token, ("eos_token_id", "eot_token_id", "eom_token_id"))
-                                   if t is not None))
-        generation = {k: v for k, v in (("bos_token_id", token("bos_token_id")),
-                                        ("eos_token_id", stops[0] if len(stops) == 1 else stops or None))
-                      if v is not None}
+        stops = list(
+            dict.fromkeys(t for t in map(token, ("eos_token_id", "eot_token_id", "eom_token_id")) if t is not None)
+        )
+        generation = {
+            k: v
+            for k, v in (
+                ("bos_token_id", token("bos_token_id")),
+                ("eos_token_id", stops[0] if len(stops) == 1 else stops or None),
+            )
+            if v is not None
+        }
         if generation:
             files["generation_config.json"] = json.dumps(generation, indent=1) + "\n"
         for name, text in files.items():
@@ -572,9 +694,9 @@ def _mxfp4_from_ggml(rows: np.ndarray) -> np.ndarray:
     kvalues_mxfp4 are the doubled e2m1 values with the scale halved: the same numbers), but GGML
     keeps element j in the low nibble of byte j and element j + 16 in its high one, where Colibri
     (gpt-oss's checkpoints) keeps elements 2j and 2j + 1."""
-    blocks = np.ascontiguousarray(rows).view(quant.BLOCK_DTYPES["mxfp4"]).copy()     # [rows, nb]
+    blocks = np.ascontiguousarray(rows).view(quant.BLOCK_DTYPES["mxfp4"]).copy()  # [rows, nb]
     qs = blocks["qs"]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                             # element order
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element order
     blocks["qs"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.view(np.uint8).reshape(rows.shape)
 
@@ -583,8 +705,9 @@ def _unpermuted_rows(rows: int, heads, root, name) -> np.ndarray:
     """The row order that undoes convert_hf_to_gguf.py's LlamaModel.permute on a q/k projection
     of `rows` rows ([heads, 2, head_dim / 2] -> [heads, head_dim / 2, 2])."""
     if type(heads) is not int or heads <= 0 or rows % (2 * heads):
-        raise ColibriError(f"{root}: tensor {name} has {rows} rows, not a whole number of {shown(heads)} heads "
-                           f"of even size")
+        raise ColibriError(
+            f"{root}: tensor {name} has {rows} rows, not a whole number of {shown(heads)} heads of even size"
+        )
     permuted = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
     return np.argsort(permuted)
 
@@ -593,6 +716,7 @@ def requantization_error(values: np.ndarray, dtype: str) -> float:
     """The relative RMS error of storing `values` (a GGUF tensor's dequantized values) as
     `dtype`: ||stored - values|| / ||values||, over its first ERROR_SAMPLE_ROWS rows."""
     from .modeldir import from_storage, to_storage
+
     if isinstance(values, quant.StoredMatrix):
         values = values.rows(slice(0, ERROR_SAMPLE_ROWS)).f32()
     v = np.asarray(values, np.float32)[:ERROR_SAMPLE_ROWS]
@@ -604,5 +728,3 @@ def requantization_error(values: np.ndarray, dtype: str) -> float:
         return 0.0
     norm = float(np.linalg.norm(v))
     return float(np.linalg.norm(back - v)) / norm if norm else 0.0
-
-

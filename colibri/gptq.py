@@ -25,6 +25,7 @@ six-bit scale under the row's f32 scale, which comes from the row's largest magn
 without compensation; _kernels.nl4_search_halves). The bytes are the format's own
 (quant.pack_blocks, quant.pack_nl4): every kernel reads them unchanged.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,8 +33,8 @@ import numpy as np
 from . import quant
 from ._kernels import NL4_SCALE_BIAS, nl4_row_scales, nl4_search_halves
 
-DAMP = 0.01           # GPTQ's dampening: 1 % of the mean diagonal
-BLOCK = 128           # columns updated together (a multiple of both scale blocks)
+DAMP = 0.01  # GPTQ's dampening: 1 % of the mean diagonal
+BLOCK = 128  # columns updated together (a multiple of both scale blocks)
 NL4_HALF = quant.QBLOCK // 2
 
 
@@ -44,7 +45,7 @@ def upper_inverse_factor(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
     diag = np.diagonal(h).copy()
     mean = float(diag.mean()) if diag.size else 0.0
     h[np.diag_indices_from(h)] += damp * mean if mean > 0 else 1.0
-    dead = np.diagonal(h) <= 0                        # a column never seen: no error moves through it
+    dead = np.diagonal(h) <= 0  # a column never seen: no error moves through it
     if dead.any():
         h[dead, :] = 0
         h[:, dead] = 0
@@ -74,27 +75,27 @@ def quantize_compensated(w: np.ndarray, dtype: str, second_moment: np.ndarray) -
     h = np.asarray(second_moment, np.float64)
     imp = np.ascontiguousarray(np.diagonal(h), np.float32)
     u = _factor_or_none(h)
-    if u is None:                                      # nothing to compensate with: the diagonal path
+    if u is None:  # nothing to compensate with: the diagonal path
         return quant.quantize(w, dtype, imp)
     group = NL4_HALF if dtype == "nl4" else quant.QBLOCK
     n_groups = cols // group
     if dtype == "nl4":
-        row_scale = nl4_row_scales(w)                 # [rows] from the original weights
-        sc = np.zeros((rows, n_groups), np.uint8)      # per half-block, stored (sub + bias)
+        row_scale = nl4_row_scales(w)  # [rows] from the original weights
+        sc = np.zeros((rows, n_groups), np.uint8)  # per half-block, stored (sub + bias)
     else:
         d16 = np.zeros((rows, n_groups), np.float16)
-    codes = np.zeros((rows, cols), np.int16)           # int: levels; nl4: NL4_VALUES indices
+    codes = np.zeros((rows, cols), np.int16)  # int: levels; nl4: NL4_VALUES indices
     work = w.astype(np.float64)
     for b0 in range(0, cols, BLOCK):
         b1 = min(b0 + BLOCK, cols)
-        blk = work[:, b0:b1].copy()                   # [rows, b1 - b0], updated as its columns round
-        err = np.zeros_like(blk)                      # the scaled errors e, by column
-        for c0 in range(b0, b1, group):               # a scale block: its scales, then its columns
+        blk = work[:, b0:b1].copy()  # [rows, b1 - b0], updated as its columns round
+        err = np.zeros_like(blk)  # the scaled errors e, by column
+        for c0 in range(b0, b1, group):  # a scale block: its scales, then its columns
             c1, g = c0 + group, c0 // group
-            x = blk[:, c0 - b0:c1 - b0].astype(np.float32)
+            x = blk[:, c0 - b0 : c1 - b0].astype(np.float32)
             if dtype == "nl4":
                 sc[:, g], _ = nl4_search_halves(x, imp[c0:c1], row_scale)
-                sub = sc[:, g].astype(np.float32) - NL4_SCALE_BIAS                # [rows]
+                sub = sc[:, g].astype(np.float32) - NL4_SCALE_BIAS  # [rows]
                 step = row_scale * sub
             else:
                 xb = x[:, None, :]
@@ -106,18 +107,19 @@ def quantize_compensated(w: np.ndarray, dtype: str, second_moment: np.ndarray) -
                 if dtype == "nl4":
                     ratio = np.divide(col, step, out=np.zeros_like(col), where=step != 0)
                     idx = np.where(step != 0, np.abs(ratio[:, None] - quant.NL4_VALUES).argmin(axis=1), 8)
-                    q = (row_scale * (sub * quant.NL4_VALUES[idx])).astype(np.float64)    # the kernels' order
+                    q = (row_scale * (sub * quant.NL4_VALUES[idx])).astype(np.float64)  # the kernels' order
                 else:
                     idx = quant.levels_of(col.astype(np.float32)[:, None, None], step[:, None], dtype)[:, 0, 0]
                     q = step.astype(np.float64) * idx
                 codes[:, c] = idx
                 e = (col - q) / u[c, c]
-                blk[:, j + 1:c1 - b0] -= np.outer(e, u[c, c + 1:c1])     # within the scale block
+                blk[:, j + 1 : c1 - b0] -= np.outer(e, u[c, c + 1 : c1])  # within the scale block
                 err[:, j] = e
-            blk[:, c1 - b0:] -= err[:, c0 - b0:c1 - b0] @ u[c0:c1, c1:b1]  # the rest of the block
-        work[:, b1:] -= err @ u[b0:b1, b1:]                                 # the later blocks
+            blk[:, c1 - b0 :] -= err[:, c0 - b0 : c1 - b0] @ u[c0:c1, c1:b1]  # the rest of the block
+        work[:, b1:] -= err @ u[b0:b1, b1:]  # the later blocks
     if dtype == "nl4":
         nb = cols // quant.QBLOCK
-        return quant.pack_nl4(sc.reshape(rows, nb, 2), codes.reshape(rows, nb, quant.QBLOCK).astype(np.uint8),
-                              row_scale)
+        return quant.pack_nl4(
+            sc.reshape(rows, nb, 2), codes.reshape(rows, nb, quant.QBLOCK).astype(np.uint8), row_scale
+        )
     return quant.pack_blocks(dtype, d16, codes.reshape(rows, n_groups, quant.QBLOCK))

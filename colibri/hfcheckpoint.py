@@ -8,6 +8,7 @@ conversion never holds more than one tensor in memory.
 Single files (`model.safetensors`), sharded checkpoints (`model.safetensors.index.json` with its
 `weight_map`) and directories of several `*.safetensors` without an index are all accepted.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,13 +23,18 @@ from .errors import ColibriError
 
 # safetensors dtype -> (numpy dtype of the stored elements, our name of the values)
 # (U8: the bytes of quantized weights, gpt-oss's mxfp4 *_blocks / *_scales; never read as values)
-_DTYPES = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16"), "F64": ("<f8", "f64"),
-           "U8": ("u1", "u8")}
-MAX_HEADER_BYTES = 100 << 20          # a safetensors header (JSON) larger than this is refused
-MAX_HF_CONFIG_BYTES = 16 << 20        # config.json (a few KB in practice)
-MAX_INDEX_BYTES = 64 << 20            # model.safetensors.index.json (a few MB for the largest models)
-MAX_NDIM = 16                         # dimensions of one tensor (checkpoints have at most 4 or 5)
-MAX_DIM = 1 << 40                     # one dimension (bounds even a tensor with no elements)
+_DTYPES = {
+    "F32": ("<f4", "f32"),
+    "F16": ("<f2", "f16"),
+    "BF16": ("<u2", "bf16"),
+    "F64": ("<f8", "f64"),
+    "U8": ("u1", "u8"),
+}
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header (JSON) larger than this is refused
+MAX_HF_CONFIG_BYTES = 16 << 20  # config.json (a few KB in practice)
+MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json (a few MB for the largest models)
+MAX_NDIM = 16  # dimensions of one tensor (checkpoints have at most 4 or 5)
+MAX_DIM = 1 << 40  # one dimension (bounds even a tensor with no elements)
 
 
 class SafetensorsFile:
@@ -49,8 +55,10 @@ class SafetensorsFile:
                     raise ColibriError(f"{path}: too short to be a safetensors file ({size} bytes)")
                 (n,) = struct.unpack("<Q", head)
                 if n > MAX_HEADER_BYTES or 8 + n > size:
-                    raise ColibriError(f"{path}: invalid safetensors header length {n} (file of {size} bytes, "
-                                       f"at most {MAX_HEADER_BYTES >> 20} MB of header)")
+                    raise ColibriError(
+                        f"{path}: invalid safetensors header length {n} (file of {size} bytes, "
+                        f"at most {MAX_HEADER_BYTES >> 20} MB of header)"
+                    )
                 raw = f.read(n)
         except OSError as e:
             raise ColibriError(f"{path}: cannot read: {e.strerror or e}") from None
@@ -72,30 +80,39 @@ class SafetensorsFile:
             if type(dtype) is not str or dtype not in _DTYPES:
                 raise ColibriError(f"{ctx} has dtype {shown(dtype)}; supported: {', '.join(_DTYPES)}")
             shape = e.get("shape")
-            if (type(shape) is not list or len(shape) > MAX_NDIM
-                    or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):
-                raise ColibriError(f"{ctx}: 'shape' must be a list of at most {MAX_NDIM} integers in "
-                                   f"0..{MAX_DIM}, got {shown(shape)}")
+            if (
+                type(shape) is not list
+                or len(shape) > MAX_NDIM
+                or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+            ):
+                raise ColibriError(
+                    f"{ctx}: 'shape' must be a list of at most {MAX_NDIM} integers in 0..{MAX_DIM}, got {shown(shape)}"
+                )
             offsets = e.get("data_offsets")
-            if (type(offsets) is not list or len(offsets) != 2
-                    or not all(type(o) is int for o in offsets)):
+            if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
                 raise ColibriError(f"{ctx}: 'data_offsets' must be [begin, end] (two integers), got {shown(offsets)}")
             begin, end = offsets
             if not 0 <= begin <= end <= data_size:
-                raise ColibriError(f"{ctx}: data_offsets {shown(offsets)} lie outside the data area of "
-                                   f"{data_size} bytes after the header (truncated file?)")
+                raise ColibriError(
+                    f"{ctx}: data_offsets {shown(offsets)} lie outside the data area of "
+                    f"{data_size} bytes after the header (truncated file?)"
+                )
             nbytes = math.prod(shape) * np.dtype(_DTYPES[dtype][0]).itemsize
             if end - begin != nbytes:
-                raise ColibriError(f"{ctx}: data_offsets {shown(offsets)} hold {end - begin} bytes, but "
-                                   f"{dtype} {shape} needs {nbytes} (inconsistent header)")
+                raise ColibriError(
+                    f"{ctx}: data_offsets {shown(offsets)} hold {end - begin} bytes, but "
+                    f"{dtype} {shape} needs {nbytes} (inconsistent header)"
+                )
             if nbytes:
                 spans.append((begin, end, name))
             self.entries[name] = (dtype, tuple(shape), begin)
         spans.sort()
         for (_, end, first), (begin, _end, second) in zip(spans, spans[1:]):
             if begin < end:
-                raise ColibriError(f"{path}: tensors {shown(first, 80)} and {shown(second, 80)} share bytes "
-                                   f"{begin}..{min(end, _end)} of the data area")
+                raise ColibriError(
+                    f"{path}: tensors {shown(first, 80)} and {shown(second, 80)} share bytes "
+                    f"{begin}..{min(end, _end)} of the data area"
+                )
         self._mm = None
 
     def raw(self, name: str) -> tuple:
@@ -106,7 +123,7 @@ class SafetensorsFile:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         count = math.prod(shape)
         start = self.data_start + begin
-        arr = self._mm[start:start + count * np.dtype(np_dtype).itemsize].view(np_dtype).reshape(shape)
+        arr = self._mm[start : start + count * np.dtype(np_dtype).itemsize].view(np_dtype).reshape(shape)
         return arr, kind
 
 
@@ -123,18 +140,22 @@ class HFCheckpoint:
         self.config = read_json(cfg_path, "a Hugging Face config", MAX_HF_CONFIG_BYTES)
         if not isinstance(self.config, dict):
             raise ColibriError(f"{cfg_path} must hold a JSON object, got {shown(self.config)}")
-        self._files = {}       # file name -> SafetensorsFile
-        self._where = {}       # tensor name -> file name
+        self._files = {}  # file name -> SafetensorsFile
+        self._where = {}  # tensor name -> file name
         index = self.root / "model.safetensors.index.json"
         if index.is_file():
             doc = read_json(index, "a safetensors index", MAX_INDEX_BYTES)
             weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(weight_map, dict):
-                raise ColibriError(f"{index}: 'weight_map' must be an object of tensor name -> shard file, "
-                                   f"got {shown(weight_map if isinstance(doc, dict) else doc)}")
+                raise ColibriError(
+                    f"{index}: 'weight_map' must be an object of tensor name -> shard file, "
+                    f"got {shown(weight_map if isinstance(doc, dict) else doc)}"
+                )
             for tname, fname in weight_map.items():
                 if type(fname) is not str:
-                    raise ColibriError(f"{index}: weight_map[{shown(tname, 80)}] must be a file name, got {shown(fname)}")
+                    raise ColibriError(
+                        f"{index}: weight_map[{shown(tname, 80)}] must be a file name, got {shown(fname)}"
+                    )
             names = sorted(set(weight_map.values()))
         else:
             names = sorted(p.name for p in self.root.glob("*.safetensors"))
@@ -147,7 +168,7 @@ class HFCheckpoint:
             path = self.root / fname
             try:
                 present = path.is_file()
-            except OSError as e:              # e.g. a name too long for the file system
+            except OSError as e:  # e.g. a name too long for the file system
                 raise ColibriError(f"{index}: shard {shown(fname)}: {e.strerror or e}") from None
             if not present:
                 raise ColibriError(f"{path} is missing (named by {index.name})")
@@ -160,7 +181,9 @@ class HFCheckpoint:
         if weight_map is not None:
             for tname, fname in weight_map.items():
                 if self._where.get(tname) != fname:
-                    raise ColibriError(f"{index}: {shown(tname, 120)} is mapped to {shown(fname, 120)} but not found there")
+                    raise ColibriError(
+                        f"{index}: {shown(tname, 120)} is mapped to {shown(fname, 120)} but not found there"
+                    )
 
     def names(self) -> list:
         return sorted(self._where)
@@ -176,8 +199,10 @@ class HFCheckpoint:
         pages it was read from are released (see `to_f32`)."""
         arr, kind = self.raw(name)
         if kind == "u8":
-            raise ColibriError(f"{self.root}: tensor {shown(name, 120)} holds bytes (U8), not weights: a quantized "
-                               f"checkpoint whose format is not understood here (mxfp4 is)")
+            raise ColibriError(
+                f"{self.root}: tensor {shown(name, 120)} holds bytes (U8), not weights: a quantized "
+                f"checkpoint whose format is not understood here (mxfp4 is)"
+            )
         return to_f32(arr, kind)
 
 

@@ -12,6 +12,7 @@ one, so a restore can raise (a SIGINT that came just after SIGINT's own restore,
 raising KeyboardInterrupt): every handler is still put back, and the first such exception is
 raised after all of them are.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,7 @@ def _restore(sig, handler) -> BaseException | None:
         try:
             signal.signal(sig, handler)
             return error
-        except BaseException as e:         # noqa: BLE001 - a pending signal's handler, raised before the swap
+        except BaseException as e:  # noqa: BLE001 - a pending signal's handler, raised before the swap
             error = error or e
 
 
@@ -55,10 +56,10 @@ def signals_deferred(signals=DEFERRED_SIGNALS):
         error = None
         for sig, prev in saved.items():
             error = error or _restore(sig, prev)
-        for sig in dict.fromkeys(got):        # each once, in the order they first came
+        for sig in dict.fromkeys(got):  # each once, in the order they first came
             try:
-                signal.raise_signal(sig)          # its handler runs here (the default one may end the process)
-            except BaseException as e:        # noqa: BLE001 - raised after the others had their turn
+                signal.raise_signal(sig)  # its handler runs here (the default one may end the process)
+            except BaseException as e:  # noqa: BLE001 - raised after the others had their turn
                 error = error or e
         if error is not None:
             raise error

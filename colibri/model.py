@@ -15,6 +15,7 @@ one engine step (every weight read once) for a token of each.
 Constrained decoding (generate(json_schema= | json_object= | grammar= | regex=), colibri.constraint)
 masks the logits of each pick; its vocabulary is built once per Model, at the first such call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,9 +41,9 @@ from .textfiles import TextSide, unlisted
 
 from . import _engine, _kernels
 
-MAX_THREADS = 1024             # beyond it a thread that cannot be created would abort mid-output
-DEFAULT_MAX_CONTEXT = 4096     # context when the caller does not choose one (KV pages are lazy)
-MIN_PLANNED_CHUNK = 16         # the smallest prefill chunk the memory plan lowers the default to
+MAX_THREADS = 1024  # beyond it a thread that cannot be created would abort mid-output
+DEFAULT_MAX_CONTEXT = 4096  # context when the caller does not choose one (KV pages are lazy)
+MIN_PLANNED_CHUNK = 16  # the smallest prefill chunk the memory plan lowers the default to
 _STATUS_MESSAGES = {
     _engine.STATUS_BAD_ROUTER: "router logits of layer {layer} are NaN or infinite",
     _engine.STATUS_BAD_LOGITS: "the output logits are NaN or infinite",
@@ -55,25 +56,41 @@ _STATUS_MESSAGES = {
 # "bf16": the activations rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps (f32 sums, as
 # llama.cpp and ik_llama.cpp do); "auto": bf16 where the CPU has it.
 
+
 @dataclasses.dataclass(frozen=True)
 class _LoadOptions:
     """load()'s options, each checked once against the model's config (one clear error naming the
     value at fault) and normalised: what the memory plan and the engine's spec are made from."""
+
     threads: int
     n_ctx: int
-    prefill_chunk: int | None          # as the caller asked (None: the default)
-    chunk: int                         # the engine's tokens per call (the rings are sized for it)
+    prefill_chunk: int | None  # as the caller asked (None: the default)
+    chunk: int  # the engine's tokens per call (the rings are sized for it)
     parallel: int
     prefetch: str | None
     kv_cache: str
     bf16_products: bool
     eviction: str | None
-    cache_budget: int | None           # expert_cache_mb in bytes
-    limit: int | None                  # memory_limit_mb in bytes
+    cache_budget: int | None  # expert_cache_mb in bytes
+    limit: int | None  # memory_limit_mb in bytes
 
     @classmethod
-    def checked(cls, cfg, *, threads, n_ctx, mmap, prefill_chunk, prefetch, expert_cache_mb, memory_limit_mb,
-                eviction, kv_cache, bf16_products, parallel) -> "_LoadOptions":
+    def checked(
+        cls,
+        cfg,
+        *,
+        threads,
+        n_ctx,
+        mmap,
+        prefill_chunk,
+        prefetch,
+        expert_cache_mb,
+        memory_limit_mb,
+        eviction,
+        kv_cache,
+        bf16_products,
+        parallel,
+    ) -> "_LoadOptions":
         if threads is None:
             threads = _os.compute_cores()
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
@@ -82,9 +99,15 @@ class _LoadOptions:
         _check_threads_start(threads)
         if n_ctx is None:
             n_ctx = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or not 1 <= n_ctx <= cfg.max_position_embeddings:
-            raise ColibriError(f"n_ctx must be in 1..{cfg.max_position_embeddings} "
-                               f"(the model's max_position_embeddings), got {n_ctx!r}")
+        if (
+            isinstance(n_ctx, bool)
+            or not isinstance(n_ctx, numbers.Integral)
+            or not 1 <= n_ctx <= cfg.max_position_embeddings
+        ):
+            raise ColibriError(
+                f"n_ctx must be in 1..{cfg.max_position_embeddings} "
+                f"(the model's max_position_embeddings), got {n_ctx!r}"
+            )
         n_ctx = int(n_ctx)
         if prefetch is not None and prefetch not in PREFETCH_MODES:
             raise ColibriError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
@@ -97,28 +120,48 @@ class _LoadOptions:
             raise ColibriError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
         cache_budget = residency._megabytes(expert_cache_mb, "expert_cache_mb")
         limit = residency._megabytes(memory_limit_mb, "memory_limit_mb")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral)
-                                          or prefill_chunk < 1):
+        if prefill_chunk is not None and (
+            isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral) or prefill_chunk < 1
+        ):
             raise ColibriError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         chunk = spec.prefill_chunk(prefill_chunk, n_ctx)
-        if isinstance(parallel, bool) or not isinstance(parallel, numbers.Integral) or not 1 <= parallel <= MAX_PARALLEL:
+        if (
+            isinstance(parallel, bool)
+            or not isinstance(parallel, numbers.Integral)
+            or not 1 <= parallel <= MAX_PARALLEL
+        ):
             raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
         if parallel > chunk:
             raise ColibriError(f"parallel {parallel} exceeds the prefill chunk {chunk} (a step's tokens)")
-        return cls(threads, n_ctx, prefill_chunk, chunk, int(parallel), prefetch, kv_cache, bf16, eviction,
-                   cache_budget, limit)
+        return cls(
+            threads, n_ctx, prefill_chunk, chunk, int(parallel), prefetch, kv_cache, bf16, eviction, cache_budget, limit
+        )
 
 
 class Model:
     """A Colibri model ready to run. Create with `colibri.load(path)`."""
 
-    def __init__(self, path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-                 exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
-                 expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
-                 memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
-                 bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None,
-                 parallel: int = 1):
+    def __init__(
+        self,
+        path,
+        threads: int | None = None,
+        n_ctx: int | None = None,
+        mmap: bool = True,
+        exact_softmax: bool = True,
+        prefill_chunk: int | None = None,
+        prefetch: str | None = None,
+        expert_cache_mb: float | None = None,
+        mlock: bool = False,
+        warmup: bool = False,
+        memory_limit_mb: float | None = None,
+        eviction: str | None = None,
+        kv_cache: str = "f32",
+        bf16_products: str = "auto",
+        capture_inputs: bool = False,
+        second_moments=None,
+        parallel: int = 1,
+    ):
         """parallel: sequences the KV cache holds side by side (colibri.batching); capture_inputs: every matrix product adds its inputs' squares per column into
         self.input_stats[tensor name] (float64 [cols + 1], the token count last): what
         colibri.calibrate collects; it costs a pass over each input. second_moments (with
@@ -129,42 +172,68 @@ class Model:
         if _kernels.ISA_ERROR:
             raise ColibriError(_kernels.ISA_ERROR)
         self.path = os.fspath(path)
-        self._dir = ModelDir(path)                   # 1. the directory and its config, validated once
+        self._dir = ModelDir(path)  # 1. the directory and its config, validated once
         self.config = cfg = self._dir.config
         self.weight_dtype = self._dir.weight_dtype
-        o = _LoadOptions.checked(cfg, threads=threads, n_ctx=n_ctx, mmap=mmap, prefill_chunk=prefill_chunk,
-                                 prefetch=prefetch, expert_cache_mb=expert_cache_mb,
-                                 memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache,
-                                 bf16_products=bf16_products, parallel=parallel)
+        o = _LoadOptions.checked(
+            cfg,
+            threads=threads,
+            n_ctx=n_ctx,
+            mmap=mmap,
+            prefill_chunk=prefill_chunk,
+            prefetch=prefetch,
+            expert_cache_mb=expert_cache_mb,
+            memory_limit_mb=memory_limit_mb,
+            eviction=eviction,
+            kv_cache=kv_cache,
+            bf16_products=bf16_products,
+            parallel=parallel,
+        )
         self.threads, self.n_ctx, self.parallel = o.threads, o.n_ctx, o.parallel
         self.bf16_products = o.bf16_products
         self._chunk = o.chunk
-        self._weight_bytes_per_token = None     # decode_bytes' weights, counted on first use
-        if not mmap:                # read into memory: nothing can be evicted, so all of it must fit
+        self._weight_bytes_per_token = None  # decode_bytes' weights, counted on first use
+        if not mmap:  # read into memory: nothing can be evicted, so all of it must fit
             residency.check_unmapped(self._dir, o.limit, self.path)
-        self._maps = MappedModelDir(self._dir, use_mmap=mmap)        # 2. the mappings
+        self._maps = MappedModelDir(self._dir, use_mmap=mmap)  # 2. the mappings
         try:
             self.residency = Residency(self._maps, cfg, mlock=mlock, warmup=warmup)
             text = TextSide.load(self._dir.root, self._dir.files, cfg.vocab_size)
-            build = dict(n_ctx=o.n_ctx, chunk=o.chunk, threads=o.threads, n_seq=o.parallel,
-                         exact_softmax=bool(exact_softmax), kv_cache=o.kv_cache, bf16_products=o.bf16_products,
-                         expert_pages=self.residency.spans,
-                         prefetch_chunk_bytes=(_os.prefetch_chunk(self._dir.root / "config.json")
-                                               if self.residency.spans else 0))
+            build = dict(
+                n_ctx=o.n_ctx,
+                chunk=o.chunk,
+                threads=o.threads,
+                n_seq=o.parallel,
+                exact_softmax=bool(exact_softmax),
+                kv_cache=o.kv_cache,
+                bf16_products=o.bf16_products,
+                expert_pages=self.residency.spans,
+                prefetch_chunk_bytes=(
+                    _os.prefetch_chunk(self._dir.root / "config.json") if self.residency.spans else 0
+                ),
+            )
             tensors = self._capture_inputs(self._maps.tensor_refs(), capture_inputs, second_moments)
-            if mmap and self.residency.spans:       # 3. the memory plan: only mapped experts can be evicted
+            if mmap and self.residency.spans:  # 3. the memory plan: only mapped experts can be evicted
                 self._plan_memory(o, tensors, build)
             budget = self.residency.plan.budget
             if o.cache_budget is not None and mmap:
                 budget = o.cache_budget if budget is None else min(budget, o.cache_budget)
             prefetch = o.prefetch
-            if prefetch is None:           # under a budget the readers fetch a missing expert in parallel pieces
+            if prefetch is None:  # under a budget the readers fetch a missing expert in parallel pieces
                 prefetch = "routed" if budget is not None else "none"
             if budget is not None:
                 self.residency.open_files()
-            engine = _engine.Engine(spec.build(cfg, tensors, prefetch=prefetch, expert_budget=budget,   # 4. built once
-                                               eviction=o.eviction or DEFAULT_EVICTION,
-                                               expert_fds=self.residency.fds, **build))
+            engine = _engine.Engine(
+                spec.build(
+                    cfg,
+                    tensors,
+                    prefetch=prefetch,
+                    expert_budget=budget,  # 4. built once
+                    eviction=o.eviction or DEFAULT_EVICTION,
+                    expert_fds=self.residency.fds,
+                    **build,
+                )
+            )
             if budget is not None:
                 self._hold_warm_experts(engine)
         except BaseException:
@@ -172,30 +241,36 @@ class Model:
             self._maps.close()
             raise
         self.prefetch = prefetch
-        self.expert_budget = budget             # bytes of experts the cache admits at most, or None
-        self.engine_spec = engine.spec          # what the engine was built from (colibri.spec.EngineSpec)
+        self.expert_budget = budget  # bytes of experts the cache admits at most, or None
+        self.engine_spec = engine.spec  # what the engine was built from (colibri.spec.EngineSpec)
         self._engine = engine
         # keys + values as allocated: sliding-window layers keep window + one prefill chunk; made
         # resident as positions are written, in base pages (with transparent huge pages, the first
         # position of each KV head's region would make a whole huge page resident)
         self.kv_cache_bytes = self._engine.kv_cache_bytes
         _os.small_pages(self._engine.kv_cache_ranges())
-        self.tokenizer = text.tokenizer                   # Tokenizer or None (raw ids only)
-        self.chat_template = text.template                # ChatTemplate or None
-        self.generation_defaults = text.generation        # generation_config.json's defaults
+        self.tokenizer = text.tokenizer  # Tokenizer or None (raw ids only)
+        self.chat_template = text.template  # ChatTemplate or None
+        self.generation_defaults = text.generation  # generation_config.json's defaults
         self.stop_token_ids = text.stop_token_ids(cfg.eos_token_id)
-        self.unlisted_text_files = unlisted(self._dir.root, self._dir.files)   # present but not in the table
+        self.unlisted_text_files = unlisted(self._dir.root, self._dir.files)  # present but not in the table
         self.last_generation = None
-        self._constraint_vocab = None              # constraint.Vocabulary, built at the first constrained call
+        self._constraint_vocab = None  # constraint.Vocabulary, built at the first constrained call
         self._constraint_vocab_lock = threading.Lock()
         # the KV cache: per sequence, the ids whose keys and values it holds at positions 0.. (for
         # prefix reuse); sliding-window rings allow a rewind of at most ring - window positions (None: any)
         self._kv_tokens = [[] for _ in range(self.parallel)]
         self._ring_slack = self.engine_spec.ring_slack
-        self._busy = threading.Lock()              # one request at a time (refused, not queued)
-        self._engine_lock = threading.Lock()       # held while the engine runs; close() takes it
-        self.stats = {"load_seconds": time.perf_counter() - t0, "prefill_tokens": 0, "prefill_seconds": 0.0,
-                      "decode_tokens": 0, "decode_seconds": 0.0, "reused_tokens": 0}
+        self._busy = threading.Lock()  # one request at a time (refused, not queued)
+        self._engine_lock = threading.Lock()  # held while the engine runs; close() takes it
+        self.stats = {
+            "load_seconds": time.perf_counter() - t0,
+            "prefill_tokens": 0,
+            "prefill_seconds": 0.0,
+            "decode_tokens": 0,
+            "decode_seconds": 0.0,
+            "reused_tokens": 0,
+        }
 
     def _capture_inputs(self, tensors: dict, capture: bool, second_moments) -> dict:
         """The tensors as the engine takes them; with `capture`, every matrix a product reads
@@ -205,15 +280,19 @@ class Model:
         self.input_grams = {}
         if not capture:
             return tensors
-        read = {name: t.shape for name, t in tensors.items()
-                if len(t.shape) == 2 and (name != "embedding" or "lm_head" not in tensors)}
+        read = {
+            name: t.shape
+            for name, t in tensors.items()
+            if len(t.shape) == 2 and (name != "embedding" or "lm_head" not in tensors)
+        }
         full = second_moments(read) if second_moments is not None else ()
         for name, shape in read.items():
             self.input_stats[name] = np.zeros(shape[1] + 1, np.float64)
             if name in full:
                 self.input_grams[name] = np.zeros((shape[1], shape[1]), np.float64)
-            tensors[name] = dataclasses.replace(tensors[name], input_stats=self.input_stats[name],
-                                                input_gram=self.input_grams.get(name))
+            tensors[name] = dataclasses.replace(
+                tensors[name], input_stats=self.input_stats[name], input_gram=self.input_grams.get(name)
+            )
         return tensors
 
     def _plan_memory(self, o: "_LoadOptions", tensors: dict, build: dict) -> None:
@@ -229,18 +308,29 @@ class Model:
             kv_bytes, scratch_bytes = _engine.planned_bytes(spec.build(self.config, tensors, prefetch="none", **build))
             try:
                 self.residency.plan = residency.plan(
-                    limit, source, dense=self.residency.dense_bytes, experts=self.residency.expert_bytes,
-                    kv=kv_bytes, scratch=scratch_bytes, runtime=_os.rss_bytes()[0],
-                    working_set=self.residency.working_set, n_ctx=o.n_ctx, path=self.path,
-                    largest_expert=self.residency.largest_expert, n_seq=o.parallel)
+                    limit,
+                    source,
+                    dense=self.residency.dense_bytes,
+                    experts=self.residency.expert_bytes,
+                    kv=kv_bytes,
+                    scratch=scratch_bytes,
+                    runtime=_os.rss_bytes()[0],
+                    working_set=self.residency.working_set,
+                    n_ctx=o.n_ctx,
+                    path=self.path,
+                    largest_expert=self.residency.largest_expert,
+                    n_seq=o.parallel,
+                )
                 break
             except ColibriError as e:
                 floor = max(MIN_PLANNED_CHUNK, o.parallel)
                 if build["chunk"] <= floor:
                     raise
                 if o.prefill_chunk is not None:
-                    raise ColibriError(f"{e} (or a smaller prefill chunk than the {o.prefill_chunk} asked for: "
-                                       f"its scratch grows with it)") from None
+                    raise ColibriError(
+                        f"{e} (or a smaller prefill chunk than the {o.prefill_chunk} asked for: "
+                        f"its scratch grows with it)"
+                    ) from None
                 build["chunk"] = self._chunk = max(floor, build["chunk"] // 2)
         if build["chunk"] < o.chunk:
             self.residency.plan = dataclasses.replace(self.residency.plan, lowered_chunk=build["chunk"])
@@ -258,12 +348,29 @@ class Model:
             self._run(tokens, 0, out, all_logits=True)
         return out
 
-    def generate(self, ids, max_new_tokens: int = 64, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = 0, stop_at_eos: bool = True, on_step=None,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
-                 reuse_prefix: bool = True, *, json_schema=None, grammar: str | None = None, regex: str | None = None,
-                 json_object: bool = False, logit_bias: dict | None = None):
+    def generate(
+        self,
+        ids,
+        max_new_tokens: int = 64,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        stop_at_eos: bool = True,
+        on_step=None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: int | None = None,
+        reuse_prefix: bool = True,
+        *,
+        json_schema=None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        json_object: bool = False,
+        logit_bias: dict | None = None,
+    ):
         """Yield up to `max_new_tokens` new token ids after the prompt `ids`.
 
         Sampling settings left None take the checkpoint's generation_config.json defaults, then
@@ -285,30 +392,72 @@ class Model:
         [-100, 100]} is added to those logits before sampling (OpenAI's logit_bias).
         """
         tokens, sampler, eos, record = self._prepare_generation(
-            ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
-            min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logprobs=logprobs, json_schema=json_schema, grammar=grammar,
-            regex=regex, json_object=json_object, logit_bias=logit_bias)
+            ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_at_eos=stop_at_eos,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logprobs=logprobs,
+            json_schema=json_schema,
+            grammar=grammar,
+            regex=regex,
+            json_object=json_object,
+            logit_bias=logit_bias,
+        )
         self.last_generation = record
         return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix))
 
-    def _prepare_generation(self, ids, max_new_tokens, *, temperature, top_k, top_p, seed, stop_at_eos, min_p,
-                            repetition_penalty, presence_penalty, frequency_penalty, logprobs, json_schema=None,
-                            grammar=None, regex=None, json_object=False, logit_bias=None) -> tuple:
+    def _prepare_generation(
+        self,
+        ids,
+        max_new_tokens,
+        *,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        stop_at_eos,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+        logprobs,
+        json_schema=None,
+        grammar=None,
+        regex=None,
+        json_object=False,
+        logit_bias=None,
+    ) -> tuple:
         """generate()'s checks and settings: (prompt int32 [T], Sampler, EOS ids, GenerationRecord)."""
         tokens = self._check_ids(ids, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ColibriError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if len(tokens) + max_new_tokens > self.n_ctx:
-            raise ColibriError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                               f"context length {self.n_ctx}")
+            raise ColibriError(
+                f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"context length {self.n_ctx}"
+            )
         settings, taken = self.generation_defaults.resolve(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
-        sampler = Sampler(**settings, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                          seed=seed, logprobs=logprobs, logit_bias=logit_bias)
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
+        )
+        sampler = Sampler(
+            **settings,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            seed=seed,
+            logprobs=logprobs,
+            logit_bias=logit_bias,
+        )
         # the sampling settings are checked first (cheap); then the constraint is compiled and attached
-        sampler.constraint = self._constraint(json_schema=json_schema, json_object=json_object, grammar=grammar,
-                                              regex=regex)
+        sampler.constraint = self._constraint(
+            json_schema=json_schema, json_object=json_object, grammar=grammar, regex=regex
+        )
         eos = set(self.stop_token_ids) if stop_at_eos else set()
         record = GenerationRecord(prompt_tokens=len(tokens), sampler=sampler, from_generation_config=taken)
         return tokens, sampler, eos, record
@@ -321,8 +470,9 @@ class Model:
             return None
         with self._constraint_vocab_lock:
             if self._constraint_vocab is None:
-                self._constraint_vocab = _constraint.Vocabulary(self._need_tokenizer(), self.config.vocab_size,
-                                                                self.stop_token_ids)
+                self._constraint_vocab = _constraint.Vocabulary(
+                    self._need_tokenizer(), self.config.vocab_size, self.stop_token_ids
+                )
         # the next mask on a worker thread overlaps the forward only where a core is free for it:
         # where the engine's threads take every core, the worker would stall one of them
         spare_core = self.threads < _logical_cpus()
@@ -332,19 +482,39 @@ class Model:
         """Token ids of `text` (transformers' semantics: BOS/EOS where the tokenizer adds them)."""
         return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
-    def stream(self, prompt, max_new_tokens: int = 64, stop=None, skip_special_tokens: bool = True,
-               add_special_tokens: bool = True, **generate_kwargs):
+    def stream(
+        self,
+        prompt,
+        max_new_tokens: int = 64,
+        stop=None,
+        skip_special_tokens: bool = True,
+        add_special_tokens: bool = True,
+        **generate_kwargs,
+    ):
         """An iterator of the generated text in pieces that never split a character; their
         concatenation is the decode of the generated ids (cut before the first of the `stop`
         strings, if any). `prompt`: text, or a list of token ids. Other keywords as for
         generate() (json_schema, grammar, regex, json_object, seed=None included); its checks
         run here, before the first piece is asked for."""
-        events = self.stream_tokens(prompt, max_new_tokens, stop=stop, skip_special_tokens=skip_special_tokens,
-                                    add_special_tokens=add_special_tokens, **generate_kwargs)
+        events = self.stream_tokens(
+            prompt,
+            max_new_tokens,
+            stop=stop,
+            skip_special_tokens=skip_special_tokens,
+            add_special_tokens=add_special_tokens,
+            **generate_kwargs,
+        )
         return (text for text, _ in events if text)
 
-    def stream_tokens(self, prompt, max_new_tokens: int = 64, stop=None, skip_special_tokens: bool = True,
-                      add_special_tokens: bool = True, **generate_kwargs):
+    def stream_tokens(
+        self,
+        prompt,
+        max_new_tokens: int = 64,
+        stop=None,
+        skip_special_tokens: bool = True,
+        add_special_tokens: bool = True,
+        **generate_kwargs,
+    ):
         """As stream(), one event per generated token: (new text, possibly "", sampling.Pick).
         After a stop string the text ends; a last event (held-back text, None) may follow."""
         tok = self._need_tokenizer()
@@ -384,23 +554,37 @@ class Model:
         pieces = self.stream(text, max_new_tokens, **kwargs)
         return pieces if stream else "".join(pieces)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True,
-                            tools=None, documents=None, continue_final_message: bool = False, **template_kwargs):
+    def apply_chat_template(
+        self,
+        messages,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        tools=None,
+        documents=None,
+        continue_final_message: bool = False,
+        **template_kwargs,
+    ):
         """The prompt of a conversation as transformers' apply_chat_template gives it: token ids
         (tokenize=True; the rendered text tokenized without added special tokens) or the text.
         Template keywords (enable_thinking, ...) are passed through to the template."""
         if self.chat_template is None:
-            raise ColibriError(f"{self.path} has no chat template (chat_template.jinja, chat_template.json or "
-                               f"tokenizer_config.json's chat_template); add one with: python -m colibri "
-                               f"tokenizer --model-dir {self.path} --from HF_DIR")
+            raise ColibriError(
+                f"{self.path} has no chat template (chat_template.jinja, chat_template.json or "
+                f"tokenizer_config.json's chat_template); add one with: python -m colibri "
+                f"tokenizer --model-dir {self.path} --from HF_DIR"
+            )
         tok = self._need_tokenizer()
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         documents=documents, continue_final_message=continue_final_message,
-                                         **template_kwargs)
+        text = self.chat_template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
         return tok.encode(text, add_special_tokens=False) if tokenize else text
 
-    def chat(self, messages, max_new_tokens: int = 256, stream: bool = False, chat_template_kwargs=None,
-             **kwargs):
+    def chat(self, messages, max_new_tokens: int = 256, stream: bool = False, chat_template_kwargs=None, **kwargs):
         """The assistant's reply to a conversation (a str; with stream=True an iterator of text
         pieces). The conversation's tokens that the KV cache already holds (the earlier turns)
         are not run again. Keywords as for generate() (json_schema, grammar, regex, json_object,
@@ -428,7 +612,7 @@ class Model:
         read from storage since load, prediction hit rate, page faults, RSS and the cgroup's
         usage and peak. Cheap enough to call after every request."""
         engine = self._live()
-        engine.cache_drain()                # the readers' queued work counts (a few ms at most)
+        engine.cache_drain()  # the readers' queued work counts (a few ms at most)
         pf, cs = engine.prefetch_stats, engine.cache_stats
         c = {name: int(cs[code]) for name, code in _engine.CACHE_STATS.items()}
         minor, major = _os.page_faults()
@@ -443,28 +627,43 @@ class Model:
         usage, usage_peak = _os.memory_usage()
         plan = self.residency.plan
         uses = c["hits"] + c["misses"]
-        return {"experts_used_per_layer": [int((row > 0).sum()) for row in counts],
-                "memory_limit_bytes": plan.limit, "memory_limit_source": plan.source,
-                "expert_budget_bytes": self.expert_budget,
-                "resident_expert_bytes": held[0] if held is not None else touched,
-                "peak_resident_expert_bytes": held[1] if held is not None else touched,
-                "expert_bytes_used": used_bytes,
-                "cache_hits": c["hits"], "cache_misses": c["misses"],
-                "cache_hit_rate": c["hits"] / uses if uses else None,
-                "prefetches": c["prefetches"], "prefetch_hits": c["prefetch_hits"],
-                "prefetch_hit_rate": c["prefetch_hits"] / c["prefetches"] if c["prefetches"] else None,
-                "experts_released": c["evictions"], "wasted_prefetches": c["wasted_prefetches"],
-                "over_budget": c["over_budget"], "experts_dropped": c["drops"],
-                "prefetch_calls": c["read_calls"], "prefetch_bytes": c["read_bytes"],
-                "prefetch_failures": c["advice_failures"],
-                "prediction_hit_rate": (float(pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED])
-                                        if pf[_engine.PF_PREDICTED] else None),
-                "prefetched_per_used_byte": float(c["read_bytes"] / used_bytes) if used_bytes else None,
-                "bytes_read_from_storage": (io - self.residency.io_at_load
-                                            if io is not None and self.residency.io_at_load is not None else None),
-                "minor_page_faults": minor, "major_page_faults": major, "rss_bytes": rss, "peak_rss_bytes": peak,
-                "cgroup_usage_bytes": usage, "cgroup_peak_bytes": usage_peak,
-                "dense_locked": bool(self.residency.locked), "expert_bytes_in_memory": self.residency.in_memory()}
+        return {
+            "experts_used_per_layer": [int((row > 0).sum()) for row in counts],
+            "memory_limit_bytes": plan.limit,
+            "memory_limit_source": plan.source,
+            "expert_budget_bytes": self.expert_budget,
+            "resident_expert_bytes": held[0] if held is not None else touched,
+            "peak_resident_expert_bytes": held[1] if held is not None else touched,
+            "expert_bytes_used": used_bytes,
+            "cache_hits": c["hits"],
+            "cache_misses": c["misses"],
+            "cache_hit_rate": c["hits"] / uses if uses else None,
+            "prefetches": c["prefetches"],
+            "prefetch_hits": c["prefetch_hits"],
+            "prefetch_hit_rate": c["prefetch_hits"] / c["prefetches"] if c["prefetches"] else None,
+            "experts_released": c["evictions"],
+            "wasted_prefetches": c["wasted_prefetches"],
+            "over_budget": c["over_budget"],
+            "experts_dropped": c["drops"],
+            "prefetch_calls": c["read_calls"],
+            "prefetch_bytes": c["read_bytes"],
+            "prefetch_failures": c["advice_failures"],
+            "prediction_hit_rate": (
+                float(pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED]) if pf[_engine.PF_PREDICTED] else None
+            ),
+            "prefetched_per_used_byte": float(c["read_bytes"] / used_bytes) if used_bytes else None,
+            "bytes_read_from_storage": (
+                io - self.residency.io_at_load if io is not None and self.residency.io_at_load is not None else None
+            ),
+            "minor_page_faults": minor,
+            "major_page_faults": major,
+            "rss_bytes": rss,
+            "peak_rss_bytes": peak,
+            "cgroup_usage_bytes": usage,
+            "cgroup_peak_bytes": usage_peak,
+            "dense_locked": bool(self.residency.locked),
+            "expert_bytes_in_memory": self.residency.in_memory(),
+        }
 
     @property
     def prefill_chunk(self) -> int:
@@ -494,10 +693,10 @@ class Model:
         """Release the engine and the mappings. A call running in another thread finishes its
         engine step first (close waits for it); afterwards every use of the Model, a suspended
         generator included, is a ColibriError saying it was closed."""
-        with self._engine_lock:            # no engine step is running while the weights go away
+        with self._engine_lock:  # no engine step is running while the weights go away
             engine, self._engine = self._engine, None
             if engine is not None:
-                engine.close()                 # the expert cache's reader stops before the unmapping
+                engine.close()  # the expert cache's reader stops before the unmapping
             self.residency.close()
             self._maps.close()
 
@@ -509,8 +708,10 @@ class Model:
 
     def __repr__(self):
         c = self.config
-        return (f"<colibri.Model {self.path!r} {c.architecture}, {c.num_hidden_layers} layers, "
-                f"{c.num_experts} experts, top-{c.num_experts_per_tok}, {self.weight_dtype}>")
+        return (
+            f"<colibri.Model {self.path!r} {c.architecture}, {c.num_hidden_layers} layers, "
+            f"{c.num_experts} experts, top-{c.num_experts_per_tok}, {self.weight_dtype}>"
+        )
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -545,8 +746,10 @@ class Model:
     @contextlib.contextmanager
     def _exclusive(self):
         if not self._busy.acquire(blocking=False):
-            raise ColibriError("this Model is already generating in another thread or generator; "
-                               "use one Model per concurrent request or finish the other generation first")
+            raise ColibriError(
+                "this Model is already generating in another thread or generator; "
+                "use one Model per concurrent request or finish the other generation first"
+            )
         try:
             yield
         finally:
@@ -554,9 +757,11 @@ class Model:
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
-            raise ColibriError(f"{self.path} has no tokenizer (tokenizer.json or tokenizer.model): pass token ids "
-                               f"instead, or add one with: python -m colibri tokenizer --model-dir {self.path} "
-                               f"--from HF_DIR")
+            raise ColibriError(
+                f"{self.path} has no tokenizer (tokenizer.json or tokenizer.model): pass token ids "
+                f"instead, or add one with: python -m colibri tokenizer --model-dir {self.path} "
+                f"--from HF_DIR"
+            )
         return self.tokenizer
 
     def _live(self):
@@ -592,24 +797,30 @@ class Model:
         the engine splits a prompt at the same chunk boundaries, so the results are the same,
         and Ctrl-C (or close()) takes effect between chunks instead of after the whole prompt."""
         for start in range(0, len(tokens), self._chunk):
-            piece = tokens[start:start + self._chunk]
+            piece = tokens[start : start + self._chunk]
             last = start + len(piece) == len(tokens)
             if not all_logits and not last:
-                self._run_chunk(piece, pos + start, None, False, seq)       # an inner chunk: no lm_head
+                self._run_chunk(piece, pos + start, None, False, seq)  # an inner chunk: no lm_head
             else:
                 self._run_chunk(piece, pos + start, out[start:] if all_logits else out, all_logits, seq)
 
     def _run_chunk(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool, seq: int = 0) -> None:
         with self._engine_lock:
             engine = self._live()
-            del self._kv_tokens[seq][pos:]            # positions >= pos are about to be overwritten
+            del self._kv_tokens[seq][pos:]  # positions >= pos are about to be overwritten
             status, index, layer = engine.run(tokens, pos, out, all_logits, seq)
         if status != _engine.STATUS_OK:
             self._damaged(status, f"at position {pos + index}", layer)
         self._kv_tokens[seq].extend(int(t) for t in tokens)
 
-    def _step(self, tokens: np.ndarray, seqs: np.ndarray, positions: np.ndarray, out: np.ndarray,
-              want: np.ndarray | None = None) -> None:
+    def _step(
+        self,
+        tokens: np.ndarray,
+        seqs: np.ndarray,
+        positions: np.ndarray,
+        out: np.ndarray,
+        want: np.ndarray | None = None,
+    ) -> None:
         """Tokens of several sequences in one engine pass (int32 [B] each: token b of sequence
         seqs[b] at positions[b], a sequence's tokens side by side), the logits of those `want`
         (uint8 [B]; None: all) into out [wanted, vocab] (Engine.step)."""
@@ -619,14 +830,20 @@ class Model:
                 del self._kv_tokens[seq][pos:]
             status, _, layer = engine.step(tokens, seqs, positions, out, want)
         if status != _engine.STATUS_OK:
-            self._damaged(status, f"in a step of {len(tokens)} tokens (positions {int(positions.min())}.."
-                                  f"{int(positions.max())})", layer)
+            self._damaged(
+                status,
+                f"in a step of {len(tokens)} tokens (positions {int(positions.min())}..{int(positions.max())})",
+                layer,
+            )
         for token, seq in zip(tokens, seqs):
             self._kv_tokens[seq].append(int(token))
 
     def _damaged(self, status: int, where: str, layer: int):
-        raise ColibriError(f"{where}: " + _STATUS_MESSAGES[status].format(layer=layer)
-                           + f" — the weights in {self.path} look damaged (run: python -m colibri verify)")
+        raise ColibriError(
+            f"{where}: "
+            + _STATUS_MESSAGES[status].format(layer=layer)
+            + f" — the weights in {self.path} look damaged (run: python -m colibri verify)"
+        )
 
     def _generate(self, tokens, max_new_tokens, sampler, eos, on_step, record, reuse):
         with self._exclusive():
@@ -653,7 +870,7 @@ class Model:
                 token = pick.token
                 record.tokens.append(token)
                 record.picks.append(pick)
-                ended = token in eos or sampler.finished       # finished: the constraint's EOS
+                ended = token in eos or sampler.finished  # finished: the constraint's EOS
                 if ended:
                     record.finish_reason = "stop"
                 yield token
@@ -688,9 +905,11 @@ def _check_threads_start(threads: int) -> None:
     if room is not None and stack and (threads - 1) * stack > room:
         # decided before trying: a thread whose stack fits but whose first allocation does not
         # dies inside CPython's start-up and its start() waits forever
-        raise ColibriError(f"cannot start {threads} threads (threads / --threads): their stacks need "
-                           f"{(threads - 1) * stack >> 20} MiB of address space and the limit (ulimit -v) "
-                           f"leaves {room >> 20} MiB (this machine has {_os.compute_cores()} cores)")
+        raise ColibriError(
+            f"cannot start {threads} threads (threads / --threads): their stacks need "
+            f"{(threads - 1) * stack >> 20} MiB of address space and the limit (ulimit -v) "
+            f"leaves {room >> 20} MiB (this machine has {_os.compute_cores()} cores)"
+        )
     release = threading.Event()
     started = []
     try:
@@ -699,8 +918,10 @@ def _check_threads_start(threads: int) -> None:
             t.start()
             started.append(t)
     except RuntimeError as e:
-        raise ColibriError(f"cannot start {threads} threads (threads / --threads): {e}; only {len(started) + 1} "
-                           f"could run at once here (this machine has {_os.compute_cores()} cores)") from None
+        raise ColibriError(
+            f"cannot start {threads} threads (threads / --threads): {e}; only {len(started) + 1} "
+            f"could run at once here (this machine has {_os.compute_cores()} cores)"
+        ) from None
     finally:
         release.set()
         for t in started:
@@ -713,8 +934,10 @@ def _bf16_products(choice) -> bool:
     if choice not in BF16_PRODUCTS:
         raise ColibriError(f"bf16_products must be one of {', '.join(BF16_PRODUCTS)}, got {choice!r}")
     if choice == "bf16" and not _kernels.has_bf16_products():
-        raise ColibriError(f"bf16_products='bf16' needs AVX512_BF16 (vdpbf16ps), which tier {_kernels.isa()} "
-                           "of this CPU lacks; use 'auto' or 'f32'")
+        raise ColibriError(
+            f"bf16_products='bf16' needs AVX512_BF16 (vdpbf16ps), which tier {_kernels.isa()} "
+            "of this CPU lacks; use 'auto' or 'f32'"
+        )
     return choice == "bf16" or (choice == "auto" and _kernels.has_bf16_products())
 
 
@@ -723,20 +946,34 @@ class GenerationRecord:
 
     def __init__(self, prompt_tokens: int, sampler, from_generation_config):
         self.prompt_tokens = prompt_tokens
-        self.reused_tokens = 0                    # prompt tokens the KV cache already held
-        self.tokens = []                          # generated ids
-        self.picks = []                           # sampling.Pick of each (logprob, top alternatives)
+        self.reused_tokens = 0  # prompt tokens the KV cache already held
+        self.tokens = []  # generated ids
+        self.picks = []  # sampling.Pick of each (logprob, top alternatives)
         self.sampler = sampler
-        self.from_generation_config = list(from_generation_config)   # settings taken from the checkpoint
-        self.finish_reason = None                 # "stop" (EOS or a stop string) | "length"
-        self.stop = None                          # the stop string that ended it, if one did
+        self.from_generation_config = list(from_generation_config)  # settings taken from the checkpoint
+        self.finish_reason = None  # "stop" (EOS or a stop string) | "length"
+        self.stop = None  # the stop string that ended it, if one did
 
 
-def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool = True,
-         exact_softmax: bool = True, prefill_chunk: int | None = None, prefetch: str | None = None,
-         expert_cache_mb: float | None = None, mlock: bool = False, warmup: bool = False,
-         memory_limit_mb: float | None = None, eviction: str | None = None, kv_cache: str = "f32",
-         bf16_products: str = "auto", capture_inputs: bool = False, second_moments=None, parallel: int = 1) -> Model:
+def load(
+    path,
+    threads: int | None = None,
+    n_ctx: int | None = None,
+    mmap: bool = True,
+    exact_softmax: bool = True,
+    prefill_chunk: int | None = None,
+    prefetch: str | None = None,
+    expert_cache_mb: float | None = None,
+    mlock: bool = False,
+    warmup: bool = False,
+    memory_limit_mb: float | None = None,
+    eviction: str | None = None,
+    kv_cache: str = "f32",
+    bf16_products: str = "auto",
+    capture_inputs: bool = False,
+    second_moments=None,
+    parallel: int = 1,
+) -> Model:
     """Load a Colibri model directory.
 
     threads=None uses every core; n_ctx=None the model's context up to 4096 positions;
@@ -758,8 +995,22 @@ def load(path, threads: int | None = None, n_ctx: int | None = None, mmap: bool 
     those matrices' whole input second moments (Model.input_grams); parallel: sequences decoded
     together (1..MAX_PARALLEL, at most the prefill chunk; colibri.batching.Batch), each with its own
     n_ctx positions of KV cache (resident only as they are filled)."""
-    return Model(path, threads=threads, n_ctx=n_ctx, mmap=mmap, exact_softmax=exact_softmax,
-                 prefill_chunk=prefill_chunk, prefetch=prefetch, expert_cache_mb=expert_cache_mb,
-                 mlock=mlock, warmup=warmup, memory_limit_mb=memory_limit_mb, eviction=eviction, kv_cache=kv_cache,
-                 bf16_products=bf16_products, capture_inputs=capture_inputs, second_moments=second_moments,
-                 parallel=parallel)
+    return Model(
+        path,
+        threads=threads,
+        n_ctx=n_ctx,
+        mmap=mmap,
+        exact_softmax=exact_softmax,
+        prefill_chunk=prefill_chunk,
+        prefetch=prefetch,
+        expert_cache_mb=expert_cache_mb,
+        mlock=mlock,
+        warmup=warmup,
+        memory_limit_mb=memory_limit_mb,
+        eviction=eviction,
+        kv_cache=kv_cache,
+        bf16_products=bf16_products,
+        capture_inputs=capture_inputs,
+        second_moments=second_moments,
+        parallel=parallel,
+    )

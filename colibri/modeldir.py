@@ -15,6 +15,7 @@ Everything in config.json is validated before a byte of weights is mapped: a dam
 a `ColibriError` naming the file, never a crash later. This module owns the format; the converter
 writes through `ModelDirWriter`, the model maps through `MappedModelDir`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,16 +36,19 @@ from .formats import FORMATS, check_layout
 
 FORMAT_NAME = "colibri"
 FORMAT_VERSION = 1
-ALIGNMENT = 64                       # every tensor starts on a 64-byte boundary in its file
+ALIGNMENT = 64  # every tensor starts on a 64-byte boundary in its file
 CONFIG_NAME = "config.json"
-MAX_CONFIG_BYTES = 64 << 20          # a config.json larger than this is refused
-MAX_OTHER_FILES = 256                # files in the table beyond one per tensor (text files)
+MAX_CONFIG_BYTES = 64 << 20  # a config.json larger than this is refused
+MAX_OTHER_FILES = 256  # files in the table beyond one per tensor (text files)
 # storage dtype -> numpy dtype of the stored elements: the formats' (colibri.formats: bf16 is kept as its
 # raw 16 bits; the block formats are stored as bytes, [rows, cols / 32 * block bytes]), and int16 norm weights
 STORAGE_DTYPES = {**{name: fmt.element for name, fmt in FORMATS.items()}, "int16": np.dtype("<i2")}
 NORM_DTYPES = ("f32", "int16")
-ABSORBED_DTYPES = ("f32", "f16")     # MLA's absorbed up-projections (config.expected_tensors "absorbed")       # int16 norm weights carry a float "scale": w = scale * q
-WEIGHT_DTYPES = tuple(DTYPE_CODES)       # the kernels' storage formats (colibri._kernels)
+ABSORBED_DTYPES = (
+    "f32",
+    "f16",
+)  # MLA's absorbed up-projections (config.expected_tensors "absorbed")       # int16 norm weights carry a float "scale": w = scale * q
+WEIGHT_DTYPES = tuple(DTYPE_CODES)  # the kernels' storage formats (colibri._kernels)
 
 
 def storage_nbytes(dtype: str, shape) -> int:
@@ -54,9 +58,9 @@ def storage_nbytes(dtype: str, shape) -> int:
     return math.prod(shape) * STORAGE_DTYPES[dtype].itemsize
 
 
-LAYOUTS = quant.LAYOUTS        # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4);
-                               # interleaved: groups of 8 outputs, 4 inputs at a time (quant.py);
-                               # which a format has: colibri.formats
+LAYOUTS = quant.LAYOUTS  # rows: [out, in]; transposed: [in, out] (block-wise for int8/int4);
+# interleaved: groups of 8 outputs, 4 inputs at a time (quant.py);
+# which a format has: colibri.formats
 
 
 def check_stored_layout(dtype: str, layout: str, shape, kind: str, ctx: str) -> None:
@@ -111,12 +115,16 @@ def read_config_json(root: Path) -> dict:
         raise ColibriError(f"model directory {root} does not exist")
     if not root.is_dir():
         if root.suffix.lower() == ".gguf":
-            raise ColibriError(f"{root} is a GGUF file; convert it into a model directory first: "
-                               f"python -m colibri convert --gguf {root} --output-dir {root.with_suffix('')}")
+            raise ColibriError(
+                f"{root} is a GGUF file; convert it into a model directory first: "
+                f"python -m colibri convert --gguf {root} --output-dir {root.with_suffix('')}"
+            )
         raise ColibriError(f"{root} is not a directory (expected a converted model directory)")
     if not path.is_file():
-        raise ColibriError(f"{path} is missing: not a Colibri model directory "
-                           f"(convert one with: python -m colibri convert --hf-dir H --output-dir {root})")
+        raise ColibriError(
+            f"{path} is missing: not a Colibri model directory "
+            f"(convert one with: python -m colibri convert --hf-dir H --output-dir {root})"
+        )
     cfg = read_json(path, "a model configuration", MAX_CONFIG_BYTES)
     if not isinstance(cfg, dict):
         raise ColibriError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
@@ -128,7 +136,7 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 
 # What a weight matrix does in the model, by its name: the unit of convert's --role FORMAT and of
 # the bytes a decoded token reads (ModelDir.bytes_per_token).
-ROLES = ("experts", "shared", "dense", "attention", "head", "embedding")   # the matrices' roles
+ROLES = ("experts", "shared", "dense", "attention", "head", "embedding")  # the matrices' roles
 _ATTENTION_PARTS = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkb", "wvb")
 
 
@@ -159,28 +167,39 @@ class ModelDir:
         where = str(self.root / CONFIG_NAME)
         fmt, version = raw.get("format"), raw.get("format_version")
         if fmt != FORMAT_NAME:
-            raise ColibriError(f"{where}: 'format' is {shown(fmt)}, expected {FORMAT_NAME!r} "
-                               f"(is this a Hugging Face directory? convert it first)")
+            raise ColibriError(
+                f"{where}: 'format' is {shown(fmt)}, expected {FORMAT_NAME!r} "
+                f"(is this a Hugging Face directory? convert it first)"
+            )
         if type(version) is not int or version != FORMAT_VERSION:
-            raise ColibriError(f"{where}: unknown format_version {shown(version)}; this Colibri reads "
-                               f"version {FORMAT_VERSION} (upgrade Colibri or re-convert)")
+            raise ColibriError(
+                f"{where}: unknown format_version {shown(version)}; this Colibri reads "
+                f"version {FORMAT_VERSION} (upgrade Colibri or re-convert)"
+            )
         if raw.get("byte_order", "little") != "little":
             raise ColibriError(f"{where}: byte_order {shown(raw.get('byte_order'))} is not supported (only 'little')")
         if "alignment" in raw and (type(raw["alignment"]) is not int or raw["alignment"] != ALIGNMENT):
-            raise ColibriError(f"{where}: 'alignment' must be {ALIGNMENT} in format version {FORMAT_VERSION}, "
-                               f"got {shown(raw['alignment'])}")
-        if "ln_gamma_quant_bits" in raw and (type(raw["ln_gamma_quant_bits"]) is not int
-                                             or raw["ln_gamma_quant_bits"] not in (16, 32)):
-            raise ColibriError(f"{where}: 'ln_gamma_quant_bits' must be 16 or 32, got {shown(raw['ln_gamma_quant_bits'])}")
+            raise ColibriError(
+                f"{where}: 'alignment' must be {ALIGNMENT} in format version {FORMAT_VERSION}, "
+                f"got {shown(raw['alignment'])}"
+            )
+        if "ln_gamma_quant_bits" in raw and (
+            type(raw["ln_gamma_quant_bits"]) is not int or raw["ln_gamma_quant_bits"] not in (16, 32)
+        ):
+            raise ColibriError(
+                f"{where}: 'ln_gamma_quant_bits' must be 16 or 32, got {shown(raw['ln_gamma_quant_bits'])}"
+            )
         if "source" in raw and not isinstance(raw["source"], dict):
             raise ColibriError(f"{where}: 'source' must be a JSON object, got {shown(raw['source'])}")
         self.raw = raw
         self.config = ModelConfig.from_dict(raw.get("model"), where)
         self.weight_dtype = raw.get("weight_dtype")
         if type(self.weight_dtype) is not str or self.weight_dtype not in WEIGHT_DTYPES:
-            raise ColibriError(f"{where}: weight_dtype {shown(self.weight_dtype)} is not one of {', '.join(WEIGHT_DTYPES)}")
+            raise ColibriError(
+                f"{where}: weight_dtype {shown(self.weight_dtype)} is not one of {', '.join(WEIGHT_DTYPES)}"
+            )
         tensors = raw.get("tensors")
-        expected = self._check_names(tensors, where)           # before a file is looked at
+        expected = self._check_names(tensors, where)  # before a file is looked at
         self.files = self._check_files(raw.get("files"), where, len(expected))
         self.tensors = self._check_tensors(tensors, expected, where)
 
@@ -190,10 +209,12 @@ class ModelDir:
             raise ColibriError(f"{where}: 'tensors' must be an object, got {shown(tensors)}")
         cfg = self.config
         least = cfg.expert_tensor_count()
-        if len(tensors) < least:      # before the expected table is built: it may be large
-            raise ColibriError(f"{where}: the tensor table has {len(tensors)} entries, but the model section's "
-                               f"{sum(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts need {least} "
-                               f"expert tensors alone (is 'model' or 'tensors' damaged?)")
+        if len(tensors) < least:  # before the expected table is built: it may be large
+            raise ColibriError(
+                f"{where}: the tensor table has {len(tensors)} entries, but the model section's "
+                f"{sum(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts need {least} "
+                f"expert tensors alone (is 'model' or 'tensors' damaged?)"
+            )
         expected = cfg.expected_tensors()
         missing = [n for n in expected if n not in tensors]
         if missing:
@@ -201,16 +222,19 @@ class ModelDir:
             raise ColibriError(f"{where}: tensor table lacks {', '.join(missing[:5])}{more}")
         if len(tensors) != len(expected):
             extra = [n for n in tensors if n not in expected]
-            raise ColibriError(f"{where}: unexpected tensor(s) {', '.join(shown(n, 60) for n in extra[:5])} "
-                               f"for this architecture")
+            raise ColibriError(
+                f"{where}: unexpected tensor(s) {', '.join(shown(n, 60) for n in extra[:5])} for this architecture"
+            )
         return expected
 
     def _check_files(self, files, where, n_tensors) -> dict:
         if not isinstance(files, dict) or not files:
             raise ColibriError(f"{where}: 'files' must be a non-empty object, got {shown(files)}")
-        if len(files) > n_tensors + MAX_OTHER_FILES:     # bounds the stat() calls below
-            raise ColibriError(f"{where}: the file table lists {len(files)} files for {n_tensors} tensors; at most "
-                               f"{MAX_OTHER_FILES} files may hold no tensors (tokenizer, chat template, ...)")
+        if len(files) > n_tensors + MAX_OTHER_FILES:  # bounds the stat() calls below
+            raise ColibriError(
+                f"{where}: the file table lists {len(files)} files for {n_tensors} tensors; at most "
+                f"{MAX_OTHER_FILES} files may hold no tensors (tokenizer, chat template, ...)"
+            )
         out = {}
         for rel, entry in files.items():
             path = safe_path(self.root, rel)
@@ -226,15 +250,19 @@ class ModelDir:
                 st = os.stat(path)
             except (FileNotFoundError, NotADirectoryError):
                 st = None
-            except OSError as e:              # a name too long, a loop of links, no permission
+            except OSError as e:  # a name too long, a loop of links, no permission
                 raise ColibriError(f"{ctx}: cannot stat {path}: {e.strerror or e}") from None
             if st is None or not stat.S_ISREG(st.st_mode):
-                raise ColibriError(f"{path} is missing (listed in config.json); the directory is incomplete: re-copy or re-convert it")
+                raise ColibriError(
+                    f"{path} is missing (listed in config.json); the directory is incomplete: re-copy or re-convert it"
+                )
             actual = st.st_size
             if actual != entry["size"]:
                 what = "truncated" if actual < entry["size"] else "larger than expected"
-                raise ColibriError(f"{path} is {what}: config.json says {entry['size']} bytes, found {actual} "
-                                   f"(corrupted or incomplete copy: re-copy or re-convert)")
+                raise ColibriError(
+                    f"{path} is {what}: config.json says {entry['size']} bytes, found {actual} "
+                    f"(corrupted or incomplete copy: re-copy or re-convert)"
+                )
             out[rel] = entry
         return out
 
@@ -242,7 +270,7 @@ class ModelDir:
         """Each entry of the tensor table (whose names _check_names checked) against the config and
         the file table, in time linear in its size (sorting aside): types, dtypes, shapes, byte
         counts, alignment, bounds within each file, and no two tensors sharing a byte."""
-        spans = {}                    # file -> [(offset, end, name)]
+        spans = {}  # file -> [(offset, end, name)]
         for name, (shape, kind) in expected.items():
             t = tensors[name]
             ctx = f"{where}: tensor {name}"
@@ -250,13 +278,22 @@ class ModelDir:
                 raise ColibriError(f"{ctx} must be an object, got {shown(t)}")
             for key, typ in (("file", str), ("offset", int), ("nbytes", int), ("dtype", str), ("shape", list)):
                 if type(t.get(key)) is not typ:
-                    raise ColibriError(f"{ctx}: field {key!r} is missing or not a {typ.__name__}, got {shown(t.get(key))}")
+                    raise ColibriError(
+                        f"{ctx}: field {key!r} is missing or not a {typ.__name__}, got {shown(t.get(key))}"
+                    )
             if t["file"] not in self.files:
                 raise ColibriError(f"{ctx}: file {shown(t['file'])} is not in the file table")
             if t["dtype"] not in STORAGE_DTYPES:
                 raise ColibriError(f"{ctx}: unknown dtype {shown(t['dtype'])}")
-            allowed = (WEIGHT_DTYPES if kind == "matrix" else NORM_DTYPES if kind == "norm"
-                       else ABSORBED_DTYPES if kind == "absorbed" else ("f32",))
+            allowed = (
+                WEIGHT_DTYPES
+                if kind == "matrix"
+                else NORM_DTYPES
+                if kind == "norm"
+                else ABSORBED_DTYPES
+                if kind == "absorbed"
+                else ("f32",)
+            )
             if t["dtype"] not in allowed:
                 raise ColibriError(f"{ctx}: expected dtype {' or '.join(allowed)}, got {t['dtype']}")
             if t["dtype"] == "int16":
@@ -269,25 +306,34 @@ class ModelDir:
             if type(layout) is not str or layout not in LAYOUTS:
                 raise ColibriError(f"{ctx}: unsupported layout {shown(layout)} (supported: {', '.join(LAYOUTS)})")
             check_stored_layout(t["dtype"], layout, shape, kind, ctx)
-            if (t["dtype"] in BLOCK_FORMATS or layout == "interleaved") and (len(shape) != 2 or shape[1] % quant.QBLOCK):
-                raise ColibriError(f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}")
+            if (t["dtype"] in BLOCK_FORMATS or layout == "interleaved") and (
+                len(shape) != 2 or shape[1] % quant.QBLOCK
+            ):
+                raise ColibriError(
+                    f"{ctx}: {t['dtype']} needs a matrix with a multiple of {quant.QBLOCK} columns, got {list(shape)}"
+                )
             nbytes = storage_nbytes(t["dtype"], shape)
             if t["nbytes"] != nbytes:
-                raise ColibriError(f"{ctx}: expected {nbytes} bytes for {t['dtype']} {list(shape)}, "
-                                   f"table says {shown(t['nbytes'])}")
+                raise ColibriError(
+                    f"{ctx}: expected {nbytes} bytes for {t['dtype']} {list(shape)}, table says {shown(t['nbytes'])}"
+                )
             if t["offset"] < 0 or t["offset"] % ALIGNMENT:
                 raise ColibriError(f"{ctx}: offset {shown(t['offset'])} is not a non-negative multiple of {ALIGNMENT}")
             if t["offset"] + nbytes > self.files[t["file"]]["size"]:
-                raise ColibriError(f"{ctx}: bytes {t['offset']}..{t['offset'] + nbytes} lie past the end "
-                                   f"of {t['file']} ({self.files[t['file']]['size']} bytes)")
+                raise ColibriError(
+                    f"{ctx}: bytes {t['offset']}..{t['offset'] + nbytes} lie past the end "
+                    f"of {t['file']} ({self.files[t['file']]['size']} bytes)"
+                )
             if nbytes:
                 spans.setdefault(t["file"], []).append((t["offset"], t["offset"] + nbytes, name))
         for rel, items in spans.items():
             items.sort()
             for (_, end, first), (begin, end2, second) in zip(items, items[1:]):
                 if begin < end:
-                    raise ColibriError(f"{where}: tensors {first} and {second} share bytes {begin}..{min(end, end2)} "
-                                       f"of {rel} (two tensors must not overlap in a file)")
+                    raise ColibriError(
+                        f"{where}: tensors {first} and {second} share bytes {begin}..{min(end, end2)} "
+                        f"of {rel} (two tensors must not overlap in a file)"
+                    )
         return tensors
 
     def bytes_per_token(self) -> dict:
@@ -327,12 +373,13 @@ class ModelDir:
 @dataclass(frozen=True)
 class TensorRef:
     """A tensor in place in a mapping: its address, storage dtype, logical shape, layout."""
+
     address: int
-    dtype: str               # a _kernels.DTYPE_CODES name
+    dtype: str  # a _kernels.DTYPE_CODES name
     shape: tuple
-    layout: str = "rows"     # a _kernels.LAYOUT_CODES name
-    input_stats: object = None   # float64 [cols + 1] or None: what the engine adds each input's squares to
-    input_gram: object = None    # float64 [cols, cols] or None: what it adds x x^T to (upper triangle)
+    layout: str = "rows"  # a _kernels.LAYOUT_CODES name
+    input_stats: object = None  # float64 [cols + 1] or None: what the engine adds each input's squares to
+    input_gram: object = None  # float64 [cols, cols] or None: what it adds x x^T to (upper triangle)
 
 
 class MappedModelDir:
@@ -345,10 +392,10 @@ class MappedModelDir:
 
     def __init__(self, md: ModelDir, use_mmap: bool = True):
         self.md = md
-        self._maps = {}      # rel -> (_os.Mapping or _os.AlignedBuffer, its uint8 view [size], page-aligned)
-        self._dequantized = {}   # int16 norm name -> float32 [n]
+        self._maps = {}  # rel -> (_os.Mapping or _os.AlignedBuffer, its uint8 view [size], page-aligned)
+        self._dequantized = {}  # int16 norm name -> float32 [n]
         try:
-            in_use = {t["file"] for t in md.tensors.values()}        # once: files x tensors was quadratic
+            in_use = {t["file"] for t in md.tensors.values()}  # once: files x tensors was quadratic
             for rel, entry in md.files.items():
                 if entry["size"] == 0 or rel not in in_use:
                     continue
@@ -356,12 +403,14 @@ class MappedModelDir:
         except (OSError, MemoryError) as e:
             self.close()
             what = getattr(e, "filename", None) or md.root
-            raise ColibriError(f"cannot {'map' if use_mmap else 'read'} {what}: {getattr(e, 'strerror', None) or e}") from None
+            raise ColibriError(
+                f"cannot {'map' if use_mmap else 'read'} {what}: {getattr(e, 'strerror', None) or e}"
+            ) from None
 
     @staticmethod
     def _map(path: Path, size: int) -> tuple:
         mapping = _os.map_file(path)
-        if mapping.size != size:                       # changed since validation
+        if mapping.size != size:  # changed since validation
             mapping.close()
             raise ColibriError(f"{path} changed size while loading")
         return mapping, mapping.as_numpy()
@@ -388,7 +437,7 @@ class MappedModelDir:
         [cols / 32, rows / 8 * group bytes], quant.transpose); interleaved (int8/int4/bf16...) [rows / 8,
         cols / 32 * group bytes] (quant.interleave)."""
         t = self.md.tensors[name]
-        view = self._maps[t["file"]][1][t["offset"]:t["offset"] + t["nbytes"]]
+        view = self._maps[t["file"]][1][t["offset"] : t["offset"] + t["nbytes"]]
         layout = t.get("layout", "rows")
         transposed = layout == "transposed"
         if t["dtype"] in BLOCK_FORMATS or layout == "interleaved":
@@ -435,6 +484,7 @@ class MappedModelDir:
 
 # ---- writing ---------------------------------------------------------------------------------
 
+
 def to_storage(array: np.ndarray, dtype: str, importance=None) -> np.ndarray:
     """float32 (or float16/float64) values -> the stored elements of `dtype`, little-endian.
 
@@ -458,7 +508,7 @@ def to_storage(array: np.ndarray, dtype: str, importance=None) -> np.ndarray:
     raise ColibriError(f"unknown storage dtype {dtype!r}")
 
 
-IMPORTANCE_FORMATS = ("int8", "int4", "nl4", "int6")     # the formats whose scales an importance vector chooses
+IMPORTANCE_FORMATS = ("int8", "int4", "nl4", "int6")  # the formats whose scales an importance vector chooses
 
 
 def from_storage(stored: np.ndarray, dtype: str, cols: int | None = None) -> np.ndarray:
@@ -495,8 +545,15 @@ class ModelDirWriter:
                 data = np.ascontiguousarray(stored).tobytes()
                 f.write(data)
                 h.update(data)
-                self.tensors[name] = {"file": rel, "offset": offset, "nbytes": len(data), "dtype": dtype,
-                                      "shape": list(shape), "layout": "rows", **extra}
+                self.tensors[name] = {
+                    "file": rel,
+                    "offset": offset,
+                    "nbytes": len(data),
+                    "dtype": dtype,
+                    "shape": list(shape),
+                    "layout": "rows",
+                    **extra,
+                }
                 offset += len(data)
         self.files[rel] = {"size": offset, "sha256": h.hexdigest()}
 

@@ -31,6 +31,7 @@ variable COLIBRI_PROGRESS turns it off everywhere ("0", "off", "no", "false", "n
 forces the plain lines on a terminal too ("lines"). tqdm is a core dependency; were it missing,
 a terminal gets the plain lines.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,7 @@ import os
 import sys
 import time
 
-PLAIN_INTERVAL_S = 10.0          # the most often a plain progress line is printed
+PLAIN_INTERVAL_S = 10.0  # the most often a plain progress line is printed
 ENV = "COLIBRI_PROGRESS"
 _OFF = ("0", "off", "no", "false", "none")
 
@@ -53,7 +54,7 @@ def _mode(stream) -> str:
         return "lines"
     try:
         tty = bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):        # a closed or stream-less stderr
+    except (AttributeError, ValueError, OSError):  # a closed or stream-less stderr
         tty = False
     return "bar" if tty else "lines"
 
@@ -122,7 +123,7 @@ class _Lines(_Progress):
 
     def _show(self, n) -> None:
         now = self.clock()
-        if now - self.last >= self.interval and not (self.total and self.done >= self.total):   # then the end line
+        if now - self.last >= self.interval and not (self.total and self.done >= self.total):  # then the end line
             self.last = now
             self._print(now, end=False)
 
@@ -167,8 +168,16 @@ class _Bar(_Progress):
 
 
 @contextlib.contextmanager
-def progress(total, desc: str, unit: str = "it", enabled: bool = True, stream=None,
-             interval: float | None = None, clock=time.monotonic, initial=0):
+def progress(
+    total,
+    desc: str,
+    unit: str = "it",
+    enabled: bool = True,
+    stream=None,
+    interval: float | None = None,
+    clock=time.monotonic,
+    initial=0,
+):
     """Show the progress of `total` units of work (None: unknown) as `desc` on `stream` (stderr):
     `with progress(n_bytes, "convert", unit="B") as p: ... p.update(k) ...` (or p.at(done)).
     unit "B": bytes; any other name counts that unit ("chunk", "file"). enabled=False (or
@@ -187,20 +196,31 @@ def progress(total, desc: str, unit: str = "it", enabled: bool = True, stream=No
         return
     if mode == "lines":
         p = _Lines(total, desc, unit, stream, PLAIN_INTERVAL_S if interval is None else interval, clock, initial)
-        yield p                     # an exception propagates from here: no end line
+        yield p  # an exception propagates from here: no end line
         p.close()
         return
     byte = unit == "B"
-    sized = _sized(stream)         # a terminal that says it is 0 x 0 (a fresh pty): tqdm would draw nothing
-    bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=byte, unit_divisor=1000, file=stream,
-               dynamic_ncols=sized, ncols=None if sized else 80, nrows=None if sized else 24, leave=True,
-               disable=False, initial=initial)
+    sized = _sized(stream)  # a terminal that says it is 0 x 0 (a fresh pty): tqdm would draw nothing
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=byte,
+        unit_divisor=1000,
+        file=stream,
+        dynamic_ncols=sized,
+        ncols=None if sized else 80,
+        nrows=None if sized else 24,
+        leave=True,
+        disable=False,
+        initial=initial,
+    )
     p = _Bar(bar)
     p.done = p.initial = initial
     try:
         yield p
     except BaseException:
-        bar.leave = False           # the bar is wiped: an error stays the one line below the command
+        bar.leave = False  # the bar is wiped: an error stays the one line below the command
         raise
     finally:
         bar.close()

@@ -28,13 +28,14 @@ weights are quantized against the rounded scale, so dequantization reproduces ex
 kernels compute with. int8 errs by at most half a step (d / 2); int4, whose levels run from -8d
 to 7d, by at most d, for a block whose extremes are opposite and equal.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 # the C definitions (csrc/quant.h, kernels_scalar.h); NL4_OFFSET and NL4_SUB_MAX also as quant.X (the tests)
-from ._kernels import (LAYOUT_CODES, NL4_OFFSET, NL4_SCALE_BIAS, NL4_SUB_MAX, QBLOCK, TGROUP,  # noqa: F401
-                       quantize_nl4)
+from ._kernels import LAYOUT_CODES, NL4_SCALE_BIAS, QBLOCK, TGROUP, quantize_nl4
+from ._kernels import NL4_OFFSET, NL4_SUB_MAX  # noqa: F401 (re-exported)
 from .formats import FORMATS, check_layout
 
 BLOCK_DTYPES = {
@@ -43,16 +44,17 @@ BLOCK_DTYPES = {
     "mxfp4": np.dtype([("e", "u1"), ("qs", "u1", (QBLOCK // 2,))]),
     "int6": np.dtype([("d", "<u2"), ("qs", "u1", (QBLOCK // 2,)), ("qh", "u1", (QBLOCK // 4,))]),
 }
-BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}     # int8: 34, int4: 18, mxfp4: 17, int6: 26
+BLOCK_BYTES = {name: dt.itemsize for name, dt in BLOCK_DTYPES.items()}  # int8: 34, int4: 18, mxfp4: 17, int6: 26
 # the e2m1 values by code (OCP microscaling formats; transformers' FP4_VALUES)
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
-E8M0_NAN = 255                   # the e8m0 code that means NaN: refused in a checkpoint
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
+E8M0_NAN = 255  # the e8m0 code that means NaN: refused in a checkpoint
 GROUP_DTYPES = {
     "int8": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "i1", (TGROUP, QBLOCK))]),
     "int4": np.dtype([("d", "<u2", (TGROUP,)), ("qs", "u1", (TGROUP, QBLOCK // 2))]),
 }
-GROUP_BYTES = {name: dt.itemsize for name, dt in GROUP_DTYPES.items()}     # int8: 272, int4: 144
+GROUP_BYTES = {name: dt.itemsize for name, dt in GROUP_DTYPES.items()}  # int8: 272, int4: 144
 # a group of the interleaved layout: qs[unit][output][4] = inputs 4 * unit .. + 3 (int8: 8 units of
 # 4 inputs; int4: 4 units of 4 bytes, byte i of unit v holding input 4v + i low, 16 + 4v + i high)
 IGROUP_DTYPES = {
@@ -72,14 +74,16 @@ INT6_HIGH_ORDER = np.array([[16 * (k % 2) + 4 * (2 * (b // 4) + k // 2) + b % 4 
 
 # nl4 (csrc/quant.h: cb_nl4_int, cb_igroup_nl4)
 NL4_VALUES = np.array([-64, -52, -42, -32, -24, -18, -11, -5, 0, 6, 12, 19, 26, 34, 44, 56], np.float32)
-NL4_BLOCK = np.dtype([("sc", "u1", (2,)), ("qs", "u1", (QBLOCK // 2,))])     # the rows form's block
-NL4_GROUP = np.dtype([("sc", "u1", (12,)), ("qs", "u1", (4, TGROUP, 4))])   # cb_igroup_nl4: 140 bytes
+NL4_BLOCK = np.dtype([("sc", "u1", (2,)), ("qs", "u1", (QBLOCK // 2,))])  # the rows form's block
+NL4_GROUP = np.dtype([("sc", "u1", (12,)), ("qs", "u1", (4, TGROUP, 4))])  # cb_igroup_nl4: 140 bytes
 
 
 def nl4_bytes(rows: int, cols: int) -> int:
     """Bytes of an interleaved nl4 matrix: its groups, then its f32 row scales."""
     return rows // TGROUP * (cols // QBLOCK) * NL4_GROUP.itemsize + 4 * rows
-FLOAT16_FORMATS = ("f16", "bf16")      # 2-byte float storage (modeldir.to_storage), held by StoredMatrix too
+
+
+FLOAT16_FORMATS = ("f16", "bf16")  # 2-byte float storage (modeldir.to_storage), held by StoredMatrix too
 
 
 def default_layout(dtype: str) -> str:
@@ -117,11 +121,14 @@ def _blocks(w: np.ndarray) -> np.ndarray:
 # Scale candidates of the importance-weighted search (quantize(importance=)): the block's largest
 # magnitude over each divisor, as llama.cpp's make_qx_quants tries them, each refitted by weighted
 # least squares. int4 maps the signed extreme near -8 (its levels are -8 .. 7), int8 near 127.
-SEARCH_DIVISORS = {"int4": tuple(8 + 0.15 * k for k in range(-5, 6)), "int8": tuple(127 - 3.0 * k for k in range(-2, 5)),
-                   "int6": tuple(32 + 0.5 * k for k in range(-6, 7))}
-_SEARCH_ROWS = 128        # rows searched at a time: the temporaries stay in the caches
+SEARCH_DIVISORS = {
+    "int4": tuple(8 + 0.15 * k for k in range(-5, 6)),
+    "int8": tuple(127 - 3.0 * k for k in range(-2, 5)),
+    "int6": tuple(32 + 0.5 * k for k in range(-6, 7)),
+}
+_SEARCH_ROWS = 128  # rows searched at a time: the temporaries stay in the caches
 LEVELS = {"int4": (-8, 7), "int8": (-127, 127), "int6": (-32, 31)}
-_SIGNED_EXTREME = ("int4", "int6")      # formats whose levels are asymmetric: the signed extreme maps to the lowest
+_SIGNED_EXTREME = ("int4", "int6")  # formats whose levels are asymmetric: the signed extreme maps to the lowest
 
 
 def _weighted_scales(b: np.ndarray, imp: np.ndarray, dtype: str, d_rtn: np.ndarray) -> np.ndarray:
@@ -130,8 +137,12 @@ def _weighted_scales(b: np.ndarray, imp: np.ndarray, dtype: str, d_rtn: np.ndarr
     round-to-nearest scale d_rtn [rows, nb] (f16) and the SEARCH_DIVISORS candidates refitted by
     weighted least squares; never worse than d_rtn on that error (ties keep it)."""
     if b.shape[0] > _SEARCH_ROWS:
-        return np.concatenate([_weighted_scales(b[r:r + _SEARCH_ROWS], imp, dtype, d_rtn[r:r + _SEARCH_ROWS])
-                               for r in range(0, b.shape[0], _SEARCH_ROWS)])
+        return np.concatenate(
+            [
+                _weighted_scales(b[r : r + _SEARCH_ROWS], imp, dtype, d_rtn[r : r + _SEARCH_ROWS])
+                for r in range(0, b.shape[0], _SEARCH_ROWS)
+            ]
+        )
     lo, hi = LEVELS[dtype]
     x = b
     w = imp.astype(np.float32).reshape(1, -1, QBLOCK)
@@ -142,8 +153,11 @@ def _weighted_scales(b: np.ndarray, imp: np.ndarray, dtype: str, d_rtn: np.ndarr
         return (w * (x - d * q) ** 2).sum(axis=2)
 
     best, best_err = d_rtn, error(d_rtn)
-    ref = (np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)[..., 0] if dtype in _SIGNED_EXTREME
-           else np.abs(b).max(axis=2))
+    ref = (
+        np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)[..., 0]
+        if dtype in _SIGNED_EXTREME
+        else np.abs(b).max(axis=2)
+    )
     sign = np.float32(-1.0 if dtype in _SIGNED_EXTREME else 1.0)
     for div in SEARCH_DIVISORS[dtype]:
         d0 = ref / (sign * np.float32(div))
@@ -170,18 +184,24 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
     importance float [cols, cols] (int8/int4/int6/nl4): the input's whole second moment E[x x^T]
     (calibrate --second-moments): the columns are rounded in order, each one's error moved onto
     the columns not yet rounded (colibri.gptq), the scales chosen as with its diagonal."""
-    b = _blocks(w)                                                  # [rows, nblocks, 32]
+    b = _blocks(w)  # [rows, nblocks, 32]
     cols = b.shape[1] * QBLOCK
     if importance is not None:
         importance = np.asarray(importance)
-        if (importance.shape not in ((cols,), (cols, cols)) or not np.isfinite(importance).all()
-                or (np.diagonal(importance) if importance.ndim == 2 else importance).min(initial=0) < 0):
-            raise ValueError(f"importance must be {cols} finite values >= 0 (or a [{cols}, {cols}] second moment), "
-                             f"got shape {importance.shape}")
+        if (
+            importance.shape not in ((cols,), (cols, cols))
+            or not np.isfinite(importance).all()
+            or (np.diagonal(importance) if importance.ndim == 2 else importance).min(initial=0) < 0
+        ):
+            raise ValueError(
+                f"importance must be {cols} finite values >= 0 (or a [{cols}, {cols}] second moment), "
+                f"got shape {importance.shape}"
+            )
         if importance.ndim == 2:
             if dtype not in SECOND_MOMENT_FORMATS:
                 raise ValueError(f"a second moment chooses {'/'.join(SECOND_MOMENT_FORMATS)} weights, not {dtype}")
             from .gptq import quantize_compensated
+
             return quantize_compensated(b.reshape(b.shape[0], cols), dtype, importance)
     if dtype == "nl4":
         return _quantize_nl4(b, importance)
@@ -195,7 +215,7 @@ def quantize(w: np.ndarray, dtype: str, importance: np.ndarray | None = None) ->
     return pack_blocks(dtype, d, levels_of(b, d, dtype))
 
 
-SECOND_MOMENT_FORMATS = ("int8", "int4", "int6", "nl4")     # the formats colibri.gptq can write
+SECOND_MOMENT_FORMATS = ("int8", "int4", "int6", "nl4")  # the formats colibri.gptq can write
 
 
 def initial_scales(b: np.ndarray, dtype: str) -> np.ndarray:
@@ -224,11 +244,11 @@ def pack_blocks(dtype: str, d: np.ndarray, q: np.ndarray) -> np.ndarray:
         out["qs"] = q.astype(np.int8)
     elif dtype == "int4":
         u = (q + 8).astype(np.uint8)
-        out["qs"] = u[..., :QBLOCK // 2] | (u[..., QBLOCK // 2:] << 4)
-    else:                                                           # int6
-        u = (q + 32).astype(np.uint8)                               # [rows, nb, 32] in [0, 63]
-        out["qs"] = (u[..., :QBLOCK // 2] & 0x0F) | ((u[..., QBLOCK // 2:] & 0x0F) << 4)
-        high = (u >> 4)[..., INT6_HIGH_ORDER]                       # [rows, nb, 8, 4]
+        out["qs"] = u[..., : QBLOCK // 2] | (u[..., QBLOCK // 2 :] << 4)
+    else:  # int6
+        u = (q + 32).astype(np.uint8)  # [rows, nb, 32] in [0, 63]
+        out["qs"] = (u[..., : QBLOCK // 2] & 0x0F) | ((u[..., QBLOCK // 2 :] & 0x0F) << 4)
+        high = (u >> 4)[..., INT6_HIGH_ORDER]  # [rows, nb, 8, 4]
         out["qh"] = (high << (2 * np.arange(4, dtype=np.uint8))).sum(axis=-1, dtype=np.uint8)
     out["d"] = np.asarray(d, np.float16).view(np.uint16)
     return out.view(np.uint8).reshape(d.shape[0], -1)
@@ -240,9 +260,10 @@ def pack_nl4(sc: np.ndarray, codes: np.ndarray, row_scale: np.ndarray) -> np.nda
     rows, nb = sc.shape[:2]
     blocks = np.zeros((rows, nb), NL4_BLOCK)
     blocks["sc"] = sc
-    blocks["qs"] = codes[..., :QBLOCK // 2] | (codes[..., QBLOCK // 2:] << 4)
-    return np.concatenate([blocks.view(np.uint8).reshape(rows, -1),
-                           np.asarray(row_scale, "<f4").reshape(rows, 1).view(np.uint8)], axis=1)
+    blocks["qs"] = codes[..., : QBLOCK // 2] | (codes[..., QBLOCK // 2 :] << 4)
+    return np.concatenate(
+        [blocks.view(np.uint8).reshape(rows, -1), np.asarray(row_scale, "<f4").reshape(rows, 1).view(np.uint8)], axis=1
+    )
 
 
 def _quantize_nl4(b: np.ndarray, importance) -> np.ndarray:
@@ -259,8 +280,8 @@ def _nl4_parts(stored: np.ndarray, cols: int):
     rows, nb = stored.shape[0], cols // QBLOCK
     if stored.ndim != 2 or stored.shape[1] != row_bytes("nl4", cols):
         raise ValueError(f"nl4 rows of {cols} columns cannot be {list(stored.shape)} bytes")
-    blocks = np.ascontiguousarray(stored[:, :nb * NL4_BLOCK.itemsize]).view(NL4_BLOCK).reshape(rows, nb)
-    row_scale = np.ascontiguousarray(stored[:, nb * NL4_BLOCK.itemsize:]).view("<f4").reshape(rows)
+    blocks = np.ascontiguousarray(stored[:, : nb * NL4_BLOCK.itemsize]).view(NL4_BLOCK).reshape(rows, nb)
+    row_scale = np.ascontiguousarray(stored[:, nb * NL4_BLOCK.itemsize :]).view("<f4").reshape(rows)
     return blocks, row_scale
 
 
@@ -268,8 +289,8 @@ def _dequantize_nl4(stored: np.ndarray, cols: int) -> np.ndarray:
     blocks, row_scale = _nl4_parts(stored, cols)
     rows, nb = blocks.shape
     qs = blocks["qs"]
-    v = NL4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=2)]                     # [rows, nb, 32]
-    sub = blocks["sc"].astype(np.float32) - NL4_SCALE_BIAS                         # [rows, nb, 2]
+    v = NL4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=2)]  # [rows, nb, 32]
+    sub = blocks["sc"].astype(np.float32) - NL4_SCALE_BIAS  # [rows, nb, 2]
     half = np.repeat(sub, QBLOCK // 2, axis=2)
     # the kernels' order: (sub * code) summed per half, then the row scale
     return (row_scale.astype(np.float32)[:, None, None] * (half * v)).astype(np.float32).reshape(rows, cols)
@@ -282,12 +303,12 @@ def _interleave_nl4(stored: np.ndarray, cols: int) -> np.ndarray:
         raise ValueError(f"the interleaved nl4 layout needs a multiple of {TGROUP} rows, got {rows}")
     g = blocks.reshape(rows // TGROUP, TGROUP, nb)
     out = np.zeros((rows // TGROUP, nb), NL4_GROUP)
-    sc = g["sc"].transpose(0, 2, 1, 3).astype(np.uint16)                           # [groups, nb, 8, 2]
+    sc = g["sc"].transpose(0, 2, 1, 3).astype(np.uint16)  # [groups, nb, 8, 2]
     lo, hi = sc[..., 0], sc[..., 1]
     out["sc"][..., :8] = (lo | ((hi & 3) << 6)).astype(np.uint8)
     high4 = (hi >> 2) & 15
     out["sc"][..., 8:] = (high4[..., 0::2] | (high4[..., 1::2] << 4)).astype(np.uint8)
-    qs = g["qs"]                                                                    # [groups, 8, nb, 16]
+    qs = g["qs"]  # [groups, 8, nb, 16]
     out["qs"] = qs.reshape(qs.shape[:3] + (4, 4)).transpose(0, 2, 3, 1, 4)
     flat = np.concatenate([out.view(np.uint8).ravel(), row_scale.astype("<f4").view(np.uint8)])
     return flat.reshape(rows // TGROUP, -1)
@@ -297,7 +318,9 @@ def _deinterleave_nl4(stored: np.ndarray, rows: int, cols: int) -> np.ndarray:
     nb = cols // QBLOCK
     flat = np.ascontiguousarray(stored, np.uint8).ravel()
     if flat.size != nl4_bytes(rows, cols):
-        raise ValueError(f"an interleaved nl4 [{rows}, {cols}] matrix is {nl4_bytes(rows, cols)} bytes, got {flat.size}")
+        raise ValueError(
+            f"an interleaved nl4 [{rows}, {cols}] matrix is {nl4_bytes(rows, cols)} bytes, got {flat.size}"
+        )
     gbytes = rows // TGROUP * nb * NL4_GROUP.itemsize
     groups = flat[:gbytes].view(NL4_GROUP).reshape(rows // TGROUP, nb)
     row_scale = flat[gbytes:].view("<f4")
@@ -307,7 +330,7 @@ def _deinterleave_nl4(stored: np.ndarray, rows: int, cols: int) -> np.ndarray:
     hi = (sc[..., :8] >> 6) | (high4 << 2)
     out = np.zeros((rows // TGROUP, TGROUP, nb), NL4_BLOCK)
     out["sc"] = np.stack([lo, hi], axis=-1).transpose(0, 2, 1, 3).astype(np.uint8)
-    qs = groups["qs"].transpose(0, 3, 1, 2, 4)                                      # [groups, 8, nb, 4, 4]
+    qs = groups["qs"].transpose(0, 3, 1, 2, 4)  # [groups, 8, nb, 4, 4]
     out["qs"] = qs.reshape(qs.shape[:3] + (-1,))
     return np.concatenate([out.view(np.uint8).reshape(rows, -1), row_scale.view(np.uint8).reshape(rows, 4)], axis=1)
 
@@ -322,7 +345,7 @@ def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
     e = np.clip(e, 0, 254).astype(np.uint8)
     scaled = b / np.ldexp(np.float32(1), e.astype(np.int32) - 127)[..., None]
     mags = FP4_VALUES[:8]
-    code = np.abs(np.abs(scaled)[..., None] - mags).argmin(axis=-1).astype(np.uint8)   # first of a tie: smaller
+    code = np.abs(np.abs(scaled)[..., None] - mags).argmin(axis=-1).astype(np.uint8)  # first of a tie: smaller
     code |= ((scaled < 0) & (code > 0)).astype(np.uint8) << 3
     out = np.zeros(b.shape[:2], BLOCK_DTYPES["mxfp4"])
     out["e"] = e
@@ -364,8 +387,8 @@ def dequantize(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
         q = blocks["qs"].astype(np.float32)
     elif dtype == "int6":
         qs = blocks["qs"]
-        u = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int16)            # the low 4 bits
-        high = (blocks["qh"][..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3    # [rows, nb, 8, 4]
+        u = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int16)  # the low 4 bits
+        high = (blocks["qh"][..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # [rows, nb, 8, 4]
         u[..., INT6_HIGH_ORDER] |= high.astype(np.int16) << 4
         q = u.astype(np.float32) - 32
     else:
@@ -429,7 +452,7 @@ def transpose(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
         raise ValueError(f"the transposed {dtype} layout needs a multiple of {TGROUP} rows, got {rows}")
     nb = cols // QBLOCK
     blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows // TGROUP, TGROUP, nb)
-    blocks = blocks.transpose(2, 0, 1)                              # [nb, groups, 8]
+    blocks = blocks.transpose(2, 0, 1)  # [nb, groups, 8]
     out = np.zeros(blocks.shape[:2], GROUP_DTYPES[dtype])
     out["d"] = blocks["d"]
     out["qs"] = blocks["qs"]
@@ -441,8 +464,10 @@ def _interleave_bf16(stored: np.ndarray, cols: int) -> np.ndarray:
     inputs 4 at a time for its 8 outputs ([groups, cols / 4, 8, 4] bf16 values)."""
     rows = stored.shape[0]
     if rows % TGROUP or cols % QBLOCK:
-        raise ValueError(f"the interleaved bf16 layout needs a multiple of {TGROUP} rows and of {QBLOCK} columns, "
-                         f"got [{rows}, {cols}]")
+        raise ValueError(
+            f"the interleaved bf16 layout needs a multiple of {TGROUP} rows and of {QBLOCK} columns, "
+            f"got [{rows}, {cols}]"
+        )
     w = np.ascontiguousarray(stored).view(np.uint16).reshape(rows // TGROUP, TGROUP, cols // 4, 4)
     return np.ascontiguousarray(w.transpose(0, 2, 1, 3)).view(np.uint8).reshape(rows // TGROUP, -1)
 
@@ -468,18 +493,18 @@ def interleave(stored: np.ndarray, dtype: str, cols: int) -> np.ndarray:
     nb = cols // QBLOCK
     blocks = np.ascontiguousarray(stored).view(BLOCK_DTYPES[dtype]).reshape(rows // TGROUP, TGROUP, nb)
     out = np.zeros((rows // TGROUP, nb), IGROUP_DTYPES[dtype])
-    if dtype == "mxfp4":                 # codes in element order, then packed as int4's nibbles
+    if dtype == "mxfp4":  # codes in element order, then packed as int4's nibbles
         out["e"] = blocks["e"].transpose(0, 2, 1)
         qs = blocks["qs"]
         codes = np.stack([qs & 0x0F, qs >> 4], axis=-1).reshape(qs.shape[:3] + (QBLOCK,))
-        packed = codes[..., :16] | (codes[..., 16:] << 4)                        # [groups, 8, nb, 16]
+        packed = codes[..., :16] | (codes[..., 16:] << 4)  # [groups, 8, nb, 16]
         out["qs"] = packed.reshape(packed.shape[:3] + (4, 4)).transpose(0, 2, 3, 1, 4)
         return out.view(np.uint8).reshape(rows // TGROUP, -1)
-    out["d"] = blocks["d"].transpose(0, 2, 1)                       # [groups, nb, 8]
+    out["d"] = blocks["d"].transpose(0, 2, 1)  # [groups, nb, 8]
     for field in ("qs", "qh") if dtype == "int6" else ("qs",):
-        qs = blocks[field]                                          # [groups, 8, nb, bytes]
-        units = qs.reshape(qs.shape[:3] + (-1, 4))                  # [groups, 8, nb, units, 4]
-        out[field] = units.transpose(0, 2, 3, 1, 4)                 # [groups, nb, units, 8, 4]
+        qs = blocks[field]  # [groups, 8, nb, bytes]
+        units = qs.reshape(qs.shape[:3] + (-1, 4))  # [groups, 8, nb, units, 4]
+        out[field] = units.transpose(0, 2, 3, 1, 4)  # [groups, nb, units, 8, 4]
     return out.view(np.uint8).reshape(rows // TGROUP, -1)
 
 
@@ -495,12 +520,12 @@ def deinterleave(stored: np.ndarray, dtype: str, rows: int, cols: int) -> np.nda
     if dtype == "mxfp4":
         out["e"] = groups["e"].transpose(0, 2, 1)
         packed = groups["qs"].transpose(0, 3, 1, 2, 4).reshape(rows // TGROUP, TGROUP, nb, 16)
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)             # element order
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # element order
         out["qs"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return out.view(np.uint8).reshape(rows, -1)
     out["d"] = groups["d"].transpose(0, 2, 1)
     for field in ("qs", "qh") if dtype == "int6" else ("qs",):
-        qs = groups[field].transpose(0, 3, 1, 2, 4)                 # [groups, 8, nb, units, 4]
+        qs = groups[field].transpose(0, 3, 1, 2, 4)  # [groups, 8, nb, units, 4]
         out[field] = qs.reshape(qs.shape[:3] + (-1,))
     return out.view(np.uint8).reshape(rows, -1)
 

@@ -58,6 +58,7 @@ the model's vocabulary must be written as token references: pass the vocabulary'
 (text -> id) to be exact; without them the family's known tokens are assumed, and one that
 llguidance cannot name without its id (Mistral's [TOOL_CALLS]) is written as its text.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,18 +78,18 @@ class Slot(str):
     """A placeholder in a grammar shape (the call's name, its arguments, ...), not literal text."""
 
 
-MAX_WHITESPACE = 4                     # WS between a grammar's blocks: bounded, as JSON's is (a model cannot pad forever)
-NAME = Slot("name")                    # the function's name
-ARGS = Slot("args")                    # the arguments as JSON under the tool's schema
-NAMED_JSON = Slot("named_json")        # {"name": NAME, "arguments": ARGS} as one JSON object
-CALL_LIST = Slot("call_list")          # [NAMED_JSON, ...] (the whole run of calls)
-XML_PARAMS = Slot("xml_params")        # <parameter=KEY>\nVALUE\n</parameter>\n ...
-ARG_PAIRS = Slot("arg_pairs")          # <arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n ...
-GEMMA_ARGS = Slot("gemma_args")        # {key:value,...} in Gemma's notation
-INDEX = Slot("index")                  # a call's number (Kimi K2)
-CALL_ID = Slot("call_id")              # an optional [CALL_ID]ID (Mistral)
-FREE = Slot("free")                    # any text up to the next piece
-OPT_NL = Slot("opt_nl")                # an optional newline
+MAX_WHITESPACE = 4  # WS between a grammar's blocks: bounded, as JSON's is (a model cannot pad forever)
+NAME = Slot("name")  # the function's name
+ARGS = Slot("args")  # the arguments as JSON under the tool's schema
+NAMED_JSON = Slot("named_json")  # {"name": NAME, "arguments": ARGS} as one JSON object
+CALL_LIST = Slot("call_list")  # [NAMED_JSON, ...] (the whole run of calls)
+XML_PARAMS = Slot("xml_params")  # <parameter=KEY>\nVALUE\n</parameter>\n ...
+ARG_PAIRS = Slot("arg_pairs")  # <arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n ...
+GEMMA_ARGS = Slot("gemma_args")  # {key:value,...} in Gemma's notation
+INDEX = Slot("index")  # a call's number (Kimi K2)
+CALL_ID = Slot("call_id")  # an optional [CALL_ID]ID (Mistral)
+FREE = Slot("free")  # any text up to the next piece
+OPT_NL = Slot("opt_nl")  # an optional newline
 
 
 @dataclass(frozen=True)
@@ -101,22 +102,24 @@ class CallSyntax:
     `body` (patterns with the groups name, args and optionally id; the first that matches whole
     wins) and its args by `args` ("json", "xml", "pairs", "gemma"); `args` "calls" means the body is
     JSON naming its calls itself ({"name", "arguments"} or a list of them)."""
+
     openers: tuple
     closers: tuple = ()
     stops: tuple = ()
     body_openers: tuple = ()
     body: tuple = ()
     args: str = "json"
-    section: tuple = ()              # (begin, end) around a run of calls: dropped when read
-    in_reasoning: bool = False       # a call opener also ends an open reasoning block (Kimi K2)
-    ids: str = "random"              # "random": call_ + 24; "mistral": 9 alphanumerics
-    shape: tuple = ()                # one call, for grammars (str: marker or text; Slot: placeholder)
+    section: tuple = ()  # (begin, end) around a run of calls: dropped when read
+    in_reasoning: bool = False  # a call opener also ends an open reasoning block (Kimi K2)
+    ids: str = "random"  # "random": call_ + 24; "mistral": 9 alphanumerics
+    shape: tuple = ()  # one call, for grammars (str: marker or text; Slot: placeholder)
 
 
 @dataclass(frozen=True)
 class HarmonySyntax:
     """gpt-oss's harmony messages: `<|start|>assistant` header `<|message|>` body terminator, where
     the header names the channel (`<|channel|>analysis`) and the recipient (` to=functions.NAME`)."""
+
     start: str = "<|start|>"
     channel: str = "<|channel|>"
     message: str = "<|message|>"
@@ -132,6 +135,7 @@ class ReplyFormat:
     needed); `reasoning`: (opener, closer) or None; `drop`: markers dropped wherever they stand
     (stray ones); `end`: end-of-turn markers dropped at the end; `tokens`: markers that are tokens
     of the family's vocabulary."""
+
     name: str
     detect: tuple = ()
     reasoning: tuple | None = None
@@ -143,99 +147,218 @@ class ReplyFormat:
 
 
 THINK = ("<think>", "</think>")
-COMMON_END = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
-              "<eos>", "<｜end▁of▁sentence｜>")
+COMMON_END = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<eos>",
+    "<｜end▁of▁sentence｜>",
+)
 
 GPT_OSS = ReplyFormat(
-    "gpt-oss", detect=("<|channel|>", "<|message|>"), harmony=HarmonySyntax(),
+    "gpt-oss",
+    detect=("<|channel|>", "<|message|>"),
+    harmony=HarmonySyntax(),
     end=("<|return|>", "<|call|>", "<|endoftext|>"),
-    tokens=("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"))
+    tokens=("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"),
+)
 
 GEMMA4 = ReplyFormat(
-    "gemma4", detect=("<|tool_call>",), reasoning=("<|channel>thought", "<channel|>"),
-    call=CallSyntax(openers=("<|tool_call>",), closers=("<tool_call|>",),
-                    body=(r"\s*call:(?P<name>[^{\s]+)\s*(?P<args>\{.*\})\s*",), args="gemma",
-                    shape=("<|tool_call>", "call:", NAME, GEMMA_ARGS, "<tool_call|>")),
-    drop=("<|channel>",), end=("<turn|>", "<|tool_response>", "<eos>"),
-    tokens=("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<turn|>", "<|tool_response>"))
+    "gemma4",
+    detect=("<|tool_call>",),
+    reasoning=("<|channel>thought", "<channel|>"),
+    call=CallSyntax(
+        openers=("<|tool_call>",),
+        closers=("<tool_call|>",),
+        body=(r"\s*call:(?P<name>[^{\s]+)\s*(?P<args>\{.*\})\s*",),
+        args="gemma",
+        shape=("<|tool_call>", "call:", NAME, GEMMA_ARGS, "<tool_call|>"),
+    ),
+    drop=("<|channel>",),
+    end=("<turn|>", "<|tool_response>", "<eos>"),
+    tokens=("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<turn|>", "<|tool_response>"),
+)
 
 KIMI_K2 = ReplyFormat(
-    "kimi-k2", detect=("<|tool_call_begin|>",), reasoning=THINK,
+    "kimi-k2",
+    detect=("<|tool_call_begin|>",),
+    reasoning=THINK,
     call=CallSyntax(
-        openers=("<|tool_call_begin|>",), closers=("<|tool_call_end|>",),
+        openers=("<|tool_call_begin|>",),
+        closers=("<|tool_call_end|>",),
         stops=("<|tool_call_begin|>", "<|tool_calls_section_end|>"),
         body=(r"\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+)(?::\d+)?)\s*<\|tool_call_argument_begin\|>(?P<args>.*)",),
-        section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), in_reasoning=True,
-        shape=("<|tool_call_begin|>", "functions.", NAME, ":", INDEX, "<|tool_call_argument_begin|>", ARGS,
-               "<|tool_call_end|>")),
+        section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+        in_reasoning=True,
+        shape=(
+            "<|tool_call_begin|>",
+            "functions.",
+            NAME,
+            ":",
+            INDEX,
+            "<|tool_call_argument_begin|>",
+            ARGS,
+            "<|tool_call_end|>",
+        ),
+    ),
     end=("<|im_end|>",),
-    tokens=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-            "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>", "<|im_end|>"))
+    tokens=(
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<think>",
+        "</think>",
+        "<|im_end|>",
+    ),
+)
 
 _DS_CALL_V31 = r"\s*(?P<name>[^\s<]+)\s*<｜tool▁sep｜>(?P<args>.*)"
 _DS_CALL_V3 = r"\s*function\s*<｜tool▁sep｜>\s*(?P<name>[^\n]+?)\s*\n\s*```(?:json)?\s*(?P<args>.*?)\s*```\s*"
-_DS_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-              "<｜tool▁sep｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>")
+_DS_TOKENS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<think>",
+    "</think>",
+    "<｜end▁of▁sentence｜>",
+)
 
 # DeepSeek V3 / R1 (a "function" type and a fenced JSON block) and V3.1 (NAME<sep>JSON) read the
 # same; the grammar writes the template's own variant.
 DEEPSEEK_V3 = ReplyFormat(
-    "deepseek-v3", detect=("<｜tool▁call▁begin｜>", "```json"), reasoning=THINK,
-    call=CallSyntax(openers=("<｜tool▁call▁begin｜>",), closers=("<｜tool▁call▁end｜>",),
-                    stops=("<｜tool▁calls▁end｜>",), body=(_DS_CALL_V3, _DS_CALL_V31),
-                    section=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
-                    shape=("<｜tool▁call▁begin｜>", "function", "<｜tool▁sep｜>", NAME, "\n```json\n", ARGS,
-                           "\n```", "<｜tool▁call▁end｜>")),
-    end=("<｜end▁of▁sentence｜>",), tokens=_DS_TOKENS)
+    "deepseek-v3",
+    detect=("<｜tool▁call▁begin｜>", "```json"),
+    reasoning=THINK,
+    call=CallSyntax(
+        openers=("<｜tool▁call▁begin｜>",),
+        closers=("<｜tool▁call▁end｜>",),
+        stops=("<｜tool▁calls▁end｜>",),
+        body=(_DS_CALL_V3, _DS_CALL_V31),
+        section=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+        shape=(
+            "<｜tool▁call▁begin｜>",
+            "function",
+            "<｜tool▁sep｜>",
+            NAME,
+            "\n```json\n",
+            ARGS,
+            "\n```",
+            "<｜tool▁call▁end｜>",
+        ),
+    ),
+    end=("<｜end▁of▁sentence｜>",),
+    tokens=_DS_TOKENS,
+)
 
 DEEPSEEK_V31 = replace(
-    DEEPSEEK_V3, name="deepseek-v3.1", detect=("<｜tool▁call▁begin｜>",),
-    call=replace(DEEPSEEK_V3.call, body=(_DS_CALL_V31, _DS_CALL_V3),
-                 shape=("<｜tool▁call▁begin｜>", NAME, "<｜tool▁sep｜>", ARGS, "<｜tool▁call▁end｜>")))
+    DEEPSEEK_V3,
+    name="deepseek-v3.1",
+    detect=("<｜tool▁call▁begin｜>",),
+    call=replace(
+        DEEPSEEK_V3.call,
+        body=(_DS_CALL_V31, _DS_CALL_V3),
+        shape=("<｜tool▁call▁begin｜>", NAME, "<｜tool▁sep｜>", ARGS, "<｜tool▁call▁end｜>"),
+    ),
+)
 
 _MISTRAL_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]", "</s>")
 
 # Mistral Small 3.2 / Devstral / Magistral: [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}, repeated.
 MISTRAL = ReplyFormat(
-    "mistral", detect=("[TOOL_CALLS]", "[ARGS]"), reasoning=("[THINK]", "[/THINK]"),
-    call=CallSyntax(openers=("[TOOL_CALLS]",), stops=("[TOOL_CALLS]",),
-                    body=(r"\s*(?P<name>[^\s\[\]]+)\s*(?:\[CALL_ID\]\s*(?P<id>[^\s\[\]]+)\s*)?\[ARGS\](?P<args>.*)",),
-                    ids="mistral", shape=("[TOOL_CALLS]", NAME, CALL_ID, "[ARGS]", ARGS)),
-    end=("</s>",), tokens=_MISTRAL_TOKENS)
+    "mistral",
+    detect=("[TOOL_CALLS]", "[ARGS]"),
+    reasoning=("[THINK]", "[/THINK]"),
+    call=CallSyntax(
+        openers=("[TOOL_CALLS]",),
+        stops=("[TOOL_CALLS]",),
+        body=(r"\s*(?P<name>[^\s\[\]]+)\s*(?:\[CALL_ID\]\s*(?P<id>[^\s\[\]]+)\s*)?\[ARGS\](?P<args>.*)",),
+        ids="mistral",
+        shape=("[TOOL_CALLS]", NAME, CALL_ID, "[ARGS]", ARGS),
+    ),
+    end=("</s>",),
+    tokens=_MISTRAL_TOKENS,
+)
 
 # Mistral 7B v0.3 / Mixtral 8x22B / Nemo: [TOOL_CALLS][{"name", "arguments", "id"}, ...].
 MISTRAL_LIST = replace(
-    MISTRAL, name="mistral-list", detect=("[TOOL_CALLS]",),
-    call=CallSyntax(openers=("[TOOL_CALLS]",), stops=("[TOOL_CALLS]",), args="calls", ids="mistral",
-                    shape=("[TOOL_CALLS]", CALL_LIST)))
+    MISTRAL,
+    name="mistral-list",
+    detect=("[TOOL_CALLS]",),
+    call=CallSyntax(
+        openers=("[TOOL_CALLS]",),
+        stops=("[TOOL_CALLS]",),
+        args="calls",
+        ids="mistral",
+        shape=("[TOOL_CALLS]", CALL_LIST),
+    ),
+)
 
 # Qwen3-Coder / Qwen3.5: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>;
 # some replies leave out the first <tool_call>.
 QWEN3_CODER = ReplyFormat(
-    "qwen3-coder", detect=("<function=", "<parameter="), reasoning=THINK,
-    call=CallSyntax(openers=("<tool_call>",), closers=("</tool_call>",), body_openers=("<function=",),
-                    body=(r"\s*<function=(?P<name>[^>\n]+)>(?P<args>.*?)(?:</function>\s*)?",), args="xml",
-                    shape=("<tool_call>", "\n<function=", NAME, ">\n", XML_PARAMS, "</function>\n", "</tool_call>")),
+    "qwen3-coder",
+    detect=("<function=", "<parameter="),
+    reasoning=THINK,
+    call=CallSyntax(
+        openers=("<tool_call>",),
+        closers=("</tool_call>",),
+        body_openers=("<function=",),
+        body=(r"\s*<function=(?P<name>[^>\n]+)>(?P<args>.*?)(?:</function>\s*)?",),
+        args="xml",
+        shape=("<tool_call>", "\n<function=", NAME, ">\n", XML_PARAMS, "</function>\n", "</tool_call>"),
+    ),
     end=("<|im_end|>", "<|endoftext|>"),
-    tokens=("<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_end|>"))
+    tokens=("<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_end|>"),
+)
 
 # GLM-4.5 / 4.6 / 4.7: <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>.
 GLM = ReplyFormat(
-    "glm", detect=("<arg_key>",), reasoning=THINK,
-    call=CallSyntax(openers=("<tool_call>",), closers=("</tool_call>",),
-                    body=(r"\s*(?P<name>[^\s<]+)\s*(?P<args><arg_key>.*)?",), args="pairs",
-                    shape=("<tool_call>", NAME, OPT_NL, ARG_PAIRS, "</tool_call>")),
+    "glm",
+    detect=("<arg_key>",),
+    reasoning=THINK,
+    call=CallSyntax(
+        openers=("<tool_call>",),
+        closers=("</tool_call>",),
+        body=(r"\s*(?P<name>[^\s<]+)\s*(?P<args><arg_key>.*)?",),
+        args="pairs",
+        shape=("<tool_call>", NAME, OPT_NL, ARG_PAIRS, "</tool_call>"),
+    ),
     end=("<|user|>", "<|observation|>", "<|endoftext|>"),
-    tokens=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>",
-            "</think>", "<|user|>", "<|observation|>"))
+    tokens=(
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "<think>",
+        "</think>",
+        "<|user|>",
+        "<|observation|>",
+    ),
+)
 
 # Qwen2.5 / Qwen3 / QwQ / Hermes: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.
 HERMES = ReplyFormat(
-    "hermes", detect=("<tool_call>",), reasoning=THINK,
-    call=CallSyntax(openers=("<tool_call>",), closers=("</tool_call>",), args="calls",
-                    shape=("<tool_call>", "\n", NAMED_JSON, "\n", "</tool_call>")),
+    "hermes",
+    detect=("<tool_call>",),
+    reasoning=THINK,
+    call=CallSyntax(
+        openers=("<tool_call>",),
+        closers=("</tool_call>",),
+        args="calls",
+        shape=("<tool_call>", "\n", NAMED_JSON, "\n", "</tool_call>"),
+    ),
     end=("<|im_end|>", "<|endoftext|>"),
-    tokens=("<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_end|>"))
+    tokens=("<tool_call>", "</tool_call>", "<think>", "</think>", "<|im_end|>"),
+)
 
 # Reasoning without a known call syntax (DeepSeek-R1 distills without tools, ...).
 THINKING = ReplyFormat("thinking", detect=("</think>",), reasoning=THINK, end=COMMON_END, tokens=THINK)
@@ -243,8 +366,19 @@ THINKING = ReplyFormat("thinking", detect=("</think>",), reasoning=THINK, end=CO
 PLAIN = ReplyFormat("plain", end=COMMON_END)
 
 # first match wins: the more specific rows first
-FORMATS = (GPT_OSS, GEMMA4, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31, MISTRAL, MISTRAL_LIST, QWEN3_CODER, GLM, HERMES,
-           THINKING)
+FORMATS = (
+    GPT_OSS,
+    GEMMA4,
+    KIMI_K2,
+    DEEPSEEK_V3,
+    DEEPSEEK_V31,
+    MISTRAL,
+    MISTRAL_LIST,
+    QWEN3_CODER,
+    GLM,
+    HERMES,
+    THINKING,
+)
 
 
 def detect_format(text: str) -> ReplyFormat:
@@ -276,6 +410,7 @@ def template_text(template) -> str:
 
 
 # -- arguments -----------------------------------------------------------------------------------
+
 
 def _reject_constant(name):
     raise ValueError(f"{name} is not JSON")
@@ -388,7 +523,7 @@ def _xml_args(text: str, name: str, schemas: dict) -> dict | None:
     """Qwen3-Coder's parameters: each value between one leading and one trailing newline."""
     out, end = {}, 0
     for m in _XML_PARAM.finditer(text):
-        if text[end:m.start()].strip():
+        if text[end : m.start()].strip():
             return None
         value = m.group(2)
         value = value[1:] if value.startswith("\n") else value
@@ -424,7 +559,7 @@ def _gemma_value(text: str, at: int):
         end = text.find(_GEMMA_QUOTE, at + len(_GEMMA_QUOTE))
         if end < 0:
             raise ValueError("unterminated string")
-        return text[at + len(_GEMMA_QUOTE):end], end + len(_GEMMA_QUOTE)
+        return text[at + len(_GEMMA_QUOTE) : end], end + len(_GEMMA_QUOTE)
     if text.startswith("{", at):
         out, at = {}, at + 1
         while True:
@@ -526,6 +661,7 @@ def new_call_id(style: str = "random") -> str:
 
 # -- the engine ----------------------------------------------------------------------------------
 
+
 class _Field:
     """One text field of the message (content or reasoning) as it is streamed: leading whitespace
     dropped, trailing whitespace held until more text follows (so dropped at the end), segments
@@ -553,7 +689,7 @@ class _Field:
             self._held += text
             return ""
         out = self._held + body
-        self._held = text[len(body):]
+        self._held = text[len(body) :]
         self.parts.append(out)
         return out
 
@@ -596,8 +732,13 @@ def _mode_tables(fmt: ReplyFormat, with_calls: bool) -> dict:
         h = fmt.harmony
         body = {**{t: "close" for t in h.terminators}, h.start: "stop", h.channel: "stop"}
         text = {**end, **body}
-        return {"header": _Markers({h.message: "header"}), "content": _Markers(text), "reasoning": _Markers(text),
-                "call": _Markers(body), "drop": _Markers(body)}
+        return {
+            "header": _Markers({h.message: "header"}),
+            "content": _Markers(text),
+            "reasoning": _Markers(text),
+            "call": _Markers(body),
+            "drop": _Markers(body),
+        }
     content = {**end, **{m: "drop" for m in fmt.drop}}
     reasoning = dict(end)
     if fmt.reasoning:
@@ -623,20 +764,21 @@ class ReplyStream:
     push(piece) -> deltas; finish() -> the last deltas; then `message` is the whole assistant
     message (equal to parse_reply of the whole text) and `has_tool_calls` says whether it calls."""
 
-    def __init__(self, fmt: ReplyFormat, tools=None, *, starts_in_reasoning: bool = False,
-                 parallel_tool_calls: bool = True):
+    def __init__(
+        self, fmt: ReplyFormat, tools=None, *, starts_in_reasoning: bool = False, parallel_tool_calls: bool = True
+    ):
         self.format = fmt
-        self.parallel_tool_calls = parallel_tool_calls   # the grammar enforces it; every call read is kept
+        self.parallel_tool_calls = parallel_tool_calls  # the grammar enforces it; every call read is kept
         self._schemas = _tool_schemas(tools)
         self._calls_on = bool(self._schemas) and (fmt.harmony is not None or fmt.call is not None)
         self._tables = _mode_tables(fmt, self._calls_on)
         self._content = _Field()
         self._reasoning = _Field()
         self._calls = []
-        self._buf = ""                   # text read but not yet decided
-        self._scan = 0                   # in a block: where the marker search goes on
-        self._opener = ""                # the marker that opened the current block
-        self._header = ""                # harmony: the current message's header
+        self._buf = ""  # text read but not yet decided
+        self._scan = 0  # in a block: where the marker search goes on
+        self._opener = ""  # the marker that opened the current block
+        self._header = ""  # harmony: the current message's header
         self._done = False
         if fmt.harmony is not None:
             self._mode = "header"
@@ -713,7 +855,7 @@ class ReplyStream:
             if block:
                 body = self._buf[:at]
                 closer = marker if action in ("close", "header") else ""
-                self._buf, self._scan = self._buf[at + len(closer):], 0
+                self._buf, self._scan = self._buf[at + len(closer) :], 0
                 self._end_block(body, closer, out)
                 continue
             self._emit(self._mode, self._buf[:at], out)
@@ -731,7 +873,7 @@ class ReplyStream:
             elif action == "yield":
                 self._mode = "content"
                 self._buf = marker + self._buf
-            elif action == "close":         # harmony: a message ends
+            elif action == "close":  # harmony: a message ends
                 self._mode = "header"
             elif action == "stop":
                 self._mode = "header"
@@ -750,7 +892,7 @@ class ReplyStream:
             found = next((m for m in self.format.end if rest.startswith(m)), None)
             if found is None:
                 break
-            rest = rest[len(found):]
+            rest = rest[len(found) :]
         if not rest:
             return "drop" if final else "wait"
         if not final and any(m.startswith(rest) for m in self.format.end):
@@ -763,7 +905,7 @@ class ReplyStream:
             found = next((m for m in self.format.end if stripped.endswith(m)), None)
             if found is None:
                 return text
-            text = stripped[:-len(found)]
+            text = stripped[: -len(found)]
 
     def _end_block(self, body: str, closer: str, out: list, at_end: bool = False) -> None:
         mode = self._mode
@@ -776,7 +918,7 @@ class ReplyStream:
             return
         harmony = self.format.harmony
         if harmony is not None:
-            name = self._header_recipient()[len(harmony.function_prefix):]
+            name = self._header_recipient()[len(harmony.function_prefix) :]
             args = _json_object_text(body)
             calls = [(name.strip(), args, None)] if args is not None and name.strip() else None
             raw = self._header + harmony.message + body + closer
@@ -790,8 +932,13 @@ class ReplyStream:
             index = len(self._calls)
             call_id = call_id or new_call_id(self.format.call.ids if self.format.call else "random")
             self._calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
-            out.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                        "function": {"name": name, "arguments": ""}}]})
+            out.append(
+                {
+                    "tool_calls": [
+                        {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+                    ]
+                }
+            )
             out.append({"tool_calls": [{"index": index, "function": {"arguments": args}}]})
         self._content.new_segment()
 
@@ -842,8 +989,7 @@ _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 def _regex_literal(text: str) -> str:
     """`text` inside a Lark /regex/ (Rust regex syntax): meta characters and the slash escaped."""
-    return "".join("\\n" if c == "\n" else "\\t" if c == "\t" else "\\" + c if c in _REGEX_META else c
-                   for c in text)
+    return "".join("\\n" if c == "\n" else "\\t" if c == "\t" else "\\" + c if c in _REGEX_META else c for c in text)
 
 
 class _Lark:
@@ -856,7 +1002,7 @@ class _Lark:
         else:
             self._ids = {}
             self._tokens = set(fmt.tokens if added_tokens is None else added_tokens)
-        self._by_first = {}                 # first character -> the nameable tokens, longest first
+        self._by_first = {}  # first character -> the nameable tokens, longest first
         for t in sorted(self._tokens, key=len, reverse=True):
             if t and self.is_token(t):
                 self._by_first.setdefault(t[0], []).append(t)
@@ -865,8 +1011,12 @@ class _Lark:
 
     def is_token(self, piece) -> bool:
         """Whether `piece` is one token that a grammar can name."""
-        return isinstance(piece, str) and not isinstance(piece, Slot) and piece in self._tokens and (
-            piece in self._ids or piece.startswith("<") and piece.endswith(">"))
+        return (
+            isinstance(piece, str)
+            and not isinstance(piece, Slot)
+            and piece in self._tokens
+            and (piece in self._ids or piece.startswith("<") and piece.endswith(">"))
+        )
 
     def _split(self, text: str) -> list:
         """[(is_token, text)]: the vocabulary's tokens in `text` (longest first, as a tokenizer
@@ -933,8 +1083,19 @@ class _Lark:
         return " ".join(o for o in out if o)
 
     def text(self, start: str) -> str:
-        return "\n".join(["%llguidance {}", f"start: {start}", 'ANY: /(.|\\n)*/', f"WS: /[ \\t\\r\\n]{{1,{MAX_WHITESPACE}}}/",
-                          "INDEX: /[0-9]+/", *self.rules]) + "\n"
+        return (
+            "\n".join(
+                [
+                    "%llguidance {}",
+                    f"start: {start}",
+                    "ANY: /(.|\\n)*/",
+                    f"WS: /[ \\t\\r\\n]{{1,{MAX_WHITESPACE}}}/",
+                    "INDEX: /[0-9]+/",
+                    *self.rules,
+                ]
+            )
+            + "\n"
+        )
 
 
 def _tool_list(tools) -> list:
@@ -949,15 +1110,19 @@ def _chosen_tools(tools: list, mode) -> list:
         name = fn.get("name")
         chosen = [t for t in tools if t[0] == name]
         if not chosen:
-            raise ColibriError(f"tool_choice names the function {name!r}, which is not among the tools "
-                               f"({', '.join(t[0] for t in tools) or 'none'})")
+            raise ColibriError(
+                f"tool_choice names the function {name!r}, which is not among the tools "
+                f"({', '.join(t[0] for t in tools) or 'none'})"
+            )
         return chosen
     if mode in ("auto", "required"):
         if not tools:
             raise ColibriError(f"tool_choice {mode!r} needs at least one tool")
         return tools
-    raise ColibriError(f"tool_choice must be 'auto', 'required', 'none' or {{'type': 'function', "
-                       f"'function': {{'name': ...}}}}, got {mode!r}")
+    raise ColibriError(
+        f"tool_choice must be 'auto', 'required', 'none' or {{'type': 'function', "
+        f"'function': {{'name': ...}}}}, got {mode!r}"
+    )
 
 
 def _properties(schema: dict) -> list:
@@ -1031,13 +1196,15 @@ def _gemma_args_lark(lark: _Lark, name: str, schema: dict) -> str:
     """Gemma 4's {key:value,...}: keys in sorted order (the template writes them so), the optional
     ones optional, commas between those present."""
     props = sorted(_properties(schema), key=lambda p: p[0])
-    items = [lark.rule("gitem", f"{json.dumps(key + ':', ensure_ascii=False)} ({_gemma_value_lark(lark, prop)})")
-             for key, prop, _ in props]
-    rest, first = "", ""            # the items from i on: after an item (each behind a comma) / first
+    items = [
+        lark.rule("gitem", f"{json.dumps(key + ':', ensure_ascii=False)} ({_gemma_value_lark(lark, prop)})")
+        for key, prop, _ in props
+    ]
+    rest, first = "", ""  # the items from i on: after an item (each behind a comma) / first
     for i in reversed(range(len(props))):
         with_comma = f'"," {items[i]} {rest}'.strip()
         leading = f"{items[i]} {rest}".strip()
-        if props[i][2]:             # required
+        if props[i][2]:  # required
             rest, first = lark.rule("grest", with_comma), lark.rule("gfirst", leading)
         else:
             rest = lark.rule("grest", f'("," {items[i]})? {rest}'.strip())
@@ -1052,12 +1219,17 @@ def _gemma_any_rules(lark: _Lark) -> None:
     lark.rules.append(
         f'gemma_any: {string_} | /-?[0-9]+(\\.[0-9]+)?([eE][+-]?[0-9]+)?/ | "true" | "false" | "null" '
         f'| "[" (gemma_any ("," gemma_any)*)? "]" '
-        f'| "{{" (/[A-Za-z_][A-Za-z0-9_]*/ ":" gemma_any ("," /[A-Za-z_][A-Za-z0-9_]*/ ":" gemma_any)*)? "}}"')
+        f'| "{{" (/[A-Za-z_][A-Za-z0-9_]*/ ":" gemma_any ("," /[A-Za-z_][A-Za-z0-9_]*/ ":" gemma_any)*)? "}}"'
+    )
 
 
 def _named_schema(name: str, params: dict, with_id: bool = False) -> dict:
-    schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-              "required": ["name", "arguments"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
     if with_id:
         schema["properties"]["id"] = {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}
     return schema
@@ -1073,19 +1245,24 @@ def _call_rules(lark: _Lark, fmt: ReplyFormat, tools: list, parallel: bool) -> t
         first = call.shape[0]
         block = f"{lark.piece(first)} {_json_schema(array)}"
         return block, (None if lark.opens_with_token(first) else (lark.piece(first), _json_schema(array)))
-    fillers = {ARGS: lambda n, p: _json_schema(p), NAMED_JSON: lambda n, p: _json_schema(_named_schema(n, p)),
-               NAME: lambda n, p: json.dumps(n, ensure_ascii=False), INDEX: lambda n, p: "INDEX",
-               CALL_ID: lambda n, p: f'({lark.piece("[CALL_ID]")} /[A-Za-z0-9]{{9}}/)?',
-               OPT_NL: lambda n, p: '"\\n"?', XML_PARAMS: lambda n, p: _xml_params_lark(lark, n, p),
-               ARG_PAIRS: lambda n, p: _arg_pairs_lark(lark, n, p),
-               GEMMA_ARGS: lambda n, p: _gemma_args_lark(lark, n, p)}
+    fillers = {
+        ARGS: lambda n, p: _json_schema(p),
+        NAMED_JSON: lambda n, p: _json_schema(_named_schema(n, p)),
+        NAME: lambda n, p: json.dumps(n, ensure_ascii=False),
+        INDEX: lambda n, p: "INDEX",
+        CALL_ID: lambda n, p: f"({lark.piece('[CALL_ID]')} /[A-Za-z0-9]{{9}}/)?",
+        OPT_NL: lambda n, p: '"\\n"?',
+        XML_PARAMS: lambda n, p: _xml_params_lark(lark, n, p),
+        ARG_PAIRS: lambda n, p: _arg_pairs_lark(lark, n, p),
+        GEMMA_ARGS: lambda n, p: _gemma_args_lark(lark, n, p),
+    }
     if GEMMA_ARGS in call.shape:
         _gemma_any_rules(lark)
     first = call.section[0] if call.section else call.shape[0]
-    triggered = not lark.opens_with_token(first)       # a text opener: "auto" needs the call without it
+    triggered = not lark.opens_with_token(first)  # a text opener: "auto" needs the call without it
     whole, tails = [], []
     for name, params in tools:
-        fill = (lambda slot, n=name, p=params: fillers[slot](n, p))
+        fill = lambda slot, n=name, p=params: fillers[slot](n, p)
         whole.append(lark.rule("call", lark.sequence(call.shape, fill)))
         if triggered and not call.section:
             tails.append(lark.rule("call_tail", lark.sequence(call.shape[1:], fill)))
@@ -1106,16 +1283,22 @@ def _harmony_grammar(lark: _Lark, fmt: ReplyFormat, tools: list, mode) -> str:
     """gpt-oss: analysis / commentary messages, then the call (or, with "auto", a final message)."""
     h = fmt.harmony
     end, start, channel, message = h.terminators[0], h.start, h.channel, h.message
-    note = lark.rule("note", lark.sequence([channel, Slot("kind"), message, FREE, end, start, "assistant"],
-                                           lambda s: '("analysis" | "commentary")'))
+    note = lark.rule(
+        "note",
+        lark.sequence(
+            [channel, Slot("kind"), message, FREE, end, start, "assistant"], lambda s: '("analysis" | "commentary")'
+        ),
+    )
     constrain = f'(" "? {lark.piece(h.constrain)} "json")?'
     calls = []
     for name, params in tools:
         to = json.dumps(f" to={h.function_prefix}{name}", ensure_ascii=False)
-        head = (f'{lark.piece(channel)} "commentary" {to} {constrain} | '
-                f'{to} {lark.piece(channel)} "commentary" {constrain}')
-        calls.append(lark.rule("call", f"({head}) {lark.piece(message)} {_json_schema(params)} "
-                                       f"{lark.piece(h.terminators[1])}?"))
+        head = (
+            f'{lark.piece(channel)} "commentary" {to} {constrain} | {to} {lark.piece(channel)} "commentary" {constrain}'
+        )
+        calls.append(
+            lark.rule("call", f"({head}) {lark.piece(message)} {_json_schema(params)} {lark.piece(h.terminators[1])}?")
+        )
     last = " | ".join(calls)
     if mode == "auto":
         final = lark.sequence([channel, "final", message, FREE], lambda s: "")
@@ -1123,8 +1306,14 @@ def _harmony_grammar(lark: _Lark, fmt: ReplyFormat, tools: list, mode) -> str:
     return f"{note}* ({last})"
 
 
-def tool_call_grammar(fmt: ReplyFormat, tools, mode, parallel_tool_calls: bool = True,
-                      added_tokens=None, starts_in_reasoning: bool = False) -> str | None:
+def tool_call_grammar(
+    fmt: ReplyFormat,
+    tools,
+    mode,
+    parallel_tool_calls: bool = True,
+    added_tokens=None,
+    starts_in_reasoning: bool = False,
+) -> str | None:
     """An llguidance Lark grammar for a whole reply that calls tools in `fmt`'s syntax, or None
     where the format has no call syntax (or tool_choice is "none").
 
@@ -1152,7 +1341,7 @@ def tool_call_grammar(fmt: ReplyFormat, tools, mode, parallel_tool_calls: bool =
     block, trigger = _call_rules(lark, fmt, tools, parallel_tool_calls)
     if mode != "auto":
         return lark.text(f"{think} {block} WS?".strip())
-    if trigger is None:                        # a special token opens a call: text stops there
+    if trigger is None:  # a special token opens a call: text stops there
         calls = f"(ANY {block})*" if parallel_tool_calls else f"(ANY {block})?"
         return lark.text(f"{think} {calls} ANY".strip())
     first, rest = trigger
@@ -1199,23 +1388,49 @@ class TemplateReplies:
             text = self.template.render([{"role": "user", "content": _PROBE}], add_generation_prompt=True, **kwargs)
         except ColibriError:
             return False
-        return ends_inside(text[text.rfind(_PROBE) + len(_PROBE):] if _PROBE in text else text,
-                           self.format.reasoning)
+        return ends_inside(text[text.rfind(_PROBE) + len(_PROBE) :] if _PROBE in text else text, self.format.reasoning)
 
-    def stream(self, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True,
-               prompt: str | None = None) -> ReplyStream:
-        return ReplyStream(self.format, tools, parallel_tool_calls=parallel_tool_calls,
-                           starts_in_reasoning=self.starts_in_reasoning(enable_thinking, prompt))
+    def stream(
+        self, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True, prompt: str | None = None
+    ) -> ReplyStream:
+        return ReplyStream(
+            self.format,
+            tools,
+            parallel_tool_calls=parallel_tool_calls,
+            starts_in_reasoning=self.starts_in_reasoning(enable_thinking, prompt),
+        )
 
-    def parse(self, text: str, tools=None, *, enable_thinking=None, parallel_tool_calls: bool = True,
-              prompt: str | None = None) -> dict:
-        stream = self.stream(tools, enable_thinking=enable_thinking, parallel_tool_calls=parallel_tool_calls,
-                             prompt=prompt)
+    def parse(
+        self,
+        text: str,
+        tools=None,
+        *,
+        enable_thinking=None,
+        parallel_tool_calls: bool = True,
+        prompt: str | None = None,
+    ) -> dict:
+        stream = self.stream(
+            tools, enable_thinking=enable_thinking, parallel_tool_calls=parallel_tool_calls, prompt=prompt
+        )
         stream.push(text)
         stream.finish()
         return stream.message
 
-    def grammar(self, tools, mode, parallel_tool_calls: bool = True, added_tokens=None, *,
-                enable_thinking=None, prompt: str | None = None) -> str | None:
-        return tool_call_grammar(self.format, tools, mode, parallel_tool_calls, added_tokens,
-                                 starts_in_reasoning=self.starts_in_reasoning(enable_thinking, prompt))
+    def grammar(
+        self,
+        tools,
+        mode,
+        parallel_tool_calls: bool = True,
+        added_tokens=None,
+        *,
+        enable_thinking=None,
+        prompt: str | None = None,
+    ) -> str | None:
+        return tool_call_grammar(
+            self.format,
+            tools,
+            mode,
+            parallel_tool_calls,
+            added_tokens,
+            starts_in_reasoning=self.starts_in_reasoning(enable_thinking, prompt),
+        )

@@ -28,6 +28,7 @@ decides, once at load, whether there is a budget and how large:
 given). `prefetch` without a budget runs the same cache with no limit (reads, no evictions).
 `mlock=True` pins the dense weights; `warmup=True` reads every expert once at load.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -41,32 +42,34 @@ from ._engine import EVICTION_CODES, PREFETCH_CODES
 from .errors import ColibriError
 from .modeldir import tensor_file
 
-PREFETCH_MODES = PREFETCH_CODES     # name -> the layer loop's code (defined once, in _engine.pyx)
+PREFETCH_MODES = PREFETCH_CODES  # name -> the layer loop's code (defined once, in _engine.pyx)
 EVICTION_POLICIES = tuple(EVICTION_CODES)
 
-MAX_BUDGET_MB = 1e12         # a budget beyond any machine's memory is a typo (or inf)
-MIN_MARGIN = 32 << 20        # bytes the plan keeps free under the limit at least ...
-MARGIN_FRACTION = 1 / 64     # ... or this fraction of it
+MAX_BUDGET_MB = 1e12  # a budget beyond any machine's memory is a typo (or inf)
+MIN_MARGIN = 32 << 20  # bytes the plan keeps free under the limit at least ...
+MARGIN_FRACTION = 1 / 64  # ... or this fraction of it
 MB = 1 << 20
 
 
 def _megabytes(value, name: str):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                              or not 0 < value < MAX_BUDGET_MB):
-        raise ColibriError(f"{name} must be a positive finite number of megabytes (below {MAX_BUDGET_MB:.0e}), "
-                           f"got {value!r}")
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < MAX_BUDGET_MB
+    ):
+        raise ColibriError(
+            f"{name} must be a positive finite number of megabytes (below {MAX_BUDGET_MB:.0e}), got {value!r}"
+        )
     return None if value is None else int(float(value) * MB)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    limit: int | None         # bytes the process must stay under (None: no limit known)
-    source: str               # what set it: "--memory-limit-mb", a cgroup file, "available RAM", ...
-    fixed: int                # dense + KV + scratch + runtime + margin
-    experts: int              # bytes of every expert
-    budget: int | None        # the expert budget (None: everything fits, or no limit)
-    minimum: int              # the smallest limit this model runs under
-    lowered_chunk: int | None = None   # the prefill chunk the plan lowered the default to, if it did
+    limit: int | None  # bytes the process must stay under (None: no limit known)
+    source: str  # what set it: "--memory-limit-mb", a cgroup file, "available RAM", ...
+    fixed: int  # dense + KV + scratch + runtime + margin
+    experts: int  # bytes of every expert
+    budget: int | None  # the expert budget (None: everything fits, or no limit)
+    minimum: int  # the smallest limit this model runs under
+    lowered_chunk: int | None = None  # the prefill chunk the plan lowered the default to, if it did
 
     def describe(self) -> str:
         if self.limit is None:
@@ -76,8 +79,21 @@ class MemoryPlan:
         return f"memory limit {self.limit / MB:.0f} MB ({self.source}): {what}{lowered}"
 
 
-def plan(limit: int | None, source: str, *, dense: int, experts: int, kv: int, scratch: int, runtime: int,
-         working_set: int, n_ctx: int, path: str, largest_expert: int = 0, n_seq: int = 1) -> MemoryPlan:
+def plan(
+    limit: int | None,
+    source: str,
+    *,
+    dense: int,
+    experts: int,
+    kv: int,
+    scratch: int,
+    runtime: int,
+    working_set: int,
+    n_ctx: int,
+    path: str,
+    largest_expert: int = 0,
+    n_seq: int = 1,
+) -> MemoryPlan:
     """The expert budget under `limit` bytes (see the module's design block). Raises ColibriError
     when the limit is below what the model needs at the least (n_seq: the sequences the KV cache
     holds, load(parallel=), which multiply its bytes)."""
@@ -89,12 +105,17 @@ def plan(limit: int | None, source: str, *, dense: int, experts: int, kv: int, s
     if fixed + experts <= limit:
         return MemoryPlan(limit, source, fixed, experts, None, minimum)
     if limit < minimum:
-        kv_what, lower = (f"n_ctx {n_ctx} x {n_seq} sequences", "--n-ctx or --parallel") if n_seq > 1 else (f"n_ctx {n_ctx}", "--n-ctx")
+        kv_what, lower = (
+            (f"n_ctx {n_ctx} x {n_seq} sequences", "--n-ctx or --parallel")
+            if n_seq > 1
+            else (f"n_ctx {n_ctx}", "--n-ctx")
+        )
         raise ColibriError(
             f"memory limit {limit / MB:.0f} MB ({source}) is below the {minimum / MB:.0f} MB {path} needs at "
             f"least: dense weights {dense / MB:.0f} MB + KV cache {kv / MB:.0f} MB ({kv_what}) + scratch "
             f"{scratch / MB:.0f} MB + this process {runtime / MB:.0f} MB + margin {margin / MB:.0f} MB + two "
-            f"layers' experts {working_set / MB:.0f} MB; raise --memory-limit-mb or lower {lower}")
+            f"layers' experts {working_set / MB:.0f} MB; raise --memory-limit-mb or lower {lower}"
+        )
     return MemoryPlan(limit, source, fixed, experts, limit - fixed, minimum)
 
 
@@ -121,9 +142,11 @@ def check_unmapped(md, limit: int | None, path: str) -> None:
     total = sum(entry["size"] for entry in md.files.values())
     need = total + max(MIN_MARGIN, int(limit * MARGIN_FRACTION)) + _os.rss_bytes()[0]
     if need > limit:
-        raise ColibriError(f"{path} ({total / MB:.0f} MB of files) cannot be read into memory under the memory "
-                           f"limit of {limit / MB:.0f} MB ({source}); map it instead (drop --no-mmap / mmap=False): "
-                           f"mapped experts are kept under the limit")
+        raise ColibriError(
+            f"{path} ({total / MB:.0f} MB of files) cannot be read into memory under the memory "
+            f"limit of {limit / MB:.0f} MB ({source}); map it instead (drop --no-mmap / mmap=False): "
+            f"mapped experts are kept under the limit"
+        )
 
 
 class Residency:
@@ -131,8 +154,8 @@ class Residency:
 
     def __init__(self, maps, config, mlock: bool = False, warmup: bool = False):
         self.config = config
-        self.spans = {}                      # (layer, expert) -> (address, page-rounded length) of its file
-        self.paths = {}                      # (layer, expert) -> its file
+        self.spans = {}  # (layer, expert) -> (address, page-rounded length) of its file
+        self.paths = {}  # (layer, expert) -> its file
         for layer, is_moe in enumerate(config.moe_layers):
             if is_moe:
                 for e in range(config.num_experts):
@@ -143,7 +166,7 @@ class Residency:
         self.dense_spans = [maps.file_span(rel) for rel in maps.mapped_files() if rel not in expert_files]
         self.dense_bytes = sum(n for _, n in self.dense_spans)
         self.expert_bytes = sum(n for _, n in self.spans.values())
-        self.fds = {}                        # (layer, expert) -> descriptor, while a budget holds
+        self.fds = {}  # (layer, expert) -> descriptor, while a budget holds
         self.plan = MemoryPlan(None, "", 0, self.expert_bytes, None, 0)
         self.io_at_load = _os.read_io_bytes()
         self.locked = _os.lock(self.dense_spans) if mlock else False
@@ -168,11 +191,13 @@ class Residency:
             return
         try:
             import resource
+
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             want = len(self.spans) + 256
             if soft != resource.RLIM_INFINITY and soft < want:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY
-                                                            else min(want, hard), hard))
+                resource.setrlimit(
+                    resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard)
+                )
         except (ImportError, ValueError, OSError):
             pass
         for key, path in self.paths.items():
@@ -184,8 +209,11 @@ class Residency:
     def warm_experts(self, threshold: float = 0.9) -> list:
         """The experts (layer, expert) whose pages are in memory already (at least `threshold`
         of them), hottest first is unknown: in index order."""
-        return [key for key, (address, length) in self.spans.items()
-                if length and _os.resident_bytes(address, length) >= threshold * length]
+        return [
+            key
+            for key, (address, length) in self.spans.items()
+            if length and _os.resident_bytes(address, length) >= threshold * length
+        ]
 
     def drop(self, keys) -> None:
         """Take these experts out of the process and the page cache (at load: what the budget does
@@ -201,7 +229,7 @@ class Residency:
         page = _os.page_size()
         for addr, length in spans:
             view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * length).from_address(addr))
-            int(view[::page].sum())          # one byte a page
+            int(view[::page].sum())  # one byte a page
             del view
 
     def in_memory(self) -> int:

@@ -69,6 +69,7 @@ Errors: every bad setting (NaN, inf, bool, wrong type, out of range) raises Coli
 the parameter, the allowed range and the value received; logits containing NaN or +inf (also
 after penalties), or only -inf, are an error too, never a silent pick.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,11 +81,11 @@ import numpy as np
 from .errors import ColibriError
 
 MAX_LOGPROBS = 20
-LOGIT_BIAS_LIMIT = 100.0              # OpenAI's range for a logit bias: [-100, 100]
-SEED_BITS = 63                        # seed=None: a random seed that fits a signed 64-bit integer
-REPETITION_PENALTY_RANGE = (1e-30, 1e30)   # float32 logits divided or multiplied by it stay finite, non-zero
-_GROWTH = (64, 512, 4096)             # top_p candidate set sizes; then x8 until the vocabulary
-_DRAW_BLOCK = 1024                    # the inverse CDF in two levels beyond this many weights
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit bias: [-100, 100]
+SEED_BITS = 63  # seed=None: a random seed that fits a signed 64-bit integer
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)  # float32 logits divided or multiplied by it stay finite, non-zero
+_GROWTH = (64, 512, 4096)  # top_p candidate set sizes; then x8 until the vocabulary
+_DRAW_BLOCK = 1024  # the inverse CDF in two levels beyond this many weights
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Pick:
     """One chosen token. logprob: natural log p(token) under log_softmax of the raw logits (None
     when logprobs are off); top: ((id, logprob), ...) the `logprobs` most likely tokens of that
     distribution, most likely first, ties by lower id (() when off)."""
+
     token: int
     logprob: float | None = None
     top: tuple = ()
@@ -128,7 +130,7 @@ def _ranked_top(x: np.ndarray, m: int, mask: np.ndarray | None = None) -> np.nda
             # the m-th largest of the column maxima is <= the m-th largest entry (m distinct
             # entries reach it), so x >= t keeps the top m and all their ties
             cols = n // rows
-            maxima = x[:rows * cols].reshape(rows, cols).max(axis=0)
+            maxima = x[: rows * cols].reshape(rows, cols).max(axis=0)
             t = np.partition(maxima, cols - m)[cols - m]
         else:
             t = np.partition(x, n - m)[n - m]
@@ -152,7 +154,7 @@ def _draw(w: np.ndarray, u: float) -> int:
     if b >= len(cb):
         b = int(np.flatnonzero(sums)[-1])
     lo = int(starts[b])
-    wb = w[lo:lo + _DRAW_BLOCK]
+    wb = w[lo : lo + _DRAW_BLOCK]
     c = np.cumsum(wb)
     j = int(np.searchsorted(c, target - (cb[b - 1] if b else 0.0), side="right"))
     return lo + (j if j < len(wb) else int(np.flatnonzero(wb)[-1]))
@@ -178,8 +180,10 @@ def _check_bias(logit_bias) -> tuple:
         if not _is_int(token) or token < 0:
             raise ColibriError(f"logit_bias keys must be token ids >= 0, got {token!r}")
         if not _is_real(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-            raise ColibriError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
-                               f"got {bias!r} for id {token}")
+            raise ColibriError(
+                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                f"got {bias!r} for id {token}"
+            )
     ids = np.fromiter((int(t) for t in logit_bias), np.int64, len(logit_bias))
     return ids, np.fromiter((float(b) for b in logit_bias.values()), np.float64, len(logit_bias))
 
@@ -188,8 +192,21 @@ class Sampler:
     """Greedy or seeded sampling with penalties, top_k / top_p / min_p and logprobs; see the
     module docstring for the exact semantics."""
 
-    def __init__(self, temperature=0.0, top_k=0, top_p=1.0, seed=0, *, min_p=0.0, repetition_penalty=1.0,
-                 presence_penalty=0.0, frequency_penalty=0.0, logprobs=None, constraint=None, logit_bias=None):
+    def __init__(
+        self,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        *,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        logprobs=None,
+        constraint=None,
+        logit_bias=None,
+    ):
         # seed stays the 4th positional parameter (the original Sampler(temperature, top_k,
         # top_p, seed)); the newer settings are keyword-only. seed None: a random one.
         self.temperature = _real("temperature", temperature, lambda v: v >= 0, "a finite number >= 0 (0: greedy)")
@@ -200,13 +217,18 @@ class Sampler:
         self.min_p = _real("min_p", min_p, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)")
         # logits are float32: a penalty (or its reciprocal) beyond float32's range would divide
         # them to 0 or infinity
-        self.repetition_penalty = _real("repetition_penalty", repetition_penalty,
-                                        lambda v: REPETITION_PENALTY_RANGE[0] <= v <= REPETITION_PENALTY_RANGE[1],
-                                        "a number in [1e-30, 1e30] (1: off)")
-        self.presence_penalty = _real("presence_penalty", presence_penalty, lambda v: -2 <= v <= 2,
-                                      "a number in [-2, 2] (0: off)")
-        self.frequency_penalty = _real("frequency_penalty", frequency_penalty, lambda v: -2 <= v <= 2,
-                                       "a number in [-2, 2] (0: off)")
+        self.repetition_penalty = _real(
+            "repetition_penalty",
+            repetition_penalty,
+            lambda v: REPETITION_PENALTY_RANGE[0] <= v <= REPETITION_PENALTY_RANGE[1],
+            "a number in [1e-30, 1e30] (1: off)",
+        )
+        self.presence_penalty = _real(
+            "presence_penalty", presence_penalty, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"
+        )
+        self.frequency_penalty = _real(
+            "frequency_penalty", frequency_penalty, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"
+        )
         if seed is None:
             seed = secrets.randbits(SEED_BITS)
         if not _is_int(seed) or seed < 0:
@@ -218,7 +240,7 @@ class Sampler:
         if constraint is not None and not all(hasattr(constraint, a) for a in ("apply", "consume", "reset")):
             raise ColibriError(f"constraint must be a colibri.constraint.Constraint, got {type(constraint).__name__}")
         self.constraint = constraint
-        self._bias_ids, self._bias = _check_bias(logit_bias)     # [n] token ids, [n] float64 biases
+        self._bias_ids, self._bias = _check_bias(logit_bias)  # [n] token ids, [n] float64 biases
         self.rng = np.random.default_rng(self.seed)
         self._scratch = {}
         self._repeat = self.repetition_penalty != 1.0
@@ -232,22 +254,23 @@ class Sampler:
         again. The generator is kept."""
         ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else np.asarray(list(prompt_ids))
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ColibriError(f"prompt_ids must be a flat sequence of integer token ids, got "
-                               f"{ids.ndim}-D values of type {ids.dtype}")
+            raise ColibriError(
+                f"prompt_ids must be a flat sequence of integer token ids, got {ids.ndim}-D values of type {ids.dtype}"
+            )
         ids = ids.astype(np.int64)
         if ids.size and ids.min() < 0:
             raise ColibriError(f"prompt_ids must be token ids >= 0, got {int(ids.min())}")
         self._max_id = int(ids.max()) if ids.size else -1
-        self._seen_ids = np.empty(0, np.int64)         # distinct ids of prompt + generated
+        self._seen_ids = np.empty(0, np.int64)  # distinct ids of prompt + generated
         self._seen_n = 0
         self._seen = set()
         if self._repeat:
             uniq = np.unique(ids)
             self._seen_ids = np.empty(max(64, 2 * uniq.size), np.int64)
-            self._seen_ids[:uniq.size] = uniq
+            self._seen_ids[: uniq.size] = uniq
             self._seen_n = uniq.size
             self._seen = set(uniq.tolist())
-        self._gen_ids = np.empty(64, np.int64)          # distinct generated ids and their counts
+        self._gen_ids = np.empty(64, np.int64)  # distinct generated ids and their counts
         self._gen_counts = np.zeros(64, np.float64)
         self._gen_n = 0
         self._gen_slot = {}
@@ -284,8 +307,9 @@ class Sampler:
     def _as_logits(logits) -> np.ndarray:
         a = logits if isinstance(logits, np.ndarray) else np.asarray(logits)
         if a.ndim != 1 or a.size == 0 or a.dtype.kind != "f":
-            raise ColibriError(f"logits must be a non-empty 1-D float array [vocab], got shape {a.shape} "
-                               f"of type {a.dtype}")
+            raise ColibriError(
+                f"logits must be a non-empty 1-D float array [vocab], got shape {a.shape} of type {a.dtype}"
+            )
         if a.dtype not in (np.float32, np.float64):
             a = a.astype(np.float32)
         return a
@@ -317,26 +341,30 @@ class Sampler:
         if not ((self._repeat and self._seen_n) or (self._count and self._gen_n) or self._bias.size):
             return a
         if self._bias.size and int(self._bias_ids.max()) >= a.size:
-            raise ColibriError(f"logit_bias names token id {int(self._bias_ids.max())}, outside the vocabulary: "
-                               f"the logits have {a.size} entries")
+            raise ColibriError(
+                f"logit_bias names token id {int(self._bias_ids.max())}, outside the vocabulary: "
+                f"the logits have {a.size} entries"
+            )
         if self._max_id >= a.size:
-            raise ColibriError(f"token id {self._max_id} in the penalty history is outside the vocabulary: "
-                               f"the logits have {a.size} entries")
+            raise ColibriError(
+                f"token id {self._max_id} in the penalty history is outside the vocabulary: "
+                f"the logits have {a.size} entries"
+            )
         out = self._buffer("penalized", a.size, a.dtype)
         np.copyto(out, a)
         a = out
-        with np.errstate(over="ignore"):             # an overflow to inf is reported by the caller
+        with np.errstate(over="ignore"):  # an overflow to inf is reported by the caller
             self._apply_penalties(a)
         return a
 
     def _apply_penalties(self, a: np.ndarray) -> None:
         if self._repeat and self._seen_n:
-            ids = self._seen_ids[:self._seen_n]
+            ids = self._seen_ids[: self._seen_n]
             v = a[ids]
             a[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
         if self._count and self._gen_n:
-            ids = self._gen_ids[:self._gen_n]
-            a[ids] = a[ids] - (self.presence_penalty + self.frequency_penalty * self._gen_counts[:self._gen_n])
+            ids = self._gen_ids[: self._gen_n]
+            a[ids] = a[ids] - (self.presence_penalty + self.frequency_penalty * self._gen_counts[: self._gen_n])
         if self._bias.size:
             a[self._bias_ids] = a[self._bias_ids] + self._bias
 
@@ -348,9 +376,9 @@ class Sampler:
         k = self.top_k if 0 < self.top_k < n else 0
         if k:
             ranked = _ranked_top(x, k, self._buffer("mask", n, np.bool_))[:k]
-            e = np.exp((x[ranked].astype(np.float64) - lmax) / t)          # rank order
+            e = np.exp((x[ranked].astype(np.float64) - lmax) / t)  # rank order
             if tp < 1.0:
-                s = e[np.argsort(ranked)].sum()                             # in id order
+                s = e[np.argsort(ranked)].sum()  # in id order
                 keep = min(int(np.searchsorted(np.cumsum(e / s), tp)) + 1, k)
                 ranked, e = ranked[:keep], e[:keep]
         elif tp < 1.0:
@@ -364,7 +392,7 @@ class Sampler:
                 if cum[-1] >= tp or ranked.size == n:
                     break
                 if mp > 0.0 and e_all[ranked[-1]] < mp * (1.0 - 1e-9):
-                    break                                   # every token outside fails min_p
+                    break  # every token outside fails min_p
                 m = next(sizes, m * 8)
             keep = min(int(np.searchsorted(cum, tp)) + 1, ranked.size)
             ranked = ranked[:keep]
@@ -372,8 +400,11 @@ class Sampler:
         elif mp > 0.0:
             # a superset by logit, then the exact test e >= min_p on it
             bound = lmax + t * math.log(mp)
-            ids = np.flatnonzero(np.greater_equal(x, bound - 1e-5 * (abs(bound) + abs(lmax) + t) - 1e-30,
-                                                  out=self._buffer("mask", n, np.bool_)))
+            ids = np.flatnonzero(
+                np.greater_equal(
+                    x, bound - 1e-5 * (abs(bound) + abs(lmax) + t) - 1e-30, out=self._buffer("mask", n, np.bool_)
+                )
+            )
             e = np.exp((x[ids].astype(np.float64) - lmax) / t)
             keep = e >= mp
             return ids[keep], e[keep]
@@ -387,7 +418,7 @@ class Sampler:
 
     @staticmethod
     def _greedy(x: np.ndarray, what: str) -> int:
-        i = int(np.argmax(x))                      # first NaN if any, else first maximum
+        i = int(np.argmax(x))  # first NaN if any, else first maximum
         _check_max(float(x[i]), lambda: i, what)
         return i
 
@@ -417,7 +448,7 @@ class Sampler:
         if self.temperature == 0.0:
             token = int(np.argmax(x))
             if not math.isfinite(float(x[token])):
-                return None                        # the masked path reports it (or masks it out)
+                return None  # the masked path reports it (or masks it out)
         elif self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0:
             lmax = float(x.max())
             if not math.isfinite(lmax):
@@ -443,7 +474,7 @@ class Sampler:
             with np.errstate(over="ignore"):
                 return x, self._weights(x, what)
         except ColibriError:
-            if x is not raw:                       # the model's own logits at fault: say so
+            if x is not raw:  # the model's own logits at fault: say so
                 _check_max(float(raw.max()), lambda: int(np.argmax(raw)), "logits")
             raise
 
@@ -451,8 +482,8 @@ class Sampler:
         """logits float32 [vocab] -> Pick(token, logprob, top); records the token in the history."""
         raw = self._as_logits(logits)
         token = None
-        if self.constraint is not None:            # most tokens a model picks, the grammar allows:
-            x = self._penalize(raw)                # then no mask is computed or applied
+        if self.constraint is not None:  # most tokens a model picks, the grammar allows:
+            x = self._penalize(raw)  # then no mask is computed or applied
             token = self._unmasked_pick(x)
         if token is None:
             x, chosen = self._choose(raw, x if self.constraint is not None else None)
@@ -463,7 +494,7 @@ class Sampler:
                 j = _draw(e, self.rng.random())
                 token = j if ids is None else int(ids[j])
         if self.constraint is not None:
-            self.constraint.consume(token)        # the next mask is computed meanwhile
+            self.constraint.consume(token)  # the next mask is computed meanwhile
         if self._repeat or self._count:
             self._record(token)
         if self.logprobs is None:
@@ -473,7 +504,7 @@ class Sampler:
         log_z = math.log(float(self._exp(raw, rmax, 1.0, "logprobs").sum()))
         top = ()
         if self.logprobs:
-            best = _ranked_top(raw, self.logprobs, self._buffer("mask", raw.size, np.bool_))[:self.logprobs]
+            best = _ranked_top(raw, self.logprobs, self._buffer("mask", raw.size, np.bool_))[: self.logprobs]
             top = tuple((int(i), (float(raw[i]) - rmax) - log_z) for i in best)
         return Pick(token, (float(raw[token]) - rmax) - log_z, top)
 
@@ -497,7 +528,7 @@ class Sampler:
             v = getattr(self, name)
             if v != (1.0 if name == "repetition_penalty" else 0.0):
                 parts.append(f"{name} {_fmt(v)}")
-        if self.temperature != 0.0:                      # the seed decides a sampled output: always shown
+        if self.temperature != 0.0:  # the seed decides a sampled output: always shown
             parts.append(f"seed {self.seed}")
         if self.logprobs is not None:
             parts.append(f"logprobs {self.logprobs}")

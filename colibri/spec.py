@@ -10,6 +10,7 @@ that depends on two things — the prefill chunk on the context, a sliding layer
 window and the chunk, the expert count of a dense model, the top-k limit — is derived here and
 only here; the engine checks what it is given, it does not recompute it.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,19 +27,19 @@ from .modeldir import TensorRef  # noqa: F401  (the tensors' type)
 @dataclass(frozen=True)
 class LayerSpec:
     moe: bool
-    sliding_window: int      # 0: attends to every earlier position
-    d_ff: int                # the dense MLP's width (0: none) or the experts' width
+    sliding_window: int  # 0: attends to every earlier position
+    d_ff: int  # the dense MLP's width (0: none) or the experts' width
     head_dim: int
     n_kv_heads: int
-    kv_ring: int             # rows of its KV cache: n_ctx, or window + prefill chunk
-    attn_scale: float        # the factor on q.k (0: 1/sqrt(head_dim))
-    rope_dim: int            # the first rope_dim values of each head rotate (head_dim: all)
-    rope_cos: np.ndarray     # float32 [n_ctx, rope_dim / 2]
-    rope_sin: np.ndarray     # float32 [n_ctx, rope_dim / 2]
-    kv_rank: int = 0         # multi-head latent attention's latent width (0: not MLA; head_dim = rope_dim + kv_rank)
-    q_lora: int = 0          # its low-rank query width (0: none)
-    qk_head: int = 0         # its per-head query width (rope_dim + qk_nope_head_dim)
-    v_head: int = 0          # its per-head value width
+    kv_ring: int  # rows of its KV cache: n_ctx, or window + prefill chunk
+    attn_scale: float  # the factor on q.k (0: 1/sqrt(head_dim))
+    rope_dim: int  # the first rope_dim values of each head rotate (head_dim: all)
+    rope_cos: np.ndarray  # float32 [n_ctx, rope_dim / 2]
+    rope_sin: np.ndarray  # float32 [n_ctx, rope_dim / 2]
+    kv_rank: int = 0  # multi-head latent attention's latent width (0: not MLA; head_dim = rope_dim + kv_rank)
+    q_lora: int = 0  # its low-rank query width (0: none)
+    qk_head: int = 0  # its per-head query width (rope_dim + qk_nope_head_dim)
+    v_head: int = 0  # its per-head value width
 
 
 @dataclass(frozen=True)
@@ -47,39 +48,39 @@ class EngineSpec:
     n_layers: int
     n_heads: int
     vocab: int
-    n_experts: int           # routed experts per MoE layer (1 for a dense model: no router is read)
-    top_k: int               # 1 .. _engine.MAX_TOP_K
+    n_experts: int  # routed experts per MoE layer (1 for a dense model: no router is read)
+    top_k: int  # 1 .. _engine.MAX_TOP_K
     norm_topk_prob: bool
-    use_lut: bool            # routing weights from the softmax table (not exact)
-    sigmoid_router: bool     # GLM-4.5's router (routing.h cb_route_sigmoid) ...
-    n_group: int             # ... its expert groups, of which
-    topk_group: int          # ... the best topk_group are chosen from
-    routed_scaling: float    # ... and its weights' factor
-    qk_norm: int             # _engine.QK_NORM_CODES
-    clip_qkv: float          # 0: none
+    use_lut: bool  # routing weights from the softmax table (not exact)
+    sigmoid_router: bool  # GLM-4.5's router (routing.h cb_route_sigmoid) ...
+    n_group: int  # ... its expert groups, of which
+    topk_group: int  # ... the best topk_group are chosen from
+    routed_scaling: float  # ... and its weights' factor
+    qk_norm: int  # _engine.QK_NORM_CODES
+    clip_qkv: float  # 0: none
     v_norm: bool
-    act: int                 # _kernels.ACT_CODES
-    swiglu_alpha: float      # the clamped SwiGLU's sigmoid factor and clamp (act swiglu_clamped)
+    act: int  # _kernels.ACT_CODES
+    swiglu_alpha: float  # the clamped SwiGLU's sigmoid factor and clamp (act swiglu_clamped)
     swiglu_limit: float
     embed_scale: float
-    softcap: float           # 0: none
+    softcap: float  # 0: none
     rms_eps: float
     n_ctx: int
-    n_seq: int               # sequences the KV cache holds side by side (Engine.step decodes one token of each)
-    prefill_chunk: int       # tokens per engine call at most, 1 .. n_ctx (the scratch rows)
+    n_seq: int  # sequences the KV cache holds side by side (Engine.step decodes one token of each)
+    prefill_chunk: int  # tokens per engine call at most, 1 .. n_ctx (the scratch rows)
     n_threads: int
-    kv_cache: str            # the KV cache's elements: "f32", "f16" (half the bytes) or "q8" (_kernels.KV_CODES)
-    bf16_products: bool      # bf16 matrices multiply activations rounded to bf16 (vdpbf16ps) where the tier can
-    prefetch: int            # _engine.PREFETCH_CODES
-    prefetch_chunk_bytes: int    # bytes per read advice call (0: no limit)
-    expert_budget: int | None    # bytes of experts the expert cache admits at most (None: no budget)
-    eviction: str                # the cache's policy, a key of _engine.EVICTION_CODES
-    advice: tuple                # _os.EngineAdvice: the OS functions the cache's reader calls for an expert's pages
-    cache_os: tuple              # _os.CacheAdvice: (posix_fadvise address or 0, POSIX_FADV_DONTNEED, read code)
-    layers: tuple            # LayerSpec [n_layers]
-    tensors: dict            # name -> TensorRef (modeldir's names: "embedding", "layers.3.wq", ...)
-    expert_pages: dict       # (layer, expert) -> (address, bytes) of the expert's mapped span
-    expert_fds: dict         # (layer, expert) -> an open descriptor of its file (for the page-cache drop)
+    kv_cache: str  # the KV cache's elements: "f32", "f16" (half the bytes) or "q8" (_kernels.KV_CODES)
+    bf16_products: bool  # bf16 matrices multiply activations rounded to bf16 (vdpbf16ps) where the tier can
+    prefetch: int  # _engine.PREFETCH_CODES
+    prefetch_chunk_bytes: int  # bytes per read advice call (0: no limit)
+    expert_budget: int | None  # bytes of experts the expert cache admits at most (None: no budget)
+    eviction: str  # the cache's policy, a key of _engine.EVICTION_CODES
+    advice: tuple  # _os.EngineAdvice: the OS functions the cache's reader calls for an expert's pages
+    cache_os: tuple  # _os.CacheAdvice: (posix_fadvise address or 0, POSIX_FADV_DONTNEED, read code)
+    layers: tuple  # LayerSpec [n_layers]
+    tensors: dict  # name -> TensorRef (modeldir's names: "embedding", "layers.3.wq", ...)
+    expert_pages: dict  # (layer, expert) -> (address, bytes) of the expert's mapped span
+    expert_fds: dict  # (layer, expert) -> an open descriptor of its file (for the page-cache drop)
 
     @property
     def ring_slack(self):
@@ -104,7 +105,7 @@ def yarn_inv_freq(dim: int, theta: float, yarn: dict) -> tuple:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001                                      # transformers' guard against a singular ramp
+        high += 0.001  # transformers' guard against a singular ramp
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
     extrapolation_factor = (np.float32(1) - ramp.astype(np.float32)).astype(np.float32)
     inv_freq = interpolation * (np.float32(1) - extrapolation_factor) + extrapolation * extrapolation_factor
@@ -140,19 +141,31 @@ def layer_specs(cfg, n_ctx: int, chunk: int) -> tuple:
     out = []
     for i in range(cfg.num_hidden_layers):
         hd = cfg.layer_head_dim(i)
-        rot = cfg.layer_rotary_dim(i)            # partial rotary: frequencies over the rotated values
+        rot = cfg.layer_rotary_dim(i)  # partial rotary: frequencies over the rotated values
         theta, fraction = cfg.layer_rope(i)
         key = (rot, theta, fraction)
         if key not in tables:
             tables[key] = rope_tables(rot, theta, n_ctx, fraction, cfg.yarn())
         window = cfg.layer_window(i)
         cos, sin = tables[key]
-        out.append(LayerSpec(moe=bool(cfg.moe_layers[i]), sliding_window=window, d_ff=cfg.layer_d_ff(i),
-                             head_dim=hd, n_kv_heads=cfg.layer_kv_heads_of(i),
-                             kv_ring=min(n_ctx, window + chunk) if window else n_ctx, rope_dim=rot,
-                             attn_scale=cfg.attention_scale or 0.0, rope_cos=cos, rope_sin=sin,
-                             kv_rank=cfg.kv_lora_rank, q_lora=cfg.q_lora_rank,
-                             qk_head=cfg.qk_nope_head_dim + rot if cfg.mla else 0, v_head=cfg.v_head_dim))
+        out.append(
+            LayerSpec(
+                moe=bool(cfg.moe_layers[i]),
+                sliding_window=window,
+                d_ff=cfg.layer_d_ff(i),
+                head_dim=hd,
+                n_kv_heads=cfg.layer_kv_heads_of(i),
+                kv_ring=min(n_ctx, window + chunk) if window else n_ctx,
+                rope_dim=rot,
+                attn_scale=cfg.attention_scale or 0.0,
+                rope_cos=cos,
+                rope_sin=sin,
+                kv_rank=cfg.kv_lora_rank,
+                q_lora=cfg.q_lora_rank,
+                qk_head=cfg.qk_nope_head_dim + rot if cfg.mla else 0,
+                v_head=cfg.v_head_dim,
+            )
+        )
     return tuple(out)
 
 
@@ -161,10 +174,26 @@ def prefill_chunk(requested, n_ctx: int) -> int:
     return max(1, min(requested or names.DEFAULT_PREFILL_CHUNK, n_ctx))
 
 
-def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_softmax: bool, prefetch: str,
-          prefetch_chunk_bytes: int, expert_pages: dict, expert_budget: int | None = None, eviction: str = "lru",
-          expert_fds: dict | None = None, advice=None, cache_os=None, kv_cache: str = "f32",
-          bf16_products: bool = False, n_seq: int = 1) -> EngineSpec:
+def build(
+    cfg,
+    tensors: dict,
+    *,
+    n_ctx: int,
+    chunk: int,
+    threads: int,
+    exact_softmax: bool,
+    prefetch: str,
+    prefetch_chunk_bytes: int,
+    expert_pages: dict,
+    expert_budget: int | None = None,
+    eviction: str = "lru",
+    expert_fds: dict | None = None,
+    advice=None,
+    cache_os=None,
+    kv_cache: str = "f32",
+    bf16_products: bool = False,
+    n_seq: int = 1,
+) -> EngineSpec:
     """The spec of `cfg` (config.ModelConfig) over the mapped `tensors` (name -> TensorRef) with
     these run options (already validated by the caller, model.Model). advice, cache_os: the OS
     functions for the expert pages (default: colibri._os.engine_advice() and cache_advice(),
@@ -173,21 +202,41 @@ def build(cfg, tensors: dict, *, n_ctx: int, chunk: int, threads: int, exact_sof
     if top_k > _engine.MAX_TOP_K:
         raise ColibriError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds the supported {_engine.MAX_TOP_K}")
     return EngineSpec(
-        d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
-        vocab=cfg.vocab_size, n_experts=max(cfg.num_experts, 1), top_k=top_k,
-        norm_topk_prob=bool(cfg.norm_topk_prob), use_lut=not exact_softmax,
-        sigmoid_router=cfg.router_score == "sigmoid", n_group=int(cfg.n_group), topk_group=int(cfg.topk_group),
+        d_model=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=cfg.num_attention_heads,
+        vocab=cfg.vocab_size,
+        n_experts=max(cfg.num_experts, 1),
+        top_k=top_k,
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        use_lut=not exact_softmax,
+        sigmoid_router=cfg.router_score == "sigmoid",
+        n_group=int(cfg.n_group),
+        topk_group=int(cfg.topk_group),
         routed_scaling=float(cfg.routed_scaling_factor),
-        qk_norm=_engine.QK_NORM_CODES[cfg.qk_norm], clip_qkv=float(cfg.clip_qkv or 0.0), v_norm=bool(cfg.v_norm),
-        act=ACT_CODES[cfg.hidden_act], swiglu_alpha=float(cfg.swiglu_alpha), swiglu_limit=float(cfg.swiglu_limit),
+        qk_norm=_engine.QK_NORM_CODES[cfg.qk_norm],
+        clip_qkv=float(cfg.clip_qkv or 0.0),
+        v_norm=bool(cfg.v_norm),
+        act=ACT_CODES[cfg.hidden_act],
+        swiglu_alpha=float(cfg.swiglu_alpha),
+        swiglu_limit=float(cfg.swiglu_limit),
         embed_scale=float(cfg.embedding_scale),
-        softcap=float(cfg.final_logit_softcapping or 0.0), rms_eps=float(cfg.rms_norm_eps), n_ctx=n_ctx,
-        n_seq=int(n_seq), prefill_chunk=chunk, n_threads=threads, kv_cache=kv_cache, bf16_products=bool(bf16_products),
+        softcap=float(cfg.final_logit_softcapping or 0.0),
+        rms_eps=float(cfg.rms_norm_eps),
+        n_ctx=n_ctx,
+        n_seq=int(n_seq),
+        prefill_chunk=chunk,
+        n_threads=threads,
+        kv_cache=kv_cache,
+        bf16_products=bool(bf16_products),
         prefetch=_engine.PREFETCH_CODES[prefetch],
         prefetch_chunk_bytes=int(prefetch_chunk_bytes),
-        expert_budget=None if expert_budget is None else int(expert_budget), eviction=eviction,
+        expert_budget=None if expert_budget is None else int(expert_budget),
+        eviction=eviction,
         advice=_os.engine_advice() if advice is None else _os.EngineAdvice(*advice),
         cache_os=tuple(_os.cache_advice() if cache_os is None else cache_os),
-        layers=layer_specs(cfg, n_ctx, chunk), tensors=tensors, expert_pages=dict(expert_pages),
-        expert_fds=dict(expert_fds or {}))
-
+        layers=layer_specs(cfg, n_ctx, chunk),
+        tensors=tensors,
+        expert_pages=dict(expert_pages),
+        expert_fds=dict(expert_fds or {}),
+    )

@@ -22,6 +22,7 @@ the first stop string to complete ends the text (of two completing at the same c
 one that starts earlier), and it and everything after it are cut — the same whatever pieces the
 text arrives in.
 """
+
 from __future__ import annotations
 
 
@@ -32,9 +33,9 @@ class TextStream:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = []
-        self.text = ""                   # everything returned so far
-        self._prefix = 0                 # token index where the decoded window starts
-        self._read = 0                   # token index up to which the window's text was returned
+        self.text = ""  # everything returned so far
+        self._prefix = 0  # token index where the decoded window starts
+        self._read = 0  # token index up to which the window's text was returned
         self._byte_ids = tokenizer.byte_piece_ids
 
     def _decode(self, ids) -> str:
@@ -44,7 +45,8 @@ class TextStream:
         """Whether decode keeps this id (skipped specials and unknown ids vanish, and a byte run
         goes on across them)."""
         return 0 <= token < self.tokenizer.vocab_size and not (
-            self.skip_special_tokens and token in self.tokenizer.special_ids)
+            self.skip_special_tokens and token in self.tokenizer.special_ids
+        )
 
     def push(self, token: int) -> str:
         token = int(token)
@@ -52,22 +54,22 @@ class TextStream:
         if not self._shown(token):
             token = next((t for t in reversed(self.ids) if self._shown(t)), None)
         if token in self._byte_ids:
-            return ""                    # a byte run decodes as a whole: wait for its end
-        window = self.ids[self._prefix:]
-        before = self._decode(self.ids[self._prefix:self._read])
+            return ""  # a byte run decodes as a whole: wait for its end
+        window = self.ids[self._prefix :]
+        before = self._decode(self.ids[self._prefix : self._read])
         now = self._decode(window)
         if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
             return ""
-        piece = now[len(before):]
+        piece = now[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += piece
         return piece
 
     def finish(self) -> str:
         """The rest of the text, held-back characters included (as decode would show them)."""
-        before = self._decode(self.ids[self._prefix:self._read])
-        now = self._decode(self.ids[self._prefix:])
-        piece = now[len(before):] if now.startswith(before) else ""
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
+        piece = now[len(before) :] if now.startswith(before) else ""
         self._prefix = self._read = len(self.ids)
         self.text += piece
         return piece
@@ -80,13 +82,13 @@ class StopStrings:
         stops = [stops] if isinstance(stops, str) else list(stops or [])
         self.stops = [s for s in stops if s]
         self._held = ""
-        self.stopped = None              # the stop string that ended the text, once found
+        self.stopped = None  # the stop string that ended the text, once found
 
     def feed(self, text: str) -> tuple:
         if self.stopped is not None:
             return "", True
         buf = self._held + text
-        first = None                      # (end, start, stop): the stop a token-by-token stream meets first
+        first = None  # (end, start, stop): the stop a token-by-token stream meets first
         for s in self.stops:
             at = buf.find(s)
             if at >= 0 and (first is None or (at + len(s), at) < first[:2]):
@@ -94,15 +96,15 @@ class StopStrings:
         if first is not None:
             self._held = ""
             self.stopped = first[2]
-            return buf[:first[1]], True
-        keep = 0                          # the longest end of buf that begins some stop string
+            return buf[: first[1]], True
+        keep = 0  # the longest end of buf that begins some stop string
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):
                 if buf.endswith(s[:n]):
                     keep = n
                     break
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
 
     def finish(self) -> str:
         held, self._held = self._held, ""

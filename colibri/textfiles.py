@@ -11,6 +11,7 @@ validated by the very code that later loads it (`TextSide.load`): it parses, the
 fit the model's vocab_size, the chat template compiles, the generation config's stop tokens are
 in the vocabulary.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,11 +23,17 @@ from pathlib import Path
 from .chat import CHAT_TEMPLATE_JINJA, CHAT_TEMPLATE_JSON, ChatTemplate, find_template
 from .errors import ColibriError
 from .generation import GENERATION_CONFIG, GenerationDefaults
-from .tokenizer import (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, TOKENIZER_JSON, TOKENIZER_MODEL, Tokenizer,
-                        load_tokenizer)
+from .tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, TOKENIZER_JSON, TOKENIZER_MODEL, Tokenizer, load_tokenizer
 
-TEXT_FILES = (TOKENIZER_JSON, TOKENIZER_MODEL, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE_JINJA,
-              CHAT_TEMPLATE_JSON, GENERATION_CONFIG)
+TEXT_FILES = (
+    TOKENIZER_JSON,
+    TOKENIZER_MODEL,
+    TOKENIZER_CONFIG,
+    SPECIAL_TOKENS_MAP,
+    CHAT_TEMPLATE_JINJA,
+    CHAT_TEMPLATE_JSON,
+    GENERATION_CONFIG,
+)
 
 
 class TextSide:
@@ -44,8 +51,11 @@ class TextSide:
         tokenizer = load_tokenizer(root, names, vocab_size)
         special = tokenizer.special_tokens_map if tokenizer else {}
         template = find_template(root, names, special)
-        generation = (GenerationDefaults.from_file(root / GENERATION_CONFIG, vocab_size)
-                      if GENERATION_CONFIG in names else GenerationDefaults.empty())
+        generation = (
+            GenerationDefaults.from_file(root / GENERATION_CONFIG, vocab_size)
+            if GENERATION_CONFIG in names
+            else GenerationDefaults.empty()
+        )
         return cls(tokenizer, template, generation)
 
     def stop_token_ids(self, config_eos) -> list:
@@ -100,7 +110,7 @@ def import_text_files(model_dir, source_dir, log=print) -> list:
             origin = src / n if n in names else md.root / n if n in md.files else None
             if origin is not None:
                 shutil.copyfile(origin, staged / n)
-        TextSide.load(staged, present(staged), md.config.vocab_size)        # validates, or raises
+        TextSide.load(staged, present(staged), md.config.vocab_size)  # validates, or raises
         raw = dict(md.raw)
         files = dict(raw["files"])
         for n in names:

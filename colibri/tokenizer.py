@@ -26,6 +26,7 @@ What transformers 5.x does on top of the raw backends, reproduced here (`tokeniz
     stripped.
 Ids the tokenizer does not know (a model's vocab_size may exceed the tokenizer's) decode to "".
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,10 +40,20 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_MODEL = "tokenizer.model"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
-MAX_TEXT_FILE_BYTES = 256 << 20          # a tokenizer or config file larger than this is refused
+MAX_TEXT_FILE_BYTES = 256 << 20  # a tokenizer or config file larger than this is refused
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-            (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))   # transformers' clean_up_tokenization
+_CLEANUP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)  # transformers' clean_up_tokenization
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -61,18 +72,18 @@ def check_text(text, what: str = "text") -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ColibriError(f"{what} is not valid UTF-8 (character {e.start}: {text[e.start:e.end]!r})") from None
+        raise ColibriError(f"{what} is not valid UTF-8 (character {e.start}: {text[e.start : e.end]!r})") from None
     return text
 
 
 class Tokenizer:
     """The interface both backends implement (transformers' names and semantics)."""
 
-    kind: str                      # the file it was read from: "tokenizer.json" or "tokenizer.model"
+    kind: str  # the file it was read from: "tokenizer.json" or "tokenizer.model"
     path: str
-    vocab_size: int                # the number of ids it can produce (largest id + 1)
-    special_tokens_map: dict       # {"bos_token": "<s>", "eos_token": "</s>", ...} where set
-    special_ids: frozenset         # ids that skip_special_tokens drops
+    vocab_size: int  # the number of ids it can produce (largest id + 1)
+    special_tokens_map: dict  # {"bos_token": "<s>", "eos_token": "</s>", ...} where set
+    special_ids: frozenset  # ids that skip_special_tokens drops
     add_bos_token: bool
     add_eos_token: bool
 
@@ -116,9 +127,12 @@ class Tokenizer:
     def describe(self) -> str:
         """One line for `info`: kind, size, BOS/EOS behaviour."""
         adds = [n for n, on in (("BOS", self.add_bos_token), ("EOS", self.add_eos_token)) if on]
-        return (f"{self.kind} ({self.vocab_size} ids; adds {' and '.join(adds) or 'no BOS/EOS'}"
-                + (f"; bos {self.bos_token!r}" if self.bos_token else "")
-                + (f", eos {self.eos_token!r}" if self.eos_token else "") + ")")
+        return (
+            f"{self.kind} ({self.vocab_size} ids; adds {' and '.join(adds) or 'no BOS/EOS'}"
+            + (f"; bos {self.bos_token!r}" if self.bos_token else "")
+            + (f", eos {self.eos_token!r}" if self.eos_token else "")
+            + ")"
+        )
 
 
 class HFTokenizer(Tokenizer):
@@ -130,7 +144,9 @@ class HFTokenizer(Tokenizer):
         try:
             import tokenizers
         except ImportError:  # pragma: no cover - a declared dependency
-            raise ColibriError("reading tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from None
+            raise ColibriError(
+                "reading tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
+            ) from None
         self.path = str(path)
         cfg = tokenizer_config or {}
         try:
@@ -139,7 +155,7 @@ class HFTokenizer(Tokenizer):
             self._tok = tokenizers.Tokenizer.from_file(self.path)
         except ColibriError:
             raise
-        except Exception as e:          # tokenizers raises its own Exception type for a bad file
+        except Exception as e:  # tokenizers raises its own Exception type for a bad file
             raise ColibriError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0][:200]})") from None
         self._add_missing_added_tokens(cfg.get("added_tokens_decoder"))
         self.special_tokens_map = _special_tokens(cfg, special_tokens_map)
@@ -151,8 +167,7 @@ class HFTokenizer(Tokenizer):
             probe = self._tok.encode("", add_special_tokens=True).ids
             self.add_bos_token = self.bos_token_id is not None and self.bos_token_id in probe[:1]
             self.add_eos_token = self.eos_token_id is not None and self.eos_token_id in probe[-1:]
-        self._cleanup = bool(cfg.get("clean_up_tokenization_spaces", False)) and \
-            type(self._tok.model).__name__ != "BPE"
+        self._cleanup = bool(cfg.get("clean_up_tokenization_spaces", False)) and type(self._tok.model).__name__ != "BPE"
         added = self._tok.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -162,6 +177,7 @@ class HFTokenizer(Tokenizer):
         if not isinstance(decoder, dict):
             return
         from tokenizers import AddedToken
+
         have = self._tok.get_vocab(with_added_tokens=True)
         new = []
         for _, t in sorted(decoder.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
@@ -169,20 +185,30 @@ class HFTokenizer(Tokenizer):
             if content is None or content in have:
                 continue
             spec = t if isinstance(t, dict) else {}
-            new.append(AddedToken(content, special=bool(spec.get("special", True)),
-                                  lstrip=bool(spec.get("lstrip", False)), rstrip=bool(spec.get("rstrip", False)),
-                                  normalized=bool(spec.get("normalized", False)),
-                                  single_word=bool(spec.get("single_word", False))))
+            new.append(
+                AddedToken(
+                    content,
+                    special=bool(spec.get("special", True)),
+                    lstrip=bool(spec.get("lstrip", False)),
+                    rstrip=bool(spec.get("rstrip", False)),
+                    normalized=bool(spec.get("normalized", False)),
+                    single_word=bool(spec.get("single_word", False)),
+                )
+            )
         if new:
             self._tok.add_tokens(new)
 
     def _set_post_processor(self) -> None:
         from tokenizers import processors
+
         bos, eos = self.bos_token, self.eos_token
         single = (f"{bos}:0 " if self.add_bos_token else "") + "$A:0" + (f" {eos}:0" if self.add_eos_token else "")
-        pair = single + (f" {bos}:1" if self.add_bos_token else "") + " $B:1" + (f" {eos}:1" if self.add_eos_token else "")
-        special = ([(bos, self.bos_token_id)] if self.add_bos_token else []) + \
-                  ([(eos, self.eos_token_id)] if self.add_eos_token else [])
+        pair = (
+            single + (f" {bos}:1" if self.add_bos_token else "") + " $B:1" + (f" {eos}:1" if self.add_eos_token else "")
+        )
+        special = ([(bos, self.bos_token_id)] if self.add_bos_token else []) + (
+            [(eos, self.eos_token_id)] if self.add_eos_token else []
+        )
         self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
@@ -218,15 +244,17 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp.Load(self.path)
         except (OSError, RuntimeError) as e:
-            raise ColibriError(f"{self.path}: not a valid sentencepiece model ({str(e).splitlines()[0][:200]})") from None
+            raise ColibriError(
+                f"{self.path}: not a valid sentencepiece model ({str(e).splitlines()[0][:200]})"
+            ) from None
         sp = self.sp
         n = sp.GetPieceSize()
         self.vocab_size = n
-        self._pieces = [sp.IdToPiece(i) for i in range(n)]              # [vocab] piece strings
-        self._byte = [sp.IsByte(i) for i in range(n)]                   # [vocab] <0xNN> byte-fallback pieces
+        self._pieces = [sp.IdToPiece(i) for i in range(n)]  # [vocab] piece strings
+        self._byte = [sp.IsByte(i) for i in range(n)]  # [vocab] <0xNN> byte-fallback pieces
         special = {i for i in range(n) if sp.IsControl(i) or sp.IsUnknown(i)}
         self._piece_ids = {p: i for i, p in enumerate(self._pieces)}
-        for _, t in (cfg.get("added_tokens_decoder") or {}).items():   # added tokens that are pieces
+        for _, t in (cfg.get("added_tokens_decoder") or {}).items():  # added tokens that are pieces
             content = _token_content(t)
             if content in self._piece_ids and (not isinstance(t, dict) or t.get("special", True)):
                 special.add(self._piece_ids[content])
@@ -245,18 +273,21 @@ class SentencePieceTokenizer(Tokenizer):
         ids = []
         chunks = self._split.split(text) if self._split else [text]
         for k, chunk in enumerate(chunks):
-            if k % 2:                                    # a special token written in the text
+            if k % 2:  # a special token written in the text
                 ids.append(self._piece_ids[chunk])
             elif chunk:
                 ids.extend(self.sp.EncodeAsIds(chunk))
         if add_special_tokens:
-            ids = ([self.bos_token_id] if self.add_bos_token else []) + ids + \
-                  ([self.eos_token_id] if self.add_eos_token else [])
+            ids = (
+                ([self.bos_token_id] if self.add_bos_token else [])
+                + ids
+                + ([self.eos_token_id] if self.add_eos_token else [])
+            )
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         out = []
-        run = bytearray()                   # consecutive byte pieces, joined as UTF-8
+        run = bytearray()  # consecutive byte pieces, joined as UTF-8
         run_len = 0
 
         def flush():
@@ -310,10 +341,18 @@ def load_tokenizer(root: Path, files, vocab_size: int | None = None) -> Tokenize
     `files`: the names in the directory's file table; `vocab_size`: the model's, which the
     tokenizer's ids must fit."""
     root = Path(root)
-    cfg = read_json(root / TOKENIZER_CONFIG, "tokenizer_config.json", MAX_TEXT_FILE_BYTES) if TOKENIZER_CONFIG in files else {}
+    cfg = (
+        read_json(root / TOKENIZER_CONFIG, "tokenizer_config.json", MAX_TEXT_FILE_BYTES)
+        if TOKENIZER_CONFIG in files
+        else {}
+    )
     if not isinstance(cfg, dict):
         raise ColibriError(f"{root / TOKENIZER_CONFIG} must hold a JSON object")
-    stm = read_json(root / SPECIAL_TOKENS_MAP, "special_tokens_map.json", MAX_TEXT_FILE_BYTES) if SPECIAL_TOKENS_MAP in files else {}
+    stm = (
+        read_json(root / SPECIAL_TOKENS_MAP, "special_tokens_map.json", MAX_TEXT_FILE_BYTES)
+        if SPECIAL_TOKENS_MAP in files
+        else {}
+    )
     if not isinstance(stm, dict):
         raise ColibriError(f"{root / SPECIAL_TOKENS_MAP} must hold a JSON object")
     if TOKENIZER_JSON in files:
@@ -323,6 +362,8 @@ def load_tokenizer(root: Path, files, vocab_size: int | None = None) -> Tokenize
     else:
         return None
     if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise ColibriError(f"{tok.path}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                           f"{vocab_size} (a tokenizer of another model?)")
+        raise ColibriError(
+            f"{tok.path}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
+            f"{vocab_size} (a tokenizer of another model?)"
+        )
     return tok

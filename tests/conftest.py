@@ -4,6 +4,7 @@
 directory (cached for the session) and returns its path; `reference(case)` loads the reference
 outputs that tools/make_fixtures.py wrote with transformers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,18 +27,20 @@ FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file() and (p / "hf").is_dir())
 ARCH_OF_CASE = {c: c.rsplit("_", 1)[0] for c in CASES}
 
-F32_UNIT_ROUNDOFF = 2.0 ** -24
+F32_UNIT_ROUNDOFF = 2.0**-24
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE_ROOT = Path(colibri_package.__file__).resolve().parents[1]      # the directory that holds colibri/
+PACKAGE_ROOT = Path(colibri_package.__file__).resolve().parents[1]  # the directory that holds colibri/
 
 
 def tier_report() -> str:
     """The tiers this run tests (the `isa` fixture runs the kernel tests on each), the int steps
     of the best one, and the CPU features they come from: what a log says about its host."""
     feats = [name for name, on in _kernels.cpu_features().items() if on and not name.startswith("os_")]
-    return (f"colibri tiers tested: {', '.join(_kernels.available_isas())} (default {_kernels.isa()}, int steps "
-            f"{', '.join(_kernels.available_int_steps())}); CPU features: {' '.join(feats) or 'none'}; "
-            f"{_kernels.amx_status()}")
+    return (
+        f"colibri tiers tested: {', '.join(_kernels.available_isas())} (default {_kernels.isa()}, int steps "
+        f"{', '.join(_kernels.available_int_steps())}); CPU features: {' '.join(feats) or 'none'}; "
+        f"{_kernels.amx_status()}"
+    )
 
 
 def pytest_report_header(config):
@@ -45,7 +48,7 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(tier_report())         # also under -q, where the header is not printed
+    terminalreporter.write_line(tier_report())  # also under -q, where the header is not printed
 
 
 def float32_dot_bound(abs_dot, n_ops):
@@ -72,10 +75,12 @@ def converted(tmp_path_factory):
         key = (case, dtype, layout)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{case}_{dtype}_{layout or 'default'}") / "model"
-            convert(FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None,
-                    expert_layout=layout, layout=layout)
+            convert(
+                FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None, expert_layout=layout, layout=layout
+            )
             cache[key] = out
         return cache[key]
+
     return get
 
 
@@ -95,11 +100,14 @@ def reference(case: str) -> dict:
 
 # ---- helpers shared by the test modules (none imports another) ----------------------------------
 
+
 def kl_mean(ref_logits, logits) -> float:
     """Mean over positions of KL(softmax(ref) || softmax(logits)), in float64."""
+
     def logp(x):
         x = x.astype(np.float64) - x.max(-1, keepdims=True)
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
     p, q = logp(ref_logits), logp(logits)
     return float((np.exp(p) * (p - q)).sum(-1).mean())
 
@@ -116,6 +124,7 @@ AS_LIMIT = 2 << 30
 
 def _set_address_space(limit: int) -> None:
     import resource
+
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
@@ -129,6 +138,7 @@ def as_limit(limit: int = AS_LIMIT, then=None) -> dict:
         _set_address_space(limit)
         if then is not None:
             then()
+
     return {"preexec_fn": preexec}
 
 
@@ -172,8 +182,15 @@ def colibri(*args, timeout=180, limit=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("PYTHONWARNINGS", None)
-    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=str(REPO), **(as_limit(limit) if limit else {}))
+    return subprocess.run(
+        [sys.executable, "-m", "colibri", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=str(REPO),
+        **(as_limit(limit) if limit else {}),
+    )
 
 
 def one_line_error(proc, *must_contain, status=2):
@@ -204,14 +221,21 @@ def write_safetensors(path: Path, tensors: dict) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
 
 
-ENV = dict(os.environ, PYTHONPATH=str(PACKAGE_ROOT))     # subprocesses import this colibri
+ENV = dict(os.environ, PYTHONPATH=str(PACKAGE_ROOT))  # subprocesses import this colibri
 
 
 def big_checkpoint(root: Path) -> Path:
     """An OLMoE-shaped f32 checkpoint of ~50 MB: converting it to int4 takes a while."""
     cfg = json.loads((FIXTURES / "olmoe_a" / "hf" / "config.json").read_text())
-    cfg.update(hidden_size=256, intermediate_size=512, num_experts=16, num_attention_heads=4,
-               num_key_value_heads=4, num_hidden_layers=2, vocab_size=512)
+    cfg.update(
+        hidden_size=256,
+        intermediate_size=512,
+        num_experts=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        vocab_size=512,
+    )
     rng = np.random.default_rng(0)
     d, f, t = 256, 512, {}
     t["model.embed_tokens.weight"] = rng.standard_normal((512, d), np.float32)
@@ -242,18 +266,27 @@ def convert_cmd(hf, out, *extra):
 
 # ---- a model that speaks text: qwen3moe_a with a small BPE tokenizer.json and a ChatML template ----
 
-CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{%- endif %}")
+CHATML = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello colibri", "café déjà vu naïve",
-          "numbers 0123456789 and symbols !?.,;:()[]{}", "mixture of experts on a cpu", "unto the LORD"] * 20
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello colibri",
+    "café déjà vu naïve",
+    "numbers 0123456789 and symbols !?.,;:()[]{}",
+    "mixture of experts on a cpu",
+    "unto the LORD",
+] * 20
 SMALL_VOCAB = 200
 
 
 def small_tokenizer_json(path):
     """A BPE tokenizer.json with Metaspace spacing and ChatML specials, SMALL_VOCAB ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
@@ -267,9 +300,10 @@ def chat_hf(tmp_path_factory):
     hf = tmp_path_factory.mktemp("chat") / "hf"
     shutil.copytree(FIXTURES / "qwen3moe_a" / "hf", hf)
     small_tokenizer_json(hf / "tokenizer.json")
-    (hf / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False}))
-    end, eot = SPECIALS.index("<|im_end|>"), SPECIALS.index("<|endoftext|>")      # trainer ids: in order
+    (hf / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False})
+    )
+    end, eot = SPECIALS.index("<|im_end|>"), SPECIALS.index("<|endoftext|>")  # trainer ids: in order
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, "eos_token_id": end}))
     (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]}))
@@ -279,6 +313,7 @@ def chat_hf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def chat_model_dir(chat_hf):
     from colibri.convert import convert
+
     out = chat_hf.parent / "model"
     convert(chat_hf, out, log=lambda *a: None)
     return out
@@ -291,12 +326,14 @@ def render_on_the_fixture_day(monkeypatch, spec: dict) -> None:
         return
     import datetime
     import colibri.chat
+
     day = datetime.date.fromisoformat(spec["rendered_on"])
 
     class RenderDay(datetime.datetime):
         @classmethod
         def now(cls, tz=None):
             return cls(day.year, day.month, day.day)
+
     monkeypatch.setattr(colibri.chat, "datetime", RenderDay)
 
 
@@ -304,6 +341,7 @@ def sse_events(url: str, body: dict, headers=None, timeout: float = 120) -> list
     """POST body to url and read its server-sent events: the data documents in order, each
     checked to name its own `event:` line's type (Anthropic's and the Responses API's streams)."""
     import httpx
+
     events, name = [], None
     with httpx.stream("POST", url, json=body, headers=headers or {}, timeout=timeout) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()

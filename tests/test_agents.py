@@ -7,6 +7,7 @@ chat template (Hermes-style `<tool_call>` calls, `<think>` reasoning). Its words
 these tests check is what only the server's machinery can make true — a forced call that parses
 into valid arguments, JSON that validates against the schema, deltas that add up to the whole.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,18 +30,43 @@ jsonschema = pytest.importorskip("jsonschema")
 from test_server import Server  # noqa: E402  (the real-process server harness)
 
 CHAT_DIR = FIXTURES / "text" / "chat"
-AGENT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-                  "<tool_response>", "</tool_response>"]
+AGENT_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
 AGENT_VOCAB = 512
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "the weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
-                                                                                 "maximum": 14}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -51,12 +77,21 @@ def agent_checkpoint(root) -> None:
 
     cfg = json.loads((FIXTURES / "olmoe_a" / "hf" / "config.json").read_text())
     d, f, experts, layers = 64, 32, 4, 2
-    cfg.update(vocab_size=AGENT_VOCAB, hidden_size=d, intermediate_size=f, num_experts=experts, num_hidden_layers=layers,
-               bos_token_id=None, pad_token_id=None)
+    cfg.update(
+        vocab_size=AGENT_VOCAB,
+        hidden_size=d,
+        intermediate_size=f,
+        num_experts=experts,
+        num_hidden_layers=layers,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     rng = np.random.default_rng(7)
-    t = {"model.embed_tokens.weight": rng.standard_normal((AGENT_VOCAB, d), np.float32),
-         "lm_head.weight": 0.5 * rng.standard_normal((AGENT_VOCAB, d), np.float32),
-         "model.norm.weight": np.ones(d, np.float32)}
+    t = {
+        "model.embed_tokens.weight": rng.standard_normal((AGENT_VOCAB, d), np.float32),
+        "lm_head.weight": 0.5 * rng.standard_normal((AGENT_VOCAB, d), np.float32),
+        "model.norm.weight": np.ones(d, np.float32),
+    }
     for layer in range(layers):
         p = f"model.layers.{layer}."
         for n in ("input_layernorm", "post_attention_layernorm"):
@@ -77,13 +112,26 @@ def agent_checkpoint(root) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = [string.printable, '{"city": "Paris", "unit": "C"}', "the weather in a city", "hello world"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=AGENT_VOCAB - 8, special_tokens=AGENT_SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=AGENT_VOCAB - 8,
+            special_tokens=AGENT_SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.save(str(root / "tokenizer.json"))
     end = tok.token_to_id("<|im_end|>")
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": (CHAT_DIR / "Qwen-Qwen3-0.6B.jinja").read_text(), "eos_token": "<|im_end|>",
-        "bos_token": None, "add_bos_token": False}))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": (CHAT_DIR / "Qwen-Qwen3-0.6B.jinja").read_text(),
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "add_bos_token": False,
+            }
+        )
+    )
     (root / "config.json").write_text(json.dumps({**cfg, "eos_token_id": end}))
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, tok.token_to_id("<|endoftext|>")]}))
 
@@ -91,6 +139,7 @@ def agent_checkpoint(root) -> None:
 @pytest.fixture(scope="module")
 def agent_dir(tmp_path_factory):
     from colibri.convert import convert
+
     hf = tmp_path_factory.mktemp("agent") / "hf"
     agent_checkpoint(hf)
     out = hf.parent / "model"
@@ -113,8 +162,9 @@ def chat(server, timeout=120, **body):
 def sse(server, **body) -> list:
     """The data events of a streamed chat request, [DONE] excluded."""
     events = []
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={"model": "agent", "stream": True, **body},
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json={"model": "agent", "stream": True, **body}, timeout=120
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -128,10 +178,19 @@ def schema_of(tool):
 
 # ---- tool calls -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_a_forced_tool_call_comes_back_as_tool_calls(agent, choice):
-    r = chat(agent, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=200, temperature=0.8, seed=3,
-             parallel_tool_calls=False)
+    r = chat(
+        agent,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        max_tokens=200,
+        temperature=0.8,
+        seed=3,
+        parallel_tool_calls=False,
+    )
     assert r.status_code == 200, r.text
     out = r.json()["choices"][0]
     assert out["finish_reason"] == "tool_calls", out
@@ -162,8 +221,9 @@ def test_streamed_tool_calls_add_up_to_the_whole(agent):
                 reasons.append(c["finish_reason"])
     assert reasons == ["tool_calls"]
     expected = whole["message"]["tool_calls"]
-    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == \
-        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected]
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected
+    ]
     assert "".join(content) == (whole["message"]["content"] or "")
 
 
@@ -171,16 +231,18 @@ def test_the_openai_client_runs_a_tool_loop(agent):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=agent.url + "/v1", api_key="none")
     messages = list(ASK)
-    first = client.chat.completions.create(model="agent", messages=messages, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=200, temperature=0)
+    first = client.chat.completions.create(
+        model="agent", messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0
+    )
     call = first.choices[0].message.tool_calls[0]
     assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), schema_of(WEATHER))
     # the SDK sends the call back as it received it: content null, arguments a JSON string
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"})
-    second = client.chat.completions.create(model="agent", messages=messages, tools=[WEATHER], tool_choice="none",
-                                            max_tokens=8, temperature=0)
+    second = client.chat.completions.create(
+        model="agent", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert second.choices[0].finish_reason in ("stop", "length")
     assert second.choices[0].message.tool_calls is None
 
@@ -189,8 +251,15 @@ def test_the_openai_client_streams_tool_calls(agent):
     """The SDK's own accumulation of streamed deltas gives the whole reply's calls."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=agent.url + "/v1", api_key="none")
-    body = dict(model="agent", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200,
-                temperature=0.9, seed=21)
+    body = dict(
+        model="agent",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=200,
+        temperature=0.9,
+        seed=21,
+    )
     whole = client.chat.completions.create(**body).choices[0]
     with client.chat.completions.stream(**body) as stream:
         for _ in stream:
@@ -198,8 +267,9 @@ def test_the_openai_client_streams_tool_calls(agent):
         streamed = stream.get_final_completion().choices[0]
     assert streamed.finish_reason == whole.finish_reason == "tool_calls"
     # the same seed, the same calls (each run draws its own call ids)
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
     assert all(c.id and c.type == "function" for c in streamed.message.tool_calls)
 
 
@@ -222,16 +292,28 @@ def test_tool_choice_none_leaves_calls_unparsed_and_unforced(agent):
 
 # ---- structured outputs -----------------------------------------------------------------------------
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["name", "age", "tags"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_response_format_json_schema_gives_valid_json(agent, seed):
-    r = chat(agent, messages=[{"role": "user", "content": "a person"}], max_tokens=300, temperature=1.0, seed=seed,
-             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    r = chat(
+        agent,
+        messages=[{"role": "user", "content": "a person"}],
+        max_tokens=300,
+        temperature=1.0,
+        seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
@@ -248,8 +330,15 @@ def closing_bias(server) -> dict:
 
 @pytest.mark.parametrize("seed", [4, 5])
 def test_response_format_json_object_gives_an_object(agent, seed):
-    r = chat(agent, messages=[{"role": "user", "content": "json please"}], max_tokens=200, temperature=0.7,
-             seed=seed, response_format={"type": "json_object"}, logit_bias=closing_bias(agent))
+    r = chat(
+        agent,
+        messages=[{"role": "user", "content": "json please"}],
+        max_tokens=200,
+        temperature=0.7,
+        seed=seed,
+        response_format={"type": "json_object"},
+        logit_bias=closing_bias(agent),
+    )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert isinstance(json.loads(choice["message"]["content"]), dict)
@@ -264,13 +353,19 @@ def test_the_openai_client_parses_into_a_pydantic_model(agent):
         population: int
 
     client = openai.OpenAI(base_url=agent.url + "/v1", api_key="none")
-    out = client.chat.completions.parse(model="agent", messages=[{"role": "user", "content": "a city"}],
-                                        response_format=City, max_tokens=300, temperature=0,
-                                        logit_bias=closing_bias(agent))
+    out = client.chat.completions.parse(
+        model="agent",
+        messages=[{"role": "user", "content": "a city"}],
+        response_format=City,
+        max_tokens=300,
+        temperature=0,
+        logit_bias=closing_bias(agent),
+    )
     assert isinstance(out.choices[0].message.parsed, City)
 
 
 # ---- OpenAI parity ---------------------------------------------------------------------------------
+
 
 def test_without_a_seed_each_request_draws_its_own_and_reports_it(agent):
     body = dict(messages=ASK, max_tokens=12, temperature=1.5)
@@ -302,11 +397,11 @@ def test_logit_bias_forces_a_token(agent):
 
 
 def test_tokenize_and_detokenize(agent):
-    text = "hello world {\"a\": 1}"
+    text = 'hello world {"a": 1}'
     r = httpx.post(agent.url + "/tokenize", json={"content": text, "with_pieces": True}).json()
     ids = [t["id"] for t in r["tokens"]]
     assert "".join(t["piece"] for t in r["tokens"]) == text and r["count"] == len(ids)
-    assert httpx.post(agent.url + "/tokenize", json={"prompt": text}).json()["tokens"] == ids      # vLLM's shape
+    assert httpx.post(agent.url + "/tokenize", json={"prompt": text}).json()["tokens"] == ids  # vLLM's shape
     assert httpx.post(agent.url + "/detokenize", json={"tokens": ids}).json()["content"] == text
     conv = httpx.post(agent.url + "/tokenize", json={"messages": ASK}).json()
     assert conv["count"] > len(ids)
@@ -320,11 +415,19 @@ def test_a_model_by_its_id(agent):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("audio", {"voice": "alloy", "format": "mp3"}), ("modalities", ["text", "audio"]),
-    ("prediction", {"type": "content", "content": "x"}), ("functions", [{"name": "f"}]),
-    ("store", True), ("max_token", 5), ("web_search_options", {}), ("service_tier", "flex"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("audio", {"voice": "alloy", "format": "mp3"}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("functions", [{"name": "f"}]),
+        ("store", True),
+        ("max_token", 5),
+        ("web_search_options", {}),
+        ("service_tier", "flex"),
+    ],
+)
 def test_a_field_not_implemented_is_a_400_naming_it(agent, field, value):
     r = chat(agent, messages=ASK, max_tokens=2, **{field: value})
     assert r.status_code == 400, r.text
@@ -338,21 +441,37 @@ def test_completions_refuse_what_they_do_not_implement(agent, field, value):
 
 
 def test_fields_meaningless_here_are_accepted(agent):
-    r = chat(agent, messages=ASK, max_tokens=2, user="u1", metadata={"k": "v"}, store=False,
-             prompt_cache_key="p", safety_identifier="s", service_tier="auto")
+    r = chat(
+        agent,
+        messages=ASK,
+        max_tokens=2,
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        prompt_cache_key="p",
+        safety_identifier="s",
+        service_tier="auto",
+    )
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1": 500}}, "logit_bias"),
-    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 500}}, "logit_bias"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ],
+)
 def test_bad_agent_fields_are_400s(agent, body, param):
     r = chat(agent, **{"messages": ASK, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
@@ -363,16 +482,23 @@ def test_reasoning_effort_reaches_the_template(agent):
     # Qwen3's template reads enable_thinking: "none" renders the empty think block into the prompt
     r = chat(agent, messages=ASK, max_tokens=2, reasoning_effort="none")
     assert r.status_code == 200, r.text
-    ids_none = httpx.post(agent.url + "/tokenize", json={"messages": ASK,
-                                                          "chat_template_kwargs": {"enable_thinking": False}}).json()
+    ids_none = httpx.post(
+        agent.url + "/tokenize", json={"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+    ).json()
     assert r.json()["usage"]["prompt_tokens"] == ids_none["count"]
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
-    (b'{"model": "agent", "messages": [{"role": "user", "content": "a\\udfff"}], "max_tokens": 1}', "messages"),
-    (b'{"model": "agent", "messages": [{"role": "user", "content": "hi"}], "metadata": {"\\ud800": 1}}', "metadata"),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        (b'{"model": "agent", "messages": [{"role": "user", "content": "a\\udfff"}], "max_tokens": 1}', "messages"),
+        (
+            b'{"model": "agent", "messages": [{"role": "user", "content": "hi"}], "metadata": {"\\ud800": 1}}',
+            "metadata",
+        ),
+    ],
+)
 def test_lone_surrogates_anywhere_are_400(agent, raw, param):
     r = httpx.post(agent.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
@@ -386,6 +512,7 @@ LOOPING = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{
 
 def test_a_looping_template_times_out_and_the_server_keeps_answering(agent_dir, tmp_path):
     from colibri.textfiles import import_text_files
+
     looped, source = tmp_path / "looped", tmp_path / "source"
     shutil.copytree(agent_dir, looped)
     source.mkdir()
@@ -407,6 +534,7 @@ def test_a_looping_template_times_out_and_the_server_keeps_answering(agent_dir, 
 
 # ---- the schema -------------------------------------------------------------------------------------
 
+
 def test_every_field_the_openai_sdk_sends_is_classified():
     """A field the SDK knows is implemented, accepted as meaningless or refused, never unknown:
     the SDK's own parameter lists against the protocol's models."""
@@ -414,30 +542,57 @@ def test_every_field_the_openai_sdk_sends_is_classified():
     from colibri.serve import protocol
     from openai.types import completion_create_params as completion
     from openai.types.chat import completion_create_params as chat_params
+
     assert openai
-    for sdk, ours in ((chat_params.CompletionCreateParamsBase, protocol.ChatCompletionRequest),
-                      (completion.CompletionCreateParamsBase, protocol.CompletionRequest)):
+    for sdk, ours in (
+        (chat_params.CompletionCreateParamsBase, protocol.ChatCompletionRequest),
+        (completion.CompletionCreateParamsBase, protocol.CompletionRequest),
+    ):
         missing = set(sdk.__annotations__) - set(ours.model_fields)
         assert not missing, f"{ours.__name__} does not classify {sorted(missing)}"
 
 
 def test_openapi_documents_every_route_and_body(agent):
     doc = httpx.get(agent.url + "/openapi.json").json()
-    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/health"} <= \
-        set(doc["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/health"} <= set(
+        doc["paths"]
+    )
     schemas = doc["components"]["schemas"]
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     chat_schema = schemas[body["$ref"].rsplit("/", 1)[1]]
-    assert {"messages", "tools", "tool_choice", "response_format", "logit_bias", "seed"} <= set(chat_schema["properties"])
+    assert {"messages", "tools", "tool_choice", "response_format", "logit_bias", "seed"} <= set(
+        chat_schema["properties"]
+    )
     assert chat_schema.get("additionalProperties") is False
 
 
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 10 ** 6) | st.floats() |
-                           st.text(max_size=8), lambda inner: st.lists(inner, max_size=3) |
-                           st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
-CHAT_FIELDS = ["temperature", "top_p", "n", "stop", "seed", "logit_bias", "logprobs", "top_logprobs", "tools",
-               "tool_choice", "response_format", "reasoning_effort", "user", "stream_options", "top_k", "audio",
-               "max_completion_tokens", "parallel_tool_calls", "chat_template_kwargs", "frequency_penalty"]
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+CHAT_FIELDS = [
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "reasoning_effort",
+    "user",
+    "stream_options",
+    "top_k",
+    "audio",
+    "max_completion_tokens",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "frequency_penalty",
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -445,9 +600,10 @@ CHAT_FIELDS = ["temperature", "top_p", "n", "stop", "seed", "logit_bias", "logpr
 def test_any_body_is_answered_in_openai_shape_never_a_500(agent, extra):
     """Whatever a client puts in the fields, the answer is a 200 or an OpenAI-shaped 4xx."""
     body = {"model": "agent", "messages": ASK, **extra, "max_tokens": 2, "stream": False}
-    raw = json.dumps(body).encode()          # Python's JSON: NaN and Infinity too, as some clients send
-    r = httpx.post(agent.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
-                   timeout=120)
+    raw = json.dumps(body).encode()  # Python's JSON: NaN and Infinity too, as some clients send
+    r = httpx.post(
+        agent.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=120
+    )
     assert r.status_code in (200, 400, 404, 422), r.text
     if r.status_code != 200:
         err = r.json()["error"]

@@ -6,6 +6,7 @@ attention sinks, MLA's latent cache, the parallel MoE block), and so a Batch's t
 generate()'s. Places in the KV cache are reused by the next sequence, after the longest prefix
 they still hold.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +23,7 @@ def _alone(m, ids):
     out = np.empty((len(ids), m.config.vocab_size), np.float32)
     m._engine.reset()
     for t in range(len(ids)):
-        assert m._engine.run(ids[t:t + 1], t, out[t:t + 1], True)[0] == 0
+        assert m._engine.run(ids[t : t + 1], t, out[t : t + 1], True)[0] == 0
     return out
 
 
@@ -61,8 +62,9 @@ def test_a_step_gives_each_sequence_the_bits_of_decoding_it_alone(converted, cas
             break
         tokens = np.array([seqs[i][pos[i]] for i in live], np.int32)
         out = np.empty((len(live), vocab), np.float32)
-        status = m._engine.step(tokens, np.array([places[i] for i in live], np.int32),
-                                np.array([pos[i] for i in live], np.int32), out)
+        status = m._engine.step(
+            tokens, np.array([places[i] for i in live], np.int32), np.array([pos[i] for i in live], np.int32), out
+        )
         assert status[0] == 0
         for row, i in enumerate(live):
             np.testing.assert_array_equal(out[row], want[i][pos[i]], err_msg=f"sequence {i} at {pos[i]}")
@@ -82,10 +84,10 @@ def test_a_step_mixes_prompt_pieces_and_decoding_tokens(converted, case):
     want = [_alone(alone_model, s) for s in seqs]
     m = colibri.load(path, threads=2, parallel=3, prefill_chunk=8)
     out = np.empty((4, vocab), np.float32)
-    assert m._engine.run(seqs[0][:4], 0, out[:1], False, 1)[0] == 0       # sequence 0 in place 1, 4 tokens
+    assert m._engine.run(seqs[0][:4], 0, out[:1], False, 1)[0] == 0  # sequence 0 in place 1, 4 tokens
     pieces = [(1, seqs[0], 4, 1), (0, seqs[1], 0, 5), (2, seqs[2], 0, 2)]  # (place, ids, from, tokens)
     for round_ in range(2):
-        tokens = np.concatenate([ids[f:f + k] for _, ids, f, k in pieces]).astype(np.int32)
+        tokens = np.concatenate([ids[f : f + k] for _, ids, f, k in pieces]).astype(np.int32)
         places = np.concatenate([np.full(k, p, np.int32) for p, _, _, k in pieces])
         positions = np.concatenate([np.arange(f, f + k, dtype=np.int32) for _, _, f, k in pieces])
         mask = np.concatenate([np.arange(k) == k - 1 for *_, k in pieces]).astype(np.uint8)
@@ -98,7 +100,7 @@ def test_a_step_mixes_prompt_pieces_and_decoding_tokens(converted, case):
 def test_a_step_refuses_what_it_cannot_do(converted):
     m = colibri.load(converted("mixtral_a", "f32"), parallel=2)
     out = np.empty((2, m.config.vocab_size), np.float32)
-    i32 = lambda *v: np.array(v, np.int32)      # noqa: E731
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
     side_by_side = "tokens in a step must be side by side at consecutive positions"
     with pytest.raises(ValueError, match=side_by_side):
         m._engine.step(i32(1, 2), i32(0, 0), i32(0, 2), out)
@@ -135,8 +137,11 @@ def test_the_kv_cache_is_allocated_per_sequence(converted):
 
 # ---- Batch ----------------------------------------------------------------------------------------
 
-SETTINGS = [dict(), dict(temperature=0.9, seed=5, logprobs=2), dict(temperature=0.7, top_k=5, seed=1,
-                                                                    repetition_penalty=1.3)]
+SETTINGS = [
+    dict(),
+    dict(temperature=0.9, seed=5, logprobs=2),
+    dict(temperature=0.7, top_k=5, seed=1, repetition_penalty=1.3),
+]
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +175,7 @@ def test_a_batch_generates_what_generate_does_alone(pair, step_tokens):
         steps = 0
         while b.running:
             events = b.step()
-            assert len({id(e[0]) for e in events}) == len(events)       # one token per sequence a step
+            assert len({id(e[0]) for e in events}) == len(events)  # one token per sequence a step
             steps += 1
         if step_tokens is None:
             assert steps <= max(lengths)
@@ -229,7 +234,7 @@ def test_a_batch_stops_at_stop_strings_and_streams_the_same_text(chat_model_dir)
     prompt = m.encode("the quick brown")
     pieces = list(alone.stream(prompt, 16, reuse_prefix=False))
     text = "".join(pieces)
-    stop = text[len(text) // 2:len(text) // 2 + 2] if len(text) >= 4 else None
+    stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) >= 4 else None
     want_stopped = "".join(alone.stream(prompt, 16, stop=stop, reuse_prefix=False))
     with Batch(m) as b:
         whole = b.add(prompt, 16)
@@ -245,9 +250,12 @@ def test_a_batch_stops_at_stop_strings_and_streams_the_same_text(chat_model_dir)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6), st.integers(0, 3), st.booleans()),
-                     min_size=1, max_size=6),
-       step_tokens=st.integers(1, 8))
+@given(
+    plan=st.lists(
+        st.tuples(st.integers(1, 9), st.integers(1, 6), st.integers(0, 3), st.booleans()), min_size=1, max_size=6
+    ),
+    step_tokens=st.integers(1, 8),
+)
 def test_any_schedule_of_adds_and_cancels_keeps_each_sequence_exact(pair, plan, step_tokens):
     """Sequences (prompt length, tokens wanted, steps to wait before adding it, whether it is
     cancelled halfway) added as room allows, steps of step_tokens: every one not cancelled
@@ -271,7 +279,7 @@ def test_any_schedule_of_adds_and_cancels_keeps_each_sequence_exact(pair, plan, 
     for seq, prompt, want, cancel in started:
         tokens, _ = _generate_alone(alone, prompt, want, dict(stop_at_eos=False))
         got = seq.record.tokens
-        assert got == tokens if not cancel else got == tokens[:len(got)]
+        assert got == tokens if not cancel else got == tokens[: len(got)]
 
 
 def test_a_sequence_whose_sampling_fails_ends_alone(pair, monkeypatch):
@@ -286,6 +294,7 @@ def test_a_sequence_whose_sampling_fails_ends_alone(pair, monkeypatch):
         if self.max_new_tokens == 7 and len(self.record.tokens) == 2:
             raise colibri.ColibriError("the sampler failed")
         return real(self, logits)
+
     monkeypatch.setattr(batching.Sequence, "_take", take)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     with Batch(m, step_tokens=3) as b:

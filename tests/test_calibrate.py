@@ -1,5 +1,6 @@
 """Importance-weighted quantization: the engine's input statistics (calibrate), the weighted scale
 search (quant.quantize(importance=)), and convert --importance."""
+
 from __future__ import annotations
 
 import json
@@ -27,20 +28,28 @@ def _weighted_error(w, stored, dtype, imp):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(WEIGHTED), st.integers(1, 12), st.integers(1, 6), st.integers(0, 2**31 - 1),
-       st.sampled_from(["gamma", "ones", "sparse"]))
+@given(
+    st.sampled_from(WEIGHTED),
+    st.integers(1, 12),
+    st.integers(1, 6),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["gamma", "ones", "sparse"]),
+)
 def test_the_weighted_search_never_loses_to_round_to_nearest(dtype, rows, nb, seed, kind):
     """For any importance, every block's importance-weighted error is at most round-to-nearest's
     (the search keeps RTN's scale unless a candidate is strictly better), the stored blocks are
     valid (finite scales, the format's levels), and the total is lower on Gaussian weights."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((rows, nb * quant.QBLOCK)) * rng.uniform(0.01, 10)).astype(np.float32)
-    imp = {"gamma": rng.gamma(0.5, 1.0, w.shape[1]), "ones": np.ones(w.shape[1]),
-           "sparse": rng.gamma(0.5, 1.0, w.shape[1]) * (rng.random(w.shape[1]) < 0.3)}[kind].astype(np.float32)
+    imp = {
+        "gamma": rng.gamma(0.5, 1.0, w.shape[1]),
+        "ones": np.ones(w.shape[1]),
+        "sparse": rng.gamma(0.5, 1.0, w.shape[1]) * (rng.random(w.shape[1]) < 0.3),
+    }[kind].astype(np.float32)
     rtn, searched = quant.quantize(w, dtype), quant.quantize(w, dtype, imp)
     assert searched.shape == rtn.shape
     e_rtn, e_searched = _weighted_error(w, rtn, dtype, imp), _weighted_error(w, searched, dtype, imp)
-    assert np.all(e_searched <= e_rtn * (1 + 1e-5) + 1e-30)      # float32 search, float64 check
+    assert np.all(e_searched <= e_rtn * (1 + 1e-5) + 1e-30)  # float32 search, float64 check
     assert np.isfinite(quant.dequantize(searched, dtype, w.shape[1])).all()
 
 
@@ -81,8 +90,10 @@ def test_the_engine_collects_each_matrix_s_inputs(converted):
             assert s[-1] == counts[layer][e], name
             assert (s[:-1] > 0).any() == (counts[layer][e] > 0), name
     for layer in range(cfg.num_hidden_layers):
-        assert sum(m.input_stats[f"layers.{layer}.experts.{e}.gate"][-1] for e in range(cfg.num_experts)) \
+        assert (
+            sum(m.input_stats[f"layers.{layer}.experts.{e}.gate"][-1] for e in range(cfg.num_experts))
             == T * cfg.num_experts_per_tok
+        )
 
 
 def _f32_of(mapped, name):
@@ -95,8 +106,13 @@ def _importance_file(model_dir, ids, path, tmp_path):
     m = colibri.load(model_dir, capture_inputs=True)
     m.forward(ids)
     tensors = calibrate.summarize(m.input_stats)
-    calibrate.save({"tensors": tensors, "meta": {"model_dir": str(model_dir), "architecture": "x", "tokens": len(ids),
-                                                 "ctx": len(ids)}}, path)
+    calibrate.save(
+        {
+            "tensors": tensors,
+            "meta": {"model_dir": str(model_dir), "architecture": "x", "tokens": len(ids), "ctx": len(ids)},
+        },
+        path,
+    )
     return tensors
 
 
@@ -122,6 +138,7 @@ def test_convert_with_importance_weights_each_matrix_s_rounding(converted, tmp_p
 
         def e(x):
             return float((imp.astype(np.float64) * (w - x) ** 2).sum())
+
         if count:
             assert e(stored) <= e(rtn) * (1 + 1e-5) + 1e-30, name
             changed += not np.array_equal(stored, rtn)
@@ -138,18 +155,65 @@ def test_importance_errors_are_one_line(converted, tmp_path):
     hf = FIXTURES / "mixtral_a" / "hf"
     junk = tmp_path / "junk.npz"
     junk.write_bytes(b"not an npz")
-    one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", tmp_path / "a", "--quantize", "int4",
-                           "--importance", junk, limit=AS_LIMIT), "junk.npz", "importance file")
-    other = tmp_path / "other.npz"             # statistics of another model: the columns differ
-    np.savez(other, meta=np.array(json.dumps({"format": calibrate.FORMAT})),
-             **{"mean_sq/layers.0.wq": np.ones(7, np.float32), "count/layers.0.wq": np.array(3)})
-    one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", tmp_path / "b", "--quantize", "int4",
-                           "--importance", other, limit=AS_LIMIT), "layers.0.wq", "another model")
+    one_line_error(
+        run_cli(
+            "convert",
+            "--hf-dir",
+            hf,
+            "--output-dir",
+            tmp_path / "a",
+            "--quantize",
+            "int4",
+            "--importance",
+            junk,
+            limit=AS_LIMIT,
+        ),
+        "junk.npz",
+        "importance file",
+    )
+    other = tmp_path / "other.npz"  # statistics of another model: the columns differ
+    np.savez(
+        other,
+        meta=np.array(json.dumps({"format": calibrate.FORMAT})),
+        **{"mean_sq/layers.0.wq": np.ones(7, np.float32), "count/layers.0.wq": np.array(3)},
+    )
+    one_line_error(
+        run_cli(
+            "convert",
+            "--hf-dir",
+            hf,
+            "--output-dir",
+            tmp_path / "b",
+            "--quantize",
+            "int4",
+            "--importance",
+            other,
+            limit=AS_LIMIT,
+        ),
+        "layers.0.wq",
+        "another model",
+    )
     unrelated = tmp_path / "unrelated.npz"
-    np.savez(unrelated, meta=np.array(json.dumps({"format": calibrate.FORMAT})),
-             **{"mean_sq/nothing": np.ones(7, np.float32), "count/nothing": np.array(3)})
-    one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", tmp_path / "c", "--quantize", "int4",
-                           "--importance", unrelated, limit=AS_LIMIT), "none of its tensors")
+    np.savez(
+        unrelated,
+        meta=np.array(json.dumps({"format": calibrate.FORMAT})),
+        **{"mean_sq/nothing": np.ones(7, np.float32), "count/nothing": np.array(3)},
+    )
+    one_line_error(
+        run_cli(
+            "convert",
+            "--hf-dir",
+            hf,
+            "--output-dir",
+            tmp_path / "c",
+            "--quantize",
+            "int4",
+            "--importance",
+            unrelated,
+            limit=AS_LIMIT,
+        ),
+        "none of its tensors",
+    )
     assert not any((tmp_path / d).exists() for d in ("a", "b", "c"))
 
 
@@ -170,11 +234,24 @@ def test_calibrate_on_the_demo_writes_a_file_convert_reads(tmp_path):
     assert "with their whole second moment" in r.stderr
     short = tmp_path / "short.txt"
     short.write_text("Hi.", encoding="utf-8")
-    one_line_error(run_cli("calibrate", "--model-dir", DEMO_DIR, "--text", short, "--output", tmp_path / "x.npz",
-                           limit=AS_LIMIT), "too short")
+    one_line_error(
+        run_cli("calibrate", "--model-dir", DEMO_DIR, "--text", short, "--output", tmp_path / "x.npz", limit=AS_LIMIT),
+        "too short",
+    )
     assert not (tmp_path / "x.npz").exists()
-    one_line_error(run_cli("calibrate", "--model-dir", DEMO_DIR, "--text", text, "--output",
-                           tmp_path / "nowhere" / "x.npz", limit=AS_LIMIT), "does not exist")
+    one_line_error(
+        run_cli(
+            "calibrate",
+            "--model-dir",
+            DEMO_DIR,
+            "--text",
+            text,
+            "--output",
+            tmp_path / "nowhere" / "x.npz",
+            limit=AS_LIMIT,
+        ),
+        "does not exist",
+    )
 
 
 def test_a_requantized_gguf_takes_the_importance(converted, tmp_path):
@@ -190,5 +267,6 @@ def test_a_requantized_gguf_takes_the_importance(converted, tmp_path):
     convert(None, tmp_path / "b", quantize="int4", gguf=gguf, importance=path, log=lines.append)
     assert any("carried byte for byte keep their own scales" in line for line in lines)
     a, b = MappedModelDir(ModelDir(tmp_path / "a")), MappedModelDir(ModelDir(tmp_path / "b"))
-    assert any(not np.array_equal(a.rows_array(n), b.rows_array(n)) for n in a.md.tensors
-               if a.md.tensors[n]["dtype"] == "int4")
+    assert any(
+        not np.array_equal(a.rows_array(n), b.rows_array(n)) for n in a.md.tensors if a.md.tensors[n]["dtype"] == "int4"
+    )

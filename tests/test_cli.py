@@ -3,6 +3,7 @@
 The contract under test (colibri/cli.py): a user's mistake is one line on stderr and exit status 2
 (1 for a failed `verify`), never a traceback, and the line names the offending value or file.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,24 @@ def ref():
 
 # ---- run ---------------------------------------------------------------------------------------
 
-SPEED_LINE = re.compile(r"\[INFO\] Prompt: (\d+) tokens in \d+ ms \((\d+(\.\d+)?|-) tok/s\)(, \d+ reused from the cache)?; "
-                        r"generated (\d+) tokens in \d+ ms \((\d+(\.\d+)?|-) tok/s\)")
+SPEED_LINE = re.compile(
+    r"\[INFO\] Prompt: (\d+) tokens in \d+ ms \((\d+(\.\d+)?|-) tok/s\)(, \d+ reused from the cache)?; "
+    r"generated (\d+) tokens in \d+ ms \((\d+(\.\d+)?|-) tok/s\)"
+)
 
 
 def test_run_tokens_greedy_matches_reference(mixtral, ref):
-    p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 12,
-                "--ignore-eos", "--ids")
+    p = colibri(
+        "run",
+        "--model-dir",
+        mixtral,
+        "--tokens",
+        ids_arg(ref["input_ids"]),
+        "--max-new-tokens",
+        12,
+        "--ignore-eos",
+        "--ids",
+    )
     assert p.returncode == 0, p.stderr
     # stdout is the generated ids alone; every [INFO] line is on stderr
     assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"].tolist()
@@ -56,8 +68,20 @@ def test_run_prefill_chunk_splits_the_prompt_alike(mixtral, ref, chunk):
     """--prefill-chunk: the prompt run in pieces of that many tokens gives the same greedy ids (a
     token's logits do not depend on how the prompt was split)."""
     assert len(ref["input_ids"]) > int(chunk)
-    p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 6,
-                "--ignore-eos", "--ids", "--quiet", "--prefill-chunk", chunk)
+    p = colibri(
+        "run",
+        "--model-dir",
+        mixtral,
+        "--tokens",
+        ids_arg(ref["input_ids"]),
+        "--max-new-tokens",
+        6,
+        "--ignore-eos",
+        "--ids",
+        "--quiet",
+        "--prefill-chunk",
+        chunk,
+    )
     assert p.returncode == 0, p.stderr
     assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"][:6].tolist()
 
@@ -73,8 +97,18 @@ def test_a_bad_prefill_chunk_is_one_line(mixtral):
 
 
 def test_run_quiet_prints_only_the_output(mixtral, ref):
-    p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 3,
-                "--ignore-eos", "--ids", "--quiet")
+    p = colibri(
+        "run",
+        "--model-dir",
+        mixtral,
+        "--tokens",
+        ids_arg(ref["input_ids"]),
+        "--max-new-tokens",
+        3,
+        "--ignore-eos",
+        "--ids",
+        "--quiet",
+    )
     assert p.returncode == 0 and p.stderr == "", p.stderr
     assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"][:3].tolist()
 
@@ -88,8 +122,17 @@ def test_run_describes_weight_dtype(converted, dtype, ref):
 
 
 def test_run_underscore_aliases(mixtral, ref):
-    p = colibri("run", "--model_dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max_new_tokens", 5,
-                "--ignore-eos", "--ids")
+    p = colibri(
+        "run",
+        "--model_dir",
+        mixtral,
+        "--tokens",
+        ids_arg(ref["input_ids"]),
+        "--max_new_tokens",
+        5,
+        "--ignore-eos",
+        "--ids",
+    )
     assert p.returncode == 0, p.stderr
     assert [int(t) for t in p.stdout.split()] == ref["greedy_ids"][:5].tolist()
     assert "generated 5 tokens" in p.stderr
@@ -104,18 +147,31 @@ def test_run_prompt_with_tokenizer(mixtral):
 
 
 def test_run_verbose_routing(mixtral, ref):
-    p = colibri("run", "--model-dir", mixtral, "--tokens", ids_arg(ref["input_ids"]), "--max-new-tokens", 3,
-                "--ignore-eos", "--ids", "--verbose")
+    p = colibri(
+        "run",
+        "--model-dir",
+        mixtral,
+        "--tokens",
+        ids_arg(ref["input_ids"]),
+        "--max-new-tokens",
+        3,
+        "--ignore-eos",
+        "--ids",
+        "--verbose",
+    )
     assert p.returncode == 0, p.stderr
-    routing = re.findall(r"Routing: token (\d+) layer (\d+): expert_(\d+) \((0\.\d\d|1\.00)\), "
-                         r"expert_(\d+) \((0\.\d\d|1\.00)\)", p.stderr)
+    routing = re.findall(
+        r"Routing: token (\d+) layer (\d+): expert_(\d+) \((0\.\d\d|1\.00)\), "
+        r"expert_(\d+) \((0\.\d\d|1\.00)\)",
+        p.stderr,
+    )
     # 3 steps (prefill + 2 decode steps) x 2 MoE layers
     assert len(routing) == 6, p.stderr
     assert any(r[1] == "0" for r in routing)
     for tok, layer, e1, w1, e2, w2 in routing:
         assert e1 != e2 and 0 <= int(e1) < 4 and 0 <= int(e2) < 4
         assert float(w1) >= float(w2)
-        assert abs(float(w1) + float(w2) - 1.0) <= 0.011          # Mixtral renormalises the top-2
+        assert abs(float(w1) + float(w2) - 1.0) <= 0.011  # Mixtral renormalises the top-2
     # token 0 is the routing of the last prompt position: compare with the reference router logits
     r = ref["router_logits_f32"][:, -1].astype(np.float64)
     probs = np.exp(r - r.max(-1, keepdims=True))
@@ -130,13 +186,16 @@ def test_run_verbose_routing(mixtral, ref):
     first = re.findall(r"First use of (layers/(\d\d)/expert_(\d{3})\.bin)", p.stderr)
     assert any(layer == "00" for _, layer, _ in first)
     assert len(first) == len(set(first)), "an expert file was reported as first used twice"
-    used = {(int(layer), int(e1)) for _, layer, e1, *_ in routing} | {(int(layer), int(e2)) for _, layer, _, _, e2, _ in routing}
+    used = {(int(layer), int(e1)) for _, layer, e1, *_ in routing} | {
+        (int(layer), int(e2)) for _, layer, _, _, e2, _ in routing
+    }
     assert {(int(layer), int(e)) for _, layer, e in first} == used
     for rel, _, _ in first:
         assert (mixtral / rel).is_file()
 
 
 # ---- convert -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("spelling", [("--hf_dir", "--output_dir"), ("--hf-dir", "--output-dir")])
 def test_convert_spellings(tmp_path, spelling):
@@ -160,7 +219,7 @@ def test_convert_refuses_non_empty_output_without_force(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out"], "conversion left temporary files behind"
 
     p = colibri("convert", "--hf-dir", FIXTURES / "mixtral_a" / "hf", "--output-dir", out, "--force")
-    one_line_error(p, out)                 # --force replaces only a Colibri model directory
+    one_line_error(p, out)  # --force replaces only a Colibri model directory
     assert (out / "precious.txt").read_text() == "keep me"
 
     (out / "precious.txt").unlink()
@@ -192,12 +251,13 @@ def test_relayout_and_its_errors(converted, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "experts transposed" in colibri("info", "--model-dir", out).stdout
     one_line_error(colibri("relayout", "--model-dir", tmp_path / "missing", "--output-dir", tmp_path / "o"), "missing")
-    one_line_error(colibri("relayout", "--model-dir", src, "--output-dir", out), out)        # not empty
+    one_line_error(colibri("relayout", "--model-dir", src, "--output-dir", out), out)  # not empty
     one_line_error(colibri("relayout", "--model-dir", src, "--output-dir", src), "itself")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["t"], "relayout left temporary files behind"
 
 
 # ---- info / verify -----------------------------------------------------------------------------
+
 
 def test_info(mixtral, converted):
     p = colibri("info", "--model-dir", mixtral)
@@ -206,10 +266,13 @@ def test_info(mixtral, converted):
     assert "layers:       2 (2 MoE, 0 dense)" in p.stdout
     assert "tokenizer:    tokenizer.model (" in p.stdout
     assert f"int8/int4:    {_kernels.int_step()} step in the interleaved and transposed kernels" in p.stdout
-    if _kernels.has_bf16_products():          # (on an AMX-BF16 host the unit's order, found at import)
+    if _kernels.has_bf16_products():  # (on an AMX-BF16 host the unit's order, found at import)
         order = _kernels.bf16_order()
-        assert ("bf16:         bf16 products on vdpbf16ps (order seq)" if order == "seq" else
-                f"bf16:         bf16 products in order {order}: widened FMAs") in p.stdout
+        assert (
+            "bf16:         bf16 products on vdpbf16ps (order seq)"
+            if order == "seq"
+            else f"bf16:         bf16 products in order {order}: widened FMAs"
+        ) in p.stdout
     else:
         assert "bf16:  " not in p.stdout
     q = colibri("info", "--model-dir", converted("qwen3moe_a", "f32"))
@@ -237,6 +300,7 @@ def test_verify_ok_then_detects_flipped_byte(mixtral, tmp_path):
 
 
 # ---- errors: one line, exit 2, naming the culprit ------------------------------------------------
+
 
 def test_error_missing_model_dir(tmp_path):
     missing = tmp_path / "no_such_model"
@@ -277,8 +341,9 @@ def test_error_token_outside_vocab(mixtral):
 
 
 def test_error_prompt_longer_than_context(mixtral):
-    line = one_line_error(colibri("run", "--model-dir", mixtral, "--n-ctx", 16, "--tokens", "1,2,3",
-                                  "--max-new-tokens", 20), "16", "20")
+    line = one_line_error(
+        colibri("run", "--model-dir", mixtral, "--n-ctx", 16, "--tokens", "1,2,3", "--max-new-tokens", 20), "16", "20"
+    )
     assert "context" in line
 
 
@@ -287,17 +352,20 @@ def test_error_prompt_without_tokenizer(converted):
     one_line_error(colibri("run", "--model-dir", d, "--prompt", "hello"), "tokenizer.json or tokenizer.model")
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--max-new-tokens", "0"], "'0'"),
-    (["--max-new-tokens", "-3"], "'-3'"),
-    (["--tokens", "a,b"], "a,b"),
-    (["--no-such-flag"], "--no-such-flag"),
-    (["--temperature", "warm"], "warm"),
-    (["--temperature", "nan"], "nan"),
-    (["--temperature", "-1"], "-1"),
-    (["--top-p", "0"], "top_p"),
-    (["--n-ctx", "0"], "'0'"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--max-new-tokens", "0"], "'0'"),
+        (["--max-new-tokens", "-3"], "'-3'"),
+        (["--tokens", "a,b"], "a,b"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--temperature", "warm"], "warm"),
+        (["--temperature", "nan"], "nan"),
+        (["--temperature", "-1"], "-1"),
+        (["--top-p", "0"], "top_p"),
+        (["--n-ctx", "0"], "'0'"),
+    ],
+)
 def test_error_bad_flag_values(mixtral, args, named):
     argv = ["run", "--model-dir", mixtral, *args]
     if "--tokens" not in args:
@@ -311,7 +379,7 @@ def test_error_no_subcommand_and_no_source(mixtral):
 
 
 def test_run_without_model_dir():
-    assert DEMO_CONFIG.is_file()                     # the package bundles its demo model
+    assert DEMO_CONFIG.is_file()  # the package bundles its demo model
     p = colibri("run", "--tokens", "1,2", "--max-new-tokens", 1)
     assert p.returncode == 0, p.stderr
     assert "Loaded the bundled demo model" in p.stderr
@@ -321,11 +389,14 @@ def test_the_clis_choice_lists_are_the_kernels_tables():
     """cli.py spells the layouts and formats out (its --help imports no numpy); they must be the
     compiled modules' tables, defined once from the C enums."""
     from colibri import _kernels, cli
+
     assert cli.LAYOUT_CHOICES == tuple(_kernels.LAYOUT_CODES)
     assert cli.QUANTIZE_CHOICES == tuple(_kernels.DTYPE_CODES)
 
 
-@pytest.mark.parametrize("command", [["run", "--tokens", "1"], ["chat", "--model-dir", "m"], ["serve", "--model-dir", "m"]])
+@pytest.mark.parametrize(
+    "command", [["run", "--tokens", "1"], ["chat", "--model-dir", "m"], ["serve", "--model-dir", "m"]]
+)
 def test_routing_weights_are_exact_unless_the_table_is_asked_for(command):
     """The float softmax is the default of every command that loads a model, as of load() (a
     mutually exclusive pair of flags on one dest once made the table the silent default)."""
@@ -337,6 +408,7 @@ def test_routing_weights_are_exact_unless_the_table_is_asked_for(command):
 
 
 # ---- the bundled demo as every reading command's default ----------------------------------------
+
 
 def test_commands_that_read_a_model_default_to_the_demo():
     """Every command that only reads a model takes the bundled demo without --model-dir, and says so
@@ -405,6 +477,7 @@ def test_run_with_seed_is_deterministic_and_greedy_names_no_seed():
 
 # ---- run --json-schema / --grammar -------------------------------------------------------------
 
+
 def test_json_schema_and_grammar_files_errors_are_one_line(tmp_path):
     """A constraint file that is missing, not UTF-8, not JSON or not a JSON object is one line that
     names the option and the file, exit 2, before the model loads."""
@@ -448,8 +521,11 @@ def test_constraint_files_become_generate_keywords(tmp_path):
     grammar.write_text('start: "amen"\n', encoding="utf-8")
     parse = build_parser().parse_args
     assert _constraint_kwargs(parse(["run", "--prompt", "x", "--json-schema", str(schema)])) == {
-        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}}}}
-    assert _constraint_kwargs(parse(["run", "--prompt", "x", "--grammar", str(grammar)])) == {"grammar": 'start: "amen"\n'}
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}}}
+    }
+    assert _constraint_kwargs(parse(["run", "--prompt", "x", "--grammar", str(grammar)])) == {
+        "grammar": 'start: "amen"\n'
+    }
     assert _constraint_kwargs(parse(["run", "--prompt", "x"])) == {}
 
 
@@ -458,12 +534,17 @@ def test_every_option_has_help_that_states_its_default():
     (or says in words what it is), and no option goes without a help text."""
     import argparse
     from colibri import cli
+
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, sub in commands.items():
         formatter = sub._get_formatter()
         for action in sub._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            if (
+                not action.option_strings
+                or isinstance(action, argparse._HelpAction)
+                or action.help == argparse.SUPPRESS
+            ):
                 continue
             assert action.help, f"{name} {action.option_strings[0]} has no help"
             shown = formatter._get_help_string(action)
@@ -473,6 +554,7 @@ def test_every_option_has_help_that_states_its_default():
             assert f"(default: {default})" in shown or "default" in action.help, (name, action.option_strings[0], shown)
     eviction = next(a for a in commands["run"]._actions if "--eviction" in a.option_strings)
     from colibri.names import DEFAULT_EVICTION
+
     assert f"default: {DEFAULT_EVICTION}" in eviction.help
 
 
@@ -481,10 +563,12 @@ def test_a_directory_named_colibri_in_the_way_is_one_line(tmp_path):
     (a clone's root): one line naming it, status 2 — where the package is an editable install (a
     regular install on sys.path wins over the directory, and there is nothing to report)."""
     import os
+
     (tmp_path / "colibri").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, "-m", "colibri", "info"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "colibri", "info"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     if p.returncode == 0:
         pytest.skip("the installed colibri is a regular package: the directory does not shadow it")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr

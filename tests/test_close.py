@@ -7,6 +7,7 @@ Model's every public use is a ColibriError, never AttributeError or SIGSEGV. Eve
 an address-space headroom (conftest.address_space_headroom): a huge allocation fails the test
 instead of swapping the machine.
 """
+
 from __future__ import annotations
 
 import random
@@ -30,8 +31,9 @@ def _headroom():
         yield
 
 
-@pytest.mark.parametrize("options", [{}, dict(expert_cache_mb=0.02, prefetch="predict")],
-                         ids=["plain", "expert cache and its readers"])
+@pytest.mark.parametrize(
+    "options", [{}, dict(expert_cache_mb=0.02, prefetch="predict")], ids=["plain", "expert cache and its readers"]
+)
 def test_close_races_forward_and_generate(converted, options):
     d = converted("mixtral_a")
     ids = list(range(3, 40))
@@ -52,7 +54,7 @@ def test_close_races_forward_and_generate(converted, options):
             except ColibriError as e:
                 assert any(a in str(e) for a in ALLOWED), e
                 outcomes["closed"] += 1
-            except BaseException as e:          # noqa: BLE001 - reported below
+            except BaseException as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
         def gen():
@@ -63,7 +65,7 @@ def test_close_races_forward_and_generate(converted, options):
             except ColibriError as e:
                 assert any(a in str(e) for a in ALLOWED), e
                 outcomes["closed"] += 1
-            except BaseException as e:          # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
         threads = [threading.Thread(target=fwd), threading.Thread(target=gen)]
@@ -75,12 +77,20 @@ def test_close_races_forward_and_generate(converted, options):
             t.join(30)
             assert not t.is_alive()
         assert not errors, errors
-    assert outcomes["closed"] > 0            # the race was really run
+    assert outcomes["closed"] > 0  # the race was really run
 
 
-@pytest.mark.parametrize("use", [lambda m: m.forward([1, 2]), lambda m: list(m.generate([1, 2], max_new_tokens=2)),
-                                 lambda m: m.last_logits, lambda m: m.routing, lambda m: m.expert_counts,
-                                 lambda m: m.memory_stats()])
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda m: m.forward([1, 2]),
+        lambda m: list(m.generate([1, 2], max_new_tokens=2)),
+        lambda m: m.last_logits,
+        lambda m: m.routing,
+        lambda m: m.expert_counts,
+        lambda m: m.memory_stats(),
+    ],
+)
 def test_every_use_after_close_is_a_clear_error(converted, use):
     m = colibri.load(converted("mixtral_a"))
     m.close()
@@ -114,7 +124,7 @@ class _CountingEngine:
 def test_a_long_prompt_returns_to_python_after_every_chunk(converted):
     """Ctrl-C (KeyboardInterrupt) and close() act between engine calls: one per prefill chunk."""
     d = converted("mixtral_a")
-    ids = list(range(3, 14))                                   # 11 tokens, chunks of 4
+    ids = list(range(3, 14))  # 11 tokens, chunks of 4
     whole = colibri.load(d).forward(ids)
     m = colibri.load(d, prefill_chunk=4)
     m._engine = spy = _CountingEngine(m._engine)

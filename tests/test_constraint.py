@@ -6,6 +6,7 @@ with a ByteLevel decoder (llguidance reads the file itself), tokenizer.json with
 decoder and tokenizer.model (sentencepiece; both through the piece list). Random weights write
 nothing valid on their own: whatever validates was made valid by the constraint.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,10 @@ from colibri.tokenizer import HFTokenizer  # noqa: E402
 from conftest import FIXTURES  # noqa: E402
 
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENIZER_VOCAB = 240              # the model's 256 ids: 16 of padding that must never be allowed
+TOKENIZER_VOCAB = 240  # the model's 256 ids: 16 of padding that must never be allowed
 KINDS = ("bytelevel", "metaspace", "sentencepiece")
 PROMPT = [5, 17, 42, 9]
-QWEN3_VOCAB = 151_936              # Qwen3's vocab_size (its tokenizer has 151,665 ids)
+QWEN3_VOCAB = 151_936  # Qwen3's vocab_size (its tokenizer has 151,665 ids)
 
 
 def _json_corpus() -> list:
@@ -47,8 +48,12 @@ def _json_corpus() -> list:
     words = ["name", "age", "items", "id", "tags", "ok", "value", "true", "false", "null", "kind", "data"]
     docs = []
     for _ in range(300):
-        d = {str(rng.choice(words)): [int(rng.integers(-50, 900)), str(rng.choice(words)), [1, 2, 3], {"x": True},
-                                      None][int(rng.integers(5))] for _ in range(int(rng.integers(1, 5)))}
+        d = {
+            str(rng.choice(words)): [int(rng.integers(-50, 900)), str(rng.choice(words)), [1, 2, 3], {"x": True}, None][
+                int(rng.integers(5))
+            ]
+            for _ in range(int(rng.integers(1, 5)))
+        }
         docs += [json.dumps(d), json.dumps(d, indent=2)]
     return docs + [string.printable] * 3
 
@@ -56,17 +61,28 @@ def _json_corpus() -> list:
 def _make_tokenizer(hf, kind):
     if kind == "sentencepiece":
         import sentencepiece as spm
+
         corpus = hf / "corpus.txt"
         corpus.write_text("\n".join(_json_corpus()))
         spm.SentencePieceTrainer.train(
-            input=str(corpus), model_prefix=str(hf / "tokenizer"), vocab_size=200, model_type="bpe",
-            character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
-            required_chars="".join(c for c in string.printable if not c.isspace()))
+            input=str(corpus),
+            model_prefix=str(hf / "tokenizer"),
+            vocab_size=200,
+            model_type="bpe",
+            character_coverage=1.0,
+            bos_id=1,
+            eos_id=2,
+            unk_id=0,
+            pad_id=-1,
+            minloglevel=2,
+            required_chars="".join(c for c in string.printable if not c.isspace()),
+        )
         corpus.unlink()
         (hf / "tokenizer.vocab").unlink()
         (hf / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
         return
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     if kind == "bytelevel":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -77,8 +93,9 @@ def _make_tokenizer(hf, kind):
     tok.train_from_iterator(_json_corpus(), trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIALS))
     tok.save(str(hf / "tokenizer.json"))
     end, eot = SPECIALS.index("<|im_end|>"), SPECIALS.index("<|endoftext|>")
-    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None,
-                                                          "add_bos_token": False}))
+    (hf / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False})
+    )
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, "eos_token_id": end}))
     (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]}))
@@ -88,6 +105,7 @@ def _make_tokenizer(hf, kind):
 def json_dirs(tmp_path_factory):
     """{kind: a converted qwen3moe_a directory with a JSON-capable tokenizer of that kind}."""
     from colibri.convert import convert
+
     out = {}
     for kind in KINDS:
         root = tmp_path_factory.mktemp(f"json_{kind}")
@@ -129,13 +147,18 @@ def _run(m, **kw):
 # ---- JSON schemas drawn by hypothesis ---------------------------------------------------------------
 
 NAMES = st.sampled_from(["a", "id", "name", "tags", "x_1", "ok", "Z"])
-PATTERNS = [r"^[a-z]{1,4}$", r"^[0-9]{2}-[A-Z]$", r"^(yes|no)$", r"^x{1,12}$"]     # bounded: a random model
+PATTERNS = [r"^[a-z]{1,4}$", r"^[0-9]{2}-[A-Z]$", r"^(yes|no)$", r"^x{1,12}$"]  # bounded: a random model
 # may write an unbounded run (x+) until max_new_tokens, greedy or sampled
 LEAVES = st.one_of(
     st.tuples(st.integers(-1000, 1000), st.integers(0, 2000)).map(
-        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
-    st.lists(st.one_of(st.integers(-99, 99), st.text(alphabet="abcxyz 09", max_size=4), st.none()),
-             min_size=1, max_size=4, unique_by=json.dumps).map(lambda v: {"enum": v}),
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}
+    ),
+    st.lists(
+        st.one_of(st.integers(-99, 99), st.text(alphabet="abcxyz 09", max_size=4), st.none()),
+        min_size=1,
+        max_size=4,
+        unique_by=json.dumps,
+    ).map(lambda v: {"enum": v}),
     st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
     st.sampled_from(PATTERNS).map(lambda p: {"type": "string", "pattern": p}),
     st.just({"type": "boolean"}),
@@ -150,20 +173,23 @@ def _object(props, required):
 
 def _extend(children):
     objects = st.dictionaries(NAMES, children, min_size=1, max_size=3).flatmap(
-        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(lambda req: _object(props, req)))
+        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(lambda req: _object(props, req))
+    )
     arrays = st.tuples(children, st.integers(0, 2), st.integers(0, 2)).map(
-        lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]})
+        lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]}
+    )
     any_of = st.lists(children, min_size=2, max_size=2).map(lambda s: {"anyOf": s})
     return st.one_of(objects, arrays, any_of)
 
 
 SCHEMAS = st.dictionaries(NAMES, st.recursive(LEAVES, _extend, max_leaves=5), min_size=1, max_size=3).flatmap(
-    lambda props: st.lists(st.sampled_from(sorted(props)), min_size=1, unique=True).map(
-        lambda req: _object(props, req)))
+    lambda props: st.lists(st.sampled_from(sorted(props)), min_size=1, unique=True).map(lambda req: _object(props, req))
+)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(schema=SCHEMAS, seed=st.integers(0, 2**32 - 1))
 @pytest.mark.parametrize("kind", KINDS)
 def test_drawn_schemas_give_valid_json_greedy_and_sampled(models, kind, schema, seed):
@@ -189,12 +215,18 @@ def test_without_the_constraint_the_fixture_writes_no_json(models):
 @pytest.mark.parametrize("kind", KINDS)
 def test_json_object_and_string_schema(models, kind):
     m = models[kind]
-    for seed in (1, 2):              # (greedy loops in a string on one of them: any JSON object is unbounded)
+    for seed in (1, 2):  # (greedy loops in a string on one of them: any JSON object is unbounded)
         tokens, record = _run(m, json_object=True, max_new_tokens=1500, temperature=1.0, seed=seed)
         assert record.finish_reason == "stop"
         assert isinstance(json.loads(_text(m, tokens)), dict)
-    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 7}},
-                         "required": ["n"], "additionalProperties": False})        # JSON text
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 7}},
+            "required": ["n"],
+            "additionalProperties": False,
+        }
+    )  # JSON text
     text = m.complete(PROMPT, 200, json_schema=schema, temperature=0.9, seed=4)
     assert 3 <= json.loads(text)["n"] <= 7
 
@@ -237,9 +269,9 @@ def test_the_demo_model_follows_a_regex():
     """A trained sentencepiece model (the bundled demo: no byte pieces, no JSON characters)."""
     m = colibri.load(colibri.__path__[0] + "/data/demo", threads=1)
     text = m.complete("And God said", 60, regex=r" [a-z]+(, [a-z]+){2}\.")
-    assert re.fullmatch(r"[a-z]+(, [a-z]+){2}\.", text), text      # the decode drops one leading space
+    assert re.fullmatch(r"[a-z]+(, [a-z]+){2}\.", text), text  # the decode drops one leading space
     with pytest.raises(ColibriError, match=r"^the json_object constraint allows no token of this vocabulary after 0"):
-        m.complete("And God said", 20, json_object=True)           # no "{" in its vocabulary
+        m.complete("And God said", 20, json_object=True)  # no "{" in its vocabulary
     m.close()
 
 
@@ -248,10 +280,10 @@ def test_padding_ids_and_specials_are_never_allowed(models):
         c = m._constraint(regex=r"(.|\n)*")
         allowed = c.allowed()
         assert m.tokenizer.vocab_size < 256 and allowed.shape == (256,)
-        assert not allowed[m.tokenizer.vocab_size:].any()
+        assert not allowed[m.tokenizer.vocab_size :].any()
         specials = set(m.tokenizer.special_ids) - set(m.stop_token_ids)
         assert specials and not allowed[sorted(specials)].any()
-        assert allowed[sorted(m.stop_token_ids)].all()            # (.|\n)* is complete anywhere: EOS allowed
+        assert allowed[sorted(m.stop_token_ids)].all()  # (.|\n)* is complete anywhere: EOS allowed
         assert allowed.sum() > 100
 
 
@@ -262,21 +294,34 @@ def test_a_grammar_the_vocabulary_cannot_write_is_an_error_not_a_hang(chat_model
         with pytest.raises(ColibriError, match="allows no token of this vocabulary after 0 tokens") as e:
             list(m.generate([5, 6], max_new_tokens=10, regex=regex))
         assert "\n" not in str(e.value)
-    tokens = list(m.generate([5, 6], max_new_tokens=30, regex=r"hello( world)?"))      # what it can write
+    tokens = list(m.generate([5, 6], max_new_tokens=30, regex=r"hello( world)?"))  # what it can write
     assert re.fullmatch(r"hello( world)?", _text(m, tokens))
     m.close()
 
 
 # ---- the mask, checked against numpy ------------------------------------------------------------
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
-    "home": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"zip": {"type": "string",
-                                                                                   "pattern": "^[0-9]{5}$"}},
-                                          "required": ["zip"], "additionalProperties": False}]}},
-    "required": ["name", "age", "tags", "home"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+        "home": {
+            "anyOf": [
+                {"type": "null"},
+                {
+                    "type": "object",
+                    "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["zip"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+    },
+    "required": ["name", "age", "tags", "home"],
+    "additionalProperties": False,
+}
 
 
 def _reference_mask(matcher, n) -> np.ndarray:
@@ -294,8 +339,7 @@ def test_masked_pick_is_the_pick_over_the_allowed_tokens(qwen3_vocab, temperatur
     n = QWEN3_VOCAB
     text = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_pattern": C.WHITESPACE})
     ref = llguidance.LLMatcher(qwen3_vocab.ll, text, log_level=0)
-    s = Sampler(temperature=temperature, seed=3, logprobs=2,
-                constraint=C.Constraint(qwen3_vocab, json_schema=SCHEMA))
+    s = Sampler(temperature=temperature, seed=3, logprobs=2, constraint=C.Constraint(qwen3_vocab, json_schema=SCHEMA))
     plain = Sampler(temperature=temperature, seed=3)
     rng = np.random.default_rng(7)
     steps = 0
@@ -313,10 +357,11 @@ def test_masked_pick_is_the_pick_over_the_allowed_tokens(qwen3_vocab, temperatur
         ids = np.flatnonzero(allowed)
         if temperature == 0.0:
             assert pick.token == ids[np.argmax(logits[ids])]
-        else:                        # a draw over every id first; where refused, over the allowed
+        else:  # a draw over every id first; where refused, over the allowed
             first = plain(logits)
-            assert pick.token == (first if allowed[first] else
-                                  plain(np.where(allowed, logits, -np.inf).astype(np.float32)))
+            assert pick.token == (
+                first if allowed[first] else plain(np.where(allowed, logits, -np.inf).astype(np.float32))
+            )
         log_p = logits.astype(np.float64) - logits.max()
         log_p -= np.log(np.exp(log_p).sum())
         assert pick.logprob == pytest.approx(log_p[pick.token], abs=1e-9)
@@ -368,7 +413,7 @@ def test_one_token_check_agrees_with_the_mask(qwen3_vocab, seed):
         allowed = check.allowed()
         for t in [token, *specials, *rng.integers(0, QWEN3_VOCAB, 8).tolist()]:
             assert probe.allows(t) == allowed[t], (t, probe.text())
-            assert probe._known is False               # no mask was computed for the answer
+            assert probe._known is False  # no mask was computed for the answer
         probe.consume(token)
         check.consume(token)
     assert probe.finished and check.finished
@@ -390,7 +435,7 @@ def test_an_allowed_pick_computes_no_mask(qwen3_vocab, monkeypatch):
     assert s.finished and not masks
     s.reset(())
     logits = np.zeros(QWEN3_VOCAB, np.float32)
-    logits[qwen3_vocab.ll.tokenize_str("hello")[0]] = 9.0          # an object must start with "{"
+    logits[qwen3_vocab.ll.tokenize_str("hello")[0]] = 9.0  # an object must start with "{"
     assert qwen3_vocab.decode([s(logits)]).lstrip().startswith("{") and len(masks) == 1
 
 
@@ -403,7 +448,7 @@ def test_sampling_without_the_mask_first_keeps_the_masked_distribution(models):
     allowed = c.allowed().copy()
     rng = np.random.default_rng(1)
     logits = (rng.standard_normal(allowed.size) * 1.5).astype(np.float32)
-    logits[allowed] += np.float32(np.log((~allowed).sum() / allowed.sum()))      # A ~ 0.5
+    logits[allowed] += np.float32(np.log((~allowed).sum() / allowed.sum()))  # A ~ 0.5
     s = Sampler(temperature=1.0, seed=4, constraint=c)
     ids, p = s.distribution(logits)
     n = 20_000
@@ -421,8 +466,10 @@ def test_background_and_inline_masks_give_the_same_tokens(models, monkeypatch):
     runs = {}
     for background in (True, False):
         monkeypatch.setattr(C, "BACKGROUND", background)
-        runs[background] = [_run(m, json_schema=SCHEMA, max_new_tokens=1500, **kw)[0]
-                            for kw in (dict(), dict(temperature=1.0, seed=11), dict(temperature=0.7, top_k=20, seed=2))]
+        runs[background] = [
+            _run(m, json_schema=SCHEMA, max_new_tokens=1500, **kw)[0]
+            for kw in (dict(), dict(temperature=1.0, seed=11), dict(temperature=0.7, top_k=20, seed=2))
+        ]
         runs[background].append(_run(m, grammar=GRAMMAR, temperature=1.0, seed=5)[0])
     assert runs[True] == runs[False]
     c = m._constraint(json_schema=SCHEMA)
@@ -440,12 +487,15 @@ def test_the_mask_is_computed_while_the_engine_runs(qwen3_vocab):
 
 # ---- Batch ----------------------------------------------------------------------------------------
 
+
 def test_batch_of_constrained_sequences_gives_what_each_gets_alone(json_dirs):
     path = json_dirs["metaspace"]
     alone = colibri.load(path, threads=1)
-    jobs = [(PROMPT, dict(json_schema=SCHEMA, temperature=0.9, seed=1)),
-            ([7, 7, 3, 100, 20, 1], dict(regex=r"[a-c]{2,5}-\d", temperature=1.0, seed=2)),
-            ([30, 31], dict(json_object=True))]
+    jobs = [
+        (PROMPT, dict(json_schema=SCHEMA, temperature=0.9, seed=1)),
+        ([7, 7, 3, 100, 20, 1], dict(regex=r"[a-c]{2,5}-\d", temperature=1.0, seed=2)),
+        ([30, 31], dict(json_object=True)),
+    ]
     want, reasons = [], []
     for ids, kw in jobs:
         want.append(list(alone.generate(ids, max_new_tokens=1500, **kw)))
@@ -467,22 +517,34 @@ def test_batch_of_constrained_sequences_gives_what_each_gets_alone(json_dirs):
 
 # ---- errors ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(json_schema={"type": "objectx"}), "json_schema cannot be compiled: Invalid type: objectx"),
-    (dict(json_schema={"type": "string", "format": "nonsense"}), "json_schema cannot be compiled: Unknown format"),
-    (dict(json_schema={"oneOf": [{"type": "integer"}, {"type": "number"}]}), "json_schema cannot be compiled: oneOf"),
-    (dict(json_schema={"type": "object", "properties": {}, "required": ["b"], "additionalProperties": False}),
-     "json_schema cannot be compiled: Unsatisfiable schema"),
-    (dict(json_schema="{bad"), "json_schema is not valid JSON: Expecting"),
-    (dict(json_schema=5), "json_schema must be a JSON object"),
-    (dict(json_schema="x" * (C.MAX_SPEC_CHARS + 1)), f"the limit is {C.MAX_SPEC_CHARS}"),
-    (dict(json_schema={"enum": list(range(100_000))}), "json_schema cannot be compiled: initial lexer"),
-    (dict(grammar="start: foo\nfoo: bar"), 'grammar cannot be compiled: at 2(6): unknown name: "bar"'),
-    (dict(grammar=b"start: a"), "grammar must be a str"),
-    (dict(regex="a(b"), 'regex cannot be compiled: at 1(8): invalid regex "a(b"'),
-    (dict(regex="a", grammar="start: a"), "give at most one of json_schema, json_object, grammar, regex; got grammar, regex"),
-    (dict(json_object="yes"), "json_object must be True or False"),
-])
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(json_schema={"type": "objectx"}), "json_schema cannot be compiled: Invalid type: objectx"),
+        (dict(json_schema={"type": "string", "format": "nonsense"}), "json_schema cannot be compiled: Unknown format"),
+        (
+            dict(json_schema={"oneOf": [{"type": "integer"}, {"type": "number"}]}),
+            "json_schema cannot be compiled: oneOf",
+        ),
+        (
+            dict(json_schema={"type": "object", "properties": {}, "required": ["b"], "additionalProperties": False}),
+            "json_schema cannot be compiled: Unsatisfiable schema",
+        ),
+        (dict(json_schema="{bad"), "json_schema is not valid JSON: Expecting"),
+        (dict(json_schema=5), "json_schema must be a JSON object"),
+        (dict(json_schema="x" * (C.MAX_SPEC_CHARS + 1)), f"the limit is {C.MAX_SPEC_CHARS}"),
+        (dict(json_schema={"enum": list(range(100_000))}), "json_schema cannot be compiled: initial lexer"),
+        (dict(grammar="start: foo\nfoo: bar"), 'grammar cannot be compiled: at 2(6): unknown name: "bar"'),
+        (dict(grammar=b"start: a"), "grammar must be a str"),
+        (dict(regex="a(b"), 'regex cannot be compiled: at 1(8): invalid regex "a(b"'),
+        (
+            dict(regex="a", grammar="start: a"),
+            "give at most one of json_schema, json_object, grammar, regex; got grammar, regex",
+        ),
+        (dict(json_object="yes"), "json_object must be True or False"),
+    ],
+)
 def test_bad_constraints_are_one_line_errors(models, kw, message):
     m = models["bytelevel"]
     with pytest.raises(ColibriError) as e:
@@ -506,8 +568,9 @@ def test_compilation_is_bounded_in_time(models, monkeypatch):
             return real(*a, **kw)
 
     fake = type(sys)("llguidance")
-    fake.__dict__.update({k: getattr(llguidance, k) for k in ("LLParserLimits", "LLTokenizer", "TokenizerWrapper")},
-                         LLMatcher=Slow)
+    fake.__dict__.update(
+        {k: getattr(llguidance, k) for k in ("LLParserLimits", "LLTokenizer", "TokenizerWrapper")}, LLMatcher=Slow
+    )
     monkeypatch.setattr(C, "_llguidance", lambda: fake)
     monkeypatch.setattr(C, "COMPILE_SECONDS", 0.2)
     t0 = time.perf_counter()
@@ -517,7 +580,7 @@ def test_compilation_is_bounded_in_time(models, monkeypatch):
 
 
 def test_without_llguidance_a_clear_error_and_plain_generation_still_works(json_dirs, monkeypatch):
-    monkeypatch.setitem(sys.modules, "llguidance", None)           # import llguidance -> ImportError
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance -> ImportError
     m = colibri.load(json_dirs["sentencepiece"], threads=1)
     with pytest.raises(ColibriError, match=r"^constrained decoding .*needs llguidance: pip install llguidance$"):
         m.generate(PROMPT, 5, json_object=True)
@@ -542,10 +605,11 @@ def test_the_vocabulary_is_built_once_per_model(models):
 
 # ---- seed=None ------------------------------------------------------------------------------------
 
+
 def test_seed_none_draws_a_fresh_seed_and_reports_it():
     seeds = {Sampler(temperature=1.0, seed=None).seed for _ in range(8)}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
-    assert Sampler(seed=0).seed == 0                       # ints stay as given
+    assert Sampler(seed=0).seed == 0  # ints stay as given
     s = Sampler(temperature=1.0, seed=None)
     assert f"seed {s.seed}" in s.describe()
 
@@ -562,8 +626,7 @@ def test_seed_none_in_generate_is_recorded_and_replays(models):
         seq = batch.add(PROMPT, 30, temperature=1.0, seed=None, stop_at_eos=False)
         while batch.running:
             batch.step()
-    assert seq.record.tokens == _run(m, temperature=1.0, seed=seq.sampler.seed, max_new_tokens=30,
-                                     stop_at_eos=False)[0]
+    assert seq.record.tokens == _run(m, temperature=1.0, seed=seq.sampler.seed, max_new_tokens=30, stop_at_eos=False)[0]
     assert list(m.generate(PROMPT, 5, stop_at_eos=False)) == list(m.generate(PROMPT, 5, stop_at_eos=False))
 
 

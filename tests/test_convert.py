@@ -1,5 +1,6 @@
 """The converter: input layouts (single, sharded, per-expert, stacked, bf16/f16), output format,
 and its refusals (unknown tensors, missing tensors, occupied output directory)."""
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,8 @@ def test_stacked_and_per_expert_experts_convert_to_the_same_bytes(tmp_path):
         p = f"model.layers.{layer}.block_sparse_moe.experts."
         E = cfg["num_local_experts"]
         stacked[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
-            [np.concatenate([t[f"{p}{e}.w1.weight"], t[f"{p}{e}.w3.weight"]]) for e in range(E)])
+            [np.concatenate([t[f"{p}{e}.w1.weight"], t[f"{p}{e}.w3.weight"]]) for e in range(E)]
+        )
         stacked[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack([t[f"{p}{e}.w2.weight"] for e in range(E)])
     convert(hf_copy("mixtral_a", tmp_path / "stacked_hf", stacked), tmp_path / "stacked", **SILENT)
     convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "per_expert", **SILENT)
@@ -83,7 +85,8 @@ def test_bf16_checkpoint_keeps_its_exact_bits(converted):
     assert kind == "bf16"
     m = colibri.load(converted("olmoe_b", "bf16"))
     from colibri.modeldir import MappedModelDir
-    stored = MappedModelDir(m._dir).rows_array("layers.0.experts.3.up")     # in whatever layout it is stored
+
+    stored = MappedModelDir(m._dir).rows_array("layers.0.experts.3.up")  # in whatever layout it is stored
     assert np.array_equal(stored, raw)
 
 
@@ -103,13 +106,15 @@ def test_layout_one_expert_per_file_and_alignment(converted):
     experts = [f for f in per_file if "/expert_" in f]
     assert experts and all(sorted(per_file[f]) == ["down", "gate", "up"] for f in experts)
     assert (md.root / "layers" / "01" / "shared_expert.bin").is_file()
-    assert (md.root / "layers" / "00" / "mlp.bin").is_file()       # decoder_sparse_step 2: layer 0 is dense
+    assert (md.root / "layers" / "00" / "mlp.bin").is_file()  # decoder_sparse_step 2: layer 0 is dense
 
 
 def test_tokenizer_is_copied_and_hashed(converted):
     md = ModelDir(converted("mixtral_a"))
     assert "tokenizer.model" in md.files
-    assert (md.root / "tokenizer.model").read_bytes() == (FIXTURES / "mixtral_a" / "hf" / "tokenizer.model").read_bytes()
+    assert (md.root / "tokenizer.model").read_bytes() == (
+        FIXTURES / "mixtral_a" / "hf" / "tokenizer.model"
+    ).read_bytes()
     assert md.verify() == []
 
 
@@ -133,12 +138,13 @@ def test_shape_mismatch_leaves_no_output(tmp_path):
     t["model.layers.1.mlp.experts.7.up_proj.weight"] = np.zeros((3, 64), np.float32)
     with pytest.raises(colibri.ColibriError, match="layers.1.experts.7.up"):
         convert(hf_copy("olmoe_a", tmp_path / "hf", t), tmp_path / "out", **SILENT)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]      # no output, no temporary directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no output, no temporary directory
 
 
 def test_unknown_architecture_is_named(tmp_path):
     def edit(cfg):
         cfg["architectures"] = ["LlamaForCausalLM"]
+
     with pytest.raises(colibri.ColibriError, match="LlamaForCausalLM"):
         convert(hf_copy("olmoe_a", tmp_path / "hf", config_edit=edit), tmp_path / "out", **SILENT)
 
@@ -146,6 +152,7 @@ def test_unknown_architecture_is_named(tmp_path):
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     def edit(cfg):
         cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
+
     with pytest.raises(colibri.ColibriError, match="longrope.* not supported"):
         convert(hf_copy("olmoe_a", tmp_path / "hf", config_edit=edit), tmp_path / "out", **SILENT)
 
@@ -153,6 +160,7 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
 def test_yarn_without_its_original_length_is_refused(tmp_path):
     def edit(cfg):
         cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+
     with pytest.raises(colibri.ColibriError, match="missing field 'rope_parameters.original_max_position_embeddings'"):
         convert(hf_copy("olmoe_a", tmp_path / "hf", config_edit=edit), tmp_path / "out", **SILENT)
 
@@ -161,7 +169,7 @@ def test_existing_output_needs_force_and_is_replaced_whole(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    for force in (False, True):            # --force replaces only a Colibri model directory
+    for force in (False, True):  # --force replaces only a Colibri model directory
         with pytest.raises(colibri.ColibriError, match="--force"):
             convert(FIXTURES / "olmoe_a" / "hf", out, force=force, **SILENT)
         assert (out / "keep.txt").read_text() == "precious"
@@ -190,7 +198,7 @@ def test_values_beyond_f16_are_refused_not_written_as_inf(tmp_path):
     hf = hf_copy("olmoe_a", tmp_path / "hf", t)
     with pytest.raises(colibri.ColibriError, match=r"layers.0.wq.*f16"):
         convert(hf, tmp_path / "out", quantize="f16", **SILENT)
-    convert(hf, tmp_path / "out", quantize="bf16", **SILENT)       # bf16 has the range
+    convert(hf, tmp_path / "out", quantize="bf16", **SILENT)  # bf16 has the range
 
 
 def test_non_finite_weights_are_refused(tmp_path):
@@ -245,15 +253,16 @@ def test_reading_a_tensor_releases_its_mapped_pages(tmp_path):
     checkpoint show a 21 GB RSS)."""
     from colibri import _os
     from colibri.hfcheckpoint import SafetensorsFile, to_f32
-    data = np.random.default_rng(0).standard_normal((2048, 4096), np.float32)      # 32 MiB
+
+    data = np.random.default_rng(0).standard_normal((2048, 4096), np.float32)  # 32 MiB
     head = json.dumps({"w": {"dtype": "F32", "shape": list(data.shape), "data_offsets": [0, data.nbytes]}}).encode()
     head += b" " * (-len(head) % 8)
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(head)) + head + data.tobytes())
     stored, kind = SafetensorsFile(path).raw("w")
-    int(stored[:, ::1024].sum())                       # touch every page of the mapping
+    int(stored[:, ::1024].sum())  # touch every page of the mapping
     touched = _os.rss_bytes()[0]
-    values = to_f32(stored, kind)                      # + the copy, - the mapped pages
+    values = to_f32(stored, kind)  # + the copy, - the mapped pages
     assert _os.rss_bytes()[0] - touched <= 0.5 * data.nbytes
     np.testing.assert_array_equal(values, data)
 
@@ -263,6 +272,7 @@ def test_models_without_the_gemma_fields_stay_readable_by_earlier_versions(conve
     Mixtral directory has exactly the model fields of the first release (which refused unknown
     fields), a Gemma directory has them."""
     from colibri.config import EXTENSION_FIELDS
+
     mixtral = json.loads((converted("mixtral_a") / "config.json").read_text())["model"]
     assert not set(EXTENSION_FIELDS) & set(mixtral)
     gemma = json.loads((converted("gemma4_a") / "config.json").read_text())["model"]
@@ -270,6 +280,7 @@ def test_models_without_the_gemma_fields_stay_readable_by_earlier_versions(conve
 
 
 # ---- layouts -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
 def test_converter_layouts(converted, dtype):
@@ -279,10 +290,11 @@ def test_converter_layouts(converted, dtype):
     for layout in (None, "rows", "transposed") + (("interleaved",) if dtype in BLOCK + ("bf16",) else ()):
         md = ModelDir(converted("mixtral_a", dtype, layout))
         for name, t in md.tensors.items():
-            matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")   # untied
-            want = layout or quant.default_layout(t["dtype"])      # int8/int4 models keep odd matrices f16,
-            if want == "interleaved" and (t["dtype"] not in BLOCK + ("bf16",) or t["shape"][0] % 8
-                                          or t["shape"][-1] % 32):   # which cannot be interleaved
+            matrix = len(t["shape"]) == 2 and name != "embedding" and not name.endswith("router")  # untied
+            want = layout or quant.default_layout(t["dtype"])  # int8/int4 models keep odd matrices f16,
+            if want == "interleaved" and (
+                t["dtype"] not in BLOCK + ("bf16",) or t["shape"][0] % 8 or t["shape"][-1] % 32
+            ):  # which cannot be interleaved
                 want = "rows"
             assert t["layout"] == (want if matrix else "rows"), (layout, name)
 
@@ -292,10 +304,11 @@ def test_layout_choice_per_tensor():
     faster layout by default; an int8/int4 matrix whose row count is not a multiple of 8 cannot
     be grouped and stays rows; the embedding, routers, norms and vectors are always rows."""
     from colibri.convert import _layout_for
+
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8") == "interleaved"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16") == "interleaved"
-    assert _layout_for("layers.3.experts.5.up", (48, 40), "matrix", "bf16") == "rows"       # not whole blocks
-    assert _layout_for("layers.3.experts.5.up", (44, 64), "matrix", "bf16") == "rows"       # not whole groups
+    assert _layout_for("layers.3.experts.5.up", (48, 40), "matrix", "bf16") == "rows"  # not whole blocks
+    assert _layout_for("layers.3.experts.5.up", (44, 64), "matrix", "bf16") == "rows"  # not whole groups
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "f32") == "rows"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "bf16", "transposed") == "transposed"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int8", "rows", "transposed") == "rows"
@@ -304,21 +317,27 @@ def test_layout_choice_per_tensor():
     assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8") == "rows"
     assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "f16", "transposed") == "transposed"
     assert _layout_for("embedding", (64, 64), "matrix", "int8", "transposed", "transposed") == "rows"
-    assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "interleaved"     # the head
+    assert _layout_for("embedding", (64, 64), "matrix", "int8", tied=True) == "interleaved"  # the head
     assert _layout_for("embedding", (64, 64), "matrix", "bf16", "rows", "transposed", tied=True) == "transposed"
     assert _layout_for("layers.3.router", (8, 64), "router", "f32", "transposed", "transposed") == "rows"
     assert _layout_for("layers.3.experts.5.up", (48, 64), "matrix", "int4", "interleaved") == "interleaved"
     assert _layout_for("layers.3.wq", (64, 64), "matrix", "int8", None, "interleaved") == "interleaved"
     assert _layout_for("layers.3.experts.5.down", (44, 64), "matrix", "int8", "interleaved") == "rows"
-    assert _layout_for("layers.3.experts.5.down", (48, 40), "matrix", "f16", "interleaved") == "rows"   # kept f16
+    assert _layout_for("layers.3.experts.5.down", (48, 40), "matrix", "f16", "interleaved") == "rows"  # kept f16
     assert _layout_for("embedding", (64, 64), "matrix", "int8", "interleaved", "interleaved") == "rows"
     assert _layout_for("embedding", (64, 64), "matrix", "int4", None, "interleaved", tied=True) == "interleaved"
 
 
 def test_unknown_layout_is_refused(tmp_path):
-    with pytest.raises(ColibriError, match=re.escape("--expert-layout (--quantize f16): f16 has no interleaved layout, only rows or transposed")):
+    with pytest.raises(
+        ColibriError,
+        match=re.escape("--expert-layout (--quantize f16): f16 has no interleaved layout, only rows or transposed"),
+    ):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="f16", expert_layout="interleaved")
-    with pytest.raises(ColibriError, match=re.escape("--layout (--quantize f32): f32 has no interleaved layout, only rows or transposed")):
+    with pytest.raises(
+        ColibriError,
+        match=re.escape("--layout (--quantize f32): f32 has no interleaved layout, only rows or transposed"),
+    ):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", layout="interleaved")
     with pytest.raises(ColibriError, match="--expert-layout 'columns'"):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int8", expert_layout="columns")
@@ -334,6 +353,7 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, case, arch):
     convert skips them with a note; a layer past those is still refused."""
     from colibri.hfcheckpoint import HFCheckpoint
     from conftest import write_safetensors
+
     src = Path(__file__).parent / "fixtures" / case / "hf"
     hf = tmp_path / "hf"
     shutil.copytree(src, hf)
@@ -360,20 +380,27 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, case, arch):
 
 # ---- formats by role (--role ROLE=FORMAT) and the bytes a decoded token reads -----------------
 
+
 def test_roles_choose_the_format_of_their_matrices(tmp_path):
     from colibri.modeldir import tensor_role
+
     said = []
-    convert(FIXTURES / "deepseekv3_a" / "hf", tmp_path / "m", quantize="int4", log=said.append,
-            roles={"attention": "int8", "head": "int8", "shared": "bf16", "dense": "f16"})
+    convert(
+        FIXTURES / "deepseekv3_a" / "hf",
+        tmp_path / "m",
+        quantize="int4",
+        log=said.append,
+        roles={"attention": "int8", "head": "int8", "shared": "bf16", "dense": "f16"},
+    )
     md = ModelDir(tmp_path / "m")
     formats = {}
     for n, t in md.tensors.items():
         formats.setdefault(tensor_role(n), set()).add(t["dtype"])
     assert formats["experts"] == {"int4"} and md.weight_dtype == "int4"
-    assert formats["attention"] <= {"int8", "f16"}        # wkb/wvb: f16 (ABSORBED_DTYPE); 48-wide q_b: f16
+    assert formats["attention"] <= {"int8", "f16"}  # wkb/wvb: f16 (ABSORBED_DTYPE); 48-wide q_b: f16
     assert "int8" in formats["attention"]
     assert formats["head"] == {"int8"} and formats["shared"] == {"bf16"} and formats["dense"] == {"f16"}
-    assert formats["router"] == {"f32"}                    # never quantized
+    assert formats["router"] == {"f32"}  # never quantized
     (line,) = [s for s in said if s.startswith("[INFO] Bytes read per decoded token")]
     assert "attention" in line and "in int8" in line and "shared" in line and "in bf16" in line
 
@@ -385,15 +412,20 @@ def test_bytes_per_token_counts_top_k_experts_and_one_embedding_row(converted):
     experts = sum(t["nbytes"] for n, t in md.tensors.items() if ".experts." in n)
     assert per["experts"] == pytest.approx(experts * c.num_experts_per_tok / c.num_experts)
     emb = md.tensors["embedding"]
-    assert per["embedding"] == pytest.approx(emb["nbytes"] / emb["shape"][0])   # untied: one row
+    assert per["embedding"] == pytest.approx(emb["nbytes"] / emb["shape"][0])  # untied: one row
     assert per["head"] == md.tensors["lm_head"]["nbytes"]
     total = sum(t["nbytes"] for t in md.tensors.values())
     assert sum(per.values()) == pytest.approx(total - experts - emb["nbytes"] + per["experts"] + per["embedding"])
 
 
-@pytest.mark.parametrize("roles, message", [({"brains": "int8"}, "unknown role 'brains'"),
-                                            ({"attention": "int3"}, "'int3' is not a format"),
-                                            ({"router": "int8"}, "unknown role 'router'")])
+@pytest.mark.parametrize(
+    "roles, message",
+    [
+        ({"brains": "int8"}, "unknown role 'brains'"),
+        ({"attention": "int3"}, "'int3' is not a format"),
+        ({"router": "int8"}, "unknown role 'router'"),
+    ],
+)
 def test_a_bad_role_is_refused_before_any_work(tmp_path, roles, message):
     with pytest.raises(ColibriError, match=message):
         convert(FIXTURES / "mixtral_a" / "hf", tmp_path / "m", quantize="int4", roles=roles, **SILENT)
@@ -403,14 +435,45 @@ def test_a_bad_role_is_refused_before_any_work(tmp_path, roles, message):
 def test_role_on_the_command_line(tmp_path):
     import subprocess
     import sys
-    ok = subprocess.run([sys.executable, "-m", "colibri", "convert", "--hf-dir", str(FIXTURES / "mixtral_a" / "hf"),
-                         "--output-dir", str(tmp_path / "m"), "--quantize", "int4", "--role", "attention=int8"],
-                        capture_output=True, text=True, timeout=300)
+
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "convert",
+            "--hf-dir",
+            str(FIXTURES / "mixtral_a" / "hf"),
+            "--output-dir",
+            str(tmp_path / "m"),
+            "--quantize",
+            "int4",
+            "--role",
+            "attention=int8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     assert ModelDir(tmp_path / "m").tensors["layers.0.wq"]["dtype"] == "int8"
-    bad = subprocess.run([sys.executable, "-m", "colibri", "convert", "--hf-dir", str(FIXTURES / "mixtral_a" / "hf"),
-                          "--output-dir", str(tmp_path / "n"), "--role", "attention"], capture_output=True, text=True,
-                         timeout=300)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "convert",
+            "--hf-dir",
+            str(FIXTURES / "mixtral_a" / "hf"),
+            "--output-dir",
+            str(tmp_path / "n"),
+            "--role",
+            "attention",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "expected ROLE=FORMAT" in bad.stderr
 
 

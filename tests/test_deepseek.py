@@ -8,6 +8,7 @@ KV cache holds the latent (its bytes measured), the int8 / int4 paths against tr
 very weights those formats store, the absorbed projections' storage, refusals (the expert budget and the
 memory limit: test_memcap.py; the correction bias choosing, never weighing: test_glm4moe.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,14 @@ def test_the_kv_cache_holds_the_latent(converted, case):
     assert m.kv_cache_bytes == hf["num_hidden_layers"] * n_ctx * latent * 4
     full = hf["num_attention_heads"] * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] + hf["v_head_dim"])
     assert m.kv_cache_bytes < hf["num_hidden_layers"] * n_ctx * full * 4
-    ref = reference(case)                                   # and the model still decodes from it
+    ref = reference(case)  # and the model still decodes from it
     out = list(m.generate(ref["input_ids"], max_new_tokens=len(ref["greedy_ids"]), stop_at_eos=False))
     assert out == ref["greedy_ids"].tolist()
 
 
-@pytest.mark.parametrize("dtype, absorbed", [("f32", "f32"), ("bf16", "f32"), ("f16", "f16"), ("int8", "f16"),
-                                             ("int4", "f16")])
+@pytest.mark.parametrize(
+    "dtype, absorbed", [("f32", "f32"), ("bf16", "f32"), ("f16", "f16"), ("int8", "f16"), ("int4", "f16")]
+)
 def test_absorbed_projections_are_float(converted, dtype, absorbed):
     """wkb / wvb are multiplied per head without quantized activations: f32 (holding the
     bf16-rounded values in a bf16 model) or f16."""
@@ -68,7 +70,7 @@ def test_info_names_the_latent_attention(converted):
     r = run_cli("info", "--model-dir", str(converted("deepseekv3_a")))
     assert r.returncode == 0, r.stderr
     assert "deepseek_v3" in r.stdout and "multi-head latent: a latent of 32 + a shared RoPE key of 8" in r.stdout
-    assert "low-rank query 48" in r.stdout and "KV cache:     480 bytes a token" in r.stdout   # 3 layers x 40 x 4
+    assert "low-rank query 48" in r.stdout and "KV cache:     480 bytes a token" in r.stdout  # 3 layers x 40 x 4
     assert "sigmoid router, 4 groups (best 2)" in r.stdout
 
 
@@ -78,6 +80,8 @@ def test_attention_bias_is_refused(tmp_path):
     cfg = json.loads((hf / "config.json").read_text())
     cfg["attention_bias"] = True
     (hf / "config.json").write_text(json.dumps(cfg))
-    one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", tmp_path / "o"),
-                   "attention_bias true is not supported with multi-head latent attention")
+    one_line_error(
+        run_cli("convert", "--hf-dir", hf, "--output-dir", tmp_path / "o"),
+        "attention_bias true is not supported with multi-head latent attention",
+    )
     assert not (tmp_path / "o").exists()

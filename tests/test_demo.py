@@ -1,5 +1,6 @@
 """The bundled demo model (int8, colibri/data/demo) against the transformers reference
 recorded at training time, and `run` / `eval` out of the box."""
+
 from __future__ import annotations
 
 import os
@@ -94,11 +95,16 @@ def test_a_q8_kv_cache_keeps_the_demos_distributions(demo, ref):
 
 
 def test_run_without_model_dir_uses_the_demo_and_prints_english(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--prompt", "And the LORD said unto Moses",
-                        "--max-new-tokens", "24"], env=ENV, capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "run", "--prompt", "And the LORD said unto Moses", "--max-new-tokens", "24"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "the bundled demo model" in r.stderr
-    assert "[INFO]" not in r.stdout                 # the text alone on stdout
+    assert "[INFO]" not in r.stdout  # the text alone on stdout
     text = r.stdout
     words = text.split()
     assert len(words) >= 10
@@ -109,8 +115,25 @@ def test_run_without_model_dir_uses_the_demo_and_prints_english(tmp_path):
 def test_eval_against_itself(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text((FIXTURE / "heldout_head.txt").read_text()[:3000])
-    r = subprocess.run([sys.executable, "-m", "colibri", "eval", "--model-dir", str(DEMO_DIR), "--text", str(text),
-                        "--reference-dir", str(DEMO_DIR), "--ctx", "128"], env=ENV, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "eval",
+            "--model-dir",
+            str(DEMO_DIR),
+            "--text",
+            str(text),
+            "--reference-dir",
+            str(DEMO_DIR),
+            "--ctx",
+            "128",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "mean 0.000000" in r.stdout and "100.00 %" in r.stdout
 
@@ -130,7 +153,9 @@ def test_demo_template_is_train_demos():
     the bundled file is that text, and the file table lists it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_demo", Path(__file__).parent.parent / "tools" / "train_demo.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_demo", Path(__file__).parent.parent / "tools" / "train_demo.py"
+    )
     train_demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_demo)
     assert (DEMO_DIR / "chat_template.jinja").read_text(encoding="utf-8") == train_demo.CHAT_TEMPLATE
@@ -140,26 +165,34 @@ def test_demo_template_is_train_demos():
 def test_demo_template_frames_a_conversation_as_its_text(demo):
     """Every role renders (developer as a passage, tool as a plain line, list content by its text
     parts) and the generation prompt is the Bible's "And he answered and said,"."""
-    messages = [{"role": "system", "content": "In the beginning God created the heaven and the earth"},
-                {"role": "developer", "content": "Speak plainly."},
-                {"role": "user", "content": "Who made the sea"},
-                {"role": "assistant", "content": "The LORD made it."},
-                {"role": "tool", "content": "a result"},
-                {"role": "user", "content": [{"type": "text", "text": "And the dry land?"}, {"type": "image"}]}]
+    messages = [
+        {"role": "system", "content": "In the beginning God created the heaven and the earth"},
+        {"role": "developer", "content": "Speak plainly."},
+        {"role": "user", "content": "Who made the sea"},
+        {"role": "assistant", "content": "The LORD made it."},
+        {"role": "tool", "content": "a result"},
+        {"role": "user", "content": [{"type": "text", "text": "And the dry land?"}, {"type": "image"}]},
+    ]
     text = demo.apply_chat_template(messages, tokenize=False)
-    assert text == ("<s>In the beginning God created the heaven and the earth.\n"
-                    "Speak plainly.\n"
-                    "And one came and asked him, saying, Who made the sea.\n"
-                    "And he answered and said, The LORD made it.\n"
-                    "a result.\n"
-                    "And he asked him again, saying, And the dry land?\n"
-                    "And he answered and said,")
-    assert demo.apply_chat_template(messages, tokenize=False, add_generation_prompt=False) == \
-        text[:-len("\nAnd he answered and said,")]
+    assert text == (
+        "<s>In the beginning God created the heaven and the earth.\n"
+        "Speak plainly.\n"
+        "And one came and asked him, saying, Who made the sea.\n"
+        "And he answered and said, The LORD made it.\n"
+        "a result.\n"
+        "And he asked him again, saying, And the dry land?\n"
+        "And he answered and said,"
+    )
+    assert (
+        demo.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        == text[: -len("\nAnd he answered and said,")]
+    )
     ids = demo.apply_chat_template(messages[2:3])
-    assert ids[0] == 1 and 3 not in ids            # BOS, then pieces it knows (3: <unk>, tools/train_demo.py)
-    assert demo.tokenizer.decode(ids, skip_special_tokens=True) == \
-        "And one came and asked him, saying, Who made the sea. And he answered and said,"
+    assert ids[0] == 1 and 3 not in ids  # BOS, then pieces it knows (3: <unk>, tools/train_demo.py)
+    assert (
+        demo.tokenizer.decode(ids, skip_special_tokens=True)
+        == "And one came and asked him, saying, Who made the sea. And he answered and said,"
+    )
 
 
 def test_demo_replies_are_its_text(demo):
@@ -169,9 +202,15 @@ def test_demo_replies_are_its_text(demo):
 
 def test_chat_on_the_demo_without_model_dir(tmp_path):
     """`python -m colibri chat` with no --model-dir, two turns piped in: two replies of English."""
-    r = subprocess.run([sys.executable, "-m", "colibri", "chat", "--max-new-tokens", "24"], env=ENV, cwd=tmp_path,
-                       input="Who made the heaven and the earth?\nWhat shall I do?\n", capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "chat", "--max-new-tokens", "24"],
+        env=ENV,
+        cwd=tmp_path,
+        input="Who made the heaven and the earth?\nWhat shall I do?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "error" not in r.stderr and "Traceback" not in r.stderr
     assert "Loaded the bundled demo model" in r.stderr
@@ -180,9 +219,25 @@ def test_chat_on_the_demo_without_model_dir(tmp_path):
 
 
 def test_run_chat_on_the_demo(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--chat", "--system",
-                        "In the beginning God created the heaven and the earth.", "--prompt",
-                        "Who made the heaven and the earth?", "--max-new-tokens", "24"],
-                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "run",
+            "--chat",
+            "--system",
+            "In the beginning God created the heaven and the earth.",
+            "--prompt",
+            "Who made the heaven and the earth?",
+            "--max-new-tokens",
+            "24",
+        ],
+        env=ENV,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert _english(r.stdout, 2), r.stdout

@@ -8,6 +8,7 @@ section gives exactly the commands CI runs.
 - README.md contains the two set-up commands of `.ci/run` (its main job and its test command),
   read from `.ci/run` itself.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,13 @@ README_MAX_LINES = 250
 
 
 def _build(root: Path, site: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_docs_build_strictly(tmp_path):
@@ -75,7 +81,7 @@ def _ci_setup_commands() -> list[str]:
     cmds = []
     for i, line in enumerate(lines):
         if re.search(r"README set-up command \d", line):
-            cmd = next(l.strip() for l in lines[i + 1:] if l.strip() and not l.strip().startswith("#"))
+            cmd = next(l.strip() for l in lines[i + 1 :] if l.strip() and not l.strip().startswith("#"))
             cmds.append(cmd)
     return cmds
 

@@ -1,4 +1,5 @@
 """`eval`: perplexity and divergence statistics, through the API and the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,15 @@ import colibri
 from colibri.evaluate import chunks_of, evaluate, log_softmax
 
 ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
-TEXT = ("Four score and seven years ago our fathers brought forth on this continent, a new nation, "
-        "conceived in Liberty, and dedicated to the proposition that all men are created equal. ") * 4
+TEXT = (
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, "
+    "conceived in Liberty, and dedicated to the proposition that all men are created equal. "
+) * 4
 
 
 def test_chunks_replace_the_first_token_with_bos():
     assert chunks_of(list(range(10, 20)), 4, 1) == [[1, 11, 12, 13], [1, 15, 16, 17], [1, 19]]
-    assert chunks_of(list(range(10, 15)), 4, None) == [[10, 11, 12, 13]]     # a 1-token tail is dropped
+    assert chunks_of(list(range(10, 15)), 4, None) == [[10, 11, 12, 13]]  # a 1-token tail is dropped
 
 
 def test_perplexity_is_exp_of_the_mean_nll(converted):
@@ -48,20 +51,45 @@ def test_eval_cli(converted, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     d = str(converted("mixtral_a"))
-    r = subprocess.run([sys.executable, "-m", "colibri", "eval", "--model-dir", d, "--text", str(text),
-                        "--reference-dir", d, "--ctx", "64", "--json"], env=ENV, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "eval",
+            "--model-dir",
+            d,
+            "--text",
+            str(text),
+            "--reference-dir",
+            d,
+            "--ctx",
+            "64",
+            "--json",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["kl_mean"] == 0 and out["perplexity"] > 1
-    r = subprocess.run([sys.executable, "-m", "colibri", "eval", "--model-dir", d, "--text", str(text)],
-                       env=ENV, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "eval", "--model-dir", d, "--text", str(text)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and "perplexity:" in r.stdout
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--text", "/nonexistent.txt"], "/nonexistent.txt"),
-    (["--ctx", "1"], "--ctx"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--text", "/nonexistent.txt"], "/nonexistent.txt"),
+        (["--ctx", "1"], "--ctx"),
+    ],
+)
 def test_eval_errors_are_one_line(converted, tmp_path, args, named):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
@@ -73,8 +101,12 @@ def test_eval_errors_are_one_line(converted, tmp_path, args, named):
 def test_eval_needs_a_tokenizer(converted, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    r = subprocess.run([sys.executable, "-m", "colibri", "eval", "--model-dir", str(converted("olmoe_a")),
-                        "--text", str(text)], env=ENV, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "eval", "--model-dir", str(converted("olmoe_a")), "--text", str(text)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "tokenizer" in r.stderr
 
 
@@ -85,6 +117,7 @@ def test_eval_takes_the_new_families(tmp_path, case, dtype):
     import shutil
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from colibri.convert import convert
+
     hf = tmp_path / "hf"
     shutil.copytree(Path(__file__).parent / "fixtures" / case / "hf", hf)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -11,6 +11,7 @@ Every subprocess runs under an address-space limit (conftest.as_limit), every in
 a headroom of as much (conftest.address_space_headroom): an attempted huge allocation fails the
 test instead of swapping the machine.
 """
+
 from __future__ import annotations
 
 import collections
@@ -60,8 +61,9 @@ def _headroom():
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], env=ENV, capture_output=True, text=True,
-                          **as_limit())
+    return subprocess.run(
+        [sys.executable, "-m", "colibri", *map(str, args)], env=ENV, capture_output=True, text=True, **as_limit()
+    )
 
 
 def refused(proc, *named) -> str:
@@ -106,7 +108,7 @@ def test_convert_output_is_the_input(tmp_path, hf, force):
 
 @pytest.mark.parametrize("levels", [1, 2])
 def test_convert_output_contains_the_input(tmp_path, hf, levels):
-    parent = hf.parents[levels - 1]                  # P, then tmp_path
+    parent = hf.parents[levels - 1]  # P, then tmp_path
     before = snapshot(tmp_path)
     line = refused(cli("convert", "--hf-dir", hf, "--output-dir", parent, "--force"), parent, hf)
     assert "contains the input" in line
@@ -126,8 +128,9 @@ def test_convert_same_directory_by_another_spelling(tmp_path, hf):
     before = snapshot(tmp_path)
     for spelling in (hf / ".." / "hf", tmp_path / "alias" / "hf"):
         refused(cli("convert", "--hf-dir", hf, "--output-dir", spelling, "--force"), spelling)
-    refused(cli("convert", "--hf-dir", tmp_path / "alias" / "hf", "--output-dir", tmp_path / "P", "--force"),
-            tmp_path / "P")
+    refused(
+        cli("convert", "--hf-dir", tmp_path / "alias" / "hf", "--output-dir", tmp_path / "P", "--force"), tmp_path / "P"
+    )
     assert snapshot(tmp_path) == before
 
 
@@ -208,7 +211,7 @@ def test_force_replaces_a_colibri_directory_and_leaves_no_temporaries(tmp_path, 
     convert(FIXTURES / "olmoe_a" / "hf", out, **SILENT)
     (out / "stray.txt").write_text("part of the old model directory")
     before = snapshot(tmp_path)
-    line = refused(cli("convert", "--hf-dir", hf, "--output-dir", out), out)     # not without --force
+    line = refused(cli("convert", "--hf-dir", hf, "--output-dir", out), out)  # not without --force
     assert "--force" in line
     assert snapshot(tmp_path) == before
 
@@ -219,8 +222,16 @@ def test_force_replaces_a_colibri_directory_and_leaves_no_temporaries(tmp_path, 
     assert temporaries(tmp_path) == []
     assert cli("verify", "--model-dir", out).returncode == 0
 
-    p = cli("relayout", "--model-dir", converted("mixtral_a", "int8"), "--output-dir", out, "--force",
-            "--expert-layout", "transposed")
+    p = cli(
+        "relayout",
+        "--model-dir",
+        converted("mixtral_a", "int8"),
+        "--output-dir",
+        out,
+        "--force",
+        "--expert-layout",
+        "transposed",
+    )
     assert p.returncode == 0, p.stderr
     assert temporaries(tmp_path) == [] and json.loads((out / "config.json").read_text())["weight_dtype"] == "int8"
     assert colibri.load(out).forward([1, 2, 3]).shape[0] == 3
@@ -241,7 +252,7 @@ def test_a_previous_output_moved_aside_by_a_killed_run_is_put_back(tmp_path, hf)
     convert(FIXTURES / "olmoe_a" / "hf", out, **SILENT)
     previous = snapshot(out)
     out.rename(tmp_path / f".out.old-{dead.pid}-0000abcd")
-    line = refused(cli("convert", "--hf-dir", hf, "--output-dir", out), out)      # it is back: needs --force
+    line = refused(cli("convert", "--hf-dir", hf, "--output-dir", out), out)  # it is back: needs --force
     assert "--force" in line
     assert snapshot(out) == previous and temporaries(tmp_path) == []
 
@@ -256,8 +267,13 @@ def test_sigterm_during_convert_leaves_no_temporary_and_the_previous_output(tmp_
     if previous:
         convert(FIXTURES / "olmoe_a" / "hf", out, **SILENT)
     before = snapshot(tmp_path)
-    proc = subprocess.Popen(convert_cmd(hf, out, "--quantize", "int4", "--force"), env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **as_limit())
+    proc = subprocess.Popen(
+        convert_cmd(hf, out, "--quantize", "int4", "--force"),
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        **as_limit(),
+    )
     deadline = time.time() + 60
     midway = False
     while time.time() < deadline and proc.poll() is None:
@@ -286,6 +302,7 @@ def test_sigterm_during_relayout_takes_the_cleanup_path_and_restores_the_handler
 
     def recording(signum, frame):
         got.append(signum)
+
     real = ModelDirWriter.write_file
     calls = []
 
@@ -294,6 +311,7 @@ def test_sigterm_during_relayout_takes_the_cleanup_path_and_restores_the_handler
         calls.append(rel)
         if len(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
+
     monkeypatch.setattr(ModelDirWriter, "write_file", write_file)
     saved = signal.signal(signal.SIGTERM, recording)
     try:
@@ -323,6 +341,7 @@ def _fill_disk_at_third_file(monkeypatch):
         with open(path, "wb") as f:
             f.write(b"\0" * 100)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(ModelDirWriter, "write_file", write_file)
     return calls
 
@@ -339,7 +358,7 @@ def test_enospc_names_the_file_and_removes_the_temporary(tmp_path, hf, monkeypat
     assert snapshot(tmp_path) == before
     assert signal.getsignal(signal.SIGTERM) == handler
 
-    calls.clear()                                     # the CLI: one line, status 2
+    calls.clear()  # the CLI: one line, status 2
     assert main(["convert", "--hf-dir", str(hf), "--output-dir", str(out), "--force"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "No space left on device" in err and str(calls[-1]) in err
@@ -378,11 +397,14 @@ def test_space_check_counts_the_text_files(tmp_path, hf, monkeypatch):
 def tmpfs(path: Path, size: str):
     """A tmpfs of `size` at path (root only): a real file system that fills up."""
     path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip() or 'mount failed'}): "
-                    f"the real full-disk test needs root")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip() or 'mount failed'}): "
+            f"the real full-disk test needs root"
+        )
     try:
         yield path
     finally:
@@ -394,16 +416,16 @@ def test_a_really_full_disk(tmp_path, monkeypatch, capsys):
     check fooled, the writes hit ENOSPC; both leave the previous model byte-identical."""
     with tmpfs(tmp_path / "disk", "1m") as disk:
         out = disk / "out"
-        convert(FIXTURES / "mixtral_a" / "hf", out, **SILENT)          # about 0.5 MB
+        convert(FIXTURES / "mixtral_a" / "hf", out, **SILENT)  # about 0.5 MB
         before = snapshot(disk)
-        line = refused(cli("convert", "--hf-dir", FIXTURES / "mixtral_b" / "hf", "--output-dir", out, "--force"),
-                       out)
+        line = refused(cli("convert", "--hf-dir", FIXTURES / "mixtral_b" / "hf", "--output-dir", out, "--force"), out)
         assert "not enough disk space" in line
         assert snapshot(disk) == before
 
         monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 40, 0, 1 << 40))
-        assert main(["convert", "--hf-dir", str(FIXTURES / "mixtral_b" / "hf"), "--output-dir", str(out),
-                     "--force"]) == 2
+        assert (
+            main(["convert", "--hf-dir", str(FIXTURES / "mixtral_b" / "hf"), "--output-dir", str(out), "--force"]) == 2
+        )
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "No space left on device" in err and str(disk / ".out.tmp-") in err
         assert snapshot(disk) == before

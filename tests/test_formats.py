@@ -2,6 +2,7 @@
 pair, convert's layout flags, modeldir's check of a tensor table entry and quant's packing accept
 exactly the pairs the table has, refuse the others with its one message, and store the bytes it
 counts."""
+
 from __future__ import annotations
 
 import re
@@ -16,13 +17,19 @@ from colibri.formats import FORMATS, check_layout, layouts_of
 from colibri.modeldir import check_stored_layout, storage_nbytes, to_storage
 
 PAIRS = [(fmt, layout) for fmt in names.FORMATS for layout in names.LAYOUTS]
-SHAPE = (16, 64)           # two groups of 8 outputs, two blocks of 32 inputs
+SHAPE = (16, 64)  # two groups of 8 outputs, two blocks of 32 inputs
 
 # the rule as it stood before the table, written out: the table must reproduce it
-EXPECTED = {"f32": ("rows", "transposed"), "f16": ("rows", "transposed"),
-            "bf16": ("rows", "transposed", "interleaved"), "int8": ("rows", "transposed", "interleaved"),
-            "int4": ("rows", "transposed", "interleaved"), "mxfp4": ("rows", "interleaved"),
-            "nl4": ("interleaved",), "int6": ("interleaved",)}
+EXPECTED = {
+    "f32": ("rows", "transposed"),
+    "f16": ("rows", "transposed"),
+    "bf16": ("rows", "transposed", "interleaved"),
+    "int8": ("rows", "transposed", "interleaved"),
+    "int4": ("rows", "transposed", "interleaved"),
+    "mxfp4": ("rows", "interleaved"),
+    "nl4": ("interleaved",),
+    "int6": ("interleaved",),
+}
 
 
 def _refusal(where, fmt, layout):
@@ -85,7 +92,7 @@ def test_modeldir_agrees_with_the_table(fmt, layout):
 @pytest.mark.parametrize("fmt, layout", PAIRS)
 def test_quant_packs_exactly_the_tables_pairs_in_its_bytes(fmt, layout):
     w = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
-    stored = to_storage(w, fmt)              # the rows layout (nl4/int6: their rows form)
+    stored = to_storage(w, fmt)  # the rows layout (nl4/int6: their rows form)
     if layout not in FORMATS[fmt].layouts:
         with pytest.raises(ColibriError, match=_refusal("quant.from_rows", fmt, layout)):
             quant.from_rows(stored, fmt, SHAPE[1], layout)
@@ -99,6 +106,7 @@ def test_the_format_page_lists_the_table():
     """docs/format.md's table of layouts per format is the table's own (no drift)."""
     import re
     from pathlib import Path
+
     page = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `(\w+)` \| ((?:`\w+`(?:, )?)+) \|$", page, re.M))
     listed = {name: tuple(re.findall(r"`(\w+)`", layouts)) for name, layouts in rows.items() if name in FORMATS}

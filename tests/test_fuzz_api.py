@@ -22,6 +22,7 @@ The budget is bounded and reproducible for CI: MAX_EXAMPLES per operation in the
 (the coverage phase adds its own boundary cases), derandomize=True (the same requests on every
 run), no example database.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from test_server import API_KEY, AUTH, Server  # noqa: E402
 
 MAX_EXAMPLES = 15
-TIMEOUT = 60                                  # seconds for one request (a generation with n=8 at most n-ctx tokens)
+TIMEOUT = 60  # seconds for one request (a generation with n=8 at most n-ctx tokens)
 STREAMED = "text/event-stream"
 
 
@@ -105,10 +106,10 @@ def answer_shape(ctx, response, case) -> None:
     assert kind.startswith(STREAMED), kind
     lines = [ln for ln in response.content.decode("utf-8").splitlines() if ln and not ln.startswith(":")]
     assert lines, "an empty stream"
-    names = [ln[len("event: "):] for ln in lines if ln.startswith("event: ")]
-    data = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+    names = [ln[len("event: ") :] for ln in lines if ln.startswith("event: ")]
+    data = [ln[len("data: ") :] for ln in lines if ln.startswith("data: ")]
     assert "error" not in names, lines[-4:]
-    if not names:                                # chat and text completions
+    if not names:  # chat and text completions
         assert data[-1] == "[DONE]", lines[-4:]
         data = data[:-1]
     for d in data:
@@ -117,16 +118,34 @@ def answer_shape(ctx, response, case) -> None:
 
 
 # schemathesis' own checks, less status_code_conformance and content_type_conformance (see above)
-CHECKS = [not_a_server_error, negative_data_rejection, unsupported_method, allow_header_conformance,
-          response_schema_conformance, response_headers_conformance, error_shape, answer_shape]
+CHECKS = [
+    not_a_server_error,
+    negative_data_rejection,
+    unsupported_method,
+    allow_header_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+    error_shape,
+    answer_shape,
+]
 
 
 @schema.parametrize()
-@hypothesis.settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+)
 def test_every_operation(case):
-    if case.meta is not None and case.meta.generation.mode == schemathesis.GenerationMode.POSITIVE \
-            and isinstance(case.body, dict) and isinstance(case.body.get("model"), str) and not len(case.body["model"]) % 2:
+    if (
+        case.meta is not None
+        and case.meta.generation.mode == schemathesis.GenerationMode.POSITIVE
+        and isinstance(case.body, dict)
+        and isinstance(case.body.get("model"), str)
+        and not len(case.body["model"]) % 2
+    ):
         # half of the valid bodies name the served model (the other half: a 404 for another
         # model), so that /v1/messages, which requires the name, gets to generate too
         case.body["model"] = "tiny"
@@ -135,14 +154,17 @@ def test_every_operation(case):
 
 # ---- regressions: what the fuzzing found ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
 def test_a_wrong_method_on_messages_is_answered_in_anthropics_shape(fuzzed, path):
     # routing's 405 (TRACE, GET, ...) was answered in OpenAI's shape on Anthropic's routes
     for method in ("GET", "TRACE", "PUT"):
         r = httpx.request(method, fuzzed.url + path, headers=AUTH, timeout=TIMEOUT)
         assert r.status_code == 405, r.text
-        assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                       "message": f"{method} {path}: Method Not Allowed"}}
+        assert r.json() == {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": f"{method} {path}: Method Not Allowed"},
+        }
 
 
 def test_routing_errors_elsewhere_stay_in_openais_shape(fuzzed):
@@ -160,29 +182,46 @@ def test_openapi_documents_the_ranges_as_json_schema(fuzzed):
     for key in ("ge", "le", "gt", "lt"):
         assert f'"{key}":' not in text
     schemas = doc["components"]["schemas"]
-    assert schemas["MessagesRequest"]["properties"]["max_tokens"] == {"minimum": 1, "title": "Max Tokens",
-                                                                      "type": "integer"}
+    assert schemas["MessagesRequest"]["properties"]["max_tokens"] == {
+        "minimum": 1,
+        "title": "Max Tokens",
+        "type": "integer",
+    }
     n = next(s for s in schemas["ChatCompletionRequest"]["properties"]["n"]["anyOf"] if s.get("type") == "integer")
     assert (n["minimum"], n["maximum"]) == (1, 8)
-    top_p = next(s for s in schemas["ChatCompletionRequest"]["properties"]["top_p"]["anyOf"] if s.get("type") == "number")
+    top_p = next(
+        s for s in schemas["ChatCompletionRequest"]["properties"]["top_p"]["anyOf"] if s.get("type") == "number"
+    )
     assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
     # and the server still refuses what the range excludes, in the API's error shape
-    r = httpx.post(fuzzed.url + "/v1/messages", headers=AUTH, timeout=TIMEOUT,
-                   json={"model": "tiny", "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        fuzzed.url + "/v1/messages",
+        headers=AUTH,
+        timeout=TIMEOUT,
+        json={"model": "tiny", "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
 
 
 @pytest.mark.parametrize("prompt", [[[False]], [[True, 5]], [False], [[5, 1.0]]])
 def test_a_boolean_is_not_a_token_id(fuzzed, prompt):
     # "prompt": [[false]] (schema-invalid) was a 200: pydantic's lax int took false for token 0
-    r = httpx.post(fuzzed.url + "/v1/completions", headers=AUTH, timeout=TIMEOUT,
-                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    r = httpx.post(
+        fuzzed.url + "/v1/completions",
+        headers=AUTH,
+        timeout=TIMEOUT,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == "prompt", err
 
 
 def test_nested_token_ids_are_still_a_prompt(fuzzed):
-    r = httpx.post(fuzzed.url + "/v1/completions", headers=AUTH, timeout=TIMEOUT,
-                   json={"model": "tiny", "prompt": [[5, 6]], "max_tokens": 1})
+    r = httpx.post(
+        fuzzed.url + "/v1/completions",
+        headers=AUTH,
+        timeout=TIMEOUT,
+        json={"model": "tiny", "prompt": [[5, 6]], "max_tokens": 1},
+    )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2, r.text

@@ -7,6 +7,7 @@ Gemma layer that must be present or absent in the converted directory, the multi
 the refusals of unsupported Gemma 4 variants, and the int8 / int4 paths against transformers
 running the very weights those formats store.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import colibri
 from colibri.convert import convert
 from conftest import FIXTURES, kl_mean, reference
 
-REL_TOL = 1e-4                # as in test_models.py: float32 rounding only
+REL_TOL = 1e-4  # as in test_models.py: float32 rounding only
 # Colibri int8/int4 against transformers on the same rounded weights: what is left is the
 # per-block int8 quantization of the activations (measured 1.1e-4 int8, 6e-5 int4 on gemma4_b)
 KL_SAME_WEIGHTS_MAX = 1e-3
@@ -39,17 +40,23 @@ def test_decoding_past_the_window_with_a_wrapping_kv_ring(converted, case):
     m = colibri.load(converted(case), prefill_chunk=2)
     window = m.config.sliding_window
     assert len(ids) + len(ref["greedy_ids"]) > 2 * (window + 2)
-    logits = m.forward(ids)                                      # chunks of 2
+    logits = m.forward(ids)  # chunks of 2
     expected = ref["logits_f32"]
     assert np.abs(logits - expected).max() <= REL_TOL * np.abs(expected).max()
     steps = []
-    new = list(m.generate(ids, max_new_tokens=len(ref["greedy_ids"]), stop_at_eos=False,
-                          on_step=lambda model: steps.append(model.last_logits)))
+    new = list(
+        m.generate(
+            ids,
+            max_new_tokens=len(ref["greedy_ids"]),
+            stop_at_eos=False,
+            on_step=lambda model: steps.append(model.last_logits),
+        )
+    )
     assert new == ref["greedy_ids"].tolist()
     stepped = np.empty((len(ids), m.config.vocab_size), np.float32)  # one token at a time
     tokens = np.asarray(ids, np.int32)
     for t in range(len(ids)):
-        assert m._engine.run(tokens[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+        assert m._engine.run(tokens[t : t + 1], t, stepped[t : t + 1], True)[0] == 0
     assert np.abs(stepped - expected).max() <= REL_TOL * np.abs(expected).max()
 
 
@@ -70,15 +77,32 @@ def test_converted_layout_of_the_gemma_layer(converted):
     cfg = json.loads((converted("gemma4_a") / "config.json").read_text())
     model, names = cfg["model"], set(cfg["tensors"])
     assert model["architecture"] == "gemma4" and model["moe_block"] == "parallel" and model["hidden_act"] == "gelu_tanh"
-    assert model["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention",
-                                    "sliding_attention", "full_attention"]
+    assert model["layer_types"] == [
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
     assert model["layer_head_dims"] == [16, 16, 32, 16, 32] and model["layer_kv_heads"] == [2, 2, 1, 2, 1]
     assert model["layer_rope_fraction"] == [1.0, 1.0, 0.25, 1.0, 0.25]
     assert model["embedding_scale"] == pytest.approx(8.0) and model["final_logit_softcapping"] == 3.0
     for layer in range(5):
         p = f"layers.{layer}."
-        for t in ("post_attn_norm", "post_ffn_norm", "post_mlp_norm", "pre_moe_norm", "post_moe_norm",
-                  "router_scale", "expert_scale", "layer_scalar", "mlp.gate", "experts.7.down", "q_norm", "k_norm"):
+        for t in (
+            "post_attn_norm",
+            "post_ffn_norm",
+            "post_mlp_norm",
+            "pre_moe_norm",
+            "post_moe_norm",
+            "router_scale",
+            "expert_scale",
+            "layer_scalar",
+            "mlp.gate",
+            "experts.7.down",
+            "q_norm",
+            "k_norm",
+        ):
             assert p + t in names, p + t
         # attention_k_eq_v: full-attention layers have no v projection
         assert (p + "wv" in names) == (model["layer_types"][layer] == "sliding_attention")
@@ -98,9 +122,11 @@ def test_multimodal_checkpoint_converts_its_text_model(tmp_path):
 
 def test_multimodal_config_takes_special_tokens_from_the_top_level(tmp_path):
     """google/gemma-4-* configs keep eos_token_id ([1, 106]) beside text_config, not in it."""
+
     def edit(cfg):
         cfg["text_config"].pop("eos_token_id", None)
         cfg["eos_token_id"] = [2, 5]
+
     hf = _edited_checkpoint(tmp_path, edit, case="gemma4_b")
     convert(hf, tmp_path / "m", log=lambda *a: None)
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model"]["eos_token_id"] == [2, 5]
@@ -115,15 +141,24 @@ def _edited_checkpoint(tmp_path, edit, case="gemma4_a"):
     return hf
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("hidden_size_per_layer_input", 16, "per-layer input embeddings"),
-    ("num_kv_shared_layers", 2, "num_kv_shared_layers"),
-    ("enable_moe_block", False, "dense Gemma 4"),
-    ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
-    ("hidden_activation", "silu", "hidden_activation"),
-    ("rope_parameters", {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, "RoPE"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("hidden_size_per_layer_input", 16, "per-layer input embeddings"),
+        ("num_kv_shared_layers", 2, "num_kv_shared_layers"),
+        ("enable_moe_block", False, "dense Gemma 4"),
+        ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
+        ("hidden_activation", "silu", "hidden_activation"),
+        (
+            "rope_parameters",
+            {
+                "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+            "RoPE",
+        ),
+    ],
+)
 def test_unsupported_gemma4_variants_are_refused_by_name(tmp_path, field, value, message):
     hf = _edited_checkpoint(tmp_path, lambda c: c.__setitem__(field, value))
     with pytest.raises(colibri.ColibriError, match=message):
@@ -133,6 +168,7 @@ def test_unsupported_gemma4_variants_are_refused_by_name(tmp_path, field, value,
 
 def test_cli_info_shows_the_layer_geometry(converted, capsys):
     from colibri.cli import main
+
     assert main(["info", "--model-dir", str(converted("gemma4_a"))]) == 0
     out = capsys.readouterr().out
     assert "gemma4" in out and "3 sliding-window layers (window 8), 2 full" in out
@@ -159,6 +195,7 @@ def test_routing_matches_transformers_router(converted):
     """The experts and weights of the last prompt position in every layer: transformers' router
     probabilities (recorded by make_fixtures.py), top-k, renormalised, times per_expert_scale."""
     from colibri.hfcheckpoint import HFCheckpoint
+
     ref = reference("gemma4_a")
     ckpt = HFCheckpoint(FIXTURES / "gemma4_a" / "hf")
     m = colibri.load(converted("gemma4_a"))
@@ -166,7 +203,7 @@ def test_routing_matches_transformers_router(converted):
     experts, weights = m.routing
     k = m.config.num_experts_per_tok
     for layer in range(m.config.num_hidden_layers):
-        p = np.exp(ref["router_logits_f32"][layer, -1].astype(np.float64))      # log-probabilities
+        p = np.exp(ref["router_logits_f32"][layer, -1].astype(np.float64))  # log-probabilities
         top = np.argsort(-p, kind="stable")[:k]
         scale = ckpt.f32(f"model.layers.{layer}.router.per_expert_scale")
         expected = dict(zip(top.tolist(), p[top] / p[top].sum() * scale[top]))

@@ -12,6 +12,7 @@ tests/fixtures/gguf/).
 - Unsupported architectures and tensor types, and damaged files (hypothesis on the header and
   metadata bytes), are one clear ColibriError naming the file.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -36,7 +37,7 @@ from colibri.gguf_import import GGUFCheckpoint, _unpermuted_rows  # noqa: E402
 FIXTURES = Path(__file__).parent / "fixtures"
 GGUF_DIR = FIXTURES / "gguf"
 SILENT = {"log": lambda *a: None}
-REL_TOL = 1e-4                 # |Δlogit| / max|logit| against transformers, as in test_models.py
+REL_TOL = 1e-4  # |Δlogit| / max|logit| against transformers, as in test_models.py
 
 
 def logits(model_dir, case):
@@ -62,10 +63,18 @@ def imported(tmp_path_factory):
         key = (name, quantize, layout)
         if key not in made:
             out = root / f"{name}-{quantize}-{layout}"
-            convert(None, out, quantize=quantize, gguf=GGUF_DIR / f"{name}.gguf", expert_layout=layout, layout=layout,
-                    **SILENT)
+            convert(
+                None,
+                out,
+                quantize=quantize,
+                gguf=GGUF_DIR / f"{name}.gguf",
+                expert_layout=layout,
+                layout=layout,
+                **SILENT,
+            )
             made[key] = out
         return made[key]
+
     return get
 
 
@@ -80,22 +89,38 @@ def from_hf(tmp_path_factory):
             convert(FIXTURES / case / "hf", out, quantize=quantize, **SILENT)
             made[case, quantize] = out
         return made[case, quantize]
+
     return get
 
 
-@pytest.mark.parametrize("name, case, fmt", [("mixtral_a-F32", "mixtral_a", "f32"),
-                                             ("qwen3moe_c-F16", "qwen3moe_c", "f16"),
-                                             ("olmoe_a-F16", "olmoe_a", "f16"),
-                                             ("gemma4_a-F16", "gemma4_a", "f16"),
-                                             ("gemma4_b-F16", "gemma4_b", "f16")])
+@pytest.mark.parametrize(
+    "name, case, fmt",
+    [
+        ("mixtral_a-F32", "mixtral_a", "f32"),
+        ("qwen3moe_c-F16", "qwen3moe_c", "f16"),
+        ("olmoe_a-F16", "olmoe_a", "f16"),
+        ("gemma4_a-F16", "gemma4_a", "f16"),
+        ("gemma4_b-F16", "gemma4_b", "f16"),
+    ],
+)
 def test_a_float_gguf_is_the_safetensors_model(imported, from_hf, name, case, fmt):
     ours, ref = logits(imported(name), case)
     theirs, _ = logits(from_hf(case, fmt), case)
     np.testing.assert_array_equal(ours, theirs)
     assert rel(ours, ref[f"logits_{fmt}"]) <= REL_TOL
     a, b = ModelDir(imported(name)).config, ModelDir(from_hf(case, fmt)).config
-    for field in ("architecture", "num_experts", "num_experts_per_tok", "norm_topk_prob", "head_dim",
-                  "num_key_value_heads", "moe_layers", "qk_norm", "tie_word_embeddings", "rope_theta"):
+    for field in (
+        "architecture",
+        "num_experts",
+        "num_experts_per_tok",
+        "norm_topk_prob",
+        "head_dim",
+        "num_key_value_heads",
+        "moe_layers",
+        "qk_norm",
+        "tie_word_embeddings",
+        "rope_theta",
+    ):
         assert getattr(a, field) == getattr(b, field), field
 
 
@@ -130,8 +155,10 @@ def test_q8_0_and_q4_0_blocks_are_carried_byte_for_byte(imported, qtype, fmt):
                 continue
             blocks = np.asarray(t.data, np.uint8)
             name = _ours(t.name)
-            if t.name.endswith(("attn_q.weight", "attn_k.weight")):       # llama's RoPE permutation, undone
-                blocks = blocks[_unpermuted_rows(blocks.shape[0], heads if "attn_q" in t.name else kv_heads, src, t.name)]
+            if t.name.endswith(("attn_q.weight", "attn_k.weight")):  # llama's RoPE permutation, undone
+                blocks = blocks[
+                    _unpermuted_rows(blocks.shape[0], heads if "attn_q" in t.name else kv_heads, src, t.name)
+                ]
             if "_exps" in t.name:
                 for e in range(blocks.shape[0]):
                     stored = maps.rows_array(name.format(e=e))
@@ -148,17 +175,22 @@ def test_q8_0_and_q4_0_blocks_are_carried_byte_for_byte(imported, qtype, fmt):
     assert carried >= 10 and ckpt.default_format() == fmt
 
 
-@pytest.mark.parametrize("name, fmt", [("mixtral_a-Q8_0", "int8"), ("mixtral_a-Q4_0", "int4"),
-                                       ("deepseekv3_a-Q8_0", "int8")])
+@pytest.mark.parametrize(
+    "name, fmt", [("mixtral_a-Q8_0", "int8"), ("mixtral_a-Q4_0", "int4"), ("deepseekv3_a-Q8_0", "int8")]
+)
 def test_every_carried_matrix_holds_the_file_s_own_values(imported, name, fmt):
     """Whatever the mapping does to a tensor (llama's q/k rows, DeepSeek's per-head [rope, nope]
     query rows and [rope, latent] kv_a rows), an int8/int4 matrix of the import holds exactly the
     values of the same import at f32, which are the GGUF's dequantized values: no requantization."""
     from colibri.quant import dequantize
+
     qtype = name.split("-")[1]
     # a tensor of another quantized type (Q4_0 files keep one in Q8_0) is requantized: not carried
-    others = {_ours(t.name) for t in gguf.GGUFReader(GGUF_DIR / f"{name}.gguf").tensors
-              if t.tensor_type.name not in (qtype, "F32", "F16", "BF16")}
+    others = {
+        _ours(t.name)
+        for t in gguf.GGUFReader(GGUF_DIR / f"{name}.gguf").tensors
+        if t.tensor_type.name not in (qtype, "F32", "F16", "BF16")
+    }
     a, b = ModelDir(imported(name, layout="rows")), ModelDir(imported(name, "f32"))
     ma, mb = MappedModelDir(a), MappedModelDir(b)
     checked = 0
@@ -183,9 +215,20 @@ def test_a_deepseek_v3_gguf_is_the_safetensors_model(imported, from_hf):
     np.testing.assert_array_equal(ours, theirs)
     assert rel(ours, ref["logits_f32"]) <= REL_TOL
     a, b = ModelDir(imported("deepseekv3_a-F32")).config, ModelDir(from_hf("deepseekv3_a", "f32")).config
-    for field in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rotary_dim", "n_group",
-                  "topk_group", "routed_scaling_factor", "moe_layers", "norm_topk_prob", "attention_scale",
-                  "shared_expert_intermediate_size"):
+    for field in (
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "rotary_dim",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "moe_layers",
+        "norm_topk_prob",
+        "attention_scale",
+        "shared_expert_intermediate_size",
+    ):
         assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-6), field
 
 
@@ -195,8 +238,15 @@ def _ours(gguf_name: str) -> str:
     if gguf_name in table:
         return table[gguf_name]
     _, layer, rest = gguf_name.split(".", 2)
-    part = {"attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
-            "ffn_gate_inp.weight": "router", "attn_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm"}.get(rest)
+    part = {
+        "attn_q.weight": "wq",
+        "attn_k.weight": "wk",
+        "attn_v.weight": "wv",
+        "attn_output.weight": "wo",
+        "ffn_gate_inp.weight": "router",
+        "attn_norm.weight": "attn_norm",
+        "ffn_norm.weight": "ffn_norm",
+    }.get(rest)
     if part is not None:
         return f"layers.{layer}.{part}"
     proj = rest.split("_")[1]
@@ -222,7 +272,7 @@ def test_types_without_a_colibri_format_are_requantized_and_the_error_reported(t
     report = [line for line in said if "dequantized" in line]
     assert len(report) == 1 and "Q5_0" in report[0], said
     error = float(report[0].split("Q5_0 ")[1].split()[0])
-    assert 0 < error < 0.2                      # two 4-bit roundings of the same weights
+    assert 0 < error < 0.2  # two 4-bit roundings of the same weights
     assert ModelDir(tmp_path / "m").weight_dtype == "int4"
     # at int8 the file's own values are kept far more closely than any 4-bit format could
     exact, _ = logits(imported("mixtral_a-Q4_K_M", "f32"), "mixtral_a")
@@ -237,10 +287,11 @@ def test_a_gguf_s_finer_tensors_keep_their_precision_without_quantize(tmp_path, 
     256) as int6, which holds a 5-bit block's values (its scale found by the search): the logits
     stay far closer to the file's own values than with --quantize int4; the log says so."""
     import gguf
+
     said = []
     convert(None, tmp_path / "m", gguf=GGUF_DIR / "mixtral_a-Q4_K_M.gguf", log=said.append)
     md = ModelDir(tmp_path / "m")
-    assert md.weight_dtype == "nl4"                           # general.file_type Q4_K_M -> nl4
+    assert md.weight_dtype == "nl4"  # general.file_type Q4_K_M -> nl4
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(GGUF_DIR / "mixtral_a-Q4_K_M.gguf").tensors}
     assert types["output.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == "Q5_0"
     assert md.tensors["lm_head"]["dtype"] == "int8" and md.tensors["layers.0.wq"]["dtype"] == "int6"
@@ -248,7 +299,7 @@ def test_a_gguf_s_finer_tensors_keep_their_precision_without_quantize(tmp_path, 
     (kept,) = [line for line in said if "finer precision" in line]
     assert "in int6" in kept and "in int8" in kept, kept
     (report,) = [line for line in said if "dequantized" in line]
-    assert float(report.split("Q5_0 ")[1].split()[0]) < 2e-3, report     # within f16 rounding of the scales
+    assert float(report.split("Q5_0 ")[1].split()[0]) < 2e-3, report  # within f16 rounding of the scales
     exact, _ = logits(imported("mixtral_a-Q4_K_M", "f32"), "mixtral_a")
     default, _ = logits(tmp_path / "m", "mixtral_a")
     at_int4, _ = logits(imported("mixtral_a-Q4_K_M", "int4"), "mixtral_a")
@@ -260,12 +311,14 @@ def test_a_gpt_oss_mxfp4_gguf_is_the_checkpoint_as_llama_cpp_runs_it(tmp_path, i
     losslessly, so the import equals the mxfp4 conversion of the same checkpoint run with
     llama.cpp's settings, which the GGUF does not carry: even layers sliding, the SwiGLU clamp 7."""
     import json
+
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / "gpt_oss_b" / "hf", hf)
     cfg = json.loads((hf / "config.json").read_text())
     n = cfg["num_hidden_layers"]
-    cfg.update(layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
-               swiglu_limit=7.0)
+    cfg.update(
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)], swiglu_limit=7.0
+    )
     (hf / "config.json").write_text(json.dumps(cfg))
     convert(hf, tmp_path / "hf-mxfp4", quantize="mxfp4", **SILENT)
     ours, _ = logits(imported("gpt_oss_b-BF16"), "gpt_oss_b")
@@ -286,9 +339,15 @@ def two_tokenizers(imported, from_hf):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.one_of(st.text(alphabet=st.characters(codec="utf-8", categories=("L", "N", "P", "Zs", "Cc")),
-                                  max_size=12),
-                          st.sampled_from(["<s>", "</s>", "<unk>", " ", "\n", "  "])), max_size=6).map("".join))
+@given(
+    st.lists(
+        st.one_of(
+            st.text(alphabet=st.characters(codec="utf-8", categories=("L", "N", "P", "Zs", "Cc")), max_size=12),
+            st.sampled_from(["<s>", "</s>", "<unk>", " ", "\n", "  "]),
+        ),
+        max_size=6,
+    ).map("".join)
+)
 def test_the_imported_tokenizer_gives_the_checkpoint_s_ids(two_tokenizers, text):
     """convert_hf_to_gguf.py wrote the fixture's sentencepiece vocabulary (128 pieces: most
     characters are unknown to it) into the GGUF; the tokenizer.json made from it gives the ids
@@ -305,13 +364,14 @@ def test_generation_stops_at_the_end_of_a_turn_too(tmp_path):
     """generation_config.json's eos_token_id: the file's eos, then its eot / eom tokens (a chat
     model's end of turn), as llama.cpp stops at every end-of-generation token."""
     import json
+
     ckpt = GGUFCheckpoint(GGUF_DIR / "mixtral_a-Q8_0.gguf")
     ckpt.write_text_files(tmp_path, 128)
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
     ckpt.meta.update({"tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.eom_token_id": 2})
     ckpt.write_text_files(tmp_path, 128)
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
-    ckpt.meta["tokenizer.ggml.eot_token_id"] = 500                       # outside the vocabulary: dropped
+    ckpt.meta["tokenizer.ggml.eot_token_id"] = 500  # outside the vocabulary: dropped
     ckpt.write_text_files(tmp_path, 128)
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 2
 
@@ -328,7 +388,7 @@ def test_k_quants_and_iq4_xs_are_dequantized_and_requantized(tmp_path, imported,
     for t in types:
         error = float(report.split(f"{t} ")[1].split()[0])
         assert 0 < error < 0.2, report
-    assert ModelDir(tmp_path / "m").weight_dtype == "nl4"           # general.file_type Q4_K_M / IQ4_XS
+    assert ModelDir(tmp_path / "m").weight_dtype == "nl4"  # general.file_type Q4_K_M / IQ4_XS
     ids = list(range(1, 48))
 
     def run(d):
@@ -337,10 +397,11 @@ def test_k_quants_and_iq4_xs_are_dequantized_and_requantized(tmp_path, imported,
             return m.forward(ids)
         finally:
             m.close()
+
     exact = run(imported(name, "f32"))
     at_int8, default, at_int4 = run(imported(name, "int8")), run(tmp_path / "m"), run(imported(name, "int4"))
     assert rel(at_int8, exact) < 0.05 and rel(at_int8, exact) < rel(default, exact) / 3
-    assert rel(default, exact) < rel(at_int4, exact)        # nl4, the default, errs less than int4
+    assert rel(default, exact) < rel(at_int4, exact)  # nl4, the default, errs less than int4
 
 
 def test_a_gguf_without_a_vocabulary_converts_to_raw_ids(imported):
@@ -349,6 +410,7 @@ def test_a_gguf_without_a_vocabulary_converts_to_raw_ids(imported):
 
 
 # ---- errors -------------------------------------------------------------------------------------
+
 
 def _write_gguf(path: Path, arch="llama", kv=None, tensors=None):
     w = gguf.GGUFWriter(str(path), arch)
@@ -364,18 +426,24 @@ def _write_gguf(path: Path, arch="llama", kv=None, tensors=None):
 
 
 def test_an_unsupported_architecture_is_named(tmp_path):
-    path = _write_gguf(tmp_path / "bert.gguf", arch="bert",
-                       tensors=[("token_embd.weight", np.zeros((8, 32), np.float32), None)])
+    path = _write_gguf(
+        tmp_path / "bert.gguf", arch="bert", tensors=[("token_embd.weight", np.zeros((8, 32), np.float32), None)]
+    )
     with pytest.raises(ColibriError, match=r"bert\.gguf: architecture 'bert' is not supported.*llama, qwen2moe"):
         GGUFCheckpoint(path)
 
 
 def test_a_dense_llama_is_refused(tmp_path):
     GT = gguf.GGUFValueType
-    path = _write_gguf(tmp_path / "dense.gguf", kv={"llama.block_count": (1, GT.UINT32),
-                                                    "llama.embedding_length": (32, GT.UINT32),
-                                                    "llama.attention.head_count": (4, GT.UINT32)},
-                       tensors=[("token_embd.weight", np.zeros((8, 32), np.float32), None)])
+    path = _write_gguf(
+        tmp_path / "dense.gguf",
+        kv={
+            "llama.block_count": (1, GT.UINT32),
+            "llama.embedding_length": (32, GT.UINT32),
+            "llama.attention.head_count": (4, GT.UINT32),
+        },
+        tensors=[("token_embd.weight", np.zeros((8, 32), np.float32), None)],
+    )
     with pytest.raises(ColibriError, match=r"dense\.gguf: llama\.expert_count is absent or 0"):
         GGUFCheckpoint(path)
 
@@ -389,12 +457,18 @@ def test_an_unknown_tensor_or_tensor_type_is_named(tmp_path):
             continue
         kv[name] = (field.contents(), field.types[0])
     tensors = [(t.name, np.asarray(t.data), None) for t in reader.tensors]
-    odd = _write_gguf(tmp_path / "odd.gguf", kv=kv, tensors=tensors + [("blk.0.mystery.weight", np.zeros(4, np.float32), None)])
+    odd = _write_gguf(
+        tmp_path / "odd.gguf", kv=kv, tensors=tensors + [("blk.0.mystery.weight", np.zeros(4, np.float32), None)]
+    )
     with pytest.raises(ColibriError, match=r"odd\.gguf: tensor 'blk\.0\.mystery\.weight' is not understood"):
         GGUFCheckpoint(odd)
     # a type gguf cannot decode (Q8_1: llama.cpp's activation type, 40-byte blocks of 32)
-    q81 = [(n, np.zeros((d.shape[0], d.shape[1] // 32 * 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
-           if n == "token_embd.weight" else (n, d, None) for n, d, _ in tensors]
+    q81 = [
+        (n, np.zeros((d.shape[0], d.shape[1] // 32 * 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
+        if n == "token_embd.weight"
+        else (n, d, None)
+        for n, d, _ in tensors
+    ]
     typed = _write_gguf(tmp_path / "q81.gguf", kv=kv, tensors=q81)
     out = tmp_path / "out"
     with pytest.raises(ColibriError, match=r"q81\.gguf: tensor token_embd\.weight \(Q8_1\) cannot be read"):
@@ -402,23 +476,31 @@ def test_an_unknown_tensor_or_tensor_type_is_named(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda b: b[:10], "not a GGUF file"),
-    (lambda b: b"GGUF" + struct.pack("<I", 7) + b[8:], "GGUF version 7 is not supported"),
-    (lambda b: b[:8] + struct.pack("<Q", 1 << 60) + b[16:], "more than a file of"),
-    (lambda b: b[:16] + struct.pack("<Q", 1 << 58) + b[24:], "more than a file of"),
-    (lambda b: b[:len(b) // 3], "not a readable GGUF file|cannot be read|metadata"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b[:10], "not a GGUF file"),
+        (lambda b: b"GGUF" + struct.pack("<I", 7) + b[8:], "GGUF version 7 is not supported"),
+        (lambda b: b[:8] + struct.pack("<Q", 1 << 60) + b[16:], "more than a file of"),
+        (lambda b: b[:16] + struct.pack("<Q", 1 << 58) + b[24:], "more than a file of"),
+        (lambda b: b[: len(b) // 3], "not a readable GGUF file|cannot be read|metadata"),
+    ],
+)
 def test_a_damaged_header_is_one_clear_error(tmp_path, damage, message):
     data = (GGUF_DIR / "mixtral_a-Q8_0.gguf").read_bytes()
     path = tmp_path / "bad.gguf"
     path.write_bytes(damage(data))
-    r = subprocess.run([sys.executable, "-m", "colibri", "convert", "--gguf", str(path), "--output-dir",
-                        str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "convert", "--gguf", str(path), "--output-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     (line,) = r.stderr.strip().splitlines()[-1:]
     assert line.startswith("error: ") and str(path) in line
     import re
+
     assert re.search(message, line), line
     assert not (tmp_path / "out").exists()
 
@@ -427,8 +509,10 @@ _ORIGINAL = None
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(0, 4095), st.integers(0, 255)), min_size=1, max_size=6),
-       st.one_of(st.none(), st.integers(24, 200_000)))
+@given(
+    st.lists(st.tuples(st.integers(0, 4095), st.integers(0, 255)), min_size=1, max_size=6),
+    st.one_of(st.none(), st.integers(24, 200_000)),
+)
 def test_random_damage_to_the_header_and_metadata_is_a_colibri_error(tmp_path, edits, cut):
     """Bytes of the header, the metadata and the tensor table changed (or the file cut short):
     reading it is a ColibriError or a checkpoint whose every tensor can be planned -- never
@@ -446,19 +530,25 @@ def test_random_damage_to_the_header_and_metadata_is_a_colibri_error(tmp_path, e
     try:
         ckpt = GGUFCheckpoint(path)
         from colibri.convert import hf_model_config, plan_tensors
+
         _, cfg = hf_model_config(ckpt)
         plan_tensors(ckpt, cfg, ckpt.config["architectures"][0])
     except ColibriError as e:
         assert str(path) in str(e) or "config" in str(e) or "tensor" in str(e), str(e)
 
 
-@pytest.mark.parametrize("name, qtype, bad", [("olmoe_a-F16", "F16", b"\x00\x7e"),        # an f16 NaN
-                                              ("mixtral_a-Q8_0", "Q8_0", b"\x00\x7c")])    # an f16 block scale inf
+@pytest.mark.parametrize(
+    "name, qtype, bad",
+    [
+        ("olmoe_a-F16", "F16", b"\x00\x7e"),  # an f16 NaN
+        ("mixtral_a-Q8_0", "Q8_0", b"\x00\x7c"),
+    ],
+)  # an f16 block scale inf
 def test_a_non_finite_value_carried_from_the_file_is_refused(tmp_path, name, qtype, bad):
     src = GGUF_DIR / f"{name}.gguf"
     t = next(t for t in gguf.GGUFReader(src).tensors if t.tensor_type.name == qtype and len(t.shape) == 2)
     data = bytearray(src.read_bytes())
-    data[t.data_offset:t.data_offset + 2] = bad
+    data[t.data_offset : t.data_offset + 2] = bad
     path = tmp_path / "nan.gguf"
     path.write_bytes(bytes(data))
     with pytest.raises(ColibriError, match="hold NaN or infinity"):
@@ -476,12 +566,16 @@ def test_the_output_may_not_replace_the_gguf_s_directory(tmp_path):
 
 
 def test_a_gguf_given_as_a_model_directory_says_how_to_convert_it():
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(GGUF_DIR / "olmoe_a-F16.gguf"),
-                        "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "run", "--model-dir", str(GGUF_DIR / "olmoe_a-F16.gguf"), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "is a GGUF file; convert it" in r.stderr and "--gguf" in r.stderr
 
 
 def test_without_the_gguf_package_the_error_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "gguf", None)          # import gguf now raises ImportError
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     with pytest.raises(ColibriError, match=r"pip install 'colibri-moe\[gguf\]'"):
         GGUFCheckpoint(GGUF_DIR / "olmoe_a-F16.gguf")

@@ -24,6 +24,7 @@ reference for such text, so nothing here is excused by it; it is listed for the 
 against its .gguf.out (gemma-4, llama-bpe, command-r, deepseek-*, falcon, starcoder, refact, ...),
 which are too large to commit.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,18 +53,38 @@ VOCABS = {
     "llama-spm": ("llama-spm", None, "llama-spm"),
     "phi-3": ("phi-3", None, "phi-3"),
     "gpt-2": ("gpt-2", None, "gpt-2"),
-    "gpt-neox": ("mpt", None, "gpt-neox"),       # mpt's file is gpt-neox-20b's vocabulary, pre "mpt"
+    "gpt-neox": ("mpt", None, "gpt-neox"),  # mpt's file is gpt-neox-20b's vocabulary, pre "mpt"
     "qwen2": ("qwen2", None, "qwen2"),
-    "qwen35": ("qwen2", "qwen35", "qwen35"),     # ggml-vocab-qwen35.gguf = qwen2's with pre "qwen35"
+    "qwen35": ("qwen2", "qwen35", "qwen35"),  # ggml-vocab-qwen35.gguf = qwen2's with pre "qwen35"
 }
-SPLICED = [" ", "  ", "   ", "\n", "\n\n", "\t", "\r\n", "123", "3333", "'s", "e\u0301", "\u00a0", "\u3000", "Hello",
-           " world", "\U0001f999", "<0x0A>", "\u2581", "[PAD151650]"]
+SPLICED = [
+    " ",
+    "  ",
+    "   ",
+    "\n",
+    "\n\n",
+    "\t",
+    "\r\n",
+    "123",
+    "3333",
+    "'s",
+    "e\u0301",
+    "\u00a0",
+    "\u3000",
+    "Hello",
+    " world",
+    "\U0001f999",
+    "<0x0A>",
+    "\u2581",
+    "[PAD151650]",
+]
 
 
 def meta_of(reader) -> dict:
     """GGUF key -> Python value, for the keys tokenizer_files reads (gguf 0.19: contents())."""
-    return {k: f.contents() for k, f in reader.fields.items()
-            if k.startswith("tokenizer.") or k == "general.architecture"}
+    return {
+        k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") or k == "general.architecture"
+    }
 
 
 class Built:
@@ -75,9 +96,9 @@ class Built:
         root.mkdir(parents=True, exist_ok=True)
         for file, text in self.files.items():
             (root / file).write_text(text, encoding="utf-8")
-        self.raw = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])       # tokenizers directly
-        text = TextSide.load(root, list(self.files), len(meta["tokenizer.ggml.tokens"]))   # as a model loads them
-        self.tok, self.template = text.tokenizer, text.template                           # Colibri's
+        self.raw = tokenizers.Tokenizer.from_str(self.files["tokenizer.json"])  # tokenizers directly
+        text = TextSide.load(root, list(self.files), len(meta["tokenizer.ggml.tokens"]))  # as a model loads them
+        self.tok, self.template = text.tokenizer, text.template  # Colibri's
 
     def plain(self, text: str) -> list:
         return self.tok.encode(text, add_special_tokens=False)
@@ -115,6 +136,7 @@ def gguf_meta(tmp_path_factory):
             path.write_bytes(lzma.decompress((GGUF_DIR / f"{stem}.gguf.xz").read_bytes()))
             cache[stem] = (meta_of(gguf.GGUFReader(str(path))), path)
         return cache[stem]
+
     return get
 
 
@@ -131,6 +153,7 @@ def built(gguf_meta, tmp_path_factory):
                 meta = {**meta, "tokenizer.ggml.pre": pre}
             cache[name] = Built(name, meta, path, root / name)
         return cache[name]
+
     return get
 
 
@@ -154,8 +177,12 @@ def test_llama_cpp_reference_ids(built, name):
     b, fx = built(name), fixture(name)
     refs = [c for c in fx.cases if c["llama_cpp"] is not None]
     assert len(refs) == fx.meta["n_reference_cases"] > 0
-    bad = [c["text"] for c in refs if b.plain(c["text"]) != c["llama_cpp"]
-           or b.raw.encode(c["text"], add_special_tokens=False).ids != c["llama_cpp"]]
+    bad = [
+        c["text"]
+        for c in refs
+        if b.plain(c["text"]) != c["llama_cpp"]
+        or b.raw.encode(c["text"], add_special_tokens=False).ids != c["llama_cpp"]
+    ]
     assert bad == [], f"{name}: differs from llama.cpp's reference on {len(bad)} strings, e.g. {bad[:3]!r}"
 
 
@@ -176,7 +203,7 @@ def test_transformers_ids_where_it_agrees_with_llama_cpp(built, name):
     assert nfc_cases == 0 or fx.nfc
     if fx.nfc:
         assert differ, f"{name}: the fixture normalizes to NFC, yet no case shows it (the check would be empty)"
-    for m in fx.meta["reference_mismatches"]:     # qwen35: transformers 5 disagrees with the reference
+    for m in fx.meta["reference_mismatches"]:  # qwen35: transformers 5 disagrees with the reference
         assert fx.nfc_changes(m["text"]) and b.plain(m["text"]) == m["llama_cpp"] != m["transformers"]
 
 
@@ -213,8 +240,11 @@ def test_random_text_gives_the_fixture_pipelines_ids(built, name):
     fixture's tokenizer.json (without NFC where it has it: the pipeline llama.cpp runs) give the
     same ids, and decode them to the same text."""
     b, fx = built(name), fixture(name)
-    pieces = st.one_of(st.text(max_size=12), st.text(alphabet=" \n\t0123456789abc'", max_size=8),
-                       st.sampled_from(fx.meta["special_token_strings_tested"] + SPLICED))
+    pieces = st.one_of(
+        st.text(max_size=12),
+        st.text(alphabet=" \n\t0123456789abc'", max_size=8),
+        st.sampled_from(fx.meta["special_token_strings_tested"] + SPLICED),
+    )
     texts = st.lists(pieces, max_size=8).map("".join)
 
     @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -224,6 +254,7 @@ def test_random_text_gives_the_fixture_pipelines_ids(built, name):
         assert ids == fx.llama_cpp_pipeline(text)
         assert b.tok.decode(ids) == fx.without_nfc.decode(ids, skip_special_tokens=False)
         assert b.tok.decode(ids, skip_special_tokens=True) == fx.without_nfc.decode(ids, skip_special_tokens=True)
+
     check()
 
 
@@ -240,7 +271,7 @@ def test_pad_placeholders_are_not_tokens_of_the_text(built):
     """convert_hf_to_gguf.py's "[PAD<id>]" fillers keep their ids (decode) but are not matched in text."""
     b = built("qwen2")
     assert b.meta["tokenizer.ggml.tokens"][151650] == "[PAD151650]"
-    assert b.meta["tokenizer.ggml.token_type"][151650] == 4             # user-defined in this file
+    assert b.meta["tokenizer.ggml.token_type"][151650] == 4  # user-defined in this file
     assert 151650 not in b.plain("x[PAD151650]y")
     assert b.tok.decode([151650]) == "[PAD151650]"
     assert b.tok.vocab_size == 151936
@@ -248,11 +279,22 @@ def test_pad_placeholders_are_not_tokens_of_the_text(built):
 
 def test_tokenizer_config_names_what_the_file_names(built):
     cfg = json.loads(built("qwen2").files["tokenizer_config.json"])
-    assert cfg == {"add_bos_token": False, "add_eos_token": False, "bos_token": "<|endoftext|>",
-                   "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-                   "clean_up_tokenization_spaces": False, "tokenizer_class": "PreTrainedTokenizerFast"}
+    assert cfg == {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     cfg = json.loads(built("llama-spm").files["tokenizer_config.json"])
-    assert (cfg["bos_token"], cfg["eos_token"], cfg["unk_token"], cfg["add_bos_token"]) == ("<s>", "</s>", "<unk>", True)
+    assert (cfg["bos_token"], cfg["eos_token"], cfg["unk_token"], cfg["add_bos_token"]) == (
+        "<s>",
+        "</s>",
+        "<unk>",
+        True,
+    )
     assert "pad_token" not in cfg
 
 
@@ -285,9 +327,14 @@ def _byte_alphabet() -> list:
 
 
 def byte_level(pre=None, **keys) -> dict:
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": _byte_alphabet() + ["<|end|>"],
-            "tokenizer.ggml.token_type": [1] * 256 + [3], "tokenizer.ggml.merges": [],
-            "tokenizer.ggml.bos_token_id": 256, "tokenizer.ggml.eos_token_id": 256}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": _byte_alphabet() + ["<|end|>"],
+        "tokenizer.ggml.token_type": [1] * 256 + [3],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 256,
+    }
     if pre is not None:
         meta["tokenizer.ggml.pre"] = pre
     meta.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
@@ -296,8 +343,12 @@ def byte_level(pre=None, **keys) -> dict:
 
 def spm_meta(**keys) -> dict:
     tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "\u2581a"]
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0, -3.0], "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1]}
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0, -3.0],
+        "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1],
+    }
     meta.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
     return meta
 
@@ -319,16 +370,19 @@ def test_every_pre_tokenizer_compiles_and_round_trips(pre):
     assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
 
 
-@pytest.mark.parametrize("pre, text, expected", [
-    ("gpt-2", "I'm 12345  x", ["I", "'m", " 12345", " ", " x"]),
-    ("llama-bpe", "I'M 12345\n\n", ["I", "'M", " ", "123", "45", "\n\n"]),
-    ("qwen2", "ab 123", ["ab", " ", "1", "2", "3"]),
-    ("qwen35", "e\u0301a", ["e\u0301a"]),                         # \p{M} stays with its letter
-    ("qwen2", "e\u0301a", ["e", "\u0301a"]),
-    ("deepseek-v3", "x我想1234", ["x", "我想", "123", "4"]),
-    ("kimi-k2", "I'm我想x", ["I'm", "我想", "x"]),
-    ("default", "a+b 1234", ["a", "+", "b", " ", "123", "4"]),
-])
+@pytest.mark.parametrize(
+    "pre, text, expected",
+    [
+        ("gpt-2", "I'm 12345  x", ["I", "'m", " 12345", " ", " x"]),
+        ("llama-bpe", "I'M 12345\n\n", ["I", "'M", " ", "123", "45", "\n\n"]),
+        ("qwen2", "ab 123", ["ab", " ", "1", "2", "3"]),
+        ("qwen35", "e\u0301a", ["e\u0301a"]),  # \p{M} stays with its letter
+        ("qwen2", "e\u0301a", ["e", "\u0301a"]),
+        ("deepseek-v3", "x我想1234", ["x", "我想", "123", "4"]),
+        ("kimi-k2", "I'm我想x", ["I'm", "我想", "x"]),
+        ("default", "a+b 1234", ["a", "+", "b", " ", "123", "4"]),
+    ],
+)
 def test_pre_tokenizer_splits(pre, text, expected):
     assert pieces(byte_level(pre), text) == expected
 
@@ -337,12 +391,15 @@ def test_missing_pre_is_llama_cpps_default():
     assert tokenizer_files(byte_level(None), "t.gguf") == tokenizer_files(byte_level("default"), "t.gguf")
 
 
-@pytest.mark.parametrize("meta, bos, eos", [
-    (byte_level("gpt-2"), False, False),                                  # gpt2: nothing by default
-    (byte_level("llama-bpe"), True, False),                               # llama.cpp turns BOS on for Llama 3
-    (byte_level("llama-bpe", add_bos_token=False), False, False),         # the file's flag wins
-    (byte_level("qwen2", add_bos_token=True, add_eos_token=True), True, True),
-])
+@pytest.mark.parametrize(
+    "meta, bos, eos",
+    [
+        (byte_level("gpt-2"), False, False),  # gpt2: nothing by default
+        (byte_level("llama-bpe"), True, False),  # llama.cpp turns BOS on for Llama 3
+        (byte_level("llama-bpe", add_bos_token=False), False, False),  # the file's flag wins
+        (byte_level("qwen2", add_bos_token=True, add_eos_token=True), True, True),
+    ],
+)
 def test_bos_eos_follow_llama_cpp(meta, bos, eos):
     tok = tokenizers.Tokenizer.from_str(tokenizer_files(meta, "t.gguf")["tokenizer.json"])
     assert tok.encode("a", add_special_tokens=True).ids == [256] * bos + [ord("a")] + [256] * eos
@@ -363,8 +420,10 @@ def test_sentencepiece_space_prefix(prefix):
     assert tok.decode([5, 2, 5], skip_special_tokens=True) == ("a a" if prefix else " a a")
 
 
-@pytest.mark.parametrize("pre, whole", [("llama-bpe", True), ("glm4", True), ("tekken", True),
-                                        ("qwen2", False), ("gpt-2", False), ("deepseek-v3", False)])
+@pytest.mark.parametrize(
+    "pre, whole",
+    [("llama-bpe", True), ("glm4", True), ("tekken", True), ("qwen2", False), ("gpt-2", False), ("deepseek-v3", False)],
+)
 def test_ignore_merges_where_llama_cpp_does(pre, whole):
     """Llama 3, GLM-4, Tekken: a piece that is a whole token is that token, merges or not."""
     meta = byte_level(pre)
@@ -376,14 +435,21 @@ def test_ignore_merges_where_llama_cpp_does(pre, whole):
 
 def gemma4_meta(**keys) -> dict:
     """A tiny Gemma 4 style vocabulary: raw UTF-8 BPE, "▁" for spaces, <0xNN> byte pieces."""
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<|\"|>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", '<|"|>'] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += ["\u2581", "h", "e", "l", "o", "he", "ll", "hell", "hello", "\u2581hello", "\n", "\n\n"]
     types = [3, 3, 3, 3, 3, 4] + [6] * 256 + [1] * 12
-    meta = {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.scores": [0.0] * len(tokens),
-            "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o", "\u2581 hello", "\n \n"],
-            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
-            "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.add_bos_token": False}
+    meta = {
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": [0.0] * len(tokens),
+        "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o", "\u2581 hello", "\n \n"],
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": False,
+    }
     meta.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
     return meta
 
@@ -395,42 +461,54 @@ def test_gemma4_vocabulary(tmp_path):
         (tmp_path / name).write_text(text, encoding="utf-8")
     tok = load_tokenizer(tmp_path, list(files), len(meta["tokenizer.ggml.tokens"]))
     ids = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
-    assert tok.add_bos_token                                   # forced, as llama.cpp does, despite the flag
+    assert tok.add_bos_token  # forced, as llama.cpp does, despite the flag
     assert tok.encode("hello hello\n\n<|turn>é", add_special_tokens=True) == [
-        ids["<bos>"], ids["hello"], ids["\u2581hello"], ids["\n\n"], ids["<|turn>"], ids["<0xC3>"], ids["<0xA9>"]]
-    assert tok.encode("hello", add_special_tokens=False) == [ids["hello"]]        # no space prefix
-    text = "hello hello\n\n<|turn>é <|\"|>"
+        ids["<bos>"],
+        ids["hello"],
+        ids["\u2581hello"],
+        ids["\n\n"],
+        ids["<|turn>"],
+        ids["<0xC3>"],
+        ids["<0xA9>"],
+    ]
+    assert tok.encode("hello", add_special_tokens=False) == [ids["hello"]]  # no space prefix
+    text = 'hello hello\n\n<|turn>é <|"|>'
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-    assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == "hello hello\n\né <|\"|>"
+    assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == 'hello hello\n\né <|"|>'
 
 
 # ---------------------------------------------------------------------------------------------
 # Errors a file can cause: one line, naming the file and the key
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("meta, words", [
-    (spm_meta(model="bert"), ["tokenizer.ggml.model", "'bert'", "not supported"]),
-    (spm_meta(model="t5"), ["tokenizer.ggml.model", "'t5'"]),
-    (spm_meta(model="rwkv"), ["tokenizer.ggml.model", "'rwkv'"]),
-    (byte_level("no-such-pre"), ["tokenizer.ggml.pre", "'no-such-pre'"]),
-    (spm_meta(scores=[0.0] * 5), ["tokenizer.ggml.scores", "5 entries", "6"]),
-    (spm_meta(token_type=[1] * 7), ["tokenizer.ggml.token_type", "7 entries"]),
-    (spm_meta(bos_token_id=6), ["tokenizer.ggml.bos_token_id", "6", "outside"]),
-    (spm_meta(eos_token_id=-1), ["tokenizer.ggml.eos_token_id", "-1"]),
-    (spm_meta(padding_token_id="x"), ["tokenizer.ggml.padding_token_id", "integer"]),
-    (spm_meta(scores=["0"] * 6), ["tokenizer.ggml.scores[0]", "float"]),
-    (without(spm_meta(), "tokenizer.ggml.model"), ["tokenizer.ggml.model"]),
-    (without(spm_meta(), "tokenizer.ggml.tokens"), ["tokenizer.ggml.tokens"]),
-    (without(spm_meta(), "tokenizer.ggml.scores"), ["tokenizer.ggml.scores"]),
-    (without(byte_level("gpt-2"), "tokenizer.ggml.merges"), ["tokenizer.ggml.merges"]),
-    (byte_level("gpt-2", merges=["ab"]), ["tokenizer.ggml.merges[0]", "'ab'"]),
-    (without(byte_level("llama-bpe"), "tokenizer.ggml.bos_token_id"), ["BOS", "tokenizer.ggml.bos_token_id"]),
-    (without(byte_level("gpt-2", add_eos_token=True), "tokenizer.ggml.eos_token_id"),
-     ["EOS", "tokenizer.ggml.add_eos_token is true", "tokenizer.ggml.eos_token_id"]),
-    (spm_meta(add_bos_token="yes"), ["tokenizer.ggml.add_bos_token", "'yes'"]),
-    (spm_meta(tokens=["<unk>", "<s>", "</s>", "a", "a", "b"]), ["tokenizer.ggml.tokens", "'a'", "twice"]),
-    (spm_meta(tokens="abc"), ["tokenizer.ggml.tokens", "array"]),
-    ({**spm_meta(), "tokenizer.chat_template": 3}, ["tokenizer.chat_template"]),
-])
+@pytest.mark.parametrize(
+    "meta, words",
+    [
+        (spm_meta(model="bert"), ["tokenizer.ggml.model", "'bert'", "not supported"]),
+        (spm_meta(model="t5"), ["tokenizer.ggml.model", "'t5'"]),
+        (spm_meta(model="rwkv"), ["tokenizer.ggml.model", "'rwkv'"]),
+        (byte_level("no-such-pre"), ["tokenizer.ggml.pre", "'no-such-pre'"]),
+        (spm_meta(scores=[0.0] * 5), ["tokenizer.ggml.scores", "5 entries", "6"]),
+        (spm_meta(token_type=[1] * 7), ["tokenizer.ggml.token_type", "7 entries"]),
+        (spm_meta(bos_token_id=6), ["tokenizer.ggml.bos_token_id", "6", "outside"]),
+        (spm_meta(eos_token_id=-1), ["tokenizer.ggml.eos_token_id", "-1"]),
+        (spm_meta(padding_token_id="x"), ["tokenizer.ggml.padding_token_id", "integer"]),
+        (spm_meta(scores=["0"] * 6), ["tokenizer.ggml.scores[0]", "float"]),
+        (without(spm_meta(), "tokenizer.ggml.model"), ["tokenizer.ggml.model"]),
+        (without(spm_meta(), "tokenizer.ggml.tokens"), ["tokenizer.ggml.tokens"]),
+        (without(spm_meta(), "tokenizer.ggml.scores"), ["tokenizer.ggml.scores"]),
+        (without(byte_level("gpt-2"), "tokenizer.ggml.merges"), ["tokenizer.ggml.merges"]),
+        (byte_level("gpt-2", merges=["ab"]), ["tokenizer.ggml.merges[0]", "'ab'"]),
+        (without(byte_level("llama-bpe"), "tokenizer.ggml.bos_token_id"), ["BOS", "tokenizer.ggml.bos_token_id"]),
+        (
+            without(byte_level("gpt-2", add_eos_token=True), "tokenizer.ggml.eos_token_id"),
+            ["EOS", "tokenizer.ggml.add_eos_token is true", "tokenizer.ggml.eos_token_id"],
+        ),
+        (spm_meta(add_bos_token="yes"), ["tokenizer.ggml.add_bos_token", "'yes'"]),
+        (spm_meta(tokens=["<unk>", "<s>", "</s>", "a", "a", "b"]), ["tokenizer.ggml.tokens", "'a'", "twice"]),
+        (spm_meta(tokens="abc"), ["tokenizer.ggml.tokens", "array"]),
+        ({**spm_meta(), "tokenizer.chat_template": 3}, ["tokenizer.chat_template"]),
+    ],
+)
 def test_errors_name_the_file_and_the_key(meta, words):
     with pytest.raises(ColibriError) as e:
         tokenizer_files({k: v for k, v in meta.items() if v is not None}, "/models/bad.gguf")
@@ -468,8 +546,10 @@ def read_reference(inp: Path, out: Path) -> list:
 
 
 @pytest.mark.skipif(not LLAMA_CPP_MODELS, reason="set COLIBRI_LLAMA_CPP_MODELS to a llama.cpp models/ folder")
-@pytest.mark.parametrize("stem", sorted(p.name[len("ggml-vocab-"):-len(".gguf")]
-                                        for p in Path(LLAMA_CPP_MODELS or ".").glob("ggml-vocab-*.gguf")))
+@pytest.mark.parametrize(
+    "stem",
+    sorted(p.name[len("ggml-vocab-") : -len(".gguf")] for p in Path(LLAMA_CPP_MODELS or ".").glob("ggml-vocab-*.gguf")),
+)
 def test_llama_cpp_models_folder(stem):
     folder = Path(LLAMA_CPP_MODELS)
     meta = meta_of(gguf.GGUFReader(str(folder / f"ggml-vocab-{stem}.gguf")))
@@ -482,7 +562,7 @@ def test_llama_cpp_models_folder(stem):
     refs = read_reference(inp, folder / f"ggml-vocab-{stem}.gguf.out") if inp.is_file() else []
     bad = [t for t, ids in refs if tok.encode(t, add_special_tokens=False).ids != ids]
     assert bad == [], f"{stem}: {len(bad)} of {len(refs)} references differ, e.g. {bad[:3]!r}"
-    if (VOCAB_DIR / stem / "cases.json").is_file() and stem not in VOCABS:    # gemma-4, llama-bpe
+    if (VOCAB_DIR / stem / "cases.json").is_file() and stem not in VOCABS:  # gemma-4, llama-bpe
         fx = Fixture(stem)
         for c in fx.cases:
             ids = tok.encode(c["text"], add_special_tokens=False).ids

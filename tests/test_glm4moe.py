@@ -7,6 +7,7 @@ Here: the int8 / int4 paths against transformers on the very weights those forma
 that the correction bias of the GLM and DeepSeek fixtures really changes expert choices while
 never weighing them (the expert budget and the memory limit: test_memcap.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import colibri
 from colibri.modeldir import ModelDir
 from conftest import FIXTURES, kl_mean, reference
 
-REL_TOL = 1e-4                # float32 rounding only (as test_models.py)
+REL_TOL = 1e-4  # float32 rounding only (as test_models.py)
 # against transformers on exactly the weights the format stores: what is left is the per-block
 # int8 rounding of the activations (test_gpt_oss.py's and test_gemma4.py's bound). glm4moe_a
 # measures int8 4.6e-4, int4 4.8e-4; glm4moe_b int8 7.4e-5, int4 8.5e-5. glm4moe_a was drawn
@@ -39,6 +40,7 @@ def test_quantized_paths_against_transformers_on_the_same_weights(converted, cas
 
 # ---- the correction bias: it chooses, it never weighs -------------------------------------------
 
+
 def _routing_per_token(model_dir, ids):
     """The engine's choice and weights for every token of `ids` and every layer, one token a
     step: (experts int [T, layers, k], weights float [T, layers, k]), and the model's logits."""
@@ -47,7 +49,7 @@ def _routing_per_token(model_dir, ids):
     logits = np.empty((len(x), m.config.vocab_size), np.float32)
     experts, weights = [], []
     for t in range(len(x)):
-        assert m._engine.run(x[t:t + 1], t, logits[t:t + 1], True)[0] == 0
+        assert m._engine.run(x[t : t + 1], t, logits[t : t + 1], True)[0] == 0
         e, w = m.routing
         experts.append(e)
         weights.append(w)
@@ -85,14 +87,15 @@ def test_the_correction_bias_changes_choices_and_never_weighs(converted, tmp_pat
         assert t["dtype"] == "f32" and t["shape"] == [hf["n_routed_experts"]]
         with open(d / t["file"], "r+b") as f:
             f.seek(t["offset"])
-            assert np.abs(np.frombuffer(f.read(t["nbytes"]), np.float32)).max() > 0     # the fixture's bias
+            assert np.abs(np.frombuffer(f.read(t["nbytes"]), np.float32)).max() > 0  # the fixture's bias
             f.seek(t["offset"])
             f.write(np.zeros(t["shape"], np.float32).tobytes())
     plain_experts, plain_weights, plain_logits = _routing_per_token(d, ref["input_ids"])
 
     first = moe[0]
-    changed = [tok for tok in range(len(ref["input_ids"]))
-               if set(biased_experts[tok, first]) != set(plain_experts[tok, first])]
+    changed = [
+        tok for tok in range(len(ref["input_ids"])) if set(biased_experts[tok, first]) != set(plain_experts[tok, first])
+    ]
     assert changed, f"{case}: the correction bias changes no expert choice of layer {first}"
     for experts, weights, layers in ((biased_experts, biased_weights, moe), (plain_experts, plain_weights, [first])):
         for layer in layers:

@@ -8,6 +8,7 @@ against the numbers it holds, its quantizer), the int8 / int4 / mxfp4 paths agai
 on the very weights those formats store, that the distinctive parts matter, the expert budget,
 and the refusals.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from colibri import quant
 from colibri.modeldir import MappedModelDir, ModelDir
 from conftest import FIXTURES, colibri as run_cli, kl_mean, one_line_error, reference
 
-REL_TOL = 1e-4                # float32 rounding only (as test_models.py)
+REL_TOL = 1e-4  # float32 rounding only (as test_models.py)
 # against transformers on exactly the weights the format stores: what is left is the per-block
 # int8 quantization of the activations (measured on gpt_oss_a: int8 5.6e-4, int4 9.2e-4, mxfp4
 # 7.8e-5; gpt_oss_b mxfp4 1.4e-4); the fixture was drawn with no expert choice closer than 2e-3
@@ -58,6 +59,7 @@ def test_mxfp4_checkpoint_kept_as_mxfp4_matches_transformers(converted):
 
 def test_mxfp4_blocks_and_scales_are_the_checkpoints_byte_for_byte(converted):
     from safetensors import safe_open
+
     md = MappedModelDir(ModelDir(converted("gpt_oss_b", "mxfp4")))
     cfg = md.md.config
     with safe_open(FIXTURES / "gpt_oss_b" / "hf" / "model.safetensors", "np") as f:
@@ -66,15 +68,18 @@ def test_mxfp4_blocks_and_scales_are_the_checkpoints_byte_for_byte(converted):
             gate_up = (f.get_tensor(p + "gate_up_proj_blocks"), f.get_tensor(p + "gate_up_proj_scales"))
             down = (f.get_tensor(p + "down_proj_blocks"), f.get_tensor(p + "down_proj_scales"))
             for e in range(cfg.num_experts):
-                for part, (blocks, scales), rows in (("gate", gate_up, slice(0, None, 2)),
-                                                      ("up", gate_up, slice(1, None, 2)), ("down", down, slice(None))):
+                for part, (blocks, scales), rows in (
+                    ("gate", gate_up, slice(0, None, 2)),
+                    ("up", gate_up, slice(1, None, 2)),
+                    ("down", down, slice(None)),
+                ):
                     name = f"layers.{layer}.experts.{e}.{part}"
                     assert md.md.tensors[name]["dtype"] == "mxfp4"
-                    assert md.md.tensors[name].get("layout") == "interleaved"         # the default
+                    assert md.md.tensors[name].get("layout") == "interleaved"  # the default
                     b, s = quant.to_mx(np.asarray(md.rows_array(name)), md.md.tensors[name]["shape"][1])
                     np.testing.assert_array_equal(b, blocks[e, rows])
                     np.testing.assert_array_equal(s, scales[e, rows])
-    assert md.md.tensors["layers.0.wq"]["dtype"] == "bf16"        # the rest as the checkpoint keeps it
+    assert md.md.tensors["layers.0.wq"]["dtype"] == "bf16"  # the rest as the checkpoint keeps it
     md.close()
 
 
@@ -85,8 +90,9 @@ def test_mxfp4_checkpoint_converts_exactly_to_f32(converted):
     mx = MappedModelDir(ModelDir(converted("gpt_oss_b", "mxfp4")))
     name = "layers.1.experts.2.down"
     cols = mx.md.tensors[name]["shape"][1]
-    np.testing.assert_array_equal(np.asarray(md.array(name)),
-                                  quant.dequantize(np.asarray(mx.rows_array(name)), "mxfp4", cols))
+    np.testing.assert_array_equal(
+        np.asarray(md.array(name)), quant.dequantize(np.asarray(mx.rows_array(name)), "mxfp4", cols)
+    )
     md.close()
     mx.close()
 
@@ -108,7 +114,8 @@ def test_the_sinks_matter(converted, tmp_path):
             t = md.tensors[f"layers.{layer}.sinks"]
             with open(d / t["file"], "r+b") as f:
                 f.seek(t["offset"])
-                f.write(np.full(t["shape"], -1e4, np.float32).tobytes())     # (sizes kept; verify would object)
+                f.write(np.full(t["shape"], -1e4, np.float32).tobytes())  # (sizes kept; verify would object)
+
     logits = colibri.load(_edited(converted, tmp_path, "gpt_oss_a", "f32", no_sinks)).forward(ref["input_ids"])
     assert np.abs(logits - ref["logits_f32"]).max() > 100 * REL_TOL * np.abs(ref["logits_f32"]).max()
 
@@ -131,17 +138,22 @@ def test_info_names_the_features(converted):
     assert "gpt_oss" in r.stdout and "weights:      mxfp4" in r.stdout
     assert "attention sinks (8 logits a layer)" in r.stdout and "clamped SwiGLU (alpha 1.702, limit 2)" in r.stdout
     assert "1 sliding-window layers (window 5), 1 full" in r.stdout
-    assert "KV cache:     128 bytes a token" in r.stdout          # 2 layers x (k + v) x 1 head x 8 x 4 bytes
+    assert "KV cache:     128 bytes a token" in r.stdout  # 2 layers x (k + v) x 1 head x 8 x 4 bytes
 
 
 def test_mxfp4_transposed_is_refused_and_rows_is_the_same_model(converted, tmp_path):
-    r = run_cli(*convert_args(FIXTURES / "gpt_oss_b" / "hf", tmp_path / "o", "--quantize", "mxfp4",
-                             "--expert-layout", "transposed"))
+    r = run_cli(
+        *convert_args(
+            FIXTURES / "gpt_oss_b" / "hf", tmp_path / "o", "--quantize", "mxfp4", "--expert-layout", "transposed"
+        )
+    )
     one_line_error(r, "--expert-layout (--quantize mxfp4): mxfp4 has no transposed layout, only rows or interleaved")
     assert not (tmp_path / "o").exists()
     from colibri.convert import convert
-    convert(FIXTURES / "gpt_oss_b" / "hf", tmp_path / "rows", quantize="mxfp4", expert_layout="rows",
-            log=lambda *a: None)
+
+    convert(
+        FIXTURES / "gpt_oss_b" / "hf", tmp_path / "rows", quantize="mxfp4", expert_layout="rows", log=lambda *a: None
+    )
     ref = reference("gpt_oss_b")
     rows = colibri.load(tmp_path / "rows").forward(ref["input_ids"])
     interleaved = colibri.load(converted("gpt_oss_b", "mxfp4")).forward(ref["input_ids"])
@@ -152,12 +164,13 @@ def test_mxfp4_transposed_is_refused_and_rows_is_the_same_model(converted, tmp_p
 def test_nan_scales_are_refused(tmp_path):
     """An e8m0 scale of 255 (NaN) in the checkpoint is one clear line, nothing written."""
     from colibri.hfcheckpoint import SafetensorsFile
+
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / "gpt_oss_b" / "hf", hf)
     st_file = SafetensorsFile(hf / "model.safetensors")
-    _, shape, begin = st_file.entries["model.layers.1.mlp.experts.down_proj_scales"]      # U8 [E, out, in / 32]
+    _, shape, begin = st_file.entries["model.layers.1.mlp.experts.down_proj_scales"]  # U8 [E, out, in / 32]
     with open(hf / "model.safetensors", "r+b") as f:
-        f.seek(st_file.data_start + begin + (2 * shape[1] + 5) * shape[2] + 1)             # [2, 5, 1]
+        f.seek(st_file.data_start + begin + (2 * shape[1] + 5) * shape[2] + 1)  # [2, 5, 1]
         f.write(bytes([255]))
     for q in ("mxfp4", "f32"):
         r = run_cli(*convert_args(hf, tmp_path / q, "--quantize", q))
@@ -180,8 +193,11 @@ finite = st.floats(-1e6, 1e6, width=32) | st.sampled_from([0.0, -0.0, 1e-38, 6.0
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 6).flatmap(lambda rows: st.integers(1, 5).flatmap(
-    lambda nb: hnp.arrays(np.float32, (rows, 32 * nb), elements=finite))))
+@given(
+    st.integers(1, 6).flatmap(
+        lambda rows: st.integers(1, 5).flatmap(lambda nb: hnp.arrays(np.float32, (rows, 32 * nb), elements=finite))
+    )
+)
 def test_mxfp4_quantizer_picks_the_scale_and_the_nearest_value(w):
     """Per block: the smallest power-of-two scale with max |w| / scale <= 6, every weight the
     nearest e2m1 value times it (a tie to either neighbour), signs kept; and the stored bytes
@@ -195,7 +211,7 @@ def test_mxfp4_quantizer_picks_the_scale_and_the_nearest_value(w):
     amax = np.abs(x).max(axis=2, keepdims=True)
     assert (scales < 255).all()
     assert np.all((amax <= 6 * scale) | (scales[..., None] == 254))
-    assert np.all((amax > 3 * scale) | (scales[..., None] == 0) | (amax == 0))       # no smaller scale fits
+    assert np.all((amax > 3 * scale) | (scales[..., None] == 0) | (amax == 0))  # no smaller scale fits
     levels = np.concatenate([-quant.FP4_VALUES[:8][::-1], quant.FP4_VALUES[:8]])
     nearest = np.abs((x / scale)[..., None] - levels).min(axis=-1) * scale
     assert np.all(np.abs(back - x) <= nearest * (1 + 1e-9) + 1e-300)

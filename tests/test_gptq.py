@@ -1,6 +1,7 @@
 """Error-compensating quantization (colibri.gptq) and the second moments calibrate collects for it:
 the output error against the diagonal path on correlated inputs, the diagonal case equal to the
 diagonal path byte for byte, the engine's x x^T sums, the file's checks, and convert using them."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,13 @@ def _output_error(w, stored, dtype, h):
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(dtype=st.sampled_from(FORMATS), rows=st.sampled_from([8, 24, 64]), nb=st.integers(2, 6),
-       rank=st.integers(1, 12), seed=st.integers(0, 2 ** 31 - 1))
+@given(
+    dtype=st.sampled_from(FORMATS),
+    rows=st.sampled_from([8, 24, 64]),
+    nb=st.integers(2, 6),
+    rank=st.integers(1, 12),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_compensation_lowers_the_output_error_on_correlated_inputs(dtype, rows, nb, rank, seed):
     """Summed over the rows, (w - q)^T H (w - q) under the whole second moment is below the diagonal
     path's (the same scales' rule, each column rounded alone)."""
@@ -50,8 +56,9 @@ def test_compensation_lowers_the_output_error_on_correlated_inputs(dtype, rows, 
 
 
 @settings(max_examples=16, deadline=None)
-@given(dtype=st.sampled_from(FORMATS), rows=st.sampled_from([8, 16]), nb=st.integers(1, 5),
-       seed=st.integers(0, 2 ** 31 - 1))
+@given(
+    dtype=st.sampled_from(FORMATS), rows=st.sampled_from([8, 16]), nb=st.integers(1, 5), seed=st.integers(0, 2**31 - 1)
+)
 def test_a_diagonal_second_moment_gives_the_diagonal_path_s_bytes(dtype, rows, nb, seed):
     """Uncorrelated inputs: no error has anywhere to go, so the bytes are the diagonal path's."""
     rng = np.random.default_rng(seed)
@@ -100,7 +107,7 @@ def test_the_engine_sums_x_x_t_beside_the_squares(converted):
         np.testing.assert_allclose(np.diagonal(g), stats[:-1] / stats[-1], rtol=1e-5, atol=1e-12)
         np.testing.assert_array_equal(g, g.T)
         assert np.linalg.eigvalsh(g.astype(np.float64)).min() > -1e-4 * max(float(np.abs(g).max()), 1e-30), name
-        if name.endswith(".wq"):          # the same input as wk / wv: their squares are the same sums
+        if name.endswith(".wq"):  # the same input as wk / wv: their squares are the same sums
             np.testing.assert_array_equal(m.input_stats[name[:-3] + ".wk"], stats)
 
 
@@ -120,18 +127,26 @@ def test_many_tokens_a_product_and_one_at_a_time_sum_the_same(converted):
 
 
 def test_which_matrices_collect_second_moments(monkeypatch):
-    shapes = {"lm_head": (64, 32), "layers.0.wq": (32, 32), "layers.0.wk": (16, 32), "layers.0.wo": (32, 48),
-              "layers.0.experts.0.gate": (48, 32), "layers.0.experts.0.up": (48, 32),
-              "layers.0.experts.0.down": (32, 48)}
+    shapes = {
+        "lm_head": (64, 32),
+        "layers.0.wq": (32, 32),
+        "layers.0.wk": (16, 32),
+        "layers.0.wo": (32, 48),
+        "layers.0.experts.0.gate": (48, 32),
+        "layers.0.experts.0.up": (48, 32),
+        "layers.0.experts.0.down": (32, 48),
+    }
     assert calibrate.second_moment_names(shapes, "diag") == (frozenset(), "diag")
-    dense = {"lm_head", "layers.0.wq", "layers.0.wo"}                 # wk shares wq's input
+    dense = {"lm_head", "layers.0.wq", "layers.0.wo"}  # wk shares wq's input
     assert calibrate.second_moment_names(shapes, "dense") == (dense, "dense")
-    assert calibrate.second_moment_names(shapes, "all") == (dense | {"layers.0.experts.0.gate",
-                                                                     "layers.0.experts.0.down"}, "all")
+    assert calibrate.second_moment_names(shapes, "all") == (
+        dense | {"layers.0.experts.0.gate", "layers.0.experts.0.down"},
+        "all",
+    )
     assert calibrate.second_moment_names(shapes, "auto") == (dense, "dense")
     assert calibrate.input_owner("layers.3.experts.5.up") == "layers.3.experts.5.gate"
     # a budget for two 32-wide inputs: the head first, then the narrowest; wo (48 wide) is left out
-    monkeypatch.setattr(calibrate, "SECOND_MOMENT_BUDGET_MB", 2 * 32 ** 2 * 8 / 2 ** 20)
+    monkeypatch.setattr(calibrate, "SECOND_MOMENT_BUDGET_MB", 2 * 32**2 * 8 / 2**20)
     lines = []
     assert calibrate.second_moment_names(shapes, "auto", lines.append) == ({"lm_head", "layers.0.wq"}, "dense")
     assert "2 of the 3 inputs" in lines[0]
@@ -142,13 +157,18 @@ def test_which_matrices_collect_second_moments(monkeypatch):
 
 
 def _second_moment_file(model_dir, ids, path, mode="all"):
-    m = colibri.load(model_dir, capture_inputs=True,
-                     second_moments=lambda shapes: calibrate.second_moment_names(shapes, mode)[0])
+    m = colibri.load(
+        model_dir, capture_inputs=True, second_moments=lambda shapes: calibrate.second_moment_names(shapes, mode)[0]
+    )
     m.forward(ids)
-    calibrate.save({"tensors": calibrate.summarize(m.input_stats),
-                    "grams": calibrate.summarize_grams(m.input_grams, m.input_stats),
-                    "meta": {"model_dir": str(model_dir), "architecture": "x", "tokens": len(ids), "ctx": len(ids)}},
-                   path)
+    calibrate.save(
+        {
+            "tensors": calibrate.summarize(m.input_stats),
+            "grams": calibrate.summarize_grams(m.input_grams, m.input_stats),
+            "meta": {"model_dir": str(model_dir), "architecture": "x", "tokens": len(ids), "ctx": len(ids)},
+        },
+        path,
+    )
 
 
 @pytest.mark.parametrize("dtype", ["int4", "nl4"])
@@ -172,13 +192,38 @@ def test_convert_with_second_moments_moves_the_logits_less(converted, tmp_path, 
 
 def test_a_damaged_second_moment_is_one_line(tmp_path):
     hf = FIXTURES / "mixtral_a" / "hf"
-    for i, gram in enumerate([np.triu(np.ones((64, 64), np.float32)),            # not symmetric
-                              np.ones((3, 3), np.float32),                        # not [cols, cols]
-                              np.eye(64).astype(np.float64)]):                    # not float32
+    for i, gram in enumerate(
+        [
+            np.triu(np.ones((64, 64), np.float32)),  # not symmetric
+            np.ones((3, 3), np.float32),  # not [cols, cols]
+            np.eye(64).astype(np.float64),
+        ]
+    ):  # not float32
         path = tmp_path / f"bad{i}.npz"
-        np.savez(path, meta=np.array(json.dumps({"format": calibrate.FORMAT})),
-                 **{"mean_sq/layers.0.wq": np.ones(64, np.float32), "count/layers.0.wq": np.array(3),
-                    "gram/layers.0.wq": gram})
-        one_line_error(run_cli("convert", "--hf-dir", hf, "--output-dir", tmp_path / f"o{i}", "--quantize", "int4",
-                               "--importance", path, limit=AS_LIMIT), f"bad{i}.npz", "layers.0.wq", "damaged")
+        np.savez(
+            path,
+            meta=np.array(json.dumps({"format": calibrate.FORMAT})),
+            **{
+                "mean_sq/layers.0.wq": np.ones(64, np.float32),
+                "count/layers.0.wq": np.array(3),
+                "gram/layers.0.wq": gram,
+            },
+        )
+        one_line_error(
+            run_cli(
+                "convert",
+                "--hf-dir",
+                hf,
+                "--output-dir",
+                tmp_path / f"o{i}",
+                "--quantize",
+                "int4",
+                "--importance",
+                path,
+                limit=AS_LIMIT,
+            ),
+            f"bad{i}.npz",
+            "layers.0.wq",
+            "damaged",
+        )
         assert not (tmp_path / f"o{i}").exists()

@@ -6,6 +6,7 @@ Every error path's subprocess runs under an address-space limit (conftest.as_lim
 every in-process call under as much headroom (conftest.address_space_headroom), so an attempted
 huge allocation fails the test instead of swapping the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,19 @@ import colibri
 from colibri import cli
 from colibri.cli import DEMO_DIR
 from colibri.config import MAX_ROPE_TABLE
-from conftest import (AS_LIMIT, ENV, FIXTURES, PACKAGE_ROOT, address_space_headroom, as_limit, big_checkpoint,
-                      colibri as run_cli, convert_cmd, one_line_error, reference)
+from conftest import (
+    AS_LIMIT,
+    ENV,
+    FIXTURES,
+    PACKAGE_ROOT,
+    address_space_headroom,
+    as_limit,
+    big_checkpoint,
+    colibri as run_cli,
+    convert_cmd,
+    one_line_error,
+    reference,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +58,13 @@ def test_killed_conversion_leaves_nothing_or_the_previous_directory(tmp_path, pr
     if previous:
         subprocess.run(convert_cmd(FIXTURES / "olmoe_a" / "hf", out), check=True, env=ENV, capture_output=True)
         before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    proc = subprocess.Popen(convert_cmd(hf, out, "--quantize", "int4", "--force"), env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **as_limit())
+    proc = subprocess.Popen(
+        convert_cmd(hf, out, "--quantize", "int4", "--force"),
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        **as_limit(),
+    )
     deadline = time.time() + 60
     killed_midway = False
     while time.time() < deadline and proc.poll() is None:
@@ -65,22 +82,28 @@ def test_killed_conversion_leaves_nothing_or_the_previous_directory(tmp_path, pr
     else:
         assert not out.exists()
     # the killed run's temporary directory is hidden, and the next conversion removes it
-    subprocess.run(convert_cmd(FIXTURES / "olmoe_a" / "hf", tmp_path / "out", "--force"), check=True, env=ENV,
-                   capture_output=True)
+    subprocess.run(
+        convert_cmd(FIXTURES / "olmoe_a" / "hf", tmp_path / "out", "--force"), check=True, env=ENV, capture_output=True
+    )
     assert not list(tmp_path.glob(".out.tmp-*"))
     assert colibri.load(out).forward([1, 2, 3]).shape == (3, 128)
 
 
 def _limit_file_size():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # a write past the limit fails with EFBIG instead
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
 
 def test_full_disk_fails_cleanly(tmp_path):
     hf = big_checkpoint(tmp_path / "hf")
     out = tmp_path / "out"
-    r = subprocess.run(convert_cmd(hf, out, "--quantize", "int8"), env=ENV, capture_output=True, text=True,
-                       **as_limit(then=_limit_file_size))
+    r = subprocess.run(
+        convert_cmd(hf, out, "--quantize", "int8"),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        **as_limit(then=_limit_file_size),
+    )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr and "File too large" in lines[0]
@@ -94,20 +117,43 @@ def test_reading_instead_of_mapping_gives_the_same_logits(converted):
     np.testing.assert_array_equal(mapped, read)
 
 
-@pytest.mark.parametrize("variable,value", [("COLIBRI_ISA", "avx9000"), ("COLIBRI_INT_STEP", "vnni9000"),
-                                            ("COLIBRI_BF16_ORDER", "split9000")])
+@pytest.mark.parametrize(
+    "variable,value",
+    [("COLIBRI_ISA", "avx9000"), ("COLIBRI_INT_STEP", "vnni9000"), ("COLIBRI_BF16_ORDER", "split9000")],
+)
 def test_bad_kernel_variable_is_one_clear_line(converted, variable, value):
     env = dict(ENV, **{variable: value})
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
-                        "--tokens", "1,2"], env=env, capture_output=True, text=True, **as_limit())
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")), "--tokens", "1,2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        **as_limit(),
+    )
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and value in r.stderr and "Traceback" not in r.stderr
 
 
 def test_no_mmap_flag(converted):
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
-                        "--tokens", "1,2", "--max-new-tokens", "3", "--no-mmap", "--ids"],
-                       env=ENV, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "run",
+            "--model-dir",
+            str(converted("mixtral_a")),
+            "--tokens",
+            "1,2",
+            "--max-new-tokens",
+            "3",
+            "--no-mmap",
+            "--ids",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and len(r.stdout.split()) == 3, r.stderr
 
 
@@ -115,11 +161,30 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
     hf = big_checkpoint(tmp_path / "hf")
     out = tmp_path / "m"
     subprocess.run(convert_cmd(hf, out), check=True, env=ENV, capture_output=True)
-    proc = subprocess.Popen([sys.executable, "-m", "colibri", "run", "--model-dir", str(out), "--tokens", "1,2,3",
-                             "--max-new-tokens", "4000", "--ignore-eos", "--ids", "--threads", "1"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **as_limit())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "run",
+            "--model-dir",
+            str(out),
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            "4000",
+            "--ignore-eos",
+            "--ids",
+            "--threads",
+            "1",
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **as_limit(),
+    )
     seen = b""
-    while seen.count(b" ") < 12:                         # a few tokens are out
+    while seen.count(b" ") < 12:  # a few tokens are out
         chunk = proc.stdout.read1(4096)
         assert chunk, "generation ended before it could be interrupted"
         seen += chunk
@@ -142,8 +207,21 @@ def sigint_restored():
 
 
 def _run_ids(model_dir, capsys):
-    code = cli.main(["run", "--model-dir", str(model_dir), "--tokens", "1,2,3", "--max-new-tokens", "8",
-                     "--ignore-eos", "--ids", "--threads", "1"])
+    code = cli.main(
+        [
+            "run",
+            "--model-dir",
+            str(model_dir),
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+            "--ids",
+            "--threads",
+            "1",
+        ]
+    )
     out, err = capsys.readouterr()
     return code, out.split("\n")[0].split(), err
 
@@ -156,9 +234,10 @@ def test_a_ctrl_c_after_a_token_is_sampled_counts_what_was_printed(converted, ca
     def interrupted_after_sampling(self, *a, **k):
         for i, t in enumerate(real(self, *a, **k)):
             if i == 3:
-                assert len(self.last_generation.tokens) == 4       # sampled and recorded, not printed
+                assert len(self.last_generation.tokens) == 4  # sampled and recorded, not printed
                 raise KeyboardInterrupt
             yield t
+
     monkeypatch.setattr(colibri.Model, "_generate", interrupted_after_sampling)
     code, printed, err = _run_ids(converted("mixtral_a"), capsys)
     assert code == cli.EXIT_INTERRUPTED and len(printed) == 3
@@ -174,8 +253,9 @@ def test_a_ctrl_c_while_a_token_prints_comes_after_it(converted, capsys, monkeyp
         writes.append(text)
         n = real_write(text)
         if len(writes) == 3:
-            signal.raise_signal(signal.SIGINT)                    # mid-block: before the flush and the count
+            signal.raise_signal(signal.SIGINT)  # mid-block: before the flush and the count
         return n
+
     monkeypatch.setattr(sys.stdout, "write", write_then_interrupt)
     code, printed, err = _run_ids(converted("mixtral_a"), capsys)
     assert code == cli.EXIT_INTERRUPTED and len(printed) == 3
@@ -187,6 +267,7 @@ def test_deferred_signals_come_after_the_block_and_every_handler_is_put_back(mon
     block's statements after it still run); every handler is put back even when putting one back
     runs a pending handler that raises (CPython's signal.signal runs pending ones first)."""
     from colibri import interrupts
+
     ran, before = [], {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(KeyboardInterrupt):
         with interrupts.signals_deferred():
@@ -199,17 +280,18 @@ def test_deferred_signals_come_after_the_block_and_every_handler_is_put_back(mon
 
     def a_pending_sigint_during_the_second_restore(sig, handler):
         restores.append(sig)
-        if len(restores) == 4:               # two installs, then the restores: the second one is hit
+        if len(restores) == 4:  # two installs, then the restores: the second one is hit
             raise KeyboardInterrupt
         return real_signal(sig, handler)
+
     monkeypatch.setattr(interrupts.signal, "signal", a_pending_sigint_during_the_second_restore)
     with pytest.raises(KeyboardInterrupt):
         with interrupts.signals_deferred():
             ran.append("whole")
     monkeypatch.undo()
     assert ran[-1] == "whole"
-    assert restores == [signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGTERM]   # retried
-    assert {s: signal.getsignal(s) for s in before} == before       # SIGTERM's too, after the retry
+    assert restores == [signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGTERM]  # retried
+    assert {s: signal.getsignal(s) for s in before} == before  # SIGTERM's too, after the retry
 
 
 @pytest.mark.parametrize("tensor", ["layers.1.experts.0.up", "layers.0.router", "lm_head"])
@@ -226,17 +308,39 @@ def test_nan_in_a_weight_file_is_reported_not_sampled(converted, tmp_path, tenso
         m = colibri.load(d)
         with pytest.raises(colibri.ColibriError, match="NaN or infinite.*verify"):
             list(m.generate(list(range(1, 20)), max_new_tokens=3))
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(d), "--tokens",
-                        ",".join(map(str, range(1, 20)))], env=ENV, capture_output=True, text=True, **as_limit())
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "run", "--model-dir", str(d), "--tokens", ",".join(map(str, range(1, 20)))],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        **as_limit(),
+    )
     assert r.returncode == 2 and "NaN or infinite" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("flag, value, named", [("--threads", "2147483648", "1..1024"),
-                                                ("--expert-cache-mb", "inf", "inf"),
-                                                ("--expert-cache-mb", "nan", "nan")])
+@pytest.mark.parametrize(
+    "flag, value, named",
+    [("--threads", "2147483648", "1..1024"), ("--expert-cache-mb", "inf", "inf"), ("--expert-cache-mb", "nan", "nan")],
+)
 def test_absurd_flag_values_are_one_line(converted, flag, value, named):
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
-                        "--tokens", "1,2", flag, value], env=ENV, capture_output=True, text=True, **as_limit())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "run",
+            "--model-dir",
+            str(converted("mixtral_a")),
+            "--tokens",
+            "1,2",
+            flag,
+            value,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        **as_limit(),
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.splitlines()) == 1 and named in r.stderr, r.stderr
 
@@ -277,8 +381,14 @@ def _interrupted_start(hook_dir: Path, at: int, log: Path | None = None):
     env = dict(ENV, PYTHONPATH=os.pathsep.join([str(hook_dir), str(PACKAGE_ROOT)]), SIGINT_AT_IMPORT=str(at))
     if log is not None:
         env["IMPORT_LOG"] = str(log)
-    return subprocess.run([sys.executable, "-m", "colibri", "info", "--model-dir", str(DEMO_DIR)], env=env,
-                          capture_output=True, text=True, timeout=60, **as_limit())
+    return subprocess.run(
+        [sys.executable, "-m", "colibri", "info", "--model-dir", str(DEMO_DIR)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **as_limit(),
+    )
 
 
 def test_ctrl_c_at_any_import_of_the_start_is_one_line(tmp_path):
@@ -292,21 +402,25 @@ def test_ctrl_c_at_any_import_of_the_start_is_one_line(tmp_path):
     imports = log.read_text().split()
     assert imports[0] == "colibri.errors" and "numpy" in imports and "colibri._engine" in imports, imports[:10]
     n = len(imports)
-    chosen = sorted(set(range(min(8, n))) | set(range(0, n, max(1, n // 16))) | {n - 1,
-                    imports.index("numpy"), imports.index("colibri.cli"), imports.index("colibri._engine")})
+    chosen = sorted(
+        set(range(min(8, n)))
+        | set(range(0, n, max(1, n // 16)))
+        | {n - 1, imports.index("numpy"), imports.index("colibri.cli"), imports.index("colibri._engine")}
+    )
     for at in chosen:
         r = _interrupted_start(tmp_path, at)
         where = f"SIGINT as import {at} ({imports[at]}) began"
         assert "Traceback" not in r.stderr, f"{where}:\n{r.stderr}"
         assert r.returncode == 130, (where, r.returncode, r.stderr)
         assert r.stderr.strip() == "[INFO] Interrupted", (where, r.stderr)
-    late = _interrupted_start(tmp_path, n + 10)          # never reached: the command finishes
+    late = _interrupted_start(tmp_path, n + 10)  # never reached: the command finishes
     assert late.returncode == 0 and late.stdout == first.stdout, late.stderr
 
 
 def test_ctrl_c_while_the_arguments_are_parsed_is_one_line(monkeypatch, capsys):
     def interrupted():
         raise KeyboardInterrupt
+
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["info", "--model-dir", str(DEMO_DIR)]) == 130
     assert capsys.readouterr().err.strip() == "[INFO] Interrupted"
@@ -315,28 +429,31 @@ def test_ctrl_c_while_the_arguments_are_parsed_is_one_line(monkeypatch, capsys):
 def test_import_colibri_is_light_and_leaves_sigint_alone():
     """`import colibri` imports neither numpy nor the compiled modules and keeps Python's SIGINT
     handler (the start-up guard is only for `python -m colibri`); the public names still resolve."""
-    code = ("import signal, sys\n"
-            "import colibri\n"
-            "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
-            "heavy = sorted(m for m in ('numpy', 'colibri._engine', 'colibri.model') if m in sys.modules)\n"
-            "assert not heavy, heavy\n"
-            "assert colibri.ColibriError.__module__ == 'colibri.errors' and colibri.__version__\n"
-            "from colibri import load, Model, ModelConfig\n"
-            "assert load is colibri.load and Model.__name__ == 'Model' and ModelConfig.__name__ == 'ModelConfig'\n"
-            "assert set(colibri.__all__) <= set(dir(colibri))\n"
-            "assert colibri.modeldir.ModelDir and colibri._kernels.isa()\n"
-            "try:\n"
-            "    colibri.no_such_name\n"
-            "except AttributeError:\n"
-            "    pass\n"
-            "else:\n"
-            "    raise SystemExit('no AttributeError')\n"
-            "print('ok')\n")
+    code = (
+        "import signal, sys\n"
+        "import colibri\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+        "heavy = sorted(m for m in ('numpy', 'colibri._engine', 'colibri.model') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "assert colibri.ColibriError.__module__ == 'colibri.errors' and colibri.__version__\n"
+        "from colibri import load, Model, ModelConfig\n"
+        "assert load is colibri.load and Model.__name__ == 'Model' and ModelConfig.__name__ == 'ModelConfig'\n"
+        "assert set(colibri.__all__) <= set(dir(colibri))\n"
+        "assert colibri.modeldir.ModelDir and colibri._kernels.isa()\n"
+        "try:\n"
+        "    colibri.no_such_name\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+        "print('ok')\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, **as_limit())
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 # ---- allocations too large: refused up front, else one line --------------------------------------
+
 
 def _demo_with(tmp_path: Path, **model) -> Path:
     d = Path(shutil.copytree(DEMO_DIR, tmp_path / "demo"))
@@ -355,8 +472,13 @@ def test_a_rope_table_past_the_bound_is_refused_before_allocation(tmp_path):
     d = _demo_with(tmp_path, max_position_embeddings=positions)
     for args in (["info"], ["run", "--tokens", "1,2", "--n-ctx", positions]):
         t = time.perf_counter()
-        line = one_line_error(run_cli(*args, "--model-dir", d, limit=AS_LIMIT), d / "config.json",
-                              f"max_position_embeddings ({positions})", "RoPE tables", str(MAX_ROPE_TABLE))
+        line = one_line_error(
+            run_cli(*args, "--model-dir", d, limit=AS_LIMIT),
+            d / "config.json",
+            f"max_position_embeddings ({positions})",
+            "RoPE tables",
+            str(MAX_ROPE_TABLE),
+        )
         assert time.perf_counter() - t < 30, line
 
 
@@ -382,16 +504,27 @@ def _numpy_memory_error():
     raise AssertionError("an exabyte was allocated")
 
 
-@pytest.mark.parametrize("error, named", [
-    (MemoryError, "error: out of memory: no details"),
-    (_numpy_memory_error, "error: out of memory: Unable to allocate"),
-    (lambda: OverflowError("Python int too large to convert to C long"), "error: OverflowError: Python int too large"),
-    (lambda: RecursionError("maximum recursion depth exceeded"), "error: input nested too deeply: maximum recursion"),
-    (lambda: ValueError("a message\nof two lines"), "error: ValueError: a message of two lines"),
-], ids=["MemoryError", "numpy's MemoryError", "OverflowError", "RecursionError", "ValueError of two lines"])
+@pytest.mark.parametrize(
+    "error, named",
+    [
+        (MemoryError, "error: out of memory: no details"),
+        (_numpy_memory_error, "error: out of memory: Unable to allocate"),
+        (
+            lambda: OverflowError("Python int too large to convert to C long"),
+            "error: OverflowError: Python int too large",
+        ),
+        (
+            lambda: RecursionError("maximum recursion depth exceeded"),
+            "error: input nested too deeply: maximum recursion",
+        ),
+        (lambda: ValueError("a message\nof two lines"), "error: ValueError: a message of two lines"),
+    ],
+    ids=["MemoryError", "numpy's MemoryError", "OverflowError", "RecursionError", "ValueError of two lines"],
+)
 def test_each_resource_error_of_a_command_is_one_line(monkeypatch, capsys, error, named):
     def failing(args):
         raise error()
+
     monkeypatch.setattr(cli, "cmd_info", failing)
     assert cli.main(["info", "--model-dir", str(DEMO_DIR)]) == 2
     err = capsys.readouterr().err
@@ -399,6 +532,7 @@ def test_each_resource_error_of_a_command_is_one_line(monkeypatch, capsys, error
 
 
 # ---- hostile values for every numeric flag of `run` ----------------------------------------------
+
 
 def _numeric_run_flags() -> list:
     """The options of `run` whose value is a number (cli's types), by their first spelling."""
@@ -410,22 +544,76 @@ def _numeric_run_flags() -> list:
 NUMERIC_RUN_FLAGS = _numeric_run_flags()
 
 hostile_values = st.one_of(
-    st.sampled_from(["0", "-1", "1", "2", "3", "64", "512", "513", "1024", "1025", "2147483648", "2147483649",
-                     str(2 ** 63), str(2 ** 64), "9" * 400, "9" * 5000, "1e400", "-1e400", "1e-400", "5e-324",
-                     "1e308", "1e-300", "nan", "-nan", "NaN", "inf", "-inf", "Infinity", "", " ", "abc", "1.5",
-                     "0.5", "-0.0", "0x10", "1_000", "+3", " 7 ", "\u0663", "\uff11", "None", "True"]),
-    st.integers(-(2 ** 80), 2 ** 80).map(str),
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1",
+            "2",
+            "3",
+            "64",
+            "512",
+            "513",
+            "1024",
+            "1025",
+            "2147483648",
+            "2147483649",
+            str(2**63),
+            str(2**64),
+            "9" * 400,
+            "9" * 5000,
+            "1e400",
+            "-1e400",
+            "1e-400",
+            "5e-324",
+            "1e308",
+            "1e-300",
+            "nan",
+            "-nan",
+            "NaN",
+            "inf",
+            "-inf",
+            "Infinity",
+            "",
+            " ",
+            "abc",
+            "1.5",
+            "0.5",
+            "-0.0",
+            "0x10",
+            "1_000",
+            "+3",
+            " 7 ",
+            "\u0663",
+            "\uff11",
+            "None",
+            "True",
+        ]
+    ),
+    st.integers(-(2**80), 2**80).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
-    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=6))
+    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=6),
+)
 
 
 def test_the_numeric_flags_are_the_ones_the_issue_names():
-    assert {"--threads", "--n-ctx", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
-            "--expert-cache-mb", "--memory-limit-mb", "--seed"} <= set(NUMERIC_RUN_FLAGS), NUMERIC_RUN_FLAGS
+    assert {
+        "--threads",
+        "--n-ctx",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--min-p",
+        "--expert-cache-mb",
+        "--memory-limit-mb",
+        "--seed",
+    } <= set(NUMERIC_RUN_FLAGS), NUMERIC_RUN_FLAGS
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])     # _headroom
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)  # _headroom
 @given(pairs=st.lists(st.tuples(st.sampled_from(NUMERIC_RUN_FLAGS), hostile_values), min_size=1, max_size=2))
 def test_hostile_numeric_flag_values_are_one_line_or_run(pairs):
     """`run` on the bundled demo model with hostile values (as the shell passes them: strings) for
@@ -445,19 +633,33 @@ def test_hostile_numeric_flag_values_are_one_line_or_run(pairs):
 def test_threads_that_cannot_be_created_are_one_line():
     """1024 threads (the accepted bound) need 8 GiB of stacks: under the 2 GiB limit most cannot be
     created, which must be one line, status 2."""
-    r = run_cli("run", "--tokens", "1,2", "--max-new-tokens", "2", "--ids", "--quiet", "--threads", "1024",
-                limit=AS_LIMIT)
+    r = run_cli(
+        "run", "--tokens", "1,2", "--max-new-tokens", "2", "--ids", "--quiet", "--threads", "1024", limit=AS_LIMIT
+    )
     one_line_error(r, "thread")
 
 
 def test_a_tiny_repetition_penalty_is_one_line():
-    one_line_error(run_cli("run", "--tokens", "1,2", "--max-new-tokens", "2", "--ids", "--quiet",
-                           "--repetition-penalty=1e-300", limit=AS_LIMIT), "repetition_penalty")
+    one_line_error(
+        run_cli(
+            "run",
+            "--tokens",
+            "1,2",
+            "--max-new-tokens",
+            "2",
+            "--ids",
+            "--quiet",
+            "--repetition-penalty=1e-300",
+            limit=AS_LIMIT,
+        ),
+        "repetition_penalty",
+    )
 
 
 def test_a_tiny_temperature_is_greedy_and_silent():
-    r = run_cli("run", "--tokens", "1,2", "--max-new-tokens", "2", "--ids", "--quiet", "--temperature=5e-324",
-                limit=AS_LIMIT)
+    r = run_cli(
+        "run", "--tokens", "1,2", "--max-new-tokens", "2", "--ids", "--quiet", "--temperature=5e-324", limit=AS_LIMIT
+    )
     greedy = run_cli("run", "--tokens", "1,2", "--max-new-tokens", "2", "--ids", "--quiet", limit=AS_LIMIT)
     assert r.returncode == 0 and r.stdout == greedy.stdout
     assert r.stderr == "", r.stderr

@@ -6,6 +6,7 @@ the interleaved group's bytes against the documented packing; quantize / dequant
 round trips against the C reader; its error against int8's and int4's and its use of importance;
 and a model whose head and attention are int6 beside nl4 experts, against f32.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,12 +75,12 @@ def test_int6_at_the_extremes_of_its_integer_sums(isa, u, sign):
     blocks = np.zeros((rows, cols // 32), quant.BLOCK_DTYPES["int6"])
     blocks["qs"] = (u & 15) | ((u & 15) << 4)
     blocks["qh"] = 0xFF if u >> 4 else 0
-    blocks["d"] = np.float16(2.0 ** -10).view(np.uint16)
+    blocks["d"] = np.float16(2.0**-10).view(np.uint16)
     stored = blocks.view(np.uint8).reshape(rows, -1)
     il = quant.interleave(stored, "int6", cols)
     x = np.full((12, cols), sign * 3.0, np.float32)
     expect = _exact_weights(stored, cols) @ _quantize_act(x[0])
-    np.testing.assert_allclose(expect, sign * cols * (u - 32) * 2.0 ** -10 * 3.0, rtol=1e-6)   # every code at its end
+    np.testing.assert_allclose(expect, sign * cols * (u - 32) * 2.0**-10 * 3.0, rtol=1e-6)  # every code at its end
     for step in _kernels.available_int_steps():
         for n in (12, 1):
             with _kernels.int_kernels(step):
@@ -166,6 +167,7 @@ def test_int6_head_and_attention_beside_nl4_experts(tmp_path):
     interleaved, and the model diverges from f32 less
     than plain nl4 does and more than the same mix at int8 (KL over the prompt's positions)."""
     from colibri.convert import convert
+
     hf = FIXTURES / "mixtral_a" / "hf"
     convert(hf, tmp_path / "f32", quantize="f32", log=lambda *a: None)
     convert(hf, tmp_path / "nl4", quantize="nl4", log=lambda *a: None)
@@ -187,8 +189,11 @@ def test_int6_out_of_its_layout_is_refused(tmp_path):
     opens, naming the tensor; convert refuses the layout flags that ask for it."""
     from colibri.convert import convert
     from colibri.errors import ColibriError
+
     hf = FIXTURES / "mixtral_a" / "hf"
-    with pytest.raises(ColibriError, match=re.escape("--layout (--quantize int6): int6 has no transposed layout, only interleaved")):
+    with pytest.raises(
+        ColibriError, match=re.escape("--layout (--quantize int6): int6 has no transposed layout, only interleaved")
+    ):
         convert(hf, tmp_path / "x", quantize="int6", layout="transposed", log=lambda *a: None)
     assert not (tmp_path / "x").exists()
     convert(hf, tmp_path / "int6", quantize="int6", log=lambda *a: None)

@@ -1,4 +1,5 @@
 """The C kernels against numpy (float64 references), property-based over shapes and values."""
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,6 @@ INT_TIER_RTOL = 1e-2
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 BLOCK_DTYPES = ("int8", "int4", "mxfp4")
 ISAS = _kernels.available_isas()
-
 
 
 RMSNORM_RTOL = 2e-6
@@ -70,8 +70,15 @@ def _quantize_act(x):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.integers(0, 12).flatmap(lambda nb: hnp.arrays(
-    np.float32, 32 * nb, elements=st.floats(-1e6, 1e6, width=32) | st.sampled_from([0.0, 1e-35, -1e-38, 0.5, -2.5]))))
+@given(
+    st.integers(0, 12).flatmap(
+        lambda nb: hnp.arrays(
+            np.float32,
+            32 * nb,
+            elements=st.floats(-1e6, 1e6, width=32) | st.sampled_from([0.0, 1e-35, -1e-38, 0.5, -2.5]),
+        )
+    )
+)
 def test_activation_quantization_is_the_scalar_one_bit_for_bit(isa, x):
     """Every tier quantizes activations to exactly the bytes and scales of the scalar reference
     (numpy mirror: d = amax / 127, q = rint(x * (1 / d)), tiny blocks zero), ties and signed
@@ -143,15 +150,15 @@ def test_quantize_round_trip_error_is_bounded(case, dtype):
     assert stored.shape == (w.shape[0], w.shape[1] // 32 * quant.BLOCK_BYTES[dtype])
     back = quant.dequantize(stored, dtype, w.shape[1]).astype(np.float64)
     blocks = stored.view(quant.BLOCK_DTYPES[dtype]).reshape(w.shape[0], -1)
-    scale = np.abs(blocks["d"].view(np.float16).astype(np.float64))[..., None]      # [rows, nblocks, 1]
+    scale = np.abs(blocks["d"].view(np.float16).astype(np.float64))[..., None]  # [rows, nblocks, 1]
     amax = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 32).max(axis=2, keepdims=True)
     levels = 127 if dtype == "int8" else 8
     # the stored scale never shrinks below amax / levels (no clipping of the largest weight;
     # blocks whose scale underflows float32 are all but zero) and is at most one f16 step above it
     assert np.all((scale * levels >= amax * (1 - 1e-6)) | (amax < 1e-30))
-    assert np.all(scale <= amax / levels * (1 + 2 ** -10) + 2 ** -24)
+    assert np.all(scale <= amax / levels * (1 + 2**-10) + 2**-24)
     err = np.abs(back - w).reshape(w.shape[0], -1, 32)
-    step = scale * (0.5 if dtype == "int8" else 1.0)       # see colibri/quant.py
+    step = scale * (0.5 if dtype == "int8" else 1.0)  # see colibri/quant.py
     assert np.all(err <= step * (1 + 1e-6) + 1e-30)
 
 
@@ -168,6 +175,7 @@ def test_dequant_row_matches_python(dtype):
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8", "int4"])
 def test_whole_model_agrees_across_tiers(converted, dtype):
     from conftest import reference
+
     ids = reference("mixtral_a")["input_ids"]
     before = _kernels.isa()
     try:
@@ -191,7 +199,7 @@ def test_forcing_a_tier_the_cpu_lacks_is_a_clear_error():
 
 def test_matvec_large_enough_to_use_threads():
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((1024, 1024), dtype=np.float32)       # past CB_PARALLEL_MIN_WORK
+    w = rng.standard_normal((1024, 1024), dtype=np.float32)  # past CB_PARALLEL_MIN_WORK
     x = rng.standard_normal(1024, dtype=np.float32)
     one = _probes.kernel_matvec(w, x, "f32", 1)
     two = _probes.kernel_matvec(w, x, "f32", 2)
@@ -200,10 +208,13 @@ def test_matvec_large_enough_to_use_threads():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 200).flatmap(lambda n: hnp.arrays(np.float32, n, elements=st.floats(-1e3, 1e3, width=32))),
-       st.booleans(), st.sampled_from([1e-5, 1e-6]))
+@given(
+    st.integers(1, 200).flatmap(lambda n: hnp.arrays(np.float32, n, elements=st.floats(-1e3, 1e3, width=32))),
+    st.booleans(),
+    st.sampled_from([1e-5, 1e-6]),
+)
 def test_rmsnorm_matches_numpy(x, with_weight, eps):
-    weight = (np.linspace(-2, 2, len(x)).astype(np.float32) if with_weight else None)
+    weight = np.linspace(-2, 2, len(x)).astype(np.float32) if with_weight else None
     ours = _probes.kernel_rmsnorm(x, weight, eps)
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 * x64) + eps)
@@ -216,12 +227,21 @@ def test_peak_loops_count_their_operations():
     """The peak loops bench_kernels.py prints next to the prefill figures: operations counted as
     iterations x chains x lanes x 2, and a clear error for an unknown kind."""
     avx512 = "avx512" in _kernels.available_isas()
-    runs = {"fma": "avx2" in _kernels.available_isas(), "int8": "avx2" in _kernels.available_isas(),
-            "fma512": avx512, "bf16": avx512 and _kernels.cpu_features()["avx512_bf16"],
-            "vnni512": avx512 and _kernels.cpu_features()["avx512_vnni"]}
+    runs = {
+        "fma": "avx2" in _kernels.available_isas(),
+        "int8": "avx2" in _kernels.available_isas(),
+        "fma512": avx512,
+        "bf16": avx512 and _kernels.cpu_features()["avx512_bf16"],
+        "vnni512": avx512 and _kernels.cpu_features()["avx512_vnni"],
+    }
     assert set(runs) == set(_probes.PEAKS)
-    for kind, per_iter in (("fma", 10 * 8 * 2), ("int8", 10 * 32 * 2), ("fma512", 10 * 16 * 2), ("bf16", 10 * 32 * 2),
-                           ("vnni512", 10 * 64 * 2)):
+    for kind, per_iter in (
+        ("fma", 10 * 8 * 2),
+        ("int8", 10 * 32 * 2),
+        ("fma512", 10 * 16 * 2),
+        ("bf16", 10 * 32 * 2),
+        ("vnni512", 10 * 64 * 2),
+    ):
         got = _probes.bench_peak(kind, 1)
         if not runs[kind]:
             assert got is None
@@ -332,14 +352,14 @@ def attention_case(draw):
     kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 9))
     hd = draw(st.sampled_from([8, 12, 16, 24, 64, 128, 256]))
     ring = draw(st.integers(1, 80))
-    n = draw(st.integers(1, ring))                      # positions attended
+    n = draw(st.integers(1, ring))  # positions attended
     start = draw(st.integers(0, 100))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     q = rng.standard_normal((kv * group, hd), dtype=np.float32)
     k = rng.standard_normal((ring, kv * hd), dtype=np.float32)
     v = rng.standard_normal((ring, kv * hd), dtype=np.float32)
     # attention sinks (gpt-oss) on some: logits from far below to far above the scores
-    sinks = (rng.uniform(-6, 6, kv * group).astype(np.float32) if draw(st.booleans()) else None)
+    sinks = rng.uniform(-6, 6, kv * group).astype(np.float32) if draw(st.booleans()) else None
     return q, k, v, kv, start, start + n - 1, sinks
 
 
@@ -355,8 +375,8 @@ def test_attention_matches_numpy(isa, case, threads):
     got = _probes.kernel_attention(q, k, v, kv, start, pos, threads, sinks)
     rows = [p % k.shape[0] for p in range(start, pos + 1)]
     for h in range(heads):
-        kh = k[rows, (h // (heads // kv)) * hd:][:, :hd].astype(np.float64)
-        vh = v[rows, (h // (heads // kv)) * hd:][:, :hd].astype(np.float64)
+        kh = k[rows, (h // (heads // kv)) * hd :][:, :hd].astype(np.float64)
+        vh = v[rows, (h // (heads // kv)) * hd :][:, :hd].astype(np.float64)
         s = kh @ q[h].astype(np.float64) / np.sqrt(hd)
         both = s if sinks is None else np.append(s, sinks[h])
         p = np.exp(s - both.max())
@@ -428,8 +448,10 @@ def test_the_avx512_attention_gives_the_avx2_bits(case, threads):
     try:
         for tier in ("avx2", "avx512"):
             _kernels.select_isa(tier)
-            got[tier] = (_probes.kernel_attention_prompt(q, k, v, kv, pos0, window, threads, sinks, kvt),
-                         _probes.kernel_attention(q[-1], flat_k, flat_v, kv, start, pos, threads, sinks, kvt))
+            got[tier] = (
+                _probes.kernel_attention_prompt(q, k, v, kv, pos0, window, threads, sinks, kvt),
+                _probes.kernel_attention(q[-1], flat_k, flat_v, kv, start, pos, threads, sinks, kvt),
+            )
     finally:
         _kernels.select_isa(before)
     np.testing.assert_array_equal(got["avx512"][0], got["avx2"][0], err_msg="prompt")
@@ -445,8 +467,9 @@ def test_attention_takes_caches_in_the_engine_order(isa):
     k = rng.standard_normal((ring, kv * hd), dtype=np.float32)
     v = rng.standard_normal((ring, kv * hd), dtype=np.float32)
     engine_order = [np.ascontiguousarray(a.reshape(ring, kv, hd).transpose(1, 0, 2)) for a in (k, v)]
-    np.testing.assert_array_equal(_probes.kernel_attention(q, *engine_order, kv, 30, 60, 2),
-                                  _probes.kernel_attention(q, k, v, kv, 30, 60, 2))
+    np.testing.assert_array_equal(
+        _probes.kernel_attention(q, *engine_order, kv, 30, 60, 2), _probes.kernel_attention(q, k, v, kv, 30, 60, 2)
+    )
     with pytest.raises(ValueError, match="engine-order caches"):
         _probes.kernel_attention(q, engine_order[0], engine_order[1][:, :-1], kv, 0, 3)
     layers = np.stack([engine_order[0]] * 2)
@@ -505,7 +528,7 @@ def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
         pytest.skip(f"tier {isa} has one int step here ({steps[0]})")
     int_step_lines = lambda: [line for line in _kernels.int_step_warnings() if " int step " in line]
     try:
-        for k in range(1, len(steps)):                 # the fastest k steps fail
+        for k in range(1, len(steps)):  # the fastest k steps fail
             faulty = steps[-k:]
             _kernels.set_faulty_int_steps(faulty)
             assert _kernels.self_test(isa) is None, faulty
@@ -514,16 +537,20 @@ def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
             assert sorted(failed) == sorted(faulty) and all(check > 0 for check in failed.values())
             assert not set(faulty) & set(_kernels.available_int_steps())
             for name in faulty:
-                assert (f"colibri: the {name} int step failed its self-test (check {failed[name]}); "
-                        f"using the {steps[-k - 1]} step") in int_step_lines()
-            with pytest.raises(ValueError, match=f"int step {faulty[0]} is off: it failed the import self-test "
-                                                 f"\\(check {failed[faulty[0]]}\\)"):
+                assert (
+                    f"colibri: the {name} int step failed its self-test (check {failed[name]}); "
+                    f"using the {steps[-k - 1]} step"
+                ) in int_step_lines()
+            with pytest.raises(
+                ValueError,
+                match=f"int step {faulty[0]} is off: it failed the import self-test \\(check {failed[faulty[0]]}\\)",
+            ):
                 _kernels.set_int_step(faulty[0])
-        _kernels.set_faulty_int_steps(steps)           # every step: the tier's fault
+        _kernels.set_faulty_int_steps(steps)  # every step: the tier's fault
         message = _kernels.self_test(isa)
         assert message is not None and "disagree with the scalar spec" in message
         assert _kernels.failed_int_steps() == {}
-        _kernels.set_faulty_int_steps([steps[0]])      # only the slowest: the fastest runs
+        _kernels.set_faulty_int_steps([steps[0]])  # only the slowest: the fastest runs
         assert _kernels.self_test(isa) is None and _kernels.int_step() == steps[-1]
         assert _kernels.failed_int_steps() == {} and int_step_lines() == []
     finally:
@@ -552,14 +579,14 @@ def test_a_lower_tiers_self_test_keeps_what_a_higher_one_found():
         faulty, fallback = steps[at:], steps[at - 1]
         _kernels.set_faulty_int_steps(faulty)
         assert _kernels.self_test("avx512") is None and _kernels.int_step() == fallback
-        _kernels.set_faulty_int_steps([])      # the fault gone: only the self-test's marks keep them off
+        _kernels.set_faulty_int_steps([])  # the fault gone: only the self-test's marks keep them off
         _kernels.set_bf16_order("split-odd")
         assert _kernels.self_test("avx2") is None and _kernels.isa() == "avx2"
         assert sorted(_kernels.failed_int_steps()) == sorted(faulty)
         _kernels.select_isa("avx512")
         assert _kernels.int_step() == fallback and _kernels.bf16_order() == "split-odd"
         _kernels.set_bf16_order("seq")
-        assert _kernels.self_test("avx512") is None            # its own steps afresh
+        assert _kernels.self_test("avx512") is None  # its own steps afresh
         assert _kernels.failed_int_steps() == {} and _kernels.int_step() == steps[-1]
     finally:
         _kernels.set_faulty_int_steps([])
@@ -577,7 +604,7 @@ def test_a_tier_that_fails_its_self_test_is_not_used():
     name, warning, error = _kernels.choose_tier("", tiers, broken.get)
     assert (name, error) == ("avx2", None) and "check 7" in warning and "using the avx2 tier" in warning
     assert _kernels.choose_tier("", tiers, lambda n: None) == ("avx512", None, None)
-    assert _kernels.choose_tier("", tiers, lambda n: "bad")[0] == "scalar"       # the spec is never tested
+    assert _kernels.choose_tier("", tiers, lambda n: "bad")[0] == "scalar"  # the spec is never tested
     assert _kernels.choose_tier("avx2", tiers, broken.get) == ("avx2", None, None)
     name, _, error = _kernels.choose_tier("avx512", tiers, broken.get)
     assert name is None and error.startswith("COLIBRI_ISA=avx512: ") and "check 7" in error
@@ -619,10 +646,22 @@ def test_colibri_bf16_order_sets_the_order_at_import():
 
 # ---- the f16 KV cache (load(kv_cache="f16")) -------------------------------------------------
 
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(hnp.arrays(np.float32, st.integers(1, 67), elements=st.one_of(
-    st.floats(width=32, allow_nan=False), st.floats(-2.0**-13, 2.0**-13, width=32), st.floats(-70000.0, 70000.0, width=32),
-    st.sampled_from([np.inf, -np.inf, 65504.0, 65520.0, 65519.996, 2.0**-25, 2.0**-24, 3 * 2.0**-26, -0.0]).map(np.float32))))
+@given(
+    hnp.arrays(
+        np.float32,
+        st.integers(1, 67),
+        elements=st.one_of(
+            st.floats(width=32, allow_nan=False),
+            st.floats(-(2.0**-13), 2.0**-13, width=32),
+            st.floats(-70000.0, 70000.0, width=32),
+            st.sampled_from([np.inf, -np.inf, 65504.0, 65520.0, 65519.996, 2.0**-25, 2.0**-24, 3 * 2.0**-26, -0.0]).map(
+                np.float32
+            ),
+        ),
+    )
+)
 def test_the_f16_cache_store_rounds_as_numpy(isa, x):
     """cb_kv_store (F16C on the AVX2 and AVX-512 tiers, the scalar spec elsewhere): round to nearest
     even, overflow to infinity, subnormals kept — numpy's astype(float16) bit for bit."""
@@ -638,8 +677,13 @@ def test_the_f16_cache_store_keeps_nan():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from([8, 16, 24, 64, 128]), st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8)]),
-       st.integers(1, 70), st.integers(0, 2**31 - 1), st.booleans())
+@given(
+    st.sampled_from([8, 16, 24, 64, 128]),
+    st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8)]),
+    st.integers(1, 70),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
 def test_attention_over_an_f16_cache_is_attention_over_its_values(isa, head_dim, heads, positions, seed, sinks):
     """Reading f16 keys and values converts them exactly: the result equals f32 attention over
     the same (f16-rounded) cache, bit for bit, on every tier."""
@@ -651,11 +695,14 @@ def test_attention_over_an_f16_cache_is_attention_over_its_values(isa, head_dim,
     s = rng.standard_normal(n_heads).astype(np.float32) if sinks else None
     start = positions // 3
     ours = _probes.kernel_attention(q, k, v, n_kv, start, positions - 1, sinks=s, kv="f16")
-    theirs = _probes.kernel_attention(q, k.astype(np.float32), v.astype(np.float32), n_kv, start, positions - 1, sinks=s)
+    theirs = _probes.kernel_attention(
+        q, k.astype(np.float32), v.astype(np.float32), n_kv, start, positions - 1, sinks=s
+    )
     np.testing.assert_array_equal(ours, theirs)
 
 
 # ---- the q8 KV cache (load(kv_cache="q8")) ---------------------------------------------------
+
 
 def _q8_rows(x):
     """numpy mirror of cb_kv_store_q8 on rows x [..., head_dim] -> (scale [...], codes int8 [..., head_dim])."""
@@ -670,14 +717,23 @@ def _q8_rows(x):
 
 
 def _q8_values(d, codes):
-    with np.errstate(invalid="ignore"):                 # 0 x inf: a non-finite row reads back as NaN
+    with np.errstate(invalid="ignore"):  # 0 x inf: a non-finite row reads back as NaN
         return (codes.astype(np.float32) * d[..., None]).astype(np.float32)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(hnp.arrays(np.float32, st.integers(1, 67), elements=st.one_of(
-    st.floats(-2.0**100, 2.0**100, width=32), st.floats(-2.0**-100, 2.0**-100, width=32), st.just(np.float32(0.0)),
-    st.floats(width=32, allow_nan=False).filter(lambda f: abs(f) < 2.0**-120))))
+@given(
+    hnp.arrays(
+        np.float32,
+        st.integers(1, 67),
+        elements=st.one_of(
+            st.floats(-(2.0**100), 2.0**100, width=32),
+            st.floats(-(2.0**-100), 2.0**-100, width=32),
+            st.just(np.float32(0.0)),
+            st.floats(width=32, allow_nan=False).filter(lambda f: abs(f) < 2.0**-120),
+        ),
+    )
+)
 def test_the_q8_cache_store_is_its_numpy_mirror(isa, x):
     """cb_kv_store for q8 (the same code on every tier): the row's f32 scale max|x| / 127, then the
     codes round(x / scale) to nearest even — an all-zero row has scale 0 and codes 0; every value
@@ -714,8 +770,8 @@ def _q8_attention(q, k, v, start, pos, sinks):
     n_kv = k.shape[0]
     scale = np.float32(1.0 / np.float64(np.sqrt(np.float32(hd))))
     qd, qc = _q8_rows(q)
-    kd, kc = _q8_rows(k[:, start:pos + 1])
-    vd, vc = _q8_rows(v[:, start:pos + 1])
+    kd, kc = _q8_rows(k[:, start : pos + 1])
+    vd, vc = _q8_rows(v[:, start : pos + 1])
     out = np.zeros((n_heads, hd))
     for h in range(n_heads):
         g = h // (n_heads // n_kv)
@@ -726,11 +782,11 @@ def _q8_attention(q, k, v, start, pos, sinks):
         if sinks is not None:
             logits = np.append(logits, np.float64(sinks[h]))
         p = np.exp(logits - logits.max())
-        w = p[:pos - start + 1].astype(np.float32) * vd[g]
+        w = p[: pos - start + 1].astype(np.float32) * vd[g]
         for g0 in range(start - start % 32, pos + 1, 32):
             span = slice(max(g0, start) - start, min(g0 + 32, pos + 1) - start)
             wmax = w[span].max()
-            if wmax < np.float32(2.0**-100):             # a group that small adds nothing
+            if wmax < np.float32(2.0**-100):  # a group that small adds nothing
                 continue
             gs, inv = np.float32(wmax / np.float32(32767)), np.float32(np.float32(32767) / wmax)
             wq = np.minimum(np.rint((w[span] * inv).astype(np.float32)), 32767).astype(np.int64)
@@ -740,9 +796,13 @@ def _q8_attention(q, k, v, start, pos, sinks):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from([8, 12, 16, 24, 40, 48, 56, 64, 96, 128, 136, 200]),
-       st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8), (8, 1), (16, 2), (7, 1), (18, 2)]),
-       st.integers(1, 70), st.integers(0, 2**31 - 1), st.booleans())
+@given(
+    st.sampled_from([8, 12, 16, 24, 40, 48, 56, 64, 96, 128, 136, 200]),
+    st.sampled_from([(4, 1), (8, 2), (6, 3), (8, 8), (8, 1), (16, 2), (7, 1), (18, 2)]),
+    st.integers(1, 70),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
 def test_attention_over_a_q8_cache_works_on_the_codes(isa, head_dim, heads, positions, seed, sinks):
     """q8 attention: the query head quantized as a row is stored, each score the exact integer sum
     of code products times the key row's scale, then the query's scale x 1/sqrt(head_dim); the
@@ -753,7 +813,9 @@ def test_attention_over_a_q8_cache_works_on_the_codes(isa, head_dim, heads, posi
     n_heads, n_kv = heads
     rng = np.random.default_rng(seed)
     q = (rng.standard_normal((n_heads, head_dim)) * rng.uniform(0.1, 4, (n_heads, 1))).astype(np.float32)
-    k = (rng.standard_normal((n_kv, positions, head_dim)) * rng.uniform(0.1, 10, (n_kv, positions, 1))).astype(np.float32)
+    k = (rng.standard_normal((n_kv, positions, head_dim)) * rng.uniform(0.1, 10, (n_kv, positions, 1))).astype(
+        np.float32
+    )
     v = rng.standard_normal((n_kv, positions, head_dim)).astype(np.float32)
     s = rng.standard_normal(n_heads).astype(np.float32) if sinks else None
     start = positions // 3
@@ -769,7 +831,7 @@ def test_q8_attention_is_not_f32_attention_over_the_dequantized_rows():
     rng = np.random.default_rng(3)
     hd, n = 64, 40
     q = rng.standard_normal((2, hd)).astype(np.float32) * np.float32(3)
-    q[:, 0] = 40                                       # one large element: the others round to few codes
+    q[:, 0] = 40  # one large element: the others round to few codes
     k = rng.standard_normal((1, n, hd)).astype(np.float32) * np.float32(4)
     v = rng.standard_normal((1, n, hd)).astype(np.float32)
     ours = _probes.kernel_attention(q, k, v, 1, 0, n - 1, kv="q8")
@@ -782,8 +844,9 @@ def test_q8_attention_is_not_f32_attention_over_the_dequantized_rows():
 # ---- bf16 products (load(bf16_products=): AVX512_BF16's vdpbf16ps) ---------------------------
 
 BF16_PRODUCTS_TIER = "avx512" if "avx512" in ISAS and _kernels.cpu_features()["avx512_bf16"] else None
-needs_bf16_products = pytest.mark.skipif(BF16_PRODUCTS_TIER is None, reason="this CPU has no AVX512_BF16 "
-                                         "(vdpbf16ps): bf16 products run only where it does")
+needs_bf16_products = pytest.mark.skipif(
+    BF16_PRODUCTS_TIER is None, reason="this CPU has no AVX512_BF16 (vdpbf16ps): bf16 products run only where it does"
+)
 
 
 def _round_bf16(x):
@@ -802,9 +865,29 @@ def _bf16_values(bits):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(hnp.arrays(np.uint32, st.integers(1, 70), elements=st.one_of(
-    st.integers(0, 2**32 - 1), st.sampled_from([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800000,
-                                                0x7FC00001, 0x7F800001, 0x00000001, 0x807FFFFF, 0x80000000]))))
+@given(
+    hnp.arrays(
+        np.uint32,
+        st.integers(1, 70),
+        elements=st.one_of(
+            st.integers(0, 2**32 - 1),
+            st.sampled_from(
+                [
+                    0x3F808000,
+                    0x3F818000,
+                    0x3F80FFFF,
+                    0x7F7FFFFF,
+                    0x7F800000,
+                    0x7FC00001,
+                    0x7F800001,
+                    0x00000001,
+                    0x807FFFFF,
+                    0x80000000,
+                ]
+            ),
+        ),
+    )
+)
 def test_the_bf16_rounding_is_vcvtneps2bf16s(isa, bits):
     """Every tier rounds activations to bf16 as the instruction does (ties to even, denormals to
     zero, NaN kept a NaN): the scalar spec and the AVX-512 vector code bit for bit."""
@@ -817,8 +900,7 @@ def test_the_bf16_rounding_is_vcvtneps2bf16s(isa, bits):
 
 @needs_bf16_products
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 300), st.integers(1, 9), st.sampled_from([1, 2]),
-       st.integers(0, 2**31 - 1))
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(1, 9), st.sampled_from([1, 2]), st.integers(0, 2**31 - 1))
 def test_bf16_products_are_the_rounded_activations_times_the_weights(rows, cols, n, threads, seed):
     """vdpbf16ps: each product of a bf16 weight and the bf16-rounded activation is exact, the f32
     sums within summation-order error of the float64 result; every token of a prefill gives the
@@ -831,8 +913,9 @@ def test_bf16_products_are_the_rounded_activations_times_the_weights(rows, cols,
         _kernels.select_isa(BF16_PRODUCTS_TIER)
         assert _kernels.has_bf16_products()
         got = _probes.kernel_matmul(w, x, "bf16", threads, bf16_products=True)
-        alone = np.stack([_probes.kernel_matmul(w, x[t:t + 1], "bf16", threads, bf16_products=True)[0]
-                          for t in range(n)])
+        alone = np.stack(
+            [_probes.kernel_matmul(w, x[t : t + 1], "bf16", threads, bf16_products=True)[0] for t in range(n)]
+        )
     finally:
         _kernels.select_isa(before)
     wf = from_storage(w, "bf16").astype(np.float64)
@@ -854,7 +937,8 @@ def test_a_tier_without_bf16_products_multiplies_exactly():
         for name in [t for t in ISAS if t != BF16_PRODUCTS_TIER]:
             _kernels.select_isa(name)
             assert not _kernels.has_bf16_products()
-            np.testing.assert_array_equal(_probes.kernel_matmul(w, x, "bf16", bf16_products=True),
-                                          _probes.kernel_matmul(w, x, "bf16"))
+            np.testing.assert_array_equal(
+                _probes.kernel_matmul(w, x, "bf16", bf16_products=True), _probes.kernel_matmul(w, x, "bf16")
+            )
     finally:
         _kernels.select_isa(before)

@@ -7,6 +7,7 @@ bit; the block re-ordering of quant.transpose / quant.interleave; whole models i
 (The converter's layout choice: test_convert.py; the directory's layout checks: test_modeldir.py;
 relayout: test_relayout.py.)
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -111,8 +112,9 @@ def test_layouts_give_the_same_bits_on_the_scalar_tier(case):
     before = _kernels.isa()
     _kernels.select_isa("scalar")
     try:
-        np.testing.assert_array_equal(_probes.kernel_matvec(t, x, dtype, 1, "transposed"),
-                                      _probes.kernel_matvec(stored, x, dtype, 1))
+        np.testing.assert_array_equal(
+            _probes.kernel_matvec(t, x, dtype, 1, "transposed"), _probes.kernel_matvec(stored, x, dtype, 1)
+        )
     finally:
         _kernels.select_isa(before)
 
@@ -146,7 +148,7 @@ def test_prefill_product_equals_token_by_token(isa, dtype, layout):
     mat = _in_layout(w, dtype, layout)
     x = rng.standard_normal((17, cols), dtype=np.float32)
     single = np.stack([_probes.kernel_matvec(mat, x[i], dtype, 2, layout) for i in range(17)])
-    for n in (2, 5, 8, 9, 17):      # from 8 tokens the transposed int8/int4 product repacks its chunks
+    for n in (2, 5, 8, 9, 17):  # from 8 tokens the transposed int8/int4 product repacks its chunks
         np.testing.assert_array_equal(_probes.kernel_matmul(mat, x[:n], dtype, 2, layout), single[:n])
 
 
@@ -170,14 +172,20 @@ def test_int_steps_available_and_default(isa):
     VNNI steps where the CPU has them, and uses the fastest by default; the scalar tier its own. A
     step the tier or CPU lacks is a clear error and changes nothing."""
     from colibri import _os
+
     feats = _kernels.cpu_features()
     expect = ["scalar"]
     if isa != "scalar":
         expect = ["avx2", "vnni-emulated"] + (["avx-vnni"] if feats["avx_vnni"] else [])
         if isa == "avx512" and feats["avx512_vnni"]:
             expect += ["avx512-vnni"] + (["amx-emulated"] if _kernels.HAVE_AMX else [])
-            lent = (_kernels.HAVE_AMX and feats["amx_tile"] and feats["amx_int8"] and feats["os_amx"]
-                    and _os.request_tile_data()[0])
+            lent = (
+                _kernels.HAVE_AMX
+                and feats["amx_tile"]
+                and feats["amx_int8"]
+                and feats["os_amx"]
+                and _os.request_tile_data()[0]
+            )
             # where the tile state is lent, the amx step must pass its import-time self-test: a
             # failure (the step then off, with a warning) fails here
             assert not lent or "amx" not in _kernels.failed_int_steps(), _kernels.amx_status()
@@ -228,7 +236,7 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
     x = np.full((n, cols), sign * 3.0, np.float32)
     stored, t = _store(w, dtype)
     if dtype == "int4":
-        assert (stored.view(np.uint8)[:, 3:18] == 0xFF).all()       # block 0 of each row: all but one nibble 15
+        assert (stored.view(np.uint8)[:, 3:18] == 0xFF).all()  # block 0 of each row: all but one nibble 15
     else:
         assert (stored.view(np.int8)[:, 2:34] == 127).all()
     expect = _exact(stored, dtype, cols) @ _quantize_act(x[0])
@@ -236,7 +244,9 @@ def test_repacked_prefill_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
         for repack, n in ((True, 12), (False, 12), (True, 1)):
             with _kernels.int_kernels(step, repack):
                 got = _probes.kernel_matmul(t, x[:n], dtype, 1, "transposed")
-            np.testing.assert_allclose(got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {repack} {n}")
+            np.testing.assert_allclose(
+                got, np.broadcast_to(expect, got.shape), rtol=1e-6, err_msg=f"{step} {repack} {n}"
+            )
             assert np.sign(got).min() == sign
 
 
@@ -273,8 +283,14 @@ def test_interleaved_gives_the_bits_of_transposed(isa, case, threads):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from(["int8", "int4", "int6", "mxfp4"]), st.integers(1, 40), st.sampled_from([1, 7, 8, 9, 17, 40]),
-       st.integers(2, 9), st.integers(0, 2**32 - 1), st.sampled_from([1, 2]))
+@given(
+    st.sampled_from(["int8", "int4", "int6", "mxfp4"]),
+    st.integers(1, 40),
+    st.sampled_from([1, 7, 8, 9, 17, 40]),
+    st.integers(2, 9),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([1, 2]),
+)
 def test_few_tokens_give_each_tokens_decode(isa, dtype, groups, blocks, n, seed, threads):
     """A product of a few tokens (sequences decoded together; the AVX512-VNNI step's few-token tile
     reads 4 streams a thread and takes the tokens 2 at a time over chunks of 8 blocks) gives each
@@ -379,8 +395,13 @@ def test_interleaved_at_the_extremes_of_its_integer_sums(isa, dtype, sign):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.integers(1, 11), st.sampled_from([1, 2, 3, 17, 33, 40]), st.integers(16, 56), st.sampled_from([1, 2]),
-       st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 11),
+    st.sampled_from([1, 2, 3, 17, 33, 40]),
+    st.integers(16, 56),
+    st.sampled_from([1, 2]),
+    st.integers(0, 2**32 - 1),
+)
 def test_the_amx_bf16_products_tile_gives_the_bits_of_decode(isa, groups, blocks, n, threads, seed):
     """The amx step's bf16 products tile (TDPBF16PS, kernels_amx.h: its tile ops emulated as the
     Intrinsics Guide defines the instruction; the real one too where the tile state is lent and it
@@ -396,11 +417,16 @@ def test_the_amx_bf16_products_tile_gives_the_bits_of_decode(isa, groups, blocks
     il = quant.interleave(to_storage(w, "bf16"), "bf16", w.shape[1])
     with _kernels.int_kernels("avx512-vnni"):
         want = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
-        decoded = np.stack([_probes.kernel_matmul(il, x[t:t + 1], "bf16", 1, "interleaved", bf16_products=True)[0]
-                            for t in (0, 15, n - 1)])
+        decoded = np.stack(
+            [
+                _probes.kernel_matmul(il, x[t : t + 1], "bf16", 1, "interleaved", bf16_products=True)[0]
+                for t in (0, 15, n - 1)
+            ]
+        )
     np.testing.assert_array_equal(decoded, want[[0, 15, n - 1]])
-    steps = ["amx-emulated"] + (["amx"] if "amx" in _kernels.available_int_steps() and not _kernels.amx_bf16_failed_check()
-                                else [])
+    steps = ["amx-emulated"] + (
+        ["amx"] if "amx" in _kernels.available_int_steps() and not _kernels.amx_bf16_failed_check() else []
+    )
     for step in steps:
         with _kernels.int_kernels(step):
             got = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
@@ -433,15 +459,23 @@ def _bf16_products_lanes(w, x, order):
             for c in range(c0, min(c0 + 16, units)):
                 even = even + product(4 * c + 2 * p + 1)
                 odd = odd + product(4 * c + 2 * p)
-            lanes[p] = {"split-sum": lambda: lanes[p] + (even + odd),
-                        "split-even": lambda: (lanes[p] + even) + odd,
-                        "split-odd": lambda: (lanes[p] + odd) + even}[order]()
+            lanes[p] = {
+                "split-sum": lambda: lanes[p] + (even + odd),
+                "split-even": lambda: (lanes[p] + even) + odd,
+                "split-odd": lambda: (lanes[p] + odd) + even,
+            }[order]()
     return lanes[0] + lanes[1]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from(sorted(_kernels.BF16_ORDERS)), st.integers(1, 11), st.sampled_from([1, 2, 3, 33, 40]),
-       st.integers(1, 40), st.sampled_from([1, 2]), st.integers(0, 2**32 - 1))
+@given(
+    st.sampled_from(sorted(_kernels.BF16_ORDERS)),
+    st.integers(1, 11),
+    st.sampled_from([1, 2, 3, 33, 40]),
+    st.integers(1, 40),
+    st.sampled_from([1, 2]),
+    st.integers(0, 2**32 - 1),
+)
 def test_bf16_products_in_each_order_are_the_spec(isa, order, groups, blocks, n, threads, seed):
     """Interleaved bf16 products in each order of roundings (vdpbf16ps's sequence, and the split
     orders an AMX unit may follow: _kernels.BF16_ORDERS) against a numpy float32 spec of that order,
@@ -462,8 +496,12 @@ def test_bf16_products_in_each_order_are_the_spec(isa, order, groups, blocks, n,
         for step in _kernels.available_int_steps():
             with _kernels.int_kernels(step):
                 got = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
-                decoded = np.stack([_probes.kernel_matmul(il, x[t:t + 1], "bf16", 1, "interleaved",
-                                                          bf16_products=True)[0] for t in (0, n - 1)])
+                decoded = np.stack(
+                    [
+                        _probes.kernel_matmul(il, x[t : t + 1], "bf16", 1, "interleaved", bf16_products=True)[0]
+                        for t in (0, n - 1)
+                    ]
+                )
             np.testing.assert_array_equal(got, want, err_msg=f"{order}, {step}")
             np.testing.assert_array_equal(decoded, want[[0, n - 1]], err_msg=f"{order}, {step}, decode")
     finally:
@@ -476,17 +514,20 @@ def test_bf16_products_flush_subnormals_alike_in_every_order(order):
     token's decode (vdpbf16ps, or a split order's widened FMAs under MXCSR's DAZ and FTZ) give the
     same bits where inputs are subnormal and where products and sums underflow: weights and
     activations with subnormal elements, and a token and a group whose products all underflow."""
-    if _kernels.isa() != "avx512" or not _kernels.has_bf16_products() \
-            or "amx-emulated" not in _kernels.available_int_steps():
+    if (
+        _kernels.isa() != "avx512"
+        or not _kernels.has_bf16_products()
+        or "amx-emulated" not in _kernels.available_int_steps()
+    ):
         pytest.skip("the AMX steps' bf16 tile needs the AVX-512 tier with AVX512_BF16 and a build with the amx steps")
     rng = np.random.default_rng(7)
     rows, cols, n = 24, 1056, 33
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    for a in (w, x):                                    # a tenth of the elements subnormal
+    for a in (w, x):  # a tenth of the elements subnormal
         pick = rng.random(a.shape) < 0.1
         a[pick] = rng.uniform(-1, 1, pick.sum()).astype(np.float32) * np.float32(2.0**-127)
-    w[8:16] *= np.float32(2.0**-66)                     # group 1 x token 0: every product below 2^-126
+    w[8:16] *= np.float32(2.0**-66)  # group 1 x token 0: every product below 2^-126
     x[0] *= np.float32(2.0**-66)
     il = quant.interleave(to_storage(w, "bf16"), "bf16", cols)
     before = _kernels.bf16_order()
@@ -494,12 +535,13 @@ def test_bf16_products_flush_subnormals_alike_in_every_order(order):
         _kernels.set_bf16_order(order)
         with _kernels.int_kernels("amx-emulated"):
             got = _probes.kernel_matmul(il, x, "bf16", 2, "interleaved", bf16_products=True)
-        decoded = np.stack([_probes.kernel_matmul(il, x[t:t + 1], "bf16", 1, "interleaved", bf16_products=True)[0]
-                            for t in range(n)])
+        decoded = np.stack(
+            [_probes.kernel_matmul(il, x[t : t + 1], "bf16", 1, "interleaved", bf16_products=True)[0] for t in range(n)]
+        )
     finally:
         _kernels.set_bf16_order(before)
     np.testing.assert_array_equal(got, decoded)
-    assert np.all(got[0, 8:16] == 0)                    # (the underflowing products flushed)
+    assert np.all(got[0, 8:16] == 0)  # (the underflowing products flushed)
 
 
 @pytest.mark.parametrize("unit", sorted(_kernels.BF16_ORDERS))
@@ -508,8 +550,11 @@ def test_the_self_test_finds_the_amx_units_order_of_bf16_products(unit):
     cb_self_test_step_bf16_orders), played by the emulated tile fixed to each order: it keeps exactly
     that order (every other fails the self-test's bit checks), and leaves the order in use as it
     was."""
-    if _kernels.isa() != "avx512" or not _kernels.has_bf16_products() \
-            or "amx-emulated" not in _kernels.available_int_steps():
+    if (
+        _kernels.isa() != "avx512"
+        or not _kernels.has_bf16_products()
+        or "amx-emulated" not in _kernels.available_int_steps()
+    ):
         pytest.skip("the AMX steps' bf16 tile needs the AVX-512 tier with AVX512_BF16 and a build with the amx steps")
     before = _kernels.bf16_order(), _kernels.int_step()
     assert _kernels.search_bf16_order_emulated(unit) == unit
@@ -530,10 +575,10 @@ def test_mxfp4_interleave_round_trip(groups, blocks, seed):
     g = il.view(quant.IGROUP_DTYPES["mxfp4"]).reshape(groups, blocks)
     b = stored.view(quant.BLOCK_DTYPES["mxfp4"]).reshape(8 * groups, blocks)
     gi, kb = groups - 1, blocks - 1
-    np.testing.assert_array_equal(g[gi, kb]["e"], b[8 * gi:8 * gi + 8, kb]["e"])
+    np.testing.assert_array_equal(g[gi, kb]["e"], b[8 * gi : 8 * gi + 8, kb]["e"])
     for r in range(8):
         qs = b[8 * gi + r, kb]["qs"]
-        codes = np.stack([qs & 0x0F, qs >> 4], axis=-1).reshape(32)            # element order
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=-1).reshape(32)  # element order
         np.testing.assert_array_equal(g[gi, kb]["qs"][:, r] & 0x0F, codes[:16].reshape(4, 4))
         np.testing.assert_array_equal(g[gi, kb]["qs"][:, r] >> 4, codes[16:].reshape(4, 4))
 
@@ -553,10 +598,10 @@ def test_interleave_round_trip(dtype, groups, blocks, seed):
     g = il.view(quant.IGROUP_DTYPES[dtype]).reshape(groups, blocks)
     b = stored.view(quant.BLOCK_DTYPES[dtype]).reshape(8 * groups, blocks)
     gi, kb = groups - 1, blocks - 1
-    np.testing.assert_array_equal(g[gi, kb]["d"], b[8 * gi:8 * gi + 8, kb]["d"])
+    np.testing.assert_array_equal(g[gi, kb]["d"], b[8 * gi : 8 * gi + 8, kb]["d"])
     for r in range(8):
         for unit in range(g[gi, kb]["qs"].shape[0]):
-            np.testing.assert_array_equal(g[gi, kb]["qs"][unit, r], b[8 * gi + r, kb]["qs"][4 * unit:4 * unit + 4])
+            np.testing.assert_array_equal(g[gi, kb]["qs"][unit, r], b[8 * gi + r, kb]["qs"][4 * unit : 4 * unit + 4])
 
 
 def _bf16_bits(a):
@@ -603,8 +648,9 @@ def test_interleaved_bf16_products_are_the_rounded_activations_times_the_weights
     stored = to_storage(w, "bf16")
     il = quant.interleave(stored, "bf16", w.shape[1])
     got = _probes.kernel_matmul(il, x, "bf16", threads, "interleaved", bf16_products=True)
-    decoded = np.stack([_probes.kernel_matmul(il, row[None], "bf16", threads, "interleaved", bf16_products=True)[0]
-                        for row in x[:3]])
+    decoded = np.stack(
+        [_probes.kernel_matmul(il, row[None], "bf16", threads, "interleaved", bf16_products=True)[0] for row in x[:3]]
+    )
     np.testing.assert_array_equal(decoded, got[:3])
     exact_w = _exact(stored, "bf16", w.shape[1])
     xr = _bf16_values(_bf16_bits(x)).astype(np.float64) if _kernels.has_bf16_products() else x.astype(np.float64)
@@ -627,7 +673,7 @@ def test_interleave_bf16_round_trip(groups, blocks, seed):
     np.testing.assert_array_equal(quant.to_rows(il, "bf16", *w.shape, "interleaved"), stored)
     g = il.view(np.uint16).reshape(groups, 8 * blocks, 8, 4)
     gi, c, r = groups - 1, 8 * blocks - 1, 5
-    np.testing.assert_array_equal(g[gi, c, r], stored[8 * gi + r, 4 * c:4 * c + 4])
+    np.testing.assert_array_equal(g[gi, c, r], stored[8 * gi + r, 4 * c : 4 * c + 4])
 
 
 def test_interleaved_bf16_needs_whole_groups_and_blocks():
@@ -664,14 +710,18 @@ def test_transpose_round_trip(dtype, groups, blocks, seed):
     g = t.view(quant.GROUP_DTYPES[dtype]).reshape(blocks, groups)
     b = stored.view(quant.BLOCK_DTYPES[dtype]).reshape(8 * groups, blocks)
     kb, gi = blocks - 1, groups - 1
-    np.testing.assert_array_equal(g[kb, gi]["d"], b[8 * gi:8 * gi + 8, kb]["d"])
-    np.testing.assert_array_equal(g[kb, gi]["qs"], b[8 * gi:8 * gi + 8, kb]["qs"])
+    np.testing.assert_array_equal(g[kb, gi]["d"], b[8 * gi : 8 * gi + 8, kb]["d"])
+    np.testing.assert_array_equal(g[kb, gi]["qs"], b[8 * gi : 8 * gi + 8, kb]["qs"])
 
 
 def test_group_struct_sizes_agree_with_python():
     assert _probes.group_sizes() == quant.GROUP_BYTES == {"int8": 8 * 34, "int4": 8 * 18}
-    assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == {**quant.GROUP_BYTES, "mxfp4": 8 * 17, "int6": 8 * 26}
-    assert _probes.igroup_sizes() == {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()}   # static_assert in C
+    assert {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()} == {
+        **quant.GROUP_BYTES,
+        "mxfp4": 8 * 17,
+        "int6": 8 * 26,
+    }
+    assert _probes.igroup_sizes() == {k: v.itemsize for k, v in quant.IGROUP_DTYPES.items()}  # static_assert in C
 
 
 @pytest.mark.parametrize("dtype", BLOCK)
@@ -689,7 +739,8 @@ def test_unknown_layout_is_a_clear_error():
 
 # ---- models ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["mixtral_a", "mixtral_b", "qwen2moe_b", "gemma4_b"])   # _b: tied embeddings
+
+@pytest.mark.parametrize("case", ["mixtral_a", "mixtral_b", "qwen2moe_b", "gemma4_b"])  # _b: tied embeddings
 def test_f32_transposed_matches_transformers(converted, case):
     ref = reference(case)
     logits = colibri.load(converted(case, "f32", "transposed")).forward(ref["input_ids"])
@@ -717,14 +768,15 @@ def test_whole_model_in_every_layout(converted, dtype):
                 if name == "scalar":
                     np.testing.assert_array_equal(t, rows)
                 assert np.abs(t - rows).max() <= MODEL_RTOL[dtype] * np.abs(rows).max(), name
-                stepped = np.stack([m.forward(ids[:i + 1])[-1] for i in range(len(ids))])
+                stepped = np.stack([m.forward(ids[: i + 1])[-1] for i in range(len(ids))])
                 np.testing.assert_array_equal(stepped[-1], t[-1])
     finally:
         _kernels.select_isa(before)
 
 
-@pytest.mark.parametrize("dtype, layout", [(d, lay) for d in BLOCK for lay in ("transposed", "interleaved")]
-                         + [("bf16", "interleaved")])
+@pytest.mark.parametrize(
+    "dtype, layout", [(d, lay) for d in BLOCK for lay in ("transposed", "interleaved")] + [("bf16", "interleaved")]
+)
 def test_whole_model_the_same_bits_with_every_int_step(isa, converted, dtype, layout):
     """A transposed or interleaved int8/int4 model gives the default int step's logits bit for bit
     with every step of the tier (the VNNI step emulated included): a 20-token prompt (transposed:
@@ -760,7 +812,7 @@ def test_whole_model_bf16_products_in_a_split_order(isa, converted):
                     np.testing.assert_array_equal(m.forward(ids[:n]), want, err_msg=f"{step}, {n} tokens")
     finally:
         _kernels.set_bf16_order(before)
-    assert not np.array_equal(expect[0], seq)           # the order reached the kernels
+    assert not np.array_equal(expect[0], seq)  # the order reached the kernels
     assert np.abs(expect[0] - seq).max() <= MODEL_RTOL["bf16"] * np.abs(seq).max()
 
 

@@ -1,5 +1,7 @@
 """The code passes the linters configured in pyproject.toml ([tool.ruff], [tool.cython-lint]): pyflakes' checks (unused
-imports, undefined names) and pycodestyle's errors, on the package, the tests and the tools."""
+imports, undefined names) and pycodestyle's errors, on the package, the tests and the tools, and is formatted as
+`ruff format` writes it."""
+
 from __future__ import annotations
 
 import shutil
@@ -16,8 +18,28 @@ def test_ruff_finds_nothing():
     pytest.importorskip("ruff")
     ruff = shutil.which("ruff") or None
     cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
-    p = subprocess.run([*cmd, "check", "--no-cache", "colibri", "tests", "tools"], cwd=REPO, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [*cmd, "check", "--no-cache", "colibri", "tests", "tools"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_ruff_format_changes_nothing():
+    """The Python code is as `ruff format` writes it ([tool.ruff]: 120 columns)."""
+    pytest.importorskip("ruff")
+    ruff = shutil.which("ruff") or None
+    cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
+    p = subprocess.run(
+        [*cmd, "format", "--check", "--no-cache", "colibri", "tests", "tools"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
 
 
@@ -26,6 +48,7 @@ def test_cython_lint_finds_nothing():
     pytest.importorskip("cython_lint")
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "colibri").glob("*.p[xy][xd]"))
     assert len(files) >= 8, files
-    p = subprocess.run([sys.executable, "-m", "cython_lint.cython_lint", *files], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "cython_lint.cython_lint", *files], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stdout + p.stderr

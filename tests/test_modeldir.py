@@ -4,6 +4,7 @@ Contract (colibri/modeldir.py, colibri/config.py): whatever is wrong with a dire
 `colibri.load` raises `colibri.ColibriError` naming the file or tensor at fault, before a byte of
 weights is used; it never crashes with another exception type.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,14 +47,17 @@ def write_cfg(d: Path, cfg: dict) -> None:
 
 def edit_cfg(fn):
     """A damage that edits config.json with fn(cfg, d)."""
+
     def damage(d: Path, tmp: Path):
         cfg = read_cfg(d)
         fn(cfg, d, tmp)
         write_cfg(d, cfg)
+
     return damage
 
 
 # ---- damage: each returns nothing; `expected` are substrings of the message -----------------------
+
 
 def _truncate(d, tmp):
     f = d / "layers" / "00" / "expert_002.bin"
@@ -101,12 +105,14 @@ def _symlink_out(d, tmp):
 def _tensor(name, **fields):
     def fn(cfg, d, tmp):
         cfg["tensors"][name].update(fields)
+
     return fn
 
 
 def _tensor_rel(name, field, delta):
     def fn(cfg, d, tmp):
         cfg["tensors"][name][field] += delta
+
     return fn
 
 
@@ -127,17 +133,19 @@ def _extra_tensor(cfg, d, tmp):
 def _top(**kv):
     def fn(cfg, d, tmp):
         cfg.update(kv)
+
     return fn
 
 
 def _model(**kv):
     def fn(cfg, d, tmp):
         cfg["model"].update(kv)
+
     return fn
 
 
 def _huge_config(d, tmp):
-    os.truncate(d / "config.json", (64 << 20) + 1)          # sparse: costs no disk
+    os.truncate(d / "config.json", (64 << 20) + 1)  # sparse: costs no disk
 
 
 def _json_array(d, tmp):
@@ -187,7 +195,7 @@ def test_damaged_directory(pristine, tmp_path, damage, expected):
 def test_pristine_copy_loads(pristine, tmp_path):
     """The damage tests start from a copy that loads: they fail for the damage, not the copy."""
     d = copy_model(pristine, tmp_path / "m")
-    write_cfg(d, read_cfg(d))                      # rewritten compactly, as the damage tests do
+    write_cfg(d, read_cfg(d))  # rewritten compactly, as the damage tests do
     with colibri.load(d) as m:
         logits = m.forward([1, 2, 3])
     assert logits.shape == (3, 128) and np.isfinite(logits).all()
@@ -203,9 +211,9 @@ WRONG_TYPES = [
     ({"eos_token_id": 2}, "eos_token_id"),
     ({"qk_norm": []}, "qk_norm"),
     ({"qk_norm": {}}, "qk_norm"),
-    ({"rms_norm_eps": 10 ** 400}, "rms_norm_eps"),
-    ({"rope_theta": 10 ** 400}, "rope_theta"),
-    ({"clip_qkv": 10 ** 400}, "clip_qkv"),
+    ({"rms_norm_eps": 10**400}, "rms_norm_eps"),
+    ({"rope_theta": 10**400}, "rope_theta"),
+    ({"clip_qkv": 10**400}, "clip_qkv"),
     ({"layer_types": {"full_attention": 0, "sliding_attention": 1}, "sliding_window": 4}, "layer_types"),
 ]
 
@@ -241,12 +249,19 @@ def test_rope_theta_accepted_only_if_usable(pristine, tmp_path, theta):
 
 # ---- property: random mutations of config.json --------------------------------------------------
 
-json_scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
-                | st.text(max_size=12) | st.sampled_from([10 ** 400, -(10 ** 400), 2 ** 63, -1, 0, 1, 64]))
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from([10**400, -(10**400), 2**63, -1, 0, 1, 64])
+)
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=8)
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -329,14 +344,35 @@ def test_config_mutation_never_crashes(pristine, data):
 
 # ---- storage dtypes: round trips ---------------------------------------------------------------
 
-float32_bits = st.integers(0, 2 ** 32 - 1)
-ties_bits = st.integers(0, 2 ** 16 - 1).map(lambda hi: (hi << 16) | 0x8000)       # exactly half-way (bf16)
-bits_arrays = hnp.arrays(np.uint32, hnp.array_shapes(max_dims=2, max_side=16),
-                         elements=float32_bits | ties_bits | st.sampled_from(
-                             [0x7F800000, 0xFF800000, 0x7F800001, 0xFF800001, 0x7FC00000, 0x7F7FFFFF,
-                              0x7F7F8000, 0x7F7F7FFF, 0x00000001, 0x80000000, 0x00008000, 0x3F808000]))
-float_arrays = hnp.arrays(np.float32, hnp.array_shapes(max_dims=2, max_side=16),
-                          elements=st.floats(width=32, allow_nan=True, allow_infinity=True))
+float32_bits = st.integers(0, 2**32 - 1)
+ties_bits = st.integers(0, 2**16 - 1).map(lambda hi: (hi << 16) | 0x8000)  # exactly half-way (bf16)
+bits_arrays = hnp.arrays(
+    np.uint32,
+    hnp.array_shapes(max_dims=2, max_side=16),
+    elements=float32_bits
+    | ties_bits
+    | st.sampled_from(
+        [
+            0x7F800000,
+            0xFF800000,
+            0x7F800001,
+            0xFF800001,
+            0x7FC00000,
+            0x7F7FFFFF,
+            0x7F7F8000,
+            0x7F7F7FFF,
+            0x00000001,
+            0x80000000,
+            0x00008000,
+            0x3F808000,
+        ]
+    ),
+)
+float_arrays = hnp.arrays(
+    np.float32,
+    hnp.array_shapes(max_dims=2, max_side=16),
+    elements=st.floats(width=32, allow_nan=True, allow_infinity=True),
+)
 
 
 def as_f32(bits: np.ndarray) -> np.ndarray:
@@ -360,7 +396,7 @@ def test_f16_matches_numpy_rounding(a):
         warnings.simplefilter("ignore", RuntimeWarning)
         want = a.astype(np.float16)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)          # overflow to +-inf is the rounding
+        warnings.simplefilter("ignore", RuntimeWarning)  # overflow to +-inf is the rounding
         stored = to_storage(a, "f16")
     assert stored.dtype == np.dtype("<f2") and stored.shape == a.shape
     nan = np.isnan(want)
@@ -383,16 +419,20 @@ def bf16_reference(x: float) -> float:
     mag = abs(x)
     _, e = math.frexp(mag)
     quantum = 2.0 ** (max(e, -125) - 8)
-    r = round(mag / quantum) * quantum            # mag / quantum is exact (power of two)
-    if r >= 2.0 ** 128:                           # beyond the largest bf16 after rounding
+    r = round(mag / quantum) * quantum  # mag / quantum is exact (power of two)
+    if r >= 2.0**128:  # beyond the largest bf16 after rounding
         r = math.inf
     return math.copysign(r, x)
 
 
 @settings(max_examples=200, deadline=None)
 @given(bits_arrays)
-@example(np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F800001, 0xFFC00001, 0x00008000,
-                   0x00018000, 0x80000000], np.uint32))
+@example(
+    np.array(
+        [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F800001, 0xFFC00001, 0x00008000, 0x00018000, 0x80000000],
+        np.uint32,
+    )
+)
 def test_bf16_round_to_nearest_even(bits):
     a = as_f32(bits)
     stored = to_storage(a, "bf16")
@@ -404,8 +444,9 @@ def test_bf16_round_to_nearest_even(bits):
             assert math.isnan(got), f"NaN {x!r} became {got!r}"
             continue
         want = bf16_reference(x)
-        assert got == want and math.copysign(1.0, got) == math.copysign(1.0, want), \
+        assert got == want and math.copysign(1.0, got) == math.copysign(1.0, want), (
             f"{x!r} (bits {np.float32(x).view(np.uint32):#010x}) -> {got!r} (stored {got_stored:#06x}), expected {want!r}"
+        )
 
 
 @settings(max_examples=100, deadline=None)
@@ -450,12 +491,13 @@ def _load_after(pristine, tmp_path, edit):
 @pytest.mark.parametrize("field", MODEL_FIELDS)
 def test_each_model_field_removed(pristine, tmp_path, field):
     def edit(cfg):
-        cfg["model"].pop(field, None)           # the Gemma 4 extensions are absent where default
+        cfg["model"].pop(field, None)  # the Gemma 4 extensions are absent where default
+
     if field in REQUIRED_FIELDS:
         with pytest.raises(colibri.ColibriError, match=field):
             _load_after(pristine, tmp_path, edit)
     else:
-        try:                                   # a defaulted field: loads, or is refused clearly
+        try:  # a defaulted field: loads, or is refused clearly
             _load_after(pristine, tmp_path, edit)
         except colibri.ColibriError:
             pass
@@ -465,17 +507,33 @@ def test_each_model_field_removed(pristine, tmp_path, field):
 def test_each_model_field_with_a_wrong_type(pristine, tmp_path, field):
     def edit(cfg):
         cfg["model"][field] = {"nested": [1]}
+
     with pytest.raises(colibri.ColibriError, match=field):
         _load_after(pristine, tmp_path, edit)
 
 
-@pytest.mark.parametrize("field", [f for f in MODEL_FIELDS if f not in ("architecture", "hidden_act", "qk_norm",
-                                                                         "norm_topk_prob", "tie_word_embeddings",
-                                                                         "attention_bias", "attention_out_bias")])
+@pytest.mark.parametrize(
+    "field",
+    [
+        f
+        for f in MODEL_FIELDS
+        if f
+        not in (
+            "architecture",
+            "hidden_act",
+            "qk_norm",
+            "norm_topk_prob",
+            "tie_word_embeddings",
+            "attention_bias",
+            "attention_out_bias",
+        )
+    ],
+)
 def test_each_model_field_out_of_range(pristine, tmp_path, field):
     def edit(cfg):
-        v = cfg["model"].get(field, getattr(ModelConfig, field, []))   # absent: its default
-        cfg["model"][field] = [-1] * max(len(v), 1) if isinstance(v, list) else -1   # an empty list: [-1]
+        v = cfg["model"].get(field, getattr(ModelConfig, field, []))  # absent: its default
+        cfg["model"][field] = [-1] * max(len(v), 1) if isinstance(v, list) else -1  # an empty list: [-1]
+
     with pytest.raises(colibri.ColibriError, match=field):
         _load_after(pristine, tmp_path, edit)
 
@@ -484,18 +542,21 @@ def test_each_model_field_out_of_range(pristine, tmp_path, field):
 def test_each_top_level_key_removed(pristine, tmp_path, key):
     def edit(cfg):
         del cfg[key]
+
     with pytest.raises(colibri.ColibriError):
         _load_after(pristine, tmp_path, edit)
 
 
 def test_modeldir_refuses_a_transposed_vector(converted, tmp_path):
     src = converted("mixtral_a", "int8")
-    for name, layout, problem in (("layers.0.attn_norm", "transposed", "only weight matrices"),
-                                  ("layers.0.router", "transposed", "only weight matrices"),
-                                  ("layers.0.router", "interleaved", "only weight matrices"),
-                                  ("embedding", "interleaved", "embedding: f32 has no interleaved layout, only rows or transposed")):
+    for name, layout, problem in (
+        ("layers.0.attn_norm", "transposed", "only weight matrices"),
+        ("layers.0.router", "transposed", "only weight matrices"),
+        ("layers.0.router", "interleaved", "only weight matrices"),
+        ("embedding", "interleaved", "embedding: f32 has no interleaved layout, only rows or transposed"),
+    ):
         d = tmp_path / f"{name}-{layout}"
-        if name == "embedding":              # an f32 matrix marked interleaved
+        if name == "embedding":  # an f32 matrix marked interleaved
             shutil.copytree(converted("mixtral_a", "f32"), d)
         else:
             shutil.copytree(src, d)

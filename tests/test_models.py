@@ -4,6 +4,7 @@ References come from tools/make_fixtures.py (transformers 5.24, eager attention,
 bf16/f16 references were computed by transformers with the matrices rounded exactly as our
 converter stores them, so every dtype is held to the same float-rounding tolerance.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,17 +28,26 @@ def models(converted):
     cache = {}
 
     def get(case, dtype="f32"):
-        if (case, dtype) not in cache:       # bf16 as transformers multiplies it: exact f32 products
+        if (case, dtype) not in cache:  # bf16 as transformers multiplies it: exact f32 products
             cache[(case, dtype)] = colibri.load(converted(case, dtype), threads=2, bf16_products="f32")
         return cache[(case, dtype)]
+
     return get
 
 
 def test_every_architecture_is_covered():
     archs = {json.load(open(f"tests/fixtures/{c}/hf/config.json"))["architectures"][0] for c in CASES}
-    assert archs == {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
-                     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Glm4MoeForCausalLM",
-                     "GptOssForCausalLM", "DeepseekV3ForCausalLM"}
+    assert archs == {
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "OlmoeForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration",
+        "Glm4MoeForCausalLM",
+        "GptOssForCausalLM",
+        "DeepseekV3ForCausalLM",
+    }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,12 +74,13 @@ def test_cached_decoding_equals_full_forward(models, case):
     ref = reference(case)
     m = models(case)
     steps = []
-    gen = m.generate(ref["input_ids"], max_new_tokens=6, stop_at_eos=False,
-                     on_step=lambda model: steps.append(model.last_logits))
+    gen = m.generate(
+        ref["input_ids"], max_new_tokens=6, stop_at_eos=False, on_step=lambda model: steps.append(model.last_logits)
+    )
     new = list(gen)
     full = m.forward(np.concatenate([ref["input_ids"], new]))
     T = len(ref["input_ids"])
-    assert len(steps) == len(new)       # prefill + 5 decode steps
+    assert len(steps) == len(new)  # prefill + 5 decode steps
     for i, step_logits in enumerate(steps):
         np.testing.assert_allclose(step_logits, full[T - 1 + i], rtol=0, atol=1e-5 * np.abs(full).max())
 
@@ -79,6 +90,7 @@ def test_thread_count_does_not_change_results(tmp_path):
     model is large enough (256 wide, 512-wide experts) for the matrix products to use threads."""
     from colibri.convert import convert
     from conftest import big_checkpoint
+
     for dtype in ("f32", "int8"):
         out = tmp_path / dtype
         convert(big_checkpoint(tmp_path / f"hf_{dtype}"), out, quantize=dtype, log=lambda *a: None)
@@ -148,7 +160,7 @@ def test_generation_stops_at_eos(converted, tmp_path):
     m = colibri.load(d)
     out = list(m.generate(ref["input_ids"], max_new_tokens=12))
     first = ref["greedy_ids"].tolist().index(int(ref["greedy_ids"][3]))
-    assert out == ref["greedy_ids"][:first + 1].tolist()
+    assert out == ref["greedy_ids"][: first + 1].tolist()
     assert len(list(m.generate(ref["input_ids"], max_new_tokens=12, stop_at_eos=False))) == 12
 
 
@@ -156,7 +168,7 @@ def test_complete_uses_the_tokenizer(models):
     m = models("mixtral_a")
     text = m.complete("We hold these truths", max_new_tokens=5)
     assert isinstance(text, str)
-    ids = m.tokenizer.encode("We hold these truths")       # a sentencepiece model adds BOS by default
+    ids = m.tokenizer.encode("We hold these truths")  # a sentencepiece model adds BOS by default
     assert ids[0] == m.config.bos_token_id
     expected = m.tokenizer.decode(list(m.generate(ids, max_new_tokens=5)), skip_special_tokens=True)
     assert text == expected
@@ -168,9 +180,20 @@ def test_bad_token_ids_are_clear_errors(models, bad):
         models("mixtral_a").forward(bad)
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=float("nan")),
-                                    dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=float("inf")),
-                                    dict(top_k=-1), dict(seed=-5), dict(max_new_tokens=10_000)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=-3),
+        dict(temperature=float("nan")),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_p=float("inf")),
+        dict(top_k=-1),
+        dict(seed=-5),
+        dict(max_new_tokens=10_000),
+    ],
+)
 def test_bad_generation_parameters_are_clear_errors(models, kwargs):
     with pytest.raises(colibri.ColibriError):
         list(models("mixtral_a").generate([1, 2, 3], **{"max_new_tokens": 4, **kwargs}))
@@ -198,8 +221,8 @@ def test_one_generation_at_a_time(models):
     t.start()
     t.join()
     assert isinstance(errors[0], colibri.ColibriError)
-    assert len(list(first)) == 4          # the first generation is intact and finishes
-    assert m.forward([1, 2]).shape == (2, 128)   # and the model is free again
+    assert len(list(first)) == 4  # the first generation is intact and finishes
+    assert m.forward([1, 2]).shape == (2, 128)  # and the model is free again
 
 
 def _try(fn):
@@ -237,7 +260,7 @@ def test_batched_prefill_equals_token_by_token(converted, case, dtype, chunk):
     stepped = np.empty_like(batched)
     assert m._engine.run(ids, 0, batched, True)[0] == 0
     for t in range(len(ids)):
-        assert m._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+        assert m._engine.run(ids[t : t + 1], t, stepped[t : t + 1], True)[0] == 0
     np.testing.assert_array_equal(batched, stepped)
 
 
@@ -275,7 +298,7 @@ def test_without_a_simd_tier_no_reordered_input_is_allocated(converted, monkeypa
 
 # ---- the f16 KV cache (load(kv_cache="f16")) -------------------------------------------------
 
-F16_KV_REL = 2e-2      # |Δlogit| / max|logit| against transformers (measured 5e-4 .. 8e-3 on these cases)
+F16_KV_REL = 2e-2  # |Δlogit| / max|logit| against transformers (measured 5e-4 .. 8e-3 on these cases)
 
 
 @pytest.mark.parametrize("case", ["mixtral_a", "qwen3moe_a", "gemma4_a", "gpt_oss_a", "deepseekv3_a"])
@@ -297,7 +320,7 @@ def test_an_f16_kv_cache_halves_it_and_stays_close(converted, case):
     assert half._engine.run(ids, 0, batched, True)[0] == 0
     half._engine.reset()
     for t in range(len(ids)):
-        assert half._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+        assert half._engine.run(ids[t : t + 1], t, stepped[t : t + 1], True)[0] == 0
     np.testing.assert_array_equal(batched, stepped)
 
 
@@ -321,7 +344,7 @@ def test_a_q8_kv_cache_is_a_quarter_and_a_prompt_still_equals_decoding_it(conver
     assert np.isfinite(batched).all()
     q8._engine.reset()
     for t in range(len(ids)):
-        assert q8._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+        assert q8._engine.run(ids[t : t + 1], t, stepped[t : t + 1], True)[0] == 0
     np.testing.assert_array_equal(batched, stepped)
 
 
@@ -336,19 +359,20 @@ def test_an_unknown_kv_cache_type_is_refused(converted):
 # product: a bound with room over what every fixture gives (the rounding of the activations
 # is the only difference from f32 products)
 BF16_PRODUCTS_KL = 5e-3
-HAS_BF16_PRODUCTS = _kernels.has_bf16_products()      # the tier the models load with (COLIBRI_ISA's, if set)
+HAS_BF16_PRODUCTS = _kernels.has_bf16_products()  # the tier the models load with (COLIBRI_ISA's, if set)
 
 
 def _kl(want, got):
     def log_softmax(z):
         z = z.astype(np.float64) - z.max(-1, keepdims=True)
         return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
     lw, lg = log_softmax(want), log_softmax(got)
     return float((np.exp(lw) * (lw - lg)).sum(-1).mean())
 
 
 def test_auto_bf16_products_follow_the_tier(converted):
-    """"auto" takes bf16 products exactly where the tier has vdpbf16ps; "f32" never; "bf16" where it
+    """ "auto" takes bf16 products exactly where the tier has vdpbf16ps; "f32" never; "bf16" where it
     has none is one clear error naming the choice."""
     before = _kernels.isa()
     try:
@@ -366,7 +390,9 @@ def test_auto_bf16_products_follow_the_tier(converted):
         colibri.load(converted("mixtral_a", "bf16"), bf16_products="fast")
 
 
-@pytest.mark.skipif(not HAS_BF16_PRODUCTS, reason="the tier in use has no AVX512_BF16: bf16 products run only where it does")
+@pytest.mark.skipif(
+    not HAS_BF16_PRODUCTS, reason="the tier in use has no AVX512_BF16: bf16 products run only where it does"
+)
 @pytest.mark.parametrize("case", CASES)
 def test_bf16_products_stay_close_to_transformers(converted, case):
     """With the activations rounded to bf16 (vdpbf16ps) the logits move off the exact ones, within
@@ -376,10 +402,10 @@ def test_bf16_products_stay_close_to_transformers(converted, case):
     m = colibri.load(converted(case, "bf16"), bf16_products="bf16")
     logits = m.forward(ids)
     exact = colibri.load(converted(case, "bf16"), bf16_products="f32").forward(ids)
-    assert np.abs(logits - exact).max() > 0          # they did take the other path
+    assert np.abs(logits - exact).max() > 0  # they did take the other path
     assert _kl(ref["logits_bf16"], logits) <= BF16_PRODUCTS_KL
     m._engine.reset()
     stepped = np.empty_like(logits)
     for t in range(len(ids)):
-        assert m._engine.run(ids[t:t + 1], t, stepped[t:t + 1], True)[0] == 0
+        assert m._engine.run(ids[t : t + 1], t, stepped[t : t + 1], True)[0] == 0
     np.testing.assert_array_equal(stepped, logits)

@@ -6,6 +6,7 @@ the interleaved group's bytes against the documented packing; quantize / dequant
 round trips against the C reader; the quantizer's error against int4's and its use of
 importance; and a whole model converted to nl4 against f32.
 """
+
 from __future__ import annotations
 
 import re
@@ -60,8 +61,10 @@ def interleaved_case(draw):
     n = draw(st.integers(1, 23))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     scale = draw(st.sampled_from([1e-3, 1.0, 30.0]))
-    return (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale),
-            rng.standard_normal((n, cols), dtype=np.float32))
+    return (
+        rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale),
+        rng.standard_normal((n, cols), dtype=np.float32),
+    )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -93,9 +96,9 @@ def test_nl4_at_the_extremes_of_its_integer_sums(isa, code, sign):
     rows, cols = 320, 64
     blocks = np.zeros((rows, cols // 32), quant.NL4_BLOCK)
     blocks["qs"] = code | (code << 4)
-    blocks["sc"][..., 0] = 0                     # sub -32
-    blocks["sc"][..., 1] = 63                    # sub 31
-    scales = np.full(rows, 2.0 ** -10, "<f4")
+    blocks["sc"][..., 0] = 0  # sub -32
+    blocks["sc"][..., 1] = 63  # sub 31
+    scales = np.full(rows, 2.0**-10, "<f4")
     stored = np.concatenate([blocks.view(np.uint8).reshape(rows, -1), scales.view(np.uint8).reshape(rows, 4)], axis=1)
     il = quant.interleave(stored, "nl4", cols)
     x = np.full((12, cols), sign * 3.0, np.float32)
@@ -124,8 +127,8 @@ def test_nl4_interleave_round_trip_and_packing(groups, blocks, seed):
     np.testing.assert_array_equal(quant.to_rows(il, "nl4", rows, cols, "interleaved"), stored)
     b, row_scale = quant._nl4_parts(stored, cols)
     flat = il.ravel()
-    g = flat[:rows // 8 * blocks * 140].view(quant.NL4_GROUP).reshape(groups, blocks)
-    np.testing.assert_array_equal(flat[rows // 8 * blocks * 140:].view("<f4"), row_scale)
+    g = flat[: rows // 8 * blocks * 140].view(quant.NL4_GROUP).reshape(groups, blocks)
+    np.testing.assert_array_equal(flat[rows // 8 * blocks * 140 :].view("<f4"), row_scale)
     gi, kb = groups - 1, blocks - 1
     sc = g[gi, kb]["sc"].astype(int)
     for r in range(8):
@@ -133,7 +136,7 @@ def test_nl4_interleave_round_trip_and_packing(groups, blocks, seed):
         assert sc[r] & 63 == lo and sc[r] >> 6 == hi & 3
         assert (sc[8 + r // 2] >> (4 * (r % 2))) & 15 == hi >> 2
         for unit in range(4):
-            np.testing.assert_array_equal(g[gi, kb]["qs"][unit, r], b[8 * gi + r, kb]["qs"][4 * unit:4 * unit + 4])
+            np.testing.assert_array_equal(g[gi, kb]["qs"][unit, r], b[8 * gi + r, kb]["qs"][4 * unit : 4 * unit + 4])
     deq = quant.dequantize(stored, "nl4", cols)
     for r in (0, rows - 1):
         np.testing.assert_array_equal(_probes.kernel_dequant_row(il, r, cols, "nl4", "interleaved"), deq[r])
@@ -170,7 +173,7 @@ def test_nl4_errs_less_than_int4_and_follows_importance():
     plain = quant.dequantize(quant.quantize(w, "nl4"), "nl4", 512)
     weighted = quant.dequantize(quant.quantize(w, "nl4", imp), "nl4", 512)
     assert ((plain - w) ** 2).mean() < 0.75 * e_int4
-    assert quant.nl4_bytes(256, 512) < 256 * quant.row_bytes("int4", 512)     # stored bytes
+    assert quant.nl4_bytes(256, 512) < 256 * quant.row_bytes("int4", 512)  # stored bytes
     assert (imp * (weighted - w) ** 2).mean() < 0.95 * (imp * (plain - w) ** 2).mean()
     with pytest.raises(ValueError, match="importance"):
         quant.quantize(w, "nl4", imp[:-1])
@@ -181,6 +184,7 @@ def test_nl4_model_against_f32(tmp_path):
     (KL over the prompt's positions); its nl4 matrices are interleaved, and a matrix without whole
     groups of 8 rows is int4 (prefill = decode: test_models, test_batched_prefill_equals_token_by_token)."""
     from colibri.convert import convert
+
     hf = FIXTURES / "mixtral_a" / "hf"
     for fmt in ("f32", "nl4", "int4"):
         convert(hf, tmp_path / fmt, quantize=fmt, log=lambda *a: None)
@@ -199,12 +203,17 @@ def test_nl4_out_of_its_layout_is_refused(tmp_path):
     import json
     from colibri.convert import convert, relayout
     from colibri.errors import ColibriError
+
     hf = FIXTURES / "mixtral_a" / "hf"
-    with pytest.raises(ColibriError, match=re.escape("--expert-layout (--quantize nl4): nl4 has no rows layout, only interleaved")):
+    with pytest.raises(
+        ColibriError, match=re.escape("--expert-layout (--quantize nl4): nl4 has no rows layout, only interleaved")
+    ):
         convert(hf, tmp_path / "x", quantize="nl4", expert_layout="rows", log=lambda *a: None)
     assert not (tmp_path / "x").exists()
     convert(hf, tmp_path / "nl4", quantize="nl4", log=lambda *a: None)
-    with pytest.raises(ColibriError, match=r"--layout \(.* holds nl4 matrices\): nl4 has no transposed layout, only interleaved"):
+    with pytest.raises(
+        ColibriError, match=r"--layout \(.* holds nl4 matrices\): nl4 has no transposed layout, only interleaved"
+    ):
         relayout(tmp_path / "nl4", tmp_path / "y", layout="transposed", log=lambda *a: None)
     cfg_path = tmp_path / "nl4" / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -219,6 +228,7 @@ def test_nl4_from_a_k_quant_gguf(tmp_path):
     """A Q4_K_M GGUF converted to nl4: the blocks that are not Colibri's own are requantized, with
     their error reported, and it is below int4's."""
     from colibri.convert import convert
+
     errors = {}
     for fmt in ("nl4", "int4"):
         lines = []

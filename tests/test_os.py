@@ -5,6 +5,7 @@ The Linux tests map a 64 MiB file of random bytes and watch the page cache and t
 through the interface itself: eviction empties the cache, prefetch fills it, release takes the
 pages out of the process. Windows behaviour tests skip elsewhere.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,12 +29,12 @@ WINDOWS = sys.platform == "win32"
 only_linux = pytest.mark.skipif(not LINUX, reason="Linux backend behaviour (mincore, /proc/self)")
 only_windows = pytest.mark.skipif(not WINDOWS, reason="Windows backend behaviour (kernel32)")
 
-FILE_BYTES = 64 << 20         # the mapped test file
+FILE_BYTES = 64 << 20  # the mapped test file
 PAGE = _os.page_size()
-MOSTLY = 0.95                 # "present": at least this fraction of the bytes resident
-HARDLY = 0.05                 # "absent": at most this fraction resident
-RSS_DROP = 0.80               # release must take at least this fraction of the mapping off RSS
-POLL_SECONDS = 2.0            # how long prefetch may take to bring a cold file in
+MOSTLY = 0.95  # "present": at least this fraction of the bytes resident
+HARDLY = 0.05  # "absent": at most this fraction resident
+RSS_DROP = 0.80  # release must take at least this fraction of the mapping off RSS
+POLL_SECONDS = 2.0  # how long prefetch may take to bring a cold file in
 
 
 def _poll(predicate, seconds=POLL_SECONDS):
@@ -46,6 +47,7 @@ def _poll(predicate, seconds=POLL_SECONDS):
 
 
 # ---- contract: runs on every OS ------------------------------------------------------------------
+
 
 def test_backend_is_chosen_by_platform():
     expected = "windows" if WINDOWS else "linux" if LINUX else "posix-generic"
@@ -71,14 +73,19 @@ def test_address_space_room_follows_the_rlimit():
     RLIMIT_STACK's; without a limit the room is unknown. (The engine refuses --threads whose stacks
     cannot fit before starting any: a thread that dies in CPython's start-up hangs start().)"""
     import subprocess
-    code = ("import resource; from colibri import _os; "
-            "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1])); "
-            "print(*_os.address_space_room(), resource.getrlimit(resource.RLIMIT_STACK)[0])")
-    room, stack, rlimit_stack = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                                        check=True).stdout.split())
+
+    code = (
+        "import resource; from colibri import _os; "
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1])); "
+        "print(*_os.address_space_room(), resource.getrlimit(resource.RLIMIT_STACK)[0])"
+    )
+    room, stack, rlimit_stack = map(
+        int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    )
     assert 0 < room < 3 << 30
     assert stack == (rlimit_stack if rlimit_stack > 0 else 8 << 20)
     import resource
+
     if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
         assert _os.address_space_room()[0] is None
 
@@ -109,8 +116,7 @@ def test_windows_backend_prototypes_are_ctypes_types():
     for name, (candidates, restype, argtypes) in w._PROTOTYPES.items():
         assert candidates and all(dll in ("kernel32", "psapi") for dll, _ in candidates), name
         for t in (restype, *argtypes):
-            assert isinstance(t, type) and issubclass(t, ctypes._SimpleCData | ctypes._Pointer), \
-                (name, t)
+            assert isinstance(t, type) and issubclass(t, ctypes._SimpleCData | ctypes._Pointer), (name, t)
 
 
 def test_ranges_are_page_aligned_sorted_and_merged():
@@ -213,7 +219,7 @@ def test_small_pages_make_memory_resident_page_by_page():
         if thp:
             libc = ctypes.CDLL(None, use_errno=True)
             for address, _ in regions:
-                assert libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), 14) == 0   # MADV_HUGEPAGE
+                assert libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), 14) == 0  # MADV_HUGEPAGE
         (small, _), (huge, _) = regions
         assert _os.small_pages([(small, size)]) is True
         for address, _ in regions:
@@ -229,8 +235,9 @@ def test_small_pages_make_memory_resident_page_by_page():
 def test_statistics_are_sane():
     current, peak = _os.rss_bytes()
     assert peak >= current > 0
-    if LINUX:                           # the counters are this process's, as the kernel keeps them
+    if LINUX:  # the counters are this process's, as the kernel keeps them
         import resource
+
         low = resource.getrusage(resource.RUSAGE_SELF)
         minor, major = _os.page_faults()
         high = resource.getrusage(resource.RUSAGE_SELF)
@@ -244,6 +251,7 @@ def test_statistics_are_sane():
 
 
 # ---- Linux behaviour -----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def random_file(tmp_path_factory):
@@ -275,6 +283,7 @@ def test_prefetch_chunk_is_whole_pages_and_splits_ranges(random_file):
     chunk = _os.prefetch_chunk(random_file[0])
     assert chunk >= PAGE and chunk % PAGE == 0
     from colibri._os import _linux
+
     pieces = list(_linux._pieces([(0, 5 * PAGE), (10 * PAGE, PAGE)], 2 * PAGE))
     assert pieces == [(0, 2 * PAGE), (2 * PAGE, 2 * PAGE), (4 * PAGE, PAGE), (10 * PAGE, PAGE)]
 
@@ -290,8 +299,9 @@ def test_evict_then_prefetch_fills_the_page_cache(random_file):
         assert _os.resident_bytes(m.address, m.size) <= HARDLY * m.size
         io_before = _os.read_io_bytes()
         assert _os.prefetch([(m.address, m.size)]) is True
-        assert _poll(lambda: _os.resident_bytes(m.address, m.size) >= MOSTLY * m.size), \
+        assert _poll(lambda: _os.resident_bytes(m.address, m.size) >= MOSTLY * m.size), (
             f"only {_os.resident_bytes(m.address, m.size)} of {m.size} bytes after prefetch"
+        )
         assert _os.read_io_bytes() - io_before >= MOSTLY * m.size  # it came from storage
 
 
@@ -341,6 +351,7 @@ def test_resident_bytes_of_an_unmapped_range_raises():
 
 # ---- Windows behaviour ---------------------------------------------------------------------------
 
+
 @only_windows
 def test_windows_mapping_prefetch_release_and_working_set(random_file):
     path, data = random_file
@@ -360,8 +371,7 @@ def test_windows_mapping_prefetch_release_and_working_set(random_file):
 def test_windows_prefetch_fallback_touches_pages(monkeypatch):
     w = importlib.import_module("colibri._os._windows")
     _, restype, argtypes = w._PROTOTYPES["PrefetchVirtualMemory"]  # as on Windows 7: missing
-    monkeypatch.setitem(w._PROTOTYPES, "PrefetchVirtualMemory",
-                        ((("kernel32", "NoSuchFunction"),), restype, argtypes))
+    monkeypatch.setitem(w._PROTOTYPES, "PrefetchVirtualMemory", ((("kernel32", "NoSuchFunction"),), restype, argtypes))
     w._lookup.cache_clear()
     try:
         with _os.alloc_aligned(8 * PAGE)[1] as buf:
@@ -377,10 +387,11 @@ def test_windows_prefetch_fallback_touches_pages(monkeypatch):
 def test_compute_cores_respects_the_affinity_mask():
     import subprocess
     import sys
+
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this OS")
     cpu = sorted(os.sched_getaffinity(0))[0]
-    code = (f"import os; os.sched_setaffinity(0, {{{cpu}}}); from colibri import _os; print(_os.compute_cores())")
+    code = f"import os; os.sched_setaffinity(0, {{{cpu}}}); from colibri import _os; print(_os.compute_cores())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1"
     assert 1 <= _os.compute_cores() <= len(os.sched_getaffinity(0))
@@ -391,6 +402,7 @@ def test_a_loaded_model_lives_in_memory_the_os_layer_gave_it(converted):
     alloc_aligned (page-aligned, unlike numpy's own allocations), and mmap=False reads the files
     into alloc_aligned memory."""
     import colibri
+
     m = colibri.load(converted("mixtral_a", "int8"))
     regions = [region for region, _ in m._maps._maps.values()]
     assert regions and all(isinstance(r, _os.Mapping) for r in regions)
@@ -402,12 +414,11 @@ def test_a_loaded_model_lives_in_memory_the_os_layer_gave_it(converted):
     del regions
     m.close()
     gc.collect()
-    assert all(ref() is None or ref().closed for ref in alive)   # no view left: unmapped at close
+    assert all(ref() is None or ref().closed for ref in alive)  # no view left: unmapped at close
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(["u1", "<i4", "<f4", "<i8"])), min_size=1,
-                max_size=24))
+@given(st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(["u1", "<i4", "<f4", "<i8"])), min_size=1, max_size=24))
 def test_arena_arrays_are_aligned_zero_and_apart(items):
     """_os.arena: every array zero-filled, 64-byte aligned, none overlapping another, and arrays
     of a page-multiple size not all at the same offset within a page."""
@@ -420,15 +431,21 @@ def test_arena_arrays_are_aligned_zero_and_apart(items):
         if a.size:
             assert a.ctypes.data % 64 == 0
             spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
-            a[...] = 1                                           # writeable, and its own memory
+            a[...] = 1  # writeable, and its own memory
     spans.sort()
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     big = _os.arena({f"p{i}": ((PAGE,), "<f4") for i in range(4)})
     assert len({a.ctypes.data % PAGE for a in big.values()}) == 4
 
 
-@pytest.mark.parametrize("flags, expected", [(0, (None, "")), (0x100, (300 << 20, "job object ProcessMemoryLimit")),
-                                             (0x300, (200 << 20, "job object JobMemoryLimit"))])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (0, (None, "")),
+        (0x100, (300 << 20, "job object ProcessMemoryLimit")),
+        (0x300, (200 << 20, "job object JobMemoryLimit")),
+    ],
+)
 def test_windows_memory_limit_reads_the_job_object(monkeypatch, flags, expected):
     """memory_limit on Windows: QueryInformationJobObject(NULL, JobObjectExtendedLimitInformation)
     of the job the process is in, the tighter of its process and job limits where their flags
@@ -493,6 +510,7 @@ def _no_fake_libc_left():
 
 def _fake_libc(monkeypatch, fake):
     from colibri._os import _linux
+
     _linux._fn.cache_clear()
     monkeypatch.setattr(_linux, "_libc", lambda: type("FakeLibc", (), {"syscall": fake})())
     monkeypatch.setattr(_linux.os, "uname", lambda: os.uname_result(("Linux", "h", "6.8", "#1", "x86_64")))
@@ -515,8 +533,9 @@ def test_the_tile_state_is_requested_once_and_checked(monkeypatch):
 
 
 @only_linux
-@pytest.mark.parametrize("err, cause", [(95, "no AMX tile state"), (22, "Linux 5.16"), (28, "sigaltstack"),
-                                        (1, os.strerror(1))])
+@pytest.mark.parametrize(
+    "err, cause", [(95, "no AMX tile state"), (22, "Linux 5.16"), (28, "sigaltstack"), (1, os.strerror(1))]
+)
 def test_a_refused_tile_state_names_its_cause(monkeypatch, err, cause):
     """A refusal is an OSError carrying the errno and one line naming the cause: no AMX (EOPNOTSUPP),
     a kernel before 5.16 (EINVAL), a small alternate signal stack (ENOSPC), else strerror; the
@@ -527,7 +546,7 @@ def test_a_refused_tile_state_names_its_cause(monkeypatch, err, cause):
     monkeypatch.setattr(_os, "_TILE_DATA", [])
     granted, why = _os.request_tile_data()
     assert not granted and cause in why and "ARCH_REQ_XCOMP_PERM" in why and "\n" not in why
-    assert _os.request_tile_data() == (granted, why) and len(fake.calls) == 2      # not asked again
+    assert _os.request_tile_data() == (granted, why) and len(fake.calls) == 2  # not asked again
 
 
 @only_linux
@@ -552,6 +571,7 @@ def test_the_real_request_agrees_with_the_cpu():
     """On this machine, the kernel's answer itself: granted where the CPU has AMX and XCR0 enables
     its state (an AMX host), refused with one line otherwise; the report says the same."""
     from colibri import _kernels
+
     f = _kernels.cpu_features()
     saved = list(_os._TILE_DATA)
     _os._TILE_DATA.clear()
@@ -567,16 +587,27 @@ def test_the_real_request_agrees_with_the_cpu():
     assert ("granted" in status) == (granted and f["amx_tile"] and f["os_amx"])
 
 
-@pytest.mark.parametrize("amx_tile, amx_int8, amx_bf16, os_amx, answer, expect", [
-    (False, False, False, False, None, "no AMX on this CPU"),
-    (True, True, True, False, None, "does not enable its tile state (XCR0"),
-    (True, True, False, True, (True, ""), "AMX (int8): tile state granted"),
-    (True, True, True, True, (False, "why not"), "AMX (int8+bf16) on this CPU, but the OS refused its tile state: why not"),
-])
+@pytest.mark.parametrize(
+    "amx_tile, amx_int8, amx_bf16, os_amx, answer, expect",
+    [
+        (False, False, False, False, None, "no AMX on this CPU"),
+        (True, True, True, False, None, "does not enable its tile state (XCR0"),
+        (True, True, False, True, (True, ""), "AMX (int8): tile state granted"),
+        (
+            True,
+            True,
+            True,
+            True,
+            (False, "why not"),
+            "AMX (int8+bf16) on this CPU, but the OS refused its tile state: why not",
+        ),
+    ],
+)
 def test_the_amx_report(monkeypatch, amx_tile, amx_int8, amx_bf16, os_amx, answer, expect):
     """_kernels.amx_status: the CPU's bits, XCR0, then the OS's answer — asked only where the first
     two allow the tiles."""
     from colibri import _kernels
+
     asked = []
     monkeypatch.setattr(_os, "request_tile_data", lambda: asked.append(1) or answer)
     f = dict(_kernels.cpu_features(), amx_tile=amx_tile, amx_int8=amx_int8, amx_bf16=amx_bf16, os_amx=os_amx)
@@ -591,6 +622,7 @@ def test_the_amx_bits_are_the_kernels_cpu_flags():
     for this CPU."""
     import re
     from colibri import _kernels
+
     release = re.match(r"(\d+)\.(\d+)", os.uname().release)
     if not release or tuple(map(int, release.groups())) < (5, 16):
         pytest.skip("this kernel predates AMX's flags")
@@ -602,7 +634,7 @@ def test_the_amx_bits_are_the_kernels_cpu_flags():
                 break
     features = _kernels.cpu_features()
     names = ("amx_tile", "amx_int8", "amx_bf16")
-    if features["os_amx"]:                  # the kernel lists them where it enabled their state
+    if features["os_amx"]:  # the kernel lists them where it enabled their state
         assert {k: features[k] for k in names} == {k: k in flags for k in names}
-    else:                                   # a CPU bit the kernel does not list is possible; not the reverse
+    else:  # a CPU bit the kernel does not list is possible; not the reverse
         assert not any(k in flags and not features[k] for k in names)

@@ -7,6 +7,7 @@ setup.py's BuildExt takes them as they are where they are up to date (their stam
 this costs the packaging, not a second compile. pip fetches the dependencies' wheels from the
 package index, as a user's install does.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,8 @@ def dists(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     for kind in ("--sdist", "--wheel"):
         _run([sys.executable, "-m", "build", kind, "--outdir", out, REPO], timeout=1500, cwd=REPO)
-    sdist, = out.glob("colibri_moe-*.tar.gz")
-    wheel, = out.glob("colibri_moe-*.whl")
+    (sdist,) = out.glob("colibri_moe-*.tar.gz")
+    (wheel,) = out.glob("colibri_moe-*.whl")
     return sdist, wheel
 
 
@@ -49,8 +50,15 @@ def test_the_sdist_holds_what_a_build_needs_and_no_binaries(dists):
     sdist, _ = dists
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    for needed in ("setup.py", "pyproject.toml", "README.md", "colibri/_kernels.pyx", "colibri/_engine.pxd",
-                   "colibri/csrc/token_mask.h", "colibri/csrc/dispatch.h"):
+    for needed in (
+        "setup.py",
+        "pyproject.toml",
+        "README.md",
+        "colibri/_kernels.pyx",
+        "colibri/_engine.pxd",
+        "colibri/csrc/token_mask.h",
+        "colibri/csrc/dispatch.h",
+    ):
         assert needed in names, needed
     assert not [n for n in names if n.endswith((".so", ".pyd", ".flags", ".o"))]
 
@@ -61,7 +69,7 @@ def test_the_wheel_installs_without_a_compiler_and_runs_the_demo(dists, tmp_path
         names = z.namelist()
     for module in ("_kernels", "_engine", "_routing", "_probes"):
         assert any(n.startswith(f"colibri/{module}.") and n.endswith((".so", ".pyd")) for n in names), module
-    assert any(n.startswith("colibri/data/") for n in names)          # the demo model
+    assert any(n.startswith("colibri/data/") for n in names)  # the demo model
     assert not [n for n in names if n.endswith(".flags")]
 
     stubs = tmp_path / "no-compiler"
@@ -76,9 +84,17 @@ def test_the_wheel_installs_without_a_compiler_and_runs_the_demo(dists, tmp_path
     _run([sys.executable, "-m", "venv", venv], timeout=300, env=env)
     python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     _run([python, "-m", "pip", "install", "-q", "--only-binary", ":all:", wheel], timeout=900, env=env)
-    where = _run([python, "-c", "import colibri, os; print(os.path.dirname(colibri.__file__))"], timeout=120,
-                 env=env, cwd=tmp_path).stdout.strip()
+    where = _run(
+        [python, "-c", "import colibri, os; print(os.path.dirname(colibri.__file__))"],
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    ).stdout.strip()
     assert Path(where).resolve().is_relative_to(venv.resolve()), where
-    p = _run([python, "-m", "colibri", "run", "--prompt", DEMO_PROMPT, "--max-new-tokens", "8", "--seed", "1"],
-             timeout=300, env=env, cwd=tmp_path)
+    p = _run(
+        [python, "-m", "colibri", "run", "--prompt", DEMO_PROMPT, "--max-new-tokens", "8", "--seed", "1"],
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert p.stdout.strip(), p.stderr

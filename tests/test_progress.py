@@ -1,5 +1,6 @@
 """colibri.progress: a bar on a terminal, plain periodic lines elsewhere, always on stderr; and the
 commands that show it (convert, verify, eval, calibrate) with their stdout as it was."""
+
 from __future__ import annotations
 
 import io
@@ -17,8 +18,10 @@ from colibri.progress import duration, progress, size
 from conftest import FIXTURES, PACKAGE_ROOT, REPO
 
 HF = FIXTURES / "qwen3moe_a" / "hf"
-TEXT = ("Four score and seven years ago our fathers brought forth on this continent, a new nation, "
-        "conceived in Liberty, and dedicated to the proposition that all men are created equal. ") * 4
+TEXT = (
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, "
+    "conceived in Liberty, and dedicated to the proposition that all men are created equal. "
+) * 4
 
 
 class Clock:
@@ -48,8 +51,14 @@ def env(**extra):
 
 
 def cli(*args, **extra_env):
-    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
-                          env=env(**extra_env), timeout=300, cwd=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "colibri", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env(**extra_env),
+        timeout=300,
+        cwd=str(REPO),
+    )
 
 
 def test_plain_lines_at_the_interval_with_percentage_rate_and_time_left(capsys):
@@ -57,19 +66,21 @@ def test_plain_lines_at_the_interval_with_percentage_rate_and_time_left(capsys):
     with progress(400e6, "convert", unit="B", stream=stream, interval=10, clock=clock) as p:
         clock.t += 4
         p.update(40e6)
-        assert stream.getvalue() == ""                     # within the interval: nothing yet
+        assert stream.getvalue() == ""  # within the interval: nothing yet
         clock.t += 6
-        p.update(60e6)                                     # 10 s: 100 MB of 400
+        p.update(60e6)  # 10 s: 100 MB of 400
         clock.t += 5
-        p.update(50e6)                                     # 15 s: not again before 20 s
+        p.update(50e6)  # 15 s: not again before 20 s
         clock.t += 5
-        p.update(50e6)                                     # 20 s: 200 MB of 400
+        p.update(50e6)  # 20 s: 200 MB of 400
     lines = stream.getvalue().splitlines()
-    assert lines == ["[INFO] convert: 100 MB / 400 MB (25 %), 10.0 MB/s, 30 s left",
-                     "[INFO] convert: 200 MB / 400 MB (50 %), 10.0 MB/s, 20 s left",
-                     "[INFO] convert: 200 MB / 400 MB (50 %), 10.0 MB/s, 20 s"]      # the end line: time taken
+    assert lines == [
+        "[INFO] convert: 100 MB / 400 MB (25 %), 10.0 MB/s, 30 s left",
+        "[INFO] convert: 200 MB / 400 MB (50 %), 10.0 MB/s, 20 s left",
+        "[INFO] convert: 200 MB / 400 MB (50 %), 10.0 MB/s, 20 s",
+    ]  # the end line: time taken
     out = capsys.readouterr()
-    assert out.out == "" and out.err == ""                # only the stream given
+    assert out.out == "" and out.err == ""  # only the stream given
 
 
 def test_counted_units_and_at():
@@ -80,9 +91,11 @@ def test_counted_units_and_at():
             p.at(i)
     lines = stream.getvalue().splitlines()
     assert lines[0] == "[INFO] eval: 2 / 8 chunks (25 %), 0.2 chunk/s, 30 s left"
-    assert lines[1:] == ["[INFO] eval: 4 / 8 chunks (50 %), 0.2 chunk/s, 20 s left",
-                         "[INFO] eval: 6 / 8 chunks (75 %), 0.2 chunk/s, 10 s left",
-                         "[INFO] eval: 8 / 8 chunks (100 %), 0.2 chunk/s, 40 s"]     # at 100 %: the end line only
+    assert lines[1:] == [
+        "[INFO] eval: 4 / 8 chunks (50 %), 0.2 chunk/s, 20 s left",
+        "[INFO] eval: 6 / 8 chunks (75 %), 0.2 chunk/s, 10 s left",
+        "[INFO] eval: 8 / 8 chunks (100 %), 0.2 chunk/s, 40 s",
+    ]  # at 100 %: the end line only
 
 
 def test_initial_units_are_not_in_the_rate():
@@ -131,7 +144,7 @@ def test_a_terminal_gets_a_tqdm_bar(capsys):
         p.update(1_000_000)
     text = tty.getvalue()
     assert "\r" in text and "convert" in text and "100%" in text and "2.00M/2.00M" in text and "B/s" in text, text
-    assert "[INFO]" not in text                           # the bar, not the plain lines
+    assert "[INFO]" not in text  # the bar, not the plain lines
     assert capsys.readouterr().out == ""
 
 
@@ -141,7 +154,7 @@ def test_an_exception_wipes_the_bar():
         with progress(10, "convert", unit="B", stream=tty) as p:
             p.update(3)
             raise ValueError
-    assert tty.getvalue().endswith("\r"), repr(tty.getvalue())       # the line cleared, no newline left
+    assert tty.getvalue().endswith("\r"), repr(tty.getvalue())  # the line cleared, no newline left
 
 
 def test_lines_forced_on_a_terminal(monkeypatch):
@@ -153,8 +166,7 @@ def test_lines_forced_on_a_terminal(monkeypatch):
 
 
 def test_sizes_and_durations():
-    assert [size(n) for n in (950, 12_345, 210e6, 1.25e9, 40e9)] == ["950 B", "12.3 kB", "210 MB", "1.25 GB",
-                                                                     "40.0 GB"]
+    assert [size(n) for n in (950, 12_345, 210e6, 1.25e9, 40e9)] == ["950 B", "12.3 kB", "210 MB", "1.25 GB", "40.0 GB"]
     assert [duration(s) for s in (0.42, 45, 131, 3900)] == ["0.4 s", "45 s", "2 min 11 s", "1 h 05 min"]
 
 
@@ -189,7 +201,7 @@ def test_verify_and_eval_cli_progress_on_stderr(converted, tmp_path):
     e = cli("eval", "--model-dir", d, "--text", text, "--ctx", "64", "--json")
     assert e.returncode == 0, e.stderr
     assert re.search(r"^\[INFO\] eval: (\d+) / \1 chunks \(100 %\)", e.stderr, re.M), e.stderr
-    assert e.stdout.startswith("{") and len(e.stdout.splitlines()) == 1        # the JSON alone
+    assert e.stdout.startswith("{") and len(e.stdout.splitlines()) == 1  # the JSON alone
 
 
 def test_calibrate_cli_progress_on_stderr(tmp_path):
@@ -207,16 +219,32 @@ def test_convert_on_a_terminal_draws_the_bar_even_when_it_says_it_is_0_by_0(tmp_
     nothing at that size; the bar is drawn 80 columns wide. stdout stays the log."""
     primary, secondary = os.openpty()
     try:
-        p = subprocess.run([sys.executable, "-m", "colibri", "convert", "--hf-dir", str(HF), "--output-dir",
-                            str(tmp_path / "out"), "--quantize", "int4"], stdout=subprocess.PIPE, stderr=secondary,
-                           env=env(), timeout=300, cwd=str(REPO))
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "colibri",
+                "convert",
+                "--hf-dir",
+                str(HF),
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--quantize",
+                "int4",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=secondary,
+            env=env(),
+            timeout=300,
+            cwd=str(REPO),
+        )
     finally:
         os.close(secondary)
     data = b""
     while True:
         try:
             chunk = os.read(primary, 1 << 16)
-        except OSError:                                   # Linux: EIO once the other side is closed
+        except OSError:  # Linux: EIO once the other side is closed
             break
         if not chunk:
             break

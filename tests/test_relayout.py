@@ -1,6 +1,7 @@
 """relayout: a model directory rewritten in other layouts without the checkpoint — byte for byte
 the directly converted files, the same logits, and the refusals that keep a user's data safe.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -18,6 +19,7 @@ def test_relayout_rewrites_a_directory_without_the_checkpoint(converted, tmp_pat
     """relayout: rows -> default layouts gives the directly converted directory's tensor files,
     byte for byte; back to rows gives the original ones; the result loads and verifies."""
     from colibri.convert import relayout
+
     rows, default = ModelDir(converted("qwen2moe_a", "int8", "rows")), ModelDir(converted("qwen2moe_a", "int8"))
     lines = []
     out = tmp_path / "t"
@@ -38,6 +40,7 @@ def test_relayout_rewrites_a_directory_without_the_checkpoint(converted, tmp_pat
 
 def test_relayout_refuses_its_own_directory_and_a_full_output(converted, tmp_path):
     from colibri.convert import relayout
+
     src = converted("mixtral_a", "int8")
     with pytest.raises(ColibriError, match="is the model directory itself"):
         relayout(src, src)
@@ -54,6 +57,7 @@ def test_relayout_refuses_its_own_directory_and_a_full_output(converted, tmp_pat
 def test_relayout_refuses_a_damaged_source(converted, tmp_path):
     """A flipped byte in the source is reported, not copied under a fresh checksum."""
     from colibri.convert import relayout
+
     src = tmp_path / "src"
     shutil.copytree(converted("mixtral_a", "int8", "rows"), src)
     victim = src / "layers" / "01" / "expert_002.bin"

@@ -1,4 +1,5 @@
 """tools/bench/report.py: docs/performance.md is what the results files say, and only the newest of them."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +17,7 @@ SCRIPT = REPO / "tools" / "bench" / "report.py"
 try:
     from hypothesis import given, settings
     from hypothesis import strategies as st
-except ImportError:                                  # hypothesis is optional here
+except ImportError:  # hypothesis is optional here
     given = None
 
 
@@ -33,18 +34,31 @@ report = _report()
 
 def _long_context(pp: float, tg: float) -> list:
     """A long_context.py result: Colibri and one peer at 16,384 positions, two repetitions each."""
-    return [{"engine": e, "depth": 16384, "rep": rep, "pp": p + rep, "tg": t + rep}
-            for rep in (0, 1)
-            for e, p, t in (("colibri kv q8", pp, tg), ("ik_llama.cpp -rtr fa on kv q8_0", 100.0, 10.0))]
+    return [
+        {"engine": e, "depth": 16384, "rep": rep, "pp": p + rep, "tg": t + rep}
+        for rep in (0, 1)
+        for e, p, t in (("colibri kv q8", pp, tg), ("ik_llama.cpp -rtr fa on kv q8_0", 100.0, 10.0))
+    ]
 
 
 def _constraint(date: str, plain: float) -> dict:
     case = {"tokens": 10, "compile_ms": 1.0, "mask": {"median_us": 5.0, "p99_us": 9.0, "n": 10}}
-    return {"command": f"python tools/bench_constraint.py --out x-{date}.json", "date": date,
-            "git_commit": "abc1234", "host": {"cpu": "Test CPU", "cores": 2}, "target": "t",
-            "mask": {"cases": {"json_schema": case}},
-            "decode": [{"threads": 2, "median_ms_per_token": {"plain": plain, "json_schema": plain + 1},
-                        "critical_path_share_json_schema": 0.01, "target_met": True}]}
+    return {
+        "command": f"python tools/bench_constraint.py --out x-{date}.json",
+        "date": date,
+        "git_commit": "abc1234",
+        "host": {"cpu": "Test CPU", "cores": 2},
+        "target": "t",
+        "mask": {"cases": {"json_schema": case}},
+        "decode": [
+            {
+                "threads": 2,
+                "median_ms_per_token": {"plain": plain, "json_schema": plain + 1},
+                "critical_path_share_json_schema": 0.01,
+                "target_met": True,
+            }
+        ],
+    }
 
 
 def _write(d: Path, name: str, data) -> None:
@@ -52,8 +66,9 @@ def _write(d: Path, name: str, data) -> None:
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
 
 
 def test_committed_page_is_generated():
@@ -79,7 +94,7 @@ def test_newest_result_wins(tmp_path):
     _write(tmp_path, "a-constraint-new.json", _constraint("2026-02-03T10:00:00", 12.5))
     _write(tmp_path, "z-constraint-old.json", _constraint("2026-02-03T09:00:00", 97.5))
     text = report.render(tmp_path)
-    assert "777.5" in text and "88.50" in text                   # medians of 777/778 and 88/89
+    assert "777.5" in text and "88.50" in text  # medians of 777/778 and 88/89
     assert "333.5" not in text and "44.50" not in text
     assert "12.50" in text and "97.50" not in text
     assert "2026-01-01-long-context" not in text.split("## Other results")[0]
@@ -95,10 +110,16 @@ def test_unknown_shape_is_listed_not_read(tmp_path):
     assert "`2026-03-01-mystery.json` — `python tools/mystery.py --x`" in other
     assert "`2026-03-02-list.json` — no command recorded" in other
     assert "`2026-03-03-broken.json`" in other
-    for question in ("## Decode and prefill", "## Long context", "## Under a memory cap", "## Serving under load",
-                     "## Quality per byte", "## Constrained decoding cost"):
+    for question in (
+        "## Decode and prefill",
+        "## Long context",
+        "## Under a memory cap",
+        "## Serving under load",
+        "## Quality per byte",
+        "## Constrained decoding cost",
+    ):
         assert question in text
-    assert text.count("No measurement yet") >= 5                 # every question says so, none invents figures
+    assert text.count("No measurement yet") >= 5  # every question says so, none invents figures
 
 
 def _sections(text: str) -> dict:
@@ -136,6 +157,7 @@ def test_page_is_deterministic():
 
 
 if given is not None:
+
     @settings(max_examples=15, deadline=None)
     @given(st.lists(st.integers(min_value=1, max_value=28), min_size=2, max_size=5, unique=True))
     def test_newest_of_any_order(tmp_path_factory, days):
@@ -149,7 +171,8 @@ if given is not None:
         for day in days:
             if day != top:
                 assert f"{1000.0 + day:.1f}" not in text
-else:                                                # pragma: no cover
+else:  # pragma: no cover
+
     def test_newest_of_any_order():
         pytest.skip("hypothesis not installed")
 
@@ -157,15 +180,40 @@ else:                                                # pragma: no cover
 def test_decode_against_the_read_roofline(tmp_path):
     """The roofline section reads read_roofline.c's summary (the best way against the plain loop)
     and bench's decode read rate against its loop, as ratios of the medians, with provenance."""
-    meta = {"command": "python x", "date": "2026-12-07T10:00:00", "host": {"cpu": "EPYC", "cores": 2},
-            "git_commit": "abc1234"}
-    (tmp_path / "2026-12-07-read-roofline-x.json").write_text(json.dumps({**meta, "summary": [
-        {"memory": "anon-2m", "threads": 2, "way": "plain", "median_gbs": 30.0, "best_gbs": 31.0},
-        {"memory": "anon-2m", "threads": 2, "way": "pf256", "median_gbs": 33.0, "best_gbs": 34.0},
-        {"memory": "anon-2m", "threads": 2, "way": "streams2", "median_gbs": 20.0, "best_gbs": 21.0}]}))
-    (tmp_path / "2026-12-07-decode-vs-loop-x.json").write_text(json.dumps({**meta, "model": "toy", "runs": {
-        "threads 2": {"int4": [{"decode_tok_s": 100.0, "decode_read_gb_s": 24.0, "read_loop_gb_s": [29.0, 31.0]},
-                               {"decode_tok_s": 110.0, "decode_read_gb_s": 26.0, "read_loop_gb_s": [30.0, 30.0]}]}}}))
+    meta = {
+        "command": "python x",
+        "date": "2026-12-07T10:00:00",
+        "host": {"cpu": "EPYC", "cores": 2},
+        "git_commit": "abc1234",
+    }
+    (tmp_path / "2026-12-07-read-roofline-x.json").write_text(
+        json.dumps(
+            {
+                **meta,
+                "summary": [
+                    {"memory": "anon-2m", "threads": 2, "way": "plain", "median_gbs": 30.0, "best_gbs": 31.0},
+                    {"memory": "anon-2m", "threads": 2, "way": "pf256", "median_gbs": 33.0, "best_gbs": 34.0},
+                    {"memory": "anon-2m", "threads": 2, "way": "streams2", "median_gbs": 20.0, "best_gbs": 21.0},
+                ],
+            }
+        )
+    )
+    (tmp_path / "2026-12-07-decode-vs-loop-x.json").write_text(
+        json.dumps(
+            {
+                **meta,
+                "model": "toy",
+                "runs": {
+                    "threads 2": {
+                        "int4": [
+                            {"decode_tok_s": 100.0, "decode_read_gb_s": 24.0, "read_loop_gb_s": [29.0, 31.0]},
+                            {"decode_tok_s": 110.0, "decode_read_gb_s": 26.0, "read_loop_gb_s": [30.0, 30.0]},
+                        ]
+                    }
+                },
+            }
+        )
+    )
     text = report.render(tmp_path)
     section = text.split("## Decode against the memory's read rate")[1].split("\n## ")[0]
     assert "| anon-2m | 2 | 30.0 | 33.0 (pf256) | 1.10 |" in section

@@ -1,4 +1,5 @@
 """Residency: prefetch modes and the expert budget change memory behaviour, never results."""
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))
 def big_model(tmp_path_factory):
     """~50 MB of f32 experts (2 layers x 16 experts of 1.5 MB): big enough for RSS to show."""
     from colibri.convert import convert
+
     root = tmp_path_factory.mktemp("big")
     convert(big_checkpoint(root / "hf"), root / "m", log=lambda *a: None)
     return root / "m"
@@ -47,13 +49,14 @@ def test_prefetch_modes_give_the_same_tokens(converted, prefetch):
 def test_budget_keeps_tokens_and_bounds_resident_experts(big_model):
     ids = list(range(1, 40))
     free = list(colibri.load(big_model).generate(ids, max_new_tokens=24, stop_at_eos=False))
-    expert_mb = 3 * 256 * 512 * 4 / (1 << 20)                     # one expert: 1.5 MB
-    budget = 6 * expert_mb                                        # room for 6 of the 32 experts
+    expert_mb = 3 * 256 * 512 * 4 / (1 << 20)  # one expert: 1.5 MB
+    budget = 6 * expert_mb  # room for 6 of the 32 experts
     m = colibri.load(big_model, expert_cache_mb=budget)
     resident = []
     tokens = []
-    for tok in m.generate(ids, max_new_tokens=24, stop_at_eos=False,
-                          on_step=lambda model: resident.append(model._engine.cache_bytes[0])):
+    for tok in m.generate(
+        ids, max_new_tokens=24, stop_at_eos=False, on_step=lambda model: resident.append(model._engine.cache_bytes[0])
+    ):
         tokens.append(tok)
     assert tokens == free
     # the prompt streams its experts one at a time: the budget holds at every step, the prompt's too
@@ -67,7 +70,7 @@ def _decode_together(big_model, prompts, parallel, budget_experts):
     """(tokens per sequence, [(a step of decode tokens only?, prefetches in the step)], stats)."""
     from colibri.batching import Batch
 
-    budget = budget_experts * 3 * 256 * 512 * 4 / (1 << 20)       # experts of 1.5 MB
+    budget = budget_experts * 3 * 256 * 512 * 4 / (1 << 20)  # experts of 1.5 MB
     m = colibri.load(big_model, expert_cache_mb=budget, prefetch="none", parallel=parallel)
     got, steps = {i: [] for i in range(len(prompts))}, []
     with Batch(m, step_tokens=64) as b:
@@ -92,9 +95,9 @@ def test_sequences_decoded_together_under_a_budget_use_decode_cache_policy(big_m
     prompts = [list(range(1, 30)), list(range(40, 61))]
     alone = colibri.load(big_model)
     want = [list(alone.generate(p, max_new_tokens=12, stop_at_eos=False, reuse_prefix=False)) for p in prompts]
-    got, steps = _decode_together(big_model, prompts, 2, 8)        # 2 x top-2: 4 experts, half of 8
+    got, steps = _decode_together(big_model, prompts, 2, 8)  # 2 x top-2: 4 experts, half of 8
     assert got == want
-    assert any(n > 0 for decoding, n in steps if not decoding)           # the prompts streamed
+    assert any(n > 0 for decoding, n in steps if not decoding)  # the prompts streamed
     assert [n for decoding, n in steps if decoding] == [0] * sum(d for d, _ in steps)
     assert sum(d for d, _ in steps) >= 10
 
@@ -107,14 +110,14 @@ def test_sequences_decoded_together_whose_experts_outgrow_the_budget_stream(big_
     want = [list(alone.generate(p, max_new_tokens=12, stop_at_eos=False, reuse_prefix=False)) for p in prompts]
     got, steps = _decode_together(big_model, prompts, 4, 6)
     assert got == want
-    assert any(n > 0 for decoding, n in steps if decoding)          # some decode steps streamed
+    assert any(n > 0 for decoding, n in steps if decoding)  # some decode steps streamed
 
 
 def test_release_takes_expert_pages_out_of_rss(big_model):
     m = colibri.load(big_model)
     spans = list(m.residency.spans.values())
     total = sum(length for _, length in spans)
-    m.residency.warmup()                                          # every expert paged in
+    m.residency.warmup()  # every expert paged in
     before = _os.rss_bytes()[0]
     assert _os.release(spans)
     after = _os.rss_bytes()[0]
@@ -125,6 +128,7 @@ def test_warmup_and_mlock_load(big_model):
     """warmup pages every expert in; mlock pins the dense weights (root, or a memlock limit that
     holds them); neither changes a logit."""
     import resource
+
     m = colibri.load(big_model, warmup=True, mlock=True)
     spans = list(m.residency.spans.values())
     assert sum(_os.resident_bytes(a, n) for a, n in spans) == sum(n for _, n in spans)
@@ -134,27 +138,64 @@ def test_warmup_and_mlock_load(big_model):
     if os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= dense:
         assert m.residency.locked is True
     np.testing.assert_array_equal(m.forward([1, 2, 3]), colibri.load(big_model).forward([1, 2, 3]))
-    m.close()                                                     # unlocked before the unmapping
+    m.close()  # unlocked before the unmapping
     assert m.residency.locked is False
 
 
-@pytest.mark.parametrize("bad", [dict(prefetch="always"), dict(expert_cache_mb=-1), dict(expert_cache_mb="a"),
-                                 dict(prefetch="routed", mmap=False), dict(eviction="mru"),
-                                 dict(memory_limit_mb=0), dict(memory_limit_mb=float("inf")),
-                                 dict(memory_limit_mb=True)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(prefetch="always"),
+        dict(expert_cache_mb=-1),
+        dict(expert_cache_mb="a"),
+        dict(prefetch="routed", mmap=False),
+        dict(eviction="mru"),
+        dict(memory_limit_mb=0),
+        dict(memory_limit_mb=float("inf")),
+        dict(memory_limit_mb=True),
+    ],
+)
 def test_bad_residency_options(converted, bad):
     with pytest.raises(colibri.ColibriError):
         colibri.load(converted("mixtral_a"), **bad)
 
 
 def test_cli_stats(converted):
-    r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a", "int8")),
-                        "--tokens", "1,2,3", "--max-new-tokens", "8", "--ids", "--prefetch", "predict",
-                        "--expert-cache-mb", "0.05", "--warmup", "--stats"], env=ENV, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "run",
+            "--model-dir",
+            str(converted("mixtral_a", "int8")),
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--ids",
+            "--prefetch",
+            "predict",
+            "--expert-cache-mb",
+            "0.05",
+            "--warmup",
+            "--stats",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
-    for key in ("experts used per layer", "resident experts", "prediction hit rate", "page faults",
-                "expert cache: hit rate", "read from storage", "memory limit"):
-        assert key in r.stderr and key not in r.stdout           # stats never mix with the output
+    for key in (
+        "experts used per layer",
+        "resident experts",
+        "prediction hit rate",
+        "page faults",
+        "expert cache: hit rate",
+        "read from storage",
+        "memory limit",
+    ):
+        assert key in r.stderr and key not in r.stdout  # stats never mix with the output
 
 
 PEAK_CHILD = r"""
@@ -184,8 +225,12 @@ def test_peak_rss_stays_within_dense_plus_budget_plus_kv(big_model):
     budget_mb = 6 * expert_mb
     runs = {}
     for budget in (budget_mb, None):
-        r = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(big_model), json.dumps(budget)],
-                           env=ENV, capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-c", PEAK_CHILD, str(big_model), json.dumps(budget)],
+            env=ENV,
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         runs[budget] = json.loads(r.stdout)
     bound = dense + budget_mb * (1 << 20) + kv + RSS_OVERHEAD
@@ -213,26 +258,33 @@ def test_the_engines_advice_goes_through_the_functions_os_resolved(converted):
         assert _os.cache_advice().fadvise == ctypes.cast(libc.posix_fadvise, ctypes.c_void_p).value
     calls, fadvised = [], []
     recorder = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
-        lambda address, length, code: calls.append((address, length, code)) or 0)
+        lambda address, length, code: calls.append((address, length, code)) or 0
+    )
     fadvise = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)(
-        lambda fd, offset, length, code: fadvised.append((fd, offset, length, code)) or 0)
+        lambda fd, offset, length, code: fadvised.append((fd, offset, length, code)) or 0
+    )
     address = ctypes.cast(recorder, ctypes.c_void_p).value
     m = colibri.load(converted("mixtral_a", "int8"), prefetch="routed", expert_cache_mb=0.05, threads=1)
-    assert m.residency.fds                                       # a descriptor per expert under a budget
-    spec = dataclasses.replace(m.engine_spec, advice=_os.EngineAdvice("madvise", address, address, 0, 102),
-                               cache_os=(ctypes.cast(fadvise, ctypes.c_void_p).value, 4, 101))
+    assert m.residency.fds  # a descriptor per expert under a budget
+    spec = dataclasses.replace(
+        m.engine_spec,
+        advice=_os.EngineAdvice("madvise", address, address, 0, 102),
+        cache_os=(ctypes.cast(fadvise, ctypes.c_void_p).value, 4, 101),
+    )
     engine = _engine.Engine(spec)
     ids = np.arange(1, 9, dtype=np.int32)
     out = np.empty((1, m.config.vocab_size), np.float32)
-    assert engine.run(ids, 0, out, False)[0] == 0                # a prompt: each used expert streamed
+    assert engine.run(ids, 0, out, False)[0] == 0  # a prompt: each used expert streamed
     engine.cache_drain()
     owner = {}
     for key, (start, length) in m.residency.spans.items():
         owner[start] = key
+
     def expert_of(a):
         start = max(s for s in owner if s <= a)
-        assert a < start + m.residency.spans[owner[start]][1]     # inside the span
+        assert a < start + m.residency.spans[owner[start]][1]  # inside the span
         return owner[start]
+
     used = {(l, int(e)) for l in range(m.config.num_hidden_layers) for e in np.flatnonzero(engine.expert_counts[l])}
     read = {expert_of(a) for a, n, code in calls if code == 101}
     dropped = [expert_of(a) for a, n, code in calls if code == 102]

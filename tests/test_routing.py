@@ -1,5 +1,6 @@
 """Routing: exact top-k selection and softmax weights, float (expf) and lookup-table modes,
 against a float64 numpy reference, for 1..256 experts and k = 1..8."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,10 +31,12 @@ def router_logits(draw):
     kind = draw(st.sampled_from(["wide", "clustered", "tiny", "equal"]))
     if kind == "wide":
         x = draw(hnp.arrays(np.float32, n, elements=finite))
-    elif kind == "clustered":           # many exact ties and near-ties
+    elif kind == "clustered":  # many exact ties and near-ties
         base = draw(st.floats(-100, 100, width=32))
         steps = draw(hnp.arrays(np.int8, n, elements=st.integers(-3, 3)))
-        x = (np.float32(base) + steps.astype(np.float32) * np.float32(draw(st.sampled_from([0.0, 1e-6, 1e-3, 0.5])))).astype(np.float32)
+        x = (
+            np.float32(base) + steps.astype(np.float32) * np.float32(draw(st.sampled_from([0.0, 1e-6, 1e-3, 0.5])))
+        ).astype(np.float32)
     elif kind == "tiny":
         x = draw(hnp.arrays(np.float32, n, elements=st.floats(-TINY, TINY, width=32)))
     else:
@@ -43,7 +46,7 @@ def router_logits(draw):
 
 
 def reference_route(x, k, norm):
-    order = np.argsort(-x.astype(np.float64), kind="stable")[:k]     # ties: lowest index first
+    order = np.argsort(-x.astype(np.float64), kind="stable")[:k]  # ties: lowest index first
     z = x.astype(np.float64)
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -70,13 +73,13 @@ def test_table_mode_is_within_its_documented_bound(case, norm):
     x, k = case
     chosen, weights = _probes.kernel_route(x, k, norm, True)
     ref_chosen, ref_w = reference_route(x, k, norm)
-    assert chosen.tolist() == ref_chosen.tolist()           # selection never uses the table
+    assert chosen.tolist() == ref_chosen.tolist()  # selection never uses the table
     assert len(set(chosen.tolist())) == k
     terms = k if norm else len(x)
     assert np.all(np.abs(weights - ref_w) <= (terms + 1) * LUT_DELTA + 1e-6)
     if norm:
         assert abs(float(weights.sum()) - 1.0) <= 1e-5
-    assert np.all(np.diff(weights) <= 1e-7)                  # descending, like the logits
+    assert np.all(np.diff(weights) <= 1e-7)  # descending, like the logits
 
 
 @pytest.mark.parametrize("use_lut", [False, True])
@@ -116,20 +119,40 @@ def test_cli_routing_flags(converted):
     import os
     import subprocess
     import sys
+
     env = dict(os.environ, PYTHONPATH=str(__import__("pathlib").Path(colibri.__file__).parent.parent))
     outs = {}
     for flag in ("--exact-softmax", "--softmax-lut"):
-        r = subprocess.run([sys.executable, "-m", "colibri", "run", "--model-dir", str(converted("mixtral_a")),
-                            "--tokens", "1,2,3", "--max-new-tokens", "4", "--ids", flag, "--verbose"],
-                           env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "colibri",
+                "run",
+                "--model-dir",
+                str(converted("mixtral_a")),
+                "--tokens",
+                "1,2,3",
+                "--max-new-tokens",
+                "4",
+                "--ids",
+                flag,
+                "--verbose",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         outs[flag] = [line for line in r.stderr.splitlines() if line.startswith("Routing:")]
     import re
+
     experts = {flag: [re.findall(r"expert_\d+", line) for line in lines] for flag, lines in outs.items()}
-    assert experts["--exact-softmax"] and experts["--exact-softmax"] == experts["--softmax-lut"]   # same selection
+    assert experts["--exact-softmax"] and experts["--exact-softmax"] == experts["--softmax-lut"]  # same selection
 
 
 # ---- the sigmoid router (GLM-4.5 / DeepSeek-V3) -----------------------------------------------------
+
 
 def reference_route_sigmoid(x, bias, k, n_group, topk_group, norm, scaling):
     """transformers' Glm4MoeTopkRouter in float64 (ties: lowest group, lowest expert)."""
@@ -141,7 +164,7 @@ def reference_route_sigmoid(x, bias, k, n_group, topk_group, norm, scaling):
     kept = np.argsort(-worth, kind="stable")[:topk_group]
     masked = np.full_like(choice, -np.inf)
     for g in kept:
-        masked[g * per:(g + 1) * per] = choice[g * per:(g + 1) * per]
+        masked[g * per : (g + 1) * per] = choice[g * per : (g + 1) * per]
     order = np.argsort(-masked, kind="stable")[:k]
     w = score[order]
     if norm:
@@ -176,27 +199,31 @@ def test_sigmoid_router_matches_transformers_rule(case):
     per = len(x) // n_group
     worth = np.sort(score.reshape(n_group, per), axis=1)[:, ::-1][:, :2].sum(axis=1)
     kept_groups = np.argsort(-worth, kind="stable")[:topk_group]
-    candidates = score.reshape(n_group, per)[kept_groups].reshape(-1)     # the top-k is taken among these
+    candidates = score.reshape(n_group, per)[kept_groups].reshape(-1)  # the top-k is taken among these
     if not (_well_separated(worth, topk_group) and _well_separated(candidates, k)):
-        return              # float32 and float64 may order a near-tie differently: both are right
+        return  # float32 and float64 may order a near-tie differently: both are right
     assert sorted(chosen.tolist()) == sorted(ref_chosen.tolist())
     by_expert = dict(zip(ref_chosen.tolist(), ref_w))
     np.testing.assert_allclose(weights, [by_expert[e] for e in chosen.tolist()], rtol=1e-5, atol=1e-6)
     assert len(set(chosen.tolist())) == k
     kept = {e // per for e in chosen.tolist()}
-    assert len(kept) <= topk_group                    # only from the chosen groups
+    assert len(kept) <= topk_group  # only from the chosen groups
 
 
 def test_sigmoid_router_bias_chooses_but_never_weighs():
     x = np.array([2.0, 1.0, 0.0, -1.0], np.float32)
     bias = np.array([0.0, 0.0, 0.0, 2.0], np.float32)
     chosen, weights = _probes.kernel_route_sigmoid(x, bias, 2, 1, 1, False, 1.0)
-    assert chosen.tolist() == [3, 0]                          # 3 chosen by its bias ...
-    np.testing.assert_allclose(weights, 1 / (1 + np.exp(-x[[3, 0]].astype(np.float64))), rtol=1e-6)  # ... unbiased weight
+    assert chosen.tolist() == [3, 0]  # 3 chosen by its bias ...
+    np.testing.assert_allclose(
+        weights, 1 / (1 + np.exp(-x[[3, 0]].astype(np.float64))), rtol=1e-6
+    )  # ... unbiased weight
 
 
-@pytest.mark.parametrize("bad", [dict(k=0), dict(k=5), dict(n_group=3), dict(topk_group=3), dict(n_group=4, topk_group=1, k=2),
-                                 dict(nan=True)])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(k=0), dict(k=5), dict(n_group=3), dict(topk_group=3), dict(n_group=4, topk_group=1, k=2), dict(nan=True)],
+)
 def test_sigmoid_router_refuses(bad):
     x = np.linspace(-1, 1, 4).astype(np.float32)
     if bad.pop("nan", False):

@@ -6,6 +6,7 @@ a chunked body cut at the limit) against the ASGI app in this process.
 The model is the chat fixture (qwen3moe_a with a small BPE tokenizer.json and a ChatML template,
 conftest.chat_model_dir); answers are compared with Model.generate run in this process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,11 +40,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-LONG_CTX = ("--n-ctx", "32768")       # room for generations that run far longer than any bound below
-LONG = 30000                          # max_tokens of a generation a test interrupts (seconds of work)
+LONG_CTX = ("--n-ctx", "32768")  # room for generations that run far longer than any bound below
+LONG = 30000  # max_tokens of a generation a test interrupts (seconds of work)
 # `python -m colibri` with a module constant changed first (a server that cancels sooner on SIGTERM)
-PATCHED_MAIN = ("import sys, colibri.serve.limits as s; s.{}; from colibri.cli import main; "
-                "sys.exit(main(sys.argv[1:]))")
+PATCHED_MAIN = "import sys, colibri.serve.limits as s; s.{}; from colibri.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 class Server:
@@ -51,9 +51,24 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         launcher = ["-m", "colibri"] if patch is None else ["-c", PATCHED_MAIN.format(patch)]
-        self.proc = subprocess.Popen([sys.executable, *launcher, "serve", "--model-dir", str(model_dir),
-                                      "--port", str(self.port), "--threads", "1", *extra],
-                                     env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                *launcher,
+                "serve",
+                "--model-dir",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                *extra,
+            ],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.time() + STARTUP_SECONDS
         while time.time() < deadline:
             assert self.proc.poll() is None, self.proc.communicate()
@@ -74,7 +89,7 @@ class Server:
         return self
 
     def __exit__(self, *exc):
-        if self.proc.poll() is None:         # a test that failed before stopping it
+        if self.proc.poll() is None:  # a test that failed before stopping it
             self.proc.kill()
         self.proc.communicate(timeout=60)
 
@@ -111,26 +126,38 @@ def test_models_and_health(server):
 
 
 def test_chat_whole_equals_generate(server, local):
-    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "seed": 3,
-                                              "temperature": 0.8})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "seed": 3, "temperature": 0.8},
+    )
     assert r.status_code == 200, r.text
     doc = r.json()
     ids = local.apply_chat_template(MESSAGES)
     want = list(local.generate(ids, max_new_tokens=6, temperature=0.8, seed=3))
     assert doc["choices"][0]["message"]["content"] == local.tokenizer.decode(want, skip_special_tokens=True)
-    assert doc["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want),
-                            "total_tokens": len(ids) + len(want), "prompt_tokens_details": {"cached_tokens": 0}}
+    assert doc["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(want),
+        "total_tokens": len(ids) + len(want),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert doc["choices"][0]["finish_reason"] in ("stop", "length") and doc["object"] == "chat.completion"
 
 
 def test_chat_streamed_concatenates_to_the_whole(server):
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert chunks[-1]["usage"]["completion_tokens"] >= 1
     whole = post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}).json()
@@ -160,25 +187,36 @@ def test_openai_client(server, local):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"model": "tiny", "messages": "hi"}, 400, "messages"),
-    ({"model": "other", "messages": MESSAGES}, 404, "model"),
-    ({"model": "tiny", "messages": MESSAGES, "max_tokens": 10 ** 6}, 400, "max_tokens"),
-    ({"model": "tiny", "messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
-    ({"model": "tiny", "messages": MESSAGES, "n": 9}, 400, "n"),
-    ({"model": "tiny", "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, 400, "messages"),
-    ({"model": "tiny", "messages": [{"content": "no role"}]}, 400, "messages"),
-    ({"model": ["tiny"], "messages": MESSAGES}, 400, "model"),
-    # a penalty that would overflow the logits (a 500 mid-generation) is refused up front
-    ({"model": "tiny", "messages": MESSAGES, "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
-    ({"model": "tiny", "messages": MESSAGES, "tools": "not a list"}, 400, "tools"),
-    # a template with no reasoning setting cannot honour reasoning_effort: refused, not ignored
-    ({"model": "tiny", "messages": MESSAGES, "reasoning_effort": "low"}, 400, "reasoning_effort"),
-    # a template keyword that is the request's own field is refused, not passed twice (a TypeError, a 500)
-    ({"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
-    ({"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+        ({"model": "other", "messages": MESSAGES}, 404, "model"),
+        ({"model": "tiny", "messages": MESSAGES, "max_tokens": 10**6}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
+        ({"model": "tiny", "messages": MESSAGES, "n": 9}, 400, "n"),
+        ({"model": "tiny", "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+        ({"model": "tiny", "messages": [{"content": "no role"}]}, 400, "messages"),
+        ({"model": ["tiny"], "messages": MESSAGES}, 400, "model"),
+        # a penalty that would overflow the logits (a 500 mid-generation) is refused up front
+        ({"model": "tiny", "messages": MESSAGES, "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
+        ({"model": "tiny", "messages": MESSAGES, "tools": "not a list"}, 400, "tools"),
+        # a template with no reasoning setting cannot honour reasoning_effort: refused, not ignored
+        ({"model": "tiny", "messages": MESSAGES, "reasoning_effort": "low"}, 400, "reasoning_effort"),
+        # a template keyword that is the request's own field is refused, not passed twice (a TypeError, a 500)
+        (
+            {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"messages": []}},
+            400,
+            "chat_template_kwargs",
+        ),
+        (
+            {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}},
+            400,
+            "chat_template_kwargs",
+        ),
+    ],
+)
 def test_bad_requests_are_openai_errors(server, body, status, param):
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == status, r.text
@@ -191,23 +229,39 @@ def test_bad_json_is_400(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("headers", [
-    {}, {"Authorization": ""}, {"Authorization": "Bearer"}, {"Authorization": "Bearer no"},
-    {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY[:-1]}"},
-    {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": f"Bearer{API_KEY}"},
-    {"Authorization": "Bearer sk-t\u00e9st".encode("utf-8")},
-], ids=["missing", "empty", "no-token", "wrong", "basic", "prefix", "longer", "no-space", "non-ascii"])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": ""},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer no"},
+        {"Authorization": f"Basic {API_KEY}"},
+        {"Authorization": f"Bearer {API_KEY[:-1]}"},
+        {"Authorization": f"Bearer {API_KEY}x"},
+        {"Authorization": f"Bearer{API_KEY}"},
+        {"Authorization": "Bearer sk-t\u00e9st".encode("utf-8")},
+    ],
+    ids=["missing", "empty", "no-token", "wrong", "basic", "prefix", "longer", "no-space", "non-ascii"],
+)
 def test_a_missing_or_wrong_key_is_401(server, headers):
     for path in ("/v1/chat/completions", "/v1/models"):
-        r = (httpx.get(server.url + path, headers=headers) if path == "/v1/models" else
-             post(server, path, {"model": "tiny", "messages": MESSAGES, "max_tokens": 1}, headers=headers))
+        r = (
+            httpx.get(server.url + path, headers=headers)
+            if path == "/v1/models"
+            else post(server, path, {"model": "tiny", "messages": MESSAGES, "max_tokens": 1}, headers=headers)
+        )
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_the_key_scheme_is_case_insensitive(server):
-    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1},
-             headers={"Authorization": f"bearer  {API_KEY}"})
+    r = post(
+        server,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": f"bearer  {API_KEY}"},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -220,12 +274,14 @@ def test_the_key_is_compared_in_constant_time(chat_model_dir, monkeypatch):
     def spy(a, b):
         calls.append((a, b))
         return real(a, b)
+
     monkeypatch.setattr(hmac, "compare_digest", spy)
 
     async def check(served, client):
         ok = await client.get("/v1/models", headers=AUTH)
         bad = await client.get("/v1/models", headers={"Authorization": "Bearer sk-tesT"})
         return ok.status_code, bad.status_code
+
     assert in_process(lambda: None, check) == (200, 401)
     ours = [c for c in calls if c[1] == API_KEY.encode()]
     assert ours == [(API_KEY.encode(), API_KEY.encode()), (b"sk-tesT", API_KEY.encode())]
@@ -239,7 +295,7 @@ def test_errors_of_routing_are_openai_errors_too(server):
 
 
 def test_prompt_ids_outside_the_vocabulary_are_422(server):
-    r = post(server, "/v1/completions", {"model": "tiny", "prompt": [1, 2, 10 ** 6], "max_tokens": 1})
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": [1, 2, 10**6], "max_tokens": 1})
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["param"] == "prompt" and err["code"] == "token_out_of_vocabulary" and "1000000" in err["message"]
@@ -247,12 +303,15 @@ def test_prompt_ids_outside_the_vocabulary_are_422(server):
 
 def test_a_body_over_the_limit_is_413_by_its_content_length_before_it_is_read(server):
     from colibri.serve.limits import MAX_BODY_BYTES
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n")
+
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
-        sock.sendall(head.encode())           # and no body: a server that waited for it would time out here
+        sock.sendall(head.encode())  # and no body: a server that waited for it would time out here
         data = b""
-        while chunk := sock.recv(65536):       # the server answers, then closes the connection
+        while chunk := sock.recv(65536):  # the server answers, then closes the connection
             data += chunk
     status, _, rest = data.partition(b"\r\n")
     headers, _, body = rest.partition(b"\r\n\r\n")
@@ -263,33 +322,45 @@ def test_a_body_over_the_limit_is_413_by_its_content_length_before_it_is_read(se
 
 def test_metrics_parse_as_prometheus_text(server):
     from prometheus_client.parser import text_string_to_metric_families
+
     post(server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2})
     text = httpx.get(server.url + "/metrics").text
     names = {f.name for f in text_string_to_metric_families(text)}
-    for needed in ("colibri_requests", "colibri_queue_depth", "colibri_running_requests",
-                   "colibri_time_to_first_token_seconds",
-                   "colibri_generated_tokens", "colibri_prefix_reuse_hits", "colibri_resident_expert_bytes",
-                   "colibri_expert_cache_uses", "colibri_storage_read_bytes", "colibri_expert_budget_bytes"):
+    for needed in (
+        "colibri_requests",
+        "colibri_queue_depth",
+        "colibri_running_requests",
+        "colibri_time_to_first_token_seconds",
+        "colibri_generated_tokens",
+        "colibri_prefix_reuse_hits",
+        "colibri_resident_expert_bytes",
+        "colibri_expert_cache_uses",
+        "colibri_storage_read_bytes",
+        "colibri_expert_budget_bytes",
+    ):
         assert needed in names, names
 
 
 def test_concurrent_clients_get_their_own_answers(server, local):
     prompts = ["hello world", "the quick brown fox", "mixture of experts", "unto the LORD"]
-    want = {p: local.tokenizer.decode(list(local.generate(local.encode(p), max_new_tokens=5)), skip_special_tokens=True)
-            for p in prompts}
+    want = {
+        p: local.tokenizer.decode(list(local.generate(local.encode(p), max_new_tokens=5)), skip_special_tokens=True)
+        for p in prompts
+    }
     got, errors = {}, []
 
     def ask(p):
         try:
-            for _ in range(20):           # a full queue (max 2 waiting) says 503: retry as a client would
+            for _ in range(20):  # a full queue (max 2 waiting) says 503: retry as a client would
                 r = post(server, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 5})
                 if r.status_code != 503:
                     break
                 assert r.headers["retry-after"]
                 time.sleep(0.05)
             got[p] = r.json()["choices"][0]["text"]
-        except Exception as e:           # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             errors.append(e)
+
     threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
@@ -299,7 +370,7 @@ def test_concurrent_clients_get_their_own_answers(server, local):
 
 
 ONE = {"prompt": "hello", "max_tokens": 1}
-ENGINE_FREED_SECONDS = 0.1           # the issue: the next request starts within 100 ms plus one token
+ENGINE_FREED_SECONDS = 0.1  # the issue: the next request starts within 100 ms plus one token
 
 
 def best_seconds(fn, tries=5) -> float:
@@ -313,9 +384,11 @@ def best_seconds(fn, tries=5) -> float:
 
 def engine_timings(server):
     """(seconds of a lone one-token request, seconds per generated token) of this server's model."""
+
     def ask(n):
         r = post(server, "/v1/completions", {**ONE, "max_tokens": n, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == n, r.text
+
     alone = best_seconds(lambda: ask(1))
     per_token = max(0.0, (best_seconds(lambda: ask(65)) - alone) / 64)
     return alone, per_token
@@ -347,7 +420,8 @@ def test_a_dropped_stream_frees_the_engine_within_one_token(timed):
         body = {"model": "tiny", "prompt": "the quick", "max_tokens": LONG, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", timed.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
             for _ in r.iter_lines():
-                break                        # read one line, then hang up
+                break  # read one line, then hang up
+
     late = freed_after(timed, drop)
     assert late < ENGINE_FREED_SECONDS + timed.timings[1], (late, timed.timings)
 
@@ -356,7 +430,8 @@ def test_a_dropped_whole_request_frees_the_engine_within_one_token(timed):
     def drop():
         body = {"model": "tiny", "prompt": "the quick", "max_tokens": LONG, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
-            post(timed, "/v1/completions", body, timeout=0.3)   # gives up, closing the connection
+            post(timed, "/v1/completions", body, timeout=0.3)  # gives up, closing the connection
+
     late = freed_after(timed, drop)
     assert late < ENGINE_FREED_SECONDS + timed.timings[1], (late, timed.timings)
 
@@ -366,12 +441,18 @@ def engine_held(server):
     """A stream that holds the engine until the block ends (it hangs up): big chunks (20
     alternatives a token) that the client does not read fill the socket buffers, and the server
     waits on them. Yields the stream's remaining lines."""
-    body = {"messages": MESSAGES, "max_tokens": LONG, "stream": True, "ignore_eos": True,
-            "logprobs": True, "top_logprobs": 20}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": LONG,
+        "stream": True,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        next(lines)                          # the engine is this request's
+        next(lines)  # the engine is this request's
         yield lines
 
 
@@ -398,10 +479,11 @@ def test_a_full_queue_and_a_long_wait_answer_503_with_retry_after(chat_model_dir
                 t = time.perf_counter()
                 waited["r"] = post(s, "/v1/completions", ONE)
                 waited["s"] = time.perf_counter() - t
+
             waiter = threading.Thread(target=wait_in_queue)
             waiter.start()
             deadline = time.time() + 10
-            while s.queue_depth() != 1:      # the queue's one place is taken
+            while s.queue_depth() != 1:  # the queue's one place is taken
                 assert time.time() < deadline and waiter.is_alive()
                 time.sleep(0.01)
             assert_503(post(s, "/v1/completions", ONE), "queue_full")
@@ -416,32 +498,39 @@ def test_a_full_queue_and_a_long_wait_answer_503_with_retry_after(chat_model_dir
 
 def test_sigterm_lets_the_running_stream_finish_and_exits_0(chat_model_dir):
     n = 2000
-    body = {"messages": MESSAGES, "max_tokens": n, "stream": True, "ignore_eos": True, "logprobs": True,
-            "top_logprobs": 20, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": n,
+        "stream": True,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "stream_options": {"include_usage": True},
+    }
     with Server(chat_model_dir, *LONG_CTX) as s:
         with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)
-            s.proc.send_signal(signal.SIGTERM)   # mid-generation: the client has read one line of thousands
+            s.proc.send_signal(signal.SIGTERM)  # mid-generation: the client has read one line of thousands
             time.sleep(0.5)
-            with pytest.raises(httpx.ConnectError):      # no longer accepting
+            with pytest.raises(httpx.ConnectError):  # no longer accepting
                 httpx.get(s.url + "/health", timeout=5)
             rest = [ln for ln in lines if ln]
         assert s.proc.wait(60) == 0
         err = s.proc.stderr.read()
     assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][len("data: "):])["usage"]["completion_tokens"] == n
+    assert json.loads(rest[-2][len("data: ") :])["usage"]["completion_tokens"] == n
     assert "Traceback" not in err, err
 
 
 def test_sigterm_cancels_a_stream_that_outlasts_the_grace_and_exits_0(chat_model_dir):
     with Server(chat_model_dir, *LONG_CTX, patch="GRACEFUL_SHUTDOWN_SECONDS = 1") as s:
-        with engine_held(s) as lines:        # not read: it cannot finish
+        with engine_held(s) as lines:  # not read: it cannot finish
             s.proc.send_signal(signal.SIGTERM)
-            assert s.proc.wait(30) == 0      # the grace (1 s) passed: the stream was cancelled
+            assert s.proc.wait(30) == 0  # the grace (1 s) passed: the stream was cancelled
             rest = []
             with contextlib.suppress(httpx.TransportError):
-                rest.extend(ln for ln in lines if ln)   # what the buffers held, then the connection ends
+                rest.extend(ln for ln in lines if ln)  # what the buffers held, then the connection ends
         err = s.proc.stderr.read()
     assert rest and "data: [DONE]" not in rest
     assert "Traceback" not in err and "cancelled (the server is stopping)" in err, err
@@ -449,19 +538,27 @@ def test_sigterm_cancels_a_stream_that_outlasts_the_grace_and_exits_0(chat_model
 
 # ---- the ASGI app in this process ---------------------------------------------------------------------
 
+
 def in_process(load, check, **options):
     """`await check(served, client)` against create_app(Served(load, ...)) through httpx's ASGI
     transport (no lifespan: the load starts here, in the background, as the lifespan starts it)."""
     from colibri.serve import Served, create_app
 
-    served = Served(load, "tiny", options.pop("api_key", API_KEY), options.pop("max_queue", 2),
-                    options.pop("queue_timeout", 30.0), options.pop("parallel", 1))
+    served = Served(
+        load,
+        "tiny",
+        options.pop("api_key", API_KEY),
+        options.pop("max_queue", 2),
+        options.pop("queue_timeout", 30.0),
+        options.pop("parallel", 1),
+    )
     app = create_app(served)
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=AUTH, timeout=60) as client:
             return await check(served, client)
+
     served.start_loading()
     try:
         return asyncio.run(main())
@@ -496,6 +593,7 @@ def test_health_is_503_while_the_model_loads_then_200(chat_model_dir):
         assert r.status_code == 200 and r.json() == {"status": "ok"}
         r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
         assert r.status_code == 200, r.text
+
     in_process(slow_load, check)
 
 
@@ -510,6 +608,7 @@ def test_a_model_that_failed_to_load_is_500(chat_model_dir):
         assert r.status_code == 500 and r.json()["status"] == "error" and "no tokenizer" in r.json()["error"]
         r = await client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 500 and "no tokenizer" in r.json()["error"]["message"]
+
     in_process(broken, check)
 
 
@@ -518,9 +617,11 @@ def test_a_conversation_the_template_refuses_is_422(chat_model_dir):
 
     def load():
         m = colibri.load(chat_model_dir, threads=1)
-        m.chat_template = ChatTemplate("{% if messages[0]['role'] == 'system' %}{{ raise_exception("
-                                       "'System role not supported') }}{% endif %}{{ messages[0]['content'] }}",
-                                       "test template")
+        m.chat_template = ChatTemplate(
+            "{% if messages[0]['role'] == 'system' %}{{ raise_exception("
+            "'System role not supported') }}{% endif %}{{ messages[0]['content'] }}",
+            "test template",
+        )
         return m
 
     async def check(served, client):
@@ -531,6 +632,7 @@ def test_a_conversation_the_template_refuses_is_422(chat_model_dir):
         assert err["code"] == "chat_template_error" and "System role not supported" in err["message"]
         r = await client.post("/v1/chat/completions", json={"messages": MESSAGES[1:], "max_tokens": 1})
         assert r.status_code == 200, r.text
+
     in_process(load, check)
 
 
@@ -547,10 +649,11 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape_and_frees_the_engine(c
         real_start(self)
 
     def step(self):
-        if broken["step"] and self.record.tokens:       # after the first token
+        if broken["step"] and self.record.tokens:  # after the first token
             broken["step"] -= 1
             raise KeyError("secret detail of a step")
         return real_step(self)
+
     monkeypatch.setattr(srv.Generation, "start", start)
     monkeypatch.setattr(srv.Generation, "step", step)
     body = {"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True}
@@ -563,46 +666,50 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape_and_frees_the_engine(c
             assert r.status_code == 500, r.text
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
             assert r.json()["error"]["type"] == "server_error" and "secret" not in r.text and "Traceback" not in r.text
-            r = await client.post("/v1/chat/completions", json=body)       # the engine was released
+            r = await client.post("/v1/chat/completions", json=body)  # the engine was released
             assert r.status_code == 200, r.text
         broken["step"] = 1
         r = await client.post("/v1/chat/completions", json={**body, "stream": True})
         assert r.status_code == 200
-        events = [ln[len("data: "):] for ln in r.text.splitlines() if ln]
+        events = [ln[len("data: ") :] for ln in r.text.splitlines() if ln]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
         assert "secret" not in r.text
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and served.active == 0, r.text
+
     with caplog.at_level(logging.ERROR, logger="colibri.serve"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1), check, queue_timeout=5.0)
     logged = [rec for rec in caplog.records if rec.name == "colibri.serve"]
-    assert len(logged) == 3 and all(rec.exc_info for rec in logged)       # the tracebacks stay on the server
+    assert len(logged) == 3 and all(rec.exc_info for rec in logged)  # the tracebacks stay on the server
     assert "secret detail of the start" in caplog.text
 
 
 def test_a_chunked_body_over_the_limit_is_413_and_read_no_further(monkeypatch):
     from colibri.serve import limits
+
     monkeypatch.setattr(limits, "MAX_BODY_BYTES", 1000)
     sent = []
 
-    async def endless():                      # 100 times the limit, were it all read
+    async def endless():  # 100 times the limit, were it all read
         for _ in range(1000):
             sent.append(100)
             yield b" " * 100
 
     async def check(served, client):
-        r = await client.post("/v1/completions", content=endless())     # no Content-Length: chunked
+        r = await client.post("/v1/completions", content=endless())  # no Content-Length: chunked
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
         r = await client.post("/v1/completions", content=b" " * 1001, headers={**AUTH})
         assert r.status_code == 413
+
     in_process(lambda: None, check)
-    assert 1000 < sum(sent) <= 1100           # it stopped at the first piece past the limit
+    assert 1000 < sum(sent) <= 1100  # it stopped at the first piece past the limit
 
 
 @pytest.mark.parametrize("module", ["fastapi", "uvicorn", "prometheus_client"])
 def test_serve_without_the_extra_says_how_to_install_it(chat_model_dir, monkeypatch, capsys, module):
     from colibri import cli
-    monkeypatch.setitem(sys.modules, module, None)        # `import module` fails as if not installed
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` fails as if not installed
     assert cli.main(["serve", "--model-dir", str(chat_model_dir)]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and 'pip install "colibri-moe[serve]"' in err and module in err, err
@@ -610,14 +717,20 @@ def test_serve_without_the_extra_says_how_to_install_it(chat_model_dir, monkeypa
 
 def test_an_empty_api_key_is_refused(chat_model_dir, capsys):
     from colibri import cli
+
     assert cli.main(["serve", "--model-dir", str(chat_model_dir), "--api-key", " "]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "--api-key" in err, err
 
 
 def test_serve_without_the_model_dir_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(tmp_path / "none")],
-                       env=ENV, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "serve", "--model-dir", str(tmp_path / "none")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "none" in r.stderr
 
 
@@ -628,8 +741,20 @@ PARALLEL = 3
 
 @pytest.fixture(scope="module")
 def parallel_server(chat_model_dir):
-    s = Server(chat_model_dir, "--api-key", API_KEY, "--model-name", "tiny", "--max-queue", "8",
-               "--parallel", str(PARALLEL), "--step-tokens", "4", *LONG_CTX)     # prompts run in pieces
+    s = Server(
+        chat_model_dir,
+        "--api-key",
+        API_KEY,
+        "--model-name",
+        "tiny",
+        "--max-queue",
+        "8",
+        "--parallel",
+        str(PARALLEL),
+        "--step-tokens",
+        "4",
+        *LONG_CTX,
+    )  # prompts run in pieces
     yield s
     code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err
@@ -645,15 +770,19 @@ def _ask_all(server, bodies, path="/v1/completions"):
                 with httpx.stream("POST", server.url + path, json=bodies[i], headers=AUTH, timeout=120) as r:
                     assert r.status_code == 200
                     lines = [ln for ln in r.iter_lines() if ln]
-                chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
-                got[i] = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "")
-                                 for c in chunks if c["choices"])
+                chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
+                got[i] = "".join(
+                    c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "")
+                    for c in chunks
+                    if c["choices"]
+                )
             else:
                 r = post(server, path, bodies[i], timeout=120)
                 assert r.status_code == 200, r.text
                 got[i] = r.json()
-        except Exception as e:           # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             errors.append(e)
+
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
@@ -667,13 +796,30 @@ def test_parallel_requests_get_what_each_gets_alone(parallel_server, local):
     """More requests than places, with different prompts, lengths and sampling, some streamed:
     each answer (text, logprobs, usage, finish reason) is the one generate() gives alone."""
     prompts = ["hello world", "the quick brown fox", "mixture of experts", "unto the LORD", "a b c", "zebra"]
-    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 3 + 2 * i, "seed": i, "temperature": 0.5 * (i % 3),
-               "logprobs": 2 if i % 2 else None, "stream": i == 4} for i, p in enumerate(prompts)]
+    bodies = [
+        {
+            "model": "tiny",
+            "prompt": p,
+            "max_tokens": 3 + 2 * i,
+            "seed": i,
+            "temperature": 0.5 * (i % 3),
+            "logprobs": 2 if i % 2 else None,
+            "stream": i == 4,
+        }
+        for i, p in enumerate(prompts)
+    ]
     got = _ask_all(parallel_server, bodies)
     for body, answer in zip(bodies, got):
         ids = local.encode(body["prompt"])
-        want = list(local.generate(ids, max_new_tokens=body["max_tokens"], seed=body["seed"],
-                                   temperature=body["temperature"], logprobs=body["logprobs"]))
+        want = list(
+            local.generate(
+                ids,
+                max_new_tokens=body["max_tokens"],
+                seed=body["seed"],
+                temperature=body["temperature"],
+                logprobs=body["logprobs"],
+            )
+        )
         text = local.tokenizer.decode(want, skip_special_tokens=True)
         if body["stream"]:
             assert answer == text
@@ -690,7 +836,9 @@ def test_parallel_chat_and_stop_strings(parallel_server, local):
     full = local.tokenizer.decode(list(local.generate(ids, max_new_tokens=12)), skip_special_tokens=True)
     stop = full[4:6] if len(full) >= 6 else "zz"
     want = "".join(local.stream(ids, 12, stop=stop))
-    bodies = [{"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "stop": stop, "stream": s} for s in (False, True)]
+    bodies = [
+        {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "stop": stop, "stream": s} for s in (False, True)
+    ]
     whole, streamed = _ask_all(parallel_server, bodies, "/v1/chat/completions")
     assert whole["choices"][0]["message"]["content"] == want == streamed
 
@@ -699,11 +847,13 @@ def test_a_dropped_parallel_stream_frees_its_place(parallel_server):
     """PARALLEL streams that hang up after one line: none keeps its place, so PARALLEL more
     requests all run (with a place held by a dropped stream they would queue behind a generation
     of LONG tokens, past the timeout)."""
+
     def drop():
         body = {"model": "tiny", "prompt": "the quick", "max_tokens": LONG, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", parallel_server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
             for _ in r.iter_lines():
                 break
+
     for _ in range(2):
         threads = [threading.Thread(target=drop) for _ in range(PARALLEL)]
         for t in threads:
@@ -722,10 +872,11 @@ def _gauge(server, name) -> float:
 def test_running_requests_are_a_gauge(parallel_server):
     body = {"model": "tiny", "prompt": "the quick", "max_tokens": LONG, "stream": True, "ignore_eos": True}
     with contextlib.ExitStack() as stack:
-        lines = []                           # kept: a dropped line iterator closes its stream
+        lines = []  # kept: a dropped line iterator closes its stream
         for _ in range(2):
-            r = stack.enter_context(httpx.stream("POST", parallel_server.url + "/v1/completions", json=body,
-                                                 headers=AUTH, timeout=60))
+            r = stack.enter_context(
+                httpx.stream("POST", parallel_server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+            )
             lines.append(r.iter_lines())
             assert r.status_code == 200, next(lines[-1])
         assert _gauge(parallel_server, "colibri_running_requests") == 2
@@ -746,6 +897,7 @@ def test_a_failing_batch_step_is_a_500_for_its_requests_and_the_next_ones_run(ch
             broken["n"] -= 1
             raise KeyError("secret detail of a step")
         return real_step(self)
+
     monkeypatch.setattr(batching.Batch, "step", step)
     body = {"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True}
 
@@ -756,16 +908,22 @@ def test_a_failing_batch_step_is_a_500_for_its_requests_and_the_next_ones_run(ch
         assert r.status_code == 500 and "secret" not in r.text, r.text
         rs = await asyncio.gather(*[client.post("/v1/chat/completions", json=body) for _ in range(4)])
         assert all(r.status_code == 200 for r in rs) and served.active == 0
-        r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 10 ** 6})
+        r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 10**6})
         assert r.status_code == 400
+
     with caplog.at_level(logging.ERROR, logger="colibri.serve"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2), check, parallel=2, max_queue=4)
 
 
 @pytest.mark.parametrize("value, message", [("0", "--parallel"), ("65", "--parallel must be in 1..64")])
 def test_a_bad_parallel_is_one_line(chat_model_dir, value, message):
-    r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--parallel", value],
-                       env=ENV, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--parallel", value],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -776,18 +934,21 @@ def test_a_failed_batch_thread_answers_500_instead_of_hanging(chat_model_dir, mo
 
     def broken(self):
         raise RuntimeError("secret detail of the thread")
+
     monkeypatch.setattr(srv.Stepper, "_step", broken)
     body = {"messages": MESSAGES, "max_tokens": 4}
 
     async def check(served, client):
         await until_healthy(client)
-        rs = await asyncio.wait_for(asyncio.gather(*[client.post("/v1/chat/completions", json=body)
-                                                     for _ in range(3)]), 60)
+        rs = await asyncio.wait_for(
+            asyncio.gather(*[client.post("/v1/chat/completions", json=body) for _ in range(3)]), 60
+        )
         assert all(r.status_code == 500 and "secret" not in r.text for r in rs), [r.text for r in rs]
         r = await asyncio.wait_for(client.post("/v1/chat/completions", json=body), 60)
         assert r.status_code == 500 and served.active == 0
         r = await client.get("/health")
-        assert r.status_code == 500 and r.json()["status"] == "error"           # an orchestrator restarts it
+        assert r.status_code == 500 and r.json()["status"] == "error"  # an orchestrator restarts it
+
     with caplog.at_level(logging.ERROR, logger="colibri.serve"):
         in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2), check, parallel=2, max_queue=4)
     assert "secret detail of the thread" in caplog.text
@@ -802,15 +963,20 @@ def test_one_requests_failing_sampler_is_its_500_alone(chat_model_dir, monkeypat
         if self.max_new_tokens == 7 and self.record.tokens:
             raise colibri.ColibriError("the sampler failed")
         return real(self, logits)
+
     monkeypatch.setattr(batching.Sequence, "_take", take)
 
     async def check(served, client):
         await until_healthy(client)
-        rs = await asyncio.gather(*[client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": n,
-                                                                              "ignore_eos": True})
-                                    for n in (4, 7, 5)])
+        rs = await asyncio.gather(
+            *[
+                client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": n, "ignore_eos": True})
+                for n in (4, 7, 5)
+            ]
+        )
         assert [r.status_code for r in rs] == [200, 500, 200], [r.text for r in rs]
         assert "the sampler failed" in rs[1].json()["error"]["message"] and served.active == 0
+
     in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=3), check, parallel=3, max_queue=4)
 
 
@@ -818,20 +984,27 @@ def test_a_model_with_fewer_places_than_the_server_is_a_load_error(chat_model_di
     async def check(served, client):
         r = await until_healthy(client)
         assert r.status_code == 500 and "loaded with parallel=1" in r.json()["error"], r.text
+
     in_process(lambda: colibri.load(chat_model_dir, threads=1), check, parallel=2)
 
 
 def test_parallel_under_an_expert_budget_warns_once(chat_model_dir, caplog):
     """A budget below the experts' bytes: one warning naming --parallel and the budget; none with
     a budget that holds every expert."""
+
     def check(budget_mb):
         async def check(served, client):
             assert (await until_healthy(client)).status_code == 200
+
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="colibri.serve"):
-            in_process(lambda: colibri.load(chat_model_dir, threads=1, parallel=2, expert_cache_mb=budget_mb),
-                       check, parallel=2)
+            in_process(
+                lambda: colibri.load(chat_model_dir, threads=1, parallel=2, expert_cache_mb=budget_mb),
+                check,
+                parallel=2,
+            )
         return [r.getMessage() for r in caplog.records if "expert budget" in r.getMessage()]
+
     with colibri.load(chat_model_dir, threads=1) as m:
         experts_mb = m.residency.expert_bytes / (1 << 20)
     warned = check(experts_mb / 2)
@@ -840,7 +1013,12 @@ def test_parallel_under_an_expert_budget_warns_once(chat_model_dir, caplog):
 
 
 def test_step_tokens_without_parallel_is_one_line(chat_model_dir):
-    r = subprocess.run([sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--step-tokens", "8"],
-                       env=ENV, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "serve", "--model-dir", str(chat_model_dir), "--step-tokens", "8"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "--step-tokens" in r.stderr and "--parallel" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -9,6 +9,7 @@ special tokens written in the text) with transformers' ids with and without spec
 its decodes. A vocabulary that also has a `tokenizer.model` (Llama/Mixtral sentencepiece) is
 checked through both backends.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,11 @@ from colibri.tokenizer import TOKENIZER_JSON, TOKENIZER_MODEL, load_tokenizer
 from conftest import render_on_the_fixture_day
 
 TEXT = Path(__file__).parent / "fixtures" / "text"
-VOCABS = sorted(p.name for p in (TEXT / "vocab").iterdir() if (p / "cases.json").is_file()) \
-    if (TEXT / "vocab").is_dir() else []
+VOCABS = (
+    sorted(p.name for p in (TEXT / "vocab").iterdir() if (p / "cases.json").is_file())
+    if (TEXT / "vocab").is_dir()
+    else []
+)
 CHATS = sorted(p.stem for p in (TEXT / "chat").glob("*.json")) if (TEXT / "chat").is_dir() else []
 SMALL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
@@ -111,7 +115,7 @@ def test_encode_gives_llama_cpp_reference_ids(tmp_root, vocab, backend):
         if got != want:
             bad.append((c["text"], got, want))
     assert not bad, f"{len(bad)} of {len(refs)} differ; first: {bad[0]!r}"
-    assert len(known) <= 3                        # only qwen35's three decomposed strings
+    assert len(known) <= 3  # only qwen35's three decomposed strings
 
 
 @pytest.mark.parametrize("vocab, backend", PAIRS)
@@ -140,8 +144,9 @@ def test_streamed_pieces_of_random_ids_concatenate_to_decode(tmp_root, vocab, ba
     tok = tokenizer(vocab, backend, tmp_root)
     byte_ids = sorted(tok.byte_piece_ids)
     special = sorted(tok.special_ids)[:20]
-    ids = st.one_of(st.integers(0, tok.vocab_size - 1), st.sampled_from(byte_ids or [0]),
-                    st.sampled_from(special or [0]))
+    ids = st.one_of(
+        st.integers(0, tok.vocab_size - 1), st.sampled_from(byte_ids or [0]), st.sampled_from(special or [0])
+    )
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(seq=st.lists(ids, max_size=30), skip=st.booleans())
@@ -149,6 +154,7 @@ def test_streamed_pieces_of_random_ids_concatenate_to_decode(tmp_root, vocab, ba
         s = TextStream(tok, skip_special_tokens=skip)
         pieces = [s.push(i) for i in seq] + [s.finish()]
         assert "".join(pieces) == tok.decode(seq, skip_special_tokens=skip)
+
     check()
 
 

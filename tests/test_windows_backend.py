@@ -20,6 +20,7 @@ Two things are checked here, neither needing Windows:
 Memory behind the fake's views and allocations is the Linux backend's (mmap): the backend reads
 and writes real memory at the addresses the fake hands it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -47,14 +48,14 @@ C_TYPES = {
     "DWORD": (ctypes.c_uint32, 4),
     "DWORD64": (ctypes.c_uint64, 8),
     "ULONG": (ctypes.c_uint32, 4),
-    "JOBOBJECTINFOCLASS": (ctypes.c_int, 4),             # an enum
+    "JOBOBJECTINFOCLASS": (ctypes.c_int, 4),  # an enum
     "SIZE_T": (ctypes.c_size_t, 8),
     "ULONG_PTR": (ctypes.c_size_t, 8),
     "HANDLE": (ctypes.c_void_p, 8),
     "LPVOID": (ctypes.c_void_p, 8),
     "LPCVOID": (ctypes.c_void_p, 8),
     "PVOID": (ctypes.c_void_p, 8),
-    "LPSECURITY_ATTRIBUTES": (ctypes.c_void_p, 8),       # always NULL here
+    "LPSECURITY_ATTRIBUTES": (ctypes.c_void_p, 8),  # always NULL here
     "LPCWSTR": (ctypes.c_wchar_p, 8),
     "PLARGE_INTEGER": (ctypes.POINTER(ctypes.c_int64), 8),
     "PSIZE_T": (ctypes.POINTER(ctypes.c_size_t), 8),
@@ -71,14 +72,12 @@ GOLDEN = {
     # fileapi.h: HANDLE CreateFileW(LPCWSTR lpFileName, DWORD dwDesiredAccess, DWORD dwShareMode,
     #   LPSECURITY_ATTRIBUTES lpSecurityAttributes, DWORD dwCreationDisposition,
     #   DWORD dwFlagsAndAttributes, HANDLE hTemplateFile)
-    "CreateFileW": (K32, "HANDLE", ("LPCWSTR", "DWORD", "DWORD", "LPSECURITY_ATTRIBUTES", "DWORD", "DWORD",
-                                    "HANDLE")),
+    "CreateFileW": (K32, "HANDLE", ("LPCWSTR", "DWORD", "DWORD", "LPSECURITY_ATTRIBUTES", "DWORD", "DWORD", "HANDLE")),
     # fileapi.h: BOOL GetFileSizeEx(HANDLE hFile, PLARGE_INTEGER lpFileSize)
     "GetFileSizeEx": (K32, "BOOL", ("HANDLE", "PLARGE_INTEGER")),
     # memoryapi.h: HANDLE CreateFileMappingW(HANDLE hFile, LPSECURITY_ATTRIBUTES lpFileMappingAttributes,
     #   DWORD flProtect, DWORD dwMaximumSizeHigh, DWORD dwMaximumSizeLow, LPCWSTR lpName)
-    "CreateFileMappingW": (K32, "HANDLE", ("HANDLE", "LPSECURITY_ATTRIBUTES", "DWORD", "DWORD", "DWORD",
-                                           "LPCWSTR")),
+    "CreateFileMappingW": (K32, "HANDLE", ("HANDLE", "LPSECURITY_ATTRIBUTES", "DWORD", "DWORD", "DWORD", "LPCWSTR")),
     # memoryapi.h: LPVOID MapViewOfFile(HANDLE hFileMappingObject, DWORD dwDesiredAccess,
     #   DWORD dwFileOffsetHigh, DWORD dwFileOffsetLow, SIZE_T dwNumberOfBytesToMap)
     "MapViewOfFile": (K32, "LPVOID", ("HANDLE", "DWORD", "DWORD", "DWORD", "SIZE_T")),
@@ -109,11 +108,17 @@ GOLDEN = {
     "PrefetchVirtualMemory": (K32, "BOOL", ("HANDLE", "ULONG_PTR", "PWIN32_MEMORY_RANGE_ENTRY", "ULONG")),
     # psapi.h: BOOL QueryWorkingSetEx(HANDLE hProcess, PVOID pv, DWORD cb): kernel32's
     #   K32QueryWorkingSetEx since Windows 7 (PSAPI_VERSION 2), psapi.dll's QueryWorkingSetEx before
-    "QueryWorkingSetEx": ((("kernel32", "K32QueryWorkingSetEx"), ("psapi", "QueryWorkingSetEx")),
-                          "BOOL", ("HANDLE", "PVOID", "DWORD")),
+    "QueryWorkingSetEx": (
+        (("kernel32", "K32QueryWorkingSetEx"), ("psapi", "QueryWorkingSetEx")),
+        "BOOL",
+        ("HANDLE", "PVOID", "DWORD"),
+    ),
     # psapi.h: BOOL GetProcessMemoryInfo(HANDLE Process, PPROCESS_MEMORY_COUNTERS ppsmemCounters, DWORD cb)
-    "GetProcessMemoryInfo": ((("kernel32", "K32GetProcessMemoryInfo"), ("psapi", "GetProcessMemoryInfo")),
-                             "BOOL", ("HANDLE", "PPROCESS_MEMORY_COUNTERS", "DWORD")),
+    "GetProcessMemoryInfo": (
+        (("kernel32", "K32GetProcessMemoryInfo"), ("psapi", "GetProcessMemoryInfo")),
+        "BOOL",
+        ("HANDLE", "PPROCESS_MEMORY_COUNTERS", "DWORD"),
+    ),
     # jobapi2.h: BOOL QueryInformationJobObject(HANDLE hJob, JOBOBJECTINFOCLASS JobObjectInformationClass,
     #   LPVOID lpJobObjectInformation, DWORD cbJobObjectInformationLength, LPDWORD lpReturnLength)
     "QueryInformationJobObject": (K32, "BOOL", ("HANDLE", "JOBOBJECTINFOCLASS", "LPVOID", "DWORD", "LPDWORD")),
@@ -204,7 +209,7 @@ def test_no_prototype_sets_an_errcheck():
 
 # ---- the fake -------------------------------------------------------------------------------------
 
-PSEUDO_PROCESS = ctypes.c_void_p(-1).value            # GetCurrentProcess()'s pseudo-handle
+PSEUDO_PROCESS = ctypes.c_void_p(-1).value  # GetCurrentProcess()'s pseudo-handle
 ERROR_FILE_NOT_FOUND = 2
 ERROR_INVALID_HANDLE = 6
 ERROR_NOT_ENOUGH_MEMORY = 8
@@ -243,18 +248,18 @@ class FakeWindows:
         self.calls: list = []
         self.errors: list = []
         self.last_error = 0
-        self.handles: dict = {}          # handle -> ("file", fd, path) | ("mapping", fd, path, protect)
-        self.views: dict = {}            # base address -> size (Linux mappings)
-        self.allocations: dict = {}      # base address -> size (Linux anonymous memory)
-        self.working_set: set = set()    # page addresses in this process's working set
+        self.handles: dict = {}  # handle -> ("file", fd, path) | ("mapping", fd, path, protect)
+        self.views: dict = {}  # base address -> size (Linux mappings)
+        self.allocations: dict = {}  # base address -> size (Linux anonymous memory)
+        self.working_set: set = set()  # page addresses in this process's working set
         self.locked: set = set()
-        self.range_entries: list = []    # the WIN32_MEMORY_RANGE_ENTRY arrays PrefetchVirtualMemory got
-        self.quota = list(quota)         # the working-set (minimum, maximum)
-        self.xstate = 0x2E7              # GetEnabledXStateFeatures: x87 .. AVX-512, PKRU; no AMX
-        self.optional = 0                # of those, the ones a thread has off until its process turns them on
-        self.turned_on = 0               # what EnableProcessOptionalXStateFeatures turned on
+        self.range_entries: list = []  # the WIN32_MEMORY_RANGE_ENTRY arrays PrefetchVirtualMemory got
+        self.quota = list(quota)  # the working-set (minimum, maximum)
+        self.xstate = 0x2E7  # GetEnabledXStateFeatures: x87 .. AVX-512, PKRU; no AMX
+        self.optional = 0  # of those, the ones a thread has off until its process turns them on
+        self.turned_on = 0  # what EnableProcessOptionalXStateFeatures turned on
         self._next_handle = 0x100
-        self._keep = []                  # the callbacks, alive while their pointers are
+        self._keep = []  # the callbacks, alive while their pointers are
         self.dlls = {"kernel32": FakeDLL({}), "psapi": FakeDLL({})}
         for name, (where, restype, argtypes) in GOLDEN.items():
             impl = getattr(self, name)
@@ -275,9 +280,10 @@ class FakeWindows:
             self.calls.append((name, args))
             try:
                 return impl(*args)
-            except Exception as e:     # noqa: BLE001 - reported by the test, not lost in ctypes
+            except Exception as e:  # noqa: BLE001 - reported by the test, not lost in ctypes
                 self.errors.append((name, repr(e)))
                 return 0
+
         return call
 
     def install(self, monkeypatch=None):
@@ -296,6 +302,7 @@ class FakeWindows:
             w._dll, w._last_error = self._saved
             w._lookup.cache_clear()
         from colibri._os import _linux
+
         for address, size in self.views.items():
             _linux.unmap_file(address, size)
         for address, size in self.allocations.items():
@@ -314,11 +321,16 @@ class FakeWindows:
                     continue
                 f = self.dlls[dll]._functions[symbol]
                 _, want_restype, want_argtypes = golden_prototype(name)
-                if not (same_type(f.restype, want_restype) and len(f.argtypes) == len(want_argtypes)
-                        and all(same_type(a, b) for a, b in zip(f.argtypes, want_argtypes))):
+                if not (
+                    same_type(f.restype, want_restype)
+                    and len(f.argtypes) == len(want_argtypes)
+                    and all(same_type(a, b) for a, b in zip(f.argtypes, want_argtypes))
+                ):
                     declared = ", ".join(t.__name__ for t in f.argtypes)
-                    problems.append(f"{name}: declared ({declared}) -> {getattr(f.restype, '__name__', None)}, "
-                                    f"documented ({', '.join(argtypes)}) -> {restype}")
+                    problems.append(
+                        f"{name}: declared ({declared}) -> {getattr(f.restype, '__name__', None)}, "
+                        f"documented ({', '.join(argtypes)}) -> {restype}"
+                    )
         return problems
 
     def fail(self, code: int, result=0):
@@ -335,7 +347,7 @@ class FakeWindows:
 
     def _region_of(self, address: int, length: int = 1):
         for base, size in (*self.views.items(), *self.allocations.items()):
-            if base <= address and address + length <= base + -(-size // PAGE) * PAGE:   # whole pages
+            if base <= address and address + length <= base + -(-size // PAGE) * PAGE:  # whole pages
                 return base, size
         return None
 
@@ -363,7 +375,7 @@ class FakeWindows:
         if entry is None or entry[0] != "file":
             return self.fail(ERROR_INVALID_HANDLE, None)
         if os.fstat(entry[1]).st_size == 0 and high == low == 0:
-            return self.fail(ERROR_FILE_INVALID, None)       # Windows refuses to map an empty file
+            return self.fail(ERROR_FILE_INVALID, None)  # Windows refuses to map an empty file
         return self._new_handle(("mapping", os.dup(entry[1]), entry[2], protect))
 
     def MapViewOfFile(self, mapping, access, high, low, nbytes):
@@ -371,6 +383,7 @@ class FakeWindows:
         if entry is None or entry[0] != "mapping":
             return self.fail(ERROR_INVALID_HANDLE, None)
         from colibri._os import _linux
+
         address, size = _linux.map_file(entry[2])
         self.views[address] = size
         return address
@@ -379,6 +392,7 @@ class FakeWindows:
         if address not in self.views:
             return self.fail(ERROR_INVALID_PARAMETER)
         from colibri._os import _linux
+
         size = self.views.pop(address)
         self.working_set -= set(self._pages(address, size))
         _linux.unmap_file(address, size)
@@ -395,14 +409,16 @@ class FakeWindows:
         if size > 1 << 40:
             return self.fail(ERROR_NOT_ENOUGH_MEMORY, None)
         from colibri._os import _linux
+
         base = _linux.alloc_aligned(size)
         self.allocations[base] = size
         return base
 
     def VirtualFree(self, address, size, free_type):
         if address not in self.allocations or (free_type == w.MEM_RELEASE and size != 0):
-            return self.fail(ERROR_INVALID_PARAMETER)   # MEM_RELEASE frees a whole allocation: size 0
+            return self.fail(ERROR_INVALID_PARAMETER)  # MEM_RELEASE frees a whole allocation: size 0
         from colibri._os import _linux
+
         _linux.free_aligned(address, self.allocations.pop(address))
         return 1
 
@@ -420,7 +436,7 @@ class FakeWindows:
         if self._region_of(address, size) is None:
             return self.fail(ERROR_INVALID_PARAMETER)
         pages = set(self._pages(address, size))
-        if not pages & self.locked:          # not locked: trimmed from the working set, and "fails"
+        if not pages & self.locked:  # not locked: trimmed from the working set, and "fails"
             self.working_set -= pages
             return self.fail(w.ERROR_NOT_LOCKED)
         self.locked -= pages
@@ -452,7 +468,7 @@ class FakeWindows:
         if process != PSEUDO_PROCESS or flags != 0 or count == 0:
             return self.fail(ERROR_INVALID_PARAMETER)
         passed = [(entries[i].VirtualAddress, entries[i].NumberOfBytes) for i in range(count)]
-        self.range_entries.append(passed)                 # read now: the array is the caller's
+        self.range_entries.append(passed)  # read now: the array is the caller's
         for address, size in passed:
             if self._region_of(address, size) is None:
                 return self.fail(ERROR_INVALID_PARAMETER)
@@ -477,7 +493,7 @@ class FakeWindows:
         return 1
 
     def QueryInformationJobObject(self, job, klass, info, nbytes, returned):
-        return self.fail(ERROR_INVALID_PARAMETER)          # not in a job
+        return self.fail(ERROR_INVALID_PARAMETER)  # not in a job
 
     def GlobalMemoryStatusEx(self, status):
         if status[0].dwLength != ctypes.sizeof(w.MEMORYSTATUSEX):
@@ -492,7 +508,7 @@ class FakeWindows:
         return self.xstate & ~(self.optional & ~self.turned_on)
 
     def EnableProcessOptionalXStateFeatures(self, features):
-        if features & ~self.optional:                    # not an optional feature of this system
+        if features & ~self.optional:  # not an optional feature of this system
             return self.fail(ERROR_INVALID_PARAMETER)
         self.turned_on |= features
         return 1
@@ -532,7 +548,7 @@ def test_map_file_opens_maps_and_closes_as_documented(fake, data_file):
         ((mapping, access, off_high, off_low, nbytes),) = fake.named("MapViewOfFile")
         assert (access, off_high, off_low, nbytes) == (w.FILE_MAP_READ, 0, 0, 0)
         assert sorted(h for (h,) in fake.named("CloseHandle")) == sorted([file_handle, mapping])
-        assert fake.handles == {}                       # the view keeps the mapping alive by itself
+        assert fake.handles == {}  # the view keeps the mapping alive by itself
         address = m.address
     assert fake.named("UnmapViewOfFile") == [(address,)] and fake.views == {}
 
@@ -557,7 +573,7 @@ def test_prefetch_passes_page_aligned_range_entries(fake, data_file):
         ((process, count, _, flags),) = fake.named("PrefetchVirtualMemory")
         assert (process, count, flags) == (PSEUDO_PROCESS, 2, 0)
         (passed,) = fake.range_entries
-        assert passed == [(m.address, 3 * PAGE), (m.address + 10 * PAGE, PAGE)]   # sorted, merged, whole pages
+        assert passed == [(m.address, 3 * PAGE), (m.address + 10 * PAGE, PAGE)]  # sorted, merged, whole pages
         assert all(a % PAGE == 0 and n % PAGE == 0 for a, n in passed)
         assert _os.resident_bytes(m.address, m.size) == 4 * PAGE
         for process, info, nbytes in fake.named("QueryWorkingSetEx"):
@@ -569,10 +585,10 @@ def test_release_trims_the_working_set_and_not_locked_is_success(fake, data_file
     with _os.map_file(path) as m:
         _os.prefetch([(m.address, m.size)])
         assert _os.resident_bytes(m.address, m.size) == m.size
-        assert _os.release([(m.address + PAGE, 2 * PAGE - 1)]) is True    # VirtualUnlock: ERROR_NOT_LOCKED
+        assert _os.release([(m.address + PAGE, 2 * PAGE - 1)]) is True  # VirtualUnlock: ERROR_NOT_LOCKED
         assert fake.named("VirtualUnlock") == [(m.address + PAGE, 2 * PAGE)]
         assert _os.resident_bytes(m.address, m.size) == m.size - 2 * PAGE
-        with pytest.warns(_os.AdviceWarning, match="VirtualUnlock"):      # a real failure warns once
+        with pytest.warns(_os.AdviceWarning, match="VirtualUnlock"):  # a real failure warns once
             assert _os.release([(PAGE, PAGE)]) is False
 
 
@@ -584,7 +600,7 @@ def test_prefetch_without_prefetchvirtualmemory_touches_every_page(monkeypatch, 
         fake.install()
         monkeypatch.setattr(_os, "_backend", w)
         monkeypatch.setattr(_os, "_WARNED", set())
-        assert w.engine_advice()[1] == 0                         # the engine gets no prefetch either
+        assert w.engine_advice()[1] == 0  # the engine gets no prefetch either
         with _os.map_file(path) as m:
             assert _os.prefetch([(m.address, 3 * PAGE)]) is True
             reads = fake.named("ReadProcessMemory")
@@ -629,7 +645,7 @@ def test_alloc_aligned_commits_and_releases_whole_allocations(fake):
 def test_lock_raises_the_working_set_quota_when_it_must(fake):
     address, buf = _os.alloc_aligned(300 * PAGE)
     fake.quota = [100 * PAGE, 200 * PAGE]
-    assert _os.lock([(address, 150 * PAGE)]) is True         # over the minimum: grow it, then lock
+    assert _os.lock([(address, 150 * PAGE)]) is True  # over the minimum: grow it, then lock
     assert fake.named("SetProcessWorkingSetSize") == [(PSEUDO_PROCESS, 250 * PAGE, 350 * PAGE)]
     assert len(fake.named("VirtualLock")) == 2 and fake.pages_resident(address, 150 * PAGE) == 150
     assert _os.unlock([(address, 150 * PAGE)]) is True and not fake.locked
@@ -644,7 +660,7 @@ def test_statistics_pass_their_structure_sizes(fake, data_file):
         assert _os.page_faults() == (7, 0)
     ((process, counters, nbytes),) = fake.named("GetProcessMemoryInfo")[:1]
     assert process == PSEUDO_PROCESS and nbytes == 72
-    assert _os.memory_limit() == (None, "")                  # QueryInformationJobObject: not in a job
+    assert _os.memory_limit() == (None, "")  # QueryInformationJobObject: not in a job
     assert _os.available_memory() == 3 << 30
 
 
@@ -661,21 +677,31 @@ def test_the_fake_sees_a_wrong_prototype_the_backend_set(monkeypatch, data_file)
         address, size = w.map_file(path)
         w.unmap_file(address, size)
         uint32 = ctypes.c_uint32.__name__
-        assert fake.prototype_errors() == [f"MapViewOfFile: declared (c_void_p, {uint32}, {uint32}, {uint32}, {uint32}) "
-                                           "-> c_void_p, documented (HANDLE, DWORD, DWORD, DWORD, SIZE_T) -> LPVOID"]
+        assert fake.prototype_errors() == [
+            f"MapViewOfFile: declared (c_void_p, {uint32}, {uint32}, {uint32}, {uint32}) "
+            "-> c_void_p, documented (HANDLE, DWORD, DWORD, DWORD, SIZE_T) -> LPVOID"
+        ]
 
 
-AMX_CONFIG, AMX_DATA = 1 << 17, 1 << 18     # winnt.h's XSTATE_MASK_AMX_TILE_CONFIG / _DATA
+AMX_CONFIG, AMX_DATA = 1 << 17, 1 << 18  # winnt.h's XSTATE_MASK_AMX_TILE_CONFIG / _DATA
 
 
-@pytest.mark.parametrize("system, optional, missing, granted, named", [
-    (0, 0, (), False, "Windows 11"),                                      # no AMX in this Windows
-    (AMX_CONFIG, AMX_CONFIG, (), False, "XSTATE_AMX_TILE_DATA"),          # the config alone is not the tiles
-    (AMX_CONFIG | AMX_DATA, AMX_CONFIG | AMX_DATA, (), True, ""),         # Windows 11: turned on, then held
-    (AMX_CONFIG | AMX_DATA, 0, (), True, ""),                             # already on for every thread
-    (AMX_CONFIG | AMX_DATA, AMX_CONFIG | AMX_DATA, ("EnableProcessOptionalXStateFeatures",), False,
-     "EnableProcessOptionalXStateFeatures is missing"),
-])
+@pytest.mark.parametrize(
+    "system, optional, missing, granted, named",
+    [
+        (0, 0, (), False, "Windows 11"),  # no AMX in this Windows
+        (AMX_CONFIG, AMX_CONFIG, (), False, "XSTATE_AMX_TILE_DATA"),  # the config alone is not the tiles
+        (AMX_CONFIG | AMX_DATA, AMX_CONFIG | AMX_DATA, (), True, ""),  # Windows 11: turned on, then held
+        (AMX_CONFIG | AMX_DATA, 0, (), True, ""),  # already on for every thread
+        (
+            AMX_CONFIG | AMX_DATA,
+            AMX_CONFIG | AMX_DATA,
+            ("EnableProcessOptionalXStateFeatures",),
+            False,
+            "EnableProcessOptionalXStateFeatures is missing",
+        ),
+    ],
+)
 def test_the_tile_state_is_turned_on_for_the_process(monkeypatch, system, optional, missing, granted, named):
     """Windows offers AMX's tile state as an optional XSAVE feature: request_tile_data checks the
     system has it (GetEnabledXStateFeatures, bit 18), turns it on for the process

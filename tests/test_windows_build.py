@@ -13,6 +13,7 @@
 What is not tested here: cl.exe itself (its diagnostics, its code generation) and a real Windows
 kernel (Wine keeps no working set, so the trim is exercised but not observed). Each test skips,
 saying why, where its compiler or Wine is missing (.ci/run installs them when it can)."""
+
 from __future__ import annotations
 
 import re
@@ -25,31 +26,64 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "colibri" / "csrc"
 MINGW = shutil.which("x86_64-w64-mingw32-gcc")
-WINE = shutil.which("wine64") or shutil.which("wine") or next(
-    (p for p in ("/usr/lib/wine/wine64",) if Path(p).exists()), None)
+WINE = (
+    shutil.which("wine64")
+    or shutil.which("wine")
+    or next((p for p in ("/usr/lib/wine/wine64",) if Path(p).exists()), None)
+)
 FLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-unused-function", "-Werror", f"-I{CSRC}"]
 
 CLANG = shutil.which("clang")
 MINGW_INCLUDE = Path("/usr/x86_64-w64-mingw32/include")
 # cl.exe's view: no GNU mode; every intrinsic declared (MSVC declares them all, whatever /arch says);
 # freestanding only so that clang's intrin.h and MinGW's setjmp.h do not both declare _setjmp.
-MSVC_FLAGS = ["--target=x86_64-pc-windows-msvc", "-fsyntax-only", "-fms-compatibility", "-std=c11",
-              "-ffreestanding", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-              "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mavxvnni", "-mamx-tile", "-mamx-int8",
-              "-mamx-bf16", "-Wall", "-Werror", "-Werror=gnu",
-              "-Werror=vla", "-Wno-unused-function", "-include", str(ROOT / "tests" / "win" / "msvc_prelude.h"),
-              "-idirafter", str(MINGW_INCLUDE), f"-I{CSRC}"]
+MSVC_FLAGS = [
+    "--target=x86_64-pc-windows-msvc",
+    "-fsyntax-only",
+    "-fms-compatibility",
+    "-std=c11",
+    "-ffreestanding",
+    "-fopenmp",
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512vnni",
+    "-mavx512bf16",
+    "-mavxvnni",
+    "-mamx-tile",
+    "-mamx-int8",
+    "-mamx-bf16",
+    "-Wall",
+    "-Werror",
+    "-Werror=gnu",
+    "-Werror=vla",
+    "-Wno-unused-function",
+    "-include",
+    str(ROOT / "tests" / "win" / "msvc_prelude.h"),
+    "-idirafter",
+    str(MINGW_INCLUDE),
+    f"-I{CSRC}",
+]
 
 needs_mingw = pytest.mark.skipif(MINGW is None, reason="no x86_64-w64-mingw32-gcc (apt: gcc-mingw-w64-x86-64)")
-needs_msvc_mode = pytest.mark.skipif(CLANG is None or not MINGW_INCLUDE.is_dir(),
-                                     reason="no clang, or no MinGW headers to stand in for the Windows SDK "
-                                            "(apt: clang gcc-mingw-w64-x86-64)")
+needs_msvc_mode = pytest.mark.skipif(
+    CLANG is None or not MINGW_INCLUDE.is_dir(),
+    reason="no clang, or no MinGW headers to stand in for the Windows SDK (apt: clang gcc-mingw-w64-x86-64)",
+)
 
 
 def run_under_wine(exe: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([WINE, str(exe)], capture_output=True, text=True, timeout=120,
-                          env={"WINEDEBUG": "-all", "WINEPREFIX": str(tmp_path / "wine"), "HOME": str(tmp_path),
-                               "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [WINE, str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"WINEDEBUG": "-all", "WINEPREFIX": str(tmp_path / "wine"), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def compiled_headers() -> list:
@@ -70,16 +104,18 @@ def test_every_header_compiles_for_windows(tmp_path):
     headers = compiled_headers()
     src = tmp_path / "all.c"
     src.write_text("".join(f'#include "{h}"\n' for h in headers) + "int main(void) { return 0; }\n")
-    r = subprocess.run([MINGW, *FLAGS, "-fopenmp", "-c", str(src), "-o", str(tmp_path / "all.o")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [MINGW, *FLAGS, "-fopenmp", "-c", str(src), "-o", str(tmp_path / "all.o")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
 @needs_mingw
 def test_the_expert_cache_runs_its_win32_readers(tmp_path):
     exe = tmp_path / "cache_check.exe"
-    r = subprocess.run([MINGW, *FLAGS, str(ROOT / "tests" / "win" / "cache_check.c"), "-o", str(exe)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [MINGW, *FLAGS, str(ROOT / "tests" / "win" / "cache_check.c"), "-o", str(exe)], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     if WINE is None:
         pytest.skip("built for Windows, but no wine64 to run it (apt: wine64)")
@@ -94,9 +130,13 @@ def test_the_core_runs_its_tiers_and_the_win32_path_under_wine(tmp_path):
     detection agrees with the Linux build's, every tier up to the best passes the scalar spec on
     every int step it has here, and the file-mapping / prefetch / trim / VirtualAlloc lines hold."""
     from colibri import _kernels
+
     exe = tmp_path / "core_check.exe"
-    r = subprocess.run([MINGW, *FLAGS, "-fopenmp", str(ROOT / "tests" / "win" / "core_check.c"), "-static",
-                        "-o", str(exe)], capture_output=True, text=True)
+    r = subprocess.run(
+        [MINGW, *FLAGS, "-fopenmp", str(ROOT / "tests" / "win" / "core_check.c"), "-static", "-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     if WINE is None:
         pytest.skip("built for Windows, but no wine64 to run it (apt: wine64)")
@@ -130,8 +170,11 @@ def test_every_header_parses_as_msvc_c11(tmp_path):
 def test_the_msvc_build_has_the_amx_steps(tmp_path):
     """cl.exe has no inline assembly on x86-64: there the AMX steps take immintrin.h's _tile_*
     intrinsics (kernels_amx.h), so an MSVC build has them too (and the emulated one the tests use)."""
-    r = _msvc_parse(tmp_path, '#include "dispatch.h"\n#if !CB_HAVE_AMX || defined(CB_AMX_ASM)\n'
-                              '#error "no AMX step through the intrinsics"\n#endif\nint main(void) { return 0; }\n')
+    r = _msvc_parse(
+        tmp_path,
+        '#include "dispatch.h"\n#if !CB_HAVE_AMX || defined(CB_AMX_ASM)\n'
+        '#error "no AMX step through the intrinsics"\n#endif\nint main(void) { return 0; }\n',
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -145,47 +188,97 @@ def test_the_amx_intrinsics_give_the_tile_instructions(tmp_path):
     on the same tiles in the same operand order —, and the AMX kernels' emulated bits still hold
     (tools/bench/amx_check.c --emulated; the tile ops themselves run only on an AMX CPU)."""
     exe = {}
-    for branch, extra in (("asm", []), ("intrinsics", ["-DCB_AMX_INTRINSICS", "-mamx-tile", "-mamx-int8", "-mamx-bf16"])):
+    for branch, extra in (
+        ("asm", []),
+        ("intrinsics", ["-DCB_AMX_INTRINSICS", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]),
+    ):
         exe[branch] = tmp_path / f"amx_check_{branch}"
-        r = subprocess.run([GCC, "-O2", "-fopenmp", *extra, f"-I{CSRC}", str(ROOT / "tools" / "bench" / "amx_check.c"),
-                            "-o", str(exe[branch]), "-lm"], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                GCC,
+                "-O2",
+                "-fopenmp",
+                *extra,
+                f"-I{CSRC}",
+                str(ROOT / "tools" / "bench" / "amx_check.c"),
+                "-o",
+                str(exe[branch]),
+                "-lm",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
     kinds, products = {}, {}
     for branch, path in exe.items():
         dump = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
-        kinds[branch] = set(re.findall(r"\b(ldtilecfg|tilerelease|tileloadd|tilestored|tilezero|tdpbssd|tdpbf16ps)\b", dump))
+        kinds[branch] = set(
+            re.findall(r"\b(ldtilecfg|tilerelease|tileloadd|tilestored|tilezero|tdpbssd|tdpbf16ps)\b", dump)
+        )
         products[branch] = set(re.findall(r"\b((?:tdpbssd|tdpbf16ps|tilezero)\s+[%\w,]+)", dump))
-    assert kinds["intrinsics"] == kinds["asm"] == {"ldtilecfg", "tilerelease", "tileloadd", "tilestored", "tilezero",
-                                                   "tdpbssd", "tdpbf16ps"}
+    assert (
+        kinds["intrinsics"]
+        == kinds["asm"]
+        == {"ldtilecfg", "tilerelease", "tileloadd", "tilestored", "tilezero", "tdpbssd", "tdpbf16ps"}
+    )
     assert products["intrinsics"] == products["asm"] and len(products["asm"]) >= 8
     run = subprocess.run([str(exe["intrinsics"]), "--emulated"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:]
 
 
 @needs_msvc_mode
-@pytest.mark.parametrize("snippet", [
-    "static int __attribute__((unused)) x;",                       # a GNU attribute
-    "static int f(void) { return ({ 1; }); }",                      # a statement expression
-    "static __thread int t;",                                       # GCC's thread-local
-    "static int g(int v) { return __builtin_expect(v, 0); }",       # a GCC builtin
-    "static void h(void) { __asm__(\"nop\"); }",                    # inline assembly
-    "static int z[0];",                                             # a zero-length array
-    "static void v(int n) { int a[n]; a[0] = 0; (void)a; }",        # a variable-length array
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "static int __attribute__((unused)) x;",  # a GNU attribute
+        "static int f(void) { return ({ 1; }); }",  # a statement expression
+        "static __thread int t;",  # GCC's thread-local
+        "static int g(int v) { return __builtin_expect(v, 0); }",  # a GCC builtin
+        'static void h(void) { __asm__("nop"); }',  # inline assembly
+        "static int z[0];",  # a zero-length array
+        "static void v(int n) { int a[n]; a[0] = 0; (void)a; }",  # a variable-length array
+    ],
+)
 def test_the_msvc_check_rejects_gcc_only_syntax(tmp_path, snippet):
     r = _msvc_parse(tmp_path, f'#include "dispatch.h"\n{snippet}\nint main(void) {{ return 0; }}\n')
     assert r.returncode != 0, f"clang's MSVC mode accepted: {snippet}"
-    control = _msvc_parse(tmp_path, '#include "dispatch.h"\nstatic int ok(void) { return 0; }\n'
-                                    "int main(void) { return ok(); }\n")
+    control = _msvc_parse(
+        tmp_path, '#include "dispatch.h"\nstatic int ok(void) { return 0; }\nint main(void) { return ok(); }\n'
+    )
     assert control.returncode == 0, control.stderr[-2000:]
 
 
 # OpenMP 2.0 (MSVC's /openmp): its directives and clauses, no collapse/simd/task/target, and a
 # `for` loop's index of a signed integral type (C3016 otherwise).
-OPENMP_2_DIRECTIVES = {"parallel", "for", "sections", "section", "single", "master", "critical", "barrier",
-                       "atomic", "flush", "ordered", "threadprivate"}
-OPENMP_2_CLAUSES = {"private", "firstprivate", "lastprivate", "shared", "default", "reduction", "copyin",
-                    "copyprivate", "schedule", "nowait", "ordered", "if", "num_threads"}
+OPENMP_2_DIRECTIVES = {
+    "parallel",
+    "for",
+    "sections",
+    "section",
+    "single",
+    "master",
+    "critical",
+    "barrier",
+    "atomic",
+    "flush",
+    "ordered",
+    "threadprivate",
+}
+OPENMP_2_CLAUSES = {
+    "private",
+    "firstprivate",
+    "lastprivate",
+    "shared",
+    "default",
+    "reduction",
+    "copyin",
+    "copyprivate",
+    "schedule",
+    "nowait",
+    "ordered",
+    "if",
+    "num_threads",
+}
 SIGNED_INDEX = re.compile(r"for\s*\(\s*(?:int|long|long long|ptrdiff_t|int32_t|int64_t|Py_ssize_t)\s+\w+\s*=")
 
 
@@ -203,7 +296,7 @@ def openmp_pragmas() -> list:
 
 def openmp_2_problems(text: str, following: str) -> list:
     """What in `#pragma omp <text>` (and the line after it) MSVC's OpenMP 2.0 would reject."""
-    words = re.sub(r"\([^()]*\)", "", text).split()                 # clause arguments dropped
+    words = re.sub(r"\([^()]*\)", "", text).split()  # clause arguments dropped
     problems = [w for w in words if w not in OPENMP_2_DIRECTIVES | OPENMP_2_CLAUSES]
     if not words or words[0] not in OPENMP_2_DIRECTIVES:
         problems.append(f"directive {words[:1]}")
@@ -219,12 +312,15 @@ def test_openmp_pragmas_are_within_openmp_2_0():
         assert not openmp_2_problems(text, following), (name, text, following)
 
 
-@pytest.mark.parametrize("text, following", [
-    ("parallel for collapse(2)", "for (int i = 0; i < n; i++)"),
-    ("parallel for simd", "for (int i = 0; i < n; i++)"),
-    ("task", "{"),
-    ("parallel for schedule(static)", "for (size_t i = 0; i < n; i++)"),
-    ("parallel for", "for (unsigned i = 0; i < n; i++)"),
-])
+@pytest.mark.parametrize(
+    "text, following",
+    [
+        ("parallel for collapse(2)", "for (int i = 0; i < n; i++)"),
+        ("parallel for simd", "for (int i = 0; i < n; i++)"),
+        ("task", "{"),
+        ("parallel for schedule(static)", "for (size_t i = 0; i < n; i++)"),
+        ("parallel for", "for (unsigned i = 0; i < n; i++)"),
+    ],
+)
 def test_the_openmp_check_rejects_what_openmp_2_0_lacks(text, following):
     assert openmp_2_problems(text, following)

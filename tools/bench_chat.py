@@ -46,6 +46,7 @@ Design
 --json alone prints one JSON object instead of the table; --json PATH writes it to PATH too.
 The model directory needs a tokenizer and a chat template that accepts a system message.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,7 +103,8 @@ WORDS = (
     "context memory cache prompt reply language polite honest safe helpful assistant follow rule "
     "format list table summary topic task review check test write read keep avoid include "
     "instead because however although unless before after during while each every both either "
-    "simple complex small large quick slow early late good better best important useful").split()
+    "simple complex small large quick slow early late good better best important useful"
+).split()
 
 
 def make_text(count, target, rng, opening=""):
@@ -118,7 +120,7 @@ def make_text(count, target, rng, opening=""):
         if count(text) >= target:
             break
     words = text.split()
-    lo, hi = 1, len(words)              # the fewest words that reach the target
+    lo, hi = 1, len(words)  # the fewest words that reach the target
     while lo < hi:
         mid = (lo + hi) // 2
         if count(" ".join(words[:mid])) >= target:
@@ -161,10 +163,17 @@ def request(model, messages, reply_tokens, reuse):
     reply = [first] + list(gen)
     t3 = time.perf_counter()
     st = model.stats
-    return reply, {"prompt_tokens": len(ids), "reused_tokens": int(st["reused_tokens"]),
-                   "prefill_tokens": int(st["prefill_tokens"]), "template_s": t1 - t0, "ttft_s": t2 - t0,
-                   "prefill_s": float(st["prefill_seconds"]), "total_s": t3 - t0, "reply_tokens": len(reply),
-                   "cpu_per_wall": (c2 - c0) / (t2 - t0)}
+    return reply, {
+        "prompt_tokens": len(ids),
+        "reused_tokens": int(st["reused_tokens"]),
+        "prefill_tokens": int(st["prefill_tokens"]),
+        "template_s": t1 - t0,
+        "ttft_s": t2 - t0,
+        "prefill_s": float(st["prefill_seconds"]),
+        "total_s": t3 - t0,
+        "reply_tokens": len(reply),
+        "cpu_per_wall": (c2 - c0) / (t2 - t0),
+    }
 
 
 def loud(msg):
@@ -182,10 +191,12 @@ def fmt_ms(s):
 
 
 def run(args):
-    log = lambda *a: print("[bench_chat]", *a, file=sys.stderr, flush=True)   # noqa: E731
+    log = lambda *a: print("[bench_chat]", *a, file=sys.stderr, flush=True)  # noqa: E731
     t = time.perf_counter()
-    models = {"reuse": colibri.load(args.model_dir, threads=args.threads),
-              "full": colibri.load(args.model_dir, threads=args.threads)}
+    models = {
+        "reuse": colibri.load(args.model_dir, threads=args.threads),
+        "full": colibri.load(args.model_dir, threads=args.threads),
+    }
     log(f"loaded 2 x {models['full']!r} in {time.perf_counter() - t:.1f} s, {args.threads} threads")
     ref = models["full"]
     system, users = conversation(ref, args.system_tokens, args.user_tokens, args.turns, args.seed)
@@ -194,10 +205,11 @@ def run(args):
     def compare(rep, turn, a, b):
         if a != b:
             k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            mismatches.append({"repetition": rep, "turn": turn + 1, "first_difference": k,
-                               "reuse": a, "full": b})
-            loud(f"OUTPUT MISMATCH: turn {turn + 1}, repetition {rep}: the reply with prefix reuse differs "
-                 f"from the full prefill's at token {k}: {a[k:k + 8]} vs {b[k:k + 8]}")
+            mismatches.append({"repetition": rep, "turn": turn + 1, "first_difference": k, "reuse": a, "full": b})
+            loud(
+                f"OUTPUT MISMATCH: turn {turn + 1}, repetition {rep}: the reply with prefix reuse differs "
+                f"from the full prefill's at token {k}: {a[k : k + 8]} vs {b[k : k + 8]}"
+            )
 
     # warm-up: fixes the history (the full prefill's replies) and reads the weights in
     replies, texts = {"reuse": [], "full": []}, []
@@ -208,9 +220,11 @@ def run(args):
             replies[mode].append(reply)
         compare("warm-up", turn, replies["reuse"][turn], replies["full"][turn])
         texts.append(ref.tokenizer.decode(replies["full"][turn], skip_special_tokens=True))
-    log(f"warm-up done: system prompt {len(ref.encode(system, add_special_tokens=False))} tokens, "
+    log(
+        f"warm-up done: system prompt {len(ref.encode(system, add_special_tokens=False))} tokens, "
         f"user messages {[len(ref.encode(u, add_special_tokens=False)) for u in users]} tokens, replies "
-        f"{[len(r) for r in replies['full']]} tokens")
+        f"{[len(r) for r in replies['full']]} tokens"
+    )
 
     records = {mode: [[] for _ in range(args.turns)] for mode in models}
     for rep in range(args.repeat):
@@ -222,78 +236,110 @@ def run(args):
                 reuse = mode == "reuse" and turn > 0
                 got[mode], rec = request(models[mode], msgs, args.reply_tokens, reuse)
                 if not reuse and rec["reused_tokens"] != 0:
-                    raise SystemExit(f"bench_chat: a reuse_prefix=False request reused {rec['reused_tokens']} "
-                                     f"tokens (turn {turn + 1}): the full-prefill figures would be wrong")
+                    raise SystemExit(
+                        f"bench_chat: a reuse_prefix=False request reused {rec['reused_tokens']} "
+                        f"tokens (turn {turn + 1}): the full-prefill figures would be wrong"
+                    )
                 if rec["reused_tokens"] + rec["prefill_tokens"] != rec["prompt_tokens"]:
                     raise SystemExit(f"bench_chat: reused + prefilled != prompt tokens: {rec}")
                 records[mode][turn].append(rec)
             compare(rep, turn, got["reuse"], got["full"])
             if got["full"] != replies["full"][turn]:
-                loud(f"NON-DETERMINISTIC: turn {turn + 1}, repetition {rep}: the full prefill's reply differs "
-                     f"from the warm-up's")
+                loud(
+                    f"NON-DETERMINISTIC: turn {turn + 1}, repetition {rep}: the full prefill's reply differs "
+                    f"from the warm-up's"
+                )
                 mismatches.append({"repetition": rep, "turn": turn + 1, "nondeterministic": True})
-        log(f"repetition {rep + 1}/{args.repeat} (load {os.getloadavg()[0]:.2f}): TTFT ms reuse "
+        log(
+            f"repetition {rep + 1}/{args.repeat} (load {os.getloadavg()[0]:.2f}): TTFT ms reuse "
             f"{[round(records['reuse'][k][-1]['ttft_s'] * 1e3) for k in range(args.turns)]}, full "
-            f"{[round(records['full'][k][-1]['ttft_s'] * 1e3) for k in range(args.turns)]}")
+            f"{[round(records['full'][k][-1]['ttft_s'] * 1e3) for k in range(args.turns)]}"
+        )
 
     turns = []
     for turn in range(args.turns):
         r, f = records["reuse"][turn], records["full"][turn]
         prev_len = r[0]["prompt_tokens"] if turn == 0 else records["full"][turn - 1][0]["prompt_tokens"]
         reused = sorted({x["reused_tokens"] for x in r})
-        row = {"turn": turn + 1, "prompt_tokens": r[0]["prompt_tokens"],
-               "reused_tokens": reused[0] if len(reused) == 1 else reused,
-               "prefill_tokens_reuse": r[0]["prompt_tokens"] - reused[0],
-               "prefill_tokens_full": f[0]["prefill_tokens"],
-               # of the previous turn's reply ids (which the cache holds, all but the last), how
-               # many were still a prefix match after the text round trip
-               "reply_tokens_kept": None if turn == 0 else max(0, reused[0] - prev_len),
-               "previous_reply_tokens": None if turn == 0 else len(replies["full"][turn - 1]),
-               "ttft_reuse_s": med([x["ttft_s"] for x in r]), "ttft_full_s": med([x["ttft_s"] for x in f]),
-               "prefill_reuse_s": med([x["prefill_s"] for x in r]), "prefill_full_s": med([x["prefill_s"] for x in f]),
-               "template_s": med([x["template_s"] for x in r + f]),
-               "cpu_per_wall_reuse": med([x["cpu_per_wall"] for x in r]),
-               "cpu_per_wall_full": med([x["cpu_per_wall"] for x in f]),
-               "ttft_reuse_all_s": [x["ttft_s"] for x in r], "ttft_full_all_s": [x["ttft_s"] for x in f]}
+        row = {
+            "turn": turn + 1,
+            "prompt_tokens": r[0]["prompt_tokens"],
+            "reused_tokens": reused[0] if len(reused) == 1 else reused,
+            "prefill_tokens_reuse": r[0]["prompt_tokens"] - reused[0],
+            "prefill_tokens_full": f[0]["prefill_tokens"],
+            # of the previous turn's reply ids (which the cache holds, all but the last), how
+            # many were still a prefix match after the text round trip
+            "reply_tokens_kept": None if turn == 0 else max(0, reused[0] - prev_len),
+            "previous_reply_tokens": None if turn == 0 else len(replies["full"][turn - 1]),
+            "ttft_reuse_s": med([x["ttft_s"] for x in r]),
+            "ttft_full_s": med([x["ttft_s"] for x in f]),
+            "prefill_reuse_s": med([x["prefill_s"] for x in r]),
+            "prefill_full_s": med([x["prefill_s"] for x in f]),
+            "template_s": med([x["template_s"] for x in r + f]),
+            "cpu_per_wall_reuse": med([x["cpu_per_wall"] for x in r]),
+            "cpu_per_wall_full": med([x["cpu_per_wall"] for x in f]),
+            "ttft_reuse_all_s": [x["ttft_s"] for x in r],
+            "ttft_full_all_s": [x["ttft_s"] for x in f],
+        }
         row["ratio"] = row["ttft_full_s"]["median"] / row["ttft_reuse_s"]["median"]
         # the two modes of one turn of one repetition ran seconds apart: their ratio sees the
         # same neighbours on this shared host
         row["ratio_paired"] = med([b["ttft_s"] / a["ttft_s"] for a, b in zip(r, f)])
         turns.append(row)
     m = models["full"]
-    result = {"model_dir": os.path.abspath(args.model_dir), "model": repr(m), "weight_dtype": m.weight_dtype,
-              "threads": args.threads, "repeat": args.repeat, "turns": args.turns,
-              "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
-              "reply_tokens": args.reply_tokens, "seed": args.seed, "cpu": platform.processor() or platform.machine(),
-              "colibri_version": getattr(colibri, "__version__", None),
-              "outputs_match": not mismatches, "mismatches": mismatches, "per_turn": turns}
+    result = {
+        "model_dir": os.path.abspath(args.model_dir),
+        "model": repr(m),
+        "weight_dtype": m.weight_dtype,
+        "threads": args.threads,
+        "repeat": args.repeat,
+        "turns": args.turns,
+        "system_tokens": args.system_tokens,
+        "user_tokens": args.user_tokens,
+        "reply_tokens": args.reply_tokens,
+        "seed": args.seed,
+        "cpu": platform.processor() or platform.machine(),
+        "colibri_version": getattr(colibri, "__version__", None),
+        "outputs_match": not mismatches,
+        "mismatches": mismatches,
+        "per_turn": turns,
+    }
     for mm in models.values():
         mm.close()
     return result
 
 
 def table(res):
-    lines = [f"{res['model']}, {res['threads']} threads, {res['repeat']} repetitions, replies of "
-             f"{res['reply_tokens']} greedy tokens; TTFT ms median (min–max); turn 1 starts the conversation: "
-             f"a full prefill in both", "",
-             "| turn | prompt tokens | reused | prefilled (reuse) | reply kept | TTFT reuse | TTFT full prefill "
-             "| full / reuse (medians) | paired | template+tokenize |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{res['model']}, {res['threads']} threads, {res['repeat']} repetitions, replies of "
+        f"{res['reply_tokens']} greedy tokens; TTFT ms median (min–max); turn 1 starts the conversation: "
+        f"a full prefill in both",
+        "",
+        "| turn | prompt tokens | reused | prefilled (reuse) | reply kept | TTFT reuse | TTFT full prefill "
+        "| full / reuse (medians) | paired | template+tokenize |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for t in res["per_turn"]:
         kept = "—" if t["turn"] == 1 else f"{t['reply_tokens_kept']}/{t['previous_reply_tokens']}"
         reuse = fmt_ms(t["ttft_reuse_s"]) + (" (cold)" if t["turn"] == 1 else "")
         ratio = "—" if t["turn"] == 1 else f"{t['ratio']:.1f}×"
         p = t["ratio_paired"]
         paired = "—" if t["turn"] == 1 else f"{p['median']:.1f}× ({p['min']:.1f}–{p['max']:.1f})"
-        lines.append(f"| {t['turn']} | {t['prompt_tokens']} | {t['reused_tokens']} | {t['prefill_tokens_reuse']} "
-                     f"| {kept} | {reuse} | {fmt_ms(t['ttft_full_s'])} | {ratio} | {paired} "
-                     f"| {t['template_s']['median'] * 1e3:.1f} |")
+        lines.append(
+            f"| {t['turn']} | {t['prompt_tokens']} | {t['reused_tokens']} | {t['prefill_tokens_reuse']} "
+            f"| {kept} | {reuse} | {fmt_ms(t['ttft_full_s'])} | {ratio} | {paired} "
+            f"| {t['template_s']['median'] * 1e3:.1f} |"
+        )
     lines.append("")
     cw = [t[k]["median"] for t in res["per_turn"] for k in ("cpu_per_wall_reuse", "cpu_per_wall_full")]
-    lines.append(f"process CPU time / wall time up to the first token, per-turn medians: {min(cw):.2f}–{max(cw):.2f} "
-                 f"({res['threads']:.0f} = every thread had a core throughout)")
-    lines.append("outputs identical with and without reuse: " + ("yes" if res["outputs_match"] else
-                                                                  f"NO ({len(res['mismatches'])} mismatches)"))
+    lines.append(
+        f"process CPU time / wall time up to the first token, per-turn medians: {min(cw):.2f}–{max(cw):.2f} "
+        f"({res['threads']:.0f} = every thread had a core throughout)"
+    )
+    lines.append(
+        "outputs identical with and without reuse: "
+        + ("yes" if res["outputs_match"] else f"NO ({len(res['mismatches'])} mismatches)")
+    )
     return "\n".join(lines)
 
 
@@ -307,10 +353,18 @@ def main(argv=None):
     ap.add_argument("--reply-tokens", type=int, default=32, help="greedy tokens per reply (fewer at EOS)")
     ap.add_argument("--repeat", type=int, default=5, help="repetitions of the conversation; medians over them")
     ap.add_argument("--seed", type=int, default=0, help="of the conversation's text")
-    ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                    help="alone: print one JSON object instead of the table; with PATH: also write it there")
-    ap.add_argument("--write-template", metavar="DIR",
-                    help="write DIR/tokenizer_config.json with the Mixtral [INST] template and exit")
+    ap.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="alone: print one JSON object instead of the table; with PATH: also write it there",
+    )
+    ap.add_argument(
+        "--write-template",
+        metavar="DIR",
+        help="write DIR/tokenizer_config.json with the Mixtral [INST] template and exit",
+    )
     args = ap.parse_args(argv)
     if args.write_template:
         os.makedirs(args.write_template, exist_ok=True)

@@ -52,6 +52,7 @@ as prefill computes them (blocks of queries sharing the cache rows) and one quer
 decoding them would; the same bits), f32 and f16 caches, GFLOP/s (4 x heads x head_dim per query
 and position) next to the FMA peak measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,24 +75,40 @@ def timed(fn) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--mb", type=int, default=None,
-                    help="size of the bf16 matrix in MB (default: 512, or 4 x the last-level cache where that is more)")
+    ap.add_argument(
+        "--mb",
+        type=int,
+        default=None,
+        help="size of the bf16 matrix in MB (default: 512, or 4 x the last-level cache where that is more)",
+    )
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--isa", default=None, help="force a tier (default: the best)")
     ap.add_argument("--dtypes", default="f32,f16,bf16,int8,int4,mxfp4,nl4,int6")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens of the prefill table")
     ap.add_argument("--layouts", default="rows,transposed,interleaved")
-    ap.add_argument("--sweep", default=None,
-                    help="token counts, e.g. 1,2,4,8,32,128: only the layouts' products of an expert-shaped "
-                         "[3584, 1024] int8/int4 matrix per token count, each layout's GB/s and the ratio to the first")
-    ap.add_argument("--attention", default=None,
-                    help="context lengths, e.g. 256,1024,4096: only decode's attention over a 16-layer KV cache")
-    ap.add_argument("--prompt-attention", default=None,
-                    help="context lengths, e.g. 512,4096,16384: only a prompt chunk's attention (Qwen3-MoE's heads)")
-    ap.add_argument("--expert-prefill", default=None,
-                    help="ROWSxCOLSxTOKENS shapes, e.g. 768x2048x8,2048x768x8: only experts' prefill products, "
-                         "cache-resident and streamed from memory")
+    ap.add_argument(
+        "--sweep",
+        default=None,
+        help="token counts, e.g. 1,2,4,8,32,128: only the layouts' products of an expert-shaped "
+        "[3584, 1024] int8/int4 matrix per token count, each layout's GB/s and the ratio to the first",
+    )
+    ap.add_argument(
+        "--attention",
+        default=None,
+        help="context lengths, e.g. 256,1024,4096: only decode's attention over a 16-layer KV cache",
+    )
+    ap.add_argument(
+        "--prompt-attention",
+        default=None,
+        help="context lengths, e.g. 512,4096,16384: only a prompt chunk's attention (Qwen3-MoE's heads)",
+    )
+    ap.add_argument(
+        "--expert-prefill",
+        default=None,
+        help="ROWSxCOLSxTOKENS shapes, e.g. 768x2048x8,2048x768x8: only experts' prefill products, "
+        "cache-resident and streamed from memory",
+    )
     args = ap.parse_args()
     if args.isa:
         _kernels.select_isa(args.isa)
@@ -106,35 +123,42 @@ def main():
         prompt_attention_table(args, rng, [int(n) for n in args.prompt_attention.split(",")])
         return
     if args.expert_prefill:
-        expert_prefill_table(args, rng, [tuple(int(v) for v in shape.split("x")) for shape in args.expert_prefill.split(",")])
+        expert_prefill_table(
+            args, rng, [tuple(int(v) for v in shape.split("x")) for shape in args.expert_prefill.split(",")]
+        )
         return
     llc = last_level_cache_bytes()
-    if args.mb is None:          # "from memory" must be past the caches: a 300 MB L3 holds a 512 MB matrix's third
+    if args.mb is None:  # "from memory" must be past the caches: a 300 MB L3 holds a 512 MB matrix's third
         args.mb = max(512, 4 * (llc or 0) >> 20)
     cols = args.cols
     rows = args.mb * (1 << 20) // (2 * cols)
     x = rng.standard_normal(cols).astype(np.float32)
-    where = ("from memory" if llc is None or args.mb << 20 >= 4 * llc else
-             f"partly from the cache (WARNING: --mb {args.mb} is within 4 x the last-level cache)")
-    print(f"tier {_kernels.isa()}, {args.threads} threads, matrix [{rows}, {cols}], median of {args.repeat}; "
-          f"last-level cache {f'{llc >> 20} MB' if llc else 'unknown'}: this table runs {where}")
-    if _kernels.bf16_order() != "seq":          # (COLIBRI_BF16_ORDER, or an AMX unit's order)
+    where = (
+        "from memory"
+        if llc is None or args.mb << 20 >= 4 * llc
+        else f"partly from the cache (WARNING: --mb {args.mb} is within 4 x the last-level cache)"
+    )
+    print(
+        f"tier {_kernels.isa()}, {args.threads} threads, matrix [{rows}, {cols}], median of {args.repeat}; "
+        f"last-level cache {f'{llc >> 20} MB' if llc else 'unknown'}: this table runs {where}"
+    )
+    if _kernels.bf16_order() != "seq":  # (COLIBRI_BF16_ORDER, or an AMX unit's order)
         print(f"interleaved bf16 products in the split order {_kernels.bf16_order()}: widened FMAs, not vdpbf16ps")
     print(f"{'format':>6} {'layout':>10} {'MB':>7} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6}")
     base = rng.standard_normal((1024, cols)).astype(np.float32)
     for dtype in args.dtypes.split(","):
         for layout in layouts_of(args, dtype):
-            block = to_storage(base, dtype)                  # quantize a slab once, tile it
+            block = to_storage(base, dtype)  # quantize a slab once, tile it
             w = quant.from_rows(np.ascontiguousarray(np.tile(block, (rows // 1024, 1))), dtype, cols, layout)
             nbytes = w.nbytes
             read_buf = np.ones(nbytes // 8, np.uint64)
-            _probes.kernel_matvec(w, x, dtype, args.threads, layout)   # warm: page in
+            _probes.kernel_matvec(w, x, dtype, args.threads, layout)  # warm: page in
             _probes.bench_read(read_buf, args.threads)
             steps = other_steps() if layout != "rows" and dtype in ("int8", "int4", "nl4", "int6") else []
             products = bf16_products_of(dtype, layout)
             kt, rt, st, bt = [], [], {k: [] for k in steps}, []
             x1 = x.reshape(1, -1)
-            for _ in range(args.repeat):                     # interleaved, A B A B
+            for _ in range(args.repeat):  # interleaved, A B A B
                 kt.append(timed(lambda: _probes.kernel_matvec(w, x, dtype, args.threads, layout)))
                 rt.append(timed(lambda: _probes.bench_read(read_buf, args.threads)))
                 for step in steps:
@@ -144,7 +168,11 @@ def main():
                     bt.append(timed(lambda: _probes.kernel_matmul(w, x1, dtype, args.threads, layout, True)))
             kgbs = nbytes / statistics.median(kt) / 1e9
             rgbs = nbytes / statistics.median(rt) / 1e9
-            rest = "  " + ", ".join(f"{k} step {nbytes / statistics.median(t) / 1e9:.1f}" for k, t in st.items()) if st else ""
+            rest = (
+                "  " + ", ".join(f"{k} step {nbytes / statistics.median(t) / 1e9:.1f}" for k, t in st.items())
+                if st
+                else ""
+            )
             if bt:
                 rest += f"  bf16 products {nbytes / statistics.median(bt) / 1e9:.1f} ({nbytes / statistics.median(bt) / 1e9 / rgbs:.2f})"
             print(f"{dtype:>6} {layout:>10} {nbytes / 1e6:7.0f} {kgbs:12.1f} {rgbs:10.1f} {kgbs / rgbs:6.2f}{rest}")
@@ -156,8 +184,10 @@ def main():
 def token_sweep(args, rng, counts, rows=3584, cols=1024):
     """The layouts side by side per prompt length: what one expert's product costs in each."""
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
-    print(f"tier {_kernels.isa()}, {args.threads} threads, [{rows}, {cols}] weights, best of {args.repeat}, "
-          f"layouts interleaved in time; GB/s of weights per pass over all tokens")
+    print(
+        f"tier {_kernels.isa()}, {args.threads} threads, [{rows}, {cols}] weights, best of {args.repeat}, "
+        f"layouts interleaved in time; GB/s of weights per pass over all tokens"
+    )
     for dtype in [d for d in args.dtypes.split(",") if d in quant.BLOCK_DTYPES]:
         stored = to_storage(w_f32, dtype)
         mats = {lay: quant.from_rows(stored, dtype, cols, lay) for lay in layouts_of(args, dtype)}
@@ -169,8 +199,9 @@ def token_sweep(args, rng, counts, rows=3584, cols=1024):
             for _ in range(args.repeat):
                 for lay, w in mats.items():
                     best[lay] = min(best[lay], _probes.bench_matmul(w, x, dtype, args.threads, reps, lay))
-            cells = "  ".join(f"{lay} {stored.nbytes * reps / t / 1e9:6.1f} ({best[first] / t:.2f} x)"
-                              for lay, t in best.items())
+            cells = "  ".join(
+                f"{lay} {stored.nbytes * reps / t / 1e9:6.1f} ({best[first] / t:.2f} x)" for lay, t in best.items()
+            )
             print(f"{dtype:>5} {n:4d} tokens: {cells}")
 
 
@@ -178,10 +209,14 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
     """Decode's attention (cb_attention, every layer, one query) against the read bandwidth, with
     the f32, f16 and q8 caches (load(kv_cache=)) interleaved: ms per token of each, f32's over f16's,
     and each one's cache bytes per second."""
-    print(f"tier {_kernels.isa()}, {args.threads} threads, {layers} layers x {heads} heads / {kv_heads} KV heads x "
-          f"head_dim {head_dim}; median of {args.repeat}, interleaved with a read of the f32 cache's bytes")
-    print(f"{'positions':>9} {'f32 MB':>7} {'f32 ms':>8} {'f16 ms':>8} {'q8 ms':>8} {'f32/f16':>8} {'f32 GB/s':>9} "
-          f"{'f16 GB/s':>9} {'q8 GB/s':>8} {'read GB/s':>10} {'f32 of read':>12}")
+    print(
+        f"tier {_kernels.isa()}, {args.threads} threads, {layers} layers x {heads} heads / {kv_heads} KV heads x "
+        f"head_dim {head_dim}; median of {args.repeat}, interleaved with a read of the f32 cache's bytes"
+    )
+    print(
+        f"{'positions':>9} {'f32 MB':>7} {'f32 ms':>8} {'f16 ms':>8} {'q8 ms':>8} {'f32/f16':>8} {'f32 GB/s':>9} "
+        f"{'f16 GB/s':>9} {'q8 GB/s':>8} {'read GB/s':>10} {'f32 of read':>12}"
+    )
     q = rng.standard_normal((heads, head_dim), dtype=np.float32)
     for n in lengths:
         k = rng.standard_normal((layers, kv_heads, n, head_dim), dtype=np.float32)
@@ -190,19 +225,21 @@ def attention_table(args, rng, lengths, layers=16, kv_heads=4, heads=16, head_di
         nbytes = k.nbytes + v.nbytes
         read_buf = np.ones(nbytes // 8, np.uint64)
         reps = max(1, int(3e8 / nbytes))
-        _probes.bench_attention(q, k, v, n - 1, args.threads, 1)        # warm: page in
+        _probes.bench_attention(q, k, v, n - 1, args.threads, 1)  # warm: page in
         _probes.bench_attention(q, k16, v16, n - 1, args.threads, 1, "f16")
         q8_bytes = nbytes * (head_dim + 4) / (4 * head_dim)
         at, ht, qt, rt = [], [], [], []
-        for _ in range(args.repeat):      # (q8: the caches quantized per call, outside the timing)
+        for _ in range(args.repeat):  # (q8: the caches quantized per call, outside the timing)
             at.append(_probes.bench_attention(q, k, v, n - 1, args.threads, reps) / reps)
             ht.append(_probes.bench_attention(q, k16, v16, n - 1, args.threads, reps, "f16") / reps)
             qt.append(_probes.bench_attention(q, k, v, n - 1, args.threads, reps, "q8") / reps)
             rt.append(timed(lambda: _probes.bench_read(read_buf, args.threads)))
         a, h, q8, r = statistics.median(at), statistics.median(ht), statistics.median(qt), statistics.median(rt)
-        print(f"{n:9d} {nbytes / 1e6:7.1f} {a * 1e3:8.3f} {h * 1e3:8.3f} {q8 * 1e3:8.3f} {a / h:8.2f} "
-              f"{nbytes / a / 1e9:9.1f} {nbytes / 2 / h / 1e9:9.1f} {q8_bytes / q8 / 1e9:8.1f} {nbytes / r / 1e9:10.1f} "
-              f"{r / a:12.2f}")
+        print(
+            f"{n:9d} {nbytes / 1e6:7.1f} {a * 1e3:8.3f} {h * 1e3:8.3f} {q8 * 1e3:8.3f} {a / h:8.2f} "
+            f"{nbytes / a / 1e9:9.1f} {nbytes / 2 / h / 1e9:9.1f} {q8_bytes / q8 / 1e9:8.1f} {nbytes / r / 1e9:10.1f} "
+            f"{r / a:12.2f}"
+        )
         del k, v, k16, v16, read_buf
 
 
@@ -214,11 +251,16 @@ def prompt_attention_table(args, rng, lengths, chunk=128, kv_heads=4, heads=32, 
     wide = "avx512" in _kernels.isa() and best_rate("fma512", args.threads)
     if wide and peak and wide > peak:
         peak = wide
-    print(f"tier {_kernels.isa()}, {args.threads} threads, the last {chunk} queries of a prompt, {heads} heads / "
-          f"{kv_heads} KV heads x head_dim {head_dim}; median of {args.repeat}, interleaved; FMA peak "
-          + (f"{peak:.0f} GFLOP/s" if peak else "n/a") + (" (512-bit)" if wide and wide >= peak else ""))
-    print(f"{'positions':>9} {'cache':>5} {'block GFLOP/s':>14} {'one at a time':>14} {'block / one':>12} "
-          f"{'block of peak':>14}")
+    print(
+        f"tier {_kernels.isa()}, {args.threads} threads, the last {chunk} queries of a prompt, {heads} heads / "
+        f"{kv_heads} KV heads x head_dim {head_dim}; median of {args.repeat}, interleaved; FMA peak "
+        + (f"{peak:.0f} GFLOP/s" if peak else "n/a")
+        + (" (512-bit)" if wide and wide >= peak else "")
+    )
+    print(
+        f"{'positions':>9} {'cache':>5} {'block GFLOP/s':>14} {'one at a time':>14} {'block / one':>12} "
+        f"{'block of peak':>14}"
+    )
     for n in lengths:
         k = rng.standard_normal((kv_heads, n, head_dim), dtype=np.float32)
         v = rng.standard_normal((kv_heads, n, head_dim), dtype=np.float32)
@@ -226,9 +268,9 @@ def prompt_attention_table(args, rng, lengths, chunk=128, kv_heads=4, heads=32, 
         pos0 = n - chunk
         flop = 4 * heads * head_dim * sum(pos0 + t + 1 for t in range(chunk))
         for kv in ("f32", "f16", "q8"):
-            kc, vc = (k.astype(np.float16), v.astype(np.float16)) if kv == "f16" else (k, v)   # q8: per call
+            kc, vc = (k.astype(np.float16), v.astype(np.float16)) if kv == "f16" else (k, v)  # q8: per call
             reps = max(1, int(2e10 / flop))
-            _probes.bench_attention_prompt(q, kc, vc, pos0, args.threads, 1, False, kv)      # warm
+            _probes.bench_attention_prompt(q, kc, vc, pos0, args.threads, 1, False, kv)  # warm
             block, one = [], []
             for _ in range(args.repeat):
                 block.append(_probes.bench_attention_prompt(q, kc, vc, pos0, args.threads, reps, False, kv) / reps)
@@ -243,17 +285,25 @@ def expert_prefill_table(args, rng, shapes):
     vnni = best_rate("vnni512", args.threads)
     bf16_peak = best_rate("bf16", args.threads) if _kernels.has_bf16_products() else None
     llc = last_level_cache_bytes() or (32 << 20)
-    print(f"tier {_kernels.isa()}, int step {_kernels.int_step()}, {args.threads} threads, median of {args.repeat}; "
-          f"peaks: 512-bit vpdpbusd " + (f"{vnni:.0f} GOP/s" if vnni else "n/a")
-          + ", vdpbf16ps " + (f"{bf16_peak:.0f} GFLOP/s" if bf16_peak else "n/a"))
-    print(f"{'format':>6} {'shape':>18} {'cached GFLOP/s':>15} {'of peak':>8} {'from memory':>12} {'of peak':>8}  other steps (cached, from memory)")
+    print(
+        f"tier {_kernels.isa()}, int step {_kernels.int_step()}, {args.threads} threads, median of {args.repeat}; "
+        f"peaks: 512-bit vpdpbusd "
+        + (f"{vnni:.0f} GOP/s" if vnni else "n/a")
+        + ", vdpbf16ps "
+        + (f"{bf16_peak:.0f} GFLOP/s" if bf16_peak else "n/a")
+    )
+    print(
+        f"{'format':>6} {'shape':>18} {'cached GFLOP/s':>15} {'of peak':>8} {'from memory':>12} {'of peak':>8}  other steps (cached, from memory)"
+    )
     for dtype in args.dtypes.split(","):
         layout = quant.default_layout(dtype)
         products = dtype == "bf16" and _kernels.has_bf16_products()
         peak = bf16_peak if products else vnni if dtype in ("int8", "int4", "mxfp4", "nl4", "int6") else None
         steps = other_steps() if layout == "interleaved" else []
         for rows, cols, n in shapes:
-            w = quant.from_rows(to_storage(rng.standard_normal((rows, cols)).astype(np.float32), dtype), dtype, cols, layout)
+            w = quant.from_rows(
+                to_storage(rng.standard_normal((rows, cols)).astype(np.float32), dtype), dtype, cols, layout
+            )
             copies = [w.copy() for _ in range(max(2, -(-4 * llc // w.nbytes)))]
             x = rng.standard_normal((n, cols)).astype(np.float32)
             flop = 2.0 * rows * cols * n
@@ -265,9 +315,10 @@ def expert_prefill_table(args, rng, shapes):
             def streamed():
                 t = sum(_probes.bench_matmul(c, x, dtype, args.threads, 1, layout, products) for c in copies)
                 return flop * len(copies) / t / 1e9
-            cached(), streamed()                                   # warm: page in
+
+            cached(), streamed()  # warm: page in
             c, m, other = [], [], {k: ([], []) for k in steps}
-            for _ in range(args.repeat):                           # interleaved
+            for _ in range(args.repeat):  # interleaved
                 c.append(cached())
                 m.append(streamed())
                 for step in steps:
@@ -275,7 +326,9 @@ def expert_prefill_table(args, rng, shapes):
                         other[step][0].append(cached())
                         other[step][1].append(streamed())
             cm, mm = statistics.median(c), statistics.median(m)
-            rest = ", ".join(f"{k} {statistics.median(a):.0f}, {statistics.median(b):.0f}" for k, (a, b) in other.items())
+            rest = ", ".join(
+                f"{k} {statistics.median(a):.0f}, {statistics.median(b):.0f}" for k, (a, b) in other.items()
+            )
             of = (lambda g: f"{g / peak:8.0%}") if peak else (lambda g: f"{'':>8}")
             print(f"{dtype:>6} {f'[{rows},{cols}] x {n}':>18} {cm:15.0f} {of(cm)} {mm:12.0f} {of(mm)}  {rest or '-'}")
             del copies
@@ -296,31 +349,38 @@ def resident_table(args, rng, rows=3584, cols=1024):
     """Decode's matvec on a cache-resident expert-shaped matrix: the kernels' own ceiling."""
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
     x = rng.standard_normal((1, cols)).astype(np.float32)
-    print(f"\ndecode from the caches: [{rows}, {cols}] weights, {args.threads} thread(s), GB/s of weights, "
-          f"best of {args.repeat}, layouts interleaved in time (this table runs from the caches by design)")
+    print(
+        f"\ndecode from the caches: [{rows}, {cols}] weights, {args.threads} thread(s), GB/s of weights, "
+        f"best of {args.repeat}, layouts interleaved in time (this table runs from the caches by design)"
+    )
     print(f"{'format':>6} " + " ".join(f"{lay:>12}" for lay in args.layouts.split(",")))
     for dtype in args.dtypes.split(","):
         stored = to_storage(w_f32, dtype)
         mats = {lay: quant.from_rows(stored, dtype, cols, lay) for lay in layouts_of(args, dtype)}
-        reps = max(1, int(2e8 / stored.nbytes))              # about 0.2 GB of weights a measurement
+        reps = max(1, int(2e8 / stored.nbytes))  # about 0.2 GB of weights a measurement
         best = {lay: float("inf") for lay in mats}
         for lay, w in mats.items():
-            _probes.bench_matmul(w, x, dtype, args.threads, reps, lay)           # warm the caches
+            _probes.bench_matmul(w, x, dtype, args.threads, reps, lay)  # warm the caches
         for _ in range(args.repeat):
             for lay, w in mats.items():
                 best[lay] = min(best[lay], _probes.bench_matmul(w, x, dtype, args.threads, reps, lay))
-        cells = [f"{stored.nbytes * reps / best[lay] / 1e9:12.1f}" if lay in best else f"{'-':>12}"
-                 for lay in args.layouts.split(",")]
+        cells = [
+            f"{stored.nbytes * reps / best[lay] / 1e9:12.1f}" if lay in best else f"{'-':>12}"
+            for lay in args.layouts.split(",")
+        ]
         print(f"{dtype:>6} " + " ".join(cells))
         for lay in (lay for lay in mats if bf16_products_of(dtype, lay)):
-            t = min(_probes.bench_matmul(mats[lay], x, dtype, args.threads, reps, lay, True)
-                    for _ in range(args.repeat))
+            t = min(
+                _probes.bench_matmul(mats[lay], x, dtype, args.threads, reps, lay, True) for _ in range(args.repeat)
+            )
             print(f"{'':>6} {lay} with bf16 products (vdpbf16ps): {stored.nbytes * reps / t / 1e9:.1f}")
 
 
 def other_steps():
     """The int steps of this tier other than the one in use (the emulated ones left out)."""
-    return [k for k in _kernels.available_int_steps() if k != _kernels.int_step() and k not in _kernels.EMULATED_INT_STEPS]
+    return [
+        k for k in _kernels.available_int_steps() if k != _kernels.int_step() and k not in _kernels.EMULATED_INT_STEPS
+    ]
 
 
 def best_rate(kind, threads, tries=3):
@@ -335,29 +395,37 @@ def prefill_table(args, rng):
     x = rng.standard_normal((n, cols)).astype(np.float32)
     peak_gf, ipeak_g = best_rate("fma", args.threads), best_rate("int8", args.threads)
     wide = "avx512" in _kernels.isa() and best_rate("fma512", args.threads)
-    if wide and peak_gf and wide > peak_gf:         # the tier's float kernels are 16 lanes wide
+    if wide and peak_gf and wide > peak_gf:  # the tier's float kernels are 16 lanes wide
         peak_gf = wide
     bf16_peak = best_rate("bf16", args.threads) if _kernels.has_bf16_products() else None
-    print(f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
-          f"{args.threads} thread(s): FMA peak " + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
-          + (f" (AVX-512 {wide:.0f})" if wide else "")
-          + ", AVX2 int8 dot peak (maddubs + madd) " + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a")
-          + (f", vdpbf16ps peak {bf16_peak:.0f} GFLOP/s" if bf16_peak else ""))
+    print(
+        f"\nprefill: [{n} tokens] x [{rows}, {cols}] weights (cache-resident), median of {args.repeat}; "
+        f"{args.threads} thread(s): FMA peak "
+        + (f"{peak_gf:.0f} GFLOP/s" if peak_gf else "n/a")
+        + (f" (AVX-512 {wide:.0f})" if wide else "")
+        + ", AVX2 int8 dot peak (maddubs + madd) "
+        + (f"{ipeak_g:.0f} GOP/s" if ipeak_g else "n/a")
+        + (f", vdpbf16ps peak {bf16_peak:.0f} GFLOP/s" if bf16_peak else "")
+    )
     step = _kernels.int_step()
     variants = [("stored-order", step, False)] + [(f"{k} step", k, True) for k in other_steps()]
-    print(f"(int8/int4 transposed: the {step} step on repacked chunks, and interleaved with it "
-          f"{', '.join(v[0] for v in variants)})")
+    print(
+        f"(int8/int4 transposed: the {step} step on repacked chunks, and interleaved with it "
+        f"{', '.join(v[0] for v in variants)})"
+    )
     print(f"{'format':>6} {'layout':>10} {'GFLOP/s':>8} {'of FMA':>7} {'of int8':>8}  other variants GFLOP/s")
     w_f32 = rng.standard_normal((rows, cols)).astype(np.float32)
     reps = 3
     for dtype in args.dtypes.split(","):
         for layout in layouts_of(args, dtype):
             w = quant.from_rows(to_storage(w_f32, dtype), dtype, cols, layout)
-            if layout == "interleaved" and dtype in quant.IGROUP_DTYPES:   # no repack to switch off: the other steps only
+            if (
+                layout == "interleaved" and dtype in quant.IGROUP_DTYPES
+            ):  # no repack to switch off: the other steps only
                 compared = [v for v in variants if v[2]]
             else:
                 compared = variants if layout == "transposed" and dtype in ("int8", "int4") else []
-            _probes.bench_matmul(w, x, dtype, args.threads, 1, layout)      # warm
+            _probes.bench_matmul(w, x, dtype, args.threads, 1, layout)  # warm
             times, other_times = [], {v[0]: [] for v in compared}
             # bf16 products: vdpbf16ps, and where the int step in use puts a prompt's interleaved bf16
             # products on AMX tiles, those too (the AVX512-VNNI step's table: vdpbf16ps)
@@ -384,8 +452,13 @@ def prefill_table(args, rng):
             if "bf16 products" in other_times and bf16_peak:
                 rest += f" ({flop / statistics.median(other_times['bf16 products']) / 1e9 / bf16_peak:.0%} of vdpbf16ps"
                 amx = other_times.get("bf16 products on AMX tiles")
-                rest += f"; on AMX {statistics.median(other_times['bf16 products']) / statistics.median(amx):.2f}x)" if amx else ")"
+                rest += (
+                    f"; on AMX {statistics.median(other_times['bf16 products']) / statistics.median(amx):.2f}x)"
+                    if amx
+                    else ")"
+                )
             print(f"{dtype:>6} {layout:>10} {gflops:8.1f} {of_fma} {of_int8}  {rest}")
+
 
 if __name__ == "__main__":
     main()

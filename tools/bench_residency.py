@@ -14,6 +14,7 @@ major page faults, and the prediction hit rate. Prints a markdown table.
 
     python tools/bench_residency.py --model-dir /work/bench_cache/colibri/olmoe-1b-7b-int8 [--gen 32] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import json
 import subprocess
 import sys
 
-CHILD = r'''
+CHILD = r"""
 import json, sys, time, numpy as np, colibri
 from colibri import _os
 args = json.loads(sys.argv[1])
@@ -45,7 +46,7 @@ print(json.dumps({"decode_tok_s": st["decode_tokens"] / st["decode_seconds"],
                   "read_per_token": (io2 - io1) / max(1, len(out)), "major_faults": mem["major_page_faults"],
                   "hit_rate": mem["prediction_hit_rate"], "resident": mem["resident_expert_bytes"],
                   "tokens": out}))
-'''
+"""
 
 
 def main():
@@ -58,20 +59,31 @@ def main():
     ap.add_argument("--prefetch", default="none,routed,predict")
     args = ap.parse_args()
     from colibri.modeldir import ModelDir
+
     md = ModelDir(args.model_dir)
     expert = sum(t["nbytes"] for n, t in md.tensors.items() if ".experts." in n)
     total = sum(f["size"] for f in md.files.values())
-    print(f"{args.model_dir}: {total / 1e9:.2f} GB, experts {expert / 1e9:.2f} GB; "
-          f"{args.gen} decoded tokens after a 32-token prompt, {args.threads} threads\n")
-    print("| budget | cache | prefetch | decode tok/s | peak RSS | read from disk per token | major faults | prediction hits |")
+    print(
+        f"{args.model_dir}: {total / 1e9:.2f} GB, experts {expert / 1e9:.2f} GB; "
+        f"{args.gen} decoded tokens after a 32-token prompt, {args.threads} threads\n"
+    )
+    print(
+        "| budget | cache | prefetch | decode tok/s | peak RSS | read from disk per token | major faults | prediction hits |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     reference = None
     budgets = [None if b == "none" else float(b) for b in args.budgets.split(",")]
     for frac in budgets:
         for cold in [c == "cold" for c in args.caches.split(",")]:
             for prefetch in args.prefetch.split(","):
-                cfg = {"model_dir": args.model_dir, "threads": args.threads, "gen": args.gen, "cold": cold,
-                       "prefetch": prefetch, "budget_mb": None if frac is None else expert * frac / (1 << 20)}
+                cfg = {
+                    "model_dir": args.model_dir,
+                    "threads": args.threads,
+                    "gen": args.gen,
+                    "cold": cold,
+                    "prefetch": prefetch,
+                    "budget_mb": None if frac is None else expert * frac / (1 << 20),
+                }
                 r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True)
                 if r.returncode:
                     print(f"| {frac} | {cold} | {prefetch} | failed: {r.stderr.strip().splitlines()[-1]} |")
@@ -80,9 +92,12 @@ def main():
                 reference = reference or out["tokens"]
                 same = "" if out["tokens"] == reference else " (tokens differ!)"
                 hit = "" if out["hit_rate"] is None else f"{100 * out['hit_rate']:.0f} %"
-                print(f"| {'none' if frac is None else f'{frac * 100:g} %'} | {'cold' if cold else 'warm'} | "
-                      f"{prefetch} | {out['decode_tok_s']:.1f}{same} | {out['peak_rss'] / 1e9:.2f} GB | "
-                      f"{out['read_per_token'] / 1e6:.1f} MB | {out['major_faults']} | {hit} |", flush=True)
+                print(
+                    f"| {'none' if frac is None else f'{frac * 100:g} %'} | {'cold' if cold else 'warm'} | "
+                    f"{prefetch} | {out['decode_tok_s']:.1f}{same} | {out['peak_rss'] / 1e9:.2f} GB | "
+                    f"{out['read_per_token'] / 1e6:.1f} MB | {out['major_faults']} | {hit} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 
     python tools/bench_routing.py [--calls 20000] [--repeat 7]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -9,6 +9,7 @@ argsort of the vocabulary per token), for comparison.
 
     python tools/bench_sampling.py [--tokens 40] [--repeat 5] [--vocab 32000 151936 262144]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,10 @@ SETTINGS = [
     ("temperature 0.7, top_p 0.95", dict(temperature=0.7, top_p=0.95)),
     ("temperature 1, min_p 0.05", dict(temperature=1.0, min_p=0.05)),
     ("temperature 0.7 (no truncation)", dict(temperature=0.7)),
-    ("penalties: top_p 0.95, rep 1.1, pres 0.5, freq 0.5",
-     dict(temperature=0.7, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)),
+    (
+        "penalties: top_p 0.95, rep 1.1, pres 0.5, freq 0.5",
+        dict(temperature=0.7, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+    ),
     ("greedy, logprobs 5", dict(logprobs=5)),
     ("temperature 0.7, top_k 40, logprobs 5", dict(temperature=0.7, top_k=40, logprobs=5)),
 ]
@@ -84,9 +87,16 @@ def main():
     print(f"{'us per token (median)':<{width}} " + " ".join(f"{v:>9}" for v in args.vocab))
     for name, make in rows:
         old = name.startswith("argsort")
-        cells = [time_sampler(make, pools[v], max(4, args.tokens // 4) if old else args.tokens,
-                              max(3, args.repeat // 2) if old else args.repeat, prompts[v])
-                 for v in args.vocab]
+        cells = [
+            time_sampler(
+                make,
+                pools[v],
+                max(4, args.tokens // 4) if old else args.tokens,
+                max(3, args.repeat // 2) if old else args.repeat,
+                prompts[v],
+            )
+            for v in args.vocab
+        ]
         print(f"{name:<{width}} " + " ".join(f"{c:>9.0f}" for c in cells), flush=True)
 
 

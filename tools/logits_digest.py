@@ -16,6 +16,7 @@ Run it before and after a change and compare:
 
 Exit status 1 if --compare finds a digest that differs (each difference is printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ def model_dirs(root: Path):
             layouts = [None, "rows", "transposed", "interleaved"] if dtype in ("int8", "int4") else [None, "transposed"]
             for layout in layouts:
                 out = root / f"{case}-{dtype}-{layout or 'default'}"
-                convert(FIXTURES / case / "hf", out, quantize=dtype, log=lambda *a: None,
-                        expert_layout=layout, layout=layout)
+                convert(
+                    FIXTURES / case / "hf",
+                    out,
+                    quantize=dtype,
+                    log=lambda *a: None,
+                    expert_layout=layout,
+                    layout=layout,
+                )
                 yield out.name, out
 
 
@@ -63,7 +70,7 @@ def digests(model, ids: np.ndarray) -> dict:
     step = np.empty((len(ids), vocab), np.float32)
     engine.reset()
     for t in range(len(ids)):
-        engine.run(ids[t:t + 1], t, step[t:t + 1], False)
+        engine.run(ids[t : t + 1], t, step[t : t + 1], False)
     h["step"] = step
     return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()[:16] for k, v in h.items()}
 

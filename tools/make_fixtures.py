@@ -82,7 +82,7 @@ from transformers import (
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "fixtures"
-if str(REPO) not in sys.path:        # colibri.quant (the quantized references), run as a script
+if str(REPO) not in sys.path:  # colibri.quant (the quantized references), run as a script
     sys.path.insert(1, str(REPO))
 
 N_NEW = 12
@@ -96,242 +96,632 @@ SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # --------------------------------------------------------------------------- #
 CASES: dict[str, dict] = {
     "mixtral_a": dict(
-        arch="mixtral", config_cls=MixtralConfig, model_cls=MixtralForCausalLM, seed=1001, init_std=0.15,
-        overrides=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                       intermediate_size=48, tie_word_embeddings=False),
-        storage="float32", layout="single", tokenizer=True,
-        notes=["untied", "sentencepiece BPE tokenizer.model (vocab 128) trained on the Gettysburg Address + "
-               "Declaration of Independence opening; see case.json['tokenizer']"],
+        arch="mixtral",
+        config_cls=MixtralConfig,
+        model_cls=MixtralForCausalLM,
+        seed=1001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            tie_word_embeddings=False,
+        ),
+        storage="float32",
+        layout="single",
+        tokenizer=True,
+        notes=[
+            "untied",
+            "sentencepiece BPE tokenizer.model (vocab 128) trained on the Gettysburg Address + "
+            "Declaration of Independence opening; see case.json['tokenizer']",
+        ],
     ),
     "mixtral_b": dict(
-        arch="mixtral", config_cls=MixtralConfig, model_cls=MixtralForCausalLM, seed=2001, init_std=0.15,
-        overrides=dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=1, head_dim=24, num_local_experts=8, num_experts_per_tok=2,
-                       intermediate_size=32, tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, sliding_window=8),
-        storage="float32", layout="sharded", max_shard_size="200KB",
-        notes=["tied embeddings (no lm_head.weight in the checkpoint)",
-               "head_dim=24 explicit (heads*head_dim=96 != hidden 64)", "sharded"],
+        arch="mixtral",
+        config_cls=MixtralConfig,
+        model_cls=MixtralForCausalLM,
+        seed=2001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=160,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=24,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            sliding_window=8,
+        ),
+        storage="float32",
+        layout="sharded",
+        max_shard_size="200KB",
+        notes=[
+            "tied embeddings (no lm_head.weight in the checkpoint)",
+            "head_dim=24 explicit (heads*head_dim=96 != hidden 64)",
+            "sharded",
+        ],
     ),
     "qwen3moe_a": dict(
-        arch="qwen3_moe", config_cls=Qwen3MoeConfig, model_cls=Qwen3MoeForCausalLM, seed=3001, init_std=0.15,
-        overrides=dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=6,
-                       num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                       moe_intermediate_size=32, intermediate_size=80, mlp_only_layers=[1],
-                       norm_topk_prob=True, tie_word_embeddings=False),
-        storage="float32", layout="single",
+        arch="qwen3_moe",
+        config_cls=Qwen3MoeConfig,
+        model_cls=Qwen3MoeForCausalLM,
+        seed=3001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=80,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        storage="float32",
+        layout="single",
         notes=["heads*head_dim=96 != hidden 64", "layer 1 dense (mlp_only_layers=[1])"],
     ),
     "qwen3moe_b": dict(
-        arch="qwen3_moe", config_cls=Qwen3MoeConfig, model_cls=Qwen3MoeForCausalLM, seed=4001, init_std=0.15,
-        overrides=dict(vocab_size=192, hidden_size=48, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=12, num_experts=4, num_experts_per_tok=3,
-                       moe_intermediate_size=32, intermediate_size=64, decoder_sparse_step=2,
-                       norm_topk_prob=False, attention_bias=True, tie_word_embeddings=False),
-        storage="float32", layout="stacked",
-        notes=["decoder_sparse_step=2: MoE on layers 1,3, dense on 0,2",
-               "attention_bias=True: q/k/v/o all have biases",
-               "experts stacked: model.layers.L.mlp.experts.gate_up_proj [E, 2*I, H] (gate rows then up rows) "
-               "and model.layers.L.mlp.experts.down_proj [E, H, I]"],
+        arch="qwen3_moe",
+        config_cls=Qwen3MoeConfig,
+        model_cls=Qwen3MoeForCausalLM,
+        seed=4001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=192,
+            hidden_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        ),
+        storage="float32",
+        layout="stacked",
+        notes=[
+            "decoder_sparse_step=2: MoE on layers 1,3, dense on 0,2",
+            "attention_bias=True: q/k/v/o all have biases",
+            "experts stacked: model.layers.L.mlp.experts.gate_up_proj [E, 2*I, H] (gate rows then up rows) "
+            "and model.layers.L.mlp.experts.down_proj [E, H, I]",
+        ],
     ),
     "qwen3moe_c": dict(
-        arch="qwen3_moe", config_cls=Qwen3MoeConfig, model_cls=Qwen3MoeForCausalLM, seed=4101, init_std=0.15,
-        overrides=dict(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False,
-                       max_position_embeddings=512,
-                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                                        "original_max_position_embeddings": 64}),
-        storage="float32", layout="single",
-        notes=["YaRN RoPE: factor 8 over 64 original positions (blended frequencies, attention factor "
-               "0.1 ln 8 + 1 on cos and sin)"],
+        arch="qwen3_moe",
+        config_cls=Qwen3MoeConfig,
+        model_cls=Qwen3MoeForCausalLM,
+        seed=4101,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=128,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        storage="float32",
+        layout="single",
+        notes=[
+            "YaRN RoPE: factor 8 over 64 original positions (blended frequencies, attention factor "
+            "0.1 ln 8 + 1 on cos and sin)"
+        ],
     ),
     "olmoe_a": dict(
-        arch="olmoe", config_cls=OlmoeConfig, model_cls=OlmoeForCausalLM, seed=5001, init_std=0.15,
-        overrides=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                       clip_qkv=None, norm_topk_prob=False, tie_word_embeddings=False),
-        storage="float32", layout="single",
+        arch="olmoe",
+        config_cls=OlmoeConfig,
+        model_cls=OlmoeForCausalLM,
+        seed=5001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            clip_qkv=None,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        storage="float32",
+        layout="single",
         notes=["q_norm over full q (hidden), k_norm over full k (kv_heads*head_dim), before the head split"],
     ),
     "olmoe_b": dict(
-        arch="olmoe", config_cls=OlmoeConfig, model_cls=OlmoeForCausalLM, seed=6001, init_std=0.15,
-        overrides=dict(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                       clip_qkv=1.5, norm_topk_prob=True, tie_word_embeddings=True),
-        storage="bfloat16", layout="single",
-        notes=["clip_qkv active (fraction clipped in case.json['clip_fraction'])", "tied embeddings",
-               "checkpoint stored in bfloat16; ALL weights were rounded to bf16 before computing references, "
-               "so logits_f32 = float32 forward of exactly the stored weights (logits_bf16 == logits_f32)"],
+        arch="olmoe",
+        config_cls=OlmoeConfig,
+        model_cls=OlmoeForCausalLM,
+        seed=6001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=200,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            clip_qkv=1.5,
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+        ),
+        storage="bfloat16",
+        layout="single",
+        notes=[
+            "clip_qkv active (fraction clipped in case.json['clip_fraction'])",
+            "tied embeddings",
+            "checkpoint stored in bfloat16; ALL weights were rounded to bf16 before computing references, "
+            "so logits_f32 = float32 forward of exactly the stored weights (logits_bf16 == logits_f32)",
+        ],
     ),
     "qwen2moe_a": dict(
-        arch="qwen2_moe", config_cls=Qwen2MoeConfig, model_cls=Qwen2MoeForCausalLM, seed=7001, init_std=0.15,
-        overrides=dict(vocab_size=256, hidden_size=80, num_hidden_layers=4, num_attention_heads=5,
-                       num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=40, intermediate_size=96, decoder_sparse_step=2,
-                       qkv_bias=True, norm_topk_prob=False, tie_word_embeddings=False),
-        storage="float32", layout="single",
-        notes=["decoder_sparse_step=2: MoE on layers 1,3, dense (intermediate 96) on 0,2",
-               "shared expert (intermediate 40) gated by sigmoid(shared_expert_gate), gate kept f32 in bf16/f16 refs",
-               "qkv_bias=True (o_proj has no bias)"],
+        arch="qwen2_moe",
+        config_cls=Qwen2MoeConfig,
+        model_cls=Qwen2MoeForCausalLM,
+        seed=7001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=256,
+            hidden_size=80,
+            num_hidden_layers=4,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,
+            intermediate_size=96,
+            decoder_sparse_step=2,
+            qkv_bias=True,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        storage="float32",
+        layout="single",
+        notes=[
+            "decoder_sparse_step=2: MoE on layers 1,3, dense (intermediate 96) on 0,2",
+            "shared expert (intermediate 40) gated by sigmoid(shared_expert_gate), gate kept f32 in bf16/f16 refs",
+            "qkv_bias=True (o_proj has no bias)",
+        ],
     ),
     "qwen2moe_b": dict(
-        arch="qwen2_moe", config_cls=Qwen2MoeConfig, model_cls=Qwen2MoeForCausalLM, seed=8001, init_std=0.15,
-        overrides=dict(vocab_size=144, hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
-                       num_key_value_heads=2, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=24,
-                       shared_expert_intermediate_size=48, intermediate_size=64, decoder_sparse_step=1,
-                       mlp_only_layers=[0], qkv_bias=True, norm_topk_prob=True, tie_word_embeddings=True),
-        storage="float16", layout="single",
-        notes=["layer 0 dense (mlp_only_layers=[0]), layers 1,2 MoE", "tied embeddings",
-               "checkpoint stored in float16; ALL weights were rounded to f16 before computing references, "
-               "so logits_f32 = float32 forward of exactly the stored weights (logits_f16 == logits_f32)"],
+        arch="qwen2_moe",
+        config_cls=Qwen2MoeConfig,
+        model_cls=Qwen2MoeForCausalLM,
+        seed=8001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=144,
+            hidden_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=48,
+            intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            qkv_bias=True,
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+        ),
+        storage="float16",
+        layout="single",
+        notes=[
+            "layer 0 dense (mlp_only_layers=[0]), layers 1,2 MoE",
+            "tied embeddings",
+            "checkpoint stored in float16; ALL weights were rounded to f16 before computing references, "
+            "so logits_f32 = float32 forward of exactly the stored weights (logits_f16 == logits_f32)",
+        ],
     ),
     "glm4moe_a": dict(
-        arch="glm4_moe", config_cls=Glm4MoeConfig, model_cls=Glm4MoeForCausalLM, seed=9001, init_std=0.15,
-        overrides=dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-                       n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
-                       moe_intermediate_size=32, intermediate_size=64, n_shared_experts=1, attention_bias=True,
-                       use_qk_norm=True, norm_topk_prob=True, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-        storage="float32", layout="single", quant_refs=("int8", "int4"), no_activation_flips=True,
-        notes=["sigmoid router + e_score_correction_bias (randomised) for the choice, 2 groups of 4, best 1 group",
-               "routed_scaling_factor 1.5, norm_topk_prob", "layer 0 dense (first_k_dense_replace=1)",
-               "one ungated shared expert", "partial rotary (half of head_dim 16)", "q/k/v biases, per-head q/k norms",
-               "drawn so that rounding every matrix product's input but the router's as Colibri does (routed experts "
-               "included) flips no expert choice of the int8 / int4 references"],
+        arch="glm4_moe",
+        config_cls=Glm4MoeConfig,
+        model_cls=Glm4MoeForCausalLM,
+        seed=9001,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=160,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            n_shared_experts=1,
+            attention_bias=True,
+            use_qk_norm=True,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+        storage="float32",
+        layout="single",
+        quant_refs=("int8", "int4"),
+        no_activation_flips=True,
+        notes=[
+            "sigmoid router + e_score_correction_bias (randomised) for the choice, 2 groups of 4, best 1 group",
+            "routed_scaling_factor 1.5, norm_topk_prob",
+            "layer 0 dense (first_k_dense_replace=1)",
+            "one ungated shared expert",
+            "partial rotary (half of head_dim 16)",
+            "q/k/v biases, per-head q/k norms",
+            "drawn so that rounding every matrix product's input but the router's as Colibri does (routed experts "
+            "included) flips no expert choice of the int8 / int4 references",
+        ],
     ),
     "glm4moe_b": dict(
-        arch="glm4_moe", config_cls=Glm4MoeConfig, model_cls=Glm4MoeForCausalLM, seed=9101, init_std=0.15,
-        overrides=dict(vocab_size=192, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=1, head_dim=24, n_routed_experts=4, num_experts_per_tok=3,
-                       n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
-                       moe_intermediate_size=16, intermediate_size=32, n_shared_experts=2, attention_bias=False,
-                       use_qk_norm=False, norm_topk_prob=False, tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5}),
-        storage="bfloat16", layout="single", quant_refs=("int8", "int4"),
-        notes=["every layer MoE, one group, weights not renormalised", "two shared experts (intermediate 32)",
-               "tied embeddings", "checkpoint stored in bfloat16 (references from exactly the stored weights)"],
+        arch="glm4_moe",
+        config_cls=Glm4MoeConfig,
+        model_cls=Glm4MoeForCausalLM,
+        seed=9101,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=192,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=24,
+            n_routed_experts=4,
+            num_experts_per_tok=3,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=0,
+            moe_intermediate_size=16,
+            intermediate_size=32,
+            n_shared_experts=2,
+            attention_bias=False,
+            use_qk_norm=False,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+        ),
+        storage="bfloat16",
+        layout="single",
+        quant_refs=("int8", "int4"),
+        notes=[
+            "every layer MoE, one group, weights not renormalised",
+            "two shared experts (intermediate 32)",
+            "tied embeddings",
+            "checkpoint stored in bfloat16 (references from exactly the stored weights)",
+        ],
     ),
     "gpt_oss_a": dict(
-        arch="gpt_oss", config_cls=GptOssConfig, model_cls=GptOssForCausalLM, seed=9474, init_std=0.15,
-        overrides=dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
-                       intermediate_size=32, sliding_window=6, swiglu_limit=1.5, swiglu_alpha=1.5,
-                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                       max_position_embeddings=512, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
-                                        "beta_slow": 1.0, "truncate": False,
-                                        "original_max_position_embeddings": 64}),
-        storage="float32", layout="single", quant_refs=("int8", "int4", "mxfp4"),
-        min_router_margin=2e-3, max_attempts=400,   # no expert choice within reach of int8 activation rounding
-        notes=["attention sinks ~ N(0, 1.5^2) (they matter: see case.json['sinks_check'])",
-               "sliding window 6 < T on layers 0 and 2, full attention on layer 1",
-               "swiglu_limit 1.5, swiglu_alpha 1.5: the clamp is active (case.json['clamp_fraction'])",
-               "router with a bias; experts stacked, gate/up interleaved, with biases (kept f32 in bf16/f16 refs)",
-               "YaRN RoPE, factor 8 over 64 original positions, truncate false"],
+        arch="gpt_oss",
+        config_cls=GptOssConfig,
+        model_cls=GptOssForCausalLM,
+        seed=9474,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=160,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=6,
+            swiglu_limit=1.5,
+            swiglu_alpha=1.5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        storage="float32",
+        layout="single",
+        quant_refs=("int8", "int4", "mxfp4"),
+        min_router_margin=2e-3,
+        max_attempts=400,  # no expert choice within reach of int8 activation rounding
+        notes=[
+            "attention sinks ~ N(0, 1.5^2) (they matter: see case.json['sinks_check'])",
+            "sliding window 6 < T on layers 0 and 2, full attention on layer 1",
+            "swiglu_limit 1.5, swiglu_alpha 1.5: the clamp is active (case.json['clamp_fraction'])",
+            "router with a bias; experts stacked, gate/up interleaved, with biases (kept f32 in bf16/f16 refs)",
+            "YaRN RoPE, factor 8 over 64 original positions, truncate false",
+        ],
     ),
     "gpt_oss_b": dict(
-        arch="gpt_oss", config_cls=GptOssConfig, model_cls=GptOssForCausalLM, seed=9301, init_std=0.15,
-        overrides=dict(vocab_size=192, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=3,
-                       intermediate_size=64, sliding_window=5, swiglu_limit=2.0,
-                       layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                        "beta_slow": 1.0, "truncate": False,
-                                        "original_max_position_embeddings": 4096}),
-        storage="bfloat16", layout="mxfp4",
-        notes=["experts in the published MXFP4 layout: mlp.experts.{gate_up,down}_proj_{blocks,scales} "
-               "(config quantization_config.quant_method mxfp4); every other tensor bf16",
-               "the model's experts were rounded to mxfp4 first, so logits_f32 is the float32 forward of "
-               "exactly the stored weights (transformers dequantizes the checkpoint to those)",
-               "gpt-oss-20b's RoPE (YaRN 32 over 4096, theta 150000), 8 heads of 8 on one KV head"],
+        arch="gpt_oss",
+        config_cls=GptOssConfig,
+        model_cls=GptOssForCausalLM,
+        seed=9301,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=192,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=3,
+            intermediate_size=64,
+            sliding_window=5,
+            swiglu_limit=2.0,
+            layer_types=["full_attention", "sliding_attention"],
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        ),
+        storage="bfloat16",
+        layout="mxfp4",
+        notes=[
+            "experts in the published MXFP4 layout: mlp.experts.{gate_up,down}_proj_{blocks,scales} "
+            "(config quantization_config.quant_method mxfp4); every other tensor bf16",
+            "the model's experts were rounded to mxfp4 first, so logits_f32 is the float32 forward of "
+            "exactly the stored weights (transformers dequantizes the checkpoint to those)",
+            "gpt-oss-20b's RoPE (YaRN 32 over 4096, theta 150000), 8 heads of 8 on one KV head",
+        ],
     ),
     "deepseekv3_a": dict(
-        arch="deepseek_v3", config_cls=DeepseekV3Config, model_cls=DeepseekV3ForCausalLM, seed=9401, init_std=0.15,
-        overrides=dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
-                       qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-                       topk_group=2, n_shared_experts=1, moe_intermediate_size=32, intermediate_size=64,
-                       first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                       rope_interleave=True, max_position_embeddings=512, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                                        "original_max_position_embeddings": 64, "mscale": 1.0,
-                                        "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
-        storage="float32", layout="single", quant_refs=("int8", "int4"), no_activation_flips=True,
+        arch="deepseek_v3",
+        config_cls=DeepseekV3Config,
+        model_cls=DeepseekV3ForCausalLM,
+        seed=9401,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=160,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=24,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        ),
+        storage="float32",
+        layout="single",
+        quant_refs=("int8", "int4"),
+        no_activation_flips=True,
         max_attempts=200,
-        notes=["multi-head latent attention: q_lora_rank 48 (q_a_proj, q_a_layernorm, q_b_proj), kv_lora_rank 32, "
-               "qk_nope 16 + qk_rope 8, v_head_dim 24 (!= nope), interleaved RoPE pairs",
-               "YaRN x8 with mscale = mscale_all_dim = 1: the softmax scale is qk_head_dim^-0.5 * mscale^2",
-               "sigmoid router + e_score_correction_bias, 4 groups of 2, best 2 groups, routed_scaling 2.5",
-               "layer 0 dense (first_k_dense_replace 1), one shared expert"],
+        notes=[
+            "multi-head latent attention: q_lora_rank 48 (q_a_proj, q_a_layernorm, q_b_proj), kv_lora_rank 32, "
+            "qk_nope 16 + qk_rope 8, v_head_dim 24 (!= nope), interleaved RoPE pairs",
+            "YaRN x8 with mscale = mscale_all_dim = 1: the softmax scale is qk_head_dim^-0.5 * mscale^2",
+            "sigmoid router + e_score_correction_bias, 4 groups of 2, best 2 groups, routed_scaling 2.5",
+            "layer 0 dense (first_k_dense_replace 1), one shared expert",
+        ],
     ),
     "deepseekv3_b": dict(
-        arch="deepseek_v3", config_cls=DeepseekV3Config, model_cls=DeepseekV3ForCausalLM, seed=9501, init_std=0.15,
-        overrides=dict(vocab_size=192, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-                       num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=8,
-                       qk_rope_head_dim=16, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=3, n_group=1,
-                       topk_group=1, n_shared_experts=2, moe_intermediate_size=16, intermediate_size=32,
-                       first_k_dense_replace=0, routed_scaling_factor=1.0, norm_topk_prob=False,
-                       rope_interleave=False, tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        storage="bfloat16", layout="single",
-        notes=["MLA without the q low-rank (q_proj), kv_lora_rank 64, nope 8 + rope 16, v 8, plain RoPE pairs",
-               "every layer MoE, one group, weights not renormalised, two shared experts, tied embeddings",
-               "checkpoint stored in bfloat16 (references from exactly the stored weights)"],
+        arch="deepseek_v3",
+        config_cls=DeepseekV3Config,
+        model_cls=DeepseekV3ForCausalLM,
+        seed=9501,
+        init_std=0.15,
+        overrides=dict(
+            vocab_size=192,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            q_lora_rank=None,
+            kv_lora_rank=64,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=16,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=3,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=2,
+            moe_intermediate_size=16,
+            intermediate_size=32,
+            first_k_dense_replace=0,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=False,
+            rope_interleave=False,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        storage="bfloat16",
+        layout="single",
+        notes=[
+            "MLA without the q low-rank (q_proj), kv_lora_rank 64, nope 8 + rope 16, v 8, plain RoPE pairs",
+            "every layer MoE, one group, weights not renormalised, two shared experts, tied embeddings",
+            "checkpoint stored in bfloat16 (references from exactly the stored weights)",
+        ],
     ),
 }
 
 # Gemma 4 with its MoE block (enable_moe_block=True): sliding and full layers, the full ones with
 # their own head_dim / key-value heads / proportional RoPE, contexts longer than the window.
 GEMMA4_A_TEXT = dict(
-    vocab_size=160, hidden_size=64, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
-    enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32, hidden_size_per_layer_input=0,
-    sliding_window=8, final_logit_softcapping=3.0, tie_word_embeddings=True,
-    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=8,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    hidden_size_per_layer_input=0,
+    sliding_window=8,
+    final_logit_softcapping=3.0,
+    tie_word_embeddings=True,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+)
 GEMMA4_B_TEXT = dict(
-    vocab_size=192, hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=12, global_head_dim=24, attention_k_eq_v=False, enable_moe_block=True,
-    num_experts=4, top_k_experts=2, moe_intermediate_size=32, hidden_size_per_layer_input=0, sliding_window=6,
-    final_logit_softcapping=None, tie_word_embeddings=True,
+    vocab_size=192,
+    hidden_size=48,
+    intermediate_size=40,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    global_head_dim=24,
+    attention_k_eq_v=False,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    hidden_size_per_layer_input=0,
+    sliding_window=6,
+    final_logit_softcapping=None,
+    tie_word_embeddings=True,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
-                                        "rope_theta": 1000000.0}})
-GEMMA4_B_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=2, head_dim=16, position_embedding_size=64)
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000000.0},
+    },
+)
+GEMMA4_B_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    position_embedding_size=64,
+)
 
 
 def gemma4_multimodal_config(**kw):
     """Gemma4Config with a tiny vision tower (no audio): the text part gets the special tokens."""
     text = {**kw.pop("text_config"), **{k: kw[k] for k in SPECIAL}, "initializer_range": kw["initializer_range"]}
-    return Gemma4Config(text_config=text, vision_config=kw.pop("vision_config"), audio_config=None,
-                        tie_word_embeddings=True, initializer_range=kw["initializer_range"])
+    return Gemma4Config(
+        text_config=text,
+        vision_config=kw.pop("vision_config"),
+        audio_config=None,
+        tie_word_embeddings=True,
+        initializer_range=kw["initializer_range"],
+    )
 
 
-CASES.update({
-    "gemma4_a": dict(
-        arch="gemma4", config_cls=Gemma4TextConfig, model_cls=Gemma4ForCausalLM, seed=9001, init_std=0.15,
-        overrides=GEMMA4_A_TEXT, storage="float32", layout="single",
-        notes=["Gemma4ForCausalLM, enable_moe_block: dense MLP + 8 experts top-2 in parallel in every layer",
-               "layers S S F S F: sliding window 8 (T > 8) with head_dim 16, 2 KV heads, RoPE theta 1e4; "
-               "full layers head_dim 32, 1 KV head, attention_k_eq_v (no v_proj), proportional RoPE 0.25",
-               "final_logit_softcapping=3.0; router.scale, per_expert_scale, layer_scalar randomised"],
-    ),
-    "gemma4_b": dict(
-        arch="gemma4", config_cls=gemma4_multimodal_config, model_cls=Gemma4ForConditionalGeneration,
-        seed=9101, init_std=0.15, overrides=dict(text_config=GEMMA4_B_TEXT, vision_config=GEMMA4_B_VISION),
-        storage="bfloat16", layout="single", quant_refs=True,
-        notes=["Gemma4ForConditionalGeneration with a 1-layer vision tower: the converter takes the text model",
-               "layers S F S F: window 6, full layers head_dim 24 with proportional RoPE 0.5, v_proj kept",
-               "checkpoint stored in bfloat16; ALL weights (and layer_scalar buffers) were rounded to bf16 "
-               "before computing references, so logits_f32 = float32 forward of exactly the stored weights",
-               "logits_int8w / logits_int4w: transformers on the weights Colibri's int8 / int4 store (colibri.quant "
-               "round trip of every text matrix except the router; f16 where columns are not a multiple of 32)"],
-    ),
-})
+CASES.update(
+    {
+        "gemma4_a": dict(
+            arch="gemma4",
+            config_cls=Gemma4TextConfig,
+            model_cls=Gemma4ForCausalLM,
+            seed=9001,
+            init_std=0.15,
+            overrides=GEMMA4_A_TEXT,
+            storage="float32",
+            layout="single",
+            notes=[
+                "Gemma4ForCausalLM, enable_moe_block: dense MLP + 8 experts top-2 in parallel in every layer",
+                "layers S S F S F: sliding window 8 (T > 8) with head_dim 16, 2 KV heads, RoPE theta 1e4; "
+                "full layers head_dim 32, 1 KV head, attention_k_eq_v (no v_proj), proportional RoPE 0.25",
+                "final_logit_softcapping=3.0; router.scale, per_expert_scale, layer_scalar randomised",
+            ],
+        ),
+        "gemma4_b": dict(
+            arch="gemma4",
+            config_cls=gemma4_multimodal_config,
+            model_cls=Gemma4ForConditionalGeneration,
+            seed=9101,
+            init_std=0.15,
+            overrides=dict(text_config=GEMMA4_B_TEXT, vision_config=GEMMA4_B_VISION),
+            storage="bfloat16",
+            layout="single",
+            quant_refs=True,
+            notes=[
+                "Gemma4ForConditionalGeneration with a 1-layer vision tower: the converter takes the text model",
+                "layers S F S F: window 6, full layers head_dim 24 with proportional RoPE 0.5, v_proj kept",
+                "checkpoint stored in bfloat16; ALL weights (and layer_scalar buffers) were rounded to bf16 "
+                "before computing references, so logits_f32 = float32 forward of exactly the stored weights",
+                "logits_int8w / logits_int4w: transformers on the weights Colibri's int8 / int4 store (colibri.quant "
+                "round trip of every text matrix except the router; f16 where columns are not a multiple of 32)",
+            ],
+        ),
+    }
+)
 
 # Public-domain text for the tokenizer (Gettysburg Address, Declaration of Independence opening).
 TOKENIZER_TEXT = """\
@@ -382,13 +772,13 @@ def router_param_names(model) -> set[str]:
     """Names of params kept in f32 by the converter: *TopKRouter weights and shared_expert_gate."""
     names = set()
     for mname, mod in model.named_modules():
-        if type(mod).__name__.lower().endswith("topkrouter"):     # TopKRouter; GLM's Glm4MoeTopkRouter
+        if type(mod).__name__.lower().endswith("topkrouter"):  # TopKRouter; GLM's Glm4MoeTopkRouter
             names.update(f"{mname}.{p}" for p, _ in mod.named_parameters(recurse=False))
         if type(mod).__name__ == "Gemma4TextRouter":
             names.update(f"{mname}.{p}" for p, _ in mod.named_parameters())
     for n, _ in model.named_parameters():
         if n.endswith(("shared_expert_gate.weight", "gate_up_proj_bias", "down_proj_bias")):
-            names.add(n)          # (gpt-oss's expert biases are [E, out]: vectors to the converter)
+            names.add(n)  # (gpt-oss's expert biases are [E, out]: vectors to the converter)
     for n, _ in model.named_buffers():
         if n.endswith("e_score_correction_bias"):
             names.add(n)
@@ -400,7 +790,7 @@ def randomise(model, gen: torch.Generator, std: float, spread: float = 0.3) -> N
     for name, p in model.named_parameters():  # named_parameters() de-duplicates tied weights
         if name.endswith(".bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith("self_attn.sinks"):   # gpt-oss: logits beside the scores, spread to matter
+        elif name.endswith("self_attn.sinks"):  # gpt-oss: logits beside the scores, spread to matter
             p.copy_(1.5 * torch.randn(p.shape, generator=gen))
         elif p.ndim == 1:  # RMSNorm scales (and Gemma 4's router / per-expert scales)
             p.copy_(1.0 + spread * torch.randn(p.shape, generator=gen))
@@ -409,7 +799,7 @@ def randomise(model, gen: torch.Generator, std: float, spread: float = 0.3) -> N
     for name, b in model.named_buffers():  # Gemma 4's per-layer residual multiplier (a buffer, saved)
         if name.endswith("layer_scalar"):
             b.copy_(1.0 + spread * torch.randn(b.shape, generator=gen))
-        if name.endswith("e_score_correction_bias"):   # GLM-4.5 / DeepSeek-V3: chooses, never weighs
+        if name.endswith("e_score_correction_bias"):  # GLM-4.5 / DeepSeek-V3: chooses, never weighs
             b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
@@ -430,7 +820,7 @@ def rounded_copy(model, dtype: torch.dtype, matrices_only: bool):
 
 @torch.no_grad()
 def forward(model, ids: torch.Tensor):
-    if is_gemma4(model):      # Gemma4TextRouter returns probabilities first: log turns them back
+    if is_gemma4(model):  # Gemma4TextRouter returns probabilities first: log turns them back
         probs, hooks = [], []  # into logits (up to a constant per token) for the margins
         for mod in model.modules():
             if type(mod).__name__ == "Gemma4TextRouter":
@@ -439,8 +829,9 @@ def forward(model, ids: torch.Tensor):
         for h in hooks:
             h.remove()
         return out.logits[0].float(), [torch.log(p) for p in probs]
-    out = model(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], use_cache=False,
-                output_router_logits=True)
+    out = model(
+        input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], use_cache=False, output_router_logits=True
+    )
     rl = out.router_logits or ()
     return out.logits[0].float(), [r.float() for r in rl]
 
@@ -479,7 +870,11 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
 
 
 def moe_layer_indices(model) -> list[int]:
-    return [i for i, layer in enumerate(decoder_layers(model)) if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router") or hasattr(layer, "router")]
+    return [
+        i
+        for i, layer in enumerate(decoder_layers(model))
+        if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router") or hasattr(layer, "router")
+    ]
 
 
 def build_model(spec: dict):
@@ -496,19 +891,41 @@ def train_tokenizer(path: Path, vocab_size: int) -> dict:
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(TOKENIZER_TEXT.splitlines()), model_writer=buf, vocab_size=vocab_size,
-        model_type="bpe", character_coverage=1.0, normalization_rule_name="identity",
-        add_dummy_prefix=True, remove_extra_whitespaces=False, byte_fallback=False,
-        pad_id=0, bos_id=1, eos_id=2, unk_id=3, num_threads=1, minloglevel=2,
+        sentence_iterator=iter(TOKENIZER_TEXT.splitlines()),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        byte_fallback=False,
+        pad_id=0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=3,
+        num_threads=1,
+        minloglevel=2,
     )
     path.write_bytes(buf.getvalue())
     sp = spm.SentencePieceProcessor(model_file=str(path))
     assert sp.vocab_size() == vocab_size, sp.vocab_size()
     assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()) == (0, 1, 2, 3)
     return dict(
-        file="hf/tokenizer.model", type="sentencepiece BPE", vocab_size=sp.vocab_size(),
-        trainer=dict(model_type="bpe", normalization_rule_name="identity", add_dummy_prefix=True,
-                     remove_extra_whitespaces=False, byte_fallback=False, pad_id=0, bos_id=1, eos_id=2, unk_id=3),
+        file="hf/tokenizer.model",
+        type="sentencepiece BPE",
+        vocab_size=sp.vocab_size(),
+        trainer=dict(
+            model_type="bpe",
+            normalization_rule_name="identity",
+            add_dummy_prefix=True,
+            remove_extra_whitespaces=False,
+            byte_fallback=False,
+            pad_id=0,
+            bos_id=1,
+            eos_id=2,
+            unk_id=3,
+        ),
         samples=[dict(text=t, ids=sp.encode(t), pieces=sp.encode(t, out_type=str)) for t in TOKENIZER_SAMPLES],
     )
 
@@ -552,8 +969,9 @@ def summarise_names(names) -> list[str]:
     """Collapse layer/expert indices: model.layers.{L}.mlp.experts.{E}.w1.weight."""
     import re
 
-    pats = sorted({re.sub(r"\.experts\.\d+\.", ".experts.{E}.", re.sub(r"\.layers\.\d+\.", ".layers.{L}.", n))
-                   for n in names})
+    pats = sorted(
+        {re.sub(r"\.experts\.\d+\.", ".experts.{E}.", re.sub(r"\.layers\.\d+\.", ".layers.{L}.", n)) for n in names}
+    )
     return pats
 
 
@@ -582,9 +1000,20 @@ def attempt(spec: dict, seed: int) -> dict:
     res = dict(model=model, ids=ids, logits=logits, router_logits=rl)
 
     # greedy continuation (KV-cached generate) ...
-    gc = GenerationConfig(do_sample=False, max_new_tokens=N_NEW, min_new_tokens=0, eos_token_id=None,
-                          pad_token_id=0, bos_token_id=1, num_beams=1, temperature=None, top_p=None, top_k=None,
-                          output_logits=True, return_dict_in_generate=True)
+    gc = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=N_NEW,
+        min_new_tokens=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=1,
+        num_beams=1,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     default_gc = model.generation_config  # restored so the saved generation_config.json stays pristine
     model.generation_config = gc  # so that no default (e.g. eos_token_id=2) is merged back in
     with torch.no_grad():
@@ -597,7 +1026,7 @@ def attempt(spec: dict, seed: int) -> dict:
     # ... cross-checked with one no-cache forward over input+continuation
     full = torch.cat([ids, new])
     full_logits, full_rl = forward(model, full)
-    step_logits = full_logits[T - 1:T - 1 + N_NEW]
+    step_logits = full_logits[T - 1 : T - 1 + N_NEW]
     assert torch.equal(step_logits.argmax(-1), new), "cached generate disagrees with full forward"
     res["greedy"] = new
     res["greedy_vs_full_maxdiff"] = float((gen_logits - step_logits).abs().max())
@@ -613,7 +1042,8 @@ def attempt(spec: dict, seed: int) -> dict:
         # tokens whose selected expert *set* differs from the f32 forward (legit; refs stay self-consistent)
         res[f"routing_flips_{name}"] = sum(
             int((torch.topk(a, k).indices.sort(-1).values != torch.topk(b, k).indices.sort(-1).values).any(-1).sum())
-            for a, b in zip(rl, rlr))
+            for a, b in zip(rl, rlr)
+        )
         del mr
     if spec.get("quant_refs"):
         res["router_margin_quant"] = float("inf")
@@ -634,8 +1064,9 @@ def routed_experts(model, ids) -> list:
     chosen, hooks = [], []
     for mod in model.modules():
         if type(mod).__name__.lower().endswith("topkrouter"):
-            hooks.append(mod.register_forward_hook(
-                lambda _m, _i, out: chosen.append([frozenset(r.tolist()) for r in out[2]])))
+            hooks.append(
+                mod.register_forward_hook(lambda _m, _i, out: chosen.append([frozenset(r.tolist()) for r in out[2]]))
+            )
     forward(model, ids)
     for h in hooks:
         h.remove()
@@ -660,8 +1091,17 @@ def colibri_rounded_activations(x: torch.Tensor) -> torch.Tensor:
 class RoundedProductInputs(torch.overrides.TorchFunctionMode):
     """Under it, the first operand of every matrix product (F.linear, matmul, @, mm, bmm) is
     rounded by colibri_rounded_activations; `count` says how many were."""
-    PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
-                torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
+
+    PRODUCTS = {
+        torch.nn.functional.linear,
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.mm,
+        torch.Tensor.mm,
+        torch.bmm,
+        torch.Tensor.bmm,
+    }
 
     def __init__(self):
         super().__init__()
@@ -688,6 +1128,7 @@ def colibri_activation_rounding(model, dtype: str):
     and every routed expert's (gate/up and down of the stacked 3-D experts, which transformers
     applies with F.linear or @ in the experts' own forward, not through nn.Linear); mxfp4: the
     routed experts' only (the other matrices are bf16: no rounding)."""
+
     def rounded(_m, args):
         return (colibri_rounded_activations(args[0]),) + tuple(args[1:])
 
@@ -698,13 +1139,16 @@ def colibri_activation_rounding(model, dtype: str):
                 out = orig(*args, **kwargs)
             assert mode.count > 0, "no routed expert product was rounded"
             return out
+
         return forward
 
     hooks = []
     if dtype != "mxfp4":
-        hooks = [mod.register_forward_pre_hook(rounded) for name, mod in model.named_modules()
-                 if isinstance(mod, torch.nn.Linear) and "router" not in name
-                 and not name.endswith(("gate", "kv_b_proj"))]
+        hooks = [
+            mod.register_forward_pre_hook(rounded)
+            for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear) and "router" not in name and not name.endswith(("gate", "kv_b_proj"))
+        ]
     experts = [(mod, mod.__dict__.get("forward")) for mod in routed_expert_modules(model)]
     for mod, _ in experts:
         mod.forward = rounded_forward(mod.forward)
@@ -734,10 +1178,11 @@ def mxfp4_round_experts(model) -> None:
     """gpt-oss's stacked experts ([E, in, out]) rounded in place to what mxfp4 blocks of 32 inputs
     hold (colibri.quant's mxfp4 quantizer: power-of-two scale, nearest e2m1 value)."""
     from colibri.quant import dequantize, quantize
+
     for layer in model.model.layers:
         for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
             for e in range(p.shape[0]):
-                w = p[e].detach().numpy().T.astype(np.float32)           # [out, in]
+                w = p[e].detach().numpy().T.astype(np.float32)  # [out, in]
                 back = dequantize(quantize(np.ascontiguousarray(w), "mxfp4"), "mxfp4", w.shape[1])
                 p[e].copy_(torch.from_numpy(np.ascontiguousarray(back.T)))
 
@@ -747,6 +1192,7 @@ def write_mxfp4_experts(hf_dir: Path, model) -> list[str]:
     gate_up_proj [E, D, 2F] and down_proj [E, F, D] ([in, out]), *_blocks uint8 [E, out, in / 32, 16]
     and *_scales uint8 [E, out, in / 32]; config.json gets quantization_config mxfp4."""
     from colibri.quant import quantize, to_mx
+
     path = hf_dir / "model.safetensors"
     with safe_open(path, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -756,7 +1202,7 @@ def write_mxfp4_experts(hf_dir: Path, model) -> list[str]:
         for proj in ("gate_up_proj", "down_proj"):
             name = f"model.layers.{i}.mlp.experts.{proj}"
             del tensors[name]
-            w = getattr(layer.mlp.experts, proj).detach().float().numpy()          # [E, in, out]
+            w = getattr(layer.mlp.experts, proj).detach().float().numpy()  # [E, in, out]
             blocks, scales = [], []
             for e in range(w.shape[0]):
                 b, s_ = to_mx(quantize(np.ascontiguousarray(w[e].T), "mxfp4"), w.shape[1])
@@ -767,8 +1213,15 @@ def write_mxfp4_experts(hf_dir: Path, model) -> list[str]:
             written += [name + "_blocks", name + "_scales"]
     save_file(tensors, path, metadata=metadata)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return written
 
@@ -781,7 +1234,7 @@ def quantized_copy(model, dtype: str):
     gpt-oss's stacked experts are [E, in, out]: quantized per expert along `in`, as converted."""
     from colibri.quant import QBLOCK, dequantize, quantize
 
-    def stored(w, fmt):                  # [rows, cols] float32 -> what the format holds
+    def stored(w, fmt):  # [rows, cols] float32 -> what the format holds
         if fmt == "bf16":
             return torch.from_numpy(w).to(torch.bfloat16).float().numpy()
         if fmt == "f16":
@@ -798,11 +1251,15 @@ def quantized_copy(model, dtype: str):
         stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj")) and p.ndim == 3
         expert = stacked or ".experts." in name
         fmt = dtype if dtype != "mxfp4" or expert else "bf16"
-        if name.endswith("kv_b_proj.weight"):        # MLA's absorbed up-projections: f16 (convert.py)
+        if name.endswith("kv_b_proj.weight"):  # MLA's absorbed up-projections: f16 (convert.py)
             fmt = "f16"
         if stacked and m.config.model_type == "gpt_oss":
-            q = np.stack([stored(np.ascontiguousarray(p[e].detach().numpy().T.astype(np.float32)), fmt).T
-                          for e in range(p.shape[0])])
+            q = np.stack(
+                [
+                    stored(np.ascontiguousarray(p[e].detach().numpy().T.astype(np.float32)), fmt).T
+                    for e in range(p.shape[0])
+                ]
+            )
         else:
             w = p.detach().numpy().astype(np.float32).reshape(-1, p.shape[-1])
             q = stored(w, fmt)
@@ -817,9 +1274,11 @@ def clip_fraction(model, ids) -> dict:
     for layer in model.model.layers:
         a = layer.self_attn
         for key, mod in (("q", a.q_norm), ("k", a.k_norm), ("v", a.v_proj)):
+
             def h(_m, _i, out, key=key):
                 counts[key][0] += int((out.abs() > clip).sum())
                 counts[key][1] += out.numel()
+
             hooks.append(mod.register_forward_hook(h))
     forward(model, ids)
     for h in hooks:
@@ -862,6 +1321,7 @@ def gpt_oss_checks(model, ids, logits) -> dict:
     hits = [0, 0]
     hooks = []
     for layer in model.model.layers:
+
         def h(mod, inp, out):
             x, idx = inp[0], inp[1]
             for e in range(mod.num_experts):
@@ -870,13 +1330,13 @@ def gpt_oss_checks(model, ids, logits) -> dict:
                     gu = x[rows] @ mod.gate_up_proj[e] + mod.gate_up_proj_bias[e]
                     hits[0] += int((gu[..., ::2] > mod.limit).sum() + (gu[..., 1::2].abs() > mod.limit).sum())
                     hits[1] += gu.numel()
+
         hooks.append(layer.mlp.experts.register_forward_hook(h))
     forward(model, ids)
     for hk in hooks:
         hk.remove()
     assert hits[0] > 0, hits
-    return dict(sinks_check=dict(max_logit_change_without_sinks=d),
-                clamp_fraction=round(hits[0] / hits[1], 4))
+    return dict(sinks_check=dict(max_logit_change_without_sinks=d), clamp_fraction=round(hits[0] / hits[1], 4))
 
 
 def make_case(name: str) -> dict:
@@ -887,7 +1347,7 @@ def make_case(name: str) -> dict:
     for _ in range(spec.get("max_attempts", MAX_ATTEMPTS)):
         res = attempt(spec, seed)
         rm = min(res["router_margin"], res["router_margin_bf16"], res["router_margin_f16"])
-        if "min_router_margin" in spec:      # the quantized references' routing must be as clear
+        if "min_router_margin" in spec:  # the quantized references' routing must be as clear
             rm = min(rm, res.get("router_margin_quant", rm))
         if res.get("activation_rounding_flips"):
             rm = 0.0
@@ -924,8 +1384,11 @@ def make_case(name: str) -> dict:
 
     # ---- reload check (what transformers itself makes of the written files)
     try:
-        re_m = spec["model_cls"].from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager",
-                                                 experts_implementation="eager").eval()
+        re_m = (
+            spec["model_cls"]
+            .from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+            .eval()
+        )
         lg, _ = forward(re_m, ids)
         diff = float((lg - res["logits"]).abs().max())
         extra["reload_check"] = dict(loads=True, max_abs_diff_vs_logits_f32=diff)
@@ -959,8 +1422,11 @@ def make_case(name: str) -> dict:
         greedy_margin=np.float64(res["greedy_margin"]),
         router_logits_f32=rl.numpy().astype(np.float32),
         moe_layers=np.asarray(moe_layers, dtype=np.int64),
-        **{f"logits_{dt}w": res[f"logits_{dt}w"].numpy().astype(np.float32)
-           for dt in ("int8", "int4", "mxfp4") if f"logits_{dt}w" in res},
+        **{
+            f"logits_{dt}w": res[f"logits_{dt}w"].numpy().astype(np.float32)
+            for dt in ("int8", "int4", "mxfp4")
+            if f"logits_{dt}w" in res
+        },
     )
 
     manifest = tensor_manifest(hf_dir)
@@ -977,7 +1443,11 @@ def make_case(name: str) -> dict:
         seed=seed,
         base_seed=spec["seed"],
         rejected_seeds=rejected,
-        init=dict(matrices=f"N(0, {spec['init_std']}^2)", norm_weights=f"1 + {spec.get('norm_spread', 0.3)}*N(0,1)", biases="0.1*N(0,1)"),
+        init=dict(
+            matrices=f"N(0, {spec['init_std']}^2)",
+            norm_weights=f"1 + {spec.get('norm_spread', 0.3)}*N(0,1)",
+            biases="0.1*N(0,1)",
+        ),
         storage_dtype=storage,
         layout=spec["layout"],
         notes=spec["notes"],
@@ -986,16 +1456,27 @@ def make_case(name: str) -> dict:
         moe_layers=moe_layers,
         num_experts_per_tok=experts_per_token(model),
         kept_f32_in_bf16_f16_refs=summarise_names(kept_f32),
-        margins=dict(router_margin_f32_and_greedy=res["router_margin"], router_margin_bf16=res["router_margin_bf16"],
-                     router_margin_f16=res["router_margin_f16"], greedy_margin=res["greedy_margin"]),
-        max_abs_diff=dict(logits_bf16_vs_f32=res["maxdiff_bf16_vs_f32"], logits_f16_vs_f32=res["maxdiff_f16_vs_f32"],
-                          generate_cached_vs_full_forward=res["greedy_vs_full_maxdiff"]),
+        margins=dict(
+            router_margin_f32_and_greedy=res["router_margin"],
+            router_margin_bf16=res["router_margin_bf16"],
+            router_margin_f16=res["router_margin_f16"],
+            greedy_margin=res["greedy_margin"],
+        ),
+        max_abs_diff=dict(
+            logits_bf16_vs_f32=res["maxdiff_bf16_vs_f32"],
+            logits_f16_vs_f32=res["maxdiff_f16_vs_f32"],
+            generate_cached_vs_full_forward=res["greedy_vs_full_maxdiff"],
+        ),
         routing_flips_vs_f32=dict(bf16=res["routing_flips_bf16"], f16=res["routing_flips_f16"]),
         tensor_name_patterns=summarise_names(manifest),
         num_tensors=len(manifest),
         files=sorted(str(p.relative_to(case_dir)) for p in case_dir.rglob("*") if p.is_file()) + ["case.json"],
-        generator=dict(script="tools/make_fixtures.py", transformers=transformers.__version__,
-                       torch=torch.__version__, numpy=np.__version__),
+        generator=dict(
+            script="tools/make_fixtures.py",
+            transformers=transformers.__version__,
+            torch=torch.__version__,
+            numpy=np.__version__,
+        ),
         **extra,
     )
     (case_dir / "case.json").write_text(json.dumps(info, indent=2, sort_keys=False) + "\n")
@@ -1015,9 +1496,12 @@ def main(argv=None) -> int:
         info = make_case(n)
         size = sum(p.stat().st_size for p in (OUT / n).rglob("*") if p.is_file())
         m = info["margins"]
-        print(f"{n:11s} seed={info['seed']:5d} T={info['T']} size={size / 1024:.0f}KiB "
-              f"router_margin={min(m['router_margin_f32_and_greedy'], m['router_margin_bf16'], m['router_margin_f16']):.2e} "
-              f"greedy_margin={m['greedy_margin']:.2e} reload={info['reload_check']}", flush=True)
+        print(
+            f"{n:11s} seed={info['seed']:5d} T={info['T']} size={size / 1024:.0f}KiB "
+            f"router_margin={min(m['router_margin_f32_and_greedy'], m['router_margin_bf16'], m['router_margin_f16']):.2e} "
+            f"greedy_margin={m['greedy_margin']:.2e} reload={info['reload_check']}",
+            flush=True,
+        )
     return 0
 
 

@@ -78,6 +78,7 @@ Per vocabulary:
 Everything is deterministic: fixed lists, ``random.Random(SEED)``, sorted JSON keys, lzma output
 of a byte-identical tokenizer.json.  ``tests/fixtures/text/README.md`` is written too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,7 +96,7 @@ from pathlib import Path
 
 SEP = "\n__ggml_vocab_test__\n"
 SEED = 20240611
-N_RANDOM = 160          # random fragment mixes per vocabulary (same strings for all vocabularies)
+N_RANDOM = 160  # random fragment mixes per vocabulary (same strings for all vocabularies)
 PAD_RE = re.compile(r"^\[PAD\d+\]$")
 
 # --------------------------------------------------------------------------------------------
@@ -104,164 +105,457 @@ PAD_RE = re.compile(r"^\[PAD\d+\]$")
 # gguf: llama.cpp vocabulary file stem; ref: whose .inp/.out are the reference; build: builder;
 # optional: skipped with --no-optional.
 VOCABS = {
-    "qwen2":     dict(gguf="qwen2", ref="qwen2", build="hf_gguf"),
-    "qwen3":     dict(gguf="qwen2", ref="qwen2", build="qwen3"),
-    "gemma-4":   dict(gguf="gemma-4", ref="gemma-4", build="hf_gguf"),
+    "qwen2": dict(gguf="qwen2", ref="qwen2", build="hf_gguf"),
+    "qwen3": dict(gguf="qwen2", ref="qwen2", build="qwen3"),
+    "gemma-4": dict(gguf="gemma-4", ref="gemma-4", build="hf_gguf"),
     "llama-spm": dict(gguf="llama-spm", ref="llama-spm", build="spm"),
-    "gpt-neox":  dict(gguf="gpt-neox", ref="mpt", build="neox"),
-    "qwen35":    dict(gguf="qwen35", ref="qwen35", build="hf_gguf", optional=True, cls="Qwen3_5Tokenizer"),
+    "gpt-neox": dict(gguf="gpt-neox", ref="mpt", build="neox"),
+    "qwen35": dict(gguf="qwen35", ref="qwen35", build="hf_gguf", optional=True, cls="Qwen3_5Tokenizer"),
     "llama-bpe": dict(gguf="llama-bpe", ref="llama-bpe", build="hf_gguf", optional=True),
-    "phi-3":     dict(gguf="phi-3", ref="phi-3", build="hf_gguf", optional=True),
-    "gpt-2":     dict(gguf="gpt-2", ref="gpt-2", build="hf_gguf", optional=True),
+    "phi-3": dict(gguf="phi-3", ref="phi-3", build="hf_gguf", optional=True),
+    "gpt-2": dict(gguf="gpt-2", ref="gpt-2", build="hf_gguf", optional=True),
 }
 
 # tokenizer_config.json values of the real models that the GGUF does not say (or says otherwise).
 # Keys set to None are written as null.
 CONFIG = {
     # Qwen/Qwen1.5-7B (the repo llama.cpp's qwen2 vocabulary comes from)
-    "qwen2": {"add_bos_token": False, "add_eos_token": False, "bos_token": None,
-              "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": None,
-              "errors": "replace", "clean_up_tokenization_spaces": False,
-              "split_special_tokens": False, "add_prefix_space": False, "model_max_length": 32768},
+    "qwen2": {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "add_prefix_space": False,
+        "model_max_length": 32768,
+    },
     # Qwen3 (e.g. Qwen3-30B-A3B / Qwen3-0.6B tokenizer_config.json)
-    "qwen3": {"add_bos_token": False, "add_eos_token": False, "bos_token": None,
-              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-              "errors": "replace", "clean_up_tokenization_spaces": False,
-              "split_special_tokens": False, "add_prefix_space": False, "model_max_length": 131072},
-    "qwen35": {"add_bos_token": False, "add_eos_token": False, "bos_token": None,
-               "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": None,
-               "errors": "replace", "clean_up_tokenization_spaces": False,
-               "split_special_tokens": False, "add_prefix_space": False},
+    "qwen3": {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "add_prefix_space": False,
+        "model_max_length": 131072,
+    },
+    "qwen35": {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "add_prefix_space": False,
+    },
     # google/gemma-4-*: tokenizer.json's post-processor is "<bos> $A" (transformers' GGUF loader
     # deliberately sets add_bos_token False for gemma4; the released tokenizer adds BOS).
-    "gemma-4": {"add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>",
-                "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-                "mask_token": "<mask>", "clean_up_tokenization_spaces": False},
+    "gemma-4": {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+        "clean_up_tokenization_spaces": False,
+    },
     # meta-llama/Llama-2-7b-hf / mistralai/Mixtral-8x7B-Instruct-v0.1
-    "llama-spm": {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
-                  "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None, "legacy": True,
-                  "clean_up_tokenization_spaces": False},
+    "llama-spm": {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": None,
+        "legacy": True,
+        "clean_up_tokenization_spaces": False,
+    },
     # EleutherAI/gpt-neox-20b (OLMoE's family); pad as OLMoE
-    "gpt-neox": {"add_bos_token": False, "add_eos_token": False, "bos_token": "<|endoftext|>",
-                 "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-                 "pad_token": "<|padding|>", "add_prefix_space": False,
-                 "clean_up_tokenization_spaces": False},
+    "gpt-neox": {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|padding|>",
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+    },
     # meta-llama/Meta-Llama-3-8B: BOS via the post-processor, clean_up_tokenization_spaces true
-    "llama-bpe": {"add_bos_token": True, "add_eos_token": False,
-                  "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-                  "clean_up_tokenization_spaces": True},
+    "llama-bpe": {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "clean_up_tokenization_spaces": True,
+    },
     # microsoft/Phi-3-mini-4k-instruct
-    "phi-3": {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
-              "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
-              "legacy": False, "clean_up_tokenization_spaces": False},
+    "phi-3": {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<unk>",
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+    },
     # openai-community/gpt2
-    "gpt-2": {"add_bos_token": False, "add_eos_token": False, "bos_token": "<|endoftext|>",
-              "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-              "add_prefix_space": False, "model_max_length": 1024},
+    "gpt-2": {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "add_prefix_space": False,
+        "model_max_length": 1024,
+    },
 }
 
 # The chat end-of-turn token of each vocabulary's chat models (for meta.json).
 END_OF_TURN = {
-    "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "qwen35": "<|im_end|>", "gemma-4": "<turn|>",
-    "llama-spm": "</s>", "gpt-neox": "<|endoftext|>", "llama-bpe": "<|eot_id|>",
-    "phi-3": "<|end|>", "gpt-2": "<|endoftext|>",
+    "qwen2": "<|im_end|>",
+    "qwen3": "<|im_end|>",
+    "qwen35": "<|im_end|>",
+    "gemma-4": "<turn|>",
+    "llama-spm": "</s>",
+    "gpt-neox": "<|endoftext|>",
+    "llama-bpe": "<|eot_id|>",
+    "phi-3": "<|end|>",
+    "gpt-2": "<|endoftext|>",
 }
 
 # Qwen3's added tokens (tokenizer_config.json added_tokens_decoder): (id, content, special)
 QWEN3_ADDED = [
-    (151643, "<|endoftext|>", True), (151644, "<|im_start|>", True), (151645, "<|im_end|>", True),
-    (151646, "<|object_ref_start|>", True), (151647, "<|object_ref_end|>", True),
-    (151648, "<|box_start|>", True), (151649, "<|box_end|>", True),
-    (151650, "<|quad_start|>", True), (151651, "<|quad_end|>", True),
-    (151652, "<|vision_start|>", True), (151653, "<|vision_end|>", True),
-    (151654, "<|vision_pad|>", True), (151655, "<|image_pad|>", True),
-    (151656, "<|video_pad|>", True), (151657, "<tool_call>", False), (151658, "</tool_call>", False),
-    (151659, "<|fim_prefix|>", False), (151660, "<|fim_middle|>", False),
-    (151661, "<|fim_suffix|>", False), (151662, "<|fim_pad|>", False),
-    (151663, "<|repo_name|>", False), (151664, "<|file_sep|>", False),
-    (151665, "<tool_response>", False), (151666, "</tool_response>", False),
-    (151667, "<think>", False), (151668, "</think>", False),
+    (151643, "<|endoftext|>", True),
+    (151644, "<|im_start|>", True),
+    (151645, "<|im_end|>", True),
+    (151646, "<|object_ref_start|>", True),
+    (151647, "<|object_ref_end|>", True),
+    (151648, "<|box_start|>", True),
+    (151649, "<|box_end|>", True),
+    (151650, "<|quad_start|>", True),
+    (151651, "<|quad_end|>", True),
+    (151652, "<|vision_start|>", True),
+    (151653, "<|vision_end|>", True),
+    (151654, "<|vision_pad|>", True),
+    (151655, "<|image_pad|>", True),
+    (151656, "<|video_pad|>", True),
+    (151657, "<tool_call>", False),
+    (151658, "</tool_call>", False),
+    (151659, "<|fim_prefix|>", False),
+    (151660, "<|fim_middle|>", False),
+    (151661, "<|fim_suffix|>", False),
+    (151662, "<|fim_pad|>", False),
+    (151663, "<|repo_name|>", False),
+    (151664, "<|file_sep|>", False),
+    (151665, "<tool_response>", False),
+    (151666, "</tool_response>", False),
+    (151667, "<think>", False),
+    (151668, "</think>", False),
 ]
 
 # Strings tried as "special tokens written in the text"; those that are an added token (special
 # or not) of the vocabulary are used, plus a few that are plain text there ([INST] in Llama-2).
 SPECIAL_CANDIDATES = [
-    "<s>", "</s>", "<unk>", "<pad>", "<bos>", "<eos>", "<mask>", "[INST]", "[/INST]",
-    "<|endoftext|>", "<|padding|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|vision_pad|>",
-    "<start_of_turn>", "<end_of_turn>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
-    "<channel|>", "<|tool_call>", '<|"|>', "<|image|>",
-    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-    "<|eot_id|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<mask>",
+    "[INST]",
+    "[/INST]",
+    "<|endoftext|>",
+    "<|padding|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|vision_pad|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<|turn>",
+    "<turn|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+    "<|tool_call>",
+    '<|"|>',
+    "<|image|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|end|>",
 ]
-ALWAYS_TEXT = ["[INST]", "[/INST]", "<s>", "</s>"]   # tried in every vocabulary (text if not tokens)
+ALWAYS_TEXT = ["[INST]", "[/INST]", "<s>", "</s>"]  # tried in every vocabulary (text if not tokens)
 
 # --------------------------------------------------------------------------------------------
 # Generated strings
 # --------------------------------------------------------------------------------------------
 FIXED_TEXTS = [
     # empty / whitespace
-    "", " ", "  ", "   ", "\t", "\n", "\r\n", "\r", "\n\n", " \n", "\n ", "\t\t", " \t \n",
-    "\r\n\r\n", "    ", "        ", "                        ", "\u00a0", "\u3000", "\u200b",
-    "\u2028", "\u2003x\u2003",
+    "",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\r\n",
+    "\r",
+    "\n\n",
+    " \n",
+    "\n ",
+    "\t\t",
+    " \t \n",
+    "\r\n\r\n",
+    "    ",
+    "        ",
+    "                        ",
+    "\u00a0",
+    "\u3000",
+    "\u200b",
+    "\u2028",
+    "\u2003x\u2003",
     # leading / trailing / inner whitespace
-    "Hello", " Hello", "Hello ", "  Hello  ", "\tHello", "Hello\n", "\nHello", "Hello\r\nWorld",
-    "Hello\n\nWorld", "Hello  World", "Hello   World", "Hello\tWorld", "a \n b", "x\r\ny\rz",
-    "trailing spaces   ", "   leading spaces", " \t mixed \t ", "line1\nline2\nline3\n",
-    "ends with newline\n\n\n", "Hello world", "hello world!", "Hello, world! How are you?",
+    "Hello",
+    " Hello",
+    "Hello ",
+    "  Hello  ",
+    "\tHello",
+    "Hello\n",
+    "\nHello",
+    "Hello\r\nWorld",
+    "Hello\n\nWorld",
+    "Hello  World",
+    "Hello   World",
+    "Hello\tWorld",
+    "a \n b",
+    "x\r\ny\rz",
+    "trailing spaces   ",
+    "   leading spaces",
+    " \t mixed \t ",
+    "line1\nline2\nline3\n",
+    "ends with newline\n\n\n",
+    "Hello world",
+    "hello world!",
+    "Hello, world! How are you?",
     # scripts
-    "我想在apple工作1314151天～", "中华人民共和国", "你好，世界！这是一个测试。", "繁體中文測試",
-    "こんにちは世界", "カタカナとひらがなと漢字", "東京タワーは333メートルです。",
-    "안녕하세요 세계", "한국어 텍스트입니다.", "مرحبا بالعالم", "اللغة العربية جميلة جدا",
-    "שלום עולם", "नमस्ते दुनिया", "हिन्दी में लिखा गया वाक्य।", "สวัสดีชาวโลก",
-    "ภาษาไทยไม่มีช่องว่างระหว่างคำ", "Привет, мир!", "Съешь же ещё этих мягких французских булок",
-    "нещо на Български", "Ελληνικά: Γειά σου Κόσμε", "Tiếng Việt có dấu", "Cửa Việt",
-    "Ünïcödé àccénts çà và", "Straße, Äpfel, Öl, Übermut", "Zażółć gęślą jaźń",
-    "ქართული ენა", "Հայերեն", "தமிழ் மொழி", "বাংলা ভাষা", "ಕನ್ನಡ", "ગુજરાતી", "ਪੰਜਾਬੀ",
-    "ລາວ", "မြန်မာ", "ខ្មែរ", "አማርኛ", "ᚠᚢᚦᚨᚱᚲ", "𠀀𠀁𠀂 (CJK Ext B)", "\ue000\uf8ff (private use)",
-    "\ufffd replacement", "ﬁ ligature ﬀ", "Ⅻ ½ ² ³ ™ ©", "ｆｕｌｌｗｉｄｔｈ　ＡＢＣ",
+    "我想在apple工作1314151天～",
+    "中华人民共和国",
+    "你好，世界！这是一个测试。",
+    "繁體中文測試",
+    "こんにちは世界",
+    "カタカナとひらがなと漢字",
+    "東京タワーは333メートルです。",
+    "안녕하세요 세계",
+    "한국어 텍스트입니다.",
+    "مرحبا بالعالم",
+    "اللغة العربية جميلة جدا",
+    "שלום עולם",
+    "नमस्ते दुनिया",
+    "हिन्दी में लिखा गया वाक्य।",
+    "สวัสดีชาวโลก",
+    "ภาษาไทยไม่มีช่องว่างระหว่างคำ",
+    "Привет, мир!",
+    "Съешь же ещё этих мягких французских булок",
+    "нещо на Български",
+    "Ελληνικά: Γειά σου Κόσμε",
+    "Tiếng Việt có dấu",
+    "Cửa Việt",
+    "Ünïcödé àccénts çà và",
+    "Straße, Äpfel, Öl, Übermut",
+    "Zażółć gęślą jaźń",
+    "ქართული ენა",
+    "Հայերեն",
+    "தமிழ் மொழி",
+    "বাংলা ভাষা",
+    "ಕನ್ನಡ",
+    "ગુજરાતી",
+    "ਪੰਜਾਬੀ",
+    "ລາວ",
+    "မြန်မာ",
+    "ខ្មែរ",
+    "አማርኛ",
+    "ᚠᚢᚦᚨᚱᚲ",
+    "𠀀𠀁𠀂 (CJK Ext B)",
+    "\ue000\uf8ff (private use)",
+    "\ufffd replacement",
+    "ﬁ ligature ﬀ",
+    "Ⅻ ½ ² ³ ™ ©",
+    "ｆｕｌｌｗｉｄｔｈ　ＡＢＣ",
     # combining characters / normalization
-    "e\u0301", "cafe\u0301", "café", "a\u0308o\u0308u\u0308", "n\u0303", "A\u030a",
-    "\u1100\u1161\u11a8", "Z\u0351\u036b\u0343\u036a\u0302\u036b\u033d\u034f\u0334a\u0310lgo",
-    "\u0915\u094d\u0937", "o\u0301\u0302\u0303", "\u0301 leading combining mark",
-    "ả̀ Vieết Nam", "Å Å Å",
+    "e\u0301",
+    "cafe\u0301",
+    "café",
+    "a\u0308o\u0308u\u0308",
+    "n\u0303",
+    "A\u030a",
+    "\u1100\u1161\u11a8",
+    "Z\u0351\u036b\u0343\u036a\u0302\u036b\u033d\u034f\u0334a\u0310lgo",
+    "\u0915\u094d\u0937",
+    "o\u0301\u0302\u0303",
+    "\u0301 leading combining mark",
+    "ả̀ Vieết Nam",
+    "Å Å Å",
     # emoji
-    "😀", "😁 ?", "👍🏽", "👨‍👩‍👧‍👦", "🏳️‍🌈", "🇺🇸🇯🇵🇩🇪", "🇫🇷 flag", "❤️", "1️⃣", "🧑🏿‍💻",
-    "😶‍🌫️", "🚀 (normal) 😶‍🌫️ (multiple emojis concatenated) ✅", " this is 🦙.cpp", "🦙🦙🦙",
-    "emoji😀glued", "👩‍❤️‍💋‍👨",
+    "😀",
+    "😁 ?",
+    "👍🏽",
+    "👨‍👩‍👧‍👦",
+    "🏳️‍🌈",
+    "🇺🇸🇯🇵🇩🇪",
+    "🇫🇷 flag",
+    "❤️",
+    "1️⃣",
+    "🧑🏿‍💻",
+    "😶‍🌫️",
+    "🚀 (normal) 😶‍🌫️ (multiple emojis concatenated) ✅",
+    " this is 🦙.cpp",
+    "🦙🦙🦙",
+    "emoji😀glued",
+    "👩‍❤️‍💋‍👨",
     # code
     "def f(x):\n    return x + 1\n",
-    "class A:\n    def __init__(self):\n        self.x = [1, 2, 3]\n\n    def __repr__(self):\n\t\treturn f\"A({self.x!r})\"\n",
-    "#include <stdio.h>\nint main(void) {\n\tprintf(\"%d\\n\", 42);\n\treturn 0;\n}\n",
+    'class A:\n    def __init__(self):\n        self.x = [1, 2, 3]\n\n    def __repr__(self):\n\t\treturn f"A({self.x!r})"\n',
+    '#include <stdio.h>\nint main(void) {\n\tprintf("%d\\n", 42);\n\treturn 0;\n}\n',
     "for (int i = 0; i < n; ++i) { a[i] = b[i] * c[i]; }",
     '{"key": "value", "list": [1, 2.5, -3e10, true, null], "nested": {"a": {}}}',
     '{\n  "name": "colibri",\n  "version": "0.1.0"\n}',
     "SELECT id, name FROM users WHERE age >= 18 ORDER BY name;",
-    "<div class=\"x\"><a href=\"https://example.com/?q=1&b=2\">link</a></div>",
-    "x != y and a.b == c", "a->b, a::b, a<=>b, a && b || !c", "$ ls -la | grep '^d' > out.txt",
+    '<div class="x"><a href="https://example.com/?q=1&b=2">link</a></div>',
+    "x != y and a.b == c",
+    "a->b, a::b, a<=>b, a && b || !c",
+    "$ ls -la | grep '^d' > out.txt",
     "https://huggingface.co/docs/transformers/main/en/chat_templating#advanced",
-    "user@example.com", "C:\\Users\\name\\file.txt", "regex: ^[a-z]+\\d{2,3}$",
-    "```python\nprint('hi')\n```", "// comment\n/* block */", "    indented\n        more\n",
+    "user@example.com",
+    "C:\\Users\\name\\file.txt",
+    "regex: ^[a-z]+\\d{2,3}$",
+    "```python\nprint('hi')\n```",
+    "// comment\n/* block */",
+    "    indented\n        more\n",
     # digits
-    "3", "33", "333", "3333", "33333", "333333", "3333333", "1234567890", "0000000000000",
-    "3.14159265358979", "1,000,000", "-42", "0x1F", "1e-10", "2024-01-01", "12:34:56",
-    "١٢٣٤٥", "一二三", "１２３", "v1.2.3", "ipv4 192.168.0.1",
+    "3",
+    "33",
+    "333",
+    "3333",
+    "33333",
+    "333333",
+    "3333333",
+    "1234567890",
+    "0000000000000",
+    "3.14159265358979",
+    "1,000,000",
+    "-42",
+    "0x1F",
+    "1e-10",
+    "2024-01-01",
+    "12:34:56",
+    "١٢٣٤٥",
+    "一二三",
+    "１２３",
+    "v1.2.3",
+    "ipv4 192.168.0.1",
     # case / contractions
-    "HeLLo WoRLD", "ALLCAPS SENTENCE", "lowercase sentence", "CamelCaseIdentifier",
-    "snake_case_name", "kebab-case-name", "iPhone eBay macOS", "I'm", "DON'T", "it's", "We'Ve",
-    "' era", "y'all", "'s", "he'd've", "'''''", "!!!!!!", "??!!..", "...", "---", "===",
-    "a" * 100, "ab" * 40, "w048 7tuijk dsdfhu",
+    "HeLLo WoRLD",
+    "ALLCAPS SENTENCE",
+    "lowercase sentence",
+    "CamelCaseIdentifier",
+    "snake_case_name",
+    "kebab-case-name",
+    "iPhone eBay macOS",
+    "I'm",
+    "DON'T",
+    "it's",
+    "We'Ve",
+    "' era",
+    "y'all",
+    "'s",
+    "he'd've",
+    "'''''",
+    "!!!!!!",
+    "??!!..",
+    "...",
+    "---",
+    "===",
+    "a" * 100,
+    "ab" * 40,
+    "w048 7tuijk dsdfhu",
     # control characters
-    "\x00", "a\x00b", "\x07\x1b[0m", "\x7f", "tab\there",
+    "\x00",
+    "a\x00b",
+    "\x07\x1b[0m",
+    "\x7f",
+    "tab\there",
 ]
 
 # fragments for the random mixes (subset of the above plus a few)
 FRAGMENTS = [
-    "Hello", "world", "The quick brown fox", "jumps over", "the lazy dog.", "日本語", "中文",
-    "한국어", "العربية", "हिन्दी", "ไทย", "Русский", "Ελληνικά", "e\u0301", "👨‍👩‍👧", "🇯🇵",
-    "😀", "❤️", "def f():", "return 0;", "{\"a\": 1}", "[1, 2, 3]", "12345", "3.14", "x=y+z",
-    "CamelCase", "UPPER", "lower", "I'm", "'s", "...", "!!", "?", "(", ")", "<", ">", "|", "#",
-    "\u00a0", "ß", "İ", "ﬁ", "½",
+    "Hello",
+    "world",
+    "The quick brown fox",
+    "jumps over",
+    "the lazy dog.",
+    "日本語",
+    "中文",
+    "한국어",
+    "العربية",
+    "हिन्दी",
+    "ไทย",
+    "Русский",
+    "Ελληνικά",
+    "e\u0301",
+    "👨‍👩‍👧",
+    "🇯🇵",
+    "😀",
+    "❤️",
+    "def f():",
+    "return 0;",
+    '{"a": 1}',
+    "[1, 2, 3]",
+    "12345",
+    "3.14",
+    "x=y+z",
+    "CamelCase",
+    "UPPER",
+    "lower",
+    "I'm",
+    "'s",
+    "...",
+    "!!",
+    "?",
+    "(",
+    ")",
+    "<",
+    ">",
+    "|",
+    "#",
+    "\u00a0",
+    "ß",
+    "İ",
+    "ﬁ",
+    "½",
 ]
 JOINERS = ["", " ", " ", " ", "  ", "\n", "\t", "\r\n", "\n\n", ", "]
 
@@ -280,16 +574,16 @@ MIXTRAL_TEMPLATE = (
 
 CHATS = {
     # name: (template source, vocab, kwargs variants)
-    "Qwen-Qwen3-0.6B": ("Qwen-Qwen3-0.6B.jinja", "qwen3",
-                        [{}, {"enable_thinking": True}, {"enable_thinking": False}]),
-    "Qwen-Qwen3-0.6B@qwen2": ("Qwen-Qwen3-0.6B.jinja", "qwen2",
-                              [{}, {"enable_thinking": False}]),
+    "Qwen-Qwen3-0.6B": ("Qwen-Qwen3-0.6B.jinja", "qwen3", [{}, {"enable_thinking": True}, {"enable_thinking": False}]),
+    "Qwen-Qwen3-0.6B@qwen2": ("Qwen-Qwen3-0.6B.jinja", "qwen2", [{}, {"enable_thinking": False}]),
     "Qwen-Qwen2.5-7B-Instruct": ("Qwen-Qwen2.5-7B-Instruct.jinja", "qwen2", [{}]),
-    "google-gemma-4-31B-it": ("google-gemma-4-31B-it.jinja", "gemma-4",
-                              [{}, {"enable_thinking": True}, {"enable_thinking": False}]),
+    "google-gemma-4-31B-it": (
+        "google-gemma-4-31B-it.jinja",
+        "gemma-4",
+        [{}, {"enable_thinking": True}, {"enable_thinking": False}],
+    ),
     "mistralai-Mixtral-8x7B-Instruct-v0.1": (None, "llama-spm", [{}]),
-    "mistralai-Mistral-Nemo-Instruct-2407": ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
-                                             "llama-spm", [{}]),
+    "mistralai-Mistral-Nemo-Instruct-2407": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "llama-spm", [{}]),
     # the new families' templates (issue 23), rendered through a vocabulary that is not theirs
     # (the real ones are not in the sdist): the render is the template's, the ids the vocabulary's
     "openai-gpt-oss-120b": ("openai-gpt-oss-120b.jinja", "qwen2", [{}, {"reasoning_effort": "high"}]),
@@ -300,25 +594,48 @@ CHATS = {
 
 CONVERSATIONS = [
     ("user", [{"role": "user", "content": "Hello! What is 2+2?"}]),
-    ("system_user", [{"role": "system", "content": "You are a terse assistant."},
-                     {"role": "user", "content": "Name three colors."}]),
-    ("multi_turn_system", [{"role": "system", "content": "You answer in one sentence."},
-                           {"role": "user", "content": "What is the capital of France?"},
-                           {"role": "assistant", "content": "The capital of France is Paris."},
-                           {"role": "user", "content": "And of Italy?"}]),
-    ("multi_turn", [{"role": "user", "content": "Hi"},
-                    {"role": "assistant", "content": "Hello! How can I help?"},
-                    {"role": "user", "content": "Tell me a joke."}]),
-    ("non_ascii", [{"role": "system", "content": "Réponds en français, s'il te plaît. 🙂"},
-                   {"role": "user", "content": "你好！Привет! नमस्ते 👨‍👩‍👧 — e\u0301 café?"},
-                   {"role": "assistant", "content": "Bonjour ! 日本語も少し話せます。"},
-                   {"role": "user", "content": "  Leading and trailing spaces  \n\tand a tab"}]),
-    ("assistant_thinking", [{"role": "user", "content": "What is 7*6?"},
-                            {"role": "assistant",
-                             "content": "<think>\n7 times 6 is 42.\n</think>\n\n42"},
-                            {"role": "user", "content": "And 6*7?"}]),
-    ("assistant_last", [{"role": "user", "content": "Say yes."},
-                        {"role": "assistant", "content": "Yes."}]),
+    (
+        "system_user",
+        [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Name three colors."},
+        ],
+    ),
+    (
+        "multi_turn_system",
+        [
+            {"role": "system", "content": "You answer in one sentence."},
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is Paris."},
+            {"role": "user", "content": "And of Italy?"},
+        ],
+    ),
+    (
+        "multi_turn",
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Tell me a joke."},
+        ],
+    ),
+    (
+        "non_ascii",
+        [
+            {"role": "system", "content": "Réponds en français, s'il te plaît. 🙂"},
+            {"role": "user", "content": "你好！Привет! नमस्ते 👨‍👩‍👧 — e\u0301 café?"},
+            {"role": "assistant", "content": "Bonjour ! 日本語も少し話せます。"},
+            {"role": "user", "content": "  Leading and trailing spaces  \n\tand a tab"},
+        ],
+    ),
+    (
+        "assistant_thinking",
+        [
+            {"role": "user", "content": "What is 7*6?"},
+            {"role": "assistant", "content": "<think>\n7 times 6 is 42.\n</think>\n\n42"},
+            {"role": "user", "content": "And 6*7?"},
+        ],
+    ),
+    ("assistant_last", [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes."}]),
 ]
 
 
@@ -338,7 +655,7 @@ def read_reference(models: Path, name: str):
     raw = inp.read_bytes().decode("utf-8")
     texts = []
     pos = 0
-    while pos < len(raw):            # same loop as read_tests() in test-tokenizer-0.cpp
+    while pos < len(raw):  # same loop as read_tests() in test-tokenizer-0.cpp
         nxt = raw.find(SEP, pos)
         if nxt < 0:
             texts.append(raw[pos:])
@@ -355,11 +672,12 @@ def read_reference(models: Path, name: str):
 
 def gguf_tokenizer_fields(path: Path) -> dict:
     import gguf
+
     r = gguf.GGUFReader(str(path))
     out = {}
     for k, f in r.fields.items():
         if k.startswith("tokenizer.ggml."):
-            out[k[len("tokenizer.ggml."):]] = f.contents()
+            out[k[len("tokenizer.ggml.") :]] = f.contents()
     return out
 
 
@@ -398,6 +716,7 @@ def hf_gguf_tokenizer(models: Path, stem: str, cls_name: str | None = None):
     extra_added = [t for t in j["added_tokens"] if t["id"] >= n_file]
     if extra_added:
         from tokenizers import Tokenizer
+
         j["added_tokens"] = [t for t in j["added_tokens"] if t["id"] < n_file]
         backend = Tokenizer.from_str(json.dumps(j))
         dropped_extra = [t["content"] for t in extra_added]
@@ -410,32 +729,38 @@ def hf_gguf_tokenizer(models: Path, stem: str, cls_name: str | None = None):
         cls = TokenizersBackend
     else:
         import transformers
+
         cls = getattr(transformers, cls)
     kwargs = dict(tconfig)
     kwargs.pop("chat_template", None)
     kwargs.update(extra)
     tok = cls(tokenizer_object=backend, **kwargs)
     # cross-check against the public entry point (where it works: it also builds a model config)
-    notes = [f"transformers GGUF loader: architecture {architecture!r}, class {type(tok).__name__}, "
-             f"{dropped} [PAD<n>] pieces dropped"
-             + (f"; dropped added tokens beyond the file's vocabulary: {dropped_extra}" if dropped_extra else "")]
+    notes = [
+        f"transformers GGUF loader: architecture {architecture!r}, class {type(tok).__name__}, "
+        f"{dropped} [PAD<n>] pieces dropped"
+        + (f"; dropped added tokens beyond the file's vocabulary: {dropped_extra}" if dropped_extra else "")
+    ]
     try:
         ref = (GemmaTokenizer if architecture == "gemma4" else AutoTokenizer).from_pretrained(
-            str(path.parent), gguf_file=path.name)
+            str(path.parent), gguf_file=path.name
+        )
         probe = "Hello world <|im_end|> 123"
         if ref.encode(probe, add_special_tokens=False) != tok.encode(probe, add_special_tokens=False):
             raise SystemExit(f"{stem}: GGUF tokenizer differs from AutoTokenizer(gguf_file=)")
     except SystemExit:
         raise
     except Exception as e:  # noqa: BLE001 - record, do not fail
-        notes.append(f"AutoTokenizer.from_pretrained(gguf_file=) failed: {type(e).__name__}: "
-                     f"{str(e).splitlines()[0][:160]}")
+        notes.append(
+            f"AutoTokenizer.from_pretrained(gguf_file=) failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        )
     return tok, notes
 
 
 def build_qwen3(models: Path):
     """qwen2's BPE + Qwen3's added tokens."""
     from tokenizers import AddedToken
+
     tok, notes = hf_gguf_tokenizer(models, "qwen2")
     have = {t.content: i for i, t in tok.added_tokens_decoder.items()}
     new = []
@@ -472,7 +797,7 @@ def build_spm(models: Path, out_dir: Path):
     m = pb.ModelProto()
     for t, s, ty in zip(toks, scores, types):
         p = m.pieces.add()
-        p.piece, p.score, p.type = t, float(s), int(ty)   # GGUF token types == sentencepiece's
+        p.piece, p.score, p.type = t, float(s), int(ty)  # GGUF token types == sentencepiece's
     ts = m.trainer_spec
     ts.model_type = pb.TrainerSpec.BPE
     ts.vocab_size = len(toks)
@@ -488,7 +813,12 @@ def build_spm(models: Path, out_dir: Path):
     ts.vocabulary_output_piece_score = True
     ts.hard_vocab_limit = True
     ts.use_all_vocab = False
-    ts.unk_id, ts.bos_id, ts.eos_id, ts.pad_id = int(f["unknown_token_id"]), int(f["bos_token_id"]), int(f["eos_token_id"]), -1
+    ts.unk_id, ts.bos_id, ts.eos_id, ts.pad_id = (
+        int(f["unknown_token_id"]),
+        int(f["bos_token_id"]),
+        int(f["eos_token_id"]),
+        -1,
+    )
     ts.unk_piece, ts.bos_piece, ts.eos_piece, ts.pad_piece = "<unk>", "<s>", "</s>", "<pad>"
     ts.unk_surface = " \u2047 "
     ns = m.normalizer_spec
@@ -511,19 +841,24 @@ def build_spm(models: Path, out_dir: Path):
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     piece_scores = {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.get_piece_size())}
     merges = generate_merges(vocab, piece_scores)
-    t = Tokenizer(tmodels.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True,
-                              byte_fallback=True))
+    t = Tokenizer(tmodels.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
     t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     t.pre_tokenizer = None
-    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     t.add_special_tokens([AddedToken(x, normalized=False, special=True) for x in ("<unk>", "<s>", "</s>")])
-    t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                     special_tokens=[("<s>", 1)])
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     cfg = dict(CONFIG["llama-spm"])
     tok = TokenizersBackend(tokenizer_object=t, **cfg)
-    return tok, sp, ["sentencepiece tokenizer.model built from the GGUF pieces/scores/types",
-                     "HF tokenizer: the legacy Llama/Mixtral tokenizer.json pipeline as TokenizersBackend"]
+    return (
+        tok,
+        sp,
+        [
+            "sentencepiece tokenizer.model built from the GGUF pieces/scores/types",
+            "HF tokenizer: the legacy Llama/Mixtral tokenizer.json pipeline as TokenizersBackend",
+        ],
+    )
 
 
 def build_neox(models: Path):
@@ -540,7 +875,7 @@ def build_neox(models: Path):
     vocab, added = {}, []
     for i in range(n):
         t, ty = toks[i], types[i]
-        if ty == 4:                      # USER_DEFINED: an added, non-special token (space runs)
+        if ty == 4:  # USER_DEFINED: an added, non-special token (space runs)
             added.append((i, t))
             continue
         if not set(t) <= alphabet:
@@ -548,19 +883,24 @@ def build_neox(models: Path):
         vocab[t] = i
     if sorted(vocab.values()) != list(range(len(vocab))):
         raise SystemExit("gpt-neox: BPE ids not contiguous")
-    tok = GPTNeoXTokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
-                           **{k: v for k, v in CONFIG["gpt-neox"].items()
-                              if k not in ("add_bos_token", "add_eos_token")})
+    tok = GPTNeoXTokenizer(
+        vocab=vocab,
+        merges=[tuple(m.split(" ")) for m in merges],
+        **{k: v for k, v in CONFIG["gpt-neox"].items() if k not in ("add_bos_token", "add_eos_token")},
+    )
     specials = [toks[i] for i in range(n) if types[i] == 3]
-    tok.add_special_tokens({"additional_special_tokens": [AddedToken(s, normalized=False, special=True)
-                                                          for s in specials]},
-                           replace_extra_special_tokens=False)
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(s, normalized=False, special=True) for s in specials]},
+        replace_extra_special_tokens=False,
+    )
     for i, t in added:
         if len(tok) != i:
             raise SystemExit(f"gpt-neox: added token {t!r} would get id {len(tok)}, not {i}")
         tok.add_tokens([AddedToken(t, normalized=True, special=False)])
-    return tok, [f"GPTNeoXTokenizer from the GGUF (architecture gptneox is not in transformers' "
-                 f"GGUF loader); {len(added)} multi-space added tokens; {len(toks) - n} [PAD<n>] dropped"]
+    return tok, [
+        f"GPTNeoXTokenizer from the GGUF (architecture gptneox is not in transformers' "
+        f"GGUF loader); {len(added)} multi-space added tokens; {len(toks) - n} [PAD<n>] dropped"
+    ]
 
 
 def patch_tokenizer_json(path: Path, name: str):
@@ -600,6 +940,7 @@ def save(tok, d: Path, name: str):
 
 def load(d: Path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(d))
 
 
@@ -617,7 +958,7 @@ def special_strings(tok, name: str):
 
 def generated_texts(name: str, specials: list):
     texts = list(FIXED_TEXTS)
-    rng = random.Random(SEED)                 # same mixes for every vocabulary
+    rng = random.Random(SEED)  # same mixes for every vocabulary
     for _ in range(N_RANDOM):
         k = rng.randint(2, 5)
         parts = [rng.choice(FRAGMENTS) for _ in range(k)]
@@ -631,10 +972,21 @@ def generated_texts(name: str, specials: list):
         texts.append(s)
     # special-token strings written in the text
     for sp in specials:
-        texts += [sp, sp + sp, "Hello" + sp, sp + "Hello", "Hello " + sp + " world",
-                  " " + sp, sp + " ", "\n" + sp + "\n", "ab" + sp + "cd", sp + "\n" + "x",
-                  sp[:-1] if len(sp) > 2 else sp + "x", sp.upper() if sp.upper() != sp else sp.lower()]
-    rng2 = random.Random(zlib.crc32(name.encode()) ^ SEED)   # vocabulary-specific mixes
+        texts += [
+            sp,
+            sp + sp,
+            "Hello" + sp,
+            sp + "Hello",
+            "Hello " + sp + " world",
+            " " + sp,
+            sp + " ",
+            "\n" + sp + "\n",
+            "ab" + sp + "cd",
+            sp + "\n" + "x",
+            sp[:-1] if len(sp) > 2 else sp + "x",
+            sp.upper() if sp.upper() != sp else sp.lower(),
+        ]
+    rng2 = random.Random(zlib.crc32(name.encode()) ^ SEED)  # vocabulary-specific mixes
     for _ in range(24):
         parts = []
         for _ in range(rng2.randint(2, 5)):
@@ -652,10 +1004,14 @@ def make_cases(tok, ref, texts, sp=None, llama_cls=None):
         seen.add(text)
         ids = tok.encode(text, add_special_tokens=True)
         plain = tok.encode(text, add_special_tokens=False)
-        c = {"text": text, "ids": ids, "ids_plain": plain,
-             "decoded": tok.decode(ids, skip_special_tokens=False),
-             "decoded_skip": tok.decode(ids, skip_special_tokens=True),
-             "llama_cpp": ids_ref}
+        c = {
+            "text": text,
+            "ids": ids,
+            "ids_plain": plain,
+            "decoded": tok.decode(ids, skip_special_tokens=False),
+            "decoded_skip": tok.decode(ids, skip_special_tokens=True),
+            "llama_cpp": ids_ref,
+        }
         if sp is not None:
             c["spm_ids_plain"] = sp.encode(text)
             c["spm_decoded"] = sp.decode(c["spm_ids_plain"])
@@ -692,7 +1048,7 @@ def bos_eos_summary(tok):
     probe = tok.encode("Hello", add_special_tokens=False)
     full = tok.encode("Hello", add_special_tokens=True)
     i = full.index(probe[0]) if probe and probe[0] in full else 0
-    return {"prefix": full[:i], "suffix": full[i + len(probe):]}
+    return {"prefix": full[:i], "suffix": full[i + len(probe) :]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,8 +1096,11 @@ def do_vocab(name: str, spec: dict, models: Path, out: Path, tmp: Path) -> dict:
     for p in ("tokenizer_config.json", "special_tokens_map.json"):
         if (d2 / p).exists():
             shutil.copy(d2 / p, vdir / p)
-    extra_files = sorted(p.name for p in d2.iterdir()
-                         if p.name not in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"))
+    extra_files = sorted(
+        p.name
+        for p in d2.iterdir()
+        if p.name not in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    )
     if extra_files and extra_files != ["tokenizer.model"]:
         log(f"  note: save_pretrained also wrote {extra_files} (not kept)")
 
@@ -751,44 +1110,50 @@ def do_vocab(name: str, spec: dict, models: Path, out: Path, tmp: Path) -> dict:
     if backend_json(tk) != backend_json(t2):
         raise SystemExit(f"{name}: reloading the written files gives another tokenizer")
     adds = bos_eos_summary(tk)
-    want = ([tk.bos_token_id] if c.get("add_bos_token") else [],
-            [tk.eos_token_id] if c.get("add_eos_token") else [])
+    want = ([tk.bos_token_id] if c.get("add_bos_token") else [], [tk.eos_token_id] if c.get("add_eos_token") else [])
     if (adds["prefix"], adds["suffix"]) != want:
         raise SystemExit(f"{name}: add_special_tokens=True adds {adds}, config says {want}")
     llama_cls = None
     if name == "llama-spm":
         from transformers import LlamaTokenizer
+
         llama_cls = LlamaTokenizer.from_pretrained(str(ld))
     specials = special_strings(tk, name)
     texts = generated_texts(name, specials)
     cases = make_cases(tk, ref, texts, sp=sp, llama_cls=llama_cls)
-    for c in cases:      # the in-memory tokenizer before saving must agree after the round trip
+    for c in cases:  # the in-memory tokenizer before saving must agree after the round trip
         if t2.encode(c["text"]) != c["ids"]:
             raise SystemExit(f"{name}: save/reload changed encode({c['text']!r})")
     write_cases(vdir / "cases.json", cases)
 
-    mism = [{"text": c["text"], "transformers": c["ids_plain"], "llama_cpp": c["llama_cpp"]}
-            for c in cases if c["llama_cpp"] is not None and c["ids_plain"] != c["llama_cpp"]]
-    unnormalized_gguf = [c["text"] for c in cases
-                         if tok.encode(c["text"], add_special_tokens=False) != c["ids_plain"]]
+    mism = [
+        {"text": c["text"], "transformers": c["ids_plain"], "llama_cpp": c["llama_cpp"]}
+        for c in cases
+        if c["llama_cpp"] is not None and c["ids_plain"] != c["llama_cpp"]
+    ]
+    unnormalized_gguf = [c["text"] for c in cases if tok.encode(c["text"], add_special_tokens=False) != c["ids_plain"]]
     cfg = json.loads((vdir / "tokenizer_config.json").read_text(encoding="utf-8"))
     eot = END_OF_TURN.get(name)
     meta = {
         "name": name,
         "source": f"vendor/llama.cpp/models/ggml-vocab-{spec['gguf']}.gguf",
-        "reference": (f"vendor/llama.cpp/models/ggml-vocab-{spec['ref']}.gguf.inp/.out"
-                      if ref else None),
+        "reference": (f"vendor/llama.cpp/models/ggml-vocab-{spec['ref']}.gguf.inp/.out" if ref else None),
         "build_notes": notes,
         "tokenizer_class_loaded": type(tk).__name__,
         "tokenizer_class_config": cfg.get("tokenizer_class"),
         "len": len(tk),
-        "bos_token": tk.bos_token, "bos_token_id": tk.bos_token_id,
-        "eos_token": tk.eos_token, "eos_token_id": tk.eos_token_id,
-        "pad_token": tk.pad_token, "pad_token_id": tk.pad_token_id,
-        "unk_token": tk.unk_token, "unk_token_id": tk.unk_token_id,
+        "bos_token": tk.bos_token,
+        "bos_token_id": tk.bos_token_id,
+        "eos_token": tk.eos_token,
+        "eos_token_id": tk.eos_token_id,
+        "pad_token": tk.pad_token,
+        "pad_token_id": tk.pad_token_id,
+        "unk_token": tk.unk_token,
+        "unk_token_id": tk.unk_token_id,
         "end_of_turn_token": eot,
         "end_of_turn_token_id": (tk.convert_tokens_to_ids(eot) if eot else None),
-        "add_bos_token": cfg.get("add_bos_token"), "add_eos_token": cfg.get("add_eos_token"),
+        "add_bos_token": cfg.get("add_bos_token"),
+        "add_eos_token": cfg.get("add_eos_token"),
         "add_special_tokens_adds": bos_eos_summary(tk),
         "special_token_strings_tested": specials,
         "n_cases": len(cases),
@@ -803,6 +1168,7 @@ def do_vocab(name: str, spec: dict, models: Path, out: Path, tmp: Path) -> dict:
         # its dummy prefix), the way llama.cpp (parse_special) and transformers' legacy pipeline work
         added = {t.content: i for i, t in tk.added_tokens_decoder.items()}
         pat = re.compile("(" + "|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)) + ")")
+
         def seg(text):
             ids = []
             for part in pat.split(text):
@@ -811,19 +1177,23 @@ def do_vocab(name: str, spec: dict, models: Path, out: Path, tmp: Path) -> dict:
                 elif part:
                     ids += sp.encode(part)
             return ids
+
         meta["spm_chunked_vs_ids_plain_differs_on"] = [c["text"] for c in cases if seg(c["text"]) != c["ids_plain"]]
         meta["llama_class_vs_ids_differs_on"] = [c["text"] for c in cases if c["ids_llama_class"] != c["ids"]]
     (vdir / "meta.json").write_text(json.dumps(meta, ensure_ascii=True, indent=1) + "\n", encoding="ascii")
-    log(f"  {len(cases)} cases, {len(ref)} reference, {len(mism)} mismatches, "
-        f"GGUF-loader mismatches {gguf_plain_bad}, in-memory-vs-saved differs on {len(unnormalized_gguf)}")
+    log(
+        f"  {len(cases)} cases, {len(ref)} reference, {len(mism)} mismatches, "
+        f"GGUF-loader mismatches {gguf_plain_bad}, in-memory-vs-saved differs on {len(unnormalized_gguf)}"
+    )
     return meta
 
 
 def do_chat(name: str, src, vocab: str, kwarg_sets, templates: Path, out: Path, tmp: Path, cache: dict):
     from transformers import LlamaTokenizer
+
     cdir = out / "chat"
     cdir.mkdir(parents=True, exist_ok=True)
-    tname = (src or (name + ".jinja"))
+    tname = src or (name + ".jinja")
     if src is None:
         template = MIXTRAL_TEMPLATE
     else:
@@ -844,10 +1214,17 @@ def do_chat(name: str, src, vocab: str, kwarg_sets, templates: Path, out: Path, 
             for agp in (False, True):
                 c = {"name": conv_name, "messages": messages, "add_generation_prompt": agp, "kwargs": kwargs}
                 try:
-                    text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=agp,
-                                                   tokenize=False, **kwargs)
-                    ids = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=agp,
-                                                  tokenize=True, return_dict=False, **kwargs)
+                    text = tok.apply_chat_template(
+                        messages, chat_template=template, add_generation_prompt=agp, tokenize=False, **kwargs
+                    )
+                    ids = tok.apply_chat_template(
+                        messages,
+                        chat_template=template,
+                        add_generation_prompt=agp,
+                        tokenize=True,
+                        return_dict=False,
+                        **kwargs,
+                    )
                     if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
                         raise SystemExit(f"{name}: apply_chat_template returned {type(ids)}")
                     if ids != tok.encode(text, add_special_tokens=False):
@@ -866,10 +1243,17 @@ def do_chat(name: str, src, vocab: str, kwarg_sets, templates: Path, out: Path, 
     (cdir / f"{name}.json").write_text(json.dumps(doc, ensure_ascii=True, indent=1) + "\n", encoding="ascii")
     n_err = sum("error" in c for c in cases)
     log(f"== chat {name}: {len(cases)} cases ({n_err} errors)")
-    return {"name": name, "template_file": tname, "vocab": vocab, "n_cases": len(cases), "n_errors": n_err,
-            "errors": sorted({c["error"] for c in cases if "error" in c}),
-            "n_llama_class_diff": (sum(c["ids"] != c["ids_llama_class"] for c in cases if "ids" in c)
-                                   if llama_cls is not None else None)}
+    return {
+        "name": name,
+        "template_file": tname,
+        "vocab": vocab,
+        "n_cases": len(cases),
+        "n_errors": n_err,
+        "errors": sorted({c["error"] for c in cases if "error" in c}),
+        "n_llama_class_diff": (
+            sum(c["ids"] != c["ids_llama_class"] for c in cases if "ids" in c) if llama_cls is not None else None
+        ),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -954,94 +1338,130 @@ def write_readme(out: Path, metas: list, chats: list, versions: dict, command: s
     total = sum(s for _, s in rows)
     L = []
     L.append("# Text fixtures: real tokenizers, reference tokenizations, chat renders\n")
-    L.append("Generated by `tools/make_text_fixtures.py` (read its docstring for the design). "
-             "Colibri's tests read these files without torch or transformers.\n")
-    L.append("Regenerate (from the repo root; needs transformers, tokenizers, gguf, sentencepiece, "
-             "protobuf, jinja2, and torch CPU because transformers' GGUF reader imports it):\n")
+    L.append(
+        "Generated by `tools/make_text_fixtures.py` (read its docstring for the design). "
+        "Colibri's tests read these files without torch or transformers.\n"
+    )
+    L.append(
+        "Regenerate (from the repo root; needs transformers, tokenizers, gguf, sentencepiece, "
+        "protobuf, jinja2, and torch CPU because transformers' GGUF reader imports it):\n"
+    )
     L.append("    " + command + "\n")
     L.append("Versions used: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".\n")
     L.append("The output is deterministic: rerunning with the same versions gives identical files.\n")
     L.append("## Layout\n")
-    L.append("    vocab/<name>/tokenizer.json.xz      tokenizer.json as save_pretrained writes it (after a "
-             "save/reload fixed point), xz (Python lzma, preset 9)")
-    L.append("    vocab/<name>/tokenizer_config.json  as save_pretrained writes it, load-time keys dropped, the "
-             "real model's bos/eos/add_bos_token/... set (no chat template)")
+    L.append(
+        "    vocab/<name>/tokenizer.json.xz      tokenizer.json as save_pretrained writes it (after a "
+        "save/reload fixed point), xz (Python lzma, preset 9)"
+    )
+    L.append(
+        "    vocab/<name>/tokenizer_config.json  as save_pretrained writes it, load-time keys dropped, the "
+        "real model's bos/eos/add_bos_token/... set (no chat template)"
+    )
     L.append("    vocab/<name>/tokenizer.model        llama-spm only: sentencepiece ModelProto")
     L.append("    vocab/<name>/cases.json             list of cases, see below")
     L.append("    vocab/<name>/meta.json              special tokens, BOS/EOS behaviour, agreement with the reference")
     L.append("    chat/<template>.jinja               the chat template")
     L.append("    chat/<template>.json                renders of that template with a vocabulary\n")
-    L.append("`cases.json` entry: `{\"text\", \"ids\", \"ids_plain\", \"decoded\", \"decoded_skip\", \"llama_cpp\"}` "
-             "with `ids = tok.encode(text, add_special_tokens=True)`, `ids_plain` the same with False, "
-             "`decoded = tok.decode(ids, skip_special_tokens=False)`, `decoded_skip` with True, "
-             "`llama_cpp` the reference ids from the `.gguf.out` file (null for generated strings). "
-             "`tok` is `AutoTokenizer.from_pretrained` of the folder with tokenizer.json unpacked. "
-             "llama-spm cases also have `spm_ids_plain` (sentencepiece `encode(text)` with the tokenizer.model: "
-             "no BOS, special-token text not parsed), `spm_decoded` (sentencepiece decode of those) and "
-             "`ids_llama_class` (`LlamaTokenizer.from_pretrained(folder).encode(text)`, i.e. what "
-             "transformers 5's LlamaTokenizer class does with a repo that names it).\n")
-    L.append("The `.gguf.out` references were written by llama.cpp's `convert_hf_to_gguf_update.py` with "
-             "`AutoTokenizer(<real HF repo>).encode(text, add_special_tokens=False)`; llama.cpp's "
-             "`test-tokenizer-0` checks that llama.cpp reproduces them (`add_special=false`, "
-             "`parse_special=false`). gpt-neox uses the `ggml-vocab-mpt` references: that vocabulary is "
-             "token-for-token identical (tokens, types, merges) and mosaicml/mpt-7b uses the gpt-neox-20b tokenizer.\n")
-    L.append("`meta.json`: `name`, `source` (GGUF), `reference` (.inp/.out used), `build_notes`, "
-             "`tokenizer_class_loaded` / `tokenizer_class_config`, `len`, `bos_token`/`_id`, `eos_token`/`_id`, "
-             "`pad_token`/`_id`, `unk_token`/`_id`, `end_of_turn_token`/`_id` (the chat models' turn end), "
-             "`add_bos_token`, `add_eos_token`, `add_special_tokens_adds` (`{prefix: [...], suffix: [...]}` ids "
-             "that add_special_tokens=True adds), `special_token_strings_tested`, `n_cases`, `n_reference_cases`, "
-             "`reference_mismatches` (`[{text, transformers, llama_cpp}]`), `gguf_loader_mismatches_vs_reference`, "
-             "`in_memory_vs_saved_differs_on`; llama-spm also `spm_vs_ids_plain_differs_on`, "
-             "`spm_chunked_vs_ids_plain_differs_on`, `llama_class_vs_ids_differs_on` (lists of texts).\n")
-    L.append("Chat fixture: `{\"template_file\", \"vocab\", \"cases\": [{\"name\", \"messages\", "
-             "\"add_generation_prompt\", \"kwargs\", \"text\", \"ids\"}]}` (`name` labels the conversation); `text = apply_chat_template(messages, "
-             "chat_template=template, add_generation_prompt=..., tokenize=False, **kwargs)`, `ids` the same with "
-             "`tokenize=True, return_dict=False` (transformers tokenizes the render with add_special_tokens=False; "
-             "checked equal to `encode(text, add_special_tokens=False)`). A case whose template raised has "
-             "`\"error\": message` instead of text/ids. llama-spm chat cases also carry `ids_llama_class`.\n")
+    L.append(
+        '`cases.json` entry: `{"text", "ids", "ids_plain", "decoded", "decoded_skip", "llama_cpp"}` '
+        "with `ids = tok.encode(text, add_special_tokens=True)`, `ids_plain` the same with False, "
+        "`decoded = tok.decode(ids, skip_special_tokens=False)`, `decoded_skip` with True, "
+        "`llama_cpp` the reference ids from the `.gguf.out` file (null for generated strings). "
+        "`tok` is `AutoTokenizer.from_pretrained` of the folder with tokenizer.json unpacked. "
+        "llama-spm cases also have `spm_ids_plain` (sentencepiece `encode(text)` with the tokenizer.model: "
+        "no BOS, special-token text not parsed), `spm_decoded` (sentencepiece decode of those) and "
+        "`ids_llama_class` (`LlamaTokenizer.from_pretrained(folder).encode(text)`, i.e. what "
+        "transformers 5's LlamaTokenizer class does with a repo that names it).\n"
+    )
+    L.append(
+        "The `.gguf.out` references were written by llama.cpp's `convert_hf_to_gguf_update.py` with "
+        "`AutoTokenizer(<real HF repo>).encode(text, add_special_tokens=False)`; llama.cpp's "
+        "`test-tokenizer-0` checks that llama.cpp reproduces them (`add_special=false`, "
+        "`parse_special=false`). gpt-neox uses the `ggml-vocab-mpt` references: that vocabulary is "
+        "token-for-token identical (tokens, types, merges) and mosaicml/mpt-7b uses the gpt-neox-20b tokenizer.\n"
+    )
+    L.append(
+        "`meta.json`: `name`, `source` (GGUF), `reference` (.inp/.out used), `build_notes`, "
+        "`tokenizer_class_loaded` / `tokenizer_class_config`, `len`, `bos_token`/`_id`, `eos_token`/`_id`, "
+        "`pad_token`/`_id`, `unk_token`/`_id`, `end_of_turn_token`/`_id` (the chat models' turn end), "
+        "`add_bos_token`, `add_eos_token`, `add_special_tokens_adds` (`{prefix: [...], suffix: [...]}` ids "
+        "that add_special_tokens=True adds), `special_token_strings_tested`, `n_cases`, `n_reference_cases`, "
+        "`reference_mismatches` (`[{text, transformers, llama_cpp}]`), `gguf_loader_mismatches_vs_reference`, "
+        "`in_memory_vs_saved_differs_on`; llama-spm also `spm_vs_ids_plain_differs_on`, "
+        "`spm_chunked_vs_ids_plain_differs_on`, `llama_class_vs_ids_differs_on` (lists of texts).\n"
+    )
+    L.append(
+        'Chat fixture: `{"template_file", "vocab", "cases": [{"name", "messages", '
+        '"add_generation_prompt", "kwargs", "text", "ids"}]}` (`name` labels the conversation); `text = apply_chat_template(messages, '
+        "chat_template=template, add_generation_prompt=..., tokenize=False, **kwargs)`, `ids` the same with "
+        "`tokenize=True, return_dict=False` (transformers tokenizes the render with add_special_tokens=False; "
+        "checked equal to `encode(text, add_special_tokens=False)`). A case whose template raised has "
+        '`"error": message` instead of text/ids. llama-spm chat cases also carry `ids_llama_class`.\n'
+    )
     L.append(NOTES)
     L.append("## Vocabularies\n")
-    L.append("| name | class | len | bos | eos | end of turn | add_special_tokens adds | cases | reference | mismatches |")
+    L.append(
+        "| name | class | len | bos | eos | end of turn | add_special_tokens adds | cases | reference | mismatches |"
+    )
     L.append("|---|---|---|---|---|---|---|---|---|---|")
-    def cell(tok):      # a token string in a table cell ("|" would end the cell)
+
+    def cell(tok):  # a token string in a table cell ("|" would end the cell)
         return "null" if tok is None else "`" + str(tok).replace("|", "\\|") + "`"
+
     for m in metas:
         adds = m["add_special_tokens_adds"]
-        L.append(f"| {m['name']} | {m['tokenizer_class_loaded']} | {m['len']} | "
-                 f"{cell(m['bos_token'])} {m['bos_token_id']} | {cell(m['eos_token'])} {m['eos_token_id']} | "
-                 f"{cell(m['end_of_turn_token'])} {m['end_of_turn_token_id']} | prefix {adds['prefix']} suffix {adds['suffix']} | "
-                 f"{m['n_cases']} | {m['n_reference_cases']} | {len(m['reference_mismatches'])} |")
+        L.append(
+            f"| {m['name']} | {m['tokenizer_class_loaded']} | {m['len']} | "
+            f"{cell(m['bos_token'])} {m['bos_token_id']} | {cell(m['eos_token'])} {m['eos_token_id']} | "
+            f"{cell(m['end_of_turn_token'])} {m['end_of_turn_token_id']} | prefix {adds['prefix']} suffix {adds['suffix']} | "
+            f"{m['n_cases']} | {m['n_reference_cases']} | {len(m['reference_mismatches'])} |"
+        )
     L.append("")
     for m in metas:
         L.append(f"### {m['name']}\n")
         for n in m["build_notes"]:
             L.append(f"- {n}")
         if m["reference_mismatches"]:
-            L.append(f"- **transformers disagrees with the llama.cpp reference** on {len(m['reference_mismatches'])} "
-                     "of the .inp strings:")
+            L.append(
+                f"- **transformers disagrees with the llama.cpp reference** on {len(m['reference_mismatches'])} "
+                "of the .inp strings:"
+            )
             for x in m["reference_mismatches"]:
-                L.append(f"  - {_short(x['text'])}: transformers {_short_ids(x['transformers'])}, "
-                         f"reference {_short_ids(x['llama_cpp'])}")
+                L.append(
+                    f"  - {_short(x['text'])}: transformers {_short_ids(x['transformers'])}, "
+                    f"reference {_short_ids(x['llama_cpp'])}"
+                )
         elif m["n_reference_cases"]:
             L.append(f"- transformers agrees with the reference on all {m['n_reference_cases']} .inp strings")
         if m["gguf_loader_mismatches_vs_reference"]:
-            L.append(f"- the tokenizer as first built (before the save/reload) disagreed with the reference on "
-                     f"{m['gguf_loader_mismatches_vs_reference']} .inp strings")
+            L.append(
+                f"- the tokenizer as first built (before the save/reload) disagreed with the reference on "
+                f"{m['gguf_loader_mismatches_vs_reference']} .inp strings"
+            )
         if m["in_memory_vs_saved_differs_on"]:
-            L.append(f"- the tokenizer as first built differs from the saved/reloaded one on "
-                     f"{len(m['in_memory_vs_saved_differs_on'])} case strings (e.g. "
-                     f"{', '.join(_short(t) for t in m['in_memory_vs_saved_differs_on'][:4])})")
+            L.append(
+                f"- the tokenizer as first built differs from the saved/reloaded one on "
+                f"{len(m['in_memory_vs_saved_differs_on'])} case strings (e.g. "
+                f"{', '.join(_short(t) for t in m['in_memory_vs_saved_differs_on'][:4])})"
+            )
         if "spm_vs_ids_plain_differs_on" in m:
             d = m["spm_vs_ids_plain_differs_on"]
-            L.append(f"- sentencepiece (`spm_ids_plain`) vs transformers (`ids_plain`): differ on {len(d)} strings"
-                     + (" (" + ", ".join(_short(t) for t in d[:8]) + ")" if d else ""))
+            L.append(
+                f"- sentencepiece (`spm_ids_plain`) vs transformers (`ids_plain`): differ on {len(d)} strings"
+                + (" (" + ", ".join(_short(t) for t in d[:8]) + ")" if d else "")
+            )
             d = m["spm_chunked_vs_ids_plain_differs_on"]
-            L.append(f"- sentencepiece run on each chunk between special-token strings (each chunk with its dummy "
-                     f"prefix) vs `ids_plain`: differ on {len(d)} strings"
-                     + (" (" + ", ".join(_short(t) for t in d[:8]) + ")" if d else ""))
+            L.append(
+                f"- sentencepiece run on each chunk between special-token strings (each chunk with its dummy "
+                f"prefix) vs `ids_plain`: differ on {len(d)} strings"
+                + (" (" + ", ".join(_short(t) for t in d[:8]) + ")" if d else "")
+            )
             d = m["llama_class_vs_ids_differs_on"]
-            L.append(f"- transformers 5 `LlamaTokenizer` class (`ids_llama_class`) vs `ids`: differ on {len(d)} strings"
-                     + (" (e.g. " + ", ".join(_short(t) for t in d[:8]) + ")" if d else ""))
+            L.append(
+                f"- transformers 5 `LlamaTokenizer` class (`ids_llama_class`) vs `ids`: differ on {len(d)} strings"
+                + (" (e.g. " + ", ".join(_short(t) for t in d[:8]) + ")" if d else "")
+            )
         L.append("")
     L.append("## Chat fixtures\n")
     L.append("| fixture | template | vocab | cases | errors |")
@@ -1077,6 +1497,7 @@ def main(argv=None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
     from transformers.utils import logging as tlog
+
     tlog.set_verbosity_error()
     import gguf  # noqa: F401
     import google.protobuf
@@ -1084,13 +1505,20 @@ def main(argv=None):
     import sentencepiece
     import tokenizers
     from importlib.metadata import version
-    versions = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-                "gguf": version("gguf"), "sentencepiece": sentencepiece.__version__,
-                "protobuf": google.protobuf.__version__, "jinja2": jinja2.__version__,
-                "llama-cpp-python sdist": args.sdist.name.rsplit("-", 1)[-1],
-                "python": sys.version.split()[0]}
+
+    versions = {
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "gguf": version("gguf"),
+        "sentencepiece": sentencepiece.__version__,
+        "protobuf": google.protobuf.__version__,
+        "jinja2": jinja2.__version__,
+        "llama-cpp-python sdist": args.sdist.name.rsplit("-", 1)[-1],
+        "python": sys.version.split()[0],
+    }
     try:
         import torch
+
         versions["torch"] = torch.__version__
     except ImportError:
         pass
@@ -1126,14 +1554,24 @@ def main(argv=None):
             if c.stem not in {x["name"] for x in chats}:
                 d = json.loads(c.read_text(encoding="utf-8"))
                 errs = sorted({x["error"] for x in d["cases"] if "error" in x})
-                nd = (sum(x["ids"] != x["ids_llama_class"] for x in d["cases"] if "ids" in x)
-                      if any("ids_llama_class" in x for x in d["cases"]) else None)
-                chats.append({"name": c.stem, "template_file": d["template_file"], "vocab": d["vocab"],
-                              "n_cases": len(d["cases"]), "n_errors": sum("error" in x for x in d["cases"]),
-                              "errors": errs, "n_llama_class_diff": nd})
+                nd = (
+                    sum(x["ids"] != x["ids_llama_class"] for x in d["cases"] if "ids" in x)
+                    if any("ids_llama_class" in x for x in d["cases"])
+                    else None
+                )
+                chats.append(
+                    {
+                        "name": c.stem,
+                        "template_file": d["template_file"],
+                        "vocab": d["vocab"],
+                        "n_cases": len(d["cases"]),
+                        "n_errors": sum("error" in x for x in d["cases"]),
+                        "errors": errs,
+                        "n_llama_class_diff": nd,
+                    }
+                )
         chats.sort(key=lambda c: list(CHATS).index(c["name"]) if c["name"] in CHATS else 99)
-    command = ("python tools/make_text_fixtures.py --sdist /tmp/lsdist/llama_cpp_python-0.3.36 "
-               "--out tests/fixtures/text")
+    command = "python tools/make_text_fixtures.py --sdist /tmp/lsdist/llama_cpp_python-0.3.36 --out tests/fixtures/text"
     write_readme(out, metas, chats, versions, command)
     log("done")
 

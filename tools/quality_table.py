@@ -11,6 +11,7 @@ Prints a markdown table.
     python tools/quality_table.py --hf-dir /work/demo_build/hf --text /work/demo_build/heldout.txt [--ctx 256]
     python tools/quality_table.py --hf-dir ... --text ... --roles     # int4 with other roles at int8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,29 @@ from colibri import _kernels
 from colibri.convert import convert
 from colibri.evaluate import evaluate
 
-VARIANTS = [("f32", "f32", None), ("bf16", "bf16", None), ("f16", "f16", None), ("int8", "int8", None),
-            ("int4", "int4", None), ("nl4", "nl4", None), ("f32 + int16 norms", "f32", "int16"), ("int8 + int16 norms", "int8", "int16")]
-BF16_PRODUCTS_VARIANT = "bf16, bf16 products (vdpbf16ps)"     # the bf16 directory, load(bf16_products="bf16")
+VARIANTS = [
+    ("f32", "f32", None),
+    ("bf16", "bf16", None),
+    ("f16", "f16", None),
+    ("int8", "int8", None),
+    ("int4", "int4", None),
+    ("nl4", "nl4", None),
+    ("f32 + int16 norms", "f32", "int16"),
+    ("int8 + int16 norms", "int8", "int16"),
+]
+BF16_PRODUCTS_VARIANT = "bf16, bf16 products (vdpbf16ps)"  # the bf16 directory, load(bf16_products="bf16")
 # --role variants: (label, --quantize, {role: format}); the bytes column is then the bytes a decoded
 # token reads (ModelDir.bytes_per_token), the figure decode speed follows
-ROLE_VARIANTS = [("int4", "int4", {}), ("int4, attention int8", "int4", {"attention": "int8"}),
-                 ("int4, head int8", "int4", {"head": "int8"}),
-                 ("int4, attention + head int8", "int4", {"attention": "int8", "head": "int8"}),
-                 ("nl4", "nl4", {}), ("nl4, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}),
-                 ("int8, experts int4 (the embedding too at int8)", "int8", {"experts": "int4"}),
-                 ("int8", "int8", {})]
+ROLE_VARIANTS = [
+    ("int4", "int4", {}),
+    ("int4, attention int8", "int4", {"attention": "int8"}),
+    ("int4, head int8", "int4", {"head": "int8"}),
+    ("int4, attention + head int8", "int4", {"attention": "int8", "head": "int8"}),
+    ("nl4", "nl4", {}),
+    ("nl4, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}),
+    ("int8, experts int4 (the embedding too at int8)", "int8", {"experts": "int4"}),
+    ("int8", "int8", {}),
+]
 
 
 def main():
@@ -41,14 +54,17 @@ def main():
     ap.add_argument("--text", required=True)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--max-chars", type=int, default=None, help="evaluate only the first N characters")
-    ap.add_argument("--roles", action="store_true",
-                    help="the --role variants instead (int4 experts with other roles at int8), with bytes per token")
+    ap.add_argument(
+        "--roles",
+        action="store_true",
+        help="the --role variants instead (int4 experts with other roles at int8), with bytes per token",
+    )
     args = ap.parse_args()
     if args.roles:
         return roles_table(args)
     text = Path(args.text).read_text(encoding="utf-8")
     if args.max_chars:
-        text = text[:args.max_chars]
+        text = text[: args.max_chars]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {}
@@ -72,13 +88,16 @@ def main():
     base = rows[0][2]["perplexity"]
     for label, size, r in rows:
         mb = "" if size is None else f"{size / 1e6:.1f} MB"
-        print(f"| {label} | {mb} | {r['perplexity']:.4f} | {r['perplexity'] - base:+.4f} | {r['kl_mean']:.6f} | "
-              f"{r['kl_p99']:.6f} | {100 * r['top1_agreement']:.2f} % | {100 * r['rms_delta_p']:.3f} % |")
+        print(
+            f"| {label} | {mb} | {r['perplexity']:.4f} | {r['perplexity'] - base:+.4f} | {r['kl_mean']:.6f} | "
+            f"{r['kl_p99']:.6f} | {100 * r['top1_agreement']:.2f} % | {100 * r['rms_delta_p']:.3f} % |"
+        )
 
 
 def roles_table(args) -> None:
     from colibri.modeldir import ModelDir
-    text = Path(args.text).read_text(encoding="utf-8")[:args.max_chars]
+
+    text = Path(args.text).read_text(encoding="utf-8")[: args.max_chars]
     with tempfile.TemporaryDirectory() as tmp:
         convert(args.hf_dir, Path(tmp) / "f32", quantize="f32", log=lambda *a: None)
         ref = colibri.load(Path(tmp) / "f32")
@@ -90,8 +109,10 @@ def roles_table(args) -> None:
             convert(args.hf_dir, d, quantize=q, roles=roles, log=lambda *a: None)
             r = evaluate(colibri.load(d), text, ctx=args.ctx, reference=ref)
             per = sum(ModelDir(d).bytes_per_token().values())
-            print(f"| {label} | {per / 1e6:.2f} MB | {r['kl_mean']:.6f} | {r['kl_p99']:.6f} | "
-                  f"{100 * r['top1_agreement']:.2f} % | {r['perplexity'] - base:+.4f} |")
+            print(
+                f"| {label} | {per / 1e6:.2f} MB | {r['kl_mean']:.6f} | {r['kl_p99']:.6f} | "
+                f"{100 * r['top1_agreement']:.2f} % | {r['perplexity'] - base:+.4f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ Results (full run, 2026-11-29, from OUT/train_report.json)
     greedy_ids_bf16 exactly; the smallest top-1/top-2 logit gap along the reference greedy paths is
     0.017. tokenizer.model md5 e6c3c15c9272c561cecf6841d1190f38 (identical across runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -147,7 +148,7 @@ BETAS = (0.9, 0.95)
 GRAD_CLIP = 1.0
 LOG_EVERY = 50
 EVAL_EVERY = 300
-HELDOUT_EVERY = 50          # chapter i is held out iff i % HELDOUT_EVERY == HELDOUT_EVERY - 1
+HELDOUT_EVERY = 50  # chapter i is held out iff i % HELDOUT_EVERY == HELDOUT_EVERY - 1
 VOCAB = 4096
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 REF_CHAPTERS = (0, 11, 22)  # indices into the held-out chapters for demo_reference.npz
@@ -157,10 +158,22 @@ REF_POSITIONS = (0, 31)
 TRAIN_EVAL_CHUNKS = 80
 
 MODEL_CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=320, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
-    tie_word_embeddings=True, rope_theta=10000.0, router_aux_loss_coef=0.01, output_router_logits=True,
-    bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    vocab_size=VOCAB,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=320,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    router_aux_loss_coef=0.01,
+    output_router_logits=True,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
 )
 
 # the demo's chat template, as colibri/data/demo/chat_template.jinja holds it (tests/test_demo.py
@@ -223,11 +236,13 @@ _REF_RE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+)$")
 
 # ----------------------------------------------------------------------------------------- corpus
 
+
 def read_kjv():
     """[(book, chapter, [verse, ...]), ...] in canonical order, from the bible-kjv-text package."""
     try:
-        files = subprocess.run(["dpkg", "-L", "bible-kjv-text"], check=True, capture_output=True,
-                               text=True).stdout.split()
+        files = subprocess.run(
+            ["dpkg", "-L", "bible-kjv-text"], check=True, capture_output=True, text=True
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         sys.exit("bible-kjv-text is not installed: apt-get update && apt-get install -y bible-kjv-text")
     data = [f for f in files if f.endswith("/bible.data")]
@@ -235,8 +250,12 @@ def read_kjv():
         sys.exit("bible.data or the `bible` program (package bible-kjv) not found")
     data = Path(data[0])
     # -f turns pretty-printing off: one verse per line, prefixed by its reference.
-    raw = subprocess.run(["bible", "-f", "-p", str(data.parent), "-d", data.name, "Gen1:1-Rev22:21"],
-                         check=True, capture_output=True, cwd="/").stdout.decode("ascii")
+    raw = subprocess.run(
+        ["bible", "-f", "-p", str(data.parent), "-d", data.name, "Gen1:1-Rev22:21"],
+        check=True,
+        capture_output=True,
+        cwd="/",
+    ).stdout.decode("ascii")
     chapters = []
     for line in raw.splitlines():
         ref, _, text = line.partition(" ")
@@ -260,6 +279,7 @@ def chapter_text(ch) -> str:
 
 # -------------------------------------------------------------------------------------- tokenizer
 
+
 def train_tokenizer(verses, path: Path, kind: str = "unigram"):
     """kind "unigram" (the demo's), or "bpe": sentencepiece BPE with byte fallback, which llama.cpp's
     tokenizer reproduces id for id (its llama vocabulary type), for side-by-side quality runs."""
@@ -271,10 +291,21 @@ def train_tokenizer(verses, path: Path, kind: str = "unigram"):
     # model's trainer_spec, making tokenizer.model depend on --out.
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(verses), model_writer=buf, model_type=kind, byte_fallback=kind == "bpe",
-        vocab_size=VOCAB, character_coverage=1.0, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-        unk_id=UNK_ID, input_sentence_size=1_000_000, shuffle_input_sentence=False,
-        max_sentence_length=4096, num_threads=1, minloglevel=2,
+        sentence_iterator=iter(verses),
+        model_writer=buf,
+        model_type=kind,
+        byte_fallback=kind == "bpe",
+        vocab_size=VOCAB,
+        character_coverage=1.0,
+        pad_id=PAD_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        input_sentence_size=1_000_000,
+        shuffle_input_sentence=False,
+        max_sentence_length=4096,
+        num_threads=1,
+        minloglevel=2,
     )
     path.write_bytes(buf.getvalue())
     sp = spm.SentencePieceProcessor()
@@ -292,6 +323,7 @@ def encode_docs(sp, texts):
 
 
 # ------------------------------------------------------------------------------------------ model
+
 
 def build_model(experts="eager", attn="sdpa"):
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -314,7 +346,7 @@ def perplexity(model, stream, max_chunks=None):
 
     model.eval()
     total, count = 0.0, 0
-    chunks = [stream[i:i + CONTEXT] for i in range(0, len(stream), CONTEXT)]
+    chunks = [stream[i : i + CONTEXT] for i in range(0, len(stream), CONTEXT)]
     chunks = [c for c in chunks if len(c) >= 2][:max_chunks]
     with torch.no_grad():
         for c in chunks:
@@ -327,6 +359,7 @@ def perplexity(model, stream, max_chunks=None):
 
 
 # ------------------------------------------------------------------------------------- reference
+
 
 def bf16_round_(model):
     """Round every parameter with ndim >= 2 except the routers to bfloat16 and back, in place."""
@@ -349,18 +382,22 @@ def greedy(model, ids, n):
     import torch
 
     gc = model.generation_config
-    gen = model.generate(ids, generation_config=type(gc)(max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                                         pad_token_id=PAD_ID, bos_token_id=BOS_ID))
-    new = gen[:, ids.shape[1]:]
+    gen = model.generate(
+        ids,
+        generation_config=type(gc)(
+            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID, bos_token_id=BOS_ID
+        ),
+    )
+    new = gen[:, ids.shape[1] :]
     assert new.shape == (ids.shape[0], n), new.shape
     seq = ids.clone()
     with torch.no_grad():
         for _ in range(n):
             nxt = model(input_ids=seq, output_router_logits=False).logits[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
-    if not torch.equal(seq[:, ids.shape[1]:], new):
+    if not torch.equal(seq[:, ids.shape[1] :], new):
         print("WARNING: generate() and the argmax loop disagree; storing the argmax loop", flush=True)
-        return seq[:, ids.shape[1]:]
+        return seq[:, ids.shape[1] :]
     return new
 
 
@@ -370,8 +407,9 @@ def write_reference(hf_dir: Path, heldout_docs_tokens, path: Path):
     from transformers import MixtralForCausalLM
 
     ids = torch.tensor([([BOS_ID] + heldout_docs_tokens[i])[:REF_LEN] for i in REF_CHAPTERS], dtype=torch.long)
-    model = MixtralForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager",
-                                               experts_implementation="eager")
+    model = MixtralForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
     model.eval()
     with torch.no_grad():
         lf32 = model(input_ids=ids, output_router_logits=False).logits.float().numpy()
@@ -382,27 +420,45 @@ def write_reference(hf_dir: Path, heldout_docs_tokens, path: Path):
     gbf16 = greedy(model, ids, REF_NEW).numpy()
     pos = np.array(REF_POSITIONS, dtype=np.int64)
     np.savez_compressed(
-        path, input_ids=ids.numpy().astype(np.int64),
-        logits_f32_as_f16=lf32.astype(np.float16), logits_bf16_as_f16=lbf16.astype(np.float16),
-        positions=pos, logits_f32_at=lf32[:, pos].astype(np.float32),
+        path,
+        input_ids=ids.numpy().astype(np.int64),
+        logits_f32_as_f16=lf32.astype(np.float16),
+        logits_bf16_as_f16=lbf16.astype(np.float16),
+        positions=pos,
+        logits_f32_at=lf32[:, pos].astype(np.float32),
         logits_bf16_at=lbf16[:, pos].astype(np.float32),
-        greedy_ids=g32.astype(np.int64), greedy_ids_bf16=gbf16.astype(np.int64))
-    return dict(bf16_rounded_parameters=len(rounded), max_abs_logit=float(np.abs(lf32).max()),
-                max_abs_f32_vs_bf16=float(np.abs(lf32 - lbf16).max()),
-                greedy_ids=g32.tolist(), greedy_ids_bf16=gbf16.tolist())
+        greedy_ids=g32.astype(np.int64),
+        greedy_ids_bf16=gbf16.astype(np.int64),
+    )
+    return dict(
+        bf16_rounded_parameters=len(rounded),
+        max_abs_logit=float(np.abs(lf32).max()),
+        max_abs_f32_vs_bf16=float(np.abs(lf32 - lbf16).max()),
+        greedy_ids=g32.tolist(),
+        greedy_ids_bf16=gbf16.tolist(),
+    )
 
 
 # ------------------------------------------------------------------------------------------- main
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", default="/work/demo_build")
     ap.add_argument("--seed", type=int, default=SEED, help="a second model: another seed")
-    ap.add_argument("--tokenizer", choices=("unigram", "bpe"), default="unigram",
-                    help="bpe: sentencepiece BPE with byte fallback (what llama.cpp tokenizes exactly)")
-    ap.add_argument("--expert-ffn", type=int, default=MODEL_CONFIG["intermediate_size"],
-                    help="the experts' intermediate size (512: whole 256-blocks for llama.cpp's k-quants)")
+    ap.add_argument(
+        "--tokenizer",
+        choices=("unigram", "bpe"),
+        default="unigram",
+        help="bpe: sentencepiece BPE with byte fallback (what llama.cpp tokenizes exactly)",
+    )
+    ap.add_argument(
+        "--expert-ffn",
+        type=int,
+        default=MODEL_CONFIG["intermediate_size"],
+        help="the experts' intermediate size (512: whole 256-blocks for llama.cpp's k-quants)",
+    )
     args = ap.parse_args(argv)
     MODEL_CONFIG["intermediate_size"] = args.expert_ffn
     t_start = time.perf_counter()
@@ -433,26 +489,36 @@ def main(argv=None):
     held_texts = [chapter_text(c) for c in held]
     train_texts = [chapter_text(c) for c in train]
     (out / "heldout.txt").write_text("".join(t + "\n" for t in held_texts))
-    log(f"corpus: {len(chapters)} chapters; train {len(train)} chapters / {sum(map(len, train_texts))} chars; "
-        f"held out {len(held)} chapters / {sum(len(t) + 1 for t in held_texts)} chars")
+    log(
+        f"corpus: {len(chapters)} chapters; train {len(train)} chapters / {sum(map(len, train_texts))} chars; "
+        f"held out {len(held)} chapters / {sum(len(t) + 1 for t in held_texts)} chars"
+    )
 
     # tokenizer
     sp = train_tokenizer([v for c in train for v in c[2]], out / "tokenizer.model", args.tokenizer)
     train_stream = encode_docs(sp, train_texts)
     held_doc_tokens = [sp.EncodeAsIds(t) for t in held_texts]
     held_stream = encode_docs(sp, held_texts)
-    log(f"tokenizer: {args.tokenizer} {sp.GetPieceSize()} pieces; train {len(train_stream)} tokens "
-        f"({sum(map(len, train_texts)) / len(train_stream):.2f} chars/token), held out {len(held_stream)} tokens")
+    log(
+        f"tokenizer: {args.tokenizer} {sp.GetPieceSize()} pieces; train {len(train_stream)} tokens "
+        f"({sum(map(len, train_texts)) / len(train_stream):.2f} chars/token), held out {len(held_stream)} tokens"
+    )
 
     # model
     model = build_model()
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params} parameters, experts={model.config._experts_implementation}, "
-        f"attn={model.config._attn_implementation}")
+    log(
+        f"model: {n_params} parameters, experts={model.config._experts_implementation}, "
+        f"attn={model.config._attn_implementation}"
+    )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=PEAK_LR, betas=BETAS, eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=PEAK_LR,
+        betas=BETAS,
+        eps=1e-8,
+    )
     data = torch.tensor(train_stream, dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     aux_coef = model.config.router_aux_loss_coef
@@ -465,7 +531,7 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr
         offs = torch.randint(0, len(data) - CONTEXT - 1, (BATCH,), generator=gen)
-        batch = torch.stack([data[o:o + CONTEXT + 1] for o in offs.tolist()])
+        batch = torch.stack([data[o : o + CONTEXT + 1] for o in offs.tolist()])
         outp = model(input_ids=batch[:, :-1], output_router_logits=True)
         ce = F.cross_entropy(outp.logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
         loss = ce + aux_coef * outp.aux_loss
@@ -479,8 +545,10 @@ def main(argv=None):
             el = time.perf_counter() - t_train
             mean = sum(window) / len(window)
             history.append(dict(step=step + 1, train_loss=round(mean, 4), lr=lr, seconds=round(el, 1)))
-            log(f"step {step + 1:5d}/{args.steps}  loss {mean:.4f}  aux {outp.aux_loss.item():.3f}  "
-                f"lr {lr:.2e}  gnorm {gnorm:.2f}  {el / (step + 1):.2f} s/step  elapsed {el:.0f}s")
+            log(
+                f"step {step + 1:5d}/{args.steps}  loss {mean:.4f}  aux {outp.aux_loss.item():.3f}  "
+                f"lr {lr:.2e}  gnorm {gnorm:.2f}  {el / (step + 1):.2f} s/step  elapsed {el:.0f}s"
+            )
             window = []
         if (step + 1) % EVAL_EVERY == 0 and not last:
             ppl, _ = perplexity(model, held_stream)
@@ -492,8 +560,10 @@ def main(argv=None):
     ppl, n_tok = perplexity(model, held_stream)
     tr_ppl, _ = perplexity(model, train_stream, max_chunks=TRAIN_EVAL_CHUNKS)
     evals.append(dict(step=args.steps, heldout_ppl=round(ppl, 3)))
-    log(f"final: held-out perplexity {ppl:.3f} over {n_tok} predicted tokens "
-        f"(loss {math.log(ppl):.4f}); train-slice perplexity {tr_ppl:.3f}")
+    log(
+        f"final: held-out perplexity {ppl:.3f} over {n_tok} predicted tokens "
+        f"(loss {math.log(ppl):.4f}); train-slice perplexity {tr_ppl:.3f}"
+    )
 
     # save
     hf = out / "hf"
@@ -505,28 +575,59 @@ def main(argv=None):
     ref = write_reference(hf, held_doc_tokens, out / "demo_reference.npz")
     total_seconds = time.perf_counter() - t_start
     report = dict(
-        corpus=dict(source="Debian package bible-kjv-text (King James Version, public domain)",
-                    chapters=len(chapters), train_chapters=len(train), heldout_chapters=len(held),
-                    heldout_rule=f"0-based chapter index i with i % {HELDOUT_EVERY} == {HELDOUT_EVERY - 1}",
-                    heldout=[f"{c[0]} {c[1]}" for c in held],
-                    train_chars=sum(map(len, train_texts)), heldout_chars=sum(len(t) + 1 for t in held_texts),
-                    train_tokens=len(train_stream), heldout_tokens=len(held_stream)),
-        tokenizer=dict(type=f"sentencepiece {args.tokenizer}", vocab_size=sp.GetPieceSize(), pad_id=PAD_ID, bos_id=BOS_ID,
-                       eos_id=EOS_ID, unk_id=UNK_ID),
-        model=dict(MODEL_CONFIG, parameters=n_params, experts_implementation="eager",
-                   attn_implementation_training="sdpa"),
-        training=dict(steps=args.steps, batch=BATCH, context=CONTEXT, tokens_seen=args.steps * BATCH * CONTEXT,
-                      optimizer="AdamW", peak_lr=PEAK_LR, min_lr=MIN_LR, warmup=min(WARMUP, max(1, args.steps // 10)),
-                      weight_decay=WEIGHT_DECAY, betas=list(BETAS), grad_clip=GRAD_CLIP, seed=args.seed, threads=1,
-                      torch=torch.__version__),
-        results=dict(final_train_loss=history[-1]["train_loss"] if history else None,
-                     final_train_loss_note=f"mean cross-entropy of the last <= {LOG_EVERY} training steps",
-                     heldout_perplexity=round(ppl, 4), heldout_loss=round(math.log(ppl), 4),
-                     heldout_predicted_tokens=n_tok,
-                     train_eval_perplexity=round(tr_ppl, 4), train_seconds=round(train_seconds, 1),
-                     seconds_per_step=round(train_seconds / max(1, args.steps), 3),
-                     total_wall_seconds=round(total_seconds, 1)),
-        history=history, heldout_evals=evals, reference=ref,
+        corpus=dict(
+            source="Debian package bible-kjv-text (King James Version, public domain)",
+            chapters=len(chapters),
+            train_chapters=len(train),
+            heldout_chapters=len(held),
+            heldout_rule=f"0-based chapter index i with i % {HELDOUT_EVERY} == {HELDOUT_EVERY - 1}",
+            heldout=[f"{c[0]} {c[1]}" for c in held],
+            train_chars=sum(map(len, train_texts)),
+            heldout_chars=sum(len(t) + 1 for t in held_texts),
+            train_tokens=len(train_stream),
+            heldout_tokens=len(held_stream),
+        ),
+        tokenizer=dict(
+            type=f"sentencepiece {args.tokenizer}",
+            vocab_size=sp.GetPieceSize(),
+            pad_id=PAD_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            unk_id=UNK_ID,
+        ),
+        model=dict(
+            MODEL_CONFIG, parameters=n_params, experts_implementation="eager", attn_implementation_training="sdpa"
+        ),
+        training=dict(
+            steps=args.steps,
+            batch=BATCH,
+            context=CONTEXT,
+            tokens_seen=args.steps * BATCH * CONTEXT,
+            optimizer="AdamW",
+            peak_lr=PEAK_LR,
+            min_lr=MIN_LR,
+            warmup=min(WARMUP, max(1, args.steps // 10)),
+            weight_decay=WEIGHT_DECAY,
+            betas=list(BETAS),
+            grad_clip=GRAD_CLIP,
+            seed=args.seed,
+            threads=1,
+            torch=torch.__version__,
+        ),
+        results=dict(
+            final_train_loss=history[-1]["train_loss"] if history else None,
+            final_train_loss_note=f"mean cross-entropy of the last <= {LOG_EVERY} training steps",
+            heldout_perplexity=round(ppl, 4),
+            heldout_loss=round(math.log(ppl), 4),
+            heldout_predicted_tokens=n_tok,
+            train_eval_perplexity=round(tr_ppl, 4),
+            train_seconds=round(train_seconds, 1),
+            seconds_per_step=round(train_seconds / max(1, args.steps), 3),
+            total_wall_seconds=round(total_seconds, 1),
+        ),
+        history=history,
+        heldout_evals=evals,
+        reference=ref,
     )
     (out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"done in {total_seconds:.0f}s; wrote {out}")

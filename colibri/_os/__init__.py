@@ -25,6 +25,7 @@ Contracts common to all functions:
 - A raw address stays valid only while its `Mapping` / `AlignedBuffer` is open. numpy views from
   `as_numpy` keep their owner alive, but `close()` unmaps regardless: drop the views first.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,38 +37,41 @@ import numpy as np
 
 if sys.platform == "win32":
     from . import _windows as _backend
+
     BACKEND = "windows"
 elif sys.platform.startswith("linux"):
     from . import _linux as _backend
+
     BACKEND = "linux"
 else:
     from . import _linux as _backend
+
     BACKEND = "posix-generic"
 
 # The public interface, documented function by function below. Each backend module defines a
 # function of every one of these names (see BACKEND_FUNCTIONS for how the backend forms differ).
 INTERFACE = (
-    "map_file",          # path -> Mapping                   read-only mapping of a whole file
-    "prefetch",          # ranges -> bool                    advice: will be read soon
-    "prefetch_chunk",    # path -> int                       bytes one OS prefetch call reads
-    "release",           # ranges -> bool                    advice: may be dropped from the process
-    "resident_bytes",    # address, length -> int            bytes of the range in memory
-    "alloc_aligned",     # nbytes, align -> (address, AlignedBuffer)   anonymous read-write memory
-    "lock",              # ranges -> bool                    pin in RAM (mlock / VirtualLock)
-    "unlock",            # ranges -> bool                    undo lock
-    "small_pages",       # ranges -> bool                    advice: anonymous memory grows page by page
-    "page_faults",       # () -> (minor, major)              this process, since it started
-    "rss_bytes",         # () -> (current, peak)             resident set / working set
+    "map_file",  # path -> Mapping                   read-only mapping of a whole file
+    "prefetch",  # ranges -> bool                    advice: will be read soon
+    "prefetch_chunk",  # path -> int                       bytes one OS prefetch call reads
+    "release",  # ranges -> bool                    advice: may be dropped from the process
+    "resident_bytes",  # address, length -> int            bytes of the range in memory
+    "alloc_aligned",  # nbytes, align -> (address, AlignedBuffer)   anonymous read-write memory
+    "lock",  # ranges -> bool                    pin in RAM (mlock / VirtualLock)
+    "unlock",  # ranges -> bool                    undo lock
+    "small_pages",  # ranges -> bool                    advice: anonymous memory grows page by page
+    "page_faults",  # () -> (minor, major)              this process, since it started
+    "rss_bytes",  # () -> (current, peak)             resident set / working set
     "evict_file_cache",  # path -> bool                      drop a file from the OS page cache
-    "read_io_bytes",     # () -> int | None                  bytes this process read from storage
-    "page_size",         # () -> int
-    "engine_advice",     # () -> EngineAdvice                the OS functions the layer loop calls
-    "cache_advice",      # () -> CacheAdvice                 what the expert cache's reader calls besides
-    "memory_limit",      # () -> (bytes | None, source)      the cgroup / job object limit on this process
-    "memory_usage",      # () -> (current, peak)             of what enforces that limit (None: unknown)
+    "read_io_bytes",  # () -> int | None                  bytes this process read from storage
+    "page_size",  # () -> int
+    "engine_advice",  # () -> EngineAdvice                the OS functions the layer loop calls
+    "cache_advice",  # () -> CacheAdvice                 what the expert cache's reader calls besides
+    "memory_limit",  # () -> (bytes | None, source)      the cgroup / job object limit on this process
+    "memory_usage",  # () -> (current, peak)             of what enforces that limit (None: unknown)
     "available_memory",  # () -> bytes | None                RAM new allocations can get (MemAvailable)
     "address_space_room",  # () -> (bytes | None, stack | None)  mappable address space left, a thread's stack
-    "request_tile_data",   # () -> (granted, why not)         AMX's tile state for this process (once)
+    "request_tile_data",  # () -> (granted, why not)         AMX's tile state for this process (once)
 )
 # What a backend module must define: every interface name, plus the frees that pair with
 # map_file/alloc_aligned. Where the forms differ, the backend's is lower-level: map_file(path)
@@ -87,8 +91,11 @@ _WARNED: set[str] = set()  # interface functions that have already warned (once 
 def _warn_once(name: str, error: OSError, stacklevel: int) -> None:
     if name not in _WARNED:
         _WARNED.add(name)
-        warnings.warn(f"colibri._os.{name} ({BACKEND}): {error} — going on without it; further "
-                      f"{name} failures are not reported", AdviceWarning, stacklevel=stacklevel + 1)
+        warnings.warn(
+            f"colibri._os.{name} ({BACKEND}): {error} — going on without it; further {name} failures are not reported",
+            AdviceWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def _advise(name: str, call, ranges) -> bool:
@@ -113,8 +120,9 @@ _MASK = ~(_PAGE - 1)
 def _aligned(ranges) -> list[tuple[int, int]]:
     """`ranges` rounded out to whole pages, sorted, with overlapping/touching ranges merged."""
     if isinstance(ranges, tuple) and len(ranges) == 2 and all(isinstance(x, int) for x in ranges):
-        raise TypeError("ranges must be an iterable of (address, length) pairs; "
-                        "wrap a single range in a list: [(address, length)]")
+        raise TypeError(
+            "ranges must be an iterable of (address, length) pairs; wrap a single range in a list: [(address, length)]"
+        )
     spans = []
     for address, length in ranges:
         address, length = int(address), int(length)
@@ -134,6 +142,7 @@ def _aligned(ranges) -> list[tuple[int, int]]:
 
 # ---- memory objects ------------------------------------------------------------------------------
 
+
 class _Region:
     """`size` bytes at `address`, owned by this object until `close()`."""
 
@@ -141,7 +150,7 @@ class _Region:
 
     def __init__(self, address: int, size: int):
         self.address = address  # int, 0 when size == 0
-        self.size = size        # bytes
+        self.size = size  # bytes
         self.closed = False
 
     def as_numpy(self, dtype=np.uint8, shape=None, offset: int = 0) -> np.ndarray:
@@ -152,8 +161,7 @@ class _Region:
         dtype = np.dtype(dtype)
         count = (self.size - offset) // dtype.itemsize if shape is None else int(np.prod(shape))
         if offset < 0 or count < 0 or offset + count * dtype.itemsize > self.size:
-            raise ValueError(f"view of {count} x {dtype} at offset {offset} does not fit in "
-                             f"{self.size} bytes")
+            raise ValueError(f"view of {count} x {dtype} at offset {offset} does not fit in {self.size} bytes")
         if count == 0:
             return np.empty(shape if shape is not None else 0, dtype)
         raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(self.address + offset)
@@ -212,6 +220,7 @@ class AlignedBuffer(_Region):
 
 
 # ---- the interface -------------------------------------------------------------------------------
+
 
 def map_file(path) -> Mapping:
     """Map the whole file at `path` read-only and shared with the page cache.
@@ -282,7 +291,7 @@ def resident_bytes(address: int, length: int) -> int:
         return 0
     ((start, span),) = _aligned([(address, length)])
     total = _backend.resident_bytes(start, span)
-    head = address - start                  # bytes of the first page before the range
+    head = address - start  # bytes of the first page before the range
     tail = start + span - (address + length)  # bytes of the last page after the range
     if head and _backend.resident_bytes(start, _PAGE):
         total -= head
@@ -303,8 +312,9 @@ def alloc_aligned(nbytes: int, align: int = 4096) -> tuple[int, AlignedBuffer]:
     """
     nbytes, align = int(nbytes), int(align)
     if nbytes < 0 or align <= 0 or align & (align - 1):
-        raise ValueError(f"alloc_aligned(nbytes={nbytes}, align={align}): expected nbytes >= 0 "
-                         "and align a power of two")
+        raise ValueError(
+            f"alloc_aligned(nbytes={nbytes}, align={align}): expected nbytes >= 0 and align a power of two"
+        )
     if nbytes == 0:
         return 0, AlignedBuffer(0, 0, 0, 0)
     extra = 0 if align <= _PAGE else align
@@ -347,13 +357,15 @@ class EngineAdvice(tuple):
     (kind, will_need, release, will_need_arg, release_arg) — kind "none", "madvise" (POSIX:
     both functions madvise, with the two advice codes) or "win32" (PrefetchVirtualMemory,
     VirtualUnlock); the functions as addresses ctypes resolved (0: none)."""
+
     __slots__ = ()
 
     def __new__(cls, kind: str, will_need: int, release: int, will_need_arg: int = 0, release_arg: int = 0):
         if kind not in ("none", "madvise", "win32"):
             raise ValueError(f"advice kind {kind!r} is not one of none, madvise, win32")
-        return super().__new__(cls, (kind, int(will_need or 0), int(release or 0), int(will_need_arg),
-                                     int(release_arg)))
+        return super().__new__(
+            cls, (kind, int(will_need or 0), int(release or 0), int(will_need_arg), int(release_arg))
+        )
 
     kind = property(lambda self: self[0])
     will_need = property(lambda self: self[1])
@@ -377,6 +389,7 @@ class CacheAdvice(tuple):
     (fadvise, dontneed, read_arg) — posix_fadvise's address and POSIX_FADV_DONTNEED (0, 0: the
     page cache is not told, Windows), and the madvise code of a read (MADV_POPULATE_READ where
     the kernel has it, else MADV_WILLNEED; unused on Windows)."""
+
     __slots__ = ()
 
     def __new__(cls, fadvise: int, dontneed: int, read_arg: int):
@@ -494,7 +507,7 @@ def read_io_bytes() -> int | None:
     return _backend.read_io_bytes()
 
 
-_TILE_DATA: list = []      # request_tile_data's answer, once per process
+_TILE_DATA: list = []  # request_tile_data's answer, once per process
 
 
 def request_tile_data() -> tuple[bool, str]:
@@ -532,5 +545,17 @@ def compute_cores() -> int:
     return max(1, len(cores))
 
 
-__all__ = list(INTERFACE) + ["compute_cores", "zeros", "arena", "BACKEND", "INTERFACE", "BACKEND_FUNCTIONS", "Mapping",
-                             "AlignedBuffer", "AdviceWarning", "EngineAdvice", "CacheAdvice", "NO_ADVICE"]
+__all__ = list(INTERFACE) + [
+    "compute_cores",
+    "zeros",
+    "arena",
+    "BACKEND",
+    "INTERFACE",
+    "BACKEND_FUNCTIONS",
+    "Mapping",
+    "AlignedBuffer",
+    "AdviceWarning",
+    "EngineAdvice",
+    "CacheAdvice",
+    "NO_ADVICE",
+]

@@ -17,6 +17,7 @@ evicted expert's pages from it (csrc/expert_cache.h). On a hybrid system (v1 mem
 v2 mounted beside it without one) the v2 directory has no memory.max and is skipped. `proc` and
 `root` are parameters so that tests can point them at a fake tree.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,10 @@ UNLIMITED = 1 << 60
 
 @dataclass(frozen=True)
 class CgroupLimit:
-    limit: int                 # bytes
-    source: str                # the file that set it
-    usage_file: str | None     # the group's current usage (page cache included)
-    peak_file: str | None      # its high-water mark
+    limit: int  # bytes
+    source: str  # the file that set it
+    usage_file: str | None  # the group's current usage (page cache included)
+    peak_file: str | None  # its high-water mark
 
 
 def _read(path: str) -> str | None:
@@ -85,7 +86,7 @@ def find(proc: str = "/proc/self", root: str = "") -> CgroupLimit | None:
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        if controllers == "" and parts[0] == "0":                 # v2
+        if controllers == "" and parts[0] == "0":  # v2
             for fstype, mroot, mpoint, _ in mounts:
                 if fstype != "cgroup2":
                     continue
@@ -98,12 +99,18 @@ def find(proc: str = "/proc/self", root: str = "") -> CgroupLimit | None:
                     for name in ("memory.max", "memory.high"):
                         value = _number(_read(os.path.join(level, name)))
                         if value is not None:
-                            found.append(CgroupLimit(value, os.path.join(level, name),
-                                                     os.path.join(d, "memory.current"), os.path.join(d, "memory.peak")))
+                            found.append(
+                                CgroupLimit(
+                                    value,
+                                    os.path.join(level, name),
+                                    os.path.join(d, "memory.current"),
+                                    os.path.join(d, "memory.peak"),
+                                )
+                            )
                     if level == top or len(level) <= len(top):
                         break
                     level = os.path.dirname(level)
-        elif "memory" in controllers.split(","):                  # v1
+        elif "memory" in controllers.split(","):  # v1
             for fstype, mroot, mpoint, opts in mounts:
                 if fstype != "cgroup" or "memory" not in opts:
                     continue
@@ -114,15 +121,25 @@ def find(proc: str = "/proc/self", root: str = "") -> CgroupLimit | None:
                     if row.startswith("hierarchical_memory_limit "):
                         value, source = _number(row.split()[1]), os.path.join(d, "memory.stat")
                 if value is None:
-                    value, source = _number(_read(os.path.join(d, "memory.limit_in_bytes"))), \
-                        os.path.join(d, "memory.limit_in_bytes")
+                    value, source = (
+                        _number(_read(os.path.join(d, "memory.limit_in_bytes"))),
+                        os.path.join(d, "memory.limit_in_bytes"),
+                    )
                 if value is not None:
-                    found.append(CgroupLimit(value, source, os.path.join(d, "memory.usage_in_bytes"),
-                                             os.path.join(d, "memory.max_usage_in_bytes")))
+                    found.append(
+                        CgroupLimit(
+                            value,
+                            source,
+                            os.path.join(d, "memory.usage_in_bytes"),
+                            os.path.join(d, "memory.max_usage_in_bytes"),
+                        )
+                    )
     return min(found, key=lambda c: c.limit) if found else None
 
 
 def usage(limit: CgroupLimit) -> tuple:
     """(current, peak) bytes of the group, each None where the kernel does not say."""
-    return (_number(_read(limit.usage_file)) if limit.usage_file else None,
-            _number(_read(limit.peak_file)) if limit.peak_file else None)
+    return (
+        _number(_read(limit.usage_file)) if limit.usage_file else None,
+        _number(_read(limit.peak_file)) if limit.peak_file else None,
+    )

@@ -7,6 +7,7 @@ every range of a call is tried before the first error is raised.
 Linux-only parts (/proc/self/statm, /proc/self/io, posix_fadvise) degrade elsewhere as the
 interface documents.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -27,8 +28,8 @@ MAP_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0x02)
 MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0x20))
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)      # Linux only
-MADV_POPULATE_READ = 22                                     # Linux 5.14+: read in and map, synchronously
+MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)  # Linux only
+MADV_POPULATE_READ = 22  # Linux 5.14+: read in and map, synchronously
 POSIX_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 MAP_FAILED = ctypes.c_void_p(-1).value
 # AMX's tile state (Linux 5.16+, x86-64): arch_prctl through syscall(2), which older C libraries
@@ -42,15 +43,14 @@ _c_off_t = ctypes.c_int64 if sys.platform == "darwin" else ctypes.c_long  # glib
 
 # name: (restype, argtypes)
 _PROTOTYPES = {
-    "mmap": (ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, _c_off_t)),
+    "mmap": (ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, _c_off_t)),
     "munmap": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
     "madvise": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)),
     "mincore": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)),
     "mlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
     "munlock": (ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t)),
     "posix_fadvise": (ctypes.c_int, (ctypes.c_int, _c_off_t, _c_off_t, ctypes.c_int)),
-    "syscall": (ctypes.c_long, None),          # variadic: each call passes ctypes-typed arguments
+    "syscall": (ctypes.c_long, None),  # variadic: each call passes ctypes-typed arguments
 }
 
 
@@ -100,6 +100,7 @@ _prefetch_chunk = 0  # 0: no file mapped yet
 @functools.lru_cache(maxsize=None)
 def _device_prefetch_chunk(dev: int) -> int:
     """The readahead limit in bytes of the block device `dev` (st_dev), or the default."""
+
     def kib(queue: str, name: str) -> int:
         with open(f"{queue}/{name}") as f:
             return int(f.read())
@@ -140,7 +141,7 @@ def cache_advice() -> tuple:
     the loop takes no fault), else MADV_WILLNEED (asynchronous readahead)."""
     try:
         fadvise = ctypes.cast(_fn("posix_fadvise"), ctypes.c_void_p).value
-    except AttributeError:                                       # macOS has no posix_fadvise
+    except AttributeError:  # macOS has no posix_fadvise
         fadvise = 0
     return fadvise or 0, POSIX_FADV_DONTNEED, MADV_POPULATE_READ if _populate_read_works() else MADV_WILLNEED
 
@@ -148,6 +149,7 @@ def cache_advice() -> tuple:
 def memory_limit() -> tuple:
     """(bytes, what set it) of the cgroup limit on this process, or (None, "")."""
     from . import _cgroup
+
     found = _cgroup.find()
     return (found.limit, found.source) if found else (None, "")
 
@@ -155,6 +157,7 @@ def memory_limit() -> tuple:
 def memory_usage() -> tuple:
     """(current, peak) bytes of the enforcing cgroup, page cache included; Nones without one."""
     from . import _cgroup
+
     found = _cgroup.find()
     return _cgroup.usage(found) if found else (None, None)
 
@@ -178,6 +181,7 @@ def prefetch_chunk(path: str) -> int:
 
 
 # ---- mappings and memory -------------------------------------------------------------------------
+
 
 def map_file(path: str) -> tuple[int, int]:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # raises with the filename
@@ -207,8 +211,7 @@ def unmap_file(address: int, size: int) -> None:
 def alloc_aligned(nbytes: int) -> int:
     address = _fn("mmap")(None, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
     if address in (None, MAP_FAILED):
-        raise MemoryError(f"cannot allocate {nbytes} bytes of anonymous memory: "
-                          f"{os.strerror(ctypes.get_errno())}")
+        raise MemoryError(f"cannot allocate {nbytes} bytes of anonymous memory: {os.strerror(ctypes.get_errno())}")
     return address
 
 
@@ -217,6 +220,7 @@ def free_aligned(address: int, nbytes: int) -> None:
 
 
 # ---- advice --------------------------------------------------------------------------------------
+
 
 def _pieces(ranges, chunk: int):
     for address, length in ranges:
@@ -241,12 +245,15 @@ def release(ranges) -> None:
 def _memlock_hint(err: int) -> str:
     try:
         import resource
+
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     except (ImportError, AttributeError, OSError):
         return ""
     limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-    return (f"RLIMIT_MEMLOCK is {limit}: raise it (`ulimit -l`, /etc/security/limits.conf, "
-            "LimitMEMLOCK= in systemd) or run without locking")
+    return (
+        f"RLIMIT_MEMLOCK is {limit}: raise it (`ulimit -l`, /etc/security/limits.conf, "
+        "LimitMEMLOCK= in systemd) or run without locking"
+    )
 
 
 def lock(ranges) -> None:
@@ -258,7 +265,7 @@ def unlock(ranges) -> None:
 
 
 def small_pages(ranges) -> None:
-    if sys.platform.startswith("linux"):                    # the only POSIX with transparent huge pages
+    if sys.platform.startswith("linux"):  # the only POSIX with transparent huge pages
         _each(ranges, "madvise", MADV_NOHUGEPAGE)
 
 
@@ -271,14 +278,16 @@ def resident_bytes(address: int, length: int) -> int:
         n = min(chunk * page, address + length - start)
         if _fn("mincore")(start, n, vec.ctypes.data) != 0:
             raise _error("mincore", start, n)
-        total += int(np.count_nonzero(vec[:n // page] & 1))
+        total += int(np.count_nonzero(vec[: n // page] & 1))
     return total * page
 
 
 # ---- statistics ----------------------------------------------------------------------------------
 
+
 def page_faults() -> tuple[int, int]:
     import resource
+
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_minflt, ru.ru_majflt
 
@@ -295,6 +304,7 @@ def rss_bytes() -> tuple[int, int]:
     except (OSError, KeyError, ValueError):
         pass
     import resource
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
     return peak, peak
@@ -306,6 +316,7 @@ def address_space_room() -> tuple:
     sizes it, RLIMIT_STACK (ulimit -s) where finite, else 8 MiB (or threading.stack_size())."""
     import resource
     import threading
+
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     room = None
     if soft != resource.RLIM_INFINITY:
@@ -335,8 +346,10 @@ def _tile_data_permitted(syscall) -> bool:
     mask = ctypes.c_uint64(0)
     if syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_GET_XCOMP_PERM), ctypes.byref(mask)) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"arch_prctl(ARCH_GET_XCOMP_PERM) failed: {os.strerror(err)} (Linux 5.16 or later "
-                           "lends AMX's tile state)")
+        raise OSError(
+            err,
+            f"arch_prctl(ARCH_GET_XCOMP_PERM) failed: {os.strerror(err)} (Linux 5.16 or later lends AMX's tile state)",
+        )
     return bool(mask.value >> XFEATURE_XTILEDATA & 1)
 
 
@@ -355,14 +368,22 @@ def request_tile_data() -> None:
     (arch_prctl ARCH_REQ_XCOMP_PERM; the permission then holds for every thread, once per process).
     A no-op if already held; OSError naming the cause where refused or not x86-64 Linux."""
     machine = os.uname().machine if hasattr(os, "uname") else "?"
-    if not sys.platform.startswith("linux") or machine not in ("x86_64", "amd64") or ctypes.sizeof(ctypes.c_void_p) != 8:
-        raise OSError(f"AMX's tile state is an x86-64 Linux request; this is a {8 * ctypes.sizeof(ctypes.c_void_p)}-bit "
-                      f"process on {sys.platform} {machine}")
+    if (
+        not sys.platform.startswith("linux")
+        or machine not in ("x86_64", "amd64")
+        or ctypes.sizeof(ctypes.c_void_p) != 8
+    ):
+        raise OSError(
+            f"AMX's tile state is an x86-64 Linux request; this is a {8 * ctypes.sizeof(ctypes.c_void_p)}-bit "
+            f"process on {sys.platform} {machine}"
+        )
     syscall = _fn("syscall")
     if _tile_data_permitted(syscall):
         return
-    if syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
-               ctypes.c_ulong(XFEATURE_XTILEDATA)) != 0:
+    if (
+        syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM), ctypes.c_ulong(XFEATURE_XTILEDATA))
+        != 0
+    ):
         err = ctypes.get_errno()
         raise OSError(err, f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) refused: {_tile_data_hint(err)}")
     if not _tile_data_permitted(syscall):

@@ -7,6 +7,7 @@ Optional functions (PrefetchVirtualMemory, Windows 8+) are looked up the GetProc
 missing one gives None and the caller falls back. Ranges arrive page-aligned from the interface;
 advice failures raise OSError (the interface warns); every range of a call is tried first.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,53 +39,64 @@ MEM_RELEASE = 0x8000
 INVALID_HANDLE_VALUE = ctypes.c_void_p(-1).value
 ERROR_NOT_LOCKED = 158
 ERROR_WORKING_SET_QUOTA = 1453
-XSTATE_AMX_TILE_CONFIG = 17   # winnt.h: the XSAVE components of AMX's tile configuration
-XSTATE_AMX_TILE_DATA = 18     # and of its tile registers
+XSTATE_AMX_TILE_CONFIG = 17  # winnt.h: the XSAVE components of AMX's tile configuration
+XSTATE_AMX_TILE_DATA = 18  # and of its tile registers
 
 
 class WIN32_MEMORY_RANGE_ENTRY(ctypes.Structure):  # memoryapi.h; 16 bytes on x64
-    _fields_ = [("VirtualAddress", ctypes.c_void_p),
-                ("NumberOfBytes", SIZE_T)]
+    _fields_ = [("VirtualAddress", ctypes.c_void_p), ("NumberOfBytes", SIZE_T)]
 
 
 class PSAPI_WORKING_SET_EX_BLOCK(ctypes.Union):  # psapi.h; one ULONG_PTR
     class _Bits(ctypes.Structure):
-        _fields_ = [("Valid", ULONG_PTR, 1),  # the page is in the working set
-                    ("ShareCount", ULONG_PTR, 3),
-                    ("Win32Protection", ULONG_PTR, 11),
-                    ("Shared", ULONG_PTR, 1),
-                    ("Node", ULONG_PTR, 6),
-                    ("Locked", ULONG_PTR, 1),
-                    ("LargePage", ULONG_PTR, 1),
-                    ("Reserved", ULONG_PTR, 7),
-                    ("Bad", ULONG_PTR, 1)]
+        _fields_ = [
+            ("Valid", ULONG_PTR, 1),  # the page is in the working set
+            ("ShareCount", ULONG_PTR, 3),
+            ("Win32Protection", ULONG_PTR, 11),
+            ("Shared", ULONG_PTR, 1),
+            ("Node", ULONG_PTR, 6),
+            ("Locked", ULONG_PTR, 1),
+            ("LargePage", ULONG_PTR, 1),
+            ("Reserved", ULONG_PTR, 7),
+            ("Bad", ULONG_PTR, 1),
+        ]
+
     _anonymous_ = ("bits",)
     _fields_ = [("Flags", ULONG_PTR), ("bits", _Bits)]
 
 
 class PSAPI_WORKING_SET_EX_INFORMATION(ctypes.Structure):  # psapi.h; 16 bytes on x64
-    _fields_ = [("VirtualAddress", ctypes.c_void_p),
-                ("VirtualAttributes", PSAPI_WORKING_SET_EX_BLOCK)]
+    _fields_ = [("VirtualAddress", ctypes.c_void_p), ("VirtualAttributes", PSAPI_WORKING_SET_EX_BLOCK)]
 
 
 class PROCESS_MEMORY_COUNTERS(ctypes.Structure):  # psapi.h; 72 bytes on x64
-    _fields_ = [("cb", DWORD),
-                ("PageFaultCount", DWORD),
-                ("PeakWorkingSetSize", SIZE_T),
-                ("WorkingSetSize", SIZE_T),
-                ("QuotaPeakPagedPoolUsage", SIZE_T),
-                ("QuotaPagedPoolUsage", SIZE_T),
-                ("QuotaPeakNonPagedPoolUsage", SIZE_T),
-                ("QuotaNonPagedPoolUsage", SIZE_T),
-                ("PagefileUsage", SIZE_T),
-                ("PeakPagefileUsage", SIZE_T)]
+    _fields_ = [
+        ("cb", DWORD),
+        ("PageFaultCount", DWORD),
+        ("PeakWorkingSetSize", SIZE_T),
+        ("WorkingSetSize", SIZE_T),
+        ("QuotaPeakPagedPoolUsage", SIZE_T),
+        ("QuotaPagedPoolUsage", SIZE_T),
+        ("QuotaPeakNonPagedPoolUsage", SIZE_T),
+        ("QuotaNonPagedPoolUsage", SIZE_T),
+        ("PagefileUsage", SIZE_T),
+        ("PeakPagefileUsage", SIZE_T),
+    ]
 
 
 class MEMORYSTATUSEX(ctypes.Structure):  # sysinfoapi.h; 64 bytes
     _fields_ = [("dwLength", DWORD), ("dwMemoryLoad", DWORD)] + [
-        (name, ctypes.c_uint64) for name in ("ullTotalPhys", "ullAvailPhys", "ullTotalPageFile",
-                                             "ullAvailPageFile", "ullTotalVirtual", "ullAvailVirtual",
-                                             "ullAvailExtendedVirtual")]
+        (name, ctypes.c_uint64)
+        for name in (
+            "ullTotalPhys",
+            "ullAvailPhys",
+            "ullTotalPageFile",
+            "ullAvailPageFile",
+            "ullTotalVirtual",
+            "ullAvailVirtual",
+            "ullAvailExtendedVirtual",
+        )
+    ]
 
 
 _K32 = (("kernel32", None),)  # (dll, symbol) candidates, tried in order; None: the same name
@@ -101,22 +113,24 @@ _PROTOTYPES = {
     "VirtualLock": (_K32, BOOL, (ctypes.c_void_p, SIZE_T)),
     "VirtualUnlock": (_K32, BOOL, (ctypes.c_void_p, SIZE_T)),
     "GetCurrentProcess": (_K32, HANDLE, ()),
-    "ReadProcessMemory": (_K32, BOOL, (HANDLE, ctypes.c_void_p, ctypes.c_void_p, SIZE_T,
-                                       ctypes.POINTER(SIZE_T))),
-    "GetProcessWorkingSetSize": (_K32, BOOL, (HANDLE, ctypes.POINTER(SIZE_T),
-                                              ctypes.POINTER(SIZE_T))),
+    "ReadProcessMemory": (_K32, BOOL, (HANDLE, ctypes.c_void_p, ctypes.c_void_p, SIZE_T, ctypes.POINTER(SIZE_T))),
+    "GetProcessWorkingSetSize": (_K32, BOOL, (HANDLE, ctypes.POINTER(SIZE_T), ctypes.POINTER(SIZE_T))),
     "SetProcessWorkingSetSize": (_K32, BOOL, (HANDLE, SIZE_T, SIZE_T)),
     # Windows 8+; missing on Windows 7, where prefetch reads one byte per page instead.
-    "PrefetchVirtualMemory": (_K32, BOOL, (HANDLE, ULONG_PTR,
-                                           ctypes.POINTER(WIN32_MEMORY_RANGE_ENTRY), ULONG)),
+    "PrefetchVirtualMemory": (_K32, BOOL, (HANDLE, ULONG_PTR, ctypes.POINTER(WIN32_MEMORY_RANGE_ENTRY), ULONG)),
     # In kernel32 with a K32 prefix since Windows 7; in psapi.dll before.
-    "QueryWorkingSetEx": ((("kernel32", "K32QueryWorkingSetEx"), ("psapi", None)),
-                          BOOL, (HANDLE, ctypes.c_void_p, DWORD)),
-    "GetProcessMemoryInfo": ((("kernel32", "K32GetProcessMemoryInfo"), ("psapi", None)),
-                             BOOL, (HANDLE, ctypes.POINTER(PROCESS_MEMORY_COUNTERS), DWORD)),
+    "QueryWorkingSetEx": (
+        (("kernel32", "K32QueryWorkingSetEx"), ("psapi", None)),
+        BOOL,
+        (HANDLE, ctypes.c_void_p, DWORD),
+    ),
+    "GetProcessMemoryInfo": (
+        (("kernel32", "K32GetProcessMemoryInfo"), ("psapi", None)),
+        BOOL,
+        (HANDLE, ctypes.POINTER(PROCESS_MEMORY_COUNTERS), DWORD),
+    ),
     # the job this process is in (hJob NULL), JOBOBJECT_EXTENDED_LIMIT_INFORMATION: its memory limits
-    "QueryInformationJobObject": (_K32, BOOL, (HANDLE, ctypes.c_int, ctypes.c_void_p, DWORD,
-                                               ctypes.POINTER(DWORD))),
+    "QueryInformationJobObject": (_K32, BOOL, (HANDLE, ctypes.c_int, ctypes.c_void_p, DWORD, ctypes.POINTER(DWORD))),
     "GlobalMemoryStatusEx": (_K32, BOOL, (ctypes.POINTER(MEMORYSTATUSEX),)),
     # Windows 7 SP1+: the XSAVE components the system enables (optional ones included)
     "GetEnabledXStateFeatures": (_K32, DWORD64, ()),
@@ -180,10 +194,12 @@ def _process():
 
 # ---- mappings and memory -------------------------------------------------------------------------
 
+
 def map_file(path: str) -> tuple[int, int]:
     close = _fn("CloseHandle")
-    f = _fn("CreateFileW")(path, GENERIC_READ, FILE_SHARE_READ | FILE_SHARE_DELETE, None,
-                           OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, None)
+    f = _fn("CreateFileW")(
+        path, GENERIC_READ, FILE_SHARE_READ | FILE_SHARE_DELETE, None, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, None
+    )
     if f in (None, INVALID_HANDLE_VALUE):
         raise _error("CreateFileW", _last_error(), path)
     try:
@@ -225,6 +241,7 @@ def free_aligned(address: int, nbytes: int) -> None:
 
 # ---- advice --------------------------------------------------------------------------------------
 
+
 def _each(ranges, call, name: str, ok_codes=(), hint=None) -> None:
     """`call(address, length)` on every range; raise the first failure (not in ok_codes) last."""
     first = None
@@ -232,8 +249,7 @@ def _each(ranges, call, name: str, ok_codes=(), hint=None) -> None:
         if not call(address, length):
             code = _last_error()
             if code not in ok_codes and first is None:
-                first = _error(f"{name}(0x{address:x}, {length})", code,
-                               hint=hint(code) if hint else "")
+                first = _error(f"{name}(0x{address:x}, {length})", code, hint=hint(code) if hint else "")
     if first is not None:
         raise first
 
@@ -241,8 +257,7 @@ def _each(ranges, call, name: str, ok_codes=(), hint=None) -> None:
 def _touch(address: int, length: int) -> bool:
     """Read one byte per page, through ReadProcessMemory so an unmapped page fails cleanly."""
     read, byte, proc, page = _fn("ReadProcessMemory"), ctypes.c_char(), _process(), page_size()
-    return all(read(proc, a, ctypes.byref(byte), 1, None)
-               for a in range(address, address + length, page))
+    return all(read(proc, a, ctypes.byref(byte), 1, None) for a in range(address, address + length, page))
 
 
 def prefetch(ranges) -> None:
@@ -280,9 +295,16 @@ def _lock_one(address: int, length: int) -> bool:
 
 
 def lock(ranges) -> None:
-    _each(ranges, _lock_one, "VirtualLock", hint=lambda code: (
-        "the working-set quota is too small; SetProcessWorkingSetSize could not raise it enough"
-        if code == ERROR_WORKING_SET_QUOTA else ""))
+    _each(
+        ranges,
+        _lock_one,
+        "VirtualLock",
+        hint=lambda code: (
+            "the working-set quota is too small; SetProcessWorkingSetSize could not raise it enough"
+            if code == ERROR_WORKING_SET_QUOTA
+            else ""
+        ),
+    )
 
 
 def unlock(ranges) -> None:
@@ -309,6 +331,7 @@ def resident_bytes(address: int, length: int) -> int:
 
 # ---- statistics ----------------------------------------------------------------------------------
 
+
 def _memory_counters() -> PROCESS_MEMORY_COUNTERS:
     pmc = PROCESS_MEMORY_COUNTERS()
     pmc.cb = ctypes.sizeof(pmc)
@@ -331,7 +354,7 @@ def engine_advice() -> tuple:
     PrefetchVirtualMemory (0 where the OS lacks it: no prefetch) and VirtualUnlock."""
     prefetch = _lookup("PrefetchVirtualMemory")
     unlock = _lookup("VirtualUnlock")
-    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0   # noqa: E731
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0  # noqa: E731
     return "win32", address(prefetch), address(unlock), 0, 0
 
 
@@ -347,30 +370,51 @@ JOB_OBJECT_LIMIT_JOB_MEMORY = 0x200
 
 
 class IO_COUNTERS(ctypes.Structure):  # winnt.h
-    _fields_ = [(name, ctypes.c_uint64) for name in ("ReadOperationCount", "WriteOperationCount",
-                                                       "OtherOperationCount", "ReadTransferCount",
-                                                       "WriteTransferCount", "OtherTransferCount")]
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "ReadOperationCount",
+            "WriteOperationCount",
+            "OtherOperationCount",
+            "ReadTransferCount",
+            "WriteTransferCount",
+            "OtherTransferCount",
+        )
+    ]
 
 
 class JOBOBJECT_BASIC_LIMIT_INFORMATION(ctypes.Structure):  # winnt.h; 64 bytes on x64
-    _fields_ = [("PerProcessUserTimeLimit", ctypes.c_int64), ("PerJobUserTimeLimit", ctypes.c_int64),
-                ("LimitFlags", DWORD), ("MinimumWorkingSetSize", SIZE_T), ("MaximumWorkingSetSize", SIZE_T),
-                ("ActiveProcessLimit", DWORD), ("Affinity", ULONG_PTR), ("PriorityClass", DWORD),
-                ("SchedulingClass", DWORD)]
+    _fields_ = [
+        ("PerProcessUserTimeLimit", ctypes.c_int64),
+        ("PerJobUserTimeLimit", ctypes.c_int64),
+        ("LimitFlags", DWORD),
+        ("MinimumWorkingSetSize", SIZE_T),
+        ("MaximumWorkingSetSize", SIZE_T),
+        ("ActiveProcessLimit", DWORD),
+        ("Affinity", ULONG_PTR),
+        ("PriorityClass", DWORD),
+        ("SchedulingClass", DWORD),
+    ]
 
 
 class JOBOBJECT_EXTENDED_LIMIT_INFORMATION(ctypes.Structure):  # winnt.h; 144 bytes on x64
-    _fields_ = [("BasicLimitInformation", JOBOBJECT_BASIC_LIMIT_INFORMATION), ("IoInfo", IO_COUNTERS),
-                ("ProcessMemoryLimit", SIZE_T), ("JobMemoryLimit", SIZE_T),
-                ("PeakProcessMemoryUsed", SIZE_T), ("PeakJobMemoryUsed", SIZE_T)]
+    _fields_ = [
+        ("BasicLimitInformation", JOBOBJECT_BASIC_LIMIT_INFORMATION),
+        ("IoInfo", IO_COUNTERS),
+        ("ProcessMemoryLimit", SIZE_T),
+        ("JobMemoryLimit", SIZE_T),
+        ("PeakProcessMemoryUsed", SIZE_T),
+        ("PeakJobMemoryUsed", SIZE_T),
+    ]
 
 
 def _job_limits():
     info = JOBOBJECT_EXTENDED_LIMIT_INFORMATION()
     query = _lookup("QueryInformationJobObject")
-    if query is None or not query(None, JobObjectExtendedLimitInformation, ctypes.addressof(info),
-                                  ctypes.sizeof(info), None):
-        return None                                   # not in a job (or an old system)
+    if query is None or not query(
+        None, JobObjectExtendedLimitInformation, ctypes.addressof(info), ctypes.sizeof(info), None
+    ):
+        return None  # not in a job (or an old system)
     return info
 
 
@@ -430,19 +474,25 @@ def request_tile_data() -> None:
     and data, for all its threads); then GetThreadEnabledXStateFeatures lists it. A no-op where it
     is on already; OSError naming the cause where the system lacks it or refuses."""
     if not _fn("GetEnabledXStateFeatures")() >> XSTATE_AMX_TILE_DATA & 1:
-        raise OSError("this Windows does not offer AMX's tile state (XSTATE_AMX_TILE_DATA); Windows 11 or "
-                      "Windows Server 2022 or later does")
+        raise OSError(
+            "this Windows does not offer AMX's tile state (XSTATE_AMX_TILE_DATA); Windows 11 or "
+            "Windows Server 2022 or later does"
+        )
     if _thread_has_tile_data():
         return
     enable = _lookup("EnableProcessOptionalXStateFeatures")
     if enable is None:
-        raise OSError("EnableProcessOptionalXStateFeatures is missing: Windows 11 or Windows Server 2022 or later "
-                      "lends AMX's tile state")
+        raise OSError(
+            "EnableProcessOptionalXStateFeatures is missing: Windows 11 or Windows Server 2022 or later "
+            "lends AMX's tile state"
+        )
     if not enable((1 << XSTATE_AMX_TILE_CONFIG) | (1 << XSTATE_AMX_TILE_DATA)):
         raise _error("EnableProcessOptionalXStateFeatures", _last_error())
     if not _thread_has_tile_data():
-        raise OSError("EnableProcessOptionalXStateFeatures returned success, yet this thread's XSAVE features "
-                      "lack XSTATE_AMX_TILE_DATA")
+        raise OSError(
+            "EnableProcessOptionalXStateFeatures returned success, yet this thread's XSAVE features "
+            "lack XSTATE_AMX_TILE_DATA"
+        )
 
 
 def read_io_bytes() -> int | None:

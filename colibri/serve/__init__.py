@@ -9,6 +9,7 @@ The package, split by job (as vLLM's entrypoints/openai):
 The reply parsers live with the chat templates (colibri/chat.py, colibri/replies.py) and the
 constraints with the engine (colibri/constraint.py): the Python API uses them too.
 """
+
 from .app import create_app, serve
 from .engine import Served
 from .errors import APIError

@@ -27,6 +27,7 @@ strings (no limit of 4). `seed` is Colibri's extension, as in chat completions. 
 and mean nothing here (the KV cache reuses prefixes by itself). Anything else is a 400 in
 Anthropic's error shape.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,17 +43,33 @@ from .protocol import TOOL_NAME_PATTERN, Bool, Integer, Number, Text
 
 MAX_STOP_SEQUENCES = 64
 # Anthropic's error types by HTTP status
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 # chat-completions' names of the fields, as this API calls them (in errors)
-FIELD_NAMES = {"messages": "messages", "max_tokens": "max_tokens", "reasoning_effort": "thinking",
-               "response_format": "output_config.format",
-               "tool_choice": "tool_choice", "tools": "tools", "stop": "stop_sequences"}
+FIELD_NAMES = {
+    "messages": "messages",
+    "max_tokens": "max_tokens",
+    "reasoning_effort": "thinking",
+    "response_format": "output_config.format",
+    "tool_choice": "tool_choice",
+    "tools": "tools",
+    "stop": "stop_sequences",
+}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 # ---- the request --------------------------------------------------------------------------------
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -97,8 +114,9 @@ class RedactedThinkingBlock(Strict):
     data: Text
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
-                  Field(discriminator="type")]
+Block = Annotated[
+    Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock], Field(discriminator="type")
+]
 
 
 class InputMessage(Strict):
@@ -133,7 +151,8 @@ class OutputFormat(Strict):
 
 class OutputConfig(Strict):
     effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = Field(
-        None, description="reasoning effort (max: xhigh)")
+        None, description="reasoning effort (max: xhigh)"
+    )
     format: Optional[OutputFormat] = Field(None, description="the reply constrained to this JSON schema")
 
 
@@ -154,28 +173,40 @@ class CountTokensRequest(MessagesBase):
 
 class MessagesRequest(MessagesBase):
     """POST /v1/messages (Anthropic's Messages API)."""
+
     max_tokens: Integer(ge=1)
     stop_sequences: Optional[Annotated[list[Text], Field(max_length=MAX_STOP_SEQUENCES)]] = None
     temperature: Optional[Number(ge=0, le=1)] = None
     top_p: Optional[Number(gt=0, le=1)] = None
     top_k: Optional[Integer(ge=0)] = None
     stream: Optional[Bool] = None
-    seed: Optional[Integer(ge=0)] = Field(None, description="Colibri's extension, as in chat completions: absent, a "
-                                                             "fresh seed (reported in X-Colibri-Seed)")
+    seed: Optional[Integer(ge=0)] = Field(
+        None,
+        description="Colibri's extension, as in chat completions: absent, a fresh seed (reported in X-Colibri-Seed)",
+    )
     metadata: Optional[dict[str, Any]] = Field(None, description="accepted, meaningless here")
     service_tier: Optional[Literal["auto", "standard_only"]] = Field(None, description="accepted (one tier here)")
 
 
 # ---- request -> chat completions ------------------------------------------------------------------
 
+
 def prepare(served, body) -> openai.Job:
     """The Job of a Messages request: its chat-completions equivalent, prepared as that is."""
     m = served.ready()
     req = openai.validated(MessagesRequest, body)
     chat = to_chat(req, m)
-    chat.update(max_tokens=req.max_tokens, stream=bool(req.stream), temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=req.seed)
-    job = openai.renamed_fields(FIELD_NAMES, openai.prepare, served, {k: v for k, v in chat.items() if v is not None}, True)
+    chat.update(
+        max_tokens=req.max_tokens,
+        stream=bool(req.stream),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+    )
+    job = openai.renamed_fields(
+        FIELD_NAMES, openai.prepare, served, {k: v for k, v in chat.items() if v is not None}, True
+    )
     return dataclasses.replace(job, stops=[s for s in req.stop_sequences or () if s])
 
 
@@ -190,8 +221,13 @@ def to_chat(req: MessagesBase, m) -> dict:
     """The chat-completions body (without sampling) equivalent to a Messages request."""
     chat = {"model": req.model, "messages": system_messages(req.system) + conversation(req.messages)}
     if req.tools:
-        chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                            "parameters": t.input_schema}} for t in req.tools]
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+            }
+            for t in req.tools
+        ]
     if req.tool_choice is not None:
         chat["tool_choice"] = tool_choice_of(req.tool_choice)
         if req.tool_choice.disable_parallel_tool_use:
@@ -200,8 +236,10 @@ def to_chat(req: MessagesBase, m) -> dict:
     if effort is not None:
         chat["reasoning_effort"] = effort
     if req.output_config is not None and req.output_config.format is not None:
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": "output", "schema": req.output_config.format.schema_}}
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": req.output_config.format.schema_},
+        }
     for key in [k for k, v in chat.items() if v is None]:
         del chat[key]
     return chat
@@ -216,8 +254,11 @@ def system_messages(system) -> list:
 
 def conversation(messages) -> list:
     if messages[-1].role == "assistant":
-        raise APIError(400, "a last assistant message (a prefill to continue) is not supported: end with a user "
-                            "message", param="messages")
+        raise APIError(
+            400,
+            "a last assistant message (a prefill to continue) is not supported: end with a user message",
+            param="messages",
+        )
     out = []
     for msg in messages:
         blocks = [TextBlock(type="text", text=msg.content)] if isinstance(msg.content, str) else msg.content
@@ -231,8 +272,11 @@ def assistant_turn(blocks) -> list:
     thinking = "".join(b.thinking for b in blocks if b.type == "thinking")
     if thinking:
         turn["reasoning_content"] = thinking
-    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-             for b in blocks if b.type == "tool_use"]
+    calls = [
+        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+        for b in blocks
+        if b.type == "tool_use"
+    ]
     if calls:
         turn["tool_calls"] = calls
     return [turn]
@@ -246,14 +290,20 @@ def user_turns(blocks) -> list:
         if text:
             out.append({"role": "user", "content": "".join(text)})
             text.clear()
+
     for i, b in enumerate(blocks):
         if b.type == "text":
             text.append(b.text)
         elif b.type == "tool_result":
             flush()
             content = b.content if isinstance(b.content, str) else "".join(t.text for t in b.content or ())
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                        "content": f"Error: {content}" if b.is_error else content})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": b.tool_use_id,
+                    "content": f"Error: {content}" if b.is_error else content,
+                }
+            )
         else:
             raise APIError(400, f"a user message cannot hold a '{b.type}' block", param="messages")
     flush()
@@ -292,6 +342,7 @@ def effort_of(thinking: Thinking | None, config: OutputConfig | None, m) -> str 
 
 # ---- the reply -----------------------------------------------------------------------------------
 
+
 def new_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
@@ -309,8 +360,14 @@ def blocks_of(message: dict) -> list:
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
-        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                       "input": tool_input(call["function"]["arguments"])})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": tool_input(call["function"]["arguments"]),
+            }
+        )
     return blocks
 
 
@@ -334,14 +391,26 @@ def stop_of(outcome) -> tuple:
 def usage_of(outcome, output: bool = True) -> dict:
     """Anthropic's usage: input_tokens are those the KV cache did not hold (cache_read_input_tokens)."""
     cached = outcome.cached_tokens
-    return {"input_tokens": outcome.prompt_tokens - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": outcome.completion_tokens if output else 0}
+    return {
+        "input_tokens": outcome.prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": outcome.completion_tokens if output else 0,
+    }
 
 
 def document(outcome, rid: str, model: str, job=None) -> dict:
     reason, sequence = stop_of(outcome)
-    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks_of(outcome.message),
-            "stop_reason": reason, "stop_sequence": sequence, "usage": usage_of(outcome)}
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks_of(outcome.message),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage_of(outcome),
+    }
 
 
 class Stream:
@@ -349,14 +418,29 @@ class Stream:
 
     def __init__(self, rid: str, model: str, job=None):
         self.rid, self.model = rid, model
-        self.index = -1                  # the open block's index
-        self.open = None                 # its kind: "thinking", "text", "tool_use", or None
+        self.index = -1  # the open block's index
+        self.open = None  # its kind: "thinking", "text", "tool_use", or None
 
     def start(self, outcome) -> list:
         """message_start; `outcome` holds the prompt's usage so far (no output yet)."""
-        return [("message_start", {"type": "message_start", "message": {
-            "id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": usage_of(outcome, output=False)}})]
+        return [
+            (
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": self.rid,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": self.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": usage_of(outcome, output=False),
+                    },
+                },
+            )
+        ]
 
     @staticmethod
     def ping() -> list:
@@ -374,10 +458,11 @@ class Stream:
                 out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
             for call in delta.get("tool_calls") or ():
                 fn = call.get("function") or {}
-                if call.get("id"):       # a new call: its block
+                if call.get("id"):  # a new call: its block
                     out += self._close()
-                    out += self._into("tool_use", {"type": "tool_use", "id": call["id"], "name": fn.get("name", ""),
-                                                   "input": {}})
+                    out += self._into(
+                        "tool_use", {"type": "tool_use", "id": call["id"], "name": fn.get("name", ""), "input": {}}
+                    )
                 if fn.get("arguments"):
                     out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
         return out
@@ -385,9 +470,16 @@ class Stream:
     def end(self, outcome) -> list:
         reason, sequence = stop_of(outcome)
         return self._close() + [
-            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                               "usage": {"output_tokens": outcome.completion_tokens}}),
-            ("message_stop", {"type": "message_stop"})]
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": {"output_tokens": outcome.completion_tokens},
+                },
+            ),
+            ("message_stop", {"type": "message_stop"}),
+        ]
 
     @staticmethod
     def error(e: APIError) -> list:
@@ -399,8 +491,9 @@ class Stream:
         out = self._close()
         self.index += 1
         self.open = kind
-        return out + [("content_block_start", {"type": "content_block_start", "index": self.index,
-                                               "content_block": block})]
+        return out + [
+            ("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        ]
 
     def _delta(self, delta: dict) -> tuple:
         return ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})

@@ -35,6 +35,7 @@ So a request and seed give the same tokens through all three. Errors on /v1/mess
 Anthropic's shape ({"type": "error", "error": {"type", "message"}}); the key is accepted as
 `x-api-key` too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,15 +61,22 @@ logger = logging.getLogger("colibri.serve")
 
 
 # the request bodies documented at /openapi.json (each validates its route's body)
-BODIES = (protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.TokenizeRequest,
-          protocol.DetokenizeRequest, anthropic.MessagesRequest, anthropic.CountTokensRequest,
-          responses.ResponsesRequest)
+BODIES = (
+    protocol.ChatCompletionRequest,
+    protocol.CompletionRequest,
+    protocol.TokenizeRequest,
+    protocol.DetokenizeRequest,
+    anthropic.MessagesRequest,
+    anthropic.CountTokensRequest,
+    responses.ResponsesRequest,
+)
 
 
 @dataclasses.dataclass
 class Run:
     """One finished generation of a job: its Generation, reply parser (or None), text, picks and
     the parser's last deltas."""
+
     g: object
     parser: object
     text: str
@@ -82,7 +90,9 @@ def _need_stack():
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise ColibriError(f"serve needs the server extra ({e.name} is missing): pip install \"{DISTRIBUTION}[serve]\"") from None
+        raise ColibriError(
+            f'serve needs the server extra ({e.name} is missing): pip install "{DISTRIBUTION}[serve]"'
+        ) from None
 
 
 def create_app(served: Served):
@@ -106,7 +116,7 @@ def create_app(served: Served):
         handler's own finally blocks."""
 
         def __init__(self, endpoint: str, handler, shape=APIError.body):
-            self.endpoint, self.handler, self.shape = endpoint, handler, shape      # shape(APIError) -> body
+            self.endpoint, self.handler, self.shape = endpoint, handler, shape  # shape(APIError) -> body
 
         async def __call__(self, scope, receive, send):
             started = False
@@ -129,7 +139,7 @@ def create_app(served: Served):
             except APIError as e:
                 if not started:
                     await error_response(e, self.endpoint, self.shape)(scope, receive, send)
-            except Exception as e:       # noqa: BLE001 - the catch-all: a 500, the traceback in the log
+            except Exception as e:  # noqa: BLE001 - the catch-all: a 500, the traceback in the log
                 logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
                 if not started:
                     await error_response(internal_error(e), self.endpoint, self.shape)(scope, receive, send)
@@ -139,27 +149,35 @@ def create_app(served: Served):
             return
         scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
         if "x-api-key" in request.headers and "authorization" not in request.headers:
-            scheme, token = "bearer", request.headers["x-api-key"]      # Anthropic's header
+            scheme, token = "bearer", request.headers["x-api-key"]  # Anthropic's header
         # headers arrive decoded as latin-1: back to the bytes the client sent; the comparison
         # takes the same time wherever the bytes differ
         same = hmac.compare_digest(token.strip().encode("latin-1"), served.api_key.encode("utf-8"))
         if not (same and scheme.lower() == "bearer"):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
-                           kind="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
 
     async def read_body(request: Request):
         limit = limits.MAX_BODY_BYTES
-        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
-                             headers={"Connection": "close"})
+        too_large = APIError(
+            413,
+            f"the request body is larger than {limit} bytes",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
         length = request.headers.get("content-length", "").strip()
         if length.isdigit() and int(length) > limit:
-            raise too_large                  # refused before a byte of the body is read
+            raise too_large  # refused before a byte of the body is read
         parts, size = [], 0
         try:
             async for part in request.stream():
                 size += len(part)
                 if size > limit:
-                    raise too_large          # a chunked (or lying) body: read no further
+                    raise too_large  # a chunked (or lying) body: read no further
                 parts.append(part)
         except ClientDisconnect:
             raise Disconnected() from None
@@ -174,41 +192,68 @@ def create_app(served: Served):
         await response(request.scope, request.receive, send)
 
     async def health(request: Request, send):
-        if served.stepper is not None and served.stepper.failed is not None:     # restart me
-            return await reply(request, send, JSONResponse(
-                {"status": "error", "error": "the batch's engine thread has stopped"}, status_code=500))
+        if served.stepper is not None and served.stepper.failed is not None:  # restart me
+            return await reply(
+                request,
+                send,
+                JSONResponse({"status": "error", "error": "the batch's engine thread has stopped"}, status_code=500),
+            )
         if served.model is not None:
             return await reply(request, send, JSONResponse({"status": "ok"}))
         if served.load_error:
-            return await reply(request, send, JSONResponse({"status": "error", "error": served.load_error},
-                                                           status_code=500))
-        await reply(request, send, JSONResponse({"status": "loading"}, status_code=503,
-                                                headers={"Retry-After": str(limits.RETRY_AFTER_SECONDS)}))
+            return await reply(
+                request, send, JSONResponse({"status": "error", "error": served.load_error}, status_code=500)
+            )
+        await reply(
+            request,
+            send,
+            JSONResponse(
+                {"status": "loading"}, status_code=503, headers={"Retry-After": str(limits.RETRY_AFTER_SECONDS)}
+            ),
+        )
 
     async def models(request: Request, send):
         check_key(request)
-        await reply(request, send, JSONResponse({"object": "list", "data": [
-            {"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}]}))
+        await reply(
+            request,
+            send,
+            JSONResponse(
+                {
+                    "object": "list",
+                    "data": [{"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}],
+                }
+            ),
+        )
 
     async def model_by_id(request: Request, send):
         check_key(request)
         wanted = request.path_params["model_id"]
         if wanted != served.name:
-            raise APIError(404, f"the model '{wanted[:100]}' does not exist; this server serves '{served.name}'",
-                           param="model", code="model_not_found", kind="not_found_error")
-        await reply(request, send, JSONResponse(
-            {"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}))
+            raise APIError(
+                404,
+                f"the model '{wanted[:100]}' does not exist; this server serves '{served.name}'",
+                param="model",
+                code="model_not_found",
+                kind="not_found_error",
+            )
+        await reply(
+            request,
+            send,
+            JSONResponse({"id": served.name, "object": "model", "created": served.created, "owned_by": "colibri"}),
+        )
 
     def text_tool(fn):
         """A route answering fn(served, body) -> doc, run off the event loop: /tokenize (llama-server's
         {"content", "add_special", "with_pieces"}, vLLM's {"prompt", "add_special_tokens"} or
         {"messages", "add_generation_prompt"} -> {"tokens", "count", "max_model_len"}) and
         /detokenize ({"tokens"} -> {"content"}, and vLLM's "prompt")."""
+
         async def route(request: Request, send):
             check_key(request)
             body = await read_body(request)
             doc = await served.off_loop(fn, served, body)
             await reply(request, send, JSONResponse(doc))
+
         return route
 
     async def metrics(request: Request, send):
@@ -239,7 +284,7 @@ def create_app(served: Served):
         gen = dict(job.gen, seed=(job.gen["seed"] + index) % (1 << SEED_BITS))
         await served.acquire(gone)
         g = served.generation(job.m, job.ids, gen, job.stops, arrived)
-        try:                             # from here the place is this request's until finish()
+        try:  # from here the place is this request's until finish()
             try:
                 await g.begin(gone)
             except ColibriError as e:
@@ -263,8 +308,12 @@ def create_app(served: Served):
     def usage(job: Job, runs: list) -> dict:
         done = sum(len(g.record.tokens) for g in runs if g.record is not None)
         cached = runs[0].record.reused_tokens if runs and runs[0].record is not None else 0
-        return {"prompt_tokens": len(job.ids), "completion_tokens": done, "total_tokens": len(job.ids) + done,
-                "prompt_tokens_details": {"cached_tokens": int(cached or 0)}}
+        return {
+            "prompt_tokens": len(job.ids),
+            "completion_tokens": done,
+            "total_tokens": len(job.ids) + done,
+            "prompt_tokens_details": {"cached_tokens": int(cached or 0)},
+        }
 
     def finish_reason(g, parser) -> str:
         reason = g.record.finish_reason if g.record is not None else "stop"
@@ -290,6 +339,7 @@ def create_app(served: Served):
                 deltas = [{"content": piece}] if piece else []
             if on_deltas is not None:
                 await on_deltas(deltas, piece, pick)
+
         g = await run_choice(job, index, gone, arrived, on_event, wait)
         tail = parser.finish() if parser is not None else []
         return Run(g, parser, "".join(text), picks, tail)
@@ -297,9 +347,14 @@ def create_app(served: Served):
     def outcome(job: Job, run: Run) -> openai.Outcome:
         """A chat Run as the other APIs' formatters read it."""
         u = usage(job, [run.g])
-        return openai.Outcome(_message(run.parser.message if run.parser is not None else None, run.text),
-                              finish_reason(run.g, run.parser), run.g.record.stop if run.g.record is not None else None,
-                              u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])
+        return openai.Outcome(
+            _message(run.parser.message if run.parser is not None else None, run.text),
+            finish_reason(run.g, run.parser),
+            run.g.record.stop if run.g.record is not None else None,
+            u["prompt_tokens"],
+            u["prompt_tokens_details"]["cached_tokens"],
+            u["completion_tokens"],
+        )
 
     async def whole(job: Job, gone, rid, arrived: float) -> dict:
         choices, runs = [], []
@@ -310,14 +365,24 @@ def create_app(served: Served):
             choice = {"index": index, "finish_reason": finish_reason(g, parser)}
             if job.chat:
                 choice["message"] = _message(parser.message if parser is not None else None, text)
-                choice["logprobs"] = None if job.logprobs is None else \
-                    {"content": [_chat_logprob(job.m, p, job.logprobs) for p in picks]}
+                choice["logprobs"] = (
+                    None
+                    if job.logprobs is None
+                    else {"content": [_chat_logprob(job.m, p, job.logprobs) for p in picks]}
+                )
             else:
                 choice["text"] = text
                 choice["logprobs"] = None if job.logprobs is None else _completion_logprobs(job.m, picks, job.logprobs)
             choices.append(choice)
-        return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-                "model": served.name, "choices": choices, "usage": usage(job, runs), "seed": job.gen["seed"]}
+        return {
+            "id": rid,
+            "object": "chat.completion" if job.chat else "text_completion",
+            "created": int(time.time()),
+            "model": served.name,
+            "choices": choices,
+            "usage": usage(job, runs),
+            "seed": job.gen["seed"],
+        }
 
     async def whole_run(job: Job, index: int, gone, arrived: float) -> Run:
         try:
@@ -336,10 +401,17 @@ def create_app(served: Served):
         async def start(self) -> None:
             if not self.started:
                 self.started = True
-                await self.send({"type": "http.response.start", "status": 200,
-                                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                             (b"cache-control", b"no-cache"),
-                                             (limits.SEED_HEADER.encode(), str(self.job.gen["seed"]).encode())]})
+                await self.send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"),
+                            (limits.SEED_HEADER.encode(), str(self.job.gen["seed"]).encode()),
+                        ],
+                    }
+                )
 
         async def write(self, text: str) -> None:
             await self.start()
@@ -356,6 +428,7 @@ def create_app(served: Served):
     def waiting(on_idle):
         """A `wait` for run_choice that calls `await on_idle(g)` every limits.KEEPALIVE_SECONDS
         while no event comes (a long prompt), to keep proxies and clients from timing out."""
+
         async def wait(g, gone):
             step = asyncio.ensure_future(served.next_event(g, gone))
             while True:
@@ -363,6 +436,7 @@ def create_app(served: Served):
                 if done:
                     return step.result()
                 await on_idle(g)
+
         return wait
 
     def stream_error(e: Exception, endpoint: str) -> APIError:
@@ -388,8 +462,13 @@ def create_app(served: Served):
             await out.write("data: [DONE]\n\n" if doc is None else f"data: {json.dumps(doc, ensure_ascii=False)}\n\n")
 
         def event(choice, usage_doc=None):
-            doc = {"id": rid, "object": chunk_obj, "created": created, "model": served.name,
-                   "choices": [choice] if choice is not None else []}
+            doc = {
+                "id": rid,
+                "object": chunk_obj,
+                "created": created,
+                "model": served.name,
+                "choices": [choice] if choice is not None else [],
+            }
             if job.include_usage:
                 doc["usage"] = usage_doc
             return doc
@@ -400,20 +479,31 @@ def create_app(served: Served):
         outcome_, runs = "200", []
         try:
             for index in range(job.n):
-                opened = []              # the choice's first chunk (its role) is out
+                opened = []  # the choice's first chunk (its role) is out
 
                 async def open_choice(index=index, opened=opened):
                     if chat and not opened:
                         opened.append(True)
-                        await emit(event({"index": index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}))
+                        await emit(
+                            event(
+                                {
+                                    "index": index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            )
+                        )
 
                 async def on_deltas(deltas, piece, pick, index=index, open_choice=open_choice):
                     await open_choice()
                     lp = None
                     if job.logprobs is not None and pick is not None:
-                        lp = {"content": [_chat_logprob(job.m, pick, job.logprobs)]} if chat else \
-                            _completion_logprobs(job.m, [pick], job.logprobs)
+                        lp = (
+                            {"content": [_chat_logprob(job.m, pick, job.logprobs)]}
+                            if chat
+                            else _completion_logprobs(job.m, [pick], job.logprobs)
+                        )
                     if not chat:
                         if piece or lp is not None:
                             await emit(event({"index": index, "text": piece, "logprobs": lp, "finish_reason": None}))
@@ -423,21 +513,27 @@ def create_app(served: Served):
                     for delta in deltas:
                         await emit(event({"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}))
                         lp = None
+
                 run = await run_parsed(job, index, gone, arrived, on_deltas, waiting(keep_alive))
                 runs.append(run.g)
                 await open_choice()
                 for delta in run.tail:
                     await emit(event({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
                 reason = finish_reason(run.g, run.parser)
-                await emit(event({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason} if chat
-                                 else {"index": index, "text": "", "logprobs": None, "finish_reason": reason}))
+                await emit(
+                    event(
+                        {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+                        if chat
+                        else {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+                    )
+                )
             if job.include_usage:
                 await emit(event(None, usage(job, runs)))
         except Disconnected:
             raise
-        except Exception as e:           # noqa: BLE001 - the headers are out: the error is the last event
+        except Exception as e:  # noqa: BLE001 - the headers are out: the error is the last event
             if not out.started:
-                raise                    # still a plain HTTP error (the Endpoint answers it)
+                raise  # still a plain HTTP error (the Endpoint answers it)
             outcome_ = "500"
             await emit(stream_error(e, endpoint).body())
         await emit(None)
@@ -450,6 +546,7 @@ def create_app(served: Served):
         """A route for an API translated onto chat completions: `api` (serve/anthropic.py,
         serve/responses.py) has prepare(served, body) -> Job, new_id(), document(outcome, rid,
         model, job) -> the whole answer, and Stream(rid, model, job) -> its typed events."""
+
         async def route(request: Request, send):
             arrived = time.perf_counter()
             check_key(request)
@@ -466,6 +563,7 @@ def create_app(served: Served):
             doc = api.document(outcome(job, run), rid, served.name, job)
             await reply(request, send, JSONResponse(doc, headers={limits.SEED_HEADER: str(job.gen["seed"])}))
             served.requests.labels(endpoint, "200").inc()
+
         return route
 
     async def translated_stream(api, job: Job, send, gone, rid, endpoint: str, arrived: float) -> None:
@@ -488,11 +586,12 @@ def create_app(served: Served):
             pings = stream.ping()
             await (out.events(pings) if pings else out.write(": keep-alive\n\n"))
 
-        current = []                     # the generation (run_choice passes it to each wait)
+        current = []  # the generation (run_choice passes it to each wait)
 
         async def wait(g, gone):
             current[:] = [g]
             return await keep_alive(g, gone)
+
         keep_alive = waiting(on_idle)
 
         async def on_deltas(deltas, piece, pick):
@@ -507,7 +606,7 @@ def create_app(served: Served):
             await out.events(stream.end(outcome(job, run)))
         except Disconnected:
             raise
-        except Exception as e:           # noqa: BLE001 - the headers are out: the error is the last event
+        except Exception as e:  # noqa: BLE001 - the headers are out: the error is the last event
             if not out.started:
                 raise
             outcome_ = "500"
@@ -523,9 +622,9 @@ def create_app(served: Served):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        served.start_loading()              # /health says 503 until the model is ready
+        served.start_loading()  # /health says 503 until the model is ready
         yield
-        served.executor.shutdown(wait=True)     # the closes of cancelled generations run first
+        served.executor.shutdown(wait=True)  # the closes of cancelled generations run first
         if served.stepper is not None:
             served.stepper.stop()
 
@@ -538,7 +637,7 @@ def create_app(served: Served):
         return JSONResponse(shape(e), status_code=exc.status_code, headers=exc.headers)
 
     async def server_error(request: Request, exc: Exception):
-        return JSONResponse(internal_error(exc).body(), status_code=500)      # uvicorn logs the traceback
+        return JSONResponse(internal_error(exc).body(), status_code=500)  # uvicorn logs the traceback
 
     class Sent(Response):
         """What a route returns to FastAPI: its Endpoint, which sends the response itself."""
@@ -549,8 +648,13 @@ def create_app(served: Served):
         async def __call__(self, scope, receive, send):
             await self.endpoint(scope, receive, send)
 
-    app = FastAPI(title="Colibri", version=__version__, lifespan=lifespan, redoc_url=None,
-                  description="OpenAI-compatible serving of a Mixture-of-Experts model on CPUs (docs/serve.md).")
+    app = FastAPI(
+        title="Colibri",
+        version=__version__,
+        lifespan=lifespan,
+        redoc_url=None,
+        description="OpenAI-compatible serving of a Mixture-of-Experts model on CPUs (docs/serve.md).",
+    )
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
 
@@ -559,40 +663,90 @@ def create_app(served: Served):
 
         async def answer(request):
             return Sent(endpoint)
-        answer.__annotations__ = {"request": Request}      # FastAPI injects it (the name is local here)
+
+        answer.__annotations__ = {"request": Request}  # FastAPI injects it (the name is local here)
         schema = {"$ref": f"#/components/schemas/{body.__name__}"} if body is not None else None
-        extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}} if body else None
-        app.add_api_route(path, answer, methods=[method], name=f"{name} {method} {path}", summary=summary,
-                          openapi_extra=extra)
+        extra = (
+            {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}} if body else None
+        )
+        app.add_api_route(
+            path, answer, methods=[method], name=f"{name} {method} {path}", summary=summary, openapi_extra=extra
+        )
 
     route("/health", "GET", "health", health, "200 once the model is loaded and warmed up, else 503")
     route("/v1/models", "GET", "models", models, "the served model")
     route("/v1/models/{model_id:path}", "GET", "models", model_by_id, "the served model by its name")
-    route("/tokenize", "POST", "tokenize", text_tool(openai.tokenize), "text or a conversation -> token ids",
-          protocol.TokenizeRequest)
-    route("/detokenize", "POST", "detokenize", text_tool(openai.detokenize), "token ids -> text",
-          protocol.DetokenizeRequest)
+    route(
+        "/tokenize",
+        "POST",
+        "tokenize",
+        text_tool(openai.tokenize),
+        "text or a conversation -> token ids",
+        protocol.TokenizeRequest,
+    )
+    route(
+        "/detokenize",
+        "POST",
+        "detokenize",
+        text_tool(openai.detokenize),
+        "token ids -> text",
+        protocol.DetokenizeRequest,
+    )
     route("/metrics", "GET", "metrics", metrics, "Prometheus text")
-    route("/v1/chat/completions", "POST", "chat", chat_completions, "a chat reply (OpenAI's chat completions)",
-          protocol.ChatCompletionRequest)
-    route("/v1/completions", "POST", "completions", completions, "a text completion (OpenAI's completions)",
-          protocol.CompletionRequest)
-    route("/v1/messages", "POST", "messages", translated(anthropic, "messages"),
-          "a reply (Anthropic's Messages API)", anthropic.MessagesRequest, anthropic.error_body)
-    route("/v1/responses", "POST", "responses", translated(responses, "responses"),
-          "a reply (OpenAI's Responses API, stateless)", responses.ResponsesRequest)
-    route("/v1/messages/count_tokens", "POST", "count_tokens", text_tool(anthropic.count_tokens),
-          "a Messages request's prompt tokens (Anthropic's count_tokens)", anthropic.CountTokensRequest,
-          anthropic.error_body)
+    route(
+        "/v1/chat/completions",
+        "POST",
+        "chat",
+        chat_completions,
+        "a chat reply (OpenAI's chat completions)",
+        protocol.ChatCompletionRequest,
+    )
+    route(
+        "/v1/completions",
+        "POST",
+        "completions",
+        completions,
+        "a text completion (OpenAI's completions)",
+        protocol.CompletionRequest,
+    )
+    route(
+        "/v1/messages",
+        "POST",
+        "messages",
+        translated(anthropic, "messages"),
+        "a reply (Anthropic's Messages API)",
+        anthropic.MessagesRequest,
+        anthropic.error_body,
+    )
+    route(
+        "/v1/responses",
+        "POST",
+        "responses",
+        translated(responses, "responses"),
+        "a reply (OpenAI's Responses API, stateless)",
+        responses.ResponsesRequest,
+    )
+    route(
+        "/v1/messages/count_tokens",
+        "POST",
+        "count_tokens",
+        text_tool(anthropic.count_tokens),
+        "a Messages request's prompt tokens (Anthropic's count_tokens)",
+        anthropic.CountTokensRequest,
+        anthropic.error_body,
+    )
 
     def openapi() -> dict:
         """FastAPI's document of the routes, with the request bodies' schemas as components."""
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}")
+            _, defs = models_json_schema(
+                [(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}"
+            )
             doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
             app.openapi_schema = doc
         return app.openapi_schema
+
     app.openapi = openapi
     return app
 
@@ -618,8 +772,11 @@ def _check_unicode(doc) -> None:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 name = where or "the body"
-                raise APIError(400, f"{name[:80]} holds a string that is not valid Unicode (a lone surrogate)",
-                               param=where.split(".")[0].split("[")[0] or None) from None
+                raise APIError(
+                    400,
+                    f"{name[:80]} holds a string that is not valid Unicode (a lone surrogate)",
+                    param=where.split(".")[0].split("[")[0] or None,
+                ) from None
 
 
 def _message(parsed: dict | None, text: str) -> dict:
@@ -643,9 +800,15 @@ def _token_text(m, token: int) -> str:
 
 def _chat_logprob(m, pick, top: int) -> dict:
     text = _token_text(m, pick.token)
-    return {"token": text, "logprob": pick.logprob, "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": (t := _token_text(m, i)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                             for i, lp in pick.top[:top]]}
+    return {
+        "token": text,
+        "logprob": pick.logprob,
+        "bytes": list(text.encode("utf-8")),
+        "top_logprobs": [
+            {"token": (t := _token_text(m, i)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+            for i, lp in pick.top[:top]
+        ],
+    }
 
 
 def _completion_logprobs(m, picks, top: int) -> dict:
@@ -654,13 +817,26 @@ def _completion_logprobs(m, picks, top: int) -> dict:
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [p.logprob for p in picks],
-            "top_logprobs": [{_token_text(m, i): lp for i, lp in p.top[:top]} for p in picks], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [p.logprob for p in picks],
+        "top_logprobs": [{_token_text(m, i): lp for i, lp in p.top[:top]} for p in picks],
+        "text_offset": offsets,
+    }
 
 
-def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = 16, queue_timeout: float = 600.0, log=print, parallel: int = 1,
-          step_tokens: int | None = None) -> None:
+def serve(
+    load,
+    name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_queue: int = 16,
+    queue_timeout: float = 600.0,
+    log=print,
+    parallel: int = 1,
+    step_tokens: int | None = None,
+) -> None:
     """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running requests
     limits.GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels them, and returns). `load()` -> Model
     (loaded with this `parallel`), called once in the background."""
@@ -674,12 +850,16 @@ def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: s
     served = Served(load, name, api_key, max_queue, queue_timeout, parallel, step_tokens)
     app = create_app(served)
     at_once = "one generation at a time" if parallel == 1 else f"{parallel} generations at a time, decoded together"
-    log(f"[INFO] Serving '{name}' on http://{host}:{port}/v1 (health: /health, metrics: /metrics); "
-        f"{at_once}, up to {max_queue} waiting")
+    log(
+        f"[INFO] Serving '{name}' on http://{host}:{port}/v1 (health: /health, metrics: /metrics); "
+        f"{at_once}, up to {max_queue} waiting"
+    )
     # uvicorn stops gracefully on SIGTERM and then re-raises the signal under the handler it found:
     # a handler that returns makes that re-raise a no-op, so SIGTERM ends with status 0
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=limits.GRACEFUL_SHUTDOWN_SECONDS)
+        uvicorn.run(
+            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=limits.GRACEFUL_SHUTDOWN_SECONDS
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -22,6 +22,7 @@ A request's own preparation (its chat template, tokenizing) runs on a daemon thr
 loop. What native libraries raise outside Exception (the Rust tokenizers' PanicException) is
 turned into an ordinary error for the one request (_contained); the engine thread goes on.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,43 +44,66 @@ logger = logging.getLogger("colibri.serve")
 class Served:
     """The model, its worker thread, the FIFO in front of it and the metrics."""
 
-    def __init__(self, load, name: str, api_key: str | None, max_queue: int, queue_timeout: float,
-                 parallel: int = 1, step_tokens: int | None = None):
+    def __init__(
+        self,
+        load,
+        name: str,
+        api_key: str | None,
+        max_queue: int,
+        queue_timeout: float,
+        parallel: int = 1,
+        step_tokens: int | None = None,
+    ):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.load, self.name, self.api_key = load, name, api_key
         self.max_queue, self.queue_timeout = max_queue, queue_timeout
-        self.parallel = parallel               # generations at once (the Model's load(parallel=))
-        self.step_tokens = step_tokens         # the Batch's tokens per step (None: its default)
+        self.parallel = parallel  # generations at once (the Model's load(parallel=))
+        self.step_tokens = step_tokens  # the Batch's tokens per step (None: its default)
         self.model = None
-        self.stepper = None                    # the Batch's engine thread (parallel > 1), once loaded
+        self.stepper = None  # the Batch's engine thread (parallel > 1), once loaded
         self.load_error = None
         self.created = int(time.time())
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
-        self.prep_slots = None           # asyncio.Semaphore(PREP_WORKERS), made on the serving loop at first use
-        self.active = 0                        # requests holding a place (at most `parallel`)
-        self.waiters = collections.deque()     # futures of the requests waiting for it, in arrival order
+        self.prep_slots = None  # asyncio.Semaphore(PREP_WORKERS), made on the serving loop at first use
+        self.active = 0  # requests holding a place (at most `parallel`)
+        self.waiters = collections.deque()  # futures of the requests waiting for it, in arrival order
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("colibri_requests", "requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
+        self.requests = Counter(
+            "colibri_requests", "requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
         self.queue_depth = Gauge("colibri_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("colibri_running_requests", "requests holding one of the --parallel places", registry=r)
-        self.ttft = Histogram("colibri_time_to_first_token_seconds", "request arrival to first token", registry=r,
-                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        self.itl = Histogram("colibri_inter_token_latency_seconds", "time between tokens of a stream", registry=r,
-                             buckets=(.002, .005, .01, .02, .05, .1, .2, .5, 1, 2))
+        self.ttft = Histogram(
+            "colibri_time_to_first_token_seconds",
+            "request arrival to first token",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.itl = Histogram(
+            "colibri_inter_token_latency_seconds",
+            "time between tokens of a stream",
+            registry=r,
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+        )
         self.tokens_in = Counter("colibri_prompt_tokens", "prompt tokens received", registry=r)
         self.tokens_out = Counter("colibri_generated_tokens", "tokens generated", registry=r)
         self.reused = Counter("colibri_prefix_reused_tokens", "prompt tokens the KV cache already held", registry=r)
         self.reuse_hits = Counter("colibri_prefix_reuse_hits", "requests that reused part of the KV cache", registry=r)
         self.resident = Gauge("colibri_resident_expert_bytes", "expert weights resident", registry=r)
         self.faults = Gauge("colibri_major_page_faults", "major page faults of the process", registry=r)
-        self.cache_uses = Gauge("colibri_expert_cache_uses", "expert uses since load, by whether the expert "
-                                "cache held it", ["result"], registry=r)
+        self.cache_uses = Gauge(
+            "colibri_expert_cache_uses",
+            "expert uses since load, by whether the expert cache held it",
+            ["result"],
+            registry=r,
+        )
         self.evictions = Gauge("colibri_expert_evictions", "experts evicted under the budget since load", registry=r)
         self.storage_read = Gauge("colibri_storage_read_bytes", "bytes read from storage since load", registry=r)
         self.budget = Gauge("colibri_expert_budget_bytes", "the expert budget (0: none)", registry=r)
-        self.cgroup_usage = Gauge("colibri_cgroup_usage_bytes", "the enforcing cgroup's usage, page cache "
-                                  "included (0: unknown)", registry=r)
+        self.cgroup_usage = Gauge(
+            "colibri_cgroup_usage_bytes", "the enforcing cgroup's usage, page cache included (0: unknown)", registry=r
+        )
 
     def start_loading(self) -> None:
         def run():
@@ -87,13 +111,15 @@ class Served:
             try:
                 m = self.load()
                 if m.parallel < self.parallel:
-                    raise ColibriError(f"the model was loaded with parallel={m.parallel}; the server was asked for "
-                                       f"{self.parallel} places")
+                    raise ColibriError(
+                        f"the model was loaded with parallel={m.parallel}; the server was asked for "
+                        f"{self.parallel} places"
+                    )
                 _warm_up(m)
                 if self.parallel > 1:
                     self.stepper = Stepper(m, self.step_tokens)
                 self.model = m
-            except Exception as e:          # noqa: BLE001 - reported by /health and each request
+            except Exception as e:  # noqa: BLE001 - reported by /health and each request
                 self.load_error = str(e) or type(e).__name__
                 if m is not None:
                     m.close()
@@ -102,6 +128,7 @@ class Served:
                 return
             if self.parallel > 1:
                 _warn_parallel_under_budget(m, self.parallel)
+
         threading.Thread(target=run, name="colibri-load", daemon=True).start()
 
     def ready(self):
@@ -122,8 +149,12 @@ class Served:
             self.running.set(self.active)
             return
         if len(self.waiters) >= self.max_queue:
-            raise APIError(503, f"the queue is full ({self.max_queue} waiting); retry later", kind="server_error",
-                           code="queue_full")
+            raise APIError(
+                503,
+                f"the queue is full ({self.max_queue} waiting); retry later",
+                kind="server_error",
+                code="queue_full",
+            )
         turn = asyncio.get_running_loop().create_future()
         self.waiters.append(turn)
         self.queue_depth.set(len(self.waiters))
@@ -132,7 +163,7 @@ class Served:
         try:
             await asyncio.wait((turn, left), timeout=self.queue_timeout, return_when=asyncio.FIRST_COMPLETED)
             owned = turn.done() and not gone.is_set()
-        finally:                            # also when this task is cancelled
+        finally:  # also when this task is cancelled
             left.cancel()
             if not owned:
                 self._give_up(turn)
@@ -140,12 +171,16 @@ class Served:
         if not owned:
             if gone.is_set():
                 raise Disconnected()
-            raise APIError(503, f"waited {self.queue_timeout:g} s for the engine; retry later", kind="server_error",
-                           code="queue_timeout")
+            raise APIError(
+                503,
+                f"waited {self.queue_timeout:g} s for the engine; retry later",
+                kind="server_error",
+                code="queue_timeout",
+            )
 
     def _give_up(self, turn) -> None:
         if turn.done() and not turn.cancelled():
-            self.release()                  # the engine was handed to this request: pass it on
+            self.release()  # the engine was handed to this request: pass it on
         else:
             turn.cancel()
             with contextlib.suppress(ValueError):
@@ -172,11 +207,11 @@ class Served:
             return
         g.finished = True
         if isinstance(g, BatchedGeneration):
-            g.close()                       # queued to the Batch's thread before the place is handed on
+            g.close()  # queued to the Batch's thread before the place is handed on
         else:
             try:
                 self.executor.submit(g.close)
-            except RuntimeError:            # the executor is shut down: the process is exiting
+            except RuntimeError:  # the executor is shut down: the process is exiting
                 pass
         self.release()
 
@@ -194,9 +229,9 @@ class Served:
         def work() -> None:
             try:
                 result, error = _contained(fn, *args), None
-            except Exception as e:          # noqa: BLE001 - handed to the request's task
+            except Exception as e:  # noqa: BLE001 - handed to the request's task
                 result, error = None, e
-            with contextlib.suppress(RuntimeError):          # the loop is closed: nobody waits
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle, result, error)
 
         if self.prep_slots is None:
@@ -206,10 +241,15 @@ class Served:
             try:
                 return await asyncio.wait_for(asyncio.shield(done), limits.PREPARE_SECONDS)
             except asyncio.TimeoutError:
-                logger.warning("a request's preparation (chat template, tokenizer) outlasted %s s; its thread is "
-                               "left running", limits.PREPARE_SECONDS)
-                raise APIError(422, f"the request's chat template and tokenizing did not finish within "
-                                    f"{limits.PREPARE_SECONDS} s", code="prepare_timeout") from None
+                logger.warning(
+                    "a request's preparation (chat template, tokenizer) outlasted %s s; its thread is left running",
+                    limits.PREPARE_SECONDS,
+                )
+                raise APIError(
+                    422,
+                    f"the request's chat template and tokenizing did not finish within {limits.PREPARE_SECONDS} s",
+                    code="prepare_timeout",
+                ) from None
 
     async def on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, _contained, fn, *args)
@@ -270,7 +310,7 @@ def _contained(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
-    except BaseException as e:          # noqa: BLE001 - see above
+    except BaseException as e:  # noqa: BLE001 - see above
         raise RuntimeError(f"{type(e).__name__}: {e}") from None
 
 
@@ -341,7 +381,7 @@ class BatchedGeneration(Generation):
         super().__init__(served, m, ids, gen, stops, arrived)
         self.loop = asyncio.get_running_loop()
         self.inbox = asyncio.Queue()
-        self.seq = None                  # its batching.Sequence, set on the Batch's thread
+        self.seq = None  # its batching.Sequence, set on the Batch's thread
 
     def deliver(self, kind: str, value=None) -> None:
         """Runs on the Batch's thread."""
@@ -389,9 +429,9 @@ class Stepper:
 
         self.batch = Batch(model, step_tokens)
         self.jobs = queue.SimpleQueue()
-        self.owners = {}                 # id(sequence) -> its BatchedGeneration
-        self.failed = None               # the exception that ended the thread, if one did
-        self.lock = threading.Lock()     # orders submit() against the thread's end
+        self.owners = {}  # id(sequence) -> its BatchedGeneration
+        self.failed = None  # the exception that ended the thread, if one did
+        self.lock = threading.Lock()  # orders submit() against the thread's end
         self.thread = threading.Thread(target=self._run, name="colibri-batch", daemon=True)
         self.thread.start()
 
@@ -399,16 +439,16 @@ class Stepper:
         with self.lock:
             if self.failed is None:
                 self.jobs.put((kind, g))
-            elif kind == "add":                  # nothing will step it: fail at once, not hang
+            elif kind == "add":  # nothing will step it: fail at once, not hang
                 g.deliver("error", _for_one_request(self.failed))
 
     def stop(self) -> None:
         self.submit("stop")
-        self.thread.join()               # (a thread that failed has ended already; adds from here on fail at once)
+        self.thread.join()  # (a thread that failed has ended already; adds from here on fail at once)
 
     def _run(self) -> None:
         batch = self.batch
-        jobs = []                        # taken from the FIFO, not yet done
+        jobs = []  # taken from the FIFO, not yet done
         try:
             while True:
                 if not jobs and not batch.running:
@@ -430,13 +470,13 @@ class Stepper:
                         self.owners.pop(id(g.seq), None)
                 if batch.running:
                     self._step()
-        except Exception as e:          # noqa: BLE001 - a bug here must not leave requests waiting forever
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave requests waiting forever
             logger.error("the batch's engine thread failed", exc_info=e)
             with self.lock:
                 self.failed = e
             self._fail_all(e)
         finally:
-            with self.lock:              # the adds taken or queued before the end: answered, not left waiting
+            with self.lock:  # the adds taken or queued before the end: answered, not left waiting
                 self.failed = self.failed or RuntimeError("the server is stopping")
                 while True:
                     try:
@@ -459,7 +499,7 @@ class Stepper:
     def _add(self, g: BatchedGeneration) -> None:
         try:
             g.seq = _contained(self.batch.add, g.ids, stop=g.stops, **g.gen)
-        except Exception as e:          # noqa: BLE001 - the request reports it (ColibriError: 400)
+        except Exception as e:  # noqa: BLE001 - the request reports it (ColibriError: 400)
             g.deliver("error", e)
             return
         g.record = g.seq.record
@@ -469,14 +509,14 @@ class Stepper:
     def _step(self) -> None:
         try:
             events = _contained(self.batch.step)
-        except Exception as e:          # noqa: BLE001 - every running request ends with it
+        except Exception as e:  # noqa: BLE001 - every running request ends with it
             self._fail_all(e)
             return
         for seq, token, pick, text in events:
             g = self.owners.get(id(seq))
             if g is None:
                 continue
-            if token is None:            # this sequence alone failed (its sampler): it ends with a 500
+            if token is None:  # this sequence alone failed (its sampler): it ends with a 500
                 g.deliver("error", _for_one_request(seq.error))
                 del self.owners[id(seq)]
                 continue
@@ -501,10 +541,15 @@ def _warn_parallel_under_budget(m, parallel: int) -> None:
     after step, so several sequences can give fewer tokens a second in all than one."""
     experts = m.residency.expert_bytes
     if m.expert_budget is not None and m.expert_budget < experts:
-        logger.warning("--parallel %d under an expert budget of %d MB (the experts: %d MB): sequences decoded "
-                       "together use more experts a step than one does, and what the budget cannot hold is read "
-                       "again from storage; if colibri_expert_cache_uses shows misses growing, --parallel 1 may "
-                       "give more tokens a second", parallel, m.expert_budget >> 20, experts >> 20)
+        logger.warning(
+            "--parallel %d under an expert budget of %d MB (the experts: %d MB): sequences decoded "
+            "together use more experts a step than one does, and what the budget cannot hold is read "
+            "again from storage; if colibri_expert_cache_uses shows misses growing, --parallel 1 may "
+            "give more tokens a second",
+            parallel,
+            m.expert_budget >> 20,
+            experts >> 20,
+        )
 
 
 def _for_one_request(e: Exception) -> Exception:
@@ -512,7 +557,10 @@ def _for_one_request(e: Exception) -> Exception:
     thread gone): each raise then has its own traceback (re-raising one object grows its
     traceback by every request's frames). A ColibriError keeps its kind and message (a 500 with
     the message, as in the serial path); anything else becomes a RuntimeError caused by it."""
-    fresh = ColibriError(str(e)) if isinstance(e, ColibriError) else \
-        RuntimeError(f"{type(e).__name__} in the batch's engine thread")
+    fresh = (
+        ColibriError(str(e))
+        if isinstance(e, ColibriError)
+        else RuntimeError(f"{type(e).__name__} in the batch's engine thread")
+    )
     fresh.__cause__ = e
     return fresh

@@ -1,10 +1,10 @@
 """The server's limits and timings, one place for each (tests patch them here)."""
 
-MAX_BODY_BYTES = 16 << 20              # a request body larger than this is refused (413)
-GRACEFUL_SHUTDOWN_SECONDS = 30         # SIGTERM: the running requests' time to finish before they are cancelled
-RETRY_AFTER_SECONDS = 1                # a 503's Retry-After
-KEEPALIVE_SECONDS = 10                 # a stream with no event for this long gets an SSE comment line
-PREPARE_SECONDS = 30                   # rendering the template and tokenizing a request: its bound
-PREP_WORKERS = 4                       # requests prepared at once (a looping template holds one until it ends)
-WARM_UP_TOKENS = 16                    # the warm-up's prompt: one prefill chunk, then a decoded token
-SEED_HEADER = "X-Colibri-Seed"         # the seed a request ran with (its own, or the fresh one drawn for it)
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413)
+GRACEFUL_SHUTDOWN_SECONDS = 30  # SIGTERM: the running requests' time to finish before they are cancelled
+RETRY_AFTER_SECONDS = 1  # a 503's Retry-After
+KEEPALIVE_SECONDS = 10  # a stream with no event for this long gets an SSE comment line
+PREPARE_SECONDS = 30  # rendering the template and tokenizing a request: its bound
+PREP_WORKERS = 4  # requests prepared at once (a looping template holds one until it ends)
+WARM_UP_TOKENS = 16  # the warm-up's prompt: one prefill chunk, then a decoded token
+SEED_HEADER = "X-Colibri-Seed"  # the seed a request ran with (its own, or the fresh one drawn for it)

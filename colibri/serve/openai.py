@@ -14,6 +14,7 @@ fresh random one when the request has none, reported back). Everything here runs
 preparation thread (Served.off_loop): rendering a template and tokenizing are the request's own
 code and time, never the event loop's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,9 @@ from . import protocol
 from .errors import APIError
 
 # apply_chat_template's own keywords: chat_template_kwargs cannot set them (the request's fields do)
-RESERVED_TEMPLATE_KEYWORDS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents",
-                                        "continue_final_message"})
+RESERVED_TEMPLATE_KEYWORDS = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "tools", "documents", "continue_final_message"}
+)
 # harmony (gpt-oss) knows low, medium and high: the others map to the nearest
 HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 
@@ -37,17 +39,18 @@ HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medi
 @dataclasses.dataclass
 class Job:
     """A request, checked and turned into engine work."""
-    m: object                          # the Model
-    ids: list                          # the prompt's token ids
-    gen: dict                          # Model.generate keywords (sampling, constraint, max_new_tokens, ...)
-    stops: list                        # stop strings
-    logprobs: int | None               # top logprobs per token, None: off
+
+    m: object  # the Model
+    ids: list  # the prompt's token ids
+    gen: dict  # Model.generate keywords (sampling, constraint, max_new_tokens, ...)
+    stops: list  # stop strings
+    logprobs: int | None  # top logprobs per token, None: off
     stream: bool
     include_usage: bool
-    n: int                             # choices, each its own generation
+    n: int  # choices, each its own generation
     chat: bool
-    reply: dict | None = None          # chat: how to parse the reply (ChatTemplate.reply_stream keywords)
-    echo: dict | None = None           # a translated API's request fields that its answer repeats
+    reply: dict | None = None  # chat: how to parse the reply (ChatTemplate.reply_stream keywords)
+    echo: dict | None = None  # a translated API's request fields that its answer repeats
 
 
 @dataclasses.dataclass
@@ -55,6 +58,7 @@ class Outcome:
     """A finished chat generation as every API's formatter reads it: the parsed assistant message
     (content, reasoning_content, tool_calls), chat completions' finish_reason, the stop string
     that ended it (or None) and the token counts."""
+
     message: dict
     finish_reason: str
     stop: str | None
@@ -75,13 +79,18 @@ def validated(model_class, body):
         where = "".join(f"[{p}]" if p.isdigit() else (f".{p}" if i else p) for i, p in enumerate(loc))
         kind = err["type"]
         if kind == "extra_forbidden":
-            raise APIError(400, f"unknown field '{where[:80]}' (docs/serve.md lists the fields this server accepts)",
-                           param=where[:80], code="unknown_parameter") from None
+            raise APIError(
+                400,
+                f"unknown field '{where[:80]}' (docs/serve.md lists the fields this server accepts)",
+                param=where[:80],
+                code="unknown_parameter",
+            ) from None
         if kind == "unsupported_parameter":
             raise APIError(400, err["msg"], param=where, code="unsupported_parameter") from None
         message = err["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"'{where}' {message[:1].lower() + message[1:]}" if where else message,
-                       param=loc[0] if loc else None) from None
+        raise APIError(
+            400, f"'{where}' {message[:1].lower() + message[1:]}" if where else message, param=loc[0] if loc else None
+        ) from None
 
 
 def renamed_fields(names: dict, fn, *args):
@@ -101,8 +110,12 @@ def prepare(served, body, chat: bool) -> Job:
     m = served.ready()
     req = validated(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, body)
     if req.model is not None and req.model != served.name:
-        raise APIError(404, f"the model '{req.model[:100]}' does not exist; this server serves '{served.name}'",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model '{req.model[:100]}' does not exist; this server serves '{served.name}'",
+            param="model",
+            code="model_not_found",
+        )
     gen = sampling_options(req)
     bias = logit_bias_of(req, m.config.vocab_size)
     if bias:
@@ -113,15 +126,22 @@ def prepare(served, body, chat: bool) -> Job:
         tools, choice, parallel = tools_of(req)
         constraint = response_constraint(req)
         if constraint and choice != "none":
-            raise APIError(400, "'response_format' cannot be combined with tool calls: set tool_choice 'none' or "
-                                "leave out 'tools'", param="response_format")
+            raise APIError(
+                400,
+                "'response_format' cannot be combined with tool calls: set tool_choice 'none' or leave out 'tools'",
+                param="response_format",
+            )
         kwargs = template_kwargs(req.chat_template_kwargs)
         for key, value in reasoning_keywords(req.reasoning_effort, m).items():
-            kwargs.setdefault(key, value)          # chat_template_kwargs, the more specific, wins
+            kwargs.setdefault(key, value)  # chat_template_kwargs, the more specific, wins
         prompt, ids = chat_prompt(m, messages_of(req.messages), tools, kwargs)
         thinking = kwargs.get("enable_thinking")
-        reply = {"tools": tools if choice != "none" else None, "enable_thinking": thinking,
-                 "parallel_tool_calls": parallel, "prompt": prompt}
+        reply = {
+            "tools": tools if choice != "none" else None,
+            "enable_thinking": thinking,
+            "parallel_tool_calls": parallel,
+            "prompt": prompt,
+        }
         if choice != "none":
             grammar = tool_grammar(m, tools, choice, parallel, thinking, prompt)
             if grammar is not None:
@@ -137,25 +157,49 @@ def prepare(served, body, chat: bool) -> Job:
         logprobs = req.logprobs
     room = m.n_ctx - len(ids)
     if room < 1:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; the context is {m.n_ctx}",
-                       param="messages" if chat else "prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {len(ids)} tokens; the context is {m.n_ctx}",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
     if want is None:
         want = room
     elif want > room:
-        raise APIError(400, f"max_tokens {want} + the prompt's {len(ids)} tokens exceed the context of {m.n_ctx}",
-                       param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"max_tokens {want} + the prompt's {len(ids)} tokens exceed the context of {m.n_ctx}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
-    return Job(m, ids, dict(gen, max_new_tokens=want, logprobs=logprobs), [s for s in stops if s], logprobs,
-               bool(req.stream), include_usage, req.n or 1, chat, reply)
+    return Job(
+        m,
+        ids,
+        dict(gen, max_new_tokens=want, logprobs=logprobs),
+        [s for s in stops if s],
+        logprobs,
+        bool(req.stream),
+        include_usage,
+        req.n or 1,
+        chat,
+        reply,
+    )
 
 
 def sampling_options(req) -> dict:
     """The Model.generate keywords a request asks for (the seed: the request's, or a fresh one)."""
-    return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                seed=req.seed if req.seed is not None else secrets.randbits(SEED_BITS),
-                stop_at_eos=not req.ignore_eos)
+    return dict(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed if req.seed is not None else secrets.randbits(SEED_BITS),
+        stop_at_eos=not req.ignore_eos,
+    )
 
 
 def logit_bias_of(req, vocab_size: int) -> dict | None:
@@ -166,13 +210,15 @@ def logit_bias_of(req, vocab_size: int) -> dict | None:
     for key, value in req.logit_bias.items():
         token = int(key) if key.strip().isdigit() else -1
         if not 0 <= token < vocab_size:
-            raise APIError(400, f"'logit_bias' key {key[:30]!r} is not a token id in [0, {vocab_size})",
-                           param="logit_bias")
+            raise APIError(
+                400, f"'logit_bias' key {key[:30]!r} is not a token id in [0, {vocab_size})", param="logit_bias"
+            )
         out[token] = value
     return out
 
 
 # ---- the conversation -------------------------------------------------------------------------------
+
 
 def messages_of(messages) -> list:
     """The conversation as the chat template takes it: dicts, text parts joined, None dropped;
@@ -194,8 +240,11 @@ def messages_of(messages) -> list:
 def template_kwargs(kwargs) -> dict:
     reserved = sorted(RESERVED_TEMPLATE_KEYWORDS & (kwargs or {}).keys())
     if reserved:
-        raise APIError(400, f"'chat_template_kwargs' cannot set '{reserved[0]}' (a field of the request or of the "
-                            f"server)", param="chat_template_kwargs")
+        raise APIError(
+            400,
+            f"'chat_template_kwargs' cannot set '{reserved[0]}' (a field of the request or of the server)",
+            param="chat_template_kwargs",
+        )
     return dict(kwargs or {})
 
 
@@ -210,15 +259,24 @@ def reasoning_keywords(effort, m) -> dict:
         return {"reasoning_effort": HARMONY_EFFORT[effort]}
     if template is not None and template.reacts_to("enable_thinking", (False, True)):
         return {"enable_thinking": effort not in ("none", "minimal")}
-    raise APIError(400, "this model's chat template has no reasoning setting: 'reasoning_effort' cannot be honoured "
-                        "(leave it out)", param="reasoning_effort", code="unsupported_parameter")
+    raise APIError(
+        400,
+        "this model's chat template has no reasoning setting: 'reasoning_effort' cannot be honoured (leave it out)",
+        param="reasoning_effort",
+        code="unsupported_parameter",
+    )
 
 
 def chat_prompt(m, messages: list, tools, kwargs: dict) -> tuple:
     """(the prompt's text, its token ids) of a conversation; the template's refusal is a 422."""
     if m.chat_template is None:
-        raise APIError(422, "the model has no chat template; use /v1/completions, or add one with: python -m colibri "
-                            "tokenizer --model-dir DIR --from HF_DIR", param="messages", code="chat_template_error")
+        raise APIError(
+            422,
+            "the model has no chat template; use /v1/completions, or add one with: python -m colibri "
+            "tokenizer --model-dir DIR --from HF_DIR",
+            param="messages",
+            code="chat_template_error",
+        )
     try:
         text = m.apply_chat_template(messages, add_generation_prompt=True, tools=tools, tokenize=False, **kwargs)
         return text, m.encode(text, add_special_tokens=False)
@@ -239,17 +297,23 @@ def completion_prompt(m, prompt) -> list:
         vocab = m.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(422, f"token id {str(bad)[:30]} is outside the model's vocabulary [0, {vocab})",
-                           param="prompt", code="token_out_of_vocabulary")
+            raise APIError(
+                422,
+                f"token id {str(bad)[:30]} is outside the model's vocabulary [0, {vocab})",
+                param="prompt",
+                code="token_out_of_vocabulary",
+            )
     else:
-        raise APIError(400, "'prompt' must be a string, or a list of token ids (one prompt per request)",
-                       param="prompt")
+        raise APIError(
+            400, "'prompt' must be a string, or a list of token ids (one prompt per request)", param="prompt"
+        )
     if not ids:
         raise APIError(400, "the prompt is empty (it encodes to no tokens)", param="prompt")
     return ids
 
 
 # ---- tools, formats -----------------------------------------------------------------------------------
+
 
 def tools_of(req) -> tuple:
     """(tools as the template takes them or None, tool_choice, parallel_tool_calls). tool_choice
@@ -270,8 +334,11 @@ def tools_of(req) -> tuple:
             raise APIError(400, "'tool_choice' asks for a tool call but 'tools' is empty", param="tool_choice")
         choice = "none"
     if isinstance(choice, dict) and choice["name"] not in names:
-        raise APIError(400, f"'tool_choice' names the function '{choice['name'][:64]}', which is not in 'tools'",
-                       param="tool_choice")
+        raise APIError(
+            400,
+            f"'tool_choice' names the function '{choice['name'][:64]}', which is not in 'tools'",
+            param="tool_choice",
+        )
     return tools, choice, req.parallel_tool_calls is not False
 
 
@@ -296,18 +363,29 @@ def tool_grammar(m, tools, choice, parallel: bool, thinking, prompt: str):
     auto: free text, the call constrained once its opener appears), or None where the family
     has no known call syntax (auto) — for required / named that is a 400."""
     if choice == "auto" and importlib.util.find_spec("llguidance") is None:
-        return None                     # auto works without the constraint: the reply is still parsed
-    grammar = m.chat_template.tool_call_grammar(tools, choice, parallel_tool_calls=parallel,
-                                                added_tokens=m.tokenizer.added_tokens, enable_thinking=thinking,
-                                                prompt=prompt)
+        return None  # auto works without the constraint: the reply is still parsed
+    grammar = m.chat_template.tool_call_grammar(
+        tools,
+        choice,
+        parallel_tool_calls=parallel,
+        added_tokens=m.tokenizer.added_tokens,
+        enable_thinking=thinking,
+        prompt=prompt,
+    )
     if grammar is None and choice != "auto":
-        raise APIError(400, "this model's chat template has no known tool-call syntax: tool_choice "
-                            f"{choice if isinstance(choice, str) else choice['name']!r} cannot be enforced (use "
-                            "'auto')", param="tool_choice", code="unsupported_parameter")
+        raise APIError(
+            400,
+            "this model's chat template has no known tool-call syntax: tool_choice "
+            f"{choice if isinstance(choice, str) else choice['name']!r} cannot be enforced (use "
+            "'auto')",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
     return grammar
 
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------------------------
+
 
 def tokenize(served, body) -> dict:
     m = served.ready()
@@ -317,8 +395,12 @@ def tokenize(served, body) -> dict:
         if m.chat_template is None:
             raise APIError(422, "the model has no chat template", param="messages", code="chat_template_error")
         try:
-            ids = m.apply_chat_template(messages_of(req.messages), add_generation_prompt=req.add_generation_prompt
-                                        is not False, tools=tools, **template_kwargs(req.chat_template_kwargs))
+            ids = m.apply_chat_template(
+                messages_of(req.messages),
+                add_generation_prompt=req.add_generation_prompt is not False,
+                tools=tools,
+                **template_kwargs(req.chat_template_kwargs),
+            )
         except ColibriError as e:
             raise APIError(422, str(e), param="messages", code="chat_template_error") from None
     else:

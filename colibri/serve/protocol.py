@@ -11,6 +11,7 @@ server (`user`, `metadata`, ...) are accepted. What a field needs beyond its typ
 that exists, a prompt that fits the context — is checked where the request becomes engine work
 (serve/openai.py). A validation error becomes OpenAI's 400 with `param` (serve/app.py).
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
@@ -20,9 +21,9 @@ from pydantic_core import PydanticCustomError
 
 from ..sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
 
-MAX_STOP_STRINGS = 4                   # OpenAI's limit
-MAX_CHOICES = 8                        # n: generations of one request, run one after another
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16    # OpenAI's legacy completions default
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 8  # n: generations of one request, run one after another
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -72,11 +73,11 @@ def _json_string(v):
 
 # the Field before the validator: so /openapi.json documents the range as JSON Schema's minimum and
 # maximum (after a BeforeValidator it came out as pydantic's own "ge"/"le" keys, which say nothing)
-def Number(**range_):                  # noqa: N802 - a type
+def Number(**range_):  # noqa: N802 - a type
     return Annotated[float, Field(allow_inf_nan=False, **range_), BeforeValidator(_json_number)]
 
 
-def Integer(**range_):                 # noqa: N802 - a type
+def Integer(**range_):  # noqa: N802 - a type
     return Annotated[int, Field(**range_), BeforeValidator(_json_integer)]
 
 
@@ -87,6 +88,7 @@ Text = Annotated[str, BeforeValidator(_json_string)]
 class Body(BaseModel):
     """A request body: unknown fields refused; OpenAI's unimplemented ones refused when set (an
     error of type "unsupported_parameter" at the field)."""
+
     model_config = ConfigDict(extra="forbid")
 
     @field_validator("*")
@@ -100,6 +102,7 @@ class Body(BaseModel):
 
 
 # ---- messages ---------------------------------------------------------------------------------------
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -123,10 +126,12 @@ class ToolCall(BaseModel):
 
 class Message(BaseModel):
     """One turn. Other keys are passed to the chat template as they are (templates read some)."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal[ROLES]
     content: Optional[Union[Text, list[TextPart]]] = Field(
-        None, description="text, or text parts; null only beside tool_calls")
+        None, description="text, or text parts; null only beside tool_calls"
+    )
     name: Optional[Text] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[Text] = None
@@ -134,6 +139,7 @@ class Message(BaseModel):
 
 
 # ---- tools, formats ---------------------------------------------------------------------------------
+
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -191,6 +197,7 @@ Stop = Optional[Union[Text, Annotated[list[Text], Field(max_length=MAX_STOP_STRI
 
 class Sampling(Body):
     """The fields both endpoints share."""
+
     model: Optional[Text] = Field(None, description="the served model's name (--model-name)")
     stream: Optional[Bool] = None
     stream_options: Optional[StreamOptions] = None
@@ -253,6 +260,7 @@ class CompletionRequest(Sampling):
 class TokenizeRequest(BaseModel):
     """llama-server's {content, add_special, with_pieces}; vLLM's {prompt, add_special_tokens} or
     {messages, add_generation_prompt, tools, chat_template_kwargs}."""
+
     model_config = ConfigDict(extra="forbid")
     model: Optional[Text] = None
     content: Optional[Text] = None

@@ -19,6 +19,7 @@ reasoning_effort; `max_output_tokens` -> max_tokens. The server keeps nothing: `
 (`metadata`, `user`, prompt cache keys, ...) are accepted; fields Colibri does not implement
 are refused, naming what to do instead.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,14 +53,25 @@ REFUSED = {
     "background_options": "background responses are not supported",
     "context_management": "'context_management' is not supported",
 }
-HARMLESS = {"store": (False,), "background": (False,), "include": ([],), "truncation": ("disabled",),
-            "top_logprobs": (0,), "service_tier": ("auto", "default")}
+HARMLESS = {
+    "store": (False,),
+    "background": (False,),
+    "include": ([],),
+    "truncation": ("disabled",),
+    "top_logprobs": (0,),
+    "service_tier": ("auto", "default"),
+}
 # chat-completions' names of the fields, as this API calls them (in errors)
-FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-               "reasoning_effort": "reasoning.effort"}
+FIELD_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 # ---- the request --------------------------------------------------------------------------------
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -103,8 +115,9 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-InputItem = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem],
-                      Field(union_mode="left_to_right")]
+InputItem = Annotated[
+    Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem], Field(union_mode="left_to_right")
+]
 
 
 class FunctionTool(Strict):
@@ -145,6 +158,7 @@ class ResponseStreamOptions(Strict):
 
 class ResponsesRequest(Strict):
     """POST /v1/responses (OpenAI's Responses API, stateless)."""
+
     model: Optional[Text] = None
     input: Union[Text, list[InputItem]]
     instructions: Optional[Text] = None
@@ -194,6 +208,7 @@ class ResponsesRequest(Strict):
 
 # ---- request -> chat completions ------------------------------------------------------------------
 
+
 def prepare(served, body) -> openai.Job:
     """The Job of a Responses request: its chat-completions equivalent, prepared as that is."""
     served.ready()
@@ -204,16 +219,25 @@ def prepare(served, body) -> openai.Job:
 
 
 def to_chat(req: ResponsesRequest) -> dict:
-    chat = {"model": req.model, "messages": conversation(req.instructions, req.input),
-            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-            "seed": req.seed, "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls}
+    chat = {
+        "model": req.model,
+        "messages": conversation(req.instructions, req.input),
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "seed": req.seed,
+        "stream": req.stream,
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }
     if req.tools:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in req.tools]
+        chat["tools"] = [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools
+        ]
     if req.tool_choice is not None:
         choice = req.tool_choice
-        chat["tool_choice"] = choice if isinstance(choice, str) else \
-            {"type": "function", "function": {"name": choice.name}}
+        chat["tool_choice"] = (
+            choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
+        )
     fmt = req.text.format if req.text is not None else None
     if fmt is not None:
         chat["response_format"] = response_format(fmt)
@@ -244,8 +268,12 @@ def conversation(instructions, items) -> list:
         kind = getattr(item, "type", None) or "message"
         if kind == "message":
             out.append({"role": item.role, "content": text_of(item.content)})
-        elif kind == "function_call":      # joins the assistant turn before it (its text, its other calls)
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        elif kind == "function_call":  # joins the assistant turn before it (its text, its other calls)
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -257,18 +285,32 @@ def conversation(instructions, items) -> list:
 
 def echo_of(req: ResponsesRequest) -> dict:
     """The request's fields a Response repeats."""
-    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else \
-        {"type": "text"}
-    return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-            "top_p": req.top_p, "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else
-            "auto" if req.tool_choice is None else req.tool_choice.model_dump(),
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "text": {"format": fmt},
-            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-            "metadata": req.metadata or {}, "user": req.user}
+    fmt = (
+        req.text.format.model_dump(by_alias=True, exclude_none=True)
+        if req.text and req.text.format
+        else {"type": "text"}
+    )
+    return {
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tool_choice": req.tool_choice
+        if isinstance(req.tool_choice, str)
+        else "auto"
+        if req.tool_choice is None
+        else req.tool_choice.model_dump(),
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+        "text": {"format": fmt},
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+        "metadata": req.metadata or {},
+        "user": req.user,
+    }
 
 
 # ---- the reply -----------------------------------------------------------------------------------
+
 
 def new_id() -> str:
     return "resp_" + uuid.uuid4().hex[:24]
@@ -283,8 +325,7 @@ def reasoning_item(iid: str, text: str) -> dict:
 
 
 def message_item(iid: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": iid, "role": "assistant", "status": status,
-            "content": [output_text(text)]}
+    return {"type": "message", "id": iid, "role": "assistant", "status": status, "content": [output_text(text)]}
 
 
 def output_text(text: str) -> dict:
@@ -292,8 +333,14 @@ def output_text(text: str) -> dict:
 
 
 def call_item(iid: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": iid, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": iid,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def items_of(message: dict, incomplete: bool) -> list:
@@ -305,25 +352,43 @@ def items_of(message: dict, incomplete: bool) -> list:
         items.append(message_item(item_id("msg"), message["content"]))
     for call in message.get("tool_calls") or ():
         args = call["function"]["arguments"]
-        items.append(call_item(item_id("fc"), call["id"], call["function"]["name"],
-                               args if isinstance(args, str) else json.dumps(args)))
+        items.append(
+            call_item(
+                item_id("fc"), call["id"], call["function"]["name"], args if isinstance(args, str) else json.dumps(args)
+            )
+        )
     if incomplete and items and items[-1]["type"] != "reasoning":
         items[-1]["status"] = "incomplete"
     return items
 
 
 def usage_of(outcome) -> dict:
-    return {"input_tokens": outcome.prompt_tokens, "input_tokens_details": {"cached_tokens": outcome.cached_tokens,
-                                                                          "cache_write_tokens": 0},
-            "output_tokens": outcome.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+    return {
+        "input_tokens": outcome.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": outcome.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": outcome.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+    }
 
 
 def response_doc(rid: str, model: str, created: int, job, status: str, output: list, usage=None) -> dict:
-    doc = {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
-           "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-           "model": model, "output": output, "previous_response_id": None, "store": False,
-           "truncation": "disabled", "usage": usage, **(job.echo or {}), "seed": job.gen["seed"]}
+    doc = {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model,
+        "output": output,
+        "previous_response_id": None,
+        "store": False,
+        "truncation": "disabled",
+        "usage": usage,
+        **(job.echo or {}),
+        "seed": job.gen["seed"],
+    }
     return doc
 
 
@@ -333,8 +398,9 @@ def status_of(outcome) -> str:
 
 def document(outcome, rid: str, model: str, job) -> dict:
     status = status_of(outcome)
-    return response_doc(rid, model, int(time.time()), job, status, items_of(outcome.message, status != "completed"),
-                        usage_of(outcome))
+    return response_doc(
+        rid, model, int(time.time()), job, status, items_of(outcome.message, status != "completed"), usage_of(outcome)
+    )
 
 
 def error_body(e: APIError) -> dict:
@@ -343,8 +409,8 @@ def error_body(e: APIError) -> dict:
 
 @dataclasses.dataclass
 class _Open:
-    item: dict                           # the output item as it grows
-    index: int                           # its output_index
+    item: dict  # the output item as it grows
+    index: int  # its output_index
 
 
 class Stream:
@@ -355,17 +421,19 @@ class Stream:
         self.rid, self.model, self.job = rid, model, job
         self.created = int(time.time())
         self.seq = 0
-        self.items = []                  # the output items, done or growing
-        self.open = None                 # the growing one (_Open)
+        self.items = []  # the output items, done or growing
+        self.open = None  # the growing one (_Open)
 
     def start(self, outcome) -> list:
         snapshot = response_doc(self.rid, self.model, self.created, self.job, "in_progress", [])
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
 
     @staticmethod
     def ping() -> list:
-        return []                        # none: an SSE comment line does (app.py)
+        return []  # none: an SSE comment line does (app.py)
 
     def deltas(self, deltas: list) -> list:
         out = []
@@ -380,20 +448,31 @@ class Stream:
                 fn = call.get("function") or {}
                 if call.get("id"):
                     out += self._close()
-                    out += self._into("function_call", lambda call=call, fn=fn: call_item(
-                        item_id("fc"), call["id"], fn.get("name", ""), "", "in_progress"))
+                    out += self._into(
+                        "function_call",
+                        lambda call=call, fn=fn: call_item(
+                            item_id("fc"), call["id"], fn.get("name", ""), "", "in_progress"
+                        ),
+                    )
                 if fn.get("arguments"):
                     self.open.item["arguments"] += fn["arguments"]
-                    out.append(self._event("response.function_call_arguments.delta", item_id=self.open.item["id"],
-                                           output_index=self.open.index, delta=fn["arguments"]))
+                    out.append(
+                        self._event(
+                            "response.function_call_arguments.delta",
+                            item_id=self.open.item["id"],
+                            output_index=self.open.index,
+                            delta=fn["arguments"],
+                        )
+                    )
         return out
 
     def end(self, outcome) -> list:
         status = status_of(outcome)
         out = self._close("incomplete" if status != "completed" else "completed")
         final = response_doc(self.rid, self.model, self.created, self.job, status, self.items, usage_of(outcome))
-        return out + [self._event("response.completed" if status == "completed" else "response.incomplete",
-                                  response=final)]
+        return out + [
+            self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        ]
 
     def error(self, e: APIError) -> list:
         return [self._event("error", code=e.code, message=e.message, param=e.param)]
@@ -420,15 +499,19 @@ class Stream:
         return out
 
     def _part_event(self, kind: str, part: dict) -> tuple:
-        return self._event(kind, item_id=self.open.item["id"], output_index=self.open.index, content_index=0,
-                           part=_copy(part))
+        return self._event(
+            kind, item_id=self.open.item["id"], output_index=self.open.index, content_index=0, part=_copy(part)
+        )
 
     def _text(self, text: str, kind: str) -> list:
         part = self.open.item["content"][0]
         part["text"] += text
         extra = {"logprobs": []} if kind == "response.output_text.delta" else {}
-        return [self._event(kind, item_id=self.open.item["id"], output_index=self.open.index, content_index=0,
-                            delta=text, **extra)]
+        return [
+            self._event(
+                kind, item_id=self.open.item["id"], output_index=self.open.index, content_index=0, delta=text, **extra
+            )
+        ]
 
     def _close(self, status: str = "completed") -> list:
         if self.open is None:
@@ -437,15 +520,37 @@ class Stream:
         if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
             if item["type"] == "message":
-                out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"], logprobs=[]))
+                out.append(
+                    self._event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=part["text"],
+                        logprobs=[],
+                    )
+                )
             else:
-                out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"]))
+                out.append(
+                    self._event(
+                        "response.reasoning_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=part["text"],
+                    )
+                )
             out.append(self._part_event("response.content_part.done", part))
         else:
-            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   name=item["name"], arguments=item["arguments"]))
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
         if item["type"] != "reasoning":
             item["status"] = status
         out.append(self._event("response.output_item.done", output_index=index, item=_copy(item)))

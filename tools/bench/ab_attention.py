@@ -70,16 +70,18 @@ def main():
         return probes.bench_attention_prompt(q, k, v, pos0, 2, reps, args.decode, args.kv) / reps
 
     for probes in builds:
-        seconds(probes)                                   # warm
+        seconds(probes)  # warm
     times = ([], [])
     for r in range(args.rounds):
-        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for which in (0, 1) if r % 2 == 0 else (1, 0):
             times[which].append(seconds(builds[which]))
     ratios = [a / b for a, b in zip(*times)]
-    print(f"{args.kv}, {n} positions, {'one query at a time' if args.decode else 'a prompt block'}, "
-          f"{args.rounds} rounds: A {flop / statistics.median(times[0]) / 1e9:.1f}, "
-          f"B {flop / statistics.median(times[1]) / 1e9:.1f} GFLOP/s; B / A median {statistics.median(ratios):.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print(
+        f"{args.kv}, {n} positions, {'one query at a time' if args.decode else 'a prompt block'}, "
+        f"{args.rounds} rounds: A {flop / statistics.median(times[0]) / 1e9:.1f}, "
+        f"B {flop / statistics.median(times[1]) / 1e9:.1f} GFLOP/s; B / A median {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+    )
 
 
 if __name__ == "__main__":

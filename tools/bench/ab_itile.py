@@ -20,6 +20,7 @@ same activations (quantized by the new tree's cb_quantize_act_avx2), alternating
 of --reps products each, the matrix staying in the caches. Prints GOP/s (2 x multiply-adds) of
 each, their ratio, and whether the outputs are the same bits. Needs gcc and an AVX2 CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,19 +92,63 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
-ENTRIES = {"avx2": "cb_itile_avx2", "avx512vnni": "cb_itile_wide_avx512vnni", "bf16x": "cb_itile_bf16x_avx512",
-           "bf16": "cb_itile_bf16_avx512", "bf16-avx2": "cb_itile_bf16_avx2"}
+ENTRIES = {
+    "avx2": "cb_itile_avx2",
+    "avx512vnni": "cb_itile_wide_avx512vnni",
+    "bf16x": "cb_itile_bf16x_avx512",
+    "bf16": "cb_itile_bf16_avx512",
+    "bf16-avx2": "cb_itile_bf16_avx2",
+}
 
 
 def build(old: Path, new: Path, work: Path, entry: str = "avx2") -> Path:
     (work / "tu.c").write_text(TU)
     (work / "main.c").write_text(MAIN)
     cc = ["gcc", "-O3", "-fopenmp"]
-    subprocess.run(cc + ["-c", "-I", str(old), "-DFN=itile_old", f"-DENTRY={ENTRIES[entry]}", str(work / "tu.c"), "-o", str(work / "old.o")], check=True)
-    subprocess.run(cc + ["-c", "-I", str(new), "-DFN=itile_new", f"-DENTRY={ENTRIES[entry]}", str(work / "tu.c"), "-o", str(work / "new.o")], check=True)
+    subprocess.run(
+        cc
+        + [
+            "-c",
+            "-I",
+            str(old),
+            "-DFN=itile_old",
+            f"-DENTRY={ENTRIES[entry]}",
+            str(work / "tu.c"),
+            "-o",
+            str(work / "old.o"),
+        ],
+        check=True,
+    )
+    subprocess.run(
+        cc
+        + [
+            "-c",
+            "-I",
+            str(new),
+            "-DFN=itile_new",
+            f"-DENTRY={ENTRIES[entry]}",
+            str(work / "tu.c"),
+            "-o",
+            str(work / "new.o"),
+        ],
+        check=True,
+    )
     exe = work / "ab_itile"
-    subprocess.run(cc + ["-I", str(new), f"-DXP_PAIRS={int(entry == 'bf16-avx2')}", str(work / "main.c"), str(work / "old.o"), str(work / "new.o"), "-lm",
-                         "-o", str(exe)], check=True)
+    subprocess.run(
+        cc
+        + [
+            "-I",
+            str(new),
+            f"-DXP_PAIRS={int(entry == 'bf16-avx2')}",
+            str(work / "main.c"),
+            str(work / "old.o"),
+            str(work / "new.o"),
+            "-lm",
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
     return exe
 
 
@@ -123,11 +168,18 @@ def main(argv=None) -> int:
         for dtype in a.dtypes.split(","):
             for shape in a.shapes.split(","):
                 rows, cols, n = shape.split("x")
-                out = subprocess.run([str(exe), rows, cols, n, dtype, str(a.reps), str(int(a.from_memory))], capture_output=True,
-                                     text=True, check=True).stdout.split()
+                out = subprocess.run(
+                    [str(exe), rows, cols, n, dtype, str(a.reps), str(int(a.from_memory))],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.split()
                 old, new, same = float(out[0]), float(out[1]), out[2] == "1"
-                print(f"{dtype:>6} {f'[{rows},{cols}] x {n}':>20} {old:10.1f} {new:10.1f} {new / old:10.2f}  "
-                      + ("same" if same else "DIFFER"), flush=True)
+                print(
+                    f"{dtype:>6} {f'[{rows},{cols}] x {n}':>20} {old:10.1f} {new:10.1f} {new / old:10.2f}  "
+                    + ("same" if same else "DIFFER"),
+                    flush=True,
+                )
     return 0
 
 

@@ -50,12 +50,13 @@ def main() -> None:
     a = ap.parse_args()
     if len(a.trees) < 2:
         raise SystemExit("ab_matvec: give two or more built trees")
-    builds = [load_build(tree) for tree in a.trees]          # (probes, kernels) of each
+    builds = [load_build(tree) for tree in a.trees]  # (probes, kernels) of each
     if a.isa:
         for _, kernels in builds:
             kernels.select_isa(a.isa)
-    from colibri import quant                                 # the pure-Python packing is the same in every tree
+    from colibri import quant  # the pure-Python packing is the same in every tree
     from colibri.modeldir import to_storage
+
     rng = np.random.default_rng(0)
     if a.cached:
         cached_table(a, builds, rng, quant, to_storage)
@@ -72,16 +73,18 @@ def main() -> None:
             return probes.kernel_matmul(w, x.reshape(1, -1), a.dtype, a.threads, "interleaved", True)
         return probes.kernel_matvec(w, x, a.dtype, a.threads, "interleaved")
 
-    for probes, _ in builds:                                  # page in, warm each build's code
+    for probes, _ in builds:  # page in, warm each build's code
         product(probes)
-    share = [[] for _ in builds]                              # per round: read time / product time
+    share = [[] for _ in builds]  # per round: read time / product time
     for r in range(a.rounds):
         read = timed(lambda: reader.bench_read(read_buf, a.threads))
         order = range(len(builds)) if r % 2 == 0 else reversed(range(len(builds)))
         for i in order:
             share[i].append(read / timed(lambda: product(builds[i][0])))
-    print(f"{a.dtype} [{rows}, {COLS}] interleaved ({w.nbytes >> 20} MB), {a.threads} threads, tier "
-          f"{a.isa or 'each build default'}{', bf16 products' if a.products else ''}, {a.rounds} rounds")
+    print(
+        f"{a.dtype} [{rows}, {COLS}] interleaved ({w.nbytes >> 20} MB), {a.threads} threads, tier "
+        f"{a.isa or 'each build default'}{', bf16 products' if a.products else ''}, {a.rounds} rounds"
+    )
     for i, tree in enumerate(a.trees):
         ratio = statistics.median(s / f for s, f in zip(share[i], share[0]))
         print(f"{str(tree):>40}  of the read loop {statistics.median(share[i]):.3f}  / first build {ratio:.3f}")
@@ -92,18 +95,21 @@ def cached_table(a, builds, rng, quant, to_storage, rows=3584, cols=1024) -> Non
     stored = to_storage(rng.standard_normal((rows, cols)).astype(np.float32), a.dtype)
     w = quant.from_rows(stored, a.dtype, cols, "interleaved")
     x = rng.standard_normal((1, cols)).astype(np.float32)
-    reps = max(1, int(2e8 / stored.nbytes))                  # about 0.2 GB of weights a measurement
+    reps = max(1, int(2e8 / stored.nbytes))  # about 0.2 GB of weights a measurement
     for probes, _ in builds:
-        probes.bench_matmul(w, x, a.dtype, a.threads, reps, "interleaved", a.products)   # warm
+        probes.bench_matmul(w, x, a.dtype, a.threads, reps, "interleaved", a.products)  # warm
     rate = [[] for _ in builds]
     for r in range(a.rounds):
         order = range(len(builds)) if r % 2 == 0 else reversed(range(len(builds)))
         for i in order:
-            t = min(builds[i][0].bench_matmul(w, x, a.dtype, a.threads, reps, "interleaved", a.products)
-                    for _ in range(3))
+            t = min(
+                builds[i][0].bench_matmul(w, x, a.dtype, a.threads, reps, "interleaved", a.products) for _ in range(3)
+            )
             rate[i].append(stored.nbytes * reps / t / 1e9)
-    print(f"{a.dtype} [{rows}, {cols}] interleaved from the caches, {a.threads} threads, tier "
-          f"{a.isa or 'each build default'}{', bf16 products' if a.products else ''}, {a.rounds} rounds")
+    print(
+        f"{a.dtype} [{rows}, {cols}] interleaved from the caches, {a.threads} threads, tier "
+        f"{a.isa or 'each build default'}{', bf16 products' if a.products else ''}, {a.rounds} rounds"
+    )
     for i, tree in enumerate(a.trees):
         ratio = statistics.median(s / f for s, f in zip(rate[i], rate[0]))
         print(f"{str(tree):>40}  {statistics.median(rate[i]):.1f} GB/s  / first build {ratio:.3f}")

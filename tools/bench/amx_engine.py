@@ -78,6 +78,7 @@ python3 tools/bench/amx_engine.py --build-if-needed --out $OUT --threads $(nproc
 build/peers/llama.cpp/llama-bench --ik-bench build/peers/ik_llama.cpp/llama-bench --gguf-path
 build/peers/pylib`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -166,10 +167,27 @@ def build_variants(names: list, deadline: float) -> dict:
             built[name] = exe
             continue
         tmp = exe.with_suffix(".tmp")
-        try:               # (its own process group: a timeout ends cc1 and as too, not only gcc)
-            procs[name] = (exe, tmp, subprocess.Popen(
-                ["gcc", *AMX_CHECK_FLAGS, *KERNEL_VARIANTS[name][0], "tools/bench/amx_check.c", "-o", str(tmp), "-lm"],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        try:  # (its own process group: a timeout ends cc1 and as too, not only gcc)
+            procs[name] = (
+                exe,
+                tmp,
+                subprocess.Popen(
+                    [
+                        "gcc",
+                        *AMX_CHECK_FLAGS,
+                        *KERNEL_VARIANTS[name][0],
+                        "tools/bench/amx_check.c",
+                        "-o",
+                        str(tmp),
+                        "-lm",
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                ),
+            )
         except OSError as e:
             built[name] = f"gcc could not start: {e}"
     for name, (exe, tmp, p) in procs.items():
@@ -180,7 +198,7 @@ def build_variants(names: list, deadline: float) -> dict:
             p.communicate()
             out, p.returncode = "gcc ran past the budget", -1
         if p.returncode == 0:
-            tmp.replace(exe)                 # (whole or not at all: a killed build leaves no binary)
+            tmp.replace(exe)  # (whole or not at all: a killed build leaves no binary)
             built[name] = exe
         else:
             tmp.unlink(missing_ok=True)
@@ -210,7 +228,7 @@ def kernel_variants(a, deadline: float) -> None:
     listed apart, not as a candidate."""
     threads = ",".join(map(str, sorted({1, cores()})))
     built = build_variants(a.variant_list, deadline)
-    rows, failed = {}, {}                    # (format, tokens, threads) -> {variant: (amx GOP/s, amx/avx512)}
+    rows, failed = {}, {}  # (format, tokens, threads) -> {variant: (amx GOP/s, amx/avx512)}
     for name in a.variant_list:
         exe, left = built[name], deadline - time.monotonic()
         if isinstance(exe, str):
@@ -219,14 +237,29 @@ def kernel_variants(a, deadline: float) -> None:
             text, failed[name] = f"amx_check {name}: not run (the budget is spent)\n", "not run"
         else:
             try:
-                p = subprocess.run([str(exe), *([] if name == "default" else ["--hardware-only"]),
-                                    "--dtypes", KERNEL_VARIANTS[name][1], "--tokens", "16,64,256",
-                                    "--threads", threads, "--reps", "5"], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=min(240.0, left))
+                p = subprocess.run(
+                    [
+                        str(exe),
+                        *([] if name == "default" else ["--hardware-only"]),
+                        "--dtypes",
+                        KERNEL_VARIANTS[name][1],
+                        "--tokens",
+                        "16,64,256",
+                        "--threads",
+                        threads,
+                        "--reps",
+                        "5",
+                    ],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    timeout=min(240.0, left),
+                )
                 text = p.stdout + p.stderr + (f"amx_check {name} exited with {p.returncode}\n" if p.returncode else "")
-                if p.returncode:             # why: its error line, else its first failed check
-                    why = [ln for ln in p.stderr.splitlines() if ln.strip()] or \
-                          [ln for ln in p.stdout.splitlines() if re.search(r"MISMATCH|FAILED|none of the orders", ln)]
+                if p.returncode:  # why: its error line, else its first failed check
+                    why = [ln for ln in p.stderr.splitlines() if ln.strip()] or [
+                        ln for ln in p.stdout.splitlines() if re.search(r"MISMATCH|FAILED|none of the orders", ln)
+                    ]
                     failed[name] = f"exit {p.returncode}: {why[0] if why else 'see amx_check-' + name + '.txt'}"
             except (OSError, subprocess.TimeoutExpired) as e:
                 text, failed[name] = f"amx_check {name} failed: {e}\n", str(e)
@@ -234,12 +267,24 @@ def kernel_variants(a, deadline: float) -> None:
         print(f"[amx_engine] amx_check {name}:\n{text}", end="", flush=True)
         if name in failed:
             continue
-        for m in re.finditer(r"^prefill (\S+) \S+ tokens (\d+) threads (\d+): avx512 [\d.]+ GOP/s, amx ([\d.]+) GOP/s, "
-                             r"amx/avx512 ([\d.]+)$", text, re.M):
+        for m in re.finditer(
+            r"^prefill (\S+) \S+ tokens (\d+) threads (\d+): avx512 [\d.]+ GOP/s, amx ([\d.]+) GOP/s, "
+            r"amx/avx512 ([\d.]+)$",
+            text,
+            re.M,
+        ):
             rows.setdefault((m[1], int(m[2]), int(m[3])), {})[name] = (float(m[4]), float(m[5]))
-    (a.out / "amx_variants.json").write_text(json.dumps(
-        {"rows": [{"format": f, "tokens": n, "threads": t, "variants": v} for (f, n, t), v in sorted(rows.items())],
-         "failed": failed}, indent=1))
+    (a.out / "amx_variants.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"format": f, "tokens": n, "threads": t, "variants": v} for (f, n, t), v in sorted(rows.items())
+                ],
+                "failed": failed,
+            },
+            indent=1,
+        )
+    )
     if rows:
         names = [n for n in a.variant_list if any(n in v for v in rows.values())]
         print("\n| format | tokens | threads | " + " | ".join(f"{n}: amx GOP/s (/ avx512)" for n in names) + " |")
@@ -259,8 +304,9 @@ def run(cmd: list, env: dict | None = None, log: Path | None = None, timeout: fl
     """Run cmd in the repository root; its stdout (its output to log). RunFailed names the command
     and ends with its stderr's tail when it fails or outlives timeout."""
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(
+            cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         raise RunFailed(f"{' '.join(map(str, cmd))} ran past {timeout:.0f} s") from None
     if log is not None:
@@ -274,23 +320,32 @@ def cores() -> int:
     """The CPUs this process may run on (its affinity), else the machine's count."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:          # not Linux
+    except AttributeError:  # not Linux
         return os.cpu_count() or 1
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", action="store_true", help="compile the extensions in place first")
-    ap.add_argument("--build-if-needed", action="store_true",
-                    help="compile them unless the stamp says they were built from these sources and they import")
-    ap.add_argument("--stamp", action="store_true",
-                    help="only write the stamp for the extensions in place (just built from this tree) and stop")
+    ap.add_argument(
+        "--build-if-needed",
+        action="store_true",
+        help="compile them unless the stamp says they were built from these sources and they import",
+    )
+    ap.add_argument(
+        "--stamp",
+        action="store_true",
+        help="only write the stamp for the extensions in place (just built from this tree) and stop",
+    )
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/amx_engine")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/amx_engine_work"))
     ap.add_argument("--model", default="mixtral-mini")
-    ap.add_argument("--formats", default="int8,bf16",
-                    help="bf16 runs bf16 products (the default where the CPU has AVX512_BF16): on the amx step "
-                         "its TDPBF16PS tile, on the others vdpbf16ps")
+    ap.add_argument(
+        "--formats",
+        default="int8,bf16",
+        help="bf16 runs bf16 products (the default where the CPU has AVX512_BF16): on the amx step "
+        "its TDPBF16PS tile, on the others vdpbf16ps",
+    )
     ap.add_argument("--steps", default="amx,avx512-vnni")
     ap.add_argument("--threads", default=f"{cores()},1")
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -298,19 +353,31 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--no-probe", action="store_true", help="skip the bf16 rounding-order probe")
     ap.add_argument("--no-kernels", action="store_true", help="skip amx_check.c (the tiles' bits and speed)")
-    ap.add_argument("--chunks", default="128,512", help="prefill chunks to run each of (\"\": the engine's default only)")
-    ap.add_argument("--variants", default=",".join(KERNEL_VARIANTS),
-                    help=f"amx_check builds to time (of {', '.join(KERNEL_VARIANTS)})")
+    ap.add_argument(
+        "--chunks", default="128,512", help='prefill chunks to run each of ("": the engine\'s default only)'
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(KERNEL_VARIANTS),
+        help=f"amx_check builds to time (of {', '.join(KERNEL_VARIANTS)})",
+    )
     ap.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench, run beside the engine")
-    ap.add_argument("--ik-bench", type=Path, help="ik_llama.cpp's llama-bench (build it yourself), run as it comes and "
-                                                  "with -rtr 1")
+    ap.add_argument(
+        "--ik-bench", type=Path, help="ik_llama.cpp's llama-bench (build it yourself), run as it comes and with -rtr 1"
+    )
     ap.add_argument("--gguf-path", type=Path, help="a directory with the gguf package (and PyYAML) for write_gguf.py")
     ap.add_argument("--peer-threads", default=str(cores()), help="the peers' thread counts")
     a = ap.parse_args(argv)
     a.llama_bench, a.ik_bench, a.gguf_path = (p and p.resolve() for p in (a.llama_bench, a.ik_bench, a.gguf_path))
-    a.peers = {name: (bench, extra) for name, bench, extra in (("llama.cpp", a.llama_bench, []),
-                                                               ("ik_llama.cpp", a.ik_bench, []),
-                                                               ("ik_llama.cpp -rtr", a.ik_bench, ["-rtr", "1"])) if bench}
+    a.peers = {
+        name: (bench, extra)
+        for name, bench, extra in (
+            ("llama.cpp", a.llama_bench, []),
+            ("ik_llama.cpp", a.ik_bench, []),
+            ("ik_llama.cpp -rtr", a.ik_bench, ["-rtr", "1"]),
+        )
+        if bench
+    }
     for name, (bench, _) in a.peers.items():
         if not (bench.is_file() and os.access(bench, os.X_OK)):
             ap.error(f"{bench}: {name}'s llama-bench is not an executable file")
@@ -325,13 +392,13 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--threads {a.threads!r}: give positive integers separated by commas")
     missing = [t for t in a.peer_thread_list if t not in engine_threads]
-    if a.peers and missing:        # (the peers run in the engine's rounds, at its thread counts)
+    if a.peers and missing:  # (the peers run in the engine's rounds, at its thread counts)
         ap.error(f"--peer-threads {','.join(map(str, missing))}: not among --threads {a.threads}")
     a.variant_list = list(dict.fromkeys(v for v in a.variants.split(",") if v))
     unknown = [v for v in a.variant_list if v not in KERNEL_VARIANTS]
     if unknown:
         ap.error(f"--variants {','.join(unknown)}: not a variant (the variants: {', '.join(KERNEL_VARIANTS)})")
-    try:                               # (checked before the minutes a lent machine spends building)
+    try:  # (checked before the minutes a lent machine spends building)
         a.chunk_list = list(dict.fromkeys(int(c) for c in a.chunks.split(",") if c)) or [None]
         if any(c is not None and c < 1 for c in a.chunk_list):
             raise ValueError
@@ -339,8 +406,10 @@ def main(argv=None) -> int:
         ap.error(f"--chunks {a.chunks!r}: give positive integers separated by commas")
     try:
         if a.stamp:
-            run([sys.executable, "-c", "import colibri._kernels, colibri._engine, colibri._probes, colibri._routing"],
-                timeout=120)
+            run(
+                [sys.executable, "-c", "import colibri._kernels, colibri._engine, colibri._probes, colibri._routing"],
+                timeout=120,
+            )
             STAMP.write_text(sources_hash() + "\n")
             print(f"[amx_engine] {STAMP}: {STAMP.read_text().strip()}")
             if a.no_kernels:
@@ -348,8 +417,10 @@ def main(argv=None) -> int:
             failed = stamp_variants(a.variant_list)
             for name, error in failed.items():
                 print(f"[amx_engine] amx_check {name}: {error}", file=sys.stderr)
-            print(f"[amx_engine] amx_check builds in {VARIANT_ARCHIVE} (carry it): "
-                  f"{', '.join(n for n in a.variant_list if n not in failed)}")
+            print(
+                f"[amx_engine] amx_check builds in {VARIANT_ARCHIVE} (carry it): "
+                f"{', '.join(n for n in a.variant_list if n not in failed)}"
+            )
             return 1 if failed else 0
         return measure(a)
     except RunFailed as e:
@@ -387,9 +458,18 @@ def start_ggufs(a, hf_dir: Path, formats: list) -> dict:
             print(f"[amx_engine] the peers have no GGUF type for {fmt}: engine only", flush=True)
             continue
         path = a.work / f"{a.model}-{PEER_TYPES[fmt]}.gguf"
-        proc = None if path.is_file() else subprocess.Popen(
-            [sys.executable, "tools/bench/write_gguf.py", str(hf_dir), str(path), "--type", PEER_TYPES[fmt]], cwd=ROOT,
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = (
+            None
+            if path.is_file()
+            else subprocess.Popen(
+                [sys.executable, "tools/bench/write_gguf.py", str(hf_dir), str(path), "--type", PEER_TYPES[fmt]],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
         started[fmt] = (path, proc)
     return started
 
@@ -426,8 +506,26 @@ def run_peer(bench: Path, gguf: Path, prompt_len: int, threads: int, extra: list
     """(prefill, decode) tok/s of one llama-bench run: a prompt of prompt_len tokens and 8 decoded, 2
     repetitions. Shared libraries beside the binary are found there (ik_llama.cpp's libllama, libggml)."""
     env = {"LD_LIBRARY_PATH": os.pathsep.join(p for p in (str(bench.parent), os.environ.get("LD_LIBRARY_PATH")) if p)}
-    out = run([str(bench), "-m", str(gguf), "-p", str(prompt_len), "-n", "8", "-r", "2", "-t", str(threads),
-               "-o", "json", *extra], env=env, timeout=timeout)
+    out = run(
+        [
+            str(bench),
+            "-m",
+            str(gguf),
+            "-p",
+            str(prompt_len),
+            "-n",
+            "8",
+            "-r",
+            "2",
+            "-t",
+            str(threads),
+            "-o",
+            "json",
+            *extra,
+        ],
+        env=env,
+        timeout=timeout,
+    )
     try:
         tests = json.loads(out)
         pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
@@ -442,23 +540,31 @@ def peer_table(runs: list, formats: list, steps: list) -> None:
     peers = list(dict.fromkeys(x["engine"] for x in runs if x["engine"] != "colibri"))
     if not peers:
         return
-    med = lambda rs, key: statistics.median(x[key] for x in rs) if rs else None   # noqa: E731
-    print(f"\n| format | threads | colibri {steps[0]} prefill, decode | "
-          + " | ".join(f"{p} prefill, decode" for p in peers) + " | colibri / best peer prefill, decode |")
+    med = lambda rs, key: statistics.median(x[key] for x in rs) if rs else None  # noqa: E731
+    print(
+        f"\n| format | threads | colibri {steps[0]} prefill, decode | "
+        + " | ".join(f"{p} prefill, decode" for p in peers)
+        + " | colibri / best peer prefill, decode |"
+    )
     print("|---|---:|---|" + "---|" * len(peers) + "---|")
     for fmt in formats:
         for th in sorted({x["threads"] for x in runs if x["format"] == fmt and x["engine"] != "colibri"}):
-            ours = [x for x in runs if (x["format"], x["threads"], x["engine"], x["step"]) == (fmt, th, "colibri", steps[0])]
+            ours = [
+                x for x in runs if (x["format"], x["threads"], x["engine"], x["step"]) == (fmt, th, "colibri", steps[0])
+            ]
             by_chunk = {}
             for x in ours:
                 by_chunk.setdefault(x["chunk"], []).append(x)
             best = max(by_chunk.values(), key=lambda rs: med(rs, "prefill_tok_s"), default=[])
             cols = {p: [x for x in runs if (x["format"], x["threads"], x["engine"]) == (fmt, th, p)] for p in peers}
-            cell = lambda rs: f"{med(rs, 'prefill_tok_s'):.1f}, {med(rs, 'decode_tok_s'):.1f}" if rs else "-"   # noqa: E731
+            cell = lambda rs: f"{med(rs, 'prefill_tok_s'):.1f}, {med(rs, 'decode_tok_s'):.1f}" if rs else "-"  # noqa: E731
             pp = [med(rs, "prefill_tok_s") for rs in cols.values() if rs]
             tg = [med(rs, "decode_tok_s") for rs in cols.values() if rs]
-            ratio = (f"{med(best, 'prefill_tok_s') / max(pp):.2f}, {med(best, 'decode_tok_s') / max(tg):.2f}"
-                     if best and pp else "-")
+            ratio = (
+                f"{med(best, 'prefill_tok_s') / max(pp):.2f}, {med(best, 'decode_tok_s') / max(tg):.2f}"
+                if best and pp
+                else "-"
+            )
             print(f"| {fmt} | {th} | {cell(best)} | " + " | ".join(cell(rs) for rs in cols.values()) + f" | {ratio} |")
 
 
@@ -469,7 +575,7 @@ def measure(a) -> int:
     py = sys.executable
     if not a.no_probe:
         standalone(a.out, "amx_bf16_probe", ["-O2", "-ffp-contract=off"], ["256"], 120)
-    if not a.no_kernels:     # (their share of the budget: a third; the engine's runs need the rest)
+    if not a.no_kernels:  # (their share of the budget: a third; the engine's runs need the rest)
         kernel_variants(a, t0 + a.budget_s / 3)
     need_build = a.build
     if a.build_if_needed and not need_build:
@@ -490,11 +596,19 @@ def measure(a) -> int:
     formats, steps = a.formats.split(","), a.steps.split(",")
     threads = list(dict.fromkeys(int(t) for t in a.threads.split(",")))
     chunks = a.chunk_list
-    probe = json.loads(run([py, "-c", "import json, colibri._kernels as k; print(json.dumps([k.isa(), k.int_step(), "
-                                      "k.available_int_steps(), k.amx_status()]))"]))
+    probe = json.loads(
+        run(
+            [
+                py,
+                "-c",
+                "import json, colibri._kernels as k; print(json.dumps([k.isa(), k.int_step(), "
+                "k.available_int_steps(), k.amx_status()]))",
+            ]
+        )
+    )
     print(f"[amx_engine] tier {probe[0]}, int step {probe[1]}, available {probe[2]} | {probe[3]}", flush=True)
     missing = [s for s in steps if s not in probe[2]]
-    if missing:      # before the model is made: a step the machine refuses would fail every run
+    if missing:  # before the model is made: a step the machine refuses would fail every run
         raise RunFailed(f"--steps {','.join(missing)}: not available here (available: {', '.join(probe[2])})")
     hf = a.work / "hf"
     if not (hf / a.model / "config.json").is_file():
@@ -505,8 +619,20 @@ def measure(a) -> int:
         for fmt in formats:
             d = a.work / f"{a.model}-{fmt}"
             if not (d / "config.json").is_file():
-                run([py, "-m", "colibri", "convert", "--hf-dir", str(hf / a.model), "--quantize", fmt, "--output-dir",
-                     str(d)])
+                run(
+                    [
+                        py,
+                        "-m",
+                        "colibri",
+                        "convert",
+                        "--hf-dir",
+                        str(hf / a.model),
+                        "--quantize",
+                        fmt,
+                        "--output-dir",
+                        str(d),
+                    ]
+                )
             dirs[fmt] = d
         # (the files take ~30 s; a writer that hangs must not eat the engine's own runs)
         peer_files, failed = finish_ggufs(ggufs, min(t0 + a.budget_s / 2, time.monotonic() + 180))
@@ -516,9 +642,12 @@ def measure(a) -> int:
     runs = []
 
     def save() -> None:
-        (a.out / "amx_engine.json").write_text(json.dumps(
-            {"args": {k: str(v) for k, v in vars(a).items()}, "machine": probe, "runs": runs, "failed": failed},
-            indent=1))
+        (a.out / "amx_engine.json").write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(a).items()}, "machine": probe, "runs": runs, "failed": failed},
+                indent=1,
+            )
+        )
 
     plan = []
     for r in range(a.rounds):
@@ -527,7 +656,7 @@ def measure(a) -> int:
                 engines = [("colibri", chunk, step) for chunk in chunks for step in steps]
                 if th in a.peer_thread_list and fmt in peer_files:
                     engines += [(peer, None, None) for peer in a.peers]
-                plan += [(r, fmt, th) + e for e in (engines if r % 2 == 0 else engines[::-1])]   # the other first
+                plan += [(r, fmt, th) + e for e in (engines if r % 2 == 0 else engines[::-1])]  # the other first
     for r, fmt, th, engine, chunk, step in plan:
         what = f"round {r} {fmt} {th} threads{'' if chunk is None else f' chunk {chunk}'} {step or engine}"
         left = a.budget_s - (time.monotonic() - t0)
@@ -536,41 +665,91 @@ def measure(a) -> int:
             break
         try:
             if engine == "colibri":
-                res = json.loads(run([py, "-m", "colibri", "bench", "--model-dir", str(dirs[fmt]), "--prompt-len",
-                                      str(a.prompt_len), "--gen", "8", "--repeat", "2", "--threads", str(th), "--json",
-                                      *([] if chunk is None else ["--prefill-chunk", str(chunk)])],
-                                     env={"COLIBRI_INT_STEP": step}, timeout=left + 120))
+                res = json.loads(
+                    run(
+                        [
+                            py,
+                            "-m",
+                            "colibri",
+                            "bench",
+                            "--model-dir",
+                            str(dirs[fmt]),
+                            "--prompt-len",
+                            str(a.prompt_len),
+                            "--gen",
+                            "8",
+                            "--repeat",
+                            "2",
+                            "--threads",
+                            str(th),
+                            "--json",
+                            *([] if chunk is None else ["--prefill-chunk", str(chunk)]),
+                        ],
+                        env={"COLIBRI_INT_STEP": step},
+                        timeout=left + 120,
+                    )
+                )
                 speeds, chunk = (res["prefill_tok_s"]["median"], res["decode_tok_s"]["median"]), res["prefill_chunk"]
             else:
                 bench, extra = a.peers[engine]
                 speeds = run_peer(bench, peer_files[fmt], a.prompt_len, th, extra, timeout=left + 120)
-        except RunFailed as e:               # recorded; the other runs go on
-            failed.append({"round": r, "format": fmt, "threads": th, "engine": engine, "chunk": chunk, "step": step,
-                           "error": str(e)[-2000:]})
+        except RunFailed as e:  # recorded; the other runs go on
+            failed.append(
+                {
+                    "round": r,
+                    "format": fmt,
+                    "threads": th,
+                    "engine": engine,
+                    "chunk": chunk,
+                    "step": step,
+                    "error": str(e)[-2000:],
+                }
+            )
             print(f"[amx_engine] {what}: {e}", flush=True)
         else:
-            runs.append({"round": r, "format": fmt, "threads": th, "engine": engine, "chunk": chunk, "step": step,
-                         "prefill_tok_s": speeds[0], "decode_tok_s": speeds[1]})
+            runs.append(
+                {
+                    "round": r,
+                    "format": fmt,
+                    "threads": th,
+                    "engine": engine,
+                    "chunk": chunk,
+                    "step": step,
+                    "prefill_tok_s": speeds[0],
+                    "decode_tok_s": speeds[1],
+                }
+            )
             print(f"[amx_engine] {what}: prefill {speeds[0]:.1f} tok/s, decode {speeds[1]:.1f}", flush=True)
-        save()                               # after every run: a killed call keeps them
+        save()  # after every run: a killed call keeps them
     save()
     peer_table(runs, formats, steps)
     runs = [x for x in runs if x["engine"] == "colibri"]
-    print("\n| format | threads | chunk | " + " | ".join(f"{s} prefill, decode" for s in steps)
-          + f" | {steps[0]} / {steps[-1]} prefill |")
+    print(
+        "\n| format | threads | chunk | "
+        + " | ".join(f"{s} prefill, decode" for s in steps)
+        + f" | {steps[0]} / {steps[-1]} prefill |"
+    )
     print("|---|---:|---:|" + "---|" * len(steps) + "---:|")
     for fmt in formats:
         for th, chunk in sorted({(x["threads"], x["chunk"]) for x in runs if x["format"] == fmt}):
             med = {}
             for s in steps:
                 rs = [x for x in runs if (x["format"], x["threads"], x["chunk"], x["step"]) == (fmt, th, chunk, s)]
-                med[s] = ((statistics.median(x["prefill_tok_s"] for x in rs), statistics.median(x["decode_tok_s"] for x in rs))
-                          if rs else None)
+                med[s] = (
+                    (
+                        statistics.median(x["prefill_tok_s"] for x in rs),
+                        statistics.median(x["decode_tok_s"] for x in rs),
+                    )
+                    if rs
+                    else None
+                )
             cells = [f"{m[0]:.1f}, {m[1]:.1f}" if m else "-" for m in med.values()]
             ratio = f"{med[steps[0]][0] / med[steps[-1]][0]:.2f}" if med[steps[0]] and med[steps[-1]] else "-"
             print(f"| {fmt} | {th} | {chunk} | " + " | ".join(cells) + f" | {ratio} |")
-    print(f"\n[amx_engine] {len(runs)} engine runs ({len(failed)} failed) in {time.monotonic() - t0:.0f} s; every run in "
-          f"{a.out / 'amx_engine.json'}")
+    print(
+        f"\n[amx_engine] {len(runs)} engine runs ({len(failed)} failed) in {time.monotonic() - t0:.0f} s; every run in "
+        f"{a.out / 'amx_engine.json'}"
+    )
     return 0 if runs and not failed else 1
 
 

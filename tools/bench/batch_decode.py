@@ -10,6 +10,7 @@ expert budget (load(expert_cache_mb=)) and adds the decode steps' expert-cache h
     python tools/bench/batch_decode.py --model-dir D --batches 1,2,4,8 --gen 64 --rounds 3
                                        [--expert-cache-mb 900]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ def one_round(m, B: int, prompt: int, gen: int, rng) -> tuple:
     """(decode tokens/s in all, the decode steps' expert-cache hit rate or None without a budget)."""
     from colibri.batching import Batch
 
-    with Batch(m, step_tokens=max(B, prompt * B)) as b:     # the prompts in one pass, before timing
+    with Batch(m, step_tokens=max(B, prompt * B)) as b:  # the prompts in one pass, before timing
         for _ in range(B):
             b.add(rng.integers(3, m.config.vocab_size, prompt).tolist(), gen + 1, stop_at_eos=False)
         b.step()
@@ -52,10 +53,16 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-cache-mb", type=float, default=None)
     a = ap.parse_args(argv)
     batches = [int(v) for v in a.batches.split(",")]
-    m = colibri.load(a.model_dir, threads=a.threads, parallel=max(batches), n_ctx=a.prompt + a.gen + 8,
-                     prefill_chunk=max(max(batches) * a.prompt, max(batches)), expert_cache_mb=a.expert_cache_mb)
+    m = colibri.load(
+        a.model_dir,
+        threads=a.threads,
+        parallel=max(batches),
+        n_ctx=a.prompt + a.gen + 8,
+        prefill_chunk=max(max(batches) * a.prompt, max(batches)),
+        expert_cache_mb=a.expert_cache_mb,
+    )
     rng = np.random.default_rng(0)
-    one_round(m, 1, a.prompt, 8, rng)                        # page the weights in
+    one_round(m, 1, a.prompt, 8, rng)  # page the weights in
     rates = {B: [] for B in batches}
     hit_rates = {B: [] for B in batches}
     for _ in range(a.rounds):
@@ -64,13 +71,15 @@ def main(argv=None) -> int:
             rates[B].append(rate)
             hit_rates[B].append(hit_rate)
     budget = m.expert_budget is not None
-    print("| B | decode tok/s in all (median; rounds) | per sequence | vs B = 1 (median of the rounds' ratios) |"
-          + (" expert-cache hit rate |" if budget else ""))
+    print(
+        "| B | decode tok/s in all (median; rounds) | per sequence | vs B = 1 (median of the rounds' ratios) |"
+        + (" expert-cache hit rate |" if budget else "")
+    )
     print("|---:|---|---:|---:|" + ("---:|" if budget else ""))
     for B in batches:
         med = statistics.median(rates[B])
         ratio = statistics.median(r / r1 for r, r1 in zip(rates[B], rates[batches[0]]))
-        known = [h for h in hit_rates[B] if h is not None]      # None: a round without a cache use
+        known = [h for h in hit_rates[B] if h is not None]  # None: a round without a cache use
         hit = (f" {statistics.median(known):.3f} |" if known else " – |") if budget else ""
         print(f"| {B} | {med:.1f} ({', '.join(f'{r:.1f}' for r in rates[B])}) | {med / B:.1f} | {ratio:.2f} |{hit}")
     return 0

@@ -16,6 +16,7 @@ prints both files' active bytes). Existing outputs are kept unless --force. --dr
 the Hugging Face checkpoint once every Colibri format and the bf16 GGUF exist (OLMoE-1B-7B in all
 seven forms needs ~64 GB; deleting its 14 GB checkpoint before quantising keeps the peak lower).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("BENCH_CACHE", "/work/bench_cache"))
-LLAMA_BIN = Path(os.environ.get("LLAMA_BIN", CACHE / "llama.cpp-build" / "bin"))   # LLAMA_BIN=.../llama.cpp-build-avx2/bin: the AVX2-only build
+LLAMA_BIN = Path(
+    os.environ.get("LLAMA_BIN", CACHE / "llama.cpp-build" / "bin")
+)  # LLAMA_BIN=.../llama.cpp-build-avx2/bin: the AVX2-only build
 PAIRS = (("bf16", "bf16"), ("int8", "q8_0"), ("int4", "q4_0"))
 # gpt-oss in mxfp4 on both sides: Colibri's --quantize mxfp4 keeps the checkpoint's expert blocks
 # and stores the rest bf16; convert_hf_to_gguf.py --outtype bf16 keeps them as MXFP4 and the rest bf16
 # DeepSeek-V3-3l: int8 and int4 only (its bf16 forms would need 17 GB more disk); its bf16 GGUF is
 # only the source of llama-quantize
 # Qwen3-MoE-4l (the long-context shape): int4 / q4_0 only
-PAIRS_OF = {"gpt-oss-20b-4l": (("mxfp4", "mxfp4"),), "deepseek-v3-3l": (("int8", "q8_0"), ("int4", "q4_0")),
-            "qwen3-moe-4l": (("int4", "q4_0"),)}
-GGUF_SOURCE = {"gpt-oss-20b-4l": "mxfp4"}     # what convert_hf_to_gguf.py --outtype bf16 writes (default bf16)
+PAIRS_OF = {
+    "gpt-oss-20b-4l": (("mxfp4", "mxfp4"),),
+    "deepseek-v3-3l": (("int8", "q8_0"), ("int4", "q4_0")),
+    "qwen3-moe-4l": (("int4", "q4_0"),),
+}
+GGUF_SOURCE = {"gpt-oss-20b-4l": "mxfp4"}  # what convert_hf_to_gguf.py --outtype bf16 writes (default bf16)
 
 
 def pairs_of(model: str) -> tuple:
@@ -66,6 +72,7 @@ def stale_layouts(out: Path, fmt: str) -> str:
     converter's default for `fmt` (a cache converted before the default changed); "" when current.
     Rows is allowed beside the default (a matrix that cannot be grouped stays rows), not instead."""
     from colibri.quant import default_layout
+
     tensors = json.loads((out / "config.json").read_text())["tensors"]
     found = {t.get("layout", "rows") for n, t in tensors.items() if ".experts." in n and len(t["shape"]) == 2}
     want = default_layout(fmt)
@@ -88,16 +95,32 @@ def convert(model: str, threads: int = 1, force: bool = False, engines=("colibri
                     continue
                 print(f"[convert] {out} exists with {stale} layouts, not today's default: relayout")
                 tmp = out.with_name(out.name + ".relayout")
-                run([sys.executable, "-m", "colibri", "relayout", "--model-dir", out, "--output-dir", tmp,
-                     "--force"], threads)
+                run(
+                    [sys.executable, "-m", "colibri", "relayout", "--model-dir", out, "--output-dir", tmp, "--force"],
+                    threads,
+                )
                 shutil.rmtree(out)
                 os.replace(tmp, out)
                 continue
-            run([sys.executable, "-m", "colibri", "convert", "--hf-dir", hf, "--output-dir", out,
-                 "--quantize", fmt, "--force"], threads)
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "colibri",
+                    "convert",
+                    "--hf-dir",
+                    hf,
+                    "--output-dir",
+                    out,
+                    "--quantize",
+                    fmt,
+                    "--force",
+                ],
+                threads,
+            )
     if "llama" in engines:
         gguf_file(model, "bf16").parent.mkdir(parents=True, exist_ok=True)
-        bf16 = gguf_file(model, GGUF_SOURCE.get(model, "bf16"))     # the converter's output (bf16, + MXFP4 experts)
+        bf16 = gguf_file(model, GGUF_SOURCE.get(model, "bf16"))  # the converter's output (bf16, + MXFP4 experts)
         if force or not bf16.is_file():
             tmp = bf16.with_suffix(".tmp")
             run([sys.executable, HERE / "gguf_convert.py", hf, "--outtype", "bf16", "--outfile", tmp], threads)
@@ -124,8 +147,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--only", choices=("colibri", "llama"), help="convert for one engine only")
-    ap.add_argument("--drop-hf", action="store_true",
-                    help="delete the HF checkpoint once both engines' bf16 files exist (saves disk: OLMoE)")
+    ap.add_argument(
+        "--drop-hf",
+        action="store_true",
+        help="delete the HF checkpoint once both engines' bf16 files exist (saves disk: OLMoE)",
+    )
     a = ap.parse_args(argv)
     for m in a.models:
         convert(m, a.threads, a.force, (a.only,) if a.only else ("colibri", "llama"), a.drop_hf)

@@ -14,12 +14,12 @@ tokenizer at all (vocabularies of 201088 / 129280 pieces): their converters' GPT
 reader is given a synthetic byte-level one of vocab_size pieces (the 256 byte symbols, one merge,
 placeholders), which llama.cpp loads and llama-bench never uses either.
 """
+
 import os
 import sys
 from pathlib import Path
 
-LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR",
-                                    "/work/bench_cache/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/work/bench_cache/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
 def synthetic_gpt2_vocab(self) -> None:

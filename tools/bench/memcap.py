@@ -21,6 +21,7 @@ uncapped ones. Medians over --runs. Nothing else heavy may run meanwhile.
         --gguf /work/bench_cache/gguf/mixtral-mini-q8_0.gguf \\
         --llama-bench /work/bench_cache/llama.cpp-build/bin/llama-bench --caps none,100,75,50,25 --runs 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20
 
-CHILD = r'''
+CHILD = r"""
 import json, os, sys, time, numpy as np, colibri
 from colibri import _os
 from colibri.modeldir import ModelDir
@@ -68,7 +69,7 @@ print(json.dumps({
     "major_faults": last[2], "cache_hit_rate": ms["cache_hit_rate"], "prefetch_hit_rate": ms["prefetch_hit_rate"],
     "prediction_hit_rate": ms["prediction_hit_rate"], "budget_mb": (ms["expert_budget_bytes"] or 0) / 2**20,
     "evictions": ms["experts_released"], "tokens": tokens}))
-'''
+"""
 
 
 class Cgroup:
@@ -100,13 +101,18 @@ class Cgroup:
             return {"peak_mb": None, "limit_hits": None, "oom_kills": None}
         if self.version == 1:
             oom = dict(line.split() for line in (self.dir / "memory.oom_control").read_text().splitlines())
-            return {"peak_mb": int((self.dir / "memory.max_usage_in_bytes").read_text()) / MB,
-                    "limit_hits": int((self.dir / "memory.failcnt").read_text()),
-                    "oom_kills": int(oom.get("oom_kill", 0))}
+            return {
+                "peak_mb": int((self.dir / "memory.max_usage_in_bytes").read_text()) / MB,
+                "limit_hits": int((self.dir / "memory.failcnt").read_text()),
+                "oom_kills": int(oom.get("oom_kill", 0)),
+            }
         events = dict(line.split() for line in (self.dir / "memory.events").read_text().splitlines())
         peak = self.dir / "memory.peak"
-        return {"peak_mb": int(peak.read_text()) / MB if peak.exists() else None,
-                "limit_hits": int(events.get("max", 0)), "oom_kills": int(events.get("oom_kill", 0))}
+        return {
+            "peak_mb": int(peak.read_text()) / MB if peak.exists() else None,
+            "limit_hits": int(events.get("max", 0)),
+            "oom_kills": int(events.get("oom_kill", 0)),
+        }
 
     def remove(self) -> None:
         if self.dir is not None:
@@ -127,9 +133,15 @@ def evict(path: Path) -> None:
 
 
 def run_colibri(args, cg: Cgroup) -> dict:
-    a = {"model_dir": str(args.model_dir), "threads": args.threads, "n_ctx": args.n_ctx, "gen": args.gen,
-         "prompt_len": args.prompt_len, "text": str(args.text) if args.text else None,
-         "options": json.loads(args.options)}
+    a = {
+        "model_dir": str(args.model_dir),
+        "threads": args.threads,
+        "n_ctx": args.n_ctx,
+        "gen": args.gen,
+        "prompt_len": args.prompt_len,
+        "text": str(args.text) if args.text else None,
+        "options": json.loads(args.options),
+    }
     cmd = cg.wrap([sys.executable, "-c", CHILD, json.dumps(a)])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
@@ -144,8 +156,24 @@ def run_colibri(args, cg: Cgroup) -> dict:
 
 def run_llama(args, cg: Cgroup) -> dict:
     evict(args.gguf)
-    cmd = cg.wrap([str(args.llama_bench), "-m", str(args.gguf), "-p", str(args.prompt_len), "-n", str(args.gen),
-                   "-r", "1", "-t", str(args.threads), "--no-warmup", "-o", "json"])
+    cmd = cg.wrap(
+        [
+            str(args.llama_bench),
+            "-m",
+            str(args.gguf),
+            "-p",
+            str(args.prompt_len),
+            "-n",
+            str(args.gen),
+            "-r",
+            "1",
+            "-t",
+            str(args.threads),
+            "--no-warmup",
+            "-o",
+            "json",
+        ]
+    )
     t = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -178,7 +206,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=256)
     ap.add_argument("--text", type=Path, help="prompt text (trained routing wants real text); default: random ids")
-    ap.add_argument("--options", default="{}", help="colibri.load keywords as JSON, e.g. '{\"prefetch\": \"predict\"}'")
+    ap.add_argument("--options", default="{}", help='colibri.load keywords as JSON, e.g. \'{"prefetch": "predict"}\'')
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, help="write every run as JSON here")
     args = ap.parse_args()
@@ -197,26 +225,50 @@ def main() -> None:
                 finally:
                     cg.remove()
                 results[(engine, cap)].append(r)
-                print(f"run {run} cap {cap} {engine}: " + json.dumps({k: v for k, v in r.items() if k != "tokens"}),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"run {run} cap {cap} {engine}: " + json.dumps({k: v for k, v in r.items() if k != "tokens"}),
+                    file=sys.stderr,
+                    flush=True,
+                )
     reference = next((r["tokens"] for r in results.get(("colibri", None), []) if "tokens" in r), None)
-    cols = ["decode_tok_s", "prefill_tok_s", "ttft_ms", "read_mb_per_token", "major_faults", "cache_hit_rate",
-            "prefetch_hit_rate", "peak_mb", "limit_hits", "oom_kills"]
-    print(f"model {args.model_dir.name}: {model_bytes / MB:.0f} MB; prompt {args.prompt_len}, gen {args.gen}, "
-          f"{args.threads} threads, n_ctx {args.n_ctx}, options {args.options}, medians of {args.runs} cold runs\n")
-    print("| engine | cap | decode tok/s | prefill tok/s | TTFT ms | read MB/token | major faults | expert hit rate "
-          "| prefetch hit rate | cgroup peak MB | limit hits | OOM kills | same tokens |")
+    cols = [
+        "decode_tok_s",
+        "prefill_tok_s",
+        "ttft_ms",
+        "read_mb_per_token",
+        "major_faults",
+        "cache_hit_rate",
+        "prefetch_hit_rate",
+        "peak_mb",
+        "limit_hits",
+        "oom_kills",
+    ]
+    print(
+        f"model {args.model_dir.name}: {model_bytes / MB:.0f} MB; prompt {args.prompt_len}, gen {args.gen}, "
+        f"{args.threads} threads, n_ctx {args.n_ctx}, options {args.options}, medians of {args.runs} cold runs\n"
+    )
+    print(
+        "| engine | cap | decode tok/s | prefill tok/s | TTFT ms | read MB/token | major faults | expert hit rate "
+        "| prefetch hit rate | cgroup peak MB | limit hits | OOM kills | same tokens |"
+    )
     print("|" + "---|" * 13)
     for (engine, cap), rs in results.items():
         cells = []
         for c in cols:
             v = median([r.get(c) for r in rs])
-            cells.append("" if v is None else (f"{100 * v:.1f} %" if "rate" in c else f"{v:.3g}" if v < 100 else f"{v:.0f}"))
+            cells.append(
+                "" if v is None else (f"{100 * v:.1f} %" if "rate" in c else f"{v:.3g}" if v < 100 else f"{v:.0f}")
+            )
         errors = sorted({r["error"] for r in rs if "error" in r})
-        same = "" if engine != "colibri" or reference is None else \
-            ("yes" if all(r.get("tokens") == reference for r in rs) else "NO")
+        same = (
+            ""
+            if engine != "colibri" or reference is None
+            else ("yes" if all(r.get("tokens") == reference for r in rs) else "NO")
+        )
         label = "none" if cap is None else f"{cap:.0f} % ({model_bytes * cap / 100 / MB:.0f} MB)"
-        print(f"| {engine} | {label} | " + " | ".join(cells) + f" | {same}{' ' + '; '.join(errors) if errors else ''} |")
+        print(
+            f"| {engine} | {label} | " + " | ".join(cells) + f" | {same}{' ' + '; '.join(errors) if errors else ''} |"
+        )
     if args.out:
         args.out.write_text(json.dumps({f"{e} {c}": rs for (e, c), rs in results.items()}, indent=1))
 

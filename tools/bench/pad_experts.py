@@ -14,6 +14,7 @@ safetensors, the demo's tokenizer.model) and converted with `colibri convert --q
 The demo's int8 weights are dequantized once; the converter quantizes them again (the padded
 blocks are zeros, the real ones round-trip to within a step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,13 +43,16 @@ def dequantized(maps: MappedModelDir, md: ModelDir, name: str) -> np.ndarray:
 
 def write_hf(out: Path, ff: int) -> Path:
     from safetensors.numpy import save_file
+
     md = ModelDir(DEMO)
     c = md.config
     maps = MappedModelDir(md)
     hf = out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
-    tensors = {"model.embed_tokens.weight": dequantized(maps, md, "embedding"),
-               "model.norm.weight": dequantized(maps, md, "final_norm")}
+    tensors = {
+        "model.embed_tokens.weight": dequantized(maps, md, "embedding"),
+        "model.norm.weight": dequantized(maps, md, "final_norm"),
+    }
     names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
     for layer in range(c.num_hidden_layers):
         p, q = f"layers.{layer}.", f"model.layers.{layer}."
@@ -66,14 +70,27 @@ def write_hf(out: Path, ff: int) -> Path:
             tensors[x + "w2.weight"] = np.pad(down, ((0, 0), (0, pad)))
     maps.close()
     save_file(tensors, str(hf / "model.safetensors"))
-    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": c.vocab_size,
-              "hidden_size": c.hidden_size, "intermediate_size": ff, "num_hidden_layers": c.num_hidden_layers,
-              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-              "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-              "max_position_embeddings": c.max_position_embeddings, "num_local_experts": c.num_experts,
-              "num_experts_per_tok": c.num_experts_per_tok, "tie_word_embeddings": True,
-              "hidden_act": "silu", "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
-              "torch_dtype": "float32"}
+    config = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": ff,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "num_local_experts": c.num_experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "torch_dtype": "float32",
+    }
     (hf / "config.json").write_text(json.dumps(config, indent=1))
     shutil.copy(DEMO / "tokenizer.model", hf / "tokenizer.model")
     return hf
@@ -87,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     hf = write_hf(args.out, args.ff)
     convert(hf, args.out / args.quantize, quantize=args.quantize, force=True)
-    shutil.rmtree(hf)                       # gigabytes of float32: the converted directory is what runs
+    shutil.rmtree(hf)  # gigabytes of float32: the converted directory is what runs
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ once, a routed expert's top_k / n_experts, an untied token embedding one row).
     python tools/bench/quant_vs_llama.py --hf-dir /work/demo2_build/hf --text /work/demo2_build/heldout.txt \\
         --calib /work/demo_build/calib.txt --llama-bin /work/bench_cache/llama.cpp-build/bin --work /work/qvl [--ctx 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,18 +53,26 @@ from colibri.modeldir import ModelDir  # noqa: E402
 LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/work/bench_cache/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 # (label, llama-quantize type, its flags): --pure stores every matrix in the type (no 6-bit
 # output tensor, no k-quant mixture): the counterpart of Colibri's plain int4
-LLAMA_TYPES = [("Q4_0 --pure", "Q4_0", ["--pure"]), ("Q4_0", "Q4_0", []), ("Q4_K_M", "Q4_K_M", []),
-               ("IQ4_XS", "IQ4_XS", [])]
+LLAMA_TYPES = [
+    ("Q4_0 --pure", "Q4_0", ["--pure"]),
+    ("Q4_0", "Q4_0", []),
+    ("Q4_K_M", "Q4_K_M", []),
+    ("IQ4_XS", "IQ4_XS", []),
+]
 # (label, format, roles, importance: None, "diag" (calibrate --second-moments diag: the mean squares)
 # or "all" (every matrix's whole second moment: GPTQ-style compensated rounding, colibri.gptq))
-COLIBRI_VARIANTS = [("int4", "int4", {}, None), ("int4, importance", "int4", {}, "diag"),
-                    ("int4, second moments", "int4", {}, "all"),
-                    ("nl4", "nl4", {}, None), ("nl4, importance", "nl4", {}, "diag"),
-                    ("nl4, second moments", "nl4", {}, "all"),
-                    ("nl4, importance, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}, "diag"),
-                    ("nl4, importance, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, "diag"),
-                    ("nl4, second moments, head int6", "nl4", {"head": "int6"}, "all"),
-                    ("nl4, second moments, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, "all")]
+COLIBRI_VARIANTS = [
+    ("int4", "int4", {}, None),
+    ("int4, importance", "int4", {}, "diag"),
+    ("int4, second moments", "int4", {}, "all"),
+    ("nl4", "nl4", {}, None),
+    ("nl4, importance", "nl4", {}, "diag"),
+    ("nl4, second moments", "nl4", {}, "all"),
+    ("nl4, importance, attention + head int8", "nl4", {"attention": "int8", "head": "int8"}, "diag"),
+    ("nl4, importance, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, "diag"),
+    ("nl4, second moments, head int6", "nl4", {"head": "int6"}, "all"),
+    ("nl4, second moments, attention + head int6", "nl4", {"attention": "int6", "head": "int6"}, "all"),
+]
 
 
 def sh(cmd, **kw):
@@ -81,7 +90,7 @@ def chunks(ids: list, ctx: int, bos: int) -> list:
     toks = [bos] + list(ids)
     out = []
     for i in range(len(toks) // ctx):
-        c = toks[i * ctx:(i + 1) * ctx]
+        c = toks[i * ctx : (i + 1) * ctx]
         c[0] = bos
         out.append(c)
     return out
@@ -91,14 +100,15 @@ def colibri_kl(model, ref, chunk_list, ctx: int) -> float:
     first = ctx // 2
     kls = []
     for c in chunk_list:
-        lp = log_softmax(model.forward(c))[first:ctx - 1]
-        lr = log_softmax(ref.forward(c))[first:ctx - 1]
+        lp = log_softmax(model.forward(c))[first : ctx - 1]
+        lr = log_softmax(ref.forward(c))[first : ctx - 1]
         kls.append((np.exp(lr) * (lr - lp)).sum(-1))
     return float(np.concatenate(kls).mean())
 
 
 def gguf_bytes_per_token(path: Path) -> float:
     from gguf import GGUFReader
+
     r = GGUFReader(str(path))
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
     n_exp = int(r.fields[f"{arch}.expert_count"].parts[-1][0])
@@ -110,15 +120,31 @@ def gguf_bytes_per_token(path: Path) -> float:
         if "_exps" in t.name:
             n *= top_k / n_exp
         elif t.name == "token_embd.weight" and "output.weight" in names:
-            n /= int(t.shape[-1])          # an untied embedding: one row a token
+            n /= int(t.shape[-1])  # an untied embedding: one row a token
         total += n
     return total
 
 
 def llama_kl(bin_dir: Path, gguf: Path, text: Path, base: Path, ctx: int, threads: int) -> float:
-    for _ in range(3):        # seen here: now and then a run ends without its statistics (exit 0)
-        out = sh([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "-t", threads,
-                  "--kl-divergence-base", base, "--kl-divergence"])
+    for _ in range(3):  # seen here: now and then a run ends without its statistics (exit 0)
+        out = sh(
+            [
+                bin_dir / "llama-perplexity",
+                "-m",
+                gguf,
+                "-f",
+                text,
+                "-c",
+                ctx,
+                "-b",
+                ctx,
+                "-t",
+                threads,
+                "--kl-divergence-base",
+                base,
+                "--kl-divergence",
+            ]
+        )
         m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", out.stdout + out.stderr)
         if m:
             return float(m.group(1))
@@ -148,11 +174,36 @@ def main() -> int:
     # llama.cpp: f32 GGUF, importance matrix, quantizations
     f32_gguf = work / "f32.gguf"
     if not f32_gguf.exists():
-        sh([sys.executable, LLAMA_CPP_DIR / "convert_hf_to_gguf.py", args.hf_dir, "--outtype", "f32", "--outfile", f32_gguf])
+        sh(
+            [
+                sys.executable,
+                LLAMA_CPP_DIR / "convert_hf_to_gguf.py",
+                args.hf_dir,
+                "--outtype",
+                "f32",
+                "--outfile",
+                f32_gguf,
+            ]
+        )
     imatrix = work / "imatrix.gguf"
     if not imatrix.exists():
-        sh([bin_dir / "llama-imatrix", "-m", f32_gguf, "-f", calib_path, "-o", imatrix, "-c", ctx, "-t", args.threads,
-            "--chunks", max(1, args.calib_tokens // ctx)])
+        sh(
+            [
+                bin_dir / "llama-imatrix",
+                "-m",
+                f32_gguf,
+                "-f",
+                calib_path,
+                "-o",
+                imatrix,
+                "-c",
+                ctx,
+                "-t",
+                args.threads,
+                "--chunks",
+                max(1, args.calib_tokens // ctx),
+            ]
+        )
     ggufs = {}
     for label, qtype, flags in LLAMA_TYPES:
         q = work / (re.sub(r"[^A-Za-z0-9_]+", "-", label) + ".gguf")
@@ -180,8 +231,23 @@ def main() -> int:
 
     rows = []
     base = work / "f32.kld"
-    sh([bin_dir / "llama-perplexity", "-m", f32_gguf, "-f", text_path, "-c", ctx, "-b", ctx, "-t", args.threads,
-        "--kl-divergence-base", base])
+    sh(
+        [
+            bin_dir / "llama-perplexity",
+            "-m",
+            f32_gguf,
+            "-f",
+            text_path,
+            "-c",
+            ctx,
+            "-b",
+            ctx,
+            "-t",
+            args.threads,
+            "--kl-divergence-base",
+            base,
+        ]
+    )
     llama_f32_bytes = gguf_bytes_per_token(f32_gguf)
     q4_0 = None
     for qtype, q in ggufs.items():
@@ -193,21 +259,33 @@ def main() -> int:
     imp = {mode: work / f"importance-{mode}.npz" for mode in ("diag", "all")}
     for mode, path in imp.items():
         if not path.exists():
-            save(calibrate(model_f32_dir, read_text(calib_path), ctx=ctx, max_tokens=args.calib_tokens,
-                           second_moments=mode), path)
+            save(
+                calibrate(
+                    model_f32_dir, read_text(calib_path), ctx=ctx, max_tokens=args.calib_tokens, second_moments=mode
+                ),
+                path,
+            )
     int4_row = None
     for label, fmt, roles, imp_mode in COLIBRI_VARIANTS:
         d = work / ("colibri-" + re.sub(r"[^a-z0-9]+", "-", label))
         if not d.exists():
-            convert(args.hf_dir, d, quantize=fmt, roles=roles, importance=imp[imp_mode] if imp_mode else None,
-                    log=lambda *a: None)
+            convert(
+                args.hf_dir,
+                d,
+                quantize=fmt,
+                roles=roles,
+                importance=imp[imp_mode] if imp_mode else None,
+                log=lambda *a: None,
+            )
         b = sum(ModelDir(d).bytes_per_token().values())
         kl = colibri_kl(colibri.load(d), ref, chunk_list, ctx)
         int4_row = int4_row or (kl, b)
         rows.append(("Colibri", label, b, kl, kl / int4_row[0], b / int4_row[1]))
 
-    print(f"\nfull precision read per token: llama.cpp f32 {llama_f32_bytes:,.0f} B, "
-          f"Colibri f32 {sum(ModelDir(model_f32_dir).bytes_per_token().values()):,.0f} B")
+    print(
+        f"\nfull precision read per token: llama.cpp f32 {llama_f32_bytes:,.0f} B, "
+        f"Colibri f32 {sum(ModelDir(model_f32_dir).bytes_per_token().values()):,.0f} B"
+    )
     print("| engine | format | read per token | KL mean | KL / the engine's pure q4_0 | bytes / its pure q4_0 |")
     print("|---|---|---:|---:|---:|---:|")
     for eng, label, b, kl, rk, rb in rows:

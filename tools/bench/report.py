@@ -31,6 +31,7 @@ How results are chosen
   peer's. No figure is written that is not read from a results file. The output is deterministic
   (sorted, no time stamp), so ``--check`` can hold docs/performance.md to the results.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,50 +47,95 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "tools" / "bench" / "results"
 OUT = REPO / "docs" / "performance.md"
 
-LONG_DEPTH_MIN = 16384         # the long-context section shows depths from here on
-MODELS = ("qwen3-moe-4l", "mixtral-mini", "olmoe-1b-7b-8l", "olmoe-1b-7b", "gpt-oss-20b-4l",
-          "deepseek-v3-3l", "demo-padded")
+LONG_DEPTH_MIN = 16384  # the long-context section shows depths from here on
+MODELS = (
+    "qwen3-moe-4l",
+    "mixtral-mini",
+    "olmoe-1b-7b-8l",
+    "olmoe-1b-7b",
+    "gpt-oss-20b-4l",
+    "deepseek-v3-3l",
+    "demo-padded",
+)
 KINDS = ("AVX-512", "AVX2", "AMX")
 
 # Provenance of results files whose tool did not record it, copied from the retired dated journal
 # (BENCHMARKS.md, removed in git; `git log -- BENCHMARKS.md`). Metadata only: no figure comes from here.
-_LC = ("python tools/bench/long_context.py --model-dir /work/bench_cache/colibri/qwen3-moe-4l-int4 "
-       "--gguf /work/bench_cache/gguf/qwen3-moe-4l-q4_0.gguf --llama-bench {llama} --ik-bench {ik} "
-       "--depths {depths} --reps 2 --skip '{skip}'")
+_LC = (
+    "python tools/bench/long_context.py --model-dir /work/bench_cache/colibri/qwen3-moe-4l-int4 "
+    "--gguf /work/bench_cache/gguf/qwen3-moe-4l-q4_0.gguf --llama-bench {llama} --ik-bench {ik} "
+    "--depths {depths} --reps 2 --skip '{skip}'"
+)
 _SKIP_PEER = "llama.cpp fa,colibri kv f32,colibri kv f16,ik_llama.cpp -rtr fa off,ik_llama.cpp -rtr fa on$"
 _ZEN4 = "AMD EPYC Zen 4, 2 vCPUs (AVX-512 + VNNI + BF16, no AMX)"
-_AVX2_ON_ZEN4 = ("AMD EPYC Zen 4, 2 vCPUs, both engines on AVX2 code "
-                 "(COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2, the peers' AVX2 builds)")
-_MEMCAP = ("python tools/bench/memcap.py --model-dir /work/bench_cache/colibri/{model} --gguf "
-           "/work/bench_cache/gguf/{gguf} --llama-bench /work/bench_cache/llama.cpp-build/bin/llama-bench "
-           "--caps none,100,75,50,25 --runs 2{extra}")
+_AVX2_ON_ZEN4 = (
+    "AMD EPYC Zen 4, 2 vCPUs, both engines on AVX2 code "
+    "(COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2, the peers' AVX2 builds)"
+)
+_MEMCAP = (
+    "python tools/bench/memcap.py --model-dir /work/bench_cache/colibri/{model} --gguf "
+    "/work/bench_cache/gguf/{gguf} --llama-bench /work/bench_cache/llama.cpp-build/bin/llama-bench "
+    "--caps none,100,75,50,25 --runs 2{extra}"
+)
 JOURNAL: dict[str, dict] = {
     "2026-12-05-long-context-qwen3-moe-4l-zen4-32k.json": dict(
-        host=_ZEN4, kind="AVX-512", commit="d3b6258",
-        command=_LC.format(llama="/work/bench_cache/llama.cpp-build-avx2/bin/llama-bench",
-                           ik="/work/bench_cache/ik-build/bin/llama-bench", depths=32768, skip=_SKIP_PEER)),
+        host=_ZEN4,
+        kind="AVX-512",
+        commit="d3b6258",
+        command=_LC.format(
+            llama="/work/bench_cache/llama.cpp-build-avx2/bin/llama-bench",
+            ik="/work/bench_cache/ik-build/bin/llama-bench",
+            depths=32768,
+            skip=_SKIP_PEER,
+        ),
+    ),
     "2026-12-05-long-context-qwen3-moe-4l-avx2-only-zen4-32k.json": dict(
-        host=_AVX2_ON_ZEN4, kind="AVX2", commit="d3b6258",
-        command="COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 " + _LC.format(
+        host=_AVX2_ON_ZEN4,
+        kind="AVX2",
+        commit="d3b6258",
+        command="COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 "
+        + _LC.format(
             llama="/work/bench_cache/llama.cpp-build-avx2/bin/llama-bench",
-            ik="/work/bench_cache/ik-build-avx2/bin/llama-bench", depths=32768, skip=_SKIP_PEER)),
+            ik="/work/bench_cache/ik-build-avx2/bin/llama-bench",
+            depths=32768,
+            skip=_SKIP_PEER,
+        ),
+    ),
     "2026-12-05-long-context-qwen3-moe-4l-avx2-only-zen4-16k.json": dict(
-        host=_AVX2_ON_ZEN4, kind="AVX2", commit="9d51059",
-        command="COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 " + _LC.format(
+        host=_AVX2_ON_ZEN4,
+        kind="AVX2",
+        commit="9d51059",
+        command="COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 "
+        + _LC.format(
             llama="/work/bench_cache/llama.cpp-build-avx2/bin/llama-bench",
-            ik="/work/bench_cache/ik-build-avx2/bin/llama-bench", depths=16384,
-            skip="llama.cpp fa,colibri kv f32,ik_llama.cpp -rtr fa off")),
+            ik="/work/bench_cache/ik-build-avx2/bin/llama-bench",
+            depths=16384,
+            skip="llama.cpp fa,colibri kv f32,ik_llama.cpp -rtr fa off",
+        ),
+    ),
     "2026-12-05-long-context-qwen3-moe-4l-avx2-only-zen4-16k-after.json": dict(
-        host=_AVX2_ON_ZEN4, kind="AVX2",
-        command="COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 " + _LC.format(
+        host=_AVX2_ON_ZEN4,
+        kind="AVX2",
+        command="COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2 "
+        + _LC.format(
             llama="/work/bench_cache/llama.cpp-build-avx2/bin/llama-bench",
-            ik="/work/bench_cache/ik-build-avx2/bin/llama-bench", depths=16384, skip=_SKIP_PEER)),
+            ik="/work/bench_cache/ik-build-avx2/bin/llama-bench",
+            depths=16384,
+            skip=_SKIP_PEER,
+        ),
+    ),
     "2026-12-04-long-context-qwen3-moe-4l-zen4-16k-prefetch.json": dict(
-        host=_ZEN4, kind="AVX-512", commit="a605fb9",
-        command=_LC.format(llama="...", ik="...", depths=16384, skip=_SKIP_PEER)),
+        host=_ZEN4,
+        kind="AVX-512",
+        commit="a605fb9",
+        command=_LC.format(llama="...", ik="...", depths=16384, skip=_SKIP_PEER),
+    ),
     "2026-12-04-long-context-qwen3-moe-4l-zen4-16k-prefetch-2.json": dict(
-        host=_ZEN4, kind="AVX-512", commit="a605fb9",
-        command=_LC.format(llama="...", ik="...", depths=16384, skip=_SKIP_PEER)),
+        host=_ZEN4,
+        kind="AVX-512",
+        commit="a605fb9",
+        command=_LC.format(llama="...", ik="...", depths=16384, skip=_SKIP_PEER),
+    ),
     "2026-12-04-long-context-qwen3-moe-4l-zen4-16k.json": dict(host=_ZEN4, kind="AVX-512"),
     "2026-12-02-long-context-qwen3-moe-4l-16k.json": dict(host=_ZEN4, kind="AVX-512"),
     "2026-12-02-long-context-qwen3-moe-4l-short.json": dict(host=_ZEN4, kind="AVX-512"),
@@ -97,13 +143,16 @@ JOURNAL: dict[str, dict] = {
     "2026-12-01-memcap-demo-padded-int8.json": dict(
         host="AMD EPYC, 2 vCPUs (AVX-512 + VNNI); cgroup v1, storage read 1.1 GB/s",
         command="python tools/bench/memcap.py --model-dir /work/bench_cache/colibri/demo-padded/int8 "
-                "--caps none,100,75,50,25 --runs 2 --text tests/fixtures/demo/heldout_head.txt"),
+        "--caps none,100,75,50,25 --runs 2 --text tests/fixtures/demo/heldout_head.txt",
+    ),
     "2026-12-01-memcap-mixtral-mini-int8.json": dict(
         host="AMD EPYC, 2 vCPUs (AVX-512 + VNNI); cgroup v1, storage read 1.1 GB/s",
-        command=_MEMCAP.format(model="mixtral-mini-int8", gguf="mixtral-mini-q8_0.gguf", extra="")),
+        command=_MEMCAP.format(model="mixtral-mini-int8", gguf="mixtral-mini-q8_0.gguf", extra=""),
+    ),
     "2026-12-01-memcap-mixtral-mini-int4.json": dict(
         host="AMD EPYC, 2 vCPUs (AVX-512 + VNNI); cgroup v1, storage read 1.1 GB/s",
-        command=_MEMCAP.format(model="mixtral-mini-int4", gguf="mixtral-mini-q4_0.gguf", extra=" --timeout 150")),
+        command=_MEMCAP.format(model="mixtral-mini-int4", gguf="mixtral-mini-q4_0.gguf", extra=" --timeout 150"),
+    ),
     "2026-12-04-serve-parallel-int8-zen4.json": dict(host=_ZEN4),
     "2026-12-04-serve-parallel-peers-int8-zen4.json": dict(host=_ZEN4, commit="679f36d"),
     "2026-12-04-serve-step-tokens-int8-zen4.json": dict(host=_ZEN4),
@@ -114,12 +163,13 @@ NOT_RECORDED = "not recorded"
 
 # ---------------------------------------------------------------------------------------- loading
 
+
 @dataclass
 class Result:
-    name: str                       # the file name, e.g. 2026-12-05-mixtral-mini-zen4.json
-    shape: str | None               # "run_bench", "long_context", "serve_load", "memcap", "constraint"
+    name: str  # the file name, e.g. 2026-12-05-mixtral-mini-zen4.json
+    shape: str | None  # "run_bench", "long_context", "serve_load", "memcap", "constraint"
     data: object
-    meta: dict = field(default_factory=dict)    # date, host, commit, command, kind, model, journal
+    meta: dict = field(default_factory=dict)  # date, host, commit, command, kind, model, journal
 
 
 def shape_of(data) -> str | None:
@@ -130,15 +180,20 @@ def shape_of(data) -> str | None:
         if isinstance(data.get("mask"), dict) and isinstance(data.get("decode"), list):
             return "constraint"
         if isinstance(data.get("summary"), list) and all(
-                isinstance(r, dict) and {"memory", "threads", "way", "median_gbs"} <= r.keys() for r in data["summary"]):
+            isinstance(r, dict) and {"memory", "threads", "way", "median_gbs"} <= r.keys() for r in data["summary"]
+        ):
             return "read_roofline"
-        if isinstance(data.get("runs"), dict) and all(
-                isinstance(v, dict) and all(isinstance(x, list) for x in v.values()) for v in data["runs"].values()) \
-                and any("decode_read_gb_s" in r for v in data["runs"].values() for x in v.values() for r in x):
+        if (
+            isinstance(data.get("runs"), dict)
+            and all(isinstance(v, dict) and all(isinstance(x, list) for x in v.values()) for v in data["runs"].values())
+            and any("decode_read_gb_s" in r for v in data["runs"].values() for x in v.values() for r in x)
+        ):
             return "decode_roofline"
-        if data and all(isinstance(v, list) and re.fullmatch(r"\S+ \S+", k) for k, v in data.items()) \
-                and any(isinstance(r, dict) and ("decode_tok_s" in r or "error" in r)
-                        for v in data.values() for r in v):
+        if (
+            data
+            and all(isinstance(v, list) and re.fullmatch(r"\S+ \S+", k) for k, v in data.items())
+            and any(isinstance(r, dict) and ("decode_tok_s" in r or "error" in r) for v in data.values() for r in v)
+        ):
             return "memcap"
         return None
     if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
@@ -161,7 +216,7 @@ def _md_meta(md: Path) -> dict:
         meta["host"] = m.group(1).split(";")[0].strip()
     if m := re.search(r"^- Colibri: git ([0-9a-f]{7,40}( \+ uncommitted changes)?), (.+?) \(", text, re.M):
         meta["commit"] = m.group(1)
-        meta["tier"] = m.group(3)                      # "kernels avx512, int step avx512-vnni"
+        meta["tier"] = m.group(3)  # "kernels avx512, int step avx512-vnni"
     if m := re.search(r"^Command: `(.+)`\s*$", text, re.M) or re.match(r"`(python [^`]+)`", text):
         meta["command"] = m.group(1)
     return meta
@@ -217,8 +272,13 @@ def load(results_dir: Path) -> list[Result]:
         shape = shape_of(data)
         meta: dict = {}
         if isinstance(data, dict):
-            for key, src in (("date", "date"), ("command", "command"), ("commit", "git_commit"),
-                             ("commit", "commit"), ("commit", "commit_b")):
+            for key, src in (
+                ("date", "date"),
+                ("command", "command"),
+                ("commit", "git_commit"),
+                ("commit", "commit"),
+                ("commit", "commit_b"),
+            ):
                 if data.get(src) and key not in meta:
                     meta[key] = str(data[src])
             if data.get("host"):
@@ -264,6 +324,7 @@ def newest_by(results: list[Result], key) -> dict:
 
 # ---------------------------------------------------------------------------------------- formatting
 
+
 def num(x, digits=None) -> str:
     if x is None:
         return "–"
@@ -294,8 +355,11 @@ def ratio(a, b) -> str:
 def table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
     align = align or "l" * len(header)
     sep = ["---:" if a == "r" else "---" for a in align]
-    return ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |",
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join(sep) + " |",
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+    ]
 
 
 def provenance(files: list[Result]) -> list[str]:
@@ -310,8 +374,10 @@ def provenance(files: list[Result]) -> list[str]:
             host += f" (Colibri {m['tier']})"
         cmd = f"`{m['command']}`" if m.get("command") else NOT_RECORDED
         note = f" ({', '.join(jr)} from the retired journal, not the file)" if jr else ""
-        lines.append(f"- {tag}`{r.name}` — date: {m.get('date', NOT_RECORDED)}; host: {host}; "
-                     f"commit: {m.get('commit') or NOT_RECORDED}; command: {cmd}{note}")
+        lines.append(
+            f"- {tag}`{r.name}` — date: {m.get('date', NOT_RECORDED)}; host: {host}; "
+            f"commit: {m.get('commit') or NOT_RECORDED}; command: {cmd}{note}"
+        )
     return lines
 
 
@@ -321,29 +387,47 @@ def _src(files: list[Result], r: Result) -> list[str]:
 
 # ---------------------------------------------------------------------------------------- questions
 
+
 def section_peers(results: list[Result]) -> list[str]:
-    out = ["## Decode and prefill against llama.cpp and ik_llama.cpp", "",
-           "Per host kind (the code each engine ran) and model: prefill (pp, the whole prompt) and decode "
-           "(tg, one token at a time) in tokens/s, median (min–max) of the repetitions, 2 threads unless "
-           "the row says otherwise; the last column is Colibri's median over that engine's, on the "
-           "matching format (Colibri int8 / GGUF q8_0, int4 / q4_0, bf16 / bf16, mxfp4 / mxfp4). "
-           "Models are random-weight checkpoints in the real models' shapes (tools/bench/README.md).", ""]
+    out = [
+        "## Decode and prefill against llama.cpp and ik_llama.cpp",
+        "",
+        "Per host kind (the code each engine ran) and model: prefill (pp, the whole prompt) and decode "
+        "(tg, one token at a time) in tokens/s, median (min–max) of the repetitions, 2 threads unless "
+        "the row says otherwise; the last column is Colibri's median over that engine's, on the "
+        "matching format (Colibri int8 / GGUF q8_0, int4 / q4_0, bf16 / bf16, mxfp4 / mxfp4). "
+        "Models are random-weight checkpoints in the real models' shapes (tools/bench/README.md).",
+        "",
+    ]
     mine = [r for r in results if r.shape == "run_bench"]
     if not mine:
-        return out + ["No measurement yet: run `python tools/bench/run_bench.py --models mixtral-mini "
-                      "--ik-bench PATH/TO/ik_llama.cpp/build/bin/llama-bench`.", ""]
+        return out + [
+            "No measurement yet: run `python tools/bench/run_bench.py --models mixtral-mini "
+            "--ik-bench PATH/TO/ik_llama.cpp/build/bin/llama-bench`.",
+            "",
+        ]
     groups = newest_by(mine, lambda r: (r.meta["kind"], r.meta["model"]))
     unknown = sorted({k for k, _ in groups} - set(KINDS))
     for kind in (*KINDS, *unknown):
         # the models of this host kind, the most recently measured first
-        keyed = sorted(((m, fs) for (k, m), fs in groups.items() if k == kind),
-                       key=lambda mf: (-_day_number(mf[1][0].meta.get("date", "")), mf[0]))
+        keyed = sorted(
+            ((m, fs) for (k, m), fs in groups.items() if k == kind),
+            key=lambda mf: (-_day_number(mf[1][0].meta.get("date", "")), mf[0]),
+        )
         out += [f"### {kind} host" if kind in KINDS else f"### {kind[0].upper() + kind[1:]}", ""]
         if not keyed:
-            out += [f"No measurement yet on an {kind} host: run `python tools/bench/run_bench.py "
-                    "--models mixtral-mini --ik-bench PATH` there"
-                    + (" (or `python tools/bench/amx_engine.py --build --out DIR --llama-bench PATH "
-                       "--ik-bench PATH` on a lent machine)" if kind == "AMX" else "") + ".", ""]
+            out += [
+                f"No measurement yet on an {kind} host: run `python tools/bench/run_bench.py "
+                "--models mixtral-mini --ik-bench PATH` there"
+                + (
+                    " (or `python tools/bench/amx_engine.py --build --out DIR --llama-bench PATH "
+                    "--ik-bench PATH` on a lent machine)"
+                    if kind == "AMX"
+                    else ""
+                )
+                + ".",
+                "",
+            ]
             continue
         for model, files in keyed:
             out += [f"#### {model}, {files[0].meta.get('date', NOT_RECORDED)[:10]}", ""]
@@ -373,8 +457,7 @@ def section_peers(results: list[Result]) -> list[str]:
                     thr = row.get("threads")
                     if thr not in (2, None):
                         name += f" ({thr} threads)"
-                    rows.append([str(row.get("format", "?")), name,
-                                 pp_s, tg_s, rel, *_src(files, r)])
+                    rows.append([str(row.get("format", "?")), name, pp_s, tg_s, rel, *_src(files, r)])
             hdr = ["format", "engine", "prefill tok/s", "decode tok/s", "Colibri ÷ it (prefill / decode)"]
             out += table(hdr + (["source"] if len(files) > 1 else []), rows, "llrrr" + "l" * (len(files) > 1))
             out += [""] + provenance(files) + [""]
@@ -382,11 +465,15 @@ def section_peers(results: list[Result]) -> list[str]:
 
 
 def section_long_context(results: list[Result]) -> list[str]:
-    out = ["## Long context", "",
-           f"A prompt of D tokens (prefill, pp) and tokens decoded after it (decode, tg), tokens/s, median "
-           f"(min–max) of the repetitions; depths from {LONG_DEPTH_MIN:,} on. Each engine row is a "
-           "configuration (KV-cache type, flash attention, run-time repacking). The ratio is Colibri's "
-           "best configuration over the best peer's at that depth.", ""]
+    out = [
+        "## Long context",
+        "",
+        f"A prompt of D tokens (prefill, pp) and tokens decoded after it (decode, tg), tokens/s, median "
+        f"(min–max) of the repetitions; depths from {LONG_DEPTH_MIN:,} on. Each engine row is a "
+        "configuration (KV-cache type, flash attention, run-time repacking). The ratio is Colibri's "
+        "best configuration over the best peer's at that depth.",
+        "",
+    ]
     mine = [r for r in results if r.shape == "long_context"]
     keyed: dict = {}
     for r in mine:
@@ -394,13 +481,16 @@ def section_long_context(results: list[Result]) -> list[str]:
             if d >= LONG_DEPTH_MIN:
                 keyed.setdefault((r.meta["kind"], r.meta["model"], d), []).append(r)
     if not keyed:
-        return out + ["No measurement yet: run `python tools/bench/long_context.py --model-dir DIR --gguf FILE "
-                      "--llama-bench PATH --ik-bench PATH --depths 16384,32768 --out FILE.json`.", ""]
+        return out + [
+            "No measurement yet: run `python tools/bench/long_context.py --model-dir DIR --gguf FILE "
+            "--llama-bench PATH --ik-bench PATH --depths 16384,32768 --out FILE.json`.",
+            "",
+        ]
     by_table: dict = {}
     for (kind, model, depth), files in keyed.items():
         by_table.setdefault((kind, model), []).append((depth, newest(files)))
     order = {k: i for i, k in enumerate(KINDS)}
-    for (kind, model) in sorted(by_table, key=lambda k: (order.get(k[0], 9), k[1])):
+    for kind, model in sorted(by_table, key=lambda k: (order.get(k[0], 9), k[1])):
         entries = sorted(by_table[(kind, model)])
         files = sorted({r.name: r for _, fs in entries for r in fs}.values(), key=lambda r: r.name)
         title = f"{kind} host" if kind in KINDS else kind[0].upper() + kind[1:]
@@ -422,10 +512,26 @@ def section_long_context(results: list[Result]) -> list[str]:
                 for eng in sorted(engines, key=lambda e: (not e.startswith("colibri"), e)):
                     rs = engines[eng]
                     name = f"**{eng}**" if eng.startswith("colibri") else eng
-                    rows.append([f"{depth:,}", name, med(x.get("pp") for x in rs), med(x.get("tg") for x in rs),
-                                 "", *_src(files, r)])
-                rows.append([f"{depth:,}", "Colibri ÷ best peer", ratio(best["colibri"][0], best["peer"][0]),
-                             ratio(best["colibri"][1], best["peer"][1]), "", *_src(files, r)])
+                    rows.append(
+                        [
+                            f"{depth:,}",
+                            name,
+                            med(x.get("pp") for x in rs),
+                            med(x.get("tg") for x in rs),
+                            "",
+                            *_src(files, r),
+                        ]
+                    )
+                rows.append(
+                    [
+                        f"{depth:,}",
+                        "Colibri ÷ best peer",
+                        ratio(best["colibri"][0], best["peer"][0]),
+                        ratio(best["colibri"][1], best["peer"][1]),
+                        "",
+                        *_src(files, r),
+                    ]
+                )
         rows = [row[:4] + row[5:] for row in rows]
         hdr = ["depth", "engine", "prefill tok/s", "decode tok/s"] + (["source"] if len(files) > 1 else [])
         out += table(hdr, rows, "rlrr" + "l" * (len(files) > 1))
@@ -438,21 +544,29 @@ def _cap_key(key: str):
     try:
         c = float(cap)
     except ValueError:
-        c = float("inf")                      # "None": no cap, first
+        c = float("inf")  # "None": no cap, first
     return (-c, engine != "colibri", engine)
 
 
 def section_memcap(results: list[Result]) -> list[str]:
-    out = ["## Under a memory cap (models larger than RAM)", "",
-           "Each row a fresh process in a fresh cgroup whose memory limit is the cap (a percentage of the "
-           "model's bytes; page cache included), every model file evicted first (cold start). Medians of "
-           "the runs. Colibri plans its expert cache from the limit; llama.cpp relies on the kernel's reclaim.", ""]
+    out = [
+        "## Under a memory cap (models larger than RAM)",
+        "",
+        "Each row a fresh process in a fresh cgroup whose memory limit is the cap (a percentage of the "
+        "model's bytes; page cache included), every model file evicted first (cold start). Medians of "
+        "the runs. Colibri plans its expert cache from the limit; llama.cpp relies on the kernel's reclaim.",
+        "",
+    ]
     mine = [r for r in results if r.shape == "memcap"]
     if not mine:
-        return out + ["No measurement yet: run `python tools/bench/memcap.py --model-dir DIR --gguf FILE "
-                      "--llama-bench PATH --caps none,100,75,50,25 --out FILE.json`.", ""]
-    groups = newest_by(mine, lambda r: (r.name.split("memcap-", 1)[-1].rsplit(".", 1)[0]
-                                        if "memcap-" in r.name else r.meta["model"],))
+        return out + [
+            "No measurement yet: run `python tools/bench/memcap.py --model-dir DIR --gguf FILE "
+            "--llama-bench PATH --caps none,100,75,50,25 --out FILE.json`.",
+            "",
+        ]
+    groups = newest_by(
+        mine, lambda r: (r.name.split("memcap-", 1)[-1].rsplit(".", 1)[0] if "memcap-" in r.name else r.meta["model"],)
+    )
     for (what,), files in groups.items():
         out += [f"### {what}", ""]
         rows = []
@@ -466,70 +580,125 @@ def section_memcap(results: list[Result]) -> list[str]:
                     err = sorted({str(x.get("error", "")).split(":")[0] for x in runs})
                     oom = max((x.get("oom_kills") or 0 for x in runs), default=0)
                     peak = median_or_none(x.get("peak_mb") for x in runs)
-                    rows.append([cap_s, "**Colibri**" if engine == "colibri" else engine,
-                                 f"failed ({', '.join(err)})", "–", "–", "–", "–",
-                                 num(peak, 0), str(oom), *_src(files, r)])
+                    rows.append(
+                        [
+                            cap_s,
+                            "**Colibri**" if engine == "colibri" else engine,
+                            f"failed ({', '.join(err)})",
+                            "–",
+                            "–",
+                            "–",
+                            "–",
+                            num(peak, 0),
+                            str(oom),
+                            *_src(files, r),
+                        ]
+                    )
                     continue
                 hit = median_or_none(x.get("cache_hit_rate") for x in ok)
-                rows.append([cap_s, "**Colibri**" if engine == "colibri" else engine,
-                             med((x.get("decode_tok_s") for x in ok), spread=False),
-                             med((x.get("prefill_tok_s") for x in ok), spread=False),
-                             med((x.get("ttft_ms") for x in ok), 0, spread=False),
-                             med((x.get("read_mb_per_token") for x in ok), spread=False),
-                             f"{hit * 100:.1f} %" if hit is not None else "–",
-                             med((x.get("peak_mb") for x in ok), 0, spread=False),
-                             str(max((x.get("oom_kills") or 0 for x in ok), default=0)), *_src(files, r)])
-        hdr = ["cap", "engine", "decode tok/s", "prefill tok/s", "TTFT ms", "read MB/token", "expert hit rate",
-               "cgroup peak MB", "OOM kills"] + (["source"] if len(files) > 1 else [])
+                rows.append(
+                    [
+                        cap_s,
+                        "**Colibri**" if engine == "colibri" else engine,
+                        med((x.get("decode_tok_s") for x in ok), spread=False),
+                        med((x.get("prefill_tok_s") for x in ok), spread=False),
+                        med((x.get("ttft_ms") for x in ok), 0, spread=False),
+                        med((x.get("read_mb_per_token") for x in ok), spread=False),
+                        f"{hit * 100:.1f} %" if hit is not None else "–",
+                        med((x.get("peak_mb") for x in ok), 0, spread=False),
+                        str(max((x.get("oom_kills") or 0 for x in ok), default=0)),
+                        *_src(files, r),
+                    ]
+                )
+        hdr = [
+            "cap",
+            "engine",
+            "decode tok/s",
+            "prefill tok/s",
+            "TTFT ms",
+            "read MB/token",
+            "expert hit rate",
+            "cgroup peak MB",
+            "OOM kills",
+        ] + (["source"] if len(files) > 1 else [])
         out += table(hdr, rows, "ll" + "r" * 7 + "l" * (len(files) > 1))
         out += [""] + provenance(files) + [""]
     return out
 
 
 def section_serving(results: list[Result]) -> list[str]:
-    out = ["## Serving under load", "",
-           "Open-loop Poisson arrivals at each rate against OpenAI-compatible servers (Colibri's `serve`, "
-           "llama-server, ik_llama.cpp's server), targets alternated per rate: time to first token (TTFT), "
-           "inter-token latency (ITL) and end-to-end latency at P50 / P99, and the generated tokens/s. "
-           "`colibri-pN` is `serve --parallel N`, `llama-npN` llama-server `-np N`, `-sN` `--step-tokens N`.", ""]
+    out = [
+        "## Serving under load",
+        "",
+        "Open-loop Poisson arrivals at each rate against OpenAI-compatible servers (Colibri's `serve`, "
+        "llama-server, ik_llama.cpp's server), targets alternated per rate: time to first token (TTFT), "
+        "inter-token latency (ITL) and end-to-end latency at P50 / P99, and the generated tokens/s. "
+        "`colibri-pN` is `serve --parallel N`, `llama-npN` llama-server `-np N`, `-sN` `--step-tokens N`.",
+        "",
+    ]
     mine = [r for r in results if r.shape == "serve_load"]
     if not mine:
-        return out + ["No measurement yet: run `python tools/bench/serve_load.py --model-dir DIR "
-                      "--target llama=http://127.0.0.1:8080 --rates 0.5,1,2,4 --out FILE.md`.", ""]
+        return out + [
+            "No measurement yet: run `python tools/bench/serve_load.py --model-dir DIR "
+            "--target llama=http://127.0.0.1:8080 --rates 0.5,1,2,4 --out FILE.md`.",
+            "",
+        ]
     for files in newest_by(mine, lambda r: ("serving",)).values():
         for r in files:
             rows = []
-            for row in r.data:                      # the order the tool ran them
+            for row in r.data:  # the order the tool ran them
+
                 def ms(k, d=0):
                     return num(row[k] * 1000, d) if isinstance(row.get(k), (int, float)) else "–"
 
                 def s(k):
                     return num(row[k], 2) if isinstance(row.get(k), (int, float)) else "–"
-                rows.append([f"{row['target']}", f"{row['rate']:g}", f"{row.get('ok', '?')}/{row.get('requests', '?')}",
-                             f"{ms('ttft_p50')} / {ms('ttft_p99')}", f"{ms('itl_p50', 1)} / {ms('itl_p99', 1)}",
-                             f"{s('e2e_p50')} / {s('e2e_p99')}", num(row.get("throughput"), 1)])
+
+                rows.append(
+                    [
+                        f"{row['target']}",
+                        f"{row['rate']:g}",
+                        f"{row.get('ok', '?')}/{row.get('requests', '?')}",
+                        f"{ms('ttft_p50')} / {ms('ttft_p99')}",
+                        f"{ms('itl_p50', 1)} / {ms('itl_p99', 1)}",
+                        f"{s('e2e_p50')} / {s('e2e_p99')}",
+                        num(row.get("throughput"), 1),
+                    ]
+                )
             out += [f"### `{r.name}`", ""]
-            out += table(["target", "rate req/s", "ok", "TTFT P50 / P99 ms", "ITL P50 / P99 ms",
-                          "E2E P50 / P99 s", "tok/s"], rows, "lrrrrrr")
+            out += table(
+                ["target", "rate req/s", "ok", "TTFT P50 / P99 ms", "ITL P50 / P99 ms", "E2E P50 / P99 s", "tok/s"],
+                rows,
+                "lrrrrrr",
+            )
             out += [""] + provenance([r]) + [""]
     return out
 
 
 def section_quality(results: list[Result]) -> list[str]:
-    return ["## Quality per byte", "",
-            "The formats' error (KL divergence from the full-precision model) at their bytes per token, "
-            "against llama.cpp's quants on the same checkpoint and text.", "",
-            "No measurement yet: run `python tools/bench/quant_vs_llama.py --hf-dir HF_DIR --text HELDOUT.txt "
-            "--calib CALIB.txt --llama-bin LLAMA_BIN_DIR --work WORK_DIR` (it prints its table; it does not "
-            "write a results file yet).", ""]
+    return [
+        "## Quality per byte",
+        "",
+        "The formats' error (KL divergence from the full-precision model) at their bytes per token, "
+        "against llama.cpp's quants on the same checkpoint and text.",
+        "",
+        "No measurement yet: run `python tools/bench/quant_vs_llama.py --hf-dir HF_DIR --text HELDOUT.txt "
+        "--calib CALIB.txt --llama-bin LLAMA_BIN_DIR --work WORK_DIR` (it prints its table; it does not "
+        "write a results file yet).",
+        "",
+    ]
 
 
 def section_constraint(results: list[Result]) -> list[str]:
-    out = ["## Constrained decoding cost", "",
-           "Decode with a JSON-schema constraint against plain decode on the same model and prompt (ms per "
-           "token, medians of the repetitions), and the constraint's work per token by kind of constraint "
-           "(µs, median / P99): the critical path when the model's pick is allowed (check + consume) and "
-           "when it is refused (check + mask + apply + consume).", ""]
+    out = [
+        "## Constrained decoding cost",
+        "",
+        "Decode with a JSON-schema constraint against plain decode on the same model and prompt (ms per "
+        "token, medians of the repetitions), and the constraint's work per token by kind of constraint "
+        "(µs, median / P99): the critical path when the model's pick is allowed (check + consume) and "
+        "when it is refused (check + mask + apply + consume).",
+        "",
+    ]
     mine = [r for r in results if r.shape == "constraint"]
     if not mine:
         return out + ["No measurement yet: run `python tools/bench_constraint.py --out FILE.json`.", ""]
@@ -542,41 +711,73 @@ def section_constraint(results: list[Result]) -> list[str]:
                     continue
                 mpt = dec.get("median_ms_per_token") or {}
                 share = dec.get("critical_path_share_json_schema")
-                rows.append([str(dec.get("threads", "?")), num(mpt.get("plain")), num(mpt.get("json_schema")),
-                             num(mpt.get("json_schema, mask inline")),
-                             f"{share * 100:.1f} %" if isinstance(share, (int, float)) else "–",
-                             {True: "yes", False: "no"}.get(dec.get("target_met"), "–")])
+                rows.append(
+                    [
+                        str(dec.get("threads", "?")),
+                        num(mpt.get("plain")),
+                        num(mpt.get("json_schema")),
+                        num(mpt.get("json_schema, mask inline")),
+                        f"{share * 100:.1f} %" if isinstance(share, (int, float)) else "–",
+                        {True: "yes", False: "no"}.get(dec.get("target_met"), "–"),
+                    ]
+                )
             out += [f"Target: {d.get('target', NOT_RECORDED)}.", ""]
-            out += table(["threads", "plain ms/token", "json_schema ms/token", "json_schema, mask inline ms/token",
-                          "constraint's share of the critical path", "target met"], rows, "rrrrrl")
+            out += table(
+                [
+                    "threads",
+                    "plain ms/token",
+                    "json_schema ms/token",
+                    "json_schema, mask inline ms/token",
+                    "constraint's share of the critical path",
+                    "target met",
+                ],
+                rows,
+                "rrrrrl",
+            )
             out += [""]
             rows = []
             for case, c in sorted((d["mask"].get("cases") or {}).items()):
+
                 def mp(k):
                     v = c.get(k) or {}
                     return f"{num(v.get('median_us'), 1)} / {num(v.get('p99_us'), 1)}" if v else "–"
-                rows.append([case, mp("critical_path, pick allowed (allows + consume)"),
-                             mp("critical_path, pick refused (allows + mask + apply + consume)"), mp("mask"),
-                             num(c.get("compile_ms"))])
-            out += table(["constraint", "pick allowed µs", "pick refused µs", "mask alone µs", "compile ms"],
-                         rows, "lrrrr")
+
+                rows.append(
+                    [
+                        case,
+                        mp("critical_path, pick allowed (allows + consume)"),
+                        mp("critical_path, pick refused (allows + mask + apply + consume)"),
+                        mp("mask"),
+                        num(c.get("compile_ms")),
+                    ]
+                )
+            out += table(
+                ["constraint", "pick allowed µs", "pick refused µs", "mask alone µs", "compile ms"], rows, "lrrrr"
+            )
             out += [""] + provenance([r]) + [""]
     return out
 
 
 def section_roofline(results: list[Result]) -> list[str]:
-    out = ["## Decode against the memory's read rate", "",
-           "A decoded token reads every active weight once, so decode is held to the rate the machine can "
-           "read memory at. First the read roofline: threads streaming a buffer far past the last-level "
-           "cache, the plain loop `python -m colibri bench --read-bandwidth` times and the best of the other "
-           "ways of reading (wide loads, several streams per thread, software prefetch), per kind of memory "
-           "(GB/s, medians). Then decode's own read rate (tokens/s x the bytes a token reads) against the "
-           "plain loop timed just before and after it.", ""]
+    out = [
+        "## Decode against the memory's read rate",
+        "",
+        "A decoded token reads every active weight once, so decode is held to the rate the machine can "
+        "read memory at. First the read roofline: threads streaming a buffer far past the last-level "
+        "cache, the plain loop `python -m colibri bench --read-bandwidth` times and the best of the other "
+        "ways of reading (wide loads, several streams per thread, software prefetch), per kind of memory "
+        "(GB/s, medians). Then decode's own read rate (tokens/s x the bytes a token reads) against the "
+        "plain loop timed just before and after it.",
+        "",
+    ]
     roof = [r for r in results if r.shape == "read_roofline"]
     dec = [r for r in results if r.shape == "decode_roofline"]
     if not roof and not dec:
-        return out + ["No measurement yet: run `tools/bench/read_roofline.c` (its header says how) and "
-                      "`python -m colibri bench --read-bandwidth --json`.", ""]
+        return out + [
+            "No measurement yet: run `tools/bench/read_roofline.c` (its header says how) and "
+            "`python -m colibri bench --read-bandwidth --json`.",
+            "",
+        ]
     for files in newest_by(roof, lambda r: ("roof",)).values():
         for r in files:
             cells = {}
@@ -585,11 +786,16 @@ def section_roofline(results: list[Result]) -> list[str]:
             rows = []
             for (memory, threads), ways in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
                 best = max((w for w in ways if w != "plain"), key=lambda w: ways[w], default=None)
-                rows.append([memory, str(threads), num(ways.get("plain"), 1),
-                             f"{num(ways[best], 1)} ({best})" if best else "–",
-                             ratio(ways[best], ways["plain"]) if best and ways.get("plain") else "–"])
-            out += table(["memory", "threads", "plain loop GB/s", "best other way GB/s", "best ÷ plain"],
-                         rows, "lrrrr")
+                rows.append(
+                    [
+                        memory,
+                        str(threads),
+                        num(ways.get("plain"), 1),
+                        f"{num(ways[best], 1)} ({best})" if best else "–",
+                        ratio(ways[best], ways["plain"]) if best and ways.get("plain") else "–",
+                    ]
+                )
+            out += table(["memory", "threads", "plain loop GB/s", "best other way GB/s", "best ÷ plain"], rows, "lrrrr")
             if r.data.get("note"):
                 out += ["", r.data["note"]]
             out += [""] + provenance([r]) + [""]
@@ -601,11 +807,22 @@ def section_roofline(results: list[Result]) -> list[str]:
                     read = [x["decode_read_gb_s"] for x in runs]
                     loop = [statistics.median(x["read_loop_gb_s"]) for x in runs if x.get("read_loop_gb_s")]
                     tok = [x["decode_tok_s"] for x in runs if "decode_tok_s" in x]
-                    rows.append([fmt, threads.removeprefix("threads "), med(tok, 1), med(read, 1), med(loop, 1),
-                                 ratio(statistics.median(read), statistics.median(loop)) if loop else "–"])
+                    rows.append(
+                        [
+                            fmt,
+                            threads.removeprefix("threads "),
+                            med(tok, 1),
+                            med(read, 1),
+                            med(loop, 1),
+                            ratio(statistics.median(read), statistics.median(loop)) if loop else "–",
+                        ]
+                    )
             out += [f"Model: {r.data.get('model', NOT_RECORDED)}.", ""]
-            out += table(["format", "threads", "decode tok/s", "decode reads GB/s", "read loop GB/s",
-                          "decode ÷ loop"], rows, "llrrrr")
+            out += table(
+                ["format", "threads", "decode tok/s", "decode reads GB/s", "read loop GB/s", "decode ÷ loop"],
+                rows,
+                "llrrrr",
+            )
             out += [""] + provenance([r]) + [""]
     return out
 
@@ -613,15 +830,18 @@ def section_roofline(results: list[Result]) -> list[str]:
 def section_other(results: list[Result]) -> list[str]:
     other = [r for r in results if r.shape is None]
     older = [r for r in results if r.shape is not None]
-    out = ["## Other results", "",
-           "Results files of shapes this page does not read (file, command):", ""]
+    out = ["## Other results", "", "Results files of shapes this page does not read (file, command):", ""]
     for r in other:
         cmd = r.meta.get("command", "no command recorded")
         out.append(f"- `{r.name}` — " + (f"`{cmd}`" if cmd.startswith(("python", "COLIBRI")) else cmd))
     if not other:
         out.append("- none")
-    out += ["", f"The other {len(older)} results files of the kinds above hold older runs (superseded "
-            "by the newer ones shown); they stay in tools/bench/results/, and git holds their history.", ""]
+    out += [
+        "",
+        f"The other {len(older)} results files of the kinds above hold older runs (superseded "
+        "by the newer ones shown); they stay in tools/bench/results/, and git holds their history.",
+        "",
+    ]
     return out
 
 
@@ -651,8 +871,16 @@ How each benchmark is built and run: `tools/bench/README.md`.
 def render(results_dir: Path = RESULTS) -> str:
     results = load(results_dir)
     lines = [INTRO]
-    for section in (section_peers, section_roofline, section_long_context, section_memcap, section_serving,
-                    section_quality, section_constraint, section_other):
+    for section in (
+        section_peers,
+        section_roofline,
+        section_long_context,
+        section_memcap,
+        section_serving,
+        section_quality,
+        section_constraint,
+        section_other,
+    ):
         lines += section(results)
     text = "\n".join(lines)
     return re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
@@ -668,8 +896,11 @@ def main(argv=None) -> int:
     if a.check:
         current = a.out.read_text(encoding="utf-8") if a.out.is_file() else ""
         if current != text:
-            diff = sum(1 for ln in difflib.unified_diff(current.splitlines(), text.splitlines(), n=0)
-                       if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
+            diff = sum(
+                1
+                for ln in difflib.unified_diff(current.splitlines(), text.splitlines(), n=0)
+                if ln[:1] in "+-" and not ln.startswith(("+++", "---"))
+            )
             print(f"{a.out} is out of date ({diff} lines differ): run python tools/bench/report.py")
             return 1
         return 0

@@ -21,6 +21,7 @@ the experts d layers ahead (the share of the k experts layer l + d chose that a 
 
     python tools/bench/routing_cache.py [--model-dir colibri/data/demo] [--text tests/fixtures/demo/heldout_head.txt] [--tokens 2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def trace(model_dir: Path, text: Path, tokens: int) -> tuple:
     """(chosen int [T, n_moe_layers, k], next-layer prediction hit rate)."""
-    m = colibri.load(model_dir, threads=2, prefetch="predict")     # contexts of n_ctx positions, one after another
+    m = colibri.load(model_dir, threads=2, prefetch="predict")  # contexts of n_ctx positions, one after another
     ids = np.asarray(m.tokenizer.encode(text.read_text())[:tokens], np.int32)
-    engine = m._engine                     # one token per call: the routing of every position
+    engine = m._engine  # one token per call: the routing of every position
     moe = [l for l, is_moe in enumerate(m.config.moe_layers) if is_moe]
     out = np.empty((1, m.config.vocab_size), np.float32)
     rows = []
     for pos in range(len(ids)):
-        engine.run(ids[pos:pos + 1], pos % m.n_ctx, out, False)
+        engine.run(ids[pos : pos + 1], pos % m.n_ctx, out, False)
         rows.append(engine.chosen[moe].copy())
     pf = engine.prefetch_stats
     hit = pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED] if pf[_engine.PF_PREDICTED] else None
@@ -55,7 +56,7 @@ def trace(model_dir: Path, text: Path, tokens: int) -> tuple:
 def simulate(tr: np.ndarray, capacity: int, policy: str) -> float:
     T, L, k = tr.shape
     n = L * (int(tr.max()) + 1)
-    resident = OrderedDict()              # key -> None, least recently used first
+    resident = OrderedDict()  # key -> None, least recently used first
     freq, uses, hits, total = {}, 0, 0, 0
     seq = [(l, int(e)) for t in range(T) for l in range(L) for e in tr[t, l]]
     future = {}
@@ -89,7 +90,7 @@ def simulate(tr: np.ndarray, capacity: int, policy: str) -> float:
                     if policy == "lru":
                         victim = candidates[0]
                     elif policy == "lfu":
-                        victim = min(candidates, key=lambda x: freq[x])   # ties: the least recent
+                        victim = min(candidates, key=lambda x: freq[x])  # ties: the least recent
                     else:
                         victim = max(candidates, key=lambda x: next_use[x])
                     del resident[victim]
@@ -101,7 +102,7 @@ def lookahead(tr: np.ndarray, d: int) -> tuple:
     """(table hit rate, previous-token hit rate) of guesses for layer l + d made at layer l."""
     T, L, k = tr.shape
     E = int(tr.max()) + 1
-    counts = np.zeros((L, E, L, E))              # [l, top-1 at l, l + d, expert]
+    counts = np.zeros((L, E, L, E))  # [l, top-1 at l, l + d, expert]
     table_hits = prev_hits = total = 0
     for t in range(T):
         for l in range(L - d):

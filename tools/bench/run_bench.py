@@ -29,6 +29,7 @@ Design
 * Figures are medians with min–max over the repetitions. The markdown goes to
   <results-dir>/<date>-<model>.md and stdout; the raw measurements to the same name .json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,7 @@ else:
 
 # -- running one measurement ---------------------------------------------------------------------
 
+
 def run_child(cmd, env=None) -> tuple:
     """(stdout, peak RSS bytes) of a command; raises with its stderr when it fails."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -75,25 +77,71 @@ def run_child(cmd, env=None) -> tuple:
 
 
 def run_colibri(model_dir, a, threads) -> dict:
-    stdout, rss = run_child([sys.executable, "-m", "colibri", "bench", "--model-dir", model_dir,
-                             "--prompt-len", a.prompt_len, "--gen", a.gen, "--repeat", 1,
-                             "--threads", threads, "--json"], env=COLIBRI_ENV)
+    stdout, rss = run_child(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "bench",
+            "--model-dir",
+            model_dir,
+            "--prompt-len",
+            a.prompt_len,
+            "--gen",
+            a.gen,
+            "--repeat",
+            1,
+            "--threads",
+            threads,
+            "--json",
+        ],
+        env=COLIBRI_ENV,
+    )
     r = json.loads(stdout)
     med = {k: r[k]["median"] for k in ("prefill_tok_s", "decode_tok_s", "ttft_ms", "decode_p99_ms")}
-    return {"pp": med["prefill_tok_s"], "tg": med["decode_tok_s"], "ttft_ms": med["ttft_ms"],
-            "p99_ms": med["decode_p99_ms"], "rss": rss, "load_s": r["load_seconds"]}
+    return {
+        "pp": med["prefill_tok_s"],
+        "tg": med["decode_tok_s"],
+        "ttft_ms": med["ttft_ms"],
+        "p99_ms": med["decode_p99_ms"],
+        "rss": rss,
+        "load_s": r["load_seconds"],
+    }
 
 
 def run_llama(gguf, a, threads, bench=None, extra=()) -> dict:
     """llama-bench (llama.cpp's, or ik_llama.cpp's at `bench` with its `extra` flags: -rtr 1)."""
-    stdout, rss = run_child([bench or LLAMA_BIN / "llama-bench", "-m", gguf, "-p", a.prompt_len, "-n", a.gen,
-                             "-t", threads, "-r", 1, "-o", "json", *extra])
+    stdout, rss = run_child(
+        [
+            bench or LLAMA_BIN / "llama-bench",
+            "-m",
+            gguf,
+            "-p",
+            a.prompt_len,
+            "-n",
+            a.gen,
+            "-t",
+            threads,
+            "-r",
+            1,
+            "-o",
+            "json",
+            *extra,
+        ]
+    )
     tests = json.loads(stdout)
     pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
     tg = next(t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0)
-    return {"pp": pp["avg_ts"], "tg": tg["avg_ts"], "ttft_ms": pp["avg_ns"] / 1e6, "p99_ms": None,
-            "rss": rss, "build": f"{tg.get('build_commit', '?')} ({tg.get('build_number', '?')})",
-            "backend": tg.get("backends", tg.get("backend", "?")), "cpu": tg.get("cpu_info", "?")}
+    return {
+        "pp": pp["avg_ts"],
+        "tg": tg["avg_ts"],
+        "ttft_ms": pp["avg_ns"] / 1e6,
+        "p99_ms": None,
+        "rss": rss,
+        "build": f"{tg.get('build_commit', '?')} ({tg.get('build_number', '?')})",
+        "backend": tg.get("backends", tg.get("backend", "?")),
+        "cpu": tg.get("cpu_info", "?"),
+    }
 
 
 TRANSFORMERS_CHILD = r"""
@@ -126,18 +174,31 @@ print(json.dumps({"pp": a["prompt_len"] / pp, "tg": len(times) / sum(times), "tt
 def run_transformers(hf_dir, a, threads) -> dict:
     """Hugging Face transformers (torch, bf16) as the Python baseline: prefill, then greedy decode
     with the KV cache, one token per forward."""
-    stdout, rss = run_child([sys.executable, "-c", TRANSFORMERS_CHILD,
-                             json.dumps({"hf": str(hf_dir), "threads": int(threads), "prompt_len": int(a.prompt_len),
-                                         "gen": int(a.gen)})])
+    stdout, rss = run_child(
+        [
+            sys.executable,
+            "-c",
+            TRANSFORMERS_CHILD,
+            json.dumps(
+                {"hf": str(hf_dir), "threads": int(threads), "prompt_len": int(a.prompt_len), "gen": int(a.gen)}
+            ),
+        ]
+    )
     r = json.loads(stdout.strip().splitlines()[-1])
-    return {"pp": r["pp"], "tg": r["tg"], "ttft_ms": r["ttft_ms"], "p99_ms": r["p99_ms"], "rss": rss,
-            "load_s": r["load_s"]}
+    return {
+        "pp": r["pp"],
+        "tg": r["tg"],
+        "ttft_ms": r["ttft_ms"],
+        "p99_ms": r["p99_ms"],
+        "rss": rss,
+        "load_s": r["load_s"],
+    }
 
 
 def evict(path) -> None:
     """Drop a model's files from the page cache (posix_fadvise DONTNEED): the next run is cold."""
     path = Path(path)
-    for f in ([f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]):
+    for f in [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -145,12 +206,15 @@ def evict(path) -> None:
             os.close(fd)
 
 
-RUNNERS = {"colibri": lambda *x: run_colibri(*x), "llama.cpp": lambda *x: run_llama(*x),
-           "transformers": lambda *x: run_transformers(*x),
-           # ik_llama.cpp (github ikawrakow/ik_llama.cpp, built by the user: --ik-bench PATH), as it
-           # comes and with its run-time repacking
-           "ik_llama.cpp": lambda g, a, t: run_llama(g, a, t, a.ik_bench),
-           "ik_llama.cpp -rtr": lambda g, a, t: run_llama(g, a, t, a.ik_bench, ("-rtr", 1))}
+RUNNERS = {
+    "colibri": lambda *x: run_colibri(*x),
+    "llama.cpp": lambda *x: run_llama(*x),
+    "transformers": lambda *x: run_transformers(*x),
+    # ik_llama.cpp (github ikawrakow/ik_llama.cpp, built by the user: --ik-bench PATH), as it
+    # comes and with its run-time repacking
+    "ik_llama.cpp": lambda g, a, t: run_llama(g, a, t, a.ik_bench),
+    "ik_llama.cpp -rtr": lambda g, a, t: run_llama(g, a, t, a.ik_bench, ("-rtr", 1)),
+}
 LLAMA_ENGINES = ("llama.cpp", "ik_llama.cpp", "ik_llama.cpp -rtr")
 
 
@@ -186,6 +250,7 @@ def run_bandwidth(exe, threads, mib) -> float:
     if exe is None:
         import time
         import numpy as np
+
         buf = np.ones(mib * 2**17, np.float64)
         t0 = time.perf_counter()
         buf.sum()
@@ -196,9 +261,11 @@ def run_bandwidth(exe, threads, mib) -> float:
 
 # -- bytes per token ---------------------------------------------------------------------------
 
+
 def colibri_active_bytes(model_dir) -> tuple:
     """(bytes read per decoded token, top-k, num_experts): ModelDir.bytes_per_token."""
     from colibri.modeldir import ModelDir
+
     md = ModelDir(model_dir)
     return sum(md.bytes_per_token().values()), md.config.num_experts_per_tok, md.config.num_experts
 
@@ -218,6 +285,7 @@ def gguf_active_bytes(path, k, e) -> float | None:
 
 # -- the table -----------------------------------------------------------------------------------
 
+
 def stat(values) -> tuple | None:
     vals = [v for v in values if v is not None]
     return (statistics.median(vals), min(vals), max(vals)) if vals else None
@@ -233,10 +301,12 @@ def cell(values, fmt="{:.1f}", scale=1.0) -> str:
 
 def git_rev() -> str:
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
         return rev + (" + uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "?"
@@ -260,7 +330,7 @@ def build_flags(bench) -> str:
         lines = cache.read_text().splitlines()
     except OSError:
         return "build flags unknown"
-    entries = {}                                       # NAME:TYPE=VALUE lines
+    entries = {}  # NAME:TYPE=VALUE lines
     for line in lines:
         if line.startswith("GGML_") and "=" in line:
             name_type, value = line.split("=", 1)
@@ -268,7 +338,7 @@ def build_flags(bench) -> str:
     on = {k for k, v in entries.items() if v.upper() in ("ON", "1", "TRUE", "YES")}
     if "GGML_NATIVE" in on:
         return "GGML_NATIVE=ON"
-    isas = [k[len("GGML_"):] for k in on if k.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2"))]
+    isas = [k[len("GGML_") :] for k in on if k.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2"))]
     return "GGML_NATIVE=OFF, " + "+".join(sorted(isas))
 
 
@@ -278,27 +348,43 @@ def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
     cold = cold or {}
     import colibri
     from colibri import _kernels
+
     date = datetime.date.today().isoformat()
     llama_meta = next((m for (eng, _, _), ms in rows.items() if eng == "llama.cpp" for m in ms), None)
     ik_meta = next((m for (eng, _, _), ms in rows.items() if eng.startswith("ik_") for m in ms), None)
     title = "Colibri vs llama.cpp" if llama_meta else "Colibri"
-    out = [f"# {name}: {title}, {date}", "",
-           f"- Machine: {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}, {platform.system()}",
-           f"- Colibri: git {git_rev()}, kernels {_kernels.isa()}, int step {_kernels.int_step()} ({Path(colibri.__file__).parent})",
-           (f"- llama.cpp: build {llama_meta['build']}, {llama_meta['backend']}, Release, {build_flags(LLAMA_BIN / 'llama-bench')}, "
-            f"OpenMP, no BLAS (llama-cpp-python 0.3.36's vendor/llama.cpp)" if llama_meta else "- llama.cpp: not run"),
-           *([f"- ik_llama.cpp: build {ik_meta['build']}, {ik_meta['backend']}, Release, {build_flags(a.ik_bench)}, "
-              f"OpenMP ({a.ik_bench}); '-rtr': its run-time repacking (-rtr 1)"] if ik_meta else []),
-           f"- Work: prompt {a.prompt_len} random token ids, {a.gen} generated tokens; {a.reps} repetitions per row, "
-           f"one process each, engines interleaved; figures are median (min–max)",
-           "- Read bandwidth (readbw.c, 1 GiB, best of 5 passes per measurement): "
-           + "; ".join(f"{t} threads: {cell(v, '{:.2f}')} GB/s" for t, v in sorted(bw.items())),
-           "- Weights read per decoded token (all but the embedding table; experts × top-k/experts): "
-           + "; ".join(f"{fmt} {c / 1e6:.1f} MB" + (f" (GGUF {g / 1e6:.1f} MB)" if g else "")
-                       for fmt, (c, g) in active.items()),
-           "", "| engine | format | threads | pp tok/s | tg tok/s | P99 ms/token | peak RSS MiB | TTFT ms warm | "
-           "TTFT ms cold | tg % of roofline | Colibri / peer pp, tg |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"# {name}: {title}, {date}",
+        "",
+        f"- Machine: {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}, {platform.system()}",
+        f"- Colibri: git {git_rev()}, kernels {_kernels.isa()}, int step {_kernels.int_step()} ({Path(colibri.__file__).parent})",
+        (
+            f"- llama.cpp: build {llama_meta['build']}, {llama_meta['backend']}, Release, {build_flags(LLAMA_BIN / 'llama-bench')}, "
+            f"OpenMP, no BLAS (llama-cpp-python 0.3.36's vendor/llama.cpp)"
+            if llama_meta
+            else "- llama.cpp: not run"
+        ),
+        *(
+            [
+                f"- ik_llama.cpp: build {ik_meta['build']}, {ik_meta['backend']}, Release, {build_flags(a.ik_bench)}, "
+                f"OpenMP ({a.ik_bench}); '-rtr': its run-time repacking (-rtr 1)"
+            ]
+            if ik_meta
+            else []
+        ),
+        f"- Work: prompt {a.prompt_len} random token ids, {a.gen} generated tokens; {a.reps} repetitions per row, "
+        f"one process each, engines interleaved; figures are median (min–max)",
+        "- Read bandwidth (readbw.c, 1 GiB, best of 5 passes per measurement): "
+        + "; ".join(f"{t} threads: {cell(v, '{:.2f}')} GB/s" for t, v in sorted(bw.items())),
+        "- Weights read per decoded token (all but the embedding table; experts × top-k/experts): "
+        + "; ".join(
+            f"{fmt} {c / 1e6:.1f} MB" + (f" (GGUF {g / 1e6:.1f} MB)" if g else "") for fmt, (c, g) in active.items()
+        ),
+        "",
+        "| engine | format | threads | pp tok/s | tg tok/s | P99 ms/token | peak RSS MiB | TTFT ms warm | "
+        "TTFT ms cold | tg % of roofline | Colibri / peer pp, tg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     pairs = pairs_of(name)
     for (eng, fmt, threads), ms in rows.items():
         c_bytes, g_bytes = active[fmt if eng == "colibri" else dict((l, c) for c, l in pairs).get(fmt, fmt)]
@@ -312,21 +398,30 @@ def report(name, a, rows, bw, active, cmdline, cold=None) -> str:
                 if partner in rows:
                     lp, lt = (stat([m["pp"] for m in rows[partner]])[0], stat([m["tg"] for m in rows[partner]])[0])
                     ratio += f"{'; ' if ratio else ''}{partner[0]}: {cp / lp:.2f}, {ct / lt:.2f}"
-        out.append(f"| {eng} | {fmt} | {threads} | {cell([m['pp'] for m in ms])} | {cell([m['tg'] for m in ms], '{:.2f}')} | "
-                   f"{cell([m['p99_ms'] for m in ms], '{:.1f}')} | {cell([m['rss'] for m in ms], '{:.0f}', 2**-20)} | "
-                   f"{cell([m['ttft_ms'] for m in ms], '{:.0f}')} | {cell(cold.get((eng, fmt, threads), []), '{:.0f}')} | "
-                   f"{cell([m['tg'] / limit * 100 for m in ms], '{:.0f}')}% of {limit:.1f} tok/s | {ratio} |")
-    out += ["", "pp: prompt processing (prefill) of the whole prompt; tg: decoding one token at a time (Colibri: "
-            "after the prompt, llama-bench: from an empty context). TTFT: Colibri's wall time to the first "
-            "token (prefill + sampling); llama.cpp's pp time; transformers' prefill forward. Cold: once, "
-            "right after the model's files were evicted from the page cache (load + first token for Colibri and "
-            "transformers; llama-bench reports pp only). Peak RSS: the process's high-water mark "
-            "(wait4), including the mapped weight pages touched. Roofline: tg limit = bandwidth / bytes "
-            "read per token.", "", f"Command: `{cmdline}`", ""]
+        out.append(
+            f"| {eng} | {fmt} | {threads} | {cell([m['pp'] for m in ms])} | {cell([m['tg'] for m in ms], '{:.2f}')} | "
+            f"{cell([m['p99_ms'] for m in ms], '{:.1f}')} | {cell([m['rss'] for m in ms], '{:.0f}', 2**-20)} | "
+            f"{cell([m['ttft_ms'] for m in ms], '{:.0f}')} | {cell(cold.get((eng, fmt, threads), []), '{:.0f}')} | "
+            f"{cell([m['tg'] / limit * 100 for m in ms], '{:.0f}')}% of {limit:.1f} tok/s | {ratio} |"
+        )
+    out += [
+        "",
+        "pp: prompt processing (prefill) of the whole prompt; tg: decoding one token at a time (Colibri: "
+        "after the prompt, llama-bench: from an empty context). TTFT: Colibri's wall time to the first "
+        "token (prefill + sampling); llama.cpp's pp time; transformers' prefill forward. Cold: once, "
+        "right after the model's files were evicted from the page cache (load + first token for Colibri and "
+        "transformers; llama-bench reports pp only). Peak RSS: the process's high-water mark "
+        "(wait4), including the mapped weight pages touched. Roofline: tg limit = bandwidth / bytes "
+        "read per token.",
+        "",
+        f"Command: `{cmdline}`",
+        "",
+    ]
     return "\n".join(out)
 
 
 # -- main ----------------------------------------------------------------------------------------
+
 
 def plan(a) -> list:
     """[(model name, [(engine, fmt, path), ...])]"""
@@ -335,8 +430,23 @@ def plan(a) -> list:
         entries = []
         for fmt in ("bf16", "int8"):
             out = d / fmt
-            subprocess.run([sys.executable, "-m", "colibri", "convert", "--hf-dir", TINY_FIXTURE,
-                            "--output-dir", out, "--quantize", fmt], check=True, capture_output=True, env=COLIBRI_ENV)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "colibri",
+                    "convert",
+                    "--hf-dir",
+                    TINY_FIXTURE,
+                    "--output-dir",
+                    out,
+                    "--quantize",
+                    fmt,
+                ],
+                check=True,
+                capture_output=True,
+                env=COLIBRI_ENV,
+            )
             entries.append(("colibri", fmt, out))
         return [("tiny", entries)]
     if a.model_dirs:
@@ -359,7 +469,10 @@ def plan(a) -> list:
             if not a.no_llama:
                 entries.append(("llama.cpp", lfmt, gguf_file(model, lfmt)))
             if a.ik_bench:
-                entries += [("ik_llama.cpp", lfmt, gguf_file(model, lfmt)), ("ik_llama.cpp -rtr", lfmt, gguf_file(model, lfmt))]
+                entries += [
+                    ("ik_llama.cpp", lfmt, gguf_file(model, lfmt)),
+                    ("ik_llama.cpp -rtr", lfmt, gguf_file(model, lfmt)),
+                ]
         if a.transformers and model == "mixtral-mini":
             entries.append(("transformers", "bf16", CACHE / "hf" / model))
         out.append((model, entries))
@@ -373,10 +486,16 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="custom", help="model name for --model-dirs in the report")
     ap.add_argument("--tiny", action="store_true", help="the bundled test fixture, Colibri only: seconds")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
-    ap.add_argument("--formats", default="bf16,int8,int4,mxfp4",
-                    help="Colibri formats (paired with bf16/q8_0/q4_0; mxfp4 with the MXFP4 GGUF)")
-    ap.add_argument("--ik-bench", default=None,
-                    help="ik_llama.cpp's llama-bench (build it yourself): runs it as it comes and with -rtr 1")
+    ap.add_argument(
+        "--formats",
+        default="bf16,int8,int4,mxfp4",
+        help="Colibri formats (paired with bf16/q8_0/q4_0; mxfp4 with the MXFP4 GGUF)",
+    )
+    ap.add_argument(
+        "--ik-bench",
+        default=None,
+        help="ik_llama.cpp's llama-bench (build it yourself): runs it as it comes and with -rtr 1",
+    )
     ap.add_argument("--threads", default="2", help="comma-separated thread counts")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -384,10 +503,16 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-mib", type=int, default=1024, help="bandwidth test buffer")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--no-prewarm", action="store_true", help="do not read each model into the page cache first")
-    ap.add_argument("--transformers", action="store_true",
-                    help="add Hugging Face transformers (bf16) as the Python baseline on mixtral-mini")
-    ap.add_argument("--cold", action="store_true",
-                    help="once per engine and format, evict its files from the page cache and measure TTFT cold")
+    ap.add_argument(
+        "--transformers",
+        action="store_true",
+        help="add Hugging Face transformers (bf16) as the Python baseline on mixtral-mini",
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="once per engine and format, evict its files from the page cache and measure TTFT cold",
+    )
     a = ap.parse_args(argv)
     if a.tiny:
         a.no_llama, a.bw_mib = True, min(a.bw_mib, 256)
@@ -404,8 +529,11 @@ def main(argv=None) -> int:
         missing = [str(p) for _, _, p in entries if not Path(p).exists()]
         if missing:
             raise SystemExit("missing (run make_models.py and convert_models.py): " + ", ".join(missing))
-        stale = [f"{p} ({stale_layouts(Path(p), fmt)})" for eng, fmt, p in entries
-                 if eng == "colibri" and not a.model_dirs and stale_layouts(Path(p), fmt)]
+        stale = [
+            f"{p} ({stale_layouts(Path(p), fmt)})"
+            for eng, fmt, p in entries
+            if eng == "colibri" and not a.model_dirs and stale_layouts(Path(p), fmt)
+        ]
         if stale:
             raise SystemExit("not in the default layouts (convert_models.py relayouts them): " + ", ".join(stale))
         active = {}
@@ -419,7 +547,7 @@ def main(argv=None) -> int:
                 active[cfmt][1] = gguf_active_bytes(path, k, e)
         rows = {(eng, fmt, t): [] for t in thread_counts for eng, fmt, _ in entries}
         bw = {t: [] for t in thread_counts}
-        pairs = []                  # a format's engines, one after another (reversed on odd repetitions)
+        pairs = []  # a format's engines, one after another (reversed on odd repetitions)
         for entry in (e for e in entries if e[0] != "transformers"):
             if entry[0] == "colibri" or not pairs:
                 pairs.append([entry])
@@ -433,7 +561,9 @@ def main(argv=None) -> int:
                     for eng, fmt, path in pair:
                         evict(path)
                         m = RUNNERS[eng](path, a, t)
-                        cold.setdefault((eng, fmt, t), []).append(m["ttft_ms"] + 1000 * m.get("load_s", 0) * (eng != "llama.cpp"))
+                        cold.setdefault((eng, fmt, t), []).append(
+                            m["ttft_ms"] + 1000 * m.get("load_s", 0) * (eng != "llama.cpp")
+                        )
                         print(f"[{name}]   {eng:<9} {fmt:<5} cold TTFT {cold[(eng, fmt, t)][-1]:7.0f} ms", flush=True)
         unrunnable = {}
         for rep in range(a.reps):
@@ -441,7 +571,7 @@ def main(argv=None) -> int:
                 bw[t].append(run_bandwidth(bw_exe, t, a.bw_mib))
                 print(f"[{name}] rep {rep + 1}/{a.reps}, {t} threads: bandwidth {bw[t][-1]:.2f} GB/s", flush=True)
                 for pair in pairs:
-                    for eng, fmt, path in (pair if rep % 2 == 0 else pair[::-1]):
+                    for eng, fmt, path in pair if rep % 2 == 0 else pair[::-1]:
                         if (eng, fmt) in unrunnable:
                             continue
                         if not a.no_prewarm:
@@ -457,9 +587,12 @@ def main(argv=None) -> int:
                             print(f"[{name}]   {eng:<9} {fmt:<5} left out: {unrunnable[(eng, fmt)]}", flush=True)
                             continue
                         rows[(eng, fmt, t)].append(m)
-                        print(f"[{name}]   {eng:<9} {fmt:<5} pp {m['pp']:8.1f} tok/s  tg {m['tg']:7.2f} tok/s  "
-                              f"TTFT {m['ttft_ms']:7.0f} ms  RSS {m['rss'] / 2**20:6.0f} MiB", flush=True)
-        rows = {key: ms for key, ms in rows.items() if ms}     # without the peers left out
+                        print(
+                            f"[{name}]   {eng:<9} {fmt:<5} pp {m['pp']:8.1f} tok/s  tg {m['tg']:7.2f} tok/s  "
+                            f"TTFT {m['ttft_ms']:7.0f} ms  RSS {m['rss'] / 2**20:6.0f} MiB",
+                            flush=True,
+                        )
+        rows = {key: ms for key, ms in rows.items() if ms}  # without the peers left out
         md = report(name, a, rows, bw, active, cmdline, cold)
         if unrunnable:
             md += "".join(f"\nLeft out: {eng} {fmt}: {why}\n" for (eng, fmt), why in unrunnable.items())
@@ -467,10 +600,19 @@ def main(argv=None) -> int:
         results.mkdir(parents=True, exist_ok=True)
         stem = results / f"{datetime.date.today().isoformat()}-{name}"
         stem.with_suffix(".md").write_text(md)
-        stem.with_suffix(".json").write_text(json.dumps(
-            {"model": name, "bandwidth_gbs": bw, "active_bytes": active,
-             "rows": [{"engine": e, "format": f, "threads": t, "runs": ms} for (e, f, t), ms in rows.items()]},
-            indent=1, default=str) + "\n")
+        stem.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "model": name,
+                    "bandwidth_gbs": bw,
+                    "active_bytes": active,
+                    "rows": [{"engine": e, "format": f, "threads": t, "runs": ms} for (e, f, t), ms in rows.items()],
+                },
+                indent=1,
+                default=str,
+            )
+            + "\n"
+        )
         print("\n" + md)
         print(f"[run_bench] wrote {stem.with_suffix('.md')}")
     return 0

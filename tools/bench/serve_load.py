@@ -22,6 +22,7 @@ request (`-c 512 -np 1`); Colibri with `colibri serve --model-dir D --threads N 
 (a saturating rate must queue, not be refused); `--parallel N` gives it N places decoded together,
 as llama-server's `-np N` slots (each then needs `-c` of N requests' context).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,7 @@ async def one_request(client, url: str, model: str, prompt: list, gen: int, star
     """Wait until `start_at` (seconds after t0), send one streamed completion, time its tokens."""
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     sent = time.perf_counter()
-    body = {"model": model, "prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True, "ignore_eos": True}
     stamps = []
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=None) as r:
         if r.status_code != 200:
@@ -59,28 +59,45 @@ async def one_request(client, url: str, model: str, prompt: list, gen: int, star
     done = time.perf_counter()
     if not stamps:
         return {"error": "no tokens"}
-    return {"ttft": stamps[0] - sent, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "e2e": done - sent,
-            "tokens": len(stamps), "queued_at": sent - t0}
+    return {
+        "ttft": stamps[0] - sent,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "e2e": done - sent,
+        "tokens": len(stamps),
+        "queued_at": sent - t0,
+    }
 
 
 async def run_rate(url: str, model: str, rate: float, n: int, prompts: list, gen: int, seed: int) -> dict:
     import httpx
+
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
     arrivals = np.cumsum(gaps) - gaps[0]
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(limits=limits) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*[one_request(client, url, model, prompts[i], gen, float(arrivals[i]), t0)
-                                         for i in range(n)])
+        results = await asyncio.gather(
+            *[one_request(client, url, model, prompts[i], gen, float(arrivals[i]), t0) for i in range(n)]
+        )
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     itl = [x for r in ok for x in r["itl"]]
-    return {"rate": rate, "requests": n, "ok": len(ok), "errors": errors[:3], "n_errors": len(errors),
-            "ttft_p50": percentile([r["ttft"] for r in ok], 50), "ttft_p99": percentile([r["ttft"] for r in ok], 99),
-            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
-            "e2e_p50": percentile([r["e2e"] for r in ok], 50), "e2e_p99": percentile([r["e2e"] for r in ok], 99),
-            "throughput": sum(r["tokens"] for r in ok) / wall, "wall": wall}
+    return {
+        "rate": rate,
+        "requests": n,
+        "ok": len(ok),
+        "errors": errors[:3],
+        "n_errors": len(errors),
+        "ttft_p50": percentile([r["ttft"] for r in ok], 50),
+        "ttft_p99": percentile([r["ttft"] for r in ok], 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
+        "e2e_p50": percentile([r["e2e"] for r in ok], 50),
+        "e2e_p99": percentile([r["e2e"] for r in ok], 99),
+        "throughput": sum(r["tokens"] for r in ok) / wall,
+        "wall": wall,
+    }
 
 
 def free_port() -> int:
@@ -92,11 +109,34 @@ def free_port() -> int:
 def start_colibri(model_dir: str, threads: int, parallel: int = 1, extra=()) -> tuple:
     """A Colibri server on a free loopback port, healthy; (process, url)."""
     import httpx
+
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--model-dir", model_dir, "--port", str(port),
-                             "--threads", str(threads), "--max-queue", "100000", "--queue-timeout", "100000",
-                             "--parallel", str(parallel), "--n-ctx", "1024", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "serve",
+            "--model-dir",
+            model_dir,
+            "--port",
+            str(port),
+            "--threads",
+            str(threads),
+            "--max-queue",
+            "100000",
+            "--queue-timeout",
+            "100000",
+            "--parallel",
+            str(parallel),
+            "--n-ctx",
+            "1024",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -115,20 +155,31 @@ def start_colibri(model_dir: str, threads: int, parallel: int = 1, extra=()) -> 
 def model_id(url: str) -> str:
     """The first model id the server lists."""
     import httpx
+
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL",
-                    help="a running OpenAI-compatible server (repeat for several; they alternate)")
+    ap.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a running OpenAI-compatible server (repeat for several; they alternate)",
+    )
     ap.add_argument("--model-dir", help="start `colibri serve` on this directory as target 'colibri'")
     ap.add_argument("--threads", type=int, default=2, help="threads of the Colibri server started here")
-    ap.add_argument("--parallel", default="1",
-                    help="its places (serve --parallel); a list (1,4) starts one server per value, colibri-pN")
-    ap.add_argument("--step-tokens", default="",
-                    help="serve --step-tokens; a list (32,128) starts one server per value (with one --parallel), "
-                         "colibri-sN")
+    ap.add_argument(
+        "--parallel",
+        default="1",
+        help="its places (serve --parallel); a list (1,4) starts one server per value, colibri-pN",
+    )
+    ap.add_argument(
+        "--step-tokens",
+        default="",
+        help="serve --step-tokens; a list (32,128) starts one server per value (with one --parallel), colibri-sN",
+    )
     ap.add_argument("--rates", default="0.25,0.5,1,2", help="arrival rates, requests per second")
     ap.add_argument("--requests", type=int, default=24, help="requests per rate and target")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -157,31 +208,43 @@ def main(argv=None) -> int:
     rates = [float(r) for r in a.rates.split(",")]
     # new prompts for every rate (the same for every target): llama-server keeps a cache of earlier
     # prompts in host memory, and a prompt seen at an earlier rate would skip its prefill there
-    prompts = [[np.random.default_rng((a.seed, k, i)).integers(10, a.vocab, a.prompt_tokens).tolist()
-                for i in range(a.requests)] for k in range(len(rates) + 1)]
+    prompts = [
+        [
+            np.random.default_rng((a.seed, k, i)).integers(10, a.vocab, a.prompt_tokens).tolist()
+            for i in range(a.requests)
+        ]
+        for k in range(len(rates) + 1)
+    ]
     rows = []
     try:
         models = {name: model_id(url) for name, url in targets}
-        for name, url in targets:                          # warm: page in the weights, compile nothing
+        for name, url in targets:  # warm: page in the weights, compile nothing
             asyncio.run(run_rate(url, models[name], 100.0, 1, prompts[-1], 4, a.seed))
         for k, rate in enumerate(rates):
             for name, url in targets:
                 r = asyncio.run(run_rate(url, models[name], rate, a.requests, prompts[k], a.gen_tokens, a.seed))
                 r["target"] = name
                 rows.append(r)
-                print(f"[serve_load] {name} at {rate} req/s: TTFT P99 {r['ttft_p99'] * 1e3:.0f} ms, "
-                      f"E2E P99 {r['e2e_p99']:.2f} s, {r['throughput']:.1f} tok/s, {r['n_errors']} errors",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[serve_load] {name} at {rate} req/s: TTFT P99 {r['ttft_p99'] * 1e3:.0f} ms, "
+                    f"E2E P99 {r['e2e_p99']:.2f} s, {r['throughput']:.1f} tok/s, {r['n_errors']} errors",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for p in procs:
             p.terminate()
             p.wait(timeout=60)
-    head = ("| target | rate req/s | ok | TTFT P50 / P99 ms | ITL P50 / P99 ms | E2E P50 / P99 s | tok/s |\n"
-            "|---|---:|---:|---:|---:|---:|---:|")
-    lines = [head] + [f"| {r['target']} | {r['rate']:g} | {r['ok']}/{r['requests']} | "
-                      f"{r['ttft_p50'] * 1e3:.0f} / {r['ttft_p99'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} / "
-                      f"{r['itl_p99'] * 1e3:.1f} | {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} | {r['throughput']:.1f} |"
-                      for r in rows]
+    head = (
+        "| target | rate req/s | ok | TTFT P50 / P99 ms | ITL P50 / P99 ms | E2E P50 / P99 s | tok/s |\n"
+        "|---|---:|---:|---:|---:|---:|---:|"
+    )
+    lines = [head] + [
+        f"| {r['target']} | {r['rate']:g} | {r['ok']}/{r['requests']} | "
+        f"{r['ttft_p50'] * 1e3:.0f} / {r['ttft_p99'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} / "
+        f"{r['itl_p99'] * 1e3:.1f} | {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} | {r['throughput']:.1f} |"
+        for r in rows
+    ]
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -11,6 +11,7 @@ of that ratio over the repetitions, the positions most often above 1.3x, and eac
 P99 / P50. A position the engine makes slow shows a median ratio well above 1; the host's
 interruptions only raise the frequency of no position in particular.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     model = colibri.load(a.model_dir, threads=a.threads)
     # positions below count the decoded tokens after the first generated one, from 0
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, a.prompt_len).tolist()
-    gaps = []                                           # [rep][decoded token] seconds
+    gaps = []  # [rep][decoded token] seconds
     for _ in range(a.reps):
         times, last = [], time.perf_counter()
         for _ in model.generate(prompt, max_new_tokens=a.gen, stop_at_eos=False, reuse_prefix=False):
@@ -44,15 +45,18 @@ def main(argv=None) -> int:
         gaps.append(times[1:])
     model.close()
     g = np.array(gaps)
-    ratio = g / np.median(g, axis=1, keepdims=True)     # [rep][token]: each repetition against its median
+    ratio = g / np.median(g, axis=1, keepdims=True)  # [rep][token]: each repetition against its median
     med = np.median(ratio, axis=0)
     slow = (ratio > 1.3).mean(axis=0)
     print(f"{a.reps} repetitions of {g.shape[1]} decoded tokens; median token {1000 * np.median(g):.2f} ms")
-    print("highest median ratio (position: ratio):",
-          ", ".join(f"{i}: {med[i]:.3f}" for i in np.argsort(-med)[:8]))
-    print("most often above 1.3x (position: share of repetitions):",
-          ", ".join(f"{i}: {slow[i]:.2f}" for i in np.argsort(-slow, kind="stable")[:8]))
-    print("P99 / P50 per repetition:", " ".join(f"{x:.2f}" for x in np.percentile(g, 99, axis=1) / np.median(g, axis=1)))
+    print("highest median ratio (position: ratio):", ", ".join(f"{i}: {med[i]:.3f}" for i in np.argsort(-med)[:8]))
+    print(
+        "most often above 1.3x (position: share of repetitions):",
+        ", ".join(f"{i}: {slow[i]:.2f}" for i in np.argsort(-slow, kind="stable")[:8]),
+    )
+    print(
+        "P99 / P50 per repetition:", " ".join(f"{x:.2f}" for x in np.percentile(g, 99, axis=1) / np.median(g, axis=1))
+    )
     return 0
 
 

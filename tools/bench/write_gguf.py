@@ -24,6 +24,7 @@ Needs numpy and the `gguf` package (an extra of colibri; a run on the lent machi
 sys.path, see amx_engine.py). Reads the checkpoint with colibri's safetensors reader, one tensor at a
 time; the GGUF is written to OUT.gguf.tmp and renamed when whole.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ from colibri.hfcheckpoint import HFCheckpoint  # noqa: E402
 # --type -> (the gguf type of the matrices, general.file_type as llama.cpp numbers it)
 TYPES = {"f32": ("F32", 0), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7), "q4_0": ("Q4_0", 2)}
 BYTE_PIECES = 256
-BLOCK = 32                 # weights a q8_0 / q4_0 block (rows of another length: f16, as llama-quantize does)
+BLOCK = 32  # weights a q8_0 / q4_0 block (rows of another length: f16, as llama-quantize does)
 
 
 def permute_heads(w: np.ndarray, heads: int) -> np.ndarray:
@@ -57,8 +58,11 @@ def tensors(ckpt: HFCheckpoint):
     for i in range(cfg["num_hidden_layers"]):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         for hf, gg in (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps")):
-            yield b + gg + ".weight", np.stack([ckpt.f32(f"{p}block_sparse_moe.experts.{e}.{hf}.weight")
-                                                for e in range(experts)]), True
+            yield (
+                b + gg + ".weight",
+                np.stack([ckpt.f32(f"{p}block_sparse_moe.experts.{e}.{hf}.weight") for e in range(experts)]),
+                True,
+            )
         yield b + "ffn_gate_inp.weight", ckpt.f32(p + "block_sparse_moe.gate.weight"), False
         yield b + "attn_norm.weight", ckpt.f32(p + "input_layernorm.weight"), False
         yield b + "ffn_norm.weight", ckpt.f32(p + "post_attention_layernorm.weight"), False
@@ -74,6 +78,7 @@ def tensors(ckpt: HFCheckpoint):
 def stand_in_vocab(n: int) -> tuple:
     """(pieces, scores, token types) of an n-piece sentencepiece-style vocabulary."""
     import gguf
+
     tt = gguf.TokenType
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(BYTE_PIECES)]
     types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL] + [tt.BYTE] * BYTE_PIECES
@@ -84,6 +89,7 @@ def stand_in_vocab(n: int) -> tuple:
 
 def write(hf_dir: Path, out: Path, kind: str) -> None:
     import gguf
+
     ckpt = HFCheckpoint(hf_dir)
     cfg = ckpt.config
     if cfg.get("model_type") != "mixtral":
@@ -119,9 +125,12 @@ def write(hf_dir: Path, out: Path, kind: str) -> None:
         if quantizable and kind != "f32" and (kind == "bf16" or values.shape[-1] % BLOCK == 0):
             # (the checkpoint is bf16: its values go through bf16 exactly as the converter's bf16 file)
             w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-        elif quantizable and kind != "f32":       # llama-quantize's fallback for rows of part of a block
-            w.add_tensor(name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.F16),
-                         raw_dtype=gguf.GGMLQuantizationType.F16)
+        elif quantizable and kind != "f32":  # llama-quantize's fallback for rows of part of a block
+            w.add_tensor(
+                name,
+                gguf.quants.quantize(values, gguf.GGMLQuantizationType.F16),
+                raw_dtype=gguf.GGMLQuantizationType.F16,
+            )
         else:
             w.add_tensor(name, values.astype(np.float32))
     w.write_header_to_file()
@@ -135,17 +144,22 @@ def check(out: Path, ref: Path) -> int:
     """Every tensor and the model's metadata (not its name or vocabulary) of out against ref: 0 if
     they are the same, else 1 with a line naming the first difference."""
     import gguf
+
     a, b = gguf.GGUFReader(str(out)), gguf.GGUFReader(str(ref))
     ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
     if set(ta) != set(tb):
-        print(f"write_gguf --check: tensors differ: only here {sorted(set(ta) - set(tb))[:5]}, "
-              f"only in {ref} {sorted(set(tb) - set(ta))[:5]}")
+        print(
+            f"write_gguf --check: tensors differ: only here {sorted(set(ta) - set(tb))[:5]}, "
+            f"only in {ref} {sorted(set(tb) - set(ta))[:5]}"
+        )
         return 1
     for name, t in ta.items():
         u = tb[name]
         if (t.tensor_type, list(t.shape)) != (u.tensor_type, list(u.shape)):
-            print(f"write_gguf --check: {name}: {t.tensor_type.name} {list(t.shape)} against "
-                  f"{u.tensor_type.name} {list(u.shape)}")
+            print(
+                f"write_gguf --check: {name}: {t.tensor_type.name} {list(t.shape)} against "
+                f"{u.tensor_type.name} {list(u.shape)}"
+            )
             return 1
         if not np.array_equal(np.asarray(t.data).view(np.uint8), np.asarray(u.data).view(np.uint8)):
             print(f"write_gguf --check: {name}: the bytes differ")
