@@ -26,14 +26,12 @@ if sys.platform == "win32":
     compile_args = ["/O2", "/openmp", "/std:c11"]
     link_args = []
 else:
-    # each module includes the headers of every .pxd it cimports and calls a few of their static
-    # functions; the compiler drops the rest, which is not worth a warning
     # -g0: Python's own CFLAGS ask for debug information, which made _kernels' object 12x larger
     # and its compile a third longer; COLIBRI_DEBUG=1 builds with it
-    compile_args = ["-O3", "-g0", "-fopenmp", "-fno-math-errno", "-Wno-unused-function"]
+    compile_args = ["-O3", "-g0", "-fopenmp", "-fno-math-errno"]
     link_args = ["-fopenmp"]
 if debug and sys.platform != "win32":
-    compile_args = ["-O0", "-g", "-fopenmp", "-Wno-unused-function"]
+    compile_args = ["-O0", "-g", "-fopenmp"]
 
 
 

@@ -41,9 +41,7 @@ from cython.parallel cimport prange
 cimport colibri._kernels as kernels
 cimport colibri._routing as routing
 from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_F32, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16,
-                               CB_TRANSPOSED, CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_rmsnorm, cb_add, cb_axpy,
-                               cb_clip, cb_glu_clamped, cb_scale, cb_softcap, cb_rope, cb_all_finite, cb_row_stride,
-                               cb_kv_row_bytes)
+                               CB_TRANSPOSED, CB_INTERLEAVED, CB_ACT_SWIGLU_CLAMPED, cb_row_stride, cb_kv_row_bytes)
 
 import numpy as np
 
@@ -185,11 +183,11 @@ cdef inline void activate(const Hyper *h, const FFN *f, float *gate, float *up) 
     has them, the activation of the model (the clamped SwiGLU with its parameters)."""
     cdef int ff = f.gate.rows
     if f.gate_b != NULL:
-        cb_add(gate, f.gate_b, ff)
+        kernels.add(gate, f.gate_b, ff)
     if f.up_b != NULL:
-        cb_add(up, f.up_b, ff)
+        kernels.add(up, f.up_b, ff)
     if h.act == CB_ACT_SWIGLU_CLAMPED:
-        cb_glu_clamped(gate, up, ff, h.swiglu_alpha, h.swiglu_limit)
+        kernels.glu_clamped(gate, up, ff, h.swiglu_alpha, h.swiglu_limit)
     else:
         kernels.glu(gate, up, ff, h.act)
 
@@ -219,7 +217,7 @@ cdef void ffn_wave(const Hyper *h, Scratch *s, const Slot *slots, int count) noe
     for i in range(count):
         if slots[i].f.down_b != NULL:
             for t in range(slots[i].m):
-                cb_add(slots[i].out + <size_t>t * h.d_model, slots[i].f.down_b, h.d_model)
+                kernels.add(slots[i].out + <size_t>t * h.d_model, slots[i].f.down_b, h.d_model)
 
 
 cdef void ffn(const Hyper *h, const FFN *f, const float *x, float *out, Scratch *s, int n) noexcept nogil:
@@ -245,32 +243,32 @@ cdef void qkv_finish(const Hyper *h, const Layer *L, float *q, float *k, float *
     cdef int kv_dim = L.n_kv_heads * hd
     cdef int i
     if L.bq != NULL:
-        cb_add(q, L.bq, q_dim)
+        kernels.add(q, L.bq, q_dim)
     if L.bk != NULL:
-        cb_add(k, L.bk, kv_dim)
+        kernels.add(k, L.bk, kv_dim)
     if L.wv.data == NULL:
         memcpy(v, k, sizeof(float) * kv_dim)
     elif L.bv != NULL:
-        cb_add(v, L.bv, kv_dim)
+        kernels.add(v, L.bv, kv_dim)
     if h.qk_norm == QK_NORM_PER_HEAD:
         for i in range(h.n_heads):
-            cb_rmsnorm(q + i * hd, q + i * hd, L.q_norm, hd, h.rms_eps)
+            kernels.rmsnorm(q + i * hd, q + i * hd, L.q_norm, hd, h.rms_eps)
         for i in range(L.n_kv_heads):
-            cb_rmsnorm(k + i * hd, k + i * hd, L.k_norm, hd, h.rms_eps)
+            kernels.rmsnorm(k + i * hd, k + i * hd, L.k_norm, hd, h.rms_eps)
     elif h.qk_norm == QK_NORM_WHOLE:
-        cb_rmsnorm(q, q, L.q_norm, q_dim, h.rms_eps)
-        cb_rmsnorm(k, k, L.k_norm, kv_dim, h.rms_eps)
+        kernels.rmsnorm(q, q, L.q_norm, q_dim, h.rms_eps)
+        kernels.rmsnorm(k, k, L.k_norm, kv_dim, h.rms_eps)
     if h.v_norm:
         for i in range(L.n_kv_heads):
-            cb_rmsnorm(v + i * hd, v + i * hd, NULL, hd, h.rms_eps)
+            kernels.rmsnorm(v + i * hd, v + i * hd, NULL, hd, h.rms_eps)
     if h.clip_qkv > 0:                                              # OLMoE's clip_qkv
-        cb_clip(q, h.clip_qkv, q_dim)
-        cb_clip(k, h.clip_qkv, kv_dim)
-        cb_clip(v, h.clip_qkv, kv_dim)
+        kernels.clip(q, h.clip_qkv, q_dim)
+        kernels.clip(k, h.clip_qkv, kv_dim)
+        kernels.clip(v, h.clip_qkv, kv_dim)
     cdef const float *cos_t = L.rope_cos + <size_t>pos * (L.rope_dim // 2)
     cdef const float *sin_t = L.rope_sin + <size_t>pos * (L.rope_dim // 2)
-    cb_rope(q, h.n_heads, hd, L.rope_dim, cos_t, sin_t)
-    cb_rope(k, L.n_kv_heads, hd, L.rope_dim, cos_t, sin_t)
+    kernels.rope(q, h.n_heads, hd, L.rope_dim, cos_t, sin_t)
+    kernels.rope(k, L.n_kv_heads, hd, L.rope_dim, cos_t, sin_t)
 
 
 cdef inline int token_pos(const Scratch *s, int t, int pos0) noexcept nogil:
@@ -353,7 +351,7 @@ cdef void attention(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexc
     matmul(s.xb2, d, &L.wo, s.att, q_dim, s.acts, n, h.n_threads)
     if L.bo != NULL:
         for t in range(n):
-            cb_add(s.xb2 + <size_t>t * d, L.bo, d)
+            kernels.add(s.xb2 + <size_t>t * d, L.bo, d)
 
 
 cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) noexcept nogil:
@@ -375,7 +373,7 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
         job(&jobs[1], s.k, D, &L.wkv_a, s.xb, d, s.acts, n)
         kernels.matmul_jobs(jobs, 2, h.n_threads)
         for t in range(n):
-            cb_rmsnorm(s.mla_qa + <size_t>t * ql, s.mla_qa + <size_t>t * ql, L.q_a_norm, ql, h.rms_eps)
+            kernels.rmsnorm(s.mla_qa + <size_t>t * ql, s.mla_qa + <size_t>t * ql, L.q_a_norm, ql, h.rms_eps)
         matmul(s.mla_q, H * qk, &L.wq_b, s.mla_qa, ql, s.acts, n, h.n_threads)
     else:
         job(&jobs[0], s.mla_q, H * qk, &L.wq, s.xb, d, s.acts, n)
@@ -384,11 +382,11 @@ cdef void attention_mla(const Hyper *h, Layer *L, Scratch *s, int n, int pos0) n
     for t in range(n):                          # the latent normed, the RoPE parts rotated, cached
         row = s.k + <size_t>t * D
         pos = token_pos(s, t, pos0)
-        cb_rmsnorm(row + rope, row + rope, L.kv_a_norm, R, h.rms_eps)
+        kernels.rmsnorm(row + rope, row + rope, L.kv_a_norm, R, h.rms_eps)
         cos_t = L.rope_cos + <size_t>pos * (rope // 2)
         sin_t = L.rope_sin + <size_t>pos * (rope // 2)
-        cb_rope(row, 1, D, rope, cos_t, sin_t)
-        cb_rope(s.mla_q + <size_t>t * H * qk, H, qk, rope, cos_t, sin_t)
+        kernels.rope(row, 1, D, rope, cos_t, sin_t)
+        kernels.rope(s.mla_q + <size_t>t * H * qk, H, qk, rope, cos_t, sin_t)
         kernels.kv_store(<char *>seq_cache(L.k_cache, L, token_seq(s, t)) + <size_t>(pos % L.kv_ring)
                          * cb_kv_row_bytes(D, h.kv), row, D, h.kv)
         for i in range(H):                      # each head's query: [its RoPE part, (absorbed below)]
@@ -481,7 +479,7 @@ cdef void add_wave_rows(const Hyper *h, const Scratch *s, const Slot *slots, int
         for r in range(slots[i].row0, slots[i].row0 + slots[i].m):
             t = s.rows[r]
             if t0 <= t < t1:
-                cb_axpy(out + <size_t>t * d, s.row_w[r], s.y + <size_t>r * d, d)
+                kernels.axpy(out + <size_t>t * d, s.row_w[r], s.y + <size_t>r * d, d)
 
 
 cdef void wave_finish(const Hyper *h, Layer *L, Scratch *s, const Slot *slots, int count, int n,
@@ -564,7 +562,7 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
     matmul(s.router, E, &L.router, router_in, d, s.acts, n, h.n_threads)
     for t in range(n):
         if L.router_logit_bias != NULL:
-            cb_add(s.router + <size_t>t * E, L.router_logit_bias, E)
+            kernels.add(s.router + <size_t>t * E, L.router_logit_bias, E)
         if route(h, L, s.router + <size_t>t * E, s.tok_chosen + t * k, s.tok_w + t * k) != 0:
             s.bad_layer = layer
             return STATUS_BAD_ROUTER
@@ -632,17 +630,17 @@ cdef int feed_forward(const Hyper *h, Layer *L, Scratch *s, int n, int layer) no
     ffn(h, &L.dense, s.xb, s.xb2, s, n)
     for t in range(n):
         o = <size_t>t * d
-        cb_rmsnorm(s.xb2 + o, s.xb2 + o, L.post_mlp_norm, d, h.rms_eps)
-        cb_rmsnorm(s.rx + o, s.x + o, L.router_scale, d, h.rms_eps)
-        cb_scale(s.rx + o, h.router_root, d)
-        cb_rmsnorm(s.xe + o, s.x + o, L.pre_moe_norm, d, h.rms_eps)
+        kernels.rmsnorm(s.xb2 + o, s.xb2 + o, L.post_mlp_norm, d, h.rms_eps)
+        kernels.rmsnorm(s.rx + o, s.x + o, L.router_scale, d, h.rms_eps)
+        kernels.scale(s.rx + o, h.router_root, d)
+        kernels.rmsnorm(s.xe + o, s.x + o, L.pre_moe_norm, d, h.rms_eps)
     status = moe(h, L, s, n, layer, s.rx, s.xe, s.xm)
     if status != STATUS_OK:
         return status
     for t in range(n):
         o = <size_t>t * d
-        cb_rmsnorm(s.xm + o, s.xm + o, L.post_moe_norm, d, h.rms_eps)
-        cb_add(s.xb2 + o, s.xm + o, d)
+        kernels.rmsnorm(s.xm + o, s.xm + o, L.post_moe_norm, d, h.rms_eps)
+        kernels.add(s.xb2 + o, s.xm + o, d)
     return STATUS_OK
 
 
@@ -651,17 +649,17 @@ cdef inline void rmsnorm_rows(float *out, const float *x, const float *weight, i
     cdef int t
     if n >= PARALLEL_TOKENS_MIN and h.n_threads > 1:
         for t in prange(n, num_threads=h.n_threads, schedule='static'):
-            cb_rmsnorm(out + <size_t>t * h.d_model, x + <size_t>t * h.d_model, weight, h.d_model, h.rms_eps)
+            kernels.rmsnorm(out + <size_t>t * h.d_model, x + <size_t>t * h.d_model, weight, h.d_model, h.rms_eps)
     else:
         for t in range(n):
-            cb_rmsnorm(out + <size_t>t * h.d_model, x + <size_t>t * h.d_model, weight, h.d_model, h.rms_eps)
+            kernels.rmsnorm(out + <size_t>t * h.d_model, x + <size_t>t * h.d_model, weight, h.d_model, h.rms_eps)
 
 
 cdef inline int logits_status(const Hyper *h, float *logits, int n) noexcept nogil:
     """Soft-cap the logits [n] where configured; STATUS_BAD_LOGITS if any is not finite."""
     if h.softcap > 0:
-        cb_softcap(logits, h.softcap, n)
-    return STATUS_OK if cb_all_finite(logits, n) else STATUS_BAD_LOGITS
+        kernels.softcap(logits, h.softcap, n)
+    return STATUS_OK if kernels.all_finite(logits, n) else STATUS_BAD_LOGITS
 
 
 cdef enum:
@@ -685,7 +683,7 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
         kernels.dequant_row(s.x + <size_t>t * d, embedding.data, embedding.dtype, embedding.layout, tokens[t],
                             embedding.rows, d)
         if h.embed_scale != 1.0:
-            cb_scale(s.x + <size_t>t * d, h.embed_scale, d)
+            kernels.scale(s.x + <size_t>t * d, h.embed_scale, d)
     for layer in range(h.n_layers):
         L = &layers[layer]
         rmsnorm_rows(s.xb, s.x, L.attn_norm, n, h)                 # attention block
@@ -695,16 +693,16 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
             attention(h, L, s, n, pos0)
         if L.post_attn_norm != NULL:
             rmsnorm_rows(s.xb2, s.xb2, L.post_attn_norm, n, h)
-        cb_add(s.x, s.xb2, n * d)
+        kernels.add(s.x, s.xb2, n * d)
         rmsnorm_rows(s.xb, s.x, L.ffn_norm, n, h)                  # feed-forward block
         status = feed_forward(h, L, s, n, layer)
         if status != STATUS_OK:
             return status
         if L.post_ffn_norm != NULL:
             rmsnorm_rows(s.xb2, s.xb2, L.post_ffn_norm, n, h)
-        cb_add(s.x, s.xb2, n * d)
+        kernels.add(s.x, s.xb2, n * d)
         if L.layer_scalar != 1.0:
-            cb_scale(s.x, L.layer_scalar, n * d)
+            kernels.scale(s.x, L.layer_scalar, n * d)
     if want == WANT_SOME:                                           # the marked rows to the front
         kept = 0
         for t in range(n):
@@ -718,7 +716,7 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
             n = kept
             want = WANT_ALL
     if want == WANT_NONE:
-        return STATUS_OK if cb_all_finite(s.x, n * d) else STATUS_BAD_HIDDEN
+        return STATUS_OK if kernels.all_finite(s.x, n * d) else STATUS_BAD_HIDDEN
     if want == WANT_ALL:                                            # head
         rmsnorm_rows(s.x, s.x, final_norm, n, h)
         matmul(logits, h.vocab, lm_head, s.x, d, s.acts, n, h.n_threads)
@@ -784,7 +782,7 @@ def _scratch_layout(spec):
         "q": ((cap, q_dim), f32), "att": ((cap, q_dim), f32),
         "k": ((cap, kv_dim), f32), "v": ((cap, kv_dim), f32),
         # the attention's scores: a row per head (decode), or per thread a block of queries'
-        "scores": ((kernels.cb_attention_score_rows(n_heads, max(spec.n_threads, 1)) if cap > 1
+        "scores": ((kernels.attention_score_rows(n_heads, max(spec.n_threads, 1)) if cap > 1
                     else n_heads, n_ctx + 1), f32),
         "rx": ((cap, d), f32), "xe": ((cap, d), f32), "xm": ((cap, d), f32),
         "mla_qa": ((cap, q_lora), f32), "mla_q": ((cap, mla_q), f32), "mla_o": ((cap, mla_o), f32),
@@ -1347,3 +1345,69 @@ cdef FFN _ffn(dict tensors, str prefix):
     f.up_b = _vec(tensors, prefix + "up_bias")
     f.down_b = _vec(tensors, prefix + "down_bias")
     return f
+
+
+cdef class CacheProbe:
+    """The expert cache of csrc/expert_cache.h alone, over `lengths` bytes of experts carved from
+    one anonymous region (so the readers' real advice calls act on real pages), for the tests:
+    drive it with layer / use / prefetch / done and read its state back."""
+    cdef cb_expert_cache *c
+    cdef object keep              # the numpy arrays the cache points into, and the region
+    cdef public object resident   # uint8 [n]
+    cdef public object fresh      # uint8 [n]
+    cdef public object stats      # int64 [CB_CS_N]
+
+    def __init__(self, lengths, long long budget, str policy="lru", advice=None):
+        from colibri import _os
+        n = len(lengths)
+        page = _os.page_size()
+        lengths = [(int(x) + page - 1) // page * page for x in lengths]
+        region = _os.zeros(max(sum(lengths), page), np.uint8, align=page)
+        pages = np.zeros((n, 2), np.uint64)
+        offset = 0
+        for i, length in enumerate(lengths):
+            pages[i] = (region.ctypes.data + offset, length)
+            offset += length
+        self.resident = np.zeros(n, np.uint8)
+        self.fresh = np.zeros(n, np.uint8)
+        self.stats = np.zeros(len(CACHE_STATS), np.int64)
+        last_use = np.zeros(n, np.int64)
+        freq = np.zeros(n, np.float32)
+        fds = np.full(n, -1, np.int32)
+        self.keep = [region, pages, last_use, freq, fds]
+        self.c = cache_new(pages, fds, self.resident, self.fresh, last_use, freq, self.stats, budget, policy,
+                           _os.engine_advice() if advice is None else advice, _os.cache_advice(), 0)
+
+    def layer(self):
+        cb_cache_layer(self.c)
+
+    def use(self, int i, bint read=True):
+        cb_cache_use(self.c, i, read)
+
+    def prefetch(self, int i):
+        cb_cache_prefetch(self.c, i)
+
+    def done(self, int i):
+        cb_cache_done(self.c, i)
+
+    def hold(self, int i):
+        return cb_cache_hold(self.c, i)
+
+    def drain(self):
+        with nogil:
+            cb_cache_drain(self.c)
+
+    @property
+    def bytes(self):
+        return self.c.bytes, self.c.peak
+
+    def close(self):
+        cdef cb_expert_cache *c = self.c
+        self.c = NULL
+        if c != NULL:
+            with nogil:
+                cb_cache_stop(c)
+            free(c)
+
+    def __dealloc__(self):
+        self.close()

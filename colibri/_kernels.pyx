@@ -5,14 +5,95 @@ Design
 ------
 csrc/dispatch.h fills one kernel table (`cb_kt`) for a tier — scalar, avx2 or avx512 — from what
 the CPU and OS support (COLIBRI_ISA forces one); this module owns that table and the f16 table,
-and is the only one that includes their state. Other modules (the layer loop in _engine, the
-test and benchmark probes in _probes) call the kernels through the entry points declared in
-_kernels.pxd, so selecting a tier changes every kernel at once and nothing else. The code tables
+and is the only module that compiles the kernels (the extern blocks below). Other modules (the
+layer loop in _engine, the test and benchmark probes in _probes) include only csrc/api.h and call
+the kernels through the entry points declared in _kernels.pxd, so selecting a tier changes every
+kernel at once and nothing else, and no module carries a copy of the kernels. The code tables
 of the formats, layouts and activations are defined here once, from the C enums.
 """
 
 from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t, uint32_t, int64_t
 from libc.stdlib cimport calloc
+
+cdef extern from "dispatch.h" nogil:
+    # the kernel table (its state: cb_kt, chosen at import), its drivers and the tiers
+    int CB_ISA_SCALAR, CB_ISA_AVX2, CB_ISA_AVX512
+    int CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI
+    int CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX
+    int CB_HAVE_AMX              # 1 where this build has the AMX step (x86-64, GCC or clang)
+    ctypedef struct cb_cpu_features:
+        int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
+        int avx512_vnni, avx512_bf16, avx_vnni, amx_tile, amx_int8, amx_bf16, os_avx, os_avx512, os_amx
+    ctypedef struct cb_selection:    # what filled the kernel table
+        int isa
+        int int_step
+    # stateless
+    cb_cpu_features cb_detect_cpu()
+    int cb_best_isa(const cb_cpu_features *f)
+
+    # STATEFUL (the kernel table)
+    cb_selection cb_selected
+    int cb_select_isa(int isa)
+    int cb_self_test(int isa)
+    int cb_self_test_step(int isa, int step)
+    int cb_set_int_step(int step)
+    int CB_BF16_SEQ, CB_BF16_ORDERS   # orders of bf16 products: CB_BF16_SEQ .. CB_BF16_ORDERS - 1
+    const char *cb_bf16_order_names[]   # [CB_BF16_ORDERS] their names
+    int cb_bf16_order            # the order in use (kernels_scalar.h); the import self-test sets it
+    int cb_amx_bf16_unit_order   # the AMX unit's order its self-test found (-1: not known)
+    int cb_set_bf16_order(int order)
+    int cb_search_bf16_order_emulated(int isa, int unit)
+    void cb_set_amx_granted(int granted)
+    int *cb_int_step_failed_check  # [CB_INT_STEP_*]: the self-test check a step failed (0: none); it is off
+    # tests: the interleaved kernels of these steps (bit CB_INT_STEP_*) miscompute
+    void cb_set_faulty_int_steps(unsigned steps)
+    int cb_amx_bf16_failed_check  # its bf16 products tile's failed check (0: none); that tile is off
+    int cb_set_prefill_repack(int on)
+    int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
+    void cb_glu(float *gate, const float *up, int n, int act)
+    void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
+                   cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
+    void cb_matmul_jobs(const cb_matjob *jobs, int count, int n_threads)
+    int cb_has_bf16_products()
+    int cb_amx_bf16_installed()
+    void cb_round_bf16(uint16_t *dst, const float *x, int n)
+    int cb_attention_softmax(float *x, int n)
+    void cb_quantize_act(cb_act_q8 *a, const float *x, int n)
+    void cb_attention(float *out, int ldo, const float *q, int ldq, const void *k_cache,
+                      const void *v_cache, float *scores, int n_heads, int n_kv_heads, int head_dim,
+                      int n_ctx, int n, int pos0, int window, int ring, float scale, const float *sinks,
+                      int n_threads, int kv)
+    int cb_attention_score_rows(int n_heads, int n_threads)
+    void cb_kv_store(void *dst, const float *src, int n, int kv)
+    # kernels_scalar.h's element-wise kernels and conversions (every tier's)
+    float cb_f16_to_f32_exact(uint16_t h)
+    float cb_bf16_to_f32(uint16_t h)
+    void cb_rmsnorm(float *out, const float *x, const float *weight, int n, float eps)
+    void cb_add(float *acc, const float *x, int n)
+    void cb_axpy(float *acc, float a, const float *x, int n)
+    void cb_clip(float *x, float limit, int n)
+    void cb_glu_clamped(float *gate, const float *up, int n, float alpha, float limit)
+    void cb_scale(float *x, float a, int n)
+    void cb_softcap(float *x, float cap, int n)
+    void cb_rope(float *v, int n_heads, int head_dim, int rot_dim, const float *cos_t, const float *sin_t)
+    int cb_all_finite(const float *x, int n)
+
+    # the f16 table (state)
+    void cb_init_tables()
+    void cb_dequant_row(float *out, const void *w, int dtype, int layout, int row, int rows, int cols)
+
+cdef extern from "quantize_nl4.h" nogil:
+    # stateless: nl4's scale and code search (rows in parallel), into colibri.quant's rows form
+    int CB_NL4_SUB_MAX           # the search's sub-scales lie in [-31, 31]
+    void cb_quantize_nl4(uint8_t *out, const float *w, const float *importance, int rows, int cols, int n_threads)
+    float cb_nl4_row_scale(float amax)
+    void cb_nl4_search_halves(uint8_t *sc, uint8_t *codes, const float *x, const float *w, const float *s,
+                              int rows, int n_threads)
+
+cdef extern from "token_mask.h" nogil:
+    # stateless: logits [n], a grammar's bitmask [ceil(n / 32)] -> out [n] (-inf where the bit is clear)
+    void cb_mask_logits(const float *logits, const uint32_t *bits, float *out, int64_t n)
+
 
 import os
 import numpy as np
@@ -418,6 +499,50 @@ cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, con
 
 
 # ---- activation quantization scratch ----------------------------------------------------------
+
+cdef int attention_score_rows(int n_heads, int n_threads) noexcept nogil:
+    return cb_attention_score_rows(n_heads, n_threads)
+
+
+cdef void rmsnorm(float *out, const float *x, const float *weight, int n, float eps) noexcept nogil:
+    cb_rmsnorm(out, x, weight, n, eps)
+
+
+cdef void add(float *acc, const float *x, int n) noexcept nogil:
+    cb_add(acc, x, n)
+
+
+cdef void axpy(float *acc, float a, const float *x, int n) noexcept nogil:
+    cb_axpy(acc, a, x, n)
+
+
+cdef void clip(float *x, float limit, int n) noexcept nogil:
+    cb_clip(x, limit, n)
+
+
+cdef void glu_clamped(float *gate, const float *up, int n, float alpha, float limit) noexcept nogil:
+    cb_glu_clamped(gate, up, n, alpha, limit)
+
+
+cdef void scale(float *x, float a, int n) noexcept nogil:
+    cb_scale(x, a, n)
+
+
+cdef void softcap(float *x, float cap, int n) noexcept nogil:
+    cb_softcap(x, cap, n)
+
+
+cdef void rope(float *v, int n_heads, int head_dim, int rot_dim, const float *cos_t, const float *sin_t) noexcept nogil:
+    cb_rope(v, n_heads, head_dim, rot_dim, cos_t, sin_t)
+
+
+cdef bint all_finite(const float *x, int n) noexcept nogil:
+    return cb_all_finite(x, n) != 0
+
+
+cdef float f16_to_f32(uint16_t h) noexcept nogil:
+    return cb_f16_to_f32_exact(h)
+
 
 def act_specs(int rows, int cols, bint bf16_products=False):
     """{name: (shape, dtype)} of the arrays behind `rows` activation quantization scratches

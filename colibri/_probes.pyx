@@ -12,11 +12,11 @@ from libc.stdlib cimport free
 from libc.math cimport sqrtf
 
 cimport colibri._kernels as kernels
-from colibri._kernels cimport cb_attention_score_rows, cb_kv_row_bytes
+from colibri._kernels cimport cb_kv_row_bytes
 cimport colibri._routing as routing
 from colibri._kernels cimport (cb_act_q8, cb_matjob, CB_INT8, CB_INT4, CB_MXFP4, CB_NL4, CB_INT6, CB_BF16,
                                cb_block_mxfp4, cb_igroup_int8, cb_igroup_int4, cb_igroup_mxfp4, cb_igroup_int6,
-                               cb_f16_to_f32_exact, cb_row_stride, cb_rmsnorm, cb_block_int8, cb_block_int4,
+                               cb_row_stride, cb_block_int8, cb_block_int4,
                                cb_group_int8, cb_group_int4)
 from colibri._routing cimport CB_MAX_TOP_K
 
@@ -27,7 +27,7 @@ from colibri._kernels import (ACT_CODES, DTYPE_CODES, KV_CODES, LAYOUT_CODES, ac
 
 
 def kernel_f16_to_f32(uint16_t h):
-    return cb_f16_to_f32_exact(h)
+    return kernels.f16_to_f32(h)
 
 
 def _stored_rows(w, int cols, str dtype, str layout):
@@ -169,7 +169,7 @@ def bench_attention_prompt(q, k_cache, v_cache, int pos0, int n_threads, int rep
     cdef int n = qa.shape[0], n_heads = qa.shape[1], head_dim = qa.shape[2], n_kv = ka.shape[0], ring = ka.shape[1]
     cdef int n_ctx = ring, _rep, t, ld = n_heads * head_dim
     out = np.zeros((n, n_heads, head_dim), np.float32)
-    scores = np.zeros((cb_attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
+    scores = np.zeros((kernels.attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
     cdef float *o = <float *><uintptr_t>out.ctypes.data
     cdef float *sc = <float *><uintptr_t>scores.ctypes.data
     cdef const float *qp = <const float *><uintptr_t>qa.ctypes.data
@@ -391,7 +391,7 @@ def kernel_attention_prompt(q, k_cache, v_cache, int n_kv_heads, int pos0, int w
         raise ValueError("kernel_attention_prompt: the ring must hold every query's positions")
     ka, va = _kv_cache(k_cache, kv), _kv_cache(v_cache, kv)
     out = np.zeros((n, n_heads, head_dim), np.float32)
-    scores = np.zeros((cb_attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
+    scores = np.zeros((kernels.attention_score_rows(n_heads, n_threads), n_ctx + 1), np.float32)
     sink_array = None if sinks is None else np.ascontiguousarray(sinks, np.float32).reshape(-1)
     if sink_array is not None and sink_array.shape[0] != n_heads:
         raise ValueError("kernel_attention_prompt: sinks [n_heads]")
@@ -529,10 +529,10 @@ def kernel_rmsnorm(const float[::1] x, weight, float eps):
     cdef float[::1] o = out
     cdef const float[::1] wv
     if weight is None:
-        cb_rmsnorm(&o[0], &x[0], NULL, x.shape[0], eps)
+        kernels.rmsnorm(&o[0], &x[0], NULL, x.shape[0], eps)
     else:
         wv = np.ascontiguousarray(weight, np.float32)
-        cb_rmsnorm(&o[0], &x[0], &wv[0], x.shape[0], eps)
+        kernels.rmsnorm(&o[0], &x[0], &wv[0], x.shape[0], eps)
     return out
 
 
@@ -599,74 +599,3 @@ def bench_read(buf, int n_threads):
     with nogil:
         r = cb_read_bytes(&v[0], n, n_threads)
     return r
-
-
-from colibri._engine cimport (cb_expert_cache, cache_new, cb_cache_stop, cb_cache_drain,
-                              cb_cache_layer, cb_cache_use, cb_cache_prefetch, cb_cache_done, cb_cache_hold)
-
-
-cdef class CacheProbe:
-    """The expert cache of csrc/expert_cache.h alone, over `lengths` bytes of experts carved from
-    one anonymous region (so the readers' real advice calls act on real pages), for the tests:
-    drive it with layer / use / prefetch / done and read its state back."""
-    cdef cb_expert_cache *c
-    cdef object keep              # the numpy arrays the cache points into, and the region
-    cdef public object resident   # uint8 [n]
-    cdef public object fresh      # uint8 [n]
-    cdef public object stats      # int64 [CB_CS_N]
-
-    def __init__(self, lengths, long long budget, str policy="lru", advice=None):
-        from colibri import _os
-        from colibri._engine import CACHE_STATS
-        n = len(lengths)
-        page = _os.page_size()
-        lengths = [(int(x) + page - 1) // page * page for x in lengths]
-        region = _os.zeros(max(sum(lengths), page), np.uint8, align=page)
-        pages = np.zeros((n, 2), np.uint64)
-        offset = 0
-        for i, length in enumerate(lengths):
-            pages[i] = (region.ctypes.data + offset, length)
-            offset += length
-        self.resident = np.zeros(n, np.uint8)
-        self.fresh = np.zeros(n, np.uint8)
-        self.stats = np.zeros(len(CACHE_STATS), np.int64)
-        last_use = np.zeros(n, np.int64)
-        freq = np.zeros(n, np.float32)
-        fds = np.full(n, -1, np.int32)
-        self.keep = [region, pages, last_use, freq, fds]
-        self.c = cache_new(pages, fds, self.resident, self.fresh, last_use, freq, self.stats, budget, policy,
-                           _os.engine_advice() if advice is None else advice, _os.cache_advice(), 0)
-
-    def layer(self):
-        cb_cache_layer(self.c)
-
-    def use(self, int i, bint read=True):
-        cb_cache_use(self.c, i, read)
-
-    def prefetch(self, int i):
-        cb_cache_prefetch(self.c, i)
-
-    def done(self, int i):
-        cb_cache_done(self.c, i)
-
-    def hold(self, int i):
-        return cb_cache_hold(self.c, i)
-
-    def drain(self):
-        with nogil:
-            cb_cache_drain(self.c)
-
-    @property
-    def bytes(self):
-        return self.c.bytes, self.c.peak
-
-    def close(self):
-        cdef cb_expert_cache *c = self.c
-        self.c = NULL
-        if c != NULL:
-            with nogil:
-                cb_cache_stop(c)
-            free(c)
-
-    def __dealloc__(self):
-        self.close()

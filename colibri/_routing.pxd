@@ -1,14 +1,8 @@
-# The contract with csrc/routing.h: the top-k router. routing.h's softmax table is state, filled
-# once by this module at import: other modules call `route` below, never cb_route.
+# The contract with the top-k router (csrc/routing.h), compiled once, into this module: routing.h's
+# softmax table is state, filled at import; other modules call `route` below, never cb_route.
 
-cdef extern from "routing.h" nogil:
+cdef extern from "api.h" nogil:
     int CB_MAX_TOP_K          # the most experts a token may choose
-    float CB_LUT_DELTA        # worst-case error of one table exponential (softmax_lut.h)
-    void cb_init_softmax_lut()
-    int cb_route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
-                 int *chosen, float *weights)
-    int cb_route_sigmoid(const float *logits, const float *bias, int n_experts, int k, int n_group,
-                         int topk_group, int norm_topk_prob, float scaling, int *chosen, float *weights)
 
 # logits [n_experts] -> the top-k experts (chosen [k]) and their weights [k]; -1 if a logit is not finite
 cdef int route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,

@@ -7,6 +7,15 @@ flag: renormalised over the chosen experts (`norm_topk_prob`) or not. The table 
 once, at import; the layer loop calls `route` (declared in _routing.pxd).
 """
 
+cdef extern from "routing.h" nogil:
+    float CB_LUT_DELTA        # worst-case error of one table exponential (softmax_lut.h)
+    void cb_init_softmax_lut()
+    int cb_route(const float *logits, int n_experts, int k, int norm_topk_prob, int use_lut,
+                 int *chosen, float *weights)
+    int cb_route_sigmoid(const float *logits, const float *bias, int n_experts, int k, int n_group,
+                         int topk_group, int norm_topk_prob, float scaling, int *chosen, float *weights)
+
+
 cb_init_softmax_lut()
 LUT_DELTA = CB_LUT_DELTA        # worst-case error of one table exponential (softmax_lut.h)
 MAX_TOP_K = CB_MAX_TOP_K

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 import colibri
 from colibri import _os, residency
 from colibri._os import _cgroup
-from colibri._probes import CacheProbe
+from colibri._engine import CacheProbe
 from conftest import big_checkpoint
 
 ENV = dict(os.environ, PYTHONPATH=str(Path(colibri.__file__).parent.parent))

@@ -90,8 +90,8 @@ def compiled_headers() -> list:
     """The headers the compiled modules include (their `cdef extern from` lines): the entry
     points of csrc, which include the rest (the tiers, vnni_body.h inside its functions)."""
     found = set()
-    for pxd in sorted((ROOT / "colibri").glob("*.px[dy]")):
-        found.update(re.findall(r'cdef extern from "([\w.]+\.h)"', pxd.read_text()))
+    for source in sorted([*(ROOT / "colibri").glob("*.pxd"), *(ROOT / "colibri").glob("*.pyx")]):
+        found.update(re.findall(r'cdef extern from "([\w.]+\.h)"', source.read_text()))
     return sorted(found)
 
 

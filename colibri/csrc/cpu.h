@@ -14,6 +14,8 @@
 
 #include <stdint.h>
 
+#include "target.h"
+
 enum { CB_ISA_SCALAR = 0, CB_ISA_AVX2 = 1, CB_ISA_AVX512 = 2 };
 
 typedef struct {
@@ -26,31 +28,7 @@ typedef struct {
     int os_avx, os_avx512, os_amx;                     /* XCR0 says the OS saves the state */
 } cb_cpu_features;
 
-/* The instruction sets of each tier's functions (per-function target attributes: one build runs
- * on any x86-64 CPU, and dispatch.h picks the tier at import). MSVC needs no attribute. */
-#if defined(__GNUC__) || defined(__clang__)
-#define CB_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define CB_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-#define CB_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
-#define CB_TARGET_AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-#define CB_TARGET_AVX512_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#else
-#define CB_TARGET_AVX2
-#define CB_TARGET_AVXVNNI
-#define CB_TARGET_AVX512
-#define CB_TARGET_AVX512_VNNI
-#define CB_TARGET_AVX512_BF16
-#endif
-
-/* A kernel body specialised by constant arguments must be inlined into each caller. */
-#if defined(_MSC_VER)
-#define CB_ALWAYS_INLINE __forceinline
-#else
-#define CB_ALWAYS_INLINE inline __attribute__((always_inline))
-#endif
-
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
-#define CB_X86 1
+#if CB_X86
 #if defined(_MSC_VER)
 #include <intrin.h>
 static void cb_cpuid(int leaf, int sub, int r[4]) { __cpuidex(r, leaf, sub); }
@@ -68,8 +46,6 @@ static uint64_t cb_xgetbv(void) {
     return ((uint64_t)hi << 32) | lo;
 }
 #endif
-#else
-#define CB_X86 0
 #endif
 
 static cb_cpu_features cb_detect_cpu(void) {

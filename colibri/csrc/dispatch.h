@@ -392,26 +392,6 @@ static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u
 #define CB_TPREFILL_MIN_TOKENS 8
 #define CB_TDECODE_OUTPUTS 4096
 
-/* One product of a batch (cb_matmul_jobs): out[t * ldo + r] = W[r, :] . x_t for t < n tokens,
- * r < rows, x_t = x + t * ldx; W [rows, cols] stored as dtype/layout. acts [n]: the quantization
- * scratch of the integer formats; jobs with the same input pass the same acts (quantized once).
- * Each job has its own n: the experts of one MoE step, each over the tokens routed to it. */
-typedef struct {
-    int n;
-    float *out;
-    int ldo;
-    const void *w;
-    int dtype;
-    int layout;       /* CB_ROWS / CB_TRANSPOSED / CB_INTERLEAVED */
-    int rows;
-    int cols;
-    const float *x;
-    int ldx;
-    cb_act_q8 *acts;
-    const float *glu_up;  /* or NULL: then out = act(out) * glu_up (same ldo) over this job's rows, */
-    int glu_act;          /* in the same region: the up product must come earlier in the batch */
-} cb_matjob;
-
 /* This thread's share of a transposed product: whole groups of 8 outputs [u0, u1) * 8. Every
  * output's arithmetic is the same for any n and any split, so prefill equals decode. */
 static void cb_job_transposed(const cb_matjob *j, int n, int th, int nt, int *r0, int *r1) {

@@ -9,7 +9,7 @@
 #ifndef COLIBRI_KERNELS_AVX2_H
 #define COLIBRI_KERNELS_AVX2_H
 
-#include "cpu.h"              /* CB_X86, CB_ALWAYS_INLINE */
+#include "target.h"           /* CB_X86, CB_ALWAYS_INLINE, CB_TARGET_* */
 #include "kernels_scalar.h"
 
 #if CB_X86

@@ -16,10 +16,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 
-#include "quant.h"
-
-/* Storage dtypes of a weight matrix (colibri._kernels.DTYPE_CODES names them). */
-enum { CB_F32 = 0, CB_F16 = 1, CB_BF16 = 2, CB_INT8 = 3, CB_INT4 = 4, CB_MXFP4 = 5, CB_NL4 = 6, CB_INT6 = 7, CB_N_DTYPES = 8 };
+#include "api.h"
 
 /* The zero of the unsigned codes the integer steps multiply, which comes off each block's sum
  * times the activations' sum s: int4 8, mxfp4 12 (cb_mxfp4_u12), int6 32, nl4 64 (cb_nl4_u64);
@@ -38,21 +35,6 @@ static inline int32_t cb_code_offset(int dtype, int flip_int8) {
 /* The formats whose products take quantized activations (cb_act_q8). */
 #define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4 || (dtype) == CB_NL4 || \
                             (dtype) == CB_INT6)
-
-/* Bytes of one row of `cols` weights in `dtype` (int8/int4/mxfp4: cols % 32 == 0; nl4, which has
- * no rows layout: 0, see cb_nl4_bytes; int6, which has none either: its interleaved matrix's bytes
- * over its rows). */
-static inline size_t cb_row_stride(int dtype, int cols) {
-    switch (dtype) {
-    case CB_NL4: return 0;
-    case CB_F32: return (size_t)cols * 4;
-    case CB_F16: case CB_BF16: return (size_t)cols * 2;
-    case CB_INT8: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int8);
-    case CB_MXFP4: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_mxfp4);
-    case CB_INT6: return (size_t)(cols / CB_QBLOCK) * (sizeof(cb_igroup_int6) / CB_TGROUP);
-    default: return (size_t)(cols / CB_QBLOCK) * sizeof(cb_block_int4);
-    }
-}
 
 /* One dot product of a weight row (storage format) with the activation, given both as floats
  * x[cols] and, for the integer formats, quantized per block (a). Every tier implements this
@@ -100,6 +82,29 @@ static uint8_t *cb_thread_scratch(int slot, size_t bytes) {
     cb_scratch_ptr[slot] = cb_scratch_raw[slot] ? (uint8_t *)(((uintptr_t)cb_scratch_raw[slot] + 63) & ~(uintptr_t)63) : NULL;
     cb_scratch_cap[slot] = cb_scratch_raw[slot] ? cap : 0;
     return cb_scratch_ptr[slot];
+}
+
+/* Portable quantization of activations (the reference for the SIMD versions). n % 32 == 0. */
+static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
+    for (int b = 0; b < n / CB_QBLOCK; b++) {
+        const float *xb = x + b * CB_QBLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < CB_QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        /* blocks below CB_ACT_TINY quantize to zero: 1/d would overflow for subnormal scales */
+        float d = amax >= CB_ACT_TINY ? amax / 127.0f : 0.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        a->d[b] = d;
+        int32_t sum = 0, half = 0;
+        for (int j = 0; j < CB_QBLOCK; j++) {
+            a->q[b * CB_QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
+            sum += a->q[b * CB_QBLOCK + j];
+            if (j == CB_QBLOCK / 2 - 1) half = sum;
+        }
+        a->s[b] = sum;
+        a->nl4_off[2 * b] = -CB_NL4_OFFSET * half;
+        a->nl4_off[2 * b + 1] = -CB_NL4_OFFSET * (sum - half);
+    }
+    a->n = n;
 }
 
 /* ---- half-precision conversion ------------------------------------------------------------ */
@@ -244,7 +249,6 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  * the same numbers. The scalar kernel below accumulates every output in exactly the order of the
  * scalar dot products above, so at the scalar tier both layouts give the same bits.
  */
-enum { CB_ROWS = 0, CB_TRANSPOSED = 1, CB_INTERLEAVED = 2, CB_N_LAYOUTS = 3 };   /* colibri._kernels.LAYOUT_CODES */
 
 /* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4/int6/bf16) group of 8 outputs. */
 static inline size_t cb_group_bytes(int dtype) {
@@ -641,7 +645,6 @@ static inline float cb_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
-enum { CB_ACT_SILU = 0, CB_ACT_GELU_TANH = 1, CB_ACT_SWIGLU_CLAMPED = 2 };   /* config.HIDDEN_ACTS */
 
 /* gpt-oss's clamped SwiGLU, in place: gate = min(gate, limit), up = clamp(up, -limit, limit),
  * gate = (up + 1) * gate * sigmoid(alpha * gate). Its experts have biases, so it is never fused
@@ -704,22 +707,6 @@ static int cb_softmax(float *x, int n) {
 static inline void cb_q8_scale_outputs(float *const *o, const float *inv, int head_dim, int NH) {
     for (int i = 0; i < NH; i++)
         for (int d = 0; d < head_dim; d++) o[i][d] *= inv[i];
-}
-
-/* The KV cache's element types (a load option): f32, f16 (half the bytes; values rounded to
- * nearest even as they are stored, cb_kt.kv_store; read back exactly), or q8 (a quarter of f32's
- * bytes and 4 more a row: a row of head_dim values is its f32 scale d = max |x| / 127 followed by
- * head_dim int8 codes round(x / d), and stands for code * d). Attention over a q8 cache works on
- * the codes, as the peers' q8_0 caches do (cb_q8_score below): the query head is quantized the
- * same way, a score is the exact integer dot product of the codes times the two scales, and a
- * value row adds code x (probability x its scale). */
-enum { CB_KV_F32 = 0, CB_KV_F16 = 1, CB_KV_Q8 = 2 };
-#define CB_KV_Q8_SCALE_BYTES 4          /* a q8 row's f32 scale, before its codes */
-#define CB_KV_Q8_MAX_HEAD_DIM 1024      /* head_dim a q8 cache serves (the generic path's row buffer) */
-
-/* Bytes of one cache row (a KV head's head_dim values at one position) of kv elements. */
-static inline size_t cb_kv_row_bytes(int head_dim, int kv) {
-    return kv == CB_KV_Q8 ? (size_t)head_dim + CB_KV_Q8_SCALE_BYTES : (size_t)head_dim * (kv == CB_KV_F16 ? 2 : 4);
 }
 
 /* q8 attention. A query head is quantized as cb_kv_store_q8 stores a cache row (scale d_q =

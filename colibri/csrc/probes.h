@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu.h"
+#include "target.h"
 
 /* Streaming read of n bytes (a multiple of 64) split over threads. Returns a checksum so the loop
  * is not removed. */

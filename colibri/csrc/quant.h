@@ -234,27 +234,4 @@ enum { CB_XP_NONE = 0, CB_XP_LANES = 1, CB_XP_PAIRS = 2 };
 
 #define CB_ACT_TINY 1e-30f
 
-/* Portable quantization of activations (the reference for the SIMD versions). n % 32 == 0. */
-static void cb_quantize_act_scalar(cb_act_q8 *a, const float *x, int n) {
-    for (int b = 0; b < n / CB_QBLOCK; b++) {
-        const float *xb = x + b * CB_QBLOCK;
-        float amax = 0.0f;
-        for (int j = 0; j < CB_QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        /* blocks below CB_ACT_TINY quantize to zero: 1/d would overflow for subnormal scales */
-        float d = amax >= CB_ACT_TINY ? amax / 127.0f : 0.0f;
-        float id = d > 0.0f ? 1.0f / d : 0.0f;
-        a->d[b] = d;
-        int32_t sum = 0, half = 0;
-        for (int j = 0; j < CB_QBLOCK; j++) {
-            a->q[b * CB_QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
-            sum += a->q[b * CB_QBLOCK + j];
-            if (j == CB_QBLOCK / 2 - 1) half = sum;
-        }
-        a->s[b] = sum;
-        a->nl4_off[2 * b] = -CB_NL4_OFFSET * half;
-        a->nl4_off[2 * b + 1] = -CB_NL4_OFFSET * (sum - half);
-    }
-    a->n = n;
-}
-
 #endif /* COLIBRI_QUANT_H */

@@ -13,9 +13,9 @@
 #define COLIBRI_ROUTING_H
 
 #include <math.h>
+#include "api.h"
 #include "softmax_lut.h"
 
-#define CB_MAX_TOP_K 64
 
 /* Offer value v of expert e to the top-k buffer (top [k] descending, chosen [k], n entries so
  * far): it enters if there is room or it beats the last; an equal value never displaces. */
