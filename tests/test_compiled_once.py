@@ -19,7 +19,9 @@ CSRC = PKG / "csrc"
 MODULES = ["_kernels", "_routing", "_engine", "_probes"]
 
 # a function definition that is compiled wherever its header is included: `static` without `inline`
-BODY = re.compile(r"^(?:CB_TARGET_\w+\s+)?static\s+(?!inline\b|CB_ALWAYS_INLINE\b)[^;=()]*\b(\w+)\s*\([^;]*?\)\s*\{", re.M)
+BODY = re.compile(
+    r"^(?:CB_TARGET_\w+\s+)?static\s+(?!inline\b|CB_ALWAYS_INLINE\b)[^;=()]*\b(\w+)\s*\([^;]*?\)\s*\{", re.M
+)
 
 
 def includes(header: str, seen: set) -> set:
