@@ -7,6 +7,7 @@ COLIBRI_DEBUG=1 turns bounds and wraparound checks back on.
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -84,13 +85,22 @@ MODULES = ["_kernels", "_routing", "_engine", "_probes"]
 FLAGS = json.dumps({"compile": compile_args, "link": link_args, "debug": debug, "python": sys.version})
 
 
+def sources(name: str) -> list:
+    """What module `name`'s translation reads: its .pyx, the .pxi parts it includes (_engine's, by
+    job), the .pxd contracts and the headers."""
+    pyx = os.path.join("colibri", f"{name}.pyx")
+    with open(pyx) as f:
+        parts = re.findall(r'^include "([\w.]+\.pxi)"', f.read(), re.M)
+    return [pyx, *(os.path.join("colibri", part) for part in parts), *PXDS, *HEADERS]
+
+
 def in_place(name: str) -> str:
     """Where an in-place build (an editable install) puts module `name`'s binary."""
     return os.path.join("colibri", name + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
 def up_to_date(name: str) -> bool:
-    """Whether module `name`'s in-place binary was built from its .pyx, the .pxd contracts and the
+    """Whether module `name`'s in-place binary was built from its .pyx, the .pxd / .pxi files and the
     headers as they are now, with these flags and this Python (its stamp): then it is taken as it
     is, and the module is neither translated by Cython nor compiled again. pip builds an editable
     install in a fresh temporary directory with a fresh Cython each time (whose own .pxd files are
@@ -104,12 +114,12 @@ def up_to_date(name: str) -> bool:
         if f.read() != FLAGS:
             return False
     built = os.path.getmtime(binary)
-    return all(os.path.getmtime(p) <= built for p in [os.path.join("colibri", f"{name}.pyx"), *HEADERS, *PXDS])
+    return all(os.path.getmtime(p) <= built for p in sources(name))
 
 
 def extension(name: str) -> Extension:
     return Extension(f"colibri.{name}", sources=[os.path.join("colibri", f"{name}.pyx")], include_dirs=[CSRC],
-                     depends=HEADERS + PXDS, extra_compile_args=compile_args, extra_link_args=link_args)
+                     depends=sources(name)[1:], extra_compile_args=compile_args, extra_link_args=link_args)
 
 
 class BuildExt(build_ext):

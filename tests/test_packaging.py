@@ -56,6 +56,8 @@ def test_the_sdist_holds_what_a_build_needs_and_no_binaries(dists):
         "README.md",
         "colibri/_kernels.pyx",
         "colibri/_engine.pxd",
+        "colibri/_engine_layers.pxi",
+        "colibri/csrc/api.h",
         "colibri/csrc/token_mask.h",
         "colibri/csrc/dispatch.h",
     ):
