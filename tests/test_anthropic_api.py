@@ -415,6 +415,17 @@ def test_count_tokens_is_the_rendered_prompt(agent, client):
     assert "max_tokens" in anthropic_error(r, 400, "invalid_request_error")
 
 
+def test_count_tokens_counts_a_prompt_longer_than_the_context(agent, client):
+    """Counting is how a client learns that a prompt does not fit: count_tokens answers with the
+    count (above the server's 4096), and only the Messages request itself is refused."""
+    long = [{"role": "user", "content": "weather in Paris and elsewhere " * 1500}]
+    counted = client.messages.count_tokens(model="agent", messages=long).input_tokens
+    assert counted > 4096
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="agent", max_tokens=4, messages=long)
+    assert "context" in str(e.value)
+
+
 def test_openapi_documents_the_messages_api(agent):
     doc = httpx.get(agent.url + "/openapi.json").json()
     assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(doc["paths"])

@@ -213,7 +213,7 @@ def prepare(served, body) -> openai.Job:
 def count_tokens(served, body) -> dict:
     m = served.ready()
     req = openai.validated(CountTokensRequest, body)
-    job = openai.renamed_fields(FIELD_NAMES, openai.prepare, served, to_chat(req, m), True)
+    job = openai.renamed_fields(FIELD_NAMES, openai.prepare, served, to_chat(req, m), True, True)
     return {"input_tokens": len(job.ids)}
 
 

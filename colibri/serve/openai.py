@@ -105,8 +105,10 @@ def renamed_fields(names: dict, fn, *args):
         raise
 
 
-def prepare(served, body, chat: bool) -> Job:
-    """The request's Job, or an APIError naming the field at fault."""
+def prepare(served, body, chat: bool, counting: bool = False) -> Job:
+    """The request's Job, or an APIError naming the field at fault. `counting`: the Job only
+    counts the prompt's tokens (a count_tokens request), so a prompt longer than the context is
+    no error: counting is how a client learns that it is too long."""
     m = served.ready()
     req = validated(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, body)
     if req.model is not None and req.model != served.name:
@@ -156,14 +158,16 @@ def prepare(served, body, chat: bool) -> Job:
         want = req.max_tokens if req.max_tokens is not None else protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
         logprobs = req.logprobs
     room = m.n_ctx - len(ids)
-    if room < 1:
+    if counting:
+        want = max(room, 0)
+    elif room < 1:
         raise APIError(
             400,
             f"the prompt has {len(ids)} tokens; the context is {m.n_ctx}",
             param="messages" if chat else "prompt",
             code="context_length_exceeded",
         )
-    if want is None:
+    elif want is None:
         want = room
     elif want > room:
         raise APIError(

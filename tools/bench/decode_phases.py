@@ -20,7 +20,8 @@ Design
   embedding table, experts x top-k / experts) over the time in the products: beside the machine's
   read bandwidth (readbw.c, measured in the same run), it says whether the kernels stream at the
   memory's speed or leave bandwidth unused, and how much time outside them costs.
-* Engines alternate within each repetition; figures are medians over `--reps`. JSON (command, host,
+* Each engine runs once, discarded, before the measured runs (its mapped pages faulted in); engines
+  alternate within each repetition; figures are medians over `--reps`. JSON (command, host,
   date, commit) to tools/bench/results/<date>-decode-phases-<model>-<format>.json, a table to stdout.
 """
 
@@ -57,12 +58,12 @@ from run_bench import (  # noqa: E402
 PHASES = (
     ("kernel", r"\[kernel|^\[unknown\]"),
     ("sync", r"libgomp|libomp|libiomp|gomp_|GOMP_|omp_|ggml_barrier|do_spin|do_wait|futex|sched_yield|pthread_"),
+    ("attention", r"attend|attention|softmax|soft_max|flash_attn|fattn|rope|kv_store|ggml_compute_forward_cpy"),
     ("quantize activations", r"quantize_act|quantize_row|quantize_mat|from_float|cb_prepare_"),
     (
         "weight products",
         r"cb_(i|t)?tile|cb_dot_|cb_matmul|cb_job_|tprefill|ggml_vec_dot|mul_mat|gemv|gemm|iqk_|repack",
     ),
-    ("attention", r"attend|attention|softmax|soft_max|flash_attn|rope|kv_store|ggml_compute_forward_cpy"),
     ("routing", r"cb_route|topk|top_k|argsort"),
     ("norms, element-wise", r"rmsnorm|rms_norm|cb_add|cb_axpy|cb_scale|cb_glu|glu|silu|swiglu|_add|_mul|get_rows"),
     ("python", r"libpython|_Py|Py[A-Z]|\.cpython-"),
@@ -77,8 +78,8 @@ def phase_of(dso: str, symbol: str) -> str:
     return "other"
 
 
-def perf_shares(data: Path) -> dict:
-    """{phase: share of samples} of a perf.data file."""
+def perf_shares(data: Path) -> tuple:
+    """({phase: share of samples}, [(share, dso, symbol)] of the 30 largest symbols) of a perf.data file."""
     out = subprocess.run(
         ["perf", "report", "-i", str(data), "--no-children", "--sort", "dso,symbol", "--stdio", "-q"],
         capture_output=True,
@@ -86,16 +87,19 @@ def perf_shares(data: Path) -> dict:
         check=True,
     ).stdout
     shares: dict = {}
+    symbols = []
     for line in out.splitlines():
         m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[[.k]\]\s+(.*)", line)
         if m:
-            phase = phase_of(m.group(2), m.group(3).strip())
-            shares[phase] = shares.get(phase, 0.0) + float(m.group(1)) / 100
-    return shares
+            share, dso, symbol = float(m.group(1)) / 100, m.group(2), m.group(3).strip().split("  ")[0]
+            phase = phase_of(dso, symbol)
+            shares[phase] = shares.get(phase, 0.0) + share
+            symbols.append((share, Path(dso).name, symbol))
+    return shares, sorted(symbols, reverse=True)[:30]
 
 
 def profile(cmd, env, skip: float, window: float) -> tuple:
-    """(the command's stdout, {phase: share}): perf attached for `window` s after `skip` s."""
+    """(the command's stdout, {phase: share}, the largest symbols): perf attached for `window` s after `skip` s."""
     with tempfile.TemporaryDirectory() as d, tempfile.TemporaryFile() as out:
         p = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.DEVNULL, env=env)
         time.sleep(skip)
@@ -112,20 +116,20 @@ def profile(cmd, env, skip: float, window: float) -> tuple:
         if p.wait() != 0:
             raise SystemExit(f"{' '.join(map(str, cmd))} failed ({p.returncode})")
         out.seek(0)
-        return out.read().decode(), perf_shares(data)
+        return (out.read().decode(), *perf_shares(data))
 
 
 def colibri_run(a) -> tuple:
     cmd = [sys.executable, "-m", "colibri", "bench", "--model-dir", colibri_dir(a.model, a.format)]
     cmd += ["--prompt-len", 1, "--gen", a.gen, "--repeat", 1, "--threads", a.threads, "--json"]
-    stdout, shares = profile(cmd, COLIBRI_ENV, a.skip, a.window)
-    return json.loads(stdout)["decode_tok_s"]["median"], shares
+    stdout, shares, symbols = profile(cmd, COLIBRI_ENV, a.skip, a.window)
+    return json.loads(stdout)["decode_tok_s"]["median"], shares, symbols
 
 
 def llama_run(bench, gguf, a, extra=()) -> tuple:
     cmd = [bench, "-m", gguf, "-p", 0, "-n", a.gen, "-t", a.threads, "-r", 1, "-o", "json", *extra]
-    stdout, shares = profile(cmd, None, a.skip, a.window)
-    return json.loads(stdout)[0]["avg_ts"], shares
+    stdout, shares, symbols = profile(cmd, None, a.skip, a.window)
+    return json.loads(stdout)[0]["avg_ts"], shares, symbols
 
 
 GGUF_OF = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
@@ -156,14 +160,16 @@ def main(argv=None) -> int:
         prewarm(gguf)
     active = colibri_active_bytes(colibri_dir(a.model, a.format))[0]
     bw_exe = readbw_binary()
+    for name, run in engines.items():  # one discarded run each: the mapped pages, the page cache, the repacks
+        run()
     runs: dict = {name: [] for name in engines}
     bandwidth = []
     for rep in range(a.reps):
         bandwidth.append(run_bandwidth(bw_exe, a.threads, 1024))
         order = list(engines) if rep % 2 == 0 else list(reversed(engines))
         for name in order:
-            tok_s, shares = engines[name]()
-            runs[name].append({"tok_s": tok_s, "shares": shares})
+            tok_s, shares, symbols = engines[name]()
+            runs[name].append({"tok_s": tok_s, "shares": shares, "symbols": symbols})
             print(f"[{name}] rep {rep + 1}: {tok_s:.1f} tok/s, products {shares.get('weight products', 0):.0%}")
     bw = statistics.median(bandwidth)
     phases = [p for p, _ in PHASES] + ["other"]

@@ -167,7 +167,7 @@ NOT_RECORDED = "not recorded"
 @dataclass
 class Result:
     name: str  # the file name, e.g. 2026-12-05-mixtral-mini-zen4.json
-    shape: str | None  # "run_bench", "long_context", "serve_load", "memcap", "constraint"
+    shape: str | None  # "run_bench", "long_context", "serve_load", "memcap", "constraint", "decode_phases", ...
     data: object
     meta: dict = field(default_factory=dict)  # date, host, commit, command, kind, model, journal
 
@@ -179,6 +179,12 @@ def shape_of(data) -> str | None:
             return "run_bench"
         if isinstance(data.get("mask"), dict) and isinstance(data.get("decode"), list):
             return "constraint"
+        if (
+            isinstance(data.get("summary"), dict)
+            and "active_bytes" in data
+            and all(isinstance(v, dict) and "phase_ms" in v for v in data["summary"].values())
+        ):
+            return "decode_phases"
         if isinstance(data.get("summary"), list) and all(
             isinstance(r, dict) and {"memory", "threads", "way", "median_gbs"} <= r.keys() for r in data["summary"]
         ):
@@ -772,7 +778,8 @@ def section_roofline(results: list[Result]) -> list[str]:
     ]
     roof = [r for r in results if r.shape == "read_roofline"]
     dec = [r for r in results if r.shape == "decode_roofline"]
-    if not roof and not dec:
+    phases = [r for r in results if r.shape == "decode_phases"]
+    if not roof and not dec and not phases:
         return out + [
             "No measurement yet: run `tools/bench/read_roofline.c` (its header says how) and "
             "`python -m colibri bench --read-bandwidth --json`.",
@@ -822,6 +829,36 @@ def section_roofline(results: list[Result]) -> list[str]:
                 ["format", "threads", "decode tok/s", "decode reads GB/s", "read loop GB/s", "decode ÷ loop"],
                 rows,
                 "llrrrr",
+            )
+            out += [""] + provenance([r]) + [""]
+    if phases:
+        out += [
+            "### Where a decoded token's time goes",
+            "",
+            "Each engine's decode sampled by `perf` (decode only: attached after the load), its samples "
+            "bucketed by phase, in ms a token (medians); the weight products' read rate is the bytes a token "
+            "reads over the time in the products, beside the read loop timed in the same run.",
+            "",
+        ]
+    for files in newest_by(phases, lambda r: (r.data.get("model"), r.data.get("format"))).values():
+        for r in files:
+            names = [p for p in next(iter(r.data["summary"].values()))["phase_ms"]]
+            shown = [p for p in names if any(v["phase_ms"][p] >= 0.05 for v in r.data["summary"].values())]
+            rows = []
+            for engine, v in r.data["summary"].items():
+                rows.append(
+                    [engine, num(v["tok_s"], 1), num(v["ms_per_token"], 2)]
+                    + [num(v["phase_ms"][p], 2) for p in shown]
+                    + [num(v.get("products_gbs"), 1)]
+                )
+            bw = statistics.median(r.data["bandwidth_gbs"]) if r.data.get("bandwidth_gbs") else None
+            out += [
+                f"{r.data['model']} {r.data['format']}, {r.data['threads']} threads: "
+                f"{r.data['active_bytes'] / 1e6:.1f} MB of weights a token; read loop {num(bw, 1)} GB/s.",
+                "",
+            ]
+            out += table(
+                ["engine", "decode tok/s", "ms/token", *shown, "products GB/s"], rows, "l" + "r" * (len(shown) + 3)
             )
             out += [""] + provenance([r]) + [""]
     return out
