@@ -71,6 +71,33 @@ def msvc_knows_amx_intrinsics() -> bool:
             return False
 
 
+def gcc_parallel_lto() -> list:
+    """["-flto=auto"] where the C compiler is GCC and can link a shared object with it, else []. The
+    kernel module is one translation unit whose code generation (its attention kernels, specialised
+    by heads x head_dim x cache type, are most of it) takes two minutes on one core; with link-time
+    optimisation GCC compiles it in partitions, one per core, at link. The code is the same: the
+    inlining decisions are made over the whole unit before it is partitioned. Not with clang (whose
+    LTO needs its own linker) nor MSVC, nor in a COLIBRI_DEBUG build."""
+    if sys.platform == "win32" or debug:
+        return []
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    try:
+        version = subprocess.run(cc + ["--version"], capture_output=True, text=True).stdout
+        if "Free Software Foundation" not in version or "clang" in version:
+            return []
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "lto.c")
+            with open(src, "w") as f:
+                f.write("int colibri_lto_probe(int x) { return x + 1; }\n")
+            obj, lib = os.path.join(d, "lto.o"), os.path.join(d, "lto.so")
+            ok = subprocess.run(cc + ["-O2", "-fPIC", "-flto=auto", "-c", src, "-o", obj], capture_output=True)
+            ok = ok.returncode == 0 and subprocess.run(cc + ["-shared", "-flto=auto", obj, "-o", lib],
+                                                       capture_output=True).returncode == 0
+        return ["-flto=auto"] if ok else []
+    except OSError:
+        return []
+
+
 if sys.platform != "win32" and not assembler_knows_amx():
     compile_args.append("-DCB_NO_AMX_ASM")
 if sys.platform == "win32" and platform.machine().lower() in ("x86_64", "amd64") and not msvc_knows_amx_intrinsics():
@@ -82,7 +109,10 @@ PXDS = [os.path.join("colibri", p) for p in os.listdir("colibri") if p.endswith(
 # the kernel table (_kernels) and its entry points; the router; the layer loop; the test and
 # benchmark probes. Each .pyx has its contract with the others and with csrc/ in a .pxd.
 MODULES = ["_kernels", "_routing", "_engine", "_probes"]
-FLAGS = json.dumps({"compile": compile_args, "link": link_args, "debug": debug, "python": sys.version})
+# the kernel module is compiled with these too, and linked with the compile flags (its code is made at link)
+KERNEL_LTO = gcc_parallel_lto()
+FLAGS = json.dumps({"compile": compile_args, "link": link_args, "kernel_lto": KERNEL_LTO, "debug": debug,
+                    "python": sys.version})
 
 
 def sources(name: str) -> list:
@@ -118,8 +148,10 @@ def up_to_date(name: str) -> bool:
 
 
 def extension(name: str) -> Extension:
+    lto = KERNEL_LTO if name == "_kernels" else []
     return Extension(f"colibri.{name}", sources=[os.path.join("colibri", f"{name}.pyx")], include_dirs=[CSRC],
-                     depends=sources(name)[1:], extra_compile_args=compile_args, extra_link_args=link_args)
+                     depends=sources(name)[1:], extra_compile_args=compile_args + lto,
+                     extra_link_args=link_args + (compile_args + lto if lto else []))
 
 
 class BuildExt(build_ext):
@@ -144,7 +176,13 @@ class BuildExt(build_ext):
                 shutil.copy2(in_place(name), target)
             print(f"colibri: {ext.name} is up to date ({in_place(name)})")
             return
-        super().build_extension(ext)
+        # not up to date by its stamp (new flags, say) though its files may be older than its
+        # binary: build it, where setuptools would compare only the files' times
+        force, self.force = self.force, True
+        try:
+            super().build_extension(ext)
+        finally:
+            self.force = force
         if self._into_source:
             with open(in_place(name) + ".flags", "w") as f:
                 f.write(FLAGS)
