@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from datetime import datetime
 from functools import cached_property
@@ -37,6 +38,27 @@ CHAT_TEMPLATE_JINJA = "chat_template.jinja"
 CHAT_TEMPLATE_JSON = "chat_template.json"
 ROLES_HINT = "each message must be an object with a string 'role' and a 'content'"
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+# What a chat template may compute: integers of this many bits (a power beyond it is refused), and
+# sequences of this many items made by repetition ("-" * 80 is common; "x" * 10 ** 9 is an attack).
+TEMPLATE_MAX_INT_BITS = 4096
+TEMPLATE_MAX_ITEMS = 1_000_000
+
+
+def _huge_power(base, exponent) -> bool:
+    """Whether int base ** exponent would exceed TEMPLATE_MAX_INT_BITS (floats overflow by themselves)."""
+    if not (isinstance(base, int) and isinstance(exponent, int)) or exponent <= 0 or abs(base) < 2:
+        return False
+    return exponent * math.log2(abs(base)) > TEMPLATE_MAX_INT_BITS
+
+
+def _huge_repetition(left, right) -> bool:
+    """Whether a sequence * int (either order) would exceed TEMPLATE_MAX_ITEMS items."""
+    seq, n = (left, right) if isinstance(right, int) else (right, left)
+    if not (isinstance(n, int) and isinstance(seq, (str, list, tuple))):
+        return False
+    return len(seq) * n > TEMPLATE_MAX_ITEMS
 
 
 def _environment():
@@ -90,9 +112,24 @@ def _environment():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
-    )
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The sandbox with the power and repetition operators bounded: `2 ** (2 ** 40)` or
+        `"x" * 10 ** 10` in a template would take minutes and gigabytes, at load (jinja folds
+        constant expressions when it compiles) or at every render. An intercepted operator is
+        neither folded nor run unchecked; a template that goes past a bound is refused."""
+
+        intercepted_binops = frozenset({"**", "*"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and _huge_power(left, right):
+                raise jinja2.exceptions.SecurityError(
+                    f"a power of more than {TEMPLATE_MAX_INT_BITS} bits ({_short(left)} ** {_short(right)})"
+                )
+            if operator == "*" and _huge_repetition(left, right):
+                raise jinja2.exceptions.SecurityError(f"a repetition of more than {TEMPLATE_MAX_ITEMS:,} items")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(
         raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=Namespace

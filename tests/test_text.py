@@ -131,6 +131,54 @@ def test_sandbox_refuses_attribute_escapes():
         t.render([{"role": "user", "content": "x"}])
 
 
+HUGE_TEMPLATES = [
+    "{{ 2 ** (2 ** 40) }}",  # folded at compile time by an unbounded sandbox: minutes and gigabytes at load
+    "{{ (9 ** 9999999) % 7 }}",
+    '{{ "x" * 10 ** 9 }}',
+    "{% set n = 10 ** 8 %}{{ ([0] * n) | length }}",
+    "{{ 10 ** 8 * [1, 2] }}",
+]
+
+
+def test_templates_that_compute_huge_numbers_or_strings_are_refused_promptly():
+    """Each of these took seconds to minutes and gigabytes: refused now with one line naming the
+    file. Run in a child with a time limit, so that a regression fails rather than hangs the suite."""
+    code = (
+        "import json, sys\n"
+        "from colibri.chat import ChatTemplate\n"
+        "from colibri.errors import ColibriError\n"
+        "out = []\n"
+        "for src in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        ChatTemplate(src, 'hostile.jinja').render([{'role': 'user', 'content': 'hi'}])\n"
+        "        out.append('rendered')\n"
+        "    except ColibriError as e:\n"
+        "        out.append(str(e))\n"
+        "print(json.dumps(out))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(HUGE_TEMPLATES)], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    for src, message in zip(HUGE_TEMPLATES, json.loads(p.stdout)):
+        assert "hostile.jinja" in message and ("bits" in message or "items" in message), (src, message)
+
+
+def test_bounded_operators_keep_ordinary_templates():
+    t = ChatTemplate('{{ "-" * 80 }}|{{ 2 ** 10 }}|{{ 2.5 ** 2 }}|{{ 3 * 4 }}|{{ [0] * 3 }}|{{ 2 * "ab" }}', "t")
+    assert t.render([{"role": "user", "content": "x"}]) == "-" * 80 + "|1024|6.25|12|[0, 0, 0]|abab"
+
+
+@given(st.integers(-(2**70), 2**70), st.integers(-50, 5000))
+def test_the_power_bound_is_the_result_size(base, exponent):
+    from colibri.chat import TEMPLATE_MAX_INT_BITS, _huge_power
+
+    if _huge_power(base, exponent):
+        assert exponent > 0 and (abs(base) ** min(exponent, 5000)).bit_length() >= TEMPLATE_MAX_INT_BITS
+    elif exponent >= 0:
+        assert (base**exponent).bit_length() <= TEMPLATE_MAX_INT_BITS + 1
+
+
 def test_continue_final_message():
     t = ChatTemplate(CHATML, "t")
     text = t.render(
