@@ -67,6 +67,15 @@ cdef extern from "api.h" nogil:
     ctypedef struct cb_igroup_mxfp4:
         pass
 
+cdef extern from "int_step.h" nogil:
+    # the int steps (colibri._kernels.INT_STEPS names them) and what one gives the kernel table
+    int CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI
+    int CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX, CB_INT_STEPS
+    ctypedef struct cb_int_kernels:
+        pass
+    ctypedef struct cb_step_parts:   # the kernels a step built elsewhere calls back into
+        pass
+
 
 # ---- the entry points: the kernels of the tier in use (this module's kernel table) ----------
 
@@ -82,7 +91,6 @@ cdef void dequant_row(float *out, const void *w, int dtype, int layout, int row,
 cdef void quantize_act(cb_act_q8 *a, const float *x, int n) noexcept nogil
 cdef void round_bf16(uint16_t *dst, const float *x, int n) noexcept nogil
 cdef int attention_softmax(float *x, int n) noexcept nogil
-cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) noexcept nogil
 cdef int attention_score_rows(int n_heads, int n_threads) noexcept nogil   # rows of the scores scratch
 
 # ---- the element-wise kernels (kernels_scalar.h: every tier's) -------------------------------
@@ -100,3 +108,10 @@ cdef float f16_to_f32(uint16_t h) noexcept nogil                           # exa
 
 # activation quantization scratch: bind_acts(act_arrays(rows, cols)) -> cb_act_q8 [rows] (free() it)
 cdef cb_act_q8 *bind_acts(list arrays) except NULL
+
+# ---- the int steps' registry, for the probes' test steps (csrc/test_steps.h) -----------------
+
+cdef int install_int_step(int step, const cb_int_kernels *k) noexcept nogil   # k NULL: remove it
+cdef int int_step_kernels(int step, cb_int_kernels *k) noexcept nogil   # the tier in use's, even if off
+cdef const cb_step_parts *step_parts() noexcept nogil
+cdef int search_bf16_order(int step) noexcept nogil   # import's search on step (CB_BF16_*, or -1 / -2 / -3)

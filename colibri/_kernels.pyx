@@ -12,14 +12,12 @@ kernel at once and nothing else, and no module carries a copy of the kernels. Th
 of the formats, layouts and activations are defined here once, from the C enums.
 """
 
-from libc.stdint cimport uintptr_t, uint8_t, int8_t, uint16_t, int32_t, uint32_t, int64_t
+from libc.stdint cimport uintptr_t, uint8_t, uint16_t, int32_t, uint32_t, int64_t
 from libc.stdlib cimport calloc
 
 cdef extern from "dispatch.h" nogil:
     # the kernel table (its state: cb_kt, chosen at import), its drivers and the tiers
     int CB_ISA_SCALAR, CB_ISA_AVX2, CB_ISA_AVX512
-    int CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI
-    int CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX
     int CB_HAVE_AMX              # 1 where this build has the AMX step (x86-64, GCC or clang)
     ctypedef struct cb_cpu_features:
         int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq
@@ -42,14 +40,15 @@ cdef extern from "dispatch.h" nogil:
     int cb_bf16_order            # the order in use (kernels_scalar.h); the import self-test sets it
     int cb_amx_bf16_unit_order   # the AMX unit's order its self-test found (-1: not known)
     int cb_set_bf16_order(int order)
-    int cb_search_bf16_order_emulated(int isa, int unit)
+    int cb_search_bf16_order(int isa, int step)
     void cb_set_amx_granted(int granted)
     int *cb_int_step_failed_check  # [CB_INT_STEP_*]: the self-test check a step failed (0: none); it is off
-    # tests: the interleaved kernels of these steps (bit CB_INT_STEP_*) miscompute
-    void cb_set_faulty_int_steps(unsigned steps)
+    int cb_install_int_step(int step, const cb_int_kernels *k)   # the probes' test steps (int_step.h)
+    int cb_int_step_kernels_of(int step, int isa, cb_int_kernels *k, int any)
+    const cb_step_parts *cb_step_parts_of_kernels()
+    int cb_int_step_installed(int step)
     int cb_amx_bf16_failed_check  # its bf16 products tile's failed check (0: none); that tile is off
     int cb_set_prefill_repack(int on)
-    int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
     void cb_glu(float *gate, const float *up, int n, int act)
     void cb_matmul(float *out, int ldo, const void *w, int dtype, int layout, const float *x, int ldx,
                    cb_act_q8 *acts, int n, int rows, int cols, int n_threads)
@@ -215,14 +214,15 @@ def select_isa(str name):
                          f"available: {', '.join(available_isas())}")
 
 
-# How the transposed int8/int4 kernels (decode tiles, repacked prefill) multiply bytes (dispatch.h,
-# CB_INT_STEP_*): the scalar tier's C, AVX2 maddubs + madd, the VNNI step emulated in AVX2 (tests),
-# AVX-VNNI, AVX512-VNNI, and AVX512-VNNI with the interleaved prompts on AMX tiles (kernels_amx.h;
-# emulated in C for tests). All give the same bits.
+# How the transposed int8/int4 kernels (decode tiles, repacked prefill) multiply bytes (int_step.h,
+# CB_INT_STEP_*): the scalar tier's C, AVX2 maddubs + madd, the VNNI step emulated in AVX2, AVX-VNNI,
+# AVX512-VNNI, AVX512-VNNI with the interleaved prompts on AMX tiles (kernels_amx.h), and those tiles
+# emulated in C. All give the same bits.
 INT_STEPS = {"scalar": CB_INT_STEP_SCALAR, "avx2": CB_INT_STEP_AVX2, "vnni-emulated": CB_INT_STEP_VNNI_EMULATED,
              "avx-vnni": CB_INT_STEP_AVXVNNI, "avx512-vnni": CB_INT_STEP_AVX512VNNI,
              "amx-emulated": CB_INT_STEP_AMX_EMULATED, "amx": CB_INT_STEP_AMX}
-# The steps that exist to test another's bits on CPUs without it: never a tier's default.
+# The steps that exist to test another's bits on CPUs without it: built and installed by the probes
+# (colibri._probes.install_test_steps), never in a production run.
 EMULATED_INT_STEPS = ("vnni-emulated", "amx-emulated")
 
 
@@ -246,21 +246,6 @@ def failed_int_steps():
             if cb_int_step_failed_check[step]}
 
 
-def set_faulty_int_steps(names=()):  # no-cython-lint: `names` (shadowing colibri.names) is the keyword callers use
-    """For the tests: make the interleaved kernels of the int steps `names` miscompute from now on
-    (none: every step as it is), so the self-test's fallback can be run on a CPU whose steps all
-    agree. The table is refilled with the step in use."""
-    cdef unsigned mask = 0
-    if isinstance(names, str):
-        raise ValueError(f"set_faulty_int_steps takes a list of int steps, got the string {names!r}")
-    for name in names:
-        if name not in INT_STEPS or name == "scalar":    # (the scalar step is every check's spec)
-            raise ValueError(f"{name!r} is not an int step that can be made faulty; choose of "
-                             f"{', '.join(k for k in INT_STEPS if k != 'scalar')}")
-        mask |= 1u << INT_STEPS[name]
-    cb_set_faulty_int_steps(mask)
-
-
 def set_int_step(str name):
     """Use step `name` for the transposed int8/int4 kernels from now on (tests and benchmarks
     compare them; selecting a tier picks the fastest). ValueError if unknown or if this tier and
@@ -269,6 +254,8 @@ def set_int_step(str name):
         raise ValueError(f"{name!r} is not an int step; choose one of {', '.join(INT_STEPS)}")
     if cb_set_int_step(INT_STEPS[name]) != 0:
         off = failed_int_steps().get(name)
+        if name in EMULATED_INT_STEPS and not cb_int_step_installed(INT_STEPS[name]):
+            raise ValueError(f"int step {name} is a test step: colibri._probes.install_test_steps() installs it")
         raise ValueError((f"int step {name} is off: it failed the import self-test (check {off})" if off else
                           f"int step {name} cannot run on tier {isa()} of this CPU")
                          + f"; available: {', '.join(available_int_steps())}")
@@ -300,20 +287,6 @@ def set_bf16_order(str name):
     an order other than its unit's takes bf16 prompts off its tiles, keeping prompt = decode).
     ValueError if it is not one."""
     cb_set_bf16_order(_bf16_order_code(name))
-
-
-def search_bf16_order_emulated(str unit):
-    """Play an AMX unit whose TDPBF16PS adds in order `unit` (a BF16_ORDERS name: the emulated tile
-    fixed to it) and run import's search for the order of bf16 products on the amx-emulated step of
-    the tier in use (dispatch.h, cb_self_test_step_bf16_orders): the order it keeps, None where none
-    passes. Everything it changes is restored. ValueError where the tier has no amx-emulated step
-    with a bf16 tile, or a check outside that tile fails."""
-    found = cb_search_bf16_order_emulated(cb_selected.isa, _bf16_order_code(unit))
-    if found == -3:
-        raise ValueError(f"tier {isa()} has no amx-emulated step with a bf16 products tile here")
-    if found == -2:
-        raise ValueError("the amx-emulated step failed a self-test check outside its bf16 products tile")
-    return None if found == -1 else _BF16_ORDER_NAMES[found]
 
 
 def set_prefill_repack(bint on):
@@ -408,8 +381,7 @@ def int_step_warnings():
 def _select_at_import():
     """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test; then the int
     step COLIBRI_INT_STEP names, if set (e.g. COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: the kernels
-    an AVX2-only CPU runs, on a newer CPU that also has AVX-VNNI), and the
-    order of bf16 products COLIBRI_BF16_ORDER names (BF16_ORDERS), if set."""
+    an AVX2-only CPU runs, on a newer CPU that also has AVX-VNNI)."""
     import os
     import warnings
     _grant_amx()
@@ -428,12 +400,6 @@ def _select_at_import():
             set_int_step(step)
         except ValueError as e:
             raise ValueError(f"COLIBRI_INT_STEP={step}: {e}") from None
-    order = os.environ.get("COLIBRI_BF16_ORDER", "").strip().lower()
-    if order:                     # (benchmarks: a split order's decode on a CPU whose unit has none)
-        try:
-            set_bf16_order(order)
-        except ValueError as e:
-            raise ValueError(f"COLIBRI_BF16_ORDER={order}: {e}") from None
 
 
 try:
@@ -494,8 +460,20 @@ cdef int attention_softmax(float *x, int n) noexcept nogil:
     return cb_attention_softmax(x, n)
 
 
-cdef int dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) noexcept nogil:
-    return cb_dpbusd_emulated(out, acc, u, s)
+cdef int install_int_step(int step, const cb_int_kernels *k) noexcept nogil:
+    return cb_install_int_step(step, k)
+
+
+cdef int int_step_kernels(int step, cb_int_kernels *k) noexcept nogil:
+    return cb_int_step_kernels_of(step, cb_selected.isa, k, 1)
+
+
+cdef const cb_step_parts *step_parts() noexcept nogil:
+    return cb_step_parts_of_kernels()
+
+
+cdef int search_bf16_order(int step) noexcept nogil:
+    return cb_search_bf16_order(cb_selected.isa, step)
 
 
 # ---- activation quantization scratch ----------------------------------------------------------

@@ -237,6 +237,90 @@ def kernel_glu(const float[::1] gate, const float[::1] up, str act):
     return out
 
 
+# ---- the test steps (csrc/test_steps.h): built here, installed into _kernels' registry on request
+
+cdef extern from "test_steps.h" nogil:
+    void cb_test_steps_bind(const kernels.cb_step_parts *parts)
+    int cb_test_step_kernels(int step, kernels.cb_int_kernels *k)
+    void cb_make_faulty(int step, kernels.cb_int_kernels *k)
+    int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s)
+    int cb_amx_emu_unit_order     # the order the emulated AMX unit adds in (-1: the order in use)
+
+_TEST_STEPS = {"vnni-emulated": kernels.CB_INT_STEP_VNNI_EMULATED, "amx-emulated": kernels.CB_INT_STEP_AMX_EMULATED}
+_faulty = set()                   # the INT_STEPS names set_faulty_int_steps made faulty
+
+
+cdef void _install(int step, bint faulty):
+    """Install step `step` as the tests want it: its test kernels (an emulated step) or none (a
+    production step), with its interleaved kernel made faulty where asked."""
+    cdef kernels.cb_int_kernels k
+    cdef bint test_step = cb_test_step_kernels(step, &k) == 0
+    kernels.install_int_step(step, &k if test_step else NULL)
+    if faulty and kernels.int_step_kernels(step, &k) == 0:
+        cb_make_faulty(step, &k)
+        kernels.install_int_step(step, &k)
+
+
+def install_test_steps():
+    """Install the test steps this build has (the VNNI step emulated in AVX2, the AMX tiles emulated
+    in C) into _kernels' registry: _kernels.set_int_step and available_int_steps then offer them
+    where the tier and CPU can run them. The step in use stays. Returns their names."""
+    cb_test_steps_bind(kernels.step_parts())
+    cdef kernels.cb_int_kernels k
+    for name, step in _TEST_STEPS.items():
+        _install(step, name in _faulty)
+    return [name for name, step in _TEST_STEPS.items() if cb_test_step_kernels(step, &k) == 0]
+
+
+def remove_test_steps():
+    """Take the test steps out of _kernels' registry (the faults too): a production run's registry."""
+    _faulty.clear()
+    for step in range(kernels.CB_INT_STEPS):
+        kernels.install_int_step(step, NULL)
+
+
+def set_faulty_int_steps(names=()):  # no-cython-lint: `names` (shadowing colibri.names) is the keyword callers use
+    """Make the interleaved kernels of the int steps `names` miscompute from now on (none: every step
+    as it is), so the self-test's fallback can be run on a CPU whose steps all agree. The table is
+    refilled with the step in use."""
+    from colibri._kernels import INT_STEPS
+    if isinstance(names, str):
+        raise ValueError(f"set_faulty_int_steps takes a list of int steps, got the string {names!r}")
+    for name in names:
+        if name not in INT_STEPS or name == "scalar":    # (the scalar step is every check's spec)
+            raise ValueError(f"{name!r} is not an int step that can be made faulty; choose of "
+                             f"{', '.join(k for k in INT_STEPS if k != 'scalar')}")
+    cb_test_steps_bind(kernels.step_parts())
+    _faulty.clear()
+    _faulty.update(names)
+    for name, step in INT_STEPS.items():
+        if name != "scalar":
+            _install(step, name in _faulty)
+
+
+def search_bf16_order_emulated(str unit):
+    """Play an AMX unit whose TDPBF16PS adds in order `unit` (a _kernels.BF16_ORDERS name: the
+    emulated tile fixed to it) and run import's search for the order of bf16 products on the
+    amx-emulated step of the tier in use (dispatch.h, cb_search_bf16_order): the order it keeps,
+    None where none passes. Everything it changes is restored. ValueError where the tier has no
+    amx-emulated step with a bf16 tile, or a check outside that tile fails."""
+    global cb_amx_emu_unit_order
+    from colibri._kernels import BF16_ORDERS
+    if unit not in BF16_ORDERS:
+        raise ValueError(f"{unit!r} is not an order of bf16 products; choose one of {', '.join(BF16_ORDERS)}")
+    before = cb_amx_emu_unit_order
+    cb_amx_emu_unit_order = BF16_ORDERS[unit]
+    try:
+        found = kernels.search_bf16_order(kernels.CB_INT_STEP_AMX_EMULATED)
+    finally:
+        cb_amx_emu_unit_order = before
+    if found == -3:
+        raise ValueError(f"tier {isa()} has no amx-emulated step with a bf16 products tile here")
+    if found == -2:
+        raise ValueError("the amx-emulated step failed a self-test check outside its bf16 products tile")
+    return None if found == -1 else {code: name for name, code in BF16_ORDERS.items()}[found]
+
+
 def kernel_dpbusd_emulated(const int32_t[::1] acc, const uint8_t[::1] u, const int8_t[::1] s):
     """acc [8] + the VNNI step (vpdpbusd) of u [32] and s [32] as emulated in AVX2 for the
     "vnni-emulated" int step. ValueError on a tier without AVX2."""
@@ -244,7 +328,7 @@ def kernel_dpbusd_emulated(const int32_t[::1] acc, const uint8_t[::1] u, const i
         raise ValueError("kernel_dpbusd_emulated: acc [8] int32, u [32] uint8, s [32] int8")
     out = np.empty(8, np.int32)
     cdef int32_t[::1] o = out
-    if kernels.dpbusd_emulated(&o[0], &acc[0], &u[0], &s[0]) != 0:
+    if isa() == "scalar" or cb_dpbusd_emulated(&o[0], &acc[0], &u[0], &s[0]) != 0:
         raise ValueError(f"kernel_dpbusd_emulated: tier {isa()} has no AVX2")
     return out
 

@@ -1291,7 +1291,7 @@ def cmd_info(args) -> int:
             "bf16:         bf16 products on vdpbf16ps (order seq)"
             if order == "seq"
             else f"bf16:         bf16 products in order {order}: widened FMAs, each lane's even and odd sums apart "
-            f"every 64 inputs (an AMX unit's order, or COLIBRI_BF16_ORDER)"
+            f"every 64 inputs (the AMX unit's order)"
         )
     print(f"amx:          {_kernels.amx_status()}")
     return 0

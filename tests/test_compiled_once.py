@@ -61,15 +61,35 @@ def test_the_body_finder_finds_bodies():
     assert "cb_topk_offer" not in BODY.findall(text)  # static inline: compiled only where called
 
 
+# a template header's instantiation: its bodies named through a macro, `#define CB_VNNI_NAME(base) base##_avxvnni`
+INSTANCE = re.compile(r"^#define (CB_\w+_NAME)\(base\) base##(\w+)", re.M)
+
+
+def instances(headers: set) -> set:
+    """The (naming macro, suffix) of every template instantiation in `headers`."""
+    return {found for header in headers for found in INSTANCE.findall((CSRC / header).read_text())}
+
+
 def test_every_function_body_is_compiled_in_one_module():
     reached = {module: headers_of(module) for module in MODULES}
     assert "dispatch.h" in reached["_kernels"] and "routing.h" in reached["_routing"]
     assert "expert_cache.h" in reached["_engine"] and "probes.h" in reached["_probes"]
+    assert "test_steps.h" in reached["_probes"] and "test_steps.h" not in reached["_kernels"]
     for header in sorted(p.name for p in CSRC.glob("*.h")):
         bodies = BODY.findall((CSRC / header).read_text())
         owners = [module for module in MODULES if header in reached[module]]
+        if bodies and all(re.fullmatch(r"CB_\w+_NAME", body) for body in bodies):
+            continue  # a template (vnni_body.h, amx_body.h): its instantiations are checked below
         if bodies:
             assert len(owners) <= 1, f"{header} (bodies {bodies[:3]}) is compiled into {owners}"
+    # a template is compiled again in each instantiation, under that instantiation's names: no two
+    # modules instantiate one with the same names
+    seen: dict = {}
+    for module in MODULES:
+        for found in instances(reached[module]):
+            assert found not in seen, f"{found} is instantiated in {seen[found]} and {module}"
+            seen[found] = module
+    assert ("CB_VNNI_NAME", "_vnni_emulated") in seen and seen["CB_VNNI_NAME", "_vnni_emulated"] == "_probes"
 
 
 def test_the_build_does_not_silence_unused_functions():

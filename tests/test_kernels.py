@@ -530,7 +530,7 @@ def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
     try:
         for k in range(1, len(steps)):  # the fastest k steps fail
             faulty = steps[-k:]
-            _kernels.set_faulty_int_steps(faulty)
+            _probes.set_faulty_int_steps(faulty)
             assert _kernels.self_test(isa) is None, faulty
             assert _kernels.isa() == isa and _kernels.int_step() == steps[-k - 1]
             failed = _kernels.failed_int_steps()
@@ -546,21 +546,21 @@ def test_an_int_step_that_fails_the_self_test_is_turned_off(isa):
                 match=f"int step {faulty[0]} is off: it failed the import self-test \\(check {failed[faulty[0]]}\\)",
             ):
                 _kernels.set_int_step(faulty[0])
-        _kernels.set_faulty_int_steps(steps)  # every step: the tier's fault
+        _probes.set_faulty_int_steps(steps)  # every step: the tier's fault
         message = _kernels.self_test(isa)
         assert message is not None and "disagree with the scalar spec" in message
         assert _kernels.failed_int_steps() == {}
-        _kernels.set_faulty_int_steps([steps[0]])  # only the slowest: the fastest runs
+        _probes.set_faulty_int_steps([steps[0]])  # only the slowest: the fastest runs
         assert _kernels.self_test(isa) is None and _kernels.int_step() == steps[-1]
         assert _kernels.failed_int_steps() == {} and int_step_lines() == []
     finally:
-        _kernels.set_faulty_int_steps([])
+        _probes.set_faulty_int_steps([])
         assert _kernels.self_test(isa) is None
     assert _kernels.failed_int_steps() == {} and _kernels.int_step() == steps[-1]
     with pytest.raises(ValueError, match="list of int steps"):
-        _kernels.set_faulty_int_steps(steps[-1])
+        _probes.set_faulty_int_steps(steps[-1])
     with pytest.raises(ValueError, match="can be made faulty"):
-        _kernels.set_faulty_int_steps(["scalar"])
+        _probes.set_faulty_int_steps(["scalar"])
 
 
 def test_a_lower_tiers_self_test_keeps_what_a_higher_one_found():
@@ -577,9 +577,9 @@ def test_a_lower_tiers_self_test_keeps_what_a_higher_one_found():
             pytest.skip("no AVX512-VNNI step here")
         at = steps.index("avx512-vnni")
         faulty, fallback = steps[at:], steps[at - 1]
-        _kernels.set_faulty_int_steps(faulty)
+        _probes.set_faulty_int_steps(faulty)
         assert _kernels.self_test("avx512") is None and _kernels.int_step() == fallback
-        _kernels.set_faulty_int_steps([])  # the fault gone: only the self-test's marks keep them off
+        _probes.set_faulty_int_steps([])  # the fault gone: only the self-test's marks keep them off
         _kernels.set_bf16_order("split-odd")
         assert _kernels.self_test("avx2") is None and _kernels.isa() == "avx2"
         assert sorted(_kernels.failed_int_steps()) == sorted(faulty)
@@ -589,7 +589,7 @@ def test_a_lower_tiers_self_test_keeps_what_a_higher_one_found():
         assert _kernels.self_test("avx512") is None  # its own steps afresh
         assert _kernels.failed_int_steps() == {} and _kernels.int_step() == steps[-1]
     finally:
-        _kernels.set_faulty_int_steps([])
+        _probes.set_faulty_int_steps([])
         _kernels.set_bf16_order("seq")
         assert _kernels.self_test("avx512") is None
         _kernels.set_bf16_order(order_before)
@@ -612,36 +612,51 @@ def test_a_tier_that_fails_its_self_test_is_not_used():
     assert "does not support it" in _kernels.choose_tier("avx512", ["scalar", "avx2"], broken.get)[2]
 
 
+def test_a_production_run_holds_no_test_step():
+    """The test steps (csrc/test_steps.h) are built in the probes, not in the kernel module: a
+    process that imports only the kernels offers none of them; installed (as this session's conftest
+    does) they are offered where the tier can run them, and removed they are gone again, the step in
+    use kept or, where it was one of them, the tier's fastest."""
+    probe = "from colibri import _kernels as k; print(' '.join(k.available_int_steps()))"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert r.stdout.split() and not set(r.stdout.split()) & set(_kernels.EMULATED_INT_STEPS)
+    if _kernels.isa() == "scalar":
+        pytest.skip("the scalar tier has no test step")
+    before = _kernels.int_step()
+    try:
+        _kernels.set_int_step("vnni-emulated")
+        _probes.remove_test_steps()
+        assert not set(_kernels.available_int_steps()) & set(_kernels.EMULATED_INT_STEPS)
+        assert _kernels.int_step() == _kernels.available_int_steps()[-1]
+        with pytest.raises(ValueError, match="vnni-emulated is a test step"):
+            _kernels.set_int_step("vnni-emulated")
+    finally:
+        assert "vnni-emulated" in _probes.install_test_steps()
+        _kernels.set_int_step(before)
+    assert "vnni-emulated" in _kernels.available_int_steps()
+
+
 def test_colibri_int_step_forces_the_step_at_import():
     """COLIBRI_INT_STEP chooses the step after the tier (COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: what
-    an AVX2-only host runs). vnni-emulated is never a tier's default, so the variable must have
-    acted; an unknown step is an error that names the variable (kept for load to raise)."""
+    an AVX2-only host runs); a test step, which a production run's registry does not hold (the
+    probes build and install it), and an unknown step are errors that name the variable (kept for
+    load to raise), the tier's fastest step in use."""
     if "avx2" not in _kernels.available_isas():
         pytest.skip("this CPU has no AVX2 tier")
     probe = "from colibri import _kernels as k; print(k.isa(), k.int_step(), k.ISA_ERROR)"
     env = dict(os.environ, COLIBRI_ISA="avx2", COLIBRI_INT_STEP="vnni-emulated")
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert r.stdout.split() == ["avx2", "vnni-emulated", "None"]
+    assert (
+        r.stdout.startswith("avx2 ")
+        and "COLIBRI_INT_STEP=vnni-emulated: int step vnni-emulated is a test step" in r.stdout
+    )
+    assert "vnni-emulated" not in r.stdout.split()[1]
     env["COLIBRI_INT_STEP"] = "avx2"
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["avx2", "avx2", "None"]
     env["COLIBRI_INT_STEP"] = "avx9000-vnni"
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert "COLIBRI_INT_STEP=avx9000-vnni" in r.stdout and "not an int step" in r.stdout
-
-
-def test_colibri_bf16_order_sets_the_order_at_import():
-    """COLIBRI_BF16_ORDER sets the order of the interleaved bf16 products after the tier (the split
-    orders' decode measured on a CPU whose AMX unit, if any, has none); unset, import keeps
-    vdpbf16ps's order on a CPU without AMX-BF16."""
-    probe = "from colibri import _kernels as k; print(k.bf16_order(), k.ISA_ERROR)"
-    env = dict(os.environ, COLIBRI_BF16_ORDER="split-odd")
-    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert r.stdout.split() == ["split-odd", "None"]
-    env.pop("COLIBRI_BF16_ORDER")
-    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    if not _kernels.cpu_features()["amx_bf16"]:
-        assert r.stdout.split() == ["seq", "None"]
 
 
 # ---- the f16 KV cache (load(kv_cache="f16")) -------------------------------------------------

@@ -557,7 +557,7 @@ def test_the_self_test_finds_the_amx_units_order_of_bf16_products(unit):
     ):
         pytest.skip("the AMX steps' bf16 tile needs the AVX-512 tier with AVX512_BF16 and a build with the amx steps")
     before = _kernels.bf16_order(), _kernels.int_step()
-    assert _kernels.search_bf16_order_emulated(unit) == unit
+    assert _probes.search_bf16_order_emulated(unit) == unit
     assert (_kernels.bf16_order(), _kernels.int_step()) == before
 
 

@@ -142,7 +142,7 @@ def main():
         f"tier {_kernels.isa()}, {args.threads} threads, matrix [{rows}, {cols}], median of {args.repeat}; "
         f"last-level cache {f'{llc >> 20} MB' if llc else 'unknown'}: this table runs {where}"
     )
-    if _kernels.bf16_order() != "seq":  # (COLIBRI_BF16_ORDER, or an AMX unit's order)
+    if _kernels.bf16_order() != "seq":  # (an AMX unit's order)
         print(f"interleaved bf16 products in the split order {_kernels.bf16_order()}: widened FMAs, not vdpbf16ps")
     print(f"{'format':>6} {'layout':>10} {'MB':>7} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6}")
     base = rng.standard_normal((1024, cols)).astype(np.float32)

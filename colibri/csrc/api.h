@@ -36,6 +36,27 @@ static inline size_t cb_row_stride(int dtype, int cols) {
     }
 }
 
+/* The zero of the unsigned codes the integer steps multiply, which comes off each block's sum
+ * times the activations' sum s: int4 8, mxfp4 12 (cb_mxfp4_u12), int6 32, nl4 64 (cb_nl4_u64);
+ * int8 128 where the step flips its codes to unsigned (flip_int8: the VNNI steps' vpdpbusd), 0
+ * where it multiplies them signed (the AVX2 step's sign trick). */
+static inline int32_t cb_code_offset(int dtype, int flip_int8) {
+    switch (dtype) {
+    case CB_INT8: return flip_int8 ? 128 : 0;
+    case CB_MXFP4: return CB_MXFP4_OFFSET;
+    case CB_INT6: return CB_INT6_OFFSET;
+    case CB_NL4: return CB_NL4_OFFSET;
+    default: return 8;
+    }
+}
+
+/* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4/int6/bf16) group of 8 outputs. */
+static inline size_t cb_group_bytes(int dtype) {
+    return dtype == CB_INT8 ? sizeof(cb_group_int8) : dtype == CB_MXFP4 ? sizeof(cb_igroup_mxfp4)
+         : dtype == CB_NL4 ? sizeof(cb_igroup_nl4) : dtype == CB_INT6 ? sizeof(cb_igroup_int6)
+         : dtype == CB_BF16 ? sizeof(cb_igroup_bf16) : sizeof(cb_group_int4);
+}
+
 /* The KV cache's element types (a load option): f32, f16 (half the bytes; values rounded to
  * nearest even as they are stored, cb_kt.kv_store; read back exactly), or q8 (a quarter of f32's
  * bytes and 4 more a row: a row of head_dim values is its f32 scale d = max |x| / 127 followed by

@@ -24,12 +24,6 @@ int omp_get_num_threads(void);
 #include "kernels_vnni.h"
 #include "kernels_amx.h"
 
-/* out[t * ldo + o] for outputs [o0, o1) (whole groups) and n tokens of a transposed int8/int4
- * matrix, through `scratch` (cb_tprefill_bytes; `first`: the job's first chunk, which also fills
- * the scratch's activation sums): the same bits as the ttile. */
-typedef void (*cb_tprefill_fn)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int rows,
-                               int cols, int o0, int o1, int n, uint8_t *scratch, int first);
-
 /* Tokens per tile call: every tier's tiles (rows and transposed) take T in 1..4. */
 #define CB_TILE_TOKENS 4
 
@@ -105,24 +99,16 @@ static cb_selection cb_selected;
  * prefill through the stored-order ttile instead of tprefill (to compare the two). */
 static struct { int prefill_repack; } cb_options = {1};
 
-/* How the transposed and interleaved int8/int4 kernels (decode tiles, the repacked prefill, the
- * interleaved tiles) multiply bytes, slowest first: the scalar tier's C, AVX2's maddubs + madd,
- * the VNNI step emulated in AVX2 (tests only), AVX-VNNI, AVX512-VNNI, then AVX512-VNNI with the
- * interleaved prompts on AMX tiles (its tile ops emulated in C: tests only). All give the same bits. */
-enum { CB_INT_STEP_SCALAR, CB_INT_STEP_AVX2, CB_INT_STEP_VNNI_EMULATED, CB_INT_STEP_AVXVNNI,
-       CB_INT_STEP_AVX512VNNI, CB_INT_STEP_AMX_EMULATED, CB_INT_STEP_AMX, CB_INT_STEPS };
-
 /* An int step that failed import's self-test on a tier whose kernels passed with a slower step
  * (cb_self_test) is off from then on: the number of the check it failed (0: not turned off). The
  * slowest step of a tier is never off: where it fails too, the tier's own code is at fault. With
  * the AVX512-VNNI step off, the AVX-512 tier's other kernels leave vpdpbusd too (cb_select_kernels). */
 static int cb_int_step_failed_check[CB_INT_STEPS];
 
-/* For the tests: the int steps (bit CB_INT_STEP_*) whose interleaved kernel is made to miscompute,
- * to hold the self-test's fallback to account on a CPU whose steps all agree
- * (cb_set_faulty_int_steps); the table in use then wraps its step's kernel, kept here. */
-static unsigned cb_faulty_int_steps;
-static cb_itile_fn cb_faulty_itile_of;
+/* The steps installed from outside this module (int_step.h: the probes' test steps), by code: a
+ * step this module lacks (the emulated ones), or one whose own kernels it replaces (a faulty
+ * kernel); itile NULL: none. Empty in a production run. */
+static cb_int_kernels cb_installed_steps[CB_INT_STEPS];
 
 /* The AMX step (kernels_amx.h: the AVX512-VNNI step with the interleaved prompts on AMX tiles) runs
  * only once the OS has lent this process the tile state (_kernels asks at import, then sets this)
@@ -137,26 +123,9 @@ static int cb_amx_bf16_failed_check;
 static int cb_amx_bf16_unit_order = -1;
 static void cb_set_amx_granted(int granted) { cb_amx_granted = granted != 0; }
 
-/* A faulty step's interleaved kernel (cb_faulty_int_steps): its kernel's products with the first
- * output of each call changed (one token, one group: what a wrong instruction on some inputs would
- * do). */
-static void cb_itile_faulty(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols, int g0,
-                            int g1, int n) {
-    cb_faulty_itile_of(out, ldo, w, dtype, acts, cols, g0, g1, n);
-    if (g0 < g1 && n > 0) out[(size_t)g0 * CB_TGROUP] = nanf("");
-}
-
-/* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
- * CPU has no such step, or (unless `any`) the self-test turned it off (cb_int_step_failed_check).
- * The registry the table is filled from (and the tests choose from). */
-typedef struct {
-    cb_ttile_fn ttile;          /* the transposed entry (every format: the float ones as the tier's) */
-    cb_tprefill_fn tprefill;    /* the transposed repacked prefill (the scalar tier: its spec) */
-    cb_itile_fn itile;          /* the interleaved entry */
-    cb_itile_fn itile_bf16x;    /* NULL, or the interleaved bf16 products' entry it replaces (AMX) */
-} cb_int_kernels;
-
-static int cb_int_step_kernels_of(int step, int isa, cb_int_kernels *k, int any) {
+/* The group kernels this module builds for int step `step` on tier `isa` (*k), and whether this
+ * tier and CPU can run them: the steps as they are, before any installed one or self-test mark. */
+static int cb_int_step_own_kernels(int step, int isa, cb_int_kernels *k) {
     cb_int_kernels s = {NULL, NULL, NULL, NULL};
     int ok = 0;
     if (isa == CB_ISA_SCALAR) {
@@ -170,10 +139,6 @@ static int cb_int_step_kernels_of(int step, int isa, cb_int_kernels *k, int any)
         cb_int_kernels avx2 = {cb_ttile_avx2_any, cb_tprefill_quant_avx2, cb_itile_avx2, NULL};
         s = avx2;
         ok = 1;
-    } else if (step == CB_INT_STEP_VNNI_EMULATED) {
-        cb_int_kernels em = {cb_ttile_vnni_emulated, cb_tprefill_quant_vnni_emulated, cb_itile_vnni_emulated, NULL};
-        s = em;
-        ok = 1;
     } else if (step == CB_INT_STEP_AVXVNNI) {
         cb_int_kernels vex = {cb_ttile_avxvnni, cb_tprefill_quant_avxvnni, cb_itile_avxvnni, NULL};
         s = vex;
@@ -184,21 +149,47 @@ static int cb_int_step_kernels_of(int step, int isa, cb_int_kernels *k, int any)
         ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni;
     }
 #if CB_HAVE_AMX
-    else if (step == CB_INT_STEP_AMX_EMULATED || step == CB_INT_STEP_AMX) {
-        cb_int_kernels amx = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni,
-                              step == CB_INT_STEP_AMX ? cb_itile_amx : cb_itile_amx_emulated, NULL};
-        if (cb_cpu.avx512_bf16)             /* (its last tokens go to the AVX512_BF16 tile) */
-            amx.itile_bf16x = step == CB_INT_STEP_AMX_EMULATED ? cb_itile_bf16x_amx_emulated
-                            : cb_cpu.amx_bf16 && !cb_amx_bf16_failed_check &&
-                              (cb_amx_bf16_unit_order < 0 || cb_amx_bf16_unit_order == cb_bf16_order)
-                                  ? cb_itile_bf16x_amx : NULL;
+    else if (step == CB_INT_STEP_AMX) {
+        cb_int_kernels amx = {cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni, cb_itile_amx, NULL};
+        if (cb_cpu.avx512_bf16 && cb_cpu.amx_bf16 && !cb_amx_bf16_failed_check &&   /* (its last tokens go to */
+            (cb_amx_bf16_unit_order < 0 || cb_amx_bf16_unit_order == cb_bf16_order))   /* the AVX512_BF16 tile) */
+            amx.itile_bf16x = cb_itile_bf16x_amx;
         s = amx;
-        ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni &&
-             (step == CB_INT_STEP_AMX_EMULATED ||
-              (cb_cpu.amx_tile && cb_cpu.amx_int8 && cb_cpu.os_amx && cb_amx_granted));
+        ok = isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni && cb_cpu.amx_tile && cb_cpu.amx_int8 && cb_cpu.os_amx &&
+             cb_amx_granted;
     }
 #endif
 #endif
+    *k = s;
+    return ok;
+}
+
+/* Whether tier `isa` on this CPU has what an installed test step needs (int_step.h): the VNNI
+ * emulation AVX2, the AMX emulation the AVX512-VNNI step it falls back to. */
+static int cb_installed_step_runs(int step, int isa) {
+#if CB_X86
+    if (step == CB_INT_STEP_VNNI_EMULATED) return isa >= CB_ISA_AVX2;
+    if (step == CB_INT_STEP_AMX_EMULATED) return isa >= CB_ISA_AVX512 && cb_cpu.avx512_vnni;
+#endif
+    (void)step; (void)isa;
+    return 0;
+}
+
+/* The group kernels of int step `step` on tier `isa`: 0, or -1 (nothing written) if this tier or
+ * CPU has no such step, or (unless `any`) the self-test turned it off (cb_int_step_failed_check).
+ * An installed step stands for this module's own (or for the step it lacks). The registry the
+ * table is filled from (and the tests choose from). */
+static int cb_int_step_kernels_of(int step, int isa, cb_int_kernels *k, int any) {
+    if (step < 0 || step >= CB_INT_STEPS) return -1;
+    cb_int_kernels s;
+    int ok = cb_int_step_own_kernels(step, isa, &s);
+    const cb_int_kernels *installed = &cb_installed_steps[step];
+    if (installed->itile && ok)
+        s.itile = installed->itile;             /* (a replaced kernel: the step's others its own) */
+    else if (installed->itile && (ok = cb_installed_step_runs(step, isa)) != 0) {
+        s = *installed;
+        if (!cb_cpu.avx512_bf16) s.itile_bf16x = NULL;
+    }
     if (!ok || (!any && cb_int_step_failed_check[step])) return -1;
     *k = s;
     return 0;
@@ -325,11 +316,6 @@ static int cb_select_kernels_of(int isa, int step, int any) {
             t.mat[d][CB_INTERLEAVED].itile = k.itile;
     }
     if (k.itile_bf16x && t.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x) t.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x = k.itile_bf16x;
-    if (cb_faulty_int_steps >> step & 1u) {             /* (tests) */
-        cb_faulty_itile_of = k.itile;
-        for (int d = 0; d < CB_N_DTYPES; d++)
-            if (t.mat[d][CB_INTERLEAVED].itile == k.itile) t.mat[d][CB_INTERLEAVED].itile = cb_itile_faulty;
-    }
     cb_kt = t;
     cb_selected.isa = isa;
     cb_selected.int_step = step;
@@ -368,17 +354,36 @@ static int cb_set_prefill_repack(int on) {
     return cb_options.prefill_repack && cb_kt.mat[CB_INT8][CB_TRANSPOSED].tprefill != NULL;
 }
 
-/* out[8] = acc[8] + the VNNI step of u[32] (unsigned) and s[32] (signed) as the "vnni-emulated"
- * int step computes it, for its test; -1 on a tier without AVX2. */
-static int cb_dpbusd_emulated(int32_t *out, const int32_t *acc, const uint8_t *u, const int8_t *s) {
-#if CB_X86
-    if (cb_selected.isa < CB_ISA_AVX2) return -1;
-    cb_dpbusd_emulated_mem(out, acc, u, s);
+/* Install `k` as int step `step` (int_step.h: the probes' test steps), or with k NULL remove what
+ * was installed; the table is refilled with the step in use, or, where that step is gone, with the
+ * fastest the tier has. -1 (nothing changed) if `step` is no step. */
+static int cb_install_int_step(int step, const cb_int_kernels *k) {
+    static const cb_int_kernels none = {NULL, NULL, NULL, NULL};
+    if (step < 0 || step >= CB_INT_STEPS) return -1;
+    cb_installed_steps[step] = k ? *k : none;
+    if (cb_select_kernels(cb_selected.isa, cb_selected.int_step) != 0) cb_select_isa(cb_selected.isa);
     return 0;
+}
+
+/* Whether a step is installed from outside this module (cb_install_int_step). */
+static int cb_int_step_installed(int step) {
+    return step >= 0 && step < CB_INT_STEPS && cb_installed_steps[step].itile != NULL;
+}
+
+/* What a step built outside this module calls back into it for (int_step.h). */
+static const cb_step_parts *cb_step_parts_of_kernels(void) {
+#if CB_HAVE_AMX
+    static const cb_step_parts parts = {cb_ttile_avx2_any, cb_tprefill_pack_avx2, cb_thread_scratch, &cb_bf16_order,
+                                        cb_ttile_avx512vnni, cb_tprefill_quant_avx512vnni, cb_itile_avx512vnni, cb_itile_wide_avx512vnni,
+                                        cb_itile_bf16x_ordered_avx512, cb_amx_fill_config, cb_amx_pack_acts,
+                                        cb_amx_pack_weights, cb_amx_bf16_fill_config, cb_amx_bf16_pack_acts,
+                                        cb_amx_bf16_pack_weights};
+#elif CB_X86
+    static const cb_step_parts parts = {cb_ttile_avx2_any, cb_tprefill_pack_avx2, cb_thread_scratch, &cb_bf16_order};
 #else
-    (void)out; (void)acc; (void)u; (void)s;
-    return -1;
+    static const cb_step_parts parts = {NULL, NULL, cb_thread_scratch, &cb_bf16_order};
 #endif
+    return &parts;
 }
 
 /* Outputs per chunk of a transposed prefill product: the chunk's weights (about 128 KB) stay in
@@ -827,7 +832,7 @@ static int cb_selftest_is_amx_bf16_check(int code) {
 static int cb_amx_bf16_installed(void) {
 #if CB_HAVE_AMX
     const cb_itile_fn f = cb_kt.mat[CB_BF16][CB_INTERLEAVED].itile_bf16x;
-    return f == cb_itile_bf16x_amx || f == cb_itile_bf16x_amx_emulated;
+    return f != NULL && (f == cb_itile_bf16x_amx || f == cb_installed_steps[CB_INT_STEP_AMX_EMULATED].itile_bf16x);
 #else
     return 0;
 #endif
@@ -1033,19 +1038,17 @@ static int cb_self_test_step_bf16_orders(int isa, int step, int *bf16_tile) {
     return code;
 }
 
-/* For the tests: play an AMX unit whose TDPBF16PS adds in order `unit` (the emulated tile fixed to
- * it) and search as import does on a real one, with the amx-emulated step of tier `isa`: the order
- * kept (CB_BF16_*), -1 where none passes, -2 where a check outside the bf16 tile fails, -3 where
- * the build or tier has no amx-emulated step. The order, the emulation and the int step restored. */
-static int cb_search_bf16_order_emulated(int isa, int unit) {
-    const int before_step = cb_selected.int_step, before_order = cb_bf16_order, before_unit = cb_amx_emu_unit_order;
+/* Import's search for the order of bf16 products (cb_self_test_step_bf16_orders) run on int step
+ * `step` of tier `isa` — for the tests, on the amx-emulated step playing a unit that follows a
+ * given order (test_steps.h): the order kept (CB_BF16_*), -1 where none passes, -2 where a check
+ * outside the bf16 tile fails, -3 where the tier has no such step with a bf16 products tile here.
+ * The order and the int step in use are restored. */
+static int cb_search_bf16_order(int isa, int step) {
+    const int before_step = cb_selected.int_step, before_order = cb_bf16_order;
     cb_int_kernels k;
-    if (cb_int_step_kernels(CB_INT_STEP_AMX_EMULATED, isa, &k) != 0 || !k.itile_bf16x) return -3;
-    cb_amx_emu_unit_order = unit;
+    if (cb_int_step_kernels(step, isa, &k) != 0 || !k.itile_bf16x) return -3;
     int bf16_tile;
-    const int found = cb_self_test_step_bf16_orders(isa, CB_INT_STEP_AMX_EMULATED, &bf16_tile) == 0 ? cb_bf16_order
-                    : bf16_tile ? -1 : -2;
-    cb_amx_emu_unit_order = before_unit;
+    const int found = cb_self_test_step_bf16_orders(isa, step, &bf16_tile) == 0 ? cb_bf16_order : bf16_tile ? -1 : -2;
     cb_bf16_order = before_order;
     cb_select_kernels(isa, before_step);
     return found;
@@ -1102,13 +1105,6 @@ static int cb_self_test(int isa) {
         if (kept[s]) cb_int_step_failed_check[s] = kept[s];
     cb_select_kernels(isa, cb_best_int_step(isa));
     return code;
-}
-
-/* For the tests: make the interleaved kernel of each int step in `steps` (bit CB_INT_STEP_*)
- * miscompute, and no other's (0: none); the table is refilled with the step in use. */
-static void cb_set_faulty_int_steps(unsigned steps) {
-    cb_faulty_int_steps = steps;
-    cb_select_kernels(cb_selected.isa, cb_selected.int_step);
 }
 
 #endif /* COLIBRI_DISPATCH_H */

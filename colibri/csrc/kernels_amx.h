@@ -26,10 +26,10 @@
  * nl4 (two scales a block), the last n % 16 tokens (decode, a few tokens: the tile unit takes as
  * long for 1 row as for 16) and an odd last group go to the AVX512-VNNI step.
  *
- * The tile ops are instantiated twice (amx_body.h): with the instructions (GCC/clang inline asm:
- * the assembler knows them, no compiler flag is needed; MSVC the _tile_* intrinsics), and emulated
- * in C on a thread's array of
- * 8 tiles ("amx-emulated": the body's bits tested on any AVX-512 CPU). The real step runs only
+ * The body (amx_body.h) is instantiated here with the instructions (GCC/clang inline asm: the
+ * assembler knows them, no compiler flag is needed; MSVC the _tile_* intrinsics), and by the probes
+ * with the tile ops emulated in C on a thread's array of 8 tiles (test_steps.h, "amx-emulated": the
+ * body's bits tested on any AVX-512 CPU). The real step runs only
  * where the CPU has AMX-INT8, XCR0 enables the tile state, the OS lent it to the process
  * (_os.request_tile_data: Linux arch_prctl; Windows 11 / Server 2022 as an optional feature the
  * process turns on) and the import-time self-test passed (dispatch.h cb_self_test).
@@ -37,77 +37,13 @@
 #ifndef COLIBRI_KERNELS_AMX_H
 #define COLIBRI_KERNELS_AMX_H
 
-#include <float.h>
-
 #include "kernels_vnni.h"
 #include "kernels_avx512.h"      /* the bf16 products tile takes a prompt's last tokens */
+#include "amx_types.h"           /* CB_HAVE_AMX, the tiles' shapes and packed blocks */
 
-/* tiles: 64-bit mode only. GCC and clang write the tile instructions as inline asm (CB_NO_AMX_ASM:
- * setup.py found an assembler without them); MSVC, which has no inline asm on x86-64, takes the
- * _tile_* intrinsics of immintrin.h (its tile numbers constants, as here; CB_NO_AMX_INTRINSICS:
- * setup.py found a Visual Studio without them), as does a GCC or clang
- * build with CB_AMX_INTRINSICS and -mamx-tile -mamx-int8 -mamx-bf16 (the tests compile that). */
-#if CB_X86 && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(CB_NO_AMX_ASM)
-#define CB_HAVE_AMX 1
-#ifndef CB_AMX_INTRINSICS
-#define CB_AMX_ASM 1
-#endif
-#elif CB_X86 && defined(_MSC_VER) && defined(_M_X64) && !defined(CB_NO_AMX_INTRINSICS)
-#define CB_HAVE_AMX 1
-#endif
 
 #if CB_HAVE_AMX
 
-#define CB_AMX_TOKENS 16            /* A's and C's rows: tokens a tile */
-
-#ifndef CB_AMX_KBLOCKS
-#define CB_AMX_KBLOCKS 32           /* blocks of a group pair unpacked at a time: 18 KB of B beside
-                                       a token tile's 18 KB of A, in L1 */
-#endif
-#if CB_AMX_KBLOCKS < 1
-#error "CB_AMX_KBLOCKS: at least 1"
-#endif
-/* The pair tile's software pipeline (amx_body.h): a block's C is stored CB_AMX_STORE_DELAY steps
- * after its product is issued and scaled CB_AMX_LOOKAHEAD steps after (STORE_DELAY <= LOOKAHEAD).
- * C goes round STORE_DELAY + 2 tiles beside A and B's four, so the next block's product never
- * waits for this one's store (one C tile for all blocks would make each product wait for the last
- * store); cbuf has LOOKAHEAD - STORE_DELAY + 1 slots. The default (0, 1) stores a block's C right
- * after its product and scales it a step later. The emulated tiles hold this body to its bits on
- * any AVX-512 CPU, and the import-time self-test holds the hardware tiles to them. */
-#ifndef CB_AMX_STORE_DELAY
-#define CB_AMX_STORE_DELAY 0
-#endif
-#ifndef CB_AMX_LOOKAHEAD
-#define CB_AMX_LOOKAHEAD 1
-#endif
-#define CB_AMX_CTILES (CB_AMX_STORE_DELAY + 2)
-#define CB_AMX_CBUFS (CB_AMX_LOOKAHEAD - CB_AMX_STORE_DELAY + 1)
-#if CB_AMX_STORE_DELAY > 2 || CB_AMX_STORE_DELAY > CB_AMX_LOOKAHEAD
-#error "CB_AMX_STORE_DELAY: 0 .. 2, at most CB_AMX_LOOKAHEAD"
-#endif
-
-/* ldtilecfg's 64 bytes (palette 1). */
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} cb_amx_config;
-
-/* One block of a group pair, as B (signed bytes) and its 16 output scales. */
-typedef struct {
-    int8_t q[8][64];                /* [row c][group p * 32 + output r * 4 + i]: input 4c + i */
-    float dw[16];                   /* [p * 8 + r] the weight scales */
-} cb_amx_wblock;
-
-/* One block of a tile of tokens, as A and the tokens' activation scales. */
-typedef struct {
-    int8_t q[CB_AMX_TOKENS][CB_QBLOCK];     /* [token][input] */
-    float d[CB_AMX_TOKENS];                 /* [token] */
-} cb_amx_act;
-
-/* The scratch (amx_body.h) lays these out back to back: each keeps the next 64-byte aligned. */
-CB_STATIC_ASSERT(sizeof(cb_amx_wblock) % 64 == 0 && sizeof(cb_amx_act) % 64 == 0, "AMX blocks: 64-byte multiples");
 
 /* Tiles 0, 1 and 2, 3: A and B of even and odd blocks; 4 .. 3 + CB_AMX_CTILES: C. */
 static void cb_amx_fill_config(cb_amx_config *c) {
@@ -173,34 +109,7 @@ CB_TARGET_AVX512_VNNI static void cb_amx_pack_weights(cb_amx_wblock *wb, const c
  * adding it leaves a lane exactly as it was, a lane flushed to -0 included. Unlike the int
  * formats there is no scale a block, so C stays on the tile over a whole range of
  * CB_AMX_BF16_CHUNKS chunks of 64 inputs: the tile unit, not the vector ports, sets the pace. */
-#define CB_AMX_BF16_UNITS 16            /* units c (4 inputs) a TDPBF16PS */
 CB_STATIC_ASSERT(CB_AMX_BF16_UNITS * 4 == CB_BF16_SPLIT_INPUTS, "a split order's span is one TDPBF16PS's inputs");
-#ifndef CB_AMX_BF16_CHUNKS
-#define CB_AMX_BF16_CHUNKS 8            /* 64-input chunks of B unpacked at a time: 16 KB a group pair, so
-                                           two pairs' B stay in Sapphire Rapids' 48 KB L1 beside A */
-#endif
-/* Group pairs a pass: with two, each lane's products go 2 token tiles x 2 pairs (4 tile loads for 4
- * TDPBF16PS, the blocking Intel's optimization manual gives for AMX); with one, 2 token tiles x 1
- * pair (6 loads for 4). Between ranges of chunks each C tile goes to memory and back (2 more tile
- * moves for 8 chunks' 8 products). tools/bench/amx_engine.py's variants (one pair, 16 chunks:
- * bf16-pairs1; two pairs of 16 chunks, 64 KB of B: bf16-chunks16) are the alternatives to time
- * this one against. */
-#ifndef CB_AMX_BF16_PAIRS
-#define CB_AMX_BF16_PAIRS 2
-#endif
-#if CB_AMX_BF16_PAIRS < 1 || CB_AMX_BF16_PAIRS > 2 || CB_AMX_BF16_CHUNKS < 1
-#error "CB_AMX_BF16_PAIRS: 1 or 2; CB_AMX_BF16_CHUNKS: at least 1"
-#endif
-
-/* One chunk of 64 inputs of a group pair as B, both lanes (2 KB). */
-typedef struct {
-    uint16_t q[2][CB_AMX_BF16_UNITS][32];       /* [lane p][unit c][output n * 2 + j] */
-} cb_amx_bf16_w;
-
-/* One chunk of 64 inputs of a tile of tokens as A, both lanes (2 KB). */
-typedef struct {
-    uint16_t q[2][CB_AMX_TOKENS][32];           /* [lane p][token][unit c * 2 + j] */
-} cb_amx_bf16_a;
 
 /* All 8 tiles 16 rows x 64 bytes: 0, 1 A of two token tiles; 2, 3 B of two group pairs; 4 .. 7 C (amx_body.h). */
 static void cb_amx_bf16_fill_config(cb_amx_config *c) {
@@ -289,76 +198,6 @@ CB_TARGET_AVX512_BF16 static void cb_amx_bf16_pack_weights(cb_amx_bf16_w *wb, co
 #define CB_AMX_HW_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 
-/* The same ops in C on a thread's 8 emulated tiles (the instruction's definition: rows and colsb
- * from the config, C[m][n] += sum over k, i of A[m][4k + i] * B[k][4n + i] in int32). */
-typedef struct { uint8_t b[16][64]; } cb_amx_emu_tile;
-static CB_THREAD_LOCAL cb_amx_emu_tile cb_amx_emu_tiles[8];
-static CB_THREAD_LOCAL cb_amx_config cb_amx_emu_cfg;
-
-static void cb_amx_emu_loadcfg(const cb_amx_config *c) {
-    cb_amx_emu_cfg = *c;
-    memset(cb_amx_emu_tiles, 0, sizeof cb_amx_emu_tiles);
-}
-static void cb_amx_emu_load(int t, const void *base, long stride) {
-    memset(&cb_amx_emu_tiles[t], 0, sizeof(cb_amx_emu_tile));
-    for (int r = 0; r < cb_amx_emu_cfg.rows[t]; r++)
-        memcpy(cb_amx_emu_tiles[t].b[r], (const char *)base + r * stride, cb_amx_emu_cfg.colsb[t]);
-}
-static void cb_amx_emu_store(int t, void *base, long stride) {
-    for (int r = 0; r < cb_amx_emu_cfg.rows[t]; r++)
-        memcpy((char *)base + r * stride, cb_amx_emu_tiles[t].b[r], cb_amx_emu_cfg.colsb[t]);
-}
-static void cb_amx_emu_zero(int t) { memset(&cb_amx_emu_tiles[t], 0, sizeof(cb_amx_emu_tile)); }
-static void cb_amx_emu_dpbssd(int c, int a, int b) {
-    const int M = cb_amx_emu_cfg.rows[a], K4 = cb_amx_emu_cfg.rows[b], N = cb_amx_emu_cfg.colsb[b] / 4;
-    for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++) {
-            int32_t acc;
-            memcpy(&acc, &cb_amx_emu_tiles[c].b[m][4 * n], 4);
-            for (int k = 0; k < K4; k++)
-                for (int i = 0; i < 4; i++)
-                    acc += (int32_t)(int8_t)cb_amx_emu_tiles[a].b[m][4 * k + i] *
-                           (int32_t)(int8_t)cb_amx_emu_tiles[b].b[k][4 * n + i];
-            memcpy(&cb_amx_emu_tiles[c].b[m][4 * n], &acc, 4);
-        }
-}
-
-/* TDPBF16PS as the Intrinsics Guide defines it: C[m][n] += A[m][2k] * B[k][2n], then += A[m][2k + 1]
- * * B[k][2n + 1], k after k, each product exact and each addition rounded to nearest even; inputs
- * that are subnormal taken as zero (DAZ), subnormal results flushed to zero (FTZ). Where the order
- * in use is a split one (cb_bf16_order, kernels_scalar.h), as the SDM defines it: the even and
- * odd products summed apart from zero over the instruction's k, then joined to C[m][n] as the
- * order says — so the tests can run the split paths as an AMX unit that follows it would (and
- * play a unit that follows another: cb_amx_emu_unit_order). */
-static float cb_amx_emu_bf16(uint16_t h) {
-    return (h & 0x7F80u) == 0 ? 0.0f * cb_bf16_to_f32(h) : cb_bf16_to_f32(h);     /* DAZ, the sign kept */
-}
-static float cb_amx_emu_ftz(float v) { return fabsf(v) < FLT_MIN ? copysignf(0.0f, v) : v; }
-static void cb_amx_emu_dpbf16ps(int c, int a, int b) {
-    const int M = cb_amx_emu_cfg.rows[a], K2 = cb_amx_emu_cfg.rows[b], N = cb_amx_emu_cfg.colsb[b] / 4;
-    for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++) {
-            const int order = cb_amx_emu_unit_order >= 0 ? cb_amx_emu_unit_order : cb_bf16_order;
-            float acc, sums[2] = {0.0f, 0.0f};         /* a split order's even and odd sums */
-            memcpy(&acc, &cb_amx_emu_tiles[c].b[m][4 * n], 4);
-            for (int k = 0; k < K2; k++)
-                for (int i = 0; i < 2; i++) {
-                    uint16_t x, y;
-                    memcpy(&x, &cb_amx_emu_tiles[a].b[m][4 * k + 2 * i], 2);
-                    memcpy(&y, &cb_amx_emu_tiles[b].b[k][4 * n + 2 * i], 2);
-                    float *to = order == CB_BF16_SEQ ? &acc : &sums[i];
-                    *to = cb_amx_emu_ftz(fmaf(cb_amx_emu_bf16(x), cb_amx_emu_bf16(y), *to));   /* the product exact */
-                }
-            switch (order) {
-            case CB_BF16_SEQ: break;
-            case CB_BF16_SPLIT_SUM: acc = cb_amx_emu_ftz(acc + cb_amx_emu_ftz(sums[0] + sums[1])); break;
-            case CB_BF16_SPLIT_EVEN: acc = cb_amx_emu_ftz(cb_amx_emu_ftz(acc + sums[0]) + sums[1]); break;
-            default: acc = cb_amx_emu_ftz(cb_amx_emu_ftz(acc + sums[1]) + sums[0]); break;
-            }
-            memcpy(&cb_amx_emu_tiles[c].b[m][4 * n], &acc, 4);
-        }
-}
-
 #define CB_AMX_LOADCFG CB_AMX_HW_LOADCFG
 #define CB_AMX_RELEASE CB_AMX_HW_RELEASE
 #define CB_AMX_LOAD CB_AMX_HW_LOAD
@@ -369,17 +208,6 @@ static void cb_amx_emu_dpbf16ps(int c, int a, int b) {
 #define CB_AMX_NAME(base) base##_amx
 #include "amx_body.h"                  /* (it #undefs its parameters) */
 
-#define CB_AMX_LOADCFG(cfg) cb_amx_emu_loadcfg(cfg)
-#define CB_AMX_RELEASE() ((void)0)
-#define CB_AMX_LOAD(t, base, stride) cb_amx_emu_load(t, base, stride)
-#define CB_AMX_STORE(t, base, stride) cb_amx_emu_store(t, base, stride)
-#define CB_AMX_ZERO(t) cb_amx_emu_zero(t)
-#define CB_AMX_DPBSSD(c, a, b) cb_amx_emu_dpbssd(c, a, b)
-#define CB_AMX_DPBF16PS(c, a, b) cb_amx_emu_dpbf16ps(c, a, b)
-#define CB_AMX_NAME(base) base##_amx_emulated
-#include "amx_body.h"                  /* (it #undefs its parameters) */
 
-#else
-#define CB_HAVE_AMX 0
 #endif /* CB_HAVE_AMX */
 #endif /* COLIBRI_KERNELS_AMX_H */

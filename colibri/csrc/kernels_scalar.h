@@ -17,20 +17,7 @@
 #include <stdlib.h>
 
 #include "api.h"
-
-/* The zero of the unsigned codes the integer steps multiply, which comes off each block's sum
- * times the activations' sum s: int4 8, mxfp4 12 (cb_mxfp4_u12), int6 32, nl4 64 (cb_nl4_u64);
- * int8 128 where the step flips its codes to unsigned (flip_int8: the VNNI steps' vpdpbusd), 0
- * where it multiplies them signed (the AVX2 step's sign trick). */
-static inline int32_t cb_code_offset(int dtype, int flip_int8) {
-    switch (dtype) {
-    case CB_INT8: return flip_int8 ? 128 : 0;
-    case CB_MXFP4: return CB_MXFP4_OFFSET;
-    case CB_INT6: return CB_INT6_OFFSET;
-    case CB_NL4: return CB_NL4_OFFSET;
-    default: return 8;
-    }
-}
+#include "int_step.h"         /* the tile entries' types */
 
 /* The formats whose products take quantized activations (cb_act_q8). */
 #define CB_IS_QUANT(dtype) ((dtype) == CB_INT8 || (dtype) == CB_INT4 || (dtype) == CB_MXFP4 || (dtype) == CB_NL4 || \
@@ -59,17 +46,7 @@ typedef float (*cb_dot_fn)(const void *row, const float *x, const cb_act_q8 *a, 
  * so does every other thread that ran a prefill (a Python thread's is not freed when it exits).
  * NULL if the allocation fails. A slot's buffer moves when it grows: a caller asks again for each
  * product and never holds it across another call for the same slot. */
-enum {
-    CB_SCRATCH_TPREFILL = 0,    /* the repacked prefill's chunk (dispatch.h, cb_job_transposed) */
-    CB_SCRATCH_ACT_TILES = 1,   /* the interleaved prompt tiles' packed activations (kernels_avx2.h, kernels_vnni.h;
-                                   amx_body.h: also its unpacked weights, C buffers or bf16 lane sums, and tile config) */
-    CB_SCRATCH_SLOTS = 2
-};
-#if defined(_MSC_VER)
-#define CB_THREAD_LOCAL __declspec(thread)
-#else
-#define CB_THREAD_LOCAL __thread
-#endif
+/* (The slots' codes, CB_SCRATCH_*: int_step.h.) */
 static CB_THREAD_LOCAL void *cb_scratch_raw[CB_SCRATCH_SLOTS];       /* what malloc returned */
 static CB_THREAD_LOCAL uint8_t *cb_scratch_ptr[CB_SCRATCH_SLOTS];    /* aligned into it */
 static CB_THREAD_LOCAL size_t cb_scratch_cap[CB_SCRATCH_SLOTS];
@@ -137,13 +114,6 @@ static float cb_f16_to_f32_exact(uint16_t h) {
 
 static void cb_init_tables(void) {
     for (uint32_t i = 0; i < 65536u; i++) cb_f16_table[i] = cb_f16_to_f32_exact((uint16_t)i);
-}
-
-static inline float cb_bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
 }
 
 /* f32 -> bf16 as vcvtneps2bf16 does it: round to nearest even, a denormal input to a signed
@@ -250,13 +220,6 @@ static float cb_dot_int4_scalar(const void *row, const float *x, const cb_act_q8
  * scalar dot products above, so at the scalar tier both layouts give the same bits.
  */
 
-/* Bytes of a transposed int8/int4 (or interleaved mxfp4/nl4/int6/bf16) group of 8 outputs. */
-static inline size_t cb_group_bytes(int dtype) {
-    return dtype == CB_INT8 ? sizeof(cb_group_int8) : dtype == CB_MXFP4 ? sizeof(cb_igroup_mxfp4)
-         : dtype == CB_NL4 ? sizeof(cb_igroup_nl4) : dtype == CB_INT6 ? sizeof(cb_igroup_int6)
-         : dtype == CB_BF16 ? sizeof(cb_igroup_bf16) : sizeof(cb_group_int4);
-}
-
 /* An interleaved nl4 matrix [rows, cols]: its groups, then its f32 row scales [rows] (quant.h). */
 static inline size_t cb_nl4_bytes(int rows, int cols) {
     return (size_t)(rows / CB_TGROUP) * (cols / CB_QBLOCK) * sizeof(cb_igroup_nl4) + (size_t)rows * sizeof(float);
@@ -285,13 +248,6 @@ static inline float cb_load_f32_scalar(const char *row, int dtype, int i) {
     if (dtype == CB_F16) return cb_f16_table[((const uint16_t *)row)[i]];
     return cb_bf16_to_f32(((const uint16_t *)row)[i]);
 }
-
-/* Transposed tile: out[j * ldo + o] = W[o, :] . token j for outputs o in [o0, o1) and tokens
- * j < T (x + j * ldx for the float formats, acts[j] for the integer ones); W has `rows` outputs and
- * `cols` inputs, stored transposed. Integer formats: o0 and o1 multiples of 8 (whole groups),
- * except o1 == rows. Every tier implements this signature (SIMD tiers for T <= 4). */
-typedef void (*cb_ttile_fn)(float *out, int ldo, const char *w, int dtype, const float *x, int ldx,
-                            const cb_act_q8 *acts, int rows, int cols, int o0, int o1, int T);
 
 /* The 32 weights q[32] of output r in an interleaved group (quant.h) as signed integers (int4:
  * nibble - 8; mxfp4: the doubled e2m1 value; nl4: its codebook value; int6: u - 32), input order. */
@@ -481,14 +437,6 @@ static void cb_ttile_scalar(float *out, int ldo, const char *w, int dtype, const
     }
 }
 
-/* Interleaved tile (int8/int4/mxfp4/nl4/int6/bf16, quant.h): out[t * ldo + o] = W[o, :] . token t (acts[t];
- * bf16: acts[t].x, or .xb for bf16 products) for the outputs of groups [g0, g1) and every token
- * t < n; W has `cols` inputs. Every tier implements
- * this signature; each output's blocks are scaled and added in order, as in the scalar dot
- * products above, so at the scalar tier all three layouts give the same bits. */
-typedef void (*cb_itile_fn)(float *out, int ldo, const char *w, int dtype, const cb_act_q8 *acts, int cols,
-                            int g0, int g1, int n);
-
 /* ---- the interleaved bf16 layout (cb_igroup_bf16) ---------------------------------------------
  * Output r of a group sums its inputs in two lanes, p = 0 taking inputs 4c, 4c + 1 and p = 1
  * inputs 4c + 2, 4c + 3 of every vector c, in order; the output is lane 0 + lane 1. The widened
@@ -511,14 +459,10 @@ typedef void (*cb_itile_fn)(float *out, int ldo, const char *w, int dtype, const
  * (cb_bf16_join). Decode and every prompt tile then follow it (the AVX-512 widened split kernels,
  * kernels_avx512.h), so a prompt keeps decode's bits on such a unit. The import self-test chooses
  * the order (dispatch.h, cb_self_test); tests set it (_kernels.set_bf16_order). */
-enum { CB_BF16_SEQ, CB_BF16_SPLIT_SUM, CB_BF16_SPLIT_EVEN, CB_BF16_SPLIT_ODD, CB_BF16_ORDERS };
+/* (The orders' codes, CB_BF16_*: int_step.h.) */
 /* Their names (COLIBRI_BF16_ORDER, _kernels.BF16_ORDERS, the tools' reports). */
 static const char *const cb_bf16_order_names[CB_BF16_ORDERS] = {"seq", "split-sum", "split-even", "split-odd"};
-#define CB_BF16_SPLIT_INPUTS 64         /* the inputs of one TDPBF16PS of a lane: 16 vectors of 4 */
 static int cb_bf16_order = CB_BF16_SEQ;
-/* The order the emulated AMX unit adds in (kernels_amx.h): -1 follows cb_bf16_order; tests fix
- * one to play a unit that follows it, for the self-test's search (_kernels.search_bf16_order_emulated). */
-static int cb_amx_emu_unit_order = -1;
 
 /* A split order's join of a 64-input span's even and odd partial sums into lane. */
 static inline float cb_bf16_join(float lane, float even, float odd, int order) {

@@ -16,45 +16,15 @@
  * The body (vnni_body.h) is compiled once per way of doing the step:
  *   ..._avx512vnni     EVEX vpdpbusd on 256-bit vectors (AVX512_VNNI + AVX512VL)
  *   ..._avxvnni        VEX vpdpbusd (AVX-VNNI: Alder Lake and later, Sierra Forest, Zen 5)
- *   ..._vnni_emulated  the step in exact AVX2 arithmetic (cb_dpbusd_emulated_avx2): tests the body
- *                      bit for bit on CPUs without VNNI (_kernels.set_int_step("vnni-emulated"));
- *                      never chosen by default.
+ * and a third time by the probes, with the step in exact AVX2 arithmetic (test_steps.h,
+ * "vnni-emulated"): the body's bits tested on CPUs without VNNI.
  */
 #ifndef COLIBRI_KERNELS_VNNI_H
 #define COLIBRI_KERNELS_VNNI_H
 
-#include "kernels_avx2.h"        /* the shared 256-bit helpers; a sibling of kernels_avx512.h */
+#include "kernels_avx2.h"        /* the AVX2 entries it falls back to; the shared helpers (avx2_int.h) */
 
 #if CB_X86
-
-/* vpdpbusd in AVX2: even and odd bytes widened to int16 (u zero-, s sign-extended), multiplied and
- * paired by madd (|u * s| <= 255 * 128: exact), so lane k gets bytes 4k..4k+3 — the instruction's
- * result, which does not saturate either. */
-CB_TARGET_AVX2 static inline __m256i cb_dpbusd_emulated_avx2(__m256i acc, __m256i u, __m256i s) {
-    const __m256i low_bytes = _mm256_set1_epi16(0x00FF);
-    const __m256i u_even = _mm256_and_si256(u, low_bytes), u_odd = _mm256_srli_epi16(u, 8);
-    const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
-}
-
-/* The emulated step on one vector in memory (its test against the instruction's definition). */
-CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t acc[8], const uint8_t u[32],
-                                                  const int8_t s[32]) {
-    _mm256_storeu_si256((__m256i *)out, cb_dpbusd_emulated_avx2(_mm256_loadu_si256((const __m256i *)acc),
-                                                                _mm256_loadu_si256((const __m256i *)u),
-                                                                _mm256_loadu_si256((const __m256i *)s)));
-}
-
-/* The few-token tile (vnni_body.h, cb_ifew): a product of 2 .. CB_IFEW_TOKENS(dtype) tokens takes
- * it, CB_VNNI_FEW_TS tokens a pass (set per step below: the EVEX step's 32 registers hold 4 streams
- * x 2 tokens' sums and accumulators; 0 leaves the step without it), CB_IFEW_KBLOCKS blocks of each
- * stream's row at a time under the passes when there are more. Each stream's line CB_IFEW_PREFETCH (kernels_avx2.h)
- * bytes ahead goes to L2. At a few tokens the weights' reads, not the products, are the limit, and
- * decode's side-by-side streams read faster than the prompt tiles' one: int8 takes this tile up to
- * 6 tokens; int4, int6 and mxfp4 only at 2, since their unpacking of the codes is shared by 2
- * tokens here but by up to 6 in the quad tile; nl4 keeps the prompt tiles. */
-#define CB_IFEW_TOKENS(dtype) ((dtype) == CB_INT8 ? 6 : (dtype) == CB_NL4 ? 1 : 2)
-#define CB_IFEW_KBLOCKS 8
 
 #define CB_VNNI_TARGET CB_TARGET_AVX512_VNNI
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_epi32(a, u, s)
@@ -72,17 +42,6 @@ CB_TARGET_AVX2 static void cb_dpbusd_emulated_mem(int32_t out[8], const int32_t 
 #define CB_VNNI_DPBUSD(a, u, s) _mm256_dpbusd_avx_epi32(a, u, s)
 #define CB_VNNI_NAME(base) base##_avxvnni
 #define CB_VNNI_FEW_TS 0
-#include "vnni_body.h"
-#undef CB_VNNI_TARGET
-#undef CB_VNNI_DPBUSD
-#undef CB_VNNI_NAME
-#undef CB_VNNI_FEW_TS
-
-/* The emulated step takes the few-token tile as the EVEX step does: its bits are tested everywhere. */
-#define CB_VNNI_TARGET CB_TARGET_AVX2
-#define CB_VNNI_DPBUSD(a, u, s) cb_dpbusd_emulated_avx2(a, u, s)
-#define CB_VNNI_NAME(base) base##_vnni_emulated
-#define CB_VNNI_FEW_TS 2
 #include "vnni_body.h"
 #undef CB_VNNI_TARGET
 #undef CB_VNNI_DPBUSD

@@ -234,4 +234,12 @@ enum { CB_XP_NONE = 0, CB_XP_LANES = 1, CB_XP_PAIRS = 2 };
 
 #define CB_ACT_TINY 1e-30f
 
+/* A bf16 value as the float it stands for (exact). */
+static inline float cb_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 #endif /* COLIBRI_QUANT_H */

@@ -34,4 +34,11 @@
 #define CB_X86 0
 #endif
 
+/* A variable each thread has its own of. */
+#if defined(_MSC_VER)
+#define CB_THREAD_LOCAL __declspec(thread)
+#else
+#define CB_THREAD_LOCAL __thread
+#endif
+
 #endif /* COLIBRI_TARGET_H */

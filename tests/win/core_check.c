@@ -20,6 +20,7 @@
 #include <psapi.h>                 /* PSAPI_WORKING_SET_EX_INFORMATION (the function: GetProcAddress) */
 
 #include "dispatch.h"
+#include "test_steps.h"          /* the vnni-emulated step, installed as the tests do */
 #include "os_hints.h"
 
 #define PAGES 64
@@ -42,6 +43,10 @@ static void check_tiers(void) {
     static const char *step_names[] = {"scalar", "avx2", "vnni_emulated", "avxvnni", "avx512vnni"};
     cb_cpu_features f = cb_detect_cpu();
     int best = cb_best_isa(&f);
+    cb_int_kernels emulated;
+    cb_test_steps_bind(cb_step_parts_of_kernels());
+    if (cb_test_step_kernels(CB_INT_STEP_VNNI_EMULATED, &emulated) == 0)
+        cb_install_int_step(CB_INT_STEP_VNNI_EMULATED, &emulated);
     printf("cpu best=%s avx2=%d fma=%d f16c=%d avx512f=%d avx512bw=%d avx512vl=%d avx512dq=%d "
            "avx512_vnni=%d avx_vnni=%d os_avx=%d os_avx512=%d\n", isa_names[best], f.avx2, f.fma, f.f16c,
            f.avx512f, f.avx512bw, f.avx512vl, f.avx512dq, f.avx512_vnni, f.avx_vnni, f.os_avx, f.os_avx512);

@@ -33,6 +33,7 @@
 
 #include "dispatch.h"
 #include "kernels_amx.h"
+#include "test_steps.h"          /* the amx-emulated step (the probes' test steps) */
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd(void) {
@@ -361,6 +362,10 @@ int main(int argc, char **argv) {
            CB_AMX_STORE_DELAY, CB_AMX_LOOKAHEAD, CB_AMX_KBLOCKS, CB_AMX_BF16_PAIRS, CB_AMX_BF16_PAIRS > 1 ? "s" : "",
            CB_AMX_BF16_CHUNKS);
     cb_cpu = cb_detect_cpu();
+    cb_test_steps_bind(cb_step_parts_of_kernels());
+    cb_int_kernels emulated_step;
+    if (cb_test_step_kernels(CB_INT_STEP_AMX_EMULATED, &emulated_step) == 0)
+        cb_install_int_step(CB_INT_STEP_AMX_EMULATED, &emulated_step);
     if (emulated) {
         cb_amx_emu_unit_order = unit;
         const int fails = check_bits(1, "amx-emulated", -1) + !find_bf16_order(1, "amx-emulated");
