@@ -536,6 +536,11 @@ cdef class Engine:
             seen[a.ctypes.data] = a
         return list(seen.values())
 
+    def kv_layer_arrays(self):
+        """Per layer, its KV cache arrays ([n_seq, n_kv_heads, kv_ring, row] each; position p of a
+        sequence in row p % kv_ring): (keys, values), or an MLA layer's (latent,)."""
+        return [(k,) if k is v else (k, v) for k, v in zip(self._keep["k_cache"], self._keep["v_cache"])]
+
     def kv_cache_ranges(self):
         """[(address, nbytes)] of every layer's key and value cache."""
         return [(a.ctypes.data, a.nbytes) for a in self._kv_arrays()]

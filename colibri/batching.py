@@ -198,6 +198,7 @@ class Batch:
                     continue
                 self._prefilling.remove(seq)
                 seq.pos = len(seq.prompt)
+                m._save_prefix(seq.slot)  # the prompt, for the other places
             try:
                 events.append(self._emit(seq, logits[row]))
             except Exception as e:  # noqa: BLE001 - this sequence alone ends, with its error
@@ -237,11 +238,12 @@ class Batch:
     def _place(self, seq: Sequence) -> None:
         """Seq's place: the free one whose cache holds the longest prefix of its prompt (a
         conversation's next turn), else the least recently used one; the prompt then runs from
-        the end of that prefix."""
+        the end of that prefix, or of a longer one the model's prefix store (colibri.kvstore)
+        holds, copied into the place."""
         held = [self.model._reusable_prefix(seq.prompt, slot) for slot in self._free]
         best = max(range(len(held)), key=lambda i: (held[i], -i))
         seq.slot = self._free.pop(best)
-        seq.fed = seq.record.reused_tokens = held[best]
+        seq.fed = seq.record.reused_tokens = self.model._restore_prefix(seq.prompt, seq.slot, held[best])
         seq.sampler.reset(seq.prompt)
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> tuple:
@@ -265,6 +267,7 @@ class Batch:
         if seq in self._decoding:
             self._decoding.remove(seq)
         if seq.slot is not None:
+            self.model._save_prefix(seq.slot)  # its prompt and reply, for whichever place comes next
             self._free.append(seq.slot)
 
     def _check_open(self) -> None:

@@ -110,6 +110,39 @@ def _number(text):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _cache_ram(text):
+    if text == "auto":
+        return text
+    v = _number(text)
+    if not 0 <= v < 1e12:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or megabytes >= 0, got {text!r}")
+    return v
+
+
+def _store_options(p, default_ram) -> None:
+    """The prefix store's options (colibri.kvstore) of `run`, `chat` and `serve`."""
+    p.add_argument(
+        "--cache-ram",
+        "--cache_ram",
+        dest="cache_ram",
+        type=_cache_ram,
+        default=default_ram,
+        metavar="MB",
+        help="megabytes of KV cache of earlier prompts and replies kept in RAM, restored into any "
+        "place whose prompt starts with their exact tokens; 'auto': a quarter of the memory left "
+        "free, at most 8 GiB; 0: none (default: " + (default_ram or "none, or auto with --kv-store") + ")",
+    )
+    p.add_argument(
+        "--kv-store",
+        "--kv_store",
+        dest="kv_store",
+        metavar="DIR",
+        default=None,
+        help="keep those prompts in DIR across restarts (one checksummed file per block of "
+        "tokens, under a subdirectory per model and KV cache format)",
+    )
+
+
 def _engine_options(p) -> None:
     """The engine's load options `run`, `chat`, `serve` and `bench` share: memory, the KV cache, the
     kernels' arithmetic and the prefill chunk."""
@@ -309,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--system", help="with --chat: a system message before the prompt")
     _generation_options(run, default_max=64)
+    _store_options(run, None)
     constrain = run.add_mutually_exclusive_group()
     constrain.add_argument(
         "--json-schema",
@@ -334,11 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(chat)
     chat.add_argument("--system", help="a system message at the start of the conversation")
     _generation_options(chat, default_max=512)
+    _store_options(chat, None)
 
     srv = sub.add_parser(
         "serve", help=f'an OpenAI-compatible HTTP server (needs the extra: pip install "{names.DISTRIBUTION}[serve]")'
     )
     _model_options(srv)
+    _store_options(srv, "auto")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     srv.add_argument(
@@ -726,6 +762,8 @@ def _load(args):
         bf16_products=args.bf16_products,
         parallel=getattr(args, "parallel", 1),
         prefill_chunk=args.prefill_chunk,
+        cache_ram_mb=getattr(args, "cache_ram", None),
+        kv_store=getattr(args, "kv_store", None),
     )
     m.cli_note = args.model_note
     return m
@@ -1058,6 +1096,13 @@ def _print_stats(m) -> None:
         f"[STATS] page faults: {st['minor_page_faults']} minor, {st['major_page_faults']} major; "
         f"RSS {mb(st['rss_bytes'])}, peak {mb(st['peak_rss_bytes'])}"
     )
+    if m.prefix_store is not None:
+        _err(
+            f"[STATS] prefix store: {mb(st['prefix_store_bytes'])} of {mb(st['prefix_store_budget_bytes'])}, "
+            f"{st['prefix_store_restored_tokens']} prompt tokens restored ({st['prefix_store_hits']} hits, "
+            f"{st['prefix_store_misses']} misses), {st['prefix_store_stored_blocks']} blocks stored, "
+            f"{st['prefix_store_evicted_blocks']} evicted"
+        )
 
 
 def _verbose_printer(m):

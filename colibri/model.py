@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import numbers
 import os
 import threading
@@ -28,6 +29,7 @@ import time
 import numpy as np
 
 from . import constraint as _constraint
+from . import kvstore
 from .errors import ColibriError
 from .names import BF16_PRODUCTS, DEFAULT_EVICTION, KV_CACHE_TYPES, MAX_PARALLEL
 from . import _os
@@ -73,6 +75,8 @@ class _LoadOptions:
     eviction: str | None
     cache_budget: int | None  # expert_cache_mb in bytes
     limit: int | None  # memory_limit_mb in bytes
+    cache_ram: int | str | None  # cache_ram_mb: the prefix store's bytes, "auto" or None (no store)
+    kv_store: str | None  # the directory the prefix store is mirrored in
 
     @classmethod
     def checked(
@@ -90,6 +94,8 @@ class _LoadOptions:
         kv_cache,
         bf16_products,
         parallel,
+        cache_ram_mb=None,
+        kv_store=None,
     ) -> "_LoadOptions":
         if threads is None:
             threads = _os.compute_cores()
@@ -134,8 +140,29 @@ class _LoadOptions:
             raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
         if parallel > chunk:
             raise ColibriError(f"parallel {parallel} exceeds the prefill chunk {chunk} (a step's tokens)")
+        cache_ram = kvstore.checked_budget(cache_ram_mb)
+        if kv_store is not None:
+            if not isinstance(kv_store, (str, os.PathLike)) or not os.fspath(kv_store):
+                raise ColibriError(f"kv_store must be a directory path, got {kv_store!r}")
+            kv_store = os.fspath(kv_store)
+            if os.path.exists(kv_store) and not os.path.isdir(kv_store):
+                raise ColibriError(f"kv_store {kv_store} is not a directory")
+            if cache_ram is None and cache_ram_mb is None:
+                cache_ram = "auto"  # a directory asks for a store
         return cls(
-            threads, n_ctx, prefill_chunk, chunk, int(parallel), prefetch, kv_cache, bf16, eviction, cache_budget, limit
+            threads,
+            n_ctx,
+            prefill_chunk,
+            chunk,
+            int(parallel),
+            prefetch,
+            kv_cache,
+            bf16,
+            eviction,
+            cache_budget,
+            limit,
+            cache_ram,
+            kv_store,
         )
 
 
@@ -161,8 +188,11 @@ class Model:
         capture_inputs: bool = False,
         second_moments=None,
         parallel: int = 1,
+        cache_ram_mb=None,
+        kv_store=None,
     ):
-        """parallel: sequences the KV cache holds side by side (colibri.batching); capture_inputs: every matrix product adds its inputs' squares per column into
+        """parallel: sequences the KV cache holds side by side (colibri.batching); cache_ram_mb
+        and kv_store: the prefix store (load()); capture_inputs: every matrix product adds its inputs' squares per column into
         self.input_stats[tensor name] (float64 [cols + 1], the token count last): what
         colibri.calibrate collects; it costs a pass over each input. second_moments (with
         capture_inputs): {tensor: shape} of those matrices -> the names that also add x x^T into
@@ -188,6 +218,8 @@ class Model:
             kv_cache=kv_cache,
             bf16_products=bf16_products,
             parallel=parallel,
+            cache_ram_mb=cache_ram_mb,
+            kv_store=kv_store,
         )
         self.threads, self.n_ctx, self.parallel = o.threads, o.n_ctx, o.parallel
         self.bf16_products = o.bf16_products
@@ -236,6 +268,12 @@ class Model:
             )
             if budget is not None:
                 self._hold_warm_experts(engine)
+            # which position each row of the sliding layers' rings holds, per sequence
+            self._rings = kvstore.RingRows(
+                {f.kv_ring: f.sliding_window for f in engine.spec.layers if f.sliding_window and f.kv_ring < o.n_ctx},
+                o.parallel,
+            )
+            self.prefix_store = self._open_prefix_store(o, engine, bool(exact_softmax))
         except BaseException:
             getattr(self, "residency", None) and self.residency.close()
             self._maps.close()
@@ -260,7 +298,6 @@ class Model:
         # the KV cache: per sequence, the ids whose keys and values it holds at positions 0.. (for
         # prefix reuse); sliding-window rings allow a rewind of at most ring - window positions (None: any)
         self._kv_tokens = [[] for _ in range(self.parallel)]
-        self._ring_slack = self.engine_spec.ring_slack
         self._busy = threading.Lock()  # one request at a time (refused, not queued)
         self._engine_lock = threading.Lock()  # held while the engine runs; close() takes it
         self.stats = {
@@ -306,6 +343,8 @@ class Model:
             limit, source = residency.os_limit()
         while True:
             kv_bytes, scratch_bytes = _engine.planned_bytes(spec.build(self.config, tensors, prefetch="none", **build))
+            if isinstance(o.cache_ram, int):  # a prefix store of a size the caller chose is planned like the KV cache
+                kv_bytes += o.cache_ram
             try:
                 self.residency.plan = residency.plan(
                     limit,
@@ -663,6 +702,20 @@ class Model:
             "cgroup_peak_bytes": usage_peak,
             "dense_locked": bool(self.residency.locked),
             "expert_bytes_in_memory": self.residency.in_memory(),
+            **self.prefix_store_stats(),
+        }
+
+    def prefix_store_stats(self) -> dict:
+        """The prefix store's counters (load(cache_ram_mb=)): its budget and bytes held, requests that
+        restored a stored prefix (hits) or found none longer than their place held (misses), tokens
+        restored, blocks stored and evicted since load; all 0 without a store."""
+        st = self.prefix_store
+        if st is None:
+            return {f"prefix_store_{k}": 0 for k in kvstore.STAT_NAMES}
+        return {
+            "prefix_store_budget_bytes": st.budget,
+            "prefix_store_bytes": st.bytes,
+            **{f"prefix_store_{k}": v for k, v in st.stats.items()},
         }
 
     @property
@@ -697,6 +750,8 @@ class Model:
             engine, self._engine = self._engine, None
             if engine is not None:
                 engine.close()  # the expert cache's reader stops before the unmapping
+            if self.prefix_store is not None:
+                self.prefix_store.close()  # its queued files are written
             self.residency.close()
             self._maps.close()
 
@@ -777,6 +832,50 @@ class Model:
             engine = self._live()
             engine.reset()
 
+    def _open_prefix_store(self, o: "_LoadOptions", engine, exact_softmax: bool):
+        """The prefix store load(cache_ram_mb=, kv_store=) asks for, or None. Its identity names
+        everything that decides the cache's bits: a restart with another model, KV format, kernel
+        tier or product rule finds none of its blocks."""
+        budget = o.cache_ram
+        if budget == "auto":
+            budget = kvstore.auto_budget(self.residency.plan, _os.available_memory())
+        if not budget:
+            return None
+        config_digest = hashlib.sha256((self._dir.root / "config.json").read_bytes()).hexdigest()
+        identity = (
+            f"config {config_digest}; kv {o.kv_cache}; isa {_kernels.isa()}; int step {_kernels.int_step()}; "
+            f"bf16 products {o.bf16_products}; exact softmax {exact_softmax}"
+        )
+        arrays = [
+            kvstore.CacheArray(a, f.kv_ring, f.sliding_window)
+            if f.sliding_window and f.kv_ring < o.n_ctx
+            else kvstore.CacheArray(a, None)
+            for f, layer in zip(engine.spec.layers, engine.kv_layer_arrays())
+            for a in layer
+        ]
+        return kvstore.PrefixStore(arrays, self._rings, budget, identity, o.kv_store)
+
+    def _restore_prefix(self, tokens: np.ndarray, seq: int, have: int) -> int:
+        """Sequence seq's cache made to hold the longest prefix of `tokens` the prefix store has,
+        where that is more than the `have` tokens it holds; the tokens it holds now."""
+        store = self.prefix_store
+        if store is None:
+            return have
+        with self._engine_lock:
+            self._live()
+            n = store.restore(seq, tokens, have)
+            if n > have:
+                del self._kv_tokens[seq][have:]
+                self._kv_tokens[seq].extend(int(t) for t in tokens[have:n])
+        return n
+
+    def _save_prefix(self, seq: int) -> None:
+        """What sequence seq's cache holds, into the prefix store (the blocks it lacks)."""
+        if self.prefix_store is not None:
+            with self._engine_lock:
+                if self._engine is not None:
+                    self.prefix_store.save(seq, self._kv_tokens[seq])
+
     def _reusable_prefix(self, tokens: np.ndarray, seq: int = 0) -> int:
         """How many leading tokens of `tokens` sequence seq's KV cache already holds at their
         positions (at most all but the last: its logits are needed). Sliding-window layers keep a
@@ -788,7 +887,7 @@ class Model:
             return 0
         same = np.asarray(held[:n], np.int64) == tokens[:n]
         common = n if same.all() else int(np.argmin(same))
-        if common and self._ring_slack is not None and len(held) - common > self._ring_slack:
+        if common and not self._rings.resumable(seq, common):
             return 0
         return common
 
@@ -809,6 +908,7 @@ class Model:
             engine = self._live()
             del self._kv_tokens[seq][pos:]  # positions >= pos are about to be overwritten
             status, index, layer = engine.run(tokens, pos, out, all_logits, seq)
+            self._rings.wrote(seq, np.arange(pos, pos + len(tokens)))
         if status != _engine.STATUS_OK:
             self._damaged(status, f"at position {pos + index}", layer)
         self._kv_tokens[seq].extend(int(t) for t in tokens)
@@ -829,6 +929,7 @@ class Model:
             for seq, pos in zip(seqs, positions):
                 del self._kv_tokens[seq][pos:]
             status, _, layer = engine.step(tokens, seqs, positions, out, want)
+            self._rings.wrote(seqs, positions)
         if status != _engine.STATUS_OK:
             self._damaged(
                 status,
@@ -848,7 +949,7 @@ class Model:
     def _generate(self, tokens, max_new_tokens, sampler, eos, on_step, record, reuse):
         with self._exclusive():
             self._begin()
-            common = self._reusable_prefix(tokens) if reuse else 0
+            common = self._restore_prefix(tokens, 0, self._reusable_prefix(tokens)) if reuse else 0
             sampler.reset(tokens)
             logits = np.empty((1, self.config.vocab_size), np.float32)
             t0 = time.perf_counter()
@@ -865,25 +966,30 @@ class Model:
             pos = len(tokens)
             step = np.empty(1, np.int32)
             record.finish_reason = "length"
-            for i in range(max_new_tokens):
-                pick = sampler.pick(logits[0])
-                token = pick.token
-                record.tokens.append(token)
-                record.picks.append(pick)
-                ended = token in eos or sampler.finished  # finished: the constraint's EOS
-                if ended:
-                    record.finish_reason = "stop"
-                yield token
-                if ended or i == max_new_tokens - 1:
-                    break
-                step[0] = token
-                t = time.perf_counter()
-                self._run(step, pos, logits, all_logits=False)
-                self.stats["decode_seconds"] += time.perf_counter() - t
-                self.stats["decode_tokens"] += 1
-                pos += 1
-                if on_step:
-                    on_step(self)
+            try:
+                for i in range(max_new_tokens):
+                    pick = sampler.pick(logits[0])
+                    token = pick.token
+                    record.tokens.append(token)
+                    record.picks.append(pick)
+                    ended = token in eos or sampler.finished  # finished: the constraint's EOS
+                    if ended:
+                        record.finish_reason = "stop"
+                    yield token
+                    if i == 0:  # the prompt, for the other places, once its first token is out
+                        self._save_prefix(0)
+                    if ended or i == max_new_tokens - 1:
+                        break
+                    step[0] = token
+                    t = time.perf_counter()
+                    self._run(step, pos, logits, all_logits=False)
+                    self.stats["decode_seconds"] += time.perf_counter() - t
+                    self.stats["decode_tokens"] += 1
+                    pos += 1
+                    if on_step:
+                        on_step(self)
+            finally:
+                self._save_prefix(0)  # the prompt and the reply (also of a generation stopped early)
 
 
 def _logical_cpus() -> int:
@@ -973,6 +1079,8 @@ def load(
     capture_inputs: bool = False,
     second_moments=None,
     parallel: int = 1,
+    cache_ram_mb: float | str | None = None,
+    kv_store=None,
 ) -> Model:
     """Load a Colibri model directory.
 
@@ -994,7 +1102,12 @@ def load(
     (Model.input_stats; colibri.calibrate), and with second_moments ({tensor: shape} -> names)
     those matrices' whole input second moments (Model.input_grams); parallel: sequences decoded
     together (1..MAX_PARALLEL, at most the prefill chunk; colibri.batching.Batch), each with its own
-    n_ctx positions of KV cache (resident only as they are filled)."""
+    n_ctx positions of KV cache (resident only as they are filled);
+    cache_ram_mb: the prefix store (colibri.kvstore), megabytes of KV cache blocks of earlier
+    prompts and replies kept in RAM, restored into whichever sequence a later prompt sharing their
+    exact tokens runs in ("auto": a quarter of the memory the plan leaves free, at most 8 GiB; a
+    number is planned like the KV cache; None or 0: no store); kv_store: a directory the store is
+    kept in across restarts (implies cache_ram_mb="auto" unless given)."""
     return Model(
         path,
         threads=threads,
@@ -1013,4 +1126,6 @@ def load(
         capture_inputs=capture_inputs,
         second_moments=second_moments,
         parallel=parallel,
+        cache_ram_mb=cache_ram_mb,
+        kv_store=kv_store,
     )

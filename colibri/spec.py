@@ -82,12 +82,6 @@ class EngineSpec:
     expert_pages: dict  # (layer, expert) -> (address, bytes) of the expert's mapped span
     expert_fds: dict  # (layer, expert) -> an open descriptor of its file (for the page-cache drop)
 
-    @property
-    def ring_slack(self):
-        """How far back a sliding layer's ring lets the cache rewind (ring - window), or None: any."""
-        slack = [L.kv_ring - L.sliding_window for L in self.layers if L.sliding_window and L.kv_ring < self.n_ctx]
-        return min(slack) if slack else None
-
 
 def yarn_inv_freq(dim: int, theta: float, yarn: dict) -> tuple:
     """(inv_freq float32 [dim / 2], attention factor) of YaRN, as transformers'

@@ -25,7 +25,7 @@ from colibri import _kernels, _probes
 
 # The test steps (the VNNI step emulated in AVX2, the AMX tiles emulated in C: csrc/test_steps.h) are
 # built in the probes and installed here, so every kernel test runs them beside the production steps.
-TEST_STEPS = _probes.install_test_steps()
+_probes.install_test_steps()
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file() and (p / "hf").is_dir())

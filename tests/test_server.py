@@ -187,6 +187,58 @@ def test_openai_client(server, local):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+LONG_SYSTEM = " ".join(f"rule {i}: answer in the fewest words that are still correct." for i in range(30))
+
+
+def _conversation(topic: str) -> list:
+    return [{"role": "system", "content": LONG_SYSTEM + " " + topic}, {"role": "user", "content": "hello world"}]
+
+
+def test_a_conversation_whose_place_was_taken_is_restored_from_the_prefix_store(server, local):
+    """One place (--parallel 1) and the default prefix store: a conversation, another one that
+    takes the place, then the first one's next turn: its long prefix comes from the store
+    (usage.prompt_tokens_details.cached_tokens, /metrics) and its reply is generate()'s."""
+    body = {"model": "tiny", "max_tokens": 4}
+    first = post(server, "/v1/chat/completions", {**body, "messages": _conversation("first")}).json()
+    post(server, "/v1/chat/completions", {**body, "messages": _conversation("an entirely different topic")})
+    turn = _conversation("first") + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and then?"},
+    ]
+    r = post(server, "/v1/chat/completions", {**body, "messages": turn})
+    assert r.status_code == 200, r.text
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    ids = local.apply_chat_template(turn)
+    assert cached >= 64 and cached <= len(ids) - 1
+    want = local.tokenizer.decode(
+        list(local.generate(ids, max_new_tokens=4, reuse_prefix=False)), skip_special_tokens=True
+    )
+    assert r.json()["choices"][0]["message"]["content"] == want
+    metrics = httpx.get(server.url + "/metrics").text
+    hits = next(
+        float(ln.split()[1])
+        for ln in metrics.splitlines()
+        if ln.startswith('colibri_prefix_store_lookups{result="hit"}')
+    )
+    assert hits >= 1
+
+
+def test_the_kv_store_survives_a_restart(chat_model_dir, tmp_path):
+    """--kv-store DIR: a prompt served before a restart is restored after it (the official client
+    reads cached_tokens)."""
+    openai = pytest.importorskip("openai")
+    messages = _conversation("restart")
+    for round_ in range(2):
+        with Server(chat_model_dir, "--kv-store", str(tmp_path / "store")) as s:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+            out = client.chat.completions.create(model=chat_model_dir.name, messages=messages, max_tokens=2)
+            cached = out.usage.prompt_tokens_details.cached_tokens
+            code, err = s.stop()
+            assert code == 0 and "Traceback" not in err, err
+        # after the restart: the prompt's full blocks, short of its last token (whose logits are needed)
+        assert cached == (0 if round_ == 0 else (out.usage.prompt_tokens - 1) // 64 * 64)
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

@@ -627,6 +627,8 @@ def create_app(served: Served):
         served.executor.shutdown(wait=True)  # the closes of cancelled generations run first
         if served.stepper is not None:
             served.stepper.stop()
+        if served.model is not None:
+            served.model.close()  # the prefix store's files queued for --kv-store are written
 
     async def http_error(request: Request, exc: HTTPException):
         # routing's own errors (an unknown path: 404, a wrong method: 405) in OpenAI's shape too,

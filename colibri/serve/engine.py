@@ -15,7 +15,8 @@ gets alone (BatchedGeneration). A client that disconnects stops its generation a
 being computed: its generator is closed (its sequence cancelled) on the engine thread, the next
 request's work queuing behind that. Repeated prefixes (multi-turn chat, a shared system prompt)
 reuse the KV cache through Model.generate's prefix reuse (with N > 1: the place in the cache that
-holds the longest prefix).
+holds the longest prefix), and the prefix store (--cache-ram, --kv-store; colibri.kvstore) keeps
+finished and evicted conversations for whichever place their next turn lands in.
 
 A request's own preparation (its chat template, tokenizing) runs on a daemon thread of its own
 (Served.off_loop), bounded in time: a template that loops costs that thread, never the event
@@ -103,6 +104,27 @@ class Served:
         self.budget = Gauge("colibri_expert_budget_bytes", "the expert budget (0: none)", registry=r)
         self.cgroup_usage = Gauge(
             "colibri_cgroup_usage_bytes", "the enforcing cgroup's usage, page cache included (0: unknown)", registry=r
+        )
+        # the prefix store (colibri.kvstore): cumulative since load, read from the Model like the cache's
+        self.store_bytes = Gauge("colibri_prefix_store_bytes", "KV cache bytes the prefix store holds", registry=r)
+        self.store_budget = Gauge(
+            "colibri_prefix_store_budget_bytes", "the prefix store's budget (0: none)", registry=r
+        )
+        self.store_lookups = Gauge(
+            "colibri_prefix_store_lookups",
+            "prompts since load by whether the prefix store restored a longer prefix than their place held",
+            ["result"],
+            registry=r,
+        )
+        self.store_restored = Gauge(
+            "colibri_prefix_store_restored_tokens",
+            "prompt tokens restored from the prefix store since load",
+            registry=r,
+        )
+        self.store_evicted = Gauge(
+            "colibri_prefix_store_evicted_blocks",
+            "blocks the prefix store dropped for its budget since load",
+            registry=r,
         )
 
     def start_loading(self) -> None:
@@ -283,6 +305,12 @@ class Served:
             self.storage_read.set(st["bytes_read_from_storage"] or 0)
             self.budget.set(st["expert_budget_bytes"] or 0)
             self.cgroup_usage.set(st["cgroup_usage_bytes"] or 0)
+            self.store_bytes.set(st["prefix_store_bytes"])
+            self.store_budget.set(st["prefix_store_budget_bytes"])
+            self.store_lookups.labels("hit").set(st["prefix_store_hits"])
+            self.store_lookups.labels("miss").set(st["prefix_store_misses"])
+            self.store_restored.set(st["prefix_store_restored_tokens"])
+            self.store_evicted.set(st["prefix_store_evicted_blocks"])
 
 
 class _Watch:
