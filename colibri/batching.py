@@ -10,7 +10,11 @@ them chose) over at most `step_tokens` tokens:
     one token of every decoding sequence, then
     pieces of the prompts not yet run, in the order they were added, with the tokens left
     (at least one: a prompt always advances); a prompt's first piece goes to a free place in
-    the cache after the longest prefix that place still holds (a conversation's next turn).
+    the cache after the longest prefix that place still holds (a conversation's next turn) or
+    the model's prefix store holds (colibri.kvstore). With a store, a prompt whose first block or
+    more a running prompt is still computing waits until that one has run past them (its blocks
+    are stored as it goes) and then starts from them: a system prompt shared by requests
+    arriving together is computed once.
 
 So a long prompt does not stall the others' tokens: they come every step, and a step costs
 about a pass over `step_tokens` tokens (vLLM's chunked prefill; llama-server runs a whole prompt
@@ -27,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ColibriError
+from .kvstore import BLOCK_TOKENS
 from .names import DEFAULT_STEP_TOKENS
 from .streaming import GenerationText
 
@@ -166,10 +171,14 @@ class Batch:
         Nothing to run: []."""
         self._check_open()
         m = self.model
-        for seq in self._waiting:  # every waiting sequence has a place by now
+        deferred = []
+        for seq in self._waiting:  # every waiting sequence has a place by now ...
+            if self._waits_for_a_prompt(seq):  # ... unless a running prompt is computing its prefix
+                deferred.append(seq)
+                continue
             self._place(seq)
-        self._prefilling += self._waiting
-        self._waiting = []
+            self._prefilling.append(seq)
+        self._waiting = deferred
         parts = [(seq, np.array([seq.pending], np.int32), seq.pos, True) for seq in self._decoding]
         quota = min(max(self.step_tokens - len(parts), 1), m._chunk - len(parts))
         for seq in self._prefilling:
@@ -195,6 +204,8 @@ class Batch:
             else:  # a prompt's piece
                 seq.fed = start + len(piece)
                 if not last:
+                    if seq.fed // BLOCK_TOKENS > start // BLOCK_TOKENS:
+                        m._save_prefix(seq.slot)  # its new blocks, for the prompts that wait for them
                     continue
                 self._prefilling.remove(seq)
                 seq.pos = len(seq.prompt)
@@ -245,6 +256,23 @@ class Batch:
         seq.slot = self._free.pop(best)
         seq.fed = seq.record.reused_tokens = self.model._restore_prefix(seq.prompt, seq.slot, held[best])
         seq.sampler.reset(seq.prompt)
+
+    def _waits_for_a_prompt(self, seq: Sequence) -> bool:
+        """Whether seq should wait for a prompt being run that is still computing a block or more
+        of seq's first tokens (a shared system prompt): with a prefix store, that prompt's blocks
+        are stored as it runs past them and seq then starts from them, so the shared part is
+        computed once, not once per place."""
+        if self.model.prefix_store is None:
+            return False
+        for other in self._prefilling:
+            n = min(len(seq.prompt), len(other.prompt))
+            if n < BLOCK_TOKENS or other.fed >= n // BLOCK_TOKENS * BLOCK_TOKENS:
+                continue
+            same = seq.prompt[:n] == other.prompt[:n]
+            shared = n if same.all() else int(np.argmin(same))
+            if other.fed < shared // BLOCK_TOKENS * BLOCK_TOKENS:
+                return True
+        return False
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> tuple:
         token, pick = seq._take(logits)

@@ -120,6 +120,32 @@ def test_places_share_the_store_in_a_batch(converted, case):
         assert seq.record.tokens == list(alone.generate(prompt, n, reuse_prefix=False))
 
 
+@pytest.mark.parametrize("case", ["qwen3moe_a", "gemma4_a"])
+def test_a_system_prompt_shared_by_requests_arriving_together_is_computed_once(converted, case):
+    """Four places, four prompts with one system prompt added at once: the first runs it, the
+    others wait for it to complete and start from its stored blocks; each one's tokens are
+    generate()'s alone, and the engine ran the system prompt once."""
+    path = converted(case)
+    alone = colibri.load(path, threads=2)
+    vocab = alone.config.vocab_size
+    rng = np.random.default_rng(8)
+    system = rng.integers(0, vocab, 3 * B + 7).tolist()
+    prompts = [system + rng.integers(0, vocab, 5 + i).tolist() for i in range(4)]
+    m = colibri.load(path, threads=2, parallel=4, cache_ram_mb=64)
+    fed = []
+    real_step = m._step
+    m._step = lambda tokens, *a, **k: (fed.append(len(tokens)), real_step(tokens, *a, **k))[1]
+    with Batch(m, step_tokens=64) as batch:
+        seqs = [batch.add(p, 3) for p in prompts]
+        while batch.running:
+            batch.step()
+    reused = [s.record.reused_tokens for s in seqs]
+    assert reused[0] == 0 and all(n >= 3 * B for n in reused[1:])
+    assert sum(fed) == sum(len(p) for p in prompts) - sum(reused) + 2 * len(seqs)  # + 2 decoded tokens each
+    for seq, p in zip(seqs, prompts):
+        assert seq.record.tokens == list(alone.generate(p, 3, reuse_prefix=False))
+
+
 @pytest.fixture(scope="module")
 def qwen_pair(converted):
     path = converted("qwen3moe_a")
