@@ -145,7 +145,22 @@ def _store_options(p, default_ram) -> None:
 
 def _engine_options(p) -> None:
     """The engine's load options `run`, `chat`, `serve` and `bench` share: memory, the KV cache, the
-    kernels' arithmetic and the prefill chunk."""
+    kernels' arithmetic, the prefill chunk and where the threads run (colibri.placement)."""
+    p.add_argument(
+        "--cpu-mask",
+        "--cpu_mask",
+        dest="cpu_mask",
+        metavar="CPUS",
+        default=None,
+        help="run on these CPUs only, as a CPU list (0-7,16-23); the default --threads follows it",
+    )
+    p.add_argument(
+        "--numa",
+        choices=("interleave", "bind"),
+        default=None,
+        help="Linux: interleave the memory over the NUMA nodes of the --cpu-mask CPUs (all nodes "
+        "without one), or bind it to them (one replica per node: --cpu-mask with that node's CPUs)",
+    )
     p.add_argument(
         "--memory-limit-mb",
         "--memory_limit_mb",
@@ -637,6 +652,12 @@ def main(argv=None) -> int:
         _note_interrupts()
         args = build_parser().parse_args(argv)
         _demo_default(args)
+        if hasattr(args, "cpu_mask"):
+            from .placement import place
+
+            placed = place(args.cpu_mask, args.numa)  # before any thread of the engine starts
+            if placed and not getattr(args, "quiet", False):
+                print(f"[INFO] Placement: {placed}", file=sys.stderr)
         return {
             "run": cmd_run,
             "chat": cmd_chat,

@@ -47,6 +47,8 @@ C_TYPES = {
     "BOOL": (ctypes.c_int, 4),
     "DWORD": (ctypes.c_uint32, 4),
     "DWORD64": (ctypes.c_uint64, 8),
+    "WORD": (ctypes.c_uint16, 2),
+    "DWORD_PTR": (ctypes.c_size_t, 8),
     "ULONG": (ctypes.c_uint32, 4),
     "JOBOBJECTINFOCLASS": (ctypes.c_int, 4),  # an enum
     "SIZE_T": (ctypes.c_size_t, 8),
@@ -130,6 +132,10 @@ GOLDEN = {
     "GetThreadEnabledXStateFeatures": (K32, "DWORD64", ()),
     # processthreadsapi.h: BOOL EnableProcessOptionalXStateFeatures(DWORD64 Features)
     "EnableProcessOptionalXStateFeatures": (K32, "BOOL", ("DWORD64",)),
+    # winbase.h: BOOL SetProcessAffinityMask(HANDLE hProcess, DWORD_PTR dwProcessAffinityMask)
+    "SetProcessAffinityMask": (K32, "BOOL", ("HANDLE", "DWORD_PTR")),
+    # winbase.h: DWORD GetActiveProcessorCount(WORD GroupNumber)
+    "GetActiveProcessorCount": (K32, "DWORD", ("WORD",)),
 }
 
 
@@ -513,6 +519,16 @@ class FakeWindows:
         self.turned_on |= features
         return 1
 
+    CPUS = 8  # logical processors of the fake's one processor group
+
+    def GetActiveProcessorCount(self, group):
+        return self.CPUS if group == 0 else 0
+
+    def SetProcessAffinityMask(self, process, mask):
+        if process != PSEUDO_PROCESS or not 0 < mask < 1 << self.CPUS:
+            return self.fail(ERROR_INVALID_PARAMETER)
+        return 1
+
 
 @pytest.fixture
 def fake(monkeypatch):
@@ -640,6 +656,16 @@ def test_alloc_aligned_commits_and_releases_whole_allocations(fake):
     assert fake.named("VirtualFree") == [(base, 0, w.MEM_RELEASE)] and fake.allocations == {}
     with pytest.raises(MemoryError, match=r"VirtualAlloc.*Windows error 8"):
         _os.alloc_aligned(1 << 41)
+
+
+def test_set_cpus_sets_the_process_mask_within_group_0(fake):
+    _os.set_cpus({0, 2, 3})
+    assert fake.named("SetProcessAffinityMask") == [(PSEUDO_PROCESS, 0b1101)]
+    with pytest.raises(OSError, match=r"CPUs \[8, 9\] are outside processor group 0 \(8 CPUs\)"):
+        _os.set_cpus({1, 8, 9})
+    assert _os.numa_nodes() == {}
+    with pytest.raises(OSError, match="start /NODE N"):
+        _os.set_memory_policy("interleave", [0])
 
 
 def test_lock_raises_the_working_set_quota_when_it_must(fake):

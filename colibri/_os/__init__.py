@@ -35,6 +35,8 @@ import warnings
 
 import numpy as np
 
+from . import _linux  # imports on every OS (parse_cpu_list is plain Python)
+
 if sys.platform == "win32":
     from . import _windows as _backend
 
@@ -72,6 +74,10 @@ INTERFACE = (
     "available_memory",  # () -> bytes | None                RAM new allocations can get (MemAvailable)
     "address_space_room",  # () -> (bytes | None, stack | None)  mappable address space left, a thread's stack
     "request_tile_data",  # () -> (granted, why not)         AMX's tile state for this process (once)
+    "set_cpus",  # cpus -> None                      run this process's threads on these CPUs only
+    "numa_nodes",  # () -> {node: frozenset(cpus)}     ({} where unknown)
+    "set_memory_policy",  # policy, nodes -> None            "interleave" | "bind" | "default" memory
+    "memory_policy",  # () -> (policy, nodes)            this thread's
 )
 # What a backend module must define: every interface name, plus the frees that pair with
 # map_file/alloc_aligned. Where the forms differ, the backend's is lower-level: map_file(path)
@@ -526,6 +532,33 @@ def request_tile_data() -> tuple[bool, str]:
     return _TILE_DATA[0]
 
 
+def set_cpus(cpus) -> None:
+    """Run this process's threads on `cpus` (a set of CPU numbers) only: the calling thread and
+    every thread started after it (the engine's, the server's), so call it before loading a
+    model. Not advice: OSError when the OS refuses (a CPU this process may not use)."""
+    _backend.set_cpus(set(cpus))
+
+
+def numa_nodes() -> dict:
+    """{node: frozenset of its CPUs}; {} where the OS does not say (Windows, macOS)."""
+    return _backend.numa_nodes()
+
+
+def set_memory_policy(policy: str, nodes) -> None:
+    """Where the memory this thread and those it starts later allocate lives — the KV cache, the
+    scratch, and the page cache of files they read: "interleave" (spread over `nodes` page by
+    page), "bind" (only on `nodes`) or "default". Linux only; OSError elsewhere or when refused."""
+    _backend.set_memory_policy(policy, sorted(nodes))
+
+
+def memory_policy() -> tuple:
+    """(policy, nodes) of the calling thread (Linux); OSError elsewhere."""
+    return _backend.memory_policy()
+
+
+parse_cpu_list = _linux.parse_cpu_list  # "0-3,8" -> [0, 1, 2, 3, 8] (Linux's CPU list syntax, on any OS)
+
+
 def compute_cores() -> int:
     """The threads a compute-bound process should use by default: the CPUs this process may run on
     (its affinity mask, where the OS has one), counting each physical core once (SMT siblings,
@@ -547,6 +580,7 @@ def compute_cores() -> int:
 
 __all__ = list(INTERFACE) + [
     "compute_cores",
+    "parse_cpu_list",
     "zeros",
     "arena",
     "BACKEND",

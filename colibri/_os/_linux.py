@@ -38,6 +38,12 @@ SYS_ARCH_PRCTL = 158
 ARCH_GET_XCOMP_PERM = 0x1022
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
+# NUMA memory policy through syscall(2) (glibc leaves set_mempolicy / get_mempolicy to libnuma):
+# the kernel's syscall numbers per architecture and uapi/linux/mempolicy.h's modes
+SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+SYS_GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}
+MEMORY_POLICIES = {"default": 0, "bind": 2, "interleave": 3}  # MPOL_DEFAULT, MPOL_BIND, MPOL_INTERLEAVE
+MAX_NODES = 1024  # the node mask's bits
 
 _c_off_t = ctypes.c_int64 if sys.platform == "darwin" else ctypes.c_long  # glibc mmap: off_t = long
 
@@ -399,3 +405,95 @@ def read_io_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+# ---- where the threads run and the memory lives -------------------------------------------------
+
+
+def set_cpus(cpus) -> None:
+    """Run every thread of this process (those started at import by numpy's BLAS among them), and
+    every thread started from now on, on `cpus` only (sched_setaffinity per thread)."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise OSError(f"this system ({sys.platform}) has no CPU affinity call")
+    os.sched_setaffinity(0, cpus)  # this thread first: what it starts inherits the mask
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return  # not Linux: this thread's mask is what the system lets one set
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
+
+
+def numa_nodes() -> dict:
+    """{node: frozenset of its CPUs} from /sys/devices/system/node; {} where not known."""
+    nodes = {}
+    try:
+        entries = os.listdir("/sys/devices/system/node")
+    except OSError:
+        return {}
+    for name in entries:
+        if name.startswith("node") and name[4:].isdigit():
+            try:
+                with open(f"/sys/devices/system/node/{name}/cpulist") as f:
+                    nodes[int(name[4:])] = frozenset(parse_cpu_list(f.read().strip()))
+            except (OSError, ValueError):
+                continue
+    return nodes
+
+
+def parse_cpu_list(text: str) -> list:
+    """The CPUs of a Linux CPU list ("0-3,8,10-11"; "" is none); ValueError if malformed."""
+    cpus = []
+    for part in filter(None, text.split(",")):
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.extend(range(first, last + 1))
+    return cpus
+
+
+def _mempolicy_syscall(table: dict) -> int:
+    machine = os.uname().machine if hasattr(os, "uname") else "?"
+    if not sys.platform.startswith("linux") or machine not in table:
+        raise OSError(f"NUMA memory policy is a Linux call on x86-64 or arm64; this is {sys.platform} {machine}")
+    return table[machine]
+
+
+def set_memory_policy(policy: str, nodes) -> None:
+    """This thread's (and the threads it starts') memory policy: "interleave" (pages spread over
+    `nodes` in turn), "bind" (only on `nodes`) or "default" (the local node); set_mempolicy(2)."""
+    number = _mempolicy_syscall(SYS_SET_MEMPOLICY)
+    mask = (ctypes.c_ulong * (MAX_NODES // (8 * ctypes.sizeof(ctypes.c_ulong))))()
+    bits = 8 * ctypes.sizeof(ctypes.c_ulong)
+    for node in nodes if policy != "default" else ():
+        mask[node // bits] |= 1 << (node % bits)
+    ok = _fn("syscall")(
+        ctypes.c_long(number),
+        ctypes.c_int(MEMORY_POLICIES[policy]),
+        mask if policy != "default" else None,
+        ctypes.c_ulong(MAX_NODES + 1 if policy != "default" else 0),
+    )
+    if ok != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"set_mempolicy({policy}, nodes {sorted(nodes)}) refused: {os.strerror(err)}")
+
+
+def memory_policy() -> tuple:
+    """(policy name, sorted nodes) of this thread's memory policy (get_mempolicy(2))."""
+    number = _mempolicy_syscall(SYS_GET_MEMPOLICY)
+    mode = ctypes.c_int(0)
+    mask = (ctypes.c_ulong * (MAX_NODES // (8 * ctypes.sizeof(ctypes.c_ulong))))()
+    ok = _fn("syscall")(
+        ctypes.c_long(number), ctypes.byref(mode), mask, ctypes.c_ulong(MAX_NODES + 1), None, ctypes.c_ulong(0)
+    )
+    if ok != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"get_mempolicy refused: {os.strerror(err)}")
+    bits = 8 * ctypes.sizeof(ctypes.c_ulong)
+    nodes = [i for i in range(MAX_NODES) if mask[i // bits] >> (i % bits) & 1]
+    names = {code: name for name, code in MEMORY_POLICIES.items()}
+    return names.get(mode.value, f"mode {mode.value}"), nodes if mode.value else []

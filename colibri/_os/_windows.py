@@ -137,6 +137,9 @@ _PROTOTYPES = {
     # Windows 11 / Server 2022+: those enabled for the calling thread; a process's optional ones on
     "GetThreadEnabledXStateFeatures": (_K32, DWORD64, ()),
     "EnableProcessOptionalXStateFeatures": (_K32, BOOL, (DWORD64,)),
+    # CPU affinity within the process's processor group (64 logical processors a group)
+    "SetProcessAffinityMask": (_K32, BOOL, (HANDLE, ULONG_PTR)),
+    "GetActiveProcessorCount": (_K32, DWORD, (ctypes.c_uint16,)),
 }
 
 
@@ -497,3 +500,41 @@ def request_tile_data() -> None:
 
 def read_io_bytes() -> int | None:
     return None  # GetProcessIoCounters counts page-cache hits as reads
+
+
+# ---- where the threads run and the memory lives -------------------------------------------------
+
+PROCESSOR_GROUP_SIZE = 64  # logical processors a processor group holds at most (a KAFFINITY's bits)
+
+
+def set_cpus(cpus) -> None:
+    """Run the process on `cpus` (SetProcessAffinityMask). Windows numbers a CPU within its
+    processor group; the CPUs of the first group (0..63, as Task Manager counts them on most
+    machines) are served; a set beyond it is refused (one process per group: `start /NODE N`)."""
+    cpus = sorted(cpus)
+    count = _fn("GetActiveProcessorCount")(0)
+    outside = [c for c in cpus if c >= min(count, PROCESSOR_GROUP_SIZE)]
+    if outside:
+        raise OSError(
+            f"CPUs {outside} are outside processor group 0 ({count} CPUs); on Windows start one process "
+            f"per group or NUMA node instead (start /NODE N)"
+        )
+    mask = sum(1 << c for c in cpus)
+    if not _fn("SetProcessAffinityMask")(_process(), mask):
+        raise _error("SetProcessAffinityMask", _last_error())
+
+
+def numa_nodes() -> dict:
+    """{} : the NUMA nodes are not read on Windows (start /NODE N places a whole process)."""
+    return {}
+
+
+def set_memory_policy(policy: str, nodes) -> None:
+    raise OSError(
+        "a NUMA memory policy is not set on Windows: start one process per node with start /NODE N "
+        "(its threads and memory then prefer that node)"
+    )
+
+
+def memory_policy() -> tuple:
+    raise OSError("the NUMA memory policy is not read on Windows")
