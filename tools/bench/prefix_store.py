@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import platform
@@ -62,13 +63,14 @@ class Server:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            argv_for_port(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
+        # its log to a file: a pipe nobody reads would stop a server that logs every request
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(argv_for_port(self.port), stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        atexit.register(self.stop)  # also when a request fails and the script exits
         deadline = time.time() + STARTUP_SECONDS
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"{name} exited at start: {self.proc.stderr.read()[-2000:]}")
+                raise SystemExit(f"{name} exited at start: {self.tail()}")
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
             except httpx.TransportError:
@@ -82,13 +84,19 @@ class Server:
         self.proc.kill()
         raise SystemExit(f"{name} did not become healthy in {STARTUP_SECONDS} s")
 
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-2000:]
+
     def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
         self.proc.terminate()
         try:
-            self.proc.communicate(timeout=120)
+            self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.communicate()
+            self.proc.wait()
 
 
 def colibri(args, parallel: int, extra=()) -> Server:
