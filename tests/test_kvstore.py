@@ -71,7 +71,7 @@ def test_a_conversation_evicted_by_another_resumes_from_the_store_with_the_same_
     m.close()
 
 
-@pytest.mark.parametrize("case", ["qwen3moe_a", "gpt_oss_a", "deepseekv3_a", "gemma4_a"])
+@pytest.mark.parametrize("case", CASES)
 def test_seeded_sampling_after_a_restore_is_unchanged(converted, case):
     path = converted(case, "int8")
     plain = colibri.load(path, threads=2)
