@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import os
 import sys
 import time
 from pathlib import Path
@@ -1039,6 +1040,11 @@ def cmd_serve(args) -> int:
     if not args.queue_timeout > 0:
         raise ColibriError(f"--queue-timeout must be a positive number of seconds, got {args.queue_timeout}")
     ModelDir(args.model_dir)  # a bad directory fails now, not in the background
+    if args.kv_store is not None:  # so do the prefix store's options (the load checks them again)
+        if args.cache_ram == 0:
+            raise ColibriError(f"--kv-store {args.kv_store} needs a prefix store: --cache-ram is 0")
+        if os.path.exists(args.kv_store) and not os.path.isdir(args.kv_store):
+            raise ColibriError(f"--kv-store {args.kv_store} is not a directory")
 
     def load():
         m = _load(args)

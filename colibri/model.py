@@ -149,6 +149,8 @@ class _LoadOptions:
                 raise ColibriError(f"kv_store {kv_store} is not a directory")
             if cache_ram is None and cache_ram_mb is None:
                 cache_ram = "auto"  # a directory asks for a store
+            elif cache_ram is None:
+                raise ColibriError(f"kv_store {kv_store} needs a prefix store: cache_ram_mb is 0")
         return cls(
             threads,
             n_ctx,
@@ -839,6 +841,11 @@ class Model:
         budget = o.cache_ram
         if budget == "auto":
             budget = kvstore.auto_budget(self.residency.plan, _os.available_memory())
+            if not budget and o.kv_store is not None:
+                raise ColibriError(
+                    f"kv_store {o.kv_store}: the memory plan leaves no room for a prefix store "
+                    f"({self.residency.plan.describe()}); give cache_ram_mb (--cache-ram MB) for one"
+                )
         if not budget:
             return None
         config_digest = hashlib.sha256((self._dir.root / "config.json").read_bytes()).hexdigest()

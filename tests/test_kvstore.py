@@ -275,6 +275,7 @@ def test_another_model_finds_none_of_the_store(converted, tmp_path):
         (dict(cache_ram_mb="lots"), "cache_ram_mb must be 'auto' or a number of megabytes"),
         (dict(cache_ram_mb=True), "cache_ram_mb must be 'auto' or a number of megabytes"),
         (dict(kv_store=""), "kv_store must be a directory path"),
+        (dict(kv_store="somewhere", cache_ram_mb=0), "kv_store somewhere needs a prefix store: cache_ram_mb is 0"),
     ],
 )
 def test_bad_store_options_are_clear_errors(converted, kw, message):
@@ -307,3 +308,16 @@ def test_run_keeps_a_prompt_across_processes_with_kv_store(converted, tmp_path):
     assert runs[0].stdout == runs[1].stdout
     assert "0 prompt tokens restored" in runs[0].stderr
     assert f"{2 * B} prompt tokens restored (1 hits" in runs[1].stderr, runs[1].stderr
+
+
+def test_serve_refuses_a_kv_store_without_a_store_at_once(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "serve", "--cache-ram", "0", "--kv-store", str(tmp_path)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        r.returncode == 2 and r.stderr.strip() == f"error: --kv-store {tmp_path} needs a prefix store: --cache-ram is 0"
+    )
