@@ -219,3 +219,33 @@ def test_decode_against_the_read_roofline(tmp_path):
     assert "| anon-2m | 2 | 30.0 | 33.0 (pf256) | 1.10 |" in section
     assert "| int4 | 2 | 105.0 (100.0–110.0) | 25.0 (24.0–26.0) | 30.0 (30.0–30.0) | 0.83 |" in section
     assert section.count("commit: abc1234") == 2 and "Other results" not in section
+
+
+def test_the_prefix_store_section_reads_its_medians(tmp_path):
+    """prefix_store.py's file: TTFT medians (min–max) and their ratio to a cold prompt per engine and
+    scenario, and the shared system prompt's tokens run against the ideal."""
+    runs = {
+        "colibri returning": [
+            {"first": 2.0, "returning": r, "cold": 2.0, "ratio": r / 2.0} for r in (0.10, 0.12, 0.30)
+        ],
+        "colibri shared": [{"wall": w, "ideal_tokens": 2012, "computed_tokens": 2040} for w in (3.0, 3.2, 3.1)],
+        "llama-server returning": [{"first": 6.0, "returning": 0.5, "cold": 6.0, "ratio": 0.5 / 6.0}],
+        "llama-server shared": [{"wall": 20.0, "ideal_tokens": 2012}],
+        "colibri restart": [{"first": 2.0, "returning": 0.2, "cold": 2.0, "ratio": 0.1}],
+    }
+    doc = {
+        "command": "prefix_store.py --reps 3",
+        "host": "h",
+        "date": "2026-12-07T20:00:00Z",
+        "git_commit": "abc",
+        "settings": {"reps": 3, "conversation": 2000},
+        "summary": {},
+        "runs": runs,
+    }
+    _write(tmp_path, "2026-12-07-prefix-store-zen5.json", doc)
+    text = _sections(report.render(tmp_path))["Prompts computed once: the prefix store"]
+    assert "| colibri | returning | 120 (100–300) | 2000 (2000–2000) | 0.060 (0.050–0.150) |" in text
+    assert "| colibri | restart | 200 | 2000 | 0.100 |" in text
+    assert "| colibri | 3.10 (3.00–3.20) | 2040 (2040–2040) | 2012 |" in text
+    assert "| llama-server | 20.00 | not reported | 2012 |" in text
+    assert "`2026-12-07-prefix-store-zen5.json` — date: 2026-12-07T20:00:00Z; host: h; commit: abc" in text

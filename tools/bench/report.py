@@ -11,7 +11,8 @@ How results are chosen
   run_bench.py (a dict with ``model`` and ``rows``), long_context.py (a list of
   ``{engine, depth, rep, pp, tg}``), serve_load.py (a list of ``{target, rate, ttft_p50, ...}``),
   memcap.py (a dict ``"<engine> <cap>" -> [runs]``), tools/bench_constraint.py (a dict with
-  ``mask`` and ``decode``). Any other shape, or a file that does not parse, is listed under
+  ``mask`` and ``decode``), prefix_store.py (a dict with ``settings`` and ``runs`` keyed
+  ``"<engine> returning|shared|restart"``). Any other shape, or a file that does not parse, is listed under
   "Other results" (file name and its ``command``) and nothing else is read from it.
 - Each question groups its files by a key (peers: host kind and model; long context: host kind,
   model and depth; memory cap: model and format; serving and constrained decoding: one group).
@@ -179,6 +180,12 @@ def shape_of(data) -> str | None:
             return "run_bench"
         if isinstance(data.get("mask"), dict) and isinstance(data.get("decode"), list):
             return "constraint"
+        if (
+            isinstance(data.get("settings"), dict)
+            and isinstance(data.get("runs"), dict)
+            and any(k.endswith((" returning", " shared")) for k in data["runs"])
+        ):
+            return "prefix_store"
         if (
             isinstance(data.get("summary"), dict)
             and "active_bytes" in data
@@ -681,6 +688,70 @@ def section_serving(results: list[Result]) -> list[str]:
     return out
 
 
+def section_prefix_store(results: list[Result]) -> list[str]:
+    out = [
+        "## Prompts computed once: the prefix store",
+        "",
+        "Time to first token (a completion of one token, random token ids) of a prompt the server "
+        "computed before, against a cold prompt of the same length on the same server. *returning*: a "
+        "conversation, three others that take the only place, then the first one with a few new tokens "
+        "(Colibri `serve` with its default prefix store; llama-server `--cache-ram`); *restart*: the "
+        "conversation served, the server restarted with `--kv-store`, then its return; *shared*: requests "
+        "sharing a system prompt sent at once to 4 places, the wall time until all are answered and the "
+        "prompt tokens the engine ran (from `/metrics`) against one system prompt plus the unique parts.",
+        "",
+    ]
+    mine = [r for r in results if r.shape == "prefix_store"]
+    if not mine:
+        return out + [
+            "No measurement yet: run `python tools/bench/prefix_store.py --model-dir DIR --reps 3 --out FILE.json`.",
+            "",
+        ]
+    for files in newest_by(mine, lambda r: ("prefix_store",)).values():
+        for r in files:
+            st = r.data.get("settings", {})
+            rows, shared = [], []
+            for name, runs in r.data["runs"].items():
+                engine, _, scenario = name.rpartition(" ")
+                if scenario in ("returning", "restart"):
+                    rows.append(
+                        [
+                            engine,
+                            scenario,
+                            med([x["returning"] * 1000 for x in runs], 0),
+                            med([x["cold"] * 1000 for x in runs], 0),
+                            med([x["ratio"] for x in runs], 3),
+                        ]
+                    )
+                elif scenario == "shared":
+                    computed = [x["computed_tokens"] for x in runs if "computed_tokens" in x]
+                    shared.append(
+                        [
+                            engine,
+                            med([x["wall"] for x in runs], 2),
+                            med(computed, 0) if computed else "not reported",
+                            str(runs[0]["ideal_tokens"]) if runs else "–",
+                        ]
+                    )
+            out += [f"### `{r.name}`", ""]
+            out += [
+                f"Conversation {st.get('conversation')} tokens, others {st.get('others')}, new turn "
+                f"{st.get('turn')}; system prompt {st.get('system')} tokens + {st.get('unique')} each, "
+                f"{st.get('requests')} requests in {st.get('places')} places; {st.get('threads')} threads; "
+                f"medians of {st.get('reps')} (min–max).",
+                "",
+            ]
+            out += table(
+                ["engine", "scenario", "TTFT ms", "cold TTFT ms", "÷ cold"],
+                rows,
+                "llrrr",
+            )
+            out += [""]
+            out += table(["engine", "shared: wall s", "prompt tokens run", "one system prompt + parts"], shared, "lrrr")
+            out += [""] + provenance([r]) + [""]
+    return out
+
+
 def section_quality(results: list[Result]) -> list[str]:
     return [
         "## Quality per byte",
@@ -914,6 +985,7 @@ def render(results_dir: Path = RESULTS) -> str:
         section_long_context,
         section_memcap,
         section_serving,
+        section_prefix_store,
         section_quality,
         section_constraint,
         section_other,
