@@ -127,12 +127,14 @@ def peak_rss_bytes():
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024
 
 
-def one_repetition(model, prompt, gen: int, decode_bytes: float) -> dict:
+def one_repetition(model, prompt, gen: int, decode_bytes: float, draft: dict | None = None) -> dict:
     """Generate `gen` tokens after `prompt`, timing each yielded token; decode_bytes: what a decoded
-    token reads on average (for the decode read rate)."""
+    token reads on average (for the decode read rate); draft: generate()'s speculation keywords
+    (default: none, plain decoding)."""
     gaps = []
     last = time.perf_counter()
-    for _ in model.generate(prompt, max_new_tokens=gen, stop_at_eos=False, reuse_prefix=False):
+    draft = draft or {"draft": "none"}
+    for _ in model.generate(prompt, max_new_tokens=gen, stop_at_eos=False, reuse_prefix=False, **draft):
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
@@ -151,6 +153,7 @@ def one_repetition(model, prompt, gen: int, decode_bytes: float) -> dict:
             if decode and np.percentile(decode, 50) > 0
             else None
         ),
+        **(model.last_generation.speculation.as_dict() if model.last_generation.speculation else {}),
     }
 
 
@@ -170,10 +173,12 @@ def bench(
     threads=None,
     n_ctx=None,
     read_bandwidth_too: bool = False,
+    draft: dict | None = None,
     **load_options,
 ) -> dict:
     """Run the benchmark; return the result as a JSON-ready dict. read_bandwidth_too: time the read
-    loop before and after the repetitions. load_options: colibri.load's memory_limit_mb,
+    loop before and after the repetitions; draft: generate()'s speculation keywords (draft,
+    draft_max; default plain decoding). load_options: colibri.load's memory_limit_mb,
     expert_cache_mb, prefetch, eviction, kv_cache, bf16_products, prefill_chunk."""
     from . import _kernels, _os
     from .model import DEFAULT_MAX_CONTEXT, load
@@ -201,9 +206,9 @@ def bench(
         ]
         decode_bytes = {part: float(np.mean([b[part] for b in per_position])) for part in ("weights", "kv_cache")}
         per_token = sum(decode_bytes.values())
-        one_repetition(model, prompt, gen, per_token)  # warm-up, discarded
+        one_repetition(model, prompt, gen, per_token, draft)  # warm-up, discarded
         before = model.memory_stats()
-        runs = [one_repetition(model, prompt, gen, per_token) for _ in range(repeat)]
+        runs = [one_repetition(model, prompt, gen, per_token, draft) for _ in range(repeat)]
         after = model.memory_stats()
         if read_bandwidth_too:
             read_loop.append(read_bandwidth_apart(model.threads))
@@ -309,6 +314,7 @@ def run_bench(args) -> int:
         bf16_products=args.bf16_products,
         prefill_chunk=args.prefill_chunk,
         read_bandwidth_too=args.read_bandwidth,
+        draft={"draft": args.draft, "draft_max": args.draft_max},
     )
     print(json.dumps(r) if args.json else format_table(r))
     return 0

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from . import _end_startup_guard
-from . import names
+from . import names, speculate
 from .errors import ColibriError
 from .interrupts import signals_deferred
 
@@ -118,6 +118,26 @@ def _cache_ram(text):
     if not 0 <= v < 1e12:
         raise argparse.ArgumentTypeError(f"expected 'auto' or megabytes >= 0, got {text!r}")
     return v
+
+
+def _draft_options(p, default: str) -> None:
+    """Speculative decoding's options (colibri.speculate) of `run`, `chat`, `serve` and `bench`."""
+    p.add_argument(
+        "--draft",
+        choices=speculate.DRAFT_SOURCES,
+        default=default,
+        help="speculative decoding: drafted tokens verified together, the tokens unchanged; ngram: "
+        "looked up in the prompt and the reply so far; auto: ngram, and the prediction first where "
+        f"one is given; none under an expert budget unless asked (default: {default})",
+    )
+    p.add_argument(
+        "--draft-max",
+        "--draft_max",
+        dest="draft_max",
+        type=_positive_int,
+        default=None,
+        help=f"drafted tokens one engine call verifies at most (default {speculate.DEFAULT_DRAFT_MAX})",
+    )
 
 
 def _store_options(p, default_ram) -> None:
@@ -359,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", help="with --chat: a system message before the prompt")
     _generation_options(run, default_max=64)
     _store_options(run, None)
+    _draft_options(run, speculate.DEFAULT_DRAFT)
+    run.add_argument(
+        "--prediction-file",
+        "--prediction_file",
+        dest="prediction_file",
+        metavar="FILE",
+        help="the reply expected (a file being edited, UTF-8): its tokens are drafted first",
+    )
     constrain = run.add_mutually_exclusive_group()
     constrain.add_argument(
         "--json-schema",
@@ -385,12 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system message at the start of the conversation")
     _generation_options(chat, default_max=512)
     _store_options(chat, None)
+    _draft_options(chat, speculate.DEFAULT_DRAFT)
 
     srv = sub.add_parser(
         "serve", help=f'an OpenAI-compatible HTTP server (needs the extra: pip install "{names.DISTRIBUTION}[serve]")'
     )
     _model_options(srv)
     _store_options(srv, "auto")
+    _draft_options(srv, speculate.DEFAULT_DRAFT)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     srv.add_argument(
@@ -643,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
         "same threads, before and after the runs, and report decode's memory read against it",
     )
     _engine_options(bench)
+    _draft_options(bench, "none")
     return p
 
 
@@ -806,7 +837,9 @@ def _loaded_note(args, m) -> None:
 
 
 def _generation_kwargs(args) -> dict:
+    draft = {"draft": None if args.draft == speculate.DEFAULT_DRAFT else args.draft, "draft_max": args.draft_max}
     return dict(
+        **draft,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -882,8 +915,14 @@ def _speed_line(m) -> str:
         f"Prompt: {st['prefill_tokens']} tokens in {st['prefill_seconds'] * 1000:.0f} ms "
         f"({rate(st['prefill_tokens'], st['prefill_seconds'])}){reused}; generated "
         f"{len(m.last_generation.tokens)} tokens in {st['decode_seconds'] * 1000:.0f} ms "
-        f"({rate(st['decode_tokens'], st['decode_seconds'])})"
+        f"({rate(st['decode_tokens'], st['decode_seconds'])}){_speculation_note(m.last_generation.speculation)}"
     )
+
+
+def _speculation_note(spec) -> str:
+    if spec is None or not spec.drafted:
+        return ""
+    return f"; {spec.accepted} of {spec.drafted} drafted tokens accepted in {spec.chunks} verifications"
 
 
 def _sampling_note(args, m) -> None:
@@ -925,6 +964,8 @@ def cmd_run(args) -> int:
         raise ColibriError("--stop needs text output (a tokenizer, and no --ids)")
     on_step = _verbose_printer(m) if args.verbose else None
     kwargs = {**_generation_kwargs(args), **constraint}
+    if args.prediction_file is not None:
+        kwargs["prediction"] = _read_option_file("--prediction-file", args.prediction_file)
     if as_text:
         pieces = m.stream(ids, args.max_new_tokens, stop=args.stop, on_step=on_step, **kwargs)
     else:
@@ -1056,6 +1097,11 @@ def cmd_serve(args) -> int:
     name = args.model_name or Path(args.model_dir).resolve().name
     if args.parallel > names.MAX_PARALLEL:
         raise ColibriError(f"--parallel must be in 1..{names.MAX_PARALLEL}, got {args.parallel}")
+    if args.parallel > 1 and (args.draft not in (speculate.DEFAULT_DRAFT, "none") or args.draft_max is not None):
+        raise ColibriError(
+            "--draft and --draft-max set speculative decoding, which runs with --parallel 1 (a server with "
+            "several places decodes them together without drafts)"
+        )
     if args.step_tokens is not None and args.parallel == 1:
         raise ColibriError(
             "--step-tokens sets how a --parallel server's passes mix requests: give --parallel N (N > 1) too"
@@ -1076,6 +1122,14 @@ def cmd_serve(args) -> int:
         log=lambda line: _info(args, line[len("[INFO] ") :]),
         parallel=args.parallel,
         step_tokens=args.step_tokens,
+        draft={
+            k: v
+            for k, v in (
+                ("draft", None if args.draft == speculate.DEFAULT_DRAFT else args.draft),
+                ("draft_max", args.draft_max),
+            )
+            if v is not None
+        },
     )
     return 0
 

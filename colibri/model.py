@@ -30,6 +30,7 @@ import numpy as np
 
 from . import constraint as _constraint
 from . import kvstore
+from . import speculate
 from .errors import ColibriError
 from .names import BF16_PRODUCTS, DEFAULT_EVICTION, KV_CACHE_TYPES, MAX_PARALLEL
 from . import _os
@@ -411,6 +412,9 @@ class Model:
         regex: str | None = None,
         json_object: bool = False,
         logit_bias: dict | None = None,
+        draft: str | None = None,
+        draft_max: int | None = None,
+        prediction=None,
     ):
         """Yield up to `max_new_tokens` new token ids after the prompt `ids`.
 
@@ -431,6 +435,13 @@ class Model:
         follows ends the generation even with stop_at_eos=False. A schema or grammar llguidance
         refuses is a ColibriError here, before any token. logit_bias {token id: bias in
         [-100, 100]} is added to those logits before sampling (OpenAI's logit_bias).
+
+        Speculative decoding (colibri.speculate): draft "auto" (the default; "none" under an
+        expert budget, where verifying widens the experts read from storage), "ngram" or "none"
+        chooses where drafted tokens come from, draft_max (1..64, default 8) how many one engine
+        call verifies; prediction (text or token ids: the reply expected, such as a file being
+        edited) is searched first. The tokens are those of plain decoding, greedy or sampled;
+        `self.last_generation.speculation` counts what was drafted and accepted.
         """
         tokens, sampler, eos, record = self._prepare_generation(
             ids,
@@ -451,8 +462,38 @@ class Model:
             json_object=json_object,
             logit_bias=logit_bias,
         )
+        # on_step (--verbose) reads each token's routing: it decodes token by token
+        drafter = self._drafter(tokens, draft if on_step is None else "none", draft_max, prediction, record)
         self.last_generation = record
-        return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix))
+        return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix), drafter)
+
+    def _drafter(self, tokens, draft, draft_max, prediction, record):
+        """generate()'s speculation options checked: a speculate.Drafter, or None for plain decoding."""
+        if draft is not None and draft not in speculate.DRAFT_SOURCES:
+            raise ColibriError(f"draft must be one of {', '.join(speculate.DRAFT_SOURCES)}, got {draft!r}")
+        if draft_max is not None and (
+            isinstance(draft_max, bool)
+            or not isinstance(draft_max, (int, np.integer))
+            or not 1 <= draft_max <= speculate.MAX_DRAFT_MAX
+        ):
+            raise ColibriError(f"draft_max must be an integer in 1..{speculate.MAX_DRAFT_MAX}, got {draft_max!r}")
+        if prediction is not None:
+            if isinstance(prediction, str):
+                prediction = self._need_tokenizer().encode(prediction, add_special_tokens=False)
+            prediction = [int(t) for t in self._check_ids(prediction, "prediction")] if len(prediction) else None
+        source = draft or ("none" if self.expert_budget is not None else speculate.DEFAULT_DRAFT)
+        if source == "none":
+            return None
+        if prediction is not None and source == "ngram":
+            raise ColibriError('prediction needs draft "auto" (its tokens are the first drafts), not "ngram"')
+        d = speculate.Drafter(
+            [int(t) for t in tokens],
+            source,
+            int(draft_max or speculate.DEFAULT_DRAFT_MAX),
+            prediction if source == "auto" else None,
+        )
+        record.speculation = d.stats
+        return d
 
     def _prepare_generation(
         self,
@@ -953,7 +994,7 @@ class Model:
             + f" — the weights in {self.path} look damaged (run: python -m colibri verify)"
         )
 
-    def _generate(self, tokens, max_new_tokens, sampler, eos, on_step, record, reuse):
+    def _generate(self, tokens, max_new_tokens, sampler, eos, on_step, record, reuse, drafter=None):
         with self._exclusive():
             self._begin()
             common = self._restore_prefix(tokens, 0, self._reusable_prefix(tokens)) if reuse else 0
@@ -970,12 +1011,14 @@ class Model:
             self.stats["decode_seconds"] = 0.0
             if on_step:
                 on_step(self)
-            pos = len(tokens)
-            step = np.empty(1, np.int32)
+            pos = len(tokens)  # where the next token to run goes
+            row = logits[0]  # the logits the next token is picked from
+            ahead = []  # [(drafted token, the logits after it)] of the last chunk, not yet checked
+            chunk_drafted = chunk_accepted = 0
             record.finish_reason = "length"
             try:
                 for i in range(max_new_tokens):
-                    pick = sampler.pick(logits[0])
+                    pick = sampler.pick(row)
                     token = pick.token
                     record.tokens.append(token)
                     record.picks.append(pick)
@@ -986,15 +1029,34 @@ class Model:
                     if i == 0:  # the prompt, for the other places, once its first token is out
                         self._save_prefix(0)
                     if ended or i == max_new_tokens - 1:
+                        chunk_accepted += bool(ahead) and ahead[0][0] == token  # the last token was drafted
                         break
-                    step[0] = token
+                    if drafter is not None:
+                        drafter.push(token)
+                    if ahead and ahead[0][0] == token:  # a drafted token picked: its keys and values are in
+                        _, row = ahead.pop(0)
+                        pos += 1
+                        chunk_accepted += 1
+                        self.stats["decode_tokens"] += 1
+                        continue
+                    if drafter is not None:
+                        drafter.verified(chunk_drafted, chunk_accepted)
+                    # room: tokens still to generate after this one, the context, a prefill chunk
+                    room = min(max_new_tokens - i - 2, self.n_ctx - pos - 1, self._chunk - 1)
+                    draft = drafter.propose(room) if drafter is not None else []
+                    run = np.array([token, *draft], np.int32)
+                    out = np.empty((len(run), self.config.vocab_size), np.float32)
                     t = time.perf_counter()
-                    self._run(step, pos, logits, all_logits=False)
+                    self._run(run, pos, out, all_logits=len(run) > 1)  # drafts after pos: overwritten if refused
                     self.stats["decode_seconds"] += time.perf_counter() - t
                     self.stats["decode_tokens"] += 1
+                    row, ahead = out[0], list(zip(draft, out[1:]))
+                    chunk_drafted, chunk_accepted = len(draft), 0
                     pos += 1
                     if on_step:
                         on_step(self)
+                if drafter is not None:
+                    drafter.verified(chunk_drafted, chunk_accepted)
             finally:
                 self._save_prefix(0)  # the prompt and the reply (also of a generation stopped early)
 
@@ -1066,6 +1128,7 @@ class GenerationRecord:
         self.from_generation_config = list(from_generation_config)  # settings taken from the checkpoint
         self.finish_reason = None  # "stop" (EOS or a stop string) | "length"
         self.stop = None  # the stop string that ended it, if one did
+        self.speculation = None  # speculate.SpeculationStats when drafts were verified
 
 
 def load(

@@ -420,7 +420,7 @@ def test_a_model_by_its_id(agent):
     [
         ("audio", {"voice": "alloy", "format": "mp3"}),
         ("modalities", ["text", "audio"]),
-        ("prediction", {"type": "content", "content": "x"}),
+        ("prediction", {"type": "code", "content": "x"}),  # only "content" predictions exist
         ("functions", [{"name": "f"}]),
         ("store", True),
         ("max_token", 5),

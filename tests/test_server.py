@@ -239,6 +239,24 @@ def test_the_kv_store_survives_a_restart(chat_model_dir, tmp_path):
         assert cached == (0 if round_ == 0 else (out.usage.prompt_tokens - 1) // 64 * 64)
 
 
+def test_predicted_outputs_give_the_same_reply_and_count_the_accepted_tokens(server, local):
+    """OpenAI's `prediction` (the official client): the reply is the one without it; the predicted
+    tokens the reply kept are counted in usage.completion_tokens_details."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, extra_body={"draft": "none"})
+    text = plain.choices[0].message.content
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=24, prediction={"type": "content", "content": text}
+    )
+    assert out.choices[0].message.content == text
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    ids = local.apply_chat_template(MESSAGES)
+    want = local.tokenizer.decode(list(local.generate(ids, 24, draft="none")), skip_special_tokens=True)
+    assert text == want
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -810,6 +828,23 @@ def parallel_server(chat_model_dir):
     yield s
     code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err
+
+
+def test_a_parallel_server_refuses_drafts_it_would_not_verify(parallel_server):
+    for extra, param in (
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"draft": "ngram"}, "draft"),
+    ):
+        r = post(
+            parallel_server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **extra}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(
+        parallel_server,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "draft": "none"},
+    )
+    assert r.status_code == 200
 
 
 def _ask_all(server, bodies, path="/v1/completions"):

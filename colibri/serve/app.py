@@ -308,12 +308,20 @@ def create_app(served: Served):
     def usage(job: Job, runs: list) -> dict:
         done = sum(len(g.record.tokens) for g in runs if g.record is not None)
         cached = runs[0].record.reused_tokens if runs and runs[0].record is not None else 0
-        return {
+        out = {
             "prompt_tokens": len(job.ids),
             "completion_tokens": done,
             "total_tokens": len(job.ids) + done,
             "prompt_tokens_details": {"cached_tokens": int(cached or 0)},
         }
+        if "prediction" in job.gen:  # OpenAI's counts: the predicted tokens drafted and kept, or refused
+            spec = [g.record.speculation for g in runs if g.record is not None and g.record.speculation]
+            accepted = sum(s.accepted for s in spec)
+            out["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": sum(s.drafted for s in spec) - accepted,
+            }
+        return out
 
     def finish_reason(g, parser) -> str:
         reason = g.record.finish_reason if g.record is not None else "stop"
@@ -838,6 +846,7 @@ def serve(
     log=print,
     parallel: int = 1,
     step_tokens: int | None = None,
+    draft: dict | None = None,
 ) -> None:
     """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running requests
     limits.GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels them, and returns). `load()` -> Model
@@ -849,7 +858,7 @@ def serve(
         raise ColibriError("--api-key is empty: give a key, or leave the option out to serve without one")
     if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_PARALLEL:
         raise ColibriError(f"--parallel must be in 1..{MAX_PARALLEL}, got {parallel!r}")
-    served = Served(load, name, api_key, max_queue, queue_timeout, parallel, step_tokens)
+    served = Served(load, name, api_key, max_queue, queue_timeout, parallel, step_tokens, draft)
     app = create_app(served)
     at_once = "one generation at a time" if parallel == 1 else f"{parallel} generations at a time, decoded together"
     log(

@@ -54,6 +54,7 @@ class Served:
         queue_timeout: float,
         parallel: int = 1,
         step_tokens: int | None = None,
+        draft: dict | None = None,
     ):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -61,6 +62,7 @@ class Served:
         self.max_queue, self.queue_timeout = max_queue, queue_timeout
         self.parallel = parallel  # generations at once (the Model's load(parallel=))
         self.step_tokens = step_tokens  # the Batch's tokens per step (None: its default)
+        self.draft = dict(draft or {})  # --draft, --draft-max: the speculation a request gets unless it asks
         self.model = None
         self.stepper = None  # the Batch's engine thread (parallel > 1), once loaded
         self.load_error = None
@@ -91,6 +93,12 @@ class Served:
         self.tokens_out = Counter("colibri_generated_tokens", "tokens generated", registry=r)
         self.reused = Counter("colibri_prefix_reused_tokens", "prompt tokens the KV cache already held", registry=r)
         self.reuse_hits = Counter("colibri_prefix_reuse_hits", "requests that reused part of the KV cache", registry=r)
+        self.drafts = Counter(
+            "colibri_draft_tokens",
+            "speculative decoding's drafted tokens, by whether the model's pick kept them",
+            ["result"],
+            registry=r,
+        )
         self.resident = Gauge("colibri_resident_expert_bytes", "expert weights resident", registry=r)
         self.faults = Gauge("colibri_major_page_faults", "major page faults of the process", registry=r)
         self.cache_uses = Gauge(
@@ -398,6 +406,10 @@ class Generation:
         if self.record.reused_tokens:
             s.reuse_hits.inc()
             s.reused.inc(self.record.reused_tokens)
+        spec = self.record.speculation
+        if spec is not None and spec.drafted:
+            s.drafts.labels("accepted").inc(spec.accepted)
+            s.drafts.labels("rejected").inc(spec.drafted - spec.accepted)
 
 
 class BatchedGeneration(Generation):

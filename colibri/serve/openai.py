@@ -122,6 +122,7 @@ def prepare(served, body, chat: bool, counting: bool = False) -> Job:
     bias = logit_bias_of(req, m.config.vocab_size)
     if bias:
         gen["logit_bias"] = bias
+    gen.update(speculation_options(served, req))
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     reply = None
     if chat:
@@ -204,6 +205,37 @@ def sampling_options(req) -> dict:
         seed=req.seed if req.seed is not None else secrets.randbits(SEED_BITS),
         stop_at_eos=not req.ignore_eos,
     )
+
+
+def speculation_options(served, req) -> dict:
+    """The Model.generate keywords of speculative decoding a request asks for (draft, draft_max,
+    prediction's text). A server with several places decodes their tokens together, without
+    drafts: there a request asking for them is refused, not served without them."""
+    out = {}
+    if req.draft is not None:
+        out["draft"] = req.draft
+    if req.draft_max is not None:
+        out["draft_max"] = req.draft_max
+    asked = dict(out)
+    prediction = getattr(req, "prediction", None)
+    if prediction is not None:
+        out["prediction"] = prediction.text()
+        out.setdefault("draft", "auto")
+        if out["draft"] != "auto":
+            raise APIError(400, "'prediction' needs 'draft' auto (its tokens are the first drafts)", param="draft")
+    if served.parallel > 1 and (prediction is not None or asked.get("draft", "none") != "none" or "draft_max" in asked):
+        param = "prediction" if prediction is not None else "draft" if "draft" in asked else "draft_max"
+        raise APIError(
+            400,
+            f"'{param}': speculative decoding runs on a server with --parallel 1; this one decodes "
+            f"{served.parallel} places together without drafts",
+            param=param,
+        )
+    if served.parallel > 1:
+        return {}  # draft "none": what the batch does anyway
+    for key, value in served.draft.items():  # the server's --draft / --draft-max
+        out.setdefault(key, value)
+    return out
 
 
 def logit_bias_of(req, vocab_size: int) -> dict | None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from ..sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
+from ..speculate import DRAFT_SOURCES, MAX_DRAFT_MAX
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 8  # n: generations of one request, run one after another
@@ -31,7 +32,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 REFUSED = {
     "audio": "audio output is not supported (this is a text model)",
     "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported yet",
     "web_search_options": "web search is not supported",
     "functions": "the deprecated 'functions' field is not supported; send 'tools'",
     "function_call": "the deprecated 'function_call' field is not supported; send 'tool_choice'",
@@ -214,6 +214,12 @@ class Sampling(Body):
     stop: Stop = None
     logit_bias: Optional[dict[str, Number(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] = None
     ignore_eos: Optional[Bool] = Field(None, description="extension (vLLM, llama-server)")
+    draft: Optional[Literal[DRAFT_SOURCES]] = Field(
+        None, description="extension: speculative decoding's drafts (default auto: n-gram lookup; --parallel 1)"
+    )
+    draft_max: Optional[Integer(ge=1, le=MAX_DRAFT_MAX)] = Field(
+        None, description="extension: drafted tokens one engine call verifies at most (default 8)"
+    )
     # accepted, meaningless on a local server
     user: Optional[Text] = None
     metadata: Optional[dict[str, Any]] = None
@@ -223,6 +229,17 @@ class Sampling(Body):
     prompt_cache_options: Optional[dict[str, Any]] = Field(None, description="accepted, as prompt_cache_key")
     service_tier: Optional[Text] = None
     store: Optional[Bool] = None
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the reply is expected to resemble (a file being edited)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content)
 
 
 class ChatCompletionRequest(Sampling):
@@ -237,10 +254,12 @@ class ChatCompletionRequest(Sampling):
     response_format: Optional[ResponseFormat] = None
     reasoning_effort: Optional[Literal[REASONING_EFFORTS]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="keywords for the chat template")
+    prediction: Optional[Prediction] = Field(
+        None, description="the reply expected: its tokens are drafted first (speculative decoding; --parallel 1)"
+    )
     # OpenAI's, refused when set
     audio: Optional[Any] = None
     modalities: Optional[Any] = None
-    prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
