@@ -249,3 +249,20 @@ def test_the_prefix_store_section_reads_its_medians(tmp_path):
     assert "| colibri | 3.10 (3.00–3.20) | 2040 (2040–2040) | 2012 |" in text
     assert "| llama-server | 20.00 | not reported | 2012 |" in text
     assert "`2026-12-07-prefix-store-zen5.json` — date: 2026-12-07T20:00:00Z; host: h; commit: abc" in text
+
+
+def test_the_speculation_section_reads_its_medians(tmp_path):
+    runs = {
+        "edit": [
+            {"plain_tok_s": p, "drafted_tok_s": d, "ratio": d / p, "drafted_tokens": 50, "accepted_tokens": 45}
+            for p, d in ((100.0, 200.0), (110.0, 198.0), (90.0, 150.0))
+        ],
+        "free": [{"plain_tok_s": 100.0, "drafted_tok_s": 99.0, "ratio": 0.99}],
+    }
+    doc = {"command": "speculation.py", "host": "h", "date": "2026-12-07", "git_commit": "abc"}
+    _write(
+        tmp_path, "2026-12-07-speculation-demo.json", {**doc, "settings": {"model_dir": "demo"}, "speculation": runs}
+    )
+    text = _sections(report.render(tmp_path))["Speculative decoding"]
+    assert "| edit | 100.0 (90.0–110.0) | 198.0 (150.0–200.0) | 1.80 (1.67–2.00) | 0.90 (0.90–0.90) |" in text
+    assert "| free | 100.0 | 99.0 | 0.99 | 0.00 |" in text

@@ -12,7 +12,8 @@ How results are chosen
   ``{engine, depth, rep, pp, tg}``), serve_load.py (a list of ``{target, rate, ttft_p50, ...}``),
   memcap.py (a dict ``"<engine> <cap>" -> [runs]``), tools/bench_constraint.py (a dict with
   ``mask`` and ``decode``), prefix_store.py (a dict with ``settings`` and ``runs`` keyed
-  ``"<engine> returning|shared|restart"``). Any other shape, or a file that does not parse, is listed under
+  ``"<engine> returning|shared|restart"``), speculation.py (a dict with ``settings`` and
+  ``speculation``). Any other shape, or a file that does not parse, is listed under
   "Other results" (file name and its ``command``) and nothing else is read from it.
 - Each question groups its files by a key (peers: host kind and model; long context: host kind,
   model and depth; memory cap: model and format; serving and constrained decoding: one group).
@@ -186,6 +187,8 @@ def shape_of(data) -> str | None:
             and any(k.endswith((" returning", " shared")) for k in data["runs"])
         ):
             return "prefix_store"
+        if isinstance(data.get("settings"), dict) and isinstance(data.get("speculation"), dict):
+            return "speculation"
         if (
             isinstance(data.get("summary"), dict)
             and "active_bytes" in data
@@ -752,6 +755,51 @@ def section_prefix_store(results: list[Result]) -> list[str]:
     return out
 
 
+def section_speculation(results: list[Result]) -> list[str]:
+    out = [
+        "## Speculative decoding",
+        "",
+        "Decode tokens/s with drafts over plain decoding, the same model and prompt back to back, the "
+        "tokens checked equal (greedy). *edit*: OpenAI's `prediction` holding the model's reply with one "
+        "token in 20 changed (an edit that keeps most of a file); *quote*: a prompt that holds a passage "
+        "twice and begins it a third time, n-gram drafts; *free*: free generation with the default "
+        "drafts (auto). Medians of the repetitions (min–max); acceptance: accepted / drafted tokens.",
+        "",
+    ]
+    mine = [r for r in results if r.shape == "speculation"]
+    if not mine:
+        return out + ["No measurement yet: run `python tools/bench/speculation.py --reps 5 --out FILE.json`.", ""]
+    for files in newest_by(mine, lambda r: (r.data.get("settings", {}).get("model_dir"),)).values():
+        for r in files:
+            rows = []
+            for name, runs in r.data["speculation"].items():
+                rows.append(
+                    [
+                        name,
+                        med([x["plain_tok_s"] for x in runs], 1),
+                        med([x["drafted_tok_s"] for x in runs], 1),
+                        med([x["ratio"] for x in runs], 2),
+                        med(
+                            [
+                                x["accepted_tokens"] / x["drafted_tokens"] if x.get("drafted_tokens") else 0.0
+                                for x in runs
+                            ],
+                            2,
+                        ),
+                    ]
+                )
+            st = r.data.get("settings", {})
+            out += [
+                f"### `{r.name}`",
+                "",
+                f"Model `{st.get('model_dir')}`, {st.get('threads')} threads, {st.get('gen')} tokens.",
+                "",
+            ]
+            out += table(["scenario", "plain tok/s", "drafted tok/s", "× plain", "acceptance"], rows, "lrrrr")
+            out += [""] + provenance([r]) + [""]
+    return out
+
+
 def section_quality(results: list[Result]) -> list[str]:
     return [
         "## Quality per byte",
@@ -986,6 +1034,7 @@ def render(results_dir: Path = RESULTS) -> str:
         section_memcap,
         section_serving,
         section_prefix_store,
+        section_speculation,
         section_quality,
         section_constraint,
         section_other,
