@@ -49,7 +49,7 @@ def _gen(m, ids, **kw):
     return tokens, m.last_generation.reused_tokens, m.last_logits
 
 
-@pytest.mark.parametrize("kv_cache", ["f32", "q8"])
+@pytest.mark.parametrize("kv_cache", ["f32", "f16", "q8"])
 @pytest.mark.parametrize("case", CASES)
 def test_a_conversation_evicted_by_another_resumes_from_the_store_with_the_same_bits(converted, case, kv_cache):
     """One place: conversation a, then b takes the place, then a's next turn restores a's stored

@@ -66,6 +66,8 @@ C_TYPES = {
     "PWIN32_MEMORY_RANGE_ENTRY": (ctypes.POINTER(w.WIN32_MEMORY_RANGE_ENTRY), 8),
     "PPROCESS_MEMORY_COUNTERS": (ctypes.POINTER(w.PROCESS_MEMORY_COUNTERS), 8),
     "LPMEMORYSTATUSEX": (ctypes.POINTER(w.MEMORYSTATUSEX), 8),
+    "const GROUP_AFFINITY *": (ctypes.POINTER(w.GROUP_AFFINITY), 8),
+    "PGROUP_AFFINITY": (ctypes.POINTER(w.GROUP_AFFINITY), 8),
 }
 
 K32 = (("kernel32", "{name}"),)
@@ -136,6 +138,13 @@ GOLDEN = {
     "SetProcessAffinityMask": (K32, "BOOL", ("HANDLE", "DWORD_PTR")),
     # winbase.h: DWORD GetActiveProcessorCount(WORD GroupNumber)
     "GetActiveProcessorCount": (K32, "DWORD", ("WORD",)),
+    # winbase.h: WORD GetActiveProcessorGroupCount(void)
+    "GetActiveProcessorGroupCount": (K32, "WORD", ()),
+    # processthreadsapi.h: HANDLE GetCurrentThread(void)
+    "GetCurrentThread": (K32, "HANDLE", ()),
+    # processtopologyapi.h: BOOL SetThreadGroupAffinity(HANDLE hThread, const GROUP_AFFINITY *GroupAffinity,
+    #   PGROUP_AFFINITY PreviousGroupAffinity)
+    "SetThreadGroupAffinity": (K32, "BOOL", ("HANDLE", "const GROUP_AFFINITY *", "PGROUP_AFFINITY")),
 }
 
 
@@ -216,6 +225,7 @@ def test_no_prototype_sets_an_errcheck():
 # ---- the fake -------------------------------------------------------------------------------------
 
 PSEUDO_PROCESS = ctypes.c_void_p(-1).value  # GetCurrentProcess()'s pseudo-handle
+PSEUDO_THREAD = ctypes.c_void_p(-2).value  # GetCurrentThread()'s
 ERROR_FILE_NOT_FOUND = 2
 ERROR_INVALID_HANDLE = 6
 ERROR_NOT_ENOUGH_MEMORY = 8
@@ -519,14 +529,27 @@ class FakeWindows:
         self.turned_on |= features
         return 1
 
-    CPUS = 8  # logical processors of the fake's one processor group
+    GROUPS = (8, 4)  # logical processors of the fake's processor groups
+
+    def GetActiveProcessorGroupCount(self):
+        return len(self.GROUPS)
 
     def GetActiveProcessorCount(self, group):
-        return self.CPUS if group == 0 else 0
+        return self.GROUPS[group] if group < len(self.GROUPS) else 0
 
     def SetProcessAffinityMask(self, process, mask):
-        if process != PSEUDO_PROCESS or not 0 < mask < 1 << self.CPUS:
+        if process != PSEUDO_PROCESS or not 0 < mask < 1 << self.GROUPS[0]:
             return self.fail(ERROR_INVALID_PARAMETER)
+        return 1
+
+    def GetCurrentThread(self):
+        return PSEUDO_THREAD
+
+    def SetThreadGroupAffinity(self, thread, affinity, previous):
+        a = affinity[0]
+        if thread != PSEUDO_THREAD or a.Group >= len(self.GROUPS) or not 0 < a.Mask < 1 << self.GROUPS[a.Group]:
+            return self.fail(ERROR_INVALID_PARAMETER)
+        self.thread_group = (a.Group, a.Mask)
         return 1
 
 
@@ -658,11 +681,16 @@ def test_alloc_aligned_commits_and_releases_whole_allocations(fake):
         _os.alloc_aligned(1 << 41)
 
 
-def test_set_cpus_sets_the_process_mask_within_group_0(fake):
+def test_set_cpus_sets_the_process_mask_in_group_0_and_the_thread_group_beyond(fake):
+    """CPUs numbered across the groups (8 in group 0, 4 in group 1): group 0's set the process
+    mask; group 1's (8..11) this thread's group affinity, which the threads it starts inherit."""
     _os.set_cpus({0, 2, 3})
     assert fake.named("SetProcessAffinityMask") == [(PSEUDO_PROCESS, 0b1101)]
-    with pytest.raises(OSError, match=r"CPUs \[8, 9\] are outside processor group 0 \(8 CPUs\)"):
-        _os.set_cpus({1, 8, 9})
+    _os.set_cpus({9, 11})
+    assert fake.thread_group == (1, 0b1010)
+    for bad in ({1, 8}, {12}):
+        with pytest.raises(OSError, match=r"not within one of this machine's 2 processor group\(s\) \(12 CPUs\)"):
+            _os.set_cpus(bad)
     assert _os.numa_nodes() == {}
     with pytest.raises(OSError, match="start /NODE N"):
         _os.set_memory_policy("interleave", [0])

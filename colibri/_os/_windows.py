@@ -84,6 +84,10 @@ class PROCESS_MEMORY_COUNTERS(ctypes.Structure):  # psapi.h; 72 bytes on x64
     ]
 
 
+class GROUP_AFFINITY(ctypes.Structure):  # winnt.h; 16 bytes on x64
+    _fields_ = [("Mask", ULONG_PTR), ("Group", ctypes.c_uint16), ("Reserved", ctypes.c_uint16 * 3)]
+
+
 class MEMORYSTATUSEX(ctypes.Structure):  # sysinfoapi.h; 64 bytes
     _fields_ = [("dwLength", DWORD), ("dwMemoryLoad", DWORD)] + [
         (name, ctypes.c_uint64)
@@ -137,9 +141,16 @@ _PROTOTYPES = {
     # Windows 11 / Server 2022+: those enabled for the calling thread; a process's optional ones on
     "GetThreadEnabledXStateFeatures": (_K32, DWORD64, ()),
     "EnableProcessOptionalXStateFeatures": (_K32, BOOL, (DWORD64,)),
-    # CPU affinity within the process's processor group (64 logical processors a group)
+    # CPU affinity: the process's within group 0, a thread's within any processor group
     "SetProcessAffinityMask": (_K32, BOOL, (HANDLE, ULONG_PTR)),
     "GetActiveProcessorCount": (_K32, DWORD, (ctypes.c_uint16,)),
+    "GetActiveProcessorGroupCount": (_K32, ctypes.c_uint16, ()),
+    "GetCurrentThread": (_K32, HANDLE, ()),
+    "SetThreadGroupAffinity": (
+        _K32,
+        BOOL,
+        (HANDLE, ctypes.POINTER(GROUP_AFFINITY), ctypes.POINTER(GROUP_AFFINITY)),
+    ),
 }
 
 
@@ -504,24 +515,36 @@ def read_io_bytes() -> int | None:
 
 # ---- where the threads run and the memory lives -------------------------------------------------
 
-PROCESSOR_GROUP_SIZE = 64  # logical processors a processor group holds at most (a KAFFINITY's bits)
-
 
 def set_cpus(cpus) -> None:
-    """Run the process on `cpus` (SetProcessAffinityMask). Windows numbers a CPU within its
-    processor group; the CPUs of the first group (0..63, as Task Manager counts them on most
-    machines) are served; a set beyond it is refused (one process per group: `start /NODE N`)."""
+    """Run on `cpus`, numbered across the processor groups in order (group 0's first, as Linux
+    and Task Manager count them), all in one group. Group 0: the process's mask
+    (SetProcessAffinityMask: every thread, those started later included). Another group: this
+    thread's group affinity (SetThreadGroupAffinity), and Windows starts every thread in its
+    creator's group, so the engine's threads run there. A set spanning groups is refused: one
+    process per group or NUMA node (`start /NODE N`)."""
     cpus = sorted(cpus)
-    count = _fn("GetActiveProcessorCount")(0)
-    outside = [c for c in cpus if c >= min(count, PROCESSOR_GROUP_SIZE)]
-    if outside:
+    first, groups = 0, []
+    for group in range(_fn("GetActiveProcessorGroupCount")()):
+        count = _fn("GetActiveProcessorCount")(group)
+        groups.append((group, first, count))
+        first += count
+    held = {g: [c - start for c in cpus if start <= c < start + count] for g, start, count in groups}
+    used = [g for g, members in held.items() if members]
+    outside = [c for c in cpus if c >= first]
+    if outside or len(used) != 1:
         raise OSError(
-            f"CPUs {outside} are outside processor group 0 ({count} CPUs); on Windows start one process "
-            f"per group or NUMA node instead (start /NODE N)"
+            f"CPUs {outside or cpus} are not within one of this machine's {len(groups)} processor group(s) "
+            f"({first} CPUs); on Windows run one process per group or NUMA node (start /NODE N)"
         )
-    mask = sum(1 << c for c in cpus)
-    if not _fn("SetProcessAffinityMask")(_process(), mask):
-        raise _error("SetProcessAffinityMask", _last_error())
+    group, mask = used[0], sum(1 << c for c in held[used[0]])
+    if group == 0:
+        if not _fn("SetProcessAffinityMask")(_process(), mask):
+            raise _error("SetProcessAffinityMask", _last_error())
+        return
+    affinity = GROUP_AFFINITY(mask, group)
+    if not _fn("SetThreadGroupAffinity")(_fn("GetCurrentThread")(), ctypes.byref(affinity), None):
+        raise _error("SetThreadGroupAffinity", _last_error())
 
 
 def numa_nodes() -> dict:
