@@ -1014,6 +1014,10 @@ class Model:
             pos = len(tokens)  # where the next token to run goes
             row = logits[0]  # the logits the next token is picked from
             ahead = []  # [(drafted token, the logits after it)] of the last chunk, not yet checked
+            # one engine call's logits [1 + drafts, vocab], allocated once: a row is picked from
+            # (and `ahead` emptied) before the next call overwrites it
+            most = 1 + (min(drafter.draft_max, self._chunk - 1) if drafter is not None else 0)
+            calls = np.empty((most, self.config.vocab_size), np.float32)
             chunk_drafted = chunk_accepted = 0
             record.finish_reason = "length"
             try:
@@ -1045,7 +1049,7 @@ class Model:
                     room = min(max_new_tokens - i - 2, self.n_ctx - pos - 1, self._chunk - 1)
                     draft = drafter.propose(room) if drafter is not None else []
                     run = np.array([token, *draft], np.int32)
-                    out = np.empty((len(run), self.config.vocab_size), np.float32)
+                    out = calls[: len(run)]
                     t = time.perf_counter()
                     self._run(run, pos, out, all_logits=len(run) > 1)  # drafts after pos: overwritten if refused
                     self.stats["decode_seconds"] += time.perf_counter() - t
