@@ -381,7 +381,8 @@ def int_step_warnings():
 def _select_at_import():
     """The tier at import: COLIBRI_ISA's, or the fastest that passes its self-test; then the int
     step COLIBRI_INT_STEP names, if set (e.g. COLIBRI_ISA=avx2 COLIBRI_INT_STEP=avx2: the kernels
-    an AVX2-only CPU runs, on a newer CPU that also has AVX-VNNI)."""
+    an AVX2-only CPU runs, on a newer CPU that also has AVX-VNNI). Returns the int step's error
+    (the tier chosen is kept), or None; a tier that cannot be had raises ValueError."""
     import os
     import warnings
     _grant_amx()
@@ -398,13 +399,13 @@ def _select_at_import():
     if step:
         try:
             set_int_step(step)
-        except ValueError as e:
-            raise ValueError(f"COLIBRI_INT_STEP={step}: {e}") from None
+        except ValueError as e:   # the tier stays; its fastest step is in use; load reports this
+            return f"COLIBRI_INT_STEP={step}: {e}"
+    return None
 
 
 try:
-    _select_at_import()
-    ISA_ERROR = None
+    ISA_ERROR = _select_at_import()
 except ValueError as e:           # keep importable; loading a model reports the error
     select_isa(choose_tier("", available_isas(), self_test)[0])
     ISA_ERROR = str(e)

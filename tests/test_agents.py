@@ -608,3 +608,25 @@ def test_any_body_is_answered_in_openai_shape_never_a_500(agent, extra):
     if r.status_code != 200:
         err = r.json()["error"]
         assert err["message"] and err["type"]
+
+
+def test_more_tools_than_openai_allows_are_a_400_naming_tools(agent):
+    """128 tools at most (OpenAI's limit), in each API: beyond it one clear 400, not a template
+    rendered over thousands of definitions."""
+    many = [{**WEATHER, "function": {**WEATHER["function"], "name": f"tool_{i}"}} for i in range(129)]
+    r = chat(agent, messages=ASK, max_tokens=2, tools=many)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    anthropic_tools = [{"name": f"tool_{i}", "input_schema": {"type": "object"}} for i in range(129)]
+    r = httpx.post(
+        agent.url + "/v1/messages",
+        json={"model": "agent", "max_tokens": 2, "messages": ASK, "tools": anthropic_tools},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"], r.text
+    response_tools = [{"type": "function", "name": f"tool_{i}", "parameters": {"type": "object"}} for i in range(129)]
+    r = httpx.post(
+        agent.url + "/v1/responses", json={"model": "agent", "input": "hi", "tools": response_tools}, timeout=60
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = chat(agent, messages=ASK, max_tokens=2, tools=many[:128])  # accepted (its prompt may not fit 4,096 tokens)
+    assert r.status_code == 200 or r.json()["error"]["param"] != "tools", r.text

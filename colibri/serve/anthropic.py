@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import openai
 from .errors import APIError
-from .protocol import TOOL_NAME_PATTERN, Bool, Integer, Number, Text
+from .protocol import MAX_TOOLS, TOOL_NAME_PATTERN, Bool, Integer, Number, Text
 
 MAX_STOP_SEQUENCES = 64
 # Anthropic's error types by HTTP status
@@ -160,7 +160,7 @@ class MessagesBase(Strict):
     model: Text
     system: Optional[Union[Text, list[TextBlock]]] = None
     messages: Annotated[list[InputMessage], Field(min_length=1)]
-    tools: Optional[list[ToolDefinition]] = None
+    tools: Optional[Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None

@@ -24,6 +24,7 @@ from ..speculate import DRAFT_SOURCES, MAX_DRAFT_MAX
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 8  # n: generations of one request, run one after another
+MAX_TOOLS = 128  # tools a request may define: OpenAI's limit, applied to every API's tools
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -248,7 +249,7 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: Optional[Integer(ge=1)] = None
     logprobs: Optional[Bool] = None
     top_logprobs: Optional[Integer(ge=0, le=MAX_LOGPROBS)] = None
-    tools: Optional[list[Tool]] = None
+    tools: Optional[Annotated[list[Tool], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[Bool] = None
     response_format: Optional[ResponseFormat] = None
@@ -289,7 +290,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: Optional[Bool] = Field(None, description="vLLM's; default true")
     with_pieces: Optional[Bool] = None
     add_generation_prompt: Optional[Bool] = None
-    tools: Optional[list[Tool]] = None
+    tools: Optional[Annotated[list[Tool], Field(max_length=MAX_TOOLS)]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")

@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from . import openai
 from .errors import APIError
-from .protocol import REASONING_EFFORTS, TOOL_NAME_PATTERN, Bool, Integer, Number, Text
+from .protocol import MAX_TOOLS, REASONING_EFFORTS, TOOL_NAME_PATTERN, Bool, Integer, Number, Text
 
 STATELESS = "this server is stateless: it keeps no responses or conversations; send the whole input"
 REFUSED = {
@@ -162,7 +162,7 @@ class ResponsesRequest(Strict):
     model: Optional[Text] = None
     input: Union[Text, list[InputItem]]
     instructions: Optional[Text] = None
-    tools: Optional[list[FunctionTool]] = None
+    tools: Optional[Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], FunctionChoice]] = None
     parallel_tool_calls: Optional[Bool] = None
     text: Optional[TextOptions] = None
