@@ -40,9 +40,10 @@ class Sequence:
     """One generation of a Batch. `record` is its model.GenerationRecord (tokens, picks,
     finish_reason); `done` once it has finished or was cancelled."""
 
-    def __init__(self, prompt: np.ndarray, max_new_tokens: int, sampler, eos: set, record, text):
+    def __init__(self, prompt: np.ndarray, max_new_tokens: int, sampler, eos: set, record, text, drafter=None):
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         self.sampler, self.eos, self.record, self.text = sampler, eos, record, text
+        self.drafter = drafter  # speculate.Drafter, or None (no drafts)
         self.slot = None  # its sequence in the model's KV cache, once placed
         self.fed = 0  # prompt tokens in its cache
         self.pos = 0  # the position of `pending`
@@ -122,6 +123,9 @@ class Batch:
         regex=None,
         json_object: bool = False,
         logit_bias=None,
+        draft=None,
+        draft_max=None,
+        prediction=None,
     ) -> Sequence:
         """A new sequence for prompt `ids` (token ids), with generate()'s settings and checks
         (seed=None and at most one of json_schema / json_object / grammar / regex included) and
@@ -150,11 +154,12 @@ class Batch:
             json_object=json_object,
             logit_bias=logit_bias,
         )
+        drafter = m._drafter(prompt, draft, draft_max, prediction, record)
         stops = m._stop_strings(stop)
         if stops.stops:
             m._need_tokenizer()
         text = GenerationText(m.tokenizer, skip_special_tokens, stops, record) if m.tokenizer is not None else None
-        seq = Sequence(prompt, int(max_new_tokens), sampler, eos, record, text)
+        seq = Sequence(prompt, int(max_new_tokens), sampler, eos, record, text, drafter)
         record.finish_reason = "length"
         self._waiting.append(seq)
         return seq
@@ -179,8 +184,21 @@ class Batch:
             self._place(seq)
             self._prefilling.append(seq)
         self._waiting = deferred
-        parts = [(seq, np.array([seq.pending], np.int32), seq.pos, True) for seq in self._decoding]
-        quota = min(max(self.step_tokens - len(parts), 1), m._chunk - len(parts))
+        # a decoding sequence's part: its pending token and its drafts (every row's logits wanted),
+        # the drafts within what the step leaves: a token for each other decoding sequence, and one
+        # for the prompts waiting, under step_tokens and the chunk
+        spare = min(self.step_tokens, m._chunk) - len(self._decoding) - (1 if self._prefilling else 0)
+        parts, drafted = [], {}
+        for seq in self._decoding:
+            draft = []
+            if seq.drafter is not None and spare > 0:
+                room = min(spare, seq.max_new_tokens - len(seq.record.tokens) - 1, m.n_ctx - seq.pos - 1, m._chunk - 1)
+                draft = seq.drafter.propose(room)
+                spare -= len(draft)
+            drafted[id(seq)] = draft
+            parts.append((seq, np.array([seq.pending, *draft], np.int32), seq.pos, True))
+        used = sum(len(p[1]) for p in parts)
+        quota = min(max(self.step_tokens - used, 1), m._chunk - used)
         for seq in self._prefilling:
             if quota < 1:
                 break
@@ -193,14 +211,22 @@ class Batch:
         slots = np.concatenate([np.full(len(p[1]), p[0].slot, np.int32) for p in parts])
         positions = np.concatenate([np.arange(p[2], p[2] + len(p[1]), dtype=np.int32) for p in parts])
         want = np.concatenate(
-            [np.arange(len(p[1])) == len(p[1]) - 1 if p[3] else np.zeros(len(p[1]), bool) for p in parts]
+            [
+                np.ones(len(p[1]), bool)
+                if p[0].pending is not None
+                else np.arange(len(p[1])) == len(p[1]) - 1
+                if p[3]
+                else np.zeros(len(p[1]), bool)
+                for p in parts
+            ]
         ).astype(np.uint8)
         logits = np.empty((max(int(want.sum()), 1), m.config.vocab_size), np.float32)
         m._step(tokens, slots, positions, logits, want)
         events, row = [], 0
         for seq, piece, start, last in parts:
-            if seq.pending is not None:  # a decoding sequence's token
-                seq.pos += 1
+            if seq.pending is not None:  # a decoding sequence's token and drafts
+                row = self._verify(seq, drafted[id(seq)], logits, row, events)
+                continue
             else:  # a prompt's piece
                 seq.fed = start + len(piece)
                 if not last:
@@ -212,12 +238,46 @@ class Batch:
                 m._save_prefix(seq.slot)  # the prompt, for the other places
             try:
                 events.append(self._emit(seq, logits[row]))
+                if seq.drafter is not None and not seq.done:
+                    seq.drafter.push(seq.pending)
             except Exception as e:  # noqa: BLE001 - this sequence alone ends, with its error
                 seq.error = e
                 self._finish(seq)
                 events.append((seq, None, None, ""))
             row += 1
         return events
+
+    def _verify(self, seq: Sequence, draft: list, logits: np.ndarray, row: int, events: list) -> int:
+        """A decoding sequence's step: its pending token ran at seq.pos and its drafts after it;
+        its next token is picked from the pending token's row, and while each pick equals the
+        draft after it (whose keys and values are then in the cache) the next from that draft's
+        row, as generate() does (colibri.speculate). The picks' events go to `events`; the row
+        after this sequence's is returned."""
+        seq.pos += 1
+        accepted = 0
+        last = None  # (index, token) of the last pick
+        try:
+            for j in range(len(draft) + 1):
+                event = self._emit(seq, logits[row + j])
+                events.append(event)
+                last = (j, event[1])
+                if seq.done:
+                    break
+                if seq.drafter is not None:
+                    seq.drafter.push(event[1])
+                if j == len(draft) or event[1] != draft[j]:
+                    break
+                seq.pos += 1  # the draft picked: it already ran at this position
+                accepted += 1
+        except Exception as e:  # noqa: BLE001 - this sequence alone ends, with its error
+            seq.error = e
+            self._finish(seq)
+            events.append((seq, None, None, ""))
+        if seq.drafter is not None:
+            if seq.done and last is not None and last[0] < len(draft) and last[1] == draft[last[0]]:
+                accepted += 1  # the last token was drafted
+            seq.drafter.verified(len(draft), accepted)
+        return row + len(draft) + 1
 
     def cancel(self, seq: Sequence) -> None:
         """Stop `seq` now (a client that left); its place is freed. No-op once it is done."""

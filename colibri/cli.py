@@ -1097,11 +1097,6 @@ def cmd_serve(args) -> int:
     name = args.model_name or Path(args.model_dir).resolve().name
     if args.parallel > names.MAX_PARALLEL:
         raise ColibriError(f"--parallel must be in 1..{names.MAX_PARALLEL}, got {args.parallel}")
-    if args.parallel > 1 and (args.draft not in (speculate.DEFAULT_DRAFT, "none") or args.draft_max is not None):
-        raise ColibriError(
-            "--draft and --draft-max set speculative decoding, which runs with --parallel 1 (a server with "
-            "several places decodes them together without drafts)"
-        )
     if args.step_tokens is not None and args.parallel == 1:
         raise ColibriError(
             "--step-tokens sets how a --parallel server's passes mix requests: give --parallel N (N > 1) too"

@@ -137,10 +137,10 @@ def test_the_kv_cache_is_allocated_per_sequence(converted):
 
 # ---- Batch ----------------------------------------------------------------------------------------
 
-SETTINGS = [
-    dict(),
-    dict(temperature=0.9, seed=5, logprobs=2),
-    dict(temperature=0.7, top_k=5, seed=1, repetition_penalty=1.3),
+SETTINGS = [  # without drafts: a step then carries one token of each decoding sequence
+    dict(draft="none"),
+    dict(temperature=0.9, seed=5, logprobs=2, draft="none"),
+    dict(temperature=0.7, top_k=5, seed=1, repetition_penalty=1.3, draft="none"),
 ]
 
 
@@ -314,3 +314,29 @@ def test_a_batch_on_a_closed_model_gives_it_back(converted):
     with pytest.raises(colibri.ColibriError, match="has been closed"):
         Batch(m)
     assert not m._busy.locked()
+
+
+@pytest.mark.parametrize("case", ["qwen3moe_a", "gpt_oss_a", "gemma4_a", "deepseekv3_a"])
+def test_drafts_in_a_batch_keep_each_sequence_exact(converted, case):
+    """Each sequence drafts for itself (n-gram lookups, or a prediction that is its own reply):
+    several of its tokens may come in one step, and every sequence's tokens are generate()'s
+    alone (sliding rings and MLA included; a chunk of 16 makes the rings window + 16 rows)."""
+    m = colibri.load(converted(case), threads=2, parallel=3, prefill_chunk=16)
+    alone = colibri.load(converted(case), threads=2, prefill_chunk=16)
+    rng = np.random.default_rng(0)
+    prompts = [(lambda b: b + b + b[:5])(rng.integers(0, m.config.vocab_size, 12).tolist()) for _ in range(3)]
+    kws = [dict(), dict(temperature=0.8, seed=4), dict(temperature=1.0, top_k=10, seed=7)]
+    want = [list(alone.generate(p, 40, draft="none", **kw)) for p, kw in zip(prompts, kws)]
+    for extra in [{"draft": "ngram"}] + [{"prediction": w} for w in want[:1]]:
+        with Batch(m, step_tokens=12) as b:
+            seqs = [
+                b.add(p, 40, **kw, **(extra if "draft" in extra else {"prediction": w}))
+                for p, kw, w in zip(prompts, kws, want)
+            ]
+            steps = 0
+            while b.running:
+                b.step()
+                steps += 1
+        assert [s.record.tokens for s in seqs] == want, extra
+        if "prediction" in extra:
+            assert steps < 40 // 2 and all(s.record.speculation.accepted == s.record.speculation.drafted for s in seqs)

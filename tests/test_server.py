@@ -830,21 +830,17 @@ def parallel_server(chat_model_dir):
     assert code == 0 and "Traceback" not in err, err
 
 
-def test_a_parallel_server_refuses_drafts_it_would_not_verify(parallel_server):
-    for extra, param in (
-        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
-        ({"draft": "ngram"}, "draft"),
-    ):
-        r = post(
-            parallel_server, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **extra}
-        )
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    r = post(
-        parallel_server,
-        "/v1/chat/completions",
-        {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "draft": "none"},
-    )
-    assert r.status_code == 200
+def test_a_parallel_server_verifies_each_requests_drafts(parallel_server, local):
+    """With --parallel, each request drafts for itself (its prediction, n-gram lookups): the
+    replies are generate()'s alone, the prediction's tokens counted."""
+    ids = local.apply_chat_template(MESSAGES)
+    want = local.tokenizer.decode(list(local.generate(ids, 24, draft="none", temperature=0)), skip_special_tokens=True)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    for extra in ({"prediction": {"type": "content", "content": want}}, {"draft": "ngram"}, {"draft": "none"}):
+        r = post(parallel_server, "/v1/chat/completions", {**body, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
+        if "prediction" in extra:
+            assert r.json()["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
 
 
 def _ask_all(server, bodies, path="/v1/completions"):

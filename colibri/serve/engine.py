@@ -552,7 +552,8 @@ class Stepper:
         except Exception as e:  # noqa: BLE001 - every running request ends with it
             self._fail_all(e)
             return
-        for seq, token, pick, text in events:
+        last = {id(seq): i for i, (seq, *_) in enumerate(events)}  # a sequence's drafts give it several
+        for i, (seq, token, pick, text) in enumerate(events):
             g = self.owners.get(id(seq))
             if g is None:
                 continue
@@ -561,7 +562,7 @@ class Stepper:
                 del self.owners[id(seq)]
                 continue
             g.deliver("event", (text, pick))
-            if seq.done:
+            if seq.done and last[id(seq)] == i:
                 g.deliver("end")
                 del self.owners[id(seq)]
 

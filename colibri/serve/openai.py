@@ -208,31 +208,19 @@ def sampling_options(req) -> dict:
 
 
 def speculation_options(served, req) -> dict:
-    """The Model.generate keywords of speculative decoding a request asks for (draft, draft_max,
-    prediction's text). A server with several places decodes their tokens together, without
-    drafts: there a request asking for them is refused, not served without them."""
+    """The Model.generate (and Batch.add) keywords of speculative decoding a request asks for
+    (draft, draft_max, prediction's text), the server's --draft / --draft-max where it asks none."""
     out = {}
     if req.draft is not None:
         out["draft"] = req.draft
     if req.draft_max is not None:
         out["draft_max"] = req.draft_max
-    asked = dict(out)
     prediction = getattr(req, "prediction", None)
     if prediction is not None:
         out["prediction"] = prediction.text()
         out.setdefault("draft", "auto")
         if out["draft"] != "auto":
             raise APIError(400, "'prediction' needs 'draft' auto (its tokens are the first drafts)", param="draft")
-    if served.parallel > 1 and (prediction is not None or asked.get("draft", "none") != "none" or "draft_max" in asked):
-        param = "prediction" if prediction is not None else "draft" if "draft" in asked else "draft_max"
-        raise APIError(
-            400,
-            f"'{param}': speculative decoding runs on a server with --parallel 1; this one decodes "
-            f"{served.parallel} places together without drafts",
-            param=param,
-        )
-    if served.parallel > 1:
-        return {}  # draft "none": what the batch does anyway
     for key, value in served.draft.items():  # the server's --draft / --draft-max
         out.setdefault(key, value)
     return out
