@@ -956,7 +956,8 @@ class Model:
             engine = self._live()
             del self._kv_tokens[seq][pos:]  # positions >= pos are about to be overwritten
             status, index, layer = engine.run(tokens, pos, out, all_logits, seq)
-            self._rings.wrote(seq, np.arange(pos, pos + len(tokens)))
+            if self._rings.rows:  # a model with sliding-window layers
+                self._rings.wrote(seq, np.arange(pos, pos + len(tokens)))
         if status != _engine.STATUS_OK:
             self._damaged(status, f"at position {pos + index}", layer)
         self._kv_tokens[seq].extend(int(t) for t in tokens)
@@ -977,7 +978,8 @@ class Model:
             for seq, pos in zip(seqs, positions):
                 del self._kv_tokens[seq][pos:]
             status, _, layer = engine.step(tokens, seqs, positions, out, want)
-            self._rings.wrote(seqs, positions)
+            if self._rings.rows:
+                self._rings.wrote(seqs, positions)
         if status != _engine.STATUS_OK:
             self._damaged(
                 status,

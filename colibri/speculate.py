@@ -76,10 +76,6 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
 
-    @property
-    def acceptance(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
     def as_dict(self) -> dict:
         return {"draft_chunks": self.chunks, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted}
 

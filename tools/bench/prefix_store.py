@@ -29,9 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
-import json
-import os
-import platform
 import re
 import shutil
 import socket
@@ -39,12 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+from provenance import write_results  # noqa: E402
+
 STARTUP_SECONDS = 300
 
 
@@ -250,28 +249,8 @@ def main() -> int:
                 summary[name]["computed_tokens"] = median(rs, "computed_tokens")
         else:
             summary[name] = {k: median(rs, k) for k in ("returning", "cold", "ratio")}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    doc = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs {_cpu_model()}",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "git_commit": commit,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "summary": summary,
-        "runs": runs,
-    }
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args.out, args, summary=summary, runs=runs)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

@@ -19,16 +19,14 @@ the engine's time), the ratio drafted / plain per repetition, medians over --rep
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+from provenance import write_results  # noqa: E402
+
 PASSAGE = (
     "And God said, Let there be light: and there was light. And God saw the light, that it was good: "
     "and God divided the light from the darkness. And God called the light Day, and the darkness he "
@@ -94,19 +92,7 @@ def main() -> int:
         }
         for name, rs in runs.items()
     }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    doc = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "git_commit": commit,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "speculation": runs,
-        "summary": summary,
-    }
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args.out, args, speculation=runs, summary=summary)
     return 0
 
 
