@@ -49,9 +49,12 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "request_too_large",
+    501: "invalid_request_error",
     503: "overloaded_error",
     529: "overloaded_error",
 }

@@ -835,6 +835,20 @@ def _completion_logprobs(m, picks, top: int) -> dict:
     }
 
 
+def uvicorn_options(host: str, port: int) -> dict:
+    """uvicorn.run's keywords: the server's own connections (serve/connection.py) and limits."""
+    from .connection import Connection
+
+    return dict(
+        host=host,
+        port=port,
+        log_level="warning",
+        http=Connection,
+        h11_max_incomplete_event_size=limits.MAX_HEAD_BYTES,
+        timeout_graceful_shutdown=limits.GRACEFUL_SHUTDOWN_SECONDS,
+    )
+
+
 def serve(
     load,
     name: str,
@@ -869,8 +883,6 @@ def serve(
     # a handler that returns makes that re-raise a no-op, so SIGTERM ends with status 0
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(
-            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=limits.GRACEFUL_SHUTDOWN_SECONDS
-        )
+        uvicorn.run(app, **uvicorn_options(host, port))
     finally:
         signal.signal(signal.SIGTERM, previous)

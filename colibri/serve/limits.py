@@ -1,6 +1,7 @@
 """The server's limits and timings, one place for each (tests patch them here)."""
 
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413)
+MAX_HEAD_BYTES = 16 << 10  # a request line and headers larger than this are refused (431; h11's own default)
 GRACEFUL_SHUTDOWN_SECONDS = 30  # SIGTERM: the running requests' time to finish before they are cancelled
 RETRY_AFTER_SECONDS = 1  # a 503's Retry-After
 KEEPALIVE_SECONDS = 10  # a stream with no event for this long gets an SSE comment line
