@@ -10,8 +10,12 @@ No assertion is on a duration: the timeouts are set small for these servers (lim
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
+import select
 import socket
+import time
 
 import pytest
 
@@ -122,3 +126,141 @@ def test_a_head_over_the_limit_is_431(demo, trickled):
         raw = exchange(demo, b"GET /health HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
     assert_openai_error(raw, 431, "request_header_too_large")
     assert healthy(demo)
+
+
+# ---- clients that hold a connection without using it (slowloris) ----------------------------------
+
+# deadlines of a second (the defaults are tens of seconds); the byte rate high, so that a body's
+# deadline is its first second
+STRICT = "HEAD_SECONDS = 1; s.BODY_SECONDS = 1; s.BODY_BYTES_PER_SECOND = 1 << 30; s.IDLE_SECONDS = 1; " + (
+    "s.STALLED_WRITE_SECONDS = 1"
+)
+EVERY = 0.05  # seconds between the bytes of a trickling client
+
+
+@pytest.fixture(scope="module")
+def strict():
+    s = Server(DEMO_DIR, patch=STRICT)
+    yield s
+    code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
+def trickle(server, data: bytes, first: bytes = b"") -> bytes:
+    """Send `first`, then `data` a byte every EVERY seconds until the server answers; its whole answer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as s:
+        s.sendall(first)
+        for i in range(len(data)):
+            readable, _, _ = select.select([s], [], [], 0)
+            if readable:
+                break
+            try:
+                s.sendall(data[i : i + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(EVERY)
+        else:
+            raise AssertionError("the server took the whole trickle")
+        out = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                out += chunk
+    return out
+
+
+def test_connections_that_send_nothing_are_cut_with_408_while_health_answers(strict):
+    idle = [socket.create_connection(("127.0.0.1", strict.port), timeout=WAIT) for _ in range(20)]
+    try:
+        assert healthy(strict)
+        for s in idle:
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            assert_openai_error(out, 408, "request_timeout")
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_with_408_while_health_answers(strict):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 2000 + b"\r\n\r\n"
+        cut = [pool.submit(trickle, strict, head) for _ in range(4)]
+        assert healthy(strict)
+        for f in cut:
+            doc = assert_openai_error(f.result(), 408, "request_timeout")
+            assert "line and headers" in doc["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_body_sent_a_byte_at_a_time_is_cut_with_408_while_health_answers(strict, path):
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 2000}], "max_tokens": 1}).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        cut = pool.submit(trickle, strict, body, head.encode())
+        assert healthy(strict)
+        raw = cut.result()
+    status, headers, doc = parsed(raw)
+    assert status == 408 and headers["connection"] == "close", raw
+    if path == "/v1/messages":
+        assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
+    else:
+        assert doc["error"]["code"] == "request_timeout", doc
+    assert "did not arrive in time" in json.dumps(doc)
+
+
+def test_a_kept_alive_connection_that_goes_quiet_is_closed_without_a_word(strict):
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=WAIT) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    status, _, doc = parsed(out)  # one answer, then the end (IDLE_SECONDS), no 408 after it
+    assert status == 200 and doc == {"status": "ok"}, out
+
+
+def counted(server, endpoint: str, outcome: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=WAIT).text
+    want = f'colibri_requests_total{{endpoint="{endpoint}",outcome="{outcome}"}}'
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(want))
+
+
+def test_a_client_that_reads_nothing_of_its_stream_is_cut_and_its_place_freed(strict):
+    before = counted(strict, "chat", "disconnected")
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 400,
+            "n": 4,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 20,  # some 2 kB a token: far more than the sockets' buffers hold
+            "stream": True,
+        }
+    ).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        s.connect(("127.0.0.1", strict.port))
+        s.sendall(head + body)
+        while counted(strict, "chat", "disconnected") == before:  # it ends: the server cuts it
+            assert healthy(strict)
+            time.sleep(0.1)
+    r = httpx.post(
+        strict.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+    assert r.status_code == 200, r.text  # the place was freed
+
+
+def test_connections_beyond_the_cap_are_refused_with_503(tmp_path):
+    with Server(DEMO_DIR, patch="MAX_CONNECTIONS = 4") as s:
+        held = [socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) for _ in range(4)]
+        try:
+            doc = assert_openai_error(exchange(s), 503, "too_many_connections")
+            assert doc["error"]["type"] == "server_error"
+        finally:
+            for c in held:
+                c.close()
+        assert healthy(s)  # the held ones gone, a connection is served again
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err

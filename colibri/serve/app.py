@@ -15,8 +15,9 @@ and warms up, 200 when ready), GET /metrics (Prometheus text).
 Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not JSON, a
 field of the wrong type or range, an unknown field or one Colibri does not implement (no field
 is silently ignored), 401 for a wrong or missing key (compared in constant time), 404 for another
-model's name, 413 for a body over limits.MAX_BODY_BYTES (by Content-Length before reading, else
-as soon as the streamed body passes it), 422 for a well-formed request the model cannot process
+model's name, 408 for a body that trickles (limits.BODY_SECONDS, and a second per
+limits.BODY_BYTES_PER_SECOND of it), 413 for a body over limits.MAX_BODY_BYTES (by
+Content-Length before reading, else as soon as the streamed body passes it), 422 for a well-formed request the model cannot process
 (the chat template refuses, fails or outlasts limits.PREPARE_SECONDS, the model has no chat
 template, prompt token ids outside the vocabulary), 503 (loading, queue full, queue timeout) with
 Retry-After, and 500 for anything unexpected — logged with its traceback on the server, never
@@ -101,7 +102,7 @@ def create_app(served: Served):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from pydantic.json_schema import models_json_schema
     from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect, Request
+    from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
 
     def error_response(e: APIError, endpoint: str, shape=APIError.body):
@@ -172,15 +173,30 @@ def create_app(served: Served):
         length = request.headers.get("content-length", "").strip()
         if length.isdigit() and int(length) > limit:
             raise too_large  # refused before a byte of the body is read
-        parts, size = [], 0
-        try:
-            async for part in request.stream():
-                size += len(part)
-                if size > limit:
-                    raise too_large  # a chunked (or lying) body: read no further
-                parts.append(part)
-        except ClientDisconnect:
-            raise Disconnected() from None
+        loop = asyncio.get_running_loop()
+        start, parts, size, more = loop.time(), [], 0, True
+        while more:
+            # a body that trickles (slowloris) is cut: BODY_SECONDS, and a second per
+            # BODY_BYTES_PER_SECOND of what has come
+            left = start + limits.BODY_SECONDS + size / limits.BODY_BYTES_PER_SECOND - loop.time()
+            try:
+                message = await asyncio.wait_for(request.receive(), max(left, 0))
+            except asyncio.TimeoutError:
+                raise APIError(
+                    408,
+                    f"the request body did not arrive in time ({size} bytes in "
+                    f"{loop.time() - start:.0f} s; at least {limits.BODY_BYTES_PER_SECOND} bytes/s "
+                    f"after the first {limits.BODY_SECONDS} s)",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                ) from None
+            if message["type"] == "http.disconnect":
+                raise Disconnected()
+            part, more = message.get("body", b""), message.get("more_body", False)
+            size += len(part)
+            if size > limit:
+                raise too_large  # a chunked (or lying) body: read no further
+            parts.append(part)
         try:
             doc = json.loads(b"".join(parts))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
@@ -845,6 +861,7 @@ def uvicorn_options(host: str, port: int) -> dict:
         log_level="warning",
         http=Connection,
         h11_max_incomplete_event_size=limits.MAX_HEAD_BYTES,
+        timeout_keep_alive=limits.IDLE_SECONDS,
         timeout_graceful_shutdown=limits.GRACEFUL_SHUTDOWN_SECONDS,
     )
 

@@ -15,18 +15,33 @@ head that arrived whole in one read is measured here (h11 takes any size then).
 
 Bytes that are not HTTP at all (a TLS handshake on the plain port, a port scanner) get the same
 JSON 400: a client that speaks no HTTP reads none of it, and one that does gets the API's shape.
+
+Clients that hold a connection without using it (slowloris) are cut here too; uvicorn has only
+its keep-alive timeout, which starts once a response is complete:
+- a request's line and headers must arrive whole within limits.HEAD_SECONDS of the connection's
+  start or of the previous response's end: else 408 and the connection is closed (a kept-alive
+  connection that sent nothing is just closed, as uvicorn's keep-alive timeout closes it sooner);
+- a response the client reads nothing of for limits.STALLED_WRITE_SECONDS (the socket's buffers
+  full, uvicorn's writes paused) ends the connection: the route sees the client gone, as after a
+  disconnect, and frees its place in the engine;
+- a connection beyond limits.MAX_CONNECTIONS is answered 503 at once and closed, so idle
+  connections cannot take every file descriptor.
+The body's deadline is the app's (serve/app.py, read_body): it answers in the route's shape.
 """
 
 from __future__ import annotations
 
 import http
 import json
+import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from . import anthropic, limits
 from .errors import APIError
+
+logger = logging.getLogger("colibri.serve")
 
 FIRST_LINE_BYTES = 2048  # what is kept of a request's first bytes: its line names the API's error shape
 
@@ -38,7 +53,81 @@ class Connection(H11Protocol):
         super().__init__(*args, **kwargs)
         self.refusal = None  # the h11 error that ended this connection
         self.first = b""  # the first bytes of the request being read (its line: the error shape)
+        self.answered = 0  # responses completed on this connection
+        self.head_timer = None  # the deadline of the head being read
+        self.write_timer = None  # the deadline of a write the client does not take
         self.conn.next_event = self._checked(self.conn.next_event)
+
+    # -- the connection's life: its cap and the deadlines of what the client owes --
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > limits.MAX_CONNECTIONS:
+            self.refuse(
+                APIError(
+                    503,
+                    f"the server has {limits.MAX_CONNECTIONS} connections open; retry later",
+                    kind="server_error",
+                    code="too_many_connections",
+                )
+            )
+            return
+        self._arm_head()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        self.answered += 1
+        self.first = b""
+        if not self.transport.is_closing():
+            self._arm_head()  # before uvicorn reads a pipelined request, whose head disarms it
+        super().on_response_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_timer is None:
+            self.write_timer = self.loop.call_later(limits.STALLED_WRITE_SECONDS, self._stalled)
+
+    def resume_writing(self) -> None:
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
+        super().resume_writing()
+
+    def _arm_head(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        self.head_timer = self.loop.call_later(limits.HEAD_SECONDS, self._head_late)
+
+    def _disarm(self) -> None:
+        for timer in (self.head_timer, self.write_timer):
+            if timer is not None:
+                timer.cancel()
+        self.head_timer = self.write_timer = None
+
+    def _head_late(self) -> None:
+        self.head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.answered and not self.first:  # kept alive, and no byte of another request came
+            self.transport.close()
+            return
+        self.refuse(
+            APIError(
+                408,
+                f"the request's line and headers did not arrive within {limits.HEAD_SECONDS} s",
+                code="request_timeout",
+            )
+        )
+
+    def _stalled(self) -> None:
+        self.write_timer = None
+        logger.warning(
+            "a client read nothing of its response for %s s: its connection is closed", limits.STALLED_WRITE_SECONDS
+        )
+        self.transport.abort()  # close() would wait to send what the client does not read
 
     def _checked(self, next_event):
         """h11's next_event, remembering its error (uvicorn keeps only "invalid request") and
@@ -55,6 +144,9 @@ class Connection(H11Protocol):
                 if size > limits.MAX_HEAD_BYTES:
                     self.refusal = h11.RemoteProtocolError("head too large", error_status_hint=431)
                     raise self.refusal
+                if self.head_timer is not None:
+                    self.head_timer.cancel()
+                    self.head_timer = None
                 self.first = b""
             return event
 

@@ -2,6 +2,12 @@
 
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413)
 MAX_HEAD_BYTES = 16 << 10  # a request line and headers larger than this are refused (431; h11's own default)
+MAX_CONNECTIONS = 512  # open connections; one more is answered 503 and closed (below the usual 1024 fds)
+HEAD_SECONDS = 20  # a request line and headers must arrive whole within this (408; Apache's mod_reqtimeout: 20)
+BODY_SECONDS = 30  # a body must arrive within this ...
+BODY_BYTES_PER_SECOND = 64 << 10  # ... plus a second per this many bytes of it (408)
+IDLE_SECONDS = 5  # a kept-alive connection with no request for this long is closed (uvicorn's default)
+STALLED_WRITE_SECONDS = 60  # a client that reads nothing of its response for this long is gone
 GRACEFUL_SHUTDOWN_SECONDS = 30  # SIGTERM: the running requests' time to finish before they are cancelled
 RETRY_AFTER_SECONDS = 1  # a 503's Retry-After
 KEEPALIVE_SECONDS = 10  # a stream with no event for this long gets an SSE comment line
