@@ -176,6 +176,15 @@ cdef struct Hyper:
     int n_threads
     int kv                    # the KV cache's element type (_kernels.KV_CODES: f32, f16, q8)
 
+cdef struct Nextn:
+    # A multi-token-prediction block's input (config.nextn_block): the embedded next token and the
+    # main model's hidden state, each normed, joined and projected into the residual stream.
+    Mat eh_proj               # [d_model, 2 * d_model]
+    const float *enorm        # [d_model] the embedded token's norm
+    const float *hnorm        # [d_model] the hidden state's norm
+    float *joined             # [cap, 2 * d_model] scratch: [enorm(embed(token)); hnorm(hidden)] per token
+
+
 cdef struct Scratch:
     # Every buffer of one engine call: up to `cap` tokens (a prefill chunk; decode is one), rows
     # [cap, ...] with token t in row t. Sized once from the config (Engine.__init__).

@@ -585,11 +585,14 @@ cdef enum:
 
 cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const float *final_norm,
                  const Mat *lm_head, Scratch *s, const int *tokens, int n, int pos0,
-                 float *logits, int want) noexcept nogil:
+                 float *logits, int want, Nextn *nextn, const float *hidden_in, float *hidden_out) noexcept nogil:
     """The model, layer by layer, over n <= s.cap tokens at positions pos0.. (decode: n = 1):
 
         embed -> for each layer: attn_norm, attention, residual, ffn_norm, MoE or dense FFN, residual
               -> final_norm -> lm_head (want: WANT_ALL, WANT_LAST, WANT_NONE or, in a step, WANT_SOME)
+
+    A multi-token-prediction block (nextn.eh_proj set) takes eh_proj([enorm(embed); hnorm(hidden_in)])
+    as its stream. hidden_out [n, d] (or NULL): every row's hidden state after the final norm.
     """
     cdef int d = h.d_model, layer, t, status, kept
     cdef Layer *L
@@ -598,6 +601,12 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
                             embedding.rows, d)
         if h.embed_scale != 1.0:
             kernels.scale(s.x + <size_t>t * d, h.embed_scale, d)
+    if nextn.eh_proj.data != NULL:                                  # a nextn block's input
+        for t in range(n):
+            kernels.rmsnorm(nextn.joined + <size_t>t * 2 * d, s.x + <size_t>t * d, nextn.enorm, d, h.rms_eps)
+            kernels.rmsnorm(nextn.joined + <size_t>t * 2 * d + d, hidden_in + <size_t>t * d, nextn.hnorm, d,
+                            h.rms_eps)
+        matmul(s.x, d, &nextn.eh_proj, nextn.joined, 2 * d, s.acts, n, h.n_threads)
     for layer in range(h.n_layers):
         L = &layers[layer]
         rmsnorm_rows(s.xb, s.x, L.attn_norm, n, h)                 # attention block
@@ -617,6 +626,16 @@ cdef int forward(const Hyper *h, Layer *layers, const Mat *embedding, const floa
         kernels.add(s.x, s.xb2, n * d)
         if L.layer_scalar != 1.0:
             kernels.scale(s.x, L.layer_scalar, n * d)
+    if hidden_out != NULL:                                          # every row normed, as the head reads it
+        rmsnorm_rows(s.x, s.x, final_norm, n, h)
+        memcpy(hidden_out, s.x, sizeof(float) * n * d)
+        if want == WANT_NONE:
+            return STATUS_OK if kernels.all_finite(s.x, n * d) else STATUS_BAD_HIDDEN
+        if want == WANT_ALL:
+            matmul(logits, h.vocab, lm_head, s.x, d, s.acts, n, h.n_threads)
+            return logits_status(h, logits, n * h.vocab)
+        matmul(logits, h.vocab, lm_head, s.x + <size_t>(n - 1) * d, d, s.acts, 1, h.n_threads)
+        return logits_status(h, logits, h.vocab)
     if want == WANT_SOME:                                           # the marked rows to the front
         kept = 0
         for t in range(n):

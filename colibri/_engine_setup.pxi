@@ -51,7 +51,7 @@ def _scratch_layout(spec):
     q_lora = max([1] + [f.q_lora for f in layers])
     mla_q = max([1] + [n_heads * f.qk_head for f in layers])
     mla_o = max([1] + [n_heads * f.v_head for f in layers])
-    max_cols = max(d, q_dim, max_ff, q_lora, mla_o)
+    max_cols = max(d, q_dim, max_ff, q_lora, mla_o, 2 * d if spec.nextn else 1)
     wave = max(cap, MAX_SLOTS)
     f32 = np.float32
     specs = {
@@ -78,6 +78,7 @@ def _scratch_layout(spec):
         "cache_resident": (n_layers * n_experts, np.uint8), "cache_fresh": (n_layers * n_experts, np.uint8),
         "cache_last_use": (n_layers * n_experts, np.int64), "cache_freq": (n_layers * n_experts, f32),
         "cache_stats": (CB_CS_N, np.int64),
+        "nextn_joined": ((cap, 2 * d if spec.nextn else 1), f32),
     }
     # activation quantization of the block inputs [cap] and of the wave rows [wave]
     for prefix, rows in (("acts", cap), ("wave_acts", wave)):
@@ -126,6 +127,7 @@ cdef class Engine:
     cdef Mat embedding          # [vocab, d_model]
     cdef Mat lm_head            # [vocab, d_model] (the embedding when tied)
     cdef const float *final_norm  # [d_model]
+    cdef Nextn nextn            # a multi-token-prediction block's input (spec.nextn; eh_proj.data NULL otherwise)
     cdef Scratch s
     cdef object _keep           # numpy views (memory from colibri._os) behind the scratch arena, KV cache, tables
     cdef public object logits   # np.ndarray float32 [vocab], a view of the scratch logits
@@ -300,6 +302,11 @@ cdef class Engine:
         self.embedding = _mat(tensors["embedding"])
         self.lm_head = _mat(tensors["lm_head"] if "lm_head" in tensors else tensors["embedding"])
         self.final_norm = _vec(tensors, "final_norm")
+        if spec.nextn:
+            self.nextn.eh_proj = _mat(tensors["nextn.eh_proj"])
+            self.nextn.enorm = _vec(tensors, "nextn.enorm")
+            self.nextn.hnorm = _vec(tensors, "nextn.hnorm")
+            self.nextn.joined = _f32(keep["nextn_joined"])
         self.layers = <Layer *>calloc(spec.n_layers, sizeof(Layer))
         self.experts = <FFN *>calloc(spec.n_layers * spec.n_experts, sizeof(FFN))
         if self.layers == NULL or self.experts == NULL:
@@ -433,7 +440,8 @@ cdef class Engine:
         self.expert_counts[...] = 0
         self._keep["predicted"][...] = -1
 
-    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits, int seq=0):
+    def run(self, const int[::1] tokens, int pos0, float[:, ::1] logits_out, bint all_logits, int seq=0,
+            const float[:, ::1] hidden_in=None, float[:, ::1] hidden_out=None):
         """Push tokens[0..T) of sequence `seq` (0 .. n_seq - 1) through the model at positions
         pos0.., in chunks of at most the prefill chunk (every weight read once per chunk; decode is
         a chunk of one token).
@@ -442,12 +450,24 @@ cdef class Engine:
         otherwise logits_out is [1, vocab] and receives only the last one (the lm_head is skipped
         for the others). logits_out None: no logits at all (an inner chunk of a prompt the caller
         runs piece by piece). Returns (status, token index of a failure, layer of a bad router).
+
+        hidden_out [T, d_model] or None: each position's last hidden state after the final norm
+        (what the head reads: a multi-token-prediction block's input). hidden_in [T, d_model]: a
+        nextn block's (spec.nextn) second input, the main model's hidden state at each position.
         """
         cdef int t = 0, n, status = STATUS_OK
         cdef int T = tokens.shape[0]
         cdef int want
         cdef bint none = logits_out is None
         cdef float *out = NULL
+        cdef const float *h_in = NULL
+        cdef float *h_out = NULL
+        cdef size_t d = self.h.d_model
+        if (hidden_in is None) == (self.nextn.eh_proj.data != NULL) or (
+                hidden_in is not None and (hidden_in.shape[0] < T or hidden_in.shape[1] != <int>d)):
+            raise ValueError(f"hidden_in: [{T}, {d}] for a nextn block, None otherwise")
+        if hidden_out is not None and (hidden_out.shape[0] < T or hidden_out.shape[1] != <int>d):
+            raise ValueError(f"hidden_out must be [{T}, {d}]")
         if pos0 < 0 or pos0 + T > self.h.n_ctx:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.h.n_ctx}")
         if not 0 <= seq < self.h.n_seq:
@@ -468,8 +488,10 @@ cdef class Engine:
                 else:
                     want = WANT_ALL if all_logits else (WANT_LAST if t + n == T else WANT_NONE)
                     out = &logits_out[t if all_logits else 0, 0]
+                h_in = &hidden_in[t, 0] if hidden_in is not None else NULL
+                h_out = &hidden_out[t, 0] if hidden_out is not None else NULL
                 status = forward(&self.h, self.layers, &self.embedding, self.final_norm, &self.lm_head,
-                                 &self.s, &tokens[t], n, pos0 + t, out, want)
+                                 &self.s, &tokens[t], n, pos0 + t, out, want, &self.nextn, h_in, h_out)
                 if status != STATUS_OK:
                     break
                 t += n
@@ -513,7 +535,8 @@ cdef class Engine:
             self.s.tok_want = &want[0]
         with nogil:
             status = forward(&self.h, self.layers, &self.embedding, self.final_norm, &self.lm_head,
-                             &self.s, &tokens[0], B, 0, &logits_out[0, 0], WANT_ALL if want is None else WANT_SOME)
+                             &self.s, &tokens[0], B, 0, &logits_out[0, 0], WANT_ALL if want is None else WANT_SOME,
+                             &self.nextn, NULL, NULL)
         self.s.tok_seq = NULL
         self.s.tok_pos = NULL
         self.s.tok_want = NULL

@@ -154,7 +154,7 @@ class Batch:
             json_object=json_object,
             logit_bias=logit_bias,
         )
-        drafter = m._drafter(prompt, draft, draft_max, prediction, record)
+        drafter = m._drafter(prompt, draft, draft_max, prediction, record, batched=True)
         stops = m._stop_strings(stop)
         if stops.stops:
             m._need_tokenizer()

@@ -1421,10 +1421,14 @@ def cmd_info(args) -> int:
 def cmd_verify(args) -> int:
     import itertools
 
-    from .modeldir import ModelDir
+    from .modeldir import CONFIG_NAME, NEXTN_DIR, ModelDir
     from .progress import progress
 
     md = ModelDir(args.model_dir)
+    if (md.root / NEXTN_DIR / CONFIG_NAME).is_file():  # the multi-token-prediction block: checked first
+        block = cmd_verify(argparse.Namespace(model_dir=md.root / NEXTN_DIR))
+        if block:
+            return block
     names = sorted(md.files)  # the order verify hashes them in
     before = [0, *itertools.accumulate(md.files[rel]["size"] for rel in names)]  # bytes before each file
     with progress(before[-1], "verify", unit="B") as bar:

@@ -234,6 +234,7 @@ _FIELD_TYPES = {
     "q_lora_rank": (int,),
     "qk_nope_head_dim": (int,),
     "v_head_dim": (int,),
+    "nextn_block": (bool,),
 }
 
 
@@ -274,6 +275,7 @@ EXTENSION_FIELDS = (
     "q_lora_rank",
     "qk_nope_head_dim",
     "v_head_dim",
+    "nextn_block",
 )
 
 
@@ -340,6 +342,10 @@ class ModelConfig:
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # a multi-token-prediction block (DeepSeek-V3's, GLM-4.5's: a model directory's nextn/ part,
+    # modeldir.NEXTN_DIR): one decoder layer over eh_proj([enorm(embed(next token)); hnorm(hidden)]),
+    # its final norm shared_head.norm; the embedding and the head are the main model's
+    nextn_block: bool = False
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
@@ -670,6 +676,9 @@ class ModelConfig:
         t = {"embedding": ((self.vocab_size, d), "matrix"), "final_norm": ((d,), "norm")}
         if not self.tie_word_embeddings:
             t["lm_head"] = ((self.vocab_size, d), "matrix")
+        if self.nextn_block:  # the main model's embedding and head serve it
+            t = {"final_norm": t["final_norm"], "nextn.eh_proj": ((d, 2 * d), "matrix")}
+            t["nextn.enorm"] = t["nextn.hnorm"] = ((d,), "norm")
         for layer in range(self.num_hidden_layers):
             p = f"layers.{layer}."
             hd = self.layer_head_dim(layer)

@@ -74,6 +74,7 @@ from .modeldir import (
     BLOCK_FORMATS,
     IMPORTANCE_FORMATS,
     CONFIG_NAME,
+    NEXTN_DIR,
     FORMAT_NAME,
     MAX_CONFIG_BYTES,
     ROLES,
@@ -696,6 +697,8 @@ _RULES = [
     (_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.shared.{m[2]}"),
     (_L + r"mlp\.gate\.e_score_correction_bias", lambda m: f"layers.{m[1]}.router_bias"),
     (_L + r"mlp\.(gate|up|down)_proj\.weight", lambda m: f"layers.{m[1]}.mlp.{m[2]}"),
+    # only in a _NextnView: the multi-token-prediction block's own tensors
+    (r"model\.nextn\.(eh_proj|enorm|hnorm)\.weight", lambda m: f"nextn.{m[1]}"),
 ]
 # Gemma 4 first: its post_attention_layernorm is a norm after attention, not the FFN's input norm
 _GEMMA4_RULES = [
@@ -823,8 +826,8 @@ def plan_tensors(
             unconsumed.append(hf_name)
     if skipped_mtp and log is not None:
         log(
-            f"[INFO] {hf_arch}: ignoring {skipped_mtp} tensors of the multi-token-prediction layer(s) "
-            f"{mtp.start}..{mtp.stop - 1} (transformers does not run them either)"
+            f"[INFO] {hf_arch}: {skipped_mtp} tensors of the multi-token-prediction layer(s) "
+            f"{mtp.start}..{mtp.stop - 1} are not part of the model (transformers does not run them either)"
         )
     if towers and log is not None:
         log(f"[INFO] {hf_arch}: converting the text model; ignoring {towers} tensors of the vision/audio towers")
@@ -865,6 +868,88 @@ def plan_tensors(
     if sources is not None:
         sources.update(source)
     return plan
+
+
+# the block's tensors named as the published checkpoints name them, after its layer's prefix:
+# its own (-> the view's model.nextn.*), its final norm, and copies of the main model's
+_NEXTN_OWN = ("eh_proj.weight", "enorm.weight", "hnorm.weight")
+_NEXTN_NORM = "shared_head.norm.weight"
+_NEXTN_COPIES = {"shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "model.embed_tokens.weight"}
+
+
+class _NextnView:
+    """A checkpoint's multi-token-prediction layer n seen as a one-layer checkpoint: its decoder
+    layer's tensors as model.layers.0.*, shared_head.norm as model.norm, eh_proj / enorm / hnorm
+    as model.nextn.* (plan_tensors' rules), the copies of the head and embedding left out."""
+
+    def __init__(self, ckpt, layer: int):
+        self.root, self.config = ckpt.root, dict(ckpt.config, num_nextn_predict_layers=0)
+        prefix = f"model.layers.{layer}."
+        self._names = {}
+        for name in ckpt.names():
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix) :]
+            if rest in _NEXTN_COPIES:
+                continue
+            ours = "model.norm.weight" if rest == _NEXTN_NORM else "model.nextn." + rest if rest in _NEXTN_OWN else None
+            self._names[ours or "model.layers.0." + rest] = name
+        self._ckpt = ckpt
+
+    def names(self) -> list:
+        return sorted(self._names)
+
+    def shape(self, name: str) -> tuple:
+        return self._ckpt.shape(self._names[name])
+
+    def raw(self, name: str) -> tuple:
+        return self._ckpt.raw(self._names[name])
+
+    def f32(self, name: str) -> np.ndarray:
+        return self._ckpt.f32(self._names[name])
+
+
+def plan_nextn(ckpt, cfg: ModelConfig, hf_arch: str, log) -> tuple | None:
+    """(config, plan, expected) of the checkpoint's first multi-token-prediction layer as a
+    one-layer block (config.nextn_block) run by the drafter (model.NextnDrafter), or None where it
+    has none (or an incomplete one, or one whose head or embedding is not the main model's: then
+    the main model converts without it, and the log says why)."""
+    layers = ckpt.config.get("num_nextn_predict_layers", 0) if hf_arch in _MTP_ARCHS else 0
+    if type(layers) is not int or layers < 1 or not isinstance(ckpt, HFCheckpoint):
+        return None
+    n = cfg.num_hidden_layers
+    names = set(ckpt.names())
+
+    def skip(why):
+        log(f"[INFO] {hf_arch}: the multi-token-prediction layer {n} is not kept ({why}); --draft mtp is unavailable")
+
+    missing = [
+        f"model.layers.{n}.{rest}" for rest in (*_NEXTN_OWN, _NEXTN_NORM) if f"model.layers.{n}.{rest}" not in names
+    ]
+    if missing:
+        return skip(f"the checkpoint lacks {', '.join(missing)}")
+    if not cfg.moe_layers or not cfg.moe_layers[-1]:
+        return skip("the decoder's last layer is dense; the block's layer is taken to have its geometry")
+    for rest, main in _NEXTN_COPIES.items():
+        own = f"model.layers.{n}.{rest}"
+        main = main if main in names or rest != "shared_head.head.weight" else "model.embed_tokens.weight"
+        if own in names and (main not in names or not np.array_equal(ckpt.f32(own), ckpt.f32(main))):
+            return skip(f"its {rest[: -len('.weight')]} is not the main model's {main[: -len('.weight')]}")
+    one = {"num_hidden_layers": 1, "moe_layers": [True], "nextn_block": True}
+    one.update({k: getattr(cfg, k)[-1:] for k in _PER_LAYER_LISTS if getattr(cfg, k)})
+    sub = ModelConfig.from_dict(dict(cfg.to_dict(), **one), f"{ckpt.root}: layer {n}")
+    plan = plan_tensors(_NextnView(ckpt, n), sub, hf_arch, None)
+    log(
+        f"[INFO] {hf_arch}: the multi-token-prediction layer {n} kept in {NEXTN_DIR}/ "
+        f"(the drafter of --draft mtp; {layers - 1} further such layer(s) not kept)"
+        if layers > 1
+        else f"[INFO] {hf_arch}: the multi-token-prediction layer {n} kept in {NEXTN_DIR}/ (the drafter of --draft mtp)"
+    )
+    return sub, plan, sub.expected_tensors()
+
+
+# ModelConfig's per-layer lists: a one-layer block keeps the last layer's entry
+_PER_LAYER_LISTS = ("layer_types", "layer_head_dims", "layer_kv_heads", "layer_rope_theta", "layer_rope_fraction")
 
 
 def _plan_mla(ckpt, cfg, hf_name: str, layer: int, proj: str, plan: dict) -> None:
@@ -1111,6 +1196,7 @@ def convert(
     arch, cfg = hf_model_config(ckpt)
     sources = {}
     plan = plan_tensors(ckpt, cfg, arch, log, sources)
+    nextn = plan_nextn(ckpt, cfg, arch, log)
     kept = ckpt.kept_formats(sources, quantize) if by_type else {}
     expected = cfg.expected_tensors()
     # a GGUF's text files are made from its metadata into a staging directory; a checkpoint's are read where they are
@@ -1138,6 +1224,7 @@ def convert(
             weights_of,
             kept,
             progress,
+            nextn,
         )
 
 
@@ -1211,17 +1298,24 @@ def _convert_planned(
     weights_of=None,
     kept=None,
     progress=False,
+    nextn=None,
 ) -> ModelConfig:
     """convert's writing half: the planned tensors in their formats and layouts, the text files
     of `text_dir`, then what the conversion did, in the log. kept: {tensor: format} of a GGUF's
     finer tensors (GGUFCheckpoint.kept_formats), below --role, above `quantize`. progress: the
-    tensors' stored bytes counted on stderr as each is read, converted and handed to the writer."""
+    tensors' stored bytes counted on stderr as each is read, converted and handed to the writer.
+    nextn: plan_nextn's (config, plan, expected), written in the same formats into NEXTN_DIR/."""
 
     kept = kept or {}
     dtypes = {
         name: _dtype_for(shape, kind, quantize, ln_quant, name, roles, cfg.tie_word_embeddings, kept.get(name))
         for name, (shape, kind) in expected.items()
     }
+    nextn_dtypes = (
+        {n: _dtype_for(shape, kind, quantize, ln_quant, n, roles) for n, (shape, kind) in nextn[2].items()}
+        if nextn
+        else {}
+    )
     if kept:
         counts = {}
         for name, fmt in kept.items():
@@ -1241,6 +1335,8 @@ def _convert_planned(
         sum(storage_nbytes(dtypes[n], expected[n][0]) + 63 for n in names)  # + alignment padding
         for _, names in _files_of(expected)
     ]
+    if nextn:
+        weights.append(sum(storage_nbytes(nextn_dtypes[n], nextn[2][n][0]) + 63 for n in nextn[2]))
     text = [(text_dir / n).stat().st_size for n in textfiles.present(text_dir)]
     need = _space_needed(weights + text, len(expected), out.resolve().parent)
 
@@ -1278,11 +1374,36 @@ def _convert_planned(
         bar.update(storage_nbytes(dtypes[name], expected[name][0]))
         return item
 
+    def stored_nextn(name, bar):  # the block's tensors: no calibration statistics are of them
+        shape, kind = nextn[2][name]
+        dtype = nextn_dtypes[name]
+        item = _stored(
+            name,
+            nextn[1][name](),
+            shape,
+            dtype,
+            _layout_for(name, shape, kind, dtype, expert_layout, layout),
+            "bf16" if quantize == "bf16" and kind == "absorbed" else None,
+        )
+        bar.update(storage_nbytes(dtype, shape))
+        return item
+
     def write(writer):
         total = sum(storage_nbytes(dtypes[n], expected[n][0]) for n in expected)
+        total += sum(storage_nbytes(nextn_dtypes[n], nextn[2][n][0]) for n in nextn_dtypes)
         with progress_bar(total, "convert", unit="B", enabled=progress) as bar:
             for rel, names in _files_of(expected):
                 writer.write_file(rel, (stored(name, bar) for name in names))
+            if nextn:
+                block = _Writer(writer.root / NEXTN_DIR, writer.out / NEXTN_DIR)
+                for rel, names in _files_of(nextn[2]):
+                    block.write_file(rel, (stored_nextn(name, bar) for name in names))
+                block.finish(
+                    nextn[0],
+                    quantize,
+                    {"hf_architecture": arch, "converter": "colibri convert"},
+                    ln_bits=16 if ln_quant else 32,
+                )
         for name in copied:
             writer.add_file(name, text_dir / name)
         source = (

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import constraint as _constraint
 from . import kvstore
+from . import nextn
 from . import speculate
 from .errors import ColibriError
 from .names import BF16_PRODUCTS, DEFAULT_EVICTION, KV_CACHE_TYPES, MAX_PARALLEL
@@ -296,6 +297,8 @@ class Model:
         self.stop_token_ids = text.stop_token_ids(cfg.eos_token_id)
         self.unlisted_text_files = unlisted(self._dir.root, self._dir.files)  # present but not in the table
         self.last_generation = None
+        self.has_nextn = nextn.has_block(self.path)  # a multi-token-prediction block to draft with
+        self._nextn = None  # nextn.NextnBlock, built at the first generation that drafts with it
         self._constraint_vocab = None  # constraint.Vocabulary, built at the first constrained call
         self._constraint_vocab_lock = threading.Lock()
         # the KV cache: per sequence, the ids whose keys and values it holds at positions 0.. (for
@@ -467,8 +470,10 @@ class Model:
         self.last_generation = record
         return self._generate(tokens, int(max_new_tokens), sampler, eos, on_step, record, bool(reuse_prefix), drafter)
 
-    def _drafter(self, tokens, draft, draft_max, prediction, record):
-        """generate()'s speculation options checked: a speculate.Drafter, or None for plain decoding."""
+    def _drafter(self, tokens, draft, draft_max, prediction, record, batched=False):
+        """generate()'s speculation options checked: a speculate.Drafter, or None for plain decoding.
+        batched (colibri.batching): the multi-token-prediction block, whose KV cache holds one
+        sequence, drafts for none ("mtp" is refused, "auto" drafts without it)."""
         if draft is not None and draft not in speculate.DRAFT_SOURCES:
             raise ColibriError(f"draft must be one of {', '.join(speculate.DRAFT_SOURCES)}, got {draft!r}")
         if draft_max is not None and (
@@ -484,13 +489,21 @@ class Model:
         source = draft or ("none" if self.expert_budget is not None else speculate.DEFAULT_DRAFT)
         if source == "none":
             return None
-        if prediction is not None and source == "ngram":
-            raise ColibriError('prediction needs draft "auto" (its tokens are the first drafts), not "ngram"')
+        if prediction is not None and source in ("ngram", "mtp"):
+            raise ColibriError(f'prediction needs draft "auto" (its tokens are the first drafts), not "{source}"')
+        if source == "mtp" and not self.has_nextn:
+            raise ColibriError(
+                f"draft mtp needs a multi-token-prediction block, and {self.path} has none (convert keeps a "
+                f"DeepSeek-V3 or GLM-4.5 checkpoint's in {nextn.NEXTN_DIR}/); use draft ngram or auto"
+            )
+        if source == "mtp" and batched:
+            raise ColibriError("draft mtp drafts for one sequence at a time: use parallel 1, or draft ngram / auto")
         d = speculate.Drafter(
             [int(t) for t in tokens],
             source,
             int(draft_max or speculate.DEFAULT_DRAFT_MAX),
             prediction if source == "auto" else None,
+            block=self._nextn_block() if self.has_nextn and not batched and source in ("mtp", "auto") else None,
         )
         record.speculation = d.stats
         return d
@@ -793,6 +806,9 @@ class Model:
             engine, self._engine = self._engine, None
             if engine is not None:
                 engine.close()  # the expert cache's reader stops before the unmapping
+            if self._nextn is not None:
+                self._nextn.close()
+                self._nextn = None
             if self.prefix_store is not None:
                 self.prefix_store.close()  # its queued files are written
             self.residency.close()
@@ -861,6 +877,14 @@ class Model:
                 f"--from HF_DIR"
             )
         return self.tokenizer
+
+    def _nextn_block(self):
+        """The multi-token-prediction block (nextn.NextnBlock), built on first use."""
+        with self._engine_lock:
+            self._live()
+            if self._nextn is None:
+                self._nextn = nextn.NextnBlock(self)
+            return self._nextn
 
     def _live(self):
         """The engine, or a clear error once close() has run."""
@@ -939,23 +963,32 @@ class Model:
             return 0
         return common
 
-    def _run(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool, seq: int = 0) -> None:
+    def _run(
+        self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool, seq: int = 0, hidden=None, on_hidden=None
+    ) -> None:
         """Run `tokens` at positions pos.. (logits into `out`), one prefill chunk per engine call:
         the engine splits a prompt at the same chunk boundaries, so the results are the same,
-        and Ctrl-C (or close()) takes effect between chunks instead of after the whole prompt."""
+        and Ctrl-C (or close()) takes effect between chunks instead of after the whole prompt.
+        hidden [>= a chunk's rows, d_model] or None: each chunk's last hidden states (Engine.run's
+        hidden_out), handed to on_hidden(position, rows) after the chunk where it is given."""
         for start in range(0, len(tokens), self._chunk):
             piece = tokens[start : start + self._chunk]
             last = start + len(piece) == len(tokens)
+            rows = None if hidden is None else hidden[: len(piece)]
             if not all_logits and not last:
-                self._run_chunk(piece, pos + start, None, False, seq)  # an inner chunk: no lm_head
+                self._run_chunk(piece, pos + start, None, False, seq, rows)  # an inner chunk: no lm_head
             else:
-                self._run_chunk(piece, pos + start, out[start:] if all_logits else out, all_logits, seq)
+                self._run_chunk(piece, pos + start, out[start:] if all_logits else out, all_logits, seq, rows)
+            if on_hidden is not None:
+                on_hidden(pos + start, rows)
 
-    def _run_chunk(self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool, seq: int = 0) -> None:
+    def _run_chunk(
+        self, tokens: np.ndarray, pos: int, out: np.ndarray, all_logits: bool, seq: int = 0, hidden=None
+    ) -> None:
         with self._engine_lock:
             engine = self._live()
             del self._kv_tokens[seq][pos:]  # positions >= pos are about to be overwritten
-            status, index, layer = engine.run(tokens, pos, out, all_logits, seq)
+            status, index, layer = engine.run(tokens, pos, out, all_logits, seq, None, hidden)
             if self._rings.rows:  # a model with sliding-window layers
                 self._rings.wrote(seq, np.arange(pos, pos + len(tokens)))
         if status != _engine.STATUS_OK:
@@ -1002,8 +1035,10 @@ class Model:
             common = self._restore_prefix(tokens, 0, self._reusable_prefix(tokens)) if reuse else 0
             sampler.reset(tokens)
             logits = np.empty((1, self.config.vocab_size), np.float32)
+            block = drafter.start_block(common) if drafter is not None else None  # nextn.NextnDrafter or None
+            hidden = block.main_rows if block is not None else None  # [chunk, d]: a call's last hidden states
             t0 = time.perf_counter()
-            self._run(tokens[common:], common, logits, all_logits=False)
+            self._run(tokens[common:], common, logits, False, 0, hidden, block and block.feed)
             t1 = time.perf_counter()
             record.reused_tokens = common
             self.stats["prefill_tokens"] = len(tokens) - common
@@ -1021,6 +1056,7 @@ class Model:
             most = 1 + (min(drafter.draft_max, self._chunk - 1) if drafter is not None else 0)
             calls = np.empty((most, self.config.vocab_size), np.float32)
             chunk_drafted = chunk_accepted = 0
+            called = None  # the position of the last decode call, whose kept hidden states the block awaits
             record.finish_reason = "length"
             try:
                 for i in range(max_new_tokens):
@@ -1047,13 +1083,16 @@ class Model:
                         continue
                     if drafter is not None:
                         drafter.verified(chunk_drafted, chunk_accepted)
+                    if block is not None and called is not None:  # the positions the last call kept
+                        block.feed(called, hidden[: pos - called])
                     # room: tokens still to generate after this one, the context, a prefill chunk
                     room = min(max_new_tokens - i - 2, self.n_ctx - pos - 1, self._chunk - 1)
                     draft = drafter.propose(room) if drafter is not None else []
                     run = np.array([token, *draft], np.int32)
                     out = calls[: len(run)]
                     t = time.perf_counter()
-                    self._run(run, pos, out, all_logits=len(run) > 1)  # drafts after pos: overwritten if refused
+                    self._run(run, pos, out, len(run) > 1, 0, hidden)  # drafts after pos: overwritten if refused
+                    called = pos
                     self.stats["decode_seconds"] += time.perf_counter() - t
                     self.stats["decode_tokens"] += 1
                     row, ahead = out[0], list(zip(draft, out[1:]))

@@ -38,6 +38,7 @@ FORMAT_NAME = "colibri"
 FORMAT_VERSION = 1
 ALIGNMENT = 64  # every tensor starts on a 64-byte boundary in its file
 CONFIG_NAME = "config.json"
+NEXTN_DIR = "nextn"  # a multi-token-prediction block: a model directory of its own inside the model's
 MAX_CONFIG_BYTES = 64 << 20  # a config.json larger than this is refused
 MAX_OTHER_FILES = 256  # files in the table beyond one per tensor (text files)
 # storage dtype -> numpy dtype of the stored elements: the formats' (colibri.formats: bf16 is kept as its

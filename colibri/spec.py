@@ -81,6 +81,7 @@ class EngineSpec:
     tensors: dict  # name -> TensorRef (modeldir's names: "embedding", "layers.3.wq", ...)
     expert_pages: dict  # (layer, expert) -> (address, bytes) of the expert's mapped span
     expert_fds: dict  # (layer, expert) -> an open descriptor of its file (for the page-cache drop)
+    nextn: bool = False  # a multi-token-prediction block (config.nextn_block): Engine.run takes hidden_in
 
 
 def yarn_inv_freq(dim: int, theta: float, yarn: dict) -> tuple:
@@ -233,4 +234,5 @@ def build(
         tensors=tensors,
         expert_pages=dict(expert_pages),
         expert_fds=dict(expert_fds or {}),
+        nextn=bool(cfg.nextn_block),
     )

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DRAFT_SOURCES = ("none", "ngram", "auto")  # "auto": n-gram prompt lookup, plus the prediction when given
+# "auto": the prediction when given, else n-gram prompt lookup, else the model's multi-token-
+# prediction block where it has one (colibri.nextn); "mtp": that block alone
+DRAFT_SOURCES = ("none", "ngram", "mtp", "auto")
 DEFAULT_DRAFT = "auto"
 DEFAULT_DRAFT_MAX = 8  # draft tokens a chunk at most (llama.cpp's --draft-max is 16; MoE chunks widen the experts read)
 MAX_DRAFT_MAX = 64
@@ -90,6 +92,7 @@ class Drafter:
     draft_max: int = DEFAULT_DRAFT_MAX
     prediction: list | None = None
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+    block: object = None  # nextn.NextnBlock: the model's multi-token-prediction block, or None
 
     def __post_init__(self):
         self.generated = 0
@@ -99,10 +102,20 @@ class Drafter:
         self.index = NgramIndex()
         self.prediction_index = None
         self.prediction_at = None  # the prediction's index the next token is expected at, while aligned
+        self.block_drafts = None  # nextn.NextnDrafter, from start_block
         if self.prediction:
             self.prediction_index = NgramIndex()
             self.prediction_index.extend(self.prediction, len(self.prediction))
             self.prediction_at = 0
+
+    def start_block(self, start: int):
+        """The block's drafter for a generation whose main-model positions start at `start`
+        (nextn.NextnDrafter, fed by the caller), or None without a block."""
+        if self.block is not None:
+            from .nextn import NextnDrafter
+
+            self.block_drafts = NextnDrafter(self.block, self.context, start)
+        return self.block_drafts
 
     def push(self, token: int) -> None:
         self.context.append(int(token))
@@ -119,13 +132,16 @@ class Drafter:
         k = min(room, self.length)
         if self.source == "none" or k < 1 or self.paused:
             return []
+        block = self.block_drafts
+        if self.source == "mtp":
+            return block.propose(k) if block is not None else []
         if self.prediction_index is not None:
             if self.prediction_at is None:  # the reply left the prediction: find where it rejoins
                 self.prediction_at = self.prediction_index.position(self.context, len(self.prediction))
             if self.prediction_at is not None and self.prediction_at < len(self.prediction):
                 return self.prediction[self.prediction_at : self.prediction_at + k]
         self.index.extend(self.context, len(self.context))
-        return self.index.follow(self.context, self.context, k)
+        return self.index.follow(self.context, self.context, k) or (block.propose(k) if block is not None else [])
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A chunk's outcome: the next draft's length and whether drafting pauses."""

@@ -108,7 +108,8 @@ def test_no_drafts_under_an_expert_budget_unless_asked(converted):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(draft="medusa"), "draft must be one of none, ngram, auto"),
+        (dict(draft="medusa"), "draft must be one of none, ngram, mtp, auto"),
+        (dict(draft="mtp"), "draft mtp needs a multi-token-prediction block"),
         (dict(draft_max=0), "draft_max must be an integer in 1..64"),
         (dict(draft_max=True), "draft_max must be an integer in 1..64"),
         (dict(prediction=[10**9]), "token id 1000000000 is outside the vocabulary"),
