@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,59 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 from provenance import write_results  # noqa: E402
-
-STARTUP_SECONDS = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server process on a free loopback port, healthy once made; stop() ends it (SIGTERM)."""
-
-    def __init__(self, argv_for_port, name: str):
-        import httpx
-
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # its log to a file: a pipe nobody reads would stop a server that logs every request
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(argv_for_port(self.port), stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        atexit.register(self.stop)  # also when a request fails and the script exits
-        deadline = time.time() + STARTUP_SECONDS
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{name} exited at start: {self.tail()}")
-            try:
-                r = httpx.get(self.url + "/health", timeout=2)
-            except httpx.TransportError:
-                r = None
-            if r is not None and r.status_code == 200:
-                return
-            if r is not None and r.status_code != 503:  # 503: still loading
-                self.stop()
-                raise SystemExit(f"{name}: /health says {r.status_code} {r.text[:500]}")
-            time.sleep(0.2)
-        self.proc.kill()
-        raise SystemExit(f"{name} did not become healthy in {STARTUP_SECONDS} s")
-
-    def tail(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-2000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+from servers import Server  # noqa: E402
 
 
 def colibri(args, parallel: int, extra=()) -> Server:

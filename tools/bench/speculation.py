@@ -13,7 +13,14 @@ Each repetition runs plain decoding (draft "none") and the drafted run back to b
 are checked to be the same. Decode tok/s is the Model's own count (tokens after the first over
 the engine's time), the ratio drafted / plain per repetition, medians over --reps.
 
-    python tools/bench/speculation.py [--model-dir D] --threads 2 --reps 5 --out FILE.json
+With --peer NAME=LLAMA_SERVER (repeatable: llama.cpp's, ik_llama.cpp's) and --gguf (the same
+weights), the quote scenario also runs on each peer's llama-server, the same prompt ids, greedy,
+with and without its n-gram speculation (--peer-spec, default `ngram-simple`: the prompt-lookup
+kind), interleaved with Colibri's runs: its decode tok/s from the server's own timings
+(predicted_per_second), its drafted and accepted counts; Colibri's n-gram rate over each peer's.
+
+    python tools/bench/speculation.py [--model-dir D] --threads 2 --reps 5 --out FILE.json \\
+        [--gguf G --peer llama.cpp=BIN --peer ik_llama.cpp=BIN]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 from provenance import write_results  # noqa: E402
+from servers import Server  # noqa: E402
 
 PASSAGE = (
     "And God said, Let there be light: and there was light. And God saw the light, that it was good: "
@@ -42,6 +50,37 @@ def decode_rate(m, ids, gen: int, **kw) -> tuple:
     return tokens, s["decode_tokens"] / s["decode_seconds"], spec.as_dict() if spec else None
 
 
+def peer_server(binary: str, name: str, args, spec: str | None) -> Server:
+    extra = ["--spec-type", spec] if spec else []
+    return Server(
+        lambda port: [
+            binary, "-m", args.gguf, "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads),
+            "-np", "1", "-c", "4096", "--no-warmup", *extra,
+        ],
+        name,
+    )  # fmt: skip
+
+
+def peer_rate(server: Server, ids: list, gen: int) -> dict:
+    """One greedy completion of `gen` tokens from the prompt ids: the server's decode tok/s and its
+    draft counters."""
+    import httpx
+
+    body = {
+        "prompt": ids, "n_predict": gen, "temperature": 0, "top_k": 1, "cache_prompt": False,
+        "ignore_eos": True, "samplers": ["top_k"],
+    }  # fmt: skip
+    r = httpx.post(server.url + "/completion", json=body, timeout=None)
+    if r.status_code != 200:
+        raise SystemExit(f"{server.name}: {r.status_code} {r.text[:300]}")
+    t = r.json()["timings"]
+    return {
+        "tok_s": t["predicted_per_second"],
+        "drafted_tokens": t.get("draft_n", 0),
+        "accepted_tokens": t.get("draft_n_accepted", 0),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=str(REPO / "colibri" / "data" / "demo"))
@@ -50,8 +89,14 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--draft-max", type=int, default=None)
     p.add_argument("--edit-every", type=int, default=20, help="edit: one predicted token in this many changed")
+    p.add_argument("--gguf", help="the model's GGUF, for --peer")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=LLAMA_SERVER")
+    p.add_argument("--peer-spec", default="ngram-simple", help="the peers' --spec-type (default ngram-simple)")
     p.add_argument("--out")
     args = p.parse_args()
+    peers = dict(item.split("=", 1) for item in args.peer)
+    if peers and not args.gguf:
+        p.error("--peer needs --gguf")
     sys.path.insert(0, str(REPO))
     import colibri
 
@@ -64,7 +109,18 @@ def main() -> int:
     }
     runs = {name: [] for name in scenarios}
     extra = {} if args.draft_max is None else {"draft_max": args.draft_max}
+    servers = {
+        (name, spec): peer_server(binary, name, args, spec)
+        for name, binary in peers.items()
+        for spec in (None, args.peer_spec)
+    }
+    peer_runs = {name: [] for name in peers}
     for rep in range(args.reps):
+        for name in peers:  # the quote scenario on each peer, between Colibri's runs
+            plain = peer_rate(servers[name, None], scenarios["quote"], args.gen)
+            drafted = peer_rate(servers[name, args.peer_spec], scenarios["quote"], args.gen)
+            counts = {k: v for k, v in drafted.items() if k != "tok_s"}
+            peer_runs[name].append({"plain_tok_s": plain["tok_s"], "drafted_tok_s": drafted["tok_s"], **counts})
         for name, ids in scenarios.items():
             plain, plain_rate, _ = decode_rate(m, ids, args.gen, draft="none")
             if name == "edit":
@@ -92,7 +148,21 @@ def main() -> int:
         }
         for name, rs in runs.items()
     }
-    write_results(args.out, args, speculation=runs, summary=summary)
+    for name, rs in peer_runs.items():
+        quote = runs["quote"]
+        summary[f"quote on {name} ({args.peer_spec})"] = {
+            "plain_tok_s": statistics.median(r["plain_tok_s"] for r in rs),
+            "drafted_tok_s": statistics.median(r["drafted_tok_s"] for r in rs),
+            "ratio": statistics.median(r["drafted_tok_s"] / r["plain_tok_s"] for r in rs),
+            "acceptance": statistics.median(
+                r["accepted_tokens"] / r["drafted_tokens"] if r["drafted_tokens"] else 0.0 for r in rs
+            ),
+            # Colibri's n-gram decode over the peer's, repetition by repetition (interleaved)
+            "colibri_over_peer": statistics.median(c["drafted_tok_s"] / r["drafted_tok_s"] for c, r in zip(quote, rs)),
+        }
+    for server in servers.values():
+        server.stop()
+    write_results(args.out, args, speculation=runs, peers=peer_runs, summary=summary)
     return 0
 
 
