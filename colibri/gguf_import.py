@@ -5,10 +5,14 @@ Design
 `GGUFCheckpoint` presents one .gguf file through HFCheckpoint's interface (`config`, `names`,
 `shape`, `f32`, `root`): a config.json built from the GGUF metadata and transformers' tensor
 names, so that convert's registry (`hf_model_config`) and tensor plan (`plan_tensors`) do the
-rest unchanged, with the same checks. Reading is llama.cpp's own reader (the `gguf` package,
-an extra: `pip install colibri-moe[gguf]`), behind a header check of ours: magic, version, counts
-that fit the file, and any failure of the reader on a damaged file ends as one ColibriError
-naming the file.
+rest unchanged, with the same checks. The header, metadata and tensor table are read by
+`GGUFFile`, as llama.cpp's gguf.cpp reads them and refusing what it refuses, with every count,
+length, dimension and offset checked against the bytes left before anything is read or allocated
+from it: a file that lies about a size is one ColibriError naming the file and the value, at once
+(llama.cpp's Python reader, the `gguf` package, trusts them: a count of 10^9 had it loop for
+minutes into gigabytes, and it takes seconds over an honest vocabulary of 150,000 tokens). The
+`gguf` package (an extra: `pip install colibri-moe[gguf]`) gives the tensor types and the
+dequantization of the types Colibri has no format for.
 
 Architectures, as llama.cpp names them: `llama` with experts (Mixtral), `qwen2moe`, `qwen3moe`,
 `olmoe`, `gpt-oss`, `deepseek2` (DeepSeek-V3, Kimi K2), `gemma4` (with its MoE block). Where the GGUF carries no setting that transformers' config has, llama.cpp's
@@ -40,9 +44,12 @@ where convert validates and copies them.
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import re
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,6 +63,34 @@ GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
 MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one dim, type, offset
 MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, key, value type, a one-byte value
+# GGUF metadata value types (llama.cpp's gguf_type) -> numpy dtype; 8 is a string (a u64 byte
+# count, then UTF-8), 9 an array (a u32 item type, a u64 count, then the items)
+VALUE_DTYPES = {
+    0: "u1",
+    1: "i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
+GGUF_UINT32, GGUF_STRING, GGUF_ARRAY, GGUF_UINT64 = 4, 8, 9, 10
+GGML_MAX_DIMS, GGML_MAX_NAME = 4, 64  # llama.cpp's bounds on a tensor's dimensions and name (bytes, with its NUL)
+DEFAULT_ALIGNMENT = 32  # of the data section and of each tensor in it, unless general.alignment says
+# GGML tensor types read as typed elements, as gguf's reader does (the block types: bytes)
+ELEMENT_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 # general.architecture -> the transformers class its config is built as
 ARCHITECTURES = {
@@ -110,6 +145,7 @@ KEPT_PRECISION = {"Q8_0": "int8", "Q6_K": "int6", "Q5_K": "int6", "Q5_0": "int6"
 ERROR_SAMPLE_ROWS = 256  # rows of each requantized tensor the reported error is measured on
 
 _L = r"blk\.(\d+)\."
+_LAYER = re.compile(_L)
 _EXPERTS = "experts"
 _GATE_UP = "gate_up"  # Gemma 4's merged [E, 2 * ff, d]: gate the first half of each expert's rows
 # Gemma 4 first: llama.cpp's names of its sandwich norms, router and layer scalar
@@ -174,7 +210,7 @@ def _gguf():
 
 def check_header(path: Path) -> tuple:
     """(version, tensor count, metadata count) of a GGUF file, each checked against the file's
-    size before llama.cpp's reader is let at it (a count of 2^60 would have it loop or allocate)."""
+    size before the rest is read (a count of 2^60 would have it loop or allocate)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -194,6 +230,204 @@ def check_header(path: Path) -> tuple:
     return version, n_tensors, n_kv
 
 
+class GGUFTensor(NamedTuple):
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple  # GGUF's order, innermost first: [in, out] for a matrix
+    data: np.ndarray  # a view of the file: elements [*reversed(shape)] (F32, F16, ...), else bytes [..., row bytes]
+
+
+class _Array(NamedTuple):  # a metadata array not read yet
+    item_type: int
+    count: int
+    at: int  # its first item's byte
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor table, read as llama.cpp's gguf.cpp reads them and refused
+    where it refuses them; every length, count, dimension and offset is checked against the bytes
+    left before anything is read or allocated from it, so a lying file is one error, at once.
+
+    meta: {key: value}: str, int, float, bool, or a list for an array -- after `read_arrays`;
+    before, an array is an _Array and `count(key)` its length, so that a million-token vocabulary
+    can be refused by its count. tensors: {name: GGUFTensor}, views of the file's mapping."""
+
+    def __init__(self, path: Path, gguf):
+        self.root = path
+        try:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise ColibriError(f"{path}: cannot map the file: {getattr(e, 'strerror', None) or e}") from None
+        self.size, self.at = len(self._map), 24
+        _, n_tensors, n_kv = struct.unpack_from("<IQQ", self._map, 4)  # checked by check_header
+        self.meta = {}
+        for i in range(n_kv):
+            key = self._string(f"metadata key {i}")
+            if key in self.meta:
+                self._fail(f"metadata key {shown(key, 80)} appears twice (llama.cpp refuses such a file too)")
+            self.meta[key] = self._value(key, self._scalar(GGUF_UINT32, f"metadata {shown(key, 80)}"))
+        alignment = self.meta.get("general.alignment", DEFAULT_ALIGNMENT)
+        if alignment <= 0 or alignment & (alignment - 1):
+            self._fail(f"metadata general.alignment is {alignment}, not a power of 2")
+        table = [self._tensor_info(i, gguf) for i in range(n_tensors)]
+        start = -self.at % alignment + self.at  # the data section: aligned after the table
+        base = np.frombuffer(self._map, np.uint8)
+        self.tensors, end = {}, 0
+        for name, qtype, dims, offset, nbytes in table:
+            if name in self.tensors:
+                self._fail(f"tensor {shown(name)} appears twice (llama.cpp refuses such a file too)")
+            if offset != end:
+                self._fail(
+                    f"tensor {shown(name)} is at byte {offset} of the data section, but the tensors before it "
+                    f"end at {end} (llama.cpp expects them packed in order and refuses such a file too)"
+                )
+            if nbytes > self.size - start - offset:
+                self._fail(
+                    f"tensor {shown(name)} ({qtype.name}, {list(dims)}) cannot be read: it claims {nbytes} bytes at byte "
+                    f"{start + offset} but {max(0, self.size - start - offset)} bytes are left (truncated or damaged)"
+                )
+            end = offset + -nbytes % alignment + nbytes
+            self.tensors[name] = GGUFTensor(name, qtype, dims, _view(base, start + offset, nbytes, qtype, dims, gguf))
+
+    def _fail(self, what: str):
+        raise ColibriError(f"{self.root}: {what}")
+
+    def _take(self, n: int, what: str) -> int:
+        """The offset of the next n bytes, which `what` claims; the cursor moves past them."""
+        at = self.at
+        if n > self.size - at:
+            self._fail(f"{what} claims {n} bytes at byte {at} but {self.size - at} are left (truncated or damaged)")
+        self.at = at + n
+        return at
+
+    def _scalar(self, value_type: int, what: str):
+        dtype = np.dtype(VALUE_DTYPES[value_type])
+        return np.frombuffer(self._map, dtype, 1, self._take(dtype.itemsize, what)).tolist()[0]
+
+    def _string(self, what: str, limit: int | None = None) -> str:
+        n = self._scalar(GGUF_UINT64, what)
+        if limit is not None and n >= limit:
+            self._fail(f"{what} is {n} bytes long, llama.cpp's limit is {limit - 1}")
+        at = self._take(n, what)
+        try:
+            return self._map[at : at + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            self._fail(f"{what} is not valid UTF-8 (byte {at + e.start})")
+
+    def _value(self, key: str, value_type: int):
+        what = f"metadata {shown(key, 80)}"
+        if key == "general.alignment" and value_type != GGUF_UINT32:
+            self._fail(f"metadata general.alignment has value type {value_type}; llama.cpp reads it as a uint32 (4)")
+        if value_type == GGUF_STRING:
+            return self._string(what)
+        if value_type in VALUE_DTYPES:
+            return self._scalar(value_type, what)
+        if value_type != GGUF_ARRAY:
+            self._fail(f"{what} has value type {value_type}, not a GGUF type (0 to 12)")
+        item_type, count = self._scalar(GGUF_UINT32, what), self._scalar(GGUF_UINT64, what)
+        if item_type not in VALUE_DTYPES and item_type != GGUF_STRING:
+            self._fail(
+                f"{what} is an array of value type {item_type}, "
+                + (
+                    "arrays of arrays are not read (llama.cpp refuses them too)"
+                    if item_type == GGUF_ARRAY
+                    else "not a GGUF type"
+                )
+            )
+        least = 8 if item_type == GGUF_STRING else np.dtype(VALUE_DTYPES[item_type]).itemsize
+        left = self.size - self.at
+        if count > left // least:
+            self._fail(
+                f"metadata array {shown(key, 80)} claims {count} elements "
+                f"({'at least 8' if item_type == GGUF_STRING else least} bytes each) but {left} bytes are left "
+                f"(truncated or damaged)"
+            )
+        array = _Array(item_type, count, self.at)
+        if item_type != GGUF_STRING:
+            self.at += count * least
+            return array
+        buf, at, size = self._map, self.at, self.size  # strings: each length checked, nothing read yet
+        for i in range(count):
+            if 8 > size - at:
+                self._fail(f"{what}[{i}] claims 8 bytes at byte {at} but {size - at} are left (truncated or damaged)")
+            (n,) = struct.unpack_from("<Q", buf, at)
+            if n > size - at - 8:
+                self._fail(
+                    f"{what}[{i}] claims {n} bytes at byte {at + 8} but {size - at - 8} are left (truncated or damaged)"
+                )
+            at += 8 + n
+        self.at = at
+        return array
+
+    def _tensor_info(self, i: int, gguf) -> tuple:
+        name = self._string(f"the name of tensor {i}", GGML_MAX_NAME)
+        what = f"tensor {shown(name)}"
+        n_dims = self._scalar(GGUF_UINT32, what)
+        if n_dims > GGML_MAX_DIMS:
+            self._fail(f"{what} claims {n_dims} dimensions; a GGUF tensor has at most {GGML_MAX_DIMS}")
+        dims = struct.unpack_from(f"<{n_dims}Q", self._map, self._take(8 * n_dims, what))
+        code, offset = self._scalar(GGUF_UINT32, what), self._scalar(GGUF_UINT64, what)
+        try:
+            qtype = gguf.GGMLQuantizationType(code)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            self._fail(f"{what} has type {code}, not a GGML tensor type the gguf package knows")
+        if not all(dims):
+            self._fail(f"{what} has shape {list(dims)}: no elements")
+        row = dims[0] if dims else 1
+        if row % block:
+            self._fail(f"{what} ({qtype.name}) has rows of {row} elements, not a multiple of its blocks of {block}")
+        return name, qtype, dims, offset, math.prod(dims) // block * type_size
+
+    def count(self, key: str):
+        """The number of elements of a metadata array (None: no such array)."""
+        v = self.meta.get(key)
+        return v.count if type(v) is _Array else len(v) if type(v) is list else None
+
+    def read_arrays(self) -> None:
+        """The metadata arrays as lists (strings checked to be UTF-8)."""
+        for key, v in self.meta.items():
+            if type(v) is not _Array:
+                continue
+            if v.item_type != GGUF_STRING:
+                self.meta[key] = np.frombuffer(self._map, VALUE_DTYPES[v.item_type], v.count, v.at).tolist()
+                continue
+            out, buf, at = [], self._map, v.at
+            for i in range(v.count):
+                (n,) = struct.unpack_from("<Q", buf, at)
+                try:
+                    out.append(buf[at + 8 : at + 8 + n].decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    self._fail(f"metadata {shown(key, 80)}[{i}] is not valid UTF-8 (byte {at + 8 + e.start})")
+                at += 8 + n
+            self.meta[key] = out
+
+
+def _view(base: np.ndarray, at: int, nbytes: int, qtype, dims: tuple, gguf) -> np.ndarray:
+    """A tensor's bytes as gguf's reader presents them: elements [*reversed(dims)] for the float
+    and integer types, [..., row bytes] for the block types."""
+    raw = base[at : at + nbytes]
+    shape = tuple(reversed(dims))
+    if qtype.name in ELEMENT_DTYPES:
+        return raw.view(ELEMENT_DTYPES[qtype.name]).reshape(shape)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    shape = shape or (1,)
+    return raw.reshape(shape[:-1] + (shape[-1] // block * type_size,))
+
+
+def _check_vocabulary_count(parsed: GGUFFile) -> None:
+    """More tokens than the embedding has rows: ids the model cannot embed (llama.cpp wants the two
+    equal). Checked from the array's count, before its strings are read."""
+    n = parsed.count("tokenizer.ggml.tokens")
+    embedding = parsed.tensors.get("token_embd.weight")
+    if n is not None and embedding is not None and len(embedding.shape) == 2 and n > embedding.shape[1]:
+        raise ColibriError(
+            f"{parsed.root}: tokenizer.ggml.tokens has {n} tokens but token_embd.weight has "
+            f"{embedding.shape[1]} rows (the model's vocabulary): the file is inconsistent"
+        )
+
+
 class GGUFCheckpoint:
     """A .gguf model file with HFCheckpoint's interface (module docstring)."""
 
@@ -203,20 +437,11 @@ class GGUFCheckpoint:
         if not self.root.is_file():
             raise ColibriError(f"GGUF file {self.root} does not exist or is not a file")
         check_header(self.root)
-        gguf = _gguf()
-        try:
-            reader = gguf.GGUFReader(self.root, "r")
-            self.meta = {
-                name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")
-            }
-            tensors = {t.name: t for t in reader.tensors}
-        except ColibriError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a third-party parser on a damaged file: one line
-            raise ColibriError(
-                f"{self.root}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200] or 'no details'})"
-            ) from None
-        self._reader = reader
+        parsed = GGUFFile(self.root, _gguf())
+        tensors = parsed.tensors
+        _check_vocabulary_count(parsed)  # before a million tokens are read
+        parsed.read_arrays()
+        self.meta = parsed.meta
         self.last_read_type = None
         self.arch = self._meta_str("general.architecture")
         if self.arch not in ARCHITECTURES:
@@ -281,6 +506,15 @@ class GGUFCheckpoint:
             raise ColibriError(
                 f"{self.root}: {self.arch}.expert_count is absent or 0: a dense model; Colibri runs "
                 f"mixture-of-experts models"
+            )
+        # a layer count beyond the file's blk.N would be looped over (10^9: minutes, gigabytes); DeepSeek's
+        # multi-token-prediction layers are counted whether their tensors were kept or left out
+        layers = len({int(m[1]) for m in map(_LAYER.match, tensors) if m})
+        nextn = self._arch_key("nextn_predict_layers", 0) if self.arch == "deepseek2" else 0
+        if type(blocks) is int and blocks > layers + (nextn if 0 <= nextn <= layers else 0):
+            raise ColibriError(
+                f"{self.root}: metadata {self.arch}.block_count is {blocks} but the file has tensors for "
+                f"{layers} layers (blk.N); the metadata is damaged"
             )
         num = (int, float)
         cfg = {

@@ -61,6 +61,7 @@ tokens by name).
 
 from __future__ import annotations
 
+import bisect
 import json
 import operator
 import re
@@ -524,11 +525,14 @@ def _merges_from_scores(tokens: list, scores: list) -> list:
     the vocabulary, best first by the joined piece's score, then the longer left part, then the
     longer right part, then vocabulary order (transformers' generate_merges)."""
     ids = {t: i for i, t in enumerate(tokens)}
+    # a split's two parts are pieces of the vocabulary, so only the lengths pieces have are tried:
+    # a piece of a million characters costs as many tries as there are lengths, not a million slices
+    lengths = sorted({len(t) for t in tokens} - {0})
     found = []  # (score, len left, len right, order, left, right)
     for token, score in zip(tokens, scores):
         local = [
             (ids[token[:k]], ids[token[k:]], token[:k], token[k:])
-            for k in range(1, len(token))
+            for k in lengths[: bisect.bisect_left(lengths, len(token))]
             if token[:k] in ids and token[k:] in ids
         ]
         for _, _, left, right in sorted(local):
