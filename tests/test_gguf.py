@@ -483,7 +483,7 @@ def test_an_unknown_tensor_or_tensor_type_is_named(tmp_path):
         (lambda b: b"GGUF" + struct.pack("<I", 7) + b[8:], "GGUF version 7 is not supported"),
         (lambda b: b[:8] + struct.pack("<Q", 1 << 60) + b[16:], "more than a file of"),
         (lambda b: b[:16] + struct.pack("<Q", 1 << 58) + b[24:], "more than a file of"),
-        (lambda b: b[: len(b) // 3], "not a readable GGUF file|cannot be read|metadata"),
+        (lambda b: b[: len(b) // 3], "truncated or damaged"),
     ],
 )
 def test_a_damaged_header_is_one_clear_error(tmp_path, damage, message):
