@@ -30,14 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-import colibri
-from colibri import _engine
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def trace(model_dir: Path, text: Path, tokens: int) -> tuple:
     """(chosen int [T, n_moe_layers, k], next-layer prediction hit rate)."""
+    import colibri
+    from colibri import _engine
+
     m = colibri.load(model_dir, threads=2, prefetch="predict")  # contexts of n_ctx positions, one after another
     ids = np.asarray(m.tokenizer.encode(text.read_text())[:tokens], np.int32)
     engine = m._engine  # one token per call: the routing of every position
@@ -53,7 +53,9 @@ def trace(model_dir: Path, text: Path, tokens: int) -> tuple:
     return np.stack(rows), hit
 
 
-def simulate(tr: np.ndarray, capacity: int, policy: str) -> float:
+def simulate(tr: np.ndarray, capacity: int, policy: str, count_from: int = 0) -> float:
+    """The hit rate of a cache of `capacity` experts under `policy` over the trace (an empty
+    cache at its start), counting the uses of tokens count_from.. (the earlier ones warm it)."""
     T, L, k = tr.shape
     n = L * (int(tr.max()) + 1)
     resident = OrderedDict()  # key -> None, least recently used first
@@ -71,7 +73,8 @@ def simulate(tr: np.ndarray, capacity: int, policy: str) -> float:
             current = {(l, int(e)) for e in tr[t, l]}
             for e in tr[t, l]:
                 key = (l, int(e))
-                total += 1
+                counted = t >= count_from
+                total += counted
                 next_use[key] = nxt[i]
                 i += 1
                 freq[key] = freq.get(key, 0.0) + 1
@@ -80,7 +83,7 @@ def simulate(tr: np.ndarray, capacity: int, policy: str) -> float:
                     freq = {x: f / 2 for x, f in freq.items()}
                     uses = 0
                 if key in resident:
-                    hits += 1
+                    hits += counted
                     resident.move_to_end(key)
                     continue
                 while len(resident) >= capacity:
