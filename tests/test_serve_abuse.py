@@ -10,11 +10,13 @@ No assertion is on a duration: the timeouts are set small for these servers (lim
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
 import select
 import socket
+import threading
 import time
 
 import pytest
@@ -26,7 +28,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from test_server import Server  # noqa: E402
+from test_server import Server, in_process, until_healthy  # noqa: E402
 
 WAIT = 60  # seconds a socket waits for the server's answer (far beyond any timeout set here)
 
@@ -264,3 +266,91 @@ def test_connections_beyond_the_cap_are_refused_with_503(tmp_path):
         assert healthy(s)  # the held ones gone, a connection is served again
         code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err
+
+
+# ---- a request's own work runs off the event loop, in order ---------------------------------------
+
+
+def demo_model():
+    import colibri
+
+    return colibri.load(DEMO_DIR, threads=1)
+
+
+BIG = "hello world, " * 20000  # a prompt far over the demo's context: a 400 once tokenized
+
+
+@pytest.mark.parametrize("stage", ["tokenize", "parse", "render"])
+def test_health_answers_while_a_request_is_prepared(monkeypatch, stage):
+    """The stage blocks until /health has answered: were it on the event loop, /health would
+    come after it (the wait gives up after WAIT seconds, and the order says so)."""
+    from colibri.serve import app as app_module
+
+    m = demo_model()
+    inside, order = threading.Event(), []
+    release = threading.Event()
+
+    def held(fn):
+        def run(*args, **kwargs):
+            if stage != "tokenize" or len(args[0]) > 1000:
+                inside.set()
+                release.wait(WAIT)
+                order.append(stage)
+            return fn(*args, **kwargs)
+
+        return run
+
+    if stage == "tokenize":
+        m.encode = held(m.encode)
+    elif stage == "parse":
+        monkeypatch.setattr(app_module, "parse_body", held(app_module.parse_body))
+    else:
+        monkeypatch.setattr(app_module, "render_json", held(app_module.render_json))
+    path, body = ("/tokenize", {"content": BIG}) if stage == "render" else ("/v1/completions", {"prompt": BIG})
+
+    async def check(served, client):
+        await until_healthy(client)
+        inside.clear()
+        order.clear()
+        task = asyncio.ensure_future(client.post(path, json=body))
+        assert await asyncio.get_running_loop().run_in_executor(None, inside.wait, WAIT)
+        r = await client.get("/health")
+        order.append("health")
+        release.set()
+        assert r.status_code == 200
+        r = await task
+        assert r.status_code == (200 if stage == "render" else 400), r.text
+
+    in_process(lambda: m, check)
+    assert order == ["health", stage]
+
+
+def test_requests_are_prepared_one_at_a_time_in_their_order_of_arrival():
+    m = demo_model()
+    release, entered, order = threading.Event(), threading.Event(), []
+    encode = m.encode
+
+    def slow(text, **kwargs):
+        order.append(("in", text[:5]))
+        if text.startswith("first"):
+            entered.set()
+            release.wait(WAIT)
+        order.append(("out", text[:5]))
+        return encode(text, **kwargs)
+
+    m.encode = slow
+
+    async def check(served, client):
+        await until_healthy(client)
+        order.clear()
+        first = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "first", "max_tokens": 1}))
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, WAIT)
+        second = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "later", "max_tokens": 1}))
+        while served.prep["waiting"] == 0 and not second.done():  # the second has arrived, behind the first
+            await asyncio.sleep(0.01)
+        assert served.prep == {"running": 1, "waiting": 1}
+        release.set()
+        assert (await first).status_code == 200 and (await second).status_code == 200
+
+    in_process(lambda: m, check)
+    assert order == [("in", "first"), ("out", "first"), ("in", "later"), ("out", "later")]

@@ -18,9 +18,12 @@ reuse the KV cache through Model.generate's prefix reuse (with N > 1: the place 
 holds the longest prefix), and the prefix store (--cache-ram, --kv-store; colibri.kvstore) keeps
 finished and evicted conversations for whichever place their next turn lands in.
 
-A request's own preparation (its chat template, tokenizing) runs on a daemon thread of its own
-(Served.off_loop), bounded in time: a template that loops costs that thread, never the event
-loop. What native libraries raise outside Exception (the Rust tokenizers' PanicException) is
+A request's own preparation (parsing its JSON, its chat template, tokenizing, and writing a long
+answer such as /tokenize's) runs on a daemon thread of its own (Served.off_loop), bounded in
+time: a template that loops costs that thread, never the event loop. Requests are prepared
+limits.PREP_WORKERS at a time (one), in their order of arrival, so they reach the FIFO of places
+in that order; a thread that holds the GIL holds the event loop too, and every preparation more
+at once is one more such thread. What native libraries raise outside Exception (the Rust tokenizers' PanicException) is
 turned into an ordinary error for the one request (_contained); the engine thread goes on.
 """
 
@@ -76,6 +79,13 @@ class Served:
             "colibri_requests", "requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
         )
         self.queue_depth = Gauge("colibri_queue_depth", "requests waiting for the engine", registry=r)
+        self.prep = {"running": 0, "waiting": 0}  # requests in off_loop, by state
+        self.preparing = Gauge(
+            "colibri_preparing_requests",
+            "requests whose own work (JSON, chat template, tokenizing) runs, or waits its turn",
+            ["state"],
+            registry=r,
+        )
         self.running = Gauge("colibri_running_requests", "requests holding one of the --parallel places", registry=r)
         self.ttft = Histogram(
             "colibri_time_to_first_token_seconds",
@@ -246,7 +256,8 @@ class Served:
         self.release()
 
     async def off_loop(self, fn, *args):
-        """fn(*args) on a daemon thread of its own, at most limits.PREP_WORKERS at once, answered within
+        """fn(*args) on a daemon thread of its own, at most limits.PREP_WORKERS at once (in the order
+        the calls came: asyncio.Semaphore wakes its waiters first come, first served), answered within
         limits.PREPARE_SECONDS: a chat template or tokenizer that loops costs that thread (left behind,
         and killed with the process), never the event loop (/health, the other requests, SIGTERM)."""
         loop = asyncio.get_running_loop()
@@ -266,7 +277,13 @@ class Served:
 
         if self.prep_slots is None:
             self.prep_slots = asyncio.Semaphore(limits.PREP_WORKERS)
-        async with self.prep_slots:
+        self._count_prep("waiting", 1)
+        try:
+            await self.prep_slots.acquire()
+        finally:
+            self._count_prep("waiting", -1)
+        self._count_prep("running", 1)
+        try:
             threading.Thread(target=work, name="colibri-prepare", daemon=True).start()
             try:
                 return await asyncio.wait_for(asyncio.shield(done), limits.PREPARE_SECONDS)
@@ -280,6 +297,13 @@ class Served:
                     f"the request's chat template and tokenizing did not finish within {limits.PREPARE_SECONDS} s",
                     code="prepare_timeout",
                 ) from None
+        finally:
+            self._count_prep("running", -1)
+            self.prep_slots.release()
+
+    def _count_prep(self, state: str, step: int) -> None:
+        self.prep[state] += step
+        self.preparing.labels(state).set(self.prep[state])
 
     async def on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, _contained, fn, *args)

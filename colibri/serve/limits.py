@@ -12,6 +12,9 @@ GRACEFUL_SHUTDOWN_SECONDS = 30  # SIGTERM: the running requests' time to finish 
 RETRY_AFTER_SECONDS = 1  # a 503's Retry-After
 KEEPALIVE_SECONDS = 10  # a stream with no event for this long gets an SSE comment line
 PREPARE_SECONDS = 30  # rendering the template and tokenizing a request: its bound
-PREP_WORKERS = 4  # requests prepared at once (a looping template holds one until it ends)
+# requests prepared at once, in their order of arrival (a semaphore's FIFO): each one more competes
+# with the event loop for the GIL (four 15 MB prompts stalled /health 0.7-1.5 s with 4, 0.1-0.5 s
+# with 1); a model's template that loops holds it up to PREPARE_SECONDS
+PREP_WORKERS = 1
 WARM_UP_TOKENS = 16  # the warm-up's prompt: one prefill chunk, then a decoded token
 SEED_HEADER = "X-Colibri-Seed"  # the seed a request ran with (its own, or the fresh one drawn for it)
