@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import re
+import threading
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -44,6 +45,14 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # sequences of this many items made by repetition ("-" * 80 is common; "x" * 10 ** 9 is an attack).
 TEMPLATE_MAX_INT_BITS = 4096
 TEMPLATE_MAX_ITEMS = 1_000_000
+# What one render may do: steps (loop iterations, range() items, items made by repetition) and
+# characters written. Templates take a few steps a message (Qwen3, GLM-4.6, DeepSeek, Kimi: 1 to 3),
+# some a step for each pair of messages (Gemma 4: 9 million for 3000 messages with tool calls),
+# hence the steps of a render: TEMPLATE_MAX_STEPS + TEMPLATE_STEPS_PER_PAIR * n^2 with n messages
+# and tools. Counted, not timed: a template and a conversation pass or fail on any machine.
+TEMPLATE_MAX_STEPS = 10_000_000
+TEMPLATE_STEPS_PER_PAIR = 2
+TEMPLATE_MAX_CHARS = 64 << 20  # 4 times the server's largest request
 
 
 def _huge_power(base, exponent) -> bool:
@@ -64,7 +73,8 @@ def _huge_repetition(left, right) -> bool:
 def _environment():
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.runtime import LoopContext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
     class GenerationTag(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks assistant spans with it)."""
@@ -112,28 +122,96 @@ def _environment():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
+    class PastABound(jinja2.exceptions.SecurityError):
+        """A template that computes more than a chat template may (ChatTemplate.render names it)."""
+
+    class BoundedTemplate(jinja2.Template):
+        """A template whose render counts its steps and characters (BoundedSandbox.step): a
+        nested loop of 100000 x 100000 would run for hours, writing gigabytes."""
+
+        def render(self, *args, **kwargs):
+            values = dict(*args, **kwargs)
+            n = sum(len(values[k]) for k in ("messages", "tools") if isinstance(values.get(k), (list, tuple)))
+            budget = self.environment.budget
+            budget.limit = budget.steps = TEMPLATE_MAX_STEPS + TEMPLATE_STEPS_PER_PAIR * n * n
+            pieces, size = [], 0
+            stream = self.generate(values)
+            try:
+                for piece in stream:
+                    size += len(piece)
+                    if size > TEMPLATE_MAX_CHARS:
+                        raise PastABound(f"a text of more than {TEMPLATE_MAX_CHARS:,} characters")
+                    pieces.append(piece)
+            finally:
+                stream.close()
+            return "".join(pieces)
+
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         """The sandbox with the power and repetition operators bounded: `2 ** (2 ** 40)` or
         `"x" * 10 ** 10` in a template would take minutes and gigabytes, at load (jinja folds
         constant expressions when it compiles) or at every render. An intercepted operator is
-        neither folded nor run unchecked; a template that goes past a bound is refused."""
+        neither folded nor run unchecked; a template that goes past a bound is refused. Each
+        render has a budget of steps (a thread's own: the server renders on several): every
+        item a loop takes (compile() wraps each loop's iterable, call() a recursive loop's),
+        every item of a range() and of a repetition."""
 
         intercepted_binops = frozenset({"**", "*"})
+        template_class = BoundedTemplate
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.budget = threading.local()
+            self.globals["range"] = self.bounded_range
+
+        def step(self, n: int = 1) -> None:
+            """Take n steps of the render's budget (BoundedTemplate.render sets it)."""
+            left = self.budget.steps = getattr(self.budget, "steps", TEMPLATE_MAX_STEPS) - n
+            if left < 0:
+                limit = getattr(self.budget, "limit", TEMPLATE_MAX_STEPS)
+                raise PastABound(f"more than {limit:,} steps (loop iterations, range and repeated items) in one render")
+
+        def counted(self, iterable):
+            """`iterable`, each item taken counted as a step."""
+            for item in iterable:
+                self.step()
+                yield item
+
+        def bounded_range(self, *args):
+            r = safe_range(*args)
+            self.step(len(r))
+            return r
+
+        def compile(self, source, name=None, filename=None, raw=False, defer_init=False):
+            if isinstance(source, str):
+                source = self.parse(source, name, filename)
+            for loop in source.find_all(jinja2.nodes.For):
+                counted = jinja2.nodes.EnvironmentAttribute("counted", lineno=loop.iter.lineno)
+                loop.iter = jinja2.nodes.Call(counted, [loop.iter], [], None, None, lineno=loop.iter.lineno)
+            return super().compile(source, name, filename, raw, defer_init)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            if isinstance(__obj, LoopContext) and args:  # loop(children) in a recursive loop
+                args = (__self.counted(args[0]), *args[1:])
+            return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
             if operator == "**" and _huge_power(left, right):
-                raise jinja2.exceptions.SecurityError(
+                raise PastABound(
                     f"a power of more than {TEMPLATE_MAX_INT_BITS} bits ({_short(left)} ** {_short(right)})"
                 )
             if operator == "*" and _huge_repetition(left, right):
-                raise jinja2.exceptions.SecurityError(f"a repetition of more than {TEMPLATE_MAX_ITEMS:,} items")
-            return super().call_binop(context, operator, left, right)
+                raise PastABound(f"a repetition of more than {TEMPLATE_MAX_ITEMS:,} items")
+            result = super().call_binop(context, operator, left, right)
+            if operator == "*" and isinstance(result, (str, list, tuple)):
+                self.step(len(result))
+            return result
 
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(
         raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=Namespace
     )
+    env.past_a_bound = PastABound
     return env
 
 
@@ -423,6 +501,7 @@ class ChatTemplate:
         self.names = sorted(named)
         self._compiled = {}
         env = _environment()
+        self._past_a_bound = env.past_a_bound
         for name, text in named.items():
             try:
                 self._compiled[name] = env.from_string(text)
@@ -475,9 +554,14 @@ class ChatTemplate:
                 add_generation_prompt=bool(add_generation_prompt),
                 **{**self.special_tokens, **kwargs},
             )
+        except self._past_a_bound as e:
+            raise ColibriError(
+                f"the chat template ({self.where}) was stopped: {e}, more than a chat template needs (fix "
+                "the template, or import another: python -m colibri tokenizer --from DIR)"
+            ) from None
         except jinja2.exceptions.TemplateError as e:
             raise ColibriError(f"the chat template ({self.where}) refused the conversation: {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError, RecursionError) as e:
             raise ColibriError(
                 f"the chat template ({self.where}) failed on this conversation: {type(e).__name__}: {e}"
             ) from None
@@ -570,6 +654,8 @@ def find_template(root: Path, files, special_tokens: dict | None = None) -> Chat
     root = Path(root)
     if CHAT_TEMPLATE_JINJA in files:
         path = root / CHAT_TEMPLATE_JINJA
+        if path.stat().st_size > MAX_TEXT_FILE_BYTES:
+            raise ColibriError(f"{path} is larger than {MAX_TEXT_FILE_BYTES >> 20} MB; refusing to parse it")
         try:
             source = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
