@@ -737,6 +737,14 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    except BaseException as e:
+        from .tokenizer import is_panic
+
+        if not is_panic(e):
+            raise
+        # a Rust panic in `tokenizers` outside Tokenizer's own calls (which make it a ColibriError)
+        print(f"error: the tokenizers library failed: {' '.join(str(e).split())[:300]}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 _interrupted = False  # a SIGINT has arrived (an import that C code runs may swallow its KeyboardInterrupt)

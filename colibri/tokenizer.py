@@ -29,8 +29,13 @@ Ids the tokenizer does not know (a model's vocab_size may exceed the tokenizer's
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
+import sys
+import tempfile
+import threading
 from pathlib import Path
 
 from .config import read_json
@@ -64,6 +69,60 @@ def _token_content(value):
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
+
+
+def is_panic(e: BaseException) -> bool:
+    """A Rust panic in `tokenizers`: pyo3's PanicException, a BaseException that `except Exception`
+    misses (and not importable by name)."""
+    return type(e).__name__ == "PanicException" and type(e).__module__ == "pyo3_runtime"
+
+
+def _panic_text(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:200] or type(e).__name__
+    if "retry-limit" in text:  # oniguruma's bound on backtracking (10 million retries) in a regex
+        text += ": a regular expression of its normalizer, pre-tokenizer or decoder backtracks past its limit"
+    return text
+
+
+_RUST_STDERR = threading.RLock()  # one redirection of fd 2 at a time (see _rust_call)
+_PANIC_LINE = b"thread '"  # how Rust's panic hook starts its message
+_sink = {}  # pid -> the file descriptor of an unlinked temporary file that takes fd 2 during a call
+
+
+def _rust_call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with fd 2 sent to a temporary file meanwhile: Rust's panic hook writes
+    its message and backtrace there (several lines, on fd 2, before pyo3 raises PanicException),
+    the caller says it in one line. What the process wrote to fd 2 meanwhile is written after, a
+    panic's own lines dropped. A few system calls a call (the file is made once a process)."""
+    with _RUST_STDERR:
+        sink = _sink.get(os.getpid())
+        if sink is None:
+            f = tempfile.TemporaryFile()
+            sink = _sink[os.getpid()] = os.dup(f.fileno())
+            f.close()
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            sys.stderr.flush()
+        saved = os.dup(2)
+        panicked = False
+        try:
+            os.dup2(sink, 2)
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            panicked = is_panic(e)
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if os.lseek(sink, 0, os.SEEK_CUR):
+                os.lseek(sink, 0, os.SEEK_SET)
+                data = b"".join(iter(lambda: os.read(sink, 1 << 16), b""))
+                os.lseek(sink, 0, os.SEEK_SET)
+                os.ftruncate(sink, 0)
+                if panicked and _PANIC_LINE in data:
+                    data = data[: data.index(_PANIC_LINE)].rstrip(b"\n")
+                with contextlib.suppress(OSError):
+                    while data:
+                        data = data[os.write(2, data) :]
 
 
 def check_text(text, what: str = "text") -> str:
@@ -148,15 +207,18 @@ class HFTokenizer(Tokenizer):
                 "reading tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
             ) from None
         self.path = str(path)
-        cfg = tokenizer_config or {}
         try:
             if Path(path).stat().st_size > MAX_TEXT_FILE_BYTES:
                 raise ColibriError(f"{path} is larger than {MAX_TEXT_FILE_BYTES >> 20} MB; refusing to parse it")
-            self._tok = tokenizers.Tokenizer.from_file(self.path)
+            self._tok = self._run(None, tokenizers.Tokenizer.from_file, self.path)
         except ColibriError:
             raise
         except Exception as e:  # tokenizers raises its own Exception type for a bad file
             raise ColibriError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0][:200]})") from None
+        self._run(None, self._set_up, tokenizer_config or {}, special_tokens_map)
+
+    def _set_up(self, cfg: dict, special_tokens_map) -> None:
+        """What runs the file's components (a probe encode among them): the rest of the load."""
         self._add_missing_added_tokens(cfg.get("added_tokens_decoder"))
         self.special_tokens_map = _special_tokens(cfg, special_tokens_map)
         if self._tok.post_processor is None:
@@ -211,12 +273,28 @@ class HFTokenizer(Tokenizer):
         )
         self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
+    def _run(self, what, fn, *args, **kwargs):
+        """fn(*args, **kwargs), a call into tokenizers, whose panic becomes a ColibriError naming the
+        file: at load (what None) the file's fault, else the input's (`what`: "text", ...)."""
+        try:
+            return _rust_call(fn, *args, **kwargs)
+        except BaseException as e:
+            if not is_panic(e):
+                raise
+            if what is None:
+                raise ColibriError(
+                    f"{self.path}: not a usable tokenizer.json, the tokenizers library fails on it ({_panic_text(e)}; "
+                    "a component names a token the file lacks, or is damaged)"
+                ) from None
+            raise ColibriError(f"the tokenizer ({self.path}) failed on this {what}: {_panic_text(e)}") from None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
-        return list(self._tok.encode(check_text(text), add_special_tokens=bool(add_special_tokens)).ids)
+        encoding = self._run("text", self._tok.encode, check_text(text), add_special_tokens=bool(add_special_tokens))
+        return list(encoding.ids)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         known = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
-        text = self._tok.decode(known, skip_special_tokens=bool(skip_special_tokens))
+        text = self._run("sequence of ids", self._tok.decode, known, skip_special_tokens=bool(skip_special_tokens))
         if self._cleanup:
             for a, b in _CLEANUP:
                 text = text.replace(a, b)
