@@ -1,4 +1,5 @@
-"""Blocks a Ctrl-C must not cut: SIGINT (and SIGTERM) held until the block ends.
+"""Blocks a Ctrl-C must not cut: SIGINT (and SIGTERM) held until the block ends; blocks whose
+cleanup a SIGTERM must run (sigterm_cleans_up).
 
 What must happen whole: convert's renames that swap a model directory in and the removal of its
 temporary one; `run`'s printing of a token and counting it (so "Interrupted after N tokens" is what
@@ -63,3 +64,39 @@ def signals_deferred(signals=DEFERRED_SIGNALS):
                 error = error or e
         if error is not None:
             raise error
+
+
+class Terminated(BaseException):
+    """SIGTERM inside sigterm_cleans_up: raised where the main thread is, so that its `finally`
+    blocks and `except BaseException` cleanups run as they do for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def sigterm_cleans_up():
+    """In the main thread: a SIGTERM during the block raises Terminated, which takes the block's
+    cleanup path (a staging directory removed); then the handler in place before gets the signal
+    (the default one ends the process, as SIGTERM does). A second SIGTERM does not cut the
+    cleanup. Where the handler is not Python's (set from C), ignored, or not the main thread,
+    the block runs as it is."""
+    sig = getattr(signal, "SIGTERM", None)
+    main = threading.current_thread() is threading.main_thread()
+    prev = signal.getsignal(sig) if sig is not None and main else None
+    if prev is None or prev == signal.SIG_IGN:
+        yield
+        return
+    fired = []
+
+    def handler(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise Terminated()
+
+    signal.signal(sig, handler)
+    try:
+        yield
+    except Terminated:
+        signal.signal(sig, prev)
+        signal.raise_signal(sig)  # the previous handler's turn
+        raise KeyboardInterrupt from None  # it returned: stop as Ctrl-C does
+    finally:
+        signal.signal(sig, prev)

@@ -23,7 +23,16 @@ from pathlib import Path
 from .chat import CHAT_TEMPLATE_JINJA, CHAT_TEMPLATE_JSON, ChatTemplate, find_template
 from .errors import ColibriError
 from .generation import GENERATION_CONFIG, GenerationDefaults
-from .tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, TOKENIZER_JSON, TOKENIZER_MODEL, Tokenizer, load_tokenizer
+from .interrupts import signals_deferred, sigterm_cleans_up
+from .tokenizer import (
+    MAX_TEXT_FILE_BYTES,
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    TOKENIZER_MODEL,
+    Tokenizer,
+    load_tokenizer,
+)
 
 TEXT_FILES = (
     TOKENIZER_JSON,
@@ -34,6 +43,7 @@ TEXT_FILES = (
     CHAT_TEMPLATE_JSON,
     GENERATION_CONFIG,
 )
+STAGING_NAME = ".colibri-text-import"  # import_text_files' copies, in the model directory while it runs
 
 
 class TextSide:
@@ -101,30 +111,46 @@ def import_text_files(model_dir, source_dir, log=print) -> list:
         raise ColibriError(f"{src} has none of the text files ({', '.join(TEXT_FILES)})")
     if src.resolve() == md.root.resolve():
         raise ColibriError(f"--from {src} is the model directory itself; nothing to import")
-    # the set the model will load after the import: the new files over the kept ones
-    staged = md.root / ".colibri-text-import"
-    shutil.rmtree(staged, ignore_errors=True)
-    staged.mkdir()
-    try:
-        for n in TEXT_FILES:
-            origin = src / n if n in names else md.root / n if n in md.files else None
-            if origin is not None:
+    for n in names:  # before a byte is copied into the model directory
+        if (src / n).stat().st_size > MAX_TEXT_FILE_BYTES:
+            raise ColibriError(f"{src / n} is larger than {MAX_TEXT_FILE_BYTES >> 20} MB; refusing to import it")
+    # the set the model will load after the import, staged beside it: the new files over the kept ones
+    origins = {n: src / n if n in names else md.root / n for n in TEXT_FILES if n in names or n in md.files}
+    staged = md.root / STAGING_NAME
+    with sigterm_cleans_up():  # SIGTERM, like Ctrl-C, leaves the model directory as it was
+        try:
+            with signals_deferred():  # the directory exists <=> the finally below removes it
+                shutil.rmtree(staged, ignore_errors=True)  # left by a process killed outright
+                staged.mkdir()
+            for n, origin in origins.items():
                 shutil.copyfile(origin, staged / n)
-        TextSide.load(staged, present(staged), md.config.vocab_size)  # validates, or raises
-        raw = dict(md.raw)
-        files = dict(raw["files"])
-        for n in names:
-            files[n] = file_entry(staged / n)
-        raw["files"] = dict(sorted(files.items()))
-        for n in names:
-            os.replace(staged / n, md.root / n)
-        tmp = md.root / (CONFIG_NAME + ".tmp")
-        tmp.write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, md.root / CONFIG_NAME)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+            try:
+                TextSide.load(staged, present(staged), md.config.vocab_size)  # validates, or raises
+            except ColibriError as e:
+                raise ColibriError(_named_as(str(e), {staged / n: origin for n, origin in origins.items()})) from None
+            raw = dict(md.raw)
+            files = dict(raw["files"])
+            for n in names:
+                files[n] = file_entry(staged / n)
+            raw["files"] = dict(sorted(files.items()))
+            with signals_deferred():  # the files and the table that lists them change together
+                for n in names:
+                    os.replace(staged / n, md.root / n)
+                tmp = md.root / (CONFIG_NAME + ".tmp")
+                tmp.write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+                os.replace(tmp, md.root / CONFIG_NAME)
+        finally:
+            with signals_deferred():
+                shutil.rmtree(staged, ignore_errors=True)
     log(f"[INFO] {md.root}: imported {', '.join(names)} from {src}")
     return names
+
+
+def _named_as(message: str, shown: dict) -> str:
+    """An error message with each staged copy's path written as its origin's (the user's file)."""
+    for copy, origin in shown.items():
+        message = message.replace(str(copy), str(origin))
+    return message
 
 
 def validate(src: Path, vocab_size: int) -> list:
