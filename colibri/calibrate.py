@@ -36,8 +36,12 @@ names `convert` writes for the same architecture, whatever the format of the cal
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -203,48 +207,156 @@ def save(result: dict, path) -> None:
         raise
 
 
-def load_importance(path) -> dict:
-    """{tensor name: importance} of a calibrate file: the second moment float32 [cols, cols] where it
-    holds one, else the mean squares float32 [cols] (tensors no token reached left out);
-    ColibriError naming the file for anything else."""
-    path = Path(path)
+# What load_importance accepts before it reads a byte of data: a file's members are read lazily,
+# each one's declared size checked against its header's shape, so that a small file declaring huge
+# arrays (a zip bomb) is refused, and an array is read only when convert quantizes its matrix (whose
+# shape it must have: convert checks the shapes first).
+MAX_META_BYTES = 1 << 16  # the "meta" member (a JSON object of a few fields)
+MAX_COUNT_BYTES = 1 << 10  # a "count/" member (one int64 and its header)
+MAX_COLS = 1 << 20  # the columns of a matrix an importance file may describe
+
+
+class ImportanceArray:
+    """One array of a calibrate file, read (and checked) each time it is used as an array
+    (np.asarray): its shape and dtype come from its header, which load_importance checked against
+    the member's declared size. Other array attributes (min, sum, ...) read it too."""
+
+    def __init__(self, path: Path, member: str, name: str, shape: tuple):
+        self.path, self.member, self.name, self.shape = path, member, name, shape
+        self.ndim, self.size, self.dtype = len(shape), math.prod(shape), np.dtype(np.float32)
+
+    def __repr__(self) -> str:
+        return f"ImportanceArray({str(self.path)!r}, {self.member!r}, shape={self.shape})"
+
+    def __array__(self, dtype=None, copy=None):
+        with _importance_errors(self.path, self.member), zipfile.ZipFile(self.path) as z:
+            a = _read_member(z, z.getinfo(self.member))
+        if a.shape != self.shape or a.dtype != np.float32 or not np.isfinite(a).all():
+            bad = True
+        elif a.ndim == 1:
+            bad = (a < 0).any()
+        else:
+            bad = (np.diagonal(a) < 0).any() or not np.array_equal(a, a.T)
+        if bad:
+            need = f"float32 {list(self.shape)}, finite, " + (">= 0" if a.ndim == 1 else "symmetric, a diagonal >= 0")
+            raise ColibriError(f"{self.path}: the statistics of {self.name} ({self.member}) are damaged (need {need})")
+        return a if dtype is None else a.astype(dtype)
+
+    def __getattr__(self, attr):
+        if attr.startswith("_"):  # numpy's protocol probes (__array_interface__, ...) are not the array's
+            raise AttributeError(attr)
+        return getattr(np.asarray(self), attr)
+
+
+@contextlib.contextmanager
+def _importance_errors(path, member=None):
+    """What reading a damaged file raises, as a ColibriError naming it (and the member)."""
+    where = f"{path}" + (f" ({member})" if member else "")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            files = set(z.files)
-            meta = json.loads(str(z["meta"])) if "meta" in files else {}
+        yield
+    except ColibriError:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError) as e:
+        raise ColibriError(
+            f"{where}: cannot read it as an importance file ({' '.join(str(e).split())[:200]})"
+        ) from None
+
+
+def _header(z, info) -> tuple:
+    """(shape, dtype, bytes of header) of an .npy member, from its first bytes only."""
+    with z.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):  # what np.savez writes (3.0: only for unicode field names)
+            raise ValueError(f"an .npy header of version {version[0]}.{version[1]}")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(f)
+        return tuple(shape), dtype, f.tell()
+
+
+def _read_member(z, info) -> np.ndarray:
+    with z.open(info) as f:
+        a = np.lib.format.read_array(f, allow_pickle=False)
+        if f.read(1):  # also reaches the member's end, where zipfile checks its CRC
+            raise ValueError("bytes after the array")
+    return a
+
+
+def load_importance(path) -> dict:
+    """{tensor name: importance} of a calibrate file: its second moment float32 [cols, cols] where
+    it holds one, else its mean squares float32 [cols] (tensors no token reached left out), each an
+    ImportanceArray read when used. Only the headers, the counts and "meta" are read here; every
+    member's declared size must match its header. ColibriError naming the file for anything else."""
+    path = Path(path)
+    with _importance_errors(path):
+        if not zipfile.is_zipfile(path):
+            raise ColibriError(
+                f"{path}: not a Colibri importance file (an .npz that python -m colibri calibrate writes; "
+                "this is not a zip archive, or it is cut short)"
+            )
+        with zipfile.ZipFile(path) as z:
+            members = {i.filename[: -len(".npy")]: i for i in z.infolist() if i.filename.endswith(".npy")}
+            meta = _meta(path, z, members.get("meta"))
             if meta.get("format") != FORMAT:
                 raise ColibriError(f"{path}: not a Colibri importance file (python -m colibri calibrate writes them)")
+            shapes = {}
+            for key, info in members.items():
+                kind, _, name = key.partition("/")
+                if kind in ("mean_sq", "gram", "count") and name:
+                    shapes[key] = _checked_header(path, z, key, info)
             out = {}
-            for key in sorted(files):
+            for key in sorted(shapes):
                 if not key.startswith("mean_sq/"):
                     continue
                 name = key[len("mean_sq/") :]
-                v, count = z[key], z.get(f"count/{name}")
-                if count is None or v.ndim != 1 or v.dtype != np.float32 or not np.isfinite(v).all() or (v < 0).any():
-                    raise ColibriError(
-                        f"{path}: the statistics of {name} are damaged (need float32 [cols], finite, "
-                        ">= 0, and its count)"
-                    )
-                if int(count) <= 0:
+                (cols,) = shapes[key]
+                if f"count/{name}" not in shapes:
+                    raise ColibriError(f"{path}: the statistics of {name} have no count (count/{name})")
+                with _importance_errors(path, f"count/{name}"):
+                    count = int(_read_member(z, members[f"count/{name}"]))
+                if count <= 0:
                     continue
-                out[name] = v
-                owner = input_owner(name)
-                if f"gram/{owner}" in files:
-                    g = z[f"gram/{owner}"]
-                    if (
-                        g.dtype != np.float32
-                        or g.shape != (v.size, v.size)
-                        or not np.isfinite(g).all()
-                        or (np.diagonal(g) < 0).any()
-                        or not np.array_equal(g, g.T)
-                    ):
-                        raise ColibriError(
-                            f"{path}: the second moment of {name} is damaged (need float32 "
-                            f"[{v.size}, {v.size}], finite, symmetric, a diagonal >= 0)"
-                        )
-                    out[name] = g
+                gram = f"gram/{input_owner(name)}"
+                if gram in shapes and shapes[gram] != (cols, cols):
+                    raise ColibriError(
+                        f"{path}: the second moment of {name} ({gram}) has shape {list(shapes[gram])}, its mean "
+                        f"squares {cols} columns (need [{cols}, {cols}])"
+                    )
+                key = gram if gram in shapes else key
+                out[name] = ImportanceArray(path, members[key].filename, name, shapes[key])
             return out
-    except ColibriError:
-        raise
-    except (OSError, ValueError, KeyError, EOFError) as e:
-        raise ColibriError(f"{path}: cannot read it as an importance file ({' '.join(str(e).split())[:200]})") from None
+
+
+def _meta(path, z, info) -> dict:
+    """The "meta" member: a JSON object in a 0-d string array."""
+    if info is None or info.file_size > MAX_META_BYTES:
+        return {}
+    with _importance_errors(path, info.filename):
+        meta = _read_member(z, info)
+    if meta.shape != () or meta.dtype.kind != "U":
+        return {}
+    try:
+        meta = json.loads(str(meta))
+    except (ValueError, RecursionError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _checked_header(path, z, key, info) -> tuple:
+    """The shape of member `key` (mean_sq/, gram/ or count/), its header and declared size checked."""
+    kind = key.partition("/")[0]
+    with _importance_errors(path, info.filename):
+        shape, dtype, header = _header(z, info)
+    want = {"mean_sq": "float32 [cols]", "gram": "float32 [cols, cols]", "count": "an int64 []"}[kind]
+    ok = {
+        "mean_sq": dtype == np.float32 and len(shape) == 1 and 0 < shape[0] <= MAX_COLS,
+        "gram": dtype == np.float32 and len(shape) == 2 and shape[0] == shape[1] and 0 < shape[0] <= MAX_COLS,
+        "count": dtype.kind in "iu" and shape == () and info.file_size <= MAX_COUNT_BYTES,
+    }[kind]
+    if not ok:
+        raise ColibriError(f"{path}: member {info.filename} is {dtype} {list(shape)}, need {want}")
+    if info.file_size != header + math.prod(shape) * dtype.itemsize:
+        raise ColibriError(
+            f"{path}: member {info.filename} declares {info.file_size} bytes, its header "
+            f"{header + math.prod(shape) * dtype.itemsize}: damaged or not written by calibrate"
+        )
+    return shape
