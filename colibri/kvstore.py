@@ -55,8 +55,9 @@ FILE_MAGIC = b"CBKVBLK1"  # a block file's first bytes; the layout version is in
 FILE_SUFFIX = ".kvb"
 _HEADER = struct.Struct("<8sI")
 # the counters (PrefixStore.stats): prompts that restored a stored prefix longer than their place
-# held, prompts that found none, tokens restored, blocks stored and evicted
-COUNTERS = ("hits", "misses", "restored_tokens", "stored_blocks", "evicted_blocks")
+# held, prompts that found none, tokens restored, blocks stored and evicted, block files the
+# directory did not take (full, read-only)
+COUNTERS = ("hits", "misses", "restored_tokens", "stored_blocks", "evicted_blocks", "write_errors")
 STAT_NAMES = (
     "budget_bytes",
     "bytes",
@@ -151,10 +152,14 @@ class PrefixStore:
             self.directory = Path(directory) / hashlib.sha256(identity.encode()).hexdigest()[:24]
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ColibriError(
-                    f"cannot create the KV store directory {self.directory}: {e.strerror or e}"
-                ) from None
+            except OSError as e:  # a read-only or full disk: the RAM store goes on, said once
+                logger.warning(
+                    "KV store: cannot create %s (%s): the prefix store keeps its blocks in RAM only",
+                    self.directory,
+                    e.strerror or e,
+                )
+                self.directory = None
+                return
             self._load_files()
             self._writer = _Writer(self)
             atexit.register(self.close)  # the queued files are written before the interpreter exits
@@ -409,9 +414,26 @@ class _Writer:
     def __init__(self, store: PrefixStore):
         self.store = store
         self.jobs = queue.SimpleQueue()
-        self.warned = False
+        self.failing = False  # the last write failed (and that was said): the next success is said
+        self._probe()
         self.thread = threading.Thread(target=self._run, name="colibri-kv-store", daemon=True)
         self.thread.start()
+
+    def _probe(self) -> None:
+        """A read-only directory is said at start, in one line, not at the first block."""
+        probe = self.store.directory / f".probe.{os.getpid()}.tmp"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"colibri")
+        except OSError as e:
+            self.failing = True
+            logger.warning(
+                "KV store: %s is not writable (%s): its blocks are read back, new ones are kept in RAM only",
+                self.store.directory,
+                e.strerror or e,
+            )
+        finally:
+            _remove(probe)
 
     def put(self, job) -> None:
         self.jobs.put(job)
@@ -440,9 +462,19 @@ class _Writer:
                 os.replace(tmp, path)
             except OSError as e:
                 _remove(tmp)
-                if not self.warned:  # a full or read-only disk: said once, the RAM store goes on
-                    logger.warning("KV store: cannot write %s: %s", path, e.strerror or e)
-                    self.warned = True
+                store.stats["write_errors"] += 1
+                if not self.failing:  # a full or read-only disk: said once, the RAM store goes on
+                    logger.warning(
+                        "KV store: cannot write %s: %s (the prefix store goes on in RAM; "
+                        "colibri_prefix_store_write_errors counts the blocks not written)",
+                        path,
+                        e.strerror or e,
+                    )
+                    self.failing = True
+                continue
+            if self.failing:
+                logger.warning("KV store: writing to %s again", store.directory)
+                self.failing = False
 
 
 AUTO_SHARE = 4  # "auto": a quarter of the memory the plan leaves free ...

@@ -10,8 +10,10 @@ foreign file is skipped with a warning, never loaded.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -321,3 +323,76 @@ def test_serve_refuses_a_kv_store_without_a_store_at_once(tmp_path):
     assert (
         r.returncode == 2 and r.stderr.strip() == f"error: --kv-store {tmp_path} needs a prefix store: --cache-ram is 0"
     )
+
+
+def _refusing_open(directory, errno_, refusals):
+    """A stand-in for kvstore's `open` that refuses (OSError errno_) to write under `directory`
+    while refusals[0] > 0 (counting down; None: always): a read-only or full disk, as root too."""
+    real = open
+
+    def fake(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).startswith(str(directory)) and (refusals[0] is None or refusals[0] > 0):
+            if refusals[0] is not None:
+                refusals[0] -= 1
+            raise OSError(errno_, os.strerror(errno_), str(path))
+        return real(path, mode, *args, **kwargs)
+
+    return fake
+
+
+def _store_lines(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV store")]
+
+
+def test_a_read_only_store_directory_is_said_at_start_and_the_ram_store_goes_on(
+    converted, tmp_path, monkeypatch, caplog
+):
+    path = converted("qwen3moe_a")
+    store = tmp_path / "store"
+    monkeypatch.setattr(kvstore, "open", _refusing_open(store, errno.EROFS, [None]), raising=False)
+    with caplog.at_level(logging.WARNING, logger="colibri"):
+        m = colibri.load(path, threads=2, kv_store=store)
+        lines = _store_lines(caplog)
+        assert len(lines) == 1 and "is not writable (Read-only file system)" in lines[0], lines
+        a, b, a_next = _prompts(m)
+        _gen(m, a)
+        _gen(m, b)  # a's place taken: its next turn comes from the RAM store
+        assert _gen(m, a_next)[1] == len(a) // B * B
+        m.close()
+    assert _store_lines(caplog) == lines  # the failed writes said nothing more
+    assert m.prefix_store_stats()["prefix_store_write_errors"] == 2 * (len(a) // B)
+    assert not list(store.rglob("*" + kvstore.FILE_SUFFIX)) and not list(store.rglob("*.tmp"))
+
+
+def test_a_full_disk_is_said_once_and_again_when_it_takes_blocks(converted, tmp_path, monkeypatch, caplog):
+    path = converted("qwen3moe_a")
+    store = tmp_path / "store"
+    refusals = [0]
+    monkeypatch.setattr(kvstore, "open", _refusing_open(store, errno.ENOSPC, refusals), raising=False)
+    m = colibri.load(path, threads=2, kv_store=store)
+    a, b, _ = _prompts(m)
+    refusals[0] = len(a) // B  # a's blocks find the disk full; b's find room again
+    with caplog.at_level(logging.WARNING, logger="colibri"):
+        _gen(m, a)
+        _gen(m, b)
+        m.close()
+    lines = _store_lines(caplog)
+    assert len(lines) == 2 and "No space left on device" in lines[0] and "again" in lines[1], lines
+    assert m.prefix_store_stats()["prefix_store_write_errors"] == len(a) // B
+    assert len(list(store.rglob("*" + kvstore.FILE_SUFFIX))) == len(b) // B
+
+
+def test_a_store_directory_that_cannot_be_made_keeps_the_blocks_in_ram(converted, tmp_path, monkeypatch, caplog):
+    def refused(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(kvstore.Path, "mkdir", refused)
+    with caplog.at_level(logging.WARNING, logger="colibri"):
+        m = colibri.load(converted("qwen3moe_a"), threads=2, kv_store=tmp_path / "ro")
+    lines = _store_lines(caplog)
+    assert len(lines) == 1 and "cannot create" in lines[0] and "RAM only" in lines[0], lines
+    assert m.prefix_store is not None and m.prefix_store.directory is None
+    a, _, a_next = _prompts(m)
+    _gen(m, a)
+    assert _gen(m, a_next)[1] > 0
+    m.close()

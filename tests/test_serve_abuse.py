@@ -354,3 +354,184 @@ def test_requests_are_prepared_one_at_a_time_in_their_order_of_arrival():
 
     in_process(lambda: m, check)
     assert order == [("in", "first"), ("out", "first"), ("in", "later"), ("out", "later")]
+
+
+# ---- each limit of a request: a clear 4xx, and the server goes on ---------------------------------
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+DEMO_CONTEXT = 512  # the demo's max_position_embeddings
+
+
+def nested_schema(depth: int) -> dict:
+    s = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
+def schema_body(schema) -> dict:
+    return {
+        "messages": HI,
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+
+
+def deep_json(depth: int) -> bytes:
+    return b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def ok_chat(server) -> None:
+    r = httpx.post(server.url + CHAT, json={"messages": HI, "max_tokens": 2}, timeout=WAIT)
+    assert r.status_code == 200, r.text
+
+
+LIMITS = {
+    # JSON nested past the parser's recursion limit
+    "json-depth": (CHAT, deep_json(100_000), 400, "not valid JSON"),
+    # a schema nested past llguidance's recursion limit
+    "schema-depth": (CHAT, schema_body(nested_schema(100)), 400, "recursion limit"),
+    # a schema over constraint.MAX_SPEC_CHARS
+    "schema-size": (CHAT, schema_body({"enum": [f"value{i}" for i in range(100_000)]}), 400, "the limit is"),
+    # a pattern that backtracks exponentially in a backtracking engine; this vocabulary cannot
+    # write a JSON string at all: the constraint says so, a 422
+    "catastrophic-pattern": (CHAT, schema_body({"type": "string", "pattern": "^(a|aa)*b$"}), 422, "constraint"),
+    "logit-bias-1e5": (
+        CHAT,
+        {"messages": HI, "max_tokens": 2, "logit_bias": {str(i): 1 for i in range(100_000)}},
+        400,
+        "logit_bias",
+    ),
+    "n-over": (CHAT, {"messages": HI, "n": 9}, 400, "'n'"),
+    "max-tokens-0": (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+    "max-tokens-huge": (CHAT, {"messages": HI, "max_tokens": 2**70}, 400, "exceed the context"),
+    "max-tokens-context": (CHAT, {"messages": HI, "max_tokens": DEMO_CONTEXT}, 400, "exceed the context"),
+    "tools-1000": (
+        CHAT,
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(1000)]},
+        400,
+        "at most 128",
+    ),
+    "messages-tools-1000": (
+        "/v1/messages",
+        {
+            "model": "demo",
+            "messages": HI,
+            "max_tokens": 2,
+            "tools": [{"name": f"f{i}", "input_schema": {"type": "object"}} for i in range(1000)],
+        },
+        400,
+        "at most 128",
+    ),
+    "responses-tools-1000": (
+        "/v1/responses",
+        {"input": "hi", "tools": [{"type": "function", "name": f"f{i}"} for i in range(1000)]},
+        400,
+        "at most 128",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LIMITS))
+def test_each_limit_is_a_clear_4xx_and_the_server_goes_on(demo, case):
+    path, body, status, words = LIMITS[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(demo.url + path, content=content, headers={"content-type": "application/json"}, timeout=WAIT)
+    assert r.status_code == status, r.text
+    doc = r.json()
+    message = doc["error"]["message"]
+    assert words in message, message
+    if path == "/v1/messages":
+        assert doc["type"] == "error"
+    assert healthy(demo)
+    ok_chat(demo)
+
+
+def test_n_and_max_tokens_at_their_bounds_are_served(demo):
+    prompt = httpx.post(demo.url + "/tokenize", json={"messages": HI}, timeout=WAIT).json()["count"]
+    body = {"messages": HI, "n": 8, "max_tokens": DEMO_CONTEXT - prompt, "ignore_eos": True}
+    r = httpx.post(demo.url + CHAT, json=body, timeout=WAIT * 5)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert len(doc["choices"]) == 8 and doc["usage"]["completion_tokens"] == 8 * (DEMO_CONTEXT - prompt)
+    bias = {str(i): -1 for i in range(4096)}  # every id of the demo's vocabulary
+    r = httpx.post(demo.url + CHAT, json={"messages": HI, "max_tokens": 2, "logit_bias": bias}, timeout=WAIT)
+    assert r.status_code == 200, r.text
+
+
+def test_a_kv_store_directory_that_cannot_be_made_is_one_line_and_the_server_serves():
+    with Server(DEMO_DIR, "--kv-store", "/proc/colibri-kv-store") as s:  # /proc takes no directory
+        ok_chat(s)
+        metrics = httpx.get(s.url + "/metrics", timeout=WAIT).text
+        assert "colibri_prefix_store_write_errors 0.0" in metrics
+        code, err = s.stop()
+    lines = [ln for ln in err.splitlines() if "KV store" in ln]
+    assert code == 0 and len(lines) == 1 and "keeps its blocks in RAM only" in lines[0], err
+
+
+EXPLOSIVE_PATTERNS = [
+    "^(a|aa)*b$",  # exponential backtracking in a backtracking engine
+    "^(a|b)*a(a|b){40}$",  # a DFA of 2^41 states
+    "^(x{1000}){1000}$",  # a million-character string
+]
+
+
+@pytest.mark.parametrize("pattern", EXPLOSIVE_PATTERNS)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_explosive_pattern_is_served_or_refused_never_a_5xx(chat_model_dir, pattern, stream):
+    """Compiled under llguidance's limits (a lazy automaton: no backtracking, lexer states and work
+    per token bounded); what the constraint cannot do with this model is a 422, or, once a stream
+    has started, its last event with the 422's error."""
+    import colibri
+
+    body = schema_body({"type": "string", "pattern": pattern})
+    body.update(max_tokens=48, temperature=1.0, seed=1, stream=stream)
+
+    async def check(served, client):
+        await until_healthy(client)
+        r = await client.post(CHAT, json=body)
+        assert r.status_code in (200, 422), r.text  # 422: before the first token
+        if r.status_code == 422:
+            assert r.json()["error"]["code"] == "constraint_failed"
+        elif stream:  # after it: the stream's last event
+            errors = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {") and "error" in ln]
+            assert all(e["error"]["code"] == "constraint_failed" for e in errors), errors
+        r = await client.post(CHAT, json={"messages": HI, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+    in_process(lambda: colibri.load(chat_model_dir, threads=1), check)
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_a_constraint_failing_mid_stream_is_a_422_event_and_other_failures_500(monkeypatch, constrained):
+    from colibri.errors import ColibriError
+    from colibri.serve import engine
+
+    calls = []
+
+    def step(self):  # one piece of text, then the failure a constraint raises at its next token
+        calls.append(1)
+        if len(calls) == 1:
+            return ("x", None)
+        raise ColibriError("the json_schema constraint failed after 1 tokens: step fuel exhausted")
+
+    monkeypatch.setattr(engine.Generation, "step", step)
+    body = {"messages": HI, "max_tokens": 8, "stream": True}
+    if constrained:
+        body["response_format"] = {"type": "json_object"}
+
+    async def check(served, client):
+        await until_healthy(client)
+        r = await client.post(CHAT, json=body)
+        assert r.status_code == 200
+        events = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        error = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]"
+        assert (error["code"], error["type"]) == (
+            ("constraint_failed", "invalid_request_error") if constrained else (None, "server_error")
+        )
+        counts = (await client.get("/metrics")).text
+        assert f'colibri_requests_total{{endpoint="chat",outcome="{422 if constrained else 500}"}} 1.0' in counts
+
+    in_process(demo_model, check)

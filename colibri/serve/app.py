@@ -408,7 +408,7 @@ def create_app(served: Served):
         try:
             return await run_parsed(job, index, gone, arrived)
         except ColibriError as e:
-            raise APIError(500, str(e), kind="server_error") from None
+            raise generation_error(job, e) from None
 
     class EventStream:
         """A response of server-sent events. The headers go out with the first write: until then
@@ -459,12 +459,12 @@ def create_app(served: Served):
 
         return wait
 
-    def stream_error(e: Exception, endpoint: str) -> APIError:
+    def stream_error(e: Exception, endpoint: str, job: Job) -> APIError:
         """An error once the headers are out, as the stream's last event."""
         if isinstance(e, APIError):
             return e
         if isinstance(e, ColibriError):
-            return APIError(500, str(e), kind="server_error")
+            return generation_error(job, e)
         logger.error("%s failed mid-stream", endpoint, exc_info=e)
         return internal_error(e)
 
@@ -552,10 +552,13 @@ def create_app(served: Served):
         except Disconnected:
             raise
         except Exception as e:  # noqa: BLE001 - the headers are out: the error is the last event
-            if not out.started:
-                raise  # still a plain HTTP error (the Endpoint answers it)
-            outcome_ = "500"
-            await emit(stream_error(e, endpoint).body())
+            if not out.started:  # still a plain HTTP error (the Endpoint answers it)
+                if isinstance(e, ColibriError):
+                    raise generation_error(job, e) from None
+                raise
+            error = stream_error(e, endpoint, job)
+            outcome_ = str(error.status)
+            await emit(error.body())
         await emit(None)
         await out.close()
         served.requests.labels(endpoint, outcome_).inc()
@@ -628,9 +631,12 @@ def create_app(served: Served):
             raise
         except Exception as e:  # noqa: BLE001 - the headers are out: the error is the last event
             if not out.started:
+                if isinstance(e, ColibriError):
+                    raise generation_error(job, e) from None
                 raise
-            outcome_ = "500"
-            await out.events(stream.error(stream_error(e, endpoint)))
+            error = stream_error(e, endpoint, job)
+            outcome_ = str(error.status)
+            await out.events(stream.error(error))
         await out.close()
         served.requests.labels(endpoint, outcome_).inc()
 
@@ -833,6 +839,19 @@ def _check_unicode(doc) -> None:
                     f"{name[:80]} holds a string that is not valid Unicode (a lone surrogate)",
                     param=where.split(".")[0].split("[")[0] or None,
                 ) from None
+
+
+CONSTRAINT_KEYWORDS = ("json_schema", "json_object", "grammar", "regex")  # Model.generate's
+
+
+def generation_error(job: Job, e: ColibriError) -> APIError:
+    """A ColibriError raised while a job generates. Under a constraint (response_format, a tool
+    call's grammar) it is the constraint's: the model cannot write what the schema demands (a
+    vocabulary without `"`), or the grammar outgrew llguidance's limits at a token: a 422 for a
+    request this model cannot satisfy. Without one it is the server's: a 500."""
+    if any(job.gen.get(k) for k in CONSTRAINT_KEYWORDS):
+        return APIError(422, str(e), code="constraint_failed")
+    return APIError(500, str(e), kind="server_error")
 
 
 def _message(parsed: dict | None, text: str) -> dict:

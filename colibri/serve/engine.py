@@ -144,6 +144,11 @@ class Served:
             "blocks the prefix store dropped for its budget since load",
             registry=r,
         )
+        self.store_write_errors = Gauge(
+            "colibri_prefix_store_write_errors",
+            "blocks the --kv-store directory did not take (full, read-only) since load",
+            registry=r,
+        )
 
     def start_loading(self) -> None:
         def run():
@@ -343,6 +348,7 @@ class Served:
             self.store_lookups.labels("miss").set(st["prefix_store_misses"])
             self.store_restored.set(st["prefix_store_restored_tokens"])
             self.store_evicted.set(st["prefix_store_evicted_blocks"])
+            self.store_write_errors.set(st["prefix_store_write_errors"])
 
 
 class _Watch:
