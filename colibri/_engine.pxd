@@ -161,6 +161,9 @@ cdef struct Hyper:
     # under an expert budget: a prompt's call may stream its experts (expert_cache_step,
     # Scratch.stream_layer)
     int stream_prefill
+    # > 0: a decoded token's chosen expert that the cache does not hold, is not its top one and
+    # weighs less than skip_missed / top_k of the chosen weights is skipped (the rest renormalised)
+    float skip_missed
     int qk_norm
     float clip_qkv            # 0: no clipping
     int v_norm                # RMSNorm without weight over each value head (Gemma 4)

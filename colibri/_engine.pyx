@@ -75,7 +75,8 @@ cpdef enum:
 cpdef enum:
     PF_PREDICTED = 0          # experts predicted for the next layer
     PF_PREDICT_HITS = 1       # of which the next layer really chose
-    PF_N = 2
+    PF_SKIPPED = 2            # expert uses skip_missed left out
+    PF_N = 3
 
 # q/k norm modes (QK_NORM_CODES names them)
 cpdef enum:

@@ -427,7 +427,8 @@ cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int lay
     cb_cache_layer(s.cache)
     if n == 1:
         for j in range(k):
-            cb_cache_use(s.cache, L.expert0 + s.tok_chosen[j], h.prefetch != PREFETCH_NONE)
+            if s.tok_chosen[j] >= 0:                              # (-1: skipped, skip_missed)
+                cb_cache_use(s.cache, L.expert0 + s.tok_chosen[j], h.prefetch != PREFETCH_NONE)
         if h.prefetch == PREFETCH_PREDICT:
             predict_next(h, L, s, s.tok_chosen, layer, router_in)
         return
@@ -450,6 +451,32 @@ cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int lay
     for e in range(E):
         if s.expert_m[e]:
             cb_cache_use(s.cache, L.expert0 + e, h.prefetch != PREFETCH_NONE)
+
+
+cdef void skip_missed(const Hyper *h, Layer *L, Scratch *s) noexcept nogil:
+    """One decoded token's chosen experts (s.tok_chosen, s.tok_w [top_k]): each that the cache
+    does not hold, is not the heaviest and weighs less than h.skip_missed / top_k of their sum is
+    marked -1 (no expert matches it) with weight 0; the kept weights are scaled back to the sum."""
+    cdef int k = h.top_k, j, top = 0, e
+    cdef float total = 0, kept = 0, w
+    for j in range(k):
+        total += s.tok_w[j]
+        if s.tok_w[j] > s.tok_w[top]:
+            top = j
+    if not total > 0:
+        return
+    for j in range(k):
+        e = s.tok_chosen[j]
+        w = s.tok_w[j]
+        if j != top and w < h.skip_missed / k * total and not s.cache.resident[L.expert0 + e]:
+            s.tok_chosen[j] = -1
+            s.tok_w[j] = 0
+            s.prefetch_stats[PF_SKIPPED] += 1
+        else:
+            kept += w
+    if kept != total:
+        for j in range(k):
+            s.tok_w[j] *= total / kept
 
 
 cdef inline void stream_next(Scratch *s, Layer *L, int e, int E) noexcept nogil:
@@ -483,6 +510,8 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
     memcpy(s.chosen + layer * k, s.tok_chosen + (n - 1) * k, sizeof(int) * k)     # last token, for --verbose
     memcpy(s.chosen_w + layer * k, s.tok_w + (n - 1) * k, sizeof(float) * k)
     s.stream_layer = 0
+    if s.cache != NULL and h.skip_missed > 0 and n == 1:     # decode: lossy, opt-in (load(skip_missed=))
+        skip_missed(h, L, s)
     if s.cache != NULL:
         expert_cache_step(h, L, s, n, layer, router_in)
     memset(out, 0, sizeof(float) * n * d)

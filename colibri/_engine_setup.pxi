@@ -198,6 +198,7 @@ cdef class Engine:
         self.h.routed_scaling = spec.routed_scaling
         self.h.prefetch = spec.prefetch
         self.h.stream_prefill = spec.expert_budget is not None
+        self.h.skip_missed = spec.skip_missed
         self.h.qk_norm = spec.qk_norm
         self.h.clip_qkv = spec.clip_qkv
         self.h.v_norm = spec.v_norm

@@ -164,6 +164,41 @@ def _store_options(p, default_ram) -> None:
     )
 
 
+def _memory_options(p) -> None:
+    """The memory cap and the expert budget (the engine's options, and eval's)."""
+    p.add_argument(
+        "--memory-limit-mb",
+        "--memory_limit_mb",
+        dest="memory_limit_mb",
+        type=float,
+        default=None,
+        help="stay under this many MB, page cache of the model's files included (default: the "
+        "cgroup's or job's limit, else the available RAM); a model larger than it keeps "
+        "the experts in use and drops the rest",
+    )
+    p.add_argument(
+        "--expert-cache-mb",
+        "--expert_cache_mb",
+        dest="expert_cache_mb",
+        type=float,
+        default=None,
+        help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)",
+    )
+
+
+def _skip_missed_option(p) -> None:
+    p.add_argument(
+        "--skip-missed",
+        "--skip_missed",
+        dest="skip_missed",
+        type=float,
+        default=None,
+        metavar="F",
+        help="lossy, under an expert budget: a decoded token leaves out a chosen expert that is not "
+        "in memory, not its heaviest and below F / top-k of its chosen weights (0 < F <= 1; default off)",
+    )
+
+
 def _engine_options(p) -> None:
     """The engine's load options `run`, `chat`, `serve` and `bench` share: memory, the KV cache, the
     kernels' arithmetic, the prefill chunk and where the threads run (colibri.placement)."""
@@ -182,30 +217,13 @@ def _engine_options(p) -> None:
         help="Linux: interleave the memory over the NUMA nodes of the --cpu-mask CPUs (all nodes "
         "without one), or bind it to them (one replica per node: --cpu-mask with that node's CPUs)",
     )
-    p.add_argument(
-        "--memory-limit-mb",
-        "--memory_limit_mb",
-        dest="memory_limit_mb",
-        type=float,
-        default=None,
-        help="stay under this many MB, page cache of the model's files included (default: the "
-        "cgroup's or job's limit, else the available RAM); a model larger than it keeps "
-        "the experts in use and drops the rest",
-    )
+    _memory_options(p)
     p.add_argument(
         "--prefetch",
         choices=names.PREFETCH_MODES,
         default=None,
         help="routed: readers fetch a missing chosen expert in parallel pieces; predict: also the "
         "next layer's predicted experts (default: routed under an expert budget, else none)",
-    )
-    p.add_argument(
-        "--expert-cache-mb",
-        "--expert_cache_mb",
-        dest="expert_cache_mb",
-        type=float,
-        default=None,
-        help="keep at most this many MB of experts in memory (default: what --memory-limit-mb leaves)",
     )
     p.add_argument(
         "--eviction",
@@ -242,6 +260,7 @@ def _engine_options(p) -> None:
         "limit; a value given here is kept): each expert then multiplies its share of them in one "
         "pass over its weights; the prefill scratch grows with it",
     )
+    _skip_missed_option(p)
 
 
 def _model_dir_option(p, help: str = "a converted model directory") -> None:
@@ -611,6 +630,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=_positive_int, default=None, help="default: the physical cores this process may use"
     )
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    ev.add_argument(
+        "--one-token-steps",
+        "--one_token_steps",
+        dest="one_token_steps",
+        action="store_true",
+        help="run the model one token an engine call, as decoding does (a decode-only mode acts there)",
+    )
+    _memory_options(ev)
+    _skip_missed_option(ev)
 
     cal = sub.add_parser("calibrate", help="activation statistics of a text, for convert --importance")
     _model_dir_option(cal, help="a conversion of the checkpoint (f32, bf16 or int8 is best)")
@@ -825,6 +853,7 @@ def _load(args):
         prefill_chunk=args.prefill_chunk,
         cache_ram_mb=getattr(args, "cache_ram", None),
         kv_store=getattr(args, "kv_store", None),
+        skip_missed=args.skip_missed,
     )
     m.cli_note = args.model_note
     return m
@@ -1162,6 +1191,8 @@ def _print_stats(m) -> None:
             f"[STATS] expert cache: hit rate {100 * rate:.1f} % ({st['cache_hits']} hits, {st['cache_misses']} "
             f"misses), {st['prefetches']} prefetched ({st['prefetch_hits']} used), {st['experts_dropped']} dropped"
         )
+    if m.skip_missed is not None:
+        _err(f"[STATS] --skip-missed {m.skip_missed}: {st['experts_skipped']} expert uses left out (lossy)")
     if st["bytes_read_from_storage"] is not None:
         _err(
             f"[STATS] read from storage since load: {mb(st['bytes_read_from_storage'])}"

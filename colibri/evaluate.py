@@ -54,8 +54,9 @@ def chunks_of(ids: list, ctx: int, bos: int | None) -> list:
     return out
 
 
-def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) -> dict:
-    """Perplexity of `text` under `model` (and divergence from `reference`, a second Model)."""
+def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None, one_token_steps: bool = False) -> dict:
+    """Perplexity of `text` under `model` (and divergence from `reference`, a second Model).
+    one_token_steps: `model` runs one engine call a token, as decoding does (Model.forward)."""
     if model.tokenizer is None:
         raise ColibriError(
             f"{model.path} has no tokenizer (tokenizer.json or tokenizer.model): eval needs one to tokenize the text"
@@ -76,7 +77,7 @@ def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) ->
         if progress:
             progress(i, len(chunks))
         target = np.asarray(chunk[1:])
-        lp = log_softmax(model.forward(chunk))[:-1]  # [T-1, vocab], predicts chunk[1:]
+        lp = log_softmax(model.forward(chunk, one_token_steps))[:-1]  # [T-1, vocab], predicts chunk[1:]
         rows = np.arange(len(target))
         nll.append(-lp[rows, target])
         if reference is not None:
@@ -96,7 +97,10 @@ def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None) ->
         "scored": int(nll.size),
         "perplexity": float(math.exp(nll.mean())),
         "nll_mean": float(nll.mean()),
+        "one_token_steps": bool(one_token_steps),
     }
+    if model.skip_missed is not None:  # a lossy mode: what it changed
+        result["experts_skipped"] = model.memory_stats()["experts_skipped"]
     if reference is not None:
         kl, top1, dp = np.concatenate(kl), np.concatenate(top1), np.concatenate(dp)
         result.update(
@@ -130,7 +134,13 @@ def run_eval(args) -> int:
     from .progress import progress
 
     text = read_text(args.text)
-    model = load(args.model_dir, threads=args.threads)
+    model = load(
+        args.model_dir,
+        threads=args.threads,
+        memory_limit_mb=args.memory_limit_mb,
+        expert_cache_mb=args.expert_cache_mb,
+        skip_missed=args.skip_missed,
+    )
     reference = load(args.reference_dir, threads=args.threads) if args.reference_dir else None
 
     with ExitStack() as stack:
@@ -141,12 +151,16 @@ def run_eval(args) -> int:
                 bar.append(stack.enter_context(progress(n, "eval", unit="chunk")))
             bar[0].at(i)
 
-        r = evaluate(model, text, ctx=args.ctx, reference=reference, progress=chunk)
+        r = evaluate(
+            model, text, ctx=args.ctx, reference=reference, progress=chunk, one_token_steps=args.one_token_steps
+        )
     if args.json:
         print(json.dumps(r))
         return 0
     print(f"[INFO] {r['tokens']} tokens in {r['chunks']} chunks of {r['ctx']}, {r['scored']} scored")
     print(f"perplexity:      {r['perplexity']:.4f}")
+    if "experts_skipped" in r:
+        print(f"experts skipped: {r['experts_skipped']} (--skip-missed {args.skip_missed})")
     if reference is not None:
         print(f"reference:       {r['reference']}")
         print(f"KL divergence:   mean {r['kl_mean']:.6f}, median {r['kl_median']:.6f}, p99 {r['kl_p99']:.6f}")

@@ -79,6 +79,7 @@ class _LoadOptions:
     limit: int | None  # memory_limit_mb in bytes
     cache_ram: int | str | None  # cache_ram_mb: the prefix store's bytes, "auto" or None (no store)
     kv_store: str | None  # the directory the prefix store is mirrored in
+    skip_missed: float | None  # F in (0, 1]: decoded tokens skip light missed experts (lossy), or None
 
     @classmethod
     def checked(
@@ -98,6 +99,7 @@ class _LoadOptions:
         parallel,
         cache_ram_mb=None,
         kv_store=None,
+        skip_missed=None,
     ) -> "_LoadOptions":
         if threads is None:
             threads = _os.compute_cores()
@@ -142,6 +144,10 @@ class _LoadOptions:
             raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
         if parallel > chunk:
             raise ColibriError(f"parallel {parallel} exceeds the prefill chunk {chunk} (a step's tokens)")
+        if skip_missed is not None and (
+            isinstance(skip_missed, bool) or not isinstance(skip_missed, numbers.Real) or not 0 < skip_missed <= 1
+        ):
+            raise ColibriError(f"skip_missed must be a number in (0, 1], got {skip_missed!r}")
         cache_ram = kvstore.checked_budget(cache_ram_mb)
         if kv_store is not None:
             if not isinstance(kv_store, (str, os.PathLike)) or not os.fspath(kv_store):
@@ -167,6 +173,7 @@ class _LoadOptions:
             limit,
             cache_ram,
             kv_store,
+            None if skip_missed is None else float(skip_missed),
         )
 
 
@@ -194,6 +201,7 @@ class Model:
         parallel: int = 1,
         cache_ram_mb=None,
         kv_store=None,
+        skip_missed=None,
     ):
         """parallel: sequences the KV cache holds side by side (colibri.batching); cache_ram_mb
         and kv_store: the prefix store (load()); capture_inputs: every matrix product adds its inputs' squares per column into
@@ -224,6 +232,7 @@ class Model:
             parallel=parallel,
             cache_ram_mb=cache_ram_mb,
             kv_store=kv_store,
+            skip_missed=skip_missed,
         )
         self.threads, self.n_ctx, self.parallel = o.threads, o.n_ctx, o.parallel
         self.bf16_products = o.bf16_products
@@ -267,6 +276,7 @@ class Model:
                     expert_budget=budget,  # 4. built once
                     eviction=o.eviction or DEFAULT_EVICTION,
                     expert_fds=self.residency.fds,
+                    skip_missed=o.skip_missed,
                     **build,
                 )
             )
@@ -283,6 +293,7 @@ class Model:
             self._maps.close()
             raise
         self.prefetch = prefetch
+        self.skip_missed = o.skip_missed  # load(skip_missed=): lossy, None when off
         self.expert_budget = budget  # bytes of experts the cache admits at most, or None
         self.engine_spec = engine.spec  # what the engine was built from (colibri.spec.EngineSpec)
         self._engine = engine
@@ -382,15 +393,21 @@ class Model:
 
     # -- the public API --------------------------------------------------------------------------
 
-    def forward(self, ids) -> np.ndarray:
-        """Logits float32 [T, vocab] of every position of `ids`, in a fresh context."""
+    def forward(self, ids, one_token_steps: bool = False) -> np.ndarray:
+        """Logits float32 [T, vocab] of every position of `ids`, in a fresh context. The same
+        logits either way; one_token_steps runs one engine call a token, as decoding does (where
+        a decode-only mode, load(skip_missed=), acts)."""
         tokens = self._check_ids(ids, "ids")
         if len(tokens) > self.n_ctx:
             raise ColibriError(f"{len(tokens)} tokens exceed the context length {self.n_ctx}")
         out = np.empty((len(tokens), self.config.vocab_size), np.float32)
         with self._exclusive():
             self._begin()
-            self._run(tokens, 0, out, all_logits=True)
+            if one_token_steps:
+                for pos in range(len(tokens)):
+                    self._run(tokens[pos : pos + 1], pos, out[pos : pos + 1], all_logits=True)
+            else:
+                self._run(tokens, 0, out, all_logits=True)
         return out
 
     def generate(
@@ -746,6 +763,7 @@ class Model:
             "prediction_hit_rate": (
                 float(pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED]) if pf[_engine.PF_PREDICTED] else None
             ),
+            "experts_skipped": int(pf[_engine.PF_SKIPPED]),  # expert uses skip_missed left out (lossy)
             "prefetched_per_used_byte": float(c["read_bytes"] / used_bytes) if used_bytes else None,
             "bytes_read_from_storage": (
                 io - self.residency.io_at_load if io is not None and self.residency.io_at_load is not None else None
@@ -917,6 +935,7 @@ class Model:
         identity = (
             f"config {config_digest}; kv {o.kv_cache}; isa {_kernels.isa()}; int step {_kernels.int_step()}; "
             f"bf16 products {o.bf16_products}; exact softmax {exact_softmax}"
+            + (f"; skip missed {o.skip_missed}" if o.skip_missed else "")  # a lossy run's KV is its own
         )
         arrays = [
             kvstore.CacheArray(a, f.kv_ring, f.sliding_window)
@@ -1196,6 +1215,7 @@ def load(
     parallel: int = 1,
     cache_ram_mb: float | str | None = None,
     kv_store=None,
+    skip_missed: float | None = None,
 ) -> Model:
     """Load a Colibri model directory.
 
@@ -1222,7 +1242,13 @@ def load(
     prompts and replies kept in RAM, restored into whichever sequence a later prompt sharing their
     exact tokens runs in ("auto": a quarter of the memory the plan leaves free, at most 8 GiB; a
     number is planned like the KV cache; None or 0: no store); kv_store: a directory the store is
-    kept in across restarts (implies cache_ram_mb="auto" unless given)."""
+    kept in across restarts (implies cache_ram_mb="auto" unless given).
+
+    skip_missed F (0 < F <= 1; None: off, the default) trades exactness for bytes under an expert
+    budget: a decoded token leaves out a chosen expert that the cache does not hold, that is not
+    its heaviest and that weighs less than F / top_k of its chosen experts' weights (the others
+    scaled back to their sum); memory_stats()["experts_skipped"] counts them. Meant for top-k >= 6;
+    no effect without a budget (every expert is held)."""
     return Model(
         path,
         threads=threads,
@@ -1243,4 +1269,5 @@ def load(
         parallel=parallel,
         cache_ram_mb=cache_ram_mb,
         kv_store=kv_store,
+        skip_missed=skip_missed,
     )
