@@ -70,6 +70,29 @@ def _huge_repetition(left, right) -> bool:
     return len(seq) * n > TEMPLATE_MAX_ITEMS
 
 
+def _huge_width(fmt) -> bool:
+    """Whether a format string names a number past TEMPLATE_MAX_CHARS (a width or precision:
+    "%0400000000d" % 1, "{:>400000000}".format(1) build that many characters)."""
+    return isinstance(fmt, str) and any(len(m) > 9 or int(m) > TEMPLATE_MAX_CHARS for m in re.findall(r"\d+", fmt))
+
+
+_PADDING = ("center", "ljust", "rjust", "zfill", "expandtabs")  # str methods whose int argument is a width
+
+
+def _bounded_filter(env, f, formats: bool):
+    """Filter f refusing a width past TEMPLATE_MAX_CHARS (or, where it formats, a format string
+    naming one) before it builds the text."""
+
+    def bounded(value, *args, **kwargs):
+        if not formats:
+            env.check_widths(*args, *kwargs.values())
+        elif _huge_width(value):
+            raise env.past_a_bound(f"a format width of more than {TEMPLATE_MAX_CHARS:,} characters")
+        return f(value, *args, **kwargs)
+
+    return bounded
+
+
 def _environment():
     import jinja2
     import jinja2.ext
@@ -155,7 +178,7 @@ def _environment():
         item a loop takes (compile() wraps each loop's iterable, call() a recursive loop's),
         every item of a range() and of a repetition."""
 
-        intercepted_binops = frozenset({"**", "*"})
+        intercepted_binops = frozenset({"**", "*", "%"})
         template_class = BoundedTemplate
 
         def __init__(self, *args, **kwargs):
@@ -192,7 +215,20 @@ def _environment():
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
             if isinstance(__obj, LoopContext) and args:  # loop(children) in a recursive loop
                 args = (__self.counted(args[0]), *args[1:])
+            if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _PADDING:
+                __self.check_widths(*args, *kwargs.values())  # "x".center(10 ** 9)
             return super().call(__context, __obj, *args, **kwargs)
+
+        def check_widths(self, *values) -> None:
+            """A width past TEMPLATE_MAX_CHARS (an int argument of a str method or a padding
+            filter) is refused before the string is built."""
+            if any(isinstance(v, int) and v > TEMPLATE_MAX_CHARS for v in values):
+                raise PastABound(f"a text of more than {TEMPLATE_MAX_CHARS:,} characters")
+
+        def wrap_str_format(self, value):
+            if _huge_width(getattr(value, "__self__", None)):
+                raise PastABound(f"a format width of more than {TEMPLATE_MAX_CHARS:,} characters")
+            return super().wrap_str_format(value)
 
         def call_binop(self, context, operator, left, right):
             if operator == "**" and _huge_power(left, right):
@@ -201,6 +237,8 @@ def _environment():
                 )
             if operator == "*" and _huge_repetition(left, right):
                 raise PastABound(f"a repetition of more than {TEMPLATE_MAX_ITEMS:,} items")
+            if operator == "%" and _huge_width(left):
+                raise PastABound(f"a format width of more than {TEMPLATE_MAX_CHARS:,} characters")
             result = super().call_binop(context, operator, left, right)
             if operator == "*" and isinstance(result, (str, list, tuple)):
                 self.step(len(result))
@@ -208,6 +246,8 @@ def _environment():
 
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    for name in ("center", "indent", "format"):  # their widths bounded (check_widths, _huge_width)
+        env.filters[name] = _bounded_filter(env, env.filters[name], name == "format")
     env.globals.update(
         raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=Namespace
     )

@@ -223,7 +223,7 @@ class _PieceTokens:
             tok.special_ids,
             stop_ids,
             tok.bos_token_id,
-            lambda text: inner.encode(text, add_special_tokens=False).ids,
+            lambda text: tok.encode(text, add_special_tokens=False),  # (a tokenizers panic: one line)
             n_vocab,
         )
 

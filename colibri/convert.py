@@ -44,9 +44,7 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +65,7 @@ from .errors import ColibriError
 from .gguf_import import GGUFCheckpoint, requantization_error
 from .hfcheckpoint import HFCheckpoint, to_f32
 from . import _os, textfiles
-from .interrupts import signals_deferred
+from .interrupts import sigterm_cleans_up, signals_deferred
 from .progress import progress as progress_bar
 from .formats import FORMATS, check_layout, layouts_of
 from .modeldir import (
@@ -1201,7 +1199,7 @@ def convert(
     expected = cfg.expected_tensors()
     # a GGUF's text files are made from its metadata into a staging directory; a checkpoint's are read where they are
     staging = tempfile.TemporaryDirectory(prefix="colibri-gguf-text-") if gguf is not None else contextlib.nullcontext()
-    with staging as staged:
+    with staging as staged, _staged_as(staged, gguf):
         text_dir = Path(hf_dir) if gguf is None else Path(staged)
         if gguf is not None:
             ckpt.write_text_files(text_dir, cfg.vocab_size)
@@ -1226,6 +1224,20 @@ def convert(
             progress,
             nextn,
         )
+
+
+@contextlib.contextmanager
+def _staged_as(staged, gguf):
+    """An error about a GGUF's text files names the GGUF, not the staging directory they are
+    written into from its metadata."""
+    try:
+        yield
+    except ColibriError as e:
+        if staged is None or staged not in str(e):
+            raise
+        raise ColibriError(
+            str(e).replace(f"{staged}/", f"{gguf}: its metadata's ").replace(staged, str(gguf))
+        ) from None
 
 
 def _size(n: float) -> str:
@@ -1667,39 +1679,6 @@ def _space_needed(file_sizes: list, n_tensors: int, parent: Path) -> int:
     return total + total // 100 + (1 << 16)
 
 
-class _Terminated(BaseException):
-    """SIGTERM while a model directory is written (see _sigterm_cleans_up)."""
-
-
-@contextlib.contextmanager
-def _sigterm_cleans_up():
-    """In the main thread: SIGTERM during the block raises _Terminated, which takes the cleanup
-    path of KeyboardInterrupt (the temporary directory is removed); then the previous handler is
-    restored and gets the signal (the default one ends the process)."""
-    sig = getattr(signal, "SIGTERM", None)
-    main = threading.current_thread() is threading.main_thread()
-    prev = signal.getsignal(sig) if sig is not None and main else None
-    if prev is None or prev == signal.SIG_IGN:  # not ours to change: unknown (C), ignored, or a thread
-        yield
-        return
-    fired = []
-
-    def handler(signum, frame):
-        if not fired:  # a second SIGTERM must not interrupt the cleanup
-            fired.append(signum)
-            raise _Terminated()
-
-    signal.signal(sig, handler)
-    try:
-        yield
-    except _Terminated:
-        signal.signal(sig, prev)
-        signal.raise_signal(sig)  # the previous handler's turn
-        raise KeyboardInterrupt from None  # it returned: stop as Ctrl-C does
-    finally:
-        signal.signal(sig, prev)
-
-
 class _Writer(ModelDirWriter):
     """ModelDirWriter whose write errors (a full disk: ENOSPC; EFBIG, EDQUOT, EIO) become one
     ColibriError naming the file being written; errors reading the input pass unchanged."""
@@ -1755,7 +1734,7 @@ def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | No
     - never through a symbolic link (the user is told to pass the target);
     - a disk without `need` bytes free fails before a byte is written.
     Whatever fails (a full disk, Ctrl-C, SIGTERM, an error in the weights) removes the temporary
-    directory and leaves a previous `out` as it was; whatever succeeds leaves no temporary behind."""
+    directory (interrupts.sigterm_cleans_up) and leaves a previous `out` as it was; whatever succeeds leaves no temporary behind."""
     out = Path(out)
     _check_output(out, force, inputs or {})
     target = out.resolve()  # not a link (checked): its parent's real path
@@ -1769,7 +1748,7 @@ def _write_model_dir(out: Path, force: bool, need: int, write, inputs: dict | No
             f"not enough disk space in {parent} for {out}: need {need / 1e6:.1f} MB, have {free / 1e6:.1f} MB"
         )
     tmp = None
-    with _sigterm_cleans_up():
+    with sigterm_cleans_up():
         try:
             with signals_deferred():  # the directory exists <=> tmp names it
                 tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=parent))

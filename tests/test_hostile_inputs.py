@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -381,3 +382,50 @@ def test_tokenizer_import_errors_name_the_user_s_files(chat_model_dir, tmp_path)
         line = one_line_error(limited("tokenizer", "--model-dir", d, "--from", src), src / name)
         assert STAGING_NAME not in line
     assert not (d / STAGING_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "source, bound",
+    [
+        ('{{ "x" | center(400000000) }}', "a text of more than"),
+        ('{{ "x" | indent(400000000) }}', "a text of more than"),
+        ('{{ "x".ljust(400000000) }}', "a text of more than"),
+        ('{{ "x".zfill(400000000) }}', "a text of more than"),
+        ('{{ "%0400000000d" % 1 }}', "a format width of more than"),
+        ('{{ "%0400000000d" | format(1) }}', "a format width of more than"),
+        ('{{ "{:>400000000}".format(1) }}', "a format width of more than"),
+    ],
+)
+def test_a_width_past_the_character_bound_is_refused_before_the_text_is_built(source, bound):
+    """One operation that would build a text of hundreds of megabytes (a padding filter or method,
+    a format width) is stopped before it runs, not after the text exists."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ColibriError, match=rf"t\.jinja\) was stopped: {bound}"):
+            ChatTemplate(source, "t.jinja").render(USER)
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_widths_and_numbers_a_template_uses_still_render():
+    source = (
+        '{{ "%05d" % 3 }}|{{ "{:>5}".format(1) }}|{{ "ab" | center(6) }}|{{ "%d" | format(1733600000) }}|'
+        '{{ "{}".format(1733600000) }}|{{ "x".rjust(3) }}|{{ messages[0].content | indent(2) }}'
+    )
+    assert ChatTemplate(source, "t").render(USER) == "00003|    1|  ab  |1733600000|1733600000|  x|hi"
+
+
+def test_a_gguf_s_text_file_errors_name_the_gguf_not_the_staging(tmp_path, monkeypatch):
+    from colibri.gguf_import import GGUFCheckpoint
+
+    def broken_template(self, where, vocab_size):
+        (Path(where) / "chat_template.jinja").write_text("{% for %}")
+        return ["chat_template.jinja"]
+
+    monkeypatch.setattr(GGUFCheckpoint, "write_text_files", broken_template)
+    gguf = FIXTURES / "gguf" / "mixtral_a-Q8_0.gguf"
+    with pytest.raises(ColibriError) as e:
+        convert(None, tmp_path / "out", gguf=gguf, log=lambda *a: None)
+    assert str(gguf) in str(e.value) and "colibri-gguf-text-" not in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
