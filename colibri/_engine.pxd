@@ -164,6 +164,9 @@ cdef struct Hyper:
     # > 0: a decoded token's chosen expert that the cache does not hold, is not its top one and
     # weighs less than skip_missed / top_k of the chosen weights is skipped (the rest renormalised)
     float skip_missed
+    # > 0: a decoded token's router logits of the experts the cache holds are raised by this
+    # times the logits' range before its top-k is chosen; the chosen keep the router's weights
+    float cache_routing
     int qk_norm
     float clip_qkv            # 0: no clipping
     int v_norm                # RMSNorm without weight over each value head (Gemma 4)

@@ -76,7 +76,8 @@ cpdef enum:
     PF_PREDICTED = 0          # experts predicted for the next layer
     PF_PREDICT_HITS = 1       # of which the next layer really chose
     PF_SKIPPED = 2            # expert uses skip_missed left out
-    PF_N = 3
+    PF_REROUTED = 3           # expert uses cache_routing chose instead of the router's own
+    PF_N = 4
 
 # q/k norm modes (QK_NORM_CODES names them)
 cpdef enum:

@@ -453,6 +453,50 @@ cdef void expert_cache_step(const Hyper *h, Layer *L, Scratch *s, int n, int lay
             cb_cache_use(s.cache, L.expert0 + e, h.prefetch != PREFETCH_NONE)
 
 
+cdef int cache_conditional_route(const Hyper *h, Layer *L, Scratch *s, const float *logits) noexcept nogil:
+    """One decoded token's experts chosen with the ones the cache holds favoured (h.cache_routing):
+    its router logits [n_experts], those of resident experts raised by cache_routing times their
+    range, choose the top-k (s.tok_chosen); each chosen one's weight is the router's own from the
+    unchanged logits: softmax over all experts (over the chosen with norm_topk_prob) times the
+    per-expert scale, or for the sigmoid router sigmoid (over their sum with norm_topk_prob)
+    times routed_scaling. Counts the choices the router alone would not have made. Returns
+    route()'s status."""
+    cdef int E = h.n_experts, k = h.top_k, e, j, i, same
+    cdef int plain[MAX_SLOTS]
+    cdef float plain_w[MAX_SLOTS]
+    cdef float lo = logits[0], hi = logits[0], total = 0
+    if route(h, L, logits, plain, plain_w) != 0:                  # the router's own choice
+        return -1
+    for e in range(E):
+        lo = logits[e] if logits[e] < lo else lo
+        hi = logits[e] if logits[e] > hi else hi
+    for e in range(E):
+        s.router2[e] = logits[e] + (h.cache_routing * (hi - lo) if s.cache.resident[L.expert0 + e] else 0)
+    if route(h, L, s.router2, s.tok_chosen, s.tok_w) != 0:
+        return -1
+    for j in range(k):                                             # the chosen ones' own weights
+        e = s.tok_chosen[j]
+        s.tok_w[j] = 1.0 / (1.0 + expf(-logits[e])) if h.sigmoid_router else expf(logits[e] - hi)
+        total += s.tok_w[j]
+    if not h.sigmoid_router and not h.norm_topk_prob:
+        total = 0
+        for e in range(E):
+            total += expf(logits[e] - hi)
+    for j in range(k):
+        if h.norm_topk_prob or not h.sigmoid_router:
+            s.tok_w[j] /= total
+        if h.sigmoid_router:
+            s.tok_w[j] *= h.routed_scaling
+        elif L.expert_scale != NULL:
+            s.tok_w[j] *= L.expert_scale[s.tok_chosen[j]]
+        same = 0
+        for i in range(k):
+            same = same or plain[i] == s.tok_chosen[j]
+        if not same:
+            s.prefetch_stats[PF_REROUTED] += 1
+    return 0
+
+
 cdef void skip_missed(const Hyper *h, Layer *L, Scratch *s) noexcept nogil:
     """One decoded token's chosen experts (s.tok_chosen, s.tok_w [top_k]): each that the cache
     does not hold, is not the heaviest and weighs less than h.skip_missed / top_k of their sum is
@@ -497,14 +541,18 @@ cdef int moe(const Hyper *h, Layer *L, Scratch *s, int n, int layer, const float
     block). The experts run in ascending index, each over the tokens routed to it, in waves of up
     to MAX_SLOTS experts and wave_rows rows (decode: one wave of the top-k and the shared one); an
     expert every token chose reads expert_in itself (quantized once for all of them)."""
-    cdef int d = h.d_model, k = h.top_k, E = h.n_experts, t, j, e, m, row = 0, count = 0
+    cdef int d = h.d_model, k = h.top_k, E = h.n_experts, t, j, e, m, row = 0, count = 0, status
     cdef Slot slots[MAX_SLOTS]
     cdef Slot *sl
     matmul(s.router, E, &L.router, router_in, d, s.acts, n, h.n_threads)
     for t in range(n):
         if L.router_logit_bias != NULL:
             kernels.add(s.router + <size_t>t * E, L.router_logit_bias, E)
-        if route(h, L, s.router + <size_t>t * E, s.tok_chosen + t * k, s.tok_w + t * k) != 0:
+        if n == 1 and h.cache_routing > 0 and s.cache != NULL:    # decode: lossy, opt-in (load(cache_routing=))
+            status = cache_conditional_route(h, L, s, s.router)
+        else:
+            status = route(h, L, s.router + <size_t>t * E, s.tok_chosen + t * k, s.tok_w + t * k)
+        if status != 0:
             s.bad_layer = layer
             return STATUS_BAD_ROUTER
     memcpy(s.chosen + layer * k, s.tok_chosen + (n - 1) * k, sizeof(int) * k)     # last token, for --verbose

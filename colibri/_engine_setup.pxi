@@ -199,6 +199,7 @@ cdef class Engine:
         self.h.prefetch = spec.prefetch
         self.h.stream_prefill = spec.expert_budget is not None
         self.h.skip_missed = spec.skip_missed
+        self.h.cache_routing = spec.cache_routing
         self.h.qk_norm = spec.qk_norm
         self.h.clip_qkv = spec.clip_qkv
         self.h.v_norm = spec.v_norm

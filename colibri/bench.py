@@ -179,7 +179,8 @@ def bench(
     """Run the benchmark; return the result as a JSON-ready dict. read_bandwidth_too: time the read
     loop before and after the repetitions; draft: generate()'s speculation keywords (draft,
     draft_max; default plain decoding). load_options: colibri.load's memory_limit_mb,
-    expert_cache_mb, prefetch, eviction, kv_cache, bf16_products, prefill_chunk, skip_missed."""
+    expert_cache_mb, prefetch, eviction, kv_cache, bf16_products, prefill_chunk, skip_missed,
+    cache_routing."""
     from . import _kernels, _os
     from .model import DEFAULT_MAX_CONTEXT, load
     from .modeldir import ModelDir
@@ -233,6 +234,7 @@ def bench(
             else None,
             "evictions": after["experts_released"] - before["experts_released"],
             "experts_skipped": after["experts_skipped"] - before["experts_skipped"],  # --skip-missed (lossy)
+            "experts_rerouted": after["experts_rerouted"] - before["experts_rerouted"],  # --cache-routing (lossy)
             "major_page_faults": after["major_page_faults"] - before["major_page_faults"],
             "cgroup_peak_bytes": None if read_bandwidth_too else _os.memory_usage()[1],  # the loop's buffer is in it
         }
@@ -315,6 +317,7 @@ def run_bench(args) -> int:
         bf16_products=args.bf16_products,
         prefill_chunk=args.prefill_chunk,
         skip_missed=args.skip_missed,
+        cache_routing=args.cache_routing,
         read_bandwidth_too=args.read_bandwidth,
         draft={"draft": args.draft, "draft_max": args.draft_max},
     )

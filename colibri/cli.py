@@ -186,7 +186,18 @@ def _memory_options(p) -> None:
     )
 
 
-def _skip_missed_option(p) -> None:
+def _lossy_options(p) -> None:
+    """The opt-in modes that read fewer bytes under an expert budget and change the tokens."""
+    p.add_argument(
+        "--cache-routing",
+        "--cache_routing",
+        dest="cache_routing",
+        type=float,
+        default=None,
+        metavar="LAMBDA",
+        help="lossy, under an expert budget: a decoded token's router favours the experts in memory, "
+        "their logits raised by LAMBDA times the logits' range (0 < LAMBDA <= 1; default off)",
+    )
     p.add_argument(
         "--skip-missed",
         "--skip_missed",
@@ -260,7 +271,7 @@ def _engine_options(p) -> None:
         "limit; a value given here is kept): each expert then multiplies its share of them in one "
         "pass over its weights; the prefill scratch grows with it",
     )
-    _skip_missed_option(p)
+    _lossy_options(p)
 
 
 def _model_dir_option(p, help: str = "a converted model directory") -> None:
@@ -638,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the model one token an engine call, as decoding does (a decode-only mode acts there)",
     )
     _memory_options(ev)
-    _skip_missed_option(ev)
+    _lossy_options(ev)
 
     cal = sub.add_parser("calibrate", help="activation statistics of a text, for convert --importance")
     _model_dir_option(cal, help="a conversion of the checkpoint (f32, bf16 or int8 is best)")
@@ -854,6 +865,7 @@ def _load(args):
         cache_ram_mb=getattr(args, "cache_ram", None),
         kv_store=getattr(args, "kv_store", None),
         skip_missed=args.skip_missed,
+        cache_routing=args.cache_routing,
     )
     m.cli_note = args.model_note
     return m
@@ -1193,6 +1205,8 @@ def _print_stats(m) -> None:
         )
     if m.skip_missed is not None:
         _err(f"[STATS] --skip-missed {m.skip_missed}: {st['experts_skipped']} expert uses left out (lossy)")
+    if m.cache_routing is not None:
+        _err(f"[STATS] --cache-routing {m.cache_routing}: {st['experts_rerouted']} expert choices changed (lossy)")
     if st["bytes_read_from_storage"] is not None:
         _err(
             f"[STATS] read from storage since load: {mb(st['bytes_read_from_storage'])}"

@@ -99,8 +99,12 @@ def evaluate(model, text: str, ctx: int = 256, reference=None, progress=None, on
         "nll_mean": float(nll.mean()),
         "one_token_steps": bool(one_token_steps),
     }
-    if model.skip_missed is not None:  # a lossy mode: what it changed
-        result["experts_skipped"] = model.memory_stats()["experts_skipped"]
+    if model.expert_budget is not None:  # what the expert cache read, and what a lossy mode changed
+        stats = model.memory_stats()
+        result.update(
+            {k: stats[k] for k in ("cache_misses", "cache_hits", "experts_skipped", "experts_rerouted")},
+            expert_bytes_read=stats["prefetch_bytes"],
+        )
     if reference is not None:
         kl, top1, dp = np.concatenate(kl), np.concatenate(top1), np.concatenate(dp)
         result.update(
@@ -140,6 +144,7 @@ def run_eval(args) -> int:
         memory_limit_mb=args.memory_limit_mb,
         expert_cache_mb=args.expert_cache_mb,
         skip_missed=args.skip_missed,
+        cache_routing=args.cache_routing,
     )
     reference = load(args.reference_dir, threads=args.threads) if args.reference_dir else None
 
@@ -159,8 +164,15 @@ def run_eval(args) -> int:
         return 0
     print(f"[INFO] {r['tokens']} tokens in {r['chunks']} chunks of {r['ctx']}, {r['scored']} scored")
     print(f"perplexity:      {r['perplexity']:.4f}")
-    if "experts_skipped" in r:
-        print(f"experts skipped: {r['experts_skipped']} (--skip-missed {args.skip_missed})")
+    if "cache_misses" in r:
+        print(
+            f"expert cache:    {r['cache_misses']} misses, {r['cache_hits']} hits, {r['expert_bytes_read'] / 1e6:.1f} MB read"
+        )
+    if args.skip_missed is not None or args.cache_routing is not None:
+        print(
+            f"lossy modes:     {r['experts_skipped']} expert uses skipped (--skip-missed {args.skip_missed}), "
+            f"{r['experts_rerouted']} choices changed (--cache-routing {args.cache_routing})"
+        )
     if reference is not None:
         print(f"reference:       {r['reference']}")
         print(f"KL divergence:   mean {r['kl_mean']:.6f}, median {r['kl_median']:.6f}, p99 {r['kl_p99']:.6f}")

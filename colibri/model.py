@@ -80,6 +80,7 @@ class _LoadOptions:
     cache_ram: int | str | None  # cache_ram_mb: the prefix store's bytes, "auto" or None (no store)
     kv_store: str | None  # the directory the prefix store is mirrored in
     skip_missed: float | None  # F in (0, 1]: decoded tokens skip light missed experts (lossy), or None
+    cache_routing: float | None  # lambda in (0, 1]: decoded tokens favour resident experts (lossy), or None
 
     @classmethod
     def checked(
@@ -100,6 +101,7 @@ class _LoadOptions:
         cache_ram_mb=None,
         kv_store=None,
         skip_missed=None,
+        cache_routing=None,
     ) -> "_LoadOptions":
         if threads is None:
             threads = _os.compute_cores()
@@ -144,10 +146,11 @@ class _LoadOptions:
             raise ColibriError(f"parallel must be an integer in 1..{MAX_PARALLEL}, got {parallel!r}")
         if parallel > chunk:
             raise ColibriError(f"parallel {parallel} exceeds the prefill chunk {chunk} (a step's tokens)")
-        if skip_missed is not None and (
-            isinstance(skip_missed, bool) or not isinstance(skip_missed, numbers.Real) or not 0 < skip_missed <= 1
-        ):
-            raise ColibriError(f"skip_missed must be a number in (0, 1], got {skip_missed!r}")
+        for name, value in (("skip_missed", skip_missed), ("cache_routing", cache_routing)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1
+            ):
+                raise ColibriError(f"{name} must be a number in (0, 1], got {value!r}")
         cache_ram = kvstore.checked_budget(cache_ram_mb)
         if kv_store is not None:
             if not isinstance(kv_store, (str, os.PathLike)) or not os.fspath(kv_store):
@@ -174,6 +177,7 @@ class _LoadOptions:
             cache_ram,
             kv_store,
             None if skip_missed is None else float(skip_missed),
+            None if cache_routing is None else float(cache_routing),
         )
 
 
@@ -202,6 +206,7 @@ class Model:
         cache_ram_mb=None,
         kv_store=None,
         skip_missed=None,
+        cache_routing=None,
     ):
         """parallel: sequences the KV cache holds side by side (colibri.batching); cache_ram_mb
         and kv_store: the prefix store (load()); capture_inputs: every matrix product adds its inputs' squares per column into
@@ -233,6 +238,7 @@ class Model:
             cache_ram_mb=cache_ram_mb,
             kv_store=kv_store,
             skip_missed=skip_missed,
+            cache_routing=cache_routing,
         )
         self.threads, self.n_ctx, self.parallel = o.threads, o.n_ctx, o.parallel
         self.bf16_products = o.bf16_products
@@ -277,6 +283,7 @@ class Model:
                     eviction=o.eviction or DEFAULT_EVICTION,
                     expert_fds=self.residency.fds,
                     skip_missed=o.skip_missed,
+                    cache_routing=o.cache_routing,
                     **build,
                 )
             )
@@ -294,6 +301,7 @@ class Model:
             raise
         self.prefetch = prefetch
         self.skip_missed = o.skip_missed  # load(skip_missed=): lossy, None when off
+        self.cache_routing = o.cache_routing  # load(cache_routing=): lossy, None when off
         self.expert_budget = budget  # bytes of experts the cache admits at most, or None
         self.engine_spec = engine.spec  # what the engine was built from (colibri.spec.EngineSpec)
         self._engine = engine
@@ -764,6 +772,7 @@ class Model:
                 float(pf[_engine.PF_PREDICT_HITS] / pf[_engine.PF_PREDICTED]) if pf[_engine.PF_PREDICTED] else None
             ),
             "experts_skipped": int(pf[_engine.PF_SKIPPED]),  # expert uses skip_missed left out (lossy)
+            "experts_rerouted": int(pf[_engine.PF_REROUTED]),  # uses cache_routing chose instead (lossy)
             "prefetched_per_used_byte": float(c["read_bytes"] / used_bytes) if used_bytes else None,
             "bytes_read_from_storage": (
                 io - self.residency.io_at_load if io is not None and self.residency.io_at_load is not None else None
@@ -936,6 +945,7 @@ class Model:
             f"config {config_digest}; kv {o.kv_cache}; isa {_kernels.isa()}; int step {_kernels.int_step()}; "
             f"bf16 products {o.bf16_products}; exact softmax {exact_softmax}"
             + (f"; skip missed {o.skip_missed}" if o.skip_missed else "")  # a lossy run's KV is its own
+            + (f"; cache routing {o.cache_routing}" if o.cache_routing else "")
         )
         arrays = [
             kvstore.CacheArray(a, f.kv_ring, f.sliding_window)
@@ -1216,6 +1226,7 @@ def load(
     cache_ram_mb: float | str | None = None,
     kv_store=None,
     skip_missed: float | None = None,
+    cache_routing: float | None = None,
 ) -> Model:
     """Load a Colibri model directory.
 
@@ -1248,7 +1259,10 @@ def load(
     budget: a decoded token leaves out a chosen expert that the cache does not hold, that is not
     its heaviest and that weighs less than F / top_k of its chosen experts' weights (the others
     scaled back to their sum); memory_stats()["experts_skipped"] counts them. Meant for top-k >= 6;
-    no effect without a budget (every expert is held)."""
+    no effect without a budget (every expert is held). cache_routing lambda (0 < lambda <= 1; None:
+    off) favours the experts the cache holds: a decoded token's router logits of those are raised
+    by lambda times the logits' range before its top-k is chosen, and each chosen expert keeps the
+    router's own weight (memory_stats()["experts_rerouted"] counts the changed choices)."""
     return Model(
         path,
         threads=threads,
@@ -1270,4 +1284,5 @@ def load(
         cache_ram_mb=cache_ram_mb,
         kv_store=kv_store,
         skip_missed=skip_missed,
+        cache_routing=cache_routing,
     )

@@ -83,6 +83,7 @@ class EngineSpec:
     expert_fds: dict  # (layer, expert) -> an open descriptor of its file (for the page-cache drop)
     nextn: bool = False  # a multi-token-prediction block (config.nextn_block): Engine.run takes hidden_in
     skip_missed: float = 0.0  # > 0: decoded tokens skip light missed experts (load(skip_missed=); lossy)
+    cache_routing: float = 0.0  # > 0: decoded tokens favour resident experts (load(cache_routing=); lossy)
 
 
 def yarn_inv_freq(dim: int, theta: float, yarn: dict) -> tuple:
@@ -190,6 +191,7 @@ def build(
     bf16_products: bool = False,
     n_seq: int = 1,
     skip_missed: float | None = None,
+    cache_routing: float | None = None,
 ) -> EngineSpec:
     """The spec of `cfg` (config.ModelConfig) over the mapped `tensors` (name -> TensorRef) with
     these run options (already validated by the caller, model.Model). advice, cache_os: the OS
@@ -238,4 +240,5 @@ def build(
         expert_fds=dict(expert_fds or {}),
         nextn=bool(cfg.nextn_block),
         skip_missed=float(skip_missed or 0.0),
+        cache_routing=float(cache_routing or 0.0),
     )

@@ -1,6 +1,9 @@
-"""load(skip_missed=F): under an expert budget a decoded token leaves out light chosen experts the
-cache does not hold (lossy, opt-in). Off by default; with it, deterministic for a fixed cap, text
-and seed; never more than top_k - 1 uses a layer and token; no effect without a budget."""
+"""The lossy modes that read fewer bytes under an expert budget, each opt-in:
+load(skip_missed=F), a decoded token leaves out light chosen experts the cache does not hold;
+load(cache_routing=lambda), a decoded token's router favours the experts the cache holds.
+Off by default; with one, deterministic for a fixed cap, text and seed; no effect without a budget;
+the chosen experts keep the router's own weights (a vanishing lambda gives the exact tokens on
+every router: softmax, softmax over the chosen, sigmoid with groups, logit bias, per-expert scale)."""
 
 from __future__ import annotations
 
@@ -89,8 +92,58 @@ def test_the_command_line_counts_the_skipped_uses():
     assert r.returncode == 0, r.stderr
     assert "--skip-missed 1.0:" in r.stderr and "expert uses left out (lossy)" in r.stderr
     r = subprocess.run(
+        [sys.executable, "-m", "colibri", "run", "--model-dir", DEMO, "--prompt", "And God said",
+         "--max-new-tokens", "16", "--expert-cache-mb", str(BUDGET_MB), "--cache-routing", "0.5", "--stats"],
+        env=ENV, capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "--cache-routing 0.5:" in r.stderr and "expert choices changed (lossy)" in r.stderr
+    r = subprocess.run(
         [sys.executable, "-m", "colibri", "run", "--model-dir", DEMO, "--prompt", "x", "--skip-missed", "2"],
         env=ENV, capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode != 0 and "skip_missed must be a number in (0, 1], got 2.0" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# every router kind among the fixtures: softmax over all (olmoe), over the chosen (qwen3moe),
+# sigmoid with groups and a correction bias (deepseekv3, glm4moe), a logit bias (gpt_oss), a
+# per-expert scale (gemma4)
+ROUTERS = ("olmoe_a", "qwen3moe_a", "deepseekv3_a", "glm4moe_a", "gpt_oss_a", "gemma4_a")
+FIXTURE_BUDGET_MB = 0.15  # a handful of the fixtures' f32 experts
+
+
+@pytest.mark.parametrize("case", ROUTERS)
+def test_cache_routing_keeps_the_router_s_weights(converted, case):
+    """A vanishing lambda changes no choice, and the weights recomputed for the chosen experts are
+    the router's: the tokens are the exact run's. lambda 1 then changes choices toward the cache."""
+    path = converted(case)
+    ids = [1, 5, 9, 20, 33]
+    m = colibri.load(path)
+    exact = list(m.generate(ids, 20, stop_at_eos=False))
+    m.close()
+    m = colibri.load(path, expert_cache_mb=FIXTURE_BUDGET_MB, cache_routing=1e-7)
+    assert list(m.generate(ids, 20, stop_at_eos=False)) == exact
+    assert m.memory_stats()["experts_rerouted"] == 0
+    m.close()
+    m = colibri.load(path, expert_cache_mb=FIXTURE_BUDGET_MB, cache_routing=1.0)
+    list(m.generate(ids, 20, stop_at_eos=False))
+    assert m.memory_stats()["experts_rerouted"] > 0
+    m.close()
+
+
+def test_cache_routing_reads_fewer_experts_deterministically(prompt):
+    ids, plain = prompt
+    _, exact, _ = _run(ids, expert_cache_mb=BUDGET_MB)
+    a, stats_a, _ = _run(ids, expert_cache_mb=BUDGET_MB, cache_routing=0.5)
+    b, stats_b, _ = _run(ids, expert_cache_mb=BUDGET_MB, cache_routing=0.5)
+    assert a == b and stats_a["experts_rerouted"] == stats_b["experts_rerouted"] > 0
+    assert stats_a["cache_misses"] < exact["cache_misses"]
+    tokens, stats, _ = _run(ids, cache_routing=1.0)  # no budget: every expert is held, nothing changes
+    assert tokens == plain and stats["experts_rerouted"] == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.01, False, "0.5"])
+def test_bad_cache_routing_values_are_one_clear_error(bad):
+    with pytest.raises(colibri.ColibriError, match="cache_routing must be a number in"):
+        colibri.load(DEMO, cache_routing=bad)
