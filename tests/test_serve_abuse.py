@@ -11,6 +11,7 @@ No assertion is on a duration: the timeouts are set small for these servers (lim
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import json
@@ -533,5 +534,48 @@ def test_a_constraint_failing_mid_stream_is_a_422_event_and_other_failures_500(m
         )
         counts = (await client.get("/metrics")).text
         assert f'colibri_requests_total{{endpoint="chat",outcome="{422 if constrained else 500}"}} 1.0' in counts
+
+    in_process(demo_model, check)
+
+
+def requests_counted(metrics: str) -> dict:
+    """{(endpoint, outcome): count} of colibri_requests_total."""
+    out = {}
+    for ln in metrics.splitlines():
+        if ln.startswith("colibri_requests_total{"):
+            labels, value = ln.rsplit(" ", 1)
+            pairs = dict(p.split("=", 1) for p in labels[len("colibri_requests_total{") : -1].split(","))
+            out[(pairs["endpoint"].strip('"'), pairs["outcome"].strip('"'))] = float(value)
+    return out
+
+
+def test_every_request_is_counted_once_by_its_outcome():
+    sent = [
+        ("GET", "/health", None, ("health", "200")),
+        ("GET", "/v1/models", None, ("models", "200")),
+        ("POST", "/tokenize", {"content": "hi"}, ("tokenize", "200")),
+        ("POST", "/detokenize", {"tokens": [5]}, ("detokenize", "200")),
+        ("POST", CHAT, {"messages": HI, "max_tokens": 2}, ("chat", "200")),
+        ("POST", CHAT, {"messages": HI, "max_tokens": 2, "stream": True}, ("chat", "200")),
+        ("POST", CHAT, {"messages": HI, "n": 9}, ("chat", "400")),
+        ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}, ("completions", "200")),
+        ("POST", "/v1/messages", {"model": "tiny", "messages": HI, "max_tokens": 2}, ("messages", "200")),
+        ("POST", "/v1/messages/count_tokens", {"model": "tiny", "messages": HI}, ("count_tokens", "200")),
+        ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True}, ("responses", "200")),
+        ("GET", "/nowhere", None, ("unrouted", "404")),
+        ("GET", "/metrics", None, ("metrics", "200")),
+    ]
+
+    async def check(served, client):
+        await until_healthy(client)
+        before = requests_counted((await client.get("/metrics")).text)
+        for method, path, body, _ in sent:
+            r = await client.request(method, path, json=body)
+            assert r.status_code < 500, (path, r.text)
+        after = requests_counted((await client.get("/metrics")).text)
+        want = collections.Counter(key for *_, key in sent)
+        want[("metrics", "200")] += 1  # the scrape that took `before`
+        got = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        assert got == dict(want)
 
     in_process(demo_model, check)

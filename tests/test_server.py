@@ -566,7 +566,8 @@ def test_a_full_queue_and_a_long_wait_answer_503_with_retry_after(chat_model_dir
     assert code == 0 and "Traceback" not in err, err
 
 
-def test_sigterm_lets_the_running_stream_finish_and_exits_0(chat_model_dir):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])  # SIGHUP: no configuration to reload, a stop
+def test_sigterm_lets_the_running_stream_finish_and_exits_0(chat_model_dir, sig):
     n = 2000
     body = {
         "messages": MESSAGES,
@@ -581,7 +582,7 @@ def test_sigterm_lets_the_running_stream_finish_and_exits_0(chat_model_dir):
         with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)
-            s.proc.send_signal(signal.SIGTERM)  # mid-generation: the client has read one line of thousands
+            s.proc.send_signal(getattr(signal, sig))  # mid-generation: the client has read one line of thousands
             time.sleep(0.5)
             with pytest.raises(httpx.ConnectError):  # no longer accepting
                 httpx.get(s.url + "/health", timeout=5)

@@ -105,8 +105,7 @@ def create_app(served: Served):
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
 
-    def error_response(e: APIError, endpoint: str, shape=APIError.body):
-        served.requests.labels(endpoint, str(e.status)).inc()
+    def error_response(e: APIError, shape=APIError.body):
         return JSONResponse(shape(e), status_code=e.status, headers=e.headers or None)
 
     class Endpoint:
@@ -114,36 +113,44 @@ def create_app(served: Served):
         response. An APIError is answered in OpenAI's shape; any other exception is logged here
         with its traceback and answered with a 500 in the same shape (never the traceback);
         a client that went away gets nothing more. Whatever it held is released by the
-        handler's own finally blocks."""
+        handler's own finally blocks. Every request is counted here, once
+        (colibri_requests_total{endpoint, outcome}): the status it was sent, the outcome the
+        handler returns (a stream that ended with an error event: that error's status), or
+        "disconnected" / "cancelled"."""
 
         def __init__(self, endpoint: str, handler, shape=APIError.body):
             self.endpoint, self.handler, self.shape = endpoint, handler, shape  # shape(APIError) -> body
 
         async def __call__(self, scope, receive, send):
-            started = False
+            status = None
 
             async def tracked(message):
-                nonlocal started
-                started = started or message["type"] == "http.response.start"
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
                 await send(message)
 
+            outcome = None
             try:
-                await self.handler(Request(scope, receive), tracked)
+                outcome = await self.handler(Request(scope, receive), tracked)
             except Disconnected:
-                served.requests.labels(self.endpoint, "disconnected").inc()
+                outcome = "disconnected"
             except asyncio.CancelledError:
                 # the ASGI server cancels what outlasts its graceful shutdown: the handler's
                 # finally blocks have freed the engine; ending here, not re-raising, keeps a
                 # traceback out of the log (uvicorn then closes the connection)
-                served.requests.labels(self.endpoint, "cancelled").inc()
+                outcome = "cancelled"
                 logger.warning("%s %s cancelled (the server is stopping)", scope.get("method"), scope.get("path"))
             except APIError as e:
-                if not started:
-                    await error_response(e, self.endpoint, self.shape)(scope, receive, send)
+                if status is None:
+                    await error_response(e, self.shape)(scope, receive, tracked)
             except Exception as e:  # noqa: BLE001 - the catch-all: a 500, the traceback in the log
                 logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
-                if not started:
-                    await error_response(internal_error(e), self.endpoint, self.shape)(scope, receive, send)
+                outcome = "500"
+                if status is None:
+                    await error_response(internal_error(e), self.shape)(scope, receive, tracked)
+            finally:
+                served.requests.labels(self.endpoint, outcome or str(status)).inc()
 
     def check_key(request: Request) -> None:
         if served.api_key is None:
@@ -287,7 +294,6 @@ def create_app(served: Served):
         finally:
             watch.stop()
         await reply(request, send, JSONResponse(doc, headers={limits.SEED_HEADER: str(job.gen["seed"])}))
-        served.requests.labels(endpoint, "200").inc()
 
     async def run_choice(job: Job, index: int, gone, arrived: float, on_event, wait=None):
         """Generation `index` of the job (its seed: the job's + index) on a place of the engine:
@@ -468,11 +474,12 @@ def create_app(served: Served):
         logger.error("%s failed mid-stream", endpoint, exc_info=e)
         return internal_error(e)
 
-    async def streamed(job: Job, send, gone, rid, endpoint, arrived: float) -> None:
+    async def streamed(job: Job, send, gone, rid, endpoint, arrived: float) -> str:
         """Server-sent events, one or more per token; the client's disconnect ends the loop before
         the engine is asked for another token (run_choice's finally then frees the engine).
         While no event comes (a long prompt), a comment line every limits.KEEPALIVE_SECONDS keeps
-        proxies and clients from timing the connection out."""
+        proxies and clients from timing the connection out. Returns the outcome the metrics
+        count: "200", or the status of the error that ended the stream."""
         created = int(time.time())
         chat = job.chat
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -561,7 +568,7 @@ def create_app(served: Served):
             await emit(error.body())
         await emit(None)
         await out.close()
-        served.requests.labels(endpoint, outcome_).inc()
+        return outcome_
 
     # ---- the translated APIs (Anthropic's Messages, OpenAI's Responses) ----------------------------
 
@@ -585,14 +592,13 @@ def create_app(served: Served):
                 watch.stop()
             doc = api.document(outcome(job, run), rid, served.name, job)
             await reply(request, send, JSONResponse(doc, headers={limits.SEED_HEADER: str(job.gen["seed"])}))
-            served.requests.labels(endpoint, "200").inc()
 
         return route
 
-    async def translated_stream(api, job: Job, send, gone, rid, endpoint: str, arrived: float) -> None:
+    async def translated_stream(api, job: Job, send, gone, rid, endpoint: str, arrived: float) -> str:
         """The API's typed events from the same run: its start once the generation has begun (or
         at the first keep-alive), its events for the parser's deltas, its end; an error after the
-        headers is its error event."""
+        headers is its error event. Returns the outcome, as streamed()."""
         out = EventStream(send, job)
         stream = api.Stream(rid, served.name, job)
         begun = []
@@ -638,13 +644,13 @@ def create_app(served: Served):
             outcome_ = str(error.status)
             await out.events(stream.error(error))
         await out.close()
-        served.requests.labels(endpoint, outcome_).inc()
+        return outcome_
 
     async def chat_completions(request: Request, send):
-        await completion(request, send, chat=True)
+        return await completion(request, send, chat=True)
 
     async def completions(request: Request, send):
-        await completion(request, send, chat=False)
+        return await completion(request, send, chat=False)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -662,6 +668,7 @@ def create_app(served: Served):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind)
         shape = anthropic.error_body if request.url.path.startswith("/v1/messages") else APIError.body
+        served.requests.labels("unrouted", str(exc.status_code)).inc()
         return JSONResponse(shape(e), status_code=exc.status_code, headers=exc.headers)
 
     async def server_error(request: Request, exc: Exception):
@@ -928,7 +935,7 @@ def serve(
     step_tokens: int | None = None,
     draft: dict | None = None,
 ) -> None:
-    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, gives the running requests
+    """Run the server until SIGINT/SIGTERM/SIGHUP (uvicorn stops accepting, gives the running requests
     limits.GRACEFUL_SHUTDOWN_SECONDS to finish, then cancels them, and returns). `load()` -> Model
     (loaded with this `parallel`), called once in the background."""
     _need_stack()
@@ -948,7 +955,14 @@ def serve(
     # uvicorn stops gracefully on SIGTERM and then re-raises the signal under the handler it found:
     # a handler that returns makes that re-raise a no-op, so SIGTERM ends with status 0
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # SIGHUP (the terminal hung up; `kill -HUP`): uvicorn leaves it to its default, which ends the
+    # process at once, cutting the running requests and the KV store's queued files. There is no
+    # configuration to reload: it stops the server as SIGTERM does.
+    hangup = getattr(signal, "SIGHUP", None)
+    previous_hup = signal.signal(hangup, lambda *_: signal.raise_signal(signal.SIGTERM)) if hangup else None
     try:
         uvicorn.run(app, **uvicorn_options(host, port))
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if hangup:
+            signal.signal(hangup, previous_hup)
