@@ -1146,6 +1146,11 @@ def cmd_serve(args) -> int:
     name = args.model_name or Path(args.model_dir).resolve().name
     if args.parallel > names.MAX_PARALLEL:
         raise ColibriError(f"--parallel must be in 1..{names.MAX_PARALLEL}, got {args.parallel}")
+    if getattr(args, "draft", None) == "mtp" and args.parallel > 1:
+        raise ColibriError(
+            "--draft mtp drafts for one sequence at a time (the multi-token-prediction block's KV cache "
+            "holds one): serve it with --parallel 1, or use --draft ngram / auto"
+        )
     if args.step_tokens is not None and args.parallel == 1:
         raise ColibriError(
             "--step-tokens sets how a --parallel server's passes mix requests: give --parallel N (N > 1) too"

@@ -159,3 +159,17 @@ def test_an_incomplete_or_foreign_block_is_not_kept(tmp_path):
     convert(hf, tmp_path / "m", log=lines.append)
     assert any("is not kept (its shared_head.head is not the main model's lm_head)" in line for line in lines)
     assert not nextn.has_block(tmp_path / "m")
+
+
+def test_serve_refuses_mtp_drafts_for_several_sequences_at_start():
+    import subprocess
+    import sys
+
+    from conftest import ENV
+
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "serve", "--draft", "mtp", "--parallel", "2"],
+        env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --draft mtp drafts for one sequence at a time")
