@@ -33,7 +33,7 @@ def mtp_model(request, tmp_path_factory):
 
 
 def _reference(case):
-    return np.load(FIXTURES / case / "reference.npz")
+    return np.load(FIXTURES / case / "mtp_reference.npz")
 
 
 def test_convert_keeps_the_block_as_a_one_layer_directory(mtp_model):

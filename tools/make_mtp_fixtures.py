@@ -21,9 +21,10 @@ main model's, as they are there).
 
 Each case starts from an existing fixture (tests/fixtures/<base>/hf, the same seeds' weights) and
 adds the layer's weights from a seeded generator (matrices N(0, 0.15^2), norms 1 + 0.3 N(0, 1),
-as make_fixtures.py initialises). Output: tests/fixtures/<case>/{hf/, reference.npz} with
-input_ids [T], hidden_f32 [T, d] (the main model's h) and mtp_logits_f32 [T - 1, vocab] (position i
-drafts token i + 2 from token i + 1). Needs torch and transformers (tools only):
+as make_fixtures.py initialises). Output: tests/fixtures/<case>/{hf/, mtp_reference.npz} (not
+reference.npz: a directory with one is a case of the model suite) with input_ids [T], hidden_f32
+[T, d] (the main model's h) and mtp_logits_f32 [T - 1, vocab] (position i drafts token i + 2 from
+token i + 1). Needs torch and transformers (tools only):
     python tools/make_mtp_fixtures.py
 """
 
@@ -114,7 +115,7 @@ def make(case: str, base: str, seed: int) -> None:
         x = torch.cat([rms(emb, enorm), rms(hidden[:, :-1], hnorm)], -1) @ eh_proj.T
         logits = mtp(inputs_embeds=x).logits[0]
     save_npz_deterministic(
-        out / "reference.npz",
+        out / "mtp_reference.npz",
         input_ids=ref["input_ids"],
         hidden_f32=hidden[0].numpy().astype(np.float32),
         mtp_logits_f32=logits.numpy().astype(np.float32),

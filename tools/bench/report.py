@@ -796,6 +796,28 @@ def section_speculation(results: list[Result]) -> list[str]:
                 "",
             ]
             out += table(["scenario", "plain tok/s", "drafted tok/s", "× plain", "acceptance"], rows, "lrrrr")
+            peers = r.data.get("peers") or {}
+            if peers:  # the quote scenario on each peer's llama-server, interleaved with Colibri's runs
+                quote = r.data["speculation"].get("quote", [])
+                prow = [
+                    [
+                        f"{name} `--spec-type {st.get('peer_spec')}`",
+                        med([x["plain_tok_s"] for x in runs], 1),
+                        med([x["drafted_tok_s"] for x in runs], 1),
+                        med([x["drafted_tok_s"] / x["plain_tok_s"] for x in runs], 2),
+                        med([c["drafted_tok_s"] / x["drafted_tok_s"] for c, x in zip(quote, runs)], 2),
+                    ]
+                    for name, runs in peers.items()
+                ]
+                out += [
+                    "",
+                    f"The quote scenario on the peers' llama-server (GGUF `{st.get('gguf')}`, the same prompt "
+                    f"ids, greedy), each repetition between Colibri's:",
+                    "",
+                ]
+                out += table(
+                    ["engine", "plain tok/s", "drafted tok/s", "× plain", "Colibri's drafted / its"], prow, "lrrrr"
+                )
             out += [""] + provenance([r]) + [""]
     return out
 
