@@ -20,12 +20,14 @@ stream and /metrics: answer_shape and error_shape stand in for them.
 
 The budget is bounded and reproducible for CI: MAX_EXAMPLES per operation in the fuzzing phase
 (the coverage phase adds its own boundary cases), derandomize=True (the same requests on every
-run), no example database.
+run), no example database. A longer run sets COLIBRI_FUZZ_EXAMPLES (e.g. 500) and, for other
+requests than CI's, COLIBRI_FUZZ_SEED (random draws from that seed instead of derandomize).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -47,7 +49,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from test_server import API_KEY, AUTH, Server  # noqa: E402
 
-MAX_EXAMPLES = 15
+MAX_EXAMPLES = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "15"))
+SEED = os.environ.get("COLIBRI_FUZZ_SEED")  # None: derandomized, the same requests as CI's
 TIMEOUT = 60  # seconds for one request (a generation with n=8 at most n-ctx tokens)
 STREAMED = "text/event-stream"
 
@@ -55,9 +58,26 @@ STREAMED = "text/event-stream"
 @pytest.fixture(scope="module")
 def fuzzed(chat_model_dir):
     s = Server(chat_model_dir, "--api-key", API_KEY, "--model-name", "tiny", "--max-queue", "4", "--n-ctx", "128")
+    before = served_outcomes(s)  # the start's /health polls (503 while loading)
     yield s
+    # what the server counted since: every request once by outcome (a stream's error event as its
+    # status), printed for a long run's record (pytest -s); none a 5xx
+    outcomes = {k: v - before.get(k, 0) for k, v in served_outcomes(s).items() if v != before.get(k, 0)}
+    outcomes["200"] -= 1  # the first scrape
+    print(f"\n[fuzz] {sum(outcomes.values())} requests served, by outcome: {dict(sorted(outcomes.items()))}")
     code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err
+    assert not any(o.startswith("5") for o in outcomes), outcomes
+
+
+def served_outcomes(server) -> dict:
+    """{outcome: requests} of the server's colibri_requests_total, over every endpoint."""
+    outcomes = {}
+    for ln in httpx.get(server.url + "/metrics", timeout=TIMEOUT).text.splitlines():
+        if ln.startswith("colibri_requests_total{"):
+            outcome = ln.split('outcome="', 1)[1].split('"', 1)[0]
+            outcomes[outcome] = outcomes.get(outcome, 0) + int(float(ln.split()[-1]))
+    return outcomes
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +150,19 @@ CHECKS = [
 ]
 
 
+def _seeded(test):
+    return test if SEED is None else hypothesis.seed(int(SEED))(test)
+
+
 @schema.parametrize()
 @hypothesis.settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,
-    derandomize=True,
+    derandomize=SEED is None,
     database=None,
     suppress_health_check=list(hypothesis.HealthCheck),
 )
+@_seeded
 def test_every_operation(case):
     if (
         case.meta is not None
