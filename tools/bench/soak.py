@@ -15,8 +15,8 @@ at random (weights in SCENARIOS) and send it as soon as the last one ended:
 Recorded: requests by scenario and outcome (the status; a stream's error event counts as its
 error's status; "dropped" where the client dropped it), the 5xx among valid requests (the target
 is 0), the server's RSS, open file descriptors and threads over time (/proc/PID, every
---sample-every s), latency percentiles (P50, P99, end to end, valid requests answered 2xx) by
-minute, and /metrics against the requests sent: every request that reached the app counted
+--sample-every s), latency percentiles (P50, P99, end to end, valid requests answered 2xx, less
+the slow readers, whose pace is their own) by minute, and /metrics against the requests sent: every request that reached the app counted
 once by colibri_requests_total (not the bytes that are not HTTP: the connection refuses them),
 nothing left queued, running or being prepared. At the end, --drain streams are started and
 the server is sent --stop-signal (SIGTERM by default; SIGHUP stops it the same way): each stream
@@ -85,7 +85,7 @@ class Soak:
         minute = int((started - self.t0) // 60)
         kind = outcome if outcome in ("dropped", "transport") else outcome[0] + "xx"
         self.per_minute[minute][kind] += 1
-        if outcome[0] == "2" and valid:
+        if outcome[0] == "2" and valid and scenario != "slow_reader":  # (whose pace is its own)
             self.latencies[minute].append(time.monotonic() - started)
         if outcome[0] == "5":
             self.server_errors.append((scenario, outcome, detail[:300]))
@@ -394,6 +394,7 @@ def summarize(soak: Soak, seconds: float, metrics: dict, drain: dict, log: str) 
     none = (None,) * 4
     first, last = (soak.samples[0], soak.samples[-1]) if soak.samples else (none, none)
     warm = next((x for x in soak.samples if x[0] >= 60), last)  # after a minute: caches and pools filled
+    at_minute = {int(t // 60): {"rss_mb": rss, "fds": fds} for t, rss, fds, _ in soak.samples}
     counted = metrics["counted"]
     sent = soak.reached
     endpoints = sorted(set(sent) | set(counted))
@@ -429,8 +430,10 @@ def summarize(soak: Soak, seconds: float, metrics: dict, drain: dict, log: str) 
             "by_endpoint": {e: [sent.get(e, 0), int(counted.get(e, 0))] for e in endpoints},
             "left": metrics["gauges"],
         },
+        # by minute of the load: P50 / P99 seconds of its valid 2xx requests, and the server's RSS
+        # (MB) and descriptors at the minute's last sample
         "latency_by_minute": {
-            m: {"n": len(v), "p50": percentile(v, 0.5), "p99": percentile(v, 0.99)}
+            m: {"n": len(v), "p50": percentile(v, 0.5), "p99": percentile(v, 0.99), **at_minute.get(m, {})}
             for m, v in sorted(soak.latencies.items())
         },
         "drain": drain,
