@@ -10,6 +10,8 @@ class (its `http` option), and Connection is its h11 protocol with these answers
 in OpenAI's error shape, or Anthropic's where the request line names /v1/messages, with
 h11's status (400; 431 for a head too large; 501 for a Transfer-Encoding it does not know) and
 `Connection: close`, written straight to the socket (h11's state is of no use after its error).
+So the server always parses with h11, uvicorn's pure-Python parser, even where httptools (which
+uvicorn would pick) is installed: a request's parsing is a small part of its time here.
 A head is at most limits.MAX_HEAD_BYTES: h11 bounds the part that has not arrived whole, and a
 head that arrived whole in one read is measured here (h11 takes any size then).
 
