@@ -191,6 +191,12 @@ def shape_of(data) -> str | None:
             return "speculation"
         if (
             isinstance(data.get("summary"), dict)
+            and isinstance(data["summary"].get("by_outcome"), dict)
+            and isinstance(data["summary"].get("latency_by_minute"), dict)
+        ):
+            return "soak"
+        if (
+            isinstance(data.get("summary"), dict)
             and "active_bytes" in data
             and all(isinstance(v, dict) and "phase_ms" in v for v in data["summary"].values())
         ):
@@ -822,6 +828,53 @@ def section_speculation(results: list[Result]) -> list[str]:
     return out
 
 
+def section_soak(results: list[Result]) -> list[str]:
+    out = [
+        "## Under load and abuse",
+        "",
+        "tools/bench/soak.py against `serve --parallel N` at its saturating rate: closed-loop clients "
+        "sending every API's requests whole and streamed (tools, JSON schemas), dropping streams and "
+        "prefills, reading slowly, sending bad, oversized and non-HTTP bytes; then a signal stops the "
+        "server under running streams. 5xx on valid requests must be 0, RSS and descriptors flat after "
+        "the first minute, `/metrics` equal to the requests sent.",
+        "",
+    ]
+    mine = [r for r in results if r.shape == "soak"]
+    if not mine:
+        return out + ["No measurement yet: run `python tools/bench/soak.py --parallel 2 --out FILE.json`.", ""]
+    r = newest(mine)[-1]
+    s = r.data["summary"]
+    rss, fds, m = s["rss_mb"], s["fds"], s["metrics"]
+    outcomes = ", ".join(f"{k} {v:,}" for k, v in sorted(s["by_outcome"].items()))
+    out += table(
+        ["", ""],
+        [
+            ["requests", f"{s['requests']:,} in {s['seconds'] / 60:.0f} min ({outcomes})"],
+            ["5xx on valid requests (all)", f"{s['five_xx_valid']} ({s['five_xx_all']})"],
+            ["RSS MB: after 1 min → last (max)", f"{rss['after_1_min']:.1f} → {rss['last']:.1f} ({rss['max']:.1f})"],
+            ["open descriptors: after 1 min → last (max)", f"{fds['after_1_min']} → {fds['last']} ({fds['max']})"],
+            ["`/metrics` requests counted / sent", f"{m['counted']:,} / {m['sent']:,}"],
+            [
+                "stop",
+                f"SIG{s['drain']['signal'].upper()} under running streams ("
+                + ", ".join(f"{n} {how}" for how, n in s["drain"]["streams"].items())
+                + f"), exit {s['drain']['exit_code']} in {s['drain']['seconds_to_exit']} s",
+            ],
+        ],
+        "ll",
+    )
+    lat = s["latency_by_minute"]
+    p50 = [v["p50"] for v in lat.values()]
+    p99 = [v["p99"] for v in lat.values()]
+    out += [
+        "",
+        f"Latency of the 200s by minute (seconds): p50 {min(p50):.3f}–{max(p50):.3f}, "
+        f"p99 {min(p99):.2f}–{max(p99):.2f} over the {len(lat)} minutes.",
+        "",
+    ]
+    return out + provenance([r]) + [""]
+
+
 def section_quality(results: list[Result]) -> list[str]:
     return [
         "## Quality per byte",
@@ -1057,6 +1110,7 @@ def render(results_dir: Path = RESULTS) -> str:
         section_serving,
         section_prefix_store,
         section_speculation,
+        section_soak,
         section_quality,
         section_constraint,
         section_other,
