@@ -523,7 +523,9 @@ def test_a_looping_template_times_out_and_the_server_keeps_answering(agent_dir, 
     with Server(looped, "--model-name", "agent", patch="PREPARE_SECONDS = 2") as s:
         t0 = time.time()
         r = chat(s, messages=ASK, max_tokens=2)
-        assert r.status_code == 422 and r.json()["error"]["code"] == "prepare_timeout", r.text
+        # the template sandbox stops it at its step limit (ad611fc), or the bound of the request's
+        # preparation comes first on a slower machine: either way a 422, and the server goes on
+        assert r.status_code == 422 and r.json()["error"]["code"] in ("chat_template_error", "prepare_timeout"), r.text
         assert time.time() - t0 < 30
         assert httpx.get(s.url + "/health", timeout=5).status_code == 200
         done = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
