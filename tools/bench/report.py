@@ -811,6 +811,10 @@ def section_speculation(results: list[Result]) -> list[str]:
                         med([x["plain_tok_s"] for x in runs], 1),
                         med([x["drafted_tok_s"] for x in runs], 1),
                         med([x["drafted_tok_s"] / x["plain_tok_s"] for x in runs], 2),
+                        med(
+                            [x["accepted_tokens"] / x["drafted_tokens"] if x["drafted_tokens"] else 0.0 for x in runs],
+                            2,
+                        ),
                         med([c["drafted_tok_s"] / x["drafted_tok_s"] for c, x in zip(quote, runs)], 2),
                     ]
                     for name, runs in peers.items()
@@ -822,7 +826,9 @@ def section_speculation(results: list[Result]) -> list[str]:
                     "",
                 ]
                 out += table(
-                    ["engine", "plain tok/s", "drafted tok/s", "× plain", "Colibri's drafted / its"], prow, "lrrrr"
+                    ["engine", "plain tok/s", "drafted tok/s", "× plain", "acceptance", "Colibri's drafted / its"],
+                    prow,
+                    "lrrrrr",
                 )
             out += [""] + provenance([r]) + [""]
     return out
